@@ -1,0 +1,39 @@
+"""Hardware profiles for tierflow: GPU, PCIe, CPU memory, NVMe SSDs and prices of one training box.
+
+    >>> from hwprofiles import load_profile
+    >>> p = load_profile("rtx4090-lohan").with_overrides({"ssd.count": 6})
+    >>> p.name
+    'rtx4090-lohan[ssd.count=6]'
+
+Bundled profiles are the ``*.yaml`` files in this package; ``list_profiles()`` names them.
+"""
+
+from .profile import (
+    SCHEMA_VERSION,
+    CpuSpec,
+    GpuSpec,
+    HardwareProfile,
+    PcieSpec,
+    PriceSpec,
+    ProfileError,
+    SsdSpec,
+    list_profiles,
+    load_profile,
+    profile_from_dict,
+    save_profile,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CpuSpec",
+    "GpuSpec",
+    "HardwareProfile",
+    "PcieSpec",
+    "PriceSpec",
+    "ProfileError",
+    "SsdSpec",
+    "list_profiles",
+    "load_profile",
+    "profile_from_dict",
+    "save_profile",
+]

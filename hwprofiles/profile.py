@@ -1,0 +1,631 @@
+"""Hardware profiles: load, validate, override and save the numbers that describe one training box.
+
+A profile is a small YAML file (see the bundled ``*.yaml`` next to this module) with five sections:
+``gpu``, ``pcie``, ``cpu``, ``ssd`` and ``price``. Every value is validated when it is loaded; any problem
+raises :class:`ProfileError` whose message is one line of the form
+
+    <file>: <dotted.key>: <problem> (<how to fix>)
+
+Units are in the key names: ``_gib`` = 2**30 bytes, ``_gb`` = 1e9 bytes, ``_gbps`` = 1e9 bytes per second,
+``_tflops`` = 1e12 FLOP/s, ``_gflop`` = 1e9 FLOP, ``_usd`` = US dollars.
+
+Only the standard library and PyYAML are imported here, so the planner can load profiles without torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SCHEMA_VERSION = 1
+RW_SHARING_CHOICES = ("shared", "independent")
+_SECTIONS = ("gpu", "pcie", "cpu", "ssd", "price")
+_TOP_LEVEL_KEYS = ("schema_version", "name", "description", *_SECTIONS)
+_FIX_FILE = "fix the value in the file"
+_FIX_OVERRIDE = "fix the override"
+
+
+class ProfileError(ValueError):
+    """A hardware profile could not be found, parsed or validated.
+
+    ``str(e)`` is always a single line: ``"<file>: <dotted.key>: <problem> (<how to fix>)"``.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+def _error(source: str, key: str | None, problem: str, fix: str) -> ProfileError:
+    where = f"{source}: {key}: " if key else f"{source}: "
+    return ProfileError(f"{where}{problem} ({fix})")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The dataclasses
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    model: str
+    memory_gib: float  # total device memory
+    reserved_gib: float  # CUDA context, allocator fragmentation, workspace: not usable for tensors
+    peak_tflops: float  # dense bf16/fp16 tensor-core peak with fp32 accumulate
+    gemm_efficiency: float  # fraction of peak that large GEMMs reach, (0, 1]
+    gemm_half_gflop: float  # GEMM size (GFLOP) at which a GEMM reaches half of gemm_efficiency
+    hbm_gbps: float  # peak HBM/GDDR bandwidth, GB/s
+    hbm_efficiency: float  # achievable fraction of hbm_gbps for elementwise kernels, (0, 1]
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes usable for tensors."""
+        return int((self.memory_gib - self.reserved_gib) * 2**30)
+
+
+@dataclass(frozen=True)
+class PcieSpec:
+    generation: int  # 3, 4, 5
+    h2d_gbps: float  # pinned host->device, one direction alone
+    d2h_gbps: float  # pinned device->host alone
+    duplex_h2d_gbps: float  # H2D rate while a D2H copy runs at the same time
+    duplex_d2h_gbps: float  # D2H rate while an H2D copy runs at the same time
+
+
+@dataclass(frozen=True)
+class CpuSpec:
+    model: str
+    memory_gib: float  # installed DRAM
+    reserved_gib: float  # OS, framework, page cache: not usable for tensors
+    memory_gbps: float  # peak DRAM bandwidth (channels x per-channel rate)
+    adam_gparams_per_s: float  # CPU Adam update rate, 1e9 parameters per second
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of host memory usable for tensors."""
+        return int((self.memory_gib - self.reserved_gib) * 2**30)
+
+
+@dataclass(frozen=True)
+class SsdSpec:
+    count: int  # drives in the RAID0 array; 0 = no SSD tier
+    model: str
+    capacity_gb: float  # per drive, decimal GB
+    read_gbps: float  # per drive sequential read
+    write_gbps: float  # per drive sustained write
+    array_read_gbps: float | None  # host-side ceiling for the whole array's reads (None = count * read_gbps)
+    array_write_gbps: float | None
+    rw_sharing: str  # "shared": reads and writes time-share the array; "independent"
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.count * self.capacity_gb * 1e9)
+
+    @property
+    def total_read_gbps(self) -> float:
+        return _array_rate(self.count, self.read_gbps, self.array_read_gbps)
+
+    @property
+    def total_write_gbps(self) -> float:
+        return _array_rate(self.count, self.write_gbps, self.array_write_gbps)
+
+
+def _array_rate(count: int, per_drive_gbps: float, ceiling_gbps: float | None) -> float:
+    if count == 0:
+        return 0.0
+    linear = count * per_drive_gbps
+    return linear if ceiling_gbps is None else min(linear, ceiling_gbps)
+
+
+@dataclass(frozen=True)
+class PriceSpec:
+    """Approximate prices in USD; the YAML files say where each estimate comes from."""
+
+    gpu_usd: float
+    cpu_memory_usd_per_gib: float
+    ssd_usd_each: float
+    base_usd: float  # the rest of the box (CPU, board, PSU, case)
+
+    def total_usd(self, profile: HardwareProfile) -> float:
+        return (
+            self.base_usd
+            + self.gpu_usd
+            + profile.cpu.memory_gib * self.cpu_memory_usd_per_gib
+            + profile.ssd.count * self.ssd_usd_each
+        )
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    description: str
+    gpu: GpuSpec
+    pcie: PcieSpec
+    cpu: CpuSpec
+    ssd: SsdSpec
+    price: PriceSpec
+    source: str = field(default="<dict>", compare=False)  # the file it was loaded from, or "<dict>"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML structure; ``profile_from_dict(p.to_dict()) == p``."""
+        out: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "name": self.name,
+            "description": self.description,
+        }
+        for section in _SECTIONS:
+            spec = getattr(self, section)
+            out[section] = {key: getattr(spec, key) for key in _RULES[section]}
+        return out
+
+    def with_overrides(self, overrides: Mapping[str, object]) -> HardwareProfile:
+        """A copy with dotted keys replaced, e.g. ``{"ssd.count": 6, "cpu.memory_gib": 256}``; re-validated.
+
+        String values for numeric keys are parsed (``"6"`` -> 6, ``"null"`` -> None), so CLI ``--set k=v`` pairs
+        can be passed through unchanged. The name gets a suffix such as ``rtx4090-lohan[ssd.count=6]``.
+        """
+        if not overrides:
+            return self
+        source = f"{self.source} (overrides)"
+        data = self.to_dict()
+        known = [f"{s}.{k}" for s in _SECTIONS for k in _RULES[s]]
+        for dotted, value in overrides.items():
+            section, _, key = str(dotted).partition(".")
+            if section not in _RULES or key not in _RULES[section]:
+                raise _error(
+                    source, str(dotted), "unknown key", _did_you_mean(str(dotted), known, "section.key")
+                )
+            data[section][key] = _coerce_override(_RULES[section][key], value)
+        suffix = ",".join(
+            f"{k}={_format_value(data[k.split('.')[0]][k.split('.')[1]])}" for k in sorted(overrides)
+        )
+        data["name"] = f"{self.name}[{suffix}]"
+        return _build(data, source, _FIX_OVERRIDE, source_label=self.source)
+
+    def summary(self) -> str:
+        """One readable line describing the box."""
+        g, p, c, s = self.gpu, self.pcie, self.cpu, self.ssd
+        ssd = (
+            f"{s.count}x {s.model} ({_num(s.total_read_gbps)}/{_num(s.total_write_gbps)} GB/s)"
+            if s.count
+            else "no SSD"
+        )
+        return (
+            f"{g.model} {_num(g.memory_gib)} GiB ({_num(g.peak_tflops)} TFLOPS), "
+            f"PCIe {p.generation}.0 {_num(p.h2d_gbps)}/{_num(p.d2h_gbps)} GB/s, "
+            f"{_num(c.memory_gib)} GiB DRAM, {ssd}"
+        )
+
+
+def _num(x: float) -> str:
+    return f"{x:.0f}" if abs(x) >= 10 else f"{x:.3g}"
+
+
+def _format_value(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The schema: one rule per key
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Rule:
+    kind: str  # "str", "int", "number", "optional_number", "choice"
+    low: float | None = None  # lower bound
+    low_inclusive: bool = False  # False: value > low; True: value >= low
+    high: float | None = None  # sanity ceiling, inclusive: above it a value is absurd
+    unit: str = ""  # shown in "absurd value" hints
+    fraction: bool = False  # (0, 1]: a value like 87 is probably a percentage
+    choices: tuple[str, ...] = ()
+    default: Any = None  # used for ssd keys when ssd.count == 0
+
+
+def _pos(high: float, unit: str, default: Any = 0.0) -> _Rule:
+    return _Rule("number", 0, False, high, unit, default=default)
+
+
+def _nonneg(high: float, unit: str) -> _Rule:
+    return _Rule("number", 0, True, high, unit, default=0.0)
+
+
+_FRACTION = _Rule("number", 0, False, 1, fraction=True)
+
+_RULES: dict[str, dict[str, _Rule]] = {
+    "gpu": {
+        "model": _Rule("str"),
+        "memory_gib": _pos(4096, "GiB"),
+        "reserved_gib": _nonneg(4096, "GiB"),
+        "peak_tflops": _pos(20000, "TFLOPS"),
+        "gemm_efficiency": _FRACTION,
+        "gemm_half_gflop": _pos(10000, "GFLOP"),
+        "hbm_gbps": _pos(100000, "GB/s"),
+        "hbm_efficiency": _FRACTION,
+    },
+    "pcie": {
+        "generation": _Rule("int", 1, True, 7),
+        "h2d_gbps": _pos(2000, "GB/s"),
+        "d2h_gbps": _pos(2000, "GB/s"),
+        "duplex_h2d_gbps": _pos(2000, "GB/s"),
+        "duplex_d2h_gbps": _pos(2000, "GB/s"),
+    },
+    "cpu": {
+        "model": _Rule("str"),
+        "memory_gib": _pos(100000, "GiB"),
+        "reserved_gib": _nonneg(100000, "GiB"),
+        "memory_gbps": _pos(20000, "GB/s"),
+        "adam_gparams_per_s": _pos(100, "billion parameters/s"),
+    },
+    "ssd": {
+        "count": _Rule("int", 0, True, 64, "drives"),
+        "model": _Rule("str", default="none"),
+        "capacity_gb": _pos(200000, "GB (decimal, per drive)"),
+        "read_gbps": _pos(2000, "GB/s per drive"),
+        "write_gbps": _pos(2000, "GB/s per drive"),
+        "array_read_gbps": _Rule("optional_number", 0, False, 2000, "GB/s", default=None),
+        "array_write_gbps": _Rule("optional_number", 0, False, 2000, "GB/s", default=None),
+        "rw_sharing": _Rule("choice", choices=RW_SHARING_CHOICES, default="shared"),
+    },
+    "price": {
+        "gpu_usd": _pos(1e6, "USD"),
+        "cpu_memory_usd_per_gib": _pos(1000, "USD per GiB"),
+        "ssd_usd_each": _nonneg(1e6, "USD"),
+        "base_usd": _nonneg(1e7, "USD"),
+    },
+}
+# Keys that may be left out of the ssd section when ssd.count == 0.
+_SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps")
+_SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec}
+
+
+def _did_you_mean(key: str, known: list[str], what: str = "key") -> str:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    return f"known {what}s: {', '.join(known)}"
+
+
+def _type_name(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {str: "string", int: "integer", float: "number", list: "list", dict: "mapping"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _coerce_override(rule: _Rule, value: object) -> object:
+    """Parse strings given for numeric keys (from a command line); leave everything else to validation."""
+    if not isinstance(value, str) or rule.kind in ("str", "choice"):
+        return value
+    text = value.strip()
+    if rule.kind == "optional_number" and text.lower() in ("null", "none", "~", ""):
+        return None
+    for parse in (int, float):
+        try:
+            return parse(text)
+        except ValueError:
+            pass
+    return value
+
+
+class _Checker:
+    """Validates one section value by value; every failure names the source, the dotted key and a fix."""
+
+    def __init__(self, source: str, fix: str) -> None:
+        self.source = source
+        self.fix = fix
+
+    def fail(self, key: str | None, problem: str, fix: str | None = None) -> ProfileError:
+        return _error(self.source, key, problem, fix or self.fix)
+
+    def value(
+        self, dotted: str, rule: _Rule, value: object, relaxed_low: bool = False, when: str = ""
+    ) -> Any:
+        """Check one value against its rule and return it normalised (numbers as float, ints as int).
+
+        ``relaxed_low`` turns a "> low" bound into ">= low" (ssd keys when there is no SSD); ``when`` is
+        appended to the bound's problem text.
+        """
+        if rule.kind in ("str", "choice"):
+            if not isinstance(value, str):
+                raise self.fail(
+                    dotted, f"expected a string, got {_type_name(value)} {value!r}", "put the value in quotes"
+                )
+            if rule.kind == "choice" and value not in rule.choices:
+                choices = ", ".join(f"'{c}'" for c in rule.choices)
+                raise self.fail(dotted, f"must be one of {choices}, got {value!r}", f"use one of {choices}")
+            if rule.kind == "str" and (not value.strip() or "\n" in value):
+                raise self.fail(dotted, "must be a non-empty single-line string", self.fix)
+            return value
+        if value is None and rule.kind == "optional_number":
+            return None
+        if rule.kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise self.fail(
+                    dotted, f"expected an integer, got {_type_name(value)} {value!r}", "write a whole number"
+                )
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            hint = "write a plain number such as 25.0"
+            if isinstance(value, str) and _looks_numeric(value):
+                hint = f"write it as {float(value)!r}: YAML 1.1 reads {value!r} as text"
+            nullable = " or null" if rule.kind == "optional_number" else ""
+            raise self.fail(dotted, f"expected a number{nullable}, got {_type_name(value)} {value!r}", hint)
+        if not math.isfinite(value):
+            raise self.fail(dotted, f"must be a finite number, got {value}")
+        shown = _format_value(value)
+        if rule.fraction and not 0 < value <= 1:
+            hint = f"it is a fraction: write {value / 100:g} for {shown}%" if 1 < value <= 100 else self.fix
+            raise self.fail(dotted, f"must be in (0, 1], got {shown}", hint)
+        if rule.low is not None:
+            inclusive = rule.low_inclusive or relaxed_low
+            if value < rule.low or (value == rule.low and not inclusive):
+                op = ">=" if inclusive else ">"
+                raise self.fail(dotted, f"must be {op} {_format_value(rule.low)}{when}, got {shown}")
+        if rule.high is not None and value > rule.high:
+            raise self.fail(
+                dotted,
+                f"absurd value {shown}: above the sanity ceiling {_format_value(rule.high)} {rule.unit}".rstrip(),
+                f"check the unit: this key is in {rule.unit}" if rule.unit else self.fix,
+            )
+        return int(value) if rule.kind == "int" else float(value)
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Building a profile from a dict
+# --------------------------------------------------------------------------------------------------------------
+
+
+def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> HardwareProfile:
+    """Validate a parsed YAML structure and build the profile; raises :class:`ProfileError`."""
+    return _build(data, source, _FIX_FILE if source != "<dict>" else "fix the value")
+
+
+def _build(data: object, source: str, fix: str, source_label: str | None = None) -> HardwareProfile:
+    check = _Checker(source, fix)
+    if not isinstance(data, Mapping):
+        raise check.fail(
+            "(top level)",
+            f"expected a mapping with keys {', '.join(_TOP_LEVEL_KEYS)}, got {_type_name(data)}",
+            "see hwprofiles/rtx4090-lohan.yaml for the layout",
+        )
+    _check_keys(check, "", data, list(_TOP_LEVEL_KEYS), required=list(_TOP_LEVEL_KEYS))
+
+    version = data["schema_version"]
+    if isinstance(version, bool) or version != SCHEMA_VERSION:
+        raise check.fail(
+            "schema_version",
+            f"unsupported version {version!r}",
+            f"this tierflow reads version {SCHEMA_VERSION}",
+        )
+    name = check.value("name", _Rule("str"), data["name"])
+    description = data["description"]
+    if not isinstance(description, str):
+        raise check.fail(
+            "description", f"expected a string, got {_type_name(description)}", "put it in quotes"
+        )
+
+    specs: dict[str, Any] = {}
+    for section in _SECTIONS:
+        values = data[section]
+        if not isinstance(values, Mapping):
+            raise check.fail(
+                section,
+                f"expected a mapping of keys, got {_type_name(values)}",
+                f"write the {section} keys indented under '{section}:'",
+            )
+        specs[section] = _build_section(check, section, values)
+
+    return HardwareProfile(
+        name=name,
+        description=description,
+        source=source_label or source,
+        **specs,
+    )
+
+
+def _check_keys(
+    check: _Checker, prefix: str, values: Mapping[str, Any], known: list[str], required: list[str]
+) -> None:
+    for key in values:
+        if key not in known:
+            hint = _did_you_mean(str(key), known)
+            raise check.fail(f"{prefix}{key}", "unknown key", hint)
+    for key in required:
+        if key not in values:
+            raise check.fail(
+                f"{prefix}{key}",
+                "missing key",
+                f"add '{key}:' under '{prefix.rstrip('.')}:'" if prefix else f"add '{key}:' at the top level",
+            )
+
+
+def _build_section(check: _Checker, section: str, values: Mapping[str, Any]) -> Any:
+    rules = _RULES[section]
+    known = list(rules)
+    required = known
+    no_ssd = False
+    if section == "ssd":
+        required = [k for k in known if k not in _SSD_OPTIONAL_ALWAYS]
+        if "count" in values:
+            count = check.value("ssd.count", rules["count"], values["count"])
+            no_ssd = count == 0
+            if no_ssd:
+                required = ["count"]
+    _check_keys(check, f"{section}.", values, known, required)
+
+    out: dict[str, Any] = {}
+    for key, rule in rules.items():
+        dotted = f"{section}.{key}"
+        if key not in values:
+            out[key] = rule.default
+            continue
+        when = ""
+        if section == "ssd" and not no_ssd and key in ("capacity_gb", "read_gbps", "write_gbps"):
+            when = " when ssd.count > 0"
+        out[key] = check.value(dotted, rule, values[key], relaxed_low=no_ssd, when=when)
+
+    _check_relations(check, section, out)
+    return _SPEC_CLASSES[section](**out)
+
+
+def _check_relations(check: _Checker, section: str, v: dict[str, Any]) -> None:
+    """Cross-key rules inside one section."""
+    if section in ("gpu", "cpu") and v["reserved_gib"] >= v["memory_gib"]:
+        raise check.fail(
+            f"{section}.reserved_gib",
+            f"must be < {section}.memory_gib ({_format_value(v['memory_gib'])}), "
+            f"got {_format_value(v['reserved_gib'])}",
+            f"reserved is the unusable part of memory_gib: lower {section}.reserved_gib or raise memory_gib",
+        )
+    if section == "pcie":
+        for direction in ("h2d", "d2h"):
+            solo, duplex = v[f"{direction}_gbps"], v[f"duplex_{direction}_gbps"]
+            if duplex > solo:
+                raise check.fail(
+                    f"pcie.duplex_{direction}_gbps",
+                    f"must be <= pcie.{direction}_gbps ({_format_value(solo)}), got {_format_value(duplex)}",
+                    "a direction cannot get faster while the other one is busy",
+                )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Files: loading, listing, saving
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys instead of silently keeping the last one."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            duplicate = key in seen
+        except TypeError:  # unhashable key: let the normal constructor report it
+            break
+        if duplicate:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _bundled_dir() -> Any:
+    return resources.files(__package__ or "hwprofiles")
+
+
+def list_profiles() -> list[str]:
+    """Names of the bundled profiles, sorted."""
+    return sorted(
+        entry.name[: -len(".yaml")] for entry in _bundled_dir().iterdir() if entry.name.endswith(".yaml")
+    )
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1} column {mark.column + 1}" if mark else None
+        problem = exc.problem or exc.context or "cannot parse"
+        if problem.startswith("duplicate key"):
+            raise _error(source, where, problem, "keep only one of them") from exc
+        raise _error(
+            source,
+            where,
+            f"malformed YAML: {problem}",
+            "fix the YAML syntax: check indentation, colons and quotes",
+        ) from exc
+    except yaml.YAMLError as exc:
+        raise _error(source, None, f"malformed YAML: {exc}", "fix the YAML syntax") from exc
+
+
+def _load_text(text: str, source: str) -> HardwareProfile:
+    data = _parse_yaml(text, source)
+    if data is None:
+        raise _error(source, None, "file is empty", "see hwprofiles/rtx4090-lohan.yaml for the layout")
+    return _build(data, source, _FIX_FILE)
+
+
+def _looks_like_path(text: str) -> bool:
+    return "/" in text or os.sep in text or text.endswith((".yaml", ".yml")) or Path(text).is_file()
+
+
+def load_profile(name_or_path: str | os.PathLike[str]) -> HardwareProfile:
+    """Load a bundled profile by name (``"rtx4090-lohan"``) or any profile file by path."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ProfileError(
+            f"{name_or_path!r}: expected a profile name or a path (pass a string such as 'rtx4090-lohan')"
+        )
+    text = os.fspath(name_or_path)
+    if not isinstance(name_or_path, os.PathLike):
+        if text in list_profiles():  # a bundled name wins over a same-named file in the working directory
+            resource = _bundled_dir().joinpath(f"{text}.yaml")
+            return _load_text(resource.read_text(encoding="utf-8"), f"hwprofiles/{text}.yaml")
+        if not _looks_like_path(text):
+            raise ProfileError(
+                f"{text}: unknown hardware profile (known: {', '.join(list_profiles())}; "
+                "or give a path to a .yaml file)"
+            )
+    path = Path(text)
+    try:
+        content = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise _error(
+            text,
+            None,
+            "file not found",
+            f"check the path, or use a bundled profile: {', '.join(list_profiles())}",
+        ) from exc
+    except IsADirectoryError as exc:
+        raise _error(
+            text, None, "is a directory, not a profile file", "give the path of a .yaml file"
+        ) from exc
+    except UnicodeDecodeError as exc:
+        raise _error(text, None, "is not UTF-8 text", "save the profile as UTF-8 YAML") from exc
+    except OSError as exc:
+        raise _error(
+            text, None, f"cannot read: {exc.strerror or exc}", "check the file's permissions"
+        ) from exc
+    return _load_text(content, text)
+
+
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._\-\[\]=,]")
+
+
+def save_profile(profile: HardwareProfile, path: str | os.PathLike[str]) -> None:
+    """Write ``profile`` as YAML that :func:`load_profile` accepts (used by ``tierflow calibrate``)."""
+    header = (
+        f"# Hardware profile '{_SAFE_NAME.sub('_', profile.name)}', written by hwprofiles.save_profile "
+        f"from {' '.join(profile.source.split())}.\n"
+        "# Units: _gib = 2**30 bytes, _gb = 1e9 bytes, _gbps = 1e9 bytes/s, _tflops = 1e12 FLOP/s.\n"
+    )
+    body = yaml.safe_dump(profile.to_dict(), sort_keys=False, default_flow_style=False, allow_unicode=True)
+    Path(path).write_text(header + body, encoding="utf-8")

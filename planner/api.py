@@ -1,0 +1,54 @@
+"""The public entry points: simulate one schedule, or compare several, for a model on a box."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hwprofiles import HardwareProfile, load_profile
+from planner.graph import TaskGraph
+from planner.models import ModelSpec, get_model
+from planner.schedules import FAMILIES, ScheduleConfig, build_graph, make_schedule
+from planner.simulator import SimResult, simulate_graph
+from planner.workload import model_flops_per_token, recompute_flops_per_token
+
+DEFAULT_FAMILIES = ("horizontal", "fuyou", "vertical")
+
+
+def resolve(model: ModelSpec | str, hw: HardwareProfile | str) -> tuple[ModelSpec, HardwareProfile]:
+    m = model if isinstance(model, ModelSpec) else get_model(model)
+    h = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
+    return m, h
+
+
+def simulate_config(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
+                    graph: TaskGraph | None = None) -> SimResult:
+    """Build the task graph of `cfg` (unless given) and simulate it; fills in tokens and FLOPs."""
+    graph = graph or build_graph(model, hw, cfg)
+    res = simulate_graph(graph, hw)
+    tokens = cfg.batch * cfg.seq
+    res.tokens_per_iteration = tokens
+    res.model_flops_per_iteration = tokens * model_flops_per_token(model, cfg.seq)
+    extra = recompute_flops_per_token(model, cfg.seq) if cfg.recompute else 0.0
+    res.hw_flops_per_iteration = res.model_flops_per_iteration + tokens * extra
+    res.meta.update({"model": model.name, "params": model.total_params(), "hw": hw.name,
+                     "schedule": cfg.to_dict()})
+    return res
+
+
+def simulate(model: ModelSpec | str = "gpt3-175b", hw: HardwareProfile | str = "rtx4090-lohan",
+             schedule: str = "vertical", *, batch: int = 64, micro_batch: int = 4, seq: int | None = None,
+             iterations: int = 2, **options) -> SimResult:
+    """Simulate one schedule family with its defaults (options: placement, group, alpha, prefetch_depth,
+    recompute). Returns the steady-state result of the last simulated iteration."""
+    m, h = resolve(model, hw)
+    cfg = make_schedule(schedule, m, h, batch=batch, micro_batch=micro_batch, seq=seq, iterations=iterations,
+                        **options)
+    return simulate_config(m, h, cfg)
+
+
+def compare(model: ModelSpec | str, hw: HardwareProfile | str, families=DEFAULT_FAMILIES, **kw) -> dict[str, SimResult]:
+    """Simulate several schedule families with the same arguments."""
+    return {f: simulate(model, hw, f, **kw) for f in families}
+
+
+__all__ = ["simulate", "simulate_config", "compare", "resolve", "FAMILIES", "DEFAULT_FAMILIES", "replace"]

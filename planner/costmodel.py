@@ -1,0 +1,111 @@
+"""Roofline cost model: how long a piece of work takes on a hardware profile.
+
+- A GEMM takes max(FLOPs / (peak x eff(FLOPs)), bytes / (HBM x hbm_eff)); eff(f) = gemm_efficiency x f / (f + f_half)
+  so that small GEMMs do not reach peak (f_half = the profile's gemm_half_gflop).
+- Attention (flash-style, causal) does half of the convention's FLOPs and runs at the same size-dependent
+  efficiency as one GEMM of that size.
+- Elementwise kernels are bound by HBM bandwidth.
+- Transfers: bytes / link bandwidth; H2D and D2H share the PCIe link and SSD reads and writes share the array
+  as the profile says (the simulator applies the shared rates while both directions are active).
+- CPU Adam: parameters / the CPU's Adam rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hwprofiles import HardwareProfile
+from planner.workload import BlockCost, Gemm
+
+CAUSAL_ATTENTION_WORK = 0.5  # a causal flash-attention kernel skips the masked half of the score matrix
+GPU_ADAM_BYTES_PER_PARAM = 36  # GPU Adam reads grad, master, m, v (16 B) and writes master, m, v, bf16 weight (14 B) + grad zeroing
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Bandwidths in bytes/s of every link, solo and while the opposite direction is busy."""
+
+    h2d: float
+    d2h: float
+    h2d_duplex: float
+    d2h_duplex: float
+    ssd_read: float
+    ssd_write: float
+    ssd_read_mixed: float
+    ssd_write_mixed: float
+    adam_params_per_s: float
+
+
+class CostModel:
+    """Turns work (FLOPs, bytes, parameters) into seconds on one hardware profile."""
+
+    def __init__(self, hw: HardwareProfile):
+        self.hw = hw
+        g = hw.gpu
+        self.peak_flops = g.peak_tflops * 1e12
+        self.gemm_eff = g.gemm_efficiency
+        self.half_flops = g.gemm_half_gflop * 1e9
+        self.hbm_bps = g.hbm_gbps * 1e9 * g.hbm_efficiency
+        p, s = hw.pcie, hw.ssd
+        shared = s.rw_sharing == "shared"
+        read = s.total_read_gbps * 1e9
+        write = s.total_write_gbps * 1e9
+        self.rates = Rates(
+            h2d=p.h2d_gbps * 1e9,
+            d2h=p.d2h_gbps * 1e9,
+            h2d_duplex=p.duplex_h2d_gbps * 1e9,
+            d2h_duplex=p.duplex_d2h_gbps * 1e9,
+            ssd_read=read,
+            ssd_write=write,
+            ssd_read_mixed=read / 2 if shared else read,
+            ssd_write_mixed=write / 2 if shared else write,
+            adam_params_per_s=hw.cpu.adam_gparams_per_s * 1e9,
+        )
+
+    # ---- GPU compute ------------------------------------------------------------------------------------------
+
+    def efficiency(self, flops: float) -> float:
+        """Achieved fraction of peak for one GEMM of `flops` FLOPs."""
+        return self.gemm_eff * flops / (flops + self.half_flops)
+
+    def gemm_s(self, g: Gemm) -> float:
+        one = Gemm(g.m, g.n, g.k)
+        t = max(one.flops / (self.peak_flops * self.efficiency(one.flops)), one.bytes / self.hbm_bps)
+        return t * g.count
+
+    def attention_s(self, flops: float) -> float:
+        work = flops * CAUSAL_ATTENTION_WORK
+        return 0.0 if work <= 0 else work / (self.peak_flops * self.efficiency(work))
+
+    def elementwise_s(self, nbytes: float) -> float:
+        return nbytes / self.hbm_bps
+
+    def forward_s(self, block: BlockCost) -> float:
+        return (
+            sum(self.gemm_s(g) for g in block.fwd_gemms)
+            + self.attention_s(block.attn_fwd_flops)
+            + self.elementwise_s(block.fwd_elementwise_bytes)
+        )
+
+    def backward_s(self, block: BlockCost) -> float:
+        """Backward = two GEMMs per forward GEMM (data and weight gradient), 2x the attention, 2x elementwise."""
+        return (
+            2 * sum(self.gemm_s(g) for g in block.fwd_gemms)
+            + 2 * self.attention_s(block.attn_fwd_flops)
+            + 2 * self.elementwise_s(block.fwd_elementwise_bytes)
+        )
+
+    def gpu_adam_s(self, params: float) -> float:
+        return params * GPU_ADAM_BYTES_PER_PARAM / self.hbm_bps
+
+    # ---- CPU and links ----------------------------------------------------------------------------------------
+
+    def cpu_adam_s(self, params: float) -> float:
+        return params / self.rates.adam_params_per_s
+
+    def transfer_s(self, link: str, nbytes: float) -> float:
+        """Solo time of a transfer on link 'h2d' | 'd2h' | 'ssd_read' | 'ssd_write'."""
+        rate = getattr(self.rates, link)
+        if rate <= 0:
+            return float("inf") if nbytes > 0 else 0.0
+        return nbytes / rate

@@ -1,0 +1,693 @@
+"""The model zoo: decoder-only transformer shapes and their exact parameter counts.
+
+A :class:`ModelSpec` holds only shapes (no weights). Its ``*_params()`` methods count parameters exactly as
+Hugging Face ``transformers`` does for the same architecture (tied weights counted once), so the planner can
+size every tensor without importing torch or transformers.
+
+Models come from two places:
+
+* the named zoo :data:`MODELS` (GPT-3 paper family, the GPT-65B/70B shapes of the seed papers, LLaMA-2, and two
+  tiny models for tests and demos), looked up case-insensitively by :func:`get_model`;
+* a Hugging Face ``config.json`` (or a directory holding one) read by :func:`from_hf_config`, for the
+  ``model_type`` kinds in :data:`SUPPORTED_HF_KINDS`.
+
+    >>> from planner.models import get_model
+    >>> get_model("gpt3-175b").describe()
+    'gpt3-175b: 96 layers x 12288 (96 heads), 174.6B params, seq 2048'
+
+Every problem raises :class:`ModelError`, whose message is one line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("gpt", "llama", "mistral", "qwen2", "opt", "gpt_neox")
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "swiglu", "relu")
+SUPPORTED_HF_KINDS = ("gpt2", "gpt_neox", "llama", "mistral", "opt", "qwen2")
+
+# Rotary models advertise very long context windows (Mistral: 131072, Qwen2: 32768) that are not a sensible
+# default *training* length; configs read from config.json train at min(max_position_embeddings, this).
+DEFAULT_MAX_TRAIN_SEQ = 4096
+
+
+class ModelError(ValueError):
+    """A model could not be found, read or validated. ``str(e)`` is always one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# ModelSpec
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes of one decoder-only transformer. All counts are exact (equal to transformers')."""
+
+    name: str
+    family: str  # "gpt" (GPT-2/GPT-3 style), "llama", "mistral", "qwen2", "opt", "gpt_neox"
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int  # == num_heads without GQA
+    head_dim: int  # usually hidden // num_heads
+    ffn_hidden: int  # MLP inner size (4*hidden for GPT; intermediate_size for LLaMA)
+    vocab_size: int
+    max_positions: int  # rows of a learned position table; 0 when positions are rotary
+    seq_len: int  # default training sequence length (GPT-3: 2048; LLaMA-2: 4096)
+    norm: str  # "layernorm" | "rmsnorm"
+    activation: str  # "gelu" | "swiglu" | "relu"
+    qkv_bias: bool
+    out_bias: bool  # attention output projection bias
+    mlp_bias: bool
+    tied_embeddings: bool
+    parallel_residual: bool = False
+    embed_proj_dim: int = 0  # OPT word_embed_proj_dim when != hidden (adds project_in/out); else 0
+    position_offset: int = 0  # OPT learned positions have 2 extra rows
+    final_norm: bool = True  # False for post-LN OPT (do_layer_norm_before=False, e.g. opt-350m)
+    norm_affine: bool = True  # False for OPT with layer_norm_elementwise_affine=False (norms hold no params)
+
+    def __post_init__(self) -> None:
+        def bad(field: str, problem: str) -> ModelError:
+            return ModelError(f"model {self.name!r}: {field}: {problem}")
+
+        if not isinstance(self.name, str) or not self.name:
+            raise ModelError("model name must be a non-empty string")
+        if self.family not in FAMILIES:
+            raise bad("family", f"{self.family!r} is not one of {', '.join(FAMILIES)}")
+        if self.norm not in NORMS:
+            raise bad("norm", f"{self.norm!r} is not one of {', '.join(NORMS)}")
+        if self.activation not in ACTIVATIONS:
+            raise bad("activation", f"{self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        for field in (
+            "num_layers",
+            "hidden",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "ffn_hidden",
+            "vocab_size",
+            "seq_len",
+        ):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise bad(field, f"must be a positive integer, got {value!r}")
+        for field in ("max_positions", "embed_proj_dim", "position_offset"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise bad(field, f"must be a non-negative integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise bad("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
+        if self.max_positions and self.seq_len > self.max_positions:
+            raise bad("seq_len", f"{self.seq_len} exceeds the {self.max_positions} learned positions")
+
+    # ---- derived sizes ---------------------------------------------------------------------------------------
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection output (num_heads * head_dim)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of each of the key and value projection outputs (num_kv_heads * head_dim)."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of the token embedding and the lm_head input (OPT word_embed_proj_dim, else hidden)."""
+        return self.embed_proj_dim or self.hidden
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.activation == "swiglu"
+
+    # ---- exact parameter counts -----------------------------------------------------------------------------
+
+    def _norm_params(self) -> int:
+        if not self.norm_affine:
+            return 0
+        return 2 * self.hidden if self.norm == "layernorm" else self.hidden
+
+    def attention_matmul_params(self) -> int:
+        """q, k, v and o projection weights of one layer."""
+        return self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden
+
+    def mlp_matmul_params(self) -> int:
+        """MLP weights of one layer (3 matrices when gated, else 2)."""
+        return (3 if self.gated_mlp else 2) * self.hidden * self.ffn_hidden
+
+    def attention_params(self) -> int:
+        """q, k, v, o weights + biases of one layer."""
+        n = self.attention_matmul_params()
+        if self.qkv_bias:
+            n += self.q_dim + 2 * self.kv_dim
+        if self.out_bias:
+            n += self.hidden
+        return n
+
+    def mlp_params(self) -> int:
+        """MLP weights + biases of one layer."""
+        n = self.mlp_matmul_params()
+        if self.mlp_bias:
+            n += (2 if self.gated_mlp else 1) * self.ffn_hidden + self.hidden
+        return n
+
+    def layer_norm_params(self) -> int:
+        """The two norms inside one layer."""
+        return 2 * self._norm_params()
+
+    def layer_params(self) -> int:
+        """One decoder layer: attention + MLP + norms."""
+        return self.attention_params() + self.mlp_params() + self.layer_norm_params()
+
+    def layer_matmul_params(self) -> int:
+        """Only the GEMM weights of one layer (no biases, no norms): the count FLOPs are based on."""
+        return self.attention_matmul_params() + self.mlp_matmul_params()
+
+    def position_params(self) -> int:
+        """Learned position table (0 for rotary models)."""
+        return (self.max_positions + self.position_offset) * self.hidden if self.max_positions else 0
+
+    def embedding_params(self) -> int:
+        """Token (+ position) embedding (+ OPT project_in)."""
+        n = self.vocab_size * self.embed_dim + self.position_params()
+        if self.embed_proj_dim:
+            n += self.embed_proj_dim * self.hidden
+        return n
+
+    def final_norm_params(self) -> int:
+        return self._norm_params() if self.final_norm else 0
+
+    def head_params(self) -> int:
+        """lm_head (0 when tied to the token embedding) + OPT project_out."""
+        n = 0 if self.tied_embeddings else self.vocab_size * self.embed_dim
+        if self.embed_proj_dim:
+            n += self.hidden * self.embed_proj_dim
+        return n
+
+    def total_params(self) -> int:
+        return (
+            self.embedding_params()
+            + self.num_layers * self.layer_params()
+            + self.final_norm_params()
+            + self.head_params()
+        )
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+
+    def with_seq(self, seq_len: int) -> ModelSpec:
+        """The same model trained at another sequence length (must fit a learned position table)."""
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+            raise ModelError(f"model {self.name!r}: seq_len must be a positive integer, got {seq_len!r}")
+        if self.max_positions and seq_len > self.max_positions:
+            raise ModelError(
+                f"model {self.name!r}: seq_len {seq_len} exceeds its {self.max_positions} learned positions "
+                f"(use seq_len <= {self.max_positions} or a model with more positions)"
+            )
+        return replace(self, seq_len=seq_len)
+
+    def describe(self) -> str:
+        """One line, e.g. ``gpt3-175b: 96 layers x 12288 (96 heads), 174.6B params, seq 2048``."""
+        heads = f"{self.num_heads} heads"
+        if self.num_kv_heads != self.num_heads:
+            heads += f", {self.num_kv_heads} kv heads"
+        return (
+            f"{self.name}: {self.num_layers} layers x {self.hidden} ({heads}), "
+            f"{_human_count(self.total_params())} params, seq {self.seq_len}"
+        )
+
+
+def _human_count(n: int) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return str(n)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The named zoo
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _gpt(
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    *,
+    vocab: int = 50257,
+    seq: int = 2048,
+    positions: int = 2048,
+) -> ModelSpec:
+    """GPT-2/GPT-3 block: pre-LN LayerNorm, biases everywhere, learned positions, tied embeddings, GELU 4h."""
+    return ModelSpec(
+        name=name,
+        family="gpt",
+        num_layers=layers,
+        hidden=hidden,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        ffn_hidden=4 * hidden,
+        vocab_size=vocab,
+        max_positions=positions,
+        seq_len=seq,
+        norm="layernorm",
+        activation="gelu",
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        tied_embeddings=True,
+    )
+
+
+def _llama(
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    *,
+    vocab: int = 32000,
+    seq: int = 4096,
+) -> ModelSpec:
+    """LLaMA block: RMSNorm, SwiGLU, rotary positions, no biases, untied lm_head."""
+    return ModelSpec(
+        name=name,
+        family="llama",
+        num_layers=layers,
+        hidden=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        ffn_hidden=ffn,
+        vocab_size=vocab,
+        max_positions=0,
+        seq_len=seq,
+        norm="rmsnorm",
+        activation="swiglu",
+        qkv_bias=False,
+        out_bias=False,
+        mlp_bias=False,
+        tied_embeddings=False,
+    )
+
+
+_ZOO: list[ModelSpec] = [
+    # GPT-3 paper (Brown et al. 2020), Table 2.1.
+    _gpt("gpt3-125m", 12, 768, 12),
+    _gpt("gpt3-350m", 24, 1024, 16),
+    _gpt("gpt3-760m", 24, 1536, 16),
+    # The paper lists 1.3B ("XL") as d_model 2048, n_heads 24, d_head 128, which is inconsistent (24 * 128 =
+    # 3072 != 2048); we keep d_model 2048 and d_head 128, i.e. 16 heads.
+    _gpt("gpt3-1.3b", 24, 2048, 16),
+    _gpt("gpt3-2.7b", 32, 2560, 32),  # 32 heads x 80
+    _gpt("gpt3-6.7b", 32, 4096, 32),
+    # The paper lists d_model 5140, which its 40 heads do not divide; the seed papers and Megatron use 5120.
+    _gpt("gpt3-13b", 40, 5120, 40),
+    _gpt("gpt3-175b", 96, 12288, 96),
+    # GPT-style 65B shape used by the seed papers; gpt-70b is the same shape under the other name they use.
+    _gpt("gpt-65b", 80, 8192, 64),
+    _gpt("gpt-70b", 80, 8192, 64),
+    # LLaMA-2 (Touvron et al. 2023); 70B uses grouped-query attention with 8 kv heads.
+    _llama("llama2-7b", 32, 4096, 32, 32, 11008),
+    _llama("llama2-13b", 40, 5120, 40, 40, 13824),
+    _llama("llama2-70b", 80, 8192, 64, 8, 28672),
+    # Tiny models for tests and demos.
+    _gpt("tiny-gpt", 4, 128, 4, vocab=256, seq=64, positions=64),
+    _llama("tiny-llama", 4, 128, 4, 2, 344, vocab=256, seq=64),
+]
+
+MODELS: dict[str, ModelSpec] = {m.name.lower(): m for m in _ZOO}
+
+
+def list_models() -> list[str]:
+    """Names of the zoo models, in zoo order (small to large within each family)."""
+    return list(MODELS)
+
+
+def _looks_like_path(text: str) -> bool:
+    return os.sep in text or "/" in text or text.endswith(".json") or text.startswith((".", "~"))
+
+
+def get_model(name_or_path: str | os.PathLike[str]) -> ModelSpec:
+    """A zoo model by name (case-insensitive), or a model read from a config.json file or its directory."""
+    text = os.fspath(name_or_path)
+    key = text.strip().lower()
+    if key in MODELS:
+        return MODELS[key]
+    path = Path(text).expanduser()
+    if path.exists() or _looks_like_path(text):
+        return from_hf_config(path)
+    close = difflib.get_close_matches(key, list(MODELS), n=4, cutoff=0.5)
+    if close:
+        hint = f"did you mean {', '.join(close)}?"
+    else:
+        hint = f"known models: {', '.join(MODELS)}."
+    raise ModelError(f"unknown model {text!r}: {hint} (or give a path to a Hugging Face config.json)")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Hugging Face config.json
+# --------------------------------------------------------------------------------------------------------------
+
+# transformers' default for every key we read, per model_type (used when config.json leaves a key out).
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt2": {
+        "vocab_size": 50257,
+        "n_positions": 1024,
+        "n_embd": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "n_inner": None,
+        "tie_word_embeddings": True,
+        "add_cross_attention": False,
+        "activation_function": "gelu_new",
+    },
+    "opt": {
+        "vocab_size": 50272,
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "ffn_dim": 3072,
+        "max_position_embeddings": 2048,
+        "do_layer_norm_before": True,
+        "_remove_final_layer_norm": False,
+        "word_embed_proj_dim": None,
+        "num_attention_heads": 12,
+        "activation_function": "relu",
+        "enable_bias": True,
+        "layer_norm_elementwise_affine": True,
+        "tie_word_embeddings": True,
+    },
+    "gpt_neox": {
+        "vocab_size": 50432,
+        "hidden_size": 6144,
+        "num_hidden_layers": 44,
+        "num_attention_heads": 64,
+        "intermediate_size": 24576,
+        "hidden_act": "gelu",
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "use_parallel_residual": True,
+        "attention_bias": True,
+    },
+    "llama": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": None,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "head_dim": None,
+    },
+    "mistral": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": None,
+        "max_position_embeddings": 4096 * 32,
+        "tie_word_embeddings": False,
+    },
+    "qwen2": {
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": None,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    },
+}
+
+# GPT2Config.attribute_map: the generic names a gpt2 config.json may use instead of the GPT-2 ones.
+_GPT2_ALIASES = {
+    "n_embd": "hidden_size",
+    "n_positions": "max_position_embeddings",
+    "n_head": "num_attention_heads",
+    "n_layer": "num_hidden_layers",
+}
+
+
+class _Config:
+    """Typed access to one config.json with transformers' defaults and one-line errors naming the file."""
+
+    def __init__(self, source: Path, data: dict[str, Any], kind: str) -> None:
+        self.source = source
+        self.data = data
+        self.defaults = _HF_DEFAULTS[kind]
+        self.kind = kind
+
+    def raw(self, key: str) -> Any:
+        if key in self.data:
+            return self.data[key]
+        alias = _GPT2_ALIASES.get(key) if self.kind == "gpt2" else None
+        if alias and alias in self.data:
+            return self.data[alias]
+        return self.defaults[key]
+
+    def get_int(self, key: str, *, optional: bool = False, positive: bool = True) -> int | None:
+        value = self.raw(key)
+        if value is None and optional:
+            return None
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or (positive and value <= 0):
+            raise ModelError(f"{self.source}: {key}: expected a positive integer, got {value!r}")
+        return value
+
+    def get_bool(self, key: str) -> bool:
+        value = self.raw(key)
+        if not isinstance(value, bool):
+            raise ModelError(f"{self.source}: {key}: expected true or false, got {value!r}")
+        return value
+
+    def get_str(self, key: str) -> str:
+        value = self.raw(key)
+        return value if isinstance(value, str) else ""
+
+
+def _config_file(path: str | os.PathLike[str]) -> Path:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ModelError(f"{p}: model config not found (give a zoo name or a Hugging Face config.json)")
+    return p
+
+
+def _activation(name: str, default: str) -> str:
+    name = name.lower()
+    if name == "relu":
+        return "relu"
+    if name.startswith("gelu"):
+        return "gelu"
+    return default
+
+
+def _train_seq(max_pos: int) -> int:
+    return min(max_pos, DEFAULT_MAX_TRAIN_SEQ)
+
+
+def from_hf_config(path: str | os.PathLike[str]) -> ModelSpec:
+    """Read a Hugging Face ``config.json`` (or a directory containing one) into a :class:`ModelSpec`.
+
+    Supported ``model_type``: gpt2, gpt_neox, llama, mistral, opt, qwen2. Keys that the file leaves out take
+    transformers' defaults for that model type. The name is the directory name for ``config.json`` files, else
+    the file stem. The default training sequence is the learned position table (gpt2, opt) or
+    ``min(max_position_embeddings, 4096)`` for rotary models.
+    """
+    file = _config_file(path)
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{file}: cannot read JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    kind = data.get("model_type")
+    if kind not in SUPPORTED_HF_KINDS:
+        raise ModelError(
+            f"{file}: unsupported model_type {kind!r} (supported: {', '.join(SUPPORTED_HF_KINDS)})"
+        )
+    name = (file.resolve().parent.name if file.name == "config.json" else file.stem) or kind
+    cfg = _Config(file, data, kind)
+    try:
+        return _BUILDERS[kind](name, cfg)
+    except ModelError as exc:
+        msg = str(exc)
+        raise ModelError(msg if msg.startswith(str(file)) else f"{file}: {msg}") from None
+
+
+def _heads(cfg: _Config, hidden: int, heads: int, kv_heads: int | None) -> tuple[int, int]:
+    head_dim = cfg.get_int("head_dim", optional=True) if "head_dim" in cfg.data else None
+    if head_dim is None:
+        if hidden % heads:
+            raise ModelError(
+                f"{cfg.source}: num_attention_heads {heads} does not divide hidden_size {hidden}"
+            )
+        head_dim = hidden // heads
+    return head_dim, kv_heads if kv_heads is not None else heads
+
+
+def _from_gpt2(name: str, cfg: _Config) -> ModelSpec:
+    if cfg.raw("add_cross_attention"):
+        raise ModelError(
+            f"{cfg.source}: add_cross_attention: cross-attention (encoder-decoder) is not supported"
+        )
+    hidden, heads = cfg.get_int("n_embd"), cfg.get_int("n_head")
+    if hidden % heads:
+        raise ModelError(f"{cfg.source}: n_head {heads} does not divide n_embd {hidden}")
+    positions = cfg.get_int("n_positions")
+    return ModelSpec(
+        name=name,
+        family="gpt",
+        num_layers=cfg.get_int("n_layer"),
+        hidden=hidden,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        ffn_hidden=cfg.get_int("n_inner", optional=True) or 4 * hidden,
+        vocab_size=cfg.get_int("vocab_size"),
+        max_positions=positions,
+        seq_len=positions,
+        norm="layernorm",
+        activation=_activation(cfg.get_str("activation_function"), "gelu"),
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        tied_embeddings=cfg.get_bool("tie_word_embeddings"),
+    )
+
+
+def _from_opt(name: str, cfg: _Config) -> ModelSpec:
+    hidden, heads = cfg.get_int("hidden_size"), cfg.get_int("num_attention_heads")
+    if hidden % heads:
+        raise ModelError(f"{cfg.source}: num_attention_heads {heads} does not divide hidden_size {hidden}")
+    proj = cfg.get_int("word_embed_proj_dim", optional=True) or hidden
+    bias = cfg.get_bool("enable_bias")
+    positions = cfg.get_int("max_position_embeddings")
+    return ModelSpec(
+        name=name,
+        family="opt",
+        num_layers=cfg.get_int("num_hidden_layers"),
+        hidden=hidden,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        ffn_hidden=cfg.get_int("ffn_dim"),
+        vocab_size=cfg.get_int("vocab_size"),
+        max_positions=positions,
+        seq_len=positions,
+        norm="layernorm",
+        activation=_activation(cfg.get_str("activation_function"), "relu"),
+        qkv_bias=bias,
+        out_bias=bias,
+        mlp_bias=bias,
+        tied_embeddings=cfg.get_bool("tie_word_embeddings"),
+        embed_proj_dim=proj if proj != hidden else 0,
+        position_offset=2,
+        # OPTDecoder: final_layer_norm exists only if do_layer_norm_before and not _remove_final_layer_norm.
+        final_norm=cfg.get_bool("do_layer_norm_before") and not cfg.get_bool("_remove_final_layer_norm"),
+        norm_affine=cfg.get_bool("layer_norm_elementwise_affine"),
+    )
+
+
+def _from_gpt_neox(name: str, cfg: _Config) -> ModelSpec:
+    hidden, heads = cfg.get_int("hidden_size"), cfg.get_int("num_attention_heads")
+    if hidden % heads:
+        raise ModelError(f"{cfg.source}: num_attention_heads {heads} does not divide hidden_size {hidden}")
+    bias = cfg.get_bool("attention_bias")
+    return ModelSpec(
+        name=name,
+        family="gpt_neox",
+        num_layers=cfg.get_int("num_hidden_layers"),
+        hidden=hidden,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        ffn_hidden=cfg.get_int("intermediate_size"),
+        vocab_size=cfg.get_int("vocab_size"),
+        max_positions=0,
+        seq_len=_train_seq(cfg.get_int("max_position_embeddings")),
+        norm="layernorm",
+        activation=_activation(cfg.get_str("hidden_act"), "gelu"),
+        qkv_bias=bias,
+        out_bias=bias,
+        mlp_bias=True,
+        tied_embeddings=cfg.get_bool("tie_word_embeddings"),
+        parallel_residual=cfg.get_bool("use_parallel_residual"),
+    )
+
+
+def _from_llama_like(name: str, cfg: _Config) -> ModelSpec:
+    kind = cfg.kind
+    hidden, heads = cfg.get_int("hidden_size"), cfg.get_int("num_attention_heads")
+    head_dim, kv_heads = _heads(cfg, hidden, heads, cfg.get_int("num_key_value_heads", optional=True))
+    if kind == "llama":
+        qkv_bias = out_bias = cfg.get_bool("attention_bias")
+        mlp_bias = cfg.get_bool("mlp_bias")
+    elif kind == "qwen2":  # Qwen2Attention: bias on q, k, v but not on o_proj
+        qkv_bias, out_bias, mlp_bias = True, False, False
+    else:  # mistral: no biases
+        qkv_bias = out_bias = mlp_bias = False
+    return ModelSpec(
+        name=name,
+        family=kind,
+        num_layers=cfg.get_int("num_hidden_layers"),
+        hidden=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn_hidden=cfg.get_int("intermediate_size"),
+        vocab_size=cfg.get_int("vocab_size"),
+        max_positions=0,
+        seq_len=_train_seq(cfg.get_int("max_position_embeddings")),
+        norm="rmsnorm",
+        activation="swiglu",
+        qkv_bias=qkv_bias,
+        out_bias=out_bias,
+        mlp_bias=mlp_bias,
+        tied_embeddings=cfg.get_bool("tie_word_embeddings"),
+    )
+
+
+_BUILDERS = {
+    "gpt2": _from_gpt2,
+    "opt": _from_opt,
+    "gpt_neox": _from_gpt_neox,
+    "llama": _from_llama_like,
+    "mistral": _from_llama_like,
+    "qwen2": _from_llama_like,
+}
+
+__all__ = [
+    "ACTIVATIONS",
+    "FAMILIES",
+    "MODELS",
+    "NORMS",
+    "SUPPORTED_HF_KINDS",
+    "ModelError",
+    "ModelSpec",
+    "from_hf_config",
+    "get_model",
+    "list_models",
+]

@@ -1,0 +1,574 @@
+"""Schedules: the order of every task on every resource, expressed as a task graph with keys.
+
+One generic builder covers every family. Micro-batches are processed in *groups* of k: for each group, every
+block runs all k micro-batches before the next block (forward, then backward in reverse block order), in snake
+order (the micro-batch direction alternates from one block to the next, so the micro-batch that ends one block
+starts the next and its activation stays on the GPU).
+
+- horizontal (ZeRO-Infinity): k = 1; weights fetched for every micro-batch; gradients offloaded per micro-batch;
+  the CPU optimizer runs after the whole backward;
+- fuyou: horizontal, but the CPU optimizer of a block starts as soon as its gradient is final (overlapped with
+  the rest of the backward), and activation checkpoints go GPU -> CPU (-> SSD);
+- vertical (GreedySnake): k = all micro-batches; a block's weights cross PCIe once per pass; its gradient is
+  accumulated on the GPU and offloaded once; the CPU Adam step overlaps the backward of later blocks and a
+  fraction alpha of it is deferred into the next iteration's forward;
+- block: 1 < k < all, the hybrid between the two (planner issue).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from hwprofiles import HardwareProfile
+from planner.costmodel import CostModel
+from planner.graph import GraphBuilder, Task, TaskGraph
+from planner.models import ModelSpec
+from planner.placement import Placement, Split, fill_split
+from planner.workload import (
+    ADAM_STATE_BYTES,
+    COMPUTE_BYTES,
+    GRAD_ACCUM_BYTES,
+    GRAD_WIRE_BYTES,
+    MASTER_BYTES,
+    BlockCost,
+    embed_cost,
+    head_cost,
+    layer_cost,
+)
+
+FAMILIES = ("horizontal", "vertical", "fuyou", "block")
+
+
+class ScheduleError(ValueError):
+    """A schedule request that cannot be built (bad batch split, unknown family, ...)."""
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    family: str
+    batch: int  # global batch, in sequences
+    micro_batch: int  # sequences per micro-batch
+    seq: int
+    placement: Placement
+    group: int  # micro-batches a block runs before the next block (1 = horizontal, M = vertical)
+    alpha: float = 0.0  # fraction of each block's CPU Adam deferred into the next iteration's forward
+    optimizer_overlap: bool = False  # a block's optimizer may start before the whole backward has finished
+    prefetch_depth: int = 1  # weight buffers fetched ahead of the one in use
+    act_prefetch: int = 2  # compute steps ahead an activation fetch may start
+    recompute: bool = True  # recompute each layer's forward in backward (else keep all its activations)
+    iterations: int = 2  # iterations simulated; the last one is reported as the steady state
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.batch // self.micro_batch
+
+    def describe(self) -> str:
+        return (f"{self.family}: batch {self.batch} = {self.num_micro_batches} x {self.micro_batch}, group {self.group}, "
+                f"alpha {self.alpha:g}, prefetch {self.prefetch_depth}, {'recompute' if self.recompute else 'no recompute'}")
+
+    def to_dict(self) -> dict:
+        return {
+            "family": self.family, "batch": self.batch, "micro_batch": self.micro_batch, "seq": self.seq,
+            "group": self.group, "alpha": self.alpha, "optimizer_overlap": self.optimizer_overlap,
+            "prefetch_depth": self.prefetch_depth, "act_prefetch": self.act_prefetch, "recompute": self.recompute,
+            "iterations": self.iterations, "placement": self.placement.as_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ScheduleConfig:
+        d = dict(d)
+        d["placement"] = Placement.from_dict(d["placement"])
+        return cls(**d)
+
+
+def blocks_of(model: ModelSpec, micro_batch: int, seq: int) -> list[BlockCost]:
+    layer = layer_cost(model, micro_batch, seq)
+    return [embed_cost(model, micro_batch, seq)] + [layer] * model.num_layers + [head_cost(model, micro_batch, seq)]
+
+
+def default_placement(model: ModelSpec, hw: HardwareProfile, family: str, batch: int, micro_batch: int,
+                      seq: int) -> Placement:
+    """The placement a user of that system would start from: nothing resident on the GPU; fill CPU memory with
+    what the schedule holds there (gradients, checkpoints), then weights, then optimizer states; the rest on SSD."""
+    P = model.total_params()
+    layer = layer_cost(model, micro_batch, seq)
+    M = batch // micro_batch
+    budget = float(hw.cpu.capacity_bytes)
+    # a block's gradient is final only after the last micro-batch's backward: horizontal schedules with several
+    # micro-batches hold every block's fp32 gradient on the host; vertical ones only a few blocks' at a time
+    holds_all = family == "horizontal" or (family == "fuyou" and M > 1)
+    alpha = 0.25 if family in ("vertical", "block") else 0.0
+    L = model.num_layers
+    grads_host = GRAD_ACCUM_BYTES * (P if holds_all else 4 * model.layer_params() + alpha * P)
+    # checkpoints of every micro-batch a block sweep holds (+ the activation gradients between layers)
+    held_mb = M if family in ("vertical", "block") else 1
+    ckpt_total = layer.checkpoint_bytes * (L + 2) * held_mb
+    staging = (4 * COMPUTE_BYTES + 3 * (MASTER_BYTES + 2 * ADAM_STATE_BYTES)) * model.layer_params()
+    budget -= staging + 0.02 * hw.cpu.capacity_bytes  # 2% slack for the blocks in flight
+    ssd = hw.ssd.count > 0
+    if family == "horizontal" and ssd:
+        # ZeRO-Infinity puts the fp32 gradients on NVMe with the optimizer when the optimizer is there
+        grads, budget = fill_split(grads_host, budget)
+    else:
+        grads, budget = Split(), budget - grads_host
+    ckpt, budget = fill_split(ckpt_total, budget)
+    weights, budget = fill_split(COMPUTE_BYTES * P, budget)
+    states, budget = fill_split((MASTER_BYTES + 2 * ADAM_STATE_BYTES) * P, budget)
+    if not ssd:  # no SSD tier: everything on the CPU, the simulator reports any overflow
+        weights = states = ckpt = grads = Split()
+    if family == "horizontal" and states.ssd == 0:
+        grads = Split()
+    return Placement(weights=weights, master=states, adam_m=states, adam_v=states, grads=grads, checkpoints=ckpt)
+
+
+def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: int, micro_batch: int,
+                  seq: int | None = None, placement: Placement | None = None, group: int | None = None,
+                  alpha: float | None = None, prefetch_depth: int = 1, recompute: bool = True,
+                  iterations: int = 2) -> ScheduleConfig:
+    """A schedule of one family with that family's defaults for everything not given."""
+    if family not in FAMILIES:
+        raise ScheduleError(f"unknown schedule {family!r} (known: {', '.join(FAMILIES)}, all)")
+    seq = seq or model.seq_len
+    if batch <= 0 or micro_batch <= 0:
+        raise ScheduleError(f"batch ({batch}) and micro-batch ({micro_batch}) must be positive")
+    if batch % micro_batch:
+        raise ScheduleError(f"batch {batch} is not divisible by micro-batch {micro_batch} (use a micro-batch that divides it)")
+    if model.max_positions and seq > model.max_positions:
+        raise ScheduleError(f"seq {seq} exceeds the {model.max_positions} positions of {model.name} (use --seq <= {model.max_positions})")
+    M = batch // micro_batch
+    if placement is None:
+        placement = default_placement(model, hw, family, batch, micro_batch, seq)
+    if family == "horizontal":
+        g, a, overlap = 1, 0.0, False
+    elif family == "fuyou":
+        g, a, overlap = 1, 0.0, True
+    elif family == "vertical":
+        g, a, overlap = M, 0.25, True
+    else:
+        g, a, overlap = (group or max(1, M // 2)), 0.25, True
+    if group is not None:
+        g = group
+    if alpha is not None:
+        a = alpha
+    if not 1 <= g <= M or M % g:
+        raise ScheduleError(f"group {g} must divide the {M} micro-batches")
+    if not 0.0 <= a < 1.0:
+        raise ScheduleError(f"alpha {a} must be within [0, 1)")
+    if prefetch_depth < 1:
+        raise ScheduleError(f"prefetch depth {prefetch_depth} must be >= 1")
+    return ScheduleConfig(family=family, batch=batch, micro_batch=micro_batch, seq=seq, placement=placement,
+                          group=g, alpha=a, optimizer_overlap=overlap, prefetch_depth=prefetch_depth,
+                          recompute=recompute, iterations=iterations)
+
+
+# ---- the generic builder ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Stored:
+    """A tensor parked off the GPU by an offload: which tasks wrote it and how its bytes are split."""
+
+    nbytes: float
+    split: Split
+    d2h: Task | None
+    write: Task | None
+
+    @property
+    def off(self) -> float:
+        return self.nbytes * self.split.off_gpu
+
+    @property
+    def to_ssd(self) -> float:
+        return self.nbytes * self.split.ssd
+
+    @property
+    def kept(self) -> float:
+        return self.nbytes * self.split.gpu
+
+
+@dataclass
+class _Step:
+    phase: str  # "F" forward, "H" head forward+backward, "B" backward
+    block: int
+    mb: int
+    use: int = -1  # index of the weight use (consecutive steps of one block and phase) it belongs to
+
+
+def step_sequence(num_blocks: int, num_mb: int, group: int) -> list[_Step]:
+    """GPU compute steps of one iteration, in order. num_blocks includes embedding and head."""
+    head = num_blocks - 1
+    visits = [("F", b) for b in range(head)] + [("H", head)] + [("B", b) for b in range(head - 1, -1, -1)]
+    steps: list[_Step] = []
+    for g0 in range(0, num_mb, group):
+        mbs = list(range(g0, g0 + group))
+        for phase, b in visits:
+            steps.extend(_Step(phase, b, m) for m in mbs)
+            mbs.reverse()  # snake: the next block starts with the micro-batch that ended this one
+    return steps
+
+
+@dataclass
+class _Use:
+    block: int
+    phase: str
+    first_step: int  # global step index
+    steps: list[int] = field(default_factory=list)
+    last_task: int = -1
+    fetch_h2d: Task | None = None
+    gpu_bytes: float = 0.0
+
+
+class _Builder:
+    def __init__(self, model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig):
+        self.model, self.hw, self.cfg = model, hw, cfg
+        self.cost = CostModel(hw)
+        self.g = GraphBuilder()
+        self.blocks = blocks_of(model, cfg.micro_batch, cfg.seq)
+        self.nb = len(self.blocks)
+        self.L = model.num_layers
+        self.head = self.nb - 1
+        self.p = cfg.placement
+        b = self.blocks
+        self.t_fwd = [self.cost.forward_s(x) for x in b]
+        self.t_bwd = [self.cost.backward_s(x) for x in b]
+        self.step_task: list[int] = []  # global step -> id of its last GPU task
+        self.step_key: list[float] = []
+        self.uses: list[_Use] = []
+        self.weights_ready: dict[int, list[int]] = {}  # block -> tasks that produce its updated weights
+        self.resident_update: dict[int, list[int]] = {}  # block -> tasks that refresh its GPU-resident weights
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+
+    def prev_step_task(self, k: int) -> int:
+        return self.step_task[k] if 0 <= k < len(self.step_task) else -1
+
+    def offload(self, producer: Task, nbytes: float, split: Split, tensor: str, it: int, block: int, mb: int) -> _Stored:
+        g = self.g
+        s = _Stored(nbytes, split, None, None)
+        g.alloc(producer, "gpu", s.kept, at_end=True)
+        if s.off > 0:
+            g.alloc(producer, "gpu", s.off, at_end=True)
+            s.d2h = g.add("offload_" + tensor, "d2h", s.off, tensor=tensor, block=block, mb=mb, iteration=it,
+                          key=producer.key + 0.5, deps=[producer.id])
+            g.alloc(s.d2h, "cpu", s.off)
+            g.free(s.d2h, "gpu", s.off)
+        if s.to_ssd > 0:
+            s.write = g.add("write_" + tensor, "ssd_write", s.to_ssd, tensor=tensor, block=block, mb=mb, iteration=it,
+                            key=producer.key + 0.6, deps=[s.d2h.id])
+            g.alloc(s.write, "ssd", s.to_ssd)
+            g.free(s.write, "cpu", s.to_ssd)
+        return s
+
+    def fetch(self, s: _Stored, k: int, consume: bool, tensor: str, it: int, block: int, mb: int) -> tuple[list[int], float]:
+        """Bring a stored tensor back for step k. Returns (deps for the consumer, GPU bytes it must free)."""
+        g, a = self.g, self.cfg.act_prefetch
+        key = self.step_key[k]
+        read = None
+        if s.to_ssd > 0:
+            read = g.add("read_" + tensor, "ssd_read", s.to_ssd, tensor=tensor, block=block, mb=mb, iteration=it,
+                         key=key - a - 1, deps=[s.write.id, self.prev_step_task(k - a - 2)])
+            g.alloc(read, "cpu", s.to_ssd)
+            if consume:
+                g.free(read, "ssd", s.to_ssd)
+        deps: list[int] = []
+        if s.off > 0:
+            h = g.add("fetch_" + tensor, "h2d", s.off, tensor=tensor, block=block, mb=mb, iteration=it,
+                      key=key - a, deps=[s.d2h.id, read.id if read else -1, self.prev_step_task(k - a - 1)])
+            g.alloc(h, "gpu", s.off)
+            g.free(h, "cpu", s.off if consume else s.to_ssd)
+            deps.append(h.id)
+        return deps, s.off + (s.kept if consume else 0.0)
+
+    # -- weights ------------------------------------------------------------------------------------------------
+
+    def fetch_weights(self, u: int, it: int) -> list[int]:
+        """Fetch tasks for weight use u (global index). Returns deps for its first compute step."""
+        use = self.uses[u]
+        b = use.block
+        blk = self.blocks[b]
+        w = self.p.weights
+        deps = list(self.resident_update.get(b, []))
+        off = blk.weight_bytes * w.off_gpu
+        if off <= 0:
+            return deps
+        g, d = self.g, self.cfg.prefetch_depth
+        ready = list(self.weights_ready.get(b, []))
+        if b == self.head and self.model.tied_embeddings:
+            ready += self.weights_ready.get(0, [])
+
+        def first_key(j: int) -> float:
+            return self.step_key[self.uses[j].first_step] - 0.25 if j >= 0 else self.step_key[use.first_step] - 1.0 - (u - j)
+
+        def last_task(j: int) -> int:
+            return self.uses[j].last_task if j >= 0 else -1
+
+        read = None
+        to_ssd = blk.weight_bytes * w.ssd
+        if to_ssd > 0:
+            read = g.add("read_weights", "ssd_read", to_ssd, tensor="weights", block=b, mb=-1, iteration=it,
+                         key=first_key(u - d - 1), deps=[last_task(u - d - 2), *ready])
+            g.alloc(read, "cpu", to_ssd)
+        h = g.add("fetch_weights", "h2d", off, tensor="weights", block=b, mb=-1, iteration=it,
+                  key=first_key(u - d), deps=[read.id if read else -1, last_task(u - d - 1), *ready])
+        g.alloc(h, "gpu", off)
+        g.free(h, "cpu", to_ssd)
+        use.fetch_h2d = h
+        use.gpu_bytes = off
+        return deps + [h.id]
+
+    # -- the iteration ------------------------------------------------------------------------------------------
+
+    def build(self) -> TaskGraph:
+        cfg, g, p = self.cfg, self.g, self.p
+        M = cfg.num_micro_batches
+        seq_steps = step_sequence(self.nb, M, cfg.group)
+        S = len(seq_steps)
+        for it in range(cfg.iterations):
+            base = len(self.step_task)
+            # weight uses of this iteration
+            for i, st in enumerate(seq_steps):
+                k = base + i
+                if not self.uses or self.uses[-1].block != st.block or self.uses[-1].phase != st.phase or \
+                        self.uses[-1].steps[-1] != k - 1:
+                    self.uses.append(_Use(st.block, st.phase, k))
+                self.uses[-1].steps.append(k)
+                st.use = len(self.uses) - 1
+            self.step_key.extend(float(it * (S + 10) + i) for i in range(S))
+            self.build_iteration(it, base, seq_steps)
+        static = self.static_bytes()
+        cap = {"gpu": float(self.hw.gpu.capacity_bytes), "cpu": float(self.hw.cpu.capacity_bytes),
+               "ssd": float(self.hw.ssd.capacity_bytes)}
+        return TaskGraph(g.tasks, static, cap, cfg.iterations, self.nb,
+                         meta={"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations})
+
+    def static_bytes(self) -> dict[str, float]:
+        p = self.p
+        P = self.model.total_params()
+        out = {"gpu": 0.0, "cpu": 0.0, "ssd": 0.0}
+        for tier in out:
+            out[tier] += COMPUTE_BYTES * P * getattr(p.weights, tier)
+            out[tier] += P * (MASTER_BYTES * getattr(p.master, tier) + ADAM_STATE_BYTES * (getattr(p.adam_m, tier) + getattr(p.adam_v, tier)))
+        out["ssd"] += GRAD_ACCUM_BYTES * P * p.grads.ssd  # reserved spill space
+        return out
+
+    def build_iteration(self, it: int, base: int, seq_steps: list[_Step]) -> None:
+        cfg, g, p, model = self.cfg, self.g, self.p, self.model
+        L, head = self.L, self.head
+        ck = p.checkpoints
+        # tensors waiting between steps: ("x", block, mb) = input of block; ("dx", block, mb) = grad wrt input
+        direct: dict[tuple, int] = {}  # tensor -> producing task id, while it sits on the GPU for the next step
+        stored: dict[tuple, _Stored] = {}
+        ckpts: dict[tuple, _Stored] = {}
+        grad_first_b: dict[int, int] = {}  # block -> first backward task of this iteration (buffer alloc)
+        grad_last: dict[int, list[int]] = {b: [] for b in range(self.nb)}  # tasks that deliver final grads
+        host_grad_alloc: set[int] = set()
+        last_step_of_block: dict[int, int] = {}
+        for i, st in enumerate(seq_steps):
+            k = base + i
+            last_step_of_block[st.block] = k
+        self.cur_last_step = last_step_of_block
+        first_fwd_idx = {st.block: i for i, st in reversed(list(enumerate(seq_steps))) if st.phase != "B"}
+
+        for i, st in enumerate(seq_steps):
+            k = base + i
+            key = self.step_key[k]
+            b, m = st.block, st.mb
+            use = self.uses[st.use]
+            blk = self.blocks[b]
+            deps: list[int] = []
+            free_gpu = 0.0
+            if k == use.first_step:
+                deps += self.fetch_weights(st.use, it)
+            elif use.fetch_h2d is not None:
+                deps.append(use.fetch_h2d.id)
+            prev = self.prev_step_task(k - 1)
+
+            def take(name: tuple, consume: bool) -> None:
+                nonlocal free_gpu
+                if name in direct and self.step_task and direct[name] == prev:
+                    deps.append(direct[name])
+                    if consume and name in stored:
+                        s = stored[name]
+                        free_gpu += s.kept
+                    return
+                if name in stored:
+                    dd, fb = self.fetch(stored[name], k, consume, "act" if name[0] == "x" else "act_grad", it, b, m)
+                    deps.extend(dd)
+                    if name in direct:
+                        deps.append(direct[name])
+                    free_gpu += fb
+                elif name in direct:
+                    deps.append(direct[name])
+
+            if st.phase == "F":
+                if b > 0:
+                    take(("x", b, m), consume=not cfg.recompute and b > 0)
+                t = g.add("fwd", "gpu", self.t_fwd[b], tensor="activations", block=b, mb=m, iteration=it, key=key, deps=deps)
+                g.alloc(t, "gpu", blk.fwd_working_bytes)
+                g.free(t, "gpu", blk.fwd_working_bytes + free_gpu)
+                out = ("x", b + 1, m)
+                out_bytes = blk.checkpoint_bytes if b > 0 else self.blocks[1].checkpoint_bytes
+                if b + 1 <= L and cfg.recompute:
+                    # the next layer's input is its activation checkpoint: park it per the placement
+                    s = self.offload(t, out_bytes, ck, "checkpoint", it, b + 1, m)
+                    ckpts[out] = stored[out] = s
+                else:
+                    if b >= 1 and not cfg.recompute:
+                        ckpts[("x", b, m)] = self.offload(t, blk.full_activation_bytes, ck, "checkpoint", it, b, m)
+                    nxt = seq_steps[i + 1] if i + 1 < len(seq_steps) else None
+                    if not (nxt and nxt.block == b + 1 and nxt.mb == m):
+                        stored[out] = self.offload(t, out_bytes, ck, "act", it, b + 1, m)
+                direct[out] = t.id
+                last = t
+            elif st.phase == "H":
+                take(("x", b, m), consume=True)
+                t = g.add("head", "gpu", self.t_fwd[b] + self.t_bwd[b], tensor="activations", block=b, mb=m,
+                          iteration=it, key=key, deps=deps)
+                g.alloc(t, "gpu", blk.bwd_working_bytes)
+                g.free(t, "gpu", blk.bwd_working_bytes + free_gpu)
+                last = t
+                self._grad_out(t, b, use, k, it, grad_first_b, grad_last, host_grad_alloc)
+                self._emit_dx(t, ("dx", b, m), i, seq_steps, direct, stored, it)
+            else:  # backward
+                take(("dx", b + 1, m), consume=True)
+                s = ckpts.pop(("x", b, m), None)
+                if s is not None:  # the checkpoint (or the saved activations): its last use
+                    dd, fb = self.fetch(s, k, True, "checkpoint", it, b, m)
+                    deps.extend(dd)
+                    free_gpu += fb
+                first = None
+                if b >= 1 and cfg.recompute:
+                    first = g.add("recompute", "gpu", self.t_fwd[b], tensor="activations", block=b, mb=m,
+                                  iteration=it, key=key - 0.01, deps=deps)
+                    g.alloc(first, "gpu", blk.bwd_working_bytes)
+                t = g.add("bwd", "gpu", self.t_bwd[b], tensor="activations", block=b, mb=m, iteration=it,
+                          key=key, deps=[first.id] if first else deps)
+                if first is None:
+                    g.alloc(t, "gpu", blk.bwd_working_bytes)
+                g.free(t, "gpu", blk.bwd_working_bytes + free_gpu)
+                last = t
+                self._grad_out(t, b, use, k, it, grad_first_b, grad_last, host_grad_alloc)
+                if b >= 1:
+                    self._emit_dx(t, ("dx", b, m), i, seq_steps, direct, stored, it)
+            self.step_task.append(last.id)
+            if k == use.steps[-1]:
+                use.last_task = last.id
+                if use.gpu_bytes:
+                    g.free(last, "gpu", use.gpu_bytes)
+        self._optimizer(it, base, seq_steps, grad_last, last_step_of_block, first_fwd_idx)
+
+    def _emit_dx(self, t: Task, name: tuple, i: int, seq_steps: list[_Step], direct: dict, stored: dict, it: int) -> None:
+        b, m = name[1], name[2]
+        direct[name] = t.id
+        nxt = seq_steps[i + 1] if i + 1 < len(seq_steps) else None
+        if not (nxt and nxt.block == b - 1 and nxt.mb == m and nxt.phase == "B"):
+            stored[name] = self.offload(t, self.blocks[1].checkpoint_bytes, self.p.checkpoints, "act_grad", it, b, m)
+
+    def _grad_out(self, t: Task, b: int, use: _Use, k: int, it: int, grad_first_b: dict, grad_last: dict,
+                  host_grad_alloc: set) -> None:
+        """Gradient accumulation: on the GPU within a weight use (or a whole iteration with grads.gpu = 1), then
+        offloaded to the host where it is accumulated in fp32."""
+        g, p = self.g, self.p
+        blk = self.blocks[b]
+        grad_gpu_bytes = (GRAD_ACCUM_BYTES if len(use.steps) > 1 or p.grads.gpu == 1.0 else GRAD_WIRE_BYTES) * blk.fetch_params
+        if b not in grad_first_b:
+            grad_first_b[b] = t.id
+            g.alloc(t, "gpu", grad_gpu_bytes)  # the accumulation buffer lives until it is offloaded
+        elif k == use.steps[0] and p.grads.gpu < 1.0:
+            g.alloc(t, "gpu", grad_gpu_bytes)
+        if p.gpu_optimizer:
+            grad_last[b] = [t.id]
+            return
+        if k != use.steps[-1]:
+            return
+        if p.grads.gpu == 1.0 and k != self.cur_last_step[b]:
+            return
+        d2h = g.add("offload_grads", "d2h", GRAD_WIRE_BYTES * blk.fetch_params, tensor="grads", block=b, mb=-1,
+                    iteration=it, key=t.key + 0.5, deps=[t.id])
+        g.free(d2h, "gpu", grad_gpu_bytes)
+        if b not in host_grad_alloc:
+            host_grad_alloc.add(b)
+            g.alloc(d2h, "cpu", GRAD_ACCUM_BYTES * blk.fetch_params)
+        grad_last[b] = [d2h.id]
+
+    def _optimizer(self, it: int, base: int, seq_steps: list[_Step], grad_last: dict, last_step_of_block: dict,
+                   first_fwd_idx: dict) -> None:
+        g, p, cfg, model = self.g, self.p, self.cfg, self.model
+        barrier = [self.step_task[-1]] if not cfg.optimizer_overlap else []
+        order = sorted(range(self.nb), key=lambda b: last_step_of_block[b])
+        prev_main = -1
+        S = len(seq_steps)
+        end_key = self.step_key[base + S - 1]
+        for rank, b in enumerate(order):
+            blk = self.blocks[b]
+            k_last = last_step_of_block[b]
+            # with a barrier the whole optimizer phase comes after the last backward step on every resource
+            key = self.step_key[k_last] if cfg.optimizer_overlap else end_key + 0.001 * rank
+            grads_ready = list(grad_last[b])
+            if b == 0 and model.tied_embeddings:
+                grads_ready += grad_last[self.head]
+            owned = blk.owned_params
+            if owned == 0:
+                continue
+            if p.gpu_optimizer:
+                t = g.add("adam_gpu", "gpu", self.cost.gpu_adam_s(owned), tensor="opt_states", block=b, mb=-1,
+                          iteration=it, key=key + 0.3, deps=grads_ready + barrier)
+                self.resident_update[b] = [t.id]
+                self.weights_ready[b] = [t.id]
+                continue
+            states_ssd = owned * (MASTER_BYTES * p.master.ssd + ADAM_STATE_BYTES * (p.adam_m.ssd + p.adam_v.ssd))
+            grads_ssd = GRAD_ACCUM_BYTES * blk.fetch_params * p.grads.ssd
+            w_ssd = COMPUTE_BYTES * owned * p.weights.ssd
+            w_gpu = COMPUTE_BYTES * owned * p.weights.gpu
+            pre: list[int] = []
+            if grads_ssd > 0:
+                wr = g.add("write_grads", "ssd_write", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
+                           key=key + 0.6, deps=grads_ready)
+                g.free(wr, "cpu", grads_ssd)
+                rd = g.add("read_grads", "ssd_read", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
+                           key=key + 0.7, deps=[wr.id, prev_main] + barrier)
+                g.alloc(rd, "cpu", grads_ssd)
+                pre.append(rd.id)
+            parts = [(1.0 - cfg.alpha, key + 0.8, "adam")]
+            if cfg.alpha > 0:
+                parts.append((cfg.alpha, (it + 1) * (S + 10) + first_fwd_idx[b] - 2.0, "adam_deferred"))
+            ready: list[int] = []
+            prev_part = -1
+            for frac, pkey, kind in parts:
+                deps = grads_ready + pre + barrier + [prev_part]
+                if states_ssd > 0:
+                    # each part streams its own slice of master, m and v in from the SSD and back out
+                    rs = g.add("read_opt_states", "ssd_read", states_ssd * frac, tensor="opt_states", block=b, mb=-1,
+                               iteration=it, key=pkey - 0.1, deps=[prev_main if kind == "adam" else prev_part])
+                    g.alloc(rs, "cpu", states_ssd * frac)
+                    deps.append(rs.id)
+                a = g.add(kind, "cpu", self.cost.cpu_adam_s(owned * frac), tensor="opt_states", block=b, mb=-1,
+                          iteration=it, key=pkey, deps=deps)
+                ready.append(a.id)
+                if kind == "adam":
+                    prev_main = a.id
+                # each part is done with its slice of the fp32 gradient
+                g.free(a, "cpu", frac * (GRAD_ACCUM_BYTES * blk.fetch_params * (1 - p.grads.ssd) + grads_ssd))
+                prev_part = a.id
+                if states_ssd + w_ssd > 0:
+                    wb = g.add("write_opt_states", "ssd_write", (states_ssd + w_ssd) * frac, tensor="opt_states",
+                               block=b, mb=-1, iteration=it, key=pkey + 0.1, deps=[a.id])
+                    g.free(wb, "cpu", states_ssd * frac)
+                    if w_ssd > 0:
+                        ready.append(wb.id)
+                if w_gpu > 0:
+                    up = g.add("update_weights", "h2d", w_gpu * frac, tensor="weights", block=b, mb=-1, iteration=it,
+                               key=pkey + 0.1, deps=[a.id])
+                    self.resident_update.setdefault(b, []).append(up.id)
+            if w_gpu > 0:
+                self.resident_update[b] = self.resident_update[b][-len(parts):]
+            self.weights_ready[b] = ready
+
+
+def build_graph(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> TaskGraph:
+    """The task graph of `cfg.iterations` training iterations of `model` on `hw` under schedule `cfg`."""
+    return _Builder(model, hw, cfg).build()
+
+
+def with_iterations(cfg: ScheduleConfig, n: int) -> ScheduleConfig:
+    return replace(cfg, iterations=n)

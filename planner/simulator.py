@@ -1,0 +1,287 @@
+"""Discrete-event simulation of a task graph on a hardware profile.
+
+Each resource runs its tasks one at a time in the schedule's order. A task starts when (1) it is at the head of
+its resource's queue, (2) all its dependencies have finished and (3) the bytes it allocates at its start fit on
+every tier. Transfers on the two directions of a shared link (H2D/D2H over PCIe, reads/writes of the SSD array)
+slow each other down while both run, as the profile says: the simulator tracks the bytes each transfer still has
+to move and re-rates it whenever the opposite direction starts or stops (a fluid model).
+
+If the run can no longer progress because a task's allocation never fits, the schedule is refused with a
+CapacityError naming the tier, the simulated time and the bytes over.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hwprofiles import HardwareProfile
+from planner.costmodel import CostModel
+from planner.graph import LINK_NAMES, RESOURCES, TIERS, TaskGraph
+
+_EPS_BYTES = 1.0
+
+
+class SimulationError(RuntimeError):
+    """A schedule the simulator cannot play."""
+
+
+class CapacityError(SimulationError):
+    def __init__(self, tier: str, time_s: float, over_bytes: float, what: str):
+        self.tier, self.time_s, self.over_bytes = tier, time_s, over_bytes
+        super().__init__(f"{tier} memory exceeded by {over_bytes / 1e9:.2f} GB at t={time_s:.3f} s ({what})")
+
+
+@dataclass
+class SimResult:
+    graph: TaskGraph
+    start_s: np.ndarray
+    end_s: np.ndarray
+    iteration_ends_s: list[float]
+    iteration_s: float
+    window_s: tuple[float, float]
+    busy: dict[str, float]
+    link_bytes: dict[str, float]
+    peak_bytes: dict[str, float]
+    memory_trace: list[tuple[float, float, float, float]]  # (time, gpu, cpu, ssd) bytes
+    tokens_per_iteration: int = 0
+    model_flops_per_iteration: float = 0.0
+    hw_flops_per_iteration: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_iteration / self.iteration_s
+
+    @property
+    def model_tflops(self) -> float:
+        return self.model_flops_per_iteration / self.iteration_s / 1e12
+
+    @property
+    def hw_tflops(self) -> float:
+        return self.hw_flops_per_iteration / self.iteration_s / 1e12
+
+    def timeline(self):
+        """Every task as a row: id, kind, resource, tensor, block, mb, iteration, work, start_s, end_s."""
+        import pandas as pd
+
+        t = self.graph.tasks
+        return pd.DataFrame({
+            "id": [x.id for x in t], "kind": [x.kind for x in t], "resource": [x.resource for x in t],
+            "tensor": [x.tensor for x in t], "block": [x.block for x in t], "mb": [x.mb for x in t],
+            "iteration": [x.iteration for x in t], "work": [x.work for x in t],
+            "start_s": self.start_s, "end_s": self.end_s,
+        })
+
+    def to_dict(self) -> dict:
+        return {
+            "iteration_s": self.iteration_s,
+            "tokens_per_s": self.tokens_per_s,
+            "model_tflops": self.model_tflops,
+            "hw_tflops": self.hw_tflops,
+            "busy": dict(self.busy),
+            "link_bytes": dict(self.link_bytes),
+            "peak_bytes": dict(self.peak_bytes),
+            "capacity_bytes": dict(self.graph.capacity_bytes),
+            "tasks": len(self.graph.tasks),
+            "iterations_simulated": self.graph.num_iterations,
+        }
+
+
+def simulate_graph(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
+    """Play `graph` on `hw`; returns times of every task and the steady-state metrics of the last iteration."""
+    rates = CostModel(hw).rates
+    tasks = graph.tasks
+    n = len(tasks)
+    R = len(RESOURCES)
+    ridx = {r: i for i, r in enumerate(RESOURCES)}
+    order = graph.resource_order()
+    queues = [order[r] for r in RESOURCES]
+    res_of = [ridx[t.resource] for t in tasks]
+    work = [t.work for t in tasks]
+    ndeps = [0] * n
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for t in tasks:
+        for d in set(t.deps):
+            succ[d].append(t.id)
+            ndeps[t.id] += 1
+    mstart = [t.mem_start for t in tasks]
+    mend = [t.mem_end for t in tasks]
+    is_link = [r in LINK_NAMES for r in RESOURCES]
+    partner = [-1] * R
+    solo = [0.0] * R
+    duplex = [0.0] * R
+    for a, b, sa, sb, da, db in (
+        ("h2d", "d2h", rates.h2d, rates.d2h, rates.h2d_duplex, rates.d2h_duplex),
+        ("ssd_read", "ssd_write", rates.ssd_read, rates.ssd_write, rates.ssd_read_mixed, rates.ssd_write_mixed),
+    ):
+        ia, ib = ridx[a], ridx[b]
+        partner[ia], partner[ib] = ib, ia
+        solo[ia], solo[ib], duplex[ia], duplex[ib] = sa, sb, da, db
+
+    cap = [graph.capacity_bytes[t] for t in TIERS]
+    mem = [graph.static_bytes[t] for t in TIERS]
+    for i, tier in enumerate(TIERS):
+        if mem[i] > cap[i] + _EPS_BYTES:
+            raise CapacityError(tier, 0.0, mem[i] - cap[i], "resident tensors alone do not fit")
+    peak = list(mem)
+    trace: list[tuple[float, float, float, float]] = [(0.0, mem[0], mem[1], mem[2])]
+
+    start = [math.nan] * n
+    end = [math.nan] * n
+    ptr = [0] * R
+    running = [-1] * R
+    remaining = [0.0] * R
+    rate = [0.0] * R
+    since = [0.0] * R
+    version = [0] * R
+    heap: list[tuple[float, int, int, int]] = []  # (time, seq, resource, version)
+    seq = 0
+    now = 0.0
+    mem_blocked: set[int] = set()
+
+    def link_rate(r: int) -> float:
+        p = partner[r]
+        return duplex[r] if running[p] >= 0 else solo[r]
+
+    def rerate(r: int) -> None:
+        """Bring link r's progress up to now and reschedule its finish at its current rate."""
+        nonlocal seq
+        if running[r] < 0:
+            return
+        remaining[r] -= rate[r] * (now - since[r])
+        since[r] = now
+        rate[r] = link_rate(r)
+        version[r] += 1
+        left = max(remaining[r], 0.0)
+        fin = now + (left / rate[r] if rate[r] > 0 else math.inf)
+        seq += 1
+        heapq.heappush(heap, (fin, seq, r, version[r]))
+
+    def try_start(r: int) -> None:
+        nonlocal seq
+        if running[r] >= 0 or ptr[r] >= len(queues[r]):
+            return
+        tid = queues[r][ptr[r]]
+        if ndeps[tid]:
+            return
+        ms = mstart[tid]
+        if ms:
+            need = [0.0, 0.0, 0.0]
+            for tier, delta in ms:
+                need[tier] += delta
+            for i in range(3):
+                if need[i] > 0 and mem[i] + need[i] > cap[i] + _EPS_BYTES:
+                    mem_blocked.add(r)
+                    return
+            for i in range(3):
+                if need[i]:
+                    mem[i] += need[i]
+                    if mem[i] > peak[i]:
+                        peak[i] = mem[i]
+            trace.append((now, mem[0], mem[1], mem[2]))
+        mem_blocked.discard(r)
+        ptr[r] += 1
+        running[r] = tid
+        start[tid] = now
+        if is_link[r]:
+            remaining[r] = work[tid]
+            since[r] = now
+            rate[r] = 0.0
+            rerate(r)
+            if running[partner[r]] >= 0:
+                rerate(partner[r])
+        else:
+            version[r] += 1
+            seq += 1
+            heapq.heappush(heap, (now + work[tid], seq, r, version[r]))
+
+    for r in range(R):
+        try_start(r)
+    done = 0
+    while heap:
+        t_ev, _, r, ver = heapq.heappop(heap)
+        if ver != version[r] or running[r] < 0:
+            continue
+        now = t_ev
+        tid = running[r]
+        running[r] = -1
+        end[tid] = now
+        done += 1
+        freed = False
+        me = mend[tid]
+        if me:
+            for tier, delta in me:
+                mem[tier] += delta
+                if delta < 0:
+                    freed = True
+                elif mem[tier] > peak[tier]:
+                    peak[tier] = mem[tier]
+            trace.append((now, mem[0], mem[1], mem[2]))
+        if is_link[r] and running[partner[r]] >= 0:
+            rerate(partner[r])
+        wake = {r}
+        for s in succ[tid]:
+            ndeps[s] -= 1
+            if not ndeps[s]:
+                wake.add(res_of[s])
+        if freed and mem_blocked:
+            wake |= mem_blocked
+        for w in wake:
+            try_start(w)
+
+    if done < n:
+        _raise_stuck(graph, queues, ptr, ndeps, mem, cap, now, mem_blocked, RESOURCES)
+
+    return _summarize(graph, np.asarray(start), np.asarray(end), peak, trace)
+
+
+def _raise_stuck(graph, queues, ptr, ndeps, mem, cap, now, mem_blocked, resources) -> None:
+    blocked = []  # (tier index, task, bytes needed)
+    for r in sorted(mem_blocked):
+        t = graph.tasks[queues[r][ptr[r]]]
+        need = [0.0, 0.0, 0.0]
+        for tier, delta in t.mem_start:
+            need[tier] += delta
+        blocked += [(i, t, need[i]) for i in range(3) if need[i] > 0 and mem[i] + need[i] > cap[i]]
+    if blocked:
+        # the slowest tier is the root cause: a full CPU or SSD stalls the offloads that would free the GPU
+        i, t, need = max(blocked, key=lambda x: x[0])
+        others = sorted({TIERS[j] for j, _, _ in blocked if j != i})
+        tail = f"; {', '.join(others)} waiting on it" if others else ""
+        raise CapacityError(TIERS[i], now, mem[i] + need - cap[i],
+                            f"{t.label} on {t.resource} needs {need / 1e9:.2f} GB more{tail}")
+    heads = []
+    for r, q in enumerate(queues):
+        if ptr[r] < len(q):
+            t = graph.tasks[q[ptr[r]]]
+            heads.append(f"{resources[r]}: {t.label} waits for {ndeps[t.id]} deps")
+    raise SimulationError("schedule deadlocks: " + "; ".join(heads))
+
+
+def _summarize(graph: TaskGraph, start: np.ndarray, end: np.ndarray, peak: list[float], trace) -> SimResult:
+    tasks = graph.tasks
+    N = graph.num_iterations
+    gpu_mask = np.array([t.resource == "gpu" for t in tasks])
+    its = np.array([t.iteration for t in tasks])
+    ends = [float(end[gpu_mask & (its == i)].max()) for i in range(N)]
+    if N >= 2:
+        w0, w1 = ends[-2], ends[-1]
+    else:
+        w0, w1 = 0.0, float(np.nanmax(end))
+    iteration_s = w1 - w0
+    res = np.array([t.resource for t in tasks])
+    busy = {}
+    for r in RESOURCES:
+        m = res == r
+        s = np.clip(start[m], w0, w1)
+        e = np.clip(end[m], w0, w1)
+        busy[r] = float((e - s).sum() / iteration_s) if iteration_s > 0 else 0.0
+    return SimResult(
+        graph=graph, start_s=start, end_s=end, iteration_ends_s=ends, iteration_s=iteration_s, window_s=(w0, w1),
+        busy=busy, link_bytes=graph.bytes_per_link(iteration=N - 1),
+        peak_bytes={t: peak[i] for i, t in enumerate(TIERS)}, memory_trace=trace,
+    )
