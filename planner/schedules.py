@@ -17,6 +17,7 @@ starts the next and its activation stays on the GPU).
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field, replace
 
 from hwprofiles import HardwareProfile
@@ -319,7 +320,7 @@ class _Builder:
     # -- the iteration ------------------------------------------------------------------------------------------
 
     def build(self) -> TaskGraph:
-        cfg, g, p = self.cfg, self.g, self.p
+        cfg, g = self.cfg, self.g
         M = cfg.num_micro_batches
         seq_steps = step_sequence(self.nb, M, cfg.group)
         S = len(seq_steps)
@@ -352,8 +353,8 @@ class _Builder:
         return out
 
     def build_iteration(self, it: int, base: int, seq_steps: list[_Step]) -> None:
-        cfg, g, p, model = self.cfg, self.g, self.p, self.model
-        L, head = self.L, self.head
+        cfg, g, p = self.cfg, self.g, self.p
+        L = self.L
         ck = p.checkpoints
         # tensors waiting between steps: ("x", block, mb) = input of block; ("dx", block, mb) = grad wrt input
         direct: dict[tuple, int] = {}  # tensor -> producing task id, while it sits on the GPU for the next step
@@ -383,26 +384,9 @@ class _Builder:
                 deps.append(use.fetch_h2d.id)
             prev = self.prev_step_task(k - 1)
 
-            def take(name: tuple, consume: bool) -> None:
-                nonlocal free_gpu
-                if name in direct and self.step_task and direct[name] == prev:
-                    deps.append(direct[name])
-                    if consume and name in stored:
-                        s = stored[name]
-                        free_gpu += s.kept
-                    return
-                if name in stored:
-                    dd, fb = self.fetch(stored[name], k, consume, "act" if name[0] == "x" else "act_grad", it, b, m)
-                    deps.extend(dd)
-                    if name in direct:
-                        deps.append(direct[name])
-                    free_gpu += fb
-                elif name in direct:
-                    deps.append(direct[name])
-
             if st.phase == "F":
                 if b > 0:
-                    take(("x", b, m), consume=not cfg.recompute and b > 0)
+                    free_gpu += self._take(("x", b, m), not cfg.recompute, k, prev, deps, direct, stored, it)
                 t = g.add("fwd", "gpu", self.t_fwd[b], tensor="activations", block=b, mb=m, iteration=it, key=key, deps=deps)
                 g.alloc(t, "gpu", blk.fwd_working_bytes)
                 g.free(t, "gpu", blk.fwd_working_bytes + free_gpu)
@@ -421,7 +405,7 @@ class _Builder:
                 direct[out] = t.id
                 last = t
             elif st.phase == "H":
-                take(("x", b, m), consume=True)
+                free_gpu += self._take(("x", b, m), True, k, prev, deps, direct, stored, it)
                 t = g.add("head", "gpu", self.t_fwd[b] + self.t_bwd[b], tensor="activations", block=b, mb=m,
                           iteration=it, key=key, deps=deps)
                 g.alloc(t, "gpu", blk.bwd_working_bytes)
@@ -430,7 +414,7 @@ class _Builder:
                 self._grad_out(t, b, use, k, it, grad_first_b, grad_last, host_grad_alloc)
                 self._emit_dx(t, ("dx", b, m), i, seq_steps, direct, stored, it)
             else:  # backward
-                take(("dx", b + 1, m), consume=True)
+                free_gpu += self._take(("dx", b + 1, m), True, k, prev, deps, direct, stored, it)
                 s = ckpts.pop(("x", b, m), None)
                 if s is not None:  # the checkpoint (or the saved activations): its last use
                     dd, fb = self.fetch(s, k, True, "checkpoint", it, b, m)
@@ -456,6 +440,24 @@ class _Builder:
                 if use.gpu_bytes:
                     g.free(last, "gpu", use.gpu_bytes)
         self._optimizer(it, base, seq_steps, grad_last, last_step_of_block, first_fwd_idx)
+
+    def _take(self, name: tuple, consume: bool, k: int, prev: int, deps: list[int], direct: dict, stored: dict,
+              it: int) -> float:
+        """Make tensor `name` available to step k: straight from the previous step if it is still on the GPU,
+        else fetched back from where it was parked. Appends to `deps`; returns the GPU bytes step k frees."""
+        if name in direct and direct[name] == prev:
+            deps.append(direct[name])
+            return stored[name].kept if consume and name in stored else 0.0
+        if name in stored:
+            tensor = "act" if name[0] == "x" else "act_grad"
+            dd, fb = self.fetch(stored[name], k, consume, tensor, it, name[1], name[2])
+            deps.extend(dd)
+            if name in direct:
+                deps.append(direct[name])
+            return fb
+        if name in direct:
+            deps.append(direct[name])
+        return 0.0
 
     def _emit_dx(self, t: Task, name: tuple, i: int, seq_steps: list[_Step], direct: dict, stored: dict, it: int) -> None:
         b, m = name[1], name[2]
@@ -567,7 +569,13 @@ class _Builder:
 
 def build_graph(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> TaskGraph:
     """The task graph of `cfg.iterations` training iterations of `model` on `hw` under schedule `cfg`."""
-    return _Builder(model, hw, cfg).build()
+    enabled = gc.isenabled()
+    gc.disable()  # ~10^5 small objects, none cyclic: the collector only slows the build down
+    try:
+        return _Builder(model, hw, cfg).build()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def with_iterations(cfg: ScheduleConfig, n: int) -> ScheduleConfig:

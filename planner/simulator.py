@@ -12,6 +12,7 @@ CapacityError naming the tier, the simulated time and the bytes over.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -93,6 +94,16 @@ class SimResult:
 
 def simulate_graph(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
     """Play `graph` on `hw`; returns times of every task and the steady-state metrics of the last iteration."""
+    enabled = gc.isenabled()
+    gc.disable()  # the event loop allocates many small tuples and no cycles
+    try:
+        return _simulate(graph, hw)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _simulate(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
     rates = CostModel(hw).rates
     tasks = graph.tasks
     n = len(tasks)

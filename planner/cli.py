@@ -1,0 +1,268 @@
+"""`tierflow` command line. Subcommands that need PyTorch (run, compare, calibrate) live in the executor
+package and register themselves through the `tierflow.commands` entry-point group, so that this module never
+imports torch and `tierflow simulate` starts fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from functools import partial
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from hwprofiles import HardwareProfile, ProfileError, list_profiles, load_profile
+from planner.api import DEFAULT_FAMILIES, simulate_config
+from planner.models import ModelError, get_model, list_models
+from planner.placement import Placement, PlacementError
+from planner.schedules import FAMILIES, ScheduleError, make_schedule
+from planner.simulator import CapacityError, SimResult, SimulationError
+
+USER_ERRORS = (ModelError, ProfileError, ScheduleError, PlacementError, SimulationError, ValueError, OSError)
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+# ---- formatting -----------------------------------------------------------------------------------------------
+
+
+def gb(x: float) -> str:
+    return f"{x / 1e9:,.1f} GB"
+
+
+def fmt_table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, rows)])
+
+
+def _busy(k: str, r: SimResult) -> str:
+    return f"{100 * r.busy[k]:.0f}%"
+
+
+def _link(k: str, r: SimResult) -> str:
+    return gb(r.link_bytes[k])
+
+
+def _peak(k: str, r: SimResult) -> str:
+    return f"{gb(r.peak_bytes[k])} / {r.graph.capacity_bytes[k] / 1e9:,.0f}"
+
+
+def summary_table(results: dict[str, SimResult | Exception]) -> str:
+    names = list(results)
+    metrics: list[tuple[str, callable]] = [
+        ("iteration time", lambda r: f"{r.iteration_s:,.1f} s"),
+        ("tokens/s", lambda r: f"{r.tokens_per_s:,.0f}"),
+        ("model TFLOPS", lambda r: f"{r.model_tflops:.1f}"),
+        ("hardware TFLOPS", lambda r: f"{r.hw_tflops:.1f}"),
+    ]
+    metrics += [(f"busy {k}", partial(_busy, k)) for k in ("gpu", "h2d", "d2h", "ssd_read", "ssd_write", "cpu")]
+    metrics += [(f"bytes {k}", partial(_link, k)) for k in ("cpu->gpu", "gpu->cpu", "ssd->cpu", "cpu->ssd")]
+    metrics += [(f"peak {k}", partial(_peak, k)) for k in ("gpu", "cpu", "ssd")]
+    rows = []
+    for label, fn in metrics:
+        rows.append([label] + [fn(results[n]) if isinstance(results[n], SimResult) else "-" for n in names])
+    return fmt_table(rows, ["", *names])
+
+
+# ---- simulate -------------------------------------------------------------------------------------------------
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise CliError(f"--set {item!r}: expected section.key=value, e.g. --set ssd.count=6")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def load_hw(name: str, overrides: list[str]) -> HardwareProfile:
+    hw = load_profile(name)
+    ov = parse_overrides(overrides)
+    return hw.with_overrides(ov) if ov else hw
+
+
+def load_placement(text: str | None) -> Placement | None:
+    if not text:
+        return None
+    if text in ("gpu", "cpu", "ssd"):
+        return Placement.uniform(text)
+    try:
+        data = json.loads(Path(text).read_text()) if Path(text).exists() else json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CliError(f"--placement: not JSON nor a file ({e.msg} at char {e.pos}); e.g. "
+                       '\'{"weights": {"gpu": 0, "cpu": 0.5, "ssd": 0.5}}\' or gpu|cpu|ssd') from None
+    base = Placement().as_dict()
+    for k, v in data.items():
+        base[k] = v
+    try:
+        return Placement.from_dict(base)
+    except TypeError as e:
+        raise CliError(f"--placement: {e}") from None
+
+
+class Progress:
+    """A one-line progress display on stderr (only when it is a terminal)."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.i, self.t0 = total, label, 0, time.time()
+        self.tty = sys.stderr.isatty()
+
+    def step(self, what: str) -> None:
+        self.i += 1
+        if self.tty:
+            bar = "#" * (20 * self.i // self.total)
+            print(f"\r{self.label} [{bar:<20}] {self.i}/{self.total} {what:<24} {time.time() - self.t0:5.1f}s",
+                  end="", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    model = get_model(args.model)
+    if args.seq:
+        model = model.with_seq(args.seq)
+    hw = load_hw(args.hw, args.set)
+    families = list(DEFAULT_FAMILIES) if args.schedule == "all" else [args.schedule]
+    placement = load_placement(args.placement)
+    results: dict[str, SimResult | Exception] = {}
+    prog = Progress(len(families), "simulating")
+    for fam in families:
+        cfg = make_schedule(fam, model, hw, batch=args.batch, micro_batch=args.micro_batch, seq=model.seq_len,
+                            placement=placement, group=args.group, alpha=args.alpha,
+                            prefetch_depth=args.prefetch, recompute=not args.no_recompute,
+                            iterations=args.iterations)
+        try:
+            results[fam] = simulate_config(model, hw, cfg)
+        except CapacityError as e:
+            if len(families) == 1:
+                raise
+            results[fam] = e
+        prog.step(fam)
+    prog.done()
+    if args.out:
+        for fam, r in results.items():
+            if isinstance(r, SimResult):
+                d = Path(args.out) / fam if len(families) > 1 else Path(args.out)
+                from planner.trace import write_outputs
+
+                write_outputs(r, d, name=f"{model.name} on {hw.name}: {fam}")
+    if args.json:
+        out = {"model": model.name, "params": model.total_params(), "hw": hw.name, "batch": args.batch,
+               "micro_batch": args.micro_batch, "seq": model.seq_len, "schedules": {}}
+        for fam, r in results.items():
+            if isinstance(r, SimResult):
+                out["schedules"][fam] = {"params": model.total_params(), **r.to_dict(),
+                                         "schedule": r.meta.get("schedule")}
+            else:
+                out["schedules"][fam] = {"error": str(r)}
+        if len(families) == 1:
+            out = {**out, **out["schedules"][families[0]]}
+        print(json.dumps(out, indent=2))
+        return 0
+    M = args.batch // args.micro_batch
+    print(f"{model.describe()}")
+    print(f"box: {hw.name}: {hw.summary()}")
+    print(f"batch {args.batch} sequences x {model.seq_len} tokens = {M} micro-batches of {args.micro_batch}")
+    for fam, r in results.items():
+        if isinstance(r, SimResult):
+            print(f"  {fam:<11} placement: {Placement.from_dict(r.meta['schedule']['placement']).describe()}")
+    print()
+    print(summary_table(results))
+    errors = {f: r for f, r in results.items() if not isinstance(r, SimResult)}
+    for fam, e in errors.items():
+        print(f"\n{fam}: does not fit: {e}")
+    ok = {f: r for f, r in results.items() if isinstance(r, SimResult)}
+    if len(ok) > 1:
+        best = max(ok, key=lambda f: ok[f].tokens_per_s)
+        worst = min(ok, key=lambda f: ok[f].tokens_per_s)
+        print(f"\nfastest: {best} ({ok[best].tokens_per_s / ok[worst].tokens_per_s:.2f}x {worst})")
+    print("model TFLOPS = tokens x (6 x matmul params + 12 x layers x q_dim x seq) / time; "
+          "hardware TFLOPS adds the recompute forward")
+    if args.out:
+        print(f"wrote timeline.csv, trace.json, gantt.png under {args.out}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    for name in list_models():
+        print(get_model(name).describe())
+    return 0
+
+
+def cmd_profiles(args: argparse.Namespace) -> int:
+    for name in list_profiles():
+        hw = load_profile(name)
+        print(f"{name:<16} {hw.summary()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tierflow", description="Plan, simulate and run training of models larger than "
+                                "GPU memory over GPU memory, CPU memory and NVMe SSDs.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    s = sub.add_parser("simulate", help="simulate schedules of a model on a box and report throughput",
+                       description="Simulate training iterations and report the steady state. With no arguments: "
+                       "GPT-3 175B on the RTX 4090 box (Fuyou's), every schedule side by side.")
+    s.add_argument("--model", default="gpt3-175b", help="zoo name (see `tierflow models`) or a HF config.json path")
+    s.add_argument("--hw", default="rtx4090-lohan", help="profile name (see `tierflow profiles`) or a YAML path")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a profile field, e.g. ssd.count=6")
+    s.add_argument("--schedule", default="all", choices=[*FAMILIES, "all"], help="schedule family (default: all)")
+    s.add_argument("--batch", type=int, default=64, help="global batch in sequences (default 64)")
+    s.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (default 4)")
+    s.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    s.add_argument("--group", type=int, default=None, help="micro-batches per block sweep (block schedule)")
+    s.add_argument("--alpha", type=float, default=None, help="deferred optimizer fraction (vertical default 0.25)")
+    s.add_argument("--prefetch", type=int, default=1, help="weight buffers fetched ahead (default 1)")
+    s.add_argument("--no-recompute", action="store_true", help="keep every activation instead of recomputing")
+    s.add_argument("--placement", default=None, help="gpu|cpu|ssd, or JSON / a JSON file of fractions per tensor class")
+    s.add_argument("--iterations", type=int, default=2, help="iterations simulated (the last is reported)")
+    s.add_argument("--json", action="store_true", help="print the results as JSON")
+    s.add_argument("--out", default=None, help="write timeline.csv, trace.json (Perfetto) and gantt.png here")
+    s.set_defaults(func=cmd_simulate)
+    sub.add_parser("models", help="list the model zoo").set_defaults(func=cmd_models)
+    sub.add_parser("profiles", help="list the bundled hardware profiles").set_defaults(func=cmd_profiles)
+    for ep in entry_points(group="tierflow.commands"):
+        try:
+            register = ep.load()
+        except ImportError as e:  # e.g. torch missing: the command says so when used
+            missing = str(e)
+            sp = sub.add_parser(ep.name, help=f"(unavailable: {missing})")
+            sp.set_defaults(func=lambda a, m=missing: (_ for _ in ()).throw(CliError(m)))
+            continue
+        register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv:
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args) or 0
+    except CapacityError as e:
+        print(f"tierflow: does not fit: {e}", file=sys.stderr)
+        return 3
+    except (CliError, *USER_ERRORS) as e:
+        print(f"tierflow: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tierflow: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
