@@ -57,6 +57,7 @@ class ScheduleConfig:
     prefetch_depth: int = 1  # weight buffers fetched ahead of the one in use
     act_prefetch: int = 2  # compute steps ahead an activation fetch may start
     recompute: bool = True  # recompute each layer's forward in backward (else keep all its activations)
+    swap_layers: int = 0  # the last n layers keep (and swap out) all their activations instead of recomputing
     iterations: int = 2  # iterations simulated; the last one is reported as the steady state
 
     @property
@@ -65,13 +66,15 @@ class ScheduleConfig:
 
     def describe(self) -> str:
         return (f"{self.family}: batch {self.batch} = {self.num_micro_batches} x {self.micro_batch}, group {self.group}, "
-                f"alpha {self.alpha:g}, prefetch {self.prefetch_depth}, {'recompute' if self.recompute else 'no recompute'}")
+                f"alpha {self.alpha:g}, prefetch {self.prefetch_depth}, "
+                f"{'recompute' if self.recompute else 'no recompute'}{f', {self.swap_layers} layers swapped' if self.swap_layers else ''}")
 
     def to_dict(self) -> dict:
         return {
             "family": self.family, "batch": self.batch, "micro_batch": self.micro_batch, "seq": self.seq,
             "group": self.group, "alpha": self.alpha, "optimizer_overlap": self.optimizer_overlap,
             "prefetch_depth": self.prefetch_depth, "act_prefetch": self.act_prefetch, "recompute": self.recompute,
+            "swap_layers": self.swap_layers,
             "iterations": self.iterations, "placement": self.placement.as_dict(),
         }
 
@@ -125,7 +128,7 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, family: str, batch:
 def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: int, micro_batch: int,
                   seq: int | None = None, placement: Placement | None = None, group: int | None = None,
                   alpha: float | None = None, prefetch_depth: int = 1, recompute: bool = True,
-                  iterations: int = 2) -> ScheduleConfig:
+                  swap_layers: int = 0, act_prefetch: int = 2, iterations: int = 2) -> ScheduleConfig:
     """A schedule of one family with that family's defaults for everything not given."""
     if family not in FAMILIES:
         raise ScheduleError(f"unknown schedule {family!r} (known: {', '.join(FAMILIES)}, all)")
@@ -155,11 +158,14 @@ def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: 
         raise ScheduleError(f"group {g} must divide the {M} micro-batches")
     if not 0.0 <= a < 1.0:
         raise ScheduleError(f"alpha {a} must be within [0, 1)")
+    if not 0 <= swap_layers <= model.num_layers:
+        raise ScheduleError(f"swap_layers {swap_layers} must be within [0, {model.num_layers}]")
     if prefetch_depth < 1:
         raise ScheduleError(f"prefetch depth {prefetch_depth} must be >= 1")
     return ScheduleConfig(family=family, batch=batch, micro_batch=micro_batch, seq=seq, placement=placement,
                           group=g, alpha=a, optimizer_overlap=overlap, prefetch_depth=prefetch_depth,
-                          recompute=recompute, iterations=iterations)
+                          recompute=recompute, swap_layers=swap_layers, act_prefetch=act_prefetch,
+                          iterations=iterations)
 
 
 # ---- the generic builder ------------------------------------------------------------------------------------
@@ -239,6 +245,10 @@ class _Builder:
         self.resident_update: dict[int, list[int]] = {}  # block -> tasks that refresh its GPU-resident weights
 
     # -- helpers ----------------------------------------------------------------------------------------------
+
+    def rec(self, b: int) -> bool:
+        """Is layer block b recomputed in backward? The last `swap_layers` layers keep their activations."""
+        return self.cfg.recompute and b <= self.L - self.cfg.swap_layers
 
     def prev_step_task(self, k: int) -> int:
         return self.step_task[k] if 0 <= k < len(self.step_task) else -1
@@ -386,19 +396,20 @@ class _Builder:
 
             if st.phase == "F":
                 if b > 0:
-                    free_gpu += self._take(("x", b, m), not cfg.recompute, k, prev, deps, direct, stored, it)
+                    free_gpu += self._take(("x", b, m), not self.rec(b), k, prev, deps, direct, stored, it)
                 t = g.add("fwd", "gpu", self.t_fwd[b], tensor="activations", block=b, mb=m, iteration=it, key=key, deps=deps)
                 g.alloc(t, "gpu", blk.fwd_working_bytes)
                 g.free(t, "gpu", blk.fwd_working_bytes + free_gpu)
+                if b >= 1 and not self.rec(b):
+                    # a layer that is not recomputed keeps (swaps out) every activation its backward needs
+                    ckpts[("x", b, m)] = self.offload(t, blk.full_activation_bytes, ck, "checkpoint", it, b, m)
                 out = ("x", b + 1, m)
                 out_bytes = blk.checkpoint_bytes if b > 0 else self.blocks[1].checkpoint_bytes
-                if b + 1 <= L and cfg.recompute:
+                if b + 1 <= L and self.rec(b + 1):
                     # the next layer's input is its activation checkpoint: park it per the placement
                     s = self.offload(t, out_bytes, ck, "checkpoint", it, b + 1, m)
                     ckpts[out] = stored[out] = s
                 else:
-                    if b >= 1 and not cfg.recompute:
-                        ckpts[("x", b, m)] = self.offload(t, blk.full_activation_bytes, ck, "checkpoint", it, b, m)
                     nxt = seq_steps[i + 1] if i + 1 < len(seq_steps) else None
                     if not (nxt and nxt.block == b + 1 and nxt.mb == m):
                         stored[out] = self.offload(t, out_bytes, ck, "act", it, b + 1, m)
@@ -421,7 +432,7 @@ class _Builder:
                     deps.extend(dd)
                     free_gpu += fb
                 first = None
-                if b >= 1 and cfg.recompute:
+                if b >= 1 and self.rec(b):
                     first = g.add("recompute", "gpu", self.t_fwd[b], tensor="activations", block=b, mb=m,
                                   iteration=it, key=key - 0.01, deps=deps)
                     g.alloc(first, "gpu", blk.bwd_working_bytes)
