@@ -363,7 +363,7 @@ class _Builder:
         return out
 
     def build_iteration(self, it: int, base: int, seq_steps: list[_Step]) -> None:
-        cfg, g, p = self.cfg, self.g, self.p
+        g, p = self.g, self.p
         L = self.L
         ck = p.checkpoints
         # tensors waiting between steps: ("x", block, mb) = input of block; ("dx", block, mb) = grad wrt input
