@@ -168,6 +168,18 @@ def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: 
                           iterations=iterations)
 
 
+def static_bytes(model: ModelSpec, placement: Placement) -> dict[str, float]:
+    """Bytes resident on each tier for the whole run: weights and optimizer states where the placement puts
+    them, plus the SSD space reserved for spilled gradients."""
+    p, P = placement, model.total_params()
+    out = {}
+    for tier in ("gpu", "cpu", "ssd"):
+        out[tier] = P * (COMPUTE_BYTES * getattr(p.weights, tier) + MASTER_BYTES * getattr(p.master, tier)
+                         + ADAM_STATE_BYTES * (getattr(p.adam_m, tier) + getattr(p.adam_v, tier)))
+    out["ssd"] += GRAD_ACCUM_BYTES * P * p.grads.ssd
+    return out
+
+
 # ---- the generic builder ------------------------------------------------------------------------------------
 
 
@@ -346,21 +358,11 @@ class _Builder:
                 st.use = len(self.uses) - 1
             self.step_key.extend(float(it * (S + 10) + i) for i in range(S))
             self.build_iteration(it, base, seq_steps)
-        static = self.static_bytes()
+        static = static_bytes(self.model, self.p)
         cap = {"gpu": float(self.hw.gpu.capacity_bytes), "cpu": float(self.hw.cpu.capacity_bytes),
                "ssd": float(self.hw.ssd.capacity_bytes)}
         return TaskGraph(g.tasks, static, cap, cfg.iterations, self.nb,
                          meta={"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations})
-
-    def static_bytes(self) -> dict[str, float]:
-        p = self.p
-        P = self.model.total_params()
-        out = {"gpu": 0.0, "cpu": 0.0, "ssd": 0.0}
-        for tier in out:
-            out[tier] += COMPUTE_BYTES * P * getattr(p.weights, tier)
-            out[tier] += P * (MASTER_BYTES * getattr(p.master, tier) + ADAM_STATE_BYTES * (getattr(p.adam_m, tier) + getattr(p.adam_v, tier)))
-        out["ssd"] += GRAD_ACCUM_BYTES * P * p.grads.ssd  # reserved spill space
-        return out
 
     def build_iteration(self, it: int, base: int, seq_steps: list[_Step]) -> None:
         g, p = self.g, self.p
