@@ -1,0 +1,872 @@
+"""`tierflow calibrate`: measure the machine it runs on and write a hardware profile the planner accepts.
+
+    tierflow calibrate --ssd-dir /mnt/nvme/tmp --base h100-80g -o box.yaml
+    tierflow simulate --hw box.yaml
+
+What it measures:
+
+- GPU (only when ``torch.cuda.is_available()``): bf16 GEMM TFLOPS at transformer shapes (CUDA events, after
+  warm-up), a small GEMM to fit ``gemm_half_gflop``, HBM bandwidth (device-to-device copy), memory size,
+  pinned H2D / D2H bandwidth alone and both at once on two CUDA streams.
+- CPU: DRAM copy bandwidth (read + write bytes), memory size, CPU AdamW update rate.
+- SSD (with ``--ssd-dir``): sequential O_DIRECT write and read bandwidth, a mixed read + write run on two
+  threads (decides ``rw_sharing``) and the free space. The directory's filesystem is measured as ONE device
+  (``ssd.count = 1``), so a RAID0 array is reported as one fast drive.
+
+Everything it cannot measure comes from ``--base PROFILE``; without one, the gpu/pcie sections and the prices
+come from the bundled ``rtx4090-lohan`` and, without ``--ssd-dir``, the profile has no SSD tier. The table it
+prints says, for every field, whether it was measured, derived or taken from the base.
+
+torch is imported inside the functions, so registering the command does not slow down ``tierflow simulate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import math
+import mmap
+import os
+import platform
+import re
+import shutil
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hwprofiles import HardwareProfile, load_profile, profile_from_dict, save_profile
+from planner.cli import CliError
+
+FALLBACK_BASE = "rtx4090-lohan"
+MIB = 2**20
+GIB = 2**30
+# Without a datasheet (--base), the best measured GEMM rate is taken to be this fraction of the peak.
+NO_BASE_GEMM_EFFICIENCY = 0.9
+# Without a datasheet, measured HBM copy bandwidth is taken to be this fraction of the peak (the bundled
+# profiles' hbm_efficiency assumption).
+NO_BASE_HBM_EFFICIENCY = 0.85
+SHARED_THRESHOLD = 1.3  # mixed read + write sum below 1.3x the faster solo rate -> "shared"
+
+# (tokens, in_features, out_features): the GEMMs of a 4096-wide transformer block and one large square.
+GEMM_SHAPES = [(8192, 4096, 4096), (8192, 4096, 16384), (8192, 16384, 4096), (8192, 8192, 8192)]
+SMALL_GEMM = (1024, 1024, 1024)  # ~2.1 GFLOP: near the half-efficiency size of current GPUs
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much work each measurement does; ``--quick`` keeps the whole run under ~20 s on a small machine."""
+
+    dram_bytes: int
+    adam_params: int
+    adam_steps: int
+    ssd_file_bytes: int
+    ssd_block_bytes: int
+    ssd_min_s: float  # each solo SSD phase runs at least this long (re-reading / re-writing the file)
+    ssd_mixed_s: float
+    gpu_target_s: float  # timed span per GEMM shape
+    hbm_bytes: int
+    pcie_bytes: int
+
+
+FULL = Sizes(
+    dram_bytes=1 * GIB, adam_params=50_000_000, adam_steps=5, ssd_file_bytes=2 * GIB, ssd_block_bytes=4 * MIB,
+    ssd_min_s=1.0, ssd_mixed_s=3.0, gpu_target_s=0.3, hbm_bytes=2 * GIB, pcie_bytes=1 * GIB,
+)
+QUICK = Sizes(
+    dram_bytes=256 * MIB, adam_params=5_000_000, adam_steps=3, ssd_file_bytes=256 * MIB,
+    ssd_block_bytes=1 * MIB, ssd_min_s=0.3, ssd_mixed_s=1.0, gpu_target_s=0.05, hbm_bytes=512 * MIB,
+    pcie_bytes=256 * MIB,
+)
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:
+        raise CliError(f"tierflow calibrate needs PyTorch ({e}): pip install 'tierflow[run]'") from None
+    return torch
+
+
+# --------------------------------------------------------------------------------------------------------------
+# CPU
+# --------------------------------------------------------------------------------------------------------------
+
+
+def measure_dram_gbps(nbytes: int, repeats: int = 3) -> float:
+    """DRAM bandwidth in GB/s of a large torch copy, counting read + write bytes (2 x nbytes per copy)."""
+    torch = _torch()
+    n = max(1, nbytes // 4)
+    src = torch.empty(n, dtype=torch.float32)
+    src.fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch every page of both buffers before timing
+    best = math.inf
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n * 4 / best / 1e9
+
+
+def adam_impl() -> str:
+    """"fused" when this torch has a CPU fused AdamW, else "foreach"."""
+    torch = _torch()
+    p = torch.nn.Parameter(torch.zeros(16))
+    p.grad = torch.ones(16)
+    try:
+        torch.optim.AdamW([p], lr=1e-3, fused=True).step()
+        return "fused"
+    except (RuntimeError, TypeError, ValueError):
+        return "foreach"
+
+
+def measure_cpu_adam(params: int, steps: int = 3, chunk: int = 4 * 2**20) -> float:
+    """CPU AdamW update rate in parameters per second on ``params`` fp32 parameters (in tensors of ``chunk``)."""
+    torch = _torch()
+    sizes = [chunk] * (params // chunk) + ([params % chunk] if params % chunk else [])
+    ps = []
+    for s in sizes:
+        p = torch.nn.Parameter(torch.full((s,), 0.01))
+        p.grad = torch.full((s,), 1e-3)
+        ps.append(p)
+    opt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, **{adam_impl(): True})
+    opt.step()  # warm-up: allocates exp_avg / exp_avg_sq
+    t0 = time.perf_counter()
+    for _ in range(max(1, steps)):
+        opt.step()
+    return params * max(1, steps) / (time.perf_counter() - t0)
+
+
+def cpu_memory_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    except (ValueError, OSError, AttributeError):
+        pass
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 / GIB
+    raise OSError("cannot find the memory size (no sysconf, no /proc/meminfo)")
+
+
+def cpu_model() -> str:
+    name, sockets = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not name:
+                    name = " ".join(value.split())
+                elif key == "physical id":
+                    sockets.add(value.strip())
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine() or "unknown CPU"
+    if len(sockets) > 1:
+        name = f"{len(sockets)}x {name}"
+    return f"{name} ({os.cpu_count()} threads)"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# SSD
+# --------------------------------------------------------------------------------------------------------------
+
+
+def check_ssd_dir(directory: str | os.PathLike[str], need_bytes: int) -> Path:
+    """The directory, or a one-line CliError naming it and the fix."""
+    d = Path(directory)
+    if not d.exists():
+        raise CliError(f"--ssd-dir {d}: no such directory (create it, or give a directory on the SSD to measure)")
+    if not d.is_dir():
+        raise CliError(f"--ssd-dir {d}: not a directory (give a directory on the SSD to measure, not a file)")
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise CliError(f"--ssd-dir {d}: not writable (fix its permissions or give a directory you can write to)")
+    free = shutil.disk_usage(d).free
+    if free < need_bytes:
+        raise CliError(
+            f"--ssd-dir {d}: only {free / 1e9:.2f} GB free, the test needs {need_bytes / 1e9:.2f} GB "
+            "(free some space, use --quick or a smaller --ssd-file-mib, or give another directory)"
+        )
+    return d
+
+
+def ssd_need_bytes(file_bytes: int) -> int:
+    """Free space the SSD test needs: two test files and some slack."""
+    return 2 * file_bytes + 64 * MIB
+
+
+def block_device_name(directory: str | os.PathLike[str]) -> str:
+    """Best effort: the model or name of the block device holding ``directory`` ("unknown device" if none)."""
+    try:
+        st = os.stat(directory)
+        sys_dir = Path(os.path.realpath(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"))
+        if not sys_dir.exists():
+            return "unknown device"
+        disk = sys_dir.parent if (sys_dir / "partition").exists() else sys_dir
+        for candidate in (disk / "device" / "model", disk / "dm" / "name"):
+            if candidate.exists():
+                text = " ".join(candidate.read_text().split())
+                if text:
+                    return f"{text} ({disk.name})"
+        return disk.name
+    except (OSError, ValueError):
+        return "unknown device"
+
+
+def _aligned_buffer(nbytes: int) -> mmap.mmap:
+    buf = mmap.mmap(-1, nbytes)  # anonymous mappings are page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(min(nbytes, 4 * MIB)) * (nbytes // min(nbytes, 4 * MIB)))  # incompressible data
+    return buf
+
+
+def _open(path: Path, write: bool, direct: bool) -> int:
+    flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
+    if direct:
+        flags |= os.O_DIRECT
+    return os.open(path, flags, 0o600)
+
+
+def _drop_cache(fd: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _stream(fd: int, buf: mmap.mmap, write: bool, file_bytes: int, min_bytes: int, until: float,
+            direct: bool) -> int:
+    """Sequential blocks over the file, wrapping at its end, until ``min_bytes`` moved and ``until`` passed."""
+    block = len(buf)
+    done = pos = 0
+    while True:
+        if pos >= file_bytes:
+            os.lseek(fd, 0, os.SEEK_SET)
+            pos = 0
+            if not write and not direct:
+                _drop_cache(fd)
+        n = os.write(fd, buf) if write else os.readv(fd, [buf])
+        if n != block:
+            raise OSError(errno.EIO, f"short {'write' if write else 'read'} ({n} of {block} bytes)")
+        pos += n
+        done += n
+        if done >= min_bytes and time.perf_counter() >= until:
+            return done
+
+
+def _timed(path: Path, buf: mmap.mmap, write: bool, file_bytes: int, min_bytes: int, seconds: float,
+           direct: bool, start: float | None = None) -> tuple[int, float]:
+    """(bytes, seconds) of one sequential phase; writes include the final fsync."""
+    fd = _open(path, write, direct)
+    try:
+        if not write and not direct:
+            _drop_cache(fd)
+        t0 = time.perf_counter() if start is None else start
+        n = _stream(fd, buf, write, file_bytes, min_bytes, t0 + seconds, direct)
+        if write:
+            os.fsync(fd)
+        return n, time.perf_counter() - t0
+    finally:
+        os.close(fd)
+
+
+def _preallocate(path: Path, nbytes: int, direct: bool) -> None:
+    fd = _open(path, True, direct)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise
+    finally:
+        os.close(fd)
+
+
+def measure_ssd(directory: str | os.PathLike[str], file_bytes: int, block_bytes: int, min_s: float = 0.0,
+                mixed_s: float = 1.0, warn: Any = None, step: Any = None) -> dict[str, Any]:
+    """Sequential write / read GB/s of the filesystem holding ``directory``, and a mixed read + write run.
+
+    Uses O_DIRECT with page-aligned buffers; where the filesystem refuses O_DIRECT (EINVAL, e.g. tmpfs) it
+    falls back to buffered I/O + fsync + posix_fadvise(DONTNEED) and calls ``warn(message)`` once. The test
+    files are always removed. ``step(label)`` is called before each phase (progress display).
+    """
+    step = step or (lambda label: None)
+    if block_bytes <= 0 or block_bytes % mmap.PAGESIZE:
+        raise ValueError(f"block size {block_bytes} must be a positive multiple of {mmap.PAGESIZE} bytes")
+    file_bytes = max(block_bytes, file_bytes // block_bytes * block_bytes)
+    d = Path(directory)
+    stem = f".tierflow-calibrate-{os.getpid()}-{threading.get_ident()}"
+    file_a, file_b = d / f"{stem}-a.bin", d / f"{stem}-b.bin"
+    buf_r, buf_w = _aligned_buffer(block_bytes), _aligned_buffer(block_bytes)
+    direct = hasattr(os, "O_DIRECT")
+    out: dict[str, Any] = {"file_bytes": file_bytes, "block_bytes": block_bytes}
+    try:
+        step(f"SSD write ({file_bytes / MIB:.0f} MiB)")
+        try:
+            _preallocate(file_a, file_bytes, direct)
+            wrote, t_write = _timed(file_a, buf_w, True, file_bytes, file_bytes, min_s, direct)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not direct:
+                raise
+            direct = False
+            if warn:
+                warn(f"warning: {d} refuses O_DIRECT (tmpfs or similar?): measuring with buffered I/O + fsync + "
+                     "posix_fadvise(DONTNEED) instead; rates may include the page cache")
+            _preallocate(file_a, file_bytes, direct)
+            wrote, t_write = _timed(file_a, buf_w, True, file_bytes, file_bytes, min_s, direct)
+        step(f"SSD read ({file_bytes / MIB:.0f} MiB)")
+        read, t_read = _timed(file_a, buf_r, False, file_bytes, file_bytes, min_s, direct)
+        out.update(direct=direct, write_gbps=wrote / t_write / 1e9, read_gbps=read / t_read / 1e9)
+
+        step(f"SSD read + write ({mixed_s:g} s)")
+        _preallocate(file_b, file_bytes, direct)
+        results: dict[str, tuple[int, float]] = {}
+        errors: list[BaseException] = []
+        start = time.perf_counter() + 0.05  # both threads start together and share one clock
+
+        def run(name: str, path: Path, buf: mmap.mmap, write: bool) -> None:
+            try:
+                while time.perf_counter() < start:
+                    time.sleep(0.001)
+                results[name] = _timed(path, buf, write, file_bytes, 0, mixed_s, direct, start=start)
+            except BaseException as e:  # re-raised in the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=("read", file_a, buf_r, False)),
+                   threading.Thread(target=run, args=("write", file_b, buf_w, True))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        out["mixed_read_gbps"] = results["read"][0] / results["read"][1] / 1e9
+        out["mixed_write_gbps"] = results["write"][0] / results["write"][1] / 1e9
+        faster = max(out["read_gbps"], out["write_gbps"])
+        mixed = out["mixed_read_gbps"] + out["mixed_write_gbps"]
+        out["rw_sharing"] = "shared" if mixed < SHARED_THRESHOLD * faster else "independent"
+        out["capacity_gb"] = (shutil.disk_usage(d).free + _size(file_a) + _size(file_b)) / 1e9
+        out["model"] = block_device_name(d)
+        return out
+    finally:
+        for path in (file_a, file_b):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        buf_r.close()
+        buf_w.close()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_blocks * 512
+    except OSError:
+        return 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GPU (CUDA only; none of this runs without a GPU)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _cuda_ms_per_call(fn: Any, target_s: float, max_iters: int = 2000) -> float:
+    """Mean milliseconds per call of ``fn`` timed with CUDA events after warm-up, over about ``target_s``."""
+    torch = _torch()
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    end.synchronize()
+    per = max(start.elapsed_time(end) / 3, 1e-4)
+    iters = int(min(max_iters, max(3, target_s * 1e3 / per)))
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def measure_gemm_tflops(tokens: int, d_in: int, d_out: int, target_s: float = 0.1) -> float:
+    """bf16 TFLOPS of ``x[tokens, d_in] @ W[d_out, d_in]^T`` (a Linear layer's forward)."""
+    torch = _torch()
+    x = torch.randn(tokens, d_in, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(tokens, d_out, device="cuda", dtype=torch.bfloat16)
+    wt = w.t()
+    ms = _cuda_ms_per_call(lambda: torch.mm(x, wt, out=out), target_s)
+    return 2 * tokens * d_in * d_out / (ms * 1e-3) / 1e12
+
+
+def measure_hbm_gbps(nbytes: int, target_s: float = 0.1) -> float:
+    """Device memory bandwidth in GB/s of a device-to-device copy (read + write bytes)."""
+    torch = _torch()
+    free, _ = torch.cuda.mem_get_info()
+    nbytes = int(min(nbytes, free // 4))
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _cuda_ms_per_call(lambda: dst.copy_(src), target_s, max_iters=200)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def measure_pcie(nbytes: int, chunks: int = 16) -> dict[str, float]:
+    """Pinned H2D and D2H GB/s alone, and each direction's rate while the other runs on a second stream."""
+    torch = _torch()
+    nbytes = max(chunks * MIB, nbytes // (chunks * MIB) * chunks * MIB)
+    host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {
+        "h2d_gbps": nbytes / (_cuda_ms_per_call(lambda: dev_a.copy_(host_a, non_blocking=True), 0.0, 3) * 1e-3) / 1e9,
+        "d2h_gbps": nbytes / (_cuda_ms_per_call(lambda: host_b.copy_(dev_b, non_blocking=True), 0.0, 3) * 1e-3) / 1e9,
+    }
+    # Both at once: chunked copies on two streams, an event after each chunk; each direction's rate is taken
+    # over the time both were running (up to the end of the one that finishes first).
+    c = nbytes // chunks
+    s_h2d, s_d2h = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(2_000_000)  # hold both streams back until every copy is queued
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    done: dict[str, list[Any]] = {"h2d": [], "d2h": []}
+    for name, stream, dst, src in (("h2d", s_h2d, dev_a, host_a), ("d2h", s_d2h, host_b, dev_b)):
+        stream.wait_event(start)
+        with torch.cuda.stream(stream):
+            for i in range(chunks):
+                dst[i * c:(i + 1) * c].copy_(src[i * c:(i + 1) * c], non_blocking=True)
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(stream)
+                done[name].append(ev)
+    torch.cuda.synchronize()
+    ms = {k: [start.elapsed_time(e) for e in evs] for k, evs in done.items()}
+    window = min(ms["h2d"][-1], ms["d2h"][-1])
+    for k, times in ms.items():
+        k_done = sum(1 for t in times if t <= window * 1.0001) or 1
+        rate = k_done * c / (times[k_done - 1] * 1e-3) / 1e9
+        out[f"duplex_{k}_gbps"] = min(rate, out[f"{k}_gbps"])  # noise must not make duplex beat solo
+    return out
+
+
+def gpu_info() -> dict[str, Any]:
+    torch = _torch()
+    props = torch.cuda.get_device_properties(0)
+    return {"model": " ".join(str(props.name).split()) or "unknown GPU", "memory_gib": props.total_memory / GIB}
+
+
+def pcie_generation_from_rate(h2d_gbps: float) -> int:
+    """PCIe generation a x16 link with this pinned H2D rate most likely has (3: ~12, 4: ~25, 5: ~50 GB/s)."""
+    for gen, ceiling in ((3, 18.0), (4, 37.0), (5, 75.0)):
+        if h2d_gbps < ceiling:
+            return gen
+    return 6
+
+
+def fit_gemm_half_gflop(small_gflop: float, small_eff: float, e_max: float) -> float:
+    """Solve ``small_eff = e_max * f / (f + h)`` for h (GFLOP); a tiny positive h if the small GEMM is as fast."""
+    if small_eff <= 0 or small_eff >= e_max:
+        return 0.001
+    return max(0.001, small_gflop * (e_max / small_eff - 1))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Running everything and building the profile
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """One line on stderr, rewritten for each measurement (only when stderr is a terminal)."""
+
+    def __init__(self, total: int, enabled: bool | None = None):
+        self.total, self.i, self.t0 = total, 0, time.perf_counter()
+        self.tty = sys.stderr.isatty() if enabled is None else enabled
+        self.width = 0
+
+    def step(self, what: str) -> None:
+        self.i += 1
+        if self.tty:
+            text = f"calibrate [{self.i}/{self.total}] {what}  {time.perf_counter() - self.t0:5.1f}s"
+            print("\r" + text.ljust(self.width), end="", file=sys.stderr, flush=True)
+            self.width = len(text)
+
+    def message(self, text: str) -> None:
+        self.clear()
+        print(text, file=sys.stderr, flush=True)
+
+    def clear(self) -> None:
+        if self.tty and self.width:
+            print("\r" + " " * self.width + "\r", end="", file=sys.stderr, flush=True)
+            self.width = 0
+
+
+def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | None = None,
+                     progress: Progress | None = None, gpu: bool | None = None) -> dict[str, Any]:
+    """Every measurement this machine allows; the raw numbers as a JSON-able dict."""
+    torch = _torch()
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    progress = progress or Progress(total=0, enabled=False)
+    m: dict[str, Any] = {"host": socket.gethostname(), "torch": torch.__version__,
+                         "cpu_threads": torch.get_num_threads(), "gpu": None, "pcie": None, "ssd": None,
+                         "errors": []}
+    if gpu:
+        m["gpu"], m["pcie"] = _measure_gpu(sizes, progress, m["errors"])
+    progress.step("CPU memory bandwidth")
+    cpu: dict[str, Any] = {"model": cpu_model(), "memory_gib": cpu_memory_gib()}
+    cpu["memory_gbps"] = measure_dram_gbps(min(sizes.dram_bytes, int(cpu["memory_gib"] * GIB / 16)))
+    progress.step(f"CPU AdamW ({sizes.adam_params / 1e6:g}M params)")
+    adam_params = int(min(sizes.adam_params, cpu["memory_gib"] * GIB / 16 / 4))
+    cpu["adam_impl"] = adam_impl()
+    cpu["adam_gparams_per_s"] = measure_cpu_adam(adam_params, sizes.adam_steps) / 1e9
+    m["cpu"] = cpu
+    if ssd_dir is not None:
+        m["ssd"] = measure_ssd(ssd_dir, sizes.ssd_file_bytes, sizes.ssd_block_bytes, sizes.ssd_min_s,
+                               sizes.ssd_mixed_s, warn=progress.message, step=progress.step)
+        m["ssd"]["dir"] = str(ssd_dir)
+    progress.clear()
+    return m
+
+
+def _measure_gpu(sizes: Sizes, progress: Progress, errors: list[str]) -> tuple[dict | None, dict | None]:
+    """GPU and PCIe numbers; a failing measurement is reported in ``errors`` and left to the base profile."""
+    torch = _torch()
+    gpu: dict[str, Any] = gpu_info()
+    try:
+        gemms = []
+        for shape in GEMM_SHAPES:
+            progress.step(f"GPU GEMM {shape[0]}x{shape[1]}->{shape[2]}")
+            gemms.append({"shape": list(shape), "gflop": 2 * math.prod(shape) / 1e9,
+                          "tflops": measure_gemm_tflops(*shape, target_s=sizes.gpu_target_s)})
+            torch.cuda.empty_cache()
+        progress.step("GPU small GEMM")
+        gpu["gemms"] = gemms
+        gpu["best_tflops"] = max(g["tflops"] for g in gemms)
+        gpu["small_gflop"] = 2 * math.prod(SMALL_GEMM) / 1e9
+        gpu["small_tflops"] = measure_gemm_tflops(*SMALL_GEMM, target_s=sizes.gpu_target_s)
+    except RuntimeError as e:
+        errors.append(f"GPU GEMM: {' '.join(str(e).split())[:200]}")
+    try:
+        progress.step("GPU memory bandwidth")
+        gpu["hbm_gbps"] = measure_hbm_gbps(sizes.hbm_bytes, sizes.gpu_target_s)
+    except RuntimeError as e:
+        errors.append(f"GPU memory bandwidth: {' '.join(str(e).split())[:200]}")
+    torch.cuda.empty_cache()
+    pcie = None
+    try:
+        progress.step("PCIe H2D / D2H / duplex")
+        pcie = measure_pcie(min(sizes.pcie_bytes, int(cpu_memory_gib() * GIB / 16)))
+    except RuntimeError as e:
+        errors.append(f"PCIe: {' '.join(str(e).split())[:200]}")
+    torch.cuda.empty_cache()
+    return gpu, pcie
+
+
+@dataclass
+class FieldInfo:
+    key: str  # dotted, e.g. "gpu.peak_tflops"
+    value: Any
+    source: str  # "measured", "derived", "from <base>", "no --ssd-dir"
+    note: str = ""
+
+
+@dataclass
+class Calibration:
+    profile: HardwareProfile
+    fields: list[FieldInfo]
+    base_name: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def not_measured(self) -> list[str]:
+        return [f.key for f in self.fields if not f.source.startswith(("measured", "derived"))]
+
+    def to_json(self, measurements: dict[str, Any] | None = None, output: str | None = None) -> dict[str, Any]:
+        return {
+            "output": output,
+            "profile": self.profile.to_dict(),
+            "fields": [{"field": f.key, "value": f.value, "source": f.source, "note": f.note} for f in self.fields],
+            "not_measured": self.not_measured,
+            "base": self.base_name,
+            "notes": self.notes,
+            "measurements": measurements,
+        }
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """Round to ``digits`` significant digits (readable YAML)."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    return round(x, digits - 1 - int(math.floor(math.log10(abs(x)))))
+
+
+def _gpu_matches(base_model: str, measured: str) -> bool:
+    tokens = [t.lower() for t in re.findall(r"[A-Za-z]*\d+[A-Za-z0-9]*", base_model)]
+    return not tokens or any(t in measured.lower() for t in tokens)
+
+
+def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = None,
+                  name: str | None = None) -> Calibration:
+    """The profile for ``measurements`` (from :func:`run_measurements`): measured values where there are any,
+    the rest from ``base`` (default: the bundled rtx4090-lohan for gpu/pcie/price and no SSD tier)."""
+    explicit_base = base is not None
+    base = base if base is not None else load_profile(FALLBACK_BASE)
+    base_name = base.name
+    from_base = f"from {base_name}"
+    data = base.to_dict()
+    info: dict[str, FieldInfo] = {}
+    notes: list[str] = []
+
+    def put(key: str, value: Any, source: str, note: str = "") -> None:
+        section, _, k = key.partition(".")
+        value = _sig(value) if isinstance(value, float) else value
+        data[section][k] = value
+        info[key] = FieldInfo(key, value, source, note)
+
+    # ---- GPU
+    g = measurements.get("gpu")
+    if g:
+        put("gpu.model", g["model"], "measured", "torch.cuda.get_device_properties")
+        put("gpu.memory_gib", g["memory_gib"], "measured", "torch.cuda.get_device_properties")
+        put("gpu.reserved_gib", 0.6 + 0.05 * g["memory_gib"], "derived",
+            "assumption: 0.6 GiB CUDA context + 5% fragmentation")
+        if explicit_base and not _gpu_matches(base.gpu.model, g["model"]):
+            notes.append(f"the base's GPU is '{base.gpu.model}' but this one is '{g['model']}': "
+                         "peak_tflops and hbm_gbps come from the base's datasheet; pass the right --base")
+        if "best_tflops" in g:
+            best = g["best_tflops"]
+            if explicit_base:
+                peak = base.gpu.peak_tflops
+                put("gpu.peak_tflops", peak, from_base, "datasheet peak")
+                eff = best / peak
+                if eff > 1:
+                    notes.append(f"measured {best:.0f} TFLOPS is above the base's peak {peak:g}: "
+                                 "gemm_efficiency capped at 1 (is --base the right GPU?)")
+                eff = min(eff, 1.0)
+            else:
+                eff = NO_BASE_GEMM_EFFICIENCY
+                put("gpu.peak_tflops", best / eff, "derived",
+                    f"no --base: best measured {best:.0f} TFLOPS / {eff:g}")
+                notes.append(f"no --base datasheet: gpu.peak_tflops set to the best measured GEMM rate / {eff:g} "
+                             f"(gemm_efficiency {eff:g}); pass --base PROFILE to keep a datasheet peak")
+            put("gpu.gemm_efficiency", eff, "measured" if explicit_base else "derived",
+                f"best GEMM {best:.0f} TFLOPS / peak")
+            peak = data["gpu"]["peak_tflops"]
+            half = fit_gemm_half_gflop(g["small_gflop"], g["small_tflops"] / peak, data["gpu"]["gemm_efficiency"])
+            put("gpu.gemm_half_gflop", half, "measured",
+                f"fit: {g['small_gflop']:.2f} GFLOP GEMM at {g['small_tflops']:.0f} TFLOPS")
+        if "hbm_gbps" in g:
+            hbm = g["hbm_gbps"]
+            if explicit_base:
+                put("gpu.hbm_gbps", base.gpu.hbm_gbps, from_base, "datasheet peak")
+                if hbm > base.gpu.hbm_gbps:
+                    notes.append(f"measured HBM {hbm:.0f} GB/s is above the base's {base.gpu.hbm_gbps:g}: "
+                                 "hbm_efficiency capped at 1")
+                put("gpu.hbm_efficiency", min(1.0, hbm / base.gpu.hbm_gbps), "measured",
+                    f"copy at {hbm:.0f} GB/s / datasheet")
+            else:
+                put("gpu.hbm_gbps", hbm / NO_BASE_HBM_EFFICIENCY, "derived",
+                    f"no --base: measured {hbm:.0f} GB/s / {NO_BASE_HBM_EFFICIENCY:g}")
+                put("gpu.hbm_efficiency", NO_BASE_HBM_EFFICIENCY, "derived", "assumption, as in the bundled profiles")
+    p = measurements.get("pcie")
+    if p:
+        h2d = p["h2d_gbps"]
+        d2h = p["d2h_gbps"]
+        put("pcie.generation", pcie_generation_from_rate(h2d), "derived", "from the H2D rate, assuming x16")
+        put("pcie.h2d_gbps", h2d, "measured", "pinned copy")
+        put("pcie.d2h_gbps", d2h, "measured", "pinned copy")
+        # rounding must not make a duplex rate exceed its solo rate
+        put("pcie.duplex_h2d_gbps", min(_sig(p["duplex_h2d_gbps"]), data["pcie"]["h2d_gbps"]), "measured",
+            "H2D while D2H runs (two streams)")
+        put("pcie.duplex_d2h_gbps", min(_sig(p["duplex_d2h_gbps"]), data["pcie"]["d2h_gbps"]), "measured",
+            "D2H while H2D runs (two streams)")
+
+    # ---- CPU
+    c = measurements["cpu"]
+    put("cpu.model", c["model"], "measured", "/proc/cpuinfo")
+    put("cpu.memory_gib", c["memory_gib"], "measured", "sysconf")
+    put("cpu.reserved_gib", min(6 + 0.05 * c["memory_gib"], 0.5 * c["memory_gib"]), "derived",
+        "assumption: 6 GiB OS + runtime + 5% (at most half)")
+    put("cpu.memory_gbps", c["memory_gbps"], "measured", "large copy, read + write bytes (below datasheet peak)")
+    put("cpu.adam_gparams_per_s", c["adam_gparams_per_s"], "measured",
+        f"torch AdamW ({c.get('adam_impl', '?')}) on {measurements.get('cpu_threads', '?')} threads")
+
+    # ---- SSD
+    s = measurements.get("ssd")
+    if s:
+        where = s.get("dir", "--ssd-dir")
+        io = "O_DIRECT" if s.get("direct", True) else "buffered (no O_DIRECT)"
+        put("ssd.count", 1, "measured", "the directory's filesystem measured as ONE device (RAID0 = one drive)")
+        put("ssd.model", s["model"], "measured", f"block device of {where}")
+        put("ssd.capacity_gb", s["capacity_gb"], "measured", "free space on the filesystem, not the drive size")
+        put("ssd.read_gbps", s["read_gbps"], "measured", f"sequential {io}, {s['block_bytes'] // MIB} MiB blocks")
+        put("ssd.write_gbps", s["write_gbps"], "measured", f"sequential {io} + fsync")
+        put("ssd.array_read_gbps", None, "derived", "one device: no separate array ceiling")
+        put("ssd.array_write_gbps", None, "derived", "one device: no separate array ceiling")
+        put("ssd.rw_sharing", s["rw_sharing"], "measured",
+            f"mixed {s['mixed_read_gbps']:.2f} read + {s['mixed_write_gbps']:.2f} write GB/s vs solo "
+            f"{max(s['read_gbps'], s['write_gbps']):.2f}")
+        if not s.get("direct", True):
+            notes.append(f"{where} refused O_DIRECT: the SSD rates were measured with buffered I/O and may be "
+                         "optimistic")
+    elif not explicit_base:
+        data["ssd"] = {"count": 0}
+        info["ssd.count"] = FieldInfo("ssd.count", 0, "no --ssd-dir", "no SSD tier: pass --ssd-dir to measure one")
+        notes.append("no --ssd-dir: the profile has no SSD tier (ssd.count = 0); pass --ssd-dir DIR on the SSD")
+
+    # ---- the rest from the base
+    for section in ("gpu", "pcie", "cpu", "ssd", "price"):
+        for k, v in data[section].items():
+            key = f"{section}.{k}"
+            if key not in info:
+                info[key] = FieldInfo(key, v, from_base, "not measured" if section != "price" else "not measured (price)")
+    if not g:
+        notes.append(f"no CUDA GPU: the gpu and pcie sections are the {base_name} profile's "
+                     f"({base.gpu.model}); run calibrate on the GPU box to measure them")
+    for err in measurements.get("errors", []):
+        notes.append(f"measurement failed, value taken from {base_name}: {err}")
+
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", str(measurements.get("host") or "box"))[:40] or "box"
+    data["name"] = name or f"calibrated-{host}"
+    measured_parts = ["CPU"] + (["GPU"] if g else []) + (["PCIe"] if p else []) + (["SSD"] if s else [])
+    data["description"] = (f"measured by tierflow calibrate on {host} {time.strftime('%Y-%m-%d')}: "
+                           f"{', '.join(measured_parts)} measured; the rest from {base_name}")
+    profile = profile_from_dict(data, source="tierflow calibrate")
+    order = [f"{sec}.{k}" for sec in ("gpu", "pcie", "cpu", "ssd", "price") for k in profile.to_dict()[sec]]
+    fields = [info[k] for k in order if k in info]
+    return Calibration(profile, fields, base_name, notes)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def format_table(cal: Calibration) -> str:
+    rows = [[f.key, _fmt(f.value), f.source, f.note] for f in cal.fields]
+    header = ["field", "value", "source", "note"]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
+    line = lambda r: "  ".join([r[0].ljust(widths[0]), r[1].rjust(widths[1]), r[2].ljust(widths[2]), r[3]]).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths] + ["----"]), *map(line, rows)])
+
+
+def write_profile(cal: Calibration, path: str | os.PathLike[str]) -> None:
+    """save_profile, then a comment per field (measured / derived / from base); plain if comments would break it."""
+    save_profile(cal.profile, path)
+    plain = Path(path).read_text(encoding="utf-8")
+    notes = {f.key: f"{f.source}{': ' + f.note if f.note else ''}" for f in cal.fields}
+    lines = plain.splitlines()
+    printable = lambda text: re.sub(r"[^\x20-\x7e]", "?", text)  # noqa: E731
+    out, section = [], ""
+    key_re, section_re = re.compile(r"^  ([a-z0-9_]+): \S"), re.compile(r"^([a-z_]+):\s*$")
+    for i, text in enumerate(lines):
+        if section_re.match(text):
+            section = section_re.match(text).group(1)
+        m = key_re.match(text)
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        single_line = not nxt.startswith("   ") and "#" not in text
+        if m and single_line and f"{section}.{m.group(1)}" in notes:
+            comment = printable(notes[f"{section}.{m.group(1)}"])
+            text = f"{text}  # {comment}"
+        out.append(text)
+    header = [f"# not measured (taken from {cal.base_name}): {', '.join(cal.not_measured) or 'none'}"]
+    header += [f"# note: {printable(n)}" for n in cal.notes]
+    annotated = "\n".join([*out[:2], *header, *out[2:]]) + "\n"
+    Path(path).write_text(annotated, encoding="utf-8")
+    try:
+        ok = load_profile(Path(path)).to_dict() == cal.profile.to_dict()
+    except ValueError:
+        ok = False
+    if not ok:
+        Path(path).write_text(plain, encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------------------------
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    torch = _torch()
+    sizes = QUICK if args.quick else FULL
+    if args.ssd_file_mib is not None:
+        if args.ssd_file_mib < 1:
+            raise CliError(f"--ssd-file-mib {args.ssd_file_mib}: must be at least 1")
+        sizes = Sizes(**{**sizes.__dict__, "ssd_file_bytes": args.ssd_file_mib * MIB,
+                         "ssd_block_bytes": min(sizes.ssd_block_bytes, args.ssd_file_mib * MIB)})
+    out = Path(args.out)
+    if out.is_dir():
+        raise CliError(f"-o {out}: is a directory (give a file name such as {out / 'box.yaml'})")
+    if not out.parent.is_dir():
+        raise CliError(f"-o {out}: directory {out.parent} does not exist (create it or choose another path)")
+    if not os.access(out.parent, os.W_OK):
+        raise CliError(f"-o {out}: directory {out.parent} is not writable (choose another path)")
+    base = load_profile(args.base) if args.base else None
+    ssd_dir = None
+    if args.ssd_dir is not None:
+        ssd_dir = check_ssd_dir(args.ssd_dir, ssd_need_bytes(sizes.ssd_file_bytes))
+    gpu = torch.cuda.is_available()
+    total = 2 + (7 if gpu else 0) + (3 if ssd_dir else 0)
+    progress = Progress(total)
+    try:
+        m = run_measurements(sizes, ssd_dir, progress, gpu=gpu)
+    except OSError as e:
+        if ssd_dir is None:
+            raise
+        raise CliError(f"--ssd-dir {ssd_dir}: {e.strerror or e} while measuring (check the directory, its free "
+                       "space and permissions, or give another one)") from None
+    finally:
+        progress.clear()
+    cal = build_profile(m, base, name=args.name)
+    write_profile(cal, out)
+    if args.json:
+        print(json.dumps(cal.to_json(m, str(out)), indent=2))
+        return 0
+    print(f"tierflow calibrate on {m['host']} (torch {m['torch']}, {m['cpu_threads']} CPU threads"
+          f"{', quick' if args.quick else ''})")
+    print()
+    print(format_table(cal))
+    print()
+    for n in cal.notes:
+        print(f"note: {n}")
+    print(f"not measured (taken from {cal.base_name}): {', '.join(cal.not_measured) or 'none'}")
+    print(f"wrote {out}: {cal.profile.summary()}")
+    print(f"use it with: tierflow simulate --hw {out}")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "calibrate", help="measure this machine (GPU, PCIe, CPU, SSD) and write a hardware profile",
+        description="Measure this machine and write a hardware profile for `tierflow simulate --hw FILE`. "
+        "Measures the GPU (when CUDA is available), PCIe copies, DRAM bandwidth, CPU Adam and, with --ssd-dir, "
+        "the SSD. What it cannot measure comes from --base (default: the bundled rtx4090-lohan for gpu/pcie "
+        "and prices, and no SSD tier).")
+    p.add_argument("-o", "--out", required=True, metavar="FILE", help="profile YAML to write, e.g. box.yaml")
+    p.add_argument("--ssd-dir", default=None, metavar="DIR",
+                   help="a directory on the SSD (array) to measure; needs 2x the test file free (4.1 GB, or "
+                   "0.6 GB with --quick)")
+    p.add_argument("--base", default=None, metavar="PROFILE",
+                   help="profile name or YAML for what cannot be measured and for datasheet peaks "
+                   "(gpu.peak_tflops, gpu.hbm_gbps) and prices")
+    p.add_argument("--quick", action="store_true", help="smaller, shorter measurements (under ~20 s)")
+    p.add_argument("--ssd-file-mib", type=int, default=None, metavar="N",
+                   help="size of the SSD test file in MiB (default 2048, 256 with --quick)")
+    p.add_argument("--name", default=None, help="profile name (default calibrated-<hostname>)")
+    p.add_argument("--json", action="store_true", help="print the fields, sources and raw measurements as JSON")
+    p.set_defaults(func=cmd_calibrate)

@@ -1,0 +1,155 @@
+"""`tierflow calibrate`: the real measurements at tiny sizes, the profile it writes, and its one-line errors."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from executor import calibrate as cal  # noqa: E402
+from hwprofiles import load_profile  # noqa: E402
+from planner.cli import main  # noqa: E402
+
+HAS_GPU = torch.cuda.is_available()
+GPU_KEYS = ["gpu.peak_tflops", "gpu.gemm_efficiency", "gpu.hbm_gbps", "pcie.h2d_gbps", "pcie.duplex_d2h_gbps"]
+
+
+def test_cpu_measurements_are_positive():
+    assert cal.measure_dram_gbps(16 * 2**20, repeats=2) > 0
+    assert cal.measure_cpu_adam(300_000, steps=1, chunk=100_000) > 0
+    assert cal.adam_impl() in ("fused", "foreach")
+    assert cal.cpu_memory_gib() > 0
+    assert cal.cpu_model().strip()
+
+
+def test_ssd_measurement_is_positive_and_cleans_up(tmp_path):
+    steps = []
+    r = cal.measure_ssd(tmp_path, 8 * 2**20, 2**20, mixed_s=0.2, step=steps.append)
+    for key in ("read_gbps", "write_gbps", "mixed_read_gbps", "mixed_write_gbps", "capacity_gb"):
+        assert r[key] > 0, key
+    assert r["rw_sharing"] in ("shared", "independent")
+    assert len(steps) == 3
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ssd_falls_back_to_buffered_io_with_one_warning(tmp_path, monkeypatch):
+    real_open = cal._open
+
+    def refuse_direct(path, write, direct):
+        if direct:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, write, direct)
+
+    monkeypatch.setattr(cal, "_open", refuse_direct)
+    warnings = []
+    r = cal.measure_ssd(tmp_path, 4 * 2**20, 2**20, mixed_s=0.1, warn=warnings.append)
+    assert r["direct"] is False and r["read_gbps"] > 0 and r["write_gbps"] > 0
+    assert len(warnings) == 1 and "O_DIRECT" in warnings[0] and "\n" not in warnings[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ssd_test_files_are_removed_on_error(tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cal, "_stream", fail)
+    with pytest.raises(OSError):
+        cal.measure_ssd(tmp_path, 4 * 2**20, 2**20)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_half_gflop_fit_inverts_the_cost_model_curve():
+    e_max, h, f = 0.8, 3.2, 2.0
+    assert cal.fit_gemm_half_gflop(f, e_max * f / (f + h), e_max) == pytest.approx(h)
+    assert cal.fit_gemm_half_gflop(f, e_max, e_max) > 0  # small GEMM as fast as large: still valid
+
+
+def fake_measurements() -> dict:
+    return {
+        "host": "testbox",
+        "cpu_threads": 2,
+        "gpu": {"model": "NVIDIA H100 80GB HBM3", "memory_gib": 79.2, "best_tflops": 700.0, "small_gflop": 2.147,
+                "small_tflops": 300.0, "hbm_gbps": 2900.0},
+        "pcie": {"h2d_gbps": 52.0, "d2h_gbps": 50.0, "duplex_h2d_gbps": 53.0, "duplex_d2h_gbps": 40.0},
+        "cpu": {"model": "test CPU", "memory_gib": 128.0, "memory_gbps": 150.0, "adam_gparams_per_s": 3.0,
+                "adam_impl": "fused"},
+        "ssd": None,
+        "errors": [],
+    }
+
+
+def test_build_profile_with_a_gpu_and_a_datasheet_base():
+    c = cal.build_profile(fake_measurements(), load_profile("h100-80g"))
+    g, p = c.profile.gpu, c.profile.pcie
+    assert g.peak_tflops == 989  # datasheet kept
+    assert g.gemm_efficiency == pytest.approx(700 / 989, rel=1e-3)
+    e_small = 300 / 989
+    assert g.gemm_efficiency * 2.147 / (2.147 + g.gemm_half_gflop) == pytest.approx(e_small, rel=1e-2)
+    assert g.hbm_gbps == 3350 and g.hbm_efficiency == pytest.approx(2900 / 3350, rel=1e-3)
+    assert p.generation == 5 and p.duplex_h2d_gbps <= p.h2d_gbps  # noisy duplex clamped to the solo rate
+    assert c.profile.ssd == load_profile("h100-80g").ssd  # no --ssd-dir: the base's SSDs
+    assert "gpu.peak_tflops" in c.not_measured and "gpu.gemm_efficiency" not in c.not_measured
+
+
+def test_build_profile_without_base_derives_the_peak_and_has_no_ssd():
+    c = cal.build_profile(fake_measurements())
+    assert c.profile.gpu.peak_tflops == pytest.approx(700 / 0.9, rel=1e-3)
+    assert c.profile.gpu.gemm_efficiency == pytest.approx(0.9)
+    assert any("no --base" in n for n in c.notes)
+    assert c.profile.ssd.count == 0 and "ssd.count" in c.not_measured
+
+
+def test_cli_writes_a_profile_the_planner_loads(tmp_path, capsys):
+    out = tmp_path / "box.yaml"
+    rc = main(["calibrate", "--quick", "--ssd-dir", str(tmp_path), "-o", str(out)])
+    stdout = capsys.readouterr().out
+    assert rc == 0
+    hw = load_profile(str(out))
+    assert hw.cpu.memory_gbps > 0 and hw.cpu.adam_gparams_per_s > 0 and hw.cpu.memory_gib > 0
+    assert hw.ssd.count == 1 and hw.ssd.read_gbps > 0 and hw.ssd.write_gbps > 0 and hw.ssd.capacity_gb > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["box.yaml"]  # the SSD test files are gone
+    assert "cpu.memory_gbps" in stdout and "measured" in stdout
+    not_measured = [line for line in stdout.splitlines() if line.startswith("not measured")]
+    assert len(not_measured) == 1
+    if not HAS_GPU:
+        assert all(k in not_measured[0] for k in GPU_KEYS)
+        assert "rtx4090-lohan" in not_measured[0]
+        assert hw.gpu == load_profile("rtx4090-lohan").gpu
+
+
+def test_cli_json_reports_sources(tmp_path, capsys):
+    out = tmp_path / "box.yaml"
+    rc = main(["calibrate", "--quick", "--ssd-dir", str(tmp_path), "--ssd-file-mib", "8", "--base", "h100-80g",
+               "--json", "-o", str(out)])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    sources = {f["field"]: f["source"] for f in d["fields"]}
+    assert sources["cpu.memory_gbps"] == "measured" and sources["ssd.read_gbps"] == "measured"
+    assert sources["price.gpu_usd"] == "from h100-80g"
+    assert d["profile"] == load_profile(str(out)).to_dict()
+    if not HAS_GPU:
+        assert set(GPU_KEYS) <= set(d["not_measured"])
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_bad_ssd_dir_is_one_line_rc_2(tmp_path, capsys, kind):
+    bad = tmp_path / "nope"
+    if kind == "file":
+        bad.write_text("x")
+    rc = main(["calibrate", "--quick", "--ssd-dir", str(bad), "-o", str(tmp_path / "box.yaml")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1 and str(bad) in err
+    assert not (tmp_path / "box.yaml").exists()
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+def test_gpu_measurements_are_positive():
+    assert cal.measure_gemm_tflops(512, 512, 512, target_s=0.01) > 0
+    assert cal.measure_hbm_gbps(64 * 2**20, target_s=0.01) > 0
+    r = cal.measure_pcie(64 * 2**20)
+    assert all(v > 0 for v in r.values())
+    assert r["duplex_h2d_gbps"] <= r["h2d_gbps"] and r["duplex_d2h_gbps"] <= r["d2h_gbps"]
