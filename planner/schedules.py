@@ -440,9 +440,11 @@ class _Builder:
                     g.alloc(first, "gpu", blk.bwd_working_bytes)
                 t = g.add("bwd", "gpu", self.t_bwd[b], tensor="activations", block=b, mb=m, iteration=it,
                           key=key, deps=[first.id] if first else deps)
+                # a swapped layer's saved activations arrive by fetch (counted there), not by recompute
+                work_bytes = blk.bwd_working_bytes - (blk.full_activation_bytes if b >= 1 and not self.rec(b) else 0)
                 if first is None:
-                    g.alloc(t, "gpu", blk.bwd_working_bytes)
-                g.free(t, "gpu", blk.bwd_working_bytes + free_gpu)
+                    g.alloc(t, "gpu", work_bytes)
+                g.free(t, "gpu", work_bytes + free_gpu)
                 last = t
                 self._grad_out(t, b, use, k, it, grad_first_b, grad_last, host_grad_alloc)
                 if b >= 1:
