@@ -20,6 +20,7 @@ from planner.schedules import FAMILIES, ScheduleError, make_schedule
 from planner.simulator import CapacityError, SimResult, SimulationError
 
 USER_ERRORS = (ModelError, ProfileError, ScheduleError, PlacementError, SimulationError, ValueError, OSError)
+# PlanError and PlanningError are ValueErrors: one line, exit code 2
 
 
 class CliError(Exception):
@@ -126,6 +127,8 @@ class Progress:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.plan:
+        return simulate_plan_file(args)
     model = get_model(args.model)
     if args.seq:
         model = model.with_seq(args.seq)
@@ -191,6 +194,150 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def simulate_plan_file(args: argparse.Namespace) -> int:
+    from planner.planfile import load_plan, simulate_plan
+
+    plan = load_plan(args.plan)
+    res = simulate_plan(plan)
+    name = f"{plan.model.name} on {plan.hardware.name}: plan {Path(args.plan).name}"
+    if args.out:
+        from planner.trace import write_outputs
+
+        write_outputs(res, args.out, name=name)
+    if args.json:
+        print(json.dumps({"plan": str(args.plan), "params": plan.model.total_params(), **res.to_dict(),
+                          "predicted_in_plan": plan.predicted}, indent=2))
+        return 0
+    print(plan.model.describe())
+    print(f"box: {plan.hardware.name}: {plan.hardware.summary()}")
+    print(f"plan: {plan.config.describe()}")
+    print(f"placement: {plan.config.placement.describe()}")
+    print()
+    print(summary_table({"plan": res}))
+    if plan.predicted and "iteration_s" in plan.predicted:
+        diff = res.iteration_s / plan.predicted["iteration_s"] - 1
+        print(f"\nreplayed iteration {res.iteration_s:,.2f} s vs {plan.predicted['iteration_s']:,.2f} s recorded in the plan ({diff:+.2%})")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from planner.planfile import plan_from_graph, write_plan
+    from planner.schedules import build_graph
+    from planner.search import explain, plan_search
+
+    model = get_model(args.model)
+    if args.seq:
+        model = model.with_seq(args.seq)
+    hw = load_hw(args.hw, args.set)
+    prog = Progress(1, "planning")
+
+    def progress(i: int, n: int, what: str) -> None:
+        prog.total, prog.i = max(n, 1), i - 1
+        prog.step(what[:24])
+
+    mbs = [args.micro_batch] if args.micro_batch else None
+    sr = plan_search(model, hw, args.batch, model.seq_len, time_limit_s=args.time_limit, micro_batches=mbs,
+                     allow_ssd=not args.no_ssd, progress=progress, baselines=not args.no_baselines)
+    prog.done()
+    best = sr.best
+    cfg = best.config
+    graph = build_graph(model, hw, cfg)
+    solver = best.solver.to_dict() if best.solver else {"status": "BASELINE"}
+    solver.update({"search_wall_s": sr.wall_s, "candidates": len(sr.evaluated), "bound_s": best.bound_s,
+                   "verified_s": best.verified_s})
+    if args.out:
+        write_plan(plan_from_graph(model, hw, cfg, graph, predicted=best.result, solver=solver), args.out)
+    lines = explain(sr, args.batch, model.seq_len) if args.explain else []
+    if args.json:
+        print(json.dumps({"model": model.name, "params": model.total_params(), "hw": hw.name,
+                          "decisions": cfg.to_dict(), "solver": solver, "predicted": best.result.to_dict(),
+                          "candidate": best.candidate.describe(args.batch), "plan_file": args.out,
+                          "explain": lines,
+                          "evaluated": [{"candidate": e.candidate.describe(args.batch),
+                                         "verified_s": e.verified_s if e.result else None,
+                                         "solver": e.solver.to_dict() if e.solver else None,
+                                         "error": e.error} for e in sr.evaluated]}, indent=2))
+        return 0
+    print(model.describe())
+    print(f"box: {hw.name}: {hw.summary()}")
+    print(f"batch {args.batch} sequences x {model.seq_len} tokens; searched {len(sr.evaluated)} candidates in {sr.wall_s:.1f} s")
+    rows = []
+    ok = sorted((e for e in sr.evaluated if e.result), key=lambda e: e.verified_s)
+    for e in ok[:8]:
+        s_ = e.solver
+        rows.append([e.candidate.describe(args.batch), f"{e.verified_s:,.1f} s", f"{e.result.tokens_per_s:,.0f}",
+                     f"{e.result.hw_tflops:.1f}", s_.status if s_ else "-", f"{s_.objective_s:,.1f} s" if s_ else "-"])
+    print()
+    print(fmt_table(rows, ["candidate (best first)", "simulated", "tokens/s", "hw TFLOPS", "CP-SAT", "bound"]))
+    print()
+    print(f"chosen: {best.candidate.describe(args.batch)}; {cfg.swap_layers} of {model.num_layers} layers swap "
+          f"their activations instead of recomputing")
+    print(f"placement: {cfg.placement.describe()}")
+    if best.solver:
+        r = best.solver
+        print(f"solver: CP-SAT {r.status}, objective {r.objective_s:,.2f} s, best bound {r.best_bound_s:,.2f} s, "
+              f"gap {r.gap:.1%}, {r.wall_s:.2f} s")
+    res = best.result
+    print(f"verified by simulation: {res.iteration_s:,.2f} s per iteration ({res.iteration_s / best.bound_s - 1:+.1%} "
+          f"vs the solver's roofline), {res.tokens_per_s:,.0f} tokens/s, {res.model_tflops:.1f} model / "
+          f"{res.hw_tflops:.1f} hardware TFLOPS")
+    if sr.baseline:
+        name, b = min(sr.baseline.items(), key=lambda kv: kv[1].iteration_s)
+        print(f"best fixed schedule with default settings: {name} at {b.iteration_s:,.2f} s -> plan is "
+              f"{b.iteration_s / res.iteration_s:.2f}x faster")
+    for line in lines:
+        print(line)
+    if args.out:
+        print(f"wrote {args.out} ({len(graph.tasks):,} ops); replay it with: tierflow simulate --plan {args.out}")
+    return 0
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from planner.capacity import FAMILIES as CAP_FAMILIES
+    from planner.capacity import largest
+
+    hw = load_hw(args.hw, args.set)
+    seq = args.seq or 2048
+    answers = []
+    prog = Progress(2 * len(CAP_FAMILIES), "capacity")
+    for fam in CAP_FAMILIES:
+        for with_ssd in (True, False):
+            if with_ssd and hw.ssd.count == 0:
+                prog.step(fam)
+                continue
+            answers.append(largest(fam, hw, args.batch, seq, with_ssd))
+            prog.step(fam)
+    prog.done()
+    checks = []
+    for name in args.model or []:
+        from planner.capacity import fits
+
+        m = get_model(name).with_seq(min(seq, get_model(name).max_positions or seq))
+        checks.append((name, {s: fits(m, hw, args.batch, seq, s) for s in (True, False)}))
+    if args.json:
+        print(json.dumps({"hw": hw.name, "batch": args.batch, "seq": seq, "largest": [
+            {"family": a.family, "with_ssd": a.with_ssd, "model": a.model.describe() if a.model else None,
+             "params": a.params, "layers": a.model.num_layers if a.model else None,
+             "hidden": a.model.hidden if a.model else None,
+             "requirements_bytes": a.requirements,
+             "tokens_per_s": a.verified.tokens_per_s if a.verified else None, "note": a.note} for a in answers],
+            "checks": {n: c for n, c in checks}}, indent=2))
+        return 0
+    print(f"box: {hw.name}: {hw.summary()}")
+    print(f"batch {args.batch} x seq {seq}; most frugal plan: vertical, micro-batch 1, states and checkpoints "
+          f"on the SSDs when used (else in CPU memory)")
+    rows = []
+    for a in answers:
+        rows.append([a.family, "CPU+GPU+SSD" if a.with_ssd else "CPU+GPU", a.model.describe().split(":")[1].strip()
+                     if a.model else a.note, f"{a.params / 1e9:,.1f}B",
+                     f"{a.verified.tokens_per_s:,.1f}" if a.verified else "-"])
+    print(fmt_table(rows, ["family", "tiers", "largest model", "params", "tokens/s (simulated)"]))
+    for name, c in checks:
+        print(f"{name}: " + ", ".join(f"{'with' if s else 'without'} SSDs: {'fits' if ok else 'does not fit'}"
+                                      for s, ok in c.items()))
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     for name in list_models():
         print(get_model(name).describe())
@@ -226,7 +373,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--iterations", type=int, default=2, help="iterations simulated (the last is reported)")
     s.add_argument("--json", action="store_true", help="print the results as JSON")
     s.add_argument("--out", default=None, help="write timeline.csv, trace.json (Perfetto) and gantt.png here")
+    s.add_argument("--plan", default=None, help="replay a plan file written by `tierflow plan` instead")
     s.set_defaults(func=cmd_simulate)
+    pl = sub.add_parser("plan", help="search schedule, micro-batching, placement and recompute; write a plan file",
+                        description="Search every decision with the roofline bound, CP-SAT and the simulator; "
+                        "every plan is verified by simulating full iterations.")
+    pl.add_argument("--model", default="gpt3-175b", help="zoo name or HF config.json path")
+    pl.add_argument("--hw", default="rtx4090-lohan", help="profile name or YAML path")
+    pl.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a profile field")
+    pl.add_argument("--batch", type=int, default=64, help="global batch in sequences (default 64)")
+    pl.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    pl.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch (default: searched)")
+    pl.add_argument("--time-limit", type=float, default=60.0, help="seconds for the whole search (default 60)")
+    pl.add_argument("--no-ssd", action="store_true", help="use only GPU and CPU memory")
+    pl.add_argument("--no-baselines", action="store_true", help="do not simulate the fixed schedules for comparison")
+    pl.add_argument("--explain", action="store_true", help="say what binds and what would help most")
+    pl.add_argument("-o", "--out", default=None, help="write the plan file here (JSON, docs/plan-format.md)")
+    pl.add_argument("--json", action="store_true", help="print the result as JSON")
+    pl.set_defaults(func=cmd_plan)
+    ca = sub.add_parser("capacity", help="the largest model of each family that trains on a box")
+    ca.add_argument("--hw", default="rtx4090-lohan", help="profile name or YAML path")
+    ca.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a profile field, e.g. cpu.memory_gib=256")
+    ca.add_argument("--batch", type=int, default=16, help="global batch in sequences (default 16)")
+    ca.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
+    ca.add_argument("--model", action="append", help="also check whether this model fits (repeatable)")
+    ca.add_argument("--json", action="store_true", help="print the result as JSON")
+    ca.set_defaults(func=cmd_capacity)
     sub.add_parser("models", help="list the model zoo").set_defaults(func=cmd_models)
     sub.add_parser("profiles", help="list the bundled hardware profiles").set_defaults(func=cmd_profiles)
     for ep in entry_points(group="tierflow.commands"):

@@ -108,7 +108,7 @@ class SearchResult:
     wall_s: float
     model: ModelSpec
     hw: HardwareProfile
-    notes: list[str] = field(default_factory=list)
+    baseline: dict[str, SimResult] = field(default_factory=dict)  # best fixed schedules with default settings
 
 
 # ---- the memory model the solver uses (the simulator checks it) ---------------------------------------------
@@ -373,7 +373,7 @@ def fits_gpu(model: ModelSpec, hw: HardwareProfile, seq: int, micro_batch: int) 
 
 def plan_search(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int | None = None, *,
                 time_limit_s: float = 60.0, micro_batches: list[int] | None = None, allow_ssd: bool = True,
-                progress: Callable[[int, int, str], None] | None = None) -> SearchResult:
+                progress: Callable[[int, int, str], None] | None = None, baselines: bool = True) -> SearchResult:
     """Search every candidate (pruned by its roofline floor), return the best verified plan."""
     t0 = time.perf_counter()
     seq = seq or model.seq_len
@@ -410,11 +410,41 @@ def plan_search(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int | No
                 evaluated.append(best)
         except CapacityError:
             pass
+    base = fixed_baselines(model, hw, batch, seq, sorted({c.micro_batch for c in cands})) if baselines else {}
+    for name, (cfg_b, res_b) in base.items():
+        # the fixed schedules are part of the decision space: a plan is never slower than them
+        if best is None or res_b.iteration_s < best.verified_s:
+            mb = cfg_b.micro_batch
+            c = Candidate(mb, cfg_b.group, cfg_b.alpha, cfg_b.prefetch_depth)
+            best = Evaluated(c, cfg_b, None, res_b, bound_s=iteration_loads(model, hw, cfg_b).bound_s(hw),
+                             binding=iteration_loads(model, hw, cfg_b).binding(hw), error=f"baseline {name}")
+            evaluated.append(best)
     if progress:
         progress(len(cands), len(cands), "done")
     if best is None:
         raise PlanningError(infeasible_message(model, hw, batch, seq, allow_ssd))
-    return SearchResult(best=best, evaluated=evaluated, wall_s=time.perf_counter() - t0, model=model, hw=hw)
+    return SearchResult(best=best, evaluated=evaluated, wall_s=time.perf_counter() - t0, model=model, hw=hw,
+                        baseline={k: v[1] for k, v in base.items()})
+
+
+def fixed_baselines(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int,
+                    micro_batches: list[int]) -> dict[str, tuple[ScheduleConfig, SimResult]]:
+    """The best of each fixed schedule (horizontal, fuyou, vertical) with its default settings over the
+    micro-batches that fit, keyed 'family mb=b'."""
+    out: dict[str, tuple[ScheduleConfig, SimResult]] = {}
+    for family in ("horizontal", "fuyou", "vertical"):
+        best = None
+        for mb in micro_batches:
+            try:
+                cfg = make_schedule(family, model, hw, batch=batch, micro_batch=mb, seq=seq)
+                res = simulate_config(model, hw, cfg)
+            except (CapacityError, ValueError):
+                continue
+            if best is None or res.iteration_s < best[1].iteration_s:
+                best = (cfg, res)
+        if best:
+            out[f"{family} mb={best[0].micro_batch}"] = best
+    return out
 
 
 # ---- explanations -------------------------------------------------------------------------------------------

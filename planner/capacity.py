@@ -1,0 +1,91 @@
+"""`tierflow capacity`: the largest model of each family that can train on a box, with and without its SSDs.
+
+A model "fits" when the most memory-frugal plan fits every tier: vertical schedule, micro-batch 1, no deferred
+optimizer step, weights / optimizer states / checkpoints on the SSD array when there is one (else in CPU
+memory). The answer is checked by simulating that plan for the winning model (planner.search.min_requirements
+is the closed form; the simulator is the judge).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hwprofiles import HardwareProfile
+from planner.api import simulate_config
+from planner.models import ModelSpec, get_model
+from planner.placement import Placement, Split
+from planner.schedules import make_schedule
+from planner.search import min_requirements
+from planner.simulator import CapacityError, SimResult
+
+# family name -> (template model, widths to try as (hidden, heads), ffn multiplier or None for the template's)
+FAMILIES = {
+    "gpt": ("gpt3-125m", [(768, 12), (1024, 16), (1536, 16), (2048, 16), (2560, 32), (4096, 32), (5120, 40),
+                          (6144, 48), (8192, 64), (10240, 80), (12288, 96), (16384, 128)]),
+    "llama": ("llama2-7b", [(2048, 16), (3072, 24), (4096, 32), (5120, 40), (6656, 52), (8192, 64), (12288, 96)]),
+}
+
+
+@dataclass
+class CapacityAnswer:
+    family: str
+    with_ssd: bool
+    model: ModelSpec | None
+    params: int
+    requirements: dict[str, float]
+    verified: SimResult | None
+    note: str = ""
+
+
+def shape(family: str, hidden: int, heads: int, layers: int) -> ModelSpec:
+    template, _ = FAMILIES[family]
+    base = get_model(template)
+    if family == "gpt":
+        return replace(base, name=f"gpt-{layers}x{hidden}", num_layers=layers, hidden=hidden, num_heads=heads,
+                       num_kv_heads=heads, head_dim=hidden // heads, ffn_hidden=4 * hidden)
+    ffn = 256 * ((int(8 * hidden / 3) + 255) // 256)  # LLaMA's 8/3 h rounded up to a multiple of 256
+    kv = heads if hidden < 8192 else 8
+    return replace(base, name=f"llama-{layers}x{hidden}", num_layers=layers, hidden=hidden, num_heads=heads,
+                   num_kv_heads=kv, head_dim=hidden // heads, ffn_hidden=ffn)
+
+
+def fits(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool) -> bool:
+    need = min_requirements(model, hw, batch, seq, with_ssd)
+    caps = {"gpu": hw.gpu.capacity_bytes, "cpu": hw.cpu.capacity_bytes,
+            "ssd": hw.ssd.capacity_bytes if with_ssd else 0.0}
+    return all(need[t] <= caps[t] for t in need)
+
+
+def frugal_config(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool):
+    ssd = with_ssd and hw.ssd.count > 0
+    where = Split(gpu=0, cpu=0, ssd=1) if ssd else Split()
+    placement = Placement(weights=where, master=where, adam_m=where, adam_v=where, grads=Split(), checkpoints=where)
+    return make_schedule("vertical", model, hw, batch=batch, micro_batch=1, seq=seq, placement=placement, alpha=0.0)
+
+
+def largest(family: str, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool, verify: bool = True) -> CapacityAnswer:
+    _, widths = FAMILIES[family]
+    fitting: list[ModelSpec] = []
+    for hidden, heads in widths:
+        lo, hi = 0, 4096
+        while lo < hi:  # largest layer count that fits at this width
+            mid = (lo + hi + 1) // 2
+            if fits(shape(family, hidden, heads, mid), hw, batch, seq, with_ssd):
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo:
+            fitting.append(shape(family, hidden, heads, lo))
+    fitting.sort(key=lambda m: -m.total_params())
+    hw_run = hw if with_ssd else hw.with_overrides({"ssd.count": 0})
+    for m in fitting[:4]:
+        req = min_requirements(m, hw, batch, seq, with_ssd)
+        if not verify:
+            return CapacityAnswer(family, with_ssd, m, m.total_params(), req, None)
+        try:
+            res = simulate_config(m, hw_run, frugal_config(m, hw_run, batch, seq, with_ssd))
+            return CapacityAnswer(family, with_ssd, m, m.total_params(), req, res)
+        except CapacityError as e:
+            last = str(e)
+            continue
+    return CapacityAnswer(family, with_ssd, None, 0, {}, None, note=last if fitting else "nothing fits")
