@@ -1,0 +1,58 @@
+"""Benchmark: plan GPT-3 175B on the RTX 4090 box (rtx4090-lohan) at batch 64.
+
+Target (issue 3): under 60 s on a 2-core machine, with a progress display. Records the wall time, the chosen plan,
+the solver's report and how far the verified (simulated) iteration is from the solver's roofline prediction in
+experiments/results/bench_planner.csv. Run: python experiments/bench_planner.py
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+import time
+from pathlib import Path
+
+from planner.api import resolve
+from planner.search import plan_search
+
+TARGET_S = 60.0
+
+
+def main() -> None:
+    model, hw = resolve("gpt3-175b", "rtx4090-lohan")
+    t0 = time.perf_counter()
+
+    def progress(i: int, n: int, what: str) -> None:
+        print(f"\r[{i}/{n}] {what:<48} {time.perf_counter() - t0:5.1f}s", end="", file=sys.stderr, flush=True)
+
+    sr = plan_search(model, hw, 64, 2048, time_limit_s=TARGET_S, progress=progress)
+    wall = time.perf_counter() - t0
+    print(file=sys.stderr)
+    b = sr.best
+    base_name, base = min(sr.baseline.items(), key=lambda kv: kv[1].iteration_s)
+    row = {
+        "model": model.name, "hw": hw.name, "batch": 64, "wall_s": round(wall, 1), "target_s": TARGET_S,
+        "candidates": len(sr.evaluated), "plan": b.candidate.describe(64), "swap_layers": b.config.swap_layers,
+        "solver_status": b.solver.status if b.solver else "baseline",
+        "solver_objective_s": round(b.solver.objective_s, 2) if b.solver else "",
+        "solver_gap": round(b.solver.gap, 4) if b.solver else "",
+        "verified_s": round(b.verified_s, 2), "roofline_bound_s": round(b.bound_s, 2),
+        "verified_vs_prediction": round(b.verified_s / b.bound_s - 1, 4),
+        "fraction_of_roofline": round(b.bound_s / b.verified_s, 4),
+        "best_fixed": base_name, "best_fixed_s": round(base.iteration_s, 2),
+        "speedup_vs_fixed": round(base.iteration_s / b.verified_s, 3), "cores": os.cpu_count(),
+    }
+    for k, v in row.items():
+        print(f"{k:<24} {v}")
+    out = Path(__file__).parent / "results" / "bench_planner.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(row))
+        w.writeheader()
+        w.writerow(row)
+    print(f"{'OK' if wall < TARGET_S else 'OVER'}: {wall:.1f} s (target {TARGET_S:.0f} s); wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

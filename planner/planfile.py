@@ -1,0 +1,630 @@
+"""Plan files: the schedule as data.
+
+A plan file is a versioned JSON document holding everything the simulator and the executor need to run one
+schedule: the model's shapes, the hardware profile, the schedule decisions (batch split, group, alpha,
+placement, ...), and every op of the task graph with its resource, amount of work, dependencies, position in its
+resource's queue and memory effects. ``docs/plan-format.md`` documents every field.
+
+    plan = plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg))
+    write_plan(plan, "plan.json")
+    plan = load_plan("plan.json")          # validates everything; PlanError on any problem
+    simulate_plan(plan).iteration_s
+
+Every problem raises :class:`PlanError`, whose message is one line: ``"<file>: <where>: <problem> (<fix>)"``.
+Only the standard library and the planner are imported here (never torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hwprofiles import HardwareProfile, ProfileError, profile_from_dict
+from planner.api import simulate_config
+from planner.graph import LINKS, RESOURCES, TIER_INDEX, TIERS, Task, TaskGraph
+from planner.models import ModelError, ModelSpec
+from planner.placement import Placement, PlacementError
+from planner.schedules import FAMILIES, ScheduleConfig
+from planner.simulator import SimResult
+
+PLAN_FORMAT = "tierflow-plan"
+PLAN_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+COMPUTE_RESOURCES = tuple(r for r in RESOURCES if r not in LINKS)  # gpu, cpu: ops carry "seconds"
+MEM_WHEN = ("start", "end")
+REQUIRED_KEYS = ("format", "version", "model", "hardware", "decisions", "static_bytes", "capacity_bytes",
+                 "num_iterations", "num_blocks", "ops")
+OPTIONAL_KEYS = ("created_by", "predicted", "solver")
+OP_KEYS = ("id", "kind", "resource", "tensor", "block", "mb", "iteration", "deps", "order", "mem")
+OP_WORK_KEYS = ("seconds", "bytes")
+_MAX_MESSAGE = 200
+
+
+class PlanError(ValueError):
+    """A plan file that cannot be read or is not valid. ``str(e)`` is one line:
+    ``"<file>: <where>: <problem> (<fix>)"``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    hardware: HardwareProfile
+    config: ScheduleConfig
+    graph: TaskGraph
+    predicted: dict | None = None
+    solver: dict | None = None
+    source: str = "<plan>"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _created_by() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return f"tierflow {version('tierflow')}"
+        except PackageNotFoundError:
+            return "tierflow (not installed)"
+    except ImportError:  # pragma: no cover
+        return "tierflow"
+
+
+def _jsonable(x: Any) -> Any:
+    """Plain JSON values: numpy scalars become Python numbers, non-finite floats null, tuples lists."""
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, int):
+        return int(x)
+    if isinstance(x, float):
+        return float(x) if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "item"):  # numpy scalar
+        return _jsonable(x.item())
+    return str(x)
+
+
+def plan_from_graph(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, graph: TaskGraph,
+                    predicted: dict | SimResult | None = None, solver: dict | None = None) -> Plan:
+    """A plan of `graph` (built from `cfg` for `model` on `hw`); `predicted` is a SimResult or its to_dict()."""
+    if predicted is not None and not isinstance(predicted, dict):
+        predicted = predicted.to_dict()
+    return Plan(model=model, hardware=hw, config=cfg, graph=graph,
+                predicted=None if predicted is None else _jsonable(predicted),
+                solver=None if solver is None else _jsonable(solver))
+
+
+def _op_dict(t: Task, order: int) -> dict:
+    op: dict[str, Any] = {"id": t.id, "kind": t.kind, "resource": t.resource, "tensor": t.tensor,
+                          "block": t.block, "mb": t.mb, "iteration": t.iteration}
+    op["bytes" if t.resource in LINKS else "seconds"] = float(t.work)
+    op["deps"] = list(t.deps)
+    op["order"] = order
+    op["mem"] = ([["start", TIERS[i], float(b)] for i, b in t.mem_start]
+                 + [["end", TIERS[i], float(b)] for i, b in t.mem_end])
+    return op
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    """The JSON structure of `plan` (see docs/plan-format.md)."""
+    g = plan.graph
+    position = {}
+    for ids in g.resource_order().values():
+        for i, tid in enumerate(ids):
+            position[tid] = i
+    d: dict[str, Any] = {
+        "format": PLAN_FORMAT,
+        "version": PLAN_VERSION,
+        "created_by": _created_by(),
+        "model": dataclasses.asdict(plan.model),
+        "hardware": plan.hardware.to_dict(),
+        "decisions": plan.config.to_dict(),
+        "static_bytes": {t: float(g.static_bytes[t]) for t in TIERS},
+        "capacity_bytes": {t: float(g.capacity_bytes[t]) for t in TIERS},
+        "num_iterations": int(g.num_iterations),
+        "num_blocks": int(g.num_blocks),
+        "ops": [_op_dict(t, position[t.id]) for t in sorted(g.tasks, key=lambda t: t.id)],
+    }
+    if plan.predicted is not None:
+        d["predicted"] = _jsonable(plan.predicted)
+    if plan.solver is not None:
+        d["solver"] = _jsonable(plan.solver)
+    return d
+
+
+def dumps_plan_dict(d: dict) -> str:
+    """JSON text of a plan dict: sections indented, one op per line (diff-friendly, strict JSON)."""
+    parts = []
+    for key, value in d.items():
+        if key == "ops":
+            if value:
+                lines = ",\n    ".join(json.dumps(op, allow_nan=False) for op in value)
+                text = f"[\n    {lines}\n  ]"
+            else:
+                text = "[]"
+        else:
+            text = json.dumps(value, indent=2, allow_nan=False).replace("\n", "\n  ")
+        parts.append(f"  {json.dumps(key)}: {text}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def write_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
+    """Write `plan` as JSON to `path`, atomically: the text goes to a temporary file in the same directory,
+    which then replaces `path`. The plan is validated first, so an invalid plan never reaches the disk."""
+    path = Path(path)
+    d = plan_to_dict(plan)
+    validate_plan_dict(d, str(path))
+    try:
+        text = dumps_plan_dict(d)
+    except ValueError as exc:  # a non-finite number outside the validated fields
+        raise _err(str(path), "(top level)", f"cannot write strict JSON: {exc}", "fix the plan's values") from exc
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading and validation
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _err(source: str, where: str, problem: str, fix: str) -> PlanError:
+    problem = " ".join(str(problem).split())
+    room = _MAX_MESSAGE - len(source) - len(where) - len(fix) - 7
+    if len(problem) > max(room, 60):
+        problem = problem[: max(room, 60) - 3] + "..."
+    return PlanError(f"{source}: {where}: {problem} ({fix})")
+
+
+def _short(value: Any, n: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _type_name(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {str: "string", int: "integer", float: "number", list: "list", dict: "object"}.get(
+        type(value), type(value).__name__)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _unknown_key(source: str, where: str, key: str, known: typing.Iterable[str]) -> PlanError:
+    known = list(known)
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'?" if close else f"known: {', '.join(known)}"
+    return _err(source, where, f"unknown key {_short(key, 30)}", hint)
+
+
+def _check_fields(source: str, section: str, d: object, cls: type) -> dict:
+    """Keys and value types of a section that rebuilds dataclass `cls`."""
+    if not isinstance(d, dict):
+        raise _err(source, section, f"expected an object, got {_type_name(d)}", f"write the {section} as a JSON object")
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields]
+    for key in d:
+        if key not in names:
+            raise _unknown_key(source, section, key, names)
+    hints = typing.get_type_hints(cls)
+    out = dict(d)
+    for f in fields:
+        where = f"{section}.{f.name}"
+        if f.name not in d:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise _err(source, where, "missing key", f"add \"{f.name}\" to the {section} section")
+            continue
+        v, want = d[f.name], hints[f.name]
+        if want is bool:
+            ok = isinstance(v, bool)
+        elif want is int:
+            ok = _is_int(v)
+        elif want is float:
+            ok = _is_number(v)
+            if ok:
+                out[f.name] = float(v)
+        elif want is str:
+            ok = isinstance(v, str)
+        else:
+            continue
+        if not ok:
+            raise _err(source, where, f"expected {want.__name__}, got {_type_name(v)} {_short(v, 30)}",
+                       f"write a JSON {'boolean' if want is bool else 'string' if want is str else 'number'}")
+    return out
+
+
+def _model(source: str, d: object) -> ModelSpec:
+    d = _check_fields(source, "model", d, ModelSpec)
+    try:
+        return ModelSpec(**d)
+    except ModelError as exc:
+        raise _err(source, "model", str(exc), "fix the model section") from exc
+
+
+def _hardware(source: str, d: object) -> HardwareProfile:
+    if not isinstance(d, dict):
+        raise _err(source, "hardware", f"expected an object, got {_type_name(d)}",
+                   "write the hardware profile as a JSON object")
+    label = "<hardware>"
+    try:
+        return profile_from_dict(d, source=label)
+    except ProfileError as exc:
+        msg = str(exc)
+        rest = msg[len(label) + 2:] if msg.startswith(label + ": ") else msg
+        head, sep, tail = rest.partition(": ")
+        if sep and " " not in head:
+            raise PlanError(f"{source}: hardware.{head}: {tail}") from exc
+        raise PlanError(f"{source}: hardware: {rest}") from exc
+
+
+def _decisions(source: str, d: object, model: ModelSpec) -> ScheduleConfig:
+    if isinstance(d, dict) and "placement" in d:
+        d = dict(d)
+        placement = d.pop("placement")
+        if not isinstance(placement, dict):
+            raise _err(source, "decisions.placement", f"expected an object, got {_type_name(placement)}",
+                       "write one {gpu, cpu, ssd} object per tensor class")
+        for name, split in placement.items():
+            if not isinstance(split, dict) or set(split) - set(TIERS):
+                raise _err(source, f"decisions.placement.{name}", f"expected an object of {'/'.join(TIERS)} fractions, "
+                           f"got {_short(split)}", "write e.g. {\"gpu\": 0, \"cpu\": 1, \"ssd\": 0}")
+            for tier, v in split.items():
+                if not _is_number(v):
+                    raise _err(source, f"decisions.placement.{name}.{tier}", f"expected a number, got {_short(v)}",
+                               "write a fraction within [0, 1]")
+        try:
+            p = Placement.from_dict(placement)
+        except PlacementError as exc:
+            raise _err(source, "decisions.placement", str(exc), "fix the placement") from exc
+        d = _check_fields(source, "decisions", {**d, "placement": p}, ScheduleConfig)
+    else:
+        d = _check_fields(source, "decisions", d, ScheduleConfig)  # reports the missing placement
+    cfg = ScheduleConfig(**d)
+
+    def bad(key: str, problem: str, fix: str) -> PlanError:
+        return _err(source, f"decisions.{key}", problem, fix)
+
+    if cfg.family not in FAMILIES:
+        raise bad("family", f"unknown schedule family {_short(cfg.family)}", f"use one of {', '.join(FAMILIES)}")
+    for key in ("batch", "micro_batch", "seq", "group", "prefetch_depth", "iterations"):
+        if getattr(cfg, key) < 1:
+            raise bad(key, f"must be >= 1, got {getattr(cfg, key)}", "write a positive integer")
+    if cfg.act_prefetch < 0:
+        raise bad("act_prefetch", f"must be >= 0, got {cfg.act_prefetch}", "write a non-negative integer")
+    if cfg.batch % cfg.micro_batch:
+        raise bad("batch", f"batch {cfg.batch} is not divisible by micro_batch {cfg.micro_batch}",
+                  "use a micro-batch that divides the batch")
+    if cfg.num_micro_batches % cfg.group:
+        raise bad("group", f"group {cfg.group} does not divide the {cfg.num_micro_batches} micro-batches",
+                  "use a divisor of batch / micro_batch")
+    if not 0.0 <= cfg.alpha < 1.0:
+        raise bad("alpha", f"must be within [0, 1), got {cfg.alpha}", "write a fraction below 1")
+    if not 0 <= cfg.swap_layers <= model.num_layers:
+        raise bad("swap_layers", f"must be within [0, {model.num_layers}], got {cfg.swap_layers}",
+                  "write a number of layers the model has")
+    return cfg
+
+
+def _tier_bytes(source: str, key: str, d: object) -> dict[str, float]:
+    if not isinstance(d, dict):
+        raise _err(source, key, f"expected an object, got {_type_name(d)}", "write {\"gpu\": .., \"cpu\": .., \"ssd\": ..}")
+    for k in d:
+        if k not in TIERS:
+            raise _unknown_key(source, key, k, TIERS)
+    for t in TIERS:
+        if t not in d:
+            raise _err(source, f"{key}.{t}", "missing key", f"add \"{t}\" (bytes)")
+        if not _is_number(d[t]) or d[t] < 0:
+            raise _err(source, f"{key}.{t}", f"expected a non-negative number of bytes, got {_short(d[t])}",
+                       "write bytes as a plain number")
+    return {t: float(d[t]) for t in TIERS}
+
+
+def _positive_int(source: str, d: dict, key: str) -> int:
+    v = d[key]
+    if not _is_int(v) or v < 1:
+        raise _err(source, key, f"expected a positive integer, got {_short(v)}", "write a whole number >= 1")
+    return v
+
+
+def _find_cycle(preds: list[list[int]], left: set[int]) -> list[int]:
+    """A cycle among the nodes `left` (each of which has a predecessor in `left`), as a list of node ids."""
+    seen: dict[int, int] = {}
+    path: list[int] = []
+    node = min(left)
+    while node not in seen:
+        seen[node] = len(path)
+        path.append(node)
+        node = next(p for p in preds[node] if p in left)
+    cycle = path[seen[node]:]
+    cycle.reverse()  # dependency first
+    return cycle
+
+
+def _kahn(preds: list[list[int]]) -> set[int]:
+    """Nodes left unprocessed by Kahn's algorithm (empty when the graph is acyclic)."""
+    n = len(preds)
+    indeg = [len(p) for p in preds]
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for i, ps in enumerate(preds):
+        for p in ps:
+            succ[p].append(i)
+    stack = [i for i in range(n) if not indeg[i]]
+    done = 0
+    while stack:
+        i = stack.pop()
+        done += 1
+        for s in succ[i]:
+            indeg[s] -= 1
+            if not indeg[s]:
+                stack.append(s)
+    return set() if done == n else {i for i in range(n) if indeg[i]}
+
+
+def _cycle_text(cycle: list[int], limit: int = 6) -> str:
+    ids = cycle[:limit]
+    more = f", ... ({len(cycle)} ops)" if len(cycle) > limit else ""
+    return " -> ".join(str(i) for i in ids) + more + (f" -> {cycle[0]}" if len(cycle) <= limit else "")
+
+
+def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb: int) -> list[Task]:
+    if not isinstance(ops, list):
+        raise _err(source, "ops", f"expected a list of ops, got {_type_name(ops)}", "write \"ops\": [...]")
+    n = len(ops)
+    if n == 0:
+        raise _err(source, "ops", "the plan has no ops", "write the plan with tierflow, not by hand")
+    tasks: list[Task | None] = [None] * n
+    orders: list[int] = [0] * n
+    known = OP_KEYS + OP_WORK_KEYS
+    for index, op in enumerate(ops):
+        if not isinstance(op, dict):
+            raise _err(source, f"ops[{index}]", f"expected an object, got {_type_name(op)}", "write each op as an object")
+        tid = op.get("id")
+        if "id" not in op:
+            raise _err(source, f"ops[{index}]", "missing field 'id'", "give every op an integer id")
+        if not _is_int(tid) or not 0 <= tid < n:
+            raise _err(source, f"ops[{index}]", f"id {_short(tid)} out of range",
+                       f"ids must be the integers 0..{n - 1}, one per op")
+        where = f"op {tid}"
+        if tasks[tid] is not None:
+            raise _err(source, where, f"duplicate id {tid}", "give every op its own id")
+        for key in op:
+            if key not in known:
+                raise _unknown_key(source, where, key, known)
+        for key in OP_KEYS:
+            if key not in op:
+                raise _err(source, where, f"missing field {key!r}", f"add \"{key}\" to the op")
+        resource = op["resource"]
+        if resource not in RESOURCES:
+            raise _err(source, where, f"unknown resource {_short(resource)}", f"use one of {', '.join(RESOURCES)}")
+        work_key = "bytes" if resource in LINKS else "seconds"
+        other = "seconds" if work_key == "bytes" else "bytes"
+        if other in op:
+            raise _err(source, where, f"a {resource} op carries {other!r}",
+                       f"{resource} ops carry {work_key!r}: gpu/cpu ops carry seconds, link ops bytes")
+        if work_key not in op:
+            raise _err(source, where, f"missing field {work_key!r}", f"{resource} ops carry {work_key!r}")
+        work = op[work_key]
+        if not _is_number(work) or work < 0:
+            raise _err(source, where, f"{work_key} must be a non-negative number, got {_short(work)}",
+                       f"write the {work_key} as a plain number >= 0")
+        for key in ("kind", "tensor"):
+            if not isinstance(op[key], str) or not op[key]:
+                raise _err(source, where, f"{key} must be a non-empty string, got {_short(op[key])}", f"fix {key!r}")
+        it, block, mb, order = op["iteration"], op["block"], op["mb"], op["order"]
+        if not _is_int(it) or not 0 <= it < num_iterations:
+            raise _err(source, where, f"iteration {_short(it)} out of range",
+                       f"iterations run 0..{num_iterations - 1} (num_iterations = {num_iterations})")
+        if not _is_int(block) or not 0 <= block < num_blocks:
+            raise _err(source, where, f"block {_short(block)} out of range",
+                       f"blocks run 0..{num_blocks - 1} (num_blocks = {num_blocks})")
+        if not _is_int(mb) or not -1 <= mb < num_mb:
+            raise _err(source, where, f"mb {_short(mb)} is not a micro-batch index",
+                       f"micro-batches run 0..{num_mb - 1}; -1 marks per-block ops")
+        if not _is_int(order) or order < 0:
+            raise _err(source, where, f"order {_short(order)} is not a queue position",
+                       "write the 0-based position in the resource's queue")
+        deps = op["deps"]
+        if not isinstance(deps, list):
+            raise _err(source, where, f"deps must be a list of op ids, got {_type_name(deps)}", "write \"deps\": [...]")
+        for d in deps:
+            if not _is_int(d) or not 0 <= d < n:
+                raise _err(source, where, f"dangling dependency: op {_short(d, 20)} does not exist",
+                           f"depend only on op ids 0..{n - 1}")
+        mem = op["mem"]
+        if not isinstance(mem, list):
+            raise _err(source, where, f"mem must be a list, got {_type_name(mem)}", "write \"mem\": [[when, tier, bytes], ...]")
+        mem_start: list[tuple[int, float]] = []
+        mem_end: list[tuple[int, float]] = []
+        for e in mem:
+            if not isinstance(e, list) or len(e) != 3:
+                raise _err(source, where, f"mem effect {_short(e)} is not [when, tier, bytes]",
+                           "write e.g. [\"start\", \"gpu\", 1024.0]")
+            when, tier, delta = e
+            if when not in MEM_WHEN:
+                raise _err(source, where, f"mem effect at {_short(when)}", "use \"start\" or \"end\"")
+            if tier not in TIER_INDEX:
+                raise _err(source, where, f"unknown tier {_short(tier)} in mem", f"use one of {', '.join(TIERS)}")
+            if not _is_number(delta):
+                raise _err(source, where, f"mem bytes {_short(delta)} is not a finite number",
+                           "write + bytes to allocate, - bytes to free")
+            (mem_start if when == "start" else mem_end).append((TIER_INDEX[tier], float(delta)))
+        tasks[tid] = Task(tid, op["kind"], resource, float(work), op["tensor"], block, mb, it, list(deps),
+                          float(order), mem_start, mem_end)
+        orders[tid] = order
+    done: list[Task] = tasks  # type: ignore[assignment]  # every slot filled: n unique ids within 0..n-1
+
+    # queue positions: each resource's orders are exactly 0..k-1
+    by_res: dict[str, dict[int, int]] = {r: {} for r in RESOURCES}
+    for t in done:
+        q = by_res[t.resource]
+        if orders[t.id] in q:
+            raise _err(source, f"op {t.id}", f"same order {orders[t.id]} on {t.resource} as op {q[orders[t.id]]}",
+                       "give each op of a resource its own queue position")
+        q[orders[t.id]] = t.id
+    for r, q in by_res.items():
+        if q and max(q) != len(q) - 1:
+            missing = min(set(range(len(q))) - set(q))
+            raise _err(source, f"op {q[max(q)]}", f"order {max(q)} on {r} but position {missing} is empty",
+                       f"number the {len(q)} {r} ops 0..{len(q) - 1}")
+    for it in range(num_iterations):
+        if not any(t.resource == "gpu" and t.iteration == it for t in done):
+            raise _err(source, "ops", f"iteration {it} has no gpu op", "every iteration computes on the gpu")
+
+    # dependency cycles
+    preds = [sorted(set(t.deps)) for t in done]
+    left = _kahn(preds)
+    if left:
+        cycle = _find_cycle(preds, left)
+        raise _err(source, f"op {cycle[0]}", f"dependency cycle {_cycle_text(cycle)}", "remove a dependency on the cycle")
+    # an op queued before one of its own dependencies on the same resource: that resource would stall forever
+    for t in done:
+        for d in t.deps:
+            if done[d].resource == t.resource and orders[d] > orders[t.id]:
+                raise _err(source, f"op {t.id}", f"order {orders[t.id]} on {t.resource} is before its dependency "
+                           f"op {d} (order {orders[d]})", "queue every op after its same-resource dependencies")
+    # dependencies and queue orders together must be acyclic, else the resources wait on each other forever
+    chained = [list(p) for p in preds]
+    for q in by_res.values():
+        for pos in range(1, len(q)):
+            chained[q[pos]].append(q[pos - 1])
+    left = _kahn(chained)
+    if left:
+        cycle = _find_cycle(chained, left)
+        raise _err(source, f"op {cycle[0]}", f"the resource orders deadlock: ops {_cycle_text(cycle)} wait on each "
+                   "other through deps and queues", "reorder the queues to follow the dependencies")
+    return done
+
+
+def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
+    """Validate a parsed plan and rebuild it; raises PlanError."""
+    if not isinstance(d, dict):
+        raise _err(source, "(top level)", f"expected a JSON object, got {_type_name(d)}", "is this a tierflow plan?")
+    if "format" not in d:
+        raise _err(source, "format", "missing key", f"add \"format\": \"{PLAN_FORMAT}\"; is this a tierflow plan?")
+    if d["format"] != PLAN_FORMAT:
+        raise _err(source, "format", f"expected {PLAN_FORMAT!r}, got {_short(d['format'])}",
+                   "this is not a tierflow plan file")
+    supported = ", ".join(str(v) for v in SUPPORTED_VERSIONS)
+    if "version" not in d:
+        raise _err(source, "version", "missing key", f"add \"version\"; this tierflow reads versions {supported}")
+    version = d["version"]
+    if not _is_int(version) or version not in SUPPORTED_VERSIONS:
+        newer = _is_int(version) and version > max(SUPPORTED_VERSIONS)
+        raise _err(source, "version", f"unsupported version {_short(version)}",
+                   f"this tierflow reads versions {supported}" + ("; upgrade tierflow" if newer else ""))
+    for key in d:
+        if key not in REQUIRED_KEYS + OPTIONAL_KEYS:
+            raise _unknown_key(source, "(top level)", key, REQUIRED_KEYS + OPTIONAL_KEYS)
+    for key in REQUIRED_KEYS:
+        if key not in d:
+            raise _err(source, key, "missing key", f"add \"{key}\" at the top level")
+    if "created_by" in d and not isinstance(d["created_by"], str):
+        raise _err(source, "created_by", f"expected a string, got {_type_name(d['created_by'])}", "write a string")
+    for key in ("predicted", "solver"):
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise _err(source, key, f"expected an object or null, got {_type_name(d[key])}", f"write \"{key}\": {{...}}")
+
+    model = _model(source, d["model"])
+    hardware = _hardware(source, d["hardware"])
+    config = _decisions(source, d["decisions"], model)
+    static = _tier_bytes(source, "static_bytes", d["static_bytes"])
+    capacity = _tier_bytes(source, "capacity_bytes", d["capacity_bytes"])
+    num_iterations = _positive_int(source, d, "num_iterations")
+    num_blocks = _positive_int(source, d, "num_blocks")
+    if num_iterations != config.iterations:
+        raise _err(source, "num_iterations", f"{num_iterations} but decisions.iterations is {config.iterations}",
+                   "make them equal")
+    if num_blocks != model.num_layers + 2:
+        raise _err(source, "num_blocks", f"{num_blocks} but the model has {model.num_layers} layers + 2",
+                   f"write {model.num_layers + 2} (embedding, layers, head)")
+    tasks = _ops(source, d["ops"], num_iterations, num_blocks, config.num_micro_batches)
+    graph = TaskGraph(tasks, static, capacity, num_iterations, num_blocks)
+    return Plan(model=model, hardware=hardware, config=config, graph=graph, predicted=d.get("predicted"),
+                solver=d.get("solver"), source=source)
+
+
+def validate_plan_dict(d: dict, source: str) -> None:
+    """Raise PlanError (one line naming `source`, the key or op id, the problem and a fix) unless `d` is a valid
+    plan."""
+    plan_from_dict(d, source)
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Read and validate a plan file; raises PlanError."""
+    source = os.fspath(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise _err(source, "(file)", "file not found", "check the path") from exc
+    except IsADirectoryError as exc:
+        raise _err(source, "(file)", "is a directory", "give the path of a plan .json file") from exc
+    except UnicodeDecodeError as exc:
+        raise _err(source, "(file)", "is not UTF-8 text", "give a plan written by tierflow") from exc
+    except OSError as exc:
+        raise _err(source, "(file)", f"cannot read: {exc.strerror or exc}", "check the file's permissions") from exc
+    try:
+        d = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise _err(source, f"line {exc.lineno} column {exc.colno}", f"not JSON: {exc.msg}",
+                   "fix the JSON syntax, or write the plan again") from exc
+    except ValueError as exc:  # NaN / Infinity
+        raise _err(source, "(file)", f"not strict JSON: {exc}", "write numbers as finite values") from exc
+    return plan_from_dict(d, source)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Simulation
+# --------------------------------------------------------------------------------------------------------------
+
+
+def simulate_plan(plan: Plan) -> SimResult:
+    """Play the plan's graph on the plan's hardware (planner.simulator); tokens and FLOPs filled in as
+    planner.api.simulate_config does."""
+    return simulate_config(plan.model, plan.hardware, plan.config, plan.graph)
+
+
+__all__ = [
+    "PLAN_FORMAT", "PLAN_VERSION", "SUPPORTED_VERSIONS", "Plan", "PlanError", "plan_from_graph", "plan_to_dict",
+    "plan_from_dict", "write_plan", "load_plan", "validate_plan_dict", "simulate_plan", "dumps_plan_dict",
+]

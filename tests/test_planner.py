@@ -1,0 +1,130 @@
+"""The planner: exact linear loads, CP-SAT placement, verified search, infeasibility messages, capacity, CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import pytest
+
+from hwprofiles import load_profile
+from planner.api import simulate_config
+from planner.capacity import fits, largest, shape
+from planner.cli import main
+from planner.loads import iteration_loads
+from planner.models import get_model
+from planner.schedules import make_schedule
+from planner.search import (
+    VARS,
+    Candidate,
+    PlanningError,
+    _base_placement,
+    _config,
+    _placement,
+    evaluate,
+    linear_loads,
+    memory_model,
+    plan_search,
+    solve_placement,
+)
+
+MODEL = get_model("gpt3-125m")
+SEQ = 512
+
+
+def small_box():
+    return load_profile("rtx3090-desktop").with_overrides({"gpu.memory_gib": 8, "gpu.reserved_gib": 0.5})
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_linear_loads_are_exact_for_random_placements(group):
+    hw = small_box()
+    cfg0 = _config(MODEL, hw, 8, SEQ, Candidate(2, group, 0.25), _base_placement(), 0, iterations=1)
+    lin = linear_loads(MODEL, hw, cfg0)
+    rng = random.Random(group)
+    for _ in range(3):
+        w_gpu, w_ssd = rng.random() * 0.5, rng.random() * 0.5
+        c_gpu, c_ssd = rng.random() * 0.5, rng.random() * 0.5
+        x = {"w_gpu": round(w_gpu, 2), "w_ssd": round(w_ssd, 2), "s_ssd": round(rng.random(), 2),
+             "c_gpu": round(c_gpu, 2), "c_ssd": round(c_ssd, 2)}
+        n = rng.randrange(0, MODEL.num_layers + 1)
+        exact = iteration_loads(MODEL, hw, replace(cfg0, placement=_placement(x), swap_layers=n)).work
+        predicted = lin.work(x, n)
+        for r in exact:
+            assert predicted[r] == pytest.approx(exact[r], rel=1e-9, abs=1e-3), r
+
+
+def test_cp_sat_finds_the_optimum_and_respects_memory():
+    hw = small_box()
+    cfg0 = _config(MODEL, hw, 8, SEQ, Candidate(2, 4, 0.25), _base_placement(), 0, iterations=1)
+    lin, mem = linear_loads(MODEL, hw, cfg0), memory_model(MODEL, hw, cfg0)
+    s = solve_placement(lin, mem, hw, time_limit_s=5)
+    assert s is not None and s.report.status == "OPTIMAL"
+    assert s.report.best_bound_s <= s.report.objective_s * (1 + 1e-9)
+    assert set(s.x) == set(VARS) and all(0 <= v <= 1 for v in s.x.values())
+    # the objective is the roofline bound of the decisions (within integer rounding)
+    from planner.loads import IterationLoads
+
+    bound = IterationLoads(work=lin.work(s.x, s.n), static_bytes={}).bound_s(hw)
+    assert s.report.objective_s == pytest.approx(bound, rel=1e-3)
+    # forbidding the GPU tier to weights can only make the answer worse or equal
+    tight = solve_placement(lin, mem, hw.with_overrides({"gpu.memory_gib": 2.2}), time_limit_s=5)
+    assert tight is None or tight.report.objective_s >= s.report.objective_s - 1e-6
+
+
+def test_every_evaluated_candidate_is_verified_by_the_simulator():
+    hw = small_box()
+    ev = evaluate(MODEL, hw, 8, SEQ, Candidate(2, 4, 0.25), time_limit_s=5)
+    assert ev.result is not None, ev.error
+    assert ev.verified_s >= ev.bound_s * (1 - 1e-9)  # the simulator never beats the roofline bound
+    peak, cap = ev.result.peak_bytes, ev.result.graph.capacity_bytes
+    assert all(peak[t] <= cap[t] + 1 for t in peak)
+
+
+def test_plan_is_never_slower_than_the_fixed_schedules():
+    hw = small_box()
+    sr = plan_search(MODEL, hw, 8, SEQ, time_limit_s=30)
+    fixed = []
+    for family in ("horizontal", "fuyou", "vertical"):
+        for mb in (1, 2, 4, 8):
+            try:
+                fixed.append(simulate_config(MODEL, hw, make_schedule(family, MODEL, hw, batch=8, micro_batch=mb, seq=SEQ)).iteration_s)
+            except Exception:  # noqa: BLE001 - a fixed schedule that does not fit is not a competitor
+                continue
+    assert fixed
+    assert sr.best.verified_s <= min(fixed) * (1 + 1e-9)
+    assert sr.best.result is not None
+
+
+def test_infeasible_request_names_the_tier_and_a_fix():
+    hw = load_profile("rtx2060-laptop").with_overrides({"ssd.count": 0})
+    with pytest.raises(PlanningError) as e:
+        plan_search(get_model("gpt3-175b"), hw, 4, 2048, time_limit_s=10)
+    msg = str(e.value)
+    assert "cpu overflows by" in msg and "GiB CPU memory" in msg and "\n" not in msg
+
+
+def test_capacity_answer_fits_and_one_more_layer_does_not():
+    hw = load_profile("rtx2060-laptop")
+    a = largest("gpt", hw, 4, 1024, with_ssd=False)
+    assert a.model is not None and a.verified is not None
+    m = a.model
+    assert fits(m, hw, 4, 1024, False)
+    assert not fits(shape("gpt", m.hidden, m.num_heads, m.num_layers + 1), hw, 4, 1024, False)
+    with_ssd = largest("gpt", hw, 4, 1024, with_ssd=True, verify=False)
+    assert with_ssd.params > a.params  # the SSD tier holds the optimizer states
+
+
+def test_cli_plan_writes_a_plan_that_replays_to_the_same_time(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--model", "gpt3-125m", "--hw", "rtx3090-desktop", "--batch", "4", "--seq", "512",
+               "--time-limit", "20", "--explain", "-o", str(out), "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["solver"]["verified_s"] == pytest.approx(d["predicted"]["iteration_s"])
+    assert any(line.startswith("binds:") for line in d["explain"])
+    rc = main(["simulate", "--plan", str(out), "--json"])
+    assert rc == 0
+    replay = json.loads(capsys.readouterr().out)
+    assert replay["iteration_s"] == pytest.approx(d["predicted"]["iteration_s"], rel=1e-12)
