@@ -27,7 +27,7 @@ def main() -> None:
     model, hw = resolve("gpt3-175b", "rtx4090-lohan")
     rows = []
     for family in ("horizontal", "fuyou", "vertical"):
-        for iters in (1, 2):
+        for iters in (1, 3):
             best_build = best_sim = float("inf")
             for _ in range(args.repeat):
                 cfg = make_schedule(family, model, hw, batch=64, micro_batch=1, iterations=iters)

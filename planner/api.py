@@ -38,7 +38,7 @@ def simulate_config(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
 
 def simulate(model: ModelSpec | str = "gpt3-175b", hw: HardwareProfile | str = "rtx4090-lohan",
              schedule: str = "vertical", *, batch: int = 64, micro_batch: int = 4, seq: int | None = None,
-             iterations: int = 2, **options) -> SimResult:
+             iterations: int = 3, **options) -> SimResult:
     """Simulate one schedule family with its defaults (options: placement, group, alpha, prefetch_depth,
     recompute). Returns the steady-state result of the last simulated iteration."""
     m, h = resolve(model, hw)

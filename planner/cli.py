@@ -370,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefetch", type=int, default=1, help="weight buffers fetched ahead (default 1)")
     s.add_argument("--no-recompute", action="store_true", help="keep every activation instead of recomputing")
     s.add_argument("--placement", default=None, help="gpu|cpu|ssd, or JSON / a JSON file of fractions per tensor class")
-    s.add_argument("--iterations", type=int, default=2, help="iterations simulated (the last is reported)")
+    s.add_argument("--iterations", type=int, default=3,
+                   help="iterations simulated (default 3; the one before the last is reported)")
     s.add_argument("--json", action="store_true", help="print the results as JSON")
     s.add_argument("--out", default=None, help="write timeline.csv, trace.json (Perfetto) and gantt.png here")
     s.add_argument("--plan", default=None, help="replay a plan file written by `tierflow plan` instead")

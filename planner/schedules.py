@@ -18,6 +18,7 @@ starts the next and its activation stays on the GPU).
 from __future__ import annotations
 
 import gc
+import math
 from dataclasses import dataclass, field, replace
 
 from hwprofiles import HardwareProfile
@@ -58,7 +59,7 @@ class ScheduleConfig:
     act_prefetch: int = 2  # compute steps ahead an activation fetch may start
     recompute: bool = True  # recompute each layer's forward in backward (else keep all its activations)
     swap_layers: int = 0  # the last n layers keep (and swap out) all their activations instead of recomputing
-    iterations: int = 2  # iterations simulated; the last one is reported as the steady state
+    iterations: int = 3  # iterations simulated; the one before the last is reported as the steady state
 
     @property
     def num_micro_batches(self) -> int:
@@ -128,7 +129,7 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, family: str, batch:
 def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: int, micro_batch: int,
                   seq: int | None = None, placement: Placement | None = None, group: int | None = None,
                   alpha: float | None = None, prefetch_depth: int = 1, recompute: bool = True,
-                  swap_layers: int = 0, act_prefetch: int = 2, iterations: int = 2) -> ScheduleConfig:
+                  swap_layers: int = 0, act_prefetch: int = 2, iterations: int = 3) -> ScheduleConfig:
     """A schedule of one family with that family's defaults for everything not given."""
     if family not in FAMILIES:
         raise ScheduleError(f"unknown schedule {family!r} (known: {', '.join(FAMILIES)}, all)")
@@ -255,6 +256,7 @@ class _Builder:
         self.uses: list[_Use] = []
         self.weights_ready: dict[int, list[int]] = {}  # block -> tasks that produce its updated weights
         self.resident_update: dict[int, list[int]] = {}  # block -> tasks that refresh its GPU-resident weights
+        self.states_written: dict[tuple[int, str], list[int]] = {}  # (block, part) -> SSD write of its states
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
@@ -268,9 +270,9 @@ class _Builder:
     def offload(self, producer: Task, nbytes: float, split: Split, tensor: str, it: int, block: int, mb: int) -> _Stored:
         g = self.g
         s = _Stored(nbytes, split, None, None)
-        g.alloc(producer, "gpu", s.kept, at_end=True)
+        g.alloc(producer, "gpu", s.kept)  # the output buffer is taken when the producing kernel starts
         if s.off > 0:
-            g.alloc(producer, "gpu", s.off, at_end=True)
+            g.alloc(producer, "gpu", s.off)
             s.d2h = g.add("offload_" + tensor, "d2h", s.off, tensor=tensor, block=block, mb=mb, iteration=it,
                           key=producer.key + 0.5, deps=[producer.id])
             g.alloc(s.d2h, "cpu", s.off)
@@ -325,14 +327,18 @@ class _Builder:
         def last_task(j: int) -> int:
             return self.uses[j].last_task if j >= 0 else -1
 
+        floor = -math.inf
+        if ready:
+            # waiting for last iteration's optimizer: never queue ahead of that iteration's own transfers
+            floor = self.step_key[it * self.S] - 0.5
         read = None
         to_ssd = blk.weight_bytes * w.ssd
         if to_ssd > 0:
             read = g.add("read_weights", "ssd_read", to_ssd, tensor="weights", block=b, mb=-1, iteration=it,
-                         key=first_key(u - d - 1), deps=[last_task(u - d - 2), *ready])
+                         key=max(first_key(u - d - 1), floor), deps=[last_task(u - d - 2), *ready])
             g.alloc(read, "cpu", to_ssd)
         h = g.add("fetch_weights", "h2d", off, tensor="weights", block=b, mb=-1, iteration=it,
-                  key=first_key(u - d), deps=[read.id if read else -1, last_task(u - d - 1), *ready])
+                  key=max(first_key(u - d), floor), deps=[read.id if read else -1, last_task(u - d - 1), *ready])
         g.alloc(h, "gpu", off)
         g.free(h, "cpu", to_ssd)
         use.fetch_h2d = h
@@ -345,7 +351,7 @@ class _Builder:
         cfg, g = self.cfg, self.g
         M = cfg.num_micro_batches
         seq_steps = step_sequence(self.nb, M, cfg.group)
-        S = len(seq_steps)
+        S = self.S = len(seq_steps)
         for it in range(cfg.iterations):
             base = len(self.step_task)
             # weight uses of this iteration
@@ -530,6 +536,7 @@ class _Builder:
             if p.gpu_optimizer:
                 t = g.add("adam_gpu", "gpu", self.cost.gpu_adam_s(owned), tensor="opt_states", block=b, mb=-1,
                           iteration=it, key=key + 0.3, deps=grads_ready + barrier)
+                g.free(t, "gpu", GRAD_ACCUM_BYTES * blk.fetch_params)  # the step consumes the gradient buffer
                 self.resident_update[b] = [t.id]
                 self.weights_ready[b] = [t.id]
                 continue
@@ -554,9 +561,11 @@ class _Builder:
             for frac, pkey, kind in parts:
                 deps = grads_ready + pre + barrier + [prev_part]
                 if states_ssd > 0:
-                    # each part streams its own slice of master, m and v in from the SSD and back out
+                    # each part streams its own slice of master, m and v in from the SSD and back out, after
+                    # the previous iteration wrote that slice back
                     rs = g.add("read_opt_states", "ssd_read", states_ssd * frac, tensor="opt_states", block=b, mb=-1,
-                               iteration=it, key=pkey - 0.1, deps=[prev_main if kind == "adam" else prev_part])
+                               iteration=it, key=pkey - 0.1,
+                               deps=[prev_main if kind == "adam" else prev_part, *self.states_written.get((b, kind), [])])
                     g.alloc(rs, "cpu", states_ssd * frac)
                     deps.append(rs.id)
                 a = g.add(kind, "cpu", self.cost.cpu_adam_s(owned * frac), tensor="opt_states", block=b, mb=-1,
@@ -571,6 +580,7 @@ class _Builder:
                     wb = g.add("write_opt_states", "ssd_write", (states_ssd + w_ssd) * frac, tensor="opt_states",
                                block=b, mb=-1, iteration=it, key=pkey + 0.1, deps=[a.id])
                     g.free(wb, "cpu", states_ssd * frac)
+                    self.states_written[(b, kind)] = [wb.id]
                     if w_ssd > 0:
                         ready.append(wb.id)
                 if w_gpu > 0:

@@ -93,7 +93,7 @@ class SimResult:
 
 
 def simulate_graph(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
-    """Play `graph` on `hw`; returns times of every task and the steady-state metrics of the last iteration."""
+    """Play `graph` on `hw`; returns times of every task and the steady-state metrics (see _summarize)."""
     enabled = gc.isenabled()
     gc.disable()  # the event loop allocates many small tuples and no cycles
     try:
@@ -279,7 +279,11 @@ def _summarize(graph: TaskGraph, start: np.ndarray, end: np.ndarray, peak: list[
     gpu_mask = np.array([t.resource == "gpu" for t in tasks])
     its = np.array([t.iteration for t in tasks])
     ends = [float(end[gpu_mask & (its == i)].max()) for i in range(N)]
-    if N >= 2:
+    if N >= 3:
+        # an iteration with one before and one after it: the last one has no successor whose prefetches
+        # compete with it, so it can be shorter than the real period
+        w0, w1 = ends[-3], ends[-2]
+    elif N == 2:
         w0, w1 = ends[-2], ends[-1]
     else:
         w0, w1 = 0.0, float(np.nanmax(end))
@@ -293,6 +297,6 @@ def _summarize(graph: TaskGraph, start: np.ndarray, end: np.ndarray, peak: list[
         busy[r] = float((e - s).sum() / iteration_s) if iteration_s > 0 else 0.0
     return SimResult(
         graph=graph, start_s=start, end_s=end, iteration_ends_s=ends, iteration_s=iteration_s, window_s=(w0, w1),
-        busy=busy, link_bytes=graph.bytes_per_link(iteration=N - 1),
+        busy=busy, link_bytes=graph.bytes_per_link(iteration=max(N - 2, 0)),
         peak_bytes={t: peak[i] for i, t in enumerate(TIERS)}, memory_trace=trace,
     )

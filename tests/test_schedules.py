@@ -5,7 +5,7 @@ derived from planner.workload (never against recorded simulator outputs)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import lru_cache
+from functools import cache
 
 import networkx as nx
 import pytest
@@ -21,7 +21,6 @@ from planner.schedules import (
     FAMILIES,
     ScheduleConfig,
     ScheduleError,
-    blocks_of,
     build_graph,
     default_placement,
     make_schedule,
@@ -44,7 +43,7 @@ SSD = Split(0.0, 0.0, 1.0)
 GPU = Split(1.0, 0.0, 0.0)
 
 
-@lru_cache(maxsize=None)
+@cache
 def profile(name: str = "rtx4090-lohan"):
     return load_profile(name)
 
@@ -80,11 +79,11 @@ def expected_link_bytes(model, cfg: ScheduleConfig) -> dict[str, float]:
 
     - a group of g micro-batches visits F(embed), F(1..L), H(head), B(L..1), B(embed); each visit is one weight
       use that fetches the block's off-GPU weights once (its SSD part is read first);
-    - with recompute, every layer input is a checkpoint offloaded once and fetched in backward; in a snake order
-      only the micro-batch that turns at a visit hands its activation over on the GPU, so g - 1 of g layer
-      inputs (forward), head inputs and activation gradients cross PCIe (and the SSD part of them the SSD);
-    - without recompute, every layer's full activations are offloaded and fetched once; layer outputs and
-      activation gradients cross for g - 1 of g micro-batches;
+    - a recomputed layer's input is a checkpoint offloaded once and fetched in backward; in a snake order only
+      the micro-batch that turns at a visit hands its activation over on the GPU, so g - 1 of g layer inputs
+      (forward), head inputs and activation gradients cross PCIe (and the SSD part of them the SSD);
+    - a layer that is not recomputed (recompute off, or one of the last `swap_layers`) offloads and fetches its
+      full activations once per micro-batch; its input crosses for g - 1 of g micro-batches;
     - gradients: bf16 over PCIe once per backward use (once per iteration when they accumulate on the GPU);
       fp32 spill to SSD written and read once per block per iteration;
     - optimizer states: their SSD part read and written once per iteration, plus the SSD part of the weights
@@ -98,11 +97,15 @@ def expected_link_bytes(model, cfg: ScheduleConfig) -> dict[str, float]:
     P = model.total_params()
     ckpt = lay.checkpoint_bytes
     weights = groups * COMPUTE_BYTES * weight_fetch_params(model, cfg.micro_batch, cfg.seq)
-    if cfg.recompute:
-        act_out = groups * ckpt * (L * g + (g - 1) + (L + 1) * (g - 1))
-        act_in = groups * ckpt * (L * (g - 1) + L * g + (g - 1) + (L + 1) * (g - 1))
-    else:
-        act_out = act_in = groups * (ckpt * 2 * (L + 1) * (g - 1) + lay.full_activation_bytes * L * g)
+    R = L - cfg.swap_layers if cfg.recompute else 0  # layers recomputed in backward
+    S = L - R  # layers that keep (swap out) their full activations
+    # per group: checkpoints of recomputed layers (out once per micro-batch; in for the g - 1 forward hand-overs
+    # that are not on the GPU and once in backward), inputs of swapped layers and of the head (g - 1 hand-overs),
+    # activation gradients of the head and every layer (g - 1 hand-overs), full activations of swapped layers
+    act_out = groups * (ckpt * (R * g + S * (g - 1) + (g - 1) + (L + 1) * (g - 1))
+                        + lay.full_activation_bytes * S * g)
+    act_in = groups * (ckpt * (R * (g - 1) + R * g + S * (g - 1) + (g - 1) + (L + 1) * (g - 1))
+                       + lay.full_activation_bytes * S * g)
     if p.gpu_optimizer:
         grads_d2h = states = grads_ssd = update = weights_back = 0.0
     else:
@@ -170,7 +173,8 @@ def schedules(draw):
         M = 2
     mb = draw(st.sampled_from([1, 2]))
     kw = dict(batch=M * mb, micro_batch=mb, seq=draw(st.sampled_from([16, 32, 64])), placement=draw(placements()),
-              recompute=draw(st.booleans()), prefetch_depth=draw(st.integers(1, 3)), iterations=3)
+              recompute=draw(st.booleans()), swap_layers=draw(st.integers(0, model.num_layers)),
+              prefetch_depth=draw(st.integers(1, 3)), act_prefetch=draw(st.integers(1, 3)), iterations=3)
     if family == "block":
         kw["group"] = draw(st.sampled_from([d for d in range(1, M + 1) if M % d == 0]))
     if family in ("vertical", "block"):
@@ -199,7 +203,8 @@ def test_family_defaults(M):
 
 def test_schedule_config_round_trips_through_dict():
     cfg = make_schedule("block", get_model("tiny-llama"), profile(), batch=8, micro_batch=1, group=4, alpha=0.5,
-                        prefetch_depth=2, recompute=False, placement=placement(weights=Split(0.25, 0.5, 0.25)))
+                        prefetch_depth=2, recompute=True, swap_layers=2, act_prefetch=3,
+                        placement=placement(weights=Split(0.25, 0.5, 0.25)))
     assert ScheduleConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -216,6 +221,8 @@ def test_schedule_config_round_trips_through_dict():
         (dict(family="vertical", batch=8, micro_batch=1, alpha=1.0), ["alpha"]),
         (dict(family="vertical", batch=8, micro_batch=1, alpha=-0.1), ["alpha"]),
         (dict(family="horizontal", batch=8, micro_batch=1, prefetch_depth=0), ["prefetch"]),
+        (dict(family="horizontal", batch=8, micro_batch=1, swap_layers=5), ["swap_layers 5", "4"]),
+        (dict(family="horizontal", batch=8, micro_batch=1, swap_layers=-1), ["swap_layers -1"]),
         (dict(family="horizontal", batch=8, micro_batch=1, seq=65), ["65", "64"]),  # tiny-gpt has 64 positions
     ],
 )
@@ -324,11 +331,13 @@ def test_horizontal_runs_each_micro_batch_through_all_blocks(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("place", ["default", "cpu", "ssd", "gpu"])
-def test_task_graph_structure(family, place):
+@pytest.mark.parametrize("swap", [0, 1, 4])
+def test_task_graph_structure(family, place, swap):
     model, hw = get_model("tiny-llama"), profile()
     p = {"default": None, "cpu": Placement.uniform("cpu"), "ssd": placement(SSD, SSD, SSD, SSD),
          "gpu": Placement.uniform("gpu")}[place]
-    cfg = make_schedule(family, model, hw, batch=8, micro_batch=2, seq=32, placement=p, iterations=2)
+    cfg = make_schedule(family, model, hw, batch=8, micro_batch=2, seq=32, placement=p, swap_layers=swap,
+                        iterations=2)
     graph = build_graph(model, hw, cfg)
     tasks = graph.tasks
     G = graph.to_networkx()
@@ -361,7 +370,7 @@ def test_task_graph_structure(family, place):
             got = {(t.kind, t.block) for t in tasks if t.iteration == it and t.mb == m and t.resource == "gpu"}
             want = {("fwd", b) for b in range(model.num_layers + 1)} | {("head", model.num_layers + 1)}
             want |= {("bwd", b) for b in range(model.num_layers + 1)}
-            want |= {("recompute", b) for b in range(1, model.num_layers + 1)}
+            want |= {("recompute", b) for b in range(1, model.num_layers - swap + 1)}  # the last `swap` keep theirs
             assert got == want
 
 
