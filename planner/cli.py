@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a profile field, e.g. ssd.count=6")
     s.add_argument("--schedule", default="all", choices=[*FAMILIES, "all"], help="schedule family (default: all)")
     s.add_argument("--batch", type=int, default=64, help="global batch in sequences (default 64)")
-    s.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (default 4)")
+    s.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch (default 2)")
     s.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     s.add_argument("--group", type=int, default=None, help="micro-batches per block sweep (block schedule)")
     s.add_argument("--alpha", type=float, default=None, help="deferred optimizer fraction (vertical default 0.25)")
