@@ -14,7 +14,7 @@ from hwprofiles import HardwareProfile
 from planner.costmodel import CostModel
 from planner.graph import RESOURCES
 from planner.models import ModelSpec
-from planner.schedules import ScheduleConfig, build_graph, static_bytes
+from planner.schedules import ScheduleConfig, build_graph, static_bytes, step_sequence
 
 LINK_RESOURCES = ("h2d", "d2h", "ssd_read", "ssd_write")
 
@@ -27,13 +27,21 @@ class IterationLoads:
     static_bytes: dict[str, float]
 
     def times_s(self, hw: HardwareProfile) -> dict[str, float]:
-        """Each resource's busy time if it ran alone at full rate, plus the shared-link terms."""
+        """Each resource's busy time if it ran alone at full rate, the shared-link terms, and "phases": the
+        forward phase's busiest resource plus the backward phase's (transfers that serve one phase cannot hide
+        behind the other phase's compute, except for the prefetch at the boundary)."""
+        out = self._times(hw, "")
+        if any(k.endswith("@F") for k in self.work):
+            out["phases"] = max(self._times(hw, "@F").values()) + max(self._times(hw, "@B").values())
+        return out
+
+    def _times(self, hw: HardwareProfile, suffix: str) -> dict[str, float]:
         r = CostModel(hw).rates
-        w = self.work
+        w = {k: self.work.get(k + suffix, 0.0) for k in RESOURCES}
         out = {"gpu": w["gpu"], "cpu": w["cpu"]}
         out["h2d"] = _div(w["h2d"], r.h2d)
         out["d2h"] = _div(w["d2h"], r.d2h)
-        out["pcie"] = _div(w["h2d"] + w["d2h"], max(r.h2d, r.d2h, r.h2d_duplex + r.d2h_duplex))
+        out["pcie"] = pcie_time_s(w["h2d"], w["d2h"], r)
         out["ssd_read"] = _div(w["ssd_read"], r.ssd_read)
         out["ssd_write"] = _div(w["ssd_write"], r.ssd_write)
         if hw.ssd.rw_sharing == "shared":
@@ -41,12 +49,29 @@ class IterationLoads:
         return out
 
     def bound_s(self, hw: HardwareProfile) -> float:
-        """Roofline lower bound: no iteration can be shorter than its busiest resource."""
+        """Roofline lower bound: no iteration can be shorter than its busiest resource (phases not counted)."""
+        return max(v for k, v in self.times_s(hw).items() if k != "phases")
+
+    def predict_s(self, hw: HardwareProfile) -> float:
+        """The planner's prediction: the roofline bound, or the sum of the two phases' bounds when larger."""
         return max(self.times_s(hw).values())
 
     def binding(self, hw: HardwareProfile) -> str:
         t = self.times_s(hw)
         return max(t, key=t.get)
+
+
+def pcie_time_s(h2d_bytes: float, d2h_bytes: float, r) -> float:
+    """Least time to move both directions over one PCIe link: run them together for t (at the duplex rates) as
+    long as both have bytes left, the rest alone at the solo rates. With c = 1 - Hd/H - Dd/D < 0 (running both at
+    once moves more than one alone), t = min(h/Hd, d/Dd) and the time is h/H + d/D + c t."""
+    if h2d_bytes <= 0 or d2h_bytes <= 0:
+        return _div(h2d_bytes, r.h2d) + _div(d2h_bytes, r.d2h)
+    base = h2d_bytes / r.h2d + d2h_bytes / r.d2h
+    c = 1.0 - r.h2d_duplex / r.h2d - r.d2h_duplex / r.d2h
+    if c >= 0:
+        return base
+    return base + c * min(h2d_bytes / r.h2d_duplex, d2h_bytes / r.d2h_duplex)
 
 
 def _div(a: float, b: float) -> float:
@@ -56,10 +81,22 @@ def _div(a: float, b: float) -> float:
 
 
 def _work(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, layers: int, swapped: int) -> dict[str, float]:
-    g = build_graph(replace(model, num_layers=layers), hw, replace(cfg, iterations=1, swap_layers=swapped))
+    """Work per resource, and per resource and phase ("gpu@F", "h2d@B", ...): a task belongs to the phase of the
+    GPU step its queue position serves (forward steps -> F; head and backward steps -> B; the optimizer tail
+    after the last step to neither)."""
+    m = replace(model, num_layers=layers)
+    g = build_graph(m, hw, replace(cfg, iterations=1, swap_layers=swapped))
+    phases = ["F" if st.phase == "F" else "B" for st in step_sequence(layers + 2, cfg.num_micro_batches, cfg.group)]
+    S = len(phases)
     work = dict.fromkeys(RESOURCES, 0.0)
+    for r in RESOURCES:
+        work[r + "@F"] = work[r + "@B"] = 0.0
     for t in g.tasks:
         work[t.resource] += t.work
+        if t.key < 0:
+            work[t.resource + "@F"] += t.work
+        elif t.key < S:
+            work[t.resource + "@" + phases[int(t.key)]] += t.work
     return work
 
 

@@ -93,7 +93,7 @@ class Evaluated:
     solver: SolverReport | None
     result: SimResult | None = None
     error: str = ""
-    bound_s: float = math.inf  # roofline bound of the chosen decisions
+    predicted_s: float = math.inf  # the solver's prediction for the chosen decisions (IterationLoads.predict_s)
     binding: str = ""
 
     @property
@@ -224,29 +224,44 @@ def solve_placement(lin: LinearLoads, mem: MemoryModel, hw: HardwareProfile, *, 
     # time of each resource, in microseconds: constant + sum of integer coefficients x integer variables
     unit = 1e-6
 
-    def expr(resource: str, rate: float):
+    def expr(resource: str, rate: float, scale: float = 1.0):
         if rate <= 0:
             return None
-        k = 1.0 / (rate * unit)
+        k = scale / (rate * unit)
         e = round(lin.base[resource] * k)
         e += sum(round(lin.coef[v][resource] * k / Q) * x[v] for v in VARS)
         e += round(lin.swap[resource] * k) * n
         e += sum(round(lin.swap_coef[v][resource] * k / Q) * y[v] for v in ("c_gpu", "c_ssd"))
         return e
 
+    def resource_terms(suffix: str) -> list:
+        """Linear time expressions whose max is a resource-bound on the time of the work keyed `suffix`."""
+        terms = [expr("gpu" + suffix, 1.0), expr("cpu" + suffix, 1.0), expr("h2d" + suffix, rates.h2d),
+                 expr("d2h" + suffix, rates.d2h)]
+        # both PCIe directions: h/H + d/D + c min(h/Hd, d/Dd) (planner.loads.pcie_time_s): a max of two terms
+        both = expr("h2d" + suffix, rates.h2d) + expr("d2h" + suffix, rates.d2h)
+        c = 1.0 - rates.h2d_duplex / rates.h2d - rates.d2h_duplex / rates.d2h
+        if c < 0:
+            terms += [both + expr("h2d" + suffix, rates.h2d_duplex, c), both + expr("d2h" + suffix, rates.d2h_duplex, c)]
+        else:
+            terms.append(both)
+        if hw.ssd.count > 0:
+            rd, wr = expr("ssd_read" + suffix, rates.ssd_read), expr("ssd_write" + suffix, rates.ssd_write)
+            terms += [rd, wr] + ([rd + wr] if hw.ssd.rw_sharing == "shared" else [])
+        return terms
+
     horizon = 10**13
     T = m.NewIntVar(0, horizon, "T")
-    terms = {"gpu": expr("gpu", 1.0), "cpu": expr("cpu", 1.0), "h2d": expr("h2d", rates.h2d),
-             "d2h": expr("d2h", rates.d2h)}
-    duplex = max(rates.h2d, rates.d2h, rates.h2d_duplex + rates.d2h_duplex)
-    terms["pcie"] = expr("h2d", duplex) + expr("d2h", duplex)
-    if hw.ssd.count > 0:
-        terms["ssd_read"] = expr("ssd_read", rates.ssd_read)
-        terms["ssd_write"] = expr("ssd_write", rates.ssd_write)
-        if hw.ssd.rw_sharing == "shared":
-            terms["ssd"] = terms["ssd_read"] + terms["ssd_write"]
-    for e in terms.values():
+    for e in resource_terms(""):
         m.Add(T >= e)
+    if "gpu@F" in lin.base:
+        # the forward phase's busiest resource plus the backward phase's (IterationLoads.times_s "phases")
+        TF, TB = m.NewIntVar(0, horizon, "T_forward"), m.NewIntVar(0, horizon, "T_backward")
+        for e in resource_terms("@F"):
+            m.Add(TF >= e)
+        for e in resource_terms("@B"):
+            m.Add(TB >= e)
+        m.Add(T >= TF + TB)
     # memory, in MiB (allocations rounded up)
     P = mem.P
 
@@ -340,7 +355,7 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, c: Can
             return Evaluated(c, None, None, error=last_error or "no placement fits every tier")
         cfg = _config(model, hw, batch, seq, c, _placement(solved.x), solved.n)
         loads = IterationLoads(work=lin.work(solved.x, solved.n), static_bytes={})
-        ev = Evaluated(c, cfg, solved.report, bound_s=loads.bound_s(hw), binding=loads.binding(hw))
+        ev = Evaluated(c, cfg, solved.report, predicted_s=loads.predict_s(hw), binding=loads.binding(hw))
         if not verify:
             return ev
         try:
@@ -406,7 +421,7 @@ def plan_search(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int | No
         try:
             r2 = simulate_config(model, hw, cfg2)
             if r2.iteration_s < best.verified_s:
-                best = Evaluated(c2, cfg2, best.solver, r2, bound_s=best.bound_s, binding=best.binding)
+                best = Evaluated(c2, cfg2, best.solver, r2, predicted_s=best.predicted_s, binding=best.binding)
                 evaluated.append(best)
         except CapacityError:
             pass
@@ -416,7 +431,7 @@ def plan_search(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int | No
         if best is None or res_b.iteration_s < best.verified_s:
             mb = cfg_b.micro_batch
             c = Candidate(mb, cfg_b.group, cfg_b.alpha, cfg_b.prefetch_depth)
-            best = Evaluated(c, cfg_b, None, res_b, bound_s=iteration_loads(model, hw, cfg_b).bound_s(hw),
+            best = Evaluated(c, cfg_b, None, res_b, predicted_s=iteration_loads(model, hw, cfg_b).predict_s(hw),
                              binding=iteration_loads(model, hw, cfg_b).binding(hw), error=f"baseline {name}")
             evaluated.append(best)
     if progress:
