@@ -37,9 +37,11 @@ class CapacityAnswer:
     note: str = ""
 
 
-def shape(family: str, hidden: int, heads: int, layers: int) -> ModelSpec:
+def shape(family: str, hidden: int, heads: int, layers: int, seq: int | None = None) -> ModelSpec:
     template, _ = FAMILIES[family]
     base = get_model(template)
+    if seq:
+        base = replace(base, seq_len=seq, max_positions=max(base.max_positions, seq) if base.max_positions else 0)
     if family == "gpt":
         return replace(base, name=f"gpt-{layers}x{hidden}", num_layers=layers, hidden=hidden, num_heads=heads,
                        num_kv_heads=heads, head_dim=hidden // heads, ffn_hidden=4 * hidden)
@@ -70,12 +72,12 @@ def largest(family: str, hw: HardwareProfile, batch: int, seq: int, with_ssd: bo
         lo, hi = 0, 4096
         while lo < hi:  # largest layer count that fits at this width
             mid = (lo + hi + 1) // 2
-            if fits(shape(family, hidden, heads, mid), hw, batch, seq, with_ssd):
+            if fits(shape(family, hidden, heads, mid, seq), hw, batch, seq, with_ssd):
                 lo = mid
             else:
                 hi = mid - 1
         if lo:
-            fitting.append(shape(family, hidden, heads, lo))
+            fitting.append(shape(family, hidden, heads, lo, seq))
     fitting.sort(key=lambda m: -m.total_params())
     hw_run = hw if with_ssd else hw.with_overrides({"ssd.count": 0})
     for m in fitting[:4]:

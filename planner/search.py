@@ -415,16 +415,20 @@ def plan_search(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int | No
         if ev.result and (best is None or ev.verified_s < best.verified_s):
             best = ev
     if best is not None:
-        # prefetch one more weight buffer ahead if memory allows
-        c2 = replace(best.candidate, prefetch_depth=2)
-        cfg2 = replace(best.config, prefetch_depth=2)
-        try:
-            r2 = simulate_config(model, hw, cfg2)
+        # the decisions that change only the order, not the traffic: one more weight buffer ahead, and the
+        # deferred optimizer fraction; each variant is verified like the rest
+        for variant in ({"prefetch_depth": 2}, {"alpha": 0.0}, {"alpha": 0.5}):
+            if all(getattr(best.config, k) == v for k, v in variant.items()):
+                continue
+            cfg2 = replace(best.config, **variant)
+            try:
+                r2 = simulate_config(model, hw, cfg2)
+            except CapacityError:
+                continue
             if r2.iteration_s < best.verified_s:
-                best = Evaluated(c2, cfg2, best.solver, r2, predicted_s=best.predicted_s, binding=best.binding)
+                best = Evaluated(replace(best.candidate, **variant), cfg2, best.solver, r2,
+                                 predicted_s=best.predicted_s, binding=best.binding)
                 evaluated.append(best)
-        except CapacityError:
-            pass
     base = fixed_baselines(model, hw, batch, seq, sorted({c.micro_batch for c in cands})) if baselines else {}
     for name, (cfg_b, res_b) in base.items():
         # the fixed schedules are part of the decision space: a plan is never slower than them
