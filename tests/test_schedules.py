@@ -4,15 +4,12 @@ derived from planner.workload (never against recorded simulator outputs)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-from functools import cache
-
 import networkx as nx
 import pytest
+from helpers import CPU, GPU, SSD, placement, profile, small_models, splits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hwprofiles import load_profile
 from planner.api import simulate
 from planner.graph import LINKS, RESOURCES, TIER_INDEX
 from planner.models import get_model
@@ -38,19 +35,10 @@ from planner.workload import (
 )
 
 GPU_KINDS = {"fwd", "recompute", "bwd", "head", "adam_gpu"}
-CPU = Split(0.0, 1.0, 0.0)
-SSD = Split(0.0, 0.0, 1.0)
-GPU = Split(1.0, 0.0, 0.0)
 
 
-@cache
-def profile(name: str = "rtx4090-lohan"):
-    return load_profile(name)
 
 
-def placement(weights=CPU, states=CPU, grads=CPU, checkpoints=CPU) -> Placement:
-    return Placement(weights=weights, master=states, adam_m=states, adam_v=states, grads=grads,
-                     checkpoints=checkpoints)
 
 
 def work_of(graph, kind: str, iteration: int) -> float:
@@ -125,33 +113,10 @@ def expected_link_bytes(model, cfg: ScheduleConfig) -> dict[str, float]:
 
 # ---- strategies ----------------------------------------------------------------------------------------------
 
-BASE_MODELS = ("tiny-gpt", "tiny-llama", "gpt3-125m")
 
 
-@st.composite
-def small_models(draw):
-    name = draw(st.sampled_from(BASE_MODELS))
-    m = get_model(name)
-    if name != "gpt3-125m" and draw(st.booleans()):
-        heads = draw(st.sampled_from([2, 4]))
-        head_dim = draw(st.sampled_from([16, 32]))
-        hidden = heads * head_dim
-        layers = draw(st.integers(1, 6))
-        m = replace(
-            m, name=f"{name}-{layers}x{hidden}", num_layers=layers, hidden=hidden, num_heads=heads,
-            num_kv_heads=heads if m.family == "gpt" else draw(st.sampled_from([1, heads])), head_dim=head_dim,
-            ffn_hidden=draw(st.sampled_from([2 * hidden, 4 * hidden])), vocab_size=draw(st.sampled_from([256, 1000])),
-            tied_embeddings=draw(st.booleans()),
-        )
-    return m
 
 
-@st.composite
-def splits(draw, gpu: bool = True):
-    """Fractions in quarters (exact in binary floating point, so they sum to exactly 1)."""
-    g = draw(st.integers(0, 4)) if gpu else 0
-    c = draw(st.integers(0, 4 - g))
-    return Split(g / 4, c / 4, (4 - g - c) / 4)
 
 
 @st.composite

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from functools import cache
 
 import numpy as np
 import pytest
+from helpers import CPU, GPU, SSD, placement, profile, small_models, splits
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from hwprofiles import load_profile
 from planner.api import simulate
 from planner.costmodel import CostModel
 from planner.graph import LINK_NAMES, LINKS, TIERS, Task, TaskGraph
@@ -31,20 +30,11 @@ from planner.workload import (
 )
 
 PROFILES = ("rtx4090-lohan", "a100-80g-nvme", "rtx3090-desktop", "rtx2060-laptop", "v100-32g", "h100-80g")
-CPU = Split(0.0, 1.0, 0.0)
-SSD = Split(0.0, 0.0, 1.0)
-GPU = Split(1.0, 0.0, 0.0)
 REL = 1e-9
 
 
-@cache
-def profile(name: str = "rtx4090-lohan"):
-    return load_profile(name)
 
 
-def placement(weights=CPU, states=CPU, grads=CPU, checkpoints=CPU) -> Placement:
-    return Placement(weights=weights, master=states, adam_m=states, adam_v=states, grads=grads,
-                     checkpoints=checkpoints)
 
 
 def solo_and_slowest_rates(hw) -> dict[str, tuple[float, float]]:
@@ -163,25 +153,8 @@ def link_bound_s(res, hw) -> dict[str, float]:
 
 # ---- strategies ----------------------------------------------------------------------------------------------
 
-BASE_MODELS = ("tiny-gpt", "tiny-llama", "gpt3-125m")
 
 
-@st.composite
-def small_models(draw):
-    name = draw(st.sampled_from(BASE_MODELS))
-    m = get_model(name)
-    if name != "gpt3-125m" and draw(st.booleans()):
-        heads = draw(st.sampled_from([2, 4]))
-        head_dim = draw(st.sampled_from([16, 32]))
-        hidden = heads * head_dim
-        layers = draw(st.integers(1, 6))
-        m = replace(
-            m, name=f"{name}-{layers}x{hidden}", num_layers=layers, hidden=hidden, num_heads=heads,
-            num_kv_heads=heads if m.family == "gpt" else draw(st.sampled_from([1, heads])), head_dim=head_dim,
-            ffn_hidden=draw(st.sampled_from([2 * hidden, 4 * hidden])), vocab_size=draw(st.sampled_from([256, 1000])),
-            tied_embeddings=draw(st.booleans()),
-        )
-    return m
 
 
 @st.composite
@@ -199,12 +172,6 @@ def profiles(draw):
     return hw.with_overrides(ov) if ov else hw
 
 
-@st.composite
-def splits(draw, gpu: bool = True):
-    """Fractions in quarters (exact in binary floating point, so they sum to exactly 1)."""
-    g = draw(st.integers(0, 4)) if gpu else 0
-    c = draw(st.integers(0, 4 - g))
-    return Split(g / 4, c / 4, (4 - g - c) / 4)
 
 
 @st.composite
