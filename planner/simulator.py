@@ -287,8 +287,19 @@ def _summarize(graph: TaskGraph, start: np.ndarray, end: np.ndarray, peak: list[
         w0, w1 = ends[-2], ends[-1]
     else:
         w0, w1 = 0.0, float(np.nanmax(end))
-    iteration_s = w1 - w0
     res = np.array([t.resource for t in tasks])
+    iteration_s = w1 - w0
+    if N >= 2:
+        # A pipeline runs at the pace of its slowest stage: if a resource (say the SSD writes) falls further
+        # behind every iteration, the GPU's window understates the period. The steady-state period is the
+        # largest gap, over resources, between finishing one iteration's work and the next one's.
+        k = N - 2 if N >= 3 else N - 1
+        for r in RESOURCES:
+            m = res == r
+            e_prev, e_k = end[m & (its == k - 1)], end[m & (its == k)]
+            if len(e_prev) and len(e_k):
+                iteration_s = max(iteration_s, float(e_k.max() - e_prev.max()))
+        w1 = w0 + iteration_s
     busy = {}
     for r in RESOURCES:
         m = res == r
