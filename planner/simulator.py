@@ -291,14 +291,15 @@ def _summarize(graph: TaskGraph, start: np.ndarray, end: np.ndarray, peak: list[
     iteration_s = w1 - w0
     if N >= 2:
         # A pipeline runs at the pace of its slowest stage: if a resource (say the SSD writes) falls further
-        # behind every iteration, the GPU's window understates the period. The steady-state period is the
-        # largest gap, over resources, between finishing one iteration's work and the next one's.
-        k = N - 2 if N >= 3 else N - 1
-        for r in RESOURCES:
-            m = res == r
-            e_prev, e_k = end[m & (its == k - 1)], end[m & (its == k)]
-            if len(e_prev) and len(e_k):
-                iteration_s = max(iteration_s, float(e_k.max() - e_prev.max()))
+        # behind every iteration, the GPU's window understates the period; and a short run has not always
+        # settled. The period reported is the largest gap, over every resource (and each shared link as a
+        # whole) and every pair of consecutive iterations, between finishing one iteration's work and the next's.
+        for group in [(r,) for r in RESOURCES] + [("h2d", "d2h"), ("ssd_read", "ssd_write")]:
+            m = np.isin(res, group)
+            done = [end[m & (its == i)] for i in range(N)]
+            for i in range(1, N):
+                if len(done[i - 1]) and len(done[i]):
+                    iteration_s = max(iteration_s, float(done[i].max() - done[i - 1].max()))
         w1 = w0 + iteration_s
     busy = {}
     for r in RESOURCES:
