@@ -330,7 +330,7 @@ def candidates(batch: int, *, micro_batches: list[int] | None = None, max_groups
 
 
 def _config(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, c: Candidate,
-            placement: Placement, swap: int, iterations: int = 2) -> ScheduleConfig:
+            placement: Placement, swap: int, iterations: int = 3) -> ScheduleConfig:
     M = batch // c.micro_batch
     family = "vertical" if c.group == M and M > 1 else "block"
     cfg = make_schedule(family, model, hw, batch=batch, micro_batch=c.micro_batch, seq=seq, placement=placement,
