@@ -272,7 +272,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         rows.append([e.candidate.describe(args.batch), f"{e.verified_s:,.1f} s", f"{e.result.tokens_per_s:,.0f}",
                      f"{e.result.hw_tflops:.1f}", s_.status if s_ else "-", f"{s_.objective_s:,.1f} s" if s_ else "-"])
     print()
-    print(fmt_table(rows, ["candidate (best first)", "simulated", "tokens/s", "hw TFLOPS", "CP-SAT", "bound"]))
+    print(fmt_table(rows, ["candidate (best first)", "simulated", "tokens/s", "hw TFLOPS", "CP-SAT", "predicted"]))
     print()
     print(f"chosen: {best.candidate.describe(args.batch)}; {cfg.swap_layers} of {model.num_layers} layers swap "
           f"their activations instead of recomputing")
