@@ -360,6 +360,14 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_box_args(p: argparse.ArgumentParser, model: bool = True) -> None:
+    """--model, --hw and --set, shared by the commands that take a model and a box."""
+    if model:
+        p.add_argument("--model", default="gpt3-175b", help="zoo name (see `tierflow models`) or a HF config.json path")
+    p.add_argument("--hw", default="rtx4090-lohan", help="profile name (see `tierflow profiles`) or a YAML path")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a profile field, e.g. ssd.count=6")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierflow", description="Plan, simulate and run training of models larger than "
                                 "GPU memory over GPU memory, CPU memory and NVMe SSDs.")
@@ -367,9 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("simulate", help="simulate schedules of a model on a box and report throughput",
                        description="Simulate training iterations and report the steady state. With no arguments: "
                        "GPT-3 175B on the RTX 4090 box (Fuyou's), every schedule side by side.")
-    s.add_argument("--model", default="gpt3-175b", help="zoo name (see `tierflow models`) or a HF config.json path")
-    s.add_argument("--hw", default="rtx4090-lohan", help="profile name (see `tierflow profiles`) or a YAML path")
-    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a profile field, e.g. ssd.count=6")
+    add_box_args(s)
     s.add_argument("--schedule", default="all", choices=[*FAMILIES, "all"], help="schedule family (default: all)")
     s.add_argument("--batch", type=int, default=64, help="global batch in sequences (default 64)")
     s.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch (default 2)")
@@ -388,9 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="search schedule, micro-batching, placement and recompute; write a plan file",
                         description="Search every decision with the roofline bound, CP-SAT and the simulator; "
                         "every plan is verified by simulating full iterations.")
-    pl.add_argument("--model", default="gpt3-175b", help="zoo name or HF config.json path")
-    pl.add_argument("--hw", default="rtx4090-lohan", help="profile name or YAML path")
-    pl.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a profile field")
+    add_box_args(pl)
     pl.add_argument("--batch", type=int, default=64, help="global batch in sequences (default 64)")
     pl.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     pl.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch (default: searched)")
@@ -403,8 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the result as JSON")
     pl.set_defaults(func=cmd_plan)
     ca = sub.add_parser("capacity", help="the largest model of each family that trains on a box")
-    ca.add_argument("--hw", default="rtx4090-lohan", help="profile name or YAML path")
-    ca.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a profile field, e.g. cpu.memory_gib=256")
+    add_box_args(ca, model=False)
     ca.add_argument("--batch", type=int, default=16, help="global batch in sequences (default 16)")
     ca.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
     ca.add_argument("--model", action="append", help="also check whether this model fits (repeatable)")
