@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from hwprofiles import HardwareProfile, load_profile, profile_from_dict, save_profile
+from hwprofiles.profile import format_value
 from planner.cli import CliError
 
 FALLBACK_BASE = "rtx4090-lohan"
@@ -749,16 +750,8 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
-
-
 def format_table(cal: Calibration) -> str:
-    rows = [[f.key, _fmt(f.value), f.source, f.note] for f in cal.fields]
+    rows = [[f.key, format_value(f.value), f.source, f.note] for f in cal.fields]
     header = ["field", "value", "source", "note"]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
     line = lambda r: "  ".join([r[0].ljust(widths[0]), r[1].rjust(widths[1]), r[2].ljust(widths[2]), r[3]]).rstrip()  # noqa: E731

@@ -52,13 +52,14 @@ def main() -> None:
             rows.append({"model": name, "hw": hwname, "batch": batch, "seq": seq, "error": str(e)})
             continue
         b = sr.best
+        bound = iteration_loads(model, hw, b.config).bound_s(hw)
         fixed_name, fixed = min(sr.baseline.items(), key=lambda kv: kv[1].iteration_s) if sr.baseline else ("-", None)
         rows.append({
             "model": name, "hw": hwname, "batch": batch, "seq": seq, "plan": b.candidate.describe(batch),
             "swap_layers": b.config.swap_layers, "verified_s": round(b.verified_s, 3),
             "solver_prediction_s": round(b.predicted_s, 3), "prediction_error": round(b.verified_s / b.predicted_s - 1, 4),
-            "roofline_bound_s": round(iteration_loads(model, hw, b.config).bound_s(hw), 3),
-            "fraction_of_roofline": round(iteration_loads(model, hw, b.config).bound_s(hw) / b.verified_s, 4),
+            "roofline_bound_s": round(bound, 3),
+            "fraction_of_roofline": round(bound / b.verified_s, 4),
             "binding": b.binding,
             "best_fixed": fixed_name, "best_fixed_s": round(fixed.iteration_s, 3) if fixed else "",
             "speedup_vs_fixed": round(fixed.iteration_s / b.verified_s, 3) if fixed else "",

@@ -185,7 +185,7 @@ class HardwareProfile:
                 )
             data[section][key] = _coerce_override(_RULES[section][key], value)
         suffix = ",".join(
-            f"{k}={_format_value(data[k.split('.')[0]][k.split('.')[1]])}" for k in sorted(overrides)
+            f"{k}={format_value(data[k.split('.')[0]][k.split('.')[1]])}" for k in sorted(overrides)
         )
         data["name"] = f"{self.name}[{suffix}]"
         return _build(data, source, _FIX_OVERRIDE, source_label=self.source)
@@ -209,7 +209,8 @@ def _num(x: float) -> str:
     return f"{x:.0f}" if abs(x) >= 10 else f"{x:.3g}"
 
 
-def _format_value(value: object) -> str:
+def format_value(value: object) -> str:
+    """A profile value as it reads in YAML (None -> null, floats without trailing zeros)."""
     if value is None:
         return "null"
     if isinstance(value, float):
@@ -367,7 +368,7 @@ class _Checker:
             raise self.fail(dotted, f"expected a number{nullable}, got {_type_name(value)} {value!r}", hint)
         if not math.isfinite(value):
             raise self.fail(dotted, f"must be a finite number, got {value}")
-        shown = _format_value(value)
+        shown = format_value(value)
         if rule.fraction and not 0 < value <= 1:
             hint = f"it is a fraction: write {value / 100:g} for {shown}%" if 1 < value <= 100 else self.fix
             raise self.fail(dotted, f"must be in (0, 1], got {shown}", hint)
@@ -375,11 +376,11 @@ class _Checker:
             inclusive = rule.low_inclusive or relaxed_low
             if value < rule.low or (value == rule.low and not inclusive):
                 op = ">=" if inclusive else ">"
-                raise self.fail(dotted, f"must be {op} {_format_value(rule.low)}{when}, got {shown}")
+                raise self.fail(dotted, f"must be {op} {format_value(rule.low)}{when}, got {shown}")
         if rule.high is not None and value > rule.high:
             raise self.fail(
                 dotted,
-                f"absurd value {shown}: above the sanity ceiling {_format_value(rule.high)} {rule.unit}".rstrip(),
+                f"absurd value {shown}: above the sanity ceiling {format_value(rule.high)} {rule.unit}".rstrip(),
                 f"check the unit: this key is in {rule.unit}" if rule.unit else self.fix,
             )
         return int(value) if rule.kind == "int" else float(value)
@@ -496,8 +497,8 @@ def _check_relations(check: _Checker, section: str, v: dict[str, Any]) -> None:
     if section in ("gpu", "cpu") and v["reserved_gib"] >= v["memory_gib"]:
         raise check.fail(
             f"{section}.reserved_gib",
-            f"must be < {section}.memory_gib ({_format_value(v['memory_gib'])}), "
-            f"got {_format_value(v['reserved_gib'])}",
+            f"must be < {section}.memory_gib ({format_value(v['memory_gib'])}), "
+            f"got {format_value(v['reserved_gib'])}",
             f"reserved is the unusable part of memory_gib: lower {section}.reserved_gib or raise memory_gib",
         )
     if section == "pcie":
@@ -506,7 +507,7 @@ def _check_relations(check: _Checker, section: str, v: dict[str, Any]) -> None:
             if duplex > solo:
                 raise check.fail(
                     f"pcie.duplex_{direction}_gbps",
-                    f"must be <= pcie.{direction}_gbps ({_format_value(solo)}), got {_format_value(duplex)}",
+                    f"must be <= pcie.{direction}_gbps ({format_value(solo)}), got {format_value(duplex)}",
                     "a direction cannot get faster while the other one is busy",
                 )
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from hwprofiles import HardwareProfile, load_profile
 from planner.graph import TaskGraph
 from planner.models import ModelSpec, get_model
@@ -40,7 +38,7 @@ def simulate(model: ModelSpec | str = "gpt3-175b", hw: HardwareProfile | str = "
              schedule: str = "vertical", *, batch: int = 64, micro_batch: int = 4, seq: int | None = None,
              iterations: int = 3, **options) -> SimResult:
     """Simulate one schedule family with its defaults (options: placement, group, alpha, prefetch_depth,
-    recompute). Returns the steady-state result of the last simulated iteration."""
+    recompute, swap_layers). Returns the steady-state result (planner.simulator: the iteration before the last)."""
     m, h = resolve(model, hw)
     cfg = make_schedule(schedule, m, h, batch=batch, micro_batch=micro_batch, seq=seq, iterations=iterations,
                         **options)
@@ -52,4 +50,4 @@ def compare(model: ModelSpec | str, hw: HardwareProfile | str, families=DEFAULT_
     return {f: simulate(model, hw, f, **kw) for f in families}
 
 
-__all__ = ["simulate", "simulate_config", "compare", "resolve", "FAMILIES", "DEFAULT_FAMILIES", "replace"]
+__all__ = ["simulate", "simulate_config", "compare", "resolve", "FAMILIES", "DEFAULT_FAMILIES"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from hwprofiles import HardwareProfile
 from planner.costmodel import CostModel
@@ -80,6 +81,7 @@ def _div(a: float, b: float) -> float:
     return a / b if b > 0 else math.inf
 
 
+@lru_cache(maxsize=1024)
 def _work(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, layers: int, swapped: int) -> dict[str, float]:
     """Work per resource, and per resource and phase ("gpu@F", "h2d@B", ...): a task belongs to the phase of the
     GPU step its queue position serves (forward steps -> F; head and backward steps -> B; the optimizer tail

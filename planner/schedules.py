@@ -17,13 +17,12 @@ starts the next and its activation stays on the GPU).
 
 from __future__ import annotations
 
-import gc
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from hwprofiles import HardwareProfile
 from planner.costmodel import CostModel
-from planner.graph import GraphBuilder, Task, TaskGraph
+from planner.graph import GraphBuilder, Task, TaskGraph, gc_paused
 from planner.models import ModelSpec
 from planner.placement import Placement, Split, fill_split
 from planner.workload import (
@@ -594,14 +593,5 @@ class _Builder:
 
 def build_graph(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> TaskGraph:
     """The task graph of `cfg.iterations` training iterations of `model` on `hw` under schedule `cfg`."""
-    enabled = gc.isenabled()
-    gc.disable()  # ~10^5 small objects, none cyclic: the collector only slows the build down
-    try:
+    with gc_paused():
         return _Builder(model, hw, cfg).build()
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def with_iterations(cfg: ScheduleConfig, n: int) -> ScheduleConfig:
-    return replace(cfg, iterations=n)

@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from ortools.sat.python import cp_model
 
@@ -118,7 +119,7 @@ def _base_placement() -> Placement:
     return Placement()  # everything in CPU memory
 
 
-def _placement(x: dict[str, float], base: Placement | None = None) -> Placement:
+def _placement(x: dict[str, float]) -> Placement:
     w = Split(gpu=x["w_gpu"], cpu=round(1 - x["w_gpu"] - x["w_ssd"], 6), ssd=x["w_ssd"])
     s = Split(gpu=0.0, cpu=round(1 - x["s_ssd"], 6), ssd=x["s_ssd"])
     c = Split(gpu=x["c_gpu"], cpu=round(1 - x["c_gpu"] - x["c_ssd"], 6), ssd=x["c_ssd"])
@@ -138,6 +139,7 @@ class MemoryModel:
     L: int
 
 
+@lru_cache(maxsize=256)
 def memory_model(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> MemoryModel:
     P = model.total_params()
     L = model.num_layers
@@ -167,6 +169,7 @@ def _gpu_dynamic(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, swa
         return math.inf
 
 
+@lru_cache(maxsize=256)
 def linear_loads(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> LinearLoads:
     """Exact affine coefficients of every resource's work in the placement fractions and the swap count."""
     L = model.num_layers
@@ -435,8 +438,9 @@ def plan_search(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int | No
         if best is None or res_b.iteration_s < best.verified_s:
             mb = cfg_b.micro_batch
             c = Candidate(mb, cfg_b.group, cfg_b.alpha, cfg_b.prefetch_depth)
-            best = Evaluated(c, cfg_b, None, res_b, predicted_s=iteration_loads(model, hw, cfg_b).predict_s(hw),
-                             binding=iteration_loads(model, hw, cfg_b).binding(hw), error=f"baseline {name}")
+            loads = iteration_loads(model, hw, cfg_b)
+            best = Evaluated(c, cfg_b, None, res_b, predicted_s=loads.predict_s(hw), binding=loads.binding(hw),
+                             error=f"baseline {name}")
             evaluated.append(best)
     if progress:
         progress(len(cands), len(cands), "done")

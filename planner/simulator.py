@@ -12,7 +12,6 @@ CapacityError naming the tier, the simulated time and the bytes over.
 
 from __future__ import annotations
 
-import gc
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import numpy as np
 
 from hwprofiles import HardwareProfile
 from planner.costmodel import CostModel
-from planner.graph import LINK_NAMES, RESOURCES, TIERS, TaskGraph
+from planner.graph import LINK_NAMES, RESOURCES, TIERS, TaskGraph, gc_paused
 
 _EPS_BYTES = 1.0
 
@@ -94,13 +93,8 @@ class SimResult:
 
 def simulate_graph(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
     """Play `graph` on `hw`; returns times of every task and the steady-state metrics (see _summarize)."""
-    enabled = gc.isenabled()
-    gc.disable()  # the event loop allocates many small tuples and no cycles
-    try:
+    with gc_paused():
         return _simulate(graph, hw)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _simulate(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
@@ -279,28 +273,23 @@ def _summarize(graph: TaskGraph, start: np.ndarray, end: np.ndarray, peak: list[
     gpu_mask = np.array([t.resource == "gpu" for t in tasks])
     its = np.array([t.iteration for t in tasks])
     ends = [float(end[gpu_mask & (its == i)].max()) for i in range(N)]
-    if N >= 3:
-        # an iteration with one before and one after it: the last one has no successor whose prefetches
-        # compete with it, so it can be shorter than the real period
-        w0, w1 = ends[-3], ends[-2]
-    elif N == 2:
-        w0, w1 = ends[-2], ends[-1]
-    else:
-        w0, w1 = 0.0, float(np.nanmax(end))
     res = np.array([t.resource for t in tasks])
-    iteration_s = w1 - w0
     if N >= 2:
-        # A pipeline runs at the pace of its slowest stage: if a resource (say the SSD writes) falls further
-        # behind every iteration, the GPU's window understates the period; and a short run has not always
-        # settled. The period reported is the largest gap, over every resource (and each shared link as a
-        # whole) and every pair of consecutive iterations, between finishing one iteration's work and the next's.
+        # Report an iteration with one before and one after it (the last one has no successor whose prefetches
+        # compete with it). Its period: a pipeline runs at the pace of its slowest stage, and a short run has not
+        # always settled, so it is the largest gap, over every resource (and each shared link as a whole) and
+        # every pair of consecutive iterations, between finishing one iteration's work and the next's.
+        w0 = ends[-3] if N >= 3 else ends[-2]
+        iteration_s = 0.0
         for group in [(r,) for r in RESOURCES] + [("h2d", "d2h"), ("ssd_read", "ssd_write")]:
             m = np.isin(res, group)
             done = [end[m & (its == i)] for i in range(N)]
             for i in range(1, N):
                 if len(done[i - 1]) and len(done[i]):
                     iteration_s = max(iteration_s, float(done[i].max() - done[i - 1].max()))
-        w1 = w0 + iteration_s
+    else:
+        w0, iteration_s = 0.0, float(np.nanmax(end))
+    w1 = w0 + iteration_s
     busy = {}
     for r in RESOURCES:
         m = res == r
