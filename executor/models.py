@@ -429,6 +429,57 @@ _IGNORED_KEY = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
+def _outer_keys(spec: ModelSpec) -> dict[str, tuple[int, str]]:
+    last = spec.num_layers + 1
+    if spec.family == "gpt":  # HF name -> (block index, our name)
+        return {
+            "wte.weight": (0, "wte.weight"),
+            "wpe.weight": (0, "wpe.weight"),
+            "ln_f.weight": (last, "norm.weight"),
+            "ln_f.bias": (last, "norm.bias"),
+        }
+    return {"embed_tokens.weight": (0, "wte.weight"), "norm.weight": (last, "norm.weight")}
+
+
+def hf_key_target(spec: ModelSpec, key: str) -> tuple[int, str, bool] | None | bool:
+    """Where a transformers checkpoint tensor goes: (block index, our parameter name, transpose it?), ``None``
+    for tensors to skip (buffers, a tied lm_head), ``False`` for a key this model does not have."""
+    gpt = spec.family == "gpt"
+    last = spec.num_layers + 1
+    if _IGNORED_KEY.search(key):
+        return None
+    if key == "lm_head.weight":
+        return None if spec.tied_embeddings else (last, "lm_head.weight", False)
+    name = key.removeprefix("transformer." if gpt else "model.")
+    layer = _LAYER_KEY.match(name)
+    if layer and int(layer.group(1)) < spec.num_layers:
+        sub = layer.group(2)
+        return int(layer.group(1)) + 1, sub, gpt and sub in _CONV1D
+    outer = _outer_keys(spec)
+    if name in outer:
+        index, target = outer[name]
+        return index, target, False
+    return False
+
+
+def check_block_state_dicts(spec: ModelSpec, blocks: list[Mapping[str, torch.Tensor]],
+                            only: list[int] | None = None) -> None:
+    """Names and shapes of per-block state dicts against the blocks we would build (meta device: no memory)."""
+    expected = _make_blocks(spec, "meta", None, None)
+    for i, (block, got) in enumerate(zip(expected, blocks)):
+        if only is not None and i not in only:
+            continue
+        want = {k: tuple(v.shape) for k, v in block.state_dict().items()}
+        missing = sorted(set(want) - set(got))
+        if missing:
+            raise ValueError(f"{spec.name}: block {i} misses {', '.join(missing)} in the state dict")
+        for k, t in got.items():
+            if k not in want:
+                raise ValueError(f"{spec.name}: block {i} has no parameter {k!r}")
+            if tuple(t.shape) != want[k]:
+                raise ValueError(f"{spec.name}: block {i} {k}: shape {tuple(t.shape)} != expected {want[k]}")
+
+
 def hf_state_dict_to_blocks(
     spec: ModelSpec, state_dict: Mapping[str, torch.Tensor]
 ) -> list[dict[str, torch.Tensor]]:
@@ -441,53 +492,20 @@ def hf_state_dict_to_blocks(
     :class:`ValueError`.
     """
     check_supported(spec)
-    gpt = spec.family == "gpt"
-    last = spec.num_layers + 1
-    if gpt:  # HF name -> (block index, our name)
-        outer = {
-            "wte.weight": (0, "wte.weight"),
-            "wpe.weight": (0, "wpe.weight"),
-            "ln_f.weight": (last, "norm.weight"),
-            "ln_f.bias": (last, "norm.bias"),
-        }
-    else:
-        outer = {"embed_tokens.weight": (0, "wte.weight"), "norm.weight": (last, "norm.weight")}
     blocks: list[dict[str, torch.Tensor]] = [{} for _ in range(spec.num_layers + 2)]
     unexpected = []
     for key, tensor in state_dict.items():
-        if _IGNORED_KEY.search(key):
+        target = hf_key_target(spec, key)
+        if target is None:
             continue
-        if key == "lm_head.weight":
-            if not spec.tied_embeddings:
-                blocks[last]["lm_head.weight"] = tensor
-            continue
-        name = key.removeprefix("transformer." if gpt else "model.")
-        layer = _LAYER_KEY.match(name)
-        if layer and int(layer.group(1)) < spec.num_layers:
-            sub = layer.group(2)
-            blocks[int(layer.group(1)) + 1][sub] = (
-                tensor.t().contiguous() if gpt and sub in _CONV1D else tensor
-            )
-        elif name in outer:
-            index, target = outer[name]
-            blocks[index][target] = tensor
-        else:
+        if target is False:
             unexpected.append(key)
+            continue
+        index, name, transpose = target
+        blocks[index][name] = tensor.t().contiguous() if transpose else tensor
     if unexpected:
         raise ValueError(f"{spec.name}: unexpected tensors in the state dict: {', '.join(unexpected[:8])}")
-
-    # Check names and shapes against the blocks we would build (on the meta device: no memory).
-    expected = _make_blocks(spec, "meta", None, None)
-    for i, (block, got) in enumerate(zip(expected, blocks)):
-        want = {k: tuple(v.shape) for k, v in block.state_dict().items()}
-        missing = sorted(set(want) - set(got))
-        if missing:
-            raise ValueError(f"{spec.name}: block {i} misses {', '.join(missing)} in the state dict")
-        for k, t in got.items():
-            if k not in want:
-                raise ValueError(f"{spec.name}: block {i} has no parameter {k!r}")
-            if tuple(t.shape) != want[k]:
-                raise ValueError(f"{spec.name}: block {i} {k}: shape {tuple(t.shape)} != expected {want[k]}")
+    check_block_state_dicts(spec, blocks)
     return blocks
 
 
@@ -505,6 +523,8 @@ __all__ = [
     "RMSNorm",
     "build_blocks",
     "check_supported",
+    "check_block_state_dicts",
+    "hf_key_target",
     "hf_state_dict_to_blocks",
     "init_weights",
     "loss",

@@ -241,7 +241,7 @@ def _simulate(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
     if done < n:
         _raise_stuck(graph, queues, ptr, ndeps, mem, cap, now, mem_blocked, RESOURCES)
 
-    return _summarize(graph, np.asarray(start), np.asarray(end), peak, trace)
+    return summarize(graph, np.asarray(start), np.asarray(end), peak, trace)
 
 
 def _raise_stuck(graph, queues, ptr, ndeps, mem, cap, now, mem_blocked, resources) -> None:
@@ -267,7 +267,8 @@ def _raise_stuck(graph, queues, ptr, ndeps, mem, cap, now, mem_blocked, resource
     raise SimulationError("schedule deadlocks: " + "; ".join(heads))
 
 
-def _summarize(graph: TaskGraph, start: np.ndarray, end: np.ndarray, peak: list[float], trace) -> SimResult:
+def summarize(graph: TaskGraph, start: np.ndarray, end: np.ndarray, peak: list[float], trace) -> SimResult:
+    """Steady-state metrics of a played graph: from the simulator's times, or from an executor's measured ones."""
     tasks = graph.tasks
     N = graph.num_iterations
     gpu_mask = np.array([t.resource == "gpu" for t in tasks])

@@ -1,0 +1,64 @@
+"""Training tokens: a nanoGPT-style file of uint16 token ids, a plain-text file (byte-level tokens, vocabulary
+256), or, with no file, a fixed pseudo-random stream (for smoke runs and tests).
+
+Batches are a pure function of the step number, so the data position is just the step: a run resumed from a
+checkpoint at step s reads exactly the batches an uninterrupted run would have read from step s on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class DataError(ValueError):
+    """A data file that cannot be used."""
+
+
+class TokenData:
+    def __init__(self, tokens: np.ndarray, source: str) -> None:
+        self.tokens = tokens
+        self.source = source
+
+    @classmethod
+    def load(cls, path: str | None, vocab_size: int, fmt: str = "auto", seed: int = 0) -> TokenData:
+        if path is None:
+            rng = np.random.default_rng(seed)
+            return cls(rng.integers(0, vocab_size, size=1 << 16, dtype=np.int64), "synthetic (seeded random tokens)")
+        p = Path(path)
+        if not p.is_file():
+            raise DataError(f"--data {p}: no such file (pass a uint16 token file (.bin) or a text file)")
+        if fmt == "auto":
+            fmt = "uint16" if p.suffix in (".bin", ".u16") else "text"
+        if fmt == "uint16":
+            if p.stat().st_size % 2:
+                raise DataError(f"--data {p}: {p.stat().st_size} bytes is not a whole number of uint16 tokens "
+                                "(pass --data-format text for a text file)")
+            tokens = np.memmap(p, dtype=np.uint16, mode="r")
+        elif fmt == "text":
+            tokens = np.memmap(p, dtype=np.uint8, mode="r")
+        else:
+            raise DataError(f"--data-format {fmt!r}: use auto, uint16 or text")
+        if len(tokens) < 2:
+            raise DataError(f"--data {p}: only {len(tokens)} tokens; a batch needs at least seq + 1")
+        top = int(tokens.max())
+        if top >= vocab_size:
+            raise DataError(f"--data {p}: token id {top} is outside the model's vocabulary of {vocab_size} "
+                            f"({'a text file needs a vocabulary of 256' if fmt == 'text' else 'wrong tokenizer?'})")
+        return cls(tokens, f"{p} ({fmt}, {len(tokens):,} tokens)")
+
+    def batch(self, step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of shape (batch, seq) for training step `step`: consecutive windows of seq+1 tokens,
+        wrapping around the file."""
+        n = len(self.tokens)
+        if n < seq + 1:
+            raise DataError(f"data {self.source}: {n} tokens, a sequence needs {seq + 1}")
+        span = n - seq - 1 + 1
+        rows = []
+        for i in range(batch):
+            start = ((step * batch + i) * seq) % span
+            rows.append(np.asarray(self.tokens[start: start + seq + 1], dtype=np.int64))
+        x = torch.from_numpy(np.stack(rows))
+        return x[:, :-1].contiguous(), x[:, 1:].contiguous()

@@ -1,0 +1,284 @@
+"""`tierflow run`: train with a plan file. Builds the state on the plan's tiers, replays the plan's ops for the
+requested number of steps (a *round* runs the plan's iterations once; the last round of a run, or one that
+ends at a checkpoint, runs only the first iterations of the plan), prints loss, tokens/s and TFLOPS per step,
+checkpoints atomically and resumes from the last checkpoint, and writes the measured trace in the simulator's
+format (timeline.csv, trace.json, gantt.png) plus steps.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from executor.data import DataError, TokenData
+from executor.engine import ExecutionError, Executor, Hyper, OutOfMemory, measured_result
+from executor.models import check_supported
+from executor.state import StateError, TrainState, latest_checkpoint, read_manifest
+from executor.store import ChecksumError, SsdError, SsdStore, check_ssd_dir
+from planner.planfile import Plan, PlanError, load_plan
+from planner.simulator import SimResult
+from planner.workload import COMPUTE_BYTES, model_flops_per_token
+
+
+class RunError(ValueError):
+    """Bad input to `tierflow run` (one line)."""
+
+
+@dataclass
+class RunOptions:
+    steps: int
+    device: str = "cpu"
+    ssd_dir: str | None = None
+    data: str | None = None
+    data_format: str = "auto"
+    init: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    out: str | None = None
+    hyper: Hyper = field(default_factory=Hyper)
+    seed: int = 0
+    quiet: bool = False
+    collect_final: bool = False  # return the final fp32 master weights (RunResult.final_master), e.g. for tests
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    step_s: float
+    tokens_per_s: float
+    tflops: float
+
+
+@dataclass
+class RunResult:
+    plan: Plan
+    first_step: int
+    records: list[StepRecord]
+    state: TrainState
+    measured: SimResult | None
+    ssd_bytes_read: int = 0
+    ssd_bytes_written: int = 0
+    o_direct: bool | None = None
+    final_master: list[torch.Tensor] | None = None
+
+    @property
+    def losses(self) -> list[float]:
+        return [r.loss for r in self.records]
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    d = {"model": asdict(plan.model), "decisions": plan.config.to_dict()}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _device(name: str) -> torch.device:
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise RunError(f"--device {name!r}: use cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RunError("--device cuda: no CUDA device is available here (use --device cpu)")
+    return torch.device(name)
+
+
+def _ssd_need_bytes(plan: Plan, state: TrainState) -> float:
+    """SSD bytes this run writes at most: the state's SSD ranges plus the plan's peak of parked activations,
+    scaled from the plan's bf16 bytes to the executor's compute dtype."""
+    static = state.ssd_static_bytes()
+    pred = plan.predicted or {}
+    peak = (pred.get("peak_bytes") or {}).get("ssd")
+    dynamic = max(0.0, (peak or 0.0) - plan.graph.static_bytes["ssd"])
+    if peak is None and any(t.resource == "ssd_write" and t.tensor in ("checkpoint", "act", "act_grad")
+                            for t in plan.graph.tasks):
+        dynamic = sum(t.work for t in plan.graph.tasks if t.resource == "ssd_write" and t.iteration == 0
+                      and t.tensor in ("checkpoint", "act", "act_grad"))
+    scale = torch.empty(0, dtype=state.compute_dtype).element_size() / COMPUTE_BYTES
+    return static + dynamic * scale * 1.1 + (1 << 20)
+
+
+def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
+    """Train `opts.steps` steps (in total, counting those of a checkpoint resumed from) with `plan`."""
+    try:
+        check_supported(plan.model)
+    except NotImplementedError as e:
+        raise RunError(str(e)) from None
+    if opts.steps < 1:
+        raise RunError(f"--steps {opts.steps}: must be >= 1")
+    device = _device(opts.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = plan.config
+    probe = TrainState(plan.model, cfg.placement, cfg.alpha, device, dtype, None)
+    need_ssd = _ssd_need_bytes(plan, probe)
+    uses_ssd = need_ssd > (1 << 20) or any(t.resource in ("ssd_read", "ssd_write") for t in plan.graph.tasks)
+    ssd = run_dir = None
+    if uses_ssd:
+        root = check_ssd_dir(opts.ssd_dir, need_ssd, "optimizer states, weights, gradients or activations placed there")
+        run_dir = root / f"tierflow-run-{os.getpid()}"
+        run_dir.mkdir(exist_ok=True)
+        ssd = SsdStore(run_dir, pin=device.type == "cuda", warn=lambda m: log(m, file=sys.stderr))
+    try:
+        return _train(plan, opts, device, dtype, ssd, log)
+    finally:
+        if ssd is not None:
+            ssd.close()
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtype, ssd: SsdStore | None,
+           log) -> RunResult:
+    cfg, spec = plan.config, plan.model
+    state = TrainState(spec, cfg.placement, cfg.alpha, device, dtype, ssd)
+    fingerprint = plan_fingerprint(plan)
+    start_step = 0
+    ckpt = latest_checkpoint(opts.checkpoint_dir) if opts.checkpoint_dir else None
+    if ckpt is not None:
+        manifest = read_manifest(ckpt)
+        if manifest.get("plan") != fingerprint:
+            raise RunError(f"--checkpoint-dir {opts.checkpoint_dir}: its checkpoint was written with another plan "
+                           f"(model {manifest.get('model')!r}); resume with that plan or use another directory")
+        state.load(ckpt)
+        start_step = int(manifest["step"])
+        where = f"resumed from {ckpt} (step {start_step})"
+    elif opts.init:
+        where = f"weights from {state.init_hf(opts.init)}"
+    else:
+        state.init_random(opts.seed)
+        where = f"random init (seed {opts.seed})"
+    data = TokenData.load(opts.data, spec.vocab_size, opts.data_format, seed=opts.seed)
+    ex = Executor(plan, state, data, device, opts.hyper, ssd)
+    per_round = plan.graph.num_iterations
+    tokens = cfg.batch * cfg.seq
+    flops_per_step = tokens * model_flops_per_token(spec, cfg.seq)
+    if not opts.quiet:
+        log(f"tierflow run: {spec.describe()}")
+        log(f"  plan {plan.source}: {cfg.describe()}; {per_round} iteration(s) per round, {len(plan.graph.tasks)} ops")
+        log(f"  device {device}, compute {str(dtype).removeprefix('torch.')}; {where}; data {data.source}")
+        if ssd is not None:
+            log(f"  SSD tier: {ssd.root} ({'O_DIRECT' if ssd.direct else 'buffered I/O'})")
+    records: list[StepRecord] = []
+    measured = None
+    best_iters = 0
+    step = start_step
+    every = opts.checkpoint_every
+    while step < opts.steps:
+        r = min(per_round, opts.steps - step)
+        if opts.checkpoint_dir and every:
+            r = min(r, every - step % every)
+        rr = ex.run_round(r, step)
+        res = measured_result(plan, rr)
+        prev = 0.0
+        for i in range(r):
+            end = res.iteration_ends_s[i]
+            step_s = end - prev
+            prev = end
+            rec = StepRecord(step + i + 1, rr.losses[i], step_s, tokens / step_s if step_s > 0 else 0.0,
+                             flops_per_step / step_s / 1e12 if step_s > 0 else 0.0)
+            records.append(rec)
+            if not opts.quiet:
+                bar = "#" * (20 * rec.step // opts.steps)
+                log(f"step {rec.step:>5}/{opts.steps} [{bar:<20}] loss {rec.loss:.4f}  {rec.step_s * 1e3:8.1f} ms  "
+                    f"{rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS")
+        if r >= best_iters:
+            best_iters, measured = r, res
+        step += r
+        if opts.checkpoint_dir and every and step % every == 0:
+            path = state.save(opts.checkpoint_dir, step, {"plan": fingerprint, "seed": opts.seed,
+                                                          "hyper": asdict(opts.hyper), "data": data.source})
+            if not opts.quiet:
+                log(f"  checkpoint {path}")
+    if opts.out and measured is not None:
+        write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({device})")
+        if not opts.quiet:
+            log(f"  wrote timeline.csv, trace.json, gantt.png, steps.csv under {opts.out}")
+    final = state.master_blocks() if opts.collect_final else None
+    return RunResult(plan, start_step, records, state, measured,
+                     ssd.bytes_read if ssd else 0, ssd.bytes_written if ssd else 0, ssd.direct if ssd else None,
+                     final_master=final)
+
+
+def write_run_outputs(measured: SimResult, records: list[StepRecord], out: str, name: str) -> None:
+    from planner.trace import write_outputs
+
+    write_outputs(measured, out, name=name)
+    with open(Path(out) / "steps.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "loss", "step_s", "tokens_per_s", "tflops"])
+        for r in records:
+            w.writerow([r.step, repr(r.loss), r.step_s, r.tokens_per_s, r.tflops])
+
+
+# -- command line -----------------------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    hyper = Hyper(lr=args.lr, weight_decay=args.weight_decay)
+    opts = RunOptions(steps=args.steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
+                      data_format=args.data_format, init=args.init, checkpoint_dir=args.checkpoint_dir,
+                      checkpoint_every=args.checkpoint_every, out=args.out, hyper=hyper, seed=args.seed,
+                      quiet=args.json)
+    try:
+        plan = load_plan(args.plan)
+        if args.checkpoint_dir and not args.checkpoint_every:
+            opts.checkpoint_every = plan.graph.num_iterations
+        t0 = time.perf_counter()
+        res = run_plan(plan, opts)
+    except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError) as e:
+        print(f"tierflow run: error: {e}", file=sys.stderr)
+        return 2
+    except OutOfMemory as e:
+        print(f"tierflow run: {e}", file=sys.stderr)
+        return 3
+    except ExecutionError as e:
+        print(f"tierflow run: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        out: dict[str, Any] = {"plan": str(args.plan), "first_step": res.first_step,
+                               "steps": [asdict(r) for r in res.records], "wall_s": time.perf_counter() - t0,
+                               "ssd_bytes_read": res.ssd_bytes_read, "ssd_bytes_written": res.ssd_bytes_written,
+                               "o_direct": res.o_direct}
+        if res.measured is not None:
+            out["measured"] = res.measured.to_dict()
+        print(json.dumps(out, indent=2))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "run", help="train with a plan file on this machine (GPU or CPU), measuring every op",
+        description="Replay a plan file (tierflow plan -o, or tierflow simulate --write-plan) as real training: "
+        "the plan's ops run in the plan's order on per-resource workers, tensors live where the plan puts "
+        "them (device, pinned host memory, files under --ssd-dir). Prints loss, tokens/s and TFLOPS per step.")
+    p.add_argument("plan", help="plan file (JSON, docs/plan-format.md)")
+    p.add_argument("--steps", type=int, default=5, help="training steps in total, counting resumed ones (default 5)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda or cpu (default: cuda when available); on cpu, transfers are copies but the SSD "
+                   "tier is real file I/O")
+    p.add_argument("--ssd-dir", default=None, metavar="DIR", help="directory on the SSD (array) for the SSD tier")
+    p.add_argument("--data", default=None, metavar="FILE",
+                   help="nanoGPT-style uint16 token file (.bin) or a text file (byte tokens); default: seeded "
+                   "random tokens")
+    p.add_argument("--data-format", default="auto", choices=["auto", "uint16", "text"],
+                   help="how to read --data (default: .bin/.u16 = uint16, else text)")
+    p.add_argument("--init", default=None, metavar="DIR",
+                   help="Hugging Face model directory (*.safetensors) to start from, loaded block by block")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="save the training state here and resume from its latest checkpoint")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="steps between checkpoints (default: the plan's iterations per round)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write the measured timeline.csv, trace.json (Perfetto), gantt.png and steps.csv here")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random init and synthetic data (default 0)")
+    p.add_argument("--json", action="store_true", help="print the steps and the measured summary as JSON")
+    p.set_defaults(func=cmd_run)

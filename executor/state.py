@@ -1,0 +1,310 @@
+"""The training state, laid out over the tiers as the plan's placement says.
+
+Every block's parameters form one flat vector (in ``named_parameters()`` order of the block's module), and
+each tensor class (compute weights, fp32 master, Adam m, Adam v) of a block is split by element ranges:
+``[0, g)`` on the device, ``[g, g+c)`` in (pinned) host memory, ``[g+c, n)`` on the SSD. The SSD range is stored
+as one file per optimizer *part* (the ``1 - alpha`` main step and the ``alpha`` deferred step each cover a
+contiguous element range), so each part reads and writes exactly its own files.
+
+A checkpoint is one directory per saved step holding the full fp32 master, Adam m/v and compute weights of
+every block (safetensors) and a JSON manifest; it is written under a temporary name and renamed into place,
+and ``latest`` is replaced atomically last, so a run killed at any moment leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from executor.models import _make_blocks, check_block_state_dicts, hf_key_target, init_weights
+from executor.store import SsdStore, host_empty, split_counts
+from planner.models import ModelSpec
+from planner.placement import Placement, Split
+
+CHECKPOINT_FORMAT = "tierflow-checkpoint"
+CHECKPOINT_VERSION = 1
+
+
+class StateError(ValueError):
+    """A checkpoint or initial weights that do not match the plan."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+class BlockLayout:
+    """Parameter slots of every block; which (owner block, element range) each block needs on the GPU."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.templates = _make_blocks(spec, "meta", None, None)
+        self.slots: list[list[Slot]] = []
+        for block in self.templates:
+            off, slots = 0, []
+            for name, p in block.named_parameters():
+                slots.append(Slot(name, tuple(p.shape), off, p.numel()))
+                off += p.numel()
+            self.slots.append(slots)
+        self.numel = [sum(s.numel for s in slots) for slots in self.slots]
+        self.head = spec.num_layers + 1
+        wte = next(s for s in self.slots[0] if s.name == "wte.weight")
+        self.wte = (wte.offset, wte.offset + wte.numel)
+
+    def owners(self, b: int) -> list[tuple[int, int, int]]:
+        """(owner block, lo, hi): the parameters block b computes with. A tied head also uses the embedding's wte."""
+        out = [(b, 0, self.numel[b])]
+        if b == self.head and self.spec.tied_embeddings:
+            out.append((0, *self.wte))
+        return out
+
+    def params(self, b: int, vec: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of block b's parameters in its flat vector."""
+        return {s.name: vec[s.offset: s.offset + s.numel].view(s.shape) for s in self.slots[b]}
+
+
+def part_ranges(n: int, alpha: float) -> list[tuple[int, int]]:
+    """Element ranges of the optimizer parts: the main step first, then the deferred alpha fraction."""
+    if alpha <= 0:
+        return [(0, n)]
+    cut = n - int(round(n * alpha))
+    return [(0, cut), (cut, n)]
+
+
+class TierVector:
+    """One tensor class of one block, split over device / host / SSD by element ranges."""
+
+    def __init__(self, cls: str, block: int, n: int, split: Split, dtype: torch.dtype, device: torch.device,
+                 parts: list[tuple[int, int]], pin: bool) -> None:
+        self.cls, self.block, self.n, self.dtype, self.device = cls, block, n, dtype, device
+        self.g, self.c, self.s = split_counts(n, split.gpu, split.ssd)
+        self.parts = parts
+        self.pin = pin
+        self.dev: torch.Tensor | None = None
+        self.host: torch.Tensor | None = None
+
+    @property
+    def ssd_lo(self) -> int:
+        return self.g + self.c
+
+    def ssd_pieces(self) -> list[tuple[str, int, int, int]]:
+        """(file name, part index, lo, hi) of every SSD file of this vector."""
+        out = []
+        for j, (lo, hi) in enumerate(self.parts):
+            lo2, hi2 = max(lo, self.ssd_lo), hi
+            if hi2 > lo2:
+                out.append((f"{self.cls}_b{self.block}_p{j}", j, lo2, hi2))
+        return out
+
+    def set_full(self, full: torch.Tensor, ssd: SsdStore | None) -> None:
+        """Place a full flat vector (any device/dtype) on the tiers."""
+        full = full.detach().reshape(-1)
+        self.dev = full[: self.g].to(self.device, self.dtype).clone() if self.g else None
+        if self.c:
+            self.host = host_empty(self.c, self.dtype, self.pin)
+            self.host.copy_(full[self.g: self.g + self.c].to(self.dtype))
+        for name, _j, lo, hi in self.ssd_pieces():
+            ssd.write(name, full[lo:hi].to("cpu", self.dtype))
+
+    def get_full(self, ssd: SsdStore | None) -> torch.Tensor:
+        """The whole vector on the CPU (reads the SSD files)."""
+        out = torch.empty(self.n, dtype=self.dtype)
+        if self.g:
+            out[: self.g].copy_(self.dev.cpu())
+        if self.c:
+            out[self.g: self.g + self.c].copy_(self.host)
+        for name, _j, lo, hi in self.ssd_pieces():
+            out[lo:hi].copy_(ssd.read(name, self.dtype, hi - lo))
+        return out
+
+    def ssd_bytes(self) -> int:
+        return self.s * torch.empty(0, dtype=self.dtype).element_size()
+
+
+STATE_CLASSES = ("weights", "master", "adam_m", "adam_v")
+
+
+class TrainState:
+    """Weights, master weights, Adam moments and host gradient accumulators of every block, on their tiers."""
+
+    def __init__(self, spec: ModelSpec, placement: Placement, alpha: float, device: torch.device,
+                 compute_dtype: torch.dtype, ssd: SsdStore | None) -> None:
+        self.spec, self.placement, self.device, self.compute_dtype, self.ssd = spec, placement, device, compute_dtype, ssd
+        self.layout = BlockLayout(spec)
+        self.pin = device.type == "cuda"
+        self.parts = [part_ranges(n, alpha) for n in self.layout.numel]
+        self.vec: dict[str, list[TierVector]] = {}
+        for cls in STATE_CLASSES:
+            split = getattr(placement, cls)
+            dtype = compute_dtype if cls == "weights" else torch.float32
+            self.vec[cls] = [TierVector(cls, b, n, split, dtype, device, self.parts[b], self.pin)
+                             for b, n in enumerate(self.layout.numel)]
+        # host fp32 gradient accumulators (a GPU optimizer keeps its gradients on the device instead)
+        self.grads: list[torch.Tensor | None] = [None] * len(self.layout.numel)
+        gs = placement.grads
+        self.grad_split = [split_counts(n, 0.0, gs.ssd) for n in self.layout.numel]
+
+    # -- initialisation ----------------------------------------------------------------------------------------
+
+    def init_random(self, seed: int) -> None:
+        """GPT-2 style initialisation (executor.models.build_blocks) under `seed`, one block at a time."""
+        torch.manual_seed(seed)
+        for b, meta in enumerate(_make_blocks(self.spec, "meta", None, None)):
+            block = meta.to_empty(device="cpu")
+            init_weights(block)  # the same draws, in the same order, as build_blocks
+            self._set_block(b, torch.cat([p.detach().reshape(-1) for p in block.parameters()]))
+
+    def init_hf(self, directory: str | os.PathLike[str]) -> str:
+        """Load a Hugging Face checkpoint directory (*.safetensors) block by block: only one block's tensors
+        are in host memory at a time."""
+        from safetensors import safe_open
+
+        d = Path(directory)
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            raise StateError(f"--init {d}: no *.safetensors files (pass a Hugging Face model directory)")
+        where: dict[int, list[tuple[Path, str, str, bool]]] = {}
+        for f in files:
+            with safe_open(f, framework="pt") as sf:
+                for key in sf.keys():
+                    target = hf_key_target(self.spec, key)
+                    if target is None:
+                        continue
+                    if target is False:
+                        raise StateError(f"--init {d}: {f.name} holds {key!r}, which {self.spec.name} does not have "
+                                         "(a checkpoint of another model?)")
+                    b, name, transpose = target
+                    where.setdefault(b, []).append((f, key, name, transpose))
+        for b in range(len(self.layout.numel)):
+            sd = {}
+            for f, key, name, transpose in where.get(b, []):
+                with safe_open(f, framework="pt") as sf:
+                    t = sf.get_tensor(key)
+                sd[name] = t.t().contiguous() if transpose else t
+            blocks = [{} for _ in self.layout.numel]
+            blocks[b] = sd
+            try:
+                check_block_state_dicts(self.spec, blocks, only=[b])
+            except ValueError as e:
+                raise StateError(f"--init {d}: {e}") from None
+            flat = torch.cat([sd[s.name].float().reshape(-1) for s in self.layout.slots[b]])
+            self._set_block(b, flat)
+        return f"{d} ({len(files)} safetensors file(s))"
+
+    def _set_block(self, b: int, master: torch.Tensor, m: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                   weights: torch.Tensor | None = None) -> None:
+        master = master.float()
+        self.vec["master"][b].set_full(master, self.ssd)
+        self.vec["adam_m"][b].set_full(torch.zeros_like(master) if m is None else m, self.ssd)
+        self.vec["adam_v"][b].set_full(torch.zeros_like(master) if v is None else v, self.ssd)
+        self.vec["weights"][b].set_full(master if weights is None else weights, self.ssd)
+        self.reset_grads(b)
+
+    def reset_grads(self, b: int) -> None:
+        if self.placement.gpu_optimizer:
+            self.grads[b] = None
+        else:
+            self.grads[b] = torch.zeros(self.layout.numel[b], dtype=torch.float32, pin_memory=self.pin)
+
+    # -- inspection --------------------------------------------------------------------------------------------
+
+    def full(self, cls: str, b: int) -> torch.Tensor:
+        return self.vec[cls][b].get_full(self.ssd)
+
+    def master_blocks(self) -> list[torch.Tensor]:
+        return [self.full("master", b) for b in range(len(self.layout.numel))]
+
+    def ssd_static_bytes(self) -> int:
+        n = sum(v.ssd_bytes() for cls in STATE_CLASSES for v in self.vec[cls])
+        return n + sum(s * 4 for _g, _c, s in self.grad_split)
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike[str], step: int, meta: dict) -> Path:
+        """Write a checkpoint of the state after `step` steps atomically; returns its directory."""
+        from safetensors.torch import save_file
+
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"step{step:08d}"
+        tmp = root / f".tmp-step{step:08d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for b in range(len(self.layout.numel)):
+            tensors = {cls: self.full(cls, b).contiguous() for cls in STATE_CLASSES}
+            save_file(tensors, tmp / f"block{b:04d}.safetensors")
+        manifest = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step,
+                    "model": self.spec.name, "numel": self.layout.numel, **meta}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        for f in tmp.iterdir():
+            _fsync(f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        latest_tmp = root / f".latest-{os.getpid()}"
+        latest_tmp.write_text(final.name + "\n")
+        _fsync(latest_tmp)
+        os.replace(latest_tmp, root / "latest")
+        _fsync_dir(root)
+        for old in sorted(root.glob("step*"))[:-2]:  # keep the last two
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load(self, ckpt: Path) -> dict:
+        """Restore the state from checkpoint directory `ckpt`; returns its manifest."""
+        from safetensors.torch import load_file
+
+        manifest = read_manifest(ckpt)
+        if manifest.get("numel") != self.layout.numel or manifest.get("model") != self.spec.name:
+            raise StateError(f"checkpoint {ckpt}: it is of model {manifest.get('model')!r}, the plan trains "
+                             f"{self.spec.name!r} (use another --checkpoint-dir, or the plan it was made with)")
+        for b in range(len(self.layout.numel)):
+            t = load_file(ckpt / f"block{b:04d}.safetensors")
+            self._set_block(b, t["master"], t["adam_m"], t["adam_v"], t["weights"])
+        return manifest
+
+
+def read_manifest(ckpt: Path) -> dict:
+    try:
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        raise StateError(f"checkpoint {ckpt}: unreadable manifest ({e}); delete it to start over") from None
+    if manifest.get("format") != CHECKPOINT_FORMAT or manifest.get("version") != CHECKPOINT_VERSION:
+        raise StateError(f"checkpoint {ckpt}: not a tierflow checkpoint of version {CHECKPOINT_VERSION}")
+    return manifest
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    root = Path(directory)
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    ckpt = root / pointer.read_text().strip()
+    if not ckpt.is_dir():
+        raise StateError(f"--checkpoint-dir {root}: 'latest' names {ckpt.name}, which is missing")
+    return ckpt
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync(path)
+    except OSError:  # some filesystems cannot fsync a directory
+        pass
