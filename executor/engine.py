@@ -64,6 +64,10 @@ class OutOfMemory(ExecutionError):
     pass
 
 
+class UnsupportedPlan(ValueError):
+    """A plan this executor cannot run as written (refused before training starts)."""
+
+
 @dataclass(frozen=True)
 class Hyper:
     lr: float = 1e-3
@@ -188,7 +192,7 @@ class Executor:
         self.dtype = state.compute_dtype
         unknown = sorted({t.kind for t in self.tasks} - KINDS)
         if unknown:
-            raise ExecutionError(f"{plan.source}: op kind {unknown[0]!r} is not implemented by this executor "
+            raise UnsupportedPlan(f"{plan.source}: op kind {unknown[0]!r} is not implemented by this executor "
                                  f"(it runs {', '.join(sorted(KINDS))}); upgrade tierflow")
         self._bind()
         self.lock = threading.Lock()

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from executor.data import DataError, TokenData
-from executor.engine import ExecutionError, Executor, Hyper, OutOfMemory, measured_result
+from executor.engine import ExecutionError, Executor, Hyper, OutOfMemory, UnsupportedPlan, measured_result
 from executor.models import check_supported
 from executor.state import StateError, TrainState, latest_checkpoint, read_manifest
 from executor.store import ChecksumError, SsdError, SsdStore, check_ssd_dir
@@ -232,7 +232,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             opts.checkpoint_every = plan.graph.num_iterations
         t0 = time.perf_counter()
         res = run_plan(plan, opts)
-    except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError) as e:
+    except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan) as e:
         print(f"tierflow run: error: {e}", file=sys.stderr)
         return 2
     except OutOfMemory as e:

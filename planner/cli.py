@@ -135,13 +135,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     hw = load_hw(args.hw, args.set)
     families = list(DEFAULT_FAMILIES) if args.schedule == "all" else [args.schedule]
     placement = load_placement(args.placement)
+    if args.write_plan and len(families) != 1:
+        raise CliError("--write-plan needs one --schedule (a plan file holds one schedule)")
     results: dict[str, SimResult | Exception] = {}
+    configs = {}
     prog = Progress(len(families), "simulating")
     for fam in families:
         cfg = make_schedule(fam, model, hw, batch=args.batch, micro_batch=args.micro_batch, seq=model.seq_len,
                             placement=placement, group=args.group, alpha=args.alpha,
                             prefetch_depth=args.prefetch, recompute=not args.no_recompute,
-                            iterations=args.iterations)
+                            iterations=args.iterations, swap_layers=args.swap_layers)
+        configs[fam] = cfg
         try:
             results[fam] = simulate_config(model, hw, cfg)
         except CapacityError as e:
@@ -150,6 +154,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             results[fam] = e
         prog.step(fam)
     prog.done()
+    if args.write_plan:
+        from planner.planfile import plan_from_graph, write_plan
+
+        fam = families[0]
+        r = results[fam]
+        write_plan(plan_from_graph(model, hw, configs[fam], r.graph, predicted=r), args.write_plan)
     if args.out:
         for fam, r in results.items():
             if isinstance(r, SimResult):
@@ -191,6 +201,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
           "hardware TFLOPS adds the recompute forward")
     if args.out:
         print(f"wrote timeline.csv, trace.json, gantt.png under {args.out}")
+    if args.write_plan:
+        print(f"wrote plan {args.write_plan} (run it with: tierflow run {args.write_plan})")
     return 0
 
 
@@ -360,6 +372,22 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from planner.compare import compare, format_comparison, plot_comparison
+    from planner.planfile import load_plan
+
+    c = compare(load_plan(args.plan), args.trace)
+    if args.plot:
+        plot_comparison(c, args.plot)
+    if args.json:
+        print(json.dumps(c.to_dict(), indent=2))
+        return 0
+    print(format_comparison(c))
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def add_box_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     """--model, --hw and --set, shared by the commands that take a model and a box."""
     if model:
@@ -390,6 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the results as JSON")
     s.add_argument("--out", default=None, help="write timeline.csv, trace.json (Perfetto) and gantt.png here")
     s.add_argument("--plan", default=None, help="replay a plan file written by `tierflow plan` instead")
+    s.add_argument("--swap-layers", type=int, default=0,
+                   help="the last N layers keep (and swap out) their activations instead of recomputing")
+    s.add_argument("--write-plan", default=None, metavar="FILE",
+                   help="also write this schedule as a plan file (one --schedule), e.g. for `tierflow run`")
     s.set_defaults(func=cmd_simulate)
     pl = sub.add_parser("plan", help="search schedule, micro-batching, placement and recompute; write a plan file",
                         description="Search every decision with the roofline bound, CP-SAT and the simulator; "
@@ -413,6 +445,14 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--model", action="append", help="also check whether this model fits (repeatable)")
     ca.add_argument("--json", action="store_true", help="print the result as JSON")
     ca.set_defaults(func=cmd_capacity)
+    co = sub.add_parser("compare", help="predicted vs measured time per op kind and resource (plan vs tierflow run trace)",
+                        description="Compare a plan's simulated op times with a trace measured by `tierflow run --out`: "
+                        "per op kind, per resource and per iteration, and plot both timelines.")
+    co.add_argument("plan", help="the plan file that was run")
+    co.add_argument("trace", help="trace.json written by `tierflow run --out DIR`")
+    co.add_argument("--plot", default=None, metavar="PNG", help="draw the predicted and measured timelines here")
+    co.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    co.set_defaults(func=cmd_compare)
     sub.add_parser("models", help="list the model zoo").set_defaults(func=cmd_models)
     sub.add_parser("profiles", help="list the bundled hardware profiles").set_defaults(func=cmd_profiles)
     for ep in entry_points(group="tierflow.commands"):

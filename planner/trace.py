@@ -36,7 +36,7 @@ def chrome_trace(res: SimResult, name: str = "tierflow") -> dict:
     tid = {r: i for i, r in enumerate(RESOURCES)}
     for t in res.graph.tasks:
         s, e = float(res.start_s[t.id]), float(res.end_s[t.id])
-        args = {"kind": t.kind, "tensor": t.tensor, "block": t.block, "mb": t.mb, "iteration": t.iteration}
+        args = {"id": t.id, "kind": t.kind, "tensor": t.tensor, "block": t.block, "mb": t.mb, "iteration": t.iteration}
         args["bytes" if t.resource not in ("gpu", "cpu") else "work_s"] = t.work
         events.append({"name": t.label, "cat": t.kind, "ph": "X", "pid": 1, "tid": tid[t.resource],
                        "ts": s * 1e6, "dur": max(e - s, 0.0) * 1e6, "args": args})

@@ -1,0 +1,163 @@
+"""Predicted vs measured: a plan's simulated times against a trace measured by the executor (`tierflow run --out`),
+op by op, summed per op kind and per resource, and the overall iteration time. Works without PyTorch.
+
+The measured trace is the Chrome trace JSON the executor writes (the simulator's own format): one complete
+event ("ph": "X") per executed op with the op's id in ``args.id``. Only ops present in both are compared; the
+measured run may cover fewer iterations than the plan (a short run), in which case the predicted side is
+restricted to the same iterations.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from planner.planfile import Plan, PlanError, simulate_plan
+from planner.simulator import SimResult
+
+
+class TraceError(ValueError):
+    """A measured trace that cannot be compared with the plan."""
+
+
+@dataclass
+class Comparison:
+    by_kind: list[dict]  # kind, resource, ops, predicted_s, measured_s, ratio
+    by_resource: list[dict]  # resource, predicted_busy_s, measured_busy_s, ratio
+    predicted_iteration_s: float
+    measured_iteration_s: float
+    iterations: int
+    ops: int
+    predicted: SimResult
+    measured_start_s: np.ndarray
+    measured_end_s: np.ndarray
+
+    @property
+    def iteration_error(self) -> float:
+        return self.measured_iteration_s / self.predicted_iteration_s - 1.0
+
+    def to_dict(self) -> dict:
+        return {"predicted_iteration_s": self.predicted_iteration_s, "measured_iteration_s": self.measured_iteration_s,
+                "iteration_error": self.iteration_error, "iterations": self.iterations, "ops": self.ops,
+                "by_kind": self.by_kind, "by_resource": self.by_resource}
+
+
+def load_measured(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
+    """(start_s, end_s) per op id from a Chrome trace; NaN for ops the trace does not hold."""
+    p = Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise TraceError(f"{p}: cannot read a trace ({e}); pass the trace.json written by `tierflow run --out`") from None
+    events = d.get("traceEvents") if isinstance(d, dict) else None
+    if not isinstance(events, list):
+        raise TraceError(f"{p}: no traceEvents list; pass the trace.json written by `tierflow run --out`")
+    start, end = np.full(n_ops, np.nan), np.full(n_ops, np.nan)
+    found = 0
+    for ev in events:
+        if not isinstance(ev, dict) or ev.get("ph") != "X":
+            continue
+        oid = (ev.get("args") or {}).get("id")
+        if not isinstance(oid, int):
+            continue
+        if not 0 <= oid < n_ops:
+            raise TraceError(f"{p}: op id {oid} is not in the plan (0..{n_ops - 1}); trace of another plan?")
+        start[oid] = ev["ts"] / 1e6
+        end[oid] = (ev["ts"] + ev["dur"]) / 1e6
+        found += 1
+    if not found:
+        raise TraceError(f"{p}: no op events with args.id; pass the trace.json written by `tierflow run --out`")
+    return start, end
+
+
+def compare(plan: Plan, trace_path: str | Path) -> Comparison:
+    pred = simulate_plan(plan)
+    tasks = plan.graph.tasks
+    ms, me = load_measured(trace_path, len(tasks))
+    ran = ~np.isnan(ms)
+    iters = int(max(t.iteration for t, r in zip(tasks, ran) if r)) + 1
+    for t, r in zip(tasks, ran):
+        if t.iteration < iters and not r:
+            raise TraceError(f"{trace_path}: op {t.id} ({t.label}) of iteration {t.iteration} is missing; trace of "
+                             "another plan, or an interrupted run?")
+    mask = np.array([t.iteration < iters for t in tasks])
+    pdur = pred.end_s - pred.start_s
+    mdur = me - ms
+    rows: dict[tuple[str, str], list[float]] = {}
+    for t in tasks:
+        if mask[t.id]:
+            r = rows.setdefault((t.kind, t.resource), [0, 0.0, 0.0])
+            r[0] += 1
+            r[1] += float(pdur[t.id])
+            r[2] += float(mdur[t.id])
+    by_kind = [{"kind": k, "resource": res, "ops": n, "predicted_s": p, "measured_s": m,
+                "ratio": m / p if p > 0 else float("nan")} for (k, res), (n, p, m) in sorted(rows.items())]
+    res_rows: dict[str, list[float]] = {}
+    for (_k, res), (_n, p, m) in rows.items():
+        r = res_rows.setdefault(res, [0.0, 0.0])
+        r[0] += p
+        r[1] += m
+    by_resource = [{"resource": res, "predicted_busy_s": p, "measured_busy_s": m,
+                    "ratio": m / p if p > 0 else float("nan")} for res, (p, m) in sorted(res_rows.items())]
+    # one iteration: predicted steady state vs the measured run's time per iteration (whole run / iterations,
+    # or the same steady-state definition when it ran at least 3)
+    gpu = np.array([t.resource == "gpu" for t in tasks]) & mask
+    its = np.array([t.iteration for t in tasks])
+    ends = [float(np.nanmax(me[gpu & (its == i)])) for i in range(iters)]
+    measured_it = ends[-2] - ends[-3] if iters >= 3 else ends[-1] / iters
+    pred_it = pred.iteration_s if iters >= 3 or plan.graph.num_iterations == 1 else \
+        float(np.max(pred.end_s[gpu])) / iters
+    return Comparison(by_kind, by_resource, pred_it, measured_it, iters, int(mask.sum()), pred, ms, me)
+
+
+def format_comparison(c: Comparison) -> str:
+    lines = [f"{c.ops} ops over {c.iterations} iteration(s)",
+             f"iteration time: predicted {c.predicted_iteration_s * 1e3:,.3f} ms, measured "
+             f"{c.measured_iteration_s * 1e3:,.3f} ms ({c.iteration_error:+.1%})", "",
+             f"{'kind':<22} {'resource':<10} {'ops':>5} {'predicted ms':>13} {'measured ms':>12} {'ratio':>8}"]
+    for r in c.by_kind:
+        lines.append(f"{r['kind']:<22} {r['resource']:<10} {r['ops']:>5} {r['predicted_s'] * 1e3:>13,.3f} "
+                     f"{r['measured_s'] * 1e3:>12,.3f} {r['ratio']:>7.2f}x")
+    lines += ["", f"{'resource':<10} {'predicted busy ms':>18} {'measured busy ms':>17} {'ratio':>8}"]
+    for r in c.by_resource:
+        lines.append(f"{r['resource']:<10} {r['predicted_busy_s'] * 1e3:>18,.3f} {r['measured_busy_s'] * 1e3:>17,.3f} "
+                     f"{r['ratio']:>7.2f}x")
+    return "\n".join(lines)
+
+
+def plot_comparison(c: Comparison, path: str | Path) -> None:
+    """Both timelines, one above the other, over the compared iterations (own time axis each)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from planner.graph import RESOURCES
+    from planner.trace import _color
+
+    fig, axes = plt.subplots(2, 1, figsize=(13, 6.5))
+    tasks = c.predicted.graph.tasks
+    for ax, (start, end, title) in zip(axes, [(c.predicted.start_s, c.predicted.end_s, "predicted (simulator)"),
+                                              (c.measured_start_s, c.measured_end_s, "measured (executor)")]):
+        bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        for t in tasks:
+            if t.iteration >= c.iterations or np.isnan(start[t.id]):
+                continue
+            s, e = float(start[t.id]), float(end[t.id])
+            bars.setdefault((RESOURCES.index(t.resource), _color(t.kind, t.tensor)), []).append((s, max(e - s, 0.0)))
+        for (row, color), spans in bars.items():
+            ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=color, linewidth=0)
+        ax.set_yticks(range(len(RESOURCES)))
+        ax.set_yticklabels(RESOURCES)
+        ax.invert_yaxis()
+        ax.set_title(title, loc="left")
+        ax.set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["Comparison", "TraceError", "compare", "format_comparison", "load_measured", "plot_comparison", "PlanError"]
