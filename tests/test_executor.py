@@ -127,8 +127,9 @@ def test_matches_plain_pytorch_adamw(model_name, family, placement, alpha, tmp_p
         assert res.ssd_bytes_read > 0 and res.ssd_bytes_written > 0
 
 
-def test_all_layers_swapped_without_recompute(tmp_path):
-    plan = make_plan("tiny-llama", "vertical", "ckpt_ssd", 0.25, swap_layers=4)
+@pytest.mark.parametrize("placement", ["weights_cpu", "ckpt_ssd"])  # saved activations kept on the device / on SSD
+def test_all_layers_swapped_without_recompute(placement, tmp_path):
+    plan = make_plan("tiny-llama", "vertical", placement, 0.25, swap_layers=4)
     assert "recompute" not in {t.kind for t in plan.graph.tasks}
     res = run(plan, tmp_path)
     ref_losses, ref_weights = reference("tiny-llama")
