@@ -78,10 +78,11 @@ def plot_gantt(res: SimResult, path: str | Path | None = None, title: str = "", 
     ax.set_yticks(range(len(RESOURCES)))
     ax.set_yticklabels(RESOURCES)
     ax.invert_yaxis()
-    ax.set_title(title or "simulated timeline (steady-state iteration)", loc="left", pad=34)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in list(KIND_COLORS.values())[:5] + list(TENSOR_COLORS.values())]
-    labels = list(KIND_COLORS)[:5] + [f"{k} transfer" for k in TENSOR_COLORS]
-    ax.legend(handles, labels, loc="lower left", bbox_to_anchor=(0.0, 1.06), fontsize=7, ncol=6, frameon=False)
+    ax.set_title(title or "simulated timeline (steady-state iteration)", loc="left", pad=40)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in list(KIND_COLORS.values())[:6] + list(TENSOR_COLORS.values())]
+    labels = list(KIND_COLORS)[:6] + [f"{k} transfer" for k in TENSOR_COLORS]
+    ax.legend(handles, labels, loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=7, ncol=6, frameon=False,
+              borderaxespad=0.2)
     if axm is not None:
         import numpy as np
 
