@@ -295,8 +295,10 @@ class Executor:
 
     # -- running a round ---------------------------------------------------------------------------------------
 
-    def run_round(self, iterations: int, step0: int) -> RoundResult:
-        """Run the plan's ops of its first `iterations` iterations as training steps step0 .. step0+iterations-1."""
+    def run_round(self, iterations: int, step0: int, on_step=None) -> RoundResult:
+        """Run the plan's ops of its first `iterations` iterations as training steps step0 .. step0+iterations-1.
+        `on_step(iteration, loss, end_s)` is called (from a reporter thread) as soon as an iteration's last GPU
+        op has finished, so that long rounds show progress; it waits on that op's event only."""
         n = sum(1 for t in self.tasks if t.iteration < iterations)
         if any(t.iteration >= iterations for t in self.tasks[:n]):
             raise ExecutionError(f"{self.plan.source}: ops are not ordered by iteration; cannot run "
@@ -341,6 +343,12 @@ class Executor:
         queues = {r: [i for i in ids if i < n] for r, ids in self.plan.graph.resource_order().items()}
         threads = [threading.Thread(target=self._worker, args=(r, q), name=f"tierflow-{r}", daemon=True)
                    for r, q in queues.items() if q]
+        if on_step is not None:
+            last = {}
+            for tid in queues["gpu"]:
+                last[self.tasks[tid].iteration] = tid
+            threads.append(threading.Thread(target=self._reporter, args=(last, on_step), daemon=True,
+                                            name="tierflow-reporter"))
         for th in threads:
             th.start()
         for th in threads:
@@ -359,6 +367,20 @@ class Executor:
         return RoundResult(iterations, losses, self.start_s.copy(), self.end_s.copy(),
                            {t: self.peak[i] for i, t in enumerate(TIERS)}, list(self.mem_trace), wall,
                            extra={"leftover_entries": leftover})
+
+    def _reporter(self, last: dict[int, int], on_step) -> None:
+        try:
+            for it in sorted(last):
+                tid = last[it]
+                self._wait(tid)
+                if self.cuda:
+                    self.ev_end[tid].synchronize()
+                    end = self.ev0.elapsed_time(self.ev_end[tid]) / 1e3
+                else:
+                    end = float(self.end_s[tid])
+                on_step(it, float(self.loss_sum[it]), end)
+        except _Aborted:
+            return
 
     def _wait(self, d: int) -> None:
         ev = self.done[d]

@@ -174,20 +174,23 @@ def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtyp
         r = min(per_round, opts.steps - step)
         if opts.checkpoint_dir and every:
             r = min(r, every - step % every)
-        rr = ex.run_round(r, step)
-        res = measured_result(plan, rr)
-        prev = 0.0
-        for i in range(r):
-            end = res.iteration_ends_s[i]
-            step_s = end - prev
-            prev = end
-            rec = StepRecord(step + i + 1, rr.losses[i], step_s, tokens / step_s if step_s > 0 else 0.0,
+        prev = [0.0]
+
+        def on_step(i: int, loss: float, end_s: float, step=step, prev=prev) -> None:
+            step_s = end_s - prev[0]
+            prev[0] = end_s
+            rec = StepRecord(step + i + 1, loss, step_s, tokens / step_s if step_s > 0 else 0.0,
                              flops_per_step / step_s / 1e12 if step_s > 0 else 0.0)
             records.append(rec)
             if not opts.quiet:
                 bar = "#" * (20 * rec.step // opts.steps)
                 log(f"step {rec.step:>5}/{opts.steps} [{bar:<20}] loss {rec.loss:.4f}  {rec.step_s * 1e3:8.1f} ms  "
-                    f"{rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS")
+                    f"{rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS", flush=True)
+
+        rr = ex.run_round(r, step, on_step=on_step)
+        res = measured_result(plan, rr)
+        # the reporter's losses are the round's own (read after each iteration's last GPU op)
+        assert [x.loss for x in records[-r:]] == rr.losses
         if r >= best_iters:
             best_iters, measured = r, res
         step += r
