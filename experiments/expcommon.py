@@ -1,0 +1,319 @@
+"""Shared helpers for the paper-reproduction experiments (issue 5): progress on stderr, the placements the
+papers ran, best-micro-batch simulation, resource utilisation and the binding resource, and the ours-vs-paper
+table.
+
+Every experiment script imports this module from its own folder (`python experiments/<script>.py` puts
+experiments/ on sys.path). Nothing here models hardware or schedules: all numbers come from the library
+(planner.api, planner.search, planner.capacity); this file only runs it and formats what it returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from hwprofiles import HardwareProfile
+from planner.api import simulate_config
+from planner.costmodel import CostModel
+from planner.loads import pcie_time_s
+from planner.models import ModelSpec
+from planner.placement import Placement, Split
+from planner.schedules import ScheduleError, make_schedule
+from planner.simulator import CapacityError, SimResult
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+NOTE_THRESHOLD = 0.15  # a headline that differs from the paper by more than this must carry an explanation
+
+_ON_SSD = Split(gpu=0.0, cpu=0.0, ssd=1.0)
+_ON_CPU = Split(gpu=0.0, cpu=1.0, ssd=0.0)
+
+# What each paper's code puts where when the model lives on the SSD array (REFERENCE.md section 1):
+# Fuyou: bf16 weights and fp32 master / m / v on SSD, fp32 gradients in host memory, checkpoints in pinned
+# DRAM.
+# ZeRO-Infinity with params + optimizer on NVMe: the same, and the fp32 gradients spilled to NVMe with the
+# optimizer states; activation checkpoints offloaded to CPU memory.
+PAPER_PLACEMENTS = {
+    "fuyou": Placement(
+        weights=_ON_SSD, master=_ON_SSD, adam_m=_ON_SSD, adam_v=_ON_SSD, grads=_ON_CPU, checkpoints=_ON_CPU
+    ),
+    "horizontal": Placement(
+        weights=_ON_SSD, master=_ON_SSD, adam_m=_ON_SSD, adam_v=_ON_SSD, grads=_ON_SSD, checkpoints=_ON_CPU
+    ),
+}
+
+
+# ---- progress --------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """A one-line progress display on stderr: `[#####-----] 5/10 label: message (12 s)`.
+
+    Only stderr is used, so the tables on stdout stay clean. On a terminal the line is rewritten in place;
+    in a log each step is its own line."""
+
+    def __init__(self, total: int, label: str, stream=None) -> None:
+        self.total = max(1, total)
+        self.label = label
+        self.done = 0
+        self.t0 = time.perf_counter()
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def step(self, message: str = "") -> None:
+        """Report that one more unit of work is about to start (message says which)."""
+        self._show(message)
+        self.done = min(self.total, self.done + 1)
+
+    def finish(self, message: str = "done") -> None:
+        self.done = self.total
+        self._show(message)
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _show(self, message: str) -> None:
+        width = 20
+        filled = int(width * self.done / self.total)
+        bar = "#" * filled + "-" * (width - filled)
+        line = (
+            f"[{bar}] {self.done}/{self.total} {self.label}: {message} "
+            f"({time.perf_counter() - self.t0:.0f} s)"
+        )
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + line[:160])
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+# ---- simulation helpers -----------------------------------------------------------------------------------
+
+
+def divisors_up_to(batch: int, limit: int) -> list[int]:
+    """Micro-batch sizes to try: powers of two that divide the batch, up to `limit` sequences."""
+    out, mb = [], 1
+    while mb <= min(batch, limit):
+        if batch % mb == 0:
+            out.append(mb)
+        mb *= 2
+    return out
+
+
+def simulate_family(
+    model: ModelSpec,
+    hw: HardwareProfile,
+    family: str,
+    batch: int,
+    micro_batch: int,
+    seq: int,
+    placement: Placement | None = None,
+) -> SimResult:
+    """One schedule family with its defaults (placement None = the library's default for that family)."""
+    cfg = make_schedule(family, model, hw, batch=batch, micro_batch=micro_batch, seq=seq, placement=placement)
+    return simulate_config(model, hw, cfg)
+
+
+def best_micro_batch(
+    model: ModelSpec,
+    hw: HardwareProfile,
+    family: str,
+    batch: int,
+    seq: int,
+    micro_batches: Iterable[int],
+    placement: Placement | None = None,
+    progress: Progress | None = None,
+) -> tuple[int | None, SimResult | None, dict[int, str]]:
+    """Simulate every micro-batch that fits; return (best micro-batch, its result, {micro-batch: error})."""
+    best_mb, best, errors = None, None, {}
+    for mb in micro_batches:
+        if progress:
+            progress.step(f"{model.name} {family} batch {batch} mb {mb} on {hw.name}")
+        try:
+            res = simulate_family(model, hw, family, batch, mb, seq, placement)
+        except (CapacityError, ScheduleError) as e:
+            errors[mb] = str(e)
+            continue
+        if best is None or res.iteration_s < best.iteration_s:
+            best_mb, best = mb, res
+    return best_mb, best, errors
+
+
+def utilisation(res: SimResult, hw: HardwareProfile) -> dict[str, float]:
+    """Share of the steady-state iteration each resource is needed: GPU and CPU from SimResult.busy; links
+    from the bytes they carry at their solo rates (PCIe both ways with the profile's duplex rates, the SSD
+    array's reads + writes when they time-share it)."""
+    rates = CostModel(hw).rates
+    t = res.iteration_s
+    lb = res.link_bytes
+    h2d, d2h = lb["cpu->gpu"], lb["gpu->cpu"]
+    rd, wr = lb["ssd->cpu"], lb["cpu->ssd"]
+    ssd_rd_s = rd / rates.ssd_read if rates.ssd_read > 0 else 0.0
+    ssd_wr_s = wr / rates.ssd_write if rates.ssd_write > 0 else 0.0
+    ssd_s = ssd_rd_s + ssd_wr_s if hw.ssd.rw_sharing == "shared" else max(ssd_rd_s, ssd_wr_s)
+    return {
+        "gpu": res.busy["gpu"],
+        "cpu_adam": res.busy["cpu"],
+        "pcie": pcie_time_s(h2d, d2h, rates) / t,
+        "ssd": ssd_s / t,
+    }
+
+
+SATURATED = 0.85  # a resource needed for at least this share of the iteration is called the binding one
+
+
+def binding(util: dict[str, float]) -> str:
+    """The resource closest to saturation, e.g. 'gpu 99%'; when none is needed for 85% of the iteration, the
+    two busiest, e.g. 'mixed: gpu 76% / ssd 61%' (the iteration alternates between phases bound by different
+    resources, so none of them is busy all the time)."""
+    order = sorted(util, key=util.get, reverse=True)
+    top = order[0]
+    if util[top] >= SATURATED or len(order) == 1:
+        return f"{top} {100 * util[top]:.0f}%"
+    second = order[1]
+    return f"mixed: {top} {100 * util[top]:.0f}% / {second} {100 * util[second]:.0f}%"
+
+
+def result_row(res: SimResult, hw: HardwareProfile) -> dict:
+    """The columns every experiment CSV shares for one simulated configuration."""
+    util = utilisation(res, hw)
+    row = {
+        "iteration_s": round(res.iteration_s, 3),
+        "tokens_per_s": round(res.tokens_per_s, 2),
+        "model_tflops": round(res.model_tflops, 2),
+        "hw_tflops": round(res.hw_tflops, 2),
+    }
+    row.update({f"util_{k}": round(v, 3) for k, v in util.items()})
+    row["binding"] = binding(util)
+    row.update({f"bytes_{k.replace('->', '_to_')}": round(v) for k, v in res.link_bytes.items()})
+    row.update({f"peak_{k}_bytes": round(v) for k, v in res.peak_bytes.items()})
+    return row
+
+
+# ---- ours vs paper ----------------------------------------------------------------------------------------
+
+
+def ratio(ours, paper) -> float | None:
+    """ours / paper when both are numbers, else None."""
+    if isinstance(ours, (int, float)) and isinstance(paper, (int, float)) and paper and not math.isnan(ours):
+        return ours / paper
+    return None
+
+
+def headline(study: str, metric: str, ours, paper, unit: str, note: str = "", source: str = "") -> dict:
+    """One ours-vs-paper number. A numeric difference of more than 15%, or a non-numeric disagreement, must
+    come with a note that names the differing assumption (enforced here, so no script can forget it)."""
+    r = ratio(ours, paper)
+    differs = (r is not None and abs(r - 1) > NOTE_THRESHOLD) or (
+        r is None and paper is not None and str(ours) != str(paper)
+    )
+    if differs and not note:
+        raise ValueError(f"{study}/{metric}: ours {ours} vs paper {paper} differ; a note must explain why")
+    return {
+        "study": study,
+        "metric": metric,
+        "ours": _round(ours),
+        "paper": _round(paper),
+        "ratio": round(r, 3) if r is not None else "",
+        "unit": unit,
+        "differs_over_15pct": differs,
+        "note": note,
+        "paper_source": source,
+    }
+
+
+def _round(x):
+    if isinstance(x, float):
+        return round(x, 3 if abs(x) < 10 else 1)
+    return "" if x is None else x
+
+
+def print_headlines(rows: Sequence[dict], title: str, stream=None) -> None:
+    """The ours-vs-paper table, then one note for every number that differs by more than 15%."""
+    stream = stream or sys.stdout
+    print(f"\n{title}", file=stream)
+    w = max([len(r["metric"]) for r in rows] + [6])
+    print(f"{'metric':<{w}}  {'ours':>14}  {'paper':>14}  {'ratio':>6}  unit", file=stream)
+    print("-" * (w + 52), file=stream)
+    for r in rows:
+        ratio_s = f"{r['ratio']:.2f}" if r["ratio"] != "" else "-"
+        print(
+            f"{r['metric']:<{w}}  {_fmt(r['ours']):>14}  {_fmt(r['paper']):>14}  {ratio_s:>6}  {r['unit']}",
+            file=stream,
+        )
+    notes = [r for r in rows if r["note"]]
+    if notes:
+        print("\nnotes (every difference over 15% says which assumption differs):", file=stream)
+    for r in notes:
+        flag = "NOTE (>15%)" if r["differs_over_15pct"] else "note"
+        print(f"- {flag} {r['metric']}: {r['note']}", file=stream)
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:,.2f}" if abs(x) < 10 else f"{x:,.1f}"
+    return str(x) if x != "" else "-"
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[str], stream=None) -> None:
+    """A plain fixed-width table of the chosen columns."""
+    stream = stream or sys.stdout
+    cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [
+        max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)
+    ]
+    print("  ".join(c.rjust(wd) for c, wd in zip(columns, widths)), file=stream)
+    print("  ".join("-" * wd for wd in widths), file=stream)
+    for row in cells:
+        print("  ".join(v.rjust(wd) for v, wd in zip(row, widths)), file=stream)
+
+
+def write_csv(rows: Sequence[dict], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def arg_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every experiment script shares: --quick and --out."""
+    ap = argparse.ArgumentParser(
+        description=doc.strip().splitlines()[0],
+        epilog="\n".join(doc.strip().splitlines()[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="a small, fast subset (smoke test; about a minute or less)"
+    )
+    ap.add_argument(
+        "--out", type=Path, default=RESULTS_DIR, help=f"folder for the CSV and PNG (default {RESULTS_DIR})"
+    )
+    return ap
+
+
+def new_figure(ncols: int, width_in: float = 5.0, height_in: float = 3.8):
+    """A row of matplotlib axes, without a display (Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width_in * ncols, height_in), squeeze=False)
+    return fig, list(axes[0])
+
+
+def save_figure(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,93 @@
+"""Regenerate every paper-reproduction experiment and the summary of headline numbers (ours, paper, ratio).
+
+Runs fuyou_lohan, greedysnake_a100, gemini_capacity, own_plans and what_if in this process (each writes its
+CSV and PNG under the output folder and prints its own tables), then writes summary.csv and summary.md there
+with every headline number, the paper's value, the ratio and the note explaining any difference over 15%.
+Progress goes to stderr. The full run takes several minutes on a 2-core machine; --quick a minute or two.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import fuyou_lohan
+import gemini_capacity
+import greedysnake_a100
+import own_plans
+import what_if
+from expcommon import Progress, arg_parser, print_headlines, write_csv
+
+STUDIES = {
+    "fuyou_lohan": fuyou_lohan,
+    "greedysnake_a100": greedysnake_a100,
+    "gemini_capacity": gemini_capacity,
+    "own_plans": own_plans,
+    "what_if": what_if,
+}
+
+
+def run_studies(names: list[str], quick: bool, out_dir: Path) -> tuple[list[dict], dict[str, float]]:
+    """Run each study; return all headline rows and each study's wall time in seconds."""
+    overall = Progress(len(names), "run_all")
+    heads, wall_s = [], {}
+    for name in names:
+        overall.step(f"{name}{' --quick' if quick else ''}")
+        print(f"\n===== {name} =====", flush=True)
+        t0 = time.perf_counter()
+        heads += STUDIES[name].run(quick, out_dir)
+        wall_s[name] = time.perf_counter() - t0
+        sys.stdout.flush()
+    overall.finish(f"done in {sum(wall_s.values()):.0f} s")
+    return heads, wall_s
+
+
+def summary_markdown(heads: list[dict], wall_s: dict[str, float], command: str) -> str:
+    lines = [
+        f"Produced by `{command}` in {sum(wall_s.values()):.0f} s "
+        f"({', '.join(f'{k} {v:.0f} s' for k, v in wall_s.items())}).",
+        "",
+        "| study | metric | ours | paper | ratio | note |",
+        "|---|---|---|---|---|---|",
+    ]
+    for h in heads:
+        ratio = f"{h['ratio']:.2f}" if h["ratio"] != "" else "-"
+        flag = "**>15%:** " if h["differs_over_15pct"] else ""
+        note = (flag + h["note"]).replace("|", "/")
+        lines.append(
+            f"| {h['study']} | {h['metric']} | {_md(h['ours'])} | {_md(h['paper'])} | {ratio} | {note} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _md(x) -> str:
+    if isinstance(x, float):
+        return f"{x:,.2f}" if abs(x) < 10 else f"{x:,.1f}"
+    return str(x) if x != "" else "-"
+
+
+def main(argv=None) -> None:
+    ap = arg_parser(__doc__)
+    ap.add_argument("--only", nargs="+", choices=list(STUDIES), help="run only these studies")
+    args = ap.parse_args(argv)
+    names = args.only or list(STUDIES)
+    heads, wall_s = run_studies(names, args.quick, args.out)
+    command = (
+        "python experiments/run_all.py"
+        + (" --quick" if args.quick else "")
+        + (f" --only {' '.join(names)}" if args.only else "")
+    )
+    write_csv([{**h, "ratio": h["ratio"]} for h in heads], args.out / "summary.csv")
+    (args.out / "summary.md").write_text(summary_markdown(heads, wall_s, command))
+    print_headlines(heads, f"SUMMARY: every headline number, ours vs the paper ({command})")
+    print(
+        f"\nwall time: {sum(wall_s.values()):.0f} s ("
+        + ", ".join(f"{k} {v:.0f} s" for k, v in wall_s.items())
+        + ")"
+    )
+    print(f"wrote {args.out / 'summary.csv'} and {args.out / 'summary.md'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
