@@ -48,6 +48,7 @@ from planner.planfile import Plan
 from planner.simulator import SimResult, summarize
 
 STREAM_RESOURCES = ("gpu", "h2d", "d2h")
+PACK_ALIGN = 256  # bytes: alignment of each saved tensor inside a flattened pack
 ACT_TENSORS = {"act": "x", "act_grad": "dx"}
 KINDS = {
     "fwd", "recompute", "bwd", "head", "adam_gpu", "adam", "adam_deferred", "fetch_weights", "update_weights",
@@ -115,6 +116,8 @@ class Pack:
         for i, leaf in enumerate(self.leaves):
             if leaf.untyped_storage().data_ptr() == ptr:
                 return ("w", i, t.storage_offset() - leaf.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if t.device != self.leaves[0].device:  # e.g. a CPU scalar (RNG seed) saved by a CUDA kernel: kept as is
+            return ("c", t)
         key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if key not in self.index:
             self.index[key] = len(self.saved)
@@ -125,10 +128,13 @@ class Pack:
         if ref[0] == "w":
             leaf = self.leaves[ref[1]]
             return leaf.detach().as_strided(ref[3], ref[4], leaf.storage_offset() + ref[2])
+        if ref[0] == "c":
+            return ref[1]
         return (self.restored if self.restored is not None else self.saved)[ref[1]]
 
     def flatten(self) -> torch.Tensor:
-        """All captured tensors as one flat uint8 device tensor; remembers how to rebuild them."""
+        """All captured tensors as one flat uint8 device tensor (each at a 256-byte aligned offset, as kernels
+        such as fused attention expect of their inputs); remembers how to rebuild them."""
         chunks, self.desc, off = [], [], 0
         for t in self.saved:
             dense = _dense_strides(t)
@@ -137,6 +143,10 @@ class Pack:
                               t.dtype, off, data.numel()))
             chunks.append(data)
             off += data.numel()
+            pad = -off % PACK_ALIGN
+            if pad:
+                chunks.append(torch.zeros(pad, dtype=torch.uint8, device=data.device))
+                off += pad
         return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=self.leaves[0].device)
 
     def restore(self, flat: torch.Tensor) -> None:
