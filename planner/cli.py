@@ -257,6 +257,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     solver = best.solver.to_dict() if best.solver else {"status": "BASELINE"}
     solver.update({"search_wall_s": sr.wall_s, "candidates": len(sr.evaluated), "predicted_s": best.predicted_s,
                    "verified_s": best.verified_s})
+    if best.prediction:
+        solver["prediction"] = best.prediction.to_dict()
     if not args.no_window:
         from planner.search import window_check
 
@@ -284,15 +286,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         rows.append([e.candidate.describe(args.batch), f"{e.verified_s:,.1f} s", f"{e.result.tokens_per_s:,.0f}",
                      f"{e.result.hw_tflops:.1f}", s_.status if s_ else "-", f"{s_.objective_s:,.1f} s" if s_ else "-"])
     print()
-    print(fmt_table(rows, ["candidate (best first)", "simulated", "tokens/s", "hw TFLOPS", "CP-SAT", "predicted"]))
+    print(fmt_table(rows, ["candidate (best first)", "simulated", "tokens/s", "hw TFLOPS", "CP-SAT", "load bound"]))
     print()
     print(f"chosen: {best.candidate.describe(args.batch)}; {cfg.swap_layers} of {model.num_layers} layers swap "
           f"their activations instead of recomputing")
     print(f"placement: {cfg.placement.describe()}")
     if best.solver:
         r = best.solver
-        print(f"solver: CP-SAT {r.status}, objective {r.objective_s:,.2f} s, best bound {r.best_bound_s:,.2f} s, "
-              f"gap {r.gap:.1%}, {r.wall_s:.2f} s")
+        print(f"placement solver: CP-SAT {r.status}, objective {r.objective_s:,.2f} s, best bound "
+              f"{r.best_bound_s:,.2f} s, gap {r.gap:.1%}, {r.wall_s:.2f} s")
+    if best.prediction:
+        r = best.prediction
+        print(f"prediction (slot model): CP-SAT {r.status}, {r.objective_s:,.2f} s per iteration, best bound "
+              f"{r.best_bound_s:,.2f} s, gap {r.gap:.1%}, {r.wall_s:.2f} s")
     if "window_status" in solver:
         print(f"window check: CP-SAT {solver['window_status']} on a {solver['window_layers']}-layer window "
               f"({solver['window_tasks']} tasks): the schedule's own order takes {solver['window_greedy_s']:.4g} s at "

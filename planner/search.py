@@ -31,6 +31,7 @@ from planner.models import ModelSpec
 from planner.placement import Placement, Split
 from planner.schedules import ScheduleConfig, blocks_of, build_graph, make_schedule
 from planner.simulator import CapacityError, SimResult, simulate_graph
+from planner.slots import SolverReport, predict_config
 from planner.workload import ADAM_STATE_BYTES, COMPUTE_BYTES, GRAD_ACCUM_BYTES, MASTER_BYTES
 
 Q = 100  # placement fractions are decided in steps of 1/Q
@@ -75,27 +76,17 @@ class LinearLoads:
 
 
 @dataclass
-class SolverReport:
-    status: str
-    objective_s: float
-    best_bound_s: float
-    gap: float
-    wall_s: float
-
-    def to_dict(self) -> dict:
-        return {"status": self.status, "objective": self.objective_s, "best_bound": self.best_bound_s,
-                "gap": self.gap, "wall_s": self.wall_s}
-
-
-@dataclass
 class Evaluated:
     candidate: Candidate
     config: ScheduleConfig | None
-    solver: SolverReport | None
+    solver: SolverReport | None  # the placement model's solve (solve_placement)
     result: SimResult | None = None
     error: str = ""
-    predicted_s: float = math.inf  # the solver's prediction for the chosen decisions (IterationLoads.predict_s)
+    # the prediction for the decisions: the placement model's (IterationLoads.predict_s), replaced by the slot
+    # model's (planner.slots) for the chosen plan
+    predicted_s: float = math.inf
     binding: str = ""
+    prediction: SolverReport | None = None  # the slot model's CP-SAT solve behind predicted_s
 
     @property
     def verified_s(self) -> float:
@@ -370,6 +361,15 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, c: Can
     return Evaluated(c, None, solved.report if solved else None, error=last_error)
 
 
+def _predict(model: ModelSpec, hw: HardwareProfile, ev: Evaluated) -> Evaluated:
+    """Set ev's prediction from the slot model of its (fully decided) configuration. The placement model's
+    objective bounds the iteration from below but ignores when each transfer may run; the slot model keeps
+    that, and is what the plan reports as its predicted time."""
+    rep = predict_config(model, hw, ev.config)
+    ev.prediction, ev.predicted_s = rep, rep.objective_s
+    return ev
+
+
 def _cap(hw: HardwareProfile, tier: str) -> float:
     return {"gpu": hw.gpu.capacity_bytes, "cpu": hw.cpu.capacity_bytes, "ssd": hw.ssd.capacity_bytes}[tier]
 
@@ -446,6 +446,7 @@ def plan_search(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int | No
         progress(len(cands), len(cands), "done")
     if best is None:
         raise PlanningError(infeasible_message(model, hw, batch, seq, allow_ssd))
+    _predict(model, hw, best)
     return SearchResult(best=best, evaluated=evaluated, wall_s=time.perf_counter() - t0, model=model, hw=hw,
                         baseline={k: v[1] for k, v in base.items()})
 
