@@ -1,8 +1,8 @@
 """Benchmark: plan GPT-3 175B on the RTX 4090 box (rtx4090-lohan) at batch 64.
 
 Target (issue 3): under 60 s on a 2-core machine, with a progress display. Records the wall time, the chosen plan,
-the solver's report and how far the verified (simulated) iteration is from the solver's roofline prediction in
-experiments/results/bench_planner.csv. Run: python experiments/bench_planner.py
+the placement solver's report, the slot model's prediction (planner.slots) and how far the verified (simulated)
+iteration is from it in experiments/results/bench_planner.csv. Run: python experiments/bench_planner.py
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def main() -> None:
         "solver_status": b.solver.status if b.solver else "baseline",
         "solver_objective_s": round(b.solver.objective_s, 2) if b.solver else "",
         "solver_gap": round(b.solver.gap, 4) if b.solver else "",
+        "prediction_solver": f"{b.prediction.solver} {b.prediction.status}" if b.prediction else "",
+        "prediction_wall_s": round(b.prediction.wall_s, 2) if b.prediction else "",
         "verified_s": round(b.verified_s, 2), "solver_prediction_s": round(b.predicted_s, 2),
         "verified_vs_prediction": round(b.verified_s / b.predicted_s - 1, 4),
         "fraction_of_roofline": round(iteration_loads(model, hw, b.config).bound_s(hw) / b.verified_s, 4),

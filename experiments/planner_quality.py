@@ -1,8 +1,8 @@
 """Planner quality on a grid of (model, box, batch) cases (issue 3, item 6).
 
 For each case: plan with `plan_search`, and compare the verified (simulated) iteration time with (a) the best
-fixed schedule (horizontal / fuyou / vertical with default settings, best micro-batch) and (b) the solver's own
-prediction (the roofline bound of its decisions). Writes experiments/results/planner_quality.csv and prints a
+fixed schedule (horizontal / fuyou / vertical with default settings, best micro-batch) and (b) the planner's own
+prediction of its decisions (the slot model's LP, planner.slots). Writes experiments/results/planner_quality.csv and prints a
 table. Run: python experiments/planner_quality.py [--time-limit 30]
 """
 
@@ -58,6 +58,7 @@ def main() -> None:
             "model": name, "hw": hwname, "batch": batch, "seq": seq, "plan": b.candidate.describe(batch),
             "swap_layers": b.config.swap_layers, "verified_s": round(b.verified_s, 3),
             "solver_prediction_s": round(b.predicted_s, 3), "prediction_error": round(b.verified_s / b.predicted_s - 1, 4),
+            "placement_model_s": round(b.solver.objective_s, 3) if b.solver else "",
             "roofline_bound_s": round(bound, 3),
             "fraction_of_roofline": round(bound / b.verified_s, 4),
             "binding": b.binding,
