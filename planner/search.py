@@ -333,9 +333,18 @@ def _config(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, c: Cand
     return cfg
 
 
+# how far a model's prediction may lie above the simulated time (the placement model's objective: up to +1.1%,
+# the slot model's: up to +0.7% over experiments/planner_quality.py and the fixed schedules of
+# experiments/bench_planner.py): a candidate predicted slower than the best verified time by more than this
+# cannot be the fastest and is not simulated
+PRUNE_TOLERANCE = 0.02
+
+
 def evaluate(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, c: Candidate, *,
-             time_limit_s: float = 5.0, allow_ssd: bool = True, verify: bool = True) -> Evaluated:
-    """Solve one candidate's placement with CP-SAT and verify it in the simulator."""
+             time_limit_s: float = 5.0, allow_ssd: bool = True, verify: bool = True,
+             prune_at: float = math.inf) -> Evaluated:
+    """Solve one candidate's placement with CP-SAT and verify it in the simulator (unless the solver's
+    objective already exceeds `prune_at` x (1 + PRUNE_TOLERANCE): then it cannot win and is not simulated)."""
     cfg0 = _config(model, hw, batch, seq, c, _base_placement(), 0, iterations=1)
     lin = linear_loads(model, hw, cfg0)
     mem = memory_model(model, hw, cfg0)
@@ -350,6 +359,9 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, c: Can
         cfg = _config(model, hw, batch, seq, c, _placement(solved.x), solved.n)
         loads = IterationLoads(work=lin.work(solved.x, solved.n), static_bytes={})
         ev = Evaluated(c, cfg, solved.report, predicted_s=loads.predict_s(hw), binding=loads.binding(hw))
+        if solved.report.objective_s > prune_at * (1 + PRUNE_TOLERANCE):
+            ev.error = f"pruned: solver objective {solved.report.objective_s:.4g} s > best {prune_at:.4g} s"
+            return ev
         if not verify:
             return ev
         try:
@@ -413,7 +425,8 @@ def plan_search(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int | No
         if time.perf_counter() - t0 > time_limit_s and best is not None:
             evaluated.append(Evaluated(c, None, None, error="skipped: time limit"))
             continue
-        ev = evaluate(model, hw, batch, seq, c, time_limit_s=per_solve, allow_ssd=allow_ssd)
+        ev = evaluate(model, hw, batch, seq, c, time_limit_s=per_solve, allow_ssd=allow_ssd,
+                      prune_at=best.verified_s if best else math.inf)
         evaluated.append(ev)
         if ev.result and (best is None or ev.verified_s < best.verified_s):
             best = ev
@@ -432,7 +445,8 @@ def plan_search(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int | No
                 best = Evaluated(replace(best.candidate, **variant), cfg2, best.solver, r2,
                                  predicted_s=best.predicted_s, binding=best.binding)
                 evaluated.append(best)
-    base = fixed_baselines(model, hw, batch, seq, sorted({c.micro_batch for c in cands})) if baselines else {}
+    base = fixed_baselines(model, hw, batch, seq, sorted({c.micro_batch for c in cands}),
+                           only_best=True) if baselines else {}
     for name, (cfg_b, res_b) in base.items():
         # the fixed schedules are part of the decision space: a plan is never slower than them
         if best is None or res_b.iteration_s < best.verified_s:
@@ -451,24 +465,33 @@ def plan_search(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int | No
                         baseline={k: v[1] for k, v in base.items()})
 
 
-def fixed_baselines(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int,
-                    micro_batches: list[int]) -> dict[str, tuple[ScheduleConfig, SimResult]]:
+def fixed_baselines(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, micro_batches: list[int], *,
+                    only_best: bool = False) -> dict[str, tuple[ScheduleConfig, SimResult]]:
     """The best of each fixed schedule (horizontal, fuyou, vertical) with its default settings over the
-    micro-batches that fit, keyed 'family mb=b'."""
-    out: dict[str, tuple[ScheduleConfig, SimResult]] = {}
+    micro-batches that fit, keyed 'family mb=b'. `only_best`: only the fastest of them all, found by simulating
+    them in the order of the slot model's prediction (planner.slots) and skipping those predicted slower than
+    the best simulated one by more than PRUNE_TOLERANCE."""
+    cfgs = []
     for family in ("horizontal", "fuyou", "vertical"):
-        best = None
         for mb in micro_batches:
             try:
                 cfg = make_schedule(family, model, hw, batch=batch, micro_batch=mb, seq=seq)
-                res = simulate_config(model, hw, cfg)
+                pred = predict_config(model, hw, cfg).objective_s if only_best else 0.0
             except (CapacityError, ValueError):
                 continue
-            if best is None or res.iteration_s < best[1].iteration_s:
-                best = (cfg, res)
-        if best:
-            out[f"{family} mb={best[0].micro_batch}"] = best
-    return out
+            cfgs.append((pred, family, mb, cfg))
+    best: dict[str, tuple[ScheduleConfig, SimResult]] = {}
+    for pred, family, _mb, cfg in sorted(cfgs, key=lambda t: (t[0], t[2])):
+        key = "all" if only_best else family
+        if key in best and pred > best[key][1].iteration_s * (1 + PRUNE_TOLERANCE):
+            continue
+        try:
+            res = simulate_config(model, hw, cfg)
+        except (CapacityError, ValueError):
+            continue
+        if key not in best or res.iteration_s < best[key][1].iteration_s:
+            best[key] = (cfg, res)
+    return {f"{c.family} mb={c.micro_batch}": (c, r) for c, r in best.values()}
 
 
 def window_check(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, time_limit_s: float = 5.0,
