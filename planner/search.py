@@ -31,7 +31,7 @@ from planner.models import ModelSpec
 from planner.placement import Placement, Split
 from planner.schedules import ScheduleConfig, blocks_of, build_graph, make_schedule
 from planner.simulator import CapacityError, SimResult, simulate_graph
-from planner.slots import SolverReport, predict_config
+from planner.slots import SlotModelError, SolverReport, predict_config
 from planner.workload import ADAM_STATE_BYTES, COMPUTE_BYTES, GRAD_ACCUM_BYTES, MASTER_BYTES
 
 Q = 100  # placement fractions are decided in steps of 1/Q
@@ -377,7 +377,10 @@ def _predict(model: ModelSpec, hw: HardwareProfile, ev: Evaluated) -> Evaluated:
     """Set ev's prediction from the slot model of its (fully decided) configuration. The placement model's
     objective bounds the iteration from below but ignores when each transfer may run; the slot model keeps
     that, and is what the plan reports as its predicted time."""
-    rep = predict_config(model, hw, ev.config)
+    try:
+        rep = predict_config(model, hw, ev.config)
+    except SlotModelError:
+        return ev  # keeps the placement model's prediction
     ev.prediction, ev.predicted_s = rep, rep.objective_s
     return ev
 
@@ -476,9 +479,12 @@ def fixed_baselines(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int,
         for mb in micro_batches:
             try:
                 cfg = make_schedule(family, model, hw, batch=batch, micro_batch=mb, seq=seq)
-                pred = predict_config(model, hw, cfg).objective_s if only_best else 0.0
             except (CapacityError, ValueError):
                 continue
+            try:
+                pred = predict_config(model, hw, cfg).objective_s if only_best else 0.0
+            except SlotModelError:
+                pred = 0.0  # no prediction: simulate it among the first
             cfgs.append((pred, family, mb, cfg))
     best: dict[str, tuple[ScheduleConfig, SimResult]] = {}
     for pred, family, _mb, cfg in sorted(cfgs, key=lambda t: (t[0], t[2])):

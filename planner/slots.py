@@ -686,6 +686,10 @@ def _expand(slots, gpu_t, items, coef, lay: _Layout, chains=(), chain_coef=None)
                                         "subslots": nsub, "windows": len(idx)})
 
 
+class SlotModelError(RuntimeError):
+    """The slot model's LP could not be solved."""
+
+
 @dataclass
 class SolverReport:
     status: str
@@ -735,6 +739,9 @@ def solve_slots(sm: SlotModel, hw: HardwareProfile, *, tol: float = 1e-9, max_ro
     T = len(sm.gpu)
     lp = pywraplp.Solver.CreateSolver("GLOP")
     lp.SuppressOutput()
+    # dual simplex: rows added to an optimal basis leave it dual feasible, so each round re-solves from it (the
+    # primal default also stalled, ABNORMAL, on 256 micro-batches with 17,000 copies of a slot in one window)
+    lp.SetSolverSpecificParametersAsString("use_dual_simplex: true")
     D = [lp.NumVar(float(sm.gpu[t]), lp.infinity(), f"D{t}") for t in range(T)]
     period = lp.Sum([float(sm.period[t]) * D[t] for t in range(T)])
     lp.Add(period >= thr)
@@ -753,7 +760,7 @@ def solve_slots(sm: SlotModel, hw: HardwareProfile, *, tol: float = 1e-9, max_ro
             lp.Add(lp.Sum([float(c[t]) * D[t] for t in np.nonzero(c)[0]]) >= float(need[w]))
             rows.add(w)
         if lp.Solve() != pywraplp.Solver.OPTIMAL:
-            raise RuntimeError("the slot model's LP did not solve (numerical trouble)")
+            raise SlotModelError("the slot model's LP did not solve (numerical trouble)")
         d = np.array([v.solution_value() for v in D])
     obj = max(float(sm.period @ d), thr)
     return SolverReport(status, obj, obj if status == "OPTIMAL" else 0.0, 0.0 if status == "OPTIMAL" else 1.0,
