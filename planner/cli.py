@@ -286,7 +286,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         rows.append([e.candidate.describe(args.batch), f"{e.verified_s:,.1f} s", f"{e.result.tokens_per_s:,.0f}",
                      f"{e.result.hw_tflops:.1f}", s_.status if s_ else "-", f"{s_.objective_s:,.1f} s" if s_ else "-"])
     print()
-    print(fmt_table(rows, ["candidate (best first)", "simulated", "tokens/s", "hw TFLOPS", "CP-SAT", "load bound"]))
+    print(fmt_table(rows, ["candidate (best first)", "simulated", "tokens/s", "hw TFLOPS", "CP-SAT", "objective"]))
     print()
     print(f"chosen: {best.candidate.describe(args.batch)}; {cfg.swap_layers} of {model.num_layers} layers swap "
           f"their activations instead of recomputing")
@@ -297,8 +297,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"{r.best_bound_s:,.2f} s, gap {r.gap:.1%}, {r.wall_s:.2f} s")
     if best.prediction:
         r = best.prediction
-        print(f"prediction (slot model): CP-SAT {r.status}, {r.objective_s:,.2f} s per iteration, best bound "
-              f"{r.best_bound_s:,.2f} s, gap {r.gap:.1%}, {r.wall_s:.2f} s")
+        print(f"prediction (slot model, {r.constraints:,} windows): {r.solver} {r.status}, {r.objective_s:,.2f} s per "
+              f"iteration, {r.wall_s:.2f} s")
     if "window_status" in solver:
         print(f"window check: CP-SAT {solver['window_status']} on a {solver['window_layers']}-layer window "
               f"({solver['window_tasks']} tasks): the schedule's own order takes {solver['window_greedy_s']:.4g} s at "
@@ -306,7 +306,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"{solver['window_bound_s']:.4g} s (gap {solver['window_gap']:.1%}, {solver['window_wall_s']:.1f} s)")
     res = best.result
     print(f"verified by simulation: {res.iteration_s:,.2f} s per iteration ({res.iteration_s / best.predicted_s - 1:+.1%} "
-          f"vs the solver's prediction), {res.tokens_per_s:,.0f} tokens/s, {res.model_tflops:.1f} model / "
+          f"vs the prediction), {res.tokens_per_s:,.0f} tokens/s, {res.model_tflops:.1f} model / "
           f"{res.hw_tflops:.1f} hardware TFLOPS")
     if sr.baseline:
         name, b = min(sr.baseline.items(), key=lambda kv: kv[1].iteration_s)
