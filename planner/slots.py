@@ -1,8 +1,7 @@
-"""The slot model: the planner's prediction of one steady-state iteration, solved with CP-SAT.
+"""The slot model: the planner's prediction of one steady-state iteration of a fully decided plan.
 
-
-The roofline and phase bounds above are exact about *how much* each resource works but not about *when*: a
-transfer that must be done before a given layer computes cannot hide behind another phase's compute, a tensor
+The roofline and phase bounds of planner.loads are exact about *how much* each resource works but not about
+*when*: a transfer that must be done before a given layer computes cannot hide behind another phase's compute, a tensor
 parked on the CPU cannot be fetched back before it has been offloaded, and each queue runs its tasks in the
 schedule's order. The slot model keeps that timing at the granularity of the GPU's weight uses (one block's
 compute steps in one phase, a "slot"): the iteration is the sequence of slots the GPU runs, and every other task
@@ -15,7 +14,7 @@ lasts (for the PCIe link as a whole and for a shared SSD array, both directions 
     sum_{s in window} D_s >= work_r(window) / rate_r        D_s >= GPU work of slot s
 
 and the predicted iteration time is the least sum of the slot durations D_s that satisfies them all, a linear
-program (solved with CP-SAT in planner.search). A window constraint is the physical statement that one resource
+program (`solve_slots`: GLOP, by constraint generation). A window constraint is the physical statement that one resource
 cannot do more than its rate allows in that time; nothing else enters.
 
 The constraints are derived from the builder's own task graph of a *template*: the model with a few layers
