@@ -10,7 +10,10 @@ Three layers (see README, "Planner"):
    (planner.loads), so the solver and the simulator cannot disagree about traffic;
 3. the best answers are expanded to full iterations and verified by the discrete-event simulator; a plan is
    never returned without that verification. A verification that overflows a tier tightens that tier in the
-   CP-SAT model and solves again.
+   CP-SAT model and solves again. Candidates whose CP-SAT objective, and fixed schedules whose slot-model
+   prediction, exceed the best verified time by more than PRUNE_TOLERANCE are not simulated;
+4. the chosen plan's iteration is predicted by the slot model (planner.slots), which knows when each transfer
+   may run, not only how much each resource works.
 """
 
 from __future__ import annotations
