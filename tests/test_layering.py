@@ -37,3 +37,15 @@ def test_planner_and_cli_start_without_torch():
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_every_registered_command_loads_without_torch():
+    """The tierflow.commands entry points are loaded for every command (tierflow simulate, plan, ...): they must
+    not import torch, which takes seconds and slows the planner's garbage collection."""
+    code = ("import sys; from planner.cli import build_parser; p = build_parser(); "
+            "names = sorted(p._subparsers._group_actions[0].choices); "
+            "print(','.join(names), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    names, has_torch = out.stdout.split()
+    assert {"run", "calibrate", "plan", "simulate"} <= set(names.split(","))
+    assert has_torch == "False"

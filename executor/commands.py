@@ -1,0 +1,46 @@
+"""Registration of the executor's `tierflow run` command. Only argparse here: the `tierflow.commands` entry
+point loads this module for every tierflow command, and torch (3 s to import, and a heap that slows the
+planner's garbage collection) is imported only when `tierflow run` itself runs."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register_run(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "run", help="train with a plan file on this machine (GPU or CPU), measuring every op",
+        description="Replay a plan file (tierflow plan -o, or tierflow simulate --write-plan) as real training: "
+        "the plan's ops run in the plan's order on per-resource workers, tensors live where the plan puts "
+        "them (device, pinned host memory, files under --ssd-dir). Prints loss, tokens/s and TFLOPS per step.")
+    p.add_argument("plan", help="plan file (JSON, docs/plan-format.md)")
+    p.add_argument("--steps", type=int, default=5, help="training steps in total, counting resumed ones (default 5)")
+    p.add_argument("--device", default=None,
+                   help="cuda or cpu (default: cuda when available); on cpu, transfers are copies but the SSD "
+                   "tier is real file I/O")
+    p.add_argument("--ssd-dir", default=None, metavar="DIR", help="directory on the SSD (array) for the SSD tier")
+    p.add_argument("--data", default=None, metavar="FILE",
+                   help="nanoGPT-style uint16 token file (.bin) or a text file (byte tokens); default: seeded "
+                   "random tokens")
+    p.add_argument("--data-format", default="auto", choices=["auto", "uint16", "text"],
+                   help="how to read --data (default: .bin/.u16 = uint16, else text)")
+    p.add_argument("--init", default=None, metavar="DIR",
+                   help="Hugging Face model directory (*.safetensors) to start from, loaded block by block")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="save the training state here and resume from its latest checkpoint")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="steps between checkpoints (default: the plan's iterations per round)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write the measured timeline.csv, trace.json (Perfetto), gantt.png and steps.csv here")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random init and synthetic data (default 0)")
+    p.add_argument("--json", action="store_true", help="print the steps and the measured summary as JSON")
+    p.set_defaults(func=_cmd_run)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from executor.run import cmd_run  # torch is imported here, when the command runs
+
+    return cmd_run(args)
