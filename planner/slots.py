@@ -17,6 +17,13 @@ and the predicted iteration time is the least sum of the slot durations D_s that
 program (`solve_slots`: GLOP, by constraint generation). A window constraint is the physical statement that one resource
 cannot do more than its rate allows in that time; nothing else enters.
 
+Serial chains (a task waits for the task ahead of it in its queue and for its dependencies on other resources, e.g.
+read optimizer states -> deferred Adam -> fetch weights -> the layer's first step) give windows of their own: from
+the slot the chain's first task is released in (after the GPU steps of that slot up to the one releasing it) to the
+step it feeds (with the steps of that slot from it on), the window lasts at least the chain. A transfer on a chain
+runs at its solo rate where the other direction of its link is idle and at the duplex rate beside it; the other
+direction runs the work released in the window spread over it (`chain_needs`).
+
 The constraints are derived from the builder's own task graph of a *template*: the model with a few layers
 (every run of identical layers - recomputed, then swapped - keeps `2 E + 1` of them, E = how far ahead the
 schedule fetches), at most three groups of micro-batches, three iterations. The middle layer of each run stands
@@ -121,6 +128,7 @@ class SlotModel:
     work: np.ndarray  # (W, C, 1) work of each channel (CHANNELS) released and due in window w
     released: np.ndarray  # (W, C, 1) work of each channel released in window w, due whenever
     total: np.ndarray  # (C, 1) work of each channel in one iteration
+    links: np.ndarray  # (W, C) bytes a serial chain's transfers move on each link channel (other windows: 0)
     meta: dict
 
 
@@ -130,20 +138,56 @@ def eager_terms(hw: HardwareProfile) -> list[tuple[int, int, float, float, float
         A/solo_A + k * min(A/shared_A, B/shared_B),   k = 1 - shared_A/solo_A
     (both directions at their shared rates while both run, A alone after: the fluid sharing the simulator
     plays). Returns (a, b, 1/solo_a, k/shared_a, k/shared_b) per ordered pair with k > 0."""
-    r = CostModel(hw).rates
     idx = {k: i for i, k in enumerate(CHANNELS)}
-    pairs = [("h2d", "d2h", r.h2d, r.h2d_duplex, r.d2h_duplex), ("d2h", "h2d", r.d2h, r.d2h_duplex, r.h2d_duplex)]
-    if hw.ssd.count > 0:
-        pairs += [("ssd_read", "ssd_write", r.ssd_read, r.ssd_read_mixed, r.ssd_write_mixed),
-                  ("ssd_write", "ssd_read", r.ssd_write, r.ssd_write_mixed, r.ssd_read_mixed)]
     out = []
-    for a, b, solo, sa, sb in pairs:
+    for a, b, solo, sa, sb, _solo_b in _link_pairs(hw):
         if solo <= 0 or sa <= 0 or sb <= 0:
             continue
         k = 1.0 - sa / solo
         if k > 1e-12:
             out.append((idx[a], idx[b], 1.0 / solo, k / sa, k / sb))
     return out
+
+
+def _link_pairs(hw: HardwareProfile) -> list[tuple[str, str, float, float, float, float]]:
+    """Each direction A of a shared link against the other, B: (A, B, solo_A, shared_A, shared_B, solo_B)."""
+    r = CostModel(hw).rates
+    pairs = [("h2d", "d2h", r.h2d, r.h2d_duplex, r.d2h_duplex, r.d2h),
+             ("d2h", "h2d", r.d2h, r.d2h_duplex, r.h2d_duplex, r.h2d)]
+    if hw.ssd.count > 0:
+        pairs += [("ssd_read", "ssd_write", r.ssd_read, r.ssd_read_mixed, r.ssd_write_mixed, r.ssd_write),
+                  ("ssd_write", "ssd_read", r.ssd_write, r.ssd_write_mixed, r.ssd_read_mixed, r.ssd_read)]
+    return pairs
+
+
+def chain_needs(sm: SlotModel, hw: HardwareProfile, rounds: int = 40) -> np.ndarray:
+    """Seconds each serial chain's window needs: the chain at the links' solo rates, each transfer on it slowed
+    where the other direction of its link runs beside it. That direction runs the work released in the window
+    (eagerly, at its solo rate: B seconds) spread over the window's length X, so it runs beside the transfer a
+    fraction f = min(1, B / X) of the transfer's time, and the transfer of A solo seconds takes A / (1 - k f),
+    k = 1 - shared_A / solo_A. X is the least length that holds the chain so stretched (found by bisection: the
+    stretched chain shrinks as X grows). Windows that are not chains: 0."""
+    chain = sm.work[:, CHANNELS.index("chain"), 0]
+    terms = []  # (A solo seconds on the chain, B seconds released in the window, k)
+    for a, b, solo, shared, _sb, solo_b in _link_pairs(hw):
+        if solo <= 0 or shared <= 0 or solo_b <= 0 or shared >= solo:
+            continue
+        ia, ib = CHANNELS.index(a), CHANNELS.index(b)
+        terms.append((sm.links[:, ia] / solo, sm.released[:, ib, 0] / solo_b, 1.0 - shared / solo))
+
+    def stretched(x: np.ndarray) -> np.ndarray:
+        out = chain.copy()
+        for t_a, t_b, k in terms:
+            f = np.minimum(1.0, t_b / np.maximum(x, 1e-12))
+            out += t_a * (1.0 / (1.0 - k * f) - 1.0)
+        return out
+
+    lo, hi = chain.copy(), stretched(chain)  # stretched(lo) <= hi: the answer lies in [lo, hi]
+    for _ in range(rounds):
+        mid = (lo + hi) / 2
+        ok = stretched(mid) <= mid
+        hi, lo = np.where(ok, mid, hi), np.where(ok, lo, mid)
+    return np.where(chain > 0, hi, 0.0)
 
 
 def window_terms(hw: HardwareProfile) -> tuple[np.ndarray, list[str]]:
@@ -402,16 +446,51 @@ def _template_items(g, cfg_t: ScheduleConfig, lay: _Layout, tcoef: np.ndarray, t
     # of it in its queue are done. For each task, the longest chain ending at it among the chains whose first
     # task is released at slot a (one per a, for the last `reach` slots): window [a, deadline] must last as long.
     reach = 4 * _subslots(cfg_t) + 2
-    # head[i][a] = (seconds at the reference placement, affine seconds, resources on the chain as a bit mask)
+    # a slot holds several GPU steps: a chain released by a step inside its first slot starts only after the
+    # steps of that slot up to it (`before`), and a chain into a step must end before the steps of its slot from
+    # that one on (`after`), the GPU running one step at a time
+    step_work: dict[int, float] = {}
+    for i, t in enumerate(tasks):
+        if t.resource == "gpu":
+            step_work[round(t.key)] = step_work.get(round(t.key), 0.0) + t.work * scale[i]
+    before: dict[int, float] = {}
+    after: dict[int, float] = {}
+    keys = sorted(step_work)
+    slot_key = {key: divmod(key, period)[0] * T + (T - 1 if key % period >= S else slot_of_step[key % period])
+                for key in keys}
+    run: list[int] = []
+    for key in keys + [None]:
+        if run and (key is None or slot_key[key] != slot_key[run[0]]):
+            acc, tot = 0.0, sum(step_work[x] for x in run)
+            for x in run:
+                after[x] = tot - acc
+                acc += step_work[x]
+                before[x] = acc
+            run = []
+        if key is not None:
+            run.append(key)
+    # a chain's vector: its affine seconds (at the links' solo rates), then the bytes it moves on each channel
+    # (a transfer on a chain runs slower while the other direction of its link runs: window_needs)
+    V1 = tcoef.shape[1]
+    ext = np.zeros((n, V1 + len(CHANNELS)))
+    ext[:, :V1] = tcoef
+    for i, t in enumerate(tasks):
+        if t.resource in SLOT_RESOURCES and t.resource != "cpu":
+            ext[i, V1 + CHANNELS.index(t.resource)] = t.work
+    # head[i][a] = (seconds at the reference placement, chain vector, resources on the chain as a bit mask)
     head: list[dict] = [{} for _ in range(n)]
     bit = {r: 1 << j for j, r in enumerate(RESOURCES)}
     for i in order:
         t = tasks[i]
         if t.resource == "gpu":
             continue
-        vec = tcoef[i]
+        off = max([before[round(tasks[p].key)] for p in preds[i]
+                   if tasks[p].resource == "gpu" and step_slot(tasks[p])[0] == rel[i]] + [0.0])
+        vec = ext[i]
         d = float(tref[i])
-        best = {rel[i]: (d, vec, bit[t.resource])}
+        start = vec.copy()
+        start[0] += off
+        best = {rel[i]: (d + off, start, bit[t.resource])}
         for p in preds[i] + ([prev_in_queue[i]] if prev_in_queue[i] >= 0 else []):
             if tasks[p].resource == "gpu":
                 continue
@@ -422,17 +501,12 @@ def _template_items(g, cfg_t: ScheduleConfig, lay: _Layout, tcoef: np.ndarray, t
     chains = []  # (first slot, deadline slot, block, home group, affine seconds)
     # a GPU step waits for its inputs (and for memory) and then computes: the chain into it plus its own work
     # must fit between the chain's first slot and the end of the step's slot
-    step_work: dict[int, float] = {}
-    for t in tasks:
-        if t.resource == "gpu":
-            step_work[round(t.key)] = step_work.get(round(t.key), 0.0) + t.work
-    V1 = tcoef.shape[1]
     for i, t in enumerate(tasks):
         if t.resource != "gpu" or t.iteration != 1:
             continue
         sl = step_slot(t)[0]
-        own = np.zeros(V1)
-        own[0] = step_work[round(t.key)]
+        own = np.zeros(ext.shape[1])
+        own[0] = after[round(t.key)]
         home = sl % T
         grp = slots[home][0] if home < T - 1 else lay.Gt - 1
         best: dict[int, tuple[float, np.ndarray, int]] = {}
@@ -657,31 +731,35 @@ def _expand(slots, gpu_t, items, coef, lay: _Layout, chains=(), chain_coef=None)
         blocks_r.append(relcum[np.arange(Ne) + s_] - relcum[np.arange(Ne)])
 
     # serial chains: one window per copy of each chain
-    cw, cc = [], []
+    cw, cc, cl = [], [], []
     if len(chains):
         rr, dd, csrc = copies(*zip(*chains), few=True)
         sh = np.where(rr < 0, Ne, 0)
         rr, dd = rr + sh, dd + sh
         good = dd < 3 * Ne
         w = np.zeros((int(good.sum()), C, V1))
-        w[:, C - 1, :] = chain_coef[csrc[good]]
+        w[:, C - 1, :] = chain_coef[csrc[good], :V1]
         cw.append(w)
         cc.append(onehot_cum[dd[good] + 1] - onehot_cum[rr[good]])
-        blocks_r.append(np.zeros_like(w))
+        cl.append(chain_coef[csrc[good], V1:])
+        # the work the other queues take up in the chain's window, against which its transfers run
+        blocks_r.append(relcum[dd[good] + 1] - relcum[rr[good]])
+    n_other = sum(len(b) for b in blocks_w)
     blocks_w += cw
     blocks_c += cc
     work = np.concatenate(blocks_w)
     counts = np.concatenate(blocks_c)
     released = np.concatenate(blocks_r)
+    links = np.concatenate([np.zeros((n_other, C))] + cl)
     # identical windows (the copies of a repeated slot, the chains of a repeated layer) are one constraint
-    flat = work.reshape(len(work), -1)
+    flat = np.concatenate([work.reshape(len(work), -1), links], axis=1)
     nonzero = np.abs(flat).sum(axis=1) > 0
     rng = np.random.default_rng(0)  # a fixed random projection of each window's data: equal rows, equal keys
     sig = counts @ rng.random(T) + np.round(flat, 3) @ rng.random(flat.shape[1])
     _, uniq = np.unique(np.round(sig[nonzero], 6), return_index=True)
     idx = np.nonzero(nonzero)[0][uniq]
     return SlotModel(slots=slots, gpu=gpu_t, period=period, counts=counts[idx], work=work[idx],
-                     released=released[idx], total=total, meta={"template_layers": Lt, "template_groups": Gt, "full_slots": Ne,
+                     released=released[idx], total=total, links=links[idx], meta={"template_layers": Lt, "template_groups": Gt, "full_slots": Ne,
                                         "subslots": nsub, "windows": len(idx)})
 
 
@@ -718,6 +796,7 @@ def window_needs(sm: SlotModel, hw: HardwareProfile) -> tuple[np.ndarray, float]
         eag[:, p, 0] = sm.work[:, a, 0] * (inv_solo + ka)
         eag[:, p, 1] = sm.work[:, a, 0] * inv_solo + sm.released[:, b, 0] * kb
     need = np.concatenate([lin, eag.min(axis=2)], axis=1).max(axis=1)
+    need = np.maximum(need, chain_needs(sm, hw))
     return need, float((terms @ sm.total[:, 0]).max())
 
 

@@ -8,11 +8,21 @@ import pytest
 from helpers import SSD, placement, profile
 
 from planner.api import simulate_config
+from planner.costmodel import CostModel
 from planner.loads import iteration_loads
 from planner.models import get_model
 from planner.placement import Split
 from planner.schedules import build_graph, make_schedule
-from planner.slots import CHANNELS, SLOT_RESOURCES, SlotModel, build_slot_model, solve_slots, template_of
+from planner.slots import (
+    CHANNELS,
+    SLOT_RESOURCES,
+    SlotModel,
+    build_slot_model,
+    chain_needs,
+    solve_slots,
+    template_of,
+    window_needs,
+)
 
 MODEL = "gpt3-1.3b"  # 24 layers: the template keeps a few per run and repeats its middle layer
 CASES = {
@@ -75,7 +85,7 @@ def _toy(counts, need_work, gpu, period) -> SlotModel:
     total = np.zeros((len(CHANNELS), 1))
     return SlotModel(slots=[(0, "F", i, 0) for i in range(len(gpu))], gpu=np.array(gpu, dtype=float),
                      period=np.array(period, dtype=float), counts=counts, work=work, released=np.zeros_like(work),
-                     total=total, meta={})
+                     total=total, links=np.zeros((len(counts), len(CHANNELS))), meta={})
 
 
 def test_lp_finds_the_cheapest_way_to_stretch_the_slots():
@@ -95,3 +105,31 @@ def test_lp_respects_the_throughput_row():
     sm.total[CHANNELS.index("cpu"), 0] = 7.0  # the CPU works 7 s per iteration: no iteration is shorter
     assert solve_slots(sm, profile()).objective_s == pytest.approx(7.0)
 
+
+
+def test_a_chains_transfer_stretches_where_the_other_direction_runs_beside_it():
+    """chain_needs: a 2 s chain holding 1 s (solo) of H2D. With nothing on D2H it needs 2 s; with D2H busy the
+    whole window, the H2D part runs at the duplex rate; in between, the window X solves the fixed point
+    X = 1 + 1 / (1 - k B / X) (D2H busy B of the X seconds)."""
+    hw = profile()
+    r = CostModel(hw).rates
+    k = 1 - r.h2d_duplex / r.h2d
+    assert k > 0.05  # the profile's duplex PCIe really is slower per direction
+    C = len(CHANNELS)
+    b_seconds = [0.0, 100.0, 1.0]
+    work = np.zeros((3, C, 1))
+    work[:, CHANNELS.index("chain"), 0] = 2.0
+    released = np.zeros((3, C, 1))
+    released[:, CHANNELS.index("d2h"), 0] = np.array(b_seconds) * r.d2h  # bytes
+    links = np.zeros((3, C))
+    links[:, CHANNELS.index("h2d")] = 1.0 * r.h2d  # bytes: 1 s at the solo rate
+    sm = SlotModel(slots=[(0, "F", 0, 0)], gpu=np.zeros(1), period=np.ones(1), counts=np.ones((3, 1)), work=work,
+                   released=released, total=np.zeros((C, 1)), links=links, meta={})
+    need = chain_needs(sm, hw)
+    assert need[0] == pytest.approx(2.0)
+    assert need[1] == pytest.approx(1.0 + r.h2d / r.h2d_duplex)
+    x = need[2]
+    assert 2.0 < x < need[1]
+    assert x == pytest.approx(1.0 + 1.0 / (1.0 - k * 1.0 / x), rel=1e-6)
+    # and the LP's window needs take it
+    assert window_needs(sm, hw)[0][2] == pytest.approx(x)
