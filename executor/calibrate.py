@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hwprofiles import HardwareProfile, load_profile, profile_from_dict, save_profile
-from hwprofiles.profile import format_value
-from planner.cli import CliError
+from tierflow.hwprofiles import HardwareProfile, load_profile, profile_from_dict, save_profile
+from tierflow.hwprofiles.profile import format_value
+from tierflow.planner.io.cli import CliError
 
 FALLBACK_BASE = "rtx4090-lohan"
 MIB = 2**20

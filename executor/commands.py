@@ -41,6 +41,6 @@ def register_run(subparsers: Any) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from executor.run import cmd_run  # torch is imported here, when the command runs
+    from tierflow.executor.run import cmd_run  # torch is imported here, when the command runs
 
     return cmd_run(args)

@@ -39,13 +39,13 @@ import torch
 from torch.func import functional_call
 from torch.optim.adamw import adamw as adamw_step
 
-from executor.data import TokenData
-from executor.models import loss as lm_loss
-from executor.state import TrainState
-from executor.store import ChecksumError, SsdStore, host_empty, split_counts
-from planner.graph import TIERS, Task, TaskGraph
-from planner.planfile import Plan
-from planner.simulator import SimResult, summarize
+from tierflow.executor.data import TokenData
+from tierflow.executor.models import loss as lm_loss
+from tierflow.executor.state import TrainState
+from tierflow.executor.store import ChecksumError, SsdStore, host_empty, split_counts
+from tierflow.planner.core.graph import TIERS, Task, TaskGraph
+from tierflow.planner.core.simulator import SimResult, summarize
+from tierflow.planner.io.planfile import Plan
 
 STREAM_RESOURCES = ("gpu", "h2d", "d2h")
 PACK_ALIGN = 256  # bytes: alignment of each saved tensor inside a flattened pack

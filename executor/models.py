@@ -1,4 +1,4 @@
-"""PyTorch model code for the executor, built from a :class:`planner.models.ModelSpec`, one module per block.
+"""PyTorch model code for the executor, built from a :class:`tierflow.planner.core.models.ModelSpec`, one module per block.
 
 The executor runs a model *block by block* (embedding, each decoder layer, head) while it streams the weights
 between GPU memory, CPU memory and NVMe, so the model is not one monolithic ``nn.Module``:
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.models import ModelSpec
+from tierflow.planner.core.models import ModelSpec
 
 LAYERNORM_EPS = 1e-5  # GPT-2 layer_norm_epsilon
 RMSNORM_EPS = 1e-5  # LLaMA-2 / Mistral rms_norm_eps (transformers' LlamaConfig default is 1e-6)
@@ -49,7 +49,7 @@ def check_supported(spec: ModelSpec) -> None:
     """Raise :class:`NotImplementedError` (one line) if the executor cannot build ``spec``."""
 
     def no(what: str) -> NotImplementedError:
-        return NotImplementedError(f"executor.models: model {spec.name!r} (family {spec.family!r}): {what}")
+        return NotImplementedError(f"tierflow.executor.models: model {spec.name!r} (family {spec.family!r}): {what}")
 
     if spec.family not in SUPPORTED_FAMILIES:
         why = _WHY_UNSUPPORTED.get(spec.family, "unknown family")

@@ -21,14 +21,21 @@ from typing import Any
 
 import torch
 
-from executor.data import DataError, TokenData
-from executor.engine import ExecutionError, Executor, Hyper, OutOfMemory, UnsupportedPlan, measured_result
-from executor.models import check_supported
-from executor.state import StateError, TrainState, latest_checkpoint, read_manifest
-from executor.store import ChecksumError, SsdError, SsdStore, check_ssd_dir
-from planner.planfile import Plan, PlanError, load_plan
-from planner.simulator import SimResult
-from planner.workload import COMPUTE_BYTES, model_flops_per_token
+from tierflow.executor.data import DataError, TokenData
+from tierflow.executor.engine import (
+    ExecutionError,
+    Executor,
+    Hyper,
+    OutOfMemory,
+    UnsupportedPlan,
+    measured_result,
+)
+from tierflow.executor.models import check_supported
+from tierflow.executor.state import StateError, TrainState, latest_checkpoint, read_manifest
+from tierflow.executor.store import ChecksumError, SsdError, SsdStore, check_ssd_dir
+from tierflow.planner.core.simulator import SimResult
+from tierflow.planner.core.workload import COMPUTE_BYTES, model_flops_per_token
+from tierflow.planner.io.planfile import Plan, PlanError, load_plan
 
 
 class RunError(ValueError):
@@ -210,7 +217,7 @@ def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtyp
 
 
 def write_run_outputs(measured: SimResult, records: list[StepRecord], out: str, name: str) -> None:
-    from planner.trace import write_outputs
+    from tierflow.planner.core.trace import write_outputs
 
     write_outputs(measured, out, name=name)
     with open(Path(out) / "steps.csv", "w", newline="") as f:

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from executor.models import _make_blocks, check_block_state_dicts, hf_key_target, init_weights
-from executor.store import SsdStore, host_empty, split_counts
-from planner.models import ModelSpec
-from planner.placement import Placement, Split
+from tierflow.executor.models import _make_blocks, check_block_state_dicts, hf_key_target, init_weights
+from tierflow.executor.store import SsdStore, host_empty, split_counts
+from tierflow.planner.core.models import ModelSpec
+from tierflow.planner.core.placement import Placement, Split
 
 CHECKPOINT_FORMAT = "tierflow-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -156,7 +156,7 @@ class TrainState:
     # -- initialisation ----------------------------------------------------------------------------------------
 
     def init_random(self, seed: int) -> None:
-        """GPT-2 style initialisation (executor.models.build_blocks) under `seed`, one block at a time."""
+        """GPT-2 style initialisation (tierflow.executor.models.build_blocks) under `seed`, one block at a time."""
         torch.manual_seed(seed)
         for b, meta in enumerate(_make_blocks(self.spec, "meta", None, None)):
             block = meta.to_empty(device="cpu")

@@ -1,7 +1,7 @@
 """Benchmark: plan GPT-3 175B on the RTX 4090 box (rtx4090-lohan) at batch 64.
 
 Target (issue 3): under 60 s on a 2-core machine, with a progress display. Records the wall time, the chosen plan,
-the placement solver's report, the slot model's prediction (planner.slots) and how far the verified (simulated)
+the placement solver's report, the slot model's prediction (tierflow.planner.search.slots) and how far the verified (simulated)
 iteration is from it in experiments/results/bench_planner.csv. Run: python experiments/bench_planner.py
 """
 
@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from planner.api import resolve
-from planner.loads import iteration_loads
-from planner.search import plan_search
+from tierflow.api import resolve
+from tierflow.planner.search.loads import iteration_loads
+from tierflow.planner.search.plan_search import plan_search
 
 TARGET_S = 60.0
 

@@ -12,9 +12,9 @@ import platform
 import time
 from pathlib import Path
 
-from planner.api import resolve
-from planner.schedules import build_graph, make_schedule
-from planner.simulator import simulate_graph
+from tierflow.api import resolve
+from tierflow.planner.core.schedules import build_graph, make_schedule
+from tierflow.planner.core.simulator import simulate_graph
 
 TARGET_S = 2.0
 

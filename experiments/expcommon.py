@@ -4,7 +4,7 @@ table.
 
 Every experiment script imports this module from its own folder (`python experiments/<script>.py` puts
 experiments/ on sys.path). Nothing here models hardware or schedules: all numbers come from the library
-(planner.api, planner.search, planner.capacity); this file only runs it and formats what it returns.
+(tierflow.api, tierflow.planner.search.plan_search, tierflow.planner.search.capacity); this file only runs it and formats what it returns.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from hwprofiles import HardwareProfile
-from planner.api import simulate_config
-from planner.costmodel import CostModel
-from planner.loads import pcie_time_s
-from planner.models import ModelSpec
-from planner.placement import Placement, Split
-from planner.schedules import ScheduleError, make_schedule
-from planner.simulator import CapacityError, SimResult
+from tierflow.api import simulate_config
+from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.models import ModelSpec
+from tierflow.planner.core.placement import Placement, Split
+from tierflow.planner.core.schedules import ScheduleError, make_schedule
+from tierflow.planner.core.simulator import CapacityError, SimResult
+from tierflow.planner.search.loads import pcie_time_s
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NOTE_THRESHOLD = 0.15  # a headline that differs from the paper by more than this must carry an explanation

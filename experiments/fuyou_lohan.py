@@ -31,7 +31,7 @@ from expcommon import (
     write_csv,
 )
 
-from planner.api import resolve
+from tierflow.api import resolve
 
 HW = "rtx4090-lohan"
 # REFERENCE.md: the 13B experiment uses seq 1024; assumed for 175B too (its 175B sequence length is not given)

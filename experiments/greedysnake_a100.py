@@ -28,7 +28,7 @@ from expcommon import (
     write_csv,
 )
 
-from planner.api import resolve
+from tierflow.api import resolve
 
 HW = "a100-80g-nvme"
 SEQ = 2048

@@ -4,7 +4,7 @@ decisions).
 
 Paper schedules are simulated exactly as in those scripts (the best micro-batch of each; on the RTX 4090 box
 the placement the paper's code uses, on the A100 box the library's default placement). The plan is the best
-verified plan of planner.search.plan_search (which also considers the fixed schedules with default settings,
+verified plan of tierflow.planner.search.plan_search.plan_search (which also considers the fixed schedules with default settings,
 so it is never slower than those). Speedups compare tokens/s (the same tokens per iteration on both sides),
 not TFLOPS: a plan that swaps activations instead of recomputing does fewer hardware FLOPs for the same work.
 Writes experiments/results/own_plans.csv and own_plans.png.
@@ -32,9 +32,9 @@ from expcommon import (
     write_csv,
 )
 
-from planner.api import resolve
-from planner.schedules import ScheduleConfig
-from planner.search import PlanningError, plan_search
+from tierflow.api import resolve
+from tierflow.planner.core.schedules import ScheduleConfig
+from tierflow.planner.search.plan_search import PlanningError, plan_search
 
 # (case label, model, box, batch, seq, {family: system name}, paper placements?)
 CASES = [

@@ -2,7 +2,7 @@
 
 For each case: plan with `plan_search`, and compare the verified (simulated) iteration time with (a) the best
 fixed schedule (horizontal / fuyou / vertical with default settings, best micro-batch) and (b) the planner's own
-prediction of its decisions (the slot model's LP, planner.slots). Writes experiments/results/planner_quality.csv and prints a
+prediction of its decisions (the slot model's LP, tierflow.planner.search.slots). Writes experiments/results/planner_quality.csv and prints a
 table. Run: python experiments/planner_quality.py [--time-limit 30]
 """
 
@@ -14,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from planner.api import resolve
-from planner.loads import iteration_loads
-from planner.search import PlanningError, plan_search
+from tierflow.api import resolve
+from tierflow.planner.search.loads import iteration_loads
+from tierflow.planner.search.plan_search import PlanningError, plan_search
 
 CASES = [
     # (model, hw, batch, seq)

@@ -4,7 +4,7 @@ target throughput.
 Setting: GPT-3 175B, batch 32 x seq 2048, on rtx4090-lohan with one field changed at a time
 (HardwareProfile.with_overrides). Every point is the best of the fixed schedules (horizontal, fuyou, vertical)
 with their default placement (CPU memory filled first, the rest on the SSDs) over micro-batches 2-32
-(planner.search.fixed_baselines; micro-batch 1 is never the fastest here and the slowest to simulate);
+(tierflow.planner.search.plan_search.fixed_baselines; micro-batch 1 is never the fastest here and the slowest to simulate);
 own_plans.py shows what the planner adds on top.
 PCIe 5.0 is hypothetical for an RTX 4090 (the card is PCIe 4.0): we double every PCIe rate (one direction and
 the duplex rates, as REFERENCE.md's ~25 -> ~50 GB/s) and keep everything else, including the SSD array
@@ -34,9 +34,9 @@ from expcommon import (
     write_csv,
 )
 
-from hwprofiles import HardwareProfile, load_profile
-from planner.api import resolve
-from planner.search import fixed_baselines
+from tierflow.api import resolve
+from tierflow.hwprofiles import HardwareProfile, load_profile
+from tierflow.planner.search.plan_search import fixed_baselines
 
 MODEL, BASE_HW, BATCH, SEQ = "gpt3-175b", "rtx4090-lohan", 32, 2048
 YEARS = 3

@@ -1,6 +1,6 @@
 """Hardware profiles for tierflow: GPU, PCIe, CPU memory, NVMe SSDs and prices of one training box.
 
-    >>> from hwprofiles import load_profile
+    >>> from tierflow.hwprofiles import load_profile
     >>> p = load_profile("rtx4090-lohan").with_overrides({"ssd.count": 6})
     >>> p.name
     'rtx4090-lohan[ssd.count=6]'

@@ -1,0 +1,1 @@
+"""The planner: simulator core (``core``), search (``search``) and input/output (``io``). Never imports torch."""

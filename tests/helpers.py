@@ -7,9 +7,9 @@ from functools import cache
 
 from hypothesis import strategies as st
 
-from hwprofiles import load_profile
-from planner.models import get_model
-from planner.placement import Placement, Split
+from tierflow.hwprofiles import load_profile
+from tierflow.planner.core.models import get_model
+from tierflow.planner.core.placement import Placement, Split
 
 CPU = Split(0.0, 1.0, 0.0)
 SSD = Split(0.0, 0.0, 1.0)

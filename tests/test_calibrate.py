@@ -9,9 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor import calibrate as cal  # noqa: E402
-from hwprofiles import load_profile  # noqa: E402
-from planner.cli import main  # noqa: E402
+from tierflow.executor import calibrate as cal  # noqa: E402
+from tierflow.hwprofiles import load_profile  # noqa: E402
+from tierflow.planner.io.cli import main  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
 GPU_KEYS = ["gpu.peak_tflops", "gpu.gemm_efficiency", "gpu.hbm_gbps", "pcie.h2d_gbps", "pcie.duplex_d2h_gbps"]

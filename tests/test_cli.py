@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from planner.cli import main
+from tierflow.planner.io.cli import main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "tierflow.planner.io.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_default_demo_compares_all_schedules_on_175b():

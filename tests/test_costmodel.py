@@ -6,10 +6,16 @@ import math
 
 import pytest
 
-from hwprofiles import load_profile
-from planner.costmodel import CAUSAL_ATTENTION_WORK, CostModel
-from planner.models import get_model
-from planner.workload import Gemm, head_cost, layer_cost, model_flops_per_token, recompute_flops_per_token
+from tierflow.hwprofiles import load_profile
+from tierflow.planner.core.costmodel import CAUSAL_ATTENTION_WORK, CostModel
+from tierflow.planner.core.models import get_model
+from tierflow.planner.core.workload import (
+    Gemm,
+    head_cost,
+    layer_cost,
+    model_flops_per_token,
+    recompute_flops_per_token,
+)
 
 
 @pytest.mark.parametrize("name", ["gpt3-175b", "gpt3-13b", "llama2-70b", "tiny-llama"])

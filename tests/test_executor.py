@@ -18,19 +18,19 @@ import numpy as np
 import pytest
 import torch
 
-from executor.data import DataError, TokenData
-from executor.engine import Executor, Hyper
-from executor.models import BlockModel, build_blocks
-from executor.models import loss as lm_loss
-from executor.run import RunOptions, RunResult, run_plan
-from executor.store import ChecksumError, SsdError, SsdStore, check_ssd_dir
-from hwprofiles import load_profile
-from planner.cli import main
-from planner.compare import compare
-from planner.models import get_model
-from planner.placement import Placement, Split
-from planner.planfile import load_plan, plan_from_graph, write_plan
-from planner.schedules import build_graph, make_schedule
+from tierflow.executor.data import DataError, TokenData
+from tierflow.executor.engine import Executor, Hyper
+from tierflow.executor.models import BlockModel, build_blocks
+from tierflow.executor.models import loss as lm_loss
+from tierflow.executor.run import RunOptions, RunResult, run_plan
+from tierflow.executor.store import ChecksumError, SsdError, SsdStore, check_ssd_dir
+from tierflow.hwprofiles import load_profile
+from tierflow.planner.core.models import get_model
+from tierflow.planner.core.placement import Placement, Split
+from tierflow.planner.core.schedules import build_graph, make_schedule
+from tierflow.planner.io.cli import main
+from tierflow.planner.io.compare import compare
+from tierflow.planner.io.planfile import load_plan, plan_from_graph, write_plan
 
 HW = load_profile("rtx3090-desktop")
 BATCH, MICRO, SEQ, STEPS = 4, 1, 64, 5
@@ -173,7 +173,7 @@ def test_queue_order_is_kept(tmp_path):
 
 
 def _cli_run(args: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "planner.cli", "run", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "tierflow.planner.io.cli", "run", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
 
 

@@ -1,4 +1,4 @@
-"""executor.models: parameter counts equal the spec's, logits equal transformers' for the same weights."""
+"""tierflow.executor.models: parameter counts equal the spec's, logits equal transformers' for the same weights."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from executor.models import (  # noqa: E402
+from tierflow.executor.models import (  # noqa: E402
     LAYERNORM_EPS,
     RMSNORM_EPS,
     ROPE_THETA,
@@ -23,7 +23,7 @@ from executor.models import (  # noqa: E402
     loss,
     param_count,
 )
-from planner.models import get_model  # noqa: E402
+from tierflow.planner.core.models import get_model  # noqa: E402
 
 TINY_GPT = get_model("tiny-gpt")
 TINY_LLAMA = get_model("tiny-llama")

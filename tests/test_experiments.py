@@ -51,7 +51,7 @@ def test_headline_refuses_an_unexplained_difference():
 
 
 def test_utilisation_names_the_binding_resource():
-    from planner.api import resolve
+    from tierflow.api import resolve
 
     model, hw = resolve("gpt3-125m", "rtx4090-lohan")
     model = model.with_seq(512)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import hwprofiles
-from hwprofiles import (
+from tierflow import hwprofiles
+from tierflow.hwprofiles import (
     HardwareProfile,
     ProfileError,
     list_profiles,

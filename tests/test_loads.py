@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from hwprofiles import load_profile
-from planner.api import simulate_config
-from planner.graph import RESOURCES
-from planner.loads import iteration_loads
-from planner.models import get_model
-from planner.schedules import build_graph, make_schedule
+from tierflow.api import simulate_config
+from tierflow.hwprofiles import load_profile
+from tierflow.planner.core.graph import RESOURCES
+from tierflow.planner.core.models import get_model
+from tierflow.planner.core.schedules import build_graph, make_schedule
+from tierflow.planner.search.loads import iteration_loads
 
 
 @pytest.mark.parametrize(

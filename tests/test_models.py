@@ -1,4 +1,4 @@
-"""Tests for planner.models: exact parameter counts against transformers (built on the meta device),
+"""Tests for tierflow.planner.core.models: exact parameter counts against transformers (built on the meta device),
 config.json reading for every supported kind, and one-line errors."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.models import (
+from tierflow.planner.core.models import (
     MODELS,
     SUPPORTED_HF_KINDS,
     ModelError,
@@ -42,7 +42,7 @@ EXPECTED_TOTALS = {
 }
 
 _GPT3 = {"n_positions": 2048, "vocab_size": 50257}
-# The Hugging Face equivalent of every zoo model, written out independently of planner.models.
+# The Hugging Face equivalent of every zoo model, written out independently of tierflow.planner.core.models.
 ZOO_HF = {
     "gpt3-125m": ("gpt2", dict(n_embd=768, n_layer=12, n_head=12, **_GPT3)),
     "gpt3-350m": ("gpt2", dict(n_embd=1024, n_layer=24, n_head=16, **_GPT3)),
@@ -555,7 +555,7 @@ def test_matmul_params_exclude_biases_and_norms():
 
 def test_models_module_does_not_import_torch():
     code = (
-        "import sys, planner.models\n"
+        "import sys, tierflow.planner.core.models\n"
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

@@ -1,4 +1,4 @@
-"""Tests for planner.planfile: plan files round-trip exactly (same tasks, same queues, same simulated time), every
+"""Tests for tierflow.planner.io.planfile: plan files round-trip exactly (same tasks, same queues, same simulated time), every
 invalid plan is refused with a one-line PlanError naming the file, the key or op and the problem, writes are
 atomic, and the example in docs/plan-format.md is a valid plan."""
 
@@ -14,12 +14,13 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-from hwprofiles import load_profile
-from planner.api import simulate_config
-from planner.graph import LINKS, RESOURCES
-from planner.models import get_model
-from planner.placement import Placement, Split
-from planner.planfile import (
+from tierflow.api import simulate_config
+from tierflow.hwprofiles import load_profile
+from tierflow.planner.core.graph import LINKS, RESOURCES
+from tierflow.planner.core.models import get_model
+from tierflow.planner.core.placement import Placement, Split
+from tierflow.planner.core.schedules import FAMILIES, build_graph, make_schedule
+from tierflow.planner.io.planfile import (
     PLAN_FORMAT,
     PLAN_VERSION,
     Plan,
@@ -31,7 +32,6 @@ from planner.planfile import (
     validate_plan_dict,
     write_plan,
 )
-from planner.schedules import FAMILIES, build_graph, make_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = "plan.json"

@@ -8,14 +8,14 @@ from dataclasses import replace
 
 import pytest
 
-from hwprofiles import load_profile
-from planner.api import simulate_config
-from planner.capacity import fits, largest, shape
-from planner.cli import main
-from planner.loads import iteration_loads
-from planner.models import get_model
-from planner.schedules import make_schedule
-from planner.search import (
+from tierflow.api import simulate_config
+from tierflow.hwprofiles import load_profile
+from tierflow.planner.core.models import get_model
+from tierflow.planner.core.schedules import make_schedule
+from tierflow.planner.io.cli import main
+from tierflow.planner.search.capacity import fits, largest, shape
+from tierflow.planner.search.loads import iteration_loads
+from tierflow.planner.search.plan_search import (
     VARS,
     Candidate,
     PlanningError,
@@ -64,7 +64,7 @@ def test_cp_sat_finds_the_optimum_and_respects_memory():
     assert s.report.best_bound_s <= s.report.objective_s * (1 + 1e-9)
     assert set(s.x) == set(VARS) and all(0 <= v <= 1 for v in s.x.values())
     # the objective is the roofline bound of the decisions (within integer rounding)
-    from planner.loads import IterationLoads
+    from tierflow.planner.search.loads import IterationLoads
 
     predicted = IterationLoads(work=lin.work(s.x, s.n), static_bytes={}).predict_s(hw)
     assert s.report.objective_s == pytest.approx(predicted, rel=1e-3)
@@ -77,7 +77,7 @@ def test_every_evaluated_candidate_is_verified_by_the_simulator():
     hw = small_box()
     ev = evaluate(MODEL, hw, 8, SEQ, Candidate(2, 4, 0.25), time_limit_s=5)
     assert ev.result is not None, ev.error
-    from planner.loads import iteration_loads
+    from tierflow.planner.search.loads import iteration_loads
 
     assert ev.verified_s >= iteration_loads(MODEL, hw, ev.config).bound_s(hw) * (1 - 1e-9)  # never beats the roofline
     peak, cap = ev.result.peak_bytes, ev.result.graph.capacity_bytes

@@ -1,6 +1,6 @@
-"""Tests for planner.schedules (and the task graph it builds): family defaults, bad requests, the order of the
+"""Tests for tierflow.planner.core.schedules (and the task graph it builds): family defaults, bad requests, the order of the
 GPU steps, the task graph's structure, and the bytes every link moves per iteration, checked against closed forms
-derived from planner.workload (never against recorded simulator outputs)."""
+derived from tierflow.planner.core.workload (never against recorded simulator outputs)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from helpers import CPU, GPU, SSD, placement, profile, small_models, splits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.api import simulate
-from planner.graph import LINKS, RESOURCES, TIER_INDEX
-from planner.models import get_model
-from planner.placement import Placement, Split
-from planner.schedules import (
+from tierflow.api import simulate
+from tierflow.planner.core.graph import LINKS, RESOURCES, TIER_INDEX
+from tierflow.planner.core.models import get_model
+from tierflow.planner.core.placement import Placement, Split
+from tierflow.planner.core.schedules import (
     FAMILIES,
     ScheduleConfig,
     ScheduleError,
@@ -23,7 +23,7 @@ from planner.schedules import (
     make_schedule,
     step_sequence,
 )
-from planner.workload import (
+from tierflow.planner.core.workload import (
     ADAM_STATE_BYTES,
     COMPUTE_BYTES,
     GRAD_ACCUM_BYTES,

@@ -1,4 +1,4 @@
-"""Tests for planner.simulator and planner.api.simulate: invariants every simulated timeline must satisfy (property
+"""Tests for tierflow.planner.core.simulator and tierflow.api.simulate: invariants every simulated timeline must satisfy (property
 tests over random small configurations), the discrete-event engine on hand-built graphs with closed-form
 answers, capacity errors, the public result, and regressions of four bugs these tests found (each with its
 reproducer)."""
@@ -14,14 +14,14 @@ from helpers import CPU, GPU, SSD, placement, profile, small_models, splits
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from planner.api import simulate
-from planner.costmodel import CostModel
-from planner.graph import LINK_NAMES, LINKS, TIERS, Task, TaskGraph
-from planner.models import get_model
-from planner.placement import Placement, Split
-from planner.schedules import FAMILIES, ScheduleError
-from planner.simulator import CapacityError, SimulationError, simulate_graph
-from planner.workload import (
+from tierflow.api import simulate
+from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.graph import LINK_NAMES, LINKS, TIERS, Task, TaskGraph
+from tierflow.planner.core.models import get_model
+from tierflow.planner.core.placement import Placement, Split
+from tierflow.planner.core.schedules import FAMILIES, ScheduleError
+from tierflow.planner.core.simulator import CapacityError, SimulationError, simulate_graph
+from tierflow.planner.core.workload import (
     ADAM_STATE_BYTES,
     COMPUTE_BYTES,
     MASTER_BYTES,

@@ -1,4 +1,4 @@
-"""The slot model (planner.slots): its template expands back to exactly the full iteration's work, its LP is
+"""The slot model (tierflow.planner.search.slots): its template expands back to exactly the full iteration's work, its LP is
 solved to the optimum, and its prediction sits between the roofline bound and the simulated time."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from helpers import SSD, placement, profile
 
-from planner.api import simulate_config
-from planner.costmodel import CostModel
-from planner.loads import iteration_loads
-from planner.models import get_model
-from planner.placement import Split
-from planner.schedules import build_graph, make_schedule
-from planner.slots import (
+from tierflow.api import simulate_config
+from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.models import get_model
+from tierflow.planner.core.placement import Split
+from tierflow.planner.core.schedules import build_graph, make_schedule
+from tierflow.planner.search.loads import iteration_loads
+from tierflow.planner.search.slots import (
     CHANNELS,
     SLOT_RESOURCES,
     SlotModel,

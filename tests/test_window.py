@@ -1,4 +1,4 @@
-"""Tests for planner.window: the CP-SAT window solver. Real windows (2 layers, one iteration) are checked for
+"""Tests for tierflow.planner.search.window: the CP-SAT window solver. Real windows (2 layers, one iteration) are checked for
 feasibility by replaying the solver's start times independently (dependencies, one task per resource, exact
 bytes against the capacities); toy graphs whose optimum is known by hand check the model itself."""
 
@@ -10,12 +10,12 @@ from functools import cache
 
 import pytest
 
-from hwprofiles import load_profile
-from planner.graph import RESOURCES, TIERS, Task, TaskGraph
-from planner.models import get_model
-from planner.schedules import build_graph, make_schedule
-from planner.simulator import simulate_graph
-from planner.window import (
+from tierflow.hwprofiles import load_profile
+from tierflow.planner.core.graph import RESOURCES, TIERS, Task, TaskGraph
+from tierflow.planner.core.models import get_model
+from tierflow.planner.core.schedules import build_graph, make_schedule
+from tierflow.planner.core.simulator import simulate_graph
+from tierflow.planner.search.window import (
     TARGET_UNITS,
     WindowResult,
     duration_units,

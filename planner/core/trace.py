@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from planner.graph import RESOURCES, TIERS
-from planner.simulator import SimResult
+from tierflow.planner.core.graph import RESOURCES, TIERS
+from tierflow.planner.core.simulator import SimResult
 
 KIND_COLORS = {
     "fwd": "#4C72B0", "recompute": "#8172B2", "bwd": "#55A868", "head": "#C44E52", "adam": "#DD8452",

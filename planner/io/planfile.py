@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hwprofiles import HardwareProfile, ProfileError, profile_from_dict
-from planner.api import simulate_config
-from planner.graph import LINKS, RESOURCES, TIER_INDEX, TIERS, Task, TaskGraph
-from planner.models import ModelError, ModelSpec
-from planner.placement import Placement, PlacementError
-from planner.schedules import FAMILIES, ScheduleConfig
-from planner.simulator import SimResult
+from tierflow.hwprofiles import HardwareProfile, ProfileError, profile_from_dict
+from tierflow.planner.core.graph import LINKS, RESOURCES, TIER_INDEX, TIERS, Task, TaskGraph
+from tierflow.planner.core.models import ModelError, ModelSpec
+from tierflow.planner.core.placement import Placement, PlacementError
+from tierflow.planner.core.schedules import FAMILIES, ScheduleConfig
+from tierflow.planner.core.simulate import simulate_config
+from tierflow.planner.core.simulator import SimResult
 
 PLAN_FORMAT = "tierflow-plan"
 PLAN_VERSION = 1
@@ -619,8 +619,8 @@ def _reject_constant(name: str) -> float:
 
 
 def simulate_plan(plan: Plan) -> SimResult:
-    """Play the plan's graph on the plan's hardware (planner.simulator); tokens and FLOPs filled in as
-    planner.api.simulate_config does."""
+    """Play the plan's graph on the plan's hardware (tierflow.planner.core.simulator); tokens and FLOPs filled in as
+    tierflow.planner.core.simulate.simulate_config does."""
     return simulate_config(plan.model, plan.hardware, plan.config, plan.graph)
 
 

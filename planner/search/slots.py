@@ -1,6 +1,6 @@
 """The slot model: the planner's prediction of one steady-state iteration of a fully decided plan.
 
-The roofline and phase bounds of planner.loads are exact about *how much* each resource works but not about
+The roofline and phase bounds of tierflow.planner.search.loads are exact about *how much* each resource works but not about
 *when*: a transfer that must be done before a given layer computes cannot hide behind another phase's compute, a tensor
 parked on the CPU cannot be fetched back before it has been offloaded, and each queue runs its tasks in the
 schedule's order. The slot model keeps that timing at the granularity of the GPU's weight uses (one block's
@@ -44,11 +44,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from hwprofiles import HardwareProfile
-from planner.costmodel import CostModel
-from planner.graph import RESOURCES
-from planner.models import ModelSpec
-from planner.schedules import ScheduleConfig, build_graph, static_bytes, step_sequence
+from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.graph import RESOURCES
+from tierflow.planner.core.models import ModelSpec
+from tierflow.planner.core.schedules import ScheduleConfig, build_graph, static_bytes, step_sequence
 
 SLOT_RESOURCES = ("h2d", "d2h", "ssd_read", "ssd_write", "cpu")
 CHANNELS = SLOT_RESOURCES + ("chain",)  # work channels of a window; "chain": seconds of one serial chain
@@ -241,7 +241,7 @@ def _memory_edges(model: ModelSpec, mt: ModelSpec, hw: HardwareProfile, ct: Sche
     """Which task waits for which to free memory: the template (at ct's placement) replayed by the simulator
     with each tier's capacity less the full model's resident tensors beyond the template's, so its buffers
     compete for the same headroom as the full model's. Returns (freeing task, waiting task) signatures."""
-    from planner.simulator import SimulationError, simulate_graph
+    from tierflow.planner.core.simulator import SimulationError, simulate_graph
 
     g = build_graph(mt, hw, ct)
     full = static_bytes(model, ct.placement)

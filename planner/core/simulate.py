@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from hwprofiles import HardwareProfile, load_profile
-from planner.graph import TaskGraph
-from planner.models import ModelSpec, get_model
-from planner.schedules import FAMILIES, ScheduleConfig, build_graph, make_schedule
-from planner.simulator import SimResult, simulate_graph
-from planner.workload import model_flops_per_token, recompute_flops_per_token
+from tierflow.hwprofiles import HardwareProfile, load_profile
+from tierflow.planner.core.graph import TaskGraph
+from tierflow.planner.core.models import ModelSpec, get_model
+from tierflow.planner.core.schedules import FAMILIES, ScheduleConfig, build_graph, make_schedule
+from tierflow.planner.core.simulator import SimResult, simulate_graph
+from tierflow.planner.core.workload import model_flops_per_token, recompute_flops_per_token
 
 DEFAULT_FAMILIES = ("horizontal", "fuyou", "vertical")
 
@@ -38,7 +38,7 @@ def simulate(model: ModelSpec | str = "gpt3-175b", hw: HardwareProfile | str = "
              schedule: str = "vertical", *, batch: int = 64, micro_batch: int = 4, seq: int | None = None,
              iterations: int = 3, **options) -> SimResult:
     """Simulate one schedule family with its defaults (options: placement, group, alpha, prefetch_depth,
-    recompute, swap_layers). Returns the steady-state result (planner.simulator: the iteration before the last)."""
+    recompute, swap_layers). Returns the steady-state result (tierflow.planner.core.simulator: the iteration before the last)."""
     m, h = resolve(model, hw)
     cfg = make_schedule(schedule, m, h, batch=batch, micro_batch=micro_batch, seq=seq, iterations=iterations,
                         **options)

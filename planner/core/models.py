@@ -11,7 +11,7 @@ Models come from two places:
 * a Hugging Face ``config.json`` (or a directory holding one) read by :func:`from_hf_config`, for the
   ``model_type`` kinds in :data:`SUPPORTED_HF_KINDS`.
 
-    >>> from planner.models import get_model
+    >>> from tierflow.planner.core.models import get_model
     >>> get_model("gpt3-175b").describe()
     'gpt3-175b: 96 layers x 12288 (96 heads), 174.6B params, seq 2048'
 

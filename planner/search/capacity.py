@@ -2,7 +2,7 @@
 
 A model "fits" when the most memory-frugal plan fits every tier: vertical schedule, micro-batch 1, no deferred
 optimizer step, weights / optimizer states / checkpoints on the SSD array when there is one (else in CPU
-memory). The answer is checked by simulating that plan for the winning model (planner.search.min_requirements
+memory). The answer is checked by simulating that plan for the winning model (tierflow.planner.search.plan_search.min_requirements
 is the closed form; the simulator is the judge).
 """
 
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hwprofiles import HardwareProfile
-from planner.api import simulate_config
-from planner.models import ModelSpec, get_model
-from planner.placement import Placement, Split
-from planner.schedules import make_schedule
-from planner.search import min_requirements
-from planner.simulator import CapacityError, SimResult
+from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.models import ModelSpec, get_model
+from tierflow.planner.core.placement import Placement, Split
+from tierflow.planner.core.schedules import make_schedule
+from tierflow.planner.core.simulate import simulate_config
+from tierflow.planner.core.simulator import CapacityError, SimResult
+from tierflow.planner.search.plan_search import min_requirements
 
 # family name -> (template model, widths to try as (hidden, heads), ffn multiplier or None for the template's)
 FAMILIES = {

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hwprofiles import HardwareProfile
-from planner.costmodel import CostModel
-from planner.graph import LINK_NAMES, RESOURCES, TIERS, TaskGraph, gc_paused
+from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.graph import LINK_NAMES, RESOURCES, TIERS, TaskGraph, gc_paused
 
 _EPS_BYTES = 1.0
 

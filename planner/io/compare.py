@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.planfile import Plan, PlanError, simulate_plan
-from planner.simulator import SimResult
+from tierflow.planner.core.simulator import SimResult
+from tierflow.planner.io.planfile import Plan, PlanError, simulate_plan
 
 
 class TraceError(ValueError):
@@ -135,8 +135,8 @@ def plot_comparison(c: Comparison, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from planner.graph import RESOURCES
-    from planner.trace import _color
+    from tierflow.planner.core.graph import RESOURCES
+    from tierflow.planner.core.trace import _color
 
     fig, axes = plt.subplots(2, 1, figsize=(13, 6.5))
     tasks = c.predicted.graph.tasks

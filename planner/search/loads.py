@@ -11,11 +11,11 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from hwprofiles import HardwareProfile
-from planner.costmodel import CostModel
-from planner.graph import RESOURCES
-from planner.models import ModelSpec
-from planner.schedules import ScheduleConfig, build_graph, static_bytes, step_sequence
+from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.graph import RESOURCES
+from tierflow.planner.core.models import ModelSpec
+from tierflow.planner.core.schedules import ScheduleConfig, build_graph, static_bytes, step_sequence
 
 LINK_RESOURCES = ("h2d", "d2h", "ssd_read", "ssd_write")
 

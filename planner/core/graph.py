@@ -1,5 +1,5 @@
 """The task graph: every compute, transfer and optimizer step of a training run, with its resource, amount of
-work, memory effects and data dependencies. Schedules build it (planner.schedules); the simulator plays it.
+work, memory effects and data dependencies. Schedules build it (tierflow.planner.core.schedules); the simulator plays it.
 
 Tasks are stored as a flat list for speed; `TaskGraph.to_networkx()` gives the same graph as a
 `networkx.DiGraph` (one node per task id, attributes = the task's fields, edges = dependencies).
@@ -11,8 +11,10 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import networkx as nx
+if TYPE_CHECKING:  # networkx is imported only by to_networkx(): ~0.2 s of every command's start-up
+    import networkx as nx
 
 RESOURCES = ("gpu", "h2d", "d2h", "ssd_read", "ssd_write", "cpu")
 LINKS = ("h2d", "d2h", "ssd_read", "ssd_write")
@@ -73,6 +75,8 @@ class TaskGraph:
         return order
 
     def to_networkx(self) -> nx.DiGraph:
+        import networkx as nx
+
         g = nx.DiGraph()
         for t in self.tasks:
             g.add_node(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner.models import ModelSpec
+from tierflow.planner.core.models import ModelSpec
 
 COMPUTE_BYTES = 2  # bf16/fp16 weights, activations and gradients on the GPU
 MASTER_BYTES = 4  # fp32 master copy of the weights

@@ -12,12 +12,13 @@ from functools import partial
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from hwprofiles import HardwareProfile, ProfileError, list_profiles, load_profile
-from planner.api import DEFAULT_FAMILIES, simulate_config
-from planner.models import ModelError, get_model, list_models
-from planner.placement import Placement, PlacementError
-from planner.schedules import FAMILIES, ScheduleError, make_schedule
-from planner.simulator import CapacityError, SimResult, SimulationError
+from tierflow import __version__
+from tierflow.hwprofiles import HardwareProfile, ProfileError, list_profiles, load_profile
+from tierflow.planner.core.models import ModelError, get_model, list_models
+from tierflow.planner.core.placement import Placement, PlacementError
+from tierflow.planner.core.schedules import FAMILIES, ScheduleError, make_schedule
+from tierflow.planner.core.simulate import DEFAULT_FAMILIES, simulate_config
+from tierflow.planner.core.simulator import CapacityError, SimResult, SimulationError
 
 USER_ERRORS = (ModelError, ProfileError, ScheduleError, PlacementError, SimulationError, ValueError, OSError)
 # PlanError and PlanningError are ValueErrors: one line, exit code 2
@@ -155,7 +156,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         prog.step(fam)
     prog.done()
     if args.write_plan:
-        from planner.planfile import plan_from_graph, write_plan
+        from tierflow.planner.io.planfile import plan_from_graph, write_plan
 
         fam = families[0]
         r = results[fam]
@@ -164,7 +165,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for fam, r in results.items():
             if isinstance(r, SimResult):
                 d = Path(args.out) / fam if len(families) > 1 else Path(args.out)
-                from planner.trace import write_outputs
+                from tierflow.planner.core.trace import write_outputs
 
                 write_outputs(r, d, name=f"{model.name} on {hw.name}: {fam}")
     if args.json:
@@ -207,13 +208,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def simulate_plan_file(args: argparse.Namespace) -> int:
-    from planner.planfile import load_plan, simulate_plan
+    from tierflow.planner.io.planfile import load_plan, simulate_plan
 
     plan = load_plan(args.plan)
     res = simulate_plan(plan)
     name = f"{plan.model.name} on {plan.hardware.name}: plan {Path(args.plan).name}"
     if args.out:
-        from planner.trace import write_outputs
+        from tierflow.planner.core.trace import write_outputs
 
         write_outputs(res, args.out, name=name)
     if args.json:
@@ -233,9 +234,9 @@ def simulate_plan_file(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from planner.planfile import plan_from_graph, write_plan
-    from planner.schedules import build_graph
-    from planner.search import explain, plan_search
+    from tierflow.planner.core.schedules import build_graph
+    from tierflow.planner.io.planfile import plan_from_graph, write_plan
+    from tierflow.planner.search.plan_search import explain, plan_search
 
     model = get_model(args.model)
     if args.seq:
@@ -260,7 +261,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if best.prediction:
         solver["prediction"] = best.prediction.to_dict()
     if not args.no_window:
-        from planner.search import window_check
+        from tierflow.planner.search.plan_search import window_check
 
         solver.update(window_check(model, hw, cfg, time_limit_s=min(10.0, max(1.0, args.time_limit / 10))))
     if args.out:
@@ -320,8 +321,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    from planner.capacity import FAMILIES as CAP_FAMILIES
-    from planner.capacity import largest
+    from tierflow.planner.search.capacity import FAMILIES as CAP_FAMILIES
+    from tierflow.planner.search.capacity import largest
 
     hw = load_hw(args.hw, args.set)
     seq = args.seq or 2048
@@ -337,7 +338,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     prog.done()
     checks = []
     for name in args.model or []:
-        from planner.capacity import fits
+        from tierflow.planner.search.capacity import fits
 
         m = get_model(name).with_seq(min(seq, get_model(name).max_positions or seq))
         checks.append((name, {s: fits(m, hw, args.batch, seq, s) for s in (True, False)}))
@@ -379,8 +380,8 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from planner.compare import compare, format_comparison, plot_comparison
-    from planner.planfile import load_plan
+    from tierflow.planner.io.compare import compare, format_comparison, plot_comparison
+    from tierflow.planner.io.planfile import load_plan
 
     c = compare(load_plan(args.plan), args.trace)
     if args.plot:
@@ -405,6 +406,7 @@ def add_box_args(p: argparse.ArgumentParser, model: bool = True) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierflow", description="Plan, simulate and run training of models larger than "
                                 "GPU memory over GPU memory, CPU memory and NVMe SSDs.")
+    p.add_argument("--version", action="version", version=f"tierflow {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     s = sub.add_parser("simulate", help="simulate schedules of a model on a box and report throughput",
                        description="Simulate training iterations and report the steady state. With no arguments: "

@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hwprofiles import HardwareProfile
-from planner.costmodel import CostModel
-from planner.graph import GraphBuilder, Task, TaskGraph, gc_paused
-from planner.models import ModelSpec
-from planner.placement import Placement, Split, fill_split
-from planner.workload import (
+from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused
+from tierflow.planner.core.models import ModelSpec
+from tierflow.planner.core.placement import Placement, Split, fill_split
+from tierflow.planner.core.workload import (
     ADAM_STATE_BYTES,
     COMPUTE_BYTES,
     GRAD_ACCUM_BYTES,

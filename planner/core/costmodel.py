@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hwprofiles import HardwareProfile
-from planner.workload import BlockCost, Gemm
+from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.workload import BlockCost, Gemm
 
 CAUSAL_ATTENTION_WORK = 0.5  # a causal flash-attention kernel skips the masked half of the score matrix
 GPU_ADAM_BYTES_PER_PARAM = 36  # GPU Adam reads grad, master, m, v (16 B) and writes master, m, v, bf16 weight (14 B) + grad zeroing

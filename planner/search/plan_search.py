@@ -7,12 +7,12 @@ Three layers (see README, "Planner"):
    GPU / CPU / SSD) and the number of layers that swap their activations instead of recomputing, minimising the
    busiest resource's time under the memory capacity of every tier. Its coefficients are exact: the bytes each
    link carries per unit of each fraction are measured on the schedule builder's own task graphs
-   (planner.loads), so the solver and the simulator cannot disagree about traffic;
+   (tierflow.planner.search.loads), so the solver and the simulator cannot disagree about traffic;
 3. the best answers are expanded to full iterations and verified by the discrete-event simulator; a plan is
    never returned without that verification. A verification that overflows a tier tightens that tier in the
    CP-SAT model and solves again. Candidates whose CP-SAT objective, and fixed schedules whose slot-model
    prediction, exceed the best verified time by more than PRUNE_TOLERANCE are not simulated;
-4. the chosen plan's iteration is predicted by the slot model (planner.slots), which knows when each transfer
+4. the chosen plan's iteration is predicted by the slot model (tierflow.planner.search.slots), which knows when each transfer
    may run, not only how much each resource works.
 """
 
@@ -26,16 +26,16 @@ from functools import lru_cache
 
 from ortools.sat.python import cp_model
 
-from hwprofiles import HardwareProfile
-from planner.api import simulate_config
-from planner.costmodel import CostModel
-from planner.loads import IterationLoads, iteration_loads
-from planner.models import ModelSpec
-from planner.placement import Placement, Split
-from planner.schedules import ScheduleConfig, blocks_of, build_graph, make_schedule
-from planner.simulator import CapacityError, SimResult, simulate_graph
-from planner.slots import SlotModelError, SolverReport, predict_config
-from planner.workload import ADAM_STATE_BYTES, COMPUTE_BYTES, GRAD_ACCUM_BYTES, MASTER_BYTES
+from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.models import ModelSpec
+from tierflow.planner.core.placement import Placement, Split
+from tierflow.planner.core.schedules import ScheduleConfig, blocks_of, build_graph, make_schedule
+from tierflow.planner.core.simulate import simulate_config
+from tierflow.planner.core.simulator import CapacityError, SimResult, simulate_graph
+from tierflow.planner.core.workload import ADAM_STATE_BYTES, COMPUTE_BYTES, GRAD_ACCUM_BYTES, MASTER_BYTES
+from tierflow.planner.search.loads import IterationLoads, iteration_loads
+from tierflow.planner.search.slots import SlotModelError, SolverReport, predict_config
 
 Q = 100  # placement fractions are decided in steps of 1/Q
 VARS = ("w_gpu", "w_ssd", "s_ssd", "c_gpu", "c_ssd")
@@ -86,7 +86,7 @@ class Evaluated:
     result: SimResult | None = None
     error: str = ""
     # the prediction for the decisions: the placement model's (IterationLoads.predict_s), replaced by the slot
-    # model's (planner.slots) for the chosen plan
+    # model's (tierflow.planner.search.slots) for the chosen plan
     predicted_s: float = math.inf
     binding: str = ""
     prediction: SolverReport | None = None  # the slot model's CP-SAT solve behind predicted_s
@@ -235,7 +235,7 @@ def solve_placement(lin: LinearLoads, mem: MemoryModel, hw: HardwareProfile, *, 
         """Linear time expressions whose max is a resource-bound on the time of the work keyed `suffix`."""
         terms = [expr("gpu" + suffix, 1.0), expr("cpu" + suffix, 1.0), expr("h2d" + suffix, rates.h2d),
                  expr("d2h" + suffix, rates.d2h)]
-        # both PCIe directions: h/H + d/D + c min(h/Hd, d/Dd) (planner.loads.pcie_time_s): a max of two terms
+        # both PCIe directions: h/H + d/D + c min(h/Hd, d/Dd) (tierflow.planner.search.loads.pcie_time_s): a max of two terms
         both = expr("h2d" + suffix, rates.h2d) + expr("d2h" + suffix, rates.d2h)
         c = 1.0 - rates.h2d_duplex / rates.h2d - rates.d2h_duplex / rates.d2h
         if c < 0:
@@ -475,7 +475,7 @@ def fixed_baselines(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int,
                     only_best: bool = False) -> dict[str, tuple[ScheduleConfig, SimResult]]:
     """The best of each fixed schedule (horizontal, fuyou, vertical) with its default settings over the
     micro-batches that fit, keyed 'family mb=b'. `only_best`: only the fastest of them all, found by simulating
-    them in the order of the slot model's prediction (planner.slots) and skipping those predicted slower than
+    them in the order of the slot model's prediction (tierflow.planner.search.slots) and skipping those predicted slower than
     the best simulated one by more than PRUNE_TOLERANCE."""
     cfgs = []
     for family in ("horizontal", "fuyou", "vertical"):
@@ -508,7 +508,7 @@ def window_check(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, tim
     """Solve the exact CP-SAT window model (every task an interval, NoOverlap per resource, a reservoir per memory
     tier; warm-started from the schedule's own order) on a `layers`-layer, one-iteration window of the chosen
     plan. Reports how far the builder's order is from the best order CP-SAT finds and proves for that window."""
-    from planner.window import solve_window
+    from tierflow.planner.search.window import solve_window
 
     small = replace(model, num_layers=min(layers, model.num_layers))
     swap = min(cfg.swap_layers, small.num_layers)

@@ -55,10 +55,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from ortools.sat.python import cp_model
 
-from hwprofiles import HardwareProfile
-from planner.costmodel import CostModel
-from planner.graph import LINKS, RESOURCES, TIERS, TaskGraph
-from planner.simulator import SimulationError, simulate_graph
+from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.graph import LINKS, RESOURCES, TIERS, TaskGraph
+from tierflow.planner.core.simulator import SimulationError, simulate_graph
 
 TARGET_UNITS = 2e5  # the greedy makespan in time units when no time unit is given
 MEM_UNIT_BYTES = 1e6  # default memory unit: 1 MB
