@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.clock import Clock, Offset
 from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused
 from tierflow.planner.core.models import ModelSpec
@@ -273,12 +274,12 @@ class _Builder:
         if s.off > 0:
             g.alloc(producer, "gpu", s.off)
             s.d2h = g.add("offload_" + tensor, "d2h", s.off, tensor=tensor, block=block, mb=mb, iteration=it,
-                          key=producer.key + 0.5, deps=[producer.id])
+                          key=producer.key + Offset.OFFLOAD, deps=[producer.id])
             g.alloc(s.d2h, "cpu", s.off)
             g.free(s.d2h, "gpu", s.off)
         if s.to_ssd > 0:
             s.write = g.add("write_" + tensor, "ssd_write", s.to_ssd, tensor=tensor, block=block, mb=mb, iteration=it,
-                            key=producer.key + 0.6, deps=[s.d2h.id])
+                            key=producer.key + Offset.WRITE_OFFLOADED, deps=[s.d2h.id])
             g.alloc(s.write, "ssd", s.to_ssd)
             g.free(s.write, "cpu", s.to_ssd)
         return s
@@ -321,7 +322,9 @@ class _Builder:
             ready += self.weights_ready.get(0, [])
 
         def first_key(j: int) -> float:
-            return self.step_key[self.uses[j].first_step] - 0.25 if j >= 0 else self.step_key[use.first_step] - 1.0 - (u - j)
+            if j >= 0:
+                return self.step_key[self.uses[j].first_step] + Offset.WEIGHT_FETCH
+            return self.step_key[use.first_step] + Offset.WEIGHT_FETCH_AHEAD * (1 + u - j)
 
         def last_task(j: int) -> int:
             return self.uses[j].last_task if j >= 0 else -1
@@ -329,7 +332,7 @@ class _Builder:
         floor = -math.inf
         if ready:
             # waiting for last iteration's optimizer: never queue ahead of that iteration's own transfers
-            floor = self.step_key[it * self.S] - 0.5
+            floor = self.clock.step(it, 0) + Offset.OPTIMIZER_FLOOR
         read = None
         to_ssd = blk.weight_bytes * w.ssd
         if to_ssd > 0:
@@ -351,6 +354,7 @@ class _Builder:
         M = cfg.num_micro_batches
         seq_steps = step_sequence(self.nb, M, cfg.group)
         S = self.S = len(seq_steps)
+        self.clock = Clock(S)
         for it in range(cfg.iterations):
             base = len(self.step_task)
             # weight uses of this iteration
@@ -361,7 +365,7 @@ class _Builder:
                     self.uses.append(_Use(st.block, st.phase, k))
                 self.uses[-1].steps.append(k)
                 st.use = len(self.uses) - 1
-            self.step_key.extend(float(it * (S + 10) + i) for i in range(S))
+            self.step_key.extend(self.clock.steps(it))
             self.build_iteration(it, base, seq_steps)
         static = static_bytes(self.model, self.p)
         cap = {"gpu": float(self.hw.gpu.capacity_bytes), "cpu": float(self.hw.cpu.capacity_bytes),
@@ -441,7 +445,7 @@ class _Builder:
                 first = None
                 if b >= 1 and self.rec(b):
                     first = g.add("recompute", "gpu", self.t_fwd[b], tensor="activations", block=b, mb=m,
-                                  iteration=it, key=key - 0.01, deps=deps)
+                                  iteration=it, key=key + Offset.RECOMPUTE, deps=deps)
                     g.alloc(first, "gpu", blk.bwd_working_bytes)
                 t = g.add("bwd", "gpu", self.t_bwd[b], tensor="activations", block=b, mb=m, iteration=it,
                           key=key, deps=[first.id] if first else deps)
@@ -506,7 +510,7 @@ class _Builder:
         if p.grads.gpu == 1.0 and k != self.cur_last_step[b]:
             return
         d2h = g.add("offload_grads", "d2h", GRAD_WIRE_BYTES * blk.fetch_params, tensor="grads", block=b, mb=-1,
-                    iteration=it, key=t.key + 0.5, deps=[t.id])
+                    iteration=it, key=t.key + Offset.OFFLOAD, deps=[t.id])
         g.free(d2h, "gpu", grad_gpu_bytes)
         if b not in host_grad_alloc:
             host_grad_alloc.add(b)
@@ -525,7 +529,7 @@ class _Builder:
             blk = self.blocks[b]
             k_last = last_step_of_block[b]
             # with a barrier the whole optimizer phase comes after the last backward step on every resource
-            key = self.step_key[k_last] if cfg.optimizer_overlap else end_key + 0.001 * rank
+            key = self.step_key[k_last] if cfg.optimizer_overlap else end_key + Offset.TAIL_RANK * rank
             grads_ready = list(grad_last[b])
             if b == 0 and model.tied_embeddings:
                 grads_ready += grad_last[self.head]
@@ -534,7 +538,7 @@ class _Builder:
                 continue
             if p.gpu_optimizer:
                 t = g.add("adam_gpu", "gpu", self.cost.gpu_adam_s(owned), tensor="opt_states", block=b, mb=-1,
-                          iteration=it, key=key + 0.3, deps=grads_ready + barrier)
+                          iteration=it, key=key + Offset.ADAM_GPU, deps=grads_ready + barrier)
                 g.free(t, "gpu", GRAD_ACCUM_BYTES * blk.fetch_params)  # the step consumes the gradient buffer
                 self.resident_update[b] = [t.id]
                 self.weights_ready[b] = [t.id]
@@ -546,15 +550,15 @@ class _Builder:
             pre: list[int] = []
             if grads_ssd > 0:
                 wr = g.add("write_grads", "ssd_write", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
-                           key=key + 0.6, deps=grads_ready)
+                           key=key + Offset.WRITE_GRADS, deps=grads_ready)
                 g.free(wr, "cpu", grads_ssd)
                 rd = g.add("read_grads", "ssd_read", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
-                           key=key + 0.7, deps=[wr.id, prev_main] + barrier)
+                           key=key + Offset.READ_GRADS, deps=[wr.id, prev_main] + barrier)
                 g.alloc(rd, "cpu", grads_ssd)
                 pre.append(rd.id)
-            parts = [(1.0 - cfg.alpha, key + 0.8, "adam")]
+            parts = [(1.0 - cfg.alpha, key + Offset.ADAM, "adam")]
             if cfg.alpha > 0:
-                parts.append((cfg.alpha, (it + 1) * (S + 10) + first_fwd_idx[b] - 2.0, "adam_deferred"))
+                parts.append((cfg.alpha, self.clock.deferred_adam(it, first_fwd_idx[b]), "adam_deferred"))
             ready: list[int] = []
             prev_part = -1
             for frac, pkey, kind in parts:
@@ -563,7 +567,7 @@ class _Builder:
                     # each part streams its own slice of master, m and v in from the SSD and back out, after
                     # the previous iteration wrote that slice back
                     rs = g.add("read_opt_states", "ssd_read", states_ssd * frac, tensor="opt_states", block=b, mb=-1,
-                               iteration=it, key=pkey - 0.1,
+                               iteration=it, key=pkey + Offset.READ_STATES,
                                deps=[prev_main if kind == "adam" else prev_part, *self.states_written.get((b, kind), [])])
                     g.alloc(rs, "cpu", states_ssd * frac)
                     deps.append(rs.id)
@@ -577,14 +581,14 @@ class _Builder:
                 prev_part = a.id
                 if states_ssd + w_ssd > 0:
                     wb = g.add("write_opt_states", "ssd_write", (states_ssd + w_ssd) * frac, tensor="opt_states",
-                               block=b, mb=-1, iteration=it, key=pkey + 0.1, deps=[a.id])
+                               block=b, mb=-1, iteration=it, key=pkey + Offset.AFTER_ADAM, deps=[a.id])
                     g.free(wb, "cpu", states_ssd * frac)
                     self.states_written[(b, kind)] = [wb.id]
                     if w_ssd > 0:
                         ready.append(wb.id)
                 if w_gpu > 0:
                     up = g.add("update_weights", "h2d", w_gpu * frac, tensor="weights", block=b, mb=-1, iteration=it,
-                               key=pkey + 0.1, deps=[a.id])
+                               key=pkey + Offset.AFTER_ADAM, deps=[a.id])
                     self.resident_update.setdefault(b, []).append(up.id)
             if w_gpu > 0:
                 self.resident_update[b] = self.resident_update[b][-len(parts):]

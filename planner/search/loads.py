@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.clock import Clock
 from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.graph import RESOURCES
 from tierflow.planner.core.models import ModelSpec
@@ -89,16 +90,15 @@ def _work(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, layers: in
     m = replace(model, num_layers=layers)
     g = build_graph(m, hw, replace(cfg, iterations=1, swap_layers=swapped))
     phases = ["F" if st.phase == "F" else "B" for st in step_sequence(layers + 2, cfg.num_micro_batches, cfg.group)]
-    S = len(phases)
+    clock = Clock(len(phases))
     work = dict.fromkeys(RESOURCES, 0.0)
     for r in RESOURCES:
         work[r + "@F"] = work[r + "@B"] = 0.0
     for t in g.tasks:
         work[t.resource] += t.work
-        if t.key < 0:
-            work[t.resource + "@F"] += t.work
-        elif t.key < S:
-            work[t.resource + "@" + phases[int(t.key)]] += t.work
+        i = clock.first_iteration_step(t.key)
+        if i is not None:
+            work[t.resource + "@" + phases[i]] += t.work
     return work
 
 

@@ -38,13 +38,13 @@ by the same builder with the same rules, so a run's middle layer has the same ta
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.clock import Clock
 from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.graph import RESOURCES
 from tierflow.planner.core.models import ModelSpec
@@ -316,11 +316,11 @@ def _step_scale(g, cfg_t: ScheduleConfig, lay: _Layout) -> np.ndarray:
     for i, st in enumerate(steps):
         p = p + 1 if i and steps[i - 1].block == st.block and steps[i - 1].phase == st.phase else 0
         pos.append(p)
-    period = S + 10
+    clock = Clock(S)
 
     def is_rep(t) -> bool:
-        i = round(t.key) % period
-        return i < S and pos[i] == lay.rep_step
+        i = clock.nearest_step(t.key)[1]
+        return not clock.is_tail(i) and pos[i] == lay.rep_step
 
     succs: list[list[int]] = [[] for _ in tasks]
     for t in tasks:
@@ -381,17 +381,20 @@ def _template_items(g, cfg_t: ScheduleConfig, lay: _Layout, tcoef: np.ndarray, t
     slots.append(("tail",))
     first = [i == 0 or slot_of_step[i - 1] != slot_of_step[i] for i in range(S)]
     last = [i == S - 1 or slot_of_step[i + 1] != slot_of_step[i] for i in range(S)]
-    period = S + 10  # keys of iteration it lie in [it * (S + 10), it * (S + 10) + S + 10)
+    clock = Clock(S)
 
     def step_slot(t) -> tuple[int, bool, bool]:
-        it, i = divmod(round(t.key), period)
-        if i >= S:
+        return slot_of_key(t.key)
+
+    def slot_of_key(key: float) -> tuple[int, bool, bool]:
+        it, i = clock.nearest_step(key)
+        if clock.is_tail(i):
             return it * T + T - 1, True, True
         return it * T + slot_of_step[i], first[i], last[i]
 
     def key_slot(t) -> int:
-        it, i = divmod(math.ceil(t.key - 1e-9), period)
-        return it * T + (T - 1 if i >= S else slot_of_step[i])
+        it, i = clock.next_step(t.key)
+        return it * T + (T - 1 if clock.is_tail(i) else slot_of_step[i])
 
     tasks = g.tasks
     n = len(tasks)
@@ -456,8 +459,7 @@ def _template_items(g, cfg_t: ScheduleConfig, lay: _Layout, tcoef: np.ndarray, t
     before: dict[int, float] = {}
     after: dict[int, float] = {}
     keys = sorted(step_work)
-    slot_key = {key: divmod(key, period)[0] * T + (T - 1 if key % period >= S else slot_of_step[key % period])
-                for key in keys}
+    slot_key = {key: slot_of_key(key)[0] for key in keys}
     run: list[int] = []
     for key in keys + [None]:
         if run and (key is None or slot_key[key] != slot_key[run[0]]):
