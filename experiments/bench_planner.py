@@ -16,6 +16,7 @@ from pathlib import Path
 from tierflow.api import resolve
 from tierflow.planner.search.loads import iteration_loads
 from tierflow.planner.search.plan_search import plan_search
+from tierflow.planner.search.problem import Problem
 
 TARGET_S = 60.0
 
@@ -27,7 +28,7 @@ def main() -> None:
     def progress(i: int, n: int, what: str) -> None:
         print(f"\r[{i}/{n}] {what:<48} {time.perf_counter() - t0:5.1f}s", end="", file=sys.stderr, flush=True)
 
-    sr = plan_search(model, hw, 64, 2048, time_limit_s=TARGET_S, progress=progress)
+    sr = plan_search(Problem(model, hw, 64, 2048), time_limit_s=TARGET_S, progress=progress)
     wall = time.perf_counter() - t0
     print(file=sys.stderr)
     b = sr.best

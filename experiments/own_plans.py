@@ -35,6 +35,7 @@ from expcommon import (
 from tierflow.api import resolve
 from tierflow.planner.core.schedules import ScheduleConfig
 from tierflow.planner.search.plan_search import PlanningError, plan_search
+from tierflow.planner.search.problem import Problem
 
 # (case label, model, box, batch, seq, {family: system name}, paper placements?)
 CASES = [
@@ -147,7 +148,7 @@ def run_case(case, s: dict, progress: Progress) -> list[dict]:
     t0 = time.perf_counter()
     try:
         sr = plan_search(
-            model, hw, batch, seq, time_limit_s=s["time_limit_s"], micro_batches=s["micro_batches"]
+            Problem(model, hw, batch, seq), time_limit_s=s["time_limit_s"], micro_batches=s["micro_batches"]
         )
     except PlanningError as e:
         rows.append(

@@ -17,6 +17,7 @@ from pathlib import Path
 from tierflow.api import resolve
 from tierflow.planner.search.loads import iteration_loads
 from tierflow.planner.search.plan_search import PlanningError, plan_search
+from tierflow.planner.search.problem import Problem
 
 CASES = [
     # (model, hw, batch, seq)
@@ -47,7 +48,7 @@ def main() -> None:
         t0 = time.perf_counter()
         print(f"[{i + 1}/{len(cases)}] {name} on {hwname}, batch {batch} x {seq} ...", file=sys.stderr, flush=True)
         try:
-            sr = plan_search(model, hw, batch, seq, time_limit_s=args.time_limit)
+            sr = plan_search(Problem(model, hw, batch, seq), time_limit_s=args.time_limit)
         except PlanningError as e:
             rows.append({"model": name, "hw": hwname, "batch": batch, "seq": seq, "error": str(e)})
             continue

@@ -37,6 +37,7 @@ from expcommon import (
 from tierflow.api import resolve
 from tierflow.hwprofiles import HardwareProfile, load_profile
 from tierflow.planner.search.plan_search import fixed_baselines
+from tierflow.planner.search.problem import Problem
 
 MODEL, BASE_HW, BATCH, SEQ = "gpt3-175b", "rtx4090-lohan", 32, 2048
 YEARS = 3
@@ -120,7 +121,7 @@ def evaluate_box(sweep: str, label: str, hw: HardwareProfile, micro_batches: lis
         "h2d_gbps": hw.pcie.h2d_gbps,
         "price_usd": round(hw.price.total_usd(hw)),
     }
-    found = fixed_baselines(model, hw, BATCH, SEQ, micro_batches)
+    found = fixed_baselines(Problem(model, hw, BATCH, SEQ), micro_batches)
     for key, (_, res) in found.items():
         base[f"{key.split()[0]}_tokens_per_s"] = round(res.tokens_per_s, 2)
     if not found:

@@ -15,19 +15,15 @@ from tierflow.planner.core.schedules import make_schedule
 from tierflow.planner.io.cli import main
 from tierflow.planner.search.capacity import fits, largest, shape
 from tierflow.planner.search.loads import iteration_loads
-from tierflow.planner.search.plan_search import (
+from tierflow.planner.search.placement_model import (
     VARS,
-    Candidate,
-    PlanningError,
-    _base_placement,
-    _config,
-    _placement,
-    evaluate,
     linear_loads,
-    memory_model,
-    plan_search,
+    placement_memory,
+    placement_of,
     solve_placement,
 )
+from tierflow.planner.search.plan_search import PlanningError, evaluate, plan_search
+from tierflow.planner.search.problem import Candidate, Problem
 
 MODEL = get_model("gpt3-125m")
 SEQ = 512
@@ -40,8 +36,9 @@ def small_box():
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_linear_loads_are_exact_for_random_placements(group):
     hw = small_box()
-    cfg0 = _config(MODEL, hw, 8, SEQ, Candidate(2, group, 0.25), _base_placement(), 0, iterations=1)
-    lin = linear_loads(MODEL, hw, cfg0)
+    problem = Problem(MODEL, hw, 8, SEQ)
+    cfg0 = problem.config(Candidate(2, group, 0.25), iterations=1)
+    lin = linear_loads(problem, cfg0)
     rng = random.Random(group)
     for _ in range(3):
         w_gpu, w_ssd = rng.random() * 0.5, rng.random() * 0.5
@@ -49,7 +46,7 @@ def test_linear_loads_are_exact_for_random_placements(group):
         x = {"w_gpu": round(w_gpu, 2), "w_ssd": round(w_ssd, 2), "s_ssd": round(rng.random(), 2),
              "c_gpu": round(c_gpu, 2), "c_ssd": round(c_ssd, 2)}
         n = rng.randrange(0, MODEL.num_layers + 1)
-        exact = iteration_loads(MODEL, hw, replace(cfg0, placement=_placement(x), swap_layers=n)).work
+        exact = iteration_loads(MODEL, hw, replace(cfg0, placement=placement_of(x), swap_layers=n)).work
         predicted = lin.work(x, n)
         for r in exact:
             assert predicted[r] == pytest.approx(exact[r], rel=1e-9, abs=1e-3), r
@@ -57,9 +54,10 @@ def test_linear_loads_are_exact_for_random_placements(group):
 
 def test_cp_sat_finds_the_optimum_and_respects_memory():
     hw = small_box()
-    cfg0 = _config(MODEL, hw, 8, SEQ, Candidate(2, 4, 0.25), _base_placement(), 0, iterations=1)
-    lin, mem = linear_loads(MODEL, hw, cfg0), memory_model(MODEL, hw, cfg0)
-    s = solve_placement(lin, mem, hw, time_limit_s=5)
+    problem = Problem(MODEL, hw, 8, SEQ)
+    cfg0 = problem.config(Candidate(2, 4, 0.25), iterations=1)
+    lin, mem = linear_loads(problem, cfg0), placement_memory(problem, cfg0)
+    s = solve_placement(problem, lin, mem, time_limit_s=5)
     assert s is not None and s.report.status == "OPTIMAL"
     assert s.report.best_bound_s <= s.report.objective_s * (1 + 1e-9)
     assert set(s.x) == set(VARS) and all(0 <= v <= 1 for v in s.x.values())
@@ -69,13 +67,13 @@ def test_cp_sat_finds_the_optimum_and_respects_memory():
     predicted = IterationLoads(work=lin.work(s.x, s.n), static_bytes={}).predict_s(hw)
     assert s.report.objective_s == pytest.approx(predicted, rel=1e-3)
     # forbidding the GPU tier to weights can only make the answer worse or equal
-    tight = solve_placement(lin, mem, hw.with_overrides({"gpu.memory_gib": 2.2}), time_limit_s=5)
+    tight = solve_placement(problem.on(hw.with_overrides({"gpu.memory_gib": 2.2})), lin, mem, time_limit_s=5)
     assert tight is None or tight.report.objective_s >= s.report.objective_s - 1e-6
 
 
 def test_every_evaluated_candidate_is_verified_by_the_simulator():
     hw = small_box()
-    ev = evaluate(MODEL, hw, 8, SEQ, Candidate(2, 4, 0.25), time_limit_s=5)
+    ev = evaluate(Problem(MODEL, hw, 8, SEQ), Candidate(2, 4, 0.25), time_limit_s=5)
     assert ev.result is not None, ev.error
     from tierflow.planner.search.loads import iteration_loads
 
@@ -86,7 +84,7 @@ def test_every_evaluated_candidate_is_verified_by_the_simulator():
 
 def test_plan_is_never_slower_than_the_fixed_schedules():
     hw = small_box()
-    sr = plan_search(MODEL, hw, 8, SEQ, time_limit_s=30)
+    sr = plan_search(Problem(MODEL, hw, 8, SEQ), time_limit_s=30)
     fixed = []
     for family in ("horizontal", "fuyou", "vertical"):
         for mb in (1, 2, 4, 8):
@@ -102,7 +100,7 @@ def test_plan_is_never_slower_than_the_fixed_schedules():
 def test_infeasible_request_names_the_tier_and_a_fix():
     hw = load_profile("rtx2060-laptop").with_overrides({"ssd.count": 0})
     with pytest.raises(PlanningError) as e:
-        plan_search(get_model("gpt3-175b"), hw, 4, 2048, time_limit_s=10)
+        plan_search(Problem(get_model("gpt3-175b"), hw, 4, 2048), time_limit_s=10)
     msg = str(e.value)
     assert "cpu overflows by" in msg and "GiB CPU memory" in msg and "\n" not in msg
 

@@ -19,7 +19,7 @@ from tierflow.planner.core.schedules import (
     ScheduleConfig,
     ScheduleError,
     build_graph,
-    default_placement,
+    family_of,
     make_schedule,
     step_sequence,
 )
@@ -216,7 +216,8 @@ def test_public_entry_point_raises_schedule_errors():
 def test_default_placement_is_valid_and_off_gpu(family, hw_name, overrides):
     hw = profile(hw_name).with_overrides(overrides)
     for model in ("gpt3-1.3b", "gpt3-13b"):
-        p = default_placement(get_model(model), hw, family, 32, 4, 2048)
+        m = get_model(model)
+        p = make_schedule(family, m, hw, batch=32, micro_batch=4, seq=2048).placement
         for name in ("weights", "master", "adam_m", "adam_v", "grads", "checkpoints"):
             s = getattr(p, name)
             assert s.gpu == 0.0
@@ -461,3 +462,33 @@ def test_link_bytes_per_iteration_match_closed_form(case):
     total = graph.bytes_per_link()
     for link, want in expected.items():
         assert total[link] == pytest.approx(cfg.iterations * want, rel=1e-9, abs=1e-6)
+
+
+# ---- the family contract ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("M", [2, 4])
+def test_family_names_say_what_was_built(M):
+    m, hw = get_model("tiny-gpt"), profile()
+    one = make_schedule("block", m, hw, batch=2 * M, micro_batch=2, group=1)
+    assert (one.family, one.group, one.optimizer_overlap) == ("fuyou", 1, True)  # never "horizontal"
+    allmb = make_schedule("block", m, hw, batch=2 * M, micro_batch=2, group=M)
+    assert allmb.family == "vertical"
+    assert family_of(1, M, optimizer_overlap=False) == "horizontal"
+    if M > 2:
+        assert make_schedule("block", m, hw, batch=2 * M, micro_batch=2, group=2).family == "block"
+
+
+@pytest.mark.parametrize("family", ["horizontal", "fuyou", "vertical"])
+def test_group_is_refused_where_the_family_fixes_it(family):
+    with pytest.raises(ScheduleError, match="--group applies to the block schedule only"):
+        make_schedule(family, get_model("tiny-gpt"), profile(), batch=8, micro_batch=2, group=2)
+
+
+def test_recomputes_counts_swapped_layers_from_the_end():
+    m = get_model("tiny-gpt")  # 4 layers
+    cfg = make_schedule("vertical", m, profile(), batch=4, micro_batch=2, swap_layers=1)
+    assert [cfg.recomputes(b, m.num_layers) for b in range(m.num_layers + 2)] == [False, True, True, True, False, False]
+    assert cfg.recomputed_fraction(m.num_layers) == 0.75
+    off = make_schedule("vertical", m, profile(), batch=4, micro_batch=2, recompute=False)
+    assert not any(off.recomputes(b, m.num_layers) for b in range(6)) and off.recomputed_fraction(4) == 0.0

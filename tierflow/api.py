@@ -14,10 +14,12 @@ from tierflow.planner.core.simulate import DEFAULT_FAMILIES, compare, resolve, s
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.io.planfile import Plan, load_plan, plan_from_graph, simulate_plan, write_plan
 from tierflow.planner.search.capacity import largest
-from tierflow.planner.search.plan_search import PlanningError, SearchResult, explain, plan_search
+from tierflow.planner.search.explain import explain, min_requirements
+from tierflow.planner.search.plan_search import PlanningError, SearchResult, plan_search
+from tierflow.planner.search.problem import Candidate, Problem
 
 __all__ = [
-    "DEFAULT_FAMILIES", "FAMILIES", "CapacityError", "HardwareProfile", "ModelSpec", "Placement", "Plan",
+    "Candidate", "Problem", "min_requirements", "DEFAULT_FAMILIES", "FAMILIES", "CapacityError", "HardwareProfile", "ModelSpec", "Placement", "Plan",
     "PlanningError", "ScheduleConfig", "SearchResult", "SimResult", "Split", "build_graph", "compare", "explain",
     "get_model", "largest", "list_models", "list_profiles", "load_plan", "load_profile", "make_schedule",
     "plan_from_graph", "plan_search", "resolve", "simulate", "simulate_config", "simulate_plan", "write_plan",

@@ -18,12 +18,13 @@ starts the next and its activation stays on the GPU).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock, Offset
 from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused
+from tierflow.planner.core.memory import blocks_of, host_reserve_bytes, placed_bytes, schedule_memory
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split, fill_split
 from tierflow.planner.core.workload import (
@@ -32,13 +33,22 @@ from tierflow.planner.core.workload import (
     GRAD_ACCUM_BYTES,
     GRAD_WIRE_BYTES,
     MASTER_BYTES,
-    BlockCost,
-    embed_cost,
-    head_cost,
-    layer_cost,
 )
 
 FAMILIES = ("horizontal", "vertical", "fuyou", "block")
+# the group size each family fixes (None: the block schedule's own --group)
+FIXED_GROUP = {"horizontal": "1", "fuyou": "1", "vertical": "all micro-batches", "block": None}
+
+
+def family_of(group: int, num_micro_batches: int, optimizer_overlap: bool) -> str:
+    """The name of what a builder with these settings builds: one micro-batch per block sweep with the optimizer
+    after the backward is ZeRO-Infinity's horizontal schedule, with the optimizer overlapped Fuyou's; all
+    micro-batches per sweep is GreedySnake's vertical schedule; anything between is the block hybrid."""
+    if group == 1 and num_micro_batches >= 1:
+        return "fuyou" if optimizer_overlap else "horizontal"
+    if group == num_micro_batches:
+        return "vertical"
+    return "block"
 
 
 class ScheduleError(ValueError):
@@ -65,6 +75,15 @@ class ScheduleConfig:
     def num_micro_batches(self) -> int:
         return self.batch // self.micro_batch
 
+    def recomputes(self, block: int, num_layers: int) -> bool:
+        """Is decoder layer `block` (1..num_layers) recomputed in backward? The last `swap_layers` layers keep
+        (and swap out) all their activations instead; the embedding and the head are never recomputed."""
+        return self.recompute and 1 <= block <= num_layers - self.swap_layers
+
+    def recomputed_fraction(self, num_layers: int) -> float:
+        """The fraction of decoder layers recomputed in backward."""
+        return (num_layers - self.swap_layers) / num_layers if self.recompute and num_layers else 0.0
+
     def describe(self) -> str:
         return (f"{self.family}: batch {self.batch} = {self.num_micro_batches} x {self.micro_batch}, group {self.group}, "
                 f"alpha {self.alpha:g}, prefetch {self.prefetch_depth}, "
@@ -86,42 +105,28 @@ class ScheduleConfig:
         return cls(**d)
 
 
-def blocks_of(model: ModelSpec, micro_batch: int, seq: int) -> list[BlockCost]:
-    layer = layer_cost(model, micro_batch, seq)
-    return [embed_cost(model, micro_batch, seq)] + [layer] * model.num_layers + [head_cost(model, micro_batch, seq)]
-
-
-def default_placement(model: ModelSpec, hw: HardwareProfile, family: str, batch: int, micro_batch: int,
-                      seq: int) -> Placement:
+def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> Placement:
     """The placement a user of that system would start from: nothing resident on the GPU; fill CPU memory with
-    what the schedule holds there (gradients, checkpoints), then weights, then optimizer states; the rest on SSD."""
-    P = model.total_params()
-    layer = layer_cost(model, micro_batch, seq)
-    M = batch // micro_batch
-    budget = float(hw.cpu.capacity_bytes)
-    # a block's gradient is final only after the last micro-batch's backward: horizontal schedules with several
-    # micro-batches hold every block's fp32 gradient on the host; vertical ones only a few blocks' at a time
-    holds_all = family == "horizontal" or (family == "fuyou" and M > 1)
-    alpha = 0.25 if family in ("vertical", "block") else 0.0
-    L = model.num_layers
-    grads_host = GRAD_ACCUM_BYTES * (P if holds_all else 4 * model.layer_params() + alpha * P)
-    # checkpoints of every micro-batch a block sweep holds (+ the activation gradients between layers)
-    held_mb = M if family in ("vertical", "block") else 1
-    ckpt_total = layer.checkpoint_bytes * (L + 2) * held_mb
-    staging = (4 * COMPUTE_BYTES + 3 * (MASTER_BYTES + 2 * ADAM_STATE_BYTES)) * model.layer_params()
-    budget -= staging + 0.02 * hw.cpu.capacity_bytes  # 2% slack for the blocks in flight
+    what the schedule holds there (the memory model's gradients, staging and checkpoints: fp32 gradients of a
+    horizontal schedule go to the SSD with the optimizer, as ZeRO-Infinity does), then weights, then optimizer
+    states; the rest on SSD."""
+    params = model.total_params()
+    mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq, num_micro_batches=cfg.num_micro_batches,
+                          group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
+                          prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch)
+    budget = float(hw.cpu.capacity_bytes) - mem.host_staging_bytes - host_reserve_bytes(hw.cpu.capacity_bytes)
     ssd = hw.ssd.count > 0
-    if family == "horizontal" and ssd:
+    if cfg.family == "horizontal" and ssd:
         # ZeRO-Infinity puts the fp32 gradients on NVMe with the optimizer when the optimizer is there
-        grads, budget = fill_split(grads_host, budget)
+        grads, budget = fill_split(mem.host_grad_bytes, budget)
     else:
-        grads, budget = Split(), budget - grads_host
-    ckpt, budget = fill_split(ckpt_total, budget)
-    weights, budget = fill_split(COMPUTE_BYTES * P, budget)
-    states, budget = fill_split((MASTER_BYTES + 2 * ADAM_STATE_BYTES) * P, budget)
+        grads, budget = Split(), budget - mem.host_grad_bytes
+    ckpt, budget = fill_split(mem.checkpoint_bytes(cfg.swap_layers), budget)
+    weights, budget = fill_split(COMPUTE_BYTES * params, budget)
+    states, budget = fill_split((MASTER_BYTES + 2 * ADAM_STATE_BYTES) * params, budget)
     if not ssd:  # no SSD tier: everything on the CPU, the simulator reports any overflow
         weights = states = ckpt = grads = Split()
-    if family == "horizontal" and states.ssd == 0:
+    if cfg.family == "horizontal" and states.ssd == 0:
         grads = Split()
     return Placement(weights=weights, master=states, adam_m=states, adam_v=states, grads=grads, checkpoints=ckpt)
 
@@ -141,8 +146,9 @@ def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: 
     if model.max_positions and seq > model.max_positions:
         raise ScheduleError(f"seq {seq} exceeds the {model.max_positions} positions of {model.name} (use --seq <= {model.max_positions})")
     M = batch // micro_batch
-    if placement is None:
-        placement = default_placement(model, hw, family, batch, micro_batch, seq)
+    if group is not None and FIXED_GROUP[family] is not None:
+        raise ScheduleError(f"--group applies to the block schedule only: {family} runs {FIXED_GROUP[family]} "
+                            f"micro-batch(es) per block sweep (use --schedule block --group {group})")
     if family == "horizontal":
         g, a, overlap = 1, 0.0, False
     elif family == "fuyou":
@@ -151,8 +157,6 @@ def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: 
         g, a, overlap = M, 0.25, True
     else:
         g, a, overlap = (group or max(1, M // 2)), 0.25, True
-    if group is not None:
-        g = group
     if alpha is not None:
         a = alpha
     if not 1 <= g <= M or M % g:
@@ -163,22 +167,13 @@ def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: 
         raise ScheduleError(f"swap_layers {swap_layers} must be within [0, {model.num_layers}]")
     if prefetch_depth < 1:
         raise ScheduleError(f"prefetch depth {prefetch_depth} must be >= 1")
-    return ScheduleConfig(family=family, batch=batch, micro_batch=micro_batch, seq=seq, placement=placement,
-                          group=g, alpha=a, optimizer_overlap=overlap, prefetch_depth=prefetch_depth,
-                          recompute=recompute, swap_layers=swap_layers, act_prefetch=act_prefetch,
-                          iterations=iterations)
-
-
-def static_bytes(model: ModelSpec, placement: Placement) -> dict[str, float]:
-    """Bytes resident on each tier for the whole run: weights and optimizer states where the placement puts
-    them, plus the SSD space reserved for spilled gradients."""
-    p, P = placement, model.total_params()
-    out = {}
-    for tier in ("gpu", "cpu", "ssd"):
-        out[tier] = P * (COMPUTE_BYTES * getattr(p.weights, tier) + MASTER_BYTES * getattr(p.master, tier)
-                         + ADAM_STATE_BYTES * (getattr(p.adam_m, tier) + getattr(p.adam_v, tier)))
-    out["ssd"] += GRAD_ACCUM_BYTES * P * p.grads.ssd
-    return out
+    cfg = ScheduleConfig(family=family_of(g, M, overlap), batch=batch, micro_batch=micro_batch, seq=seq,
+                         placement=placement or Placement(), group=g, alpha=a, optimizer_overlap=overlap,
+                         prefetch_depth=prefetch_depth, recompute=recompute, swap_layers=swap_layers,
+                         act_prefetch=act_prefetch, iterations=iterations)
+    if placement is None:
+        cfg = replace(cfg, placement=default_placement(model, hw, cfg))
+    return cfg
 
 
 # ---- the generic builder ------------------------------------------------------------------------------------
@@ -261,8 +256,8 @@ class _Builder:
     # -- helpers ----------------------------------------------------------------------------------------------
 
     def rec(self, b: int) -> bool:
-        """Is layer block b recomputed in backward? The last `swap_layers` layers keep their activations."""
-        return self.cfg.recompute and b <= self.L - self.cfg.swap_layers
+        """Is layer block b recomputed in backward? (ScheduleConfig.recomputes)"""
+        return self.cfg.recomputes(b, self.L)
 
     def prev_step_task(self, k: int) -> int:
         return self.step_task[k] if 0 <= k < len(self.step_task) else -1
@@ -367,7 +362,7 @@ class _Builder:
                 st.use = len(self.uses) - 1
             self.step_key.extend(self.clock.steps(it))
             self.build_iteration(it, base, seq_steps)
-        static = static_bytes(self.model, self.p)
+        static = placed_bytes(self.model, self.p)
         cap = {"gpu": float(self.hw.gpu.capacity_bytes), "cpu": float(self.hw.cpu.capacity_bytes),
                "ssd": float(self.hw.ssd.capacity_bytes)}
         return TaskGraph(g.tasks, static, cap, cfg.iterations, self.nb,

@@ -26,8 +26,7 @@ def simulate_config(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
     tokens = cfg.batch * cfg.seq
     res.tokens_per_iteration = tokens
     res.model_flops_per_iteration = tokens * model_flops_per_token(model, cfg.seq)
-    recomputed = (model.num_layers - cfg.swap_layers) / model.num_layers if cfg.recompute else 0.0
-    extra = recompute_flops_per_token(model, cfg.seq) * recomputed
+    extra = recompute_flops_per_token(model, cfg.seq) * cfg.recomputed_fraction(model.num_layers)
     res.hw_flops_per_iteration = res.model_flops_per_iteration + tokens * extra
     res.meta.update({"model": model.name, "params": model.total_params(), "hw": hw.name,
                      "schedule": cfg.to_dict()})

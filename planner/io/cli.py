@@ -236,7 +236,9 @@ def simulate_plan_file(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from tierflow.planner.core.schedules import build_graph
     from tierflow.planner.io.planfile import plan_from_graph, write_plan
-    from tierflow.planner.search.plan_search import explain, plan_search
+    from tierflow.planner.search.explain import explain
+    from tierflow.planner.search.plan_search import plan_search
+    from tierflow.planner.search.problem import Problem
 
     model = get_model(args.model)
     if args.seq:
@@ -249,8 +251,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         prog.step(what[:24])
 
     mbs = [args.micro_batch] if args.micro_batch else None
-    sr = plan_search(model, hw, args.batch, model.seq_len, time_limit_s=args.time_limit, micro_batches=mbs,
-                     allow_ssd=not args.no_ssd, progress=progress, baselines=not args.no_baselines)
+    problem = Problem(model, hw, args.batch, model.seq_len, allow_ssd=not args.no_ssd)
+    sr = plan_search(problem, time_limit_s=args.time_limit, micro_batches=mbs, progress=progress,
+                     baselines=not args.no_baselines)
     prog.done()
     best = sr.best
     cfg = best.config
@@ -263,10 +266,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not args.no_window:
         from tierflow.planner.search.plan_search import window_check
 
-        solver.update(window_check(model, hw, cfg, time_limit_s=min(10.0, max(1.0, args.time_limit / 10))))
+        solver.update(window_check(problem, cfg, time_limit_s=min(10.0, max(1.0, args.time_limit / 10))))
     if args.out:
         write_plan(plan_from_graph(model, hw, cfg, graph, predicted=best.result, solver=solver), args.out)
-    lines = explain(sr, args.batch, model.seq_len) if args.explain else []
+    lines = explain(sr) if args.explain else []
     if args.json:
         print(json.dumps({"model": model.name, "params": model.total_params(), "hw": hw.name,
                           "decisions": cfg.to_dict(), "solver": solver, "predicted": best.result.to_dict(),

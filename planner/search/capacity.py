@@ -2,8 +2,8 @@
 
 A model "fits" when the most memory-frugal plan fits every tier: vertical schedule, micro-batch 1, no deferred
 optimizer step, weights / optimizer states / checkpoints on the SSD array when there is one (else in CPU
-memory). The answer is checked by simulating that plan for the winning model (tierflow.planner.search.plan_search.min_requirements
-is the closed form; the simulator is the judge).
+memory). The answer is checked by simulating that plan for the winning model (the memory model's closed form,
+tierflow.planner.search.explain.min_requirements, decides what fits; the simulator is the judge).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from dataclasses import dataclass, replace
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.models import ModelSpec, get_model
-from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import make_schedule
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
-from tierflow.planner.search.plan_search import min_requirements
+from tierflow.planner.search.explain import frugal_placement, min_requirements
+from tierflow.planner.search.problem import Problem
 
 # family name -> (template model, widths to try as (hidden, heads), ffn multiplier or None for the template's)
 FAMILIES = {
@@ -52,16 +52,13 @@ def shape(family: str, hidden: int, heads: int, layers: int, seq: int | None = N
 
 
 def fits(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool) -> bool:
-    need = min_requirements(model, hw, batch, seq, with_ssd)
-    caps = {"gpu": hw.gpu.capacity_bytes, "cpu": hw.cpu.capacity_bytes,
-            "ssd": hw.ssd.capacity_bytes if with_ssd else 0.0}
+    problem = Problem(model, hw, batch, seq, allow_ssd=with_ssd)
+    need, caps = min_requirements(problem), problem.capacity_bytes
     return all(need[t] <= caps[t] for t in need)
 
 
 def frugal_config(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool):
-    ssd = with_ssd and hw.ssd.count > 0
-    where = Split(gpu=0, cpu=0, ssd=1) if ssd else Split()
-    placement = Placement(weights=where, master=where, adam_m=where, adam_v=where, grads=Split(), checkpoints=where)
+    placement = frugal_placement(Problem(model, hw, batch, seq, allow_ssd=with_ssd))
     return make_schedule("vertical", model, hw, batch=batch, micro_batch=1, seq=seq, placement=placement, alpha=0.0)
 
 
@@ -81,7 +78,7 @@ def largest(family: str, hw: HardwareProfile, batch: int, seq: int, with_ssd: bo
     fitting.sort(key=lambda m: -m.total_params())
     hw_run = hw if with_ssd else hw.with_overrides({"ssd.count": 0})
     for m in fitting[:4]:
-        req = min_requirements(m, hw, batch, seq, with_ssd)
+        req = min_requirements(Problem(m, hw, batch, seq, allow_ssd=with_ssd))
         if not verify:
             return CapacityAnswer(family, with_ssd, m, m.total_params(), req, None)
         try:

@@ -15,10 +15,9 @@ from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock
 from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.graph import RESOURCES
+from tierflow.planner.core.memory import placed_bytes
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.schedules import ScheduleConfig, build_graph, static_bytes, step_sequence
-
-LINK_RESOURCES = ("h2d", "d2h", "ssd_read", "ssd_write")
+from tierflow.planner.core.schedules import ScheduleConfig, build_graph, step_sequence
 
 
 @dataclass(frozen=True)
@@ -70,10 +69,15 @@ def pcie_time_s(h2d_bytes: float, d2h_bytes: float, r) -> float:
     if h2d_bytes <= 0 or d2h_bytes <= 0:
         return _div(h2d_bytes, r.h2d) + _div(d2h_bytes, r.d2h)
     base = h2d_bytes / r.h2d + d2h_bytes / r.d2h
-    c = 1.0 - r.h2d_duplex / r.h2d - r.d2h_duplex / r.d2h
+    c = pcie_coefficient(r)
     if c >= 0:
         return base
     return base + c * min(h2d_bytes / r.h2d_duplex, d2h_bytes / r.d2h_duplex)
+
+
+def pcie_coefficient(r) -> float:
+    """c = 1 - Hd/H - Dd/D: negative when running both PCIe directions at once moves more than one alone."""
+    return 1.0 - r.h2d_duplex / r.h2d - r.d2h_duplex / r.d2h
 
 
 def _div(a: float, b: float) -> float:
@@ -115,4 +119,4 @@ def iteration_loads(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) 
         c = w1[k] - r  # embedding + head
         s = ws[k] - c  # one swapped layer
         work[k] = c + (L - n) * r + n * s
-    return IterationLoads(work=work, static_bytes=static_bytes(model, cfg.placement))
+    return IterationLoads(work=work, static_bytes=placed_bytes(model, cfg.placement))

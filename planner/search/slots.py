@@ -47,8 +47,9 @@ from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock
 from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.graph import RESOURCES
+from tierflow.planner.core.memory import placed_bytes
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.schedules import ScheduleConfig, build_graph, static_bytes, step_sequence
+from tierflow.planner.core.schedules import ScheduleConfig, build_graph, step_sequence
 
 SLOT_RESOURCES = ("h2d", "d2h", "ssd_read", "ssd_write", "cpu")
 CHANNELS = SLOT_RESOURCES + ("chain",)  # work channels of a window; "chain": seconds of one serial chain
@@ -244,7 +245,7 @@ def _memory_edges(model: ModelSpec, mt: ModelSpec, hw: HardwareProfile, ct: Sche
     from tierflow.planner.core.simulator import SimulationError, simulate_graph
 
     g = build_graph(mt, hw, ct)
-    full = static_bytes(model, ct.placement)
+    full = placed_bytes(model, ct.placement)
     g.capacity_bytes = {t: c - (full[t] - g.static_bytes[t]) for t, c in g.capacity_bytes.items()}
     g.static_bytes = dict(g.static_bytes)
     try:

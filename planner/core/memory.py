@@ -1,0 +1,153 @@
+"""The memory model: the bytes a schedule needs on each tier (GPU, CPU memory, SSD), in closed form.
+
+One model serves every estimate: each family's default placement (tierflow.planner.core.schedules), the CP-SAT
+placement model and `min_requirements` of the search, `tierflow capacity` and the message for a model that does
+not fit. The simulator is the judge: tests/test_memory.py checks on random configurations that each tier's
+estimate is at least the simulated peak and at most MARGIN above it.
+
+A tier holds
+- the placed tensors (static for the whole run): bf16 weights, fp32 master and Adam moments where the placement
+  puts them, and the SSD space of spilled fp32 gradients (`placed_bytes`);
+- what the schedule holds besides them (`ScheduleMemory`): on the host the fp32 gradients that wait for their
+  optimizer step and the staging buffers of the blocks in flight; on the tier the placement gives checkpoints,
+  the activation checkpoints (and the activations and activation gradients parked between layers) held at the
+  turn from forward to backward; on the GPU the weight buffers, working memory and gradient buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tierflow.planner.core.models import ModelSpec
+from tierflow.planner.core.placement import Placement
+from tierflow.planner.core.workload import (
+    ADAM_STATE_BYTES,
+    COMPUTE_BYTES,
+    GRAD_ACCUM_BYTES,
+    MASTER_BYTES,
+    BlockCost,
+    embed_cost,
+    head_cost,
+    layer_cost,
+)
+
+STATE_BYTES = MASTER_BYTES + 2 * ADAM_STATE_BYTES  # fp32 master + Adam m + v, per parameter
+# Host memory the planner leaves free on every box, for what no model counts: the runtime's own allocations,
+# page cache of the SSD files, the allocator's rounding. One constant, used wherever host memory is budgeted.
+HOST_RESERVE_FRACTION = 0.02
+# How far above the simulated peak (with the box's full capacity) an estimate may lie, as a fraction of that peak
+# (tests/test_memory.py; on the CPU plus the staging of the blocks in flight). The bounds count every block in
+# flight at its largest (for small models the embedding or the head, not a layer) and every swapped layer's
+# activations at once; on random small configurations the GPU estimate is up to 1.6x the peak, the SSD's up to
+# 2.1x (two layers, both swapping), the CPU's (less staging) up to 1.3x. For large models the terms that make
+# the difference (one block against L layers) vanish.
+MARGIN = 1.5
+
+
+def blocks_of(model: ModelSpec, micro_batch: int, seq: int) -> list[BlockCost]:
+    """The embedding, every decoder layer and the head, for one micro-batch."""
+    layer = layer_cost(model, micro_batch, seq)
+    return [embed_cost(model, micro_batch, seq)] + [layer] * model.num_layers + [head_cost(model, micro_batch, seq)]
+
+
+def placed_bytes(model: ModelSpec, placement: Placement) -> dict[str, float]:
+    """Bytes resident on each tier for the whole run: weights and optimizer states where the placement puts
+    them, plus the SSD space reserved for spilled gradients."""
+    return placed_bytes_of(model.total_params(), placement)
+
+
+def placed_bytes_of(params: int, placement: Placement) -> dict[str, float]:
+    p = placement
+    out = {}
+    for tier in ("gpu", "cpu", "ssd"):
+        out[tier] = params * (COMPUTE_BYTES * getattr(p.weights, tier) + MASTER_BYTES * getattr(p.master, tier)
+                              + ADAM_STATE_BYTES * (getattr(p.adam_m, tier) + getattr(p.adam_v, tier)))
+    out["ssd"] += GRAD_ACCUM_BYTES * params * p.grads.ssd
+    return out
+
+
+def host_reserve_bytes(cpu_capacity_bytes: float) -> float:
+    return HOST_RESERVE_FRACTION * cpu_capacity_bytes
+
+
+def holds_every_gradient(num_micro_batches: int, group: int, optimizer_overlap: bool) -> bool:
+    """Does the host hold every block's fp32 gradient at once? A block's gradient is final only after its last
+    micro-batch's backward: with several groups of micro-batches (group < M), or with the optimizer after the
+    whole backward, every block's gradient waits on the host; else only the blocks between their backward and
+    their optimizer step (and the deferred fraction alpha of every block)."""
+    return group < num_micro_batches or not optimizer_overlap
+
+
+@dataclass(frozen=True)
+class ScheduleMemory:
+    """Bytes a schedule needs besides the placed tensors, by where they live. Checkpoint bytes are per layer and
+    go to the tiers the placement gives checkpoints; `swap_extra_bytes` is what a layer that keeps all its
+    activations (instead of recomputing) holds beyond a recomputed one."""
+
+    layers: int
+    params: int
+    host_grad_bytes: float  # fp32 gradients waiting on the host for their optimizer step
+    host_staging_bytes: float  # blocks in flight: weights and optimizer states read from SSD, gradients read back
+    ckpt_per_layer_bytes: float  # checkpoints (+ parked activations / activation gradients) per recomputed layer
+    swap_extra_bytes: float  # ... extra per swapped layer
+    gpu_working_bytes: float  # closed-form GPU bytes beyond resident tensors (weight buffers, work, gradients)
+    gpu_working_swap_bytes: float  # ... when layers keep their activations (their prefetched activations)
+
+    @property
+    def host_working_bytes(self) -> float:
+        return self.host_grad_bytes + self.host_staging_bytes
+
+    def checkpoint_bytes(self, swap_layers: int) -> float:
+        return self.ckpt_per_layer_bytes * self.layers + self.swap_extra_bytes * swap_layers
+
+    def tier_bytes(self, placement: Placement, swap_layers: int, cpu_capacity_bytes: float = 0.0,
+                   gpu_working_bytes: float | None = None) -> dict[str, float]:
+        """The estimate of each tier's peak for this placement and swap count (plus the host reserve of a box
+        with `cpu_capacity_bytes`); `gpu_working_bytes` replaces the closed form with a measured value."""
+        placed = placed_bytes_of(self.params, placement)
+        ck = self.checkpoint_bytes(swap_layers)
+        c = placement.checkpoints
+        if gpu_working_bytes is None:
+            gpu_working_bytes = self.gpu_working_swap_bytes if swap_layers else self.gpu_working_bytes
+        gpu_work = gpu_working_bytes
+        grads_on_host = self.host_grad_bytes * (1.0 - placement.grads.ssd) if not placement.gpu_optimizer else 0.0
+        return {
+            "gpu": placed["gpu"] + gpu_work + ck * c.gpu,
+            "cpu": placed["cpu"] + grads_on_host + self.host_staging_bytes + ck * c.cpu
+            + host_reserve_bytes(cpu_capacity_bytes),
+            "ssd": placed["ssd"] + ck * c.ssd,
+        }
+
+
+def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_batches: int, group: int,
+                    alpha: float, optimizer_overlap: bool, prefetch_depth: int, act_prefetch: int = 2) -> ScheduleMemory:
+    """The memory a schedule with these settings needs besides its placed tensors (see the module doc)."""
+    blocks = blocks_of(model, micro_batch, seq)
+    layer = blocks[1] if model.num_layers else blocks[0]
+    params = model.total_params()
+    L = max(model.num_layers, 1)
+    owned_max = max(b.owned_params for b in blocks)
+    fetch_max = max(b.fetch_params for b in blocks)
+    if holds_every_gradient(num_micro_batches, group, optimizer_overlap):
+        grads = GRAD_ACCUM_BYTES * sum(b.fetch_params for b in blocks)
+    else:
+        # the block whose Adam runs, the next ones whose backward finished meanwhile, and alpha of every block
+        grads = GRAD_ACCUM_BYTES * (3 * fetch_max + alpha * params)
+    # in flight at once: weights read from the SSD ahead of their fetch (prefetch_depth + 2 uses), optimizer
+    # states of three blocks (read next, updated now, written back), a spilled gradient read back
+    staging = ((prefetch_depth + 2) * COMPUTE_BYTES + 2 * GRAD_ACCUM_BYTES) * fetch_max + 3 * STATE_BYTES * owned_max
+    # at the turn from forward to backward every micro-batch of the group holds each layer's checkpoint, and one
+    # more activation per micro-batch waits between two blocks (the head's input, then an activation gradient)
+    ckpt = group * layer.checkpoint_bytes * (L + 1) / L
+    swap_extra = group * max(0, layer.full_activation_bytes - layer.checkpoint_bytes)
+    # GPU: the largest backward with its weights and gradient buffer, the weight buffers fetched ahead, the
+    # step's own input and the activation gradient it hands on, and the activations fetched ahead for the next
+    # act_prefetch steps (a checkpoint each, or a swapped layer's saved
+    # activations)
+    gpu = max(b.bwd_working_bytes + b.weight_bytes + GRAD_ACCUM_BYTES * b.fetch_params for b in blocks) \
+        + prefetch_depth * max(b.weight_bytes for b in blocks) + 2 * layer.checkpoint_bytes
+    gpu_recompute = gpu + act_prefetch * layer.checkpoint_bytes
+    gpu_swap = gpu + act_prefetch * layer.full_activation_bytes
+    return ScheduleMemory(layers=model.num_layers, params=params, host_grad_bytes=grads, host_staging_bytes=staging,
+                          ckpt_per_layer_bytes=ckpt, swap_extra_bytes=swap_extra, gpu_working_bytes=gpu_recompute,
+                          gpu_working_swap_bytes=gpu_swap)

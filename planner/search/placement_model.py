@@ -1,0 +1,259 @@
+"""The CP-SAT placement model of one candidate: where weights, optimizer states and checkpoints live, and how many
+layers swap their activations instead of recomputing, minimising the busiest resource's time under every tier's
+capacity.
+
+Its coefficients are exact: the work of every resource is affine in the placement fractions and the swap count,
+and the coefficients are measured on the schedule builder's own task graphs (`linear_loads`, through
+tierflow.planner.search.loads), so the solver and the simulator cannot disagree about traffic. Its memory rows are
+the one memory model's (tierflow.planner.core.memory), with the GPU's working memory measured on a 2-layer window.
+`solve_placement` follows the sections of OR-Tools' own examples: data, variables, constraints, objective, solve,
+extract.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+from ortools.sat.python import cp_model
+
+from tierflow.planner.core.memory import STATE_BYTES, ScheduleMemory, host_reserve_bytes
+from tierflow.planner.core.placement import Placement, Split
+from tierflow.planner.core.schedules import ScheduleConfig, build_graph
+from tierflow.planner.core.simulator import CapacityError, simulate_graph
+from tierflow.planner.core.workload import COMPUTE_BYTES
+from tierflow.planner.search.loads import iteration_loads, pcie_coefficient
+from tierflow.planner.search.problem import Problem
+from tierflow.planner.search.slots import SolverReport
+
+STEPS = 100  # placement fractions are decided in steps of 1/STEPS
+# the decision variables, as fractions: weights on GPU / on SSD, optimizer states on SSD, checkpoints on GPU / SSD
+VARS = ("w_gpu", "w_ssd", "s_ssd", "c_gpu", "c_ssd")
+CKPT_VARS = ("c_gpu", "c_ssd")
+MIB = 2**20  # memory rows are in MiB (allocations rounded up)
+TIME_UNIT_S = 1e-6  # time expressions are in microseconds
+HORIZON_UNITS = 10**13
+
+
+@dataclass
+class LinearLoads:
+    """work_r(x, n) = base_r + sum_v coef_r[v] x_v + n (swap_r + sum_v swap_coef_r[v] x_v), x_v in [0, 1]; work is
+    seconds on gpu/cpu and bytes on links, per resource r (and per resource and phase, "gpu@F", ...)."""
+
+    base: dict[str, float]
+    coef: dict[str, dict[str, float]]
+    swap: dict[str, float]
+    swap_coef: dict[str, dict[str, float]]
+
+    def work(self, x: dict[str, float], n: int) -> dict[str, float]:
+        out = {}
+        for r, b in self.base.items():
+            v = b + sum(self.coef[v_][r] * x[v_] for v_ in VARS)
+            v += n * (self.swap[r] + sum(self.swap_coef[v_][r] * x[v_] for v_ in CKPT_VARS))
+            out[r] = v
+        return out
+
+
+@dataclass(frozen=True)
+class PlacementMemory:
+    """The memory model of one candidate as the solver uses it: the schedule's memory (core.memory) with the GPU's
+    working memory measured on a 2-layer window (inf when even that does not fit)."""
+
+    schedule: ScheduleMemory
+    gpu_working_bytes: float
+    gpu_working_swap_bytes: float
+
+
+def placement_of(x: dict[str, float]) -> Placement:
+    """The placement of decision fractions x (gradients accumulate in host memory)."""
+    w = Split(gpu=x["w_gpu"], cpu=round(1 - x["w_gpu"] - x["w_ssd"], 6), ssd=x["w_ssd"])
+    s = Split(gpu=0.0, cpu=round(1 - x["s_ssd"], 6), ssd=x["s_ssd"])
+    c = Split(gpu=x["c_gpu"], cpu=round(1 - x["c_gpu"] - x["c_ssd"], 6), ssd=x["c_ssd"])
+    return Placement(weights=w, master=s, adam_m=s, adam_v=s, grads=Split(), checkpoints=c)
+
+
+def linear_loads(problem: Problem, cfg: ScheduleConfig) -> LinearLoads:
+    """Exact affine coefficients of every resource's work in the placement fractions and the swap count."""
+    base_cfg = replace(cfg, placement=Placement(), swap_layers=0, iterations=1)
+    return problem.memoized(("linear_loads", base_cfg), lambda: _measure_linear_loads(problem, base_cfg))
+
+
+def _measure_linear_loads(problem: Problem, cfg: ScheduleConfig) -> LinearLoads:
+    L = problem.model.num_layers
+    zero = dict.fromkeys(VARS, 0.0)
+
+    def at(x: dict[str, float], n: int) -> dict[str, float]:
+        c = replace(cfg, placement=placement_of(x), swap_layers=n, recompute=True)
+        return iteration_loads(problem.model, problem.hw, c).work
+
+    base0, baseL = at(zero, 0), at(zero, L)
+    coef, swap_coef = {}, {}
+    for v in VARS:
+        x = dict(zero)
+        x[v] = 1.0
+        w0 = at(x, 0)
+        coef[v] = {r: w0[r] - base0[r] for r in base0}
+        if v in CKPT_VARS:
+            wL = at(x, L)
+            swap_coef[v] = {r: ((wL[r] - w0[r]) - (baseL[r] - base0[r])) / L for r in base0}
+    swap = {r: (baseL[r] - base0[r]) / L for r in base0}
+    return LinearLoads(base=base0, coef=coef, swap=swap, swap_coef=swap_coef)
+
+
+def placement_memory(problem: Problem, cfg: ScheduleConfig) -> PlacementMemory:
+    base_cfg = replace(cfg, placement=Placement(), swap_layers=0, iterations=1)
+
+    def make() -> PlacementMemory:
+        return PlacementMemory(schedule=problem.schedule_memory(base_cfg),
+                               gpu_working_bytes=_gpu_working_bytes(problem, base_cfg, swapped=False),
+                               gpu_working_swap_bytes=_gpu_working_bytes(problem, base_cfg, swapped=True))
+    return problem.memoized(("placement_memory", base_cfg), make)
+
+
+def _gpu_working_bytes(problem: Problem, cfg: ScheduleConfig, swapped: bool) -> float:
+    """Peak GPU bytes beyond the resident tensors, simulated on a 2-layer window of the schedule with the real GPU
+    capacity (transfers wait for memory as they will in the full run); inf when even that does not fit."""
+    small = replace(problem.model, num_layers=min(2, problem.model.num_layers))
+    c = replace(cfg, placement=Placement(), iterations=1, swap_layers=small.num_layers if swapped else 0)
+    g = build_graph(small, problem.hw, c)
+    g.capacity_bytes = {"gpu": g.capacity_bytes["gpu"], "cpu": math.inf, "ssd": math.inf}
+    try:
+        return simulate_graph(g, problem.hw).peak_bytes["gpu"] - g.static_bytes["gpu"]
+    except CapacityError:
+        return math.inf
+
+
+@dataclass
+class Solved:
+    x: dict[str, float]  # the placement fractions
+    n: int  # layers that swap their activations instead of recomputing
+    report: SolverReport
+
+
+def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *, allow_swap: bool = True,
+                    time_limit_s: float = 5.0, workers: int = 2, tighten_bytes: dict[str, float] | None = None,
+                    hint: Solved | None = None) -> Solved | None:
+    """CP-SAT: minimise the busiest resource's time over placement fractions and the number of swapped layers,
+    subject to every tier's capacity (less `tighten_bytes` per tier). Returns None when infeasible."""
+    t0 = time.perf_counter()
+    # ---- data
+    hw, L = problem.hw, problem.model.num_layers
+    sm = mem.schedule
+    if math.isinf(mem.gpu_working_bytes):
+        return None
+    can_swap = allow_swap and not math.isinf(mem.gpu_working_swap_bytes)
+    tighten_bytes = tighten_bytes or {}
+    cap_mib = {t: max(0, int((c - tighten_bytes.get(t, 0.0)) / MIB)) for t, c in problem.capacity_bytes.items()}
+    weight_mib = _mib(COMPUTE_BYTES * sm.params / STEPS)  # per step of a fraction
+    state_mib = _mib(STATE_BYTES * sm.params / STEPS)
+    ckpt_recompute_mib = _mib(sm.ckpt_per_layer_bytes * L / STEPS)  # all layers' checkpoints, per step of c_*
+    ckpt_swap_mib = _mib(sm.swap_extra_bytes / STEPS)  # per swapped layer and step of c_*
+    gpu_work_mib = _mib(mem.gpu_working_bytes)
+    gpu_swap_extra_mib = max(0, _mib(mem.gpu_working_swap_bytes) - gpu_work_mib) if can_swap else 0
+    host_mib = _mib(sm.host_working_bytes + host_reserve_bytes(hw.cpu.capacity_bytes))
+
+    # ---- variables
+    m = cp_model.CpModel()
+    frac = {v: m.NewIntVar(0, STEPS, v) for v in VARS}
+    swapped = m.NewIntVar(0, L if can_swap else 0, "swap_layers")
+    any_swap = m.NewBoolVar("any_swap")
+    # swapped layers x checkpoint fraction, per tier that takes checkpoints (CP-SAT multiplication)
+    swap_frac = {v: m.NewIntVar(0, STEPS * L, f"swapped_x_{v}") for v in CKPT_VARS}
+    swap_on_cpu = m.NewIntVar(0, STEPS * L, "swapped_x_c_cpu")
+
+    # ---- constraints
+    m.Add(frac["w_gpu"] + frac["w_ssd"] <= STEPS)
+    m.Add(frac["c_gpu"] + frac["c_ssd"] <= STEPS)
+    if not problem.uses_ssd:
+        for v in ("w_ssd", "s_ssd", "c_ssd"):
+            m.Add(frac[v] == 0)
+    for v in CKPT_VARS:
+        m.AddMultiplicationEquality(swap_frac[v], [swapped, frac[v]])
+    m.Add(swapped <= L * any_swap)
+    m.Add(swap_on_cpu == STEPS * swapped - swap_frac["c_gpu"] - swap_frac["c_ssd"])
+    # GPU: resident weights + checkpoints kept there + working memory (higher as soon as one layer swaps)
+    m.Add(weight_mib * frac["w_gpu"] + ckpt_recompute_mib * frac["c_gpu"] + ckpt_swap_mib * swap_frac["c_gpu"]
+          + gpu_work_mib + gpu_swap_extra_mib * any_swap <= cap_mib["gpu"])
+    # CPU: weights, optimizer states and checkpoints not placed elsewhere + the schedule's host memory + reserve
+    m.Add(weight_mib * (STEPS - frac["w_gpu"] - frac["w_ssd"]) + state_mib * (STEPS - frac["s_ssd"])
+          + ckpt_recompute_mib * (STEPS - frac["c_gpu"] - frac["c_ssd"]) + ckpt_swap_mib * swap_on_cpu + host_mib
+          <= cap_mib["cpu"])
+    if problem.uses_ssd:
+        m.Add(weight_mib * frac["w_ssd"] + state_mib * frac["s_ssd"] + ckpt_recompute_mib * frac["c_ssd"]
+              + ckpt_swap_mib * swap_frac["c_ssd"] <= cap_mib["ssd"])
+    # time: the iteration lasts at least as long as its busiest resource, and at least as long as the forward
+    # phase's busiest resource plus the backward phase's (IterationLoads.times_s "phases")
+    times = _TimeTerms(problem, lin, frac, swapped, swap_frac)
+    iteration = m.NewIntVar(0, HORIZON_UNITS, "iteration_time")
+    for e in times.resource_bounds(""):
+        m.Add(iteration >= e)
+    if "gpu@F" in lin.base:
+        forward = m.NewIntVar(0, HORIZON_UNITS, "forward_time")
+        backward = m.NewIntVar(0, HORIZON_UNITS, "backward_time")
+        for e in times.resource_bounds("@F"):
+            m.Add(forward >= e)
+        for e in times.resource_bounds("@B"):
+            m.Add(backward >= e)
+        m.Add(iteration >= forward + backward)
+
+    # ---- objective: the bottleneck; among equal ones fewer bytes on the SSD and fewer swapped layers
+    m.Minimize(iteration * 1000 + frac["w_ssd"] + frac["s_ssd"] + frac["c_ssd"] + swapped)
+    if hint:
+        for v in VARS:
+            m.AddHint(frac[v], int(round(hint.x[v] * STEPS)))
+        m.AddHint(swapped, hint.n)
+
+    # ---- solve
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = workers
+    status = solver.Solve(m)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+
+    # ---- extract
+    objective_s = solver.Value(iteration) * TIME_UNIT_S
+    bound_s = math.floor(solver.BestObjectiveBound() / 1000) * TIME_UNIT_S
+    gap = max(0.0, (objective_s - bound_s) / objective_s) if objective_s > 0 else 0.0
+    report = SolverReport(solver.StatusName(status), objective_s, bound_s, gap, time.perf_counter() - t0)
+    return Solved(x={v: solver.Value(frac[v]) / STEPS for v in VARS}, n=solver.Value(swapped), report=report)
+
+
+def _mib(nbytes: float) -> int:
+    return math.ceil(nbytes / MIB)
+
+
+class _TimeTerms:
+    """Linear time expressions (in TIME_UNIT_S) of each resource's work: constant + integer coefficients x the
+    integer decision variables."""
+
+    def __init__(self, problem: Problem, lin: LinearLoads, frac: dict, swapped, swap_frac: dict) -> None:
+        self.problem, self.lin, self.frac, self.swapped, self.swap_frac = problem, lin, frac, swapped, swap_frac
+
+    def expr(self, resource: str, rate: float, scale: float = 1.0):
+        lin = self.lin
+        k = scale / (rate * TIME_UNIT_S)
+        e = round(lin.base[resource] * k)
+        e += sum(round(lin.coef[v][resource] * k / STEPS) * self.frac[v] for v in VARS)
+        e += round(lin.swap[resource] * k) * self.swapped
+        e += sum(round(lin.swap_coef[v][resource] * k / STEPS) * self.swap_frac[v] for v in CKPT_VARS)
+        return e
+
+    def resource_bounds(self, phase: str) -> list:
+        """Expressions whose max bounds the time of the work of `phase` ("" for the whole iteration)."""
+        r, hw = self.problem.rates, self.problem.hw
+        terms = [self.expr("gpu" + phase, 1.0), self.expr("cpu" + phase, 1.0),
+                 self.expr("h2d" + phase, r.h2d), self.expr("d2h" + phase, r.d2h)]
+        # both PCIe directions: h/H + d/D + c min(h/Hd, d/Dd) (loads.pcie_time_s): a max of two terms
+        both = self.expr("h2d" + phase, r.h2d) + self.expr("d2h" + phase, r.d2h)
+        c = pcie_coefficient(r)
+        if c < 0:
+            terms += [both + self.expr("h2d" + phase, r.h2d_duplex, c),
+                      both + self.expr("d2h" + phase, r.d2h_duplex, c)]
+        else:
+            terms.append(both)
+        if self.problem.uses_ssd:
+            rd, wr = self.expr("ssd_read" + phase, r.ssd_read), self.expr("ssd_write" + phase, r.ssd_write)
+            terms += [rd, wr] + ([rd + wr] if hw.ssd.rw_sharing == "shared" else [])
+        return terms

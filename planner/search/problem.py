@@ -1,0 +1,138 @@
+"""The planning problem: a model on a box at a batch and sequence length, and everything that depends only on them
+(cost model, link rates, tier capacities, per-micro-batch blocks), built once. Every search function takes a
+Problem instead of the (model, hw, batch, seq) tuple; its caches live on the instance, so two problems never
+share (or hash) each other's state.
+
+    >>> from tierflow.api import Problem
+    >>> p = Problem.of("gpt3-13b", "rtx4090-lohan", batch=64, seq=1024)
+    >>> p.config(Candidate(micro_batch=8, group=8, alpha=0.25)).family
+    'vertical'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from tierflow.hwprofiles import HardwareProfile, load_profile
+from tierflow.planner.core.costmodel import CostModel, Rates
+from tierflow.planner.core.memory import ScheduleMemory, blocks_of, schedule_memory
+from tierflow.planner.core.models import ModelSpec, get_model
+from tierflow.planner.core.placement import Placement
+from tierflow.planner.core.schedules import ScheduleConfig, family_of, make_schedule
+from tierflow.planner.core.workload import BlockCost
+
+TIERS = ("gpu", "cpu", "ssd")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The discrete decisions the search enumerates; placement and swap count are solved per candidate."""
+
+    micro_batch: int
+    group: int  # micro-batches a block runs before the next block (1 = one per sweep, M = all)
+    alpha: float  # fraction of each block's CPU Adam deferred into the next iteration's forward
+    prefetch_depth: int = 1
+    optimizer_overlap: bool = True  # the search's own candidates overlap; a fixed horizontal baseline does not
+
+    def family(self, batch: int) -> str:
+        """What the builder builds for this candidate."""
+        return family_of(self.group, batch // self.micro_batch, self.optimizer_overlap)
+
+    def describe(self, batch: int) -> str:
+        M = batch // self.micro_batch
+        fam = self.family(batch)
+        if fam == "block":
+            fam = f"block k={self.group}"
+        return f"{fam}, {M} x {self.micro_batch}, alpha {self.alpha:g}, prefetch {self.prefetch_depth}"
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    model: ModelSpec
+    hw: HardwareProfile
+    batch: int  # global batch, in sequences
+    seq: int
+    allow_ssd: bool = True  # may the plan use the SSD tier at all
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, model: ModelSpec | str, hw: HardwareProfile | str, *, batch: int, seq: int | None = None,
+           allow_ssd: bool = True) -> Problem:
+        m = model if isinstance(model, ModelSpec) else get_model(model)
+        h = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
+        return cls(m, h, batch, seq or m.seq_len, allow_ssd)
+
+    def on(self, hw: HardwareProfile) -> Problem:
+        """The same problem on another box (its own caches)."""
+        return Problem(self.model, hw, self.batch, self.seq, self.allow_ssd)
+
+    def with_model(self, model: ModelSpec) -> Problem:
+        return Problem(model, self.hw, self.batch, self.seq, self.allow_ssd)
+
+    # ---- built once -------------------------------------------------------------------------------------------
+
+    @cached_property
+    def cost(self) -> CostModel:
+        return CostModel(self.hw)
+
+    @cached_property
+    def rates(self) -> Rates:
+        return self.cost.rates
+
+    @cached_property
+    def capacity_bytes(self) -> dict[str, float]:
+        """Usable bytes of each tier (the SSD tier is empty when the problem forbids it)."""
+        hw = self.hw
+        return {"gpu": float(hw.gpu.capacity_bytes), "cpu": float(hw.cpu.capacity_bytes),
+                "ssd": float(hw.ssd.capacity_bytes) if self.uses_ssd else 0.0}
+
+    @property
+    def uses_ssd(self) -> bool:
+        return self.allow_ssd and self.hw.ssd.count > 0
+
+    def blocks(self, micro_batch: int) -> list[BlockCost]:
+        key = ("blocks", micro_batch)
+        if key not in self._cache:
+            self._cache[key] = blocks_of(self.model, micro_batch, self.seq)
+        return self._cache[key]
+
+    def memoized(self, key: tuple, make):
+        """A value cached on this problem (search layers keep their per-config results here)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    # ---- candidates --------------------------------------------------------------------------------------------
+
+    def config(self, c: Candidate, placement: Placement | None = None, swap_layers: int = 0,
+               iterations: int = 3) -> ScheduleConfig:
+        """The schedule of a candidate with these decisions (the public way to build a candidate's config)."""
+        fam = c.family(self.batch)
+        return make_schedule(fam, self.model, self.hw, batch=self.batch,
+                             micro_batch=c.micro_batch, seq=self.seq, placement=placement or Placement(),
+                             group=c.group if fam == "block" else None, alpha=c.alpha,
+                             prefetch_depth=c.prefetch_depth, swap_layers=swap_layers, iterations=iterations)
+
+    def schedule_memory(self, cfg: ScheduleConfig) -> ScheduleMemory:
+        return self.memoized(("schedule_memory", cfg.micro_batch, cfg.group, cfg.alpha, cfg.optimizer_overlap,
+                              cfg.prefetch_depth, cfg.act_prefetch), lambda: schedule_memory(
+            self.model, micro_batch=cfg.micro_batch, seq=self.seq, num_micro_batches=cfg.num_micro_batches,
+            group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
+            prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch))
+
+    def gpu_floor_s(self, micro_batch: int) -> float:
+        """GPU compute of one iteration without any recompute: no plan with this micro-batch can beat it."""
+        def floor() -> float:
+            per_mb = sum(self.cost.forward_s(b) + self.cost.backward_s(b) for b in self.blocks(micro_batch))
+            return per_mb * self.batch // micro_batch
+        return self.memoized(("gpu_floor_s", micro_batch), floor)
+
+    def fits_gpu(self, micro_batch: int) -> bool:
+        """Can one layer's backward at this micro-batch (plus a few weight buffers) fit on the GPU at all?"""
+        blocks = self.blocks(micro_batch)
+        need = max(b.bwd_working_bytes for b in blocks) + 3 * max(b.weight_bytes for b in blocks)
+        return need <= self.capacity_bytes["gpu"]
+
+    def describe(self) -> str:
+        return f"{self.model.name} on {self.hw.name}, batch {self.batch} x {self.seq}"
