@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -76,6 +76,14 @@ class SimResult:
             "start_s": self.start_s, "end_s": self.end_s,
         })
 
+    def summary_only(self) -> SimResult:
+        """This result without its task graph's tasks and per-task times (cheap to send between processes):
+        every metric and peak stays; timeline() needs the full result."""
+        g = self.graph
+        shell = TaskGraph([], g.static_bytes, g.capacity_bytes, g.num_iterations, g.num_blocks,
+                          meta={**g.meta, "tasks": len(g.tasks)})
+        return replace(self, graph=shell, start_s=np.empty(0), end_s=np.empty(0), memory_trace=[])
+
     def to_dict(self) -> dict:
         return {
             "iteration_s": self.iteration_s,
@@ -86,7 +94,7 @@ class SimResult:
             "link_bytes": dict(self.link_bytes),
             "peak_bytes": dict(self.peak_bytes),
             "capacity_bytes": dict(self.graph.capacity_bytes),
-            "tasks": len(self.graph.tasks),
+            "tasks": self.graph.meta.get("tasks", len(self.graph.tasks)),
             "iterations_simulated": self.graph.num_iterations,
         }
 

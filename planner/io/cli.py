@@ -325,19 +325,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_capacity(args: argparse.Namespace) -> int:
     from tierflow.planner.search.capacity import FAMILIES as CAP_FAMILIES
-    from tierflow.planner.search.capacity import largest
+    from tierflow.planner.search.capacity import largest_all
 
     hw = load_hw(args.hw, args.set)
     seq = args.seq or 2048
-    answers = []
-    prog = Progress(2 * len(CAP_FAMILIES), "capacity")
-    for fam in CAP_FAMILIES:
-        for with_ssd in (True, False):
-            if with_ssd and hw.ssd.count == 0:
-                prog.step(fam)
-                continue
-            answers.append(largest(fam, hw, args.batch, seq, with_ssd))
-            prog.step(fam)
+    jobs = len(CAP_FAMILIES) * (2 if hw.ssd.count else 1)
+    prog = Progress(jobs, "capacity")
+    answers = largest_all(hw, args.batch, seq, on_answer=lambda a: prog.step(
+        f"{a.family} {'with' if a.with_ssd else 'without'} SSDs"))
     prog.done()
     checks = []
     for name in args.model or []:

@@ -8,6 +8,9 @@ tierflow.planner.search.explain.min_requirements, decides what fits; the simulat
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 
 from tierflow.hwprofiles import HardwareProfile
@@ -88,3 +91,35 @@ def largest(family: str, hw: HardwareProfile, batch: int, seq: int, with_ssd: bo
             last = str(e)
             continue
     return CapacityAnswer(family, with_ssd, None, 0, {}, None, note=last if fitting else "nothing fits")
+
+
+def _largest_light(args: tuple) -> CapacityAnswer:
+    """largest() for a worker process: the answer without the simulated task graph (only its summary travels)."""
+    a = largest(*args)
+    if a.verified is not None:
+        a.verified = a.verified.summary_only()
+    return a
+
+
+def largest_all(hw: HardwareProfile, batch: int, seq: int, *, families: tuple[str, ...] = tuple(FAMILIES),
+                workers: int | None = None, on_answer=None) -> list[CapacityAnswer]:
+    """`largest` for every family, with and without the SSDs (when the box has them), each in its own process
+    (up to `workers`, default the machine's cores, at most 2 when they share a small box): the answers are
+    independent and each ends in one large simulation. `on_answer(answer)` is called as each one arrives."""
+    jobs = [(fam, hw, batch, seq, with_ssd) for fam in families for with_ssd in (True, False)
+            if not (with_ssd and hw.ssd.count == 0)]
+    workers = min(len(jobs), workers or os.cpu_count() or 1)
+    answers: dict[int, CapacityAnswer] = {}
+    if workers > 1 and "fork" in mp.get_all_start_methods():
+        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork")) as pool:
+            futures = {pool.submit(_largest_light, job): i for i, job in enumerate(jobs)}
+            for f in as_completed(futures):
+                answers[futures[f]] = f.result()
+                if on_answer:
+                    on_answer(answers[futures[f]])
+    else:
+        for i, job in enumerate(jobs):
+            answers[i] = _largest_light(job)
+            if on_answer:
+                on_answer(answers[i])
+    return [answers[i] for i in range(len(jobs))]
