@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tierflow.api import simulate_config
 from tierflow.hwprofiles import HardwareProfile
-from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.costmodel import link_rates
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleError, make_schedule
@@ -147,7 +147,7 @@ def utilisation(res: SimResult, hw: HardwareProfile) -> dict[str, float]:
     """Share of the steady-state iteration each resource is needed: GPU and CPU from SimResult.busy; links
     from the bytes they carry at their solo rates (PCIe both ways with the profile's duplex rates, the SSD
     array's reads + writes when they time-share it)."""
-    rates = CostModel(hw).rates
+    rates = link_rates(hw)
     t = res.iteration_s
     lb = res.link_bytes
     h2d, d2h = lb["cpu->gpu"], lb["gpu->cpu"]

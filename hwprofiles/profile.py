@@ -154,6 +154,12 @@ class HardwareProfile:
     price: PriceSpec
     source: str = field(default="<dict>", compare=False)  # the file it was loaded from, or "<dict>"
 
+    @property
+    def tier_capacity_bytes(self) -> dict[str, float]:
+        """Usable bytes of each memory tier: {"gpu": ..., "cpu": ..., "ssd": ...}."""
+        return {"gpu": float(self.gpu.capacity_bytes), "cpu": float(self.cpu.capacity_bytes),
+                "ssd": float(self.ssd.capacity_bytes)}
+
     def to_dict(self) -> dict[str, Any]:
         """The YAML structure; ``profile_from_dict(p.to_dict()) == p``."""
         out: dict[str, Any] = {

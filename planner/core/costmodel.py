@@ -36,6 +36,25 @@ class Rates:
     adam_params_per_s: float
 
 
+def link_rates(hw: HardwareProfile) -> Rates:
+    """The link rates of a box (cheap: no cost model is built)."""
+    p, s = hw.pcie, hw.ssd
+    shared = s.rw_sharing == "shared"
+    read = s.total_read_gbps * 1e9
+    write = s.total_write_gbps * 1e9
+    return Rates(
+        h2d=p.h2d_gbps * 1e9,
+        d2h=p.d2h_gbps * 1e9,
+        h2d_duplex=p.duplex_h2d_gbps * 1e9,
+        d2h_duplex=p.duplex_d2h_gbps * 1e9,
+        ssd_read=read,
+        ssd_write=write,
+        ssd_read_mixed=read / 2 if shared else read,
+        ssd_write_mixed=write / 2 if shared else write,
+        adam_params_per_s=hw.cpu.adam_gparams_per_s * 1e9,
+    )
+
+
 class CostModel:
     """Turns work (FLOPs, bytes, parameters) into seconds on one hardware profile."""
 
@@ -46,21 +65,7 @@ class CostModel:
         self.gemm_eff = g.gemm_efficiency
         self.half_flops = g.gemm_half_gflop * 1e9
         self.hbm_bps = g.hbm_gbps * 1e9 * g.hbm_efficiency
-        p, s = hw.pcie, hw.ssd
-        shared = s.rw_sharing == "shared"
-        read = s.total_read_gbps * 1e9
-        write = s.total_write_gbps * 1e9
-        self.rates = Rates(
-            h2d=p.h2d_gbps * 1e9,
-            d2h=p.d2h_gbps * 1e9,
-            h2d_duplex=p.duplex_h2d_gbps * 1e9,
-            d2h_duplex=p.duplex_d2h_gbps * 1e9,
-            ssd_read=read,
-            ssd_write=write,
-            ssd_read_mixed=read / 2 if shared else read,
-            ssd_write_mixed=write / 2 if shared else write,
-            adam_params_per_s=hw.cpu.adam_gparams_per_s * 1e9,
-        )
+        self.rates = link_rates(hw)
 
     # ---- GPU compute ------------------------------------------------------------------------------------------
 

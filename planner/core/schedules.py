@@ -363,8 +363,7 @@ class _Builder:
             self.step_key.extend(self.clock.steps(it))
             self.build_iteration(it, base, seq_steps)
         static = placed_bytes(self.model, self.p)
-        cap = {"gpu": float(self.hw.gpu.capacity_bytes), "cpu": float(self.hw.cpu.capacity_bytes),
-               "ssd": float(self.hw.ssd.capacity_bytes)}
+        cap = self.hw.tier_capacity_bytes
         return TaskGraph(g.tasks, static, cap, cfg.iterations, self.nb,
                          meta={"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations})
 

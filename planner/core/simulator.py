@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile
-from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.costmodel import link_rates
 from tierflow.planner.core.graph import LINK_NAMES, RESOURCES, TIERS, TaskGraph, gc_paused
 
 _EPS_BYTES = 1.0
@@ -106,7 +106,7 @@ def simulate_graph(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
 
 
 def _simulate(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
-    rates = CostModel(hw).rates
+    rates = link_rates(hw)
     tasks = graph.tasks
     n = len(tasks)
     R = len(RESOURCES)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock
-from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.costmodel import link_rates
 from tierflow.planner.core.graph import RESOURCES
 from tierflow.planner.core.memory import placed_bytes
 from tierflow.planner.core.models import ModelSpec
@@ -37,7 +36,7 @@ class IterationLoads:
         return out
 
     def _times(self, hw: HardwareProfile, suffix: str) -> dict[str, float]:
-        r = CostModel(hw).rates
+        r = link_rates(hw)
         w = {k: self.work.get(k + suffix, 0.0) for k in RESOURCES}
         out = {"gpu": w["gpu"], "cpu": w["cpu"]}
         out["h2d"] = _div(w["h2d"], r.h2d)
@@ -86,8 +85,19 @@ def _div(a: float, b: float) -> float:
     return a / b if b > 0 else math.inf
 
 
-@lru_cache(maxsize=1024)
-def _work(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, layers: int, swapped: int) -> dict[str, float]:
+def _work(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, layers: int, swapped: int,
+          cache: dict | None) -> dict[str, float]:
+    if cache is None:
+        return _measure_work(model, hw, cfg, layers, swapped)
+    key = (cfg.micro_batch, cfg.group, cfg.placement, cfg.alpha, cfg.optimizer_overlap, cfg.prefetch_depth,
+           cfg.act_prefetch, cfg.recompute, layers, swapped)
+    if key not in cache:
+        cache[key] = _measure_work(model, hw, cfg, layers, swapped)
+    return cache[key]
+
+
+def _measure_work(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, layers: int,
+                  swapped: int) -> dict[str, float]:
     """Work per resource, and per resource and phase ("gpu@F", "h2d@B", ...): a task belongs to the phase of the
     GPU step its queue position serves (forward steps -> F; head and backward steps -> B; the optimizer tail
     after the last step to neither)."""
@@ -106,13 +116,15 @@ def _work(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, layers: in
     return work
 
 
-def iteration_loads(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> IterationLoads:
-    """Exact per-iteration work of `cfg` on the full model (see module doc)."""
+def iteration_loads(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
+                    cache: dict | None = None) -> IterationLoads:
+    """Exact per-iteration work of `cfg` on the full model (see module doc). `cache`, a dict the caller keeps
+    for one model and box (a Problem's), holds the measured 1- and 2-layer loads across calls."""
     L = model.num_layers
     n = cfg.swap_layers if cfg.recompute else 0
-    w1 = _work(model, hw, cfg, 1, 0)
-    w2 = _work(model, hw, cfg, 2, 0)
-    ws = _work(model, hw, cfg, 1, 1) if n else w1
+    w1 = _work(model, hw, cfg, 1, 0, cache)
+    w2 = _work(model, hw, cfg, 2, 0, cache)
+    ws = _work(model, hw, cfg, 1, 1, cache) if n else w1
     work = {}
     for k in w1:
         r = w2[k] - w1[k]  # one recomputed layer

@@ -82,10 +82,11 @@ def linear_loads(problem: Problem, cfg: ScheduleConfig) -> LinearLoads:
 def _measure_linear_loads(problem: Problem, cfg: ScheduleConfig) -> LinearLoads:
     L = problem.model.num_layers
     zero = dict.fromkeys(VARS, 0.0)
+    loads_cache = problem.memoized(("iteration_loads_cache",), dict)
 
     def at(x: dict[str, float], n: int) -> dict[str, float]:
         c = replace(cfg, placement=placement_of(x), swap_layers=n, recompute=True)
-        return iteration_loads(problem.model, problem.hw, c).work
+        return iteration_loads(problem.model, problem.hw, c, cache=loads_cache).work
 
     base0, baseL = at(zero, 0), at(zero, L)
     coef, swap_coef = {}, {}

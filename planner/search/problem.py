@@ -83,9 +83,7 @@ class Problem:
     @cached_property
     def capacity_bytes(self) -> dict[str, float]:
         """Usable bytes of each tier (the SSD tier is empty when the problem forbids it)."""
-        hw = self.hw
-        return {"gpu": float(hw.gpu.capacity_bytes), "cpu": float(hw.cpu.capacity_bytes),
-                "ssd": float(hw.ssd.capacity_bytes) if self.uses_ssd else 0.0}
+        return {**self.hw.tier_capacity_bytes, **({} if self.uses_ssd else {"ssd": 0.0})}
 
     @property
     def uses_ssd(self) -> bool:

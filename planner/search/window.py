@@ -56,7 +56,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from tierflow.hwprofiles import HardwareProfile
-from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.costmodel import link_rates
 from tierflow.planner.core.graph import LINKS, RESOURCES, TIERS, TaskGraph
 from tierflow.planner.core.simulator import SimulationError, simulate_graph
 
@@ -84,7 +84,7 @@ class WindowResult:
 
 def solo_durations_s(graph: TaskGraph, hw: HardwareProfile) -> list[float]:
     """Each task's duration alone on its resource: work seconds on gpu/cpu, bytes / solo rate on links."""
-    rates = CostModel(hw).rates
+    rates = link_rates(hw)
     out = []
     for t in graph.tasks:
         if t.resource in LINKS:
