@@ -51,7 +51,7 @@ def estimate(model, cfg) -> dict[str, float]:
     mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq, num_micro_batches=cfg.num_micro_batches,
                           group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
                           prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch)
-    return mem.tier_bytes(cfg.placement, cfg.swap_layers), mem.host_staging_bytes
+    return mem.tier_bytes(cfg.placement, cfg.swap_layers), mem.staging_bytes(cfg.placement, cfg.swap_layers)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

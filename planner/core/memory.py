@@ -87,11 +87,28 @@ class ScheduleMemory:
     layers: int
     params: int
     host_grad_bytes: float  # fp32 gradients waiting on the host for their optimizer step
-    host_staging_bytes: float  # blocks in flight: weights and optimizer states read from SSD, gradients read back
+    weight_staging_bytes: float  # host buffers of weights read from the SSDs ahead of their fetch
+    state_staging_bytes: float  # host buffers of optimizer states streamed from and to the SSDs
+    grad_staging_bytes: float  # host buffers of spilled gradients read back for the optimizer
+    ckpt_staging_bytes: float  # host buffers of checkpoints on their way to and from the SSDs
+    ckpt_staging_swap_bytes: float  # ... when layers swap all their activations
     ckpt_per_layer_bytes: float  # checkpoints (+ parked activations / activation gradients) per recomputed layer
     swap_extra_bytes: float  # ... extra per swapped layer
     gpu_working_bytes: float  # closed-form GPU bytes beyond resident tensors (weight buffers, work, gradients)
     gpu_working_swap_bytes: float  # ... when layers keep their activations (their prefetched activations)
+
+    @property
+    def host_staging_bytes(self) -> float:
+        """Staging for every tensor class streamed from the SSDs (an upper bound for any placement)."""
+        return self.weight_staging_bytes + self.state_staging_bytes + self.grad_staging_bytes \
+            + max(self.ckpt_staging_bytes, self.ckpt_staging_swap_bytes)
+
+    def staging_bytes(self, placement: Placement, swap_layers: int = 0) -> float:
+        """Staging of the tensor classes this placement streams from the SSDs."""
+        p = placement
+        ckpt = self.ckpt_staging_swap_bytes if swap_layers else self.ckpt_staging_bytes
+        return (self.weight_staging_bytes * (p.weights.ssd > 0) + self.state_staging_bytes * (p.master.ssd > 0)
+                + self.grad_staging_bytes * (p.grads.ssd > 0) + ckpt * (p.checkpoints.ssd > 0))
 
     @property
     def host_working_bytes(self) -> float:
@@ -113,7 +130,7 @@ class ScheduleMemory:
         grads_on_host = self.host_grad_bytes * (1.0 - placement.grads.ssd) if not placement.gpu_optimizer else 0.0
         return {
             "gpu": placed["gpu"] + gpu_work + ck * c.gpu,
-            "cpu": placed["cpu"] + grads_on_host + self.host_staging_bytes + ck * c.cpu
+            "cpu": placed["cpu"] + grads_on_host + self.staging_bytes(placement, swap_layers) + ck * c.cpu
             + host_reserve_bytes(cpu_capacity_bytes),
             "ssd": placed["ssd"] + ck * c.ssd,
         }
@@ -135,7 +152,13 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
         grads = GRAD_ACCUM_BYTES * (3 * fetch_max + alpha * params)
     # in flight at once: weights read from the SSD ahead of their fetch (prefetch_depth + 2 uses), optimizer
     # states of three blocks (read next, updated now, written back), a spilled gradient read back
-    staging = ((prefetch_depth + 2) * COMPUTE_BYTES + 2 * GRAD_ACCUM_BYTES) * fetch_max + 3 * STATE_BYTES * owned_max
+    weight_staging = (prefetch_depth + 2) * COMPUTE_BYTES * fetch_max
+    state_staging = 3 * STATE_BYTES * owned_max
+    grad_staging = 2 * GRAD_ACCUM_BYTES * fetch_max
+    # checkpoints pass through host memory on their way to the SSDs and back: the one being written, the one
+    # read back for the step in use and those read ahead for the next act_prefetch steps
+    ckpt_staging = (act_prefetch + 2) * group * layer.checkpoint_bytes
+    ckpt_staging_swap = (act_prefetch + 2) * group * layer.full_activation_bytes
     # at the turn from forward to backward every micro-batch of the group holds each layer's checkpoint, and one
     # more activation per micro-batch waits between two blocks (the head's input, then an activation gradient)
     ckpt = group * layer.checkpoint_bytes * (L + 1) / L
@@ -148,6 +171,9 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
         + prefetch_depth * max(b.weight_bytes for b in blocks) + 2 * layer.checkpoint_bytes
     gpu_recompute = gpu + act_prefetch * layer.checkpoint_bytes
     gpu_swap = gpu + act_prefetch * layer.full_activation_bytes
-    return ScheduleMemory(layers=model.num_layers, params=params, host_grad_bytes=grads, host_staging_bytes=staging,
+    return ScheduleMemory(layers=model.num_layers, params=params, host_grad_bytes=grads,
+                          weight_staging_bytes=weight_staging, state_staging_bytes=state_staging,
+                          grad_staging_bytes=grad_staging, ckpt_staging_bytes=ckpt_staging,
+                          ckpt_staging_swap_bytes=ckpt_staging_swap,
                           ckpt_per_layer_bytes=ckpt, swap_extra_bytes=swap_extra, gpu_working_bytes=gpu_recompute,
                           gpu_working_swap_bytes=gpu_swap)

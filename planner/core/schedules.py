@@ -114,7 +114,9 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq, num_micro_batches=cfg.num_micro_batches,
                           group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
                           prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch)
-    budget = float(hw.cpu.capacity_bytes) - mem.host_staging_bytes - host_reserve_bytes(hw.cpu.capacity_bytes)
+    # staging buffers for whatever may stream from the SSDs (all of it on a box with SSDs)
+    staging = mem.host_staging_bytes if hw.ssd.count > 0 else 0.0
+    budget = float(hw.cpu.capacity_bytes) - staging - host_reserve_bytes(hw.cpu.capacity_bytes)
     ssd = hw.ssd.count > 0
     if cfg.family == "horizontal" and ssd:
         # ZeRO-Infinity puts the fp32 gradients on NVMe with the optimizer when the optimizer is there

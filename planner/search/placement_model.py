@@ -152,7 +152,9 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
     ckpt_swap_mib = _mib(sm.swap_extra_bytes / STEPS)  # per swapped layer and step of c_*
     gpu_work_mib = _mib(mem.gpu_working_bytes)
     gpu_swap_extra_mib = max(0, _mib(mem.gpu_working_swap_bytes) - gpu_work_mib) if can_swap else 0
-    host_mib = _mib(sm.host_working_bytes + host_reserve_bytes(hw.cpu.capacity_bytes))
+    # the host's gradients, staging buffers (when anything may stream from the SSDs) and reserve
+    staging = sm.host_staging_bytes if problem.uses_ssd else 0.0
+    host_mib = _mib(sm.host_grad_bytes + staging + host_reserve_bytes(hw.cpu.capacity_bytes))
 
     # ---- variables
     m = cp_model.CpModel()
