@@ -180,21 +180,16 @@ def cpu_model() -> str:
 
 
 def check_ssd_dir(directory: str | os.PathLike[str], need_bytes: int) -> Path:
-    """The directory, or a one-line CliError naming it and the fix."""
-    d = Path(directory)
-    if not d.exists():
-        raise CliError(f"--ssd-dir {d}: no such directory (create it, or give a directory on the SSD to measure)")
-    if not d.is_dir():
-        raise CliError(f"--ssd-dir {d}: not a directory (give a directory on the SSD to measure, not a file)")
-    if not os.access(d, os.W_OK | os.X_OK):
-        raise CliError(f"--ssd-dir {d}: not writable (fix its permissions or give a directory you can write to)")
-    free = shutil.disk_usage(d).free
-    if free < need_bytes:
-        raise CliError(
-            f"--ssd-dir {d}: only {free / 1e9:.2f} GB free, the test needs {need_bytes / 1e9:.2f} GB "
-            "(free some space, use --quick or a smaller --ssd-file-mib, or give another directory)"
-        )
-    return d
+    """The directory (checked by store.check_ssd_dir, as `tierflow run` checks its own), or a one-line CliError
+    naming it and the fix."""
+    from tierflow.executor.store import SsdError
+    from tierflow.executor.store import check_ssd_dir as check  # imports torch: not at module level
+
+    try:
+        return check(directory, need_bytes, "two test files", needed_by="the SSD test",
+                     fix_space="free some space, use --quick or a smaller --ssd-file-mib, or give another directory")
+    except SsdError as e:
+        raise CliError(str(e)) from None
 
 
 def ssd_need_bytes(file_bytes: int) -> int:

@@ -186,14 +186,20 @@ class SsdStore:
             return sum(self.nbytes.values())
 
 
-def check_ssd_dir(path: str | os.PathLike[str] | None, need_bytes: float, what: str) -> Path:
-    """The SSD directory, checked before training starts: exists, is writable, has room for `need_bytes`."""
+def check_ssd_dir(path: str | os.PathLike[str] | None, need_bytes: float, what: str, *,
+                  needed_by: str = "the plan",
+                  fix_space: str = "free space, pass a larger directory, or plan with fewer bytes on the SSD") -> Path:
+    """The SSD directory, checked before it is used (by `tierflow run` for the plan's SSD tier, by `tierflow
+    calibrate` for its test files): exists, is a directory, is writable, has room for `need_bytes` (`what`
+    they hold, for `needed_by`). Raises SsdError with one line that names the directory and the fix."""
     if path is None:
-        raise SsdError(f"the plan puts {need_bytes / 1e9:.3f} GB on the SSD tier ({what}) but no --ssd-dir was "
+        raise SsdError(f"{needed_by} puts {need_bytes / 1e9:.3f} GB on the SSD tier ({what}) but no --ssd-dir was "
                        "given (pass a directory on the SSD array)")
     p = Path(path)
-    if not p.is_dir():
+    if not p.exists():
         raise SsdError(f"--ssd-dir {p}: no such directory (create it, or pass a directory on the SSD array)")
+    if not p.is_dir():
+        raise SsdError(f"--ssd-dir {p}: not a directory (pass a directory on the SSD array, not a file)")
     if not os.access(p, os.W_OK | os.X_OK):
         raise SsdError(f"--ssd-dir {p}: not writable (fix its permissions, or pass another directory)")
     probe = p / f".tierflow-write-test-{os.getpid()}"
@@ -204,8 +210,8 @@ def check_ssd_dir(path: str | os.PathLike[str] | None, need_bytes: float, what: 
     finally:
         probe.unlink(missing_ok=True)
     st = os.statvfs(p)
-    free = st.f_bavail * st.f_frsize
-    if free < need_bytes:
-        raise SsdError(f"--ssd-dir {p}: {free / 1e9:.3f} GB free, the plan needs {need_bytes / 1e9:.3f} GB there "
-                       f"({what}); free space, pass a larger directory, or plan with fewer bytes on the SSD")
+    free_bytes = st.f_bavail * st.f_frsize
+    if free_bytes < need_bytes:
+        raise SsdError(f"--ssd-dir {p}: {free_bytes / 1e9:.3f} GB free, {needed_by} needs {need_bytes / 1e9:.3f} GB "
+                       f"there ({what}); {fix_space}")
     return p

@@ -22,6 +22,7 @@ from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.engine import Executor, Hyper
 from tierflow.executor.models import BlockModel, build_blocks
 from tierflow.executor.models import loss as lm_loss
+from tierflow.executor.ops_state import WeightOps
 from tierflow.executor.run import RunOptions, RunResult, run_plan
 from tierflow.executor.store import ChecksumError, SsdError, SsdStore, check_ssd_dir
 from tierflow.hwprofiles import load_profile
@@ -370,10 +371,10 @@ def test_out_of_memory_names_the_plan_decision(tmp_path, monkeypatch, capsys):
     f = tmp_path / "plan.json"
     write_plan(plan, f)
 
-    def oom(self, t):
+    def oom(self, rs, t):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(Executor, "op_fetch_weights", oom)
+    monkeypatch.setattr(WeightOps, "fetch_weights", oom)
     assert main(["run", str(f), "--steps", "1", "--device", "cpu"]) == 3
     err = capsys.readouterr().err.strip()
     assert "gpu out of memory in op" in err and "fetch_weights" in err and "placement.weights" in err

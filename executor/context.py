@@ -1,0 +1,120 @@
+"""What an op sees: the executor's fixed context (`OpContext`: the plan's binding, the training state, the
+device) and the state of the round it runs in (`RoundState`, created fresh by every `Executor.run_round`)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tierflow.executor.binding import Binding, Entry, EntryKey
+from tierflow.executor.state import BlockLayout, TrainState
+from tierflow.executor.store import SsdStore
+from tierflow.planner.core.models import ModelSpec
+from tierflow.planner.core.schedules import ScheduleConfig
+
+STREAM_RESOURCES = ("gpu", "h2d", "d2h")  # resources with a CUDA stream each (plain threads on a CPU device)
+
+
+@dataclass(frozen=True)
+class Hyper:
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass(frozen=True)
+class OpContext:
+    """The fixed part of what every op reads: one per Executor."""
+
+    binding: Binding
+    state: TrainState
+    device: torch.device
+    hyper: Hyper
+    ssd: SsdStore | None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (of the weights)."""
+        return self.state.compute_dtype
+
+    @property
+    def layout(self) -> BlockLayout:
+        return self.state.layout
+
+    @property
+    def cfg(self) -> ScheduleConfig:
+        return self.binding.cfg
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.binding.plan.model
+
+
+STAGED_KINDS = frozenset({
+    "weights_read",  # read_weights -> fetch_weights: {owner: pinned host buffer of its SSD range}
+    "opt_states_read",  # read_opt_states -> adam: {class: (lo, hi, host tensor)} of its part's SSD range
+    "weights_gpu",  # adam -> update_weights: (lo, hi, updated compute weights of the device range)
+    "weights_ssd",  # adam -> write_opt_states: [(file name, updated compute weights)]
+    "opt_states_out",  # adam -> write_opt_states: the opt_states_read dict, updated in place
+})
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A key of RoundState.staged: what the op `task_id` left there for a later op."""
+
+    kind: str
+    task_id: int
+
+    def __post_init__(self) -> None:
+        assert self.kind in STAGED_KINDS, self.kind
+
+
+@dataclass
+class RoundState:
+    """Everything one round of the plan's ops (Executor.run_round) creates and shares between its workers."""
+
+    num_ops: int  # the round runs ops [0, num_ops) of the plan
+    step0: int  # training step of the round's first iteration
+    batches: list[list[tuple[torch.Tensor, torch.Tensor]]]  # [iteration][micro-batch] -> (tokens, targets)
+    weight_users: Counter  # fetch_weights op -> compute ops still to read its buffers
+    lock: threading.Lock = field(default_factory=threading.Lock)  # entries, grad_acc, memory accounting
+    # data between ops
+    entries: dict[EntryKey, Entry] = field(default_factory=dict)
+    fetched: dict[int, torch.Tensor] = field(default_factory=dict)  # fetch op -> the device copy it made
+    graphs: dict[tuple[int, int, int], tuple] = field(default_factory=dict)  # (it, b, m) -> recompute's graph
+    grad_acc: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (taking op, owner) -> fp32 grads
+    staged: dict[Staged, object] = field(default_factory=dict)
+    weight_bufs: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # fetch_weights -> owner -> part
+    weight_full: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # fetch_weights -> owner -> joined
+    loss_sum: list[torch.Tensor] = field(default_factory=list)  # per iteration, on the device
+    # progress and timing
+    done: list[threading.Event] = field(default_factory=list)  # per op
+    abort: threading.Event = field(default_factory=threading.Event)
+    errors: list[BaseException] = field(default_factory=list)
+    start_s: np.ndarray = field(default_factory=lambda: np.empty(0))  # per op, from t0_s (CPU device)
+    end_s: np.ndarray = field(default_factory=lambda: np.empty(0))
+    mem_bytes: list[float] = field(default_factory=list)  # per tier, as the plan's memory effects say
+    peak_bytes: list[float] = field(default_factory=list)
+    mem_trace: list[tuple[float, ...]] = field(default_factory=list)  # (seconds, bytes per tier)
+    t0_s: float = 0.0  # time.perf_counter() at the start
+    # CUDA only (None / empty on a CPU device)
+    streams: dict[str, torch.cuda.Stream] | None = None
+    ev0: torch.cuda.Event | None = None
+    ev_start: dict[int, torch.cuda.Event] = field(default_factory=dict)
+    ev_end: dict[int, torch.cuda.Event] = field(default_factory=dict)
+
+    def use_on(self, x: torch.Tensor | None, resource: str) -> None:
+        """A device tensor made on one stream and used on another: tell the caching allocator (CUDA only)."""
+        if self.streams is not None and x is not None and x.is_cuda:
+            x.record_stream(self.streams[resource])

@@ -1,0 +1,127 @@
+"""The GPU compute ops: fwd, recompute, head, bwd, computing in the weights' dtype (bf16 on CUDA, fp32 on a CPU
+device) and adding the weight gradients into fp32 device buffers (ops_state.GradBuffers).
+
+A forward of a recomputed block keeps nothing; one of a block that is not recomputed captures autograd's saved
+tensors in a Pack that the plan's offload/fetch ops move (ops_entries.py); a recompute rebuilds the block's graph
+right before its backward. The loss of each micro-batch is its mean token cross entropy divided by the number of
+micro-batches, so the step equals plain PyTorch training of the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.func import functional_call
+
+from tierflow.executor.binding import EntryKey
+from tierflow.executor.context import OpContext, RoundState
+from tierflow.executor.models import loss as lm_loss
+from tierflow.executor.ops_entries import EntryOps
+from tierflow.executor.ops_state import GradBuffers, WeightOps
+from tierflow.executor.packs import Pack
+from tierflow.planner.core.graph import Task
+
+
+class ComputeOps:
+    def __init__(self, cx: OpContext, entries: EntryOps, weights: WeightOps, grads: GradBuffers) -> None:
+        self.cx, self.entries, self.weights, self.grads = cx, entries, weights, grads
+        self.rec = cx.binding.rec
+        self.head_block = cx.spec.num_layers + 1
+        self.num_mb = cx.cfg.num_micro_batches
+
+    def _call(self, b: int, vecs: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        params = self.cx.layout.params(b, vecs[0])
+        module = self.cx.layout.templates[b]
+        spec = self.cx.spec
+        if b == self.head_block and spec.tied_embeddings:
+            return functional_call(module, params, (x,), {"tied_weight": vecs[1].view(spec.vocab_size, -1)})
+        return functional_call(module, params, (x,))
+
+    def fwd(self, rs: RoundState, t: Task) -> None:
+        it, b, m = t.iteration, t.block, t.mb
+        x_key = EntryKey(it, "x", b, m)
+        vecs = self.weights.weights(rs, t)
+        if b == 0:
+            with torch.no_grad():
+                out = self._call(0, vecs, rs.batches[it][m][0])
+        elif self.rec(b):
+            x = self.entries.take(rs, t, x_key)
+            with torch.no_grad():
+                out = self._call(b, vecs, x)
+        else:  # keep every activation: autograd's saved tensors go into a Pack the plan's ops move
+            x = self.entries.take(rs, t, x_key)
+            leaves = [v.detach().requires_grad_() for v in vecs]
+            pack = Pack(leaves)
+            pack.x_leaf = x.detach().requires_grad_()
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack.pack_hook, pack.unpack_hook):
+                pack.out = self._call(b, leaves, pack.x_leaf)
+            for leaf in leaves:  # the weight buffer is not kept: backward gets its own fetch
+                leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+            self.entries.put(rs, EntryKey(it, "pack", b, m), pack=pack)
+            out = pack.out
+        if b >= 1:
+            self.entries.done_with(rs, t, x_key)
+        self.entries.put(rs, EntryKey(it, "x", b + 1, m), out.detach())
+        self.weights.release(rs, t)
+
+    def recompute(self, rs: RoundState, t: Task) -> None:
+        it, b, m = t.iteration, t.block, t.mb
+        x = self.entries.take(rs, t, EntryKey(it, "x", b, m)).detach().requires_grad_()
+        leaves = [v.detach().requires_grad_() for v in self.weights.weights(rs, t)]
+        with torch.enable_grad():
+            out = self._call(b, leaves, x)
+        rs.graphs[(it, b, m)] = (out, x, leaves)
+        self.entries.done_with(rs, t, EntryKey(it, "x", b, m))
+        self.weights.release(rs, t)
+
+    def head(self, rs: RoundState, t: Task) -> None:
+        it, b, m = t.iteration, t.block, t.mb
+        x = self.entries.take(rs, t, EntryKey(it, "x", b, m)).detach().requires_grad_()
+        leaves = [v.detach().requires_grad_() for v in self.weights.weights(rs, t)]
+        with torch.enable_grad():
+            logits = self._call(b, leaves, x)
+            loss = lm_loss(logits, rs.batches[it][m][1])
+            (loss / self.num_mb).backward()
+        rs.loss_sum[it] += loss.detach() / self.num_mb
+        self.entries.done_with(rs, t, EntryKey(it, "x", b, m))
+        self._leaf_grads(rs, t, leaves)
+        self.entries.put(rs, EntryKey(it, "dx", b, m), x.grad)
+        self.weights.release(rs, t)
+
+    def bwd(self, rs: RoundState, t: Task) -> None:
+        it, b, m = t.iteration, t.block, t.mb
+        gout = self.entries.take(rs, t, EntryKey(it, "dx", b + 1, m))
+        if b == 0:
+            self._embedding_grads(rs, t, gout, rs.batches[it][m][0])
+        elif self.rec(b):
+            out, x, leaves = rs.graphs.pop((it, b, m))
+            torch.autograd.backward(out, gout)
+            self._leaf_grads(rs, t, leaves)
+            self.entries.put(rs, EntryKey(it, "dx", b, m), x.grad)
+        else:
+            pack_key = EntryKey(it, "pack", b, m)
+            pack = self.entries.take(rs, t, pack_key)
+            for leaf, vec in zip(pack.leaves, self.weights.weights(rs, t)):
+                leaf.data = vec
+            torch.autograd.backward(pack.out, gout)
+            self._leaf_grads(rs, t, pack.leaves)
+            self.entries.put(rs, EntryKey(it, "dx", b, m), pack.x_leaf.grad)
+            pack.restored = pack.out = None
+            self.entries.done_with(rs, t, pack_key)
+        self.entries.done_with(rs, t, EntryKey(it, "dx", b + 1, m))
+        self.weights.release(rs, t)
+
+    def _embedding_grads(self, rs: RoundState, t: Task, gout: torch.Tensor, tokens: torch.Tensor) -> None:
+        hidden = self.cx.spec.hidden
+        grads = []
+        for s in self.cx.layout.slots[0]:
+            g = torch.zeros(s.shape, dtype=torch.float32, device=self.cx.device)
+            if s.name == "wte.weight":
+                g.index_add_(0, tokens.reshape(-1), gout.reshape(-1, hidden).float())
+            else:  # learned positions: position p gets the sum over the batch of the gradient at p
+                g[: gout.size(1)] = gout.float().sum(0)
+            grads.append(g.reshape(-1))
+        self.grads.accumulate(rs, t, 0, torch.cat(grads))
+
+    def _leaf_grads(self, rs: RoundState, t: Task, leaves: list[torch.Tensor]) -> None:
+        for (o, lo, hi), leaf in zip(self.cx.layout.owners(t.block), leaves):
+            self.grads.accumulate(rs, t, o, leaf.grad, lo, hi)

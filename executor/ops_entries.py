@@ -1,0 +1,144 @@
+"""Entries: the activations, their gradients and the saved-tensor packs that wait between ops (see binding.py),
+and the plan's ops that move them: offload (device -> kept / host / SSD staging), write and read (the SSD
+part), fetch (back together on the device, for the consumer that depends on the fetch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tierflow.executor.binding import Entry, EntryKey, EntryState, ExecutionError
+from tierflow.executor.context import OpContext, RoundState
+from tierflow.executor.packs import Pack
+from tierflow.executor.store import host_empty, split_counts
+from tierflow.planner.core.graph import Task
+
+
+class EntryOps:
+    def __init__(self, cx: OpContext) -> None:
+        self.cx = cx
+        self.binding = cx.binding
+
+    # -- producers and consumers (called by the compute ops) -----------------------------------------------------
+
+    def put(self, rs: RoundState, key: EntryKey, dev: torch.Tensor | None = None, pack: Pack | None = None) -> None:
+        """A compute op produced `key` on the device: keep it for its consumers (if it has any)."""
+        users = self.binding.consumers[key]
+        if users == 0:
+            return
+        e = Entry(shape=tuple(dev.shape) if dev is not None else None,
+                  dtype=dev.dtype if dev is not None else torch.uint8, users=users,
+                  dev_users=self.binding.direct_users[key], dev=dev, pack=pack)
+        with rs.lock:
+            rs.entries[key] = e
+
+    def take(self, rs: RoundState, t: Task, key: EntryKey):
+        """What consumer t reads for `key`: the copy made by its fetch, else the device tensor (or pack)."""
+        fid = self.binding.fetch_for[t.id].get(key)
+        e = rs.entries[key]
+        if fid is not None:
+            data = rs.fetched.pop(fid)
+            rs.use_on(data, "gpu")
+        elif e.is_pack:
+            return e.pack
+        elif e.holds_device_copy:
+            return e.dev
+        elif e.state is not EntryState.ON_DEVICE and 0 < e.gpu_elems == int(np.prod(e.shape)):
+            data = e.kept  # offloaded with every element kept on the device
+        else:
+            raise ExecutionError(f"op {t.id} ({t.label}): {tuple(key)} is neither on the device nor fetched by one "
+                                 "of its dependencies (inconsistent plan)")
+        if e.is_pack:
+            e.pack.restore(data)
+            return e.pack
+        return data.view(e.shape)
+
+    def done_with(self, rs: RoundState, t: Task, key: EntryKey) -> None:
+        """Consumer t has read `key`: release the device copy (for a direct reader) and, after the last consumer,
+        the entry and its SSD file."""
+        with rs.lock:
+            e = rs.entries[key]
+            if key not in self.binding.fetch_for[t.id]:
+                self._dev_release(e)
+            e.users -= 1
+            if e.users == 0:
+                del rs.entries[key]
+                e.move(EntryState.RELEASED)
+                name = e.ssd_name
+            else:
+                name = None
+        if name and self.cx.ssd:
+            self.cx.ssd.delete(name)
+
+    def _dev_release(self, e: Entry) -> None:
+        """One reader of the produced device tensor is done (called under the round's lock)."""
+        e.dev_users -= 1
+        if not e.holds_device_copy:
+            e.dev = None
+            if e.is_pack:
+                e.pack.saved = None
+
+    # -- the plan's ops ------------------------------------------------------------------------------------------
+
+    def offload(self, rs: RoundState, t: Task) -> None:
+        """Split the entry's flat elements over the tiers: [0, gpu) kept on the device (a copy), then host memory,
+        then a host buffer staging the SSD part for the write."""
+        e = rs.entries[self.binding.entry_key(t)]
+        if e.is_pack:
+            for x in e.pack.saved:
+                rs.use_on(x, "d2h")
+            flat = e.pack.flatten()
+            e.dtype, e.shape = torch.uint8, (flat.numel(),)
+        else:
+            flat = e.dev.reshape(-1)
+            rs.use_on(e.dev, "d2h")
+        ck = self.cx.cfg.placement.checkpoints
+        e.gpu_elems, e.cpu_elems, e.ssd_elems = split_counts(flat.numel(), ck.gpu, ck.ssd)
+        g, c = e.gpu_elems, e.cpu_elems
+        if g:
+            e.kept = flat[:g].clone()
+        pin = self.cx.cuda
+        if c:
+            e.host_cpu = host_empty(c, flat.dtype, pin)
+            e.host_cpu.copy_(flat[g:g + c], non_blocking=pin)
+        if e.ssd_elems:
+            e.host_ssd = host_empty(e.ssd_elems, flat.dtype, pin)
+            e.host_ssd.copy_(flat[g + c:], non_blocking=pin)
+        with rs.lock:
+            e.move(EntryState.OFFLOADED)
+            if e.is_pack:
+                e.pack.saved = None  # its bytes now live in kept / host
+            self._dev_release(e)
+
+    @staticmethod
+    def _ssd_name(key: EntryKey) -> str:
+        return f"{key.name}_it{key.iteration}_b{key.block}_m{key.mb}"
+
+    def write(self, rs: RoundState, t: Task) -> None:
+        key = self.binding.entry_key(t)
+        e = rs.entries[key]
+        name = self._ssd_name(key)
+        self.cx.ssd.write(name, e.host_ssd)
+        e.ssd_name, e.host_ssd = name, None
+        e.move(EntryState.ON_SSD)
+
+    def read(self, rs: RoundState, t: Task) -> None:
+        e = rs.entries[self.binding.entry_key(t)]
+        e.host_ssd = self.cx.ssd.read(e.ssd_name, e.dtype, e.ssd_elems)
+        e.move(EntryState.READ_BACK)
+
+    def fetch(self, rs: RoundState, t: Task) -> None:
+        """Join the kept, host and SSD parts into one device tensor for the consumer that depends on this op."""
+        e = rs.entries[self.binding.entry_key(t)]
+        assert not e.ssd_elems or e.state in (EntryState.OFFLOADED, EntryState.READ_BACK), e.state
+        parts = []
+        if e.gpu_elems:
+            rs.use_on(e.kept, "h2d")
+            parts.append(e.kept)
+        if e.cpu_elems:
+            parts.append(e.host_cpu.to(self.cx.device, non_blocking=self.cx.cuda))
+        if e.ssd_elems:
+            parts.append(e.host_ssd.to(self.cx.device, non_blocking=self.cx.cuda))
+            e.host_ssd = None
+        e.move(EntryState.FETCHED)
+        rs.fetched[t.id] = torch.cat(parts) if len(parts) > 1 else parts[0].clone() if parts[0] is e.kept else parts[0]

@@ -1,0 +1,87 @@
+"""Saved-tensor packs: the tensors autograd saves in the forward of a layer that is not recomputed, captured with
+saved_tensors_hooks so that the plan's offload/fetch ops can move them as one flat byte tensor."""
+
+from __future__ import annotations
+
+import torch
+
+PACK_ALIGN = 256  # bytes: alignment of each saved tensor inside a flattened pack
+
+
+class Pack:
+    """The tensors autograd saves in the forward of a layer that is not recomputed, captured explicitly with
+    saved_tensors_hooks so that the plan's offload/fetch ops can move them. Views of the layer's weights are
+    not captured: they are rebuilt from the weights fetched for the backward."""
+
+    def __init__(self, leaves: list[torch.Tensor]) -> None:
+        self.leaves = leaves
+        self.saved: list[torch.Tensor] | None = []
+        self.index: dict[tuple, int] = {}
+        self.restored: list[torch.Tensor] | None = None
+        self.desc: list[tuple] = []  # per saved tensor: (shape, stride, perm, dtype, off_bytes, nbytes) in the flat
+        self.out: torch.Tensor | None = None
+        self.x_leaf: torch.Tensor | None = None
+
+    def pack_hook(self, t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        for i, leaf in enumerate(self.leaves):
+            if leaf.untyped_storage().data_ptr() == ptr:
+                return ("w", i, t.storage_offset() - leaf.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if t.device != self.leaves[0].device:  # e.g. a CPU scalar (RNG seed) saved by a CUDA kernel: kept as is
+            return ("c", t)
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key not in self.index:
+            self.index[key] = len(self.saved)
+            self.saved.append(t)
+        return ("t", self.index[key])
+
+    def unpack_hook(self, ref):
+        if ref[0] == "w":
+            leaf = self.leaves[ref[1]]
+            return leaf.detach().as_strided(ref[3], ref[4], leaf.storage_offset() + ref[2])
+        if ref[0] == "c":
+            return ref[1]
+        return (self.restored if self.restored is not None else self.saved)[ref[1]]
+
+    def flatten(self) -> torch.Tensor:
+        """All captured tensors as one flat uint8 device tensor (each at a 256-byte aligned offset, as kernels
+        such as fused attention expect of their inputs); remembers how to rebuild them."""
+        chunks, self.desc, off_bytes = [], [], 0
+        for t in self.saved:
+            dense = _dense_strides(t)
+            data = (t.permute(*dense[0]) if dense else t).contiguous().reshape(-1).view(torch.uint8)
+            self.desc.append((tuple(t.shape), tuple(t.stride()) if dense else None, dense[0] if dense else None,
+                              t.dtype, off_bytes, data.numel()))
+            chunks.append(data)
+            off_bytes += data.numel()
+            pad_bytes = -off_bytes % PACK_ALIGN
+            if pad_bytes:
+                chunks.append(torch.zeros(pad_bytes, dtype=torch.uint8, device=data.device))
+                off_bytes += pad_bytes
+        return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=self.leaves[0].device)
+
+    def restore(self, flat: torch.Tensor) -> None:
+        out = []
+        for shape, stride, perm, dtype, off_bytes, nbytes in self.desc:
+            data = flat[off_bytes: off_bytes + nbytes].view(dtype)
+            if stride is None:
+                out.append(data.view(shape))
+            else:  # a permuted dense tensor: same memory layout as when it was saved
+                permuted_shape = [shape[i] for i in perm]
+                t = data.view(permuted_shape)
+                inv = [perm.index(i) for i in range(len(perm))]
+                out.append(t.permute(*inv))
+        self.restored = out
+
+
+def _dense_strides(t: torch.Tensor) -> tuple[list[int]] | None:
+    """For a non-contiguous tensor whose memory is a permutation of a contiguous one: (dims by stride)."""
+    if t.is_contiguous() or t.dim() == 0:
+        return None
+    perm = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d)))
+    expect = 1
+    for d in reversed(perm):
+        if t.size(d) != 1 and t.stride(d) != expect:
+            return None
+        expect *= t.size(d)
+    return (perm,)

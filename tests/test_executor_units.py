@@ -1,0 +1,85 @@
+"""The executor's units: the op dispatch table covers exactly the op kinds the planner emits, and an entry that a
+plan offloads to the SSD goes through the states of binding.EntryState in order (real executor on a CPU)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from test_executor import PLACEMENTS, make_plan, run
+
+from tierflow.executor.binding import ENTERED_FROM, Entry, EntryState
+from tierflow.executor.engine import Executor
+from tierflow.executor.ops import KINDS, Ops
+
+
+def planner_kinds() -> set[str]:
+    """Every op kind the planner emits over the schedule families x placements x alpha x recompute/swap."""
+    kinds = set()
+    for family in ("horizontal", "fuyou", "vertical", "block"):
+        for placement in PLACEMENTS:
+            for alpha in (0.0, 0.25):
+                for swap in (None, 4):
+                    plan = make_plan("tiny-gpt", family, placement, alpha, iterations=1, swap_layers=swap)
+                    kinds |= {t.kind for t in plan.graph.tasks}
+    return kinds
+
+
+def test_dispatch_table_covers_exactly_the_planner_kinds(tmp_path, monkeypatch):
+    assert planner_kinds() == KINDS
+    built = []
+    real_init = Ops.__init__
+
+    def spy(self, cx):
+        real_init(self, cx)
+        built.append(self)
+
+    monkeypatch.setattr(Ops, "__init__", spy)
+    run(make_plan("tiny-gpt", "vertical", "mix", 0.25, iterations=1), tmp_path, steps=1)
+    (ops,) = built
+    assert set(ops.handlers) == KINDS
+    assert all(callable(h) for h in ops.handlers.values())
+
+
+def test_an_unknown_kind_is_refused_before_training():
+    plan = make_plan("tiny-gpt", "vertical", "weights_cpu", iterations=1)
+    plan.graph.tasks[5].kind = "teleport_weights"
+    with pytest.raises(ValueError, match="'teleport_weights' is not implemented"):
+        Executor(plan, None, None, torch.device("cpu"), None, None)
+
+
+def test_entry_states_of_an_offload_fetch_round_trip(tmp_path, monkeypatch):
+    plan = make_plan("tiny-gpt", "vertical", "ckpt_ssd", iterations=1)
+    kinds = {t.kind for t in plan.graph.tasks}
+    assert {"offload_checkpoint", "write_checkpoint", "read_checkpoint", "fetch_checkpoint"} <= kinds
+    paths: dict[int, list[EntryState]] = defaultdict(list)
+    entries: list[Entry] = []  # kept alive, so that ids are not reused
+    real_move = Entry.move
+
+    def move(self: Entry, new: EntryState) -> None:
+        if id(self) not in paths:
+            entries.append(self)
+            paths[id(self)].append(self.state)
+        real_move(self, new)
+        paths[id(self)].append(new)
+
+    monkeypatch.setattr(Entry, "move", move)
+    run(plan, tmp_path, steps=1)
+    assert paths
+    trip = [EntryState.ON_DEVICE, EntryState.OFFLOADED, EntryState.ON_SSD, EntryState.READ_BACK,
+            EntryState.FETCHED, EntryState.RELEASED]
+    assert trip in paths.values()
+    for path in paths.values():
+        assert path[0] is EntryState.ON_DEVICE and path[-1] is EntryState.RELEASED
+        assert all(a in ENTERED_FROM[b] for a, b in zip(path, path[1:]))
+    # the entries moved to the SSD are back on the device (fetched) before their consumer releases them
+    for path in paths.values():
+        if EntryState.ON_SSD in path:
+            assert path[-2] is EntryState.FETCHED
+
+
+def test_an_illegal_entry_transition_is_caught():
+    e = Entry(shape=(4,), dtype=None, users=1, dev_users=1)
+    with pytest.raises(AssertionError, match="ON_DEVICE -> ON_SSD"):
+        e.move(EntryState.ON_SSD)
