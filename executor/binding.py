@@ -130,8 +130,8 @@ class Binding:
         self._bind_grad_groups()
 
     def rec(self, b: int) -> bool:
-        """Is block b recomputed (its forward keeps no activations)?"""
-        return self.cfg.recompute and b <= self.num_layers - self.cfg.swap_layers
+        """Is layer block b recomputed in backward? (the plan's ScheduleConfig.recomputes)"""
+        return self.cfg.recomputes(b, self.num_layers)
 
     def entry_key(self, t: Task) -> EntryKey:
         """The waiting tensor a transfer op of activations moves."""
