@@ -6,8 +6,9 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 # (folder, installed name, rank): a module may import only layers of lower or equal rank
