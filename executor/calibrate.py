@@ -32,7 +32,6 @@ import platform
 import re
 import shutil
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from typing import Any
 from tierflow.hwprofiles import HardwareProfile, load_profile, profile_from_dict, save_profile
 from tierflow.hwprofiles.profile import format_value
 from tierflow.planner.io.cli import CliError
+from tierflow.planner.io.progress import Progress
 
 FALLBACK_BASE = "rtx4090-lohan"
 MIB = 2**20
@@ -479,37 +479,12 @@ def fit_gemm_half_gflop(small_gflop: float, small_eff: float, e_max: float) -> f
 # --------------------------------------------------------------------------------------------------------------
 
 
-class Progress:
-    """One line on stderr, rewritten for each measurement (only when stderr is a terminal)."""
-
-    def __init__(self, total: int, enabled: bool | None = None):
-        self.total, self.i, self.t0 = total, 0, time.perf_counter()
-        self.tty = sys.stderr.isatty() if enabled is None else enabled
-        self.width = 0
-
-    def step(self, what: str) -> None:
-        self.i += 1
-        if self.tty:
-            text = f"calibrate [{self.i}/{self.total}] {what}  {time.perf_counter() - self.t0:5.1f}s"
-            print("\r" + text.ljust(self.width), end="", file=sys.stderr, flush=True)
-            self.width = len(text)
-
-    def message(self, text: str) -> None:
-        self.clear()
-        print(text, file=sys.stderr, flush=True)
-
-    def clear(self) -> None:
-        if self.tty and self.width:
-            print("\r" + " " * self.width + "\r", end="", file=sys.stderr, flush=True)
-            self.width = 0
-
-
 def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | None = None,
                      progress: Progress | None = None, gpu: bool | None = None) -> dict[str, Any]:
     """Every measurement this machine allows; the raw numbers as a JSON-able dict."""
     torch = _torch()
     gpu = torch.cuda.is_available() if gpu is None else gpu
-    progress = progress or Progress(total=0, enabled=False)
+    progress = progress or Progress(0, "calibrate", enabled=False)
     m: dict[str, Any] = {"host": socket.gethostname(), "torch": torch.__version__,
                          "cpu_threads": torch.get_num_threads(), "gpu": None, "pcie": None, "ssd": None,
                          "errors": []}
@@ -810,7 +785,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         ssd_dir = check_ssd_dir(args.ssd_dir, ssd_need_bytes(sizes.ssd_file_bytes))
     gpu = torch.cuda.is_available()
     total = 2 + (7 if gpu else 0) + (3 if ssd_dir else 0)
-    progress = Progress(total)
+    progress = Progress(total, "calibrate")
     try:
         m = run_measurements(sizes, ssd_dir, progress, gpu=gpu)
     except OSError as e:

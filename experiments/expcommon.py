@@ -13,7 +13,6 @@ import argparse
 import csv
 import math
 import sys
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleError, make_schedule
 from tierflow.planner.core.simulator import CapacityError, SimResult
+from tierflow.planner.io.progress import Progress
 from tierflow.planner.search.loads import pcie_time_s
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -45,50 +45,6 @@ PAPER_PLACEMENTS = {
         weights=_ON_SSD, master=_ON_SSD, adam_m=_ON_SSD, adam_v=_ON_SSD, grads=_ON_SSD, checkpoints=_ON_CPU
     ),
 }
-
-
-# ---- progress --------------------------------------------------------------------------------------------
-
-
-class Progress:
-    """A one-line progress display on stderr: `[#####-----] 5/10 label: message (12 s)`.
-
-    Only stderr is used, so the tables on stdout stay clean. On a terminal the line is rewritten in place;
-    in a log each step is its own line."""
-
-    def __init__(self, total: int, label: str, stream=None) -> None:
-        self.total = max(1, total)
-        self.label = label
-        self.done = 0
-        self.t0 = time.perf_counter()
-        self.stream = stream or sys.stderr
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-
-    def step(self, message: str = "") -> None:
-        """Report that one more unit of work is about to start (message says which)."""
-        self._show(message)
-        self.done = min(self.total, self.done + 1)
-
-    def finish(self, message: str = "done") -> None:
-        self.done = self.total
-        self._show(message)
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-    def _show(self, message: str) -> None:
-        width = 20
-        filled = int(width * self.done / self.total)
-        bar = "#" * filled + "-" * (width - filled)
-        line = (
-            f"[{bar}] {self.done}/{self.total} {self.label}: {message} "
-            f"({time.perf_counter() - self.t0:.0f} s)"
-        )
-        if self.tty:
-            self.stream.write("\r\x1b[2K" + line[:160])
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
 
 
 # ---- simulation helpers -----------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from .profile import (
     load_profile,
     profile_from_dict,
     save_profile,
+    type_name,
 )
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "load_profile",
     "profile_from_dict",
     "save_profile",
+    "type_name",
 ]

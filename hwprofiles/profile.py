@@ -305,12 +305,14 @@ def _did_you_mean(key: str, known: list[str], what: str = "key") -> str:
     return f"known {what}s: {', '.join(known)}"
 
 
-def _type_name(value: object) -> str:
+def type_name(value: object, *, mapping: str = "mapping") -> str:
+    """The name of a parsed YAML/JSON value's type for error messages: null, boolean, string, integer, number,
+    list, and `mapping` for a dict (a JSON reader passes "object")."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "boolean"
-    return {str: "string", int: "integer", float: "number", list: "list", dict: "mapping"}.get(
+    return {str: "string", int: "integer", float: "number", list: "list", dict: mapping}.get(
         type(value), type(value).__name__
     )
 
@@ -351,7 +353,7 @@ class _Checker:
         if rule.kind in ("str", "choice"):
             if not isinstance(value, str):
                 raise self.fail(
-                    dotted, f"expected a string, got {_type_name(value)} {value!r}", "put the value in quotes"
+                    dotted, f"expected a string, got {type_name(value)} {value!r}", "put the value in quotes"
                 )
             if rule.kind == "choice" and value not in rule.choices:
                 choices = ", ".join(f"'{c}'" for c in rule.choices)
@@ -364,14 +366,14 @@ class _Checker:
         if rule.kind == "int":
             if isinstance(value, bool) or not isinstance(value, int):
                 raise self.fail(
-                    dotted, f"expected an integer, got {_type_name(value)} {value!r}", "write a whole number"
+                    dotted, f"expected an integer, got {type_name(value)} {value!r}", "write a whole number"
                 )
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             hint = "write a plain number such as 25.0"
             if isinstance(value, str) and _looks_numeric(value):
                 hint = f"write it as {float(value)!r}: YAML 1.1 reads {value!r} as text"
             nullable = " or null" if rule.kind == "optional_number" else ""
-            raise self.fail(dotted, f"expected a number{nullable}, got {_type_name(value)} {value!r}", hint)
+            raise self.fail(dotted, f"expected a number{nullable}, got {type_name(value)} {value!r}", hint)
         if not math.isfinite(value):
             raise self.fail(dotted, f"must be a finite number, got {value}")
         shown = format_value(value)
@@ -415,7 +417,7 @@ def _build(data: object, source: str, fix: str, source_label: str | None = None)
     if not isinstance(data, Mapping):
         raise check.fail(
             "(top level)",
-            f"expected a mapping with keys {', '.join(_TOP_LEVEL_KEYS)}, got {_type_name(data)}",
+            f"expected a mapping with keys {', '.join(_TOP_LEVEL_KEYS)}, got {type_name(data)}",
             "see hwprofiles/rtx4090-lohan.yaml for the layout",
         )
     _check_keys(check, "", data, list(_TOP_LEVEL_KEYS), required=list(_TOP_LEVEL_KEYS))
@@ -431,7 +433,7 @@ def _build(data: object, source: str, fix: str, source_label: str | None = None)
     description = data["description"]
     if not isinstance(description, str):
         raise check.fail(
-            "description", f"expected a string, got {_type_name(description)}", "put it in quotes"
+            "description", f"expected a string, got {type_name(description)}", "put it in quotes"
         )
 
     specs: dict[str, Any] = {}
@@ -440,7 +442,7 @@ def _build(data: object, source: str, fix: str, source_label: str | None = None)
         if not isinstance(values, Mapping):
             raise check.fail(
                 section,
-                f"expected a mapping of keys, got {_type_name(values)}",
+                f"expected a mapping of keys, got {type_name(values)}",
                 f"write the {section} keys indented under '{section}:'",
             )
         specs[section] = _build_section(check, section, values)

@@ -345,6 +345,10 @@ def test_decisions_that_do_not_rebuild():
     d = valid()
     d["decisions"]["batch"] = "4"
     refused(d, r"decisions\.batch: expected int, got string")
+    d["decisions"]["batch"] = {"n": 4}  # JSON names a mapping an object (hwprofiles.type_name says mapping)
+    refused(d, r"decisions\.batch: expected int, got object")
+    d["decisions"]["batch"] = None
+    refused(d, r"decisions\.batch: expected int, got null")
     d = valid()
     d["decisions"]["grup"] = 2
     refused(d, "decisions: unknown key 'grup'", "did you mean 'group'")

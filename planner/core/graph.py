@@ -8,7 +8,9 @@ Tasks are stored as a flat list for speed; `TaskGraph.to_networkx()` gives the s
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+import heapq
+from collections import deque
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,7 +20,7 @@ if TYPE_CHECKING:  # networkx is imported only by to_networkx(): ~0.2 s of every
 
 RESOURCES = ("gpu", "h2d", "d2h", "ssd_read", "ssd_write", "cpu")
 LINKS = ("h2d", "d2h", "ssd_read", "ssd_write")
-TIERS = ("gpu", "cpu", "ssd")
+TIERS = ("gpu", "cpu", "ssd")  # the memory tiers, fastest first (the one definition: placement imports it)
 TIER_INDEX = {t: i for i, t in enumerate(TIERS)}
 # which physical link a transfer resource is, for bytes-per-link reporting
 LINK_NAMES = {"h2d": "cpu->gpu", "d2h": "gpu->cpu", "ssd_read": "ssd->cpu", "ssd_write": "cpu->ssd"}
@@ -40,6 +42,91 @@ def gc_paused() -> Iterator[None]:
         if enabled:
             gc.freeze()
             gc.enable()
+
+
+class CycleError(ValueError):
+    """`topological_order` met a cycle. `order` is the topological order of the nodes it could sort (every node
+    not on or after a cycle), `left` the nodes it could not, and `cycle` one cycle among them as node ids, each
+    a predecessor of the next and the last a predecessor of the first (see `find_cycle`)."""
+
+    def __init__(self, message: str, order: list[int], left: set[int], cycle: list[int]) -> None:
+        super().__init__(message)
+        self.order, self.left, self.cycle = order, left, cycle
+
+
+def topological_order(num_nodes: int, preds: Sequence[Sequence[int]], tie_break: Sequence[float] | None = None,
+                      *, cycle_message: str = "dependency cycle") -> list[int]:
+    """Nodes 0..num_nodes-1 in an order where every node comes after all of its predecessors (Kahn's algorithm).
+
+    `preds[i]` lists the predecessors of node i (a repeated predecessor counts once). Which ready node (all of
+    its predecessors placed) goes next:
+
+    - `tie_break=None`: first ready, first out. The nodes with no predecessors come first in id order; a node
+      becomes ready when its last predecessor is placed and queues behind the nodes already ready, in id order
+      among those the same predecessor releases;
+    - `tie_break=key` (one number per node): the ready node with the smallest (key[i], i); e.g. key = each
+      node's position in a queue keeps that queue's order wherever the edges allow it.
+
+    A cycle raises `CycleError` (a ValueError; `cycle_message` is its text) that carries the partial order, the
+    unsorted nodes and one cycle among them."""
+    n = num_nodes
+    if len(preds) != n:
+        raise ValueError(f"preds has {len(preds)} lists for {n} nodes")
+    succ: list[list[int]] = [[] for _ in range(n)]
+    indeg = [0] * n
+    for i in range(n):
+        ps = preds[i]
+        if not ps:
+            continue
+        if len(ps) > 1:
+            ps = set(ps)
+        if min(ps) < 0 or max(ps) >= n:
+            raise ValueError(f"node {i} has a predecessor outside 0..{n - 1}: {sorted(ps)}")
+        for p in ps:
+            succ[p].append(i)
+        indeg[i] = len(ps)
+    out: list[int] = []
+    if tie_break is None:
+        ready = deque(i for i in range(n) if not indeg[i])
+        while ready:
+            i = ready.popleft()
+            out.append(i)
+            for s in succ[i]:
+                indeg[s] -= 1
+                if not indeg[s]:
+                    ready.append(s)
+    else:
+        if len(tie_break) != n:
+            raise ValueError(f"tie_break has {len(tie_break)} keys for {n} nodes")
+        heap = [(tie_break[i], i) for i in range(n) if not indeg[i]]
+        heapq.heapify(heap)
+        while heap:
+            _, i = heapq.heappop(heap)
+            out.append(i)
+            for s in succ[i]:
+                indeg[s] -= 1
+                if not indeg[s]:
+                    heapq.heappush(heap, (tie_break[s], s))
+    if len(out) < n:
+        left = {i for i in range(n) if indeg[i]}
+        raise CycleError(cycle_message, out, left, find_cycle(preds, left))
+    return out
+
+
+def find_cycle(preds: Sequence[Sequence[int]], left: set[int]) -> list[int]:
+    """A cycle among the nodes `left`, each of which has a predecessor in `left` (as the nodes Kahn's algorithm
+    leaves unsorted do), as node ids with each a predecessor of the next: from the smallest node of `left`, walk
+    to the first of its predecessors (in `preds` order) that is in `left` until a node repeats."""
+    seen: dict[int, int] = {}
+    path: list[int] = []
+    node = min(left)
+    while node not in seen:
+        seen[node] = len(path)
+        path.append(node)
+        node = next(p for p in preds[node] if p in left)
+    cycle = path[seen[node]:]
+    cycle.reverse()  # dependency first
+    return cycle
 
 
 @dataclass(slots=True)
@@ -78,6 +165,12 @@ class TaskGraph:
         for t in sorted(self.tasks, key=lambda t: (t.key, t.id)):
             order[t.resource].append(t.id)
         return order
+
+    def topological_order(self, tie_break: Sequence[float] | None = None) -> list[int]:
+        """Task ids with every task after its dependencies (`topological_order` over the tasks' deps, first ready
+        first out unless a `tie_break` key per task is given); a dependency cycle raises `CycleError`."""
+        return topological_order(len(self.tasks), [t.deps for t in self.tasks], tie_break,
+                                 cycle_message="the task graph has a dependency cycle")
 
     def to_networkx(self) -> nx.DiGraph:
         import networkx as nx

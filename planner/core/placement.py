@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TIERS = ("gpu", "cpu", "ssd")
+from tierflow.planner.core.graph import TIERS
+
 TENSOR_CLASSES = ("weights", "master", "adam_m", "adam_v", "grads", "checkpoints")
 
 

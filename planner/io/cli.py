@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from functools import partial
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -19,6 +18,7 @@ from tierflow.planner.core.placement import Placement, PlacementError
 from tierflow.planner.core.schedules import FAMILIES, ScheduleError, make_schedule
 from tierflow.planner.core.simulate import DEFAULT_FAMILIES, simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult, SimulationError
+from tierflow.planner.io.progress import Progress
 
 USER_ERRORS = (ModelError, ProfileError, ScheduleError, PlacementError, SimulationError, ValueError, OSError)
 # PlanError and PlanningError are ValueErrors: one line, exit code 2
@@ -108,25 +108,6 @@ def load_placement(text: str | None) -> Placement | None:
         raise CliError(f"--placement: {e}") from None
 
 
-class Progress:
-    """A one-line progress display on stderr (only when it is a terminal)."""
-
-    def __init__(self, total: int, label: str):
-        self.total, self.label, self.i, self.t0 = total, label, 0, time.time()
-        self.tty = sys.stderr.isatty()
-
-    def step(self, what: str) -> None:
-        self.i += 1
-        if self.tty:
-            bar = "#" * (20 * self.i // self.total)
-            print(f"\r{self.label} [{bar:<20}] {self.i}/{self.total} {what:<24} {time.time() - self.t0:5.1f}s",
-                  end="", file=sys.stderr, flush=True)
-
-    def done(self) -> None:
-        if self.tty:
-            print(file=sys.stderr)
-
-
 def cmd_simulate(args: argparse.Namespace) -> int:
     if args.plan:
         return simulate_plan_file(args)
@@ -154,7 +135,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 raise
             results[fam] = e
         prog.step(fam)
-    prog.done()
+    prog.finish()
     if args.write_plan:
         from tierflow.planner.io.planfile import plan_from_graph, write_plan
 
@@ -247,14 +228,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     prog = Progress(1, "planning")
 
     def progress(i: int, n: int, what: str) -> None:
-        prog.total, prog.i = max(n, 1), i - 1
-        prog.step(what[:24])
+        prog.update(i, n, what)
 
     mbs = [args.micro_batch] if args.micro_batch else None
     problem = Problem(model, hw, args.batch, model.seq_len, allow_ssd=not args.no_ssd)
     sr = plan_search(problem, time_limit_s=args.time_limit, micro_batches=mbs, progress=progress,
                      baselines=not args.no_baselines)
-    prog.done()
+    prog.finish()
     best = sr.best
     cfg = best.config
     graph = build_graph(model, hw, cfg)
@@ -333,7 +313,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     prog = Progress(jobs, "capacity")
     answers = largest_all(hw, args.batch, seq, on_answer=lambda a: prog.step(
         f"{a.family} {'with' if a.with_ssd else 'without'} SSDs"))
-    prog.done()
+    prog.finish()
     checks = []
     for name in args.model or []:
         from tierflow.planner.search.capacity import fits

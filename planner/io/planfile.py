@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -26,8 +27,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierflow.hwprofiles import HardwareProfile, ProfileError, profile_from_dict
-from tierflow.planner.core.graph import LINKS, RESOURCES, TIER_INDEX, TIERS, Task, TaskGraph
+from tierflow.hwprofiles import HardwareProfile, ProfileError, profile_from_dict, type_name
+from tierflow.planner.core.graph import (
+    LINKS,
+    RESOURCES,
+    TIER_INDEX,
+    TIERS,
+    CycleError,
+    Task,
+    TaskGraph,
+    topological_order,
+)
 from tierflow.planner.core.models import ModelError, ModelSpec
 from tierflow.planner.core.placement import Placement, PlacementError
 from tierflow.planner.core.schedules import FAMILIES, ScheduleConfig
@@ -209,13 +219,7 @@ def _short(value: Any, n: int = 40) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def _type_name(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    return {str: "string", int: "integer", float: "number", list: "list", dict: "object"}.get(
-        type(value), type(value).__name__)
+_json_type_name = functools.partial(type_name, mapping="object")  # the hwprofiles names; JSON's "object" for a dict
 
 
 def _is_int(x: object) -> bool:
@@ -236,7 +240,7 @@ def _unknown_key(source: str, where: str, key: str, known: typing.Iterable[str])
 def _check_fields(source: str, section: str, d: object, cls: type) -> dict:
     """Keys and value types of a section that rebuilds dataclass `cls`."""
     if not isinstance(d, dict):
-        raise _err(source, section, f"expected an object, got {_type_name(d)}", f"write the {section} as a JSON object")
+        raise _err(source, section, f"expected an object, got {_json_type_name(d)}", f"write the {section} as a JSON object")
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
     for key in d:
@@ -264,7 +268,7 @@ def _check_fields(source: str, section: str, d: object, cls: type) -> dict:
         else:
             continue
         if not ok:
-            raise _err(source, where, f"expected {want.__name__}, got {_type_name(v)} {_short(v, 30)}",
+            raise _err(source, where, f"expected {want.__name__}, got {_json_type_name(v)} {_short(v, 30)}",
                        f"write a JSON {'boolean' if want is bool else 'string' if want is str else 'number'}")
     return out
 
@@ -279,7 +283,7 @@ def _model(source: str, d: object) -> ModelSpec:
 
 def _hardware(source: str, d: object) -> HardwareProfile:
     if not isinstance(d, dict):
-        raise _err(source, "hardware", f"expected an object, got {_type_name(d)}",
+        raise _err(source, "hardware", f"expected an object, got {_json_type_name(d)}",
                    "write the hardware profile as a JSON object")
     label = "<hardware>"
     try:
@@ -298,7 +302,7 @@ def _decisions(source: str, d: object, model: ModelSpec) -> ScheduleConfig:
         d = dict(d)
         placement = d.pop("placement")
         if not isinstance(placement, dict):
-            raise _err(source, "decisions.placement", f"expected an object, got {_type_name(placement)}",
+            raise _err(source, "decisions.placement", f"expected an object, got {_json_type_name(placement)}",
                        "write one {gpu, cpu, ssd} object per tensor class")
         for name, split in placement.items():
             if not isinstance(split, dict) or set(split) - set(TIERS):
@@ -343,7 +347,7 @@ def _decisions(source: str, d: object, model: ModelSpec) -> ScheduleConfig:
 
 def _tier_bytes(source: str, key: str, d: object) -> dict[str, float]:
     if not isinstance(d, dict):
-        raise _err(source, key, f"expected an object, got {_type_name(d)}", "write {\"gpu\": .., \"cpu\": .., \"ssd\": ..}")
+        raise _err(source, key, f"expected an object, got {_json_type_name(d)}", "write {\"gpu\": .., \"cpu\": .., \"ssd\": ..}")
     for k in d:
         if k not in TIERS:
             raise _unknown_key(source, key, k, TIERS)
@@ -363,40 +367,6 @@ def _positive_int(source: str, d: dict, key: str) -> int:
     return v
 
 
-def _find_cycle(preds: list[list[int]], left: set[int]) -> list[int]:
-    """A cycle among the nodes `left` (each of which has a predecessor in `left`), as a list of node ids."""
-    seen: dict[int, int] = {}
-    path: list[int] = []
-    node = min(left)
-    while node not in seen:
-        seen[node] = len(path)
-        path.append(node)
-        node = next(p for p in preds[node] if p in left)
-    cycle = path[seen[node]:]
-    cycle.reverse()  # dependency first
-    return cycle
-
-
-def _kahn(preds: list[list[int]]) -> set[int]:
-    """Nodes left unprocessed by Kahn's algorithm (empty when the graph is acyclic)."""
-    n = len(preds)
-    indeg = [len(p) for p in preds]
-    succ: list[list[int]] = [[] for _ in range(n)]
-    for i, ps in enumerate(preds):
-        for p in ps:
-            succ[p].append(i)
-    stack = [i for i in range(n) if not indeg[i]]
-    done = 0
-    while stack:
-        i = stack.pop()
-        done += 1
-        for s in succ[i]:
-            indeg[s] -= 1
-            if not indeg[s]:
-                stack.append(s)
-    return set() if done == n else {i for i in range(n) if indeg[i]}
-
-
 def _cycle_text(cycle: list[int], limit: int = 6) -> str:
     ids = cycle[:limit]
     more = f", ... ({len(cycle)} ops)" if len(cycle) > limit else ""
@@ -405,7 +375,7 @@ def _cycle_text(cycle: list[int], limit: int = 6) -> str:
 
 def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb: int) -> list[Task]:
     if not isinstance(ops, list):
-        raise _err(source, "ops", f"expected a list of ops, got {_type_name(ops)}", "write \"ops\": [...]")
+        raise _err(source, "ops", f"expected a list of ops, got {_json_type_name(ops)}", "write \"ops\": [...]")
     n = len(ops)
     if n == 0:
         raise _err(source, "ops", "the plan has no ops", "write the plan with tierflow, not by hand")
@@ -414,7 +384,7 @@ def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb:
     known = OP_KEYS + OP_WORK_KEYS
     for index, op in enumerate(ops):
         if not isinstance(op, dict):
-            raise _err(source, f"ops[{index}]", f"expected an object, got {_type_name(op)}", "write each op as an object")
+            raise _err(source, f"ops[{index}]", f"expected an object, got {_json_type_name(op)}", "write each op as an object")
         tid = op.get("id")
         if "id" not in op:
             raise _err(source, f"ops[{index}]", "missing field 'id'", "give every op an integer id")
@@ -462,14 +432,14 @@ def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb:
                        "write the 0-based position in the resource's queue")
         deps = op["deps"]
         if not isinstance(deps, list):
-            raise _err(source, where, f"deps must be a list of op ids, got {_type_name(deps)}", "write \"deps\": [...]")
+            raise _err(source, where, f"deps must be a list of op ids, got {_json_type_name(deps)}", "write \"deps\": [...]")
         for d in deps:
             if not _is_int(d) or not 0 <= d < n:
                 raise _err(source, where, f"dangling dependency: op {_short(d, 20)} does not exist",
                            f"depend only on op ids 0..{n - 1}")
         mem = op["mem"]
         if not isinstance(mem, list):
-            raise _err(source, where, f"mem must be a list, got {_type_name(mem)}", "write \"mem\": [[when, tier, bytes], ...]")
+            raise _err(source, where, f"mem must be a list, got {_json_type_name(mem)}", "write \"mem\": [[when, tier, bytes], ...]")
         mem_start: list[tuple[int, float]] = []
         mem_end: list[tuple[int, float]] = []
         for e in mem:
@@ -509,10 +479,11 @@ def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb:
 
     # dependency cycles
     preds = [sorted(set(t.deps)) for t in done]
-    left = _kahn(preds)
-    if left:
-        cycle = _find_cycle(preds, left)
-        raise _err(source, f"op {cycle[0]}", f"dependency cycle {_cycle_text(cycle)}", "remove a dependency on the cycle")
+    try:
+        topological_order(len(done), preds)
+    except CycleError as e:
+        raise _err(source, f"op {e.cycle[0]}", f"dependency cycle {_cycle_text(e.cycle)}",
+                   "remove a dependency on the cycle") from None
     # an op queued before one of its own dependencies on the same resource: that resource would stall forever
     for t in done:
         for d in t.deps:
@@ -524,18 +495,18 @@ def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb:
     for q in by_res.values():
         for pos in range(1, len(q)):
             chained[q[pos]].append(q[pos - 1])
-    left = _kahn(chained)
-    if left:
-        cycle = _find_cycle(chained, left)
-        raise _err(source, f"op {cycle[0]}", f"the resource orders deadlock: ops {_cycle_text(cycle)} wait on each "
-                   "other through deps and queues", "reorder the queues to follow the dependencies")
+    try:
+        topological_order(len(done), chained)
+    except CycleError as e:
+        raise _err(source, f"op {e.cycle[0]}", f"the resource orders deadlock: ops {_cycle_text(e.cycle)} wait on "
+                   "each other through deps and queues", "reorder the queues to follow the dependencies") from None
     return done
 
 
 def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
     """Validate a parsed plan and rebuild it; raises PlanError."""
     if not isinstance(d, dict):
-        raise _err(source, "(top level)", f"expected a JSON object, got {_type_name(d)}", "is this a tierflow plan?")
+        raise _err(source, "(top level)", f"expected a JSON object, got {_json_type_name(d)}", "is this a tierflow plan?")
     if "format" not in d:
         raise _err(source, "format", "missing key", f"add \"format\": \"{PLAN_FORMAT}\"; is this a tierflow plan?")
     if d["format"] != PLAN_FORMAT:
@@ -556,10 +527,10 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
         if key not in d:
             raise _err(source, key, "missing key", f"add \"{key}\" at the top level")
     if "created_by" in d and not isinstance(d["created_by"], str):
-        raise _err(source, "created_by", f"expected a string, got {_type_name(d['created_by'])}", "write a string")
+        raise _err(source, "created_by", f"expected a string, got {_json_type_name(d['created_by'])}", "write a string")
     for key in ("predicted", "solver"):
         if d.get(key) is not None and not isinstance(d[key], dict):
-            raise _err(source, key, f"expected an object or null, got {_type_name(d[key])}", f"write \"{key}\": {{...}}")
+            raise _err(source, key, f"expected an object or null, got {_json_type_name(d[key])}", f"write \"{key}\": {{...}}")
 
     model = _model(source, d["model"])
     hardware = _hardware(source, d["hardware"])

@@ -19,13 +19,14 @@ The model (one CP-SAT scheduling model over the whole graph):
   at its end. The level starts at 0 = `graph.static_bytes` and must stay <= capacity - static (the fixed level
   of the resident tensors is folded into the maximum). Like the simulator, the model sets no floor on the level
   (the simulator only checks allocations against the capacity), so the reservoir's minimum is unbounded.
-  Bytes are integers in a per-tier unit of 1 MB, *allocations rounded up and frees rounded down* (in
-  magnitude): the model's level is then never below the true level, so any solution of the model fits in the
-  real capacities (it is never more optimistic than reality). Rounding frees down leaks up to one unit per
-  event, which could make a schedule that fits exactly look infeasible; to bound that, a tier whose number of
-  events x 1 MB exceeds 0.1% of its headroom gets a smaller unit (headroom x 0.001 / events, >= 1 byte), so the
-  model is at most 0.1% of the headroom more pessimistic than reality. A tier whose total allocations fit
-  in its headroom cannot bind and gets no reservoir;
+  Bytes are integers in a per-tier unit of 1 MB = 10^6 bytes (`MEM_UNIT_BYTES`; decimal megabytes, not MiB),
+  *allocations rounded up and frees rounded down* (in magnitude): the model's level is then never below the
+  true level, so any solution of the model fits in the real capacities (it is never more optimistic than
+  reality). Rounding frees down leaks up to one unit per event, which could make a schedule that fits exactly
+  look infeasible; to bound that, a tier whose number of events x 1 MB exceeds 0.1% of its headroom gets a
+  smaller unit (headroom x 0.001 / events, >= 1 byte), so the model is at most 0.1% of the headroom more
+  pessimistic than reality. A tier whose total allocations fit in its headroom cannot bind and gets no
+  reservoir;
 - objective: minimise the makespan = max end of all tasks.
 
 Warm start: the graph is simulated with `simulate_graph` in the schedule's own order (`greedy_makespan_s`, with
@@ -61,7 +62,8 @@ from tierflow.planner.core.graph import LINKS, RESOURCES, TIERS, TaskGraph
 from tierflow.planner.core.simulator import SimulationError, simulate_graph
 
 TARGET_UNITS = 2e5  # the greedy makespan in time units when no time unit is given
-MEM_UNIT_BYTES = 1e6  # default memory unit: 1 MB
+MEGABYTE = 10**6  # bytes in a (decimal) megabyte, not the 2**20-byte MiB
+MEM_UNIT_BYTES = float(MEGABYTE)  # the default memory unit of the model's reservoirs
 MEM_DRIFT_FRACTION = 1e-3  # worst-case pessimism of the rounded memory model, as a fraction of the headroom
 _EPS_BYTES = 1.0  # the simulator's tolerance on capacities
 
@@ -246,31 +248,12 @@ def _over(level: list[int], cap: list[int]) -> bool:
 # ---- a lower bound ------------------------------------------------------------------------------------------
 
 
-def _topological(graph: TaskGraph) -> list[int]:
-    n = len(graph.tasks)
-    indeg = [0] * n
-    succ: list[list[int]] = [[] for _ in range(n)]
-    for t in graph.tasks:
-        for d in set(t.deps):
-            succ[d].append(t.id)
-            indeg[t.id] += 1
-    out = [i for i in range(n) if indeg[i] == 0]
-    for i in out:  # the list grows while it is walked (Kahn)
-        for s in succ[i]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                out.append(s)
-    if len(out) < n:
-        raise ValueError("the task graph has a dependency cycle")
-    return out
-
-
 def resource_lower_bound(graph: TaskGraph, dur: list[int]) -> int:
     """A lower bound on the makespan (in the units of `dur`): for every resource, the preemptive one-machine
     relaxation with heads (longest dependency chain before a task) and tails (longest chain after it), solved
     exactly by Jackson's preemptive schedule. Valid for the window model with or without memory."""
     tasks = graph.tasks
-    topo = _topological(graph)
+    topo = graph.topological_order()
     head = [0] * len(tasks)
     for i in topo:
         for d in tasks[i].deps:

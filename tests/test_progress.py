@@ -1,0 +1,130 @@
+"""The one progress helper (tierflow.planner.io.progress): a bar on a terminal; off one, lines at a bounded rate
+with the first and the last step always printed, so a long command is never silent in a pipe."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from tierflow.planner.io.progress import Progress
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("step_s", [0.01, 0.7, 3.0, 12.0])
+def test_pipe_lines_are_bounded_and_the_last_is_printed(step_s):
+    clock, out = FakeClock(), io.StringIO()
+    n = 200
+    p = Progress(n, "work", stream=out, clock=clock)
+    for k in range(n):
+        clock.now_s += step_s
+        p.step(f"item {k}")
+    p.finish()
+    lines = out.getvalue().splitlines()
+    total_s = n * step_s
+    assert len(lines) <= 1 + total_s / 5.0 + 1  # the first, at most one per 5 s, the last
+    assert lines[0].startswith("work [") and "1/200 item 0" in lines[0]
+    assert "200/200 item 199" in lines[-1] and lines[-1].startswith("work [####################]")
+    if step_s >= 5.0:
+        assert len(lines) == n  # slow steps: every one has its line
+    assert "\r" not in out.getvalue()
+
+
+def test_pipe_is_never_silent_for_more_than_the_interval():
+    clock, out = FakeClock(), io.StringIO()
+    p = Progress(1000, "long", stream=out, clock=clock)
+    printed_at = []
+    for _ in range(999):
+        clock.now_s += 0.3
+        before = out.getvalue().count("\n")
+        p.step()
+        if out.getvalue().count("\n") > before:
+            printed_at.append(clock.now_s)
+    gaps = [b - a for a, b in zip(printed_at, printed_at[1:])]
+    assert gaps and all(5.0 <= g < 5.0 + 0.3 + 1e-9 for g in gaps)
+    p.finish()  # the held-back step 999/1000 comes out at the end
+    assert out.getvalue().splitlines()[-1].startswith("long [") and " 999/1000 " in out.getvalue().splitlines()[-1]
+
+
+def test_finish_with_a_message_and_clear():
+    clock, out = FakeClock(), io.StringIO()
+    p = Progress(5, "study", stream=out, clock=clock)
+    p.step("a")
+    clock.now_s += 1
+    p.step("b")  # held back: within 5 s of the first line
+    p.finish("done in 2 s")
+    assert out.getvalue().splitlines() == ["study [####----------------] 1/5 a 0s",
+                                           "study [####################] 5/5 done in 2 s 1s"]
+    out2 = io.StringIO()
+    q = Progress(3, "calibrate", stream=out2, clock=clock)
+    q.step("x")
+    q.step("y")
+    q.message("warning: slow disk")  # the held-back step first, then the message
+    q.clear()
+    assert out2.getvalue().splitlines() == ["calibrate [######--------------] 1/3 x 0s",
+                                            "calibrate [#############-------] 2/3 y 0s", "warning: slow disk"]
+
+
+def test_update_sets_count_and_total():
+    out = io.StringIO()
+    p = Progress(1, "planning", stream=out, interval_s=0.0)
+    p.update(3, 10, "candidate 3")
+    p.update(10, 10, "done")
+    p.step("extra")  # more steps than announced: the total grows with them
+    assert [line.split()[2] for line in out.getvalue().splitlines()] == ["3/10", "10/10", "11/11"]
+
+
+def test_terminal_bar_is_rewritten_in_place():
+    out = Terminal()
+    p = Progress(4, "simulating", stream=out)
+    assert p.tty
+    p.step("horizontal")
+    p.step("v")
+    assert "\n" not in out.getvalue() and out.getvalue().count("\r") == 2
+    # the shorter line is padded over the longer one it replaces
+    first, second = out.getvalue().split("\r")[1:]
+    assert len(second) >= len(first)
+    p.finish()
+    assert out.getvalue().endswith("\n") and out.getvalue().count("\n") == 1
+    out2 = Terminal()
+    q = Progress(2, "calibrate", stream=out2)
+    q.step("CPU memory bandwidth")
+    q.message("warn")
+    q.step("CPU AdamW")
+    q.clear()
+    text = out2.getvalue()
+    last = "calibrate [####################] 2/2 CPU AdamW 0s"
+    assert "\rwarn\n" in text and text.endswith("\r" + last + "\r" + " " * len(last) + "\r")  # erased at the end
+
+
+def test_disabled_shows_no_progress_but_messages():
+    out = io.StringIO()
+    p = Progress(0, "calibrate", stream=out, enabled=False)
+    p.step("a")
+    p.message("note")
+    p.finish("done")
+    assert out.getvalue() == "note\n"
+
+
+def test_cli_prints_progress_lines_into_a_pipe():
+    p = subprocess.run([sys.executable, "-m", "tierflow.planner.io.cli", "capacity", "--hw", "rtx3090-desktop"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.splitlines()
+    assert lines and all(line.startswith("capacity [") for line in lines)
+    assert lines[0].split()[2] == "1/4" and lines[-1].split()[2] == "4/4"
+    assert "capacity [" not in p.stdout
