@@ -133,3 +133,42 @@ def test_a_chains_transfer_stretches_where_the_other_direction_runs_beside_it():
     assert x == pytest.approx(1.0 + 1.0 / (1.0 - k * 1.0 / x), rel=1e-6)
     # and the LP's window needs take it
     assert window_needs(sm, hw)[0][2] == pytest.approx(x)
+
+
+def test_the_template_phases_hand_over_consistent_slots():
+    """The named phases of the slot model agree with each other: the template's slots end in the tail, every
+    task's window runs forward from its release (a task without deadline: two iterations), the chains lie in
+    the template's three iterations, and the group mapping gives every slot of the full iteration a template
+    slot of the same phase (forward uses, the head, backward uses, the tail)."""
+    from tierflow.planner.search import slots as S
+
+    model, hw, cfg = _case("block-4-groups")
+    mt, ct, lay = template_of(model, cfg)
+    edges = tuple(S._memory_edges(model, mt, hw, ct))
+    tmpl = S._slot_template(S._template_graphs(mt, hw, ct, lay), ct, lay, edges)
+    T = len(tmpl.slots)
+    assert tmpl.slots[-1] == S.TAIL_SLOT and all(isinstance(k, S.SlotKey) for k in tmpl.slots[:-1])
+    assert len(tmpl.items) == len(tmpl.item_work) > 0 and len(tmpl.chains) == len(tmpl.chain_work) > 0
+    for it in tmpl.items:
+        assert 0 <= it.release_slot <= it.deadline_slot <= it.release_slot + 2 * T
+        assert 0 <= it.channel < len(SLOT_RESOURCES) and 0 <= it.home_group < lay.Gt
+    for ch, vector in zip(tmpl.chains, tmpl.chain_work):
+        assert 0 <= ch.release_slot <= ch.deadline_slot < 3 * T and 0 <= ch.home_group < lay.Gt
+        assert vector[0] > 0  # a chain lasts
+    full = S._full_iteration(tmpl.slots, lay)
+    L, nsub, Lg = lay.L, full.subslots, full.slots_per_group
+    for s in range(full.full_slots - 1):
+        use = (s % Lg) // nsub
+        assert tmpl.slots[full.tie[s]].phase == ("F" if use <= L else "H" if use == L + 1 else "B")
+    assert tmpl.slots[full.tie[-1]] == S.TAIL_SLOT
+    assert (full.period == build_slot_model(model, hw, cfg).period).all()
+
+
+def test_named_results_still_unpack_as_tuples():
+    """template_of, window_needs and eager_terms return NamedTuples: their callers may unpack them."""
+    model, hw, cfg = _case("vertical-ssd")
+    mt, ct, lay = template_of(model, cfg)
+    assert template_of(model, cfg).layout == lay and mt.num_layers == lay.Lt
+    sm = build_slot_model(model, hw, cfg)
+    need, throughput = window_needs(sm, hw)
+    assert need.shape == (len(sm.counts),) and throughput == window_needs(sm, hw).throughput_s > 0
