@@ -55,8 +55,8 @@ import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock
-from tierflow.planner.core.costmodel import CostModel
-from tierflow.planner.core.graph import RESOURCES
+from tierflow.planner.core.costmodel import link_rates
+from tierflow.planner.core.graph import RESOURCES, CycleError, topological_order
 from tierflow.planner.core.memory import placed_bytes
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.schedules import ScheduleConfig, build_graph, step_sequence
@@ -206,7 +206,7 @@ def eager_terms(hw: HardwareProfile) -> list[EagerTerm]:
 
 def _link_pairs(hw: HardwareProfile) -> list[LinkPair]:
     """Each direction A of a shared link against the other, B: (A, B, solo_A, shared_A, shared_B, solo_B)."""
-    r = CostModel(hw).rates
+    r = link_rates(hw)
     pairs = [LinkPair("h2d", "d2h", r.h2d, r.h2d_duplex, r.d2h_duplex, r.d2h),
              LinkPair("d2h", "h2d", r.d2h, r.d2h_duplex, r.h2d_duplex, r.h2d)]
     if hw.ssd.count > 0:
@@ -267,7 +267,7 @@ class WindowTerms(NamedTuple):
 def window_terms(hw: HardwareProfile) -> WindowTerms:
     """Seconds a window needs per unit of each channel's work, one row per resource (each link alone, the PCIe
     link both ways, each SSD direction and a shared array, the CPU, a serial chain), and their names."""
-    r = CostModel(hw).rates
+    r = link_rates(hw)
     idx = {k: i for i, k in enumerate(CHANNELS)}
     rows, names = [], []
 
@@ -363,34 +363,17 @@ def _memory_edges(model: ModelSpec, mt: ModelSpec, hw: HardwareProfile,
 
 
 def _topological(n: int, preds: list[list[int]], prev_in_queue: list[int], queue_order: list[int]) -> list[int]:
-    """A topological order of the tasks over dependencies, queue order and memory edges (Kahn's algorithm,
-    ties broken by queue order); an edge that would close a cycle is dropped."""
-    rank = {i: r for r, i in enumerate(queue_order)}
-    succ: list[list[int]] = [[] for _ in range(n)]
-    indeg = [0] * n
-    for i in range(n):
-        ps = set(preds[i])
-        if prev_in_queue[i] >= 0:
-            ps.add(prev_in_queue[i])
-        for p in ps:
-            succ[p].append(i)
-            indeg[i] += 1
-    import heapq
-
-    heap = [(rank[i], i) for i in range(n) if indeg[i] == 0]
-    heapq.heapify(heap)
-    out = []
-    while heap:
-        _, i = heapq.heappop(heap)
-        out.append(i)
-        for s_ in succ[i]:
-            indeg[s_] -= 1
-            if indeg[s_] == 0:
-                heapq.heappush(heap, (rank[s_], s_))
-    if len(out) < n:  # a memory edge against the queue order closed a cycle: keep the queue order there
-        seen = set(out)
-        out += [i for i in queue_order if i not in seen]
-    return out
+    """A topological order of the tasks over dependencies, queue order and memory edges (the graph's one
+    topological sort, ties broken by queue order); where an edge closed a cycle, the queue order is kept."""
+    rank = [0] * n
+    for r, i in enumerate(queue_order):
+        rank[i] = r
+    all_preds = [preds[i] + [prev_in_queue[i]] if prev_in_queue[i] >= 0 else preds[i] for i in range(n)]
+    try:
+        return topological_order(n, all_preds, tie_break=rank)
+    except CycleError as e:  # a memory edge against the queue order closed a cycle: keep the queue order there
+        left = set(e.left)
+        return e.order + [i for i in queue_order if i in left]
 
 
 # --- the template: its slots, and the release and deadline slot of each of its tasks ----------------------
@@ -860,7 +843,7 @@ def _template_graphs(mt: ModelSpec, hw: HardwareProfile, ct: ScheduleConfig, lay
     for."""
     g = build_graph(mt, hw, ct)
     work = np.array([[t.work] for t in g.tasks]).reshape(len(g.tasks), 1)
-    r = CostModel(hw).rates
+    r = link_rates(hw)
     sec = {"h2d": 1 / r.h2d, "d2h": 1 / r.d2h, "ssd_read": 1 / r.ssd_read if r.ssd_read else 0.0,
            "ssd_write": 1 / r.ssd_write if r.ssd_write else 0.0, "cpu": 1.0, "gpu": 1.0}
     seconds_per_work = np.array([sec[t.resource] for t in g.tasks])
