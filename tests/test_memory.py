@@ -50,7 +50,7 @@ def configs(draw):
 def estimate(model, cfg) -> dict[str, float]:
     mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq, num_micro_batches=cfg.num_micro_batches,
                           group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
-                          prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch)
+                          prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime)
     return mem.tier_bytes(cfg.placement, cfg.swap_layers), mem.staging_bytes(cfg.placement, cfg.swap_layers)
 
 

@@ -128,3 +128,19 @@ def test_cli_plan_writes_a_plan_that_replays_to_the_same_time(tmp_path, capsys):
     assert rc == 0
     replay = json.loads(capsys.readouterr().out)
     assert replay["iteration_s"] == pytest.approx(d["predicted"]["iteration_s"], rel=1e-12)
+
+
+def test_problem_builds_candidate_configs_and_keeps_its_caches_apart():
+    hw = small_box()
+    p = Problem(MODEL, hw, 8, SEQ)
+    assert p.config(Candidate(2, 1, 0.0)).family == "fuyou"  # group 1, optimizer overlapped: never "horizontal"
+    assert Candidate(2, 1, 0.0).describe(8).startswith("fuyou, 4 x 2")
+    assert Candidate(2, 1, 0.0, optimizer_overlap=False).describe(8).startswith("horizontal")
+    assert p.config(Candidate(2, 4, 0.25)).family == "vertical"
+    assert p.config(Candidate(1, 4, 0.25)).family == "block"
+    cfg = p.config(Candidate(2, 2, 0.25), iterations=1)
+    lin = linear_loads(p, cfg)
+    assert linear_loads(p, cfg) is lin  # cached on the problem
+    other = p.on(hw.with_overrides({"ssd.count": 4}))
+    assert other.hw.ssd.count == 4 and linear_loads(other, cfg) is not lin  # its own cache
+    assert Problem(MODEL, hw, 8, SEQ, allow_ssd=False).capacity_bytes["ssd"] == 0.0

@@ -10,7 +10,7 @@ from helpers import CPU, GPU, SSD, placement, profile, small_models, splits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierflow.api import simulate
+from tierflow.api import simulate, simulate_config
 from tierflow.planner.core.graph import LINKS, RESOURCES, TIER_INDEX
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement, Split
@@ -492,3 +492,44 @@ def test_recomputes_counts_swapped_layers_from_the_end():
     assert cfg.recomputed_fraction(m.num_layers) == 0.75
     off = make_schedule("vertical", m, profile(), batch=4, micro_batch=2, recompute=False)
     assert not any(off.recomputes(b, m.num_layers) for b in range(6)) and off.recomputed_fraction(4) == 0.0
+
+
+# ---- ZeRO-Infinity as DeepSpeed runs it ------------------------------------------------------------------------
+
+
+def test_horizontal_runs_as_deepspeed_runs_it_unless_asked_for_the_ideal():
+    m, hw = get_model("tiny-gpt"), profile()
+    assert make_schedule("horizontal", m, hw, batch=4, micro_batch=2).runtime == "deepspeed"
+    assert make_schedule("horizontal", m, hw, batch=4, micro_batch=2, runtime="ideal").runtime == "ideal"
+    assert make_schedule("fuyou", m, hw, batch=4, micro_batch=2).runtime == "ideal"
+    with pytest.raises(ScheduleError, match="applies to the horizontal schedule"):
+        make_schedule("vertical", m, hw, batch=4, micro_batch=2, runtime="deepspeed")
+    with pytest.raises(ScheduleError, match="unknown runtime"):
+        make_schedule("horizontal", m, hw, batch=4, micro_batch=2, runtime="megatron")
+
+
+def test_deepspeed_fetches_nvme_weights_on_demand_and_swaps_sub_groups_serially():
+    m, hw = get_model("gpt3-125m"), profile()
+    on_ssd = Placement.uniform("ssd")
+    kw = dict(batch=8, micro_batch=2, seq=256, placement=on_ssd, iterations=2)
+    ds = make_schedule("horizontal", m, hw, **kw)
+    ideal = make_schedule("horizontal", m, hw, runtime="ideal", **kw)
+
+    def fetched_just_in_time(cfg) -> list[bool]:
+        """For each weight copy to the GPU: is the next GPU step in queue order the one that consumes it?"""
+        tasks = build_graph(m, hw, cfg).tasks
+        gpu_steps = sorted((t for t in tasks if t.resource == "gpu"), key=lambda t: (t.key, t.id))
+        out = []
+        for f in (t for t in tasks if t.kind == "fetch_weights"):
+            nxt = next(s for s in gpu_steps if s.key > f.key)
+            out.append(f.id in nxt.deps)
+        return out
+
+    assert all(fetched_just_in_time(ds))  # DeepSpeed: no prefetch of NVMe-resident parameters
+    assert not all(fetched_just_in_time(ideal))  # the ideal runtime fetches one use ahead
+    tasks = build_graph(m, hw, ds).tasks
+    reads = [t for t in tasks if t.kind == "read_opt_states" and t.iteration == 0]
+    writes = {t.id for t in tasks if t.kind == "write_opt_states" and t.iteration == 0}
+    assert sum(1 for r in reads if writes & set(r.deps)) == len(reads) - 1  # all but the first wait for a write
+    slow, fast = simulate_config(m, hw, ds), simulate_config(m, hw, ideal)
+    assert slow.iteration_s > fast.iteration_s

@@ -44,6 +44,18 @@ HOST_RESERVE_FRACTION = 0.02
 MARGIN = 1.5
 
 
+# DeepSpeed ZeRO-3 defaults that hold GPU memory for the whole step (docs/baselines-as-coded.md, A2 and A4):
+DS_REDUCE_BUCKET_ELEMS = 5e8  # reduce_bucket_size: the gradient bucket, model dtype (zero/config.py:113)
+DS_MAX_REUSE_DISTANCE_ELEMS = 1e9  # parameters kept on the GPU at the forward/backward turn (zero/config.py:244)
+
+
+def deepspeed_gpu_buffers_bytes(model: ModelSpec) -> float:
+    """GPU bytes DeepSpeed's ZeRO-3 holds besides what the schedule's tasks allocate: its gradient bucket and the
+    parameters its reuse distance keeps resident where the forward turns into the backward."""
+    return COMPUTE_BYTES * (DS_REDUCE_BUCKET_ELEMS + min(model.total_params(), DS_MAX_REUSE_DISTANCE_ELEMS))
+
+
+
 def blocks_of(model: ModelSpec, micro_batch: int, seq: int) -> list[BlockCost]:
     """The embedding, every decoder layer and the head, for one micro-batch."""
     layer = layer_cost(model, micro_batch, seq)
@@ -96,6 +108,7 @@ class ScheduleMemory:
     swap_extra_bytes: float  # ... extra per swapped layer
     gpu_working_bytes: float  # closed-form GPU bytes beyond resident tensors (weight buffers, work, gradients)
     gpu_working_swap_bytes: float  # ... when layers keep their activations (their prefetched activations)
+    runtime_gpu_bytes: float = 0.0  # GPU buffers the runtime holds while states are offloaded (DeepSpeed's)
 
     @property
     def host_staging_bytes(self) -> float:
@@ -126,7 +139,7 @@ class ScheduleMemory:
         c = placement.checkpoints
         if gpu_working_bytes is None:
             gpu_working_bytes = self.gpu_working_swap_bytes if swap_layers else self.gpu_working_bytes
-        gpu_work = gpu_working_bytes
+        gpu_work = gpu_working_bytes + (0.0 if placement.gpu_optimizer else self.runtime_gpu_bytes)
         grads_on_host = self.host_grad_bytes * (1.0 - placement.grads.ssd) if not placement.gpu_optimizer else 0.0
         return {
             "gpu": placed["gpu"] + gpu_work + ck * c.gpu,
@@ -137,7 +150,8 @@ class ScheduleMemory:
 
 
 def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_batches: int, group: int,
-                    alpha: float, optimizer_overlap: bool, prefetch_depth: int, act_prefetch: int = 2) -> ScheduleMemory:
+                    alpha: float, optimizer_overlap: bool, prefetch_depth: int, act_prefetch: int = 2,
+                    runtime: str = "ideal") -> ScheduleMemory:
     """The memory a schedule with these settings needs besides its placed tensors (see the module doc)."""
     blocks = blocks_of(model, micro_batch, seq)
     layer = blocks[1] if model.num_layers else blocks[0]
@@ -176,4 +190,5 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
                           grad_staging_bytes=grad_staging, ckpt_staging_bytes=ckpt_staging,
                           ckpt_staging_swap_bytes=ckpt_staging_swap,
                           ckpt_per_layer_bytes=ckpt, swap_extra_bytes=swap_extra, gpu_working_bytes=gpu_recompute,
-                          gpu_working_swap_bytes=gpu_swap)
+                          gpu_working_swap_bytes=gpu_swap,
+                          runtime_gpu_bytes=deepspeed_gpu_buffers_bytes(model) if runtime == "deepspeed" else 0.0)

@@ -24,7 +24,13 @@ from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock, Offset
 from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused
-from tierflow.planner.core.memory import blocks_of, host_reserve_bytes, placed_bytes, schedule_memory
+from tierflow.planner.core.memory import (
+    blocks_of,
+    deepspeed_gpu_buffers_bytes,
+    host_reserve_bytes,
+    placed_bytes,
+    schedule_memory,
+)
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split, fill_split
 from tierflow.planner.core.workload import (
@@ -36,10 +42,13 @@ from tierflow.planner.core.workload import (
 )
 
 FAMILIES = ("horizontal", "vertical", "fuyou", "block")
+# How a schedule's transfers may overlap: "ideal" is tierflow's executor (every transfer runs as early as the
+# plan's dependencies and memory allow); "deepspeed" is ZeRO-Infinity as DeepSpeed's ZeRO-3 code runs it
+# (docs/baselines-as-coded.md): parameters on NVMe are fetched on demand, the optimizer's sub-groups are read,
+# stepped and written back one after the other.
+RUNTIMES = ("ideal", "deepspeed")
 # the group size each family fixes (None: the block schedule's own --group)
 FIXED_GROUP = {"horizontal": "1", "fuyou": "1", "vertical": "all micro-batches", "block": None}
-
-
 def family_of(group: int, num_micro_batches: int, optimizer_overlap: bool) -> str:
     """The name of what a builder with these settings builds: one micro-batch per block sweep with the optimizer
     after the backward is ZeRO-Infinity's horizontal schedule, with the optimizer overlapped Fuyou's; all
@@ -70,6 +79,7 @@ class ScheduleConfig:
     recompute: bool = True  # recompute each layer's forward in backward (else keep all its activations)
     swap_layers: int = 0  # the last n layers keep (and swap out) all their activations instead of recomputing
     iterations: int = 3  # iterations simulated; the one before the last is reported as the steady state
+    runtime: str = "ideal"  # how transfers overlap: RUNTIMES
 
     @property
     def num_micro_batches(self) -> int:
@@ -87,7 +97,8 @@ class ScheduleConfig:
     def describe(self) -> str:
         return (f"{self.family}: batch {self.batch} = {self.num_micro_batches} x {self.micro_batch}, group {self.group}, "
                 f"alpha {self.alpha:g}, prefetch {self.prefetch_depth}, "
-                f"{'recompute' if self.recompute else 'no recompute'}{f', {self.swap_layers} layers swapped' if self.swap_layers else ''}")
+                f"{'recompute' if self.recompute else 'no recompute'}{f', {self.swap_layers} layers swapped' if self.swap_layers else ''}"
+                f"{'' if self.runtime == 'ideal' else f', as {self.runtime} runs it'}")
 
     def to_dict(self) -> dict:
         return {
@@ -95,7 +106,7 @@ class ScheduleConfig:
             "group": self.group, "alpha": self.alpha, "optimizer_overlap": self.optimizer_overlap,
             "prefetch_depth": self.prefetch_depth, "act_prefetch": self.act_prefetch, "recompute": self.recompute,
             "swap_layers": self.swap_layers,
-            "iterations": self.iterations, "placement": self.placement.as_dict(),
+            "iterations": self.iterations, "runtime": self.runtime, "placement": self.placement.as_dict(),
         }
 
     @classmethod
@@ -113,7 +124,7 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     params = model.total_params()
     mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq, num_micro_batches=cfg.num_micro_batches,
                           group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
-                          prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch)
+                          prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime)
     # staging buffers for whatever may stream from the SSDs (all of it on a box with SSDs)
     staging = mem.host_staging_bytes if hw.ssd.count > 0 else 0.0
     budget = float(hw.cpu.capacity_bytes) - staging - host_reserve_bytes(hw.cpu.capacity_bytes)
@@ -136,8 +147,10 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
 def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: int, micro_batch: int,
                   seq: int | None = None, placement: Placement | None = None, group: int | None = None,
                   alpha: float | None = None, prefetch_depth: int = 1, recompute: bool = True,
-                  swap_layers: int = 0, act_prefetch: int = 2, iterations: int = 3) -> ScheduleConfig:
-    """A schedule of one family with that family's defaults for everything not given."""
+                  swap_layers: int = 0, act_prefetch: int = 2, iterations: int = 3,
+                  runtime: str | None = None) -> ScheduleConfig:
+    """A schedule of one family with that family's defaults for everything not given. `horizontal` runs as
+    DeepSpeed runs ZeRO-Infinity unless `runtime="ideal"` asks for the idealised baseline."""
     if family not in FAMILIES:
         raise ScheduleError(f"unknown schedule {family!r} (known: {', '.join(FAMILIES)}, all)")
     seq = seq or model.seq_len
@@ -169,10 +182,16 @@ def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: 
         raise ScheduleError(f"swap_layers {swap_layers} must be within [0, {model.num_layers}]")
     if prefetch_depth < 1:
         raise ScheduleError(f"prefetch depth {prefetch_depth} must be >= 1")
+    runtime = runtime or ("deepspeed" if family == "horizontal" else "ideal")
+    if runtime not in RUNTIMES:
+        raise ScheduleError(f"unknown runtime {runtime!r} (known: {', '.join(RUNTIMES)})")
+    if runtime == "deepspeed" and family != "horizontal":
+        raise ScheduleError(f"runtime deepspeed models ZeRO-Infinity: it applies to the horizontal schedule, "
+                            f"not {family} (use --runtime ideal)")
     cfg = ScheduleConfig(family=family_of(g, M, overlap), batch=batch, micro_batch=micro_batch, seq=seq,
                          placement=placement or Placement(), group=g, alpha=a, optimizer_overlap=overlap,
                          prefetch_depth=prefetch_depth, recompute=recompute, swap_layers=swap_layers,
-                         act_prefetch=act_prefetch, iterations=iterations)
+                         act_prefetch=act_prefetch, iterations=iterations, runtime=runtime)
     if placement is None:
         cfg = replace(cfg, placement=default_placement(model, hw, cfg))
     return cfg
@@ -314,6 +333,11 @@ class _Builder:
         if off <= 0:
             return deps
         g, d = self.g, self.cfg.prefetch_depth
+        if self.cfg.runtime == "deepspeed" and w.ssd > 0:
+            # DeepSpeed's parameter prefetch stops at the first parameter still on NVMe; its NVMe read-ahead
+            # starts when the previous module's hook runs, its copy to the GPU when this module's hook does
+            # (partitioned_param_coordinator.py:460-463, 667-690; partition_parameters.py:1689-1692)
+            d = 0
         ready = list(self.weights_ready.get(b, []))
         if b == self.head and self.model.tied_embeddings:
             ready += self.weights_ready.get(0, [])
@@ -365,6 +389,8 @@ class _Builder:
             self.step_key.extend(self.clock.steps(it))
             self.build_iteration(it, base, seq_steps)
         static = placed_bytes(self.model, self.p)
+        if cfg.runtime == "deepspeed" and not self.p.gpu_optimizer:  # ZeRO-Infinity: states offloaded
+            static["gpu"] += deepspeed_gpu_buffers_bytes(self.model)
         cap = self.hw.tier_capacity_bytes
         return TaskGraph(g.tasks, static, cap, cfg.iterations, self.nb,
                          meta={"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations})
@@ -519,6 +545,7 @@ class _Builder:
         barrier = [self.step_task[-1]] if not cfg.optimizer_overlap else []
         order = sorted(range(self.nb), key=lambda b: last_step_of_block[b])
         prev_main = -1
+        prev_write = -1  # DeepSpeed: a sub-group's states are read only after the previous one's are written
         S = len(seq_steps)
         end_key = self.step_key[base + S - 1]
         for rank, b in enumerate(order):
@@ -552,6 +579,9 @@ class _Builder:
                            key=key + Offset.READ_GRADS, deps=[wr.id, prev_main] + barrier)
                 g.alloc(rd, "cpu", grads_ssd)
                 pre.append(rd.id)
+            # DeepSpeed's default optimizer swapper (pipeline_read/write off) reads, steps and writes one
+            # sub-group after the other (partitioned_optimizer_swapper.py:100-191; offload_config.py:84-94)
+            serial_swap = cfg.runtime == "deepspeed"
             parts = [(1.0 - cfg.alpha, key + Offset.ADAM, "adam")]
             if cfg.alpha > 0:
                 parts.append((cfg.alpha, self.clock.deferred_adam(it, first_fwd_idx[b]), "adam_deferred"))
@@ -564,7 +594,8 @@ class _Builder:
                     # the previous iteration wrote that slice back
                     rs = g.add("read_opt_states", "ssd_read", states_ssd * frac, tensor="opt_states", block=b, mb=-1,
                                iteration=it, key=pkey + Offset.READ_STATES,
-                               deps=[prev_main if kind == "adam" else prev_part, *self.states_written.get((b, kind), [])])
+                               deps=[prev_main if kind == "adam" else prev_part, *self.states_written.get((b, kind), []),
+                                     prev_write if serial_swap else -1])
                     g.alloc(rs, "cpu", states_ssd * frac)
                     deps.append(rs.id)
                 a = g.add(kind, "cpu", self.cost.cpu_adam_s(owned * frac), tensor="opt_states", block=b, mb=-1,
@@ -580,6 +611,7 @@ class _Builder:
                                block=b, mb=-1, iteration=it, key=pkey + Offset.AFTER_ADAM, deps=[a.id])
                     g.free(wb, "cpu", states_ssd * frac)
                     self.states_written[(b, kind)] = [wb.id]
+                    prev_write = wb.id
                     if w_ssd > 0:
                         ready.append(wb.id)
                 if w_gpu > 0:

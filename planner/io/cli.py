@@ -125,7 +125,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for fam in families:
         cfg = make_schedule(fam, model, hw, batch=args.batch, micro_batch=args.micro_batch, seq=model.seq_len,
                             placement=placement, group=args.group, alpha=args.alpha,
-                            prefetch_depth=args.prefetch, recompute=not args.no_recompute,
+                            prefetch_depth=args.prefetch, recompute=not args.no_recompute, runtime=args.runtime,
                             iterations=args.iterations, swap_layers=args.swap_layers)
         configs[fam] = cfg
         try:
@@ -397,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--group", type=int, default=None, help="micro-batches per block sweep (block schedule)")
     s.add_argument("--alpha", type=float, default=None, help="deferred optimizer fraction (vertical default 0.25)")
     s.add_argument("--prefetch", type=int, default=1, help="weight buffers fetched ahead (default 1)")
+    s.add_argument("--runtime", choices=("ideal", "deepspeed"), default=None,
+                   help="how transfers overlap: deepspeed = ZeRO-Infinity as DeepSpeed's code runs it (the default "
+                   "of --schedule horizontal), ideal = as early as the plan allows (every other schedule)")
     s.add_argument("--no-recompute", action="store_true", help="keep every activation instead of recomputing")
     s.add_argument("--placement", default=None, help="gpu|cpu|ssd, or JSON / a JSON file of fractions per tensor class")
     s.add_argument("--iterations", type=int, default=3,

@@ -40,7 +40,7 @@ from tierflow.planner.core.graph import (
 )
 from tierflow.planner.core.models import ModelError, ModelSpec
 from tierflow.planner.core.placement import Placement, PlacementError
-from tierflow.planner.core.schedules import FAMILIES, ScheduleConfig
+from tierflow.planner.core.schedules import FAMILIES, RUNTIMES, ScheduleConfig
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import SimResult
 
@@ -326,6 +326,8 @@ def _decisions(source: str, d: object, model: ModelSpec) -> ScheduleConfig:
 
     if cfg.family not in FAMILIES:
         raise bad("family", f"unknown schedule family {_short(cfg.family)}", f"use one of {', '.join(FAMILIES)}")
+    if cfg.runtime not in RUNTIMES:
+        raise bad("runtime", f"unknown runtime {_short(cfg.runtime)}", f"use one of {', '.join(RUNTIMES)}")
     for key in ("batch", "micro_batch", "seq", "group", "prefetch_depth", "iterations"):
         if getattr(cfg, key) < 1:
             raise bad(key, f"must be >= 1, got {getattr(cfg, key)}", "write a positive integer")

@@ -114,10 +114,10 @@ class Problem:
 
     def schedule_memory(self, cfg: ScheduleConfig) -> ScheduleMemory:
         return self.memoized(("schedule_memory", cfg.micro_batch, cfg.group, cfg.alpha, cfg.optimizer_overlap,
-                              cfg.prefetch_depth, cfg.act_prefetch), lambda: schedule_memory(
+                              cfg.prefetch_depth, cfg.act_prefetch, cfg.runtime), lambda: schedule_memory(
             self.model, micro_batch=cfg.micro_batch, seq=self.seq, num_micro_batches=cfg.num_micro_batches,
             group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
-            prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch))
+            prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime))
 
     def gpu_floor_s(self, micro_batch: int) -> float:
         """GPU compute of one iteration without any recompute: no plan with this micro-batch can beat it."""
