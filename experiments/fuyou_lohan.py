@@ -202,11 +202,13 @@ def make_headlines(rows: list[dict]) -> list[dict]:
             PAPER["zero_13b_tflops"],
             "TFLOPS (recompute counted)",
             note=(
-                "ours is an idealised ZeRO-Infinity: the horizontal schedule with perfect overlap of every "
-                "weight fetch, gradient offload and NVMe transfer, at the best micro-batch "
-                f"({z13['micro_batch']}). It does not model DeepSpeed's runtime costs (per-parameter hooks "
-                "and all-gathers, the Python-level NVMe swapper and its limited pinned buffers, kernel "
-                "launch gaps). The paper did not publish ZeRO-Infinity's micro-batch; with small "
+                "ours models ZeRO-Infinity as DeepSpeed's code runs it (runtime deepspeed: NVMe parameters "
+                "fetched on demand, optimizer sub-groups swapped one after the other, its GPU buffers; "
+                "docs/baselines-as-coded.md) at the best micro-batch that fits "
+                f"({z13['micro_batch']}). Still missing: its per-module Python hooks and host "
+                "synchronisations, the 5 x 1e8-element NVMe swap buffers that cap read-ahead, the "
+                "per-micro-batch gradient round trip through the GPU, the CPU-side casts and unscaling. "
+                "The paper did not publish ZeRO-Infinity's micro-batch; with small "
                 + (
                     f"micro-batches ours gives {small}, which brackets the paper's 45."
                     if small
@@ -222,9 +224,8 @@ def make_headlines(rows: list[dict]) -> list[dict]:
             PAPER["fuyou_13b_tflops"] / PAPER["zero_13b_tflops"],
             "x",
             note=(
-                "follows from the ZeRO-Infinity row: our horizontal baseline is far stronger than the "
-                "DeepSpeed run the paper measured, so the gap Fuyou closes is much smaller here; both "
-                "schedules are GPU-bound at large micro-batches in our simulator"
+                "follows from the ZeRO-Infinity row: our model of DeepSpeed still lacks its software "
+                "overheads, so the gap Fuyou closes is smaller here"
             ),
             source=SOURCE,
         ),

@@ -77,12 +77,13 @@ def paper_schedule(model, hw, family: str, batch: int, seq: int, paper_placement
 
 def decisions(cfg, batch: int) -> dict:
     """The decisions of a schedule config, as CSV columns (with one micro-batch per iteration horizontal and
-    vertical orders coincide: the shape says so instead of naming either)."""
+    vertical orders coincide: the shape says so instead of naming either; one micro-batch per sweep is named by
+    its family, horizontal or fuyou, as the optimizer runs after or during the backward)."""
     M = cfg.batch // cfg.micro_batch
     if M == 1:
         shape = "one micro-batch"
     elif cfg.group == 1:
-        shape = "horizontal"
+        shape = cfg.family
     else:
         shape = "vertical" if cfg.group == M else f"block k={cfg.group}"
     return {

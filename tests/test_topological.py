@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tierflow.planner.core.graph import CycleError, TaskGraph, find_cycle, topological_order
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.schedules import FAMILIES, build_graph, make_schedule
+from tierflow.planner.search.slots import _topological as slots_topological
 
 PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -102,18 +103,6 @@ def old_slots_topological(n, preds, prev_in_queue, queue_order):
     return out
 
 
-def slots_via_topological_order(n, preds, prev_in_queue, queue_order):
-    """How slots.py calls the shared function (the call its refactoring should use)."""
-    rank = [0] * n
-    for r, i in enumerate(queue_order):
-        rank[i] = r
-    all_preds = [preds[i] + [prev_in_queue[i]] if prev_in_queue[i] >= 0 else preds[i] for i in range(n)]
-    try:
-        return topological_order(n, all_preds, tie_break=rank)
-    except CycleError as e:  # a memory edge against the queue order closed a cycle: keep the queue order there
-        return e.order + [i for i in queue_order if i in e.left]
-
-
 # ---- properties ----------------------------------------------------------------------------------------------
 
 
@@ -151,7 +140,7 @@ def test_slots_order_is_expressible(case, data):
     n, preds = case
     queue_order = data.draw(st.permutations(range(n)))
     prev_in_queue = data.draw(st.lists(st.integers(-1, n - 1), min_size=n, max_size=n))
-    assert slots_via_topological_order(n, preds, prev_in_queue, queue_order) == \
+    assert slots_topological(n, preds, prev_in_queue, queue_order) == \
         old_slots_topological(n, preds, prev_in_queue, queue_order)
 
 

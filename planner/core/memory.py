@@ -163,6 +163,7 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
         grads = GRAD_ACCUM_BYTES * sum(b.fetch_params for b in blocks)
     else:
         # the block whose Adam runs, the next ones whose backward finished meanwhile, and alpha of every block
+        # (a CPU Adam slower than the backward lets more wait: the simulator then delays offloads or overflows)
         grads = GRAD_ACCUM_BYTES * (3 * fetch_max + alpha * params)
     # in flight at once: weights read from the SSD ahead of their fetch (prefetch_depth + 2 uses), optimizer
     # states of three blocks (read next, updated now, written back), a spilled gradient read back
@@ -171,8 +172,8 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
     grad_staging = 2 * GRAD_ACCUM_BYTES * fetch_max
     # checkpoints pass through host memory on their way to the SSDs and back: the one being written, the one
     # read back for the step in use and those read ahead for the next act_prefetch steps
-    ckpt_staging = (act_prefetch + 2) * group * layer.checkpoint_bytes
-    ckpt_staging_swap = (act_prefetch + 2) * group * layer.full_activation_bytes
+    ckpt_staging = (act_prefetch + 2) * layer.checkpoint_bytes
+    ckpt_staging_swap = (act_prefetch + 2) * layer.full_activation_bytes
     # at the turn from forward to backward every micro-batch of the group holds each layer's checkpoint, and one
     # more activation per micro-batch waits between two blocks (the head's input, then an activation gradient)
     ckpt = group * layer.checkpoint_bytes * (L + 1) / L

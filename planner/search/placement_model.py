@@ -152,9 +152,10 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
     ckpt_swap_mib = _mib(sm.swap_extra_bytes / STEPS)  # per swapped layer and step of c_*
     gpu_work_mib = _mib(mem.gpu_working_bytes)
     gpu_swap_extra_mib = max(0, _mib(mem.gpu_working_swap_bytes) - gpu_work_mib) if can_swap else 0
-    # the host's gradients, staging buffers (when anything may stream from the SSDs) and reserve
-    staging = sm.host_staging_bytes if problem.uses_ssd else 0.0
-    host_mib = _mib(sm.host_grad_bytes + staging + host_reserve_bytes(hw.cpu.capacity_bytes))
+    # the host's gradients and reserve, and the staging buffers of each tensor class the SSDs hold a part of
+    host_mib = _mib(sm.host_grad_bytes + host_reserve_bytes(hw.cpu.capacity_bytes))
+    staging_mib = {"w_ssd": _mib(sm.weight_staging_bytes), "s_ssd": _mib(sm.state_staging_bytes),
+                   "c_ssd": _mib(max(sm.ckpt_staging_bytes, sm.ckpt_staging_swap_bytes))}
 
     # ---- variables
     m = cp_model.CpModel()
@@ -164,6 +165,7 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
     # swapped layers x checkpoint fraction, per tier that takes checkpoints (CP-SAT multiplication)
     swap_frac = {v: m.NewIntVar(0, STEPS * L, f"swapped_x_{v}") for v in CKPT_VARS}
     swap_on_cpu = m.NewIntVar(0, STEPS * L, "swapped_x_c_cpu")
+    streams = {v: m.NewBoolVar(f"streams_{v}") for v in staging_mib}  # does the SSD hold a part of v's class?
 
     # ---- constraints
     m.Add(frac["w_gpu"] + frac["w_ssd"] <= STEPS)
@@ -175,13 +177,15 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
         m.AddMultiplicationEquality(swap_frac[v], [swapped, frac[v]])
     m.Add(swapped <= L * any_swap)
     m.Add(swap_on_cpu == STEPS * swapped - swap_frac["c_gpu"] - swap_frac["c_ssd"])
+    for v, flag in streams.items():
+        m.Add(frac[v] <= STEPS * flag)
     # GPU: resident weights + checkpoints kept there + working memory (higher as soon as one layer swaps)
     m.Add(weight_mib * frac["w_gpu"] + ckpt_recompute_mib * frac["c_gpu"] + ckpt_swap_mib * swap_frac["c_gpu"]
           + gpu_work_mib + gpu_swap_extra_mib * any_swap <= cap_mib["gpu"])
     # CPU: weights, optimizer states and checkpoints not placed elsewhere + the schedule's host memory + reserve
     m.Add(weight_mib * (STEPS - frac["w_gpu"] - frac["w_ssd"]) + state_mib * (STEPS - frac["s_ssd"])
           + ckpt_recompute_mib * (STEPS - frac["c_gpu"] - frac["c_ssd"]) + ckpt_swap_mib * swap_on_cpu + host_mib
-          <= cap_mib["cpu"])
+          + sum(staging_mib[v] * flag for v, flag in streams.items()) <= cap_mib["cpu"])
     if problem.uses_ssd:
         m.Add(weight_mib * frac["w_ssd"] + state_mib * frac["s_ssd"] + ckpt_recompute_mib * frac["c_ssd"]
               + ckpt_swap_mib * swap_frac["c_ssd"] <= cap_mib["ssd"])
