@@ -106,7 +106,8 @@ def largest_all(hw: HardwareProfile, batch: int, seq: int, *, families: tuple[st
     """`largest` for every family, with and without the SSDs (when the box has them), each in its own process
     (up to `workers`, default the machine's cores, at most 2 when they share a small box): the answers are
     independent and each ends in one large simulation. `on_answer(answer)` is called as each one arrives."""
-    jobs = [(fam, hw, batch, seq, with_ssd) for fam in families for with_ssd in (True, False)
+    # the answers with SSDs are the largest models and the longest simulations: start them first
+    jobs = [(fam, hw, batch, seq, with_ssd) for with_ssd in (True, False) for fam in families
             if not (with_ssd and hw.ssd.count == 0)]
     workers = min(len(jobs), workers or os.cpu_count() or 1)
     answers: dict[int, CapacityAnswer] = {}
