@@ -24,7 +24,7 @@ from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleError, make_schedule
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.io.progress import Progress
-from tierflow.planner.search.loads import pcie_time_s
+from tierflow.planner.search.loads import duplex_time_s, pcie_time_s
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NOTE_THRESHOLD = 0.15  # a headline that differs from the paper by more than this must carry an explanation
@@ -102,15 +102,14 @@ def best_micro_batch(
 def utilisation(res: SimResult, hw: HardwareProfile) -> dict[str, float]:
     """Share of the steady-state iteration each resource is needed: GPU and CPU from SimResult.busy; links
     from the bytes they carry at their solo rates (PCIe both ways with the profile's duplex rates, the SSD
-    array's reads + writes when they time-share it)."""
+    array's reads and writes likewise with its mixed rates, ssd.mixed_efficiency)."""
     rates = link_rates(hw)
     t = res.iteration_s
     lb = res.link_bytes
     h2d, d2h = lb["cpu->gpu"], lb["gpu->cpu"]
     rd, wr = lb["ssd->cpu"], lb["cpu->ssd"]
-    ssd_rd_s = rd / rates.ssd_read if rates.ssd_read > 0 else 0.0
-    ssd_wr_s = wr / rates.ssd_write if rates.ssd_write > 0 else 0.0
-    ssd_s = ssd_rd_s + ssd_wr_s if hw.ssd.rw_sharing == "shared" else max(ssd_rd_s, ssd_wr_s)
+    ssd_s = duplex_time_s(rd, wr, rates.ssd_read, rates.ssd_write, rates.ssd_read_mixed,
+                          rates.ssd_write_mixed) if rates.ssd_read > 0 else 0.0
     return {
         "gpu": res.busy["gpu"],
         "cpu_adam": res.busy["cpu"],

@@ -104,6 +104,16 @@ class SsdSpec:
     array_read_gbps: float | None  # host-side ceiling for the whole array's reads (None = count * read_gbps)
     array_write_gbps: float | None
     rw_sharing: str  # "shared": reads and writes time-share the array; "independent"
+    # while reads and writes run at once, each gets this fraction of its solo rate (flash channels and the
+    # controller serve both): 0.5 = they time-share the drives, 1 = they do not interfere; None = from rw_sharing
+    mixed_efficiency: float | None = None
+
+    @property
+    def mixed_fraction(self) -> float:
+        """The fraction of its solo rate each direction gets while the other runs."""
+        if self.mixed_efficiency is not None:
+            return self.mixed_efficiency
+        return 0.5 if self.rw_sharing == "shared" else 1.0
 
     @property
     def capacity_bytes(self) -> int:
@@ -285,6 +295,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "array_read_gbps": _Rule("optional_number", 0, False, 2000, "GB/s", default=None),
         "array_write_gbps": _Rule("optional_number", 0, False, 2000, "GB/s", default=None),
         "rw_sharing": _Rule("choice", choices=RW_SHARING_CHOICES, default="shared"),
+        "mixed_efficiency": _Rule("optional_number", 0.5, True, 1.0, "of the solo rate", default=None),
     },
     "price": {
         "gpu_usd": _pos(1e6, "USD"),
@@ -294,7 +305,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
     },
 }
 # Keys that may be left out of the ssd section when ssd.count == 0.
-_SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps")
+_SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency")
 _SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec}
 
 

@@ -8,6 +8,7 @@ from tierflow.api import simulate_config
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.graph import RESOURCES
 from tierflow.planner.core.models import get_model
+from tierflow.planner.core.placement import Placement
 from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.search.loads import iteration_loads
 
@@ -32,3 +33,22 @@ def test_extrapolated_loads_equal_the_full_graph(family, micro_batch, swap):
     res = simulate_config(model, hw, cfg, g)
     assert loads.bound_s(hw) <= res.iteration_s * (1 + 1e-9)
     assert loads.static_bytes == pytest.approx(g.static_bytes)
+
+
+def test_ssd_mixed_efficiency_spans_time_sharing_to_independent_directions():
+    """ssd.mixed_efficiency: 0.5 = reads and writes time-share the drives (the time is the sum), 1 = they do not
+    interfere (the longer direction), in between as for PCIe's duplex rates; the simulator agrees in order."""
+    from tierflow.planner.search.loads import duplex_time_s
+
+    R, W, rd, wr = 10.0, 5.0, 100.0, 40.0
+    assert duplex_time_s(rd, wr, R, W, 0.5 * R, 0.5 * W) == pytest.approx(rd / R + wr / W)
+    assert duplex_time_s(rd, wr, R, W, R, W) == pytest.approx(max(rd / R, wr / W))
+    mid = duplex_time_s(rd, wr, R, W, 0.75 * R, 0.75 * W)
+    assert max(rd / R, wr / W) < mid < rd / R + wr / W
+    model = get_model("gpt3-125m")
+    times = []
+    for e in (0.5, 0.75, 1.0):
+        hw = load_profile("rtx3090-desktop").with_overrides({"ssd.mixed_efficiency": e, "ssd.count": 1})
+        cfg = make_schedule("fuyou", model, hw, batch=4, micro_batch=2, seq=256, placement=Placement.uniform("ssd"))
+        times.append(simulate_config(model, hw, cfg).iteration_s)
+    assert times[0] >= times[1] >= times[2] and times[0] > times[2]

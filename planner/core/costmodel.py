@@ -39,7 +39,7 @@ class Rates:
 def link_rates(hw: HardwareProfile) -> Rates:
     """The link rates of a box (cheap: no cost model is built)."""
     p, s = hw.pcie, hw.ssd
-    shared = s.rw_sharing == "shared"
+    mixed = s.mixed_fraction
     read = s.total_read_gbps * 1e9
     write = s.total_write_gbps * 1e9
     return Rates(
@@ -49,8 +49,8 @@ def link_rates(hw: HardwareProfile) -> Rates:
         d2h_duplex=p.duplex_d2h_gbps * 1e9,
         ssd_read=read,
         ssd_write=write,
-        ssd_read_mixed=read / 2 if shared else read,
-        ssd_write_mixed=write / 2 if shared else write,
+        ssd_read_mixed=read * mixed,
+        ssd_write_mixed=write * mixed,
         adam_params_per_s=hw.cpu.adam_gparams_per_s * 1e9,
     )
 

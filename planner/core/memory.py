@@ -78,6 +78,15 @@ def placed_bytes_of(params: int, placement: Placement) -> dict[str, float]:
     return out
 
 
+def static_bytes(model: ModelSpec, placement: Placement, runtime: str = "ideal") -> dict[str, float]:
+    """Bytes resident on each tier for the whole run: the placed tensors, plus the GPU buffers DeepSpeed's
+    runtime holds while the optimizer states are offloaded."""
+    out = placed_bytes(model, placement)
+    if runtime == "deepspeed" and not placement.gpu_optimizer:
+        out["gpu"] += deepspeed_gpu_buffers_bytes(model)
+    return out
+
+
 def host_reserve_bytes(cpu_capacity_bytes: float) -> float:
     return HOST_RESERVE_FRACTION * cpu_capacity_bytes
 

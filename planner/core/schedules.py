@@ -26,10 +26,9 @@ from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused
 from tierflow.planner.core.memory import (
     blocks_of,
-    deepspeed_gpu_buffers_bytes,
     host_reserve_bytes,
-    placed_bytes,
     schedule_memory,
+    static_bytes,
 )
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split, fill_split
@@ -388,9 +387,7 @@ class _Builder:
                 st.use = len(self.uses) - 1
             self.step_key.extend(self.clock.steps(it))
             self.build_iteration(it, base, seq_steps)
-        static = placed_bytes(self.model, self.p)
-        if cfg.runtime == "deepspeed" and not self.p.gpu_optimizer:  # ZeRO-Infinity: states offloaded
-            static["gpu"] += deepspeed_gpu_buffers_bytes(self.model)
+        static = static_bytes(self.model, self.p, cfg.runtime)
         cap = self.hw.tier_capacity_bytes
         return TaskGraph(g.tasks, static, cap, cfg.iterations, self.nb,
                          meta={"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations})

@@ -14,7 +14,7 @@ from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock
 from tierflow.planner.core.costmodel import link_rates
 from tierflow.planner.core.graph import RESOURCES
-from tierflow.planner.core.memory import placed_bytes
+from tierflow.planner.core.memory import static_bytes
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.schedules import ScheduleConfig, build_graph, step_sequence
 
@@ -44,8 +44,9 @@ class IterationLoads:
         out["pcie"] = pcie_time_s(w["h2d"], w["d2h"], r)
         out["ssd_read"] = _div(w["ssd_read"], r.ssd_read)
         out["ssd_write"] = _div(w["ssd_write"], r.ssd_write)
-        if hw.ssd.rw_sharing == "shared":
-            out["ssd"] = out["ssd_read"] + out["ssd_write"]
+        if hw.ssd.count > 0:  # both directions of the array, as for PCIe (ssd.mixed_efficiency)
+            out["ssd"] = duplex_time_s(w["ssd_read"], w["ssd_write"], r.ssd_read, r.ssd_write, r.ssd_read_mixed,
+                                       r.ssd_write_mixed)
         return out
 
     def bound_s(self, hw: HardwareProfile) -> float:
@@ -62,21 +63,32 @@ class IterationLoads:
 
 
 def pcie_time_s(h2d_bytes: float, d2h_bytes: float, r) -> float:
-    """Least time to move both directions over one PCIe link: run them together for t (at the duplex rates) as
-    long as both have bytes left, the rest alone at the solo rates. With c = 1 - Hd/H - Dd/D < 0 (running both at
-    once moves more than one alone), t = min(h/Hd, d/Dd) and the time is h/H + d/D + c t."""
-    if h2d_bytes <= 0 or d2h_bytes <= 0:
-        return _div(h2d_bytes, r.h2d) + _div(d2h_bytes, r.d2h)
-    base = h2d_bytes / r.h2d + d2h_bytes / r.d2h
-    c = pcie_coefficient(r)
+    """Least time to move both directions over one PCIe link (duplex_time_s at the PCIe rates)."""
+    return duplex_time_s(h2d_bytes, d2h_bytes, r.h2d, r.d2h, r.h2d_duplex, r.d2h_duplex)
+
+
+def duplex_time_s(a_bytes: float, b_bytes: float, a_rate: float, b_rate: float, a_mixed: float,
+                  b_mixed: float) -> float:
+    """Least time to move both directions of one link (PCIe, or the SSD array's reads and writes): run them
+    together for t (at the mixed rates) as long as both have bytes left, the rest alone at the solo rates. With
+    c = 1 - Am/A - Bm/B < 0 (running both at once moves more than one alone), t = min(a/Am, b/Bm) and the time is
+    a/A + b/B + c t."""
+    if a_bytes <= 0 or b_bytes <= 0:
+        return _div(a_bytes, a_rate) + _div(b_bytes, b_rate)
+    base = a_bytes / a_rate + b_bytes / b_rate
+    c = duplex_coefficient(a_rate, b_rate, a_mixed, b_mixed)
     if c >= 0:
         return base
-    return base + c * min(h2d_bytes / r.h2d_duplex, d2h_bytes / r.d2h_duplex)
+    return base + c * min(a_bytes / a_mixed, b_bytes / b_mixed)
+
+
+def duplex_coefficient(a_rate: float, b_rate: float, a_mixed: float, b_mixed: float) -> float:
+    return 1.0 - a_mixed / a_rate - b_mixed / b_rate
 
 
 def pcie_coefficient(r) -> float:
     """c = 1 - Hd/H - Dd/D: negative when running both PCIe directions at once moves more than one alone."""
-    return 1.0 - r.h2d_duplex / r.h2d - r.d2h_duplex / r.d2h
+    return duplex_coefficient(r.h2d, r.d2h, r.h2d_duplex, r.d2h_duplex)
 
 
 def _div(a: float, b: float) -> float:
@@ -131,4 +143,4 @@ def iteration_loads(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
         c = w1[k] - r  # embedding + head
         s = ws[k] - c  # one swapped layer
         work[k] = c + (L - n) * r + n * s
-    return IterationLoads(work=work, static_bytes=placed_bytes(model, cfg.placement))
+    return IterationLoads(work=work, static_bytes=static_bytes(model, cfg.placement, cfg.runtime))

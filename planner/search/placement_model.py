@@ -23,7 +23,7 @@ from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleConfig, build_graph
 from tierflow.planner.core.simulator import CapacityError, simulate_graph
 from tierflow.planner.core.workload import COMPUTE_BYTES
-from tierflow.planner.search.loads import iteration_loads, pcie_coefficient
+from tierflow.planner.search.loads import duplex_coefficient, iteration_loads, pcie_coefficient
 from tierflow.planner.search.problem import Problem
 from tierflow.planner.search.slots import SolverReport
 
@@ -249,7 +249,7 @@ class _TimeTerms:
 
     def resource_bounds(self, phase: str) -> list:
         """Expressions whose max bounds the time of the work of `phase` ("" for the whole iteration)."""
-        r, hw = self.problem.rates, self.problem.hw
+        r = self.problem.rates
         terms = [self.expr("gpu" + phase, 1.0), self.expr("cpu" + phase, 1.0),
                  self.expr("h2d" + phase, r.h2d), self.expr("d2h" + phase, r.d2h)]
         # both PCIe directions: h/H + d/D + c min(h/Hd, d/Dd) (loads.pcie_time_s): a max of two terms
@@ -260,7 +260,13 @@ class _TimeTerms:
                       both + self.expr("d2h" + phase, r.d2h_duplex, c)]
         else:
             terms.append(both)
-        if self.problem.uses_ssd:
+        if self.problem.uses_ssd:  # the array's reads and writes: the same form (ssd.mixed_efficiency)
             rd, wr = self.expr("ssd_read" + phase, r.ssd_read), self.expr("ssd_write" + phase, r.ssd_write)
-            terms += [rd, wr] + ([rd + wr] if hw.ssd.rw_sharing == "shared" else [])
+            terms += [rd, wr]
+            c = duplex_coefficient(r.ssd_read, r.ssd_write, r.ssd_read_mixed, r.ssd_write_mixed)
+            if c < 0:
+                terms += [rd + wr + self.expr("ssd_read" + phase, r.ssd_read_mixed, c),
+                          rd + wr + self.expr("ssd_write" + phase, r.ssd_write_mixed, c)]
+            else:
+                terms.append(rd + wr)
         return terms

@@ -57,7 +57,7 @@ from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock
 from tierflow.planner.core.costmodel import link_rates
 from tierflow.planner.core.graph import RESOURCES, CycleError, topological_order
-from tierflow.planner.core.memory import placed_bytes
+from tierflow.planner.core.memory import static_bytes
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.schedules import ScheduleConfig, build_graph, step_sequence
 
@@ -291,7 +291,11 @@ def window_terms(hw: HardwareProfile) -> WindowTerms:
     if hw.ssd.count > 0:
         row("ssd_read", ssd_read=1.0 / r.ssd_read)
         row("ssd_write", ssd_write=1.0 / r.ssd_write)
-        if hw.ssd.rw_sharing == "shared":
+        c = 1.0 - r.ssd_read_mixed / r.ssd_read - r.ssd_write_mixed / r.ssd_write  # as for PCIe
+        if c < 0:
+            row("ssd", ssd_read=1.0 / r.ssd_read + c / r.ssd_read_mixed, ssd_write=1.0 / r.ssd_write)
+            row("ssd", ssd_read=1.0 / r.ssd_read, ssd_write=1.0 / r.ssd_write + c / r.ssd_write_mixed)
+        else:
             row("ssd", ssd_read=1.0 / r.ssd_read, ssd_write=1.0 / r.ssd_write)
     return WindowTerms(np.array(rows), names)
 
@@ -334,7 +338,7 @@ def _memory_edges(model: ModelSpec, mt: ModelSpec, hw: HardwareProfile,
     from tierflow.planner.core.simulator import SimulationError, simulate_graph
 
     g = build_graph(mt, hw, ct)
-    full = placed_bytes(model, ct.placement)
+    full = static_bytes(model, ct.placement, ct.runtime)
     g.capacity_bytes = {t: c - (full[t] - g.static_bytes[t]) for t, c in g.capacity_bytes.items()}
     g.static_bytes = dict(g.static_bytes)
     try:

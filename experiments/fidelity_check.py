@@ -1,0 +1,60 @@
+"""Check a profile's predictions against measured runs: the runs it was fitted on and runs held out.
+
+    python experiments/fidelity_check.py [--hw PROFILE_OR_YAML] [RUNS.csv ...]
+
+Defaults: the profile fitted by `tierflow fit` on LoHan's batch-48 SSD sweep (experiments/results/
+rtx4090-lohan-fit.yaml, written by the command in the README) and the bundled rtx4090-lohan for comparison, on
+experiments/data/lohan_fuyou_ssd_count.csv (fitted on) and lohan_fuyou_ssd_count_heldout.csv (never fitted on).
+Prints measured vs predicted per run and writes experiments/results/fidelity_check.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+from tierflow.hwprofiles import load_profile
+from tierflow.planner.io.progress import Progress
+from tierflow.planner.search.fit import load_runs, predict
+
+HERE = Path(__file__).parent
+DATA = [HERE / "data" / "lohan_fuyou_ssd_count.csv", HERE / "data" / "lohan_fuyou_ssd_count_heldout.csv"]
+PROFILES = ["rtx4090-lohan", str(HERE / "results" / "rtx4090-lohan-fit.yaml")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="*", default=[str(p) for p in DATA], help="CSV files of measured runs")
+    ap.add_argument("--hw", action="append", default=None, help="profiles to compare (repeatable)")
+    args = ap.parse_args(argv)
+    profiles = [load_profile(p) for p in (args.hw or PROFILES)]
+    runs = [(Path(f).name, r) for f in args.runs for r in load_runs(f)]
+    prog = Progress(len(runs) * len(profiles), "fidelity")
+    rows = []
+    for src, run in runs:
+        row = {"data": src, "run": run.label(), "measured": run.measured}
+        for hw in profiles:
+            p = predict(run, hw)
+            row[f"{hw.name} predicted"] = round(p.value, 1)
+            row[f"{hw.name} error"] = round(p.value / run.measured - 1, 4)
+            prog.step(run.label()[:40])
+        rows.append(row)
+    prog.finish()
+    out = HERE / "results" / "fidelity_check.csv"
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    for hw in profiles:
+        for src in dict.fromkeys(r["data"] for r in rows):
+            errs = [abs(r[f"{hw.name} error"]) for r in rows if r["data"] == src]
+            rms = (sum(e * e for e in errs) / len(errs)) ** 0.5
+            print(f"{hw.name:<24} {src:<40} RMS error {rms:6.1%}  max {max(errs):6.1%}  ({len(errs)} runs)")
+    for r in rows:
+        print("  ".join(f"{v:+.1%}" if "error" in k else str(v) for k, v in r.items()))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
