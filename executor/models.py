@@ -65,6 +65,9 @@ def check_supported(spec: ModelSpec) -> None:
         raise no("OPT-only features (embed_proj_dim, position_offset, no final norm, non-affine norms)")
     if spec.family == "gpt" and not spec.max_positions:
         raise no("GPT blocks need a learned position table (max_positions > 0)")
+    if not spec.lm_head:
+        raise no("a model without an lm_head (a benchmark stand-in whose loss is on the hidden states) is simulated, "
+                 "not trained")
 
 
 # --------------------------------------------------------------------------------------------------------------

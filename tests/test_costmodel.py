@@ -81,3 +81,23 @@ def test_links_and_cpu_adam_use_profile_rates():
     assert cm.cpu_adam_s(hw.cpu.adam_gparams_per_s * 1e9) == pytest.approx(1.0)
     no_ssd = CostModel(hw.with_overrides({"ssd.count": 0}))
     assert math.isinf(no_ssd.transfer_s("ssd_write", 1.0))
+
+
+def test_a_model_without_lm_head_has_no_logits():
+    """LoHan's benchmark model (loss on the hidden states): no logits GEMM, no vocab-sized working memory, the
+    token embedding kept; the executor refuses to train it with one line."""
+    from dataclasses import replace
+
+    from tierflow.planner.core.workload import head_cost, model_flops_per_token
+
+    full = get_model("gpt3-1.3b")
+    headless = replace(full, name="gpt3-1.3b-headless", lm_head=False)
+    h_full, h_less = head_cost(full, 4, 1024), head_cost(headless, 4, 1024)
+    assert h_less.fwd_flops == 0 and h_full.fwd_flops > 0
+    assert h_less.bwd_working_bytes < h_full.bwd_working_bytes / 10
+    assert headless.total_params() == full.total_params()  # tied: the embedding stays, no lm_head weights
+    assert model_flops_per_token(full, 1024) - model_flops_per_token(headless, 1024) == \
+        6.0 * full.vocab_size * full.embed_dim
+    torch_models = pytest.importorskip("tierflow.executor.models")
+    with pytest.raises(NotImplementedError, match="without an lm_head"):
+        torch_models.check_supported(headless)

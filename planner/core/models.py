@@ -74,6 +74,9 @@ class ModelSpec:
     embed_proj_dim: int = 0  # OPT word_embed_proj_dim when != hidden (adds project_in/out); else 0
     position_offset: int = 0  # OPT learned positions have 2 extra rows
     final_norm: bool = True  # False for post-LN OPT (do_layer_norm_before=False, e.g. opt-350m)
+    # False: no lm_head and no logits: the loss is taken on the final hidden states, as in LoHan's benchmark model
+    # (RC4ML/LoHan gpt_model.py:196-212, docs/baselines-as-coded.md section B); the token embedding stays
+    lm_head: bool = True
     norm_affine: bool = True  # False for OPT with layer_norm_elementwise_affine=False (norms hold no params)
 
     def __post_init__(self) -> None:
@@ -190,7 +193,7 @@ class ModelSpec:
 
     def head_params(self) -> int:
         """lm_head (0 when tied to the token embedding) + OPT project_out."""
-        n = 0 if self.tied_embeddings else self.vocab_size * self.embed_dim
+        n = 0 if self.tied_embeddings or not self.lm_head else self.vocab_size * self.embed_dim
         if self.embed_proj_dim:
             n += self.hidden * self.embed_proj_dim
         return n

@@ -129,16 +129,18 @@ def embed_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
 
 
 def head_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
-    """Final norm + lm_head + softmax cross-entropy. A tied head also needs the embedding matrix."""
+    """Final norm + lm_head + softmax cross-entropy. A tied head also needs the embedding matrix. Without an
+    lm_head (`model.lm_head` False) only the final norm and a loss on the hidden states remain."""
     t = micro_batch * seq
-    tied = model.vocab_size * model.embed_dim if model.tied_embeddings else 0
-    gemms = [Gemm(t, model.vocab_size, model.embed_dim)]
+    vocab = model.vocab_size if model.lm_head else 0
+    tied = vocab * model.embed_dim if model.tied_embeddings else 0
+    gemms = [Gemm(t, vocab, model.embed_dim)] if vocab else []
     if model.embed_proj_dim:
         gemms.append(Gemm(t, model.embed_proj_dim, model.hidden))
     owned = model.final_norm_params() + model.head_params()
     # logits in fp32 for the loss: written, read by softmax, gradient written
-    logits = 4 * t * model.vocab_size
-    elementwise = COMPUTE_BYTES * t * model.hidden * 2 + 3 * logits
+    logits = 4 * t * vocab
+    elementwise = COMPUTE_BYTES * t * model.hidden * (2 if vocab else 5) + 3 * logits
     return BlockCost(
         name="head",
         kind="head",
@@ -149,15 +151,15 @@ def head_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
         fwd_elementwise_bytes=float(elementwise),
         checkpoint_bytes=COMPUTE_BYTES * t * model.hidden,
         full_activation_bytes=COMPUTE_BYTES * t * model.hidden * 2,
-        fwd_working_bytes=logits + COMPUTE_BYTES * t * model.vocab_size,
-        bwd_working_bytes=2 * logits + COMPUTE_BYTES * t * model.vocab_size + GRAD_WIRE_BYTES * (owned + tied),
+        fwd_working_bytes=logits + COMPUTE_BYTES * t * max(vocab, model.hidden),
+        bwd_working_bytes=2 * logits + COMPUTE_BYTES * t * max(vocab, 2 * model.hidden) + GRAD_WIRE_BYTES * (owned + tied),
         tokens=t,
     )
 
 
 def model_flops_per_token(model: ModelSpec, seq: int) -> float:
     """Training FLOPs per token without recompute: 6 * matmul params + 12 * L * q_dim * seq (fwd + bwd)."""
-    matmul = model.num_layers * model.layer_matmul_params() + model.vocab_size * model.embed_dim
+    matmul = model.num_layers * model.layer_matmul_params() + (model.vocab_size * model.embed_dim if model.lm_head else 0)
     if model.embed_proj_dim:
         matmul += 2 * model.embed_proj_dim * model.hidden
     return 6.0 * matmul + 12.0 * model.num_layers * model.q_dim * seq
