@@ -155,6 +155,8 @@ HEADER = ",".join(COLUMNS)
     (HEADER + "\n" + GOOD.replace(",best,", ",3,"), "row 1", "micro_batch"),
     (HEADER + "\n" + GOOD.replace("default", "{bad"), "row 1", "placement"),
     (HEADER + "\n" + GOOD.replace("gpt3-125m", "gpt9"), "row 1", "model"),
+    (HEADER + "\n" + GOOD.replace("ssd.count=2", "model.lm_heads=false"), "row 1", "overrides"),
+    (HEADER + "\n" + GOOD.replace("ssd.count=2", "model.lm_head=maybe"), "row 1", "overrides"),
 ])
 def test_bad_csv_gives_one_line_naming_row_and_column(tmp_path, text, where, column):
     path = tmp_path / "bad.csv"
@@ -216,3 +218,17 @@ def test_fields_one_run_cannot_separate_are_reported_collinear():
     assert res.rms < 1e-3
     assert "collinear with ssd.write_gbps" in res.unidentified["ssd.read_gbps"]
     assert "collinear with ssd.read_gbps" in res.unidentified["ssd.write_gbps"]
+
+
+def test_model_overrides_change_the_simulated_model(tmp_path):
+    """model.FIELD=VALUE in the overrides column changes the model (here: LoHan's benchmark model without an LM
+    head), not the box; the run's label says so."""
+    from tierflow.planner.search.fit import load_runs, predict
+
+    path = tmp_path / "runs.csv"
+    path.write_text(HEADER + "\n" + GOOD + "\n" + GOOD.replace("ssd.count=2", "model.lm_head=false;ssd.count=2") + "\n")
+    with_head, headless = load_runs(path)
+    assert headless.model_overrides == (("lm_head", "false"),) and headless.overrides == {"ssd.count": "2"}
+    assert "model.lm_head=false" in headless.label()
+    hw = load_profile("a100-80g-nvme")
+    assert predict(headless, hw).iteration_s < predict(with_head, hw).iteration_s  # no logits to compute

@@ -27,6 +27,7 @@ with the data it came from). Torch-free, like the rest of the planner.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import difflib
 import io
 import json
@@ -94,14 +95,18 @@ class Run:
     measure: str = "hw_tflops"  # hw_tflops | model_tflops | iteration_s
     row: int = 0  # 1-based data row in its file (0: not from a file)
     source: str = ""  # the file it came from
+    # model fields the run changes, written in the overrides column as model.FIELD=VALUE (e.g. model.lm_head=false
+    # for a benchmark model without an LM head)
+    model_overrides: tuple[tuple[str, str], ...] = ()
 
     @property
     def key(self) -> tuple:
         return (self.model, self.schedule, self.batch, self.micro_batch, self.seq, self.placement,
-                tuple(sorted(self.overrides.items())))
+                tuple(sorted(self.overrides.items())), self.model_overrides)
 
     def label(self) -> str:
-        ov = ",".join(f"{k}={v}" for k, v in self.overrides.items())
+        ov = ",".join([f"model.{k}={v}" for k, v in self.model_overrides]
+                      + [f"{k}={v}" for k, v in self.overrides.items()])
         mb = f"{self.batch}x{self.micro_batch}" if self.micro_batch != "best" else f"{self.batch}xbest"
         parts = [self.model, self.schedule, mb]
         if self.seq:
@@ -184,9 +189,37 @@ def parse_placement(text: str) -> Placement | None:
 
 
 @lru_cache(maxsize=256)
-def _model(name: str, seq: int | None) -> ModelSpec:
+def _model(name: str, seq: int | None, model_overrides: tuple[tuple[str, str], ...] = ()) -> ModelSpec:
     m = get_model(name)
+    if model_overrides:
+        m = with_model_overrides(m, model_overrides)
     return m.with_seq(seq) if seq else m
+
+
+def with_model_overrides(model: ModelSpec, overrides: tuple[tuple[str, str], ...]) -> ModelSpec:
+    """The model with fields replaced (values parsed by the field's type; the name says what changed)."""
+    fields = {f.name: f for f in dataclasses.fields(ModelSpec)}
+    values = {}
+    for key, text in overrides:
+        if key not in fields or key == "name":
+            raise FitError(f"model.{key}: not a model field (known: {', '.join(k for k in fields if k != 'name')})")
+        current = getattr(model, key)
+        if isinstance(current, bool):
+            if text.lower() not in ("true", "false"):
+                raise FitError(f"model.{key}: expected true or false, got {text!r}")
+            values[key] = text.lower() == "true"
+        elif isinstance(current, int):
+            try:
+                values[key] = int(text)
+            except ValueError:
+                raise FitError(f"model.{key}: expected an integer, got {text!r}") from None
+        else:
+            values[key] = type(current)(text)
+    name = model.name + "".join(f"[{k}={v}]" for k, v in overrides)
+    try:
+        return dataclasses.replace(model, name=name, **values)
+    except (ModelError, ValueError, TypeError) as e:
+        raise FitError(f"model overrides {dict(overrides)}: {e}") from None
 
 
 @lru_cache(maxsize=64)
@@ -344,7 +377,11 @@ def _make_run(rec: dict[str, str], row: int, src: str) -> Run:
         raise _RowError("placement", str(e)) from None
     try:
         overrides = parse_overrides(rec.get("overrides", ""))
+        model_overrides = tuple((k.removeprefix("model."), v) for k, v in overrides.items() if k.startswith("model."))
+        overrides = {k: v for k, v in overrides.items() if not k.startswith("model.")}
         hw.with_overrides(overrides)
+        if model_overrides:
+            with_model_overrides(model, model_overrides)
     except (FitError, ProfileError) as e:
         raise _RowError("overrides", str(e)) from None
     try:
@@ -358,7 +395,8 @@ def _make_run(rec: dict[str, str], row: int, src: str) -> Run:
         raise _RowError("measure", f"unknown measure {rec['measure']!r} (use one of {', '.join(MEASURES)}: hardware "
                         "TFLOPS count the recompute forward, model TFLOPS do not)")
     return Run(model=rec["model"], hw=rec["hw"], schedule=schedule, batch=batch, micro_batch=micro_batch, seq=seq,
-               placement=placement, overrides=overrides, measured=measured, measure=measure, row=row, source=src)
+               placement=placement, overrides=overrides, measured=measured, measure=measure, row=row, source=src,
+               model_overrides=model_overrides)
 
 
 # ---- prediction -------------------------------------------------------------------------------------------------
@@ -378,7 +416,7 @@ def micro_batches(run: Run) -> list[int]:
 
 def simulate_run(run: Run, hw: HardwareProfile, micro_batch: int) -> SimResult:
     """Simulate `run` on `hw` (its overrides already applied) at one micro-batch."""
-    model = _model(run.model, run.seq)
+    model = _model(run.model, run.seq, run.model_overrides)
     cfg = make_schedule(run.schedule, model, hw, batch=run.batch, micro_batch=micro_batch, seq=model.seq_len,
                         placement=_placement(run.placement))
     return simulate_config(model, hw, cfg)
