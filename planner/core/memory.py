@@ -36,11 +36,11 @@ STATE_BYTES = MASTER_BYTES + 2 * ADAM_STATE_BYTES  # fp32 master + Adam m + v, p
 # page cache of the SSD files, the allocator's rounding. One constant, used wherever host memory is budgeted.
 HOST_RESERVE_FRACTION = 0.02
 # How far above the simulated peak (with the box's full capacity) an estimate may lie, as a fraction of that peak
-# (tests/test_memory.py; on the CPU plus the staging of the blocks in flight). The bounds count every block in
-# flight at its largest (for small models the embedding or the head, not a layer) and every swapped layer's
-# activations at once; on random small configurations the GPU estimate is up to 1.6x the peak, the SSD's up to
-# 2.1x (two layers, both swapping), the CPU's (less staging) up to 1.3x. For large models the terms that make
-# the difference (one block against L layers) vanish.
+# (tests/test_memory.py; on the CPU plus the staging of the blocks in flight). The bounds count the blocks in
+# flight as the largest blocks of the model (for small models the embedding and a tied head, not layers) and
+# every swapped layer's activations at once; on random small configurations the GPU estimate is up to 1.6x the
+# peak, the SSD's up to 2.1x (two layers, both swapping), the CPU's (less staging) up to 1.3x. For large models
+# the terms that make the difference (a few blocks against L layers) vanish.
 MARGIN = 1.5
 
 
@@ -166,19 +166,25 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
     layer = blocks[1] if model.num_layers else blocks[0]
     params = model.total_params()
     L = max(model.num_layers, 1)
-    owned_max = max(b.owned_params for b in blocks)
-    fetch_max = max(b.fetch_params for b in blocks)
+    # n blocks in flight at once hold at most the n largest blocks' bytes (for small models the embedding and a
+    # tied head are far larger than a layer, and counting every block in flight at the largest size overstates it)
+    owned = sorted((b.owned_params for b in blocks), reverse=True)
+    fetched = sorted((b.fetch_params for b in blocks), reverse=True)
+
+    def largest(sizes: list[int], n: int) -> float:
+        return float(sum(sizes[:n]))
+
     if holds_every_gradient(num_micro_batches, group, optimizer_overlap):
         grads = GRAD_ACCUM_BYTES * sum(b.fetch_params for b in blocks)
     else:
         # the block whose Adam runs, the next ones whose backward finished meanwhile, and alpha of every block
         # (a CPU Adam slower than the backward lets more wait: the simulator then delays offloads or overflows)
-        grads = GRAD_ACCUM_BYTES * (3 * fetch_max + alpha * params)
+        grads = GRAD_ACCUM_BYTES * (largest(fetched, 3) + alpha * params)
     # in flight at once: weights read from the SSD ahead of their fetch (prefetch_depth + 2 uses), optimizer
     # states of three blocks (read next, updated now, written back), a spilled gradient read back
-    weight_staging = (prefetch_depth + 2) * COMPUTE_BYTES * fetch_max
-    state_staging = 3 * STATE_BYTES * owned_max
-    grad_staging = 2 * GRAD_ACCUM_BYTES * fetch_max
+    weight_staging = COMPUTE_BYTES * largest(fetched, prefetch_depth + 2)
+    state_staging = STATE_BYTES * largest(owned, 3)
+    grad_staging = GRAD_ACCUM_BYTES * largest(fetched, 2)
     # checkpoints pass through host memory on their way to the SSDs and back: the one being written, the one
     # read back for the step in use and those read ahead for the next act_prefetch steps
     ckpt_staging = (act_prefetch + 2) * layer.checkpoint_bytes
