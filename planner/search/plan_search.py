@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, replace
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.placement import Placement
 from tierflow.planner.core.schedules import ScheduleConfig, build_graph, make_schedule
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
@@ -278,5 +277,5 @@ def window_check(problem: Problem, cfg: ScheduleConfig, time_limit_s: float = 5.
             "window_bound_s": w.best_bound_s, "window_gap": w.gap, "window_wall_s": w.wall_s}
 
 
-__all__ = ["PRUNE_TOLERANCE", "Candidate", "Evaluated", "PlanningError", "Placement", "Problem", "SearchResult",
+__all__ = ["PRUNE_TOLERANCE", "Candidate", "Evaluated", "PlanningError", "Problem", "SearchResult",
            "candidates", "evaluate", "fixed_baselines", "plan_search", "window_check"]

@@ -22,8 +22,6 @@ from tierflow.planner.core.placement import Placement
 from tierflow.planner.core.schedules import ScheduleConfig, family_of, make_schedule
 from tierflow.planner.core.workload import BlockCost
 
-TIERS = ("gpu", "cpu", "ssd")
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -90,10 +88,7 @@ class Problem:
         return self.allow_ssd and self.hw.ssd.count > 0
 
     def blocks(self, micro_batch: int) -> list[BlockCost]:
-        key = ("blocks", micro_batch)
-        if key not in self._cache:
-            self._cache[key] = blocks_of(self.model, micro_batch, self.seq)
-        return self._cache[key]
+        return self.memoized(("blocks", micro_batch), lambda: blocks_of(self.model, micro_batch, self.seq))
 
     def memoized(self, key: tuple, make):
         """A value cached on this problem (search layers keep their per-config results here)."""
