@@ -3,7 +3,7 @@
 Problem instead of the (model, hw, batch, seq) tuple; its caches live on the instance, so two problems never
 share (or hash) each other's state.
 
-    >>> from tierflow.api import Problem
+    >>> from tierflow.api import Candidate, Problem
     >>> p = Problem.of("gpt3-13b", "rtx4090-lohan", batch=64, seq=1024)
     >>> p.config(Candidate(micro_batch=8, group=8, alpha=0.25)).family
     'vertical'
