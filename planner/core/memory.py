@@ -132,10 +132,6 @@ class ScheduleMemory:
         return (self.weight_staging_bytes * (p.weights.ssd > 0) + self.state_staging_bytes * (p.master.ssd > 0)
                 + self.grad_staging_bytes * (p.grads.ssd > 0) + ckpt * (p.checkpoints.ssd > 0))
 
-    @property
-    def host_working_bytes(self) -> float:
-        return self.host_grad_bytes + self.host_staging_bytes
-
     def checkpoint_bytes(self, swap_layers: int) -> float:
         return self.ckpt_per_layer_bytes * self.layers + self.swap_extra_bytes * swap_layers
 

@@ -86,11 +86,6 @@ def duplex_coefficient(a_rate: float, b_rate: float, a_mixed: float, b_mixed: fl
     return 1.0 - a_mixed / a_rate - b_mixed / b_rate
 
 
-def pcie_coefficient(r) -> float:
-    """c = 1 - Hd/H - Dd/D: negative when running both PCIe directions at once moves more than one alone."""
-    return duplex_coefficient(r.h2d, r.d2h, r.h2d_duplex, r.d2h_duplex)
-
-
 def _div(a: float, b: float) -> float:
     if a <= 0:
         return 0.0

@@ -23,7 +23,7 @@ from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleConfig, build_graph
 from tierflow.planner.core.simulator import CapacityError, simulate_graph
 from tierflow.planner.core.workload import COMPUTE_BYTES
-from tierflow.planner.search.loads import duplex_coefficient, iteration_loads, pcie_coefficient
+from tierflow.planner.search.loads import duplex_coefficient, iteration_loads
 from tierflow.planner.search.problem import Problem
 from tierflow.planner.search.slots import SolverReport
 
@@ -252,21 +252,18 @@ class _TimeTerms:
         r = self.problem.rates
         terms = [self.expr("gpu" + phase, 1.0), self.expr("cpu" + phase, 1.0),
                  self.expr("h2d" + phase, r.h2d), self.expr("d2h" + phase, r.d2h)]
-        # both PCIe directions: h/H + d/D + c min(h/Hd, d/Dd) (loads.pcie_time_s): a max of two terms
-        both = self.expr("h2d" + phase, r.h2d) + self.expr("d2h" + phase, r.d2h)
-        c = pcie_coefficient(r)
-        if c < 0:
-            terms += [both + self.expr("h2d" + phase, r.h2d_duplex, c),
-                      both + self.expr("d2h" + phase, r.d2h_duplex, c)]
-        else:
-            terms.append(both)
+        terms += self.duplex("h2d" + phase, "d2h" + phase, r.h2d, r.d2h, r.h2d_duplex, r.d2h_duplex)
         if self.problem.uses_ssd:  # the array's reads and writes: the same form (ssd.mixed_efficiency)
-            rd, wr = self.expr("ssd_read" + phase, r.ssd_read), self.expr("ssd_write" + phase, r.ssd_write)
-            terms += [rd, wr]
-            c = duplex_coefficient(r.ssd_read, r.ssd_write, r.ssd_read_mixed, r.ssd_write_mixed)
-            if c < 0:
-                terms += [rd + wr + self.expr("ssd_read" + phase, r.ssd_read_mixed, c),
-                          rd + wr + self.expr("ssd_write" + phase, r.ssd_write_mixed, c)]
-            else:
-                terms.append(rd + wr)
+            terms += [self.expr("ssd_read" + phase, r.ssd_read), self.expr("ssd_write" + phase, r.ssd_write)]
+            terms += self.duplex("ssd_read" + phase, "ssd_write" + phase, r.ssd_read, r.ssd_write,
+                                 r.ssd_read_mixed, r.ssd_write_mixed)
         return terms
+
+    def duplex(self, a: str, b: str, a_rate: float, b_rate: float, a_mixed: float, b_mixed: float) -> list:
+        """Both directions of one link: a/A + b/B + c min(a/Am, b/Bm) (loads.duplex_time_s), a max of two linear
+        terms when c < 0."""
+        both = self.expr(a, a_rate) + self.expr(b, b_rate)
+        c = duplex_coefficient(a_rate, b_rate, a_mixed, b_mixed)
+        if c < 0:
+            return [both + self.expr(a, a_mixed, c), both + self.expr(b, b_mixed, c)]
+        return [both]

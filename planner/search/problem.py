@@ -65,9 +65,6 @@ class Problem:
         """The same problem on another box (its own caches)."""
         return Problem(self.model, hw, self.batch, self.seq, self.allow_ssd)
 
-    def with_model(self, model: ModelSpec) -> Problem:
-        return Problem(model, self.hw, self.batch, self.seq, self.allow_ssd)
-
     # ---- built once -------------------------------------------------------------------------------------------
 
     @cached_property

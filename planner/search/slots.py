@@ -60,6 +60,7 @@ from tierflow.planner.core.graph import RESOURCES, CycleError, topological_order
 from tierflow.planner.core.memory import static_bytes
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.schedules import ScheduleConfig, build_graph, step_sequence
+from tierflow.planner.search.loads import duplex_coefficient
 
 SLOT_RESOURCES = ("h2d", "d2h", "ssd_read", "ssd_write", "cpu")
 CHANNELS = SLOT_RESOURCES + ("chain",)  # work channels of a window; "chain": seconds of one serial chain
@@ -282,21 +283,22 @@ def window_terms(hw: HardwareProfile) -> WindowTerms:
     row("chain", chain=1.0)
     row("h2d", h2d=1.0 / r.h2d)
     row("d2h", d2h=1.0 / r.d2h)
-    c = 1.0 - r.h2d_duplex / r.h2d - r.d2h_duplex / r.d2h
-    if c < 0:  # pcie_time_s: h/H + d/D + c min(h/Hd, d/Dd), a max of two linear terms
-        row("pcie", h2d=1.0 / r.h2d + c / r.h2d_duplex, d2h=1.0 / r.d2h)
-        row("pcie", h2d=1.0 / r.h2d, d2h=1.0 / r.d2h + c / r.d2h_duplex)
-    else:
-        row("pcie", h2d=1.0 / r.h2d, d2h=1.0 / r.d2h)
+    def duplex_rows(label: str, a: str, b: str, a_rate: float, b_rate: float, a_mixed: float,
+                    b_mixed: float) -> None:
+        """Both directions of one link: a/A + b/B + c min(a/Am, b/Bm) (loads.duplex_time_s), a max of two
+        linear terms when c < 0."""
+        c = duplex_coefficient(a_rate, b_rate, a_mixed, b_mixed)
+        if c < 0:
+            row(label, **{a: 1.0 / a_rate + c / a_mixed, b: 1.0 / b_rate})
+            row(label, **{a: 1.0 / a_rate, b: 1.0 / b_rate + c / b_mixed})
+        else:
+            row(label, **{a: 1.0 / a_rate, b: 1.0 / b_rate})
+
+    duplex_rows("pcie", "h2d", "d2h", r.h2d, r.d2h, r.h2d_duplex, r.d2h_duplex)
     if hw.ssd.count > 0:
         row("ssd_read", ssd_read=1.0 / r.ssd_read)
         row("ssd_write", ssd_write=1.0 / r.ssd_write)
-        c = 1.0 - r.ssd_read_mixed / r.ssd_read - r.ssd_write_mixed / r.ssd_write  # as for PCIe
-        if c < 0:
-            row("ssd", ssd_read=1.0 / r.ssd_read + c / r.ssd_read_mixed, ssd_write=1.0 / r.ssd_write)
-            row("ssd", ssd_read=1.0 / r.ssd_read, ssd_write=1.0 / r.ssd_write + c / r.ssd_write_mixed)
-        else:
-            row("ssd", ssd_read=1.0 / r.ssd_read, ssd_write=1.0 / r.ssd_write)
+        duplex_rows("ssd", "ssd_read", "ssd_write", r.ssd_read, r.ssd_write, r.ssd_read_mixed, r.ssd_write_mixed)
     return WindowTerms(np.array(rows), names)
 
 
