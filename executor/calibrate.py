@@ -666,6 +666,8 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
     put("cpu.reserved_gib", min(6 + 0.05 * c["memory_gib"], 0.5 * c["memory_gib"]), "derived",
         "assumption: 6 GiB OS + runtime + 5% (at most half)")
     put("cpu.memory_gbps", c["memory_gbps"], "measured", "large copy, read + write bytes (below datasheet peak)")
+    put("cpu.memory_efficiency", 1.0, "derived",
+        "memory_gbps is a measured copy rate, already what the box sustains (host memory is modelled as shared)")
     put("cpu.adam_gparams_per_s", c["adam_gparams_per_s"], "measured",
         f"torch AdamW ({c.get('adam_impl', '?')}) on {measurements.get('cpu_threads', '?')} threads")
 

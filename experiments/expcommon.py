@@ -24,7 +24,7 @@ from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleError, make_schedule
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.io.progress import Progress
-from tierflow.planner.search.loads import duplex_time_s, pcie_time_s
+from tierflow.planner.search.loads import dram_time_s, duplex_time_s, pcie_time_s
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NOTE_THRESHOLD = 0.15  # a headline that differs from the paper by more than this must carry an explanation
@@ -110,12 +110,19 @@ def utilisation(res: SimResult, hw: HardwareProfile) -> dict[str, float]:
     rd, wr = lb["ssd->cpu"], lb["cpu->ssd"]
     ssd_s = duplex_time_s(rd, wr, rates.ssd_read, rates.ssd_write, rates.ssd_read_mixed,
                           rates.ssd_write_mixed) if rates.ssd_read > 0 else 0.0
-    return {
+    out = {
         "gpu": res.busy["gpu"],
         "cpu_adam": res.busy["cpu"],
         "pcie": pcie_time_s(h2d, d2h, rates) / t,
         "ssd": ssd_s / t,
     }
+    if rates.dram_bound:  # host memory: the links' bytes and CPU Adam's at its solo rate (cpu.memory_efficiency)
+        it = max(res.graph.num_iterations - 2, 0)
+        adam_s = (sum(x.work for x in res.graph.tasks if x.resource == "cpu" and x.iteration == it)
+                  if res.graph.tasks else res.busy["cpu"] * t)
+        out["dram"] = dram_time_s({"h2d": h2d, "d2h": d2h, "ssd_read": rd, "ssd_write": wr, "cpu": adam_s},
+                                  rates) / t
+    return out
 
 
 SATURATED = 0.85  # a resource needed for at least this share of the iteration is called the binding one

@@ -1,7 +1,8 @@
 """Regenerate every paper-reproduction experiment and the summary of headline numbers (ours, paper, ratio).
 
-Runs fuyou_lohan, greedysnake_a100, gemini_capacity, own_plans and what_if in this process (each writes its
-CSV and PNG under the output folder and prints its own tables), then writes summary.csv and summary.md there
+Runs fuyou_lohan, greedysnake_a100, gemini_capacity, own_plans, what_if and fidelity (last: predicted against
+published for every headline and LoHan's SSD sweep) in this process (each writes its CSV and PNG under the output
+folder and prints its own tables), then writes summary.csv and summary.md there
 with every headline number, the paper's value, the ratio and the note explaining any difference over 15%.
 Progress goes to stderr. The full run takes several minutes on a 2-core machine; --quick a minute or two.
 """
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import fidelity
 import fuyou_lohan
 import gemini_capacity
 import greedysnake_a100
@@ -25,6 +27,7 @@ STUDIES = {
     "gemini_capacity": gemini_capacity,
     "own_plans": own_plans,
     "what_if": what_if,
+    "fidelity": fidelity,  # last: it compares every earlier study's headline numbers with the papers'
 }
 
 
@@ -36,7 +39,10 @@ def run_studies(names: list[str], quick: bool, out_dir: Path) -> tuple[list[dict
         overall.step(f"{name}{' --quick' if quick else ''}")
         print(f"\n===== {name} =====", flush=True)
         t0 = time.perf_counter()
-        heads += STUDIES[name].run(quick, out_dir)
+        if name == "fidelity":
+            heads += fidelity.run(quick, out_dir, published=list(heads))
+        else:
+            heads += STUDIES[name].run(quick, out_dir)
         wall_s[name] = time.perf_counter() - t0
         sys.stdout.flush()
     overall.finish(f"done in {sum(wall_s.values()):.0f} s")

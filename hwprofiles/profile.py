@@ -86,7 +86,17 @@ class CpuSpec:
     memory_gib: float  # installed DRAM
     reserved_gib: float  # OS, framework, page cache: not usable for tensors
     memory_gbps: float  # peak DRAM bandwidth (channels x per-channel rate)
-    adam_gparams_per_s: float  # CPU Adam update rate, 1e9 parameters per second
+    adam_gparams_per_s: float  # CPU Adam update rate alone, 1e9 parameters per second
+    # fraction of memory_gbps that the CPU and the DMA engines (PCIe, NVMe) sustain together, as STREAM does;
+    # every host-side transfer and CPU Adam share it (None: host memory bandwidth is not modelled)
+    memory_efficiency: float | None = None
+
+    @property
+    def sustained_memory_bps(self) -> float:
+        """Bytes/s of DRAM traffic the box sustains (inf when memory_efficiency is not set)."""
+        if self.memory_efficiency is None:
+            return math.inf
+        return self.memory_gbps * self.memory_efficiency * 1e9
 
     @property
     def capacity_bytes(self) -> int:
@@ -285,6 +295,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "reserved_gib": _nonneg(100000, "GiB"),
         "memory_gbps": _pos(20000, "GB/s"),
         "adam_gparams_per_s": _pos(100, "billion parameters/s"),
+        "memory_efficiency": _Rule("optional_number", 0, False, 1.0, "of memory_gbps", default=None),
     },
     "ssd": {
         "count": _Rule("int", 0, True, 64, "drives"),
@@ -306,6 +317,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
 }
 # Keys that may be left out of the ssd section when ssd.count == 0.
 _SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency")
+_OPTIONAL = {"cpu": ("memory_efficiency",)}  # keys a profile may leave out (older files), other than ssd's
 _SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec}
 
 
@@ -485,7 +497,7 @@ def _check_keys(
 def _build_section(check: _Checker, section: str, values: Mapping[str, Any]) -> Any:
     rules = _RULES[section]
     known = list(rules)
-    required = known
+    required = [k for k in known if k not in _OPTIONAL.get(section, ())]
     no_ssd = False
     if section == "ssd":
         required = [k for k in known if k not in _SSD_OPTIONAL_ALWAYS]

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tierflow.hwprofiles import load_profile
-from tierflow.planner.core.costmodel import CAUSAL_ATTENTION_WORK, CostModel
+from tierflow.planner.core.costmodel import CAUSAL_ATTENTION_WORK, CPU_ADAM_DRAM_BYTES_PER_PARAM, CostModel
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.workload import (
     Gemm,
@@ -77,7 +77,11 @@ def test_links_and_cpu_adam_use_profile_rates():
     cm = CostModel(hw)
     assert cm.transfer_s("h2d", 25e9) == pytest.approx(25e9 / (hw.pcie.h2d_gbps * 1e9))
     assert cm.transfer_s("ssd_read", 60e9) == pytest.approx(60e9 / (hw.ssd.total_read_gbps * 1e9))
-    assert cm.rates.ssd_read_mixed == pytest.approx(cm.rates.ssd_read / 2)  # rw_sharing: shared
+    assert cm.rates.ssd_read_mixed == pytest.approx(cm.rates.ssd_read * hw.ssd.mixed_efficiency)  # fitted
+    shared = CostModel(hw.with_overrides({"ssd.mixed_efficiency": None, "ssd.rw_sharing": "shared"})).rates
+    assert shared.ssd_read_mixed == pytest.approx(shared.ssd_read / 2)  # from rw_sharing when not set
+    assert cm.rates.dram_bps == pytest.approx(hw.cpu.memory_gbps * hw.cpu.memory_efficiency * 1e9)
+    assert cm.rates.adam_dram_bps == pytest.approx(hw.cpu.adam_gparams_per_s * 1e9 * CPU_ADAM_DRAM_BYTES_PER_PARAM)
     assert cm.cpu_adam_s(hw.cpu.adam_gparams_per_s * 1e9) == pytest.approx(1.0)
     no_ssd = CostModel(hw.with_overrides({"ssd.count": 0}))
     assert math.isinf(no_ssd.transfer_s("ssd_write", 1.0))

@@ -16,6 +16,7 @@ EXPERIMENTS = ROOT / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 
 import expcommon  # noqa: E402
+import fidelity  # noqa: E402
 import fuyou_lohan  # noqa: E402
 import gemini_capacity  # noqa: E402
 import greedysnake_a100  # noqa: E402
@@ -57,7 +58,7 @@ def test_utilisation_names_the_binding_resource():
     model = model.with_seq(512)
     res = expcommon.simulate_family(model, hw, "vertical", 8, 4, 512, expcommon.PAPER_PLACEMENTS["fuyou"])
     util = expcommon.utilisation(res, hw)
-    assert set(util) == {"gpu", "cpu_adam", "pcie", "ssd"}
+    assert set(util) == {"gpu", "cpu_adam", "pcie", "ssd", "dram"}
     assert all(0.0 <= v <= 1.05 for v in util.values()), util
     assert util["gpu"] == res.busy["gpu"]
     name = expcommon.binding(util)
@@ -116,13 +117,37 @@ def test_fuyou_lohan_tiny(tmp_path, monkeypatch):
     assert parts == {"per_micro_batch", "headline", "batch_sweep", "ssd_sweep"}
     assert {"hw_tflops", "model_tflops", "binding", "util_ssd", "util_pcie", "micro_batch"} <= set(rows[0])
     fuyou13 = next(r for r in rows
-                   if r["part"] == "headline" and r["model"] == "gpt3-13b" and r["family"] == "fuyou")
+                   if r["part"] == "headline" and r["model"] == fuyou_lohan.M13 and r["family"] == "fuyou")
     h13 = next(h for h in heads if h["metric"].startswith("Fuyou, GPT-3 13B"))
     assert h13["ours"] == pytest.approx(float(fuyou13["hw_tflops"]), abs=0.1) and h13["paper"] == 156.0
     # fewer SSDs can only slow the SSD-placed model down
     two = next(r for r in rows if r["part"] == "ssd_sweep" and r["family"] == "fuyou")
     assert float(two["hw_tflops"]) < float(fuyou13["hw_tflops"])
     assert not math.isnan(float(two["util_ssd"]))
+    check_headlines(heads)
+
+
+def test_fidelity_quick(tmp_path):
+    published = [
+        {"study": "a", "metric": "inside", "ours": 150.0, "paper": 156.0, "unit": "TFLOPS"},
+        {"study": "b", "metric": "outside", "ours": 112.6, "paper": 45.0, "unit": "TFLOPS"},
+        {"study": "c", "metric": "not a number", "ours": "runs", "paper": "cannot run", "unit": ""},
+    ]
+    heads = fidelity.run(quick=True, out_dir=tmp_path, published=published)
+    rows = read_csv(tmp_path / "fidelity.csv")
+    assert (tmp_path / "fidelity.png").stat().st_size > 1000
+    kinds = {r["kind"] for r in rows}
+    assert kinds == {"fitted on", "held out", "seed headline"}
+    for r in rows:  # the error is the prediction's, relative to the measurement
+        assert float(r["error"]) == pytest.approx(float(r["predicted"]) / float(r["measured"]) - 1, abs=1e-3)
+    fitted = [r for r in rows if r["kind"] == "fitted on"]
+    assert {int(r["batch"]) for r in fitted} == {48}
+    assert {int(r["batch"]) for r in rows if r["kind"] == "held out"} <= {32, 64}
+    # more SSDs never predict less throughput along one batch
+    by_count = sorted((int(r["ssd_count"]), float(r["predicted"])) for r in fitted)
+    assert [p for _, p in by_count] == sorted(p for _, p in by_count)
+    seeds = next(h for h in heads if h["metric"].startswith("seed headline"))
+    assert seeds["ours"] == "1 of 2" and "outside" in seeds["note"]
     check_headlines(heads)
 
 

@@ -32,6 +32,9 @@ EXPECTED_TOTALS = {
     "gpt3-6.7b": 6_658_404_352,
     "gpt3-13b": 12_853_386_240,
     "gpt3-175b": 174_604_259_328,
+    # LoHan's benchmark models: the same parameters (its embedding counted, the head was tied anyway)
+    "gpt3-13b-lohan": 12_853_386_240,
+    "gpt3-175b-lohan": 174_604_259_328,
     "gpt-65b": 64_861_528_064,
     "gpt-70b": 64_861_528_064,
     "llama2-7b": 6_738_415_616,
@@ -52,6 +55,8 @@ ZOO_HF = {
     "gpt3-6.7b": ("gpt2", dict(n_embd=4096, n_layer=32, n_head=32, **_GPT3)),
     "gpt3-13b": ("gpt2", dict(n_embd=5120, n_layer=40, n_head=40, **_GPT3)),
     "gpt3-175b": ("gpt2", dict(n_embd=12288, n_layer=96, n_head=96, **_GPT3)),
+    "gpt3-13b-lohan": ("gpt2", dict(n_embd=5120, n_layer=40, n_head=40, **_GPT3)),
+    "gpt3-175b-lohan": ("gpt2", dict(n_embd=12288, n_layer=96, n_head=96, **_GPT3)),
     "gpt-65b": ("gpt2", dict(n_embd=8192, n_layer=80, n_head=64, **_GPT3)),
     "gpt-70b": ("gpt2", dict(n_embd=8192, n_layer=80, n_head=64, **_GPT3)),
     "tiny-gpt": ("gpt2", dict(n_embd=128, n_layer=4, n_head=4, n_positions=64, vocab_size=256)),

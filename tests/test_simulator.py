@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from tierflow.api import simulate
-from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.costmodel import CPU_ADAM_DRAM_BYTES_PER_PARAM, CostModel
 from tierflow.planner.core.graph import LINK_NAMES, LINKS, TIERS, Task, TaskGraph
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement, Split
@@ -38,11 +38,16 @@ REL = 1e-9
 
 
 def solo_and_slowest_rates(hw) -> dict[str, tuple[float, float]]:
-    """(solo rate, slowest rate) of every link resource: a transfer runs at its solo rate, or at the shared rate
-    while the opposite direction of the same link is busy."""
+    """(solo rate, slowest rate) of every fluid resource: a transfer runs at its solo rate, or at the shared rate
+    while the opposite direction of the same link is busy; the CPU at 1 (second of work per second) alone. While
+    host memory is oversubscribed everything also slows by B / demand, no lower than B / (every one at once)."""
     r = CostModel(hw).rates
-    return {"h2d": (r.h2d, r.h2d_duplex), "d2h": (r.d2h, r.d2h_duplex),
-            "ssd_read": (r.ssd_read, r.ssd_read_mixed), "ssd_write": (r.ssd_write, r.ssd_write_mixed)}
+    out = {"h2d": (r.h2d, r.h2d_duplex), "d2h": (r.d2h, r.d2h_duplex),
+           "ssd_read": (r.ssd_read, r.ssd_read_mixed), "ssd_write": (r.ssd_write, r.ssd_write_mixed),
+           "cpu": (1.0, 1.0)}
+    demand = r.h2d + r.d2h + r.ssd_read + r.ssd_write + r.adam_dram_bps
+    scale = min(1.0, r.dram_bps / demand)
+    return {k: (solo, slow * scale) for k, (solo, slow) in out.items()}
 
 
 def tol(x: float) -> float:
@@ -94,7 +99,7 @@ def check_timeline(res, hw, *, balanced: bool = True) -> None:
     rates = solo_and_slowest_rates(hw)
     for t in tasks:
         dur = end[t.id] - start[t.id]
-        if t.resource in ("gpu", "cpu"):
+        if t.resource == "gpu":
             assert dur == pytest.approx(t.work, rel=REL, abs=1e-15), t.label
         else:
             solo, slow = rates[t.resource]
@@ -148,7 +153,12 @@ def link_bound_s(res, hw) -> dict[str, float]:
     rates = solo_and_slowest_rates(hw)
     last = res.graph.num_iterations - 1
     per = res.graph.bytes_per_link(iteration=last)
-    return {name: per[name] / rates[link][0] for link, name in LINK_NAMES.items() if per[name] > 0}
+    out = {name: per[name] / rates[link][0] for link, name in LINK_NAMES.items() if per[name] > 0}
+    r = CostModel(hw).rates
+    if math.isfinite(r.dram_bps):  # host memory carries every link's bytes and CPU Adam's
+        adam_s = sum(t.work for t in res.graph.tasks if t.resource == "cpu" and t.iteration == last)
+        out["dram"] = (sum(per.values()) + adam_s * r.adam_dram_bps) / r.dram_bps
+    return out
 
 
 # ---- strategies ----------------------------------------------------------------------------------------------
@@ -169,6 +179,9 @@ def profiles(draw):
         ov["ssd.count"] = draw(st.integers(1, 4))
     if draw(st.booleans()):
         ov["ssd.rw_sharing"] = draw(st.sampled_from(["shared", "independent"]))
+        ov["ssd.mixed_efficiency"] = draw(st.sampled_from([None, 0.6, 1.0]))  # None: from rw_sharing
+    if draw(st.booleans()):  # host memory bandwidth: not modelled, or so scarce that it binds
+        ov["cpu.memory_efficiency"] = draw(st.sampled_from([None, 0.02, 0.1]))
     return hw.with_overrides(ov) if ov else hw
 
 
@@ -338,7 +351,7 @@ def test_engine_pcie_duplex_fluid_model(x, y):
 
 @pytest.mark.parametrize("sharing", ["shared", "independent"])
 def test_engine_ssd_read_write_sharing(sharing):
-    hw = profile().with_overrides({"ssd.rw_sharing": sharing})
+    hw = profile().with_overrides({"ssd.rw_sharing": sharing, "ssd.mixed_efficiency": None})
     read, write = hw.ssd.total_read_gbps * 1e9, hw.ssd.total_write_gbps * 1e9
     div = 2.0 if sharing == "shared" else 1.0
     x, y = 4 * read, 1 * write  # alone: 4 s of reading, 1 s of writing
@@ -347,6 +360,48 @@ def test_engine_ssd_read_write_sharing(sharing):
     read_end = t_write + (x - read / div * t_write) / read
     assert res.end_s[2] == pytest.approx(t_write, rel=1e-12)
     assert res.end_s[1] == pytest.approx(read_end, rel=1e-12)
+
+
+@pytest.mark.parametrize("x_s, adam_s", [(2.0, 1.0), (1.0, 3.0)])
+def test_engine_host_memory_is_shared_in_proportion(x_s, adam_s):
+    """An H2D copy and a CPU Adam step start together and together ask host memory for twice what it sustains:
+    both run at half speed until the first ends; the other then runs alone at full speed (its own demand fits)."""
+    base = profile()
+    h2d = CostModel(base).rates.h2d
+    # CPU Adam asks for as many DRAM bytes/s as the copy; host memory sustains one of them at full speed
+    hw = base.with_overrides({"cpu.adam_gparams_per_s": h2d / CPU_ADAM_DRAM_BYTES_PER_PARAM / 1e9,
+                              "cpu.memory_efficiency": h2d / (base.cpu.memory_gbps * 1e9)})
+    demand = 2 * h2d
+    r = CostModel(hw).rates
+    assert max(r.h2d, r.adam_dram_bps) <= r.dram_bps < demand
+    res = simulate_graph(graph_of([T(0, "h2d", x_s * r.h2d), T(1, "cpu", adam_s), T(2, "gpu", 1e-3)]), hw)
+    first = 2 * min(x_s, adam_s)  # both at half speed
+    last = first + abs(x_s - adam_s)  # the rest alone at full speed
+    want = (first, last) if x_s < adam_s else (last, first)
+    assert (res.end_s[0], res.end_s[1]) == pytest.approx(want, rel=1e-12)
+
+
+def test_engine_cpu_adam_alone_keeps_its_solo_rate_however_scarce_host_memory_is():
+    """A measured CPU Adam rate already includes its own memory limit: alone it is never slowed; beside a copy
+    both share what host memory sustains in proportion to what they ask for."""
+    hw = profile().with_overrides({"cpu.memory_efficiency": 0.01})
+    r = CostModel(hw).rates
+    assert r.adam_dram_bps == pytest.approx(r.dram_bps)
+    res = simulate_graph(graph_of([T(0, "cpu", 1.0), T(1, "gpu", 1e-3)]), hw)
+    assert res.end_s[0] == pytest.approx(1.0, rel=1e-12)
+    both = simulate_graph(graph_of([T(0, "cpu", 1.0), T(1, "h2d", r.dram_bps), T(2, "gpu", 1e-3)]), hw)
+    # together they ask for h2d + B; both scale by B / (h2d + B): the copy of B bytes ends at 1 + B / h2d, by
+    # then Adam has done B / h2d of its second and runs the rest alone at full speed
+    assert both.end_s[1] == pytest.approx(1.0 + r.dram_bps / r.h2d, rel=1e-12)
+    assert both.end_s[0] == pytest.approx(2.0, rel=1e-12)
+
+
+def test_engine_host_memory_not_modelled_leaves_rates_alone():
+    hw = profile().with_overrides({"cpu.memory_efficiency": None})
+    r = CostModel(hw).rates
+    res = simulate_graph(graph_of([T(0, "h2d", 2.0 * r.h2d), T(1, "cpu", 1.0), T(2, "ssd_read", r.ssd_read),
+                                  T(3, "gpu", 1e-3)]), hw)
+    assert list(res.end_s) == pytest.approx([2.0, 1.0, 1.0, 1e-3], rel=1e-12)
 
 
 def test_engine_waits_for_memory_to_be_freed():

@@ -8,7 +8,7 @@ import pytest
 from helpers import SSD, placement, profile
 
 from tierflow.api import simulate_config
-from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.costmodel import CPU_ADAM_DRAM_BYTES_PER_PARAM, CostModel
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Split
 from tierflow.planner.core.schedules import build_graph, make_schedule
@@ -19,6 +19,7 @@ from tierflow.planner.search.slots import (
     SlotModel,
     build_slot_model,
     chain_needs,
+    dram_needs,
     solve_slots,
     template_of,
     window_needs,
@@ -66,15 +67,16 @@ def test_template_expands_to_the_full_iterations_work(name):
 def test_prediction_lies_between_the_roofline_and_the_simulation(name):
     """The windows are physical lower bounds (no resource works faster than its rate), so the prediction is
     at least the roofline and, up to the fluid model of shared links, at most the simulated time. How close it
-    comes is the model's accuracy: these deliberately transfer-heavy placements are within 12% (the planner's
-    chosen plans: README, planner quality)."""
+    comes is the model's accuracy: these deliberately transfer-heavy placements are within 13% (12.1% for the
+    swapped vertical case on the 3090 desktop, 10.6% of it before host memory was shared: the slot model's windows
+    take host memory contention only in part; the planner's chosen plans: README, planner quality)."""
     model, hw, cfg = _case(name)
     rep = solve_slots(build_slot_model(model, hw, cfg), hw)
     assert rep.status == "OPTIMAL" and rep.gap == 0.0
     sim = simulate_config(model, hw, cfg).iteration_s
     roof = iteration_loads(model, hw, cfg).bound_s(hw)
     assert roof * (1 - 1e-9) <= rep.objective_s <= sim * 1.005
-    assert sim <= rep.objective_s * 1.12
+    assert sim <= rep.objective_s * 1.13
 
 
 def _toy(counts, need_work, gpu, period) -> SlotModel:
@@ -133,6 +135,51 @@ def test_a_chains_transfer_stretches_where_the_other_direction_runs_beside_it():
     assert x == pytest.approx(1.0 + 1.0 / (1.0 - k * 1.0 / x), rel=1e-6)
     # and the LP's window needs take it
     assert window_needs(sm, hw)[0][2] == pytest.approx(x)
+
+
+def test_a_chains_adam_step_stretches_where_host_memory_is_oversubscribed():
+    """chain_needs: a 1 s chain that is one CPU Adam step, beside H2D copies that ask host memory for as much as
+    Adam does, on a box that sustains one of them: alone 1 s; with H2D busy the whole window, half speed (2 s)."""
+    base = profile()
+    h2d = CostModel(base).rates.h2d
+    hw = base.with_overrides({"cpu.adam_gparams_per_s": h2d / CPU_ADAM_DRAM_BYTES_PER_PARAM / 1e9,
+                              "cpu.memory_efficiency": h2d / (base.cpu.memory_gbps * 1e9)})
+    C = len(CHANNELS)
+    work = np.zeros((2, C, 1))
+    work[:, CHANNELS.index("chain"), 0] = 1.0
+    released = np.zeros((2, C, 1))
+    released[:, CHANNELS.index("h2d"), 0] = [0.0, 100.0 * h2d]
+    links = np.zeros((2, C))
+    links[:, CHANNELS.index("cpu")] = 1.0  # the chain's Adam seconds
+    sm = SlotModel(slots=[(0, "F", 0, 0)], gpu=np.zeros(1), period=np.ones(1), counts=np.ones((2, 1)), work=work,
+                   released=released, total=np.zeros((C, 1)), links=links, meta={})
+    need = chain_needs(sm, hw)
+    assert need[0] == pytest.approx(1.0)
+    assert need[1] == pytest.approx(2.0, rel=1e-6)
+
+
+def test_a_window_stretches_its_due_work_where_host_memory_is_oversubscribed():
+    """dram_needs: a window must finish 1 s (solo) of SSD writes; CPU Adam asks host memory for as much as the
+    writes do, and host memory sustains one of them. Without Adam it needs 1 s; with Adam busy the whole window,
+    both run at half speed (2 s); with 1 s of Adam released, X = 1 + 1 / X (Adam runs 1/X of the window)."""
+    base = profile()
+    w = CostModel(base).rates.ssd_write
+    hw = base.with_overrides({"cpu.adam_gparams_per_s": w / CPU_ADAM_DRAM_BYTES_PER_PARAM / 1e9,
+                              "cpu.memory_efficiency": w / (base.cpu.memory_gbps * 1e9)})
+    C = len(CHANNELS)
+    work = np.zeros((3, C, 1))
+    work[:, CHANNELS.index("ssd_write"), 0] = w  # bytes: 1 s at the solo rate
+    released = np.zeros((3, C, 1))
+    released[:, CHANNELS.index("cpu"), 0] = [0.0, 100.0, 1.0]  # seconds of CPU Adam beside it
+    sm = SlotModel(slots=[(0, "F", 0, 0)], gpu=np.zeros(1), period=np.ones(1), counts=np.ones((3, 1)), work=work,
+                   released=released, total=np.zeros((C, 1)), links=np.zeros((3, C)), meta={})
+    need = dram_needs(sm, hw)
+    assert need[0] == pytest.approx(1.0)
+    assert need[1] == pytest.approx(2.0)
+    assert need[2] == pytest.approx((1 + 5 ** 0.5) / 2, rel=1e-6)
+    assert window_needs(sm, hw)[0][2] >= need[2] * (1 - 1e-9)
+    # without a host memory model nothing stretches
+    assert not dram_needs(sm, hw.with_overrides({"cpu.memory_efficiency": None})).any()
 
 
 def test_the_template_phases_hand_over_consistent_slots():

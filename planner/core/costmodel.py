@@ -8,16 +8,24 @@
 - Transfers: bytes / link bandwidth; H2D and D2H share the PCIe link and SSD reads and writes share the array
   as the profile says (the simulator applies the shared rates while both directions are active).
 - CPU Adam: parameters / the CPU's Adam rate.
+- Host memory: every host-side transfer (PCIe DMA either way, SSD DMA either way) moves its bytes through DRAM
+  once, and CPU Adam moves CPU_ADAM_DRAM_BYTES_PER_PARAM per parameter; when together they ask for more than the
+  box sustains (cpu.memory_gbps x cpu.memory_efficiency), the simulator slows all of them in proportion (a fluid
+  shared resource, like the PCIe duplex).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.workload import BlockCost, Gemm
 
 CAUSAL_ATTENTION_WORK = 0.5  # a causal flash-attention kernel skips the masked half of the score matrix
+# CPU Adam (DeepSpeed's cpu_adam, fp32 gradients): reads gradient, master, m, v (16 B), writes master, m, v
+# (12 B) and the fp16 copy of the weight (2 B): 30 B per parameter (REF 2: "~28-32 bytes moved per parameter")
+CPU_ADAM_DRAM_BYTES_PER_PARAM = 30
 GPU_ADAM_BYTES_PER_PARAM = 36  # GPU Adam reads grad, master, m, v (16 B) and writes master, m, v, bf16 weight (14 B) + grad zeroing
 
 
@@ -34,6 +42,13 @@ class Rates:
     ssd_read_mixed: float
     ssd_write_mixed: float
     adam_params_per_s: float
+    dram_bps: float = math.inf  # DRAM bytes/s the host sustains for all of them together
+    adam_dram_bps: float = 0.0  # DRAM bytes/s CPU Adam moves while it runs at its solo rate
+
+    @property
+    def dram_bound(self) -> bool:
+        """Whether host memory bandwidth is modelled (a finite sustained rate)."""
+        return math.isfinite(self.dram_bps)
 
 
 def link_rates(hw: HardwareProfile) -> Rates:
@@ -52,6 +67,10 @@ def link_rates(hw: HardwareProfile) -> Rates:
         ssd_read_mixed=read * mixed,
         ssd_write_mixed=write * mixed,
         adam_params_per_s=hw.cpu.adam_gparams_per_s * 1e9,
+        dram_bps=hw.cpu.sustained_memory_bps,
+        # a solo rate already includes its own memory limit: alone, CPU Adam never waits for DRAM
+        adam_dram_bps=min(hw.cpu.adam_gparams_per_s * 1e9 * CPU_ADAM_DRAM_BYTES_PER_PARAM,
+                          hw.cpu.sustained_memory_bps),
     )
 
 

@@ -227,6 +227,7 @@ class ModelSpec:
         return (
             f"{self.name}: {self.num_layers} layers x {self.hidden} ({heads}), "
             f"{_human_count(self.total_params())} params, seq {self.seq_len}"
+            + ("" if self.lm_head else ", no LM head")
         )
 
 
@@ -327,6 +328,11 @@ _ZOO: list[ModelSpec] = [
     _llama("llama2-7b", 32, 4096, 32, 32, 11008),
     _llama("llama2-13b", 40, 5120, 40, 40, 13824),
     _llama("llama2-70b", 80, 8192, 64, 8, 28672),
+    # LoHan's benchmark models (RC4ML/LoHan gpt_model.py:196-212): the GPT-3 shapes with no LM head, the loss an MSE
+    # on the final hidden states. Its published runs (Fuyou 13B 156 TFLOPS, the SSD sweeps) trained these; the
+    # executor refuses to train them (a language model needs its head).
+    replace(_gpt("gpt3-13b-lohan", 40, 5120, 40), lm_head=False),
+    replace(_gpt("gpt3-175b-lohan", 96, 12288, 96), lm_head=False),
     # Tiny models for tests and demos.
     _gpt("tiny-gpt", 4, 128, 4, vocab=256, seq=64, positions=64),
     _llama("tiny-llama", 4, 128, 4, 2, 344, vocab=256, seq=64),

@@ -119,7 +119,9 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     """The placement a user of that system would start from: nothing resident on the GPU; fill CPU memory with
     what the schedule holds there (the memory model's gradients, staging and checkpoints: fp32 gradients of a
     horizontal schedule go to the SSD with the optimizer, as ZeRO-Infinity does), then weights, then optimizer
-    states; the rest on SSD."""
+    states; the rest on SSD. Fuyou keeps weights and optimizer states on the SSDs even when host memory could hold
+    them (REFERENCE.md section 1: "fp16 weights on SSD read twice per iteration ... fp32 master + m + v on SSD",
+    docs/baselines-as-coded.md section B); its gradients and checkpoints stay in host memory."""
     params = model.total_params()
     mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq, num_micro_batches=cfg.num_micro_batches,
                           group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
@@ -134,8 +136,11 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     else:
         grads, budget = Split(), budget - mem.host_grad_bytes
     ckpt, budget = fill_split(mem.checkpoint_bytes(cfg.swap_layers), budget)
-    weights, budget = fill_split(COMPUTE_BYTES * params, budget)
-    states, budget = fill_split((MASTER_BYTES + 2 * ADAM_STATE_BYTES) * params, budget)
+    if cfg.family == "fuyou" and ssd:
+        weights = states = Split(cpu=0.0, ssd=1.0)
+    else:
+        weights, budget = fill_split(COMPUTE_BYTES * params, budget)
+        states, budget = fill_split((MASTER_BYTES + 2 * ADAM_STATE_BYTES) * params, budget)
     if not ssd:  # no SSD tier: everything on the CPU, the simulator reports any overflow
         weights = states = ckpt = grads = Split()
     if cfg.family == "horizontal" and states.ssd == 0:

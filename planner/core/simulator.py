@@ -4,7 +4,9 @@ Each resource runs its tasks one at a time in the schedule's order. A task start
 its resource's queue, (2) all its dependencies have finished and (3) the bytes it allocates at its start fit on
 every tier. Transfers on the two directions of a shared link (H2D/D2H over PCIe, reads/writes of the SSD array)
 slow each other down while both run, as the profile says: the simulator tracks the bytes each transfer still has
-to move and re-rates it whenever the opposite direction starts or stops (a fluid model).
+to move and re-rates it whenever the opposite direction starts or stops (a fluid model). Host memory is shared the
+same way: every transfer's bytes and CPU Adam's (costmodel.CPU_ADAM_DRAM_BYTES_PER_PARAM) cross DRAM, and while
+together they would ask for more than the box sustains, every one of them slows in proportion.
 
 If the run can no longer progress because a task's allocation never fits, the schedule is refused with a
 CapacityError naming the tier, the simulated time and the bytes over.
@@ -124,9 +126,15 @@ def _simulate(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
     mstart = [t.mem_start for t in tasks]
     mend = [t.mem_end for t in tasks]
     is_link = [r in LINK_NAMES for r in RESOURCES]
+    # fluid resources progress at a rate that depends on what else runs: the links (bytes) and the CPU (seconds
+    # of work at its solo speed); dram[r] = DRAM bytes per unit of r's work
+    fluid = [is_link[r] or RESOURCES[r] == "cpu" for r in range(R)]
+    dram = [1.0 if is_link[r] else (rates.adam_dram_bps if fluid[r] else 0.0) for r in range(R)]
+    dram_bps = rates.dram_bps
+    fluids = [r for r in range(R) if fluid[r]]
     partner = [-1] * R
-    solo = [0.0] * R
-    duplex = [0.0] * R
+    solo = [1.0] * R
+    duplex = [1.0] * R
     for a, b, sa, sb, da, db in (
         ("h2d", "d2h", rates.h2d, rates.d2h, rates.h2d_duplex, rates.d2h_duplex),
         ("ssd_read", "ssd_write", rates.ssd_read, rates.ssd_write, rates.ssd_read_mixed, rates.ssd_write_mixed),
@@ -156,23 +164,33 @@ def _simulate(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
     now = 0.0
     mem_blocked: set[int] = set()
 
-    def link_rate(r: int) -> float:
+    def base_rate(r: int) -> float:
         p = partner[r]
-        return duplex[r] if running[p] >= 0 else solo[r]
+        return duplex[r] if p >= 0 and running[p] >= 0 else solo[r]
 
-    def rerate(r: int) -> None:
-        """Bring link r's progress up to now and reschedule its finish at its current rate."""
+    def rerate_fluids() -> None:
+        """Bring every running fluid resource's progress up to now and reschedule its finish at the rate it gets
+        now: its solo or duplex rate, all scaled down together while their DRAM traffic exceeds the box's."""
         nonlocal seq
-        if running[r] < 0:
-            return
-        remaining[r] -= rate[r] * (now - since[r])
-        since[r] = now
-        rate[r] = link_rate(r)
-        version[r] += 1
-        left = max(remaining[r], 0.0)
-        fin = now + (left / rate[r] if rate[r] > 0 else math.inf)
-        seq += 1
-        heapq.heappush(heap, (fin, seq, r, version[r]))
+        active = [r for r in fluids if running[r] >= 0]
+        base = {r: base_rate(r) for r in active}
+        scale = 1.0
+        if dram_bps < math.inf:
+            demand = sum(base[r] * dram[r] for r in active)
+            if demand > dram_bps:
+                scale = dram_bps / demand
+        for r in active:
+            new = base[r] * scale
+            if new == rate[r]:
+                continue
+            remaining[r] -= rate[r] * (now - since[r])
+            since[r] = now
+            rate[r] = new
+            version[r] += 1
+            left = max(remaining[r], 0.0)
+            fin = now + (left / new if new > 0 else math.inf)
+            seq += 1
+            heapq.heappush(heap, (fin, seq, r, version[r]))
 
     def try_start(r: int) -> None:
         nonlocal seq
@@ -200,13 +218,11 @@ def _simulate(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
         ptr[r] += 1
         running[r] = tid
         start[tid] = now
-        if is_link[r]:
+        if fluid[r]:
             remaining[r] = work[tid]
             since[r] = now
-            rate[r] = 0.0
-            rerate(r)
-            if running[partner[r]] >= 0:
-                rerate(partner[r])
+            rate[r] = -1.0  # no rate yet: rerate_fluids schedules its finish
+            rerate_fluids()
         else:
             version[r] += 1
             seq += 1
@@ -234,8 +250,9 @@ def _simulate(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
                 elif mem[tier] > peak[tier]:
                     peak[tier] = mem[tier]
             trace.append((now, mem[0], mem[1], mem[2]))
-        if is_link[r] and running[partner[r]] >= 0:
-            rerate(partner[r])
+        if fluid[r]:
+            rate[r] = 0.0
+            rerate_fluids()
         wake = {r}
         for s in succ[tid]:
             ndeps[s] -= 1

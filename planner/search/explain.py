@@ -59,7 +59,8 @@ def infeasible_message(problem: Problem) -> str:
 
 WHAT_BINDS = {"gpu": "GPU compute: the plan is compute-bound; only a faster GPU or less recompute helps",
               "cpu": "CPU Adam", "h2d": "PCIe host-to-device", "d2h": "PCIe device-to-host", "pcie": "the PCIe link",
-              "ssd_read": "SSD reads", "ssd_write": "SSD writes", "ssd": "the SSD array (reads + writes)"}
+              "ssd_read": "SSD reads", "ssd_write": "SSD writes", "ssd": "the SSD array (reads + writes)",
+              "dram": "host memory bandwidth (CPU Adam, PCIe and SSD DMA together)"}
 
 
 def explain(sr: SearchResult) -> list[str]:
