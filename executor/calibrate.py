@@ -475,20 +475,115 @@ def fit_gemm_half_gflop(small_gflop: float, small_eff: float, e_max: float) -> f
 
 
 # --------------------------------------------------------------------------------------------------------------
+# The CPU as the device (tierflow run --device cpu)
+# --------------------------------------------------------------------------------------------------------------
+
+# fp32 GEMMs (tokens, in, out) from small to large: the executor computes in fp32 on a CPU device
+HOST_GEMM_SHAPES = [(64, 128, 128), (128, 256, 256), (256, 512, 512), (512, 512, 2048), (1024, 1024, 1024),
+                    (1024, 1024, 4096)]
+DEFAULT_HOST_DEVICE_GIB = 2.0  # device memory cap of a CPU "device" when --set gpu.memory_gib is not given
+
+
+def _cpu_s_per_call(fn: Any, target_s: float, max_iters: int = 10_000) -> float:
+    """Best-of-three mean seconds per call of ``fn`` on the CPU, each timing over about ``target_s``."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    per = max(time.perf_counter() - t0, 1e-7)
+    iters = int(min(max_iters, max(1, target_s / per)))
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return best
+
+
+def fit_gemm_curve(gflops: list[float], tflops: list[float]) -> tuple[float, float]:
+    """Least-squares fit of ``rate = peak * f / (f + half)`` (1/rate linear in 1/f): (peak TFLOPS, half GFLOP)."""
+    import numpy as np
+
+    x, y = 1.0 / np.asarray(gflops), 1.0 / np.asarray(tflops)
+    slope, icept = np.polyfit(x, y, 1)
+    if icept <= 0 or 1.0 / icept > 2 * max(tflops):  # still getting faster at the largest size: the best
+        return float(max(tflops)), 0.001  # measured rate is the peak, the half size unidentified
+    return float(1.0 / icept), float(max(0.001, slope / icept))
+
+
+def measure_host_device(sizes: Sizes, progress: Progress) -> tuple[dict, dict]:
+    """The CPU as the executor uses it for a CPU "device": fp32 GEMM rates over sizes (on torch's intra-op
+    threads), elementwise bandwidth, and the device <-> host copies (a memcpy within host memory: one copy
+    alone, and two at once on two threads)."""
+    torch = _torch()
+    threads = torch.get_num_threads()
+    gemms = []
+    for m_, k, n in HOST_GEMM_SHAPES:
+        progress.step(f"CPU fp32 GEMM {m_}x{k}->{n}")
+        x, w = torch.randn(m_, k), torch.randn(n, k)
+        out = torch.empty(m_, n)
+        wt = w.t()
+        s = _cpu_s_per_call(lambda x=x, wt=wt, out=out: torch.mm(x, wt, out=out), min(0.2, sizes.gpu_target_s))
+        gemms.append({"shape": [m_, k, n], "gflop": 2 * m_ * k * n / 1e9, "tflops": 2 * m_ * k * n / s / 1e12})
+    peak, half = fit_gemm_curve([g["gflop"] for g in gemms], [g["tflops"] for g in gemms])
+    progress.step("CPU elementwise bandwidth")
+    n = max(1, min(sizes.dram_bytes, int(cpu_memory_gib() * GIB / 32)) // 4)
+    xs = [torch.ones(n), torch.ones(n), torch.empty(n)]
+    elementwise_gbps = 3 * n * 4 / _cpu_s_per_call(lambda: torch.add(xs[0], xs[1], out=xs[2]), 0.1) / 1e9
+    progress.step("device <-> host copies")
+    copies = measure_host_copies(min(sizes.pcie_bytes, int(cpu_memory_gib() * GIB / 32)))
+    gpu = {"model": f"{cpu_model()} via torch ({threads} threads)", "host_cores": threads, "gemms": gemms,
+           "peak_tflops": peak, "half_gflop": half, "elementwise_gbps": elementwise_gbps}
+    return gpu, copies
+
+
+def measure_host_copies(nbytes: int) -> dict[str, float]:
+    """GB/s of one tensor copy within host memory (what an offload or fetch is on a CPU device), alone and two at
+    once on two threads."""
+    torch = _torch()
+    n = max(1, nbytes // 4)
+    bufs = [torch.ones(n) for _ in range(4)]
+    solo = n * 4 / _cpu_s_per_call(lambda: bufs[1].copy_(bufs[0]), 0.1) / 1e9
+    spans: list[float] = [0.0, 0.0]
+    barrier = threading.Barrier(2)
+
+    def run(i: int) -> None:
+        src, dst = bufs[2 * i], bufs[2 * i + 1]
+        barrier.wait()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src)
+        spans[i] = (time.perf_counter() - t0) / 3
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    both = min(solo, n * 4 / max(spans) / 1e9)
+    return {"h2d_gbps": solo, "d2h_gbps": solo, "duplex_h2d_gbps": both, "duplex_d2h_gbps": both}
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Running everything and building the profile
 # --------------------------------------------------------------------------------------------------------------
 
 
 def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | None = None,
-                     progress: Progress | None = None, gpu: bool | None = None) -> dict[str, Any]:
-    """Every measurement this machine allows; the raw numbers as a JSON-able dict."""
+                     progress: Progress | None = None, gpu: bool | None = None,
+                     device: str | None = None) -> dict[str, Any]:
+    """Every measurement this machine allows; the raw numbers as a JSON-able dict. ``device="cpu"`` measures the
+    CPU as the executor's device (``tierflow run --device cpu``) instead of a CUDA GPU."""
     torch = _torch()
     gpu = torch.cuda.is_available() if gpu is None else gpu
+    device = device or ("cuda" if gpu else "cpu")
     progress = progress or Progress(0, "calibrate", enabled=False)
     m: dict[str, Any] = {"host": socket.gethostname(), "torch": torch.__version__,
                          "cpu_threads": torch.get_num_threads(), "gpu": None, "pcie": None, "ssd": None,
-                         "errors": []}
-    if gpu:
+                         "device": device, "errors": []}
+    if device == "cpu":
+        m["gpu"], m["pcie"] = measure_host_device(sizes, progress)
+    elif gpu:
         m["gpu"], m["pcie"] = _measure_gpu(sizes, progress, m["errors"])
     progress.step("CPU memory bandwidth")
     cpu: dict[str, Any] = {"model": cpu_model(), "memory_gib": cpu_memory_gib()}
@@ -583,8 +678,30 @@ def _gpu_matches(base_model: str, measured: str) -> bool:
     return not tokens or any(t in measured.lower() for t in tokens)
 
 
+def _parse_sets(pairs: list[str]) -> dict[str, Any]:
+    """--set KEY=VALUE pairs: numbers as numbers, null as None, the rest as text (validated with the profile)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or "." not in key:
+            raise CliError(f"--set {pair}: expected SECTION.KEY=VALUE, e.g. --set gpu.memory_gib=2")
+        value: Any = text.strip()
+        if value.lower() in ("null", "none"):
+            value = None
+        else:
+            for parse in (int, float):
+                try:
+                    value = parse(value)
+                    break
+                except ValueError:
+                    pass
+        out[key.strip()] = value
+    return out
+
+
 def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = None,
-                  name: str | None = None) -> Calibration:
+                  name: str | None = None, device_gib: float | None = None,
+                  overrides: dict[str, Any] | None = None) -> Calibration:
     """The profile for ``measurements`` (from :func:`run_measurements`): measured values where there are any,
     the rest from ``base`` (default: the bundled rtx4090-lohan for gpu/pcie/price and no SSD tier)."""
     explicit_base = base is not None
@@ -603,7 +720,21 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
 
     # ---- GPU
     g = measurements.get("gpu")
-    if g:
+    host_device = measurements.get("device") == "cpu" and g is not None
+    if host_device:
+        cap = device_gib if device_gib is not None else DEFAULT_HOST_DEVICE_GIB
+        put("gpu.model", g["model"], "measured", "the device is this CPU (tierflow run --device cpu)")
+        put("gpu.memory_gib", cap, "given" if device_gib is not None else "default",
+            "the device memory cap (--set gpu.memory_gib=...); the executor enforces it")
+        put("gpu.reserved_gib", 0.0, "derived", "no CUDA context on a CPU device")
+        put("gpu.peak_tflops", g["peak_tflops"], "measured",
+            f"fit of fp32 GEMM rates at {len(g['gemms'])} sizes: rate = peak x f / (f + half)")
+        put("gpu.gemm_efficiency", 1.0, "derived", "the fitted peak is what large GEMMs reach")
+        put("gpu.gemm_half_gflop", g["half_gflop"], "measured", "same fit")
+        put("gpu.hbm_gbps", g["elementwise_gbps"], "measured", "torch add of large fp32 tensors, 3 x bytes")
+        put("gpu.hbm_efficiency", 1.0, "derived", "hbm_gbps above is measured")
+        put("gpu.host_cores", g["host_cores"], "measured", "torch intra-op threads: compute shares these cores")
+    elif g:
         put("gpu.model", g["model"], "measured", "torch.cuda.get_device_properties")
         put("gpu.memory_gib", g["memory_gib"], "measured", "torch.cuda.get_device_properties")
         put("gpu.reserved_gib", 0.6 + 0.05 * g["memory_gib"], "derived",
@@ -650,14 +781,18 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
     if p:
         h2d = p["h2d_gbps"]
         d2h = p["d2h_gbps"]
-        put("pcie.generation", pcie_generation_from_rate(h2d), "derived", "from the H2D rate, assuming x16")
-        put("pcie.h2d_gbps", h2d, "measured", "pinned copy")
-        put("pcie.d2h_gbps", d2h, "measured", "pinned copy")
+        what = "copy within host memory (a CPU device)" if host_device else "pinned copy"
+        if host_device:
+            put("pcie.generation", 1, "derived", "no PCIe link: device <-> host copies stay in host memory")
+        else:
+            put("pcie.generation", pcie_generation_from_rate(h2d), "derived", "from the H2D rate, assuming x16")
+        put("pcie.h2d_gbps", h2d, "measured", what)
+        put("pcie.d2h_gbps", d2h, "measured", what)
         # rounding must not make a duplex rate exceed its solo rate
         put("pcie.duplex_h2d_gbps", min(_sig(p["duplex_h2d_gbps"]), data["pcie"]["h2d_gbps"]), "measured",
-            "H2D while D2H runs (two streams)")
+            "H2D while D2H runs (two streams)" if not host_device else "two copies at once on two threads")
         put("pcie.duplex_d2h_gbps", min(_sig(p["duplex_d2h_gbps"]), data["pcie"]["d2h_gbps"]), "measured",
-            "D2H while H2D runs (two streams)")
+            "D2H while H2D runs (two streams)" if not host_device else "two copies at once on two threads")
 
     # ---- CPU
     c = measurements["cpu"]
@@ -668,6 +803,11 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
     put("cpu.memory_gbps", c["memory_gbps"], "measured", "large copy, read + write bytes (below datasheet peak)")
     put("cpu.memory_efficiency", 1.0, "derived",
         "memory_gbps is a measured copy rate, already what the box sustains (host memory is modelled as shared)")
+    if host_device:
+        put("cpu.cores", measurements.get("cpu_threads") or g["host_cores"], "measured",
+            "torch intra-op threads: compute, CPU Adam and the copies share them")
+    else:
+        put("cpu.cores", None, "derived", "core sharing is modelled only when the device is this CPU")
     put("cpu.adam_gparams_per_s", c["adam_gparams_per_s"], "measured",
         f"torch AdamW ({c.get('adam_impl', '?')}) on {measurements.get('cpu_threads', '?')} threads")
 
@@ -686,6 +826,9 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
         put("ssd.rw_sharing", s["rw_sharing"], "measured",
             f"mixed {s['mixed_read_gbps']:.2f} read + {s['mixed_write_gbps']:.2f} write GB/s vs solo "
             f"{max(s['read_gbps'], s['write_gbps']):.2f}")
+        kept = (s["mixed_read_gbps"] / s["read_gbps"] + s["mixed_write_gbps"] / s["write_gbps"]) / 2
+        put("ssd.mixed_efficiency", min(1.0, max(0.5, kept)), "measured",
+            "mean fraction of its solo rate each direction kept in the mixed run (within [0.5, 1])")
         if not s.get("direct", True):
             notes.append(f"{where} refused O_DIRECT: the SSD rates were measured with buffered I/O and may be "
                          "optimistic")
@@ -693,6 +836,18 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
         data["ssd"] = {"count": 0}
         info["ssd.count"] = FieldInfo("ssd.count", 0, "no --ssd-dir", "no SSD tier: pass --ssd-dir to measure one")
         notes.append("no --ssd-dir: the profile has no SSD tier (ssd.count = 0); pass --ssd-dir DIR on the SSD")
+
+    for key, value in (overrides or {}).items():  # --set: the user's values win
+        section, _, k = key.partition(".")
+        if section not in data or k not in data[section]:
+            raise CliError(f"--set {key}: unknown profile key (keys are SECTION.KEY as in a profile YAML)")
+        put(key, value, "given", "--set")
+    if "cpu.memory_gib" in (overrides or {}) and "cpu.reserved_gib" not in overrides:
+        mem = data["cpu"]["memory_gib"]
+        put("cpu.reserved_gib", min(6 + 0.05 * mem, 0.5 * mem), "derived",
+            "assumption: 6 GiB OS + runtime + 5% of the given memory (at most half)")
+    if device_gib is not None and not host_device:
+        put("gpu.memory_gib", device_gib, "given", "--set")
 
     # ---- the rest from the base
     for section in ("gpu", "pcie", "cpu", "ssd", "price"):
@@ -702,7 +857,8 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
                 info[key] = FieldInfo(key, v, from_base, "not measured" if section != "price" else "not measured (price)")
     if not g:
         notes.append(f"no CUDA GPU: the gpu and pcie sections are the {base_name} profile's "
-                     f"({base.gpu.model}); run calibrate on the GPU box to measure them")
+                     f"({base.gpu.model}); run calibrate on the GPU box to measure them, or --device cpu to "
+                     "profile this CPU as the device")
     for err in measurements.get("errors", []):
         notes.append(f"measurement failed, value taken from {base_name}: {err}")
 
@@ -786,10 +942,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.ssd_dir is not None:
         ssd_dir = check_ssd_dir(args.ssd_dir, ssd_need_bytes(sizes.ssd_file_bytes))
     gpu = torch.cuda.is_available()
-    total = 2 + (7 if gpu else 0) + (3 if ssd_dir else 0)
+    device = args.device if args.device != "auto" else ("cuda" if gpu else "cpu")
+    if device == "cuda" and not gpu:
+        raise CliError("--device cuda: no CUDA device is available here (use --device cpu to profile this CPU "
+                       "as the device)")
+    overrides = _parse_sets(args.set or [])
+    total = 2 + (7 if device == "cuda" else len(HOST_GEMM_SHAPES) + 2) + (3 if ssd_dir else 0)
     progress = Progress(total, "calibrate")
     try:
-        m = run_measurements(sizes, ssd_dir, progress, gpu=gpu)
+        m = run_measurements(sizes, ssd_dir, progress, gpu=gpu, device=device)
     except OSError as e:
         if ssd_dir is None:
             raise
@@ -797,7 +958,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                        "space and permissions, or give another one)") from None
     finally:
         progress.clear()
-    cal = build_profile(m, base, name=args.name)
+    cal = build_profile(m, base, name=args.name, device_gib=overrides.pop("gpu.memory_gib", None),
+                        overrides=overrides)
     write_profile(cal, out)
     if args.json:
         print(json.dumps(cal.to_json(m, str(out)), indent=2))
@@ -833,5 +995,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ssd-file-mib", type=int, default=None, metavar="N",
                    help="size of the SSD test file in MiB (default 2048, 256 with --quick)")
     p.add_argument("--name", default=None, help="profile name (default calibrated-<hostname>)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="the device tierflow run will train on: cuda measures the GPU and PCIe; cpu measures this "
+                   "CPU as the device (fp32 GEMMs over sizes, elementwise bandwidth, copies within host memory, "
+                   "its cores shared with CPU Adam); auto: cuda when available, else cpu")
+    p.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
+                   help="set a profile field after measuring, e.g. --set gpu.memory_gib=2 (the device memory cap "
+                   "of a CPU device; default 2) or --set cpu.memory_gib=8 (repeatable)")
     p.add_argument("--json", action="store_true", help="print the fields, sources and raw measurements as JSON")
     p.set_defaults(func=cmd_calibrate)

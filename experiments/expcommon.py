@@ -24,7 +24,7 @@ from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleError, make_schedule
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.io.progress import Progress
-from tierflow.planner.search.loads import dram_time_s, duplex_time_s, pcie_time_s
+from tierflow.planner.search.loads import duplex_time_s, pcie_time_s, pool_times_s
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NOTE_THRESHOLD = 0.15  # a headline that differs from the paper by more than this must carry an explanation
@@ -120,8 +120,8 @@ def utilisation(res: SimResult, hw: HardwareProfile) -> dict[str, float]:
         it = max(res.graph.num_iterations - 2, 0)
         adam_s = (sum(x.work for x in res.graph.tasks if x.resource == "cpu" and x.iteration == it)
                   if res.graph.tasks else res.busy["cpu"] * t)
-        out["dram"] = dram_time_s({"h2d": h2d, "d2h": d2h, "ssd_read": rd, "ssd_write": wr, "cpu": adam_s},
-                                  rates) / t
+        work = {"h2d": h2d, "d2h": d2h, "ssd_read": rd, "ssd_write": wr, "cpu": adam_s}
+        out["dram"] = pool_times_s(work, rates)["dram"] / t
     return out
 
 

@@ -64,6 +64,9 @@ class GpuSpec:
     gemm_half_gflop: float  # GEMM size (GFLOP) at which a GEMM reaches half of gemm_efficiency
     hbm_gbps: float  # peak HBM/GDDR bandwidth, GB/s
     hbm_efficiency: float  # achievable fraction of hbm_gbps for elementwise kernels, (0, 1]
+    # the "device" is this host's CPU (tierflow run --device cpu): its compute runs on this many of the host's
+    # cores, which CPU Adam and the device<->host copies share (cpu.cores); None: an accelerator
+    host_cores: float | None = None
 
     @property
     def capacity_bytes(self) -> int:
@@ -90,6 +93,8 @@ class CpuSpec:
     # fraction of memory_gbps that the CPU and the DMA engines (PCIe, NVMe) sustain together, as STREAM does;
     # every host-side transfer and CPU Adam share it (None: host memory bandwidth is not modelled)
     memory_efficiency: float | None = None
+    # cores of the host shared by compute on a host device, CPU Adam and the copies (None: not modelled)
+    cores: float | None = None
 
     @property
     def sustained_memory_bps(self) -> float:
@@ -281,6 +286,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "gemm_half_gflop": _pos(10000, "GFLOP"),
         "hbm_gbps": _pos(100000, "GB/s"),
         "hbm_efficiency": _FRACTION,
+        "host_cores": _Rule("optional_number", 0, False, 4096, "cores", default=None),
     },
     "pcie": {
         "generation": _Rule("int", 1, True, 7),
@@ -296,6 +302,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "memory_gbps": _pos(20000, "GB/s"),
         "adam_gparams_per_s": _pos(100, "billion parameters/s"),
         "memory_efficiency": _Rule("optional_number", 0, False, 1.0, "of memory_gbps", default=None),
+        "cores": _Rule("optional_number", 0, False, 4096, "cores", default=None),
     },
     "ssd": {
         "count": _Rule("int", 0, True, 64, "drives"),
@@ -317,7 +324,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
 }
 # Keys that may be left out of the ssd section when ssd.count == 0.
 _SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency")
-_OPTIONAL = {"cpu": ("memory_efficiency",)}  # keys a profile may leave out (older files), other than ssd's
+_OPTIONAL = {"cpu": ("memory_efficiency", "cores"), "gpu": ("host_cores",)}  # keys a profile may leave out (older files), other than ssd's
 _SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec}
 
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from tierflow.executor import calibrate as cal  # noqa: E402
 from tierflow.hwprofiles import load_profile  # noqa: E402
-from tierflow.planner.io.cli import main  # noqa: E402
+from tierflow.planner.io.cli import CliError, main  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
 GPU_KEYS = ["gpu.peak_tflops", "gpu.gemm_efficiency", "gpu.hbm_gbps", "pcie.h2d_gbps", "pcie.duplex_d2h_gbps"]
@@ -114,10 +114,47 @@ def test_cli_writes_a_profile_the_planner_loads(tmp_path, capsys):
     assert "cpu.memory_gbps" in stdout and "measured" in stdout
     not_measured = [line for line in stdout.splitlines() if line.startswith("not measured")]
     assert len(not_measured) == 1
-    if not HAS_GPU:
-        assert all(k in not_measured[0] for k in GPU_KEYS)
-        assert "rtx4090-lohan" in not_measured[0]
-        assert hw.gpu == load_profile("rtx4090-lohan").gpu
+    if not HAS_GPU:  # --device auto on a box without CUDA: this CPU is the device, measured
+        assert hw.gpu.host_cores is not None and hw.cpu.cores == hw.gpu.host_cores
+        assert "via torch" in hw.gpu.model and hw.gpu.peak_tflops > 0 and hw.gpu.hbm_gbps > 0
+        assert hw.gpu.memory_gib == cal.DEFAULT_HOST_DEVICE_GIB and hw.gpu.reserved_gib == 0
+        assert hw.pcie.generation == 1 and hw.pcie.duplex_h2d_gbps <= hw.pcie.h2d_gbps
+        assert not any(k in not_measured[0] for k in ("gpu.peak_tflops", "gpu.hbm_gbps", "pcie.h2d_gbps"))
+
+
+def test_gemm_curve_fit_recovers_peak_and_half_size():
+    peak, half = 0.25, 0.05  # TFLOPS, GFLOP
+    f = [0.002, 0.02, 0.1, 0.5, 2.0, 8.0]
+    got = cal.fit_gemm_curve(f, [peak * x / (x + half) for x in f])
+    assert got == pytest.approx((peak, half), rel=1e-6)
+    assert cal.fit_gemm_curve([1.0, 2.0], [0.1, 0.2])[0] == 0.2  # still rising: the best rate is the peak
+
+
+def test_build_profile_for_a_cpu_device():
+    m = fake_measurements()
+    m["device"] = "cpu"
+    m["gpu"] = {"model": "test CPU via torch (2 threads)", "host_cores": 2, "gemms": [{}, {}], "peak_tflops": 0.15,
+                "half_gflop": 0.01, "elementwise_gbps": 30.0}
+    m["pcie"] = {"h2d_gbps": 10.0, "d2h_gbps": 10.0, "duplex_h2d_gbps": 6.0, "duplex_d2h_gbps": 6.0}
+    c = cal.build_profile(m, device_gib=0.5, overrides={"cpu.memory_gib": 8})
+    g, p, cpu = c.profile.gpu, c.profile.pcie, c.profile.cpu
+    assert (g.memory_gib, g.reserved_gib, g.peak_tflops, g.gemm_efficiency, g.gemm_half_gflop) == (0.5, 0, 0.15, 1, 0.01)
+    assert (g.hbm_gbps, g.hbm_efficiency, g.host_cores, cpu.cores) == (30, 1, 2, 2)
+    assert (p.generation, p.h2d_gbps, p.duplex_d2h_gbps) == (1, 10, 6)
+    assert cpu.memory_gib == 8  # --set wins
+    with pytest.raises(CliError, match="unknown profile key"):
+        cal.build_profile(m, overrides={"cpu.nonsense": 1})
+    # compute, Adam and copies share the two cores in the simulator
+    from tierflow.planner.core.costmodel import link_rates
+    r = link_rates(c.profile)
+    assert r.core_bound and (r.cores, r.gpu_cores, r.adam_cores, r.copy_cores) == (2, 2, 2, 1)
+
+
+def test_cli_set_is_parsed_and_checked():
+    assert cal._parse_sets(["gpu.memory_gib=2", "ssd.array_read_gbps=null", "cpu.model=x"]) == {
+        "gpu.memory_gib": 2, "ssd.array_read_gbps": None, "cpu.model": "x"}
+    with pytest.raises(CliError, match="expected SECTION.KEY=VALUE"):
+        cal._parse_sets(["memory=2"])
 
 
 def test_cli_json_reports_sources(tmp_path, capsys):
@@ -130,8 +167,9 @@ def test_cli_json_reports_sources(tmp_path, capsys):
     assert sources["cpu.memory_gbps"] == "measured" and sources["ssd.read_gbps"] == "measured"
     assert sources["price.gpu_usd"] == "from h100-80g"
     assert d["profile"] == load_profile(str(out)).to_dict()
-    if not HAS_GPU:
-        assert set(GPU_KEYS) <= set(d["not_measured"])
+    if not HAS_GPU:  # --device auto: this CPU is the device and is measured, the base only gives prices
+        assert not set(GPU_KEYS) & set(d["not_measured"])
+        assert sources["gpu.peak_tflops"] == "measured" and sources["gpu.host_cores"] == "measured"
 
 
 @pytest.mark.parametrize("kind", ["missing", "file"])

@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from tierflow.hwprofiles import load_profile
+
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 
+import closed_loop  # noqa: E402
 import expcommon  # noqa: E402
 import fidelity  # noqa: E402
 import fuyou_lohan  # noqa: E402
@@ -149,6 +152,23 @@ def test_fidelity_quick(tmp_path):
     seeds = next(h for h in heads if h["metric"].startswith("seed headline"))
     assert seeds["ours"] == "1 of 2" and "outside" in seeds["note"]
     check_headlines(heads)
+
+
+def test_closed_loop_quick(tmp_path):
+    """calibrate -> plan -> run -> compare on this CPU: every run trains, its comparison is measured / predicted
+    of the same plan, the caps push the optimizer states to the SSD tier. The 25% target is not met yet (README,
+    closed loop): the bound here is the loop's own arithmetic, not its accuracy."""
+    rows = closed_loop.run(quick=True, out_dir=tmp_path)
+    assert [r["schedule"] for r in rows] == ["vertical", "plan"]
+    hw = load_profile(str(tmp_path / "closed_loop_cpu.yaml"))
+    assert hw.gpu.host_cores is not None and hw.cpu.cores is not None  # the CPU as the device, cores shared
+    for r in rows:
+        assert r["predicted_s"] > 0 and r["measured_s"] > 0
+        assert r["iteration_error"] == pytest.approx(r["measured_s"] / r["predicted_s"] - 1, abs=2e-3)
+        assert r["ssd_gb_written"] > 0  # the optimizer states live on the SSD tier
+    res = read_csv(tmp_path / "closed_loop_resources.csv")
+    assert {x["resource"] for x in res} >= {"gpu", "cpu", "ssd_read", "ssd_write"}
+    assert (tmp_path / "closed_loop.png").stat().st_size > 1000
 
 
 def test_run_all_writes_the_summary(tmp_path):

@@ -21,6 +21,7 @@ from tierflow.api import make_schedule, simulate, simulate_config
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.memory import MARGIN, schedule_memory
 from tierflow.planner.core.models import get_model
+from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.search.explain import min_requirements
 from tierflow.planner.search.placement_model import placement_of
@@ -54,7 +55,8 @@ def estimate(model, cfg) -> dict[str, float]:
     return mem.tier_bytes(cfg.placement, cfg.swap_layers), mem.staging_bytes(cfg.placement, cfg.swap_layers)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True,
+          database=None)
 @given(configs())
 def test_estimate_suffices_and_is_not_loose(case):
     model, hw, cfg = case
@@ -88,3 +90,22 @@ def test_min_requirements_is_the_memory_model_of_the_frugal_plan():
         assert need["cpu"] == pytest.approx(est["cpu"] + 0.02 * hw.cpu.capacity_bytes)
         if not allow_ssd:
             assert need["ssd"] == 0.0
+
+
+@pytest.mark.xfail(strict=True, reason="known bug (README caveats): with GPU memory capped at the estimate, a "
+                   "vertical group with checkpoints on the SSDs gets stuck 1 MiB short at the last layer's backward")
+def test_vertical_group_with_checkpoints_on_ssd_fits_in_its_estimate():
+    """Found by the property test above (random search, 2026-11-23); present since before the host memory model.
+    Capping the GPU at the memory model's estimate leaves the head's backward of the third micro-batch 1 MiB short
+    and nothing can free it: a deadlock under memory pressure, not a missing byte (a larger estimate is taken up
+    the same way). When it is fixed, this test passes and strict xfail fails: move it into the suite."""
+    model = replace(get_model("llama2-7b"), num_layers=2)
+    hw = load_profile("rtx3090-desktop")
+    cpu, ssd = Split(), Split(cpu=0.0, ssd=1.0)
+    placement = Placement(weights=cpu, master=cpu, adam_m=cpu, adam_v=cpu, grads=cpu, checkpoints=ssd)
+    cfg = make_schedule("vertical", model, hw, batch=4, micro_batch=1, seq=128, placement=placement, alpha=0.0,
+                        iterations=2)
+    est, _ = estimate(model, cfg)
+    g = build_graph(model, hw, cfg)
+    g.capacity_bytes = {t: est[t] * (1 + 1e-9) + 1.0 for t in est}
+    simulate_config(model, hw, cfg, g)

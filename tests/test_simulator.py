@@ -44,10 +44,13 @@ def solo_and_slowest_rates(hw) -> dict[str, tuple[float, float]]:
     r = CostModel(hw).rates
     out = {"h2d": (r.h2d, r.h2d_duplex), "d2h": (r.d2h, r.d2h_duplex),
            "ssd_read": (r.ssd_read, r.ssd_read_mixed), "ssd_write": (r.ssd_write, r.ssd_write_mixed),
-           "cpu": (1.0, 1.0)}
-    demand = r.h2d + r.d2h + r.ssd_read + r.ssd_write + r.adam_dram_bps
-    scale = min(1.0, r.dram_bps / demand)
-    return {k: (solo, slow * scale) for k, (solo, slow) in out.items()}
+           "cpu": (1.0, 1.0), "gpu": (1.0, 1.0)}
+    scale = dict.fromkeys(out, 1.0)
+    for _, cap_s, use in r.pools():  # every user of a pool at once, each at its solo rate
+        demand = sum(u * out[k][0] for k, u in use.items())
+        for k in use:
+            scale[k] = min(scale[k], cap_s / demand)
+    return {k: (solo, slow * scale[k]) for k, (solo, slow) in out.items()}
 
 
 def tol(x: float) -> float:
@@ -99,7 +102,7 @@ def check_timeline(res, hw, *, balanced: bool = True) -> None:
     rates = solo_and_slowest_rates(hw)
     for t in tasks:
         dur = end[t.id] - start[t.id]
-        if t.resource == "gpu":
+        if t.resource == "gpu" and not CostModel(hw).rates.core_bound:
             assert dur == pytest.approx(t.work, rel=REL, abs=1e-15), t.label
         else:
             solo, slow = rates[t.resource]
@@ -182,6 +185,8 @@ def profiles(draw):
         ov["ssd.mixed_efficiency"] = draw(st.sampled_from([None, 0.6, 1.0]))  # None: from rw_sharing
     if draw(st.booleans()):  # host memory bandwidth: not modelled, or so scarce that it binds
         ov["cpu.memory_efficiency"] = draw(st.sampled_from([None, 0.02, 0.1]))
+    if draw(st.booleans()):  # the CPU as the device: compute, Adam and copies share the host's cores
+        ov.update({"gpu.host_cores": draw(st.sampled_from([1, 2])), "cpu.cores": 2})
     return hw.with_overrides(ov) if ov else hw
 
 
@@ -394,6 +399,21 @@ def test_engine_cpu_adam_alone_keeps_its_solo_rate_however_scarce_host_memory_is
     # then Adam has done B / h2d of its second and runs the rest alone at full speed
     assert both.end_s[1] == pytest.approx(1.0 + r.dram_bps / r.h2d, rel=1e-12)
     assert both.end_s[0] == pytest.approx(2.0, rel=1e-12)
+
+
+def test_engine_host_device_shares_cores_between_compute_adam_and_copies():
+    """The CPU as the device (gpu.host_cores): compute and CPU Adam each use both cores, so running together each
+    gets half; a copy (one core) beside compute asks for 3 of 2 cores: both slow to 2/3. A real GPU shares nothing."""
+    hw = profile().with_overrides({"gpu.host_cores": 2, "cpu.cores": 2, "cpu.memory_efficiency": None})
+    r = CostModel(hw).rates
+    res = simulate_graph(graph_of([T(0, "gpu", 1.0), T(1, "cpu", 1.0)]), hw)
+    assert list(res.end_s) == pytest.approx([2.0, 2.0], rel=1e-12)
+    res = simulate_graph(graph_of([T(0, "gpu", 2.0), T(1, "h2d", 1.0 * r.h2d)]), hw)
+    # 1.5 s at 2/3 speed: the copy is done (1 s of its work), compute has 1 s of its 2 left, alone after
+    assert list(res.end_s) == pytest.approx([2.5, 1.5], rel=1e-12)
+    gpu_box = profile().with_overrides({"cpu.cores": 2, "cpu.memory_efficiency": None})
+    res = simulate_graph(graph_of([T(0, "gpu", 1.0), T(1, "cpu", 1.0)]), gpu_box)
+    assert list(res.end_s) == pytest.approx([1.0, 1.0], rel=1e-12)
 
 
 def test_engine_host_memory_not_modelled_leaves_rates_alone():

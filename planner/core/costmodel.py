@@ -12,6 +12,8 @@
   once, and CPU Adam moves CPU_ADAM_DRAM_BYTES_PER_PARAM per parameter; when together they ask for more than the
   box sustains (cpu.memory_gbps x cpu.memory_efficiency), the simulator slows all of them in proportion (a fluid
   shared resource, like the PCIe duplex).
+- Host cores: when the device is the host CPU (gpu.host_cores set, as `tierflow calibrate --device cpu` writes),
+  its compute, CPU Adam and the device<->host copies share cpu.cores the same way.
 """
 
 from __future__ import annotations
@@ -44,6 +46,34 @@ class Rates:
     adam_params_per_s: float
     dram_bps: float = math.inf  # DRAM bytes/s the host sustains for all of them together
     adam_dram_bps: float = 0.0  # DRAM bytes/s CPU Adam moves while it runs at its solo rate
+    # host cores, when the device is the host CPU (gpu.host_cores): compute, CPU Adam and the device<->host
+    # copies (memcpy on a core each) share cpu.cores; inf: not modelled
+    cores: float = math.inf
+    gpu_cores: float = 0.0  # cores device compute uses at its solo speed
+    adam_cores: float = 0.0  # cores CPU Adam uses at its solo speed
+    copy_cores: float = 0.0  # cores one device<->host copy uses at its solo rate
+
+    @property
+    def core_bound(self) -> bool:
+        """Whether host cores are a shared resource (the device is the host CPU)."""
+        return math.isfinite(self.cores)
+
+    def pools(self) -> list[tuple[str, float, dict[str, float]]]:
+        """The shared host resources: (name, capacity per second, {resource: capacity used per unit of its work
+        at its solo rate}) for host memory ("dram", bytes) and, on a host device, the cores ("cores"). Every unit
+        of a link's work is a byte, of gpu's and cpu's a second of work at solo speed."""
+        out = []
+        if self.dram_bound:
+            out.append(("dram", self.dram_bps, {"h2d": 1.0, "d2h": 1.0, "ssd_read": 1.0, "ssd_write": 1.0,
+                                                "cpu": self.adam_dram_bps}))
+        if self.core_bound:
+            use = {"gpu": self.gpu_cores, "cpu": self.adam_cores}
+            if self.h2d > 0:
+                use["h2d"] = self.copy_cores / self.h2d
+            if self.d2h > 0:
+                use["d2h"] = self.copy_cores / self.d2h
+            out.append(("cores", self.cores, {k: v for k, v in use.items() if v > 0}))
+        return out
 
     @property
     def dram_bound(self) -> bool:
@@ -71,7 +101,18 @@ def link_rates(hw: HardwareProfile) -> Rates:
         # a solo rate already includes its own memory limit: alone, CPU Adam never waits for DRAM
         adam_dram_bps=min(hw.cpu.adam_gparams_per_s * 1e9 * CPU_ADAM_DRAM_BYTES_PER_PARAM,
                           hw.cpu.sustained_memory_bps),
+        **_core_rates(hw),
     )
+
+
+def _core_rates(hw: HardwareProfile) -> dict:
+    """Core sharing on a host device: compute takes gpu.host_cores, CPU Adam all the cores (torch's intra-op
+    threads), each copy one core (a memcpy); each alone at its solo speed never waits for cores."""
+    cores, device = hw.cpu.cores, hw.gpu.host_cores
+    if cores is None or device is None:
+        return {}
+    return {"cores": float(cores), "gpu_cores": min(float(device), cores), "adam_cores": float(cores),
+            "copy_cores": min(1.0, float(cores))}
 
 
 class CostModel:

@@ -6,7 +6,8 @@ every tier. Transfers on the two directions of a shared link (H2D/D2H over PCIe,
 slow each other down while both run, as the profile says: the simulator tracks the bytes each transfer still has
 to move and re-rates it whenever the opposite direction starts or stops (a fluid model). Host memory is shared the
 same way: every transfer's bytes and CPU Adam's (costmodel.CPU_ADAM_DRAM_BYTES_PER_PARAM) cross DRAM, and while
-together they would ask for more than the box sustains, every one of them slows in proportion.
+together they would ask for more than the box sustains, every one of them slows in proportion. On a host device
+(the CPU as the device) the compute, CPU Adam and the copies share the host's cores the same way.
 
 If the run can no longer progress because a task's allocation never fits, the schedule is refused with a
 CapacityError naming the tier, the simulated time and the bytes over.
@@ -126,11 +127,11 @@ def _simulate(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
     mstart = [t.mem_start for t in tasks]
     mend = [t.mem_end for t in tasks]
     is_link = [r in LINK_NAMES for r in RESOURCES]
-    # fluid resources progress at a rate that depends on what else runs: the links (bytes) and the CPU (seconds
-    # of work at its solo speed); dram[r] = DRAM bytes per unit of r's work
-    fluid = [is_link[r] or RESOURCES[r] == "cpu" for r in range(R)]
-    dram = [1.0 if is_link[r] else (rates.adam_dram_bps if fluid[r] else 0.0) for r in range(R)]
-    dram_bps = rates.dram_bps
+    # fluid resources progress at a rate that depends on what else runs: the links (bytes), the CPU and, on a host
+    # device, the GPU (seconds of work at solo speed); each shared host pool (memory bandwidth, cores) has a
+    # capacity and, per resource, what one unit of its work per second uses of it
+    pools = [(cap_s, [use.get(r, 0.0) for r in RESOURCES]) for _, cap_s, use in rates.pools()]
+    fluid = [is_link[r] or RESOURCES[r] == "cpu" or any(use[r] > 0 for _, use in pools) for r in range(R)]
     fluids = [r for r in range(R) if fluid[r]]
     partner = [-1] * R
     solo = [1.0] * R
@@ -174,13 +175,15 @@ def _simulate(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
         nonlocal seq
         active = [r for r in fluids if running[r] >= 0]
         base = {r: base_rate(r) for r in active}
-        scale = 1.0
-        if dram_bps < math.inf:
-            demand = sum(base[r] * dram[r] for r in active)
-            if demand > dram_bps:
-                scale = dram_bps / demand
+        scale = dict.fromkeys(active, 1.0)
+        for cap_s, use in pools:
+            demand = sum(base[r] * use[r] for r in active)
+            if demand > cap_s:
+                for r in active:
+                    if use[r] > 0:
+                        scale[r] = min(scale[r], cap_s / demand)
         for r in active:
-            new = base[r] * scale
+            new = base[r] * scale[r]
             if new == rate[r]:
                 continue
             remaining[r] -= rate[r] * (now - since[r])

@@ -47,8 +47,7 @@ class IterationLoads:
         if hw.ssd.count > 0:  # both directions of the array, as for PCIe (ssd.mixed_efficiency)
             out["ssd"] = duplex_time_s(w["ssd_read"], w["ssd_write"], r.ssd_read, r.ssd_write, r.ssd_read_mixed,
                                        r.ssd_write_mixed)
-        if r.dram_bound:  # host memory: every transfer's bytes and CPU Adam's cross DRAM (cpu.memory_efficiency)
-            out["dram"] = dram_time_s(w, r)
+        out.update(pool_times_s(w, r))  # host memory (cpu.memory_efficiency) and, on a host device, its cores
         return out
 
     def bound_s(self, hw: HardwareProfile) -> float:
@@ -64,11 +63,11 @@ class IterationLoads:
         return max(t, key=t.get)
 
 
-def dram_time_s(work: dict[str, float], r) -> float:
-    """Least time for the DRAM traffic of `work` (bytes on the links, seconds of CPU Adam) at the host's sustained
-    rate: each byte a link moves crosses DRAM once, CPU Adam moves r.adam_dram_bps while it runs."""
-    nbytes = sum(work.get(k, 0.0) for k in ("h2d", "d2h", "ssd_read", "ssd_write"))
-    return (nbytes + work.get("cpu", 0.0) * r.adam_dram_bps) / r.dram_bps
+def pool_times_s(work: dict[str, float], r) -> dict[str, float]:
+    """Least time each shared host pool needs for `work` (bytes on the links, seconds on gpu and cpu): host memory
+    ("dram": each byte a link moves crosses DRAM once, CPU Adam moves r.adam_dram_bps while it runs) and, on a host
+    device, its cores ("cores")."""
+    return {name: sum(work.get(k, 0.0) * u for k, u in use.items()) / cap_s for name, cap_s, use in r.pools()}
 
 
 def pcie_time_s(h2d_bytes: float, d2h_bytes: float, r) -> float:

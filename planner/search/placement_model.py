@@ -257,9 +257,8 @@ class _TimeTerms:
             terms += [self.expr("ssd_read" + phase, r.ssd_read), self.expr("ssd_write" + phase, r.ssd_write)]
             terms += self.duplex("ssd_read" + phase, "ssd_write" + phase, r.ssd_read, r.ssd_write,
                                  r.ssd_read_mixed, r.ssd_write_mixed)
-        if r.dram_bound:  # host memory: every transfer's bytes and CPU Adam's (loads.dram_time_s)
-            terms.append(sum(self.expr(k + phase, r.dram_bps) for k in ("h2d", "d2h", "ssd_read", "ssd_write"))
-                         + self.expr("cpu" + phase, r.dram_bps / r.adam_dram_bps))
+        for _, cap_s, use in r.pools():  # host memory and, on a host device, its cores (loads.pool_times_s)
+            terms.append(sum(self.expr(k + phase, cap_s / u) for k, u in use.items()))
         return terms
 
     def duplex(self, a: str, b: str, a_rate: float, b_rate: float, a_mixed: float, b_mixed: float) -> list:

@@ -243,17 +243,17 @@ def chain_needs(sm: SlotModel, hw: HardwareProfile, rounds: int = 40) -> np.ndar
         terms.append(_ChainLinkTerm(sm.links[:, ia] / solo, sm.released[:, ib, 0] / other_solo,
                                     1.0 - shared / solo))
 
-    dram = _chain_dram_terms(sm, hw)
+    pools = _chain_pool_terms(sm, hw)
 
     def stretched(window_s: np.ndarray) -> np.ndarray:
         out = chain_s.copy()
         for term in terms:
             beside = np.minimum(1.0, term.other_released_s / np.maximum(window_s, 1e-12))
             out += term.chain_solo_s * (1.0 / (1.0 - term.slowdown * beside) - 1.0)
-        if dram is not None:  # host memory: the chain's transfers and Adam slow while the window oversubscribes it
-            background_bps = dram.background_bps(window_s)
-            for chain_solo_s, demand_bps in dram.items:
-                scale = np.minimum(1.0, dram.dram_bps / (demand_bps + background_bps))
+        for pool in pools:  # host pools: the chain's transfers and Adam slow while the window oversubscribes one
+            background = pool.background_use(window_s)
+            for chain_solo_s, demand in pool.items:
+                scale = np.minimum(1.0, pool.capacity / (demand + background))
                 out += chain_solo_s * (1.0 / scale - 1.0)
         return out
 
@@ -265,42 +265,42 @@ def chain_needs(sm: SlotModel, hw: HardwareProfile, rounds: int = 40) -> np.ndar
     return np.where(chain_s > 0, hi, 0.0)
 
 
-class _ChainDram(NamedTuple):
-    """Host memory on the serial chains (`chain_needs`)."""
+class _ChainPool(NamedTuple):
+    """One shared host pool on the serial chains (`chain_needs`)."""
 
-    items: list[tuple[np.ndarray, float]]  # per channel: (W,) chain seconds at solo speed, its DRAM bytes/s then
+    items: list[tuple[np.ndarray, float]]  # per channel: (W,) chain seconds at solo speed, its use of the pool
     background: list[tuple[np.ndarray, float, float]]  # per channel: (W,) released work beside the chain, its
-    #   solo rate (work/s: no channel moves faster than that) and its DRAM bytes per unit of work
-    dram_bps: float
+    #   solo rate (work/s: no channel moves faster than that) and its use of the pool per unit of work
+    capacity: float
 
-    def background_bps(self, window_s: np.ndarray) -> np.ndarray:
-        """DRAM bytes/s of the work released beside the chain, spread over the window, each channel at most at
-        its solo rate."""
+    def background_use(self, window_s: np.ndarray) -> np.ndarray:
+        """What the work released beside the chain uses of the pool per second, spread over the window, each
+        channel at most at its solo rate."""
         out = np.zeros_like(window_s)
         for released, rate, unit in self.background:
             out += np.minimum(released / np.maximum(window_s, 1e-12), rate) * unit
         return out
 
 
-def _chain_dram_terms(sm: SlotModel, hw: HardwareProfile) -> _ChainDram | None:
-    """Each chain's transfers and CPU Adam steps against the host memory traffic of the rest of its window's
-    released work (spread evenly over the window): while together they ask for more than the box sustains, the
-    chain's items run at B / (their demand + the background) of their solo speed, as the simulator slows every
-    DRAM user in proportion. None when host memory is not modelled."""
+def _chain_pool_terms(sm: SlotModel, hw: HardwareProfile) -> list[_ChainPool]:
+    """Each chain's transfers and CPU Adam steps against the rest of its window's released work on each shared
+    host pool (host memory; on a host device, its cores), spread evenly over the window: while together they ask
+    for more than the pool holds, the chain's items run at capacity / (their demand + the background) of their
+    solo speed, as the simulator slows every user of a pool in proportion."""
     r = link_rates(hw)
-    if not r.dram_bound:
-        return None
-    per_unit = {"h2d": 1.0, "d2h": 1.0, "ssd_read": 1.0, "ssd_write": 1.0, "cpu": r.adam_dram_bps}
     solo = {"h2d": r.h2d, "d2h": r.d2h, "ssd_read": r.ssd_read, "ssd_write": r.ssd_write, "cpu": 1.0}
-    items, background = [], []
-    for ch, unit in per_unit.items():
-        i = CHANNELS.index(ch)
-        if solo[ch] <= 0:
-            continue
-        background.append((np.maximum(sm.released[:, i, 0] - sm.links[:, i], 0.0), solo[ch], unit))
-        if sm.links[:, i].any():
-            items.append((sm.links[:, i] / solo[ch], solo[ch] * unit))
-    return _ChainDram(items, background, r.dram_bps)
+    out = []
+    for _, cap_s, use in r.pools():
+        items, background = [], []
+        for ch, unit in use.items():
+            if ch not in solo or solo[ch] <= 0:
+                continue
+            i = CHANNELS.index(ch)
+            background.append((np.maximum(sm.released[:, i, 0] - sm.links[:, i], 0.0), solo[ch], unit))
+            if sm.links[:, i].any():
+                items.append((sm.links[:, i] / solo[ch], solo[ch] * unit))
+        out.append(_ChainPool(items, background, cap_s))
+    return out
 
 
 class WindowTerms(NamedTuple):
@@ -344,10 +344,9 @@ def window_terms(hw: HardwareProfile) -> WindowTerms:
         row("ssd_read", ssd_read=1.0 / r.ssd_read)
         row("ssd_write", ssd_write=1.0 / r.ssd_write)
         duplex_rows("ssd", "ssd_read", "ssd_write", r.ssd_read, r.ssd_write, r.ssd_read_mixed, r.ssd_write_mixed)
-    if r.dram_bound:  # host memory: every transfer's bytes and CPU Adam's (loads.dram_time_s)
-        per_byte = 1.0 / r.dram_bps
-        row("dram", h2d=per_byte, d2h=per_byte, ssd_read=per_byte, ssd_write=per_byte,
-            cpu=r.adam_dram_bps / r.dram_bps)
+    for name, cap_s, use in r.pools():  # host memory and, on a host device, its cores (loads.pool_times_s); the
+        # GPU's own share of the cores is left out: its seconds are the slot durations, not a channel's work
+        row(name, **{k: u / cap_s for k, u in use.items() if k in idx})
     return WindowTerms(np.array(rows), names)
 
 
@@ -1340,37 +1339,35 @@ def window_needs(sm: SlotModel, hw: HardwareProfile) -> WindowNeeds:
 
 def dram_needs(sm: SlotModel, hw: HardwareProfile, rounds: int = 40) -> np.ndarray:
     """Seconds each window needs for one channel's due work (a link's bytes, CPU Adam's seconds) while the other
-    channels run their released work eagerly beside it and together oversubscribe host memory: the channel runs
-    at B / (its demand + the others') of its solo speed, as the simulator slows every DRAM user in proportion.
-    The others' demand over a window of X seconds is each one's released work / X, at most its solo rate; X is
-    the least length that holds the slowed work (bisection: the slowdown shrinks as X grows). 0 without a host
-    memory model."""
+    channels run their released work eagerly beside it and together oversubscribe a shared host pool (host
+    memory; on a host device, its cores): the channel runs at capacity / (its demand + the others') of its solo
+    speed, as the simulator slows every user of a pool in proportion. The others' demand over a window of X
+    seconds is each one's released work / X, at most its solo rate; X is the least length that holds the slowed
+    work (bisection: the slowdown shrinks as X grows). 0 without a shared pool."""
     r = link_rates(hw)
     W = len(sm.work)
-    if not r.dram_bound or W == 0:
-        return np.zeros(W)
-    unit = {"h2d": 1.0, "d2h": 1.0, "ssd_read": 1.0, "ssd_write": 1.0, "cpu": r.adam_dram_bps}
-    solo = {"h2d": r.h2d, "d2h": r.d2h, "ssd_read": r.ssd_read, "ssd_write": r.ssd_write, "cpu": 1.0}
-    chans = [c for c in unit if solo[c] > 0]
     out = np.zeros(W)
-    for a in chans:
-        alone_s = sm.work[:, CHANNELS.index(a), 0] / solo[a]
-        if not alone_s.any():
-            continue
-        others = [(sm.released[:, CHANNELS.index(c), 0], solo[c], unit[c]) for c in chans if c != a]
+    solo = {"h2d": r.h2d, "d2h": r.d2h, "ssd_read": r.ssd_read, "ssd_write": r.ssd_write, "cpu": 1.0}
+    for _, cap_s, use in r.pools():
+        chans = [c for c in use if c in solo and solo[c] > 0]
+        for a in chans:
+            alone_s = sm.work[:, CHANNELS.index(a), 0] / solo[a]
+            if not alone_s.any():
+                continue
+            others = [(sm.released[:, CHANNELS.index(c), 0], solo[c], use[c]) for c in chans if c != a]
 
-        def slowed(window_s: np.ndarray, alone_s=alone_s, others=others, a=a) -> np.ndarray:
-            demand = np.full(W, solo[a] * unit[a])
-            for released, rate, u in others:
-                demand += np.minimum(released / np.maximum(window_s, 1e-12), rate) * u
-            return alone_s * np.maximum(1.0, demand / r.dram_bps)
+            def slowed(window_s: np.ndarray, alone_s=alone_s, others=others, a=a, cap_s=cap_s, use=use):
+                demand = np.full(W, solo[a] * use[a])
+                for released, rate, u in others:
+                    demand += np.minimum(released / np.maximum(window_s, 1e-12), rate) * u
+                return alone_s * np.maximum(1.0, demand / cap_s)
 
-        lo, hi = alone_s.copy(), slowed(alone_s)  # slowed(lo) <= hi: the answer lies in [lo, hi]
-        for _ in range(rounds):
-            mid = (lo + hi) / 2
-            ok = slowed(mid) <= mid
-            hi, lo = np.where(ok, mid, hi), np.where(ok, lo, mid)
-        out = np.maximum(out, np.where(alone_s > 0, hi, 0.0))
+            lo, hi = alone_s.copy(), slowed(alone_s)  # slowed(lo) <= hi: the answer lies in [lo, hi]
+            for _ in range(rounds):
+                mid = (lo + hi) / 2
+                ok = slowed(mid) <= mid
+                hi, lo = np.where(ok, mid, hi), np.where(ok, lo, mid)
+            out = np.maximum(out, np.where(alone_s > 0, hi, 0.0))
     return out
 
 

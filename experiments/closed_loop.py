@@ -1,0 +1,197 @@
+"""Closed loop on this machine: calibrate -> plan -> run -> compare, predicted against measured, like for like.
+
+    python experiments/closed_loop.py [--quick] [--device cpu|cuda] [--ssd-dir DIR] [--out DIR]
+
+1. `tierflow calibrate --device DEVICE` measures this box as the executor uses it (on a CPU: the CPU as the
+   device, its cores shared by compute, CPU Adam and the copies) with a device memory cap and a host memory cap,
+   so that the models below do not fit on the device and their optimizer states must go to the SSD tier.
+2. For two model sizes, three schedules (horizontal, vertical with the paper placement: weights in host memory,
+   optimizer states on the SSD; and `plan_search`'s plan): write the plan file, train it with the executor
+   (`run_plan`, the same code as `tierflow run`) and compare its measured trace with the plan's prediction
+   (`tierflow compare`): iteration error (measured / predicted - 1) and each resource's busy-time error.
+Writes closed_loop.csv (one row per run), closed_loop_resources.csv and closed_loop.png (predicted and measured
+iteration times side by side; measured / predicted busy time per resource) under --out, plus the calibrated
+profile and every plan and trace. --quick: one small model, two schedules, a shorter calibration (a CI test runs
+it). The GPU variant runs unchanged with --device cuda.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from expcommon import Progress, arg_parser, new_figure, print_table, save_figure, write_csv
+
+from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.models import ModelSpec, get_model
+from tierflow.planner.core.placement import Placement, Split
+from tierflow.planner.core.schedules import build_graph, make_schedule
+from tierflow.planner.core.simulate import simulate_config
+from tierflow.planner.io.compare import compare
+from tierflow.planner.io.planfile import load_plan, plan_from_graph, write_plan
+from tierflow.planner.search.plan_search import plan_search
+from tierflow.planner.search.problem import Problem
+
+SEQ = 256
+BATCH, MICRO_BATCH = 8, 2
+STEPS = 6  # training steps per run: two rounds of the plan's three iterations
+
+
+def gpt(layers: int, hidden: int, heads: int) -> ModelSpec:
+    """A small GPT the executor trains (the zoo's tiny-gpt scaled): 2048-token vocabulary, seq 256."""
+    base = get_model("tiny-gpt")
+    return replace(base, name=f"gpt-{layers}x{hidden}", num_layers=layers, hidden=hidden, num_heads=heads,
+                   num_kv_heads=heads, ffn_hidden=4 * hidden, vocab_size=2048, seq_len=SEQ, max_positions=SEQ)
+
+
+MODELS = {"small": gpt(4, 256, 4), "medium": gpt(6, 384, 6)}
+ON_SSD, ON_CPU = Split(cpu=0.0, ssd=1.0), Split()
+PAPER_PLACEMENT = Placement(weights=ON_CPU, master=ON_SSD, adam_m=ON_SSD, adam_v=ON_SSD, grads=ON_CPU,
+                            checkpoints=ON_CPU)
+
+
+def calibrate(device: str, ssd_dir: Path, quick: bool, out: Path, model: ModelSpec) -> HardwareProfile:
+    """Measure this box; cap the device below the model's weights + optimizer states and the host below its
+    optimizer states, so that they go to the SSD tier (the loop's premise)."""
+    from tierflow.executor.calibrate import FULL, QUICK, build_profile, run_measurements, write_profile
+
+    sizes = QUICK if quick else FULL
+    prog = Progress(12, "calibrate")
+    m = run_measurements(sizes, ssd_dir, prog, device=device)
+    prog.finish()
+    P = model.total_params()
+    device_gib = max(0.02, round(4 * P / 2**30, 3))  # room for the weights and working memory, not the states
+    cal = build_profile(m, None, name=f"closed-loop-{device}", device_gib=device_gib)
+    path = out / f"closed_loop_{device}.yaml"
+    write_profile(cal, path)
+    return cal.profile
+
+
+def host_cap(hw: HardwareProfile, model: ModelSpec) -> HardwareProfile:
+    """Host memory capped above the weights, gradients and working buffers but below the 12 B/param of optimizer
+    states: only the SSD tier can hold them."""
+    P = model.total_params()
+    usable_gib = 10 * P / 2**30 + 0.25
+    return hw.with_overrides({"cpu.memory_gib": round(hw.cpu.reserved_gib + usable_gib, 3)})
+
+
+def one_run(name: str, model: ModelSpec, hw: HardwareProfile, schedule: str, device: str, ssd_dir: Path,
+            work: Path) -> tuple[dict, list[dict]]:
+    """Plan (or build) one schedule, train it, compare: a row of errors and per-resource rows."""
+    from tierflow.executor.run import RunOptions, run_plan
+
+    if schedule == "plan":
+        sr = plan_search(Problem(model, hw, BATCH, SEQ), time_limit_s=20)
+        cfg, predicted = sr.best.config, sr.best.result
+    else:
+        cfg = make_schedule(schedule, model, hw, batch=BATCH, micro_batch=MICRO_BATCH, seq=SEQ,
+                            placement=PAPER_PLACEMENT, iterations=3)
+        predicted = simulate_config(model, hw, cfg)
+    tag = f"{name}-{schedule}"
+    path = work / f"plan-{tag}.json"
+    write_plan(plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg), predicted=predicted), path)
+    run_dir = work / f"run-{tag}"
+    t0 = time.perf_counter()
+    run = run_plan(load_plan(path), RunOptions(steps=STEPS, device=device, ssd_dir=str(ssd_dir), out=str(run_dir),
+                                               quiet=True))
+    wall_s = time.perf_counter() - t0
+    c = compare(load_plan(path), run_dir / "trace.json")
+    d = c.to_dict()
+    peaks = run.measured.peak_bytes if run.measured is not None else {}
+    row = {"model": name, "params_m": round(model.total_params() / 1e6, 2), "schedule": schedule,
+           "decisions": cfg.describe() if hasattr(cfg, "describe") else cfg.family,
+           "predicted_s": round(d["predicted_iteration_s"], 4), "measured_s": round(d["measured_iteration_s"], 4),
+           "iteration_error": round(d["iteration_error"], 4), "wall_s": round(wall_s, 1),
+           "ssd_gb_read": round(run.ssd_bytes_read / 1e9, 3), "ssd_gb_written": round(run.ssd_bytes_written / 1e9, 3)}
+    for tier in ("gpu", "cpu", "ssd"):
+        row[f"peak_{tier}_gb"] = round(peaks.get(tier, 0.0) / 1e9, 3)
+        row[f"cap_{tier}_gb"] = round(hw.tier_capacity_bytes[tier] / 1e9, 3)
+    res_rows = []
+    for r in d["by_resource"]:
+        err = r["measured_busy_s"] / r["predicted_busy_s"] - 1 if r["predicted_busy_s"] > 0 else float("nan")
+        res_rows.append({"model": name, "schedule": schedule, "resource": r["resource"],
+                         "predicted_busy_s": round(r["predicted_busy_s"], 4),
+                         "measured_busy_s": round(r["measured_busy_s"], 4), "busy_error": round(err, 4)})
+        row[f"busy_error_{r['resource']}"] = round(err, 4)
+    return row, res_rows
+
+
+def plot(rows: list[dict], res_rows: list[dict], path: Path) -> Path:
+    fig, (ax1, ax2) = new_figure(2, width_in=6.0, height_in=4.2)
+    labels = [f"{r['model']}\n{r['schedule']}" for r in rows]
+    xs = range(len(rows))
+    ax1.bar([x - 0.2 for x in xs], [r["predicted_s"] for r in rows], width=0.4, label="predicted")
+    ax1.bar([x + 0.2 for x in xs], [r["measured_s"] for r in rows], width=0.4, label="measured")
+    for x, r in zip(xs, rows):
+        ax1.annotate(f"{r['iteration_error']:+.0%}", (x + 0.2, r["measured_s"]), ha="center", va="bottom",
+                     fontsize=7)
+    ax1.set_xticks(list(xs), labels, fontsize=7)
+    ax1.set_ylabel("seconds per iteration")
+    ax1.set_title("Iteration time: predicted vs measured")
+    ax1.legend(fontsize=8)
+    resources = sorted({r["resource"] for r in res_rows})
+    width = 0.8 / max(1, len(rows))
+    for i, r in enumerate(rows):
+        vals = [next((x["measured_busy_s"] / x["predicted_busy_s"] for x in res_rows if x["model"] == r["model"]
+                      and x["schedule"] == r["schedule"] and x["resource"] == res and x["predicted_busy_s"] > 0),
+                     float("nan")) for res in resources]
+        ax2.bar([j + (i - (len(rows) - 1) / 2) * width for j in range(len(resources))], vals, width=width,
+                label=f"{r['model']} {r['schedule']}")
+    ax2.axhline(1.0, color="black", lw=1)
+    ax2.set_xticks(range(len(resources)), resources, fontsize=8)
+    ax2.set_ylabel("measured / predicted busy time")
+    ax2.set_title("Per resource")
+    ax2.legend(fontsize=6)
+    return save_figure(fig, path)
+
+
+def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = None) -> list[dict]:
+    """The loop; plans, traces and (without --ssd-dir) the SSD tier's files live in a temporary folder."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tierflow-closed-loop-"))
+    ssd_dir = ssd_dir or work / "ssd"
+    ssd_dir.mkdir(parents=True, exist_ok=True)
+    models = {"small": MODELS["small"]} if quick else MODELS
+    schedules = ["vertical", "plan"] if quick else ["horizontal", "vertical", "plan"]
+    try:
+        hw0 = calibrate(device, ssd_dir, quick, out_dir, max(models.values(), key=lambda m: m.total_params()))
+        rows, res_rows = [], []
+        prog = Progress(len(models) * len(schedules), "closed loop")
+        for name, model in models.items():
+            capped = hw0.with_overrides({"gpu.memory_gib": max(0.02, round(4 * model.total_params() / 2**30, 3))})
+            hw = host_cap(capped, model)
+            for schedule in schedules:
+                prog.step(f"{name} {schedule}")
+                row, rr = one_run(name, model, hw, schedule, device, ssd_dir, work)
+                rows.append(row)
+                res_rows += rr
+        prog.finish()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    write_csv(rows, out_dir / "closed_loop.csv")
+    write_csv(res_rows, out_dir / "closed_loop_resources.csv")
+    plot(rows, res_rows, out_dir / "closed_loop.png")
+    print_table([{**r, "iteration_error": f"{r['iteration_error']:+.1%}"} for r in rows],
+                ["model", "params_m", "schedule", "predicted_s", "measured_s", "iteration_error", "peak_gpu_gb",
+                 "cap_gpu_gb", "peak_cpu_gb", "cap_cpu_gb", "ssd_gb_written"])
+    print_table([{**r, "busy_error": f"{r['busy_error']:+.1%}"} for r in res_rows],
+                ["model", "schedule", "resource", "predicted_busy_s", "measured_busy_s", "busy_error"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = arg_parser(__doc__)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--ssd-dir", type=Path, default=None, help="directory for the SSD tier (default: a temp dir "
+                    "under --out)")
+    args = ap.parse_args(argv)
+    run(args.quick, args.out, args.device, args.ssd_dir)
+    print(f"wrote {args.out / 'closed_loop.csv'} and {args.out / 'closed_loop.png'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
