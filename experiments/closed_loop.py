@@ -88,8 +88,10 @@ def one_run(name: str, model: ModelSpec, hw: HardwareProfile, schedule: str, dev
         sr = plan_search(Problem(model, hw, BATCH, SEQ), time_limit_s=20)
         cfg, predicted = sr.best.config, sr.best.result
     else:
+        # runtime "ideal": the plan as tierflow's executor runs it (horizontal's default models DeepSpeed's runtime,
+        # its buffers and waits, which this executor does not have)
         cfg = make_schedule(schedule, model, hw, batch=BATCH, micro_batch=MICRO_BATCH, seq=SEQ,
-                            placement=PAPER_PLACEMENT, iterations=3)
+                            placement=PAPER_PLACEMENT, iterations=3, runtime="ideal")
         predicted = simulate_config(model, hw, cfg)
     tag = f"{name}-{schedule}"
     path = work / f"plan-{tag}.json"

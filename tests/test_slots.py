@@ -137,13 +137,18 @@ def test_a_chains_transfer_stretches_where_the_other_direction_runs_beside_it():
     assert window_needs(sm, hw)[0][2] == pytest.approx(x)
 
 
+def adam_as_hungry_as(bytes_per_s: float):
+    """The default box with CPU Adam asking host memory for `bytes_per_s` and host memory sustaining just that."""
+    base = profile()
+    return base.with_overrides({"cpu.adam_gparams_per_s": bytes_per_s / CPU_ADAM_DRAM_BYTES_PER_PARAM / 1e9,
+                                "cpu.memory_efficiency": bytes_per_s / (base.cpu.memory_gbps * 1e9)})
+
+
 def test_a_chains_adam_step_stretches_where_host_memory_is_oversubscribed():
     """chain_needs: a 1 s chain that is one CPU Adam step, beside H2D copies that ask host memory for as much as
     Adam does, on a box that sustains one of them: alone 1 s; with H2D busy the whole window, half speed (2 s)."""
-    base = profile()
-    h2d = CostModel(base).rates.h2d
-    hw = base.with_overrides({"cpu.adam_gparams_per_s": h2d / CPU_ADAM_DRAM_BYTES_PER_PARAM / 1e9,
-                              "cpu.memory_efficiency": h2d / (base.cpu.memory_gbps * 1e9)})
+    h2d = CostModel(profile()).rates.h2d
+    hw = adam_as_hungry_as(h2d)
     C = len(CHANNELS)
     work = np.zeros((2, C, 1))
     work[:, CHANNELS.index("chain"), 0] = 1.0
@@ -162,10 +167,8 @@ def test_a_window_stretches_its_due_work_where_host_memory_is_oversubscribed():
     """dram_needs: a window must finish 1 s (solo) of SSD writes; CPU Adam asks host memory for as much as the
     writes do, and host memory sustains one of them. Without Adam it needs 1 s; with Adam busy the whole window,
     both run at half speed (2 s); with 1 s of Adam released, X = 1 + 1 / X (Adam runs 1/X of the window)."""
-    base = profile()
-    w = CostModel(base).rates.ssd_write
-    hw = base.with_overrides({"cpu.adam_gparams_per_s": w / CPU_ADAM_DRAM_BYTES_PER_PARAM / 1e9,
-                              "cpu.memory_efficiency": w / (base.cpu.memory_gbps * 1e9)})
+    w = CostModel(profile()).rates.ssd_write
+    hw = adam_as_hungry_as(w)
     C = len(CHANNELS)
     work = np.zeros((3, C, 1))
     work[:, CHANNELS.index("ssd_write"), 0] = w  # bytes: 1 s at the solo rate
