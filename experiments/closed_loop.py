@@ -9,9 +9,10 @@
    optimizer states on the SSD; and `plan_search`'s plan): write the plan file, train it with the executor
    (`run_plan`, the same code as `tierflow run`) and compare its measured trace with the plan's prediction
    (`tierflow compare`): iteration error (measured / predicted - 1) and each resource's busy-time error.
-Writes closed_loop.csv (one row per run), closed_loop_resources.csv and closed_loop.png (predicted and measured
-iteration times side by side; measured / predicted busy time per resource) under --out, plus the calibrated
-profile and every plan and trace. --quick: one small model, two schedules, a shorter calibration (a CI test runs
+Writes closed_loop.csv (one row per run), closed_loop_resources.csv, closed_loop_blocks.csv (one decoder block
+timed alone with plain PyTorch against the cost model: the model's error without the executor's) and
+closed_loop.png (predicted and measured iteration times side by side; measured / predicted busy time per
+resource) under --out, plus the calibrated profile (plans and traces go to a temporary folder). --quick: one small model, two schedules, a shorter calibration (a CI test runs
 it). The GPU variant runs unchanged with --device cuda.
 """
 
@@ -122,6 +123,47 @@ def one_run(name: str, model: ModelSpec, hw: HardwareProfile, schedule: str, dev
     return row, res_rows
 
 
+def isolated_blocks(models: dict[str, ModelSpec], hw: HardwareProfile, device: str) -> list[dict]:
+    """One decoder block of each model timed alone with plain PyTorch in the main thread (no executor), against
+    the cost model: separates the cost model's error from the executor's overhead."""
+    import torch
+
+    from tierflow.executor.models import build_blocks
+    from tierflow.planner.core.costmodel import CostModel
+    from tierflow.planner.core.memory import blocks_of
+
+    cm = CostModel(hw)
+    out = []
+    for name, spec in models.items():
+        blk = build_blocks(spec, device=device)[1]
+        x = torch.randn(MICRO_BATCH, SEQ, spec.hidden, device=device, requires_grad=True)
+
+        def fwd(blk=blk, x=x) -> None:
+            with torch.no_grad():
+                blk(x)
+
+        def fwd_bwd(blk=blk, x=x) -> None:
+            blk(x).sum().backward()
+
+        times = {}
+        for label, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+            fn()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                fn()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            times[label] = (time.perf_counter() - t0) / 10
+        cost = blocks_of(spec, MICRO_BATCH, SEQ)[1]
+        pf, pb = cm.forward_s(cost), cm.backward_s(cost)
+        out.append({"model": name, "fwd_measured_s": round(times["fwd"], 5), "fwd_predicted_s": round(pf, 5),
+                    "fwd_error": round(times["fwd"] / pf - 1, 4), "fwd_bwd_measured_s": round(times["fwd_bwd"], 5),
+                    "fwd_bwd_predicted_s": round(pf + pb, 5), "fwd_bwd_error": round(times["fwd_bwd"] / (pf + pb) - 1, 4)})
+    return out
+
+
 def plot(rows: list[dict], res_rows: list[dict], path: Path) -> Path:
     fig, (ax1, ax2) = new_figure(2, width_in=6.0, height_in=4.2)
     labels = [f"{r['model']}\n{r['schedule']}" for r in rows]
@@ -174,6 +216,8 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
         prog.finish()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    blocks = isolated_blocks(models, hw0, device)
+    write_csv(blocks, out_dir / "closed_loop_blocks.csv")
     write_csv(rows, out_dir / "closed_loop.csv")
     write_csv(res_rows, out_dir / "closed_loop_resources.csv")
     plot(rows, res_rows, out_dir / "closed_loop.png")
@@ -182,6 +226,8 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
                  "cap_gpu_gb", "peak_cpu_gb", "cap_cpu_gb", "ssd_gb_written"])
     print_table([{**r, "busy_error": f"{r['busy_error']:+.1%}"} for r in res_rows],
                 ["model", "schedule", "resource", "predicted_busy_s", "measured_busy_s", "busy_error"])
+    print("one block alone, plain PyTorch in the main thread (the cost model without the executor):")
+    print_table(blocks, list(blocks[0]))
     return rows
 
 

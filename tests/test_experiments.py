@@ -169,6 +169,10 @@ def test_closed_loop_quick(tmp_path):
     res = read_csv(tmp_path / "closed_loop_resources.csv")
     assert {x["resource"] for x in res} >= {"gpu", "cpu", "ssd_read", "ssd_write"}
     assert (tmp_path / "closed_loop.png").stat().st_size > 1000
+    for b in read_csv(tmp_path / "closed_loop_blocks.csv"):  # the block alone, against the cost model
+        assert float(b["fwd_bwd_measured_s"]) > float(b["fwd_measured_s"]) > 0
+        assert float(b["fwd_error"]) == pytest.approx(float(b["fwd_measured_s"]) / float(b["fwd_predicted_s"]) - 1,
+                                                      abs=2e-3)
 
 
 def test_run_all_writes_the_summary(tmp_path):
