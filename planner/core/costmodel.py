@@ -13,7 +13,8 @@
   box sustains (cpu.memory_gbps x cpu.memory_efficiency), the simulator slows all of them in proportion (a fluid
   shared resource, like the PCIe duplex).
 - Host cores: when the device is the host CPU (gpu.host_cores set, as `tierflow calibrate --device cpu` writes),
-  its compute, CPU Adam and the device<->host copies share cpu.cores the same way.
+  its compute, CPU Adam, the device<->host copies and the SSD ops (buffer copies and CRC32 checksums in the
+  executor's store) share cpu.cores the same way.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class Rates:
     cores: float = math.inf
     gpu_cores: float = 0.0  # cores device compute uses at its solo speed
     adam_cores: float = 0.0  # cores CPU Adam uses at its solo speed
-    copy_cores: float = 0.0  # cores one device<->host copy uses at its solo rate
+    copy_cores: float = 0.0  # cores one copy or SSD op (memcpy, checksum) uses at its solo rate
 
     @property
     def core_bound(self) -> bool:
@@ -67,11 +68,13 @@ class Rates:
             out.append(("dram", self.dram_bps, {"h2d": 1.0, "d2h": 1.0, "ssd_read": 1.0, "ssd_write": 1.0,
                                                 "cpu": self.adam_dram_bps}))
         if self.core_bound:
+            # a device<->host copy is a memcpy on one core; an SSD op of the executor copies through aligned
+            # buffers and checksums (CRC32) every byte on the host, one core as well
             use = {"gpu": self.gpu_cores, "cpu": self.adam_cores}
-            if self.h2d > 0:
-                use["h2d"] = self.copy_cores / self.h2d
-            if self.d2h > 0:
-                use["d2h"] = self.copy_cores / self.d2h
+            for link in ("h2d", "d2h", "ssd_read", "ssd_write"):
+                rate = getattr(self, link)
+                if rate > 0:
+                    use[link] = self.copy_cores / rate
             out.append(("cores", self.cores, {k: v for k, v in use.items() if v > 0}))
         return out
 
@@ -107,7 +110,8 @@ def link_rates(hw: HardwareProfile) -> Rates:
 
 def _core_rates(hw: HardwareProfile) -> dict:
     """Core sharing on a host device: compute takes gpu.host_cores, CPU Adam all the cores (torch's intra-op
-    threads), each copy one core (a memcpy); each alone at its solo speed never waits for cores."""
+    threads), each copy or SSD op one core (a memcpy, a checksum); each alone at its solo speed never waits
+    for cores."""
     cores, device = hw.cpu.cores, hw.gpu.host_cores
     if cores is None or device is None:
         return {}
