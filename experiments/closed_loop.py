@@ -64,6 +64,8 @@ def calibrate(device: str, ssd_dir: Path, quick: bool, out: Path, model: ModelSp
     prog = Progress(12, "calibrate")
     m = run_measurements(sizes, ssd_dir, prog, device=device)
     prog.finish()
+    if m.get("ssd"):
+        m["ssd"]["dir"] = "the loop's SSD directory"  # a temporary path: keep it out of the committed profile
     P = model.total_params()
     device_gib = max(0.02, round(4 * P / 2**30, 3))  # room for the weights and working memory, not the states
     cal = build_profile(m, None, name=f"closed-loop-{device}", device_gib=device_gib)
