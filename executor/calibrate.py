@@ -5,17 +5,22 @@
 
 What it measures:
 
-- GPU (only when ``torch.cuda.is_available()``): bf16 GEMM TFLOPS at transformer shapes (CUDA events, after
-  warm-up), a small GEMM to fit ``gemm_half_gflop``, HBM bandwidth (device-to-device copy), memory size,
-  pinned H2D / D2H bandwidth alone and both at once on two CUDA streams.
+- GPU (``--device cuda``, the default when ``torch.cuda.is_available()``): bf16 GEMM TFLOPS at transformer shapes
+  (CUDA events, after warm-up), a small GEMM to fit ``gemm_half_gflop``, HBM bandwidth (device-to-device copy),
+  memory size, pinned H2D / D2H bandwidth alone and both at once on two CUDA streams.
+- The CPU as the device (``--device cpu``, the default without CUDA: ``tierflow run --device cpu``): fp32 GEMM
+  rates at six sizes fitted to the cost model's curve, elementwise bandwidth, copies within host memory alone and
+  two at once (what an offload or fetch is there), and the cores that compute, CPU Adam, the copies and the SSD
+  ops share (``gpu.host_cores``, ``cpu.cores``); the device memory is a cap (``--set gpu.memory_gib=...``).
 - CPU: DRAM copy bandwidth (read + write bytes), memory size, CPU AdamW update rate.
 - SSD (with ``--ssd-dir``): sequential O_DIRECT write and read bandwidth, a mixed read + write run on two
   threads (decides ``rw_sharing``) and the free space. The directory's filesystem is measured as ONE device
   (``ssd.count = 1``), so a RAID0 array is reported as one fast drive.
 
-Everything it cannot measure comes from ``--base PROFILE``; without one, the gpu/pcie sections and the prices
-come from the bundled ``rtx4090-lohan`` and, without ``--ssd-dir``, the profile has no SSD tier. The table it
-prints says, for every field, whether it was measured, derived or taken from the base.
+Everything it cannot measure comes from ``--base PROFILE``; without one, the prices (and on a CUDA box whatever a
+measurement failed to give) come from the bundled ``rtx4090-lohan`` and, without ``--ssd-dir``, the profile has
+no SSD tier. ``--set KEY=VALUE`` fixes a field after measuring. The table it prints says, for every field,
+whether it was measured, derived, given or taken from the base.
 
 torch is imported inside the functions, so registering the command does not slow down ``tierflow simulate``.
 """
