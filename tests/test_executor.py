@@ -158,6 +158,18 @@ def test_measured_trace_and_compare(tmp_path):
     kinds = {r["kind"] for r in c.by_kind}
     assert {"fwd", "bwd", "adam", "adam_deferred", "read_opt_states"} <= kinds
     assert all(r["measured_s"] > 0 for r in c.by_kind)
+    # the figure: both timelines on one time axis, a legend of op kinds, a ratio bar per kind
+    from tierflow.planner.io.compare import comparison_figure
+
+    fig = comparison_figure(c)
+    gantt_pred, gantt_meas, ratios = fig.axes[:3]
+    assert gantt_pred.get_xlim() == gantt_meas.get_xlim()
+    assert gantt_pred.get_xlim()[1] >= max(c.predicted.end_s.max(), 0.0) * 0.99
+    labels = {t.get_text() for t in gantt_pred.get_legend().get_texts()}
+    assert {"fwd", "bwd", "adam"} <= labels
+    heights = [b.get_height() for b in ratios.patches]
+    want = [r["measured_s"] / r["predicted_s"] for r in c.by_kind if r["predicted_s"] > 0]
+    assert heights == pytest.approx(want)
 
 
 def test_queue_order_is_kept(tmp_path):

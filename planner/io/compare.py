@@ -128,36 +128,64 @@ def format_comparison(c: Comparison) -> str:
     return "\n".join(lines)
 
 
-def plot_comparison(c: Comparison, path: str | Path) -> None:
-    """Both timelines, one above the other, over the compared iterations (own time axis each)."""
+def comparison_figure(c: Comparison):
+    """Predicted and measured timelines on one shared time axis (a Gantt row per resource each, coloured by op
+    kind, with a legend), and measured / predicted time per op kind as bars (1 = as predicted)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     from tierflow.planner.core.graph import RESOURCES
     from tierflow.planner.core.trace import _color
 
-    fig, axes = plt.subplots(2, 1, figsize=(13, 6.5))
+    fig, axes = plt.subplots(3, 1, figsize=(13, 9), gridspec_kw={"height_ratios": [3, 3, 2]})
     tasks = c.predicted.graph.tasks
-    for ax, (start, end, title) in zip(axes, [(c.predicted.start_s, c.predicted.end_s, "predicted (simulator)"),
-                                              (c.measured_start_s, c.measured_end_s, "measured (executor)")]):
+    legend: dict[str, str] = {}
+    t_max = 0.0
+    for ax, (start, end, title) in zip(axes[:2], [(c.predicted.start_s, c.predicted.end_s, "predicted (simulator)"),
+                                                  (c.measured_start_s, c.measured_end_s, "measured (executor)")]):
         bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
         for t in tasks:
             if t.iteration >= c.iterations or np.isnan(start[t.id]):
                 continue
             s, e = float(start[t.id]), float(end[t.id])
-            bars.setdefault((RESOURCES.index(t.resource), _color(t.kind, t.tensor)), []).append((s, max(e - s, 0.0)))
+            color = _color(t.kind, t.tensor)
+            legend.setdefault(t.kind, color)
+            t_max = max(t_max, e)
+            bars.setdefault((RESOURCES.index(t.resource), color), []).append((s, max(e - s, 0.0)))
         for (row, color), spans in bars.items():
             ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=color, linewidth=0)
         ax.set_yticks(range(len(RESOURCES)))
         ax.set_yticklabels(RESOURCES)
         ax.invert_yaxis()
         ax.set_title(title, loc="left")
-        ax.set_xlabel("seconds")
+    for ax in axes[:2]:  # one time axis for both: the longer timeline sets it
+        ax.set_xlim(0, t_max * 1.01 if t_max > 0 else 1.0)
+    axes[1].set_xlabel("seconds")
+    axes[0].legend(handles=[Patch(color=col, label=k) for k, col in sorted(legend.items())], fontsize=7,
+                   loc="upper left", bbox_to_anchor=(1.005, 1.0), title="op kind", title_fontsize=7)
+    kinds = [r for r in c.by_kind if r["predicted_s"] > 0]
+    ratio_ax = axes[2]
+    ratio_ax.bar(range(len(kinds)), [r["measured_s"] / r["predicted_s"] for r in kinds],
+                 color=[legend.get(r["kind"], "#999999") for r in kinds])
+    ratio_ax.axhline(1.0, color="black", lw=1)
+    ratio_ax.set_xticks(range(len(kinds)), [r["kind"] for r in kinds], rotation=30, ha="right", fontsize=7)
+    ratio_ax.set_ylabel("measured / predicted")
+    ratio_ax.set_title(f"per op kind (iteration: {c.iteration_error:+.1%})", loc="left")
     fig.tight_layout()
+    return fig
+
+
+def plot_comparison(c: Comparison, path: str | Path) -> None:
+    """Write `comparison_figure` to `path`."""
+    fig = comparison_figure(c)  # selects the Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-__all__ = ["Comparison", "TraceError", "compare", "format_comparison", "load_measured", "plot_comparison", "PlanError"]
+__all__ = ["Comparison", "TraceError", "compare", "comparison_figure", "format_comparison", "load_measured",
+           "plot_comparison", "PlanError"]
