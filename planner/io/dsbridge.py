@@ -56,7 +56,7 @@ def simulate_ds_config(args: argparse.Namespace) -> int:
     try:
         results[DS_COLUMN] = simulate_config(model, hw, cfg)
     except CapacityError as e:
-        if args.no_plan:
+        if args.no_plan and not args.json:
             raise
         results[DS_COLUMN] = e
     best = None

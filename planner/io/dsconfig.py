@@ -61,7 +61,7 @@ DS_MAX_LIVE_ELEMS = 1_000_000_000  # zero/config.py max_live_parameters
 DS_OFFLOAD_DEVICE = "none"  # offload_config.py OffloadDeviceEnum default
 DS_DEVICES = ("none", "cpu", "nvme")
 DEVICE_TIER = {"none": "gpu", "cpu": "cpu", "nvme": "ssd"}
-TIER_DEVICE = {v: k for k, v in DEVICE_TIER.items()}
+TIER_WORDS = {"gpu": "on the GPU", "cpu": "in CPU memory", "ssd": "on the SSDs"}
 ADAM_TYPES = ("adam", "adamw", "cpuadam", "fusedadam", "deepspeedcpuadam")
 # an nvme_path for configs tierflow writes: DeepSpeed's own docs use this mount point
 EMIT_NVME_PATH = "/local_nvme"
@@ -544,8 +544,8 @@ def ds_config_for_plan(model: ModelSpec, cfg: ScheduleConfig) -> EmittedDsConfig
         out.append("activation checkpoints on the SSDs (DeepSpeed keeps them on the GPU or in CPU memory)")
     grads_dev = _device_of(p.grads) if p.grads.gpu < 1.0 else "none"
     if grads_dev != opt_dev:
-        out.append(f"gradients held on {DEVICE_TIER[grads_dev]} (DeepSpeed keeps them with the optimizer states, on "
-                   f"{DEVICE_TIER[opt_dev]})")
+        out.append(f"gradients {TIER_WORDS[DEVICE_TIER[grads_dev]]} (DeepSpeed keeps them with the optimizer states, "
+                   f"{TIER_WORDS[DEVICE_TIER[opt_dev]]})")
     if p.weights.ssd > 0 and cfg.runtime != "deepspeed":
         out.append("weights read from the SSDs ahead of use (DeepSpeed fetches NVMe parameters on demand)")
     if p.master.ssd > 0 and cfg.runtime != "deepspeed":
