@@ -277,7 +277,7 @@ def test_round_trip_plan_emit_then_read_back(tmp_path, capsys):
     assert rc == 0
     out, err = capsys.readouterr()
     plan = json.loads(out)
-    assert f"wrote DeepSpeed config {ds_path}" in err and "DeepSpeed cannot express:" in err
+    assert f"wrote DeepSpeed config {ds_path}" in err and "DeepSpeed cannot express these decisions of the plan:\n  - " in err
     decided = plan["decisions"]
     emitted = json.loads((tmp_path / "ds.json").read_text())
     zero = emitted["zero_optimization"]

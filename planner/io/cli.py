@@ -252,10 +252,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         solver.update(window_check(problem, cfg, time_limit_s=min(10.0, max(1.0, args.time_limit / 10))))
     if args.out:
         write_plan(plan_from_graph(model, hw, cfg, graph, predicted=best.result, solver=solver), args.out)
-    if args.emit_ds_config:
-        emit_ds_config(args.emit_ds_config, model, cfg, stream=sys.stderr if args.json else sys.stdout)
     lines = explain(sr) if args.explain else []
     if args.json:
+        if args.emit_ds_config:
+            emit_ds_config(args.emit_ds_config, model, cfg, stream=sys.stderr)
         print(json.dumps({"model": model.name, "params": model.total_params(), "hw": hw.name,
                           "decisions": cfg.to_dict(), "solver": solver, "predicted": best.result.to_dict(),
                           "candidate": best.candidate.describe(args.batch), "plan_file": args.out,
@@ -305,6 +305,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(line)
     if args.out:
         print(f"wrote {args.out} ({len(graph.tasks):,} ops); replay it with: tierflow simulate --plan {args.out}")
+    if args.emit_ds_config:
+        emit_ds_config(args.emit_ds_config, model, cfg)
     return 0
 
 

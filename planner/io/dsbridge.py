@@ -115,4 +115,6 @@ def emit_ds_config(path: str, model: ModelSpec, cfg: ScheduleConfig, stream: Tex
     nvme = "; set nvme_path to your NVMe mount" if "nvme" in json.dumps(emitted.config) else ""
     print(f"wrote DeepSpeed config {path}: {emitted.summary()}{nvme}", file=stream)
     if emitted.inexpressible:
-        print("DeepSpeed cannot express: " + "; ".join(emitted.inexpressible), file=stream)
+        print("DeepSpeed cannot express these decisions of the plan:", file=stream)
+        for item in emitted.inexpressible:
+            print(f"  - {item}", file=stream)

@@ -539,7 +539,7 @@ def ds_config_for_plan(model: ModelSpec, cfg: ScheduleConfig) -> EmittedDsConfig
                                                                  "checkpoints")) if f]
     if fracs:
         out.append(f"fractional placements ({'; '.join(fracs)}): written as offload_param {param_dev}, "
-                   f"offload_optimizer {opt_dev}")
+                   f"offload_optimizer {opt_dev}, cpu_checkpointing {str(cpu_ckpt).lower()}")
     if p.checkpoints.ssd > 0:
         out.append("activation checkpoints on the SSDs (DeepSpeed keeps them on the GPU or in CPU memory)")
     grads_dev = _device_of(p.grads) if p.grads.gpu < 1.0 else "none"
