@@ -303,6 +303,11 @@ def test_round_trip_plan_emit_then_read_back(tmp_path, capsys):
                                                                if read["offload_param"] == "cpu" else 1)
 
 
+def test_null_sections_are_deepspeed_defaults():
+    ds = parse_ds_config({"train_batch_size": 4, "zero_optimization": {"stage": 3, "offload_param": None}}, "n.json", M13)
+    assert ds.param_device == "none" and ds.warning_line() is None
+
+
 def test_read_ds_config_reads_a_file(tmp_path):
     ds = read_ds_config(write(tmp_path, ZERO_INFINITY), M13)
     assert ds.source == "ds_config.json" and ds.param_device == "nvme"

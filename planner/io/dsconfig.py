@@ -343,6 +343,8 @@ def _flatten(data: dict, prefix: str) -> dict[str, object]:
     out: dict[str, object] = {}
     for k, v in data.items():
         key = f"{prefix}{k}"
+        if v is None and key in SECTIONS:  # e.g. "offload_param": null, DeepSpeed's own default
+            continue
         if isinstance(v, dict) and key in SECTIONS:
             out.update(_flatten(v, key + "."))
         else:
