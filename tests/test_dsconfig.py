@@ -304,7 +304,8 @@ def test_round_trip_plan_emit_then_read_back(tmp_path, capsys):
 
 
 def test_null_sections_are_deepspeed_defaults():
-    ds = parse_ds_config({"train_batch_size": 4, "zero_optimization": {"stage": 3, "offload_param": None}}, "n.json", M13)
+    ds = parse_ds_config({"train_batch_size": 4, "bf16": {"enabled": True},
+                          "zero_optimization": {"stage": 3, "offload_param": None}}, "n.json", M13)
     assert ds.param_device == "none" and ds.warning_line() is None
 
 
