@@ -18,6 +18,7 @@ from tierflow.planner.core.placement import Placement, PlacementError
 from tierflow.planner.core.schedules import FAMILIES, ScheduleError, make_schedule
 from tierflow.planner.core.simulate import DEFAULT_FAMILIES, simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult, SimulationError
+from tierflow.planner.io.dsbridge import add_ds_config_args, emit_ds_config, simulate_ds_config
 from tierflow.planner.io.progress import Progress
 
 USER_ERRORS = (ModelError, ProfileError, ScheduleError, PlacementError, SimulationError, ValueError, OSError)
@@ -111,6 +112,8 @@ def load_placement(text: str | None) -> Placement | None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     if args.plan:
         return simulate_plan_file(args)
+    if args.ds_config:
+        return simulate_ds_config(args)
     model = get_model(args.model)
     if args.seq:
         model = model.with_seq(args.seq)
@@ -251,6 +254,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         write_plan(plan_from_graph(model, hw, cfg, graph, predicted=best.result, solver=solver), args.out)
     lines = explain(sr) if args.explain else []
     if args.json:
+        if args.emit_ds_config:
+            emit_ds_config(args.emit_ds_config, model, cfg, stream=sys.stderr)
         print(json.dumps({"model": model.name, "params": model.total_params(), "hw": hw.name,
                           "decisions": cfg.to_dict(), "solver": solver, "predicted": best.result.to_dict(),
                           "candidate": best.candidate.describe(args.batch), "plan_file": args.out,
@@ -300,6 +305,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(line)
     if args.out:
         print(f"wrote {args.out} ({len(graph.tasks):,} ops); replay it with: tierflow simulate --plan {args.out}")
+    if args.emit_ds_config:
+        emit_ds_config(args.emit_ds_config, model, cfg)
     return 0
 
 
@@ -444,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the last N layers keep (and swap out) their activations instead of recomputing")
     s.add_argument("--write-plan", default=None, metavar="FILE",
                    help="also write this schedule as a plan file (one --schedule), e.g. for `tierflow run`")
+    add_ds_config_args(s)
     s.set_defaults(func=cmd_simulate)
     pl = sub.add_parser("plan", help="search schedule, micro-batching, placement and recompute; write a plan file",
                         description="Search every decision with the roofline bound, CP-SAT and the simulator; "
@@ -459,6 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-window", action="store_true", help="skip the exact CP-SAT check of a 2-layer window")
     pl.add_argument("-o", "--out", default=None, help="write the plan file here (JSON, docs/plan-format.md)")
     pl.add_argument("--json", action="store_true", help="print the result as JSON")
+    pl.add_argument("--emit-ds-config", default=None, metavar="JSON",
+                    help="also write the nearest DeepSpeed config for the chosen plan (and say what it cannot express)")
     pl.set_defaults(func=cmd_plan)
     ca = sub.add_parser("capacity", help="the largest model of each family that trains on a box")
     add_box_args(ca, model=False)
