@@ -28,12 +28,28 @@ class ComputeOps:
         self.head_block = cx.spec.num_layers + 1
         self.num_mb = cx.cfg.num_micro_batches
 
-    def _call(self, b: int, vecs: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        params = self.cx.layout.params(b, vecs[0])
+    def _leaves(self, b: int, vecs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One autograd leaf per parameter of block b (a view of its owner's flat vector), in the order of
+        layout.slots[b], then a tied head's embedding matrix. A single leaf per flat vector would make the
+        backward of every parameter view scatter its gradient into a zero tensor of the whole vector (one pass
+        over the block's bytes per parameter); per-parameter leaves get each gradient written once, as in
+        plain PyTorch."""
+        leaves = [v.detach().requires_grad_() for v in self.cx.layout.params(b, vecs[0]).values()]
+        if len(vecs) > 1:  # a tied head: block 0's wte range
+            leaves.append(vecs[1].detach().view(self.cx.spec.vocab_size, -1).requires_grad_())
+        return leaves
+
+    def _repoint(self, b: int, leaves: list[torch.Tensor], vecs: list[torch.Tensor]) -> None:
+        """Point the leaves of a forward at the weights fetched for the backward (same layout)."""
+        for leaf, view in zip(leaves, self._leaves(b, vecs)):
+            leaf.data = view.data
+
+    def _call(self, b: int, leaves: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        slots = self.cx.layout.slots[b]
+        params = {s.name: leaf for s, leaf in zip(slots, leaves)}
         module = self.cx.layout.templates[b]
-        spec = self.cx.spec
-        if b == self.head_block and spec.tied_embeddings:
-            return functional_call(module, params, (x,), {"tied_weight": vecs[1].view(spec.vocab_size, -1)})
+        if len(leaves) > len(slots):
+            return functional_call(module, params, (x,), {"tied_weight": leaves[-1]})
         return functional_call(module, params, (x,))
 
     def fwd(self, rs: RoundState, t: Task) -> None:
@@ -42,14 +58,14 @@ class ComputeOps:
         vecs = self.weights.weights(rs, t)
         if b == 0:
             with torch.no_grad():
-                out = self._call(0, vecs, rs.batches[it][m][0])
+                out = self._call(0, self._leaves(0, vecs), rs.batches[it][m][0])
         elif self.rec(b):
             x = self.entries.take(rs, t, x_key)
             with torch.no_grad():
-                out = self._call(b, vecs, x)
+                out = self._call(b, self._leaves(b, vecs), x)
         else:  # keep every activation: autograd's saved tensors go into a Pack the plan's ops move
             x = self.entries.take(rs, t, x_key)
-            leaves = [v.detach().requires_grad_() for v in vecs]
+            leaves = self._leaves(b, vecs)
             pack = Pack(leaves)
             pack.x_leaf = x.detach().requires_grad_()
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack.pack_hook, pack.unpack_hook):
@@ -66,7 +82,7 @@ class ComputeOps:
     def recompute(self, rs: RoundState, t: Task) -> None:
         it, b, m = t.iteration, t.block, t.mb
         x = self.entries.take(rs, t, EntryKey(it, "x", b, m)).detach().requires_grad_()
-        leaves = [v.detach().requires_grad_() for v in self.weights.weights(rs, t)]
+        leaves = self._leaves(b, self.weights.weights(rs, t))
         with torch.enable_grad():
             out = self._call(b, leaves, x)
         rs.graphs[(it, b, m)] = (out, x, leaves)
@@ -76,7 +92,7 @@ class ComputeOps:
     def head(self, rs: RoundState, t: Task) -> None:
         it, b, m = t.iteration, t.block, t.mb
         x = self.entries.take(rs, t, EntryKey(it, "x", b, m)).detach().requires_grad_()
-        leaves = [v.detach().requires_grad_() for v in self.weights.weights(rs, t)]
+        leaves = self._leaves(b, self.weights.weights(rs, t))
         with torch.enable_grad():
             logits = self._call(b, leaves, x)
             loss = lm_loss(logits, rs.batches[it][m][1])
@@ -100,8 +116,7 @@ class ComputeOps:
         else:
             pack_key = EntryKey(it, "pack", b, m)
             pack = self.entries.take(rs, t, pack_key)
-            for leaf, vec in zip(pack.leaves, self.weights.weights(rs, t)):
-                leaf.data = vec
+            self._repoint(b, pack.leaves, self.weights.weights(rs, t))
             torch.autograd.backward(pack.out, gout)
             self._leaf_grads(rs, t, pack.leaves)
             self.entries.put(rs, EntryKey(it, "dx", b, m), pack.x_leaf.grad)
@@ -112,16 +127,21 @@ class ComputeOps:
 
     def _embedding_grads(self, rs: RoundState, t: Task, gout: torch.Tensor, tokens: torch.Tensor) -> None:
         hidden = self.cx.spec.hidden
-        grads = []
+        pieces = []
         for s in self.cx.layout.slots[0]:
             g = torch.zeros(s.shape, dtype=torch.float32, device=self.cx.device)
             if s.name == "wte.weight":
                 g.index_add_(0, tokens.reshape(-1), gout.reshape(-1, hidden).float())
             else:  # learned positions: position p gets the sum over the batch of the gradient at p
                 g[: gout.size(1)] = gout.float().sum(0)
-            grads.append(g.reshape(-1))
-        self.grads.accumulate(rs, t, 0, torch.cat(grads))
+            pieces.append((s.offset, s.offset + s.numel, g))
+        self.grads.accumulate(rs, t, 0, pieces)
 
     def _leaf_grads(self, rs: RoundState, t: Task, leaves: list[torch.Tensor]) -> None:
-        for (o, lo, hi), leaf in zip(self.cx.layout.owners(t.block), leaves):
-            self.grads.accumulate(rs, t, o, leaf.grad, lo, hi)
+        """Each leaf's gradient into its owner's fp32 accumulator, at the leaf's range."""
+        (b, lo, _hi), *tied = self.cx.layout.owners(t.block)
+        slots = self.cx.layout.slots[b]
+        self.grads.accumulate(rs, t, b, [(lo + s.offset, lo + s.offset + s.numel, leaf.grad)
+                                         for s, leaf in zip(slots, leaves)])
+        for o, tlo, thi in tied:
+            self.grads.accumulate(rs, t, o, [(tlo, thi, leaves[-1].grad)])

@@ -101,10 +101,10 @@ class GradBuffers:
     def __init__(self, cx: OpContext) -> None:
         self.cx = cx
 
-    def accumulate(self, rs: RoundState, t: Task, o: int, grad: torch.Tensor, lo: int = 0,
-                   hi: int | None = None) -> None:
-        """fp32 accumulation on the device into owner o's range [lo, hi), in the buffer of the op that will take
-        these gradients (a buffer spans the owner's whole vector: a tied head adds the wte range of block 0)."""
+    def accumulate(self, rs: RoundState, t: Task, o: int, pieces: list[tuple[int, int, torch.Tensor | None]]) -> None:
+        """fp32 accumulation on the device of gradients `pieces` = [(lo, hi, grad)] into owner o's ranges, in the
+        buffer of the op that will take these gradients (a buffer spans the owner's whole vector: a tied head adds
+        the wte range of block 0). A None gradient (a parameter the step did not use) adds nothing."""
         key = (self.cx.binding.grad_group[(t.id, o)], o)
         with rs.lock:
             acc = rs.grad_acc.get(key)
@@ -112,7 +112,9 @@ class GradBuffers:
             acc = torch.zeros(self.cx.layout.numel[o], dtype=torch.float32, device=self.cx.device)
             with rs.lock:
                 rs.grad_acc[key] = acc
-        acc[lo:hi] += grad.reshape(-1)
+        for lo, hi, grad in pieces:
+            if grad is not None:
+                acc[lo:hi] += grad.reshape(-1)
 
     def take(self, rs: RoundState, group: int) -> list[tuple[int, torch.Tensor]]:
         """(owner, accumulator) of every buffer the op `group` takes."""
