@@ -29,7 +29,7 @@ class InputLimitError(ValueError):
 def _size_text(n: int) -> str:
     for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
         if n >= scale:
-            return f"{n / scale:g} {unit}"
+            return f"{n / scale:.3g} {unit}"
     return f"{n} bytes"
 
 
