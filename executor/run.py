@@ -236,11 +236,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     hyper = Hyper(lr=args.lr, weight_decay=args.weight_decay)
     opts = RunOptions(steps=args.steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
                       data_format=args.data_format, init=args.init, checkpoint_dir=args.checkpoint_dir,
-                      checkpoint_every=args.checkpoint_every, out=args.out, hyper=hyper, seed=args.seed,
+                      checkpoint_every=args.checkpoint_every or 0, out=args.out, hyper=hyper, seed=args.seed,
                       quiet=args.json)
     try:
         plan = load_plan(args.plan)
-        if args.checkpoint_dir and not args.checkpoint_every:
+        if args.checkpoint_dir and args.checkpoint_every is None:
             opts.checkpoint_every = plan.graph.num_iterations
         t0 = time.perf_counter()
         res = run_plan(plan, opts)
