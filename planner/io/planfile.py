@@ -548,7 +548,7 @@ def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb:
     return done
 
 
-_REWRITE = "write the plan again: tierflow plan -o or simulate --write-plan"
+_REWRITE = "rewrite it: tierflow plan -o or simulate --write-plan"
 
 
 def _check_micro_batch_count(source: str, ops: object, cfg: ScheduleConfig) -> None:
@@ -561,8 +561,8 @@ def _check_micro_batch_count(source: str, ops: object, cfg: ScheduleConfig) -> N
         return
     computed = max(mbs) + 1
     if computed != cfg.num_micro_batches:
-        raise _err(source, "decisions.batch", f"batch {cfg.batch} / micro_batch {cfg.micro_batch} = "
-                   f"{cfg.num_micro_batches} micro-batches, but the ops compute {computed}", _REWRITE)
+        raise _err(source, "decisions.batch", f"{cfg.batch} / micro_batch {cfg.micro_batch} = "
+                   f"{cfg.num_micro_batches} micro-batches, the ops compute {computed}", _REWRITE)
 
 
 def _check_derived_bytes(source: str, model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
