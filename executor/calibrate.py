@@ -45,6 +45,7 @@ from typing import Any
 
 from tierflow.hwprofiles import HardwareProfile, load_profile, profile_from_dict, save_profile
 from tierflow.hwprofiles.profile import format_value
+from tierflow.planner.io.argtypes import positive_int
 from tierflow.planner.io.cli import CliError
 from tierflow.planner.io.progress import Progress
 
@@ -997,7 +998,7 @@ def register(subparsers: Any) -> None:
                    help="profile name or YAML for what cannot be measured and for datasheet peaks "
                    "(gpu.peak_tflops, gpu.hbm_gbps) and prices")
     p.add_argument("--quick", action="store_true", help="smaller, shorter measurements (under ~20 s)")
-    p.add_argument("--ssd-file-mib", type=int, default=None, metavar="N",
+    p.add_argument("--ssd-file-mib", type=positive_int(1 << 20), default=None, metavar="N",
                    help="size of the SSD test file in MiB (default 2048, 256 with --quick)")
     p.add_argument("--name", default=None, help="profile name (default calibrated-<hostname>)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",

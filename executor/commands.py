@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from tierflow.planner.io.argtypes import MAX_STEPS, int_in, non_negative_float, positive_float, positive_int
+
 
 def register_run(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -15,7 +17,7 @@ def register_run(subparsers: Any) -> None:
         "the plan's ops run in the plan's order on per-resource workers, tensors live where the plan puts "
         "them (device, pinned host memory, files under --ssd-dir). Prints loss, tokens/s and TFLOPS per step.")
     p.add_argument("plan", help="plan file (JSON, docs/plan-format.md)")
-    p.add_argument("--steps", type=int, default=5, help="training steps in total, counting resumed ones (default 5)")
+    p.add_argument("--steps", type=positive_int(MAX_STEPS), default=5, help="training steps in total, counting resumed ones (default 5)")
     p.add_argument("--device", default=None,
                    help="cuda or cpu (default: cuda when available); on cpu, transfers are copies but the SSD "
                    "tier is real file I/O")
@@ -29,13 +31,13 @@ def register_run(subparsers: Any) -> None:
                    help="Hugging Face model directory (*.safetensors) to start from, loaded block by block")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="save the training state here and resume from its latest checkpoint")
-    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
-                   help="steps between checkpoints (default: the plan's iterations per round)")
+    p.add_argument("--checkpoint-every", type=positive_int(MAX_STEPS), default=None, metavar="K",
+                   help="steps between checkpoints, >= 1 (default: the plan's iterations per round)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write the measured timeline.csv, trace.json (Perfetto), gantt.png and steps.csv here")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random init and synthetic data (default 0)")
+    p.add_argument("--lr", type=positive_float(), default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--weight-decay", type=non_negative_float(), default=0.1, help="AdamW weight decay (default 0.1)")
+    p.add_argument("--seed", type=int_in(0, 2**63 - 1, "a non-negative integer"), default=0, help="seed of the random init and synthetic data (default 0)")
     p.add_argument("--json", action="store_true", help="print the steps and the measured summary as JSON")
     p.set_defaults(func=_cmd_run)
 

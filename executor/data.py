@@ -49,6 +49,15 @@ class TokenData:
                             f"({'a text file needs a vocabulary of 256' if fmt == 'text' else 'wrong tokenizer?'})")
         return cls(tokens, f"{p} ({fmt}, {len(tokens):,} tokens)")
 
+    def check_batch(self, batch: int, seq: int) -> None:
+        """Refuse data shorter than one batch (batch windows of seq tokens plus the last target), which would
+        otherwise train on the same tokens repeated within a batch without a word."""
+        need = batch * seq + 1
+        if len(self.tokens) < need:
+            where = self.source.split(" (")[0]
+            raise DataError(f"--data {where}: {len(self.tokens):,} tokens, shorter than one batch of {batch} x {seq} "
+                            f"tokens + 1 = {need:,} (pass a longer file, or a plan with a smaller batch)")
+
     def batch(self, step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of shape (batch, seq) for training step `step`: consecutive windows of seq+1 tokens,
         wrapping around the file."""

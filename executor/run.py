@@ -33,9 +33,9 @@ from tierflow.executor.engine import (
 from tierflow.executor.models import check_supported
 from tierflow.executor.state import StateError, TrainState, latest_checkpoint, read_manifest
 from tierflow.executor.store import ChecksumError, SsdError, SsdStore, check_ssd_dir
-from tierflow.planner.core.simulator import SimResult
+from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.core.workload import COMPUTE_BYTES, model_flops_per_token
-from tierflow.planner.io.planfile import Plan, PlanError, load_plan
+from tierflow.planner.io.planfile import Plan, PlanError, load_plan, simulate_plan
 
 
 class RunError(ValueError):
@@ -88,6 +88,29 @@ class RunResult:
 def plan_fingerprint(plan: Plan) -> str:
     d = {"model": asdict(plan.model), "decisions": plan.config.to_dict()}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_init_dir(directory: str) -> None:
+    """--init: every *.safetensors file must be readable as safetensors and hold only floating-point tensors
+    (an int32 weight would otherwise be cast silently). Reads only the headers."""
+    from safetensors import SafetensorError, safe_open
+
+    d = Path(directory)
+    if not d.is_dir():
+        raise RunError(f"--init {d}: not a directory (pass a Hugging Face model directory with *.safetensors)")
+    for f in sorted(d.glob("*.safetensors")):
+        try:
+            with safe_open(f, framework="pt") as sf:
+                for key in sf.keys():
+                    dtype = sf.get_slice(key).get_dtype()
+                    if not dtype.startswith(("F", "BF")):
+                        raise RunError(f"--init {d}: {f.name}: tensor {key!r} has dtype {dtype}, not floating point "
+                                       "(convert the checkpoint to float32/bfloat16/float16)")
+        except (SafetensorError, OSError, ValueError) as e:
+            if isinstance(e, RunError):
+                raise
+            raise RunError(f"--init {d}: {f.name} is not a readable safetensors file "
+                           f"({' '.join(str(e).split())[:80]}); re-download or re-save it") from None
 
 
 def _device(name: str) -> torch.device:
@@ -162,6 +185,8 @@ def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtyp
         state.init_random(opts.seed)
         where = f"random init (seed {opts.seed})"
     data = TokenData.load(opts.data, spec.vocab_size, opts.data_format, seed=opts.seed)
+    if opts.data:
+        data.check_batch(cfg.batch, cfg.seq)
     ex = Executor(plan, state, data, device, opts.hyper, ssd)
     per_round = plan.graph.num_iterations
     tokens = cfg.batch * cfg.seq
@@ -236,17 +261,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     hyper = Hyper(lr=args.lr, weight_decay=args.weight_decay)
     opts = RunOptions(steps=args.steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
                       data_format=args.data_format, init=args.init, checkpoint_dir=args.checkpoint_dir,
-                      checkpoint_every=args.checkpoint_every, out=args.out, hyper=hyper, seed=args.seed,
+                      checkpoint_every=args.checkpoint_every or 0, out=args.out, hyper=hyper, seed=args.seed,
                       quiet=args.json)
     try:
         plan = load_plan(args.plan)
-        if args.checkpoint_dir and not args.checkpoint_every:
+        simulate_plan(plan)  # a plan that overflows a tier is refused as `tierflow simulate --plan` refuses it
+        if args.init:
+            check_init_dir(args.init)
+        if args.checkpoint_dir and args.checkpoint_every is None:
             opts.checkpoint_every = plan.graph.num_iterations
         t0 = time.perf_counter()
         res = run_plan(plan, opts)
     except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan) as e:
         print(f"tierflow run: error: {e}", file=sys.stderr)
         return 2
+    except CapacityError as e:
+        print(f"tierflow run: does not fit: {e}", file=sys.stderr)
+        return 3
     except OutOfMemory as e:
         print(f"tierflow run: {e}", file=sys.stderr)
         return 3

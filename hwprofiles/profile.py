@@ -26,12 +26,15 @@ from typing import Any
 
 import yaml
 
+from .inputs import MIB, InputLimitError, check_yaml_depth, read_limited_text
+
 SCHEMA_VERSION = 1
 RW_SHARING_CHOICES = ("shared", "independent")
 _SECTIONS = ("gpu", "pcie", "cpu", "ssd", "price")
 _TOP_LEVEL_KEYS = ("schema_version", "name", "description", *_SECTIONS)
 _FIX_FILE = "fix the value in the file"
 _FIX_OVERRIDE = "fix the override"
+MAX_PROFILE_BYTES = MIB  # a profile is a few KiB of YAML
 
 
 class ProfileError(ValueError):
@@ -264,62 +267,70 @@ class _Rule:
     fraction: bool = False  # (0, 1]: a value like 87 is probably a percentage
     choices: tuple[str, ...] = ()
     default: Any = None  # used for ssd keys when ssd.count == 0
+    # sanity floor, inclusive: a non-zero value below it is absurd (a typo or a wrong unit), and would make
+    # times overflow or print with hundreds of digits (1e-300 TFLOPS)
+    floor: float | None = None
 
 
-def _pos(high: float, unit: str, default: Any = 0.0) -> _Rule:
-    return _Rule("number", 0, False, high, unit, default=default)
+def _pos(high: float, unit: str, floor: float, default: Any = 0.0) -> _Rule:
+    return _Rule("number", 0, False, high, unit, default=default, floor=floor)
 
 
-def _nonneg(high: float, unit: str) -> _Rule:
-    return _Rule("number", 0, True, high, unit, default=0.0)
+def _nonneg(high: float, unit: str, floor: float) -> _Rule:
+    return _Rule("number", 0, True, high, unit, default=0.0, floor=floor)
 
 
-_FRACTION = _Rule("number", 0, False, 1, fraction=True)
+def _optional(low: float, low_inclusive: bool, high: float, unit: str, floor: float) -> _Rule:
+    return _Rule("optional_number", low, low_inclusive, high, unit, default=None, floor=floor)
+
+
+_FRACTION = _Rule("number", 0, False, 1, fraction=True, floor=1e-3)
+_MIB_IN_GIB = 2**-10
 
 _RULES: dict[str, dict[str, _Rule]] = {
     "gpu": {
         "model": _Rule("str"),
-        "memory_gib": _pos(4096, "GiB"),
-        "reserved_gib": _nonneg(4096, "GiB"),
-        "peak_tflops": _pos(20000, "TFLOPS"),
+        "memory_gib": _pos(4096, "GiB", _MIB_IN_GIB),
+        "reserved_gib": _nonneg(4096, "GiB", _MIB_IN_GIB),
+        "peak_tflops": _pos(20000, "TFLOPS", 1e-4),
         "gemm_efficiency": _FRACTION,
-        "gemm_half_gflop": _pos(10000, "GFLOP"),
-        "hbm_gbps": _pos(100000, "GB/s"),
+        "gemm_half_gflop": _pos(10000, "GFLOP", 1e-6),
+        "hbm_gbps": _pos(100000, "GB/s", 1e-2),
         "hbm_efficiency": _FRACTION,
-        "host_cores": _Rule("optional_number", 0, False, 4096, "cores", default=None),
+        "host_cores": _optional(0, False, 4096, "cores", 0.1),
     },
     "pcie": {
         "generation": _Rule("int", 1, True, 7),
-        "h2d_gbps": _pos(2000, "GB/s"),
-        "d2h_gbps": _pos(2000, "GB/s"),
-        "duplex_h2d_gbps": _pos(2000, "GB/s"),
-        "duplex_d2h_gbps": _pos(2000, "GB/s"),
+        "h2d_gbps": _pos(2000, "GB/s", 1e-3),
+        "d2h_gbps": _pos(2000, "GB/s", 1e-3),
+        "duplex_h2d_gbps": _pos(2000, "GB/s", 1e-3),
+        "duplex_d2h_gbps": _pos(2000, "GB/s", 1e-3),
     },
     "cpu": {
         "model": _Rule("str"),
-        "memory_gib": _pos(100000, "GiB"),
-        "reserved_gib": _nonneg(100000, "GiB"),
-        "memory_gbps": _pos(20000, "GB/s"),
-        "adam_gparams_per_s": _pos(100, "billion parameters/s"),
-        "memory_efficiency": _Rule("optional_number", 0, False, 1.0, "of memory_gbps", default=None),
-        "cores": _Rule("optional_number", 0, False, 4096, "cores", default=None),
+        "memory_gib": _pos(100000, "GiB", _MIB_IN_GIB),
+        "reserved_gib": _nonneg(100000, "GiB", _MIB_IN_GIB),
+        "memory_gbps": _pos(20000, "GB/s", 1e-2),
+        "adam_gparams_per_s": _pos(100, "billion parameters/s", 1e-5),
+        "memory_efficiency": _optional(0, False, 1.0, "of memory_gbps", 1e-3),
+        "cores": _optional(0, False, 4096, "cores", 0.1),
     },
     "ssd": {
         "count": _Rule("int", 0, True, 64, "drives"),
         "model": _Rule("str", default="none"),
-        "capacity_gb": _pos(200000, "GB (decimal, per drive)"),
-        "read_gbps": _pos(2000, "GB/s per drive"),
-        "write_gbps": _pos(2000, "GB/s per drive"),
-        "array_read_gbps": _Rule("optional_number", 0, False, 2000, "GB/s", default=None),
-        "array_write_gbps": _Rule("optional_number", 0, False, 2000, "GB/s", default=None),
+        "capacity_gb": _pos(200000, "GB (decimal, per drive)", 1e-3),
+        "read_gbps": _pos(2000, "GB/s per drive", 1e-3),
+        "write_gbps": _pos(2000, "GB/s per drive", 1e-3),
+        "array_read_gbps": _optional(0, False, 2000, "GB/s", 1e-3),
+        "array_write_gbps": _optional(0, False, 2000, "GB/s", 1e-3),
         "rw_sharing": _Rule("choice", choices=RW_SHARING_CHOICES, default="shared"),
-        "mixed_efficiency": _Rule("optional_number", 0.5, True, 1.0, "of the solo rate", default=None),
+        "mixed_efficiency": _optional(0.5, True, 1.0, "of the solo rate", 0.5),
     },
     "price": {
-        "gpu_usd": _pos(1e6, "USD"),
-        "cpu_memory_usd_per_gib": _pos(1000, "USD per GiB"),
-        "ssd_usd_each": _nonneg(1e6, "USD"),
-        "base_usd": _nonneg(1e7, "USD"),
+        "gpu_usd": _pos(1e6, "USD", 1e-2),
+        "cpu_memory_usd_per_gib": _pos(1000, "USD per GiB", 1e-4),
+        "ssd_usd_each": _nonneg(1e6, "USD", 1e-2),
+        "base_usd": _nonneg(1e7, "USD", 1e-2),
     },
 }
 # Keys that may be left out of the ssd section when ssd.count == 0.
@@ -415,6 +426,12 @@ class _Checker:
             if value < rule.low or (value == rule.low and not inclusive):
                 op = ">=" if inclusive else ">"
                 raise self.fail(dotted, f"must be {op} {format_value(rule.low)}{when}, got {shown}")
+        if rule.floor is not None and value != 0 and abs(value) < rule.floor:
+            raise self.fail(
+                dotted,
+                f"absurd value {shown}: below the sanity floor {format_value(rule.floor)} {rule.unit}".rstrip(),
+                f"check the unit: this key is in {rule.unit}" if rule.unit else self.fix,
+            )
         if rule.high is not None and value > rule.high:
             raise self.fail(
                 dotted,
@@ -589,6 +606,10 @@ def list_profiles() -> list[str]:
 
 def _parse_yaml(text: str, source: str) -> Any:
     try:
+        check_yaml_depth(text)
+    except InputLimitError as exc:
+        raise _error(source, None, str(exc), "a profile nests two levels: sections and their keys") from None
+    try:
         return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -635,7 +656,9 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> HardwareProfile:
             )
     path = Path(text)
     try:
-        content = path.read_text(encoding="utf-8")
+        content = read_limited_text(path, MAX_PROFILE_BYTES)
+    except InputLimitError as exc:
+        raise _error(text, None, str(exc), "give the path of a profile .yaml file") from None
     except FileNotFoundError as exc:
         raise _error(
             text,

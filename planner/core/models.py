@@ -21,11 +21,12 @@ Every problem raises :class:`ModelError`, whose message is one line.
 from __future__ import annotations
 
 import difflib
-import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from tierflow.hwprofiles.inputs import MIB, InputLimitError, loads_json_limited, read_limited_text
 
 FAMILIES = ("gpt", "llama", "mistral", "qwen2", "opt", "gpt_neox")
 NORMS = ("layernorm", "rmsnorm")
@@ -35,6 +36,24 @@ SUPPORTED_HF_KINDS = ("gpt2", "gpt_neox", "llama", "mistral", "opt", "qwen2")
 # Rotary models advertise very long context windows (Mistral: 131072, Qwen2: 32768) that are not a sensible
 # default *training* length; configs read from config.json train at min(max_position_embeddings, this).
 DEFAULT_MAX_TRAIN_SEQ = 4096
+
+# Shape limits: generous (the largest published models are ~10x below each) but finite, so that a config with
+# num_hidden_layers: 1000000 or 10**400 is refused with one line instead of growing a task graph past memory
+# or overflowing a numpy index.
+SHAPE_LIMITS: dict[str, int] = {
+    "num_layers": 1024,
+    "hidden": 1 << 17,
+    "num_heads": 4096,
+    "num_kv_heads": 4096,
+    "head_dim": 1 << 14,
+    "ffn_hidden": 1 << 20,
+    "vocab_size": 1 << 24,
+    "seq_len": 1 << 22,
+    "max_positions": 1 << 22,
+    "embed_proj_dim": 1 << 17,
+    "position_offset": 1024,
+}
+MAX_CONFIG_BYTES = 16 * MIB  # a config.json is a few KiB
 
 
 class ModelError(ValueError):
@@ -108,6 +127,12 @@ class ModelSpec:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise bad(field, f"must be a non-negative integer, got {value!r}")
+        for field, limit in SHAPE_LIMITS.items():
+            value = getattr(self, field)
+            if value > limit:
+                shown = f"{value}" if value < 10**30 else f"about 10^{int(value.bit_length() * 0.30103)}"
+                raise bad(field, f"{shown} is above the limit of {limit} (a shape limit of tierflow; is the value "
+                          "a typo?)")
         if self.num_heads % self.num_kv_heads:
             raise bad("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
         if self.max_positions and self.seq_len > self.max_positions:
@@ -499,6 +524,8 @@ def _config_file(path: str | os.PathLike[str]) -> Path:
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / "config.json"
+    if p.exists() and not p.is_file():
+        raise ModelError(f"{p}: is not a regular file (give a Hugging Face config.json)")
     if not p.is_file():
         raise ModelError(f"{p}: model config not found (give a zoo name or a Hugging Face config.json)")
     return p
@@ -527,8 +554,10 @@ def from_hf_config(path: str | os.PathLike[str]) -> ModelSpec:
     """
     file = _config_file(path)
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = loads_json_limited(read_limited_text(file, MAX_CONFIG_BYTES))
+    except InputLimitError as exc:
+        raise ModelError(f"{file}: {exc} (give a Hugging Face config.json)") from None
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits
         raise ModelError(f"{file}: cannot read JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ModelError(f"{file}: expected a JSON object, got {type(data).__name__}")
@@ -690,6 +719,7 @@ _BUILDERS = {
 
 __all__ = [
     "ACTIVATIONS",
+    "SHAPE_LIMITS",
     "FAMILIES",
     "MODELS",
     "NORMS",

@@ -13,11 +13,21 @@ from pathlib import Path
 
 from tierflow import __version__
 from tierflow.hwprofiles import HardwareProfile, ProfileError, list_profiles, load_profile
+from tierflow.hwprofiles.inputs import MIB, InputLimitError, loads_json_limited, read_limited_text
 from tierflow.planner.core.models import ModelError, get_model, list_models
 from tierflow.planner.core.placement import Placement, PlacementError
 from tierflow.planner.core.schedules import FAMILIES, ScheduleError, make_schedule
 from tierflow.planner.core.simulate import DEFAULT_FAMILIES, simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult, SimulationError
+from tierflow.planner.io.argtypes import (
+    MAX_BATCH,
+    MAX_ITERATIONS,
+    OneLineParser,
+    fraction_below_one,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from tierflow.planner.io.dsbridge import add_ds_config_args, emit_ds_config, simulate_ds_config
 from tierflow.planner.io.progress import Progress
 
@@ -90,18 +100,39 @@ def load_hw(name: str, overrides: list[str]) -> HardwareProfile:
     return hw.with_overrides(ov) if ov else hw
 
 
+_PLACEMENT_EXAMPLE = '\'{"weights": {"gpu": 0, "cpu": 0.5, "ssd": 0.5}}\' or gpu|cpu|ssd'
+MAX_PLACEMENT_BYTES = MIB
+
+
 def load_placement(text: str | None) -> Placement | None:
+    """--placement: gpu|cpu|ssd; JSON when the text starts with "{" (so a long inline JSON is never tried as a
+    path); else the path of a JSON file."""
     if not text:
         return None
     if text in ("gpu", "cpu", "ssd"):
         return Placement.uniform(text)
+    inline = text.lstrip().startswith("{")
+    where = "--placement" if inline else f"--placement {text}"
     try:
-        data = json.loads(Path(text).read_text()) if Path(text).exists() else json.loads(text)
+        data = loads_json_limited(text if inline else read_limited_text(text, MAX_PLACEMENT_BYTES))
     except json.JSONDecodeError as e:
-        raise CliError(f"--placement: not JSON nor a file ({e.msg} at char {e.pos}); e.g. "
-                       '\'{"weights": {"gpu": 0, "cpu": 0.5, "ssd": 0.5}}\' or gpu|cpu|ssd') from None
+        raise CliError(f"{where}: not JSON ({e.msg} at char {e.pos}); e.g. {_PLACEMENT_EXAMPLE}") from None
+    except (InputLimitError, UnicodeDecodeError) as e:
+        raise CliError(f"{where}: {e} (give a JSON file of fractions per tensor class)") from None
+    except FileNotFoundError:
+        raise CliError(f"{where}: no such file, and not gpu|cpu|ssd or JSON starting with '{{'; e.g. "
+                       f"{_PLACEMENT_EXAMPLE}") from None
+    except OSError as e:
+        raise CliError(f"{where}: cannot read: {e.strerror or e} (give a JSON file or inline JSON)") from None
+    if not isinstance(data, dict):
+        raise CliError(f"{where}: expected a JSON object of tensor classes, got {type(data).__name__}; e.g. "
+                       f"{_PLACEMENT_EXAMPLE}")
     base = Placement().as_dict()
     for k, v in data.items():
+        if not isinstance(v, dict) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                               for x in v.values()):
+            raise CliError(f"{where}: {k}: expected an object of gpu/cpu/ssd fractions, got {json.dumps(v)[:40]}; "
+                           'e.g. {"gpu": 0, "cpu": 0.5, "ssd": 0.5}')
         base[k] = v
     try:
         return Placement.from_dict(base)
@@ -115,7 +146,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.ds_config:
         return simulate_ds_config(args)
     model = get_model(args.model)
-    if args.seq:
+    if args.seq is not None:
         model = model.with_seq(args.seq)
     hw = load_hw(args.hw, args.set)
     families = list(DEFAULT_FAMILIES) if args.schedule == "all" else [args.schedule]
@@ -225,7 +256,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tierflow.planner.search.problem import Problem
 
     model = get_model(args.model)
-    if args.seq:
+    if args.seq is not None:
         model = model.with_seq(args.seq)
     hw = load_hw(args.hw, args.set)
     prog = Progress(1, "planning")
@@ -422,7 +453,7 @@ def add_box_args(p: argparse.ArgumentParser, model: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tierflow", description="Plan, simulate and run training of models larger than "
+    p = OneLineParser(prog="tierflow", description="Plan, simulate and run training of models larger than "
                                 "GPU memory over GPU memory, CPU memory and NVMe SSDs.")
     p.add_argument("--version", action="version", version=f"tierflow {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -431,23 +462,26 @@ def build_parser() -> argparse.ArgumentParser:
                        "GPT-3 175B on the RTX 4090 box (Fuyou's), every schedule side by side.")
     add_box_args(s)
     s.add_argument("--schedule", default="all", choices=[*FAMILIES, "all"], help="schedule family (default: all)")
-    s.add_argument("--batch", type=int, default=64, help="global batch in sequences (default 64)")
-    s.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch (default 2)")
-    s.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
-    s.add_argument("--group", type=int, default=None, help="micro-batches per block sweep (block schedule)")
-    s.add_argument("--alpha", type=float, default=None, help="deferred optimizer fraction (vertical default 0.25)")
-    s.add_argument("--prefetch", type=int, default=1, help="weight buffers fetched ahead (default 1)")
+    s.add_argument("--batch", type=positive_int(MAX_BATCH), default=64, help="global batch in sequences (default 64)")
+    s.add_argument("--micro-batch", type=positive_int(MAX_BATCH), default=2,
+                   help="sequences per micro-batch (default 2)")
+    s.add_argument("--seq", type=positive_int(), default=None, help="sequence length (default: the model's)")
+    s.add_argument("--group", type=positive_int(MAX_BATCH), default=None,
+                   help="micro-batches per block sweep (block schedule)")
+    s.add_argument("--alpha", type=fraction_below_one, default=None,
+                   help="deferred optimizer fraction, within [0, 1) (vertical default 0.25)")
+    s.add_argument("--prefetch", type=positive_int(1024), default=1, help="weight buffers fetched ahead (default 1)")
     s.add_argument("--runtime", choices=("ideal", "deepspeed"), default=None,
                    help="how transfers overlap: deepspeed = ZeRO-Infinity as DeepSpeed's code runs it (the default "
                    "of --schedule horizontal), ideal = as early as the plan allows (every other schedule)")
     s.add_argument("--no-recompute", action="store_true", help="keep every activation instead of recomputing")
     s.add_argument("--placement", default=None, help="gpu|cpu|ssd, or JSON / a JSON file of fractions per tensor class")
-    s.add_argument("--iterations", type=int, default=3,
+    s.add_argument("--iterations", type=positive_int(MAX_ITERATIONS), default=3,
                    help="iterations simulated (default 3; the one before the last is reported)")
     s.add_argument("--json", action="store_true", help="print the results as JSON")
     s.add_argument("--out", default=None, help="write timeline.csv, trace.json (Perfetto) and gantt.png here")
     s.add_argument("--plan", default=None, help="replay a plan file written by `tierflow plan` instead")
-    s.add_argument("--swap-layers", type=int, default=0,
+    s.add_argument("--swap-layers", type=non_negative_int(), default=0,
                    help="the last N layers keep (and swap out) their activations instead of recomputing")
     s.add_argument("--write-plan", default=None, metavar="FILE",
                    help="also write this schedule as a plan file (one --schedule), e.g. for `tierflow run`")
@@ -457,10 +491,12 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Search every decision with the roofline bound, CP-SAT and the simulator; "
                         "every plan is verified by simulating full iterations.")
     add_box_args(pl)
-    pl.add_argument("--batch", type=int, default=64, help="global batch in sequences (default 64)")
-    pl.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
-    pl.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch (default: searched)")
-    pl.add_argument("--time-limit", type=float, default=60.0, help="seconds for the whole search (default 60)")
+    pl.add_argument("--batch", type=positive_int(MAX_BATCH), default=64, help="global batch in sequences (default 64)")
+    pl.add_argument("--seq", type=positive_int(), default=None, help="sequence length (default: the model's)")
+    pl.add_argument("--micro-batch", type=positive_int(MAX_BATCH), default=None,
+                    help="fix the micro-batch (default: searched)")
+    pl.add_argument("--time-limit", type=positive_float(7 * 24 * 3600), default=60.0,
+                    help="seconds for the whole search, > 0 (default 60)")
     pl.add_argument("--no-ssd", action="store_true", help="use only GPU and CPU memory")
     pl.add_argument("--no-baselines", action="store_true", help="do not simulate the fixed schedules for comparison")
     pl.add_argument("--explain", action="store_true", help="say what binds and what would help most")
@@ -472,8 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
     ca = sub.add_parser("capacity", help="the largest model of each family that trains on a box")
     add_box_args(ca, model=False)
-    ca.add_argument("--batch", type=int, default=16, help="global batch in sequences (default 16)")
-    ca.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
+    ca.add_argument("--batch", type=positive_int(MAX_BATCH), default=16, help="global batch in sequences (default 16)")
+    ca.add_argument("--seq", type=positive_int(), default=None, help="sequence length (default 2048)")
     ca.add_argument("--model", action="append", help="also check whether this model fits (repeatable)")
     ca.add_argument("--json", action="store_true", help="print the result as JSON")
     ca.set_defaults(func=cmd_capacity)

@@ -9,18 +9,33 @@ restricted to the same iterations.
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from tierflow.hwprofiles.inputs import GIB, loads_json_limited, read_limited_text
 from tierflow.planner.core.simulator import SimResult
 from tierflow.planner.io.planfile import Plan, PlanError, simulate_plan
 
 
 class TraceError(ValueError):
     """A measured trace that cannot be compared with the plan."""
+
+
+MAX_TRACE_BYTES = 2 * GIB  # the executor writes ~250 bytes per op
+
+
+def _event_times_s(p: Path, index: int, ev: dict, oid: int) -> tuple[float, float]:
+    """(start, end) in seconds of a complete event; refuses what no measurement gives (a negative or non-finite
+    time), naming the event."""
+    ts, dur = ev.get("ts"), ev.get("dur")
+    for key, v in (("ts", ts), ("dur", dur)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise TraceError(f"{p}: traceEvents[{index}] (op {oid}, {ev.get('name', '?')}): {key} {v!r} is not a "
+                             "non-negative number of microseconds (pass the trace.json written by `tierflow run --out`)")
+    return ts / 1e6, (ts + dur) / 1e6
 
 
 @dataclass
@@ -49,15 +64,15 @@ def load_measured(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray]
     """(start_s, end_s) per op id from a Chrome trace; NaN for ops the trace does not hold."""
     p = Path(path)
     try:
-        d = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
+        d = loads_json_limited(read_limited_text(p, MAX_TRACE_BYTES))
+    except (OSError, ValueError) as e:  # also InputLimitError: not a regular file, too large, nested too deep
         raise TraceError(f"{p}: cannot read a trace ({e}); pass the trace.json written by `tierflow run --out`") from None
     events = d.get("traceEvents") if isinstance(d, dict) else None
     if not isinstance(events, list):
         raise TraceError(f"{p}: no traceEvents list; pass the trace.json written by `tierflow run --out`")
     start, end = np.full(n_ops, np.nan), np.full(n_ops, np.nan)
     found = 0
-    for ev in events:
+    for index, ev in enumerate(events):
         if not isinstance(ev, dict) or ev.get("ph") != "X":
             continue
         oid = (ev.get("args") or {}).get("id")
@@ -65,8 +80,7 @@ def load_measured(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray]
             continue
         if not 0 <= oid < n_ops:
             raise TraceError(f"{p}: op id {oid} is not in the plan (0..{n_ops - 1}); trace of another plan?")
-        start[oid] = ev["ts"] / 1e6
-        end[oid] = (ev["ts"] + ev["dur"]) / 1e6
+        start[oid], end[oid] = _event_times_s(p, index, ev, oid)
         found += 1
     if not found:
         raise TraceError(f"{p}: no op events with args.id; pass the trace.json written by `tierflow run --out`")

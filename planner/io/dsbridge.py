@@ -13,6 +13,7 @@ from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.schedules import ScheduleConfig
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
+from tierflow.planner.io.argtypes import positive_float
 from tierflow.planner.io.dsconfig import DsConfigError, ds_config_for_plan, read_ds_config, write_ds_config
 from tierflow.planner.io.progress import Progress
 
@@ -27,7 +28,7 @@ def add_ds_config_args(s: argparse.ArgumentParser) -> None:
                    help="simulate the run a DeepSpeed config describes (ZeRO-3 as DeepSpeed runs it) beside "
                    "tierflow's plan; its batch keys set the batch (--batch / --micro-batch only fill \"auto\")")
     s.add_argument("--no-plan", action="store_true", help="with --ds-config: skip tierflow's plan")
-    s.add_argument("--plan-time-limit", type=float, default=DEFAULT_PLAN_TIME_LIMIT_S,
+    s.add_argument("--plan-time-limit", type=positive_float(), default=DEFAULT_PLAN_TIME_LIMIT_S,
                    help=f"with --ds-config: seconds for tierflow's plan search (default {DEFAULT_PLAN_TIME_LIMIT_S:g})")
 
 

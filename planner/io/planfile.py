@@ -19,15 +19,18 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import hashlib
 import json
 import math
 import os
+import reprlib
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tierflow.hwprofiles import HardwareProfile, ProfileError, profile_from_dict, type_name
+from tierflow.hwprofiles.inputs import GIB, InputLimitError, loads_json_limited, read_limited_text
 from tierflow.planner.core.graph import (
     LINKS,
     RESOURCES,
@@ -38,6 +41,7 @@ from tierflow.planner.core.graph import (
     TaskGraph,
     topological_order,
 )
+from tierflow.planner.core.memory import static_bytes as placed_static_bytes
 from tierflow.planner.core.models import ModelError, ModelSpec
 from tierflow.planner.core.placement import Placement, PlacementError
 from tierflow.planner.core.schedules import FAMILIES, RUNTIMES, ScheduleConfig
@@ -52,10 +56,12 @@ COMPUTE_RESOURCES = tuple(r for r in RESOURCES if r not in LINKS)  # gpu, cpu: o
 MEM_WHEN = ("start", "end")
 REQUIRED_KEYS = ("format", "version", "model", "hardware", "decisions", "static_bytes", "capacity_bytes",
                  "num_iterations", "num_blocks", "ops")
-OPTIONAL_KEYS = ("created_by", "predicted", "solver")
+OPTIONAL_KEYS = ("created_by", "predicted", "solver", "digest")
 OP_KEYS = ("id", "kind", "resource", "tensor", "block", "mb", "iteration", "deps", "order", "mem")
 OP_WORK_KEYS = ("seconds", "bytes")
 _MAX_MESSAGE = 200
+MAX_PLAN_BYTES = GIB  # a GPT-3 175B plan of 32 micro-batches x 3 iterations is 20 MB
+DIGEST_ALGORITHM = "sha256/16"  # the first 16 hex digits of a SHA-256
 
 
 class PlanError(ValueError):
@@ -156,7 +162,40 @@ def plan_to_dict(plan: Plan) -> dict:
         d["predicted"] = _jsonable(plan.predicted)
     if plan.solver is not None:
         d["solver"] = _jsonable(plan.solver)
+    d["digest"] = plan_digest(plan.model, plan.hardware, plan.config, d)
     return d
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Digest: binds the ops to the model, hardware and decisions they were built from
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _hash(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _digest_fields(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> dict[str, str]:
+    """One hash per field the ops were built from (model.*, decisions.*, hardware.<section>.*), from the
+    rebuilt objects (so 0 and 0.0 hash alike), so that a mismatch names the field that was edited."""
+    fields = {f"model.{k}": _hash(v) for k, v in dataclasses.asdict(model).items()}
+    fields.update({f"decisions.{k}": _hash(v) for k, v in cfg.to_dict().items()})
+    hw_dict = hw.to_dict()
+    for section, values in hw_dict.items():
+        if isinstance(values, dict):
+            fields.update({f"hardware.{section}.{k}": _hash(v) for k, v in values.items()})
+    return fields
+
+
+def _digest_ops(d: dict, fields: dict[str, str]) -> str:
+    return _hash([fields, d["static_bytes"], d["capacity_bytes"], d["num_iterations"], d["num_blocks"], d["ops"]])
+
+
+def plan_digest(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, d: dict) -> dict:
+    """The "digest" section of plan dict `d`: a hash per input field and one over the ops (and the fields)."""
+    fields = _digest_fields(model, hw, cfg)
+    return {"algorithm": DIGEST_ALGORITHM, "fields": fields, "ops": _digest_ops(d, fields)}
 
 
 def dumps_plan_dict(d: dict) -> str:
@@ -214,8 +253,12 @@ def _err(source: str, where: str, problem: str, fix: str) -> PlanError:
     return PlanError(f"{source}: {where}: {problem} ({fix})")
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
 def _short(value: Any, n: int = 40) -> str:
-    text = repr(value)
+    text = _REPR.repr(value) if isinstance(value, (list, dict)) else repr(value)  # bounded depth: no recursion
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
@@ -505,6 +548,57 @@ def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb:
     return done
 
 
+_REWRITE = "rewrite it: tierflow plan -o or simulate --write-plan"
+
+
+def _check_micro_batch_count(source: str, ops: object, cfg: ScheduleConfig) -> None:
+    """The micro-batches the ops compute must be the decisions' batch / micro_batch: an edited decisions.batch
+    would otherwise train (and report tokens/s for) another batch than the ops compute."""
+    if not isinstance(ops, list):
+        return  # _ops reports it
+    mbs = [o["mb"] for o in ops if isinstance(o, dict) and _is_int(o.get("mb")) and o.get("resource") == "gpu"]
+    if not mbs:
+        return
+    computed = max(mbs) + 1
+    if computed != cfg.num_micro_batches:
+        raise _err(source, "decisions.batch", f"{cfg.batch} / micro_batch {cfg.micro_batch} = "
+                   f"{cfg.num_micro_batches} micro-batches, the ops compute {computed}", _REWRITE)
+
+
+def _check_derived_bytes(source: str, model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
+                         static: dict[str, float], capacity: dict[str, float]) -> None:
+    """static_bytes and capacity_bytes must be what the model, placement and hardware imply (recomputed)."""
+    want_cap = hw.tier_capacity_bytes
+    for t in TIERS:
+        if not math.isclose(capacity[t], want_cap[t], rel_tol=1e-9, abs_tol=1.0):
+            raise _err(source, f"capacity_bytes.{t}", f"{capacity[t]:,.0f} bytes, but the hardware section gives "
+                       f"{want_cap[t]:,.0f}: edited after writing?", _REWRITE)
+    want = placed_static_bytes(model, cfg.placement, cfg.runtime)
+    for t in TIERS:
+        if not math.isclose(static[t], want[t], rel_tol=1e-9, abs_tol=1.0):
+            raise _err(source, f"static_bytes.{t}", f"{static[t]:,.0f} bytes, but the model and "
+                       f"decisions.placement give {want[t]:,.0f}: edited after writing?", _REWRITE)
+
+
+def _check_digest(source: str, d: dict, model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> None:
+    """Verify the digest written with the plan: name the first field whose value is not the one the ops were
+    built from, or say that the ops themselves were edited."""
+    dg = d["digest"]
+    if not isinstance(dg, dict) or set(dg) != {"algorithm", "fields", "ops"} or not isinstance(dg["fields"], dict):
+        raise _err(source, "digest", "expected an object {algorithm, fields, ops}", _REWRITE)
+    if dg["algorithm"] != DIGEST_ALGORITHM:
+        raise _err(source, "digest.algorithm", f"unknown digest {_short(dg['algorithm'])}",
+                   f"this tierflow writes {DIGEST_ALGORITHM!r}; {_REWRITE}")
+    fields = _digest_fields(model, hw, cfg)
+    recorded = dg["fields"]
+    for key in [*fields, *(k for k in recorded if k not in fields)]:
+        if recorded.get(key) != fields.get(key):
+            raise _err(source, key, "not the value the ops were built for: edited after writing "
+                       "(the digest does not match)", _REWRITE)
+    if dg["ops"] != _digest_ops(d, fields):
+        raise _err(source, "ops", "ops or byte totals edited after writing (the digest does not match)", _REWRITE)
+
+
 def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
     """Validate a parsed plan and rebuild it; raises PlanError."""
     if not isinstance(d, dict):
@@ -547,7 +641,11 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
     if num_blocks != model.num_layers + 2:
         raise _err(source, "num_blocks", f"{num_blocks} but the model has {model.num_layers} layers + 2",
                    f"write {model.num_layers + 2} (embedding, layers, head)")
+    _check_micro_batch_count(source, d["ops"], config)
     tasks = _ops(source, d["ops"], num_iterations, num_blocks, config.num_micro_batches)
+    if d.get("digest") is not None:
+        _check_digest(source, d, model, hardware, config)
+    _check_derived_bytes(source, model, hardware, config, static, capacity)
     graph = TaskGraph(tasks, static, capacity, num_iterations, num_blocks)
     return Plan(model=model, hardware=hardware, config=config, graph=graph, predicted=d.get("predicted"),
                 solver=d.get("solver"), source=source)
@@ -563,7 +661,9 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     """Read and validate a plan file; raises PlanError."""
     source = os.fspath(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_limited_text(path, MAX_PLAN_BYTES)
+    except InputLimitError as exc:
+        raise _err(source, "(file)", str(exc), "give the path of a plan .json file written by tierflow") from None
     except FileNotFoundError as exc:
         raise _err(source, "(file)", "file not found", "check the path") from exc
     except IsADirectoryError as exc:
@@ -573,7 +673,9 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     except OSError as exc:
         raise _err(source, "(file)", f"cannot read: {exc.strerror or exc}", "check the file's permissions") from exc
     try:
-        d = json.loads(text, parse_constant=_reject_constant)
+        d = loads_json_limited(text, unchecked=("ops",), parse_constant=_reject_constant)  # ops: _ops checks them
+    except InputLimitError as exc:
+        raise _err(source, "(file)", str(exc), "a plan nests 4 levels: ops, op, mem, effect") from None
     except json.JSONDecodeError as exc:
         raise _err(source, f"line {exc.lineno} column {exc.colno}", f"not JSON: {exc.msg}",
                    "fix the JSON syntax, or write the plan again") from exc
@@ -600,4 +702,5 @@ def simulate_plan(plan: Plan) -> SimResult:
 __all__ = [
     "PLAN_FORMAT", "PLAN_VERSION", "SUPPORTED_VERSIONS", "Plan", "PlanError", "plan_from_graph", "plan_to_dict",
     "plan_from_dict", "write_plan", "load_plan", "validate_plan_dict", "simulate_plan", "dumps_plan_dict",
+    "plan_digest", "MAX_PLAN_BYTES",
 ]
