@@ -9,12 +9,12 @@ restricted to the same iterations.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from tierflow.planner.core.jsonio import read_json
 from tierflow.planner.core.simulator import SimResult
 from tierflow.planner.io.planfile import Plan, PlanError, simulate_plan
 
@@ -49,7 +49,7 @@ def load_measured(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray]
     """(start_s, end_s) per op id from a Chrome trace; NaN for ops the trace does not hold."""
     p = Path(path)
     try:
-        d = json.loads(p.read_text())
+        d = read_json(p)  # plain or gzip-compressed
     except (OSError, ValueError) as e:
         raise TraceError(f"{p}: cannot read a trace ({e}); pass the trace.json written by `tierflow run --out`") from None
     events = d.get("traceEvents") if isinstance(d, dict) else None
