@@ -575,6 +575,22 @@ def measure_host_copies(nbytes: int) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def measurement_plan(device: str, sizes: Sizes = FULL, ssd: bool = False) -> list[str]:
+    """What `tierflow calibrate` measures, in order, for `device` ("cuda" or "cpu") and with or without
+    --ssd-dir: the progress display's steps (its total) and what `tierflow env` says calibrate would measure."""
+    if device == "cuda":
+        steps = [f"GPU GEMM {a}x{b}->{c}" for a, b, c in GEMM_SHAPES]
+        steps += ["GPU small GEMM", "GPU memory bandwidth", "PCIe H2D / D2H / duplex"]
+    else:
+        steps = [f"CPU fp32 GEMM {a}x{b}->{c}" for a, b, c in HOST_GEMM_SHAPES]
+        steps += ["CPU elementwise bandwidth", "device <-> host copies"]
+    steps += ["CPU memory bandwidth", f"CPU AdamW ({sizes.adam_params / 1e6:g}M params)"]
+    if ssd:
+        mib = sizes.ssd_file_bytes / MIB
+        steps += [f"SSD write ({mib:.0f} MiB)", f"SSD read ({mib:.0f} MiB)", f"SSD read + write ({sizes.ssd_mixed_s:g} s)"]
+    return steps
+
+
 def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | None = None,
                      progress: Progress | None = None, gpu: bool | None = None,
                      device: str | None = None) -> dict[str, Any]:
@@ -953,8 +969,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise CliError("--device cuda: no CUDA device is available here (use --device cpu to profile this CPU "
                        "as the device)")
     overrides = _parse_sets(args.set or [])
-    total = 2 + (7 if device == "cuda" else len(HOST_GEMM_SHAPES) + 2) + (3 if ssd_dir else 0)
-    progress = Progress(total, "calibrate")
+    progress = Progress(len(measurement_plan(device, sizes, ssd_dir is not None)), "calibrate")
     try:
         m = run_measurements(sizes, ssd_dir, progress, gpu=gpu, device=device)
     except OSError as e:

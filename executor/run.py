@@ -11,6 +11,7 @@ import argparse
 import csv
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -35,7 +36,11 @@ from tierflow.executor.state import StateError, TrainState, latest_checkpoint, r
 from tierflow.executor.store import ChecksumError, SsdError, SsdStore, check_ssd_dir
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.core.workload import COMPUTE_BYTES, model_flops_per_token
+from tierflow.planner.io.logs import QUIET, level_of
 from tierflow.planner.io.planfile import Plan, PlanError, load_plan, simulate_plan
+from tierflow.planner.io.progress import bar
+
+LOG = logging.getLogger(__name__)  # debug: each round's wall time and peak bytes per tier (tierflow -v run)
 
 
 class RunError(ValueError):
@@ -215,11 +220,12 @@ def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtyp
                              flops_per_step / step_s / 1e12 if step_s > 0 else 0.0)
             records.append(rec)
             if not opts.quiet:
-                bar = "#" * (20 * rec.step // opts.steps)
-                log(f"step {rec.step:>5}/{opts.steps} [{bar:<20}] loss {rec.loss:.4f}  {rec.step_s * 1e3:8.1f} ms  "
+                log(f"step {rec.step:>5}/{opts.steps} {bar(rec.step, opts.steps, fill=' ')} loss {rec.loss:.4f}  {rec.step_s * 1e3:8.1f} ms  "
                     f"{rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS", flush=True)
 
         rr = ex.run_round(r, step, on_step=on_step)
+        LOG.debug("round of %d iteration(s) from step %d: %.3f s wall; peak %s", r, step + 1, rr.wall_s,
+                  ", ".join(f"{t} {b / 1e6:,.1f} MB" for t, b in rr.peak_bytes.items()))
         res = measured_result(plan, rr)
         # the reporter's losses are the round's own (read after each iteration's last GPU op)
         assert [x.loss for x in records[-r:]] == rr.losses
@@ -262,7 +268,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     opts = RunOptions(steps=args.steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
                       data_format=args.data_format, init=args.init, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every or 0, out=args.out, hyper=hyper, seed=args.seed,
-                      quiet=args.json)
+                      quiet=args.json or level_of(args) >= QUIET)
     try:
         plan = load_plan(args.plan)
         simulate_plan(plan)  # a plan that overflows a tier is refused as `tierflow simulate --plan` refuses it

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-ALIGN = 4096  # O_DIRECT alignment of buffer addresses, file offsets and lengths (the page size covers every SSD)
+from tierflow.executor.direct_io import ALIGN, probe_o_direct
+
 CHUNK_BYTES = 8 << 20  # one I/O request; several run at once on the pool so that an SSD array is kept busy
 
 
@@ -80,23 +81,11 @@ class SsdStore:
         if not hasattr(os, "O_DIRECT"):
             self.warn(f"warning: no O_DIRECT on this OS: the SSD tier under {self.root} uses buffered I/O")
             return False
-        probe = self.root / f".tierflow-probe-{os.getpid()}"
-        buf = aligned_empty(ALIGN, pin=False)
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
-            try:
-                os.pwrite(fd, memoryview(buf.numpy()), 0)
-            finally:
-                os.close(fd)
+        if probe_o_direct(self.root):
             return True
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            self.warn(f"warning: {self.root} refuses O_DIRECT (tmpfs or similar?): the SSD tier uses buffered I/O "
-                      "there, so its reads may come from the page cache")
-            return False
-        finally:
-            probe.unlink(missing_ok=True)
+        self.warn(f"warning: {self.root} refuses O_DIRECT (tmpfs or similar?): the SSD tier uses buffered I/O "
+                  "there, so its reads may come from the page cache")
+        return False
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -23,6 +23,7 @@ from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleError, make_schedule
 from tierflow.planner.core.simulator import CapacityError, SimResult
+from tierflow.planner.io.logs import add_verbosity_options, configure, level_of
 from tierflow.planner.io.progress import Progress
 from tierflow.planner.search.loads import duplex_time_s, pcie_time_s, pool_times_s
 
@@ -244,9 +245,19 @@ def write_csv(rows: Sequence[dict], path: Path) -> Path:
     return path
 
 
+class _ExperimentParser(argparse.ArgumentParser):
+    """Parses like argparse and then sets the `tierflow` logger's level from -q / -v (the progress display and
+    debug lines follow it, as in the `tierflow` command)."""
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns = super().parse_args(args, namespace)
+        configure(level_of(ns))
+        return ns
+
+
 def arg_parser(doc: str) -> argparse.ArgumentParser:
-    """The options every experiment script shares: --quick and --out."""
-    ap = argparse.ArgumentParser(
+    """The options every experiment script shares: --quick, --out and -q / --quiet, -v / --verbose."""
+    ap = _ExperimentParser(
         description=doc.strip().splitlines()[0],
         epilog="\n".join(doc.strip().splitlines()[1:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -257,6 +268,7 @@ def arg_parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument(
         "--out", type=Path, default=RESULTS_DIR, help=f"folder for the CSV and PNG (default {RESULTS_DIR})"
     )
+    add_verbosity_options(ap)
     return ap
 
 

@@ -128,3 +128,113 @@ def test_cli_prints_progress_lines_into_a_pipe():
     assert lines and all(line.startswith("capacity [") for line in lines)
     assert lines[0].split()[2] == "1/4" and lines[-1].split()[2] == "4/4"
     assert "capacity [" not in p.stdout
+
+
+# ---- --quiet / --verbose (tierflow.planner.io.logs): one level on the `tierflow` logger ----------------------
+
+CAPACITY = ["capacity", "--hw", "rtx3090-desktop"]
+SIMULATE = ["simulate", "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--batch", "8", "--micro-batch", "2"]
+PLAN = ["plan", "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--batch", "4", "--time-limit", "5", "--no-window",
+        "--no-baselines"]
+
+
+@pytest.fixture
+def tierflow_level():
+    """Restore the `tierflow` logger's level after a test sets it (cli.main sets it in this process)."""
+    from tierflow.planner.io.logs import logger
+
+    level = logger().level
+    yield
+    logger().setLevel(level)
+
+
+def _main(capsys, *argv: str) -> tuple[int, str, str]:
+    from tierflow.planner.io.cli import main
+
+    rc = main(list(argv))
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_quiet_suppresses_progress_but_not_the_result(capsys, tierflow_level):
+    rc, normal_out, normal_err = _main(capsys, *SIMULATE)
+    assert rc == 0 and "simulating [" in normal_err
+    for argv in (["--quiet", *SIMULATE], [*SIMULATE, "-q"]):  # before or after the subcommand
+        rc, out, err = _main(capsys, *argv)
+        assert rc == 0 and err == "", argv
+        assert out == normal_out and "tokens/s" in out
+    rc, out, err = _main(capsys, *CAPACITY, "--quiet")  # its progress lines: test_cli_prints_progress_lines_into_a_pipe
+    assert rc == 0 and err == "" and "largest model" in out
+
+
+def test_verbose_shows_the_solver_status_of_every_candidate(capsys, tierflow_level):
+    rc, normal_out, normal_err = _main(capsys, *PLAN)
+    assert rc == 0 and "planning [" in normal_err
+    assert not any(line.startswith("candidate ") for line in normal_err.splitlines())
+    for argv in (["-v", *PLAN], [*PLAN, "--verbose"]):
+        rc, out, err = _main(capsys, *argv)
+        assert rc == 0, (argv, err[-500:])
+        debug = [line for line in err.splitlines() if line.startswith("candidate ")]
+        assert debug and all(": CP-SAT " in line or "pruned" in line or "skipped" in line for line in debug)
+        assert any("OPTIMAL" in line and "verified" in line for line in debug)
+        assert "planning [" in err  # verbose keeps the progress display
+        assert out.splitlines()[:2] == normal_out.splitlines()[:2]
+
+
+def test_quiet_and_verbose_together_are_refused(capsys, tierflow_level):
+    rc, out, err = _main(capsys, "-q", *PLAN, "-v")
+    assert rc == 2 and out == "" and err.splitlines() == ["tierflow: error: --quiet and --verbose: give one of them"]
+    with pytest.raises(SystemExit) as e:  # both before the subcommand: argparse's own refusal
+        _main(capsys, "-q", "-v", "models")
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_progress_follows_the_logger_level(tierflow_level):
+    from tierflow.planner.io.logs import NORMAL, QUIET, VERBOSE, configure, logger
+
+    logger().setLevel(0)  # NOTSET: tierflow used as a library, nobody configured it: progress as before
+    out = io.StringIO()
+    Progress(2, "lib", stream=out, interval_s=0).step("a")
+    assert out.getvalue().startswith("lib [")
+    for level, shown in ((QUIET, False), (NORMAL, True), (VERBOSE, True)):
+        configure(level)
+        out = io.StringIO()
+        p = Progress(2, "work", stream=out, interval_s=0)
+        p.step("a")
+        p.message("a warning")
+        p.finish("done")
+        assert ("work [" in out.getvalue()) == shown, level
+        assert "a warning" in out.getvalue()  # messages are not progress: always shown
+    assert Progress(2, "forced", stream=io.StringIO(), enabled=True).lines  # an explicit choice wins
+
+
+def test_experiment_scripts_take_quiet_and_verbose(tierflow_level, monkeypatch):
+    from pathlib import Path
+
+    from tierflow.planner.io.logs import NORMAL, QUIET, VERBOSE, logger
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "experiments"))
+    import expcommon
+
+    for argv, level in (([], NORMAL), (["-q"], QUIET), (["--verbose"], VERBOSE)):
+        args = expcommon.arg_parser("a study\nmore").parse_args(["--quick", *argv])
+        assert args.quick and logger().level == level
+    out = io.StringIO()
+    expcommon.arg_parser("a study").parse_args(["--quiet"])
+    expcommon.Progress(3, "study", stream=out, interval_s=0).step("x")
+    assert out.getvalue() == ""
+
+
+def test_run_quiet_prints_nothing(tmp_path, capsys, tierflow_level):
+    pytest.importorskip("torch")
+    plan = tmp_path / "plan.json"
+    rc, _, err = _main(capsys, "simulate", "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--schedule",
+                       "vertical", "--batch", "2", "--micro-batch", "1", "--iterations", "1", "--write-plan",
+                       str(plan), "-q")
+    assert rc == 0 and err == "", err
+    rc, out, err = _main(capsys, "-q", "run", str(plan), "--steps", "1", "--device", "cpu", "--out",
+                         str(tmp_path / "run"))
+    assert rc == 0 and out == "" and err == "", err
+    assert (tmp_path / "run" / "steps.csv").read_text().count("\n") == 2  # the work was done: header + 1 step
+    rc, out, _ = _main(capsys, "run", str(plan), "--steps", "1", "--device", "cpu")
+    assert rc == 0 and "step     1/1 [####################] loss" in out  # the bar from progress.bar

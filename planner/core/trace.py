@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tierflow.planner.core.graph import RESOURCES, TIERS
+from tierflow.planner.core.jsonio import write_json
 from tierflow.planner.core.simulator import SimResult
 
 KIND_COLORS = {
@@ -50,7 +50,8 @@ def chrome_trace(res: SimResult, name: str = "tierflow") -> dict:
 
 
 def write_chrome_trace(res: SimResult, path: str | Path, name: str = "tierflow") -> None:
-    Path(path).write_text(json.dumps(chrome_trace(res, name)))
+    """The Chrome trace as JSON; gzip-compressed when the name ends in .gz (Perfetto opens both)."""
+    write_json(path, chrome_trace(res, name))
 
 
 def plot_gantt(res: SimResult, path: str | Path | None = None, title: str = "", window: tuple[float, float] | None = None,

@@ -10,6 +10,7 @@ import sys
 from functools import partial
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tierflow import __version__
 from tierflow.hwprofiles import HardwareProfile, ProfileError, list_profiles, load_profile
@@ -29,7 +30,11 @@ from tierflow.planner.io.argtypes import (
     positive_int,
 )
 from tierflow.planner.io.dsbridge import add_ds_config_args, emit_ds_config, simulate_ds_config
+from tierflow.planner.io.logs import add_verbosity_options, configure, level_of, logger
 from tierflow.planner.io.progress import Progress
+
+if TYPE_CHECKING:
+    from tierflow.planner.io.planfile import Plan, WrittenPlan
 
 USER_ERRORS = (ModelError, ProfileError, ScheduleError, PlacementError, SimulationError, ValueError, OSError)
 # PlanError and PlanningError are ValueErrors: one line, exit code 2
@@ -170,12 +175,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             results[fam] = e
         prog.step(fam)
     prog.finish()
+    written = None
     if args.write_plan:
-        from tierflow.planner.io.planfile import plan_from_graph, write_plan
+        from tierflow.planner.io.planfile import plan_from_graph
 
         fam = families[0]
         r = results[fam]
-        write_plan(plan_from_graph(model, hw, configs[fam], r.graph, predicted=r), args.write_plan)
+        written = write_plan_file(plan_from_graph(model, hw, configs[fam], r.graph, predicted=r), args.write_plan)
     if args.out:
         for fam, r in results.items():
             if isinstance(r, SimResult):
@@ -216,10 +222,23 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print("model TFLOPS = tokens x (6 x matmul params + 12 x layers x q_dim x seq) / time; "
           "hardware TFLOPS adds the recompute forward")
     if args.out:
-        print(f"wrote timeline.csv, trace.json, gantt.png under {args.out}")
-    if args.write_plan:
-        print(f"wrote plan {args.write_plan} (run it with: tierflow run {args.write_plan})")
+        ok_names = [f for f in families if isinstance(results[f], SimResult)]
+        where = (f"{args.out}/<schedule>/ for each of {', '.join(ok_names)}" if len(families) > 1 else args.out)
+        print(f"wrote timeline.csv, trace.json, gantt.png under {where}")
+    if written:
+        print(f"wrote plan {written.path} (run it with: tierflow run {written.path})")
     return 0
+
+
+def write_plan_file(plan: Plan, path: str) -> WrittenPlan:
+    """Write a plan for the CLI: large plans are compressed to PATH.gz (planfile.LARGE_PLAN_BYTES), said in one
+    line on stderr."""
+    from tierflow.planner.io.planfile import LARGE_PLAN_BYTES, write_plan
+
+    written = write_plan(plan, path, compress_over_bytes=LARGE_PLAN_BYTES)
+    if written.note():
+        logger().warning(f"tierflow: {written.note()}")
+    return written
 
 
 def simulate_plan_file(args: argparse.Namespace) -> int:
@@ -250,7 +269,7 @@ def simulate_plan_file(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from tierflow.planner.core.schedules import build_graph
-    from tierflow.planner.io.planfile import plan_from_graph, write_plan
+    from tierflow.planner.io.planfile import plan_from_graph
     from tierflow.planner.search.explain import explain
     from tierflow.planner.search.plan_search import plan_search
     from tierflow.planner.search.problem import Problem
@@ -281,15 +300,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from tierflow.planner.search.plan_search import window_check
 
         solver.update(window_check(problem, cfg, time_limit_s=min(10.0, max(1.0, args.time_limit / 10))))
+    written = None
     if args.out:
-        write_plan(plan_from_graph(model, hw, cfg, graph, predicted=best.result, solver=solver), args.out)
+        written = write_plan_file(plan_from_graph(model, hw, cfg, graph, predicted=best.result, solver=solver), args.out)
     lines = explain(sr) if args.explain else []
     if args.json:
         if args.emit_ds_config:
             emit_ds_config(args.emit_ds_config, model, cfg, stream=sys.stderr)
         print(json.dumps({"model": model.name, "params": model.total_params(), "hw": hw.name,
                           "decisions": cfg.to_dict(), "solver": solver, "predicted": best.result.to_dict(),
-                          "candidate": best.candidate.describe(args.batch), "plan_file": args.out,
+                          "candidate": best.candidate.describe(args.batch), "plan_file": str(written.path) if written else None,
                           "explain": lines,
                           "evaluated": [{"candidate": e.candidate.describe(args.batch),
                                          "verified_s": e.verified_s if e.result else None,
@@ -334,8 +354,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"{b.iteration_s / res.iteration_s:.2f}x faster")
     for line in lines:
         print(line)
-    if args.out:
-        print(f"wrote {args.out} ({len(graph.tasks):,} ops); replay it with: tierflow simulate --plan {args.out}")
+    if written:
+        print(f"wrote {written.path} ({len(graph.tasks):,} ops); replay it with: tierflow simulate --plan {written.path}")
     if args.emit_ds_config:
         emit_ds_config(args.emit_ds_config, model, cfg)
     return 0
@@ -456,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="tierflow", description="Plan, simulate and run training of models larger than "
                                 "GPU memory over GPU memory, CPU memory and NVMe SSDs.")
     p.add_argument("--version", action="version", version=f"tierflow {__version__}")
+    add_verbosity_options(p)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     s = sub.add_parser("simulate", help="simulate schedules of a model on a box and report throughput",
                        description="Simulate training iterations and report the steady state. With no arguments: "
@@ -547,6 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
             sp.set_defaults(func=lambda a, m=missing: (_ for _ in ()).throw(CliError(m)))
             continue
         register(sub)
+    for sp in set(sub.choices.values()):  # -q / -v after the subcommand too, the registered ones included
+        add_verbosity_options(sp, on_subcommand=True)
     return p
 
 
@@ -560,6 +583,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    try:
+        configure(level_of(args))
+    except ValueError as e:
+        print(f"tierflow: error: {e}", file=sys.stderr)
+        return 2
     try:
         return args.func(args) or 0
     except CapacityError as e:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tierflow.hwprofiles.inputs import GIB, loads_json_limited, read_limited_text
+from tierflow.hwprofiles.inputs import GIB, loads_json_limited
+from tierflow.planner.core.jsonio import read_text
 from tierflow.planner.core.simulator import SimResult
 from tierflow.planner.io.planfile import Plan, PlanError, simulate_plan
 
@@ -64,7 +65,7 @@ def load_measured(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray]
     """(start_s, end_s) per op id from a Chrome trace; NaN for ops the trace does not hold."""
     p = Path(path)
     try:
-        d = loads_json_limited(read_limited_text(p, MAX_TRACE_BYTES))
+        d = loads_json_limited(read_text(p, MAX_TRACE_BYTES))  # plain or gzip-compressed
     except (OSError, ValueError) as e:  # also InputLimitError: not a regular file, too large, nested too deep
         raise TraceError(f"{p}: cannot read a trace ({e}); pass the trace.json written by `tierflow run --out`") from None
     events = d.get("traceEvents") if isinstance(d, dict) else None

@@ -6,8 +6,8 @@ placement, ...), and every op of the task graph with its resource, amount of wor
 resource's queue and memory effects. ``docs/plan-format.md`` documents every field.
 
     plan = plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg))
-    write_plan(plan, "plan.json")
-    plan = load_plan("plan.json")          # validates everything; PlanError on any problem
+    write_plan(plan, "plan.json")          # "plan.json.gz": gzip-compressed
+    plan = load_plan("plan.json")          # validates everything; PlanError on any problem; reads gzip too
     simulate_plan(plan).iteration_s
 
 Every problem raises :class:`PlanError`, whose message is one line: ``"<file>: <where>: <problem> (<fix>)"``.
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tierflow.hwprofiles import HardwareProfile, ProfileError, profile_from_dict, type_name
-from tierflow.hwprofiles.inputs import GIB, InputLimitError, loads_json_limited, read_limited_text
+from tierflow.hwprofiles.inputs import GIB, InputLimitError, loads_json_limited
 from tierflow.planner.core.graph import (
     LINKS,
     RESOURCES,
@@ -41,6 +41,7 @@ from tierflow.planner.core.graph import (
     TaskGraph,
     topological_order,
 )
+from tierflow.planner.core.jsonio import gz_name, gzip_bytes, is_gzip_file, is_gzip_name, read_text
 from tierflow.planner.core.memory import static_bytes as placed_static_bytes
 from tierflow.planner.core.models import ModelError, ModelSpec
 from tierflow.planner.core.placement import Placement, PlacementError
@@ -62,6 +63,9 @@ OP_WORK_KEYS = ("seconds", "bytes")
 _MAX_MESSAGE = 200
 MAX_PLAN_BYTES = GIB  # a GPT-3 175B plan of 32 micro-batches x 3 iterations is 20 MB
 DIGEST_ALGORITHM = "sha256/16"  # the first 16 hex digits of a SHA-256
+# `tierflow plan -o` / `simulate --write-plan`: a plan whose JSON is larger is written compressed, to NAME.gz
+# (a 175B plan is 34 MB of JSON, 2 MB gzipped; a 13B plan 4.2 MB stays plain).
+LARGE_PLAN_BYTES = 16_000_000
 
 
 class PlanError(ValueError):
@@ -214,21 +218,51 @@ def dumps_plan_dict(d: dict) -> str:
     return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
-def write_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
+@dataclass(frozen=True)
+class WrittenPlan:
+    """Where `write_plan` put a plan: the path written, the bytes of its JSON and of the file."""
+
+    path: Path
+    json_bytes: int
+    file_bytes: int
+    requested: Path  # the path asked for (differs from `path` when a large plan was compressed to path + .gz)
+
+    @property
+    def compressed(self) -> bool:
+        return is_gzip_name(self.path)
+
+    def note(self) -> str | None:
+        """One line when the plan went to another name than requested (else None)."""
+        if self.path == self.requested:
+            return None
+        return (f"the plan's JSON is {self.json_bytes / 1e6:,.1f} MB (over {LARGE_PLAN_BYTES / 1e6:,.0f} MB): wrote "
+                f"{self.path} (gzip, {self.file_bytes / 1e6:,.1f} MB) instead of {self.requested}; every reader "
+                "takes it as it is")
+
+
+def write_plan(plan: Plan, path: str | os.PathLike[str], *, compress_over_bytes: int | None = None) -> WrittenPlan:
     """Write `plan` as JSON to `path`, atomically: the text goes to a temporary file in the same directory,
-    which then replaces `path`. The plan is validated first, so an invalid plan never reaches the disk."""
-    path = Path(path)
+    which then replaces `path`. The plan is validated first, so an invalid plan never reaches the disk.
+    A name ending in .gz is written gzip-compressed. With `compress_over_bytes` (the CLI passes
+    LARGE_PLAN_BYTES), a plan whose JSON is larger goes to `path` + ".gz", compressed, instead; the returned
+    WrittenPlan says where it went."""
+    requested = Path(path)
     d = plan_to_dict(plan)
-    validate_plan_dict(d, str(path))
+    validate_plan_dict(d, str(requested))
     try:
         text = dumps_plan_dict(d)
     except ValueError as exc:  # a non-finite number outside the validated fields
-        raise _err(str(path), "(top level)", f"cannot write strict JSON: {exc}", "fix the plan's values") from exc
+        raise _err(str(requested), "(top level)", f"cannot write strict JSON: {exc}", "fix the plan's values") from exc
+    data = text.encode("utf-8")
+    path = requested
+    if compress_over_bytes is not None and len(data) > compress_over_bytes:
+        path = gz_name(requested)
+    payload = gzip_bytes(text) if is_gzip_name(path) else data
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -238,6 +272,7 @@ def write_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
         except OSError:
             pass
         raise
+    return WrittenPlan(path, len(data), len(payload), requested)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -661,7 +696,7 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     """Read and validate a plan file; raises PlanError."""
     source = os.fspath(path)
     try:
-        text = read_limited_text(path, MAX_PLAN_BYTES)
+        text = read_text(path, MAX_PLAN_BYTES)  # plain or gzip-compressed, by the content
     except InputLimitError as exc:
         raise _err(source, "(file)", str(exc), "give the path of a plan .json file written by tierflow") from None
     except FileNotFoundError as exc:
@@ -671,6 +706,8 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     except UnicodeDecodeError as exc:
         raise _err(source, "(file)", "is not UTF-8 text", "give a plan written by tierflow") from exc
     except OSError as exc:
+        if _looks_gzip(path):
+            raise _err(source, "(file)", f"damaged gzip file: {exc}", "write the plan again") from exc
         raise _err(source, "(file)", f"cannot read: {exc.strerror or exc}", "check the file's permissions") from exc
     try:
         d = loads_json_limited(text, unchecked=("ops",), parse_constant=_reject_constant)  # ops: _ops checks them
@@ -682,6 +719,14 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     except ValueError as exc:  # NaN / Infinity
         raise _err(source, "(file)", f"not strict JSON: {exc}", "write numbers as finite values") from exc
     return plan_from_dict(d, source)
+
+
+def _looks_gzip(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` starts with gzip's magic bytes (False when it cannot be read at all)."""
+    try:
+        return is_gzip_file(path)
+    except OSError:
+        return False
 
 
 def _reject_constant(name: str) -> float:
@@ -700,7 +745,7 @@ def simulate_plan(plan: Plan) -> SimResult:
 
 
 __all__ = [
-    "PLAN_FORMAT", "PLAN_VERSION", "SUPPORTED_VERSIONS", "Plan", "PlanError", "plan_from_graph", "plan_to_dict",
+    "PLAN_FORMAT", "PLAN_VERSION", "SUPPORTED_VERSIONS", "LARGE_PLAN_BYTES", "Plan", "PlanError", "WrittenPlan", "plan_from_graph", "plan_to_dict",
     "plan_from_dict", "write_plan", "load_plan", "validate_plan_dict", "simulate_plan", "dumps_plan_dict",
     "plan_digest", "MAX_PLAN_BYTES",
 ]

@@ -4,7 +4,8 @@ On a terminal it is one line rewritten in place, `label [#####-----] 5/10 what  
 a log file, CI) the same text is printed as whole lines at a bounded rate: the first step at once, then at most
 one line every `interval_s` (5 s) with the step reached by then, and always the last step, so a long command is
 never silent in a pipe and a short one does not flood it. Only stderr is written, so what a command prints on
-stdout (tables, JSON) stays clean. Torch-free, like the rest of the planner.
+stdout (tables, JSON) stays clean. `--quiet` (the `tierflow` logger above INFO, logs.py) turns it off; messages
+still print. Torch-free, like the rest of the planner.
 """
 
 from __future__ import annotations
@@ -15,22 +16,34 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from tierflow.planner.io.logs import progress_enabled
+
 BAR_WIDTH = 20  # characters of the bar
 LINE_INTERVAL_S = 5.0  # off a terminal: at most one progress line per this many seconds (plus the last)
 _DEFAULT_COLUMNS = 120  # line width when the terminal's cannot be read
 
 
+def bar(count: int, total: int, fill: str = "-") -> str:
+    """The bar of a progress line, `[#####-----]`, for `count` of `total` steps (also used by `tierflow run`'s
+    per-step lines, which keep a line per step as a training log)."""
+    filled = min(BAR_WIDTH, BAR_WIDTH * count // max(1, total))
+    return "[" + "#" * filled + fill * (BAR_WIDTH - filled) + "]"
+
+
 class Progress:
     """`total` steps of `label`. Call `step(what)` once per step (before or after its work, as long as a
     command does it one way), `finish()` at the end (or `clear()` to erase the bar), `message(text)` for a
-    line of its own (a warning) between steps. `enabled=False` shows no progress (messages still print)."""
+    line of its own (a warning) between steps. `enabled=False` shows no progress (messages still print); the
+    default, None, follows the `tierflow` logger's level (off with --quiet, logs.progress_enabled)."""
 
-    def __init__(self, total: int, label: str, *, stream: TextIO | None = None, enabled: bool = True,
+    def __init__(self, total: int, label: str, *, stream: TextIO | None = None, enabled: bool | None = None,
                  interval_s: float = LINE_INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.total = max(1, total)
         self.label = label
         self.count = 0  # steps reported so far
         self.stream = sys.stderr if stream is None else stream
+        if enabled is None:
+            enabled = progress_enabled()
         isatty = getattr(self.stream, "isatty", None)
         self.tty = enabled and bool(isatty and isatty())
         self.lines = enabled and not self.tty  # whole lines at a bounded rate
@@ -80,9 +93,8 @@ class Progress:
 
     def text(self, what: str = "") -> str:
         """The progress line: `label [#####-----] 5/10 what 12s`."""
-        filled = min(BAR_WIDTH, BAR_WIDTH * self.count // self.total)
-        bar = "#" * filled + "-" * (BAR_WIDTH - filled)
-        parts = [self.label, f"[{bar}]", f"{self.count}/{self.total}", what, f"{self.clock() - self.t0_s:.0f}s"]
+        parts = [self.label, bar(self.count, self.total), f"{self.count}/{self.total}", what,
+                 f"{self.clock() - self.t0_s:.0f}s"]
         return " ".join(p for p in parts if p)
 
     # ---- output ----

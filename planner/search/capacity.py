@@ -14,7 +14,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 
 from tierflow.hwprofiles import HardwareProfile
-from tierflow.planner.core.models import ModelSpec, get_model
+from tierflow.planner.core.models import SHAPE_LIMITS, ModelSpec, get_model
 from tierflow.planner.core.schedules import make_schedule
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
@@ -69,8 +69,8 @@ def largest(family: str, hw: HardwareProfile, batch: int, seq: int, with_ssd: bo
     _, widths = FAMILIES[family]
     fitting: list[ModelSpec] = []
     for hidden, heads in widths:
-        lo, hi = 0, 4096
-        while lo < hi:  # largest layer count that fits at this width
+        lo, hi = 0, SHAPE_LIMITS["num_layers"]
+        while lo < hi:  # largest layer count that fits at this width (up to tierflow's shape limit)
             mid = (lo + hi + 1) // 2
             if fits(shape(family, hidden, heads, mid, seq), hw, batch, seq, with_ssd):
                 lo = mid

@@ -15,6 +15,7 @@ Four layers (see README, "Planning"):
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -36,6 +37,8 @@ from tierflow.planner.search.placement_model import (
 )
 from tierflow.planner.search.problem import Candidate, Problem
 from tierflow.planner.search.slots import SlotModelError, SolverReport, predict_config
+
+LOG = logging.getLogger(__name__)  # debug: every candidate's solver status and verification (tierflow -v plan)
 
 # how far a model's prediction may lie above the simulated time (the placement model's objective: up to +1.1%,
 # the slot model's: up to +0.7% over experiments/planner_quality.py and the fixed schedules of
@@ -181,6 +184,7 @@ def plan_search(problem: Problem, *, time_limit_s: float = 60.0, micro_batches: 
             continue
         ev = evaluate(problem, c, time_limit_s=per_solve_s, prune_at=best.verified_s if best else math.inf)
         evaluated.append(ev)
+        LOG.debug("candidate %s: %s", c.describe(batch), _evaluation_text(ev))
         if ev.result and (best is None or ev.verified_s < best.verified_s):
             best = ev
     if best is not None:
@@ -201,6 +205,20 @@ def plan_search(problem: Problem, *, time_limit_s: float = 60.0, micro_batches: 
     _predict(problem, best)
     return SearchResult(best=best, evaluated=evaluated, wall_s=time.perf_counter() - t0, problem=problem,
                         baseline={k: v[1] for k, v in base.items()})
+
+
+def _evaluation_text(ev: Evaluated) -> str:
+    """One line on how a candidate fared (debug output): the CP-SAT status and objective, then the verified
+    time or why it was not verified."""
+    parts = []
+    if ev.solver:
+        parts.append(f"CP-SAT {ev.solver.status}, objective {ev.solver.objective_s:.4g} s, gap {ev.solver.gap:.1%}, "
+                     f"{ev.solver.wall_s:.2f} s")
+    if ev.result:
+        parts.append(f"verified {ev.verified_s:.4g} s")
+    if ev.error:
+        parts.append(ev.error)
+    return "; ".join(parts) or "no result"
 
 
 def _order_variants(problem: Problem, best: Evaluated, evaluated: list[Evaluated]) -> Evaluated:

@@ -1,0 +1,249 @@
+"""`tierflow env`: what this machine offers tierflow, as DeepSpeed's `ds_report` does for DeepSpeed.
+
+Versions (python, tierflow, torch, ortools, numpy), CUDA and the GPUs (name, memory, compute capability) when
+torch sees CUDA, whether a directory (--ssd-dir, default the current one) takes O_DIRECT (the SSD tier's own
+probe, direct_io.py) and its free space, the pinned-memory limit (`ulimit -l`, /proc/meminfo), cores, memory,
+and what `tierflow calibrate` would measure here. `--json` for machine-readable output.
+
+It never fails because a part is missing: torch that cannot be imported, no CUDA, no /proc are reported as such.
+Only the standard library is imported at start-up; torch is imported when the command runs, inside a guard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+
+
+@dataclass
+class GpuInfo:
+    index: int
+    name: str
+    memory_bytes: int
+    capability: str  # "9.0"
+
+
+@dataclass
+class SsdDirInfo:
+    path: str
+    o_direct: bool | None  # None: could not be probed (see error)
+    free_bytes: int | None
+    device: str
+    error: str = ""
+
+
+@dataclass
+class PinnedInfo:
+    memlock_soft_bytes: int | None  # `ulimit -l` (None = unlimited)
+    memlock_hard_bytes: int | None
+    mem_total_bytes: int | None  # /proc/meminfo
+    mem_available_bytes: int | None
+    mlocked_bytes: int | None
+
+
+@dataclass
+class EnvReport:
+    versions: dict[str, str]
+    torch_error: str
+    cuda: str  # CUDA runtime version of torch's build, or why there is none
+    gpus: list[GpuInfo]
+    ssd_dir: SsdDirInfo
+    pinned: PinnedInfo
+    cpu: str
+    cores_online: int
+    cores_usable: int  # this process's CPU affinity
+    memory_bytes: int | None
+    calibrate_device: str
+    calibrate_measures: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---- collecting ------------------------------------------------------------------------------------------------
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _torch_info() -> tuple[str | None, str, str, list[GpuInfo]]:
+    """(torch version or None, import error, CUDA line, GPUs). Any failure of torch is reported, not raised."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001 - a broken torch install must not fail the report
+        return None, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}", "unknown (torch not importable)", []
+    gpus: list[GpuInfo] = []
+    try:
+        if not torch.cuda.is_available():
+            built = torch.version.cuda
+            cuda = (f"not available (torch built with CUDA {built}, but no GPU is visible)" if built
+                    else "not available (a CPU-only build of torch)")
+        else:
+            cuda = f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} device(s)"
+            for i in range(torch.cuda.device_count()):
+                p = torch.cuda.get_device_properties(i)
+                gpus.append(GpuInfo(i, p.name, int(p.total_memory), f"{p.major}.{p.minor}"))
+    except Exception as e:  # noqa: BLE001 - a broken driver is reported, not raised
+        cuda = f"error: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return torch.__version__, "", cuda, gpus
+
+
+def ssd_dir_info(directory: str | os.PathLike[str]) -> SsdDirInfo:
+    """Whether `directory` takes O_DIRECT (the SSD tier's probe), its free space and block device."""
+    from tierflow.executor.calibrate import block_device_name
+    from tierflow.executor.direct_io import probe_o_direct
+
+    path = Path(directory).resolve()
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        free = None
+    if not path.is_dir():
+        return SsdDirInfo(str(path), None, free, "unknown device", "not a directory")
+    try:
+        direct = probe_o_direct(path)
+        error = ""
+    except OSError as e:
+        direct, error = None, f"cannot probe: {e.strerror or e}"
+    return SsdDirInfo(str(path), direct, free, block_device_name(path), error)
+
+
+def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """/proc/meminfo's fields in bytes ({} where there is none)."""
+    out: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key.strip()] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
+
+
+def pinned_info() -> PinnedInfo:
+    soft = hard = None
+    try:
+        import resource
+
+        lim_soft, lim_hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        soft = None if lim_soft == resource.RLIM_INFINITY else int(lim_soft)
+        hard = None if lim_hard == resource.RLIM_INFINITY else int(lim_hard)
+    except (ImportError, AttributeError, OSError, ValueError):
+        soft = hard = -1  # unknown
+    mi = meminfo()
+    return PinnedInfo(soft, hard, mi.get("MemTotal"), mi.get("MemAvailable"), mi.get("Mlocked"))
+
+
+def collect(ssd_dir: str | os.PathLike[str] = ".") -> EnvReport:
+    from tierflow import __version__
+    from tierflow.executor.calibrate import FULL, cpu_model, measurement_plan
+
+    torch_version, torch_error, cuda, gpus = _torch_info()
+    versions = {"python": platform.python_version(), "tierflow": __version__,
+                "torch": torch_version or "not importable", "ortools": _version("ortools"),
+                "numpy": _version("numpy"), "os": f"{platform.system()} {platform.release()} {platform.machine()}"}
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 1
+    device = "cuda" if gpus else "cpu"
+    mi = meminfo()
+    return EnvReport(versions=versions, torch_error=torch_error, cuda=cuda, gpus=gpus,
+                     ssd_dir=ssd_dir_info(ssd_dir), pinned=pinned_info(), cpu=cpu_model(),
+                     cores_online=os.cpu_count() or 1, cores_usable=usable, memory_bytes=mi.get("MemTotal"),
+                     calibrate_device=device,
+                     calibrate_measures=measurement_plan(device, FULL, ssd=True) if torch_version else [])
+
+
+# ---- formatting ------------------------------------------------------------------------------------------------
+
+
+def _gib(n: int | None) -> str:
+    if n is None:
+        return "unknown"
+    return f"{n / GIB:,.1f} GiB"
+
+
+def _limit(n: int | None) -> str:
+    if n is None:
+        return "unlimited"
+    if n < 0:
+        return "unknown"
+    return f"{n / 2**10:,.0f} KiB" if n < 2**20 else f"{n / 2**20:,.0f} MiB"
+
+
+def format_report(r: EnvReport) -> str:
+    v = r.versions
+    lines = ["tierflow env", "", "versions"]
+    lines += [f"  {k:<10} {v[k]}" for k in ("python", "tierflow", "torch", "ortools", "numpy", "os")]
+    if r.torch_error:
+        lines.append(f"  torch import failed: {r.torch_error} (tierflow run and calibrate need it; "
+                     "pip install 'tierflow[run]')")
+    lines += ["", f"CUDA: {r.cuda}"]
+    for g in r.gpus:
+        lines.append(f"  GPU {g.index}: {g.name}, {_gib(g.memory_bytes)}, compute capability {g.capability}")
+    s = r.ssd_dir
+    direct = {True: "yes", False: "no (buffered I/O: reads may come from the page cache)", None: "unknown"}[s.o_direct]
+    lines += ["", f"SSD directory {s.path} ({s.device})", f"  O_DIRECT   {direct}" + (f"; {s.error}" if s.error else ""),
+              f"  free       {_gib(s.free_bytes)}"]
+    p = r.pinned
+    lines += ["", "pinned host memory",
+              f"  ulimit -l  {_limit(p.memlock_soft_bytes)} (hard {_limit(p.memlock_hard_bytes)}): the locked-memory "
+              "limit of this process",
+              f"  meminfo    total {_gib(p.mem_total_bytes)}, available {_gib(p.mem_available_bytes)}, "
+              f"locked {_gib(p.mlocked_bytes)}"]
+    lines += ["", f"CPU: {r.cpu}", f"  cores      {r.cores_usable} usable of {r.cores_online} online",
+              f"  memory     {_gib(r.memory_bytes)}"]
+    lines += ["", f"tierflow calibrate here measures (--device {r.calibrate_device}, with --ssd-dir):"]
+    if r.calibrate_measures:
+        lines += [f"  {m}" for m in r.calibrate_measures]
+    else:
+        lines.append("  nothing: it needs torch")
+    return "\n".join(lines)
+
+
+# ---- command line ----------------------------------------------------------------------------------------------
+
+
+class EnvError(ValueError):
+    """Bad input to `tierflow env` (one line, exit code 2)."""
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    if not Path(args.ssd_dir).is_dir():
+        raise EnvError(f"--ssd-dir {args.ssd_dir}: no such directory (give an existing directory on the SSD "
+                       "to probe, or leave it out for the current one)")
+    report = collect(args.ssd_dir)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "env", help="report versions, CUDA/GPUs, O_DIRECT, pinned-memory limits and what calibrate would measure",
+        description="Report what this machine offers tierflow (as DeepSpeed's ds_report): versions, CUDA and the "
+        "GPUs, whether --ssd-dir takes O_DIRECT, the pinned-memory limit, cores, memory and what `tierflow "
+        "calibrate` would measure. Never fails for a missing part: it says what is missing.")
+    p.add_argument("--ssd-dir", default=".", metavar="DIR",
+                   help="directory to probe for O_DIRECT and free space (default: the current one)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_env)
