@@ -150,6 +150,40 @@ def test_build_profile_for_a_cpu_device():
     assert r.core_bound and (r.cores, r.gpu_cores, r.adam_cores, r.copy_cores) == (2, 2, 2, 1)
 
 
+def test_build_profile_for_a_cpu_device_takes_the_executors_store_and_fixed_costs():
+    m = fake_measurements()
+    m["device"] = "cpu"
+    m["gpu"] = {"model": "test CPU via torch (2 threads)", "host_cores": 2, "gemms": [{}, {}], "peak_tflops": 0.15,
+                "half_gflop": 0.01, "elementwise_gbps": 30.0}
+    m["pcie"] = {"h2d_gbps": 10.0, "d2h_gbps": 10.0, "duplex_h2d_gbps": 6.0, "duplex_d2h_gbps": 6.0}
+    m["ssd"] = {"dir": "x", "direct": True, "model": "vda", "capacity_gb": 50.0, "block_bytes": 2**20,
+                "read_gbps": 1.2, "write_gbps": 0.4, "mixed_read_gbps": 0.8, "mixed_write_gbps": 0.3,
+                "rw_sharing": "shared",
+                "store": {"read_gbps": 0.5, "write_gbps": 0.25, "file_bytes": 2**25, "mixed_read_gbps": 0.4,
+                          "mixed_write_gbps": 0.2, "direct": True}}
+    m["executor"] = {"op_overhead_us": 250.0, "pcie_latency_us": 80.0, "ssd_latency_us": 2000.0}
+    c = cal.build_profile(m)
+    g, p, s = c.profile.gpu, c.profile.pcie, c.profile.ssd
+    assert (g.op_overhead_us, p.latency_us, s.latency_us) == (250, 80, 2000)
+    assert (s.read_gbps, s.write_gbps, s.mixed_efficiency) == (0.5, 0.25, 0.8)  # the store's, not the raw device's
+    m["executor"] = {}
+    bare = cal.build_profile(m).profile
+    assert (bare.gpu.op_overhead_us, bare.pcie.latency_us, bare.ssd.latency_us) == (None, None, None)
+
+
+def test_executor_costs_and_store_are_measured_by_running_them(tmp_path):
+    """The tiny plan really runs through the executor (its SSD ops through the store) and every fixed cost is a
+    positive number of microseconds; the store's rates are positive and its files are gone afterwards."""
+    store = cal.measure_store(tmp_path, 4 * 2**20, mixed_s=0.1, files=2)
+    assert store["read_gbps"] > 0 and store["write_gbps"] > 0 and store["mixed_read_gbps"] > 0
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith("calibrate-")]
+    hw = load_profile("rtx3090-desktop")
+    costs = cal.measure_executor_costs(hw, "cpu", tmp_path)
+    assert all(costs[k] is not None and 0 < costs[k] < 1e6 for k in ("op_overhead_us", "pcie_latency_us",
+                                                                     "ssd_latency_us")), costs
+    assert {"gpu", "h2d", "d2h", "ssd_read", "ssd_write"} <= set(costs["ops"])
+
+
 def test_cli_set_is_parsed_and_checked():
     assert cal._parse_sets(["gpu.memory_gib=2", "ssd.array_read_gbps=null", "cpu.model=x"]) == {
         "gpu.memory_gib": 2, "ssd.array_read_gbps": None, "cpu.model": "x"}
