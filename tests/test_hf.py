@@ -108,3 +108,135 @@ def test_cli_simulate_takes_a_hub_id_and_refuses_an_uncached_one(cache):
     p = run_cli("simulate", "--model", "acme/tiny-qwen3", "--seq", "256", "--hw", "rtx3090-desktop",
                 env_cache=cache)
     assert p.returncode == 0, p.stderr  # qwen3 without use_sliding_window: any --seq
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tierflow run trains every family, and --export-hf writes what transformers loads
+# --------------------------------------------------------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+
+import dataclasses  # noqa: E402
+
+from tierflow.executor.data import TokenData  # noqa: E402
+from tierflow.executor.engine import Hyper  # noqa: E402
+from tierflow.executor.models import BlockModel, build_blocks  # noqa: E402
+from tierflow.executor.models import loss as lm_loss  # noqa: E402
+from tierflow.executor.run import RunOptions, run_plan  # noqa: E402
+from tierflow.executor.state import BlockLayout  # noqa: E402
+from tierflow.hwprofiles import load_profile  # noqa: E402
+from tierflow.planner.core.placement import Placement, Split  # noqa: E402
+from tierflow.planner.core.schedules import build_graph, make_schedule  # noqa: E402
+from tierflow.planner.io.planfile import plan_from_graph, write_plan  # noqa: E402
+
+HW = load_profile("rtx3090-desktop")
+BATCH, MICRO, SEQ, STEPS = 4, 2, 32, 2
+HYPER = Hyper(lr=1e-2, weight_decay=0.1)  # a large step, so that two steps move every weight visibly
+SSD_STATES = Placement(master=Split(0.0, 0.0, 1.0), adam_m=Split(0.0, 0.5, 0.5), adam_v=Split(0.0, 0.0, 1.0))
+
+GPT, LLAMA = get_model("tiny-gpt"), get_model("tiny-llama")
+FAMILIES = {
+    "gpt": GPT,
+    "llama": LLAMA,
+    "mistral": dataclasses.replace(LLAMA, name="tiny-mistral", family="mistral", sliding_window=64),
+    "qwen2": dataclasses.replace(LLAMA, name="tiny-qwen2", family="qwen2", qkv_bias=True, tied_embeddings=True),
+    "qwen3": dataclasses.replace(LLAMA, name="tiny-qwen3", family="qwen3", qk_norm=True, head_dim=48),
+    "gemma": dataclasses.replace(LLAMA, name="tiny-gemma", family="gemma", activation="geglu", tied_embeddings=True,
+                                 head_dim=64),
+    "phi3": dataclasses.replace(LLAMA, name="tiny-phi3", family="phi3", rotary_fraction=0.5),
+    "opt": dataclasses.replace(GPT, name="tiny-opt", family="opt", activation="relu", position_offset=2),
+    "gpt_neox": dataclasses.replace(GPT, name="tiny-neox", family="gpt_neox", max_positions=0, tied_embeddings=False,
+                                    parallel_residual=True, rotary_fraction=0.25),
+}
+
+
+def make_plan(spec):
+    cfg = make_schedule("vertical", spec, HW, batch=BATCH, micro_batch=MICRO, seq=SEQ, placement=SSD_STATES,
+                        alpha=0.25, iterations=STEPS)
+    return plan_from_graph(spec, HW, cfg, build_graph(spec, HW, cfg))
+
+
+def reference_losses(spec):
+    """Plain PyTorch AdamW on the same blocks and data, with gradient accumulation over the micro-batches."""
+    torch.manual_seed(0)
+    ref = BlockModel(spec, build_blocks(spec))
+    opt = torch.optim.AdamW(ref.parameters(), lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
+                            weight_decay=HYPER.weight_decay)
+    data = TokenData.load(None, spec.vocab_size, seed=0)
+    losses, M = [], BATCH // MICRO
+    for s in range(STEPS):
+        x, y = data.batch(s, BATCH, SEQ)
+        opt.zero_grad()
+        total = 0.0
+        for m in range(M):
+            loss = lm_loss(ref(x[m * MICRO:(m + 1) * MICRO]), y[m * MICRO:(m + 1) * MICRO])
+            (loss / M).backward()
+            total += loss.item() / M
+        opt.step()
+        losses.append(total)
+    return losses
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_run_trains_the_family_and_exports_what_transformers_loads(family, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    spec = FAMILIES[family]
+    (tmp_path / "ssd").mkdir()
+    out = tmp_path / "hf"
+    opts = RunOptions(steps=STEPS, ssd_dir=str(tmp_path / "ssd"), quiet=True, collect_final=True, hyper=HYPER,
+                      export_hf=str(out))
+    res = run_plan(make_plan(spec), opts)
+    # the executor's training is plain PyTorch AdamW training of these blocks
+    for got, want in zip(res.losses, reference_losses(spec), strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    # the executor's model with the trained weights ...
+    layout = BlockLayout(spec)
+    model = BlockModel(spec, build_blocks(spec)).eval()
+    model.load_block_state_dicts([layout.params(b, v) for b, v in enumerate(res.final_master)])
+    torch.manual_seed(0)
+    init = BlockModel(spec, build_blocks(spec))
+    moved = [n for (n, p), q in zip(model.named_parameters(), init.parameters()) if not torch.equal(p, q)]
+    assert len(moved) == len(list(init.parameters()))  # two steps moved every tensor
+    # ... and transformers' model from the exported directory compute the same logits
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert type(hf).__name__ == json.loads((out / "config.json").read_text())["architectures"][0]
+    assert sum(p.numel() for p in hf.parameters()) == spec.total_params()
+    x = TokenData.load(None, spec.vocab_size, seed=7).batch(0, 2, SEQ)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=x).logits, model(x), atol=1e-4, rtol=0)
+
+
+def test_cli_export_hf_refuses_a_used_directory_before_training(tmp_path, capsys):
+    from tierflow.planner.io.cli import main
+
+    plan = tmp_path / "plan.json"
+    write_plan(make_plan(LLAMA), plan)
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "keep.txt").write_text("mine")
+    assert main(["run", str(plan), "--steps", "1", "--device", "cpu", "--export-hf", str(used)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--export-hf" in err and "not an empty directory" in err
+    assert [p.name for p in used.iterdir()] == ["keep.txt"]
+    # a model transformers' class cannot express is refused before any step, too
+    sliding_qwen = dataclasses.replace(FAMILIES["qwen2"], name="tiny-qwen2-sliding", sliding_window=64)
+    write_plan(make_plan(sliding_qwen), plan)
+    assert main(["run", str(plan), "--steps", "1", "--device", "cpu", "--export-hf", str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "max_window_layers" in err and "step" not in capsys.readouterr().out
+
+
+def test_cli_export_hf_writes_after_the_last_step(tmp_path, capsys):
+    from tierflow.planner.io.cli import main
+
+    plan = tmp_path / "plan.json"
+    write_plan(make_plan(FAMILIES["opt"]), plan)
+    (tmp_path / "ssd").mkdir()
+    rc = main(["run", str(plan), "--steps", "2", "--device", "cpu", "--ssd-dir", str(tmp_path / "ssd"),
+               "--export-hf", str(tmp_path / "out")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "exported the fp32 weights after step 2" in text
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "opt" and config["do_layer_norm_before"] is True
