@@ -871,6 +871,9 @@ def export_hf(spec: ModelSpec, blocks: list[Mapping[str, torch.Tensor]], directo
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".model.safetensors.{os.getpid()}.tmp"
     save_file({k: v.cpu() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # as any file this process creates (safetensors writes it owner-only)
     os.replace(tmp, out / "model.safetensors")
     tmp = out / f".config.json.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(config, indent=2) + "\n")
