@@ -240,3 +240,16 @@ def test_cli_export_hf_writes_after_the_last_step(tmp_path, capsys):
     assert "exported the fp32 weights after step 2" in text
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["model_type"] == "opt" and config["do_layer_norm_before"] is True
+
+
+def test_plans_of_the_new_families_follow_the_plan_schema(tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    from tierflow.planner.io.planfile import load_plan
+
+    schema = json.loads((Path(__file__).resolve().parents[1] / "docs" / "plan.schema.json").read_text())
+    for family in ("qwen3", "gemma", "phi3", "mistral"):
+        path = tmp_path / f"{family}.json"
+        write_plan(make_plan(FAMILIES[family]), path)
+        model_schema = {**schema["$defs"]["model"], "$defs": schema["$defs"]}  # the section these fields live in
+        jsonschema.validate(json.loads(path.read_text())["model"], model_schema)
+        assert load_plan(path).model == FAMILIES[family]  # the new fields survive the round trip
