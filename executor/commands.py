@@ -35,6 +35,9 @@ def register_run(subparsers: Any) -> None:
                    help="steps between checkpoints, >= 1 (default: the plan's iterations per round)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write the measured timeline.csv, trace.json (Perfetto), gantt.png and steps.csv here")
+    p.add_argument("--export-hf", default=None, metavar="DIR",
+                   help="after the last step, write the trained fp32 weights as a Hugging Face model directory "
+                   "(config.json + model.safetensors) that transformers' from_pretrained loads; DIR must be new or empty")
     p.add_argument("--lr", type=positive_float(), default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--weight-decay", type=non_negative_float(), default=0.1, help="AdamW weight decay (default 0.1)")
     p.add_argument("--seed", type=int_in(0, 2**63 - 1, "a non-negative integer"), default=0, help="seed of the random init and synthetic data (default 0)")

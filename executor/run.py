@@ -31,7 +31,7 @@ from tierflow.executor.engine import (
     UnsupportedPlan,
     measured_result,
 )
-from tierflow.executor.models import check_supported
+from tierflow.executor.models import check_supported, export_hf, hf_config
 from tierflow.executor.state import StateError, TrainState, latest_checkpoint, read_manifest
 from tierflow.executor.store import ChecksumError, SsdError, SsdStore, check_ssd_dir
 from tierflow.planner.core.simulator import CapacityError, SimResult
@@ -62,6 +62,7 @@ class RunOptions:
     seed: int = 0
     quiet: bool = False
     collect_final: bool = False  # return the final fp32 master weights (RunResult.final_master), e.g. for tests
+    export_hf: str | None = None  # after the last step, write the fp32 master weights here in the HF layout
 
 
 @dataclass
@@ -149,6 +150,8 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
         raise RunError(str(e)) from None
     if opts.steps < 1:
         raise RunError(f"--steps {opts.steps}: must be >= 1")
+    if opts.export_hf:
+        check_export_hf(opts.export_hf, plan)
     device = _device(opts.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = plan.config
@@ -241,10 +244,36 @@ def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtyp
         write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({device})")
         if not opts.quiet:
             log(f"  wrote timeline.csv, trace.json, gantt.png, steps.csv under {opts.out}")
+    if opts.export_hf:
+        path = export_trained(state, opts.export_hf)
+        if not opts.quiet:
+            log(f"  exported the fp32 weights after step {step} to {path} (config.json, model.safetensors)")
     final = state.master_blocks() if opts.collect_final else None
     return RunResult(plan, start_step, records, state, measured,
                      ssd.bytes_read if ssd else 0, ssd.bytes_written if ssd else 0, ssd.direct if ssd else None,
                      final_master=final)
+
+
+def check_export_hf(directory: str, plan: Plan) -> None:
+    """Before training: the model has a Hugging Face layout and the directory is new or empty (never overwritten)."""
+    try:
+        hf_config(plan.model)
+    except ValueError as e:
+        raise RunError(f"--export-hf: {e}") from None
+    d = Path(directory)
+    if d.exists() and (not d.is_dir() or any(d.iterdir())):
+        raise RunError(f"--export-hf {d}: exists and is not an empty directory (give a new or empty one; "
+                       "tierflow does not overwrite it)")
+    try:  # made now, so that an unwritable place fails before training rather than after it
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"--export-hf {d}: cannot create it ({e.strerror}); give a writable directory") from None
+
+
+def export_trained(state: TrainState, directory: str) -> Path:
+    """The fp32 master weights of every block, written as config.json + model.safetensors (transformers' layout)."""
+    blocks = [state.layout.params(b, state.full("master", b)) for b in range(len(state.layout.numel))]
+    return export_hf(state.spec, blocks, directory)
 
 
 def write_run_outputs(measured: SimResult, records: list[StepRecord], out: str, name: str) -> None:
@@ -268,7 +297,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     opts = RunOptions(steps=args.steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
                       data_format=args.data_format, init=args.init, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every or 0, out=args.out, hyper=hyper, seed=args.seed,
-                      quiet=args.json or level_of(args) >= QUIET)
+                      quiet=args.json or level_of(args) >= QUIET, export_hf=args.export_hf)
     try:
         plan = load_plan(args.plan)
         simulate_plan(plan)  # a plan that overflows a tier is refused as `tierflow simulate --plan` refuses it
@@ -297,5 +326,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                "o_direct": res.o_direct}
         if res.measured is not None:
             out["measured"] = res.measured.to_dict()
+        if args.export_hf:
+            out["export_hf"] = str(args.export_hf)
         print(json.dumps(out, indent=2))
     return 0
