@@ -7,8 +7,9 @@
    so that the models below do not fit on the device and their optimizer states must go to the SSD tier.
 2. For two model sizes, three schedules (horizontal, vertical with the paper placement: weights in host memory,
    optimizer states on the SSD; and `plan_search`'s plan): write the plan file, train it with the executor
-   (`run_plan`, the same code as `tierflow run`) and compare its measured trace with the plan's prediction
-   (`tierflow compare`): iteration error (measured / predicted - 1) and each resource's busy-time error.
+   (`run_plan`, the same code as `tierflow run`) twice and compare the faster run's measured trace with the
+   plan's prediction (`tierflow compare`): iteration error (measured / predicted - 1) and each resource's
+   busy-time error.
 Writes closed_loop.csv (one row per run), closed_loop_resources.csv, closed_loop_blocks.csv (one decoder block
 timed alone with plain PyTorch against the cost model: the model's error without the executor's) and
 closed_loop.png (predicted and measured iteration times side by side; measured / predicted busy time per
@@ -40,6 +41,7 @@ from tierflow.planner.search.problem import Problem
 SEQ = 256
 BATCH, MICRO_BATCH = 8, 2
 STEPS = 6  # training steps per run: two rounds of the plan's three iterations
+REPEATS = 2  # runs of each plan; the fastest is compared (calibrate likewise keeps the best of its timings)
 
 
 def gpt(layers: int, hidden: int, heads: int) -> ModelSpec:
@@ -99,13 +101,19 @@ def one_run(name: str, model: ModelSpec, hw: HardwareProfile, schedule: str, dev
     tag = f"{name}-{schedule}"
     path = work / f"plan-{tag}.json"
     write_plan(plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg), predicted=predicted), path)
-    run_dir = work / f"run-{tag}"
+    # best of REPEATS runs, as calibrate keeps the best of its timings: on a shared machine a run is only ever
+    # slowed by others, so the fastest is the closest to what the box delivers, on both sides of the comparison
+    best = None
     t0 = time.perf_counter()
-    run = run_plan(load_plan(path), RunOptions(steps=STEPS, device=device, ssd_dir=str(ssd_dir), out=str(run_dir),
-                                               quiet=True))
-    wall_s = time.perf_counter() - t0
-    c = compare(load_plan(path), run_dir / "trace.json")
-    d = c.to_dict()
+    for k in range(REPEATS):
+        run_dir = work / f"run-{tag}-{k}"
+        run = run_plan(load_plan(path), RunOptions(steps=STEPS, device=device, ssd_dir=str(ssd_dir),
+                                                   out=str(run_dir), quiet=True))
+        d = compare(load_plan(path), run_dir / "trace.json").to_dict()
+        if best is None or d["measured_iteration_s"] < best[1]["measured_iteration_s"]:
+            best = (run, d)
+    wall_s = (time.perf_counter() - t0) / REPEATS
+    run, d = best
     peaks = run.measured.peak_bytes if run.measured is not None else {}
     row = {"model": name, "params_m": round(model.total_params() / 1e6, 2), "schedule": schedule,
            "decisions": cfg.describe() if hasattr(cfg, "describe") else cfg.family,
