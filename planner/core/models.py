@@ -44,7 +44,7 @@ DEFAULT_MAX_TRAIN_SEQ = 4096
 # num_hidden_layers: 1000000 or 10**400 is refused with one line instead of growing a task graph past memory
 # or overflowing a numpy index.
 SHAPE_LIMITS: dict[str, int] = {
-    "num_layers": 1024,
+    "num_layers": 4096,  # `tierflow capacity` searches up to it (3.2T params on the 4090 box with SSDs)
     "hidden": 1 << 17,
     "num_heads": 4096,
     "num_kv_heads": 4096,
