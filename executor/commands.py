@@ -33,6 +33,9 @@ def register_run(subparsers: Any) -> None:
                    help="steps between checkpoints (default: the plan's iterations per round)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write the measured timeline.csv, trace.json (Perfetto), gantt.png and steps.csv here")
+    p.add_argument("--profile", action="store_true",
+                   help="run under torch.profiler and write its Chrome trace, torch_trace.json, under --out (each "
+                   "op in a record_function named after the plan's op, e.g. 'op 123 fwd b3 mb1 it0'); needs --out")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random init and synthetic data (default 0)")

@@ -2,12 +2,14 @@
 requested number of steps (a *round* runs the plan's iterations once; the last round of a run, or one that
 ends at a checkpoint, runs only the first iterations of the plan), prints loss, tokens/s and TFLOPS per step,
 checkpoints atomically and resumes from the last checkpoint, and writes the measured trace in the simulator's
-format (timeline.csv, trace.json, gantt.png) plus steps.csv.
+format (timeline.csv, trace.json, gantt.png) plus steps.csv; with --profile also torch.profiler's Chrome trace
+(torch_trace.json), each op under a record_function named after its plan op.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import hashlib
 import json
@@ -56,6 +58,7 @@ class RunOptions:
     hyper: Hyper = field(default_factory=Hyper)
     seed: int = 0
     quiet: bool = False
+    profile: bool = False  # torch.profiler around the run, its Chrome trace to out/torch_trace.json (needs out)
     collect_final: bool = False  # return the final fp32 master weights (RunResult.final_master), e.g. for tests
 
 
@@ -121,6 +124,8 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
         raise RunError(str(e)) from None
     if opts.steps < 1:
         raise RunError(f"--steps {opts.steps}: must be >= 1")
+    if opts.profile and not opts.out:
+        raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured trace.json")
     device = _device(opts.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = plan.config
@@ -162,7 +167,7 @@ def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtyp
         state.init_random(opts.seed)
         where = f"random init (seed {opts.seed})"
     data = TokenData.load(opts.data, spec.vocab_size, opts.data_format, seed=opts.seed)
-    ex = Executor(plan, state, data, device, opts.hyper, ssd)
+    ex = Executor(plan, state, data, device, opts.hyper, ssd, profile=opts.profile)
     per_round = plan.graph.num_iterations
     tokens = cfg.batch * cfg.seq
     flops_per_step = tokens * model_flops_per_token(spec, cfg.seq)
@@ -177,35 +182,43 @@ def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtyp
     best_iters = 0
     step = start_step
     every = opts.checkpoint_every
-    while step < opts.steps:
-        r = min(per_round, opts.steps - step)
-        if opts.checkpoint_dir and every:
-            r = min(r, every - step % every)
-        prev = [0.0]
+    profiler = _profiler(device) if opts.profile else contextlib.nullcontext()
+    with profiler:
+        while step < opts.steps:
+            r = min(per_round, opts.steps - step)
+            if opts.checkpoint_dir and every:
+                r = min(r, every - step % every)
+            prev = [0.0]
 
-        def on_step(i: int, loss: float, end_s: float, step=step, prev=prev) -> None:
-            step_s = end_s - prev[0]
-            prev[0] = end_s
-            rec = StepRecord(step + i + 1, loss, step_s, tokens / step_s if step_s > 0 else 0.0,
-                             flops_per_step / step_s / 1e12 if step_s > 0 else 0.0)
-            records.append(rec)
-            if not opts.quiet:
-                bar = "#" * (20 * rec.step // opts.steps)
-                log(f"step {rec.step:>5}/{opts.steps} [{bar:<20}] loss {rec.loss:.4f}  {rec.step_s * 1e3:8.1f} ms  "
-                    f"{rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS", flush=True)
+            def on_step(i: int, loss: float, end_s: float, step=step, prev=prev) -> None:
+                step_s = end_s - prev[0]
+                prev[0] = end_s
+                rec = StepRecord(step + i + 1, loss, step_s, tokens / step_s if step_s > 0 else 0.0,
+                                 flops_per_step / step_s / 1e12 if step_s > 0 else 0.0)
+                records.append(rec)
+                if not opts.quiet:
+                    bar = "#" * (20 * rec.step // opts.steps)
+                    log(f"step {rec.step:>5}/{opts.steps} [{bar:<20}] loss {rec.loss:.4f}  {rec.step_s * 1e3:8.1f} ms  "
+                        f"{rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS", flush=True)
 
-        rr = ex.run_round(r, step, on_step=on_step)
-        res = measured_result(plan, rr)
-        # the reporter's losses are the round's own (read after each iteration's last GPU op)
-        assert [x.loss for x in records[-r:]] == rr.losses
-        if r >= best_iters:
-            best_iters, measured = r, res
-        step += r
-        if opts.checkpoint_dir and every and step % every == 0:
-            path = state.save(opts.checkpoint_dir, step, {"plan": fingerprint, "seed": opts.seed,
-                                                          "hyper": asdict(opts.hyper), "data": data.source})
-            if not opts.quiet:
-                log(f"  checkpoint {path}")
+            rr = ex.run_round(r, step, on_step=on_step)
+            res = measured_result(plan, rr)
+            # the reporter's losses are the round's own (read after each iteration's last GPU op)
+            assert [x.loss for x in records[-r:]] == rr.losses
+            if r >= best_iters:
+                best_iters, measured = r, res
+            step += r
+            if opts.checkpoint_dir and every and step % every == 0:
+                path = state.save(opts.checkpoint_dir, step, {"plan": fingerprint, "seed": opts.seed,
+                                                              "hyper": asdict(opts.hyper), "data": data.source})
+                if not opts.quiet:
+                    log(f"  checkpoint {path}")
+    if opts.profile:
+        Path(opts.out).mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(Path(opts.out) / "torch_trace.json"))
+        if not opts.quiet:
+            log(f"  wrote torch_trace.json (torch.profiler; each op under a record_function 'op ID KIND bBLOCK ...') "
+                f"under {opts.out}")
     if opts.out and measured is not None:
         write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({device})")
         if not opts.quiet:
@@ -214,6 +227,16 @@ def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtyp
     return RunResult(plan, start_step, records, state, measured,
                      ssd.bytes_read if ssd else 0, ssd.bytes_written if ssd else 0, ssd.direct if ssd else None,
                      final_master=final)
+
+
+def _profiler(device: torch.device) -> torch.profiler.profile:
+    """torch.profiler over every thread (the executor runs its ops on one worker thread per resource; by default
+    the profiler records only the thread that started it)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities,
+                                  experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))
 
 
 def write_run_outputs(measured: SimResult, records: list[StepRecord], out: str, name: str) -> None:
@@ -237,7 +260,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     opts = RunOptions(steps=args.steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
                       data_format=args.data_format, init=args.init, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, out=args.out, hyper=hyper, seed=args.seed,
-                      quiet=args.json)
+                      quiet=args.json, profile=args.profile)
     try:
         plan = load_plan(args.plan)
         if args.checkpoint_dir and not args.checkpoint_every:

@@ -17,6 +17,7 @@ TENSOR_COLORS = {
     "opt_states": "#DD8452",
 }
 MAX_COUNTER_POINTS = 20000
+MAX_FLOWS = 4000  # dependency arrows in trace.json (a 175B iteration has ~10^5 cross-resource edges)
 
 
 def _color(kind: str, tensor: str) -> str:
@@ -40,6 +41,7 @@ def chrome_trace(res: SimResult, name: str = "tierflow") -> dict:
         args["bytes" if t.resource not in ("gpu", "cpu") else "work_s"] = t.work
         events.append({"name": t.label, "cat": t.kind, "ph": "X", "pid": 1, "tid": tid[t.resource],
                        "ts": s * 1e6, "dur": max(e - s, 0.0) * 1e6, "args": args})
+    events += flow_events(res, tid)
     trace = res.memory_trace
     step = max(1, len(trace) // MAX_COUNTER_POINTS)
     for i in range(0, len(trace), step):
@@ -47,6 +49,33 @@ def chrome_trace(res: SimResult, name: str = "tierflow") -> dict:
         events.append({"name": "memory_GB", "ph": "C", "pid": 1, "ts": time_s * 1e6,
                        "args": {tier: round(v / 1e9, 4) for tier, v in zip(TIERS, tiers)}})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"tool": "tierflow", **res.to_dict()}}
+
+
+def flow_events(res: SimResult, tid: dict[str, int], max_flows: int | None = None) -> list[dict]:
+    """Chrome trace flow arrows ("ph": "s" / "f" pairs) for the dependencies between ops on different resources
+    (the ones that make a resource wait for another; a resource's own order is its track). At most `max_flows`
+    (default MAX_FLOWS):
+    when there are more, those into the ops of the steady-state window first, in time order, so that the
+    arrows stay readable in Perfetto for a whole 175B run. Each end point lies inside its op's slice (its
+    midpoint), so a viewer binds it to that op."""
+    max_flows = MAX_FLOWS if max_flows is None else max_flows
+    tasks = res.graph.tasks
+    start, end = res.start_s, res.end_s
+    edges = [(d, t.id) for t in tasks for d in t.deps if tasks[d].resource != t.resource]
+    if len(edges) > max_flows:
+        w0, w1 = res.window_s
+        edges.sort(key=lambda e: (not (w0 <= float(start[e[1]]) <= w1), float(start[e[1]])))
+        edges = sorted(edges[:max_flows], key=lambda e: float(start[e[1]]))
+    out = []
+    for i, (src, dst) in enumerate(edges):
+        for ph, op in (("s", src), ("f", dst)):
+            mid_us = (float(start[op]) + float(end[op])) / 2 * 1e6
+            ev = {"name": "dep", "cat": "dependency", "ph": ph, "id": i, "pid": 1, "tid": tid[tasks[op].resource],
+                  "ts": mid_us}
+            if ph == "f":
+                ev["bp"] = "e"  # bind to the enclosing slice (the dependent op), not the next one
+            out.append(ev)
+    return out
 
 
 def write_chrome_trace(res: SimResult, path: str | Path, name: str = "tierflow") -> None:
