@@ -41,6 +41,9 @@ def register_run(subparsers: Any) -> None:
     p.add_argument("--lr", type=positive_float(), default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--weight-decay", type=non_negative_float(), default=0.1, help="AdamW weight decay (default 0.1)")
     p.add_argument("--seed", type=int_in(0, 2**63 - 1, "a non-negative integer"), default=0, help="seed of the random init and synthetic data (default 0)")
+    p.add_argument("--profile", action="store_true",
+                   help="run under torch.profiler and write its Chrome trace, torch_trace.json, under --out (each "
+                   "op in a record_function named after the plan's op, e.g. 'op 123 fwd b3 mb1 it0'); needs --out")
     p.add_argument("--json", action="store_true", help="print the steps and the measured summary as JSON")
     p.set_defaults(func=_cmd_run)
 

@@ -67,8 +67,9 @@ class Executor:
     round; the ops themselves are in ops.py."""
 
     def __init__(self, plan: Plan, state: TrainState, data: TokenData, device: torch.device, hyper: Hyper,
-                 ssd: SsdStore | None) -> None:
+                 ssd: SsdStore | None, profile: bool = False) -> None:
         self.plan, self.state, self.data, self.device, self.hyper, self.ssd = plan, state, data, device, hyper, ssd
+        self.profile = profile  # each op under a torch.profiler record_function named after it (tierflow run --profile)
         self.cfg = plan.config
         self.tasks: list[Task] = plan.graph.tasks
         self.cuda = device.type == "cuda"
@@ -185,6 +186,7 @@ class Executor:
         stream = rs.streams[resource] if rs.streams is not None and resource in STREAM_RESOURCES else None
         if not self.cuda:
             torch.set_num_threads(self._intra_op_threads(resource))  # this thread's own setting (OpenMP, MKL)
+        run_op = self._run_op_profiled if self.profile else self.ops.run  # chosen once: no cost when not profiling
         try:
             for tid in queue:
                 t = self.tasks[tid]
@@ -195,13 +197,13 @@ class Executor:
                         ev = torch.cuda.Event(enable_timing=True)
                         ev.record(stream)
                         rs.ev_start[tid] = ev
-                        self.ops.run(rs, t)
+                        run_op(rs, t)
                         ev = torch.cuda.Event(enable_timing=True)
                         ev.record(stream)
                         rs.ev_end[tid] = ev
                 else:
                     rs.start_s[tid] = time.perf_counter() - rs.t0_s
-                    self.ops.run(rs, t)
+                    run_op(rs, t)
                     rs.end_s[tid] = time.perf_counter() - rs.t0_s
                 self._apply_mem(rs, t.mem_end)
                 rs.done[tid].set()
@@ -210,6 +212,12 @@ class Executor:
         except BaseException as e:  # noqa: BLE001 - reported to the caller, the other workers stop
             rs.errors.append(self._explain(t, e))
             rs.abort.set()
+
+    def _run_op_profiled(self, rs: RoundState, t: Task) -> None:
+        """The op under a record_function named after the plan's op, e.g. 'op 123 fwd b3 mb1 it0', so that the
+        profiler's kernels line up with the plan's trace."""
+        with torch.profiler.record_function(f"op {t.id} {t.label}"):
+            self.ops.run(rs, t)
 
     def _wait_for_deps(self, rs: RoundState, t: Task, stream: torch.cuda.Stream | None) -> None:
         """Until t's dependencies have finished: on the host, then (CUDA) on the stream ops' end events, by this

@@ -2,7 +2,8 @@
 requested number of steps (a *round* runs the plan's iterations once; the last round of a run, or one that
 ends at a checkpoint, runs only the first iterations of the plan), prints loss, tokens/s and TFLOPS per step,
 checkpoints atomically and resumes from the last checkpoint, and writes the measured trace in the simulator's
-format (timeline.csv, trace.json, gantt.png) plus steps.csv.
+format (timeline.csv, trace.json, gantt.png) plus steps.csv; with --profile also torch.profiler's Chrome trace
+(torch_trace.json), each op under a record_function named after its plan op.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class RunOptions:
     hyper: Hyper = field(default_factory=Hyper)
     seed: int = 0
     quiet: bool = False
+    profile: bool = False  # torch.profiler around the run, its Chrome trace to out/torch_trace.json (needs out)
     collect_final: bool = False  # return the final fp32 master weights (RunResult.final_master), e.g. for tests
     export_hf: str | None = None  # after the last step, write the fp32 master weights here in the HF layout
 
@@ -152,6 +154,8 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
         raise RunError(f"--steps {opts.steps}: must be >= 1")
     if opts.export_hf:
         check_export_hf(opts.export_hf, plan)
+    if opts.profile and not opts.out:
+        raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured trace.json")
     device = _device(opts.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = plan.config
@@ -195,7 +199,7 @@ def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtyp
     data = TokenData.load(opts.data, spec.vocab_size, opts.data_format, seed=opts.seed)
     if opts.data:
         data.check_batch(cfg.batch, cfg.seq)
-    ex = Executor(plan, state, data, device, opts.hyper, ssd)
+    ex = Executor(plan, state, data, device, opts.hyper, ssd, profile=opts.profile)
     per_round = plan.graph.num_iterations
     tokens = cfg.batch * cfg.seq
     flops_per_step = tokens * model_flops_per_token(spec, cfg.seq)
@@ -210,6 +214,9 @@ def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtyp
     best_iters = 0
     step = start_step
     every = opts.checkpoint_every
+    profiler = _profiler(device) if opts.profile else None
+    if profiler is not None:
+        profiler.start()  # stopped and exported after the last round
     while step < opts.steps:
         r = min(per_round, opts.steps - step)
         if opts.checkpoint_dir and every:
@@ -240,6 +247,13 @@ def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtyp
                                                           "hyper": asdict(opts.hyper), "data": data.source})
             if not opts.quiet:
                 log(f"  checkpoint {path}")
+    if profiler is not None:
+        profiler.stop()
+        Path(opts.out).mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(Path(opts.out) / "torch_trace.json"))
+        if not opts.quiet:
+            log(f"  wrote torch_trace.json (torch.profiler; each op under a record_function 'op ID KIND bBLOCK ...') "
+                f"under {opts.out}")
     if opts.out and measured is not None:
         write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({device})")
         if not opts.quiet:
@@ -276,6 +290,16 @@ def export_trained(state: TrainState, directory: str) -> Path:
     return export_hf(state.spec, blocks, directory)
 
 
+def _profiler(device: torch.device) -> torch.profiler.profile:
+    """torch.profiler over every thread (the executor runs its ops on one worker thread per resource; by default
+    the profiler records only the thread that started it)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities,
+                                  experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))
+
+
 def write_run_outputs(measured: SimResult, records: list[StepRecord], out: str, name: str) -> None:
     from tierflow.planner.core.trace import write_outputs
 
@@ -297,7 +321,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     opts = RunOptions(steps=args.steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
                       data_format=args.data_format, init=args.init, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every or 0, out=args.out, hyper=hyper, seed=args.seed,
-                      quiet=args.json or level_of(args) >= QUIET, export_hf=args.export_hf)
+                      quiet=args.json or level_of(args) >= QUIET, export_hf=args.export_hf, profile=args.profile)
     try:
         plan = load_plan(args.plan)
         simulate_plan(plan)  # a plan that overflows a tier is refused as `tierflow simulate --plan` refuses it

@@ -26,7 +26,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from expcommon import Progress, arg_parser, new_figure, print_table, save_figure, write_csv
+from expcommon import (
+    Progress,
+    arg_parser,
+    new_figure,
+    print_table,
+    reference_line,
+    save_figure,
+    schedule_color,
+    write_csv,
+)
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.models import ModelSpec, get_model
@@ -175,30 +184,38 @@ def isolated_blocks(models: dict[str, ModelSpec], hw: HardwareProfile, device: s
 
 
 def plot(rows: list[dict], res_rows: list[dict], path: Path) -> Path:
-    fig, (ax1, ax2) = new_figure(2, width_in=6.0, height_in=4.2)
+    """Each run in its schedule's colour: predicted hatched and light, measured solid; model sizes side by side."""
+    fig, (ax1, ax2) = new_figure(2, width_in=6.0, height_in=4.4)
     labels = [f"{r['model']}\n{r['schedule']}" for r in rows]
     xs = range(len(rows))
-    ax1.bar([x - 0.2 for x in xs], [r["predicted_s"] for r in rows], width=0.4, label="predicted")
-    ax1.bar([x + 0.2 for x in xs], [r["measured_s"] for r in rows], width=0.4, label="measured")
+    colors = [schedule_color(r["schedule"]) for r in rows]
+    ax1.bar([x - 0.2 for x in xs], [r["predicted_s"] for r in rows], width=0.4, color=colors, alpha=0.35,
+            hatch="//", edgecolor=colors)
+    ax1.bar([x + 0.2 for x in xs], [r["measured_s"] for r in rows], width=0.4, color=colors)
     for x, r in zip(xs, rows):
         ax1.annotate(f"{r['iteration_error']:+.0%}", (x + 0.2, r["measured_s"]), ha="center", va="bottom",
                      fontsize=7)
     ax1.set_xticks(list(xs), labels, fontsize=7)
     ax1.set_ylabel("seconds per iteration")
     ax1.set_title("Iteration time: predicted vs measured")
-    ax1.legend(fontsize=8)
+    from matplotlib.patches import Patch
+
+    ax1.legend(handles=[Patch(facecolor="0.85", hatch="//", edgecolor="0.5", label="predicted"),
+                        Patch(facecolor="0.35", label="measured")], fontsize=8, loc="upper left")
     resources = sorted({r["resource"] for r in res_rows})
     width = 0.8 / max(1, len(rows))
+    models = list(dict.fromkeys(r["model"] for r in rows))
     for i, r in enumerate(rows):
         vals = [next((x["measured_busy_s"] / x["predicted_busy_s"] for x in res_rows if x["model"] == r["model"]
                       and x["schedule"] == r["schedule"] and x["resource"] == res and x["predicted_busy_s"] > 0),
                      float("nan")) for res in resources]
         ax2.bar([j + (i - (len(rows) - 1) / 2) * width for j in range(len(resources))], vals, width=width,
-                label=f"{r['model']} {r['schedule']}")
-    ax2.axhline(1.0, color="black", lw=1)
+                color=schedule_color(r["schedule"]), hatch="...." if models.index(r["model"]) else None,
+                edgecolor="white", linewidth=0.3, label=f"{r['model']} {r['schedule']}")
+    reference_line(ax2, 1.0, "as predicted", ls="-", left=True)
     ax2.set_xticks(range(len(resources)), resources, fontsize=8)
     ax2.set_ylabel("measured / predicted busy time")
-    ax2.set_title("Per resource")
+    ax2.set_title("Per resource" + (f" (dotted: {', '.join(models[1:])})" if len(models) > 1 else ""))
     ax2.legend(fontsize=6)
     return save_figure(fig, path)
 
