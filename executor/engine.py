@@ -79,7 +79,6 @@ class Executor:
                                  f"(it runs {', '.join(sorted(KINDS))}); upgrade tierflow")
         self.binding = Binding(plan, state.layout)
         self.ops = Ops(OpContext(self.binding, state, device, hyper, ssd))
-        self.host_threads = torch.get_num_threads()  # what `tierflow calibrate --device cpu` measured with
 
     # -- running a round ---------------------------------------------------------------------------------------
 
@@ -175,17 +174,8 @@ class Executor:
             if rs.abort.is_set():
                 raise _Aborted()
 
-    def _intra_op_threads(self, resource: str) -> int:
-        """Torch intra-op threads of a worker on a CPU device, as the cost model shares the host's cores
-        (costmodel._core_rates): compute and CPU Adam use every thread calibrate measured them with, a copy
-        or SSD op one core. Without this every worker's parallel regions would start their own team of all the
-        cores, and on a small host those teams oversubscribe the cores and stall compute at its barriers."""
-        return self.host_threads if resource in ("gpu", "cpu") else 1
-
     def _worker(self, rs: RoundState, resource: str, queue: list[int]) -> None:
         stream = rs.streams[resource] if rs.streams is not None and resource in STREAM_RESOURCES else None
-        if not self.cuda:
-            torch.set_num_threads(self._intra_op_threads(resource))  # this thread's own setting (OpenMP, MKL)
         run_op = self._run_op_profiled if self.profile else self.ops.run  # chosen once: no cost when not profiling
         try:
             for tid in queue:
