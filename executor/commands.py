@@ -41,6 +41,12 @@ def register_run(subparsers: Any) -> None:
     p.add_argument("--lr", type=positive_float(), default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--weight-decay", type=non_negative_float(), default=0.1, help="AdamW weight decay (default 0.1)")
     p.add_argument("--seed", type=int_in(0, 2**63 - 1, "a non-negative integer"), default=0, help="seed of the random init and synthetic data (default 0)")
+    p.add_argument("--resume-fallback", action="store_true",
+                   help="if the latest checkpoint is corrupt, truncated or unreadable, resume from the previous one "
+                   "that verifies (default: refuse with one line)")
+    p.add_argument("--allow-changed-hyper", action="store_true",
+                   help="resume although --seed, --lr, --weight-decay or --data differ from the checkpoint's "
+                   "(default: refuse, naming what differs)")
     p.add_argument("--json", action="store_true", help="print the steps and the measured summary as JSON")
     p.set_defaults(func=_cmd_run)
 
