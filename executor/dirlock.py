@@ -58,7 +58,11 @@ class DirLock:
 
     def acquire(self) -> DirLock:
         for _ in range(10):  # a release may unlink the file between our open and flock: retry on a fresh file
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise LockError(f"{self.what} {self.dir}: cannot create its lock file {self.path.name} "
+                                f"({e.strerror}); pass a writable directory") from None
             try:
                 self._flock(fd)
                 st, now = os.fstat(fd), self._stat()
