@@ -22,7 +22,8 @@ from test_executor import make_plan
 from tierflow.executor import checkpoint
 from tierflow.executor.checkpoint import file_crc32, read_manifest, verify_file, write_safetensors
 from tierflow.executor.dirlock import LOCK_NAME, DirLock
-from tierflow.executor.run import RunOptions, run_plan
+from tierflow.executor.engine import Hyper
+from tierflow.executor.run import RunError, RunOptions, run_plan
 from tierflow.executor.state import TrainState
 from tierflow.planner.io.cli import main
 from tierflow.planner.io.planfile import write_plan
@@ -68,14 +69,16 @@ def dead_pid() -> int:
 # -- 1. divergence ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flag,value", [("--lr", "0"), ("--lr", "-1e-3"), ("--lr", "nan"), ("--lr", "inf"),
-                                        ("--weight-decay", "-0.1"), ("--weight-decay", "nan")])
-def test_bad_lr_or_weight_decay_is_refused_up_front(plans, tmp_path, capsys, flag, value):
-    rc, out, err = tierflow_run(capsys, plans["one"], tmp_path, "--steps", "2", f"{flag}={value}",
-                                "--checkpoint-dir", str(tmp_path / "ck"))
-    assert rc == 2
-    line = one_line(err)
-    assert line.startswith(f"tierflow run: error: {flag} ") and "must be a finite number" in line
+@pytest.mark.parametrize("flag,hyper", [("--lr", Hyper(lr=0.0)), ("--lr", Hyper(lr=-1e-3)),
+                                        ("--lr", Hyper(lr=math.nan)), ("--lr", Hyper(lr=math.inf)),
+                                        ("--weight-decay", Hyper(weight_decay=-0.1)),
+                                        ("--weight-decay", Hyper(weight_decay=math.nan))])
+def test_bad_lr_or_weight_decay_is_refused_up_front(plans, tmp_path, flag, hyper):
+    """The command line refuses them in argparse (tests/test_reliability_inputs.py); run_plan itself too."""
+    (tmp_path / "ssd").mkdir()
+    opts = RunOptions(steps=2, ssd_dir=str(tmp_path / "ssd"), checkpoint_dir=str(tmp_path / "ck"), hyper=hyper)
+    with pytest.raises(RunError, match=f"^{flag} .*: must be a finite number"):
+        run_plan(plan_from(plans["one"]), opts)
     assert not (tmp_path / "ck").exists() and not list((tmp_path / "ssd").iterdir())  # refused before anything
 
 
