@@ -472,7 +472,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             out["stopped"] = {"exit_code": stopped.exit_code, "reason": str(stopped)}
         if res.measured is not None:
             out["measured"] = res.measured.to_dict()
-        if args.export_hf:
+        if args.export_hf and stopped is None:  # a run that stopped early exports nothing
             out["export_hf"] = str(args.export_hf)
         print(json.dumps(out, indent=2))
     return stopped.exit_code if stopped is not None else 0
