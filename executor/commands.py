@@ -44,6 +44,12 @@ def register_run(subparsers: Any) -> None:
     p.add_argument("--profile", action="store_true",
                    help="run under torch.profiler and write its Chrome trace, torch_trace.json, under --out (each "
                    "op in a record_function named after the plan's op, e.g. 'op 123 fwd b3 mb1 it0'); needs --out")
+    p.add_argument("--resume-fallback", action="store_true",
+                   help="if the latest checkpoint is corrupt, truncated or unreadable, resume from the previous one "
+                   "that verifies (default: refuse with one line)")
+    p.add_argument("--allow-changed-hyper", action="store_true",
+                   help="resume although --seed, --lr, --weight-decay or --data differ from the checkpoint's "
+                   "(default: refuse, naming what differs)")
     p.add_argument("--json", action="store_true", help="print the steps and the measured summary as JSON")
     p.set_defaults(func=_cmd_run)
 

@@ -85,7 +85,8 @@ class Executor:
     def run_round(self, iterations: int, step0: int, on_step=None) -> RoundResult:
         """Run the plan's ops of its first `iterations` iterations as training steps step0 .. step0+iterations-1.
         `on_step(iteration, loss, end_s)` is called (from a reporter thread) as soon as an iteration's last GPU
-        op has finished, so that long rounds show progress; it waits on that op's event only."""
+        op has finished, so that long rounds show progress; it waits on that op's event only. An exception it
+        raises stops the round's workers and is raised here (how `tierflow run` stops at a non-finite loss)."""
         n = self._check_round(iterations)
         rs = self._new_round(iterations, step0, n)
         queues = {r: [i for i in ids if i < n] for r, ids in self.plan.graph.resource_order().items()}
@@ -97,12 +98,20 @@ class Executor:
                 last[self.tasks[tid].iteration] = tid
             threads.append(threading.Thread(target=self._reporter, args=(rs, last, on_step), daemon=True,
                                             name="tierflow-reporter"))
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+        try:
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+        except BaseException:  # e.g. Interrupted or KeyboardInterrupt in this (the main) thread: stop every
+            rs.abort.set()     # worker and wait for it, so that no thread still runs torch ops at exit
+            for th in threads:
+                if th.ident is not None:
+                    th.join()
+            raise
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
         wall_s = time.perf_counter() - rs.t0_s
         if rs.errors:
             raise rs.errors[0]
@@ -167,6 +176,9 @@ class Executor:
                 on_step(it, float(rs.loss_sum[it]), end_s)
         except _Aborted:
             return
+        except Exception as e:  # noqa: BLE001 - on_step stopped training (e.g. a non-finite loss): stop the workers
+            rs.errors.insert(0, e)
+            rs.abort.set()
 
     def _wait(self, rs: RoundState, d: int) -> None:
         ev = rs.done[d]
