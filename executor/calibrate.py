@@ -50,6 +50,10 @@ from tierflow.planner.io.cli import CliError
 from tierflow.planner.io.progress import Progress
 
 FALLBACK_BASE = "rtx4090-lohan"
+# plans count activations, weights and their copies in the compute dtype's bytes, bf16 (workload.COMPUTE_BYTES);
+# the executor computes in fp32 on a CPU device, so that device's measured rates are converted to plan bytes
+PLAN_BYTES_PER_ELEMENT = 2
+HOST_DEVICE_BYTES_PER_ELEMENT = 4
 MIB = 2**20
 GIB = 2**30
 # Without a datasheet (--base), the best measured GEMM rate is taken to be this fraction of the peak.
@@ -487,6 +491,7 @@ def fit_gemm_half_gflop(small_gflop: float, small_eff: float, e_max: float) -> f
 # fp32 GEMMs (tokens, in, out) from small to large: the executor computes in fp32 on a CPU device
 HOST_GEMM_SHAPES = [(64, 128, 128), (128, 256, 256), (256, 512, 512), (512, 512, 2048), (1024, 1024, 1024),
                     (1024, 1024, 4096)]
+HOST_ATTENTION_SHAPES = [(2, 4, 256, 64), (2, 8, 512, 64)]  # (batch, heads, seq, head_dim)
 DEFAULT_HOST_DEVICE_GIB = 2.0  # device memory cap of a CPU "device" when --set gpu.memory_gib is not given
 
 
@@ -536,10 +541,23 @@ def measure_host_device(sizes: Sizes, progress: Progress) -> tuple[dict, dict]:
     n = max(1, min(sizes.dram_bytes, int(cpu_memory_gib() * GIB / 32)) // 4)
     xs = [torch.ones(n), torch.ones(n), torch.empty(n)]
     elementwise_gbps = 3 * n * 4 / _cpu_s_per_call(lambda: torch.add(xs[0], xs[1], out=xs[2]), 0.1) / 1e9
+    progress.step("CPU activation function and attention")
+    activation_gbps = 2 * n * 4 / _cpu_s_per_call(
+        lambda: torch.nn.functional.gelu(xs[0], approximate="tanh"), 0.1) / 1e9  # the GPT blocks' GELU
+    attention = []
+    for b, h, sq, d in HOST_ATTENTION_SHAPES:  # causal SDPA, as the executor's blocks call it
+        q, k, v = (torch.randn(b, h, sq, d) for _ in range(3))
+        sec = _cpu_s_per_call(lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True), min(0.2, sizes.gpu_target_s))
+        work = 2 * b * h * sq * sq * d  # the causal half of 4 b h s^2 d (costmodel.CAUSAL_ATTENTION_WORK)
+        curve = peak * (work / 1e9) / (work / 1e9 + half)  # a GEMM of the same work on the fitted curve, TFLOPS
+        attention.append({"shape": [b, h, sq, d], "tflops": work / sec / 1e12, "of_gemm": work / sec / 1e12 / curve})
     progress.step("device <-> host copies")
     copies = measure_host_copies(min(sizes.pcie_bytes, int(cpu_memory_gib() * GIB / 32)))
     gpu = {"model": f"{cpu_model()} via torch ({threads} threads)", "host_cores": threads, "gemms": gemms,
-           "peak_tflops": peak, "half_gflop": half, "elementwise_gbps": elementwise_gbps}
+           "peak_tflops": peak, "half_gflop": half, "elementwise_gbps": elementwise_gbps,
+           "activation_gbps": activation_gbps, "attention": attention,
+           "attention_efficiency": sum(a["of_gemm"] for a in attention) / len(attention)}
     return gpu, copies
 
 
@@ -583,7 +601,7 @@ def measurement_plan(device: str, sizes: Sizes = FULL, ssd: bool = False) -> lis
         steps += ["GPU small GEMM", "GPU memory bandwidth", "PCIe H2D / D2H / duplex"]
     else:
         steps = [f"CPU fp32 GEMM {a}x{b}->{c}" for a, b, c in HOST_GEMM_SHAPES]
-        steps += ["CPU elementwise bandwidth", "device <-> host copies"]
+        steps += ["CPU elementwise bandwidth", "CPU activation function and attention", "device <-> host copies"]
     steps += ["CPU memory bandwidth", f"CPU AdamW ({sizes.adam_params / 1e6:g}M params)"]
     if ssd:
         mib = sizes.ssd_file_bytes / MIB
@@ -870,9 +888,20 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
             f"fit of fp32 GEMM rates at {len(g['gemms'])} sizes: rate = peak x f / (f + half)")
         put("gpu.gemm_efficiency", 1.0, "derived", "the fitted peak is what large GEMMs reach")
         put("gpu.gemm_half_gflop", g["half_gflop"], "measured", "same fit")
-        put("gpu.hbm_gbps", g["elementwise_gbps"], "measured", "torch add of large fp32 tensors, 3 x bytes")
+        per_plan_byte = PLAN_BYTES_PER_ELEMENT / HOST_DEVICE_BYTES_PER_ELEMENT
+        plan_bytes = (f"in plan bytes: plans count {PLAN_BYTES_PER_ELEMENT} per element, the CPU device computes "
+                      f"in fp32 ({HOST_DEVICE_BYTES_PER_ELEMENT}), so the measured GB/s x {per_plan_byte:g}")
+        put("gpu.hbm_gbps", g["elementwise_gbps"] * per_plan_byte, "measured",
+            f"torch add of large fp32 tensors ({g['elementwise_gbps']:.3g} GB/s), {plan_bytes}")
         put("gpu.hbm_efficiency", 1.0, "derived", "hbm_gbps above is measured")
         put("gpu.host_cores", g["host_cores"], "measured", "torch intra-op threads: compute shares these cores")
+        if g.get("activation_gbps"):
+            put("gpu.activation_gbps", g["activation_gbps"] * per_plan_byte, "measured",
+                f"tanh GELU of large fp32 tensors ({g['activation_gbps']:.3g} GB/s read + written), {plan_bytes}")
+        if g.get("attention"):
+            put("gpu.attention_efficiency", min(1.0, g["attention_efficiency"]), "measured",
+                "causal scaled_dot_product_attention at " + ", ".join(
+                    f"{a['shape']}: {a['tflops']:.3g} TFLOPS" for a in g["attention"]) + ", over a GEMM of its work")
         ex = measurements.get("executor") or {}
         if ex.get("op_overhead_us") is not None:
             put("gpu.op_overhead_us", ex["op_overhead_us"], "measured",
@@ -929,13 +958,17 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
             put("pcie.generation", 1, "derived", "no PCIe link: device <-> host copies stay in host memory")
         else:
             put("pcie.generation", pcie_generation_from_rate(h2d), "derived", "from the H2D rate, assuming x16")
-        put("pcie.h2d_gbps", h2d, "measured", what)
-        put("pcie.d2h_gbps", d2h, "measured", what)
+        scale = PLAN_BYTES_PER_ELEMENT / HOST_DEVICE_BYTES_PER_ELEMENT if host_device else 1.0
+        if host_device:  # what crosses this "link" (weights, activations, gradients) is in the compute dtype
+            what += (f", in plan bytes (plans count {PLAN_BYTES_PER_ELEMENT} per element, the CPU device moves fp32: "
+                     f"the measured GB/s x {scale:g})")
+        put("pcie.h2d_gbps", h2d * scale, "measured", what)
+        put("pcie.d2h_gbps", d2h * scale, "measured", what)
         # rounding must not make a duplex rate exceed its solo rate
-        put("pcie.duplex_h2d_gbps", min(_sig(p["duplex_h2d_gbps"]), data["pcie"]["h2d_gbps"]), "measured",
-            "H2D while D2H runs (two streams)" if not host_device else "two copies at once on two threads")
-        put("pcie.duplex_d2h_gbps", min(_sig(p["duplex_d2h_gbps"]), data["pcie"]["d2h_gbps"]), "measured",
-            "D2H while H2D runs (two streams)" if not host_device else "two copies at once on two threads")
+        put("pcie.duplex_h2d_gbps", min(_sig(p["duplex_h2d_gbps"] * scale), data["pcie"]["h2d_gbps"]), "measured",
+            "H2D while D2H runs (two streams)" if not host_device else "two copies at once on two threads, likewise")
+        put("pcie.duplex_d2h_gbps", min(_sig(p["duplex_d2h_gbps"] * scale), data["pcie"]["d2h_gbps"]), "measured",
+            "D2H while H2D runs (two streams)" if not host_device else "two copies at once on two threads, likewise")
         ex = measurements.get("executor") or {}
         if host_device and ex.get("pcie_latency_us") is not None:
             put("pcie.latency_us", ex["pcie_latency_us"], "measured",

@@ -74,6 +74,11 @@ class GpuSpec:
     # that its kernels do not hide: Python dispatch, autograd bookkeeping, kernel launches, the executor's thread
     # hand-off; added to every compute op's roofline time. None: not modelled (0)
     op_overhead_us: float | None = None
+    # causal attention's rate as a fraction of a GEMM of its size on the fitted curve (None: 1, the same rate)
+    attention_efficiency: float | None = None
+    # bytes/s (read + written) of the MLP's activation function (GELU, SiLU): a transcendental per element
+    # (None: as any elementwise kernel, hbm_gbps x hbm_efficiency)
+    activation_gbps: float | None = None
 
     @property
     def op_overhead_s(self) -> float:
@@ -321,6 +326,8 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "hbm_efficiency": _FRACTION,
         "host_cores": _optional(0, False, 4096, "cores", 0.1),
         "op_overhead_us": _optional(0, True, 1e6, "microseconds per compute op", 1e-3),
+        "attention_efficiency": _optional(0, False, 1.0, "of a GEMM's rate", 1e-3),
+        "activation_gbps": _optional(0, False, 100000, "GB/s", 1e-3),
     },
     "pcie": {
         "generation": _Rule("int", 1, True, 7),
@@ -360,7 +367,8 @@ _RULES: dict[str, dict[str, _Rule]] = {
 }
 # Keys that may be left out of the ssd section when ssd.count == 0.
 _SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency", "latency_us")
-_OPTIONAL = {"cpu": ("memory_efficiency", "cores"), "gpu": ("host_cores", "op_overhead_us"),
+_OPTIONAL = {"cpu": ("memory_efficiency", "cores"),
+             "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps"),
              "pcie": ("latency_us",)}  # keys a profile may leave out (older files), other than ssd's
 _SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec}
 

@@ -139,8 +139,9 @@ def test_build_profile_for_a_cpu_device():
     c = cal.build_profile(m, device_gib=0.5, overrides={"cpu.memory_gib": 8})
     g, p, cpu = c.profile.gpu, c.profile.pcie, c.profile.cpu
     assert (g.memory_gib, g.reserved_gib, g.peak_tflops, g.gemm_efficiency, g.gemm_half_gflop) == (0.5, 0, 0.15, 1, 0.01)
-    assert (g.hbm_gbps, g.hbm_efficiency, g.host_cores, cpu.cores) == (30, 1, 2, 2)
-    assert (p.generation, p.h2d_gbps, p.duplex_d2h_gbps) == (1, 10, 6)
+    # in plan bytes: plans count 2 bytes per element, the CPU device moves 4 (fp32)
+    assert (g.hbm_gbps, g.hbm_efficiency, g.host_cores, cpu.cores) == (15, 1, 2, 2)
+    assert (p.generation, p.h2d_gbps, p.duplex_d2h_gbps) == (1, 5, 3)
     assert cpu.memory_gib == 8  # --set wins
     with pytest.raises(CliError, match="unknown profile key"):
         cal.build_profile(m, overrides={"cpu.nonsense": 1})
@@ -162,9 +163,12 @@ def test_build_profile_for_a_cpu_device_takes_the_executors_store_and_fixed_cost
                 "store": {"read_gbps": 0.5, "write_gbps": 0.25, "file_bytes": 2**25, "mixed_read_gbps": 0.4,
                           "mixed_write_gbps": 0.2, "direct": True}}
     m["executor"] = {"op_overhead_us": 250.0, "pcie_latency_us": 80.0, "ssd_latency_us": 2000.0}
+    m["gpu"].update(activation_gbps=8.0, attention_efficiency=0.25,
+                    attention=[{"shape": [2, 4, 256, 64], "tflops": 0.04, "of_gemm": 0.25}])
     c = cal.build_profile(m)
     g, p, s = c.profile.gpu, c.profile.pcie, c.profile.ssd
     assert (g.op_overhead_us, p.latency_us, s.latency_us) == (250, 80, 2000)
+    assert (g.activation_gbps, g.attention_efficiency) == (4, 0.25)  # activation in plan bytes, like hbm_gbps
     assert (s.read_gbps, s.write_gbps, s.mixed_efficiency) == (0.5, 0.25, 0.8)  # the store's, not the raw device's
     m["executor"] = {}
     bare = cal.build_profile(m).profile

@@ -4,7 +4,9 @@
   so that small GEMMs do not reach peak (f_half = the profile's gemm_half_gflop).
 - Attention (flash-style, causal) does half of the convention's FLOPs and runs at the same size-dependent
   efficiency as one GEMM of that size.
-- Elementwise kernels are bound by HBM bandwidth.
+- Elementwise kernels are bound by HBM bandwidth; the MLP's activation function by gpu.activation_gbps where the
+  profile measured it (a CPU computes GELU / SiLU far below its memory bandwidth), and attention runs at
+  gpu.attention_efficiency of a GEMM of its size where measured.
 - Transfers: bytes / link bandwidth; H2D and D2H share the PCIe link and SSD reads and writes share the array
   as the profile says (the simulator applies the shared rates while both directions are active).
 - CPU Adam: parameters / the CPU's Adam rate.
@@ -148,6 +150,10 @@ class CostModel:
         self.half_flops = g.gemm_half_gflop * 1e9
         self.hbm_bps = g.hbm_gbps * 1e9 * g.hbm_efficiency
         self.op_overhead_s = g.op_overhead_s  # per compute op (gpu.op_overhead_us)
+        # attention's rate relative to a GEMM of its size (gpu.attention_efficiency), the activation function's
+        # bytes/s (gpu.activation_gbps): as measured where the profile has them, else like any GEMM / elementwise
+        self.attention_eff = g.attention_efficiency if g.attention_efficiency is not None else 1.0
+        self.activation_bps = g.activation_gbps * 1e9 if g.activation_gbps is not None else self.hbm_bps
         self.rates = link_rates(hw)
 
     # ---- GPU compute ------------------------------------------------------------------------------------------
@@ -163,16 +169,17 @@ class CostModel:
 
     def attention_s(self, flops: float) -> float:
         work = flops * CAUSAL_ATTENTION_WORK
-        return 0.0 if work <= 0 else work / (self.peak_flops * self.efficiency(work))
+        return 0.0 if work <= 0 else work / (self.peak_flops * self.efficiency(work) * self.attention_eff)
 
-    def elementwise_s(self, nbytes: float) -> float:
-        return nbytes / self.hbm_bps
+    def elementwise_s(self, nbytes: float, activation_bytes: float = 0.0) -> float:
+        """Non-GEMM kernels moving `nbytes`, of which `activation_bytes` through the activation function."""
+        return (nbytes - activation_bytes) / self.hbm_bps + activation_bytes / self.activation_bps
 
     def forward_s(self, block: BlockCost) -> float:
         return (
             sum(self.gemm_s(g) for g in block.fwd_gemms)
             + self.attention_s(block.attn_fwd_flops)
-            + self.elementwise_s(block.fwd_elementwise_bytes)
+            + self.elementwise_s(block.fwd_elementwise_bytes, block.fwd_activation_bytes)
             + self.op_overhead_s
         )
 
@@ -181,7 +188,7 @@ class CostModel:
         return (
             2 * sum(self.gemm_s(g) for g in block.fwd_gemms)
             + 2 * self.attention_s(block.attn_fwd_flops)
-            + 2 * self.elementwise_s(block.fwd_elementwise_bytes)
+            + 2 * self.elementwise_s(block.fwd_elementwise_bytes, block.fwd_activation_bytes)
             + self.op_overhead_s
         )
 
