@@ -129,5 +129,7 @@ def test_measurement_plan_is_what_calibrate_measures(tmp_path):
     rec = Recorder()
     cal.run_measurements(sizes, tmp_path, rec, gpu=False, device="cpu")
     assert rec.labels == cal.measurement_plan("cpu", sizes, ssd=True)
-    assert cal.measurement_plan("cpu", sizes)[-1].startswith("CPU AdamW")  # without --ssd-dir: no SSD steps
+    no_ssd = cal.measurement_plan("cpu", sizes)  # without --ssd-dir: no SSD steps, then the executor's fixed costs
+    assert no_ssd[-2].startswith("CPU AdamW") and no_ssd[-1].startswith("the executor's fixed cost")
+    assert not any("SSD" in step for step in no_ssd)
     assert len(cal.measurement_plan("cuda", sizes, ssd=True)) == 7 + 2 + 3
