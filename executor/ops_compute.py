@@ -66,10 +66,11 @@ class ComputeOps:
         else:  # keep every activation: autograd's saved tensors go into a Pack the plan's ops move
             x = self.entries.take(rs, t, x_key)
             leaves = self._leaves(b, vecs)
-            pack = Pack(leaves)
+            pack = Pack(leaves, own=self.cx.backend.own)
             pack.x_leaf = x.detach().requires_grad_()
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack.pack_hook, pack.unpack_hook):
                 pack.out = self._call(b, leaves, pack.x_leaf)
+            pack.originals = []
             for leaf in leaves:  # the weight buffer is not kept: backward gets its own fetch
                 leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
             self.entries.put(rs, EntryKey(it, "pack", b, m), pack=pack)

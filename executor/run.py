@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tierflow.executor.data import DataError, TokenData
+from tierflow.executor.device import DeviceBackend, make_backend
 from tierflow.executor.engine import (
     ExecutionError,
     Executor,
@@ -118,12 +119,12 @@ def check_init_dir(directory: str) -> None:
                            f"({' '.join(str(e).split())[:80]}); re-download or re-save it") from None
 
 
-def _device(name: str) -> torch.device:
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise RunError(f"--device {name!r}: use cpu or cuda")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RunError("--device cuda: no CUDA device is available here (use --device cpu)")
-    return torch.device(name)
+def _device(name: str, seed: int = 0) -> DeviceBackend:
+    """The device backend of --device (cpu, cuda[:N]; cpu-adversarial[:N], not in --help, for tests)."""
+    try:
+        return make_backend(name, seed)
+    except ValueError as e:
+        raise RunError(str(e)) from None
 
 
 def _ssd_need_bytes(plan: Plan, state: TrainState) -> float:
@@ -149,10 +150,10 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
         raise RunError(str(e)) from None
     if opts.steps < 1:
         raise RunError(f"--steps {opts.steps}: must be >= 1")
-    device = _device(opts.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = _device(opts.device, opts.seed)
+    dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
     cfg = plan.config
-    probe = TrainState(plan.model, cfg.placement, cfg.alpha, device, dtype, None)
+    probe = TrainState(plan.model, cfg.placement, cfg.alpha, backend, dtype, None)
     need_ssd = _ssd_need_bytes(plan, probe)
     uses_ssd = need_ssd > (1 << 20) or any(t.resource in ("ssd_read", "ssd_write") for t in plan.graph.tasks)
     ssd = run_dir = None
@@ -160,19 +161,20 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
         root = check_ssd_dir(opts.ssd_dir, need_ssd, "optimizer states, weights, gradients or activations placed there")
         run_dir = root / f"tierflow-run-{os.getpid()}"
         run_dir.mkdir(exist_ok=True)
-        ssd = SsdStore(run_dir, pin=device.type == "cuda", warn=lambda m: log(m, file=sys.stderr))
+        ssd = SsdStore(run_dir, backend=backend, warn=lambda m: log(m, file=sys.stderr))
     try:
-        return _train(plan, opts, device, dtype, ssd, log)
+        return _train(plan, opts, backend, dtype, ssd, log)
     finally:
         if ssd is not None:
             ssd.close()
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtype, ssd: SsdStore | None,
+def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dtype, ssd: SsdStore | None,
            log) -> RunResult:
     cfg, spec = plan.config, plan.model
-    state = TrainState(spec, cfg.placement, cfg.alpha, device, dtype, ssd)
+    device = backend.name
+    state = TrainState(spec, cfg.placement, cfg.alpha, backend, dtype, ssd)
     fingerprint = plan_fingerprint(plan)
     start_step = 0
     ckpt = latest_checkpoint(opts.checkpoint_dir) if opts.checkpoint_dir else None
@@ -192,7 +194,7 @@ def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtyp
     data = TokenData.load(opts.data, spec.vocab_size, opts.data_format, seed=opts.seed)
     if opts.data:
         data.check_batch(cfg.batch, cfg.seq)
-    ex = Executor(plan, state, data, device, opts.hyper, ssd)
+    ex = Executor(plan, state, data, backend, opts.hyper, ssd)
     per_round = plan.graph.num_iterations
     tokens = cfg.batch * cfg.seq
     flops_per_step = tokens * model_flops_per_token(spec, cfg.seq)
