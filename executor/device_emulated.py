@@ -10,7 +10,10 @@ logic runs on it unchanged, and what would be a race on a GPU becomes a NaN loss
     allocator    empty()/own() hand out blocks per stream; a block freed (its last tensor dropped) goes to the
                  next request on its stream at once and is filled with NaN (0xFF bytes) when handed out, unless
                  another stream recorded a use (record_stream): then only after that stream has run everything
-                 enqueued before the free. A read on another stream without a wait or a record sees NaN.
+                 enqueued before the free. A read on another stream without a wait or a record sees NaN. As a
+                 handler's compute runs before it returns, a block that an op on another stream touched (every
+                 aten op on a stream thread is watched) and that is freed without record_stream for that stream
+                 is reported as an error, even where the NaN could not show.
     devices      N is an emulated device index: each thread has a current device (0 until thread_init), a
                  stream op enqueued from a thread on another device is an error, and events of two devices
                  cannot be timed against each other (as CUDA's elapsed_time)
@@ -31,6 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from tierflow.executor.device import (
     DeviceBackend,
@@ -76,6 +81,7 @@ class Block:
     stream: str | None  # the name of the stream it was allocated on (its pool), None: a host thread
     live: bool = True
     uses: set = field(default_factory=set)  # other streams that recorded a use (record_stream)
+    users: dict = field(default_factory=dict)  # stream name -> op label: streams whose ops touched it
     own_copies: int = 0  # late copies on its own stream still to land
     freed: bool = False
 
@@ -126,7 +132,8 @@ class EmuStream:
 
     def _run(self, fn: Callable[[], None]) -> None:
         try:
-            fn()
+            with _UseTracker(self):
+                fn()
         except RoundAborted:
             pass
         except BaseException as e:  # noqa: BLE001 - passed to the round, as an asynchronous CUDA error would be
@@ -152,11 +159,31 @@ class EmuStream:
                 self.cv.notify_all()
 
 
+class _UseTracker(TorchDispatchMode):
+    """While a stream runs an item: every aten op's tensors that live in the allocator's blocks are noted as used
+    by that stream (the record_stream check in AdversarialCpuBackend._free)."""
+
+    def __init__(self, stream: EmuStream) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        be, name = self.stream.backend, self.stream.name
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu":
+                block = be.blocks.get(t.untyped_storage().data_ptr())
+                if block is not None and block.stream != name and name not in block.users:
+                    block.users[name] = self.stream.label or name
+        return func(*args, **kwargs)
+
+
 class AdversarialCpuBackend(DeviceBackend):
     """See the module docstring."""
 
     streams_async = True
     pins = True
+    pinned_limit_bytes: float | None = None  # tests: an emulated pinned-memory limit
 
     def __init__(self, index: int = 0, seed: int = 0, max_delay_s: float = 0.002) -> None:
         self.index = index
@@ -172,7 +199,6 @@ class AdversarialCpuBackend(DeviceBackend):
         self.allocated_bytes = self.reserved_bytes = 0
         self.max_allocated_bytes = self.max_reserved_bytes = 0
         self.cap_bytes: float | None = None
-        self.pinned_limit_bytes: float | None = None  # tests: an emulated pinned-memory limit
         self.pinned_bytes = 0
         self.reuses = 0  # blocks handed out again (the adversary really reused memory)
         self._abort = threading.Event()
@@ -273,7 +299,7 @@ class AdversarialCpuBackend(DeviceBackend):
             if fits:
                 block = min(fits, key=lambda b: b.nbytes)
                 pool.remove(block)
-                block.live, block.freed, block.uses = True, False, set()
+                block.live, block.freed, block.uses, block.users = True, False, set(), {}
                 self.reuses += 1
             else:
                 arr = np.empty(want, dtype=np.uint8)
@@ -308,6 +334,12 @@ class AdversarialCpuBackend(DeviceBackend):
         return self.blocks.get(t.untyped_storage().data_ptr())
 
     def _free(self, block: Block) -> None:
+        recorded = {s.name for s in block.uses}
+        unrecorded = {s: op for s, op in block.users.items() if s != block.stream and s not in recorded}
+        for s, op in unrecorded.items():
+            self.report(op, RuntimeError(
+                f"a device block allocated on stream {block.stream} was used on stream {s} by op {op} and freed "
+                f"without record_stream({s}): on CUDA its memory can be reused while that use is still queued"))
         with self.lock:
             block.live = False
             self.allocated_bytes -= block.nbytes

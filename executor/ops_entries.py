@@ -46,7 +46,8 @@ class EntryOps:
         elif e.holds_device_copy:
             return e.dev
         elif e.state is not EntryState.ON_DEVICE and 0 < e.gpu_elems == int(np.prod(e.shape)):
-            data = e.kept  # offloaded with every element kept on the device
+            data = e.kept  # offloaded with every element kept on the device (by the d2h stream)
+            rs.use_on(data, "gpu")
         else:
             raise ExecutionError(f"op {t.id} ({t.label}): {tuple(key)} is neither on the device nor fetched by one "
                                  "of its dependencies (inconsistent plan)")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tierflow.executor.data import DataError, TokenData
-from tierflow.executor.device import DeviceBackend, make_backend
+from tierflow.executor.device import DeviceBackend, TierOutOfMemory, make_backend
 from tierflow.executor.engine import (
     ExecutionError,
     Executor,
@@ -288,6 +288,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 3
     except OutOfMemory as e:
         print(f"tierflow run: {e}", file=sys.stderr)
+        return 3
+    except TierOutOfMemory as e:  # building the state on its tiers, before any op
+        print(f"tierflow run: {e.tier} out of memory for the training state: {e}; plan again for this machine "
+              "(tierflow calibrate, then tierflow plan --hw box.yaml)", file=sys.stderr)
         return 3
     except ExecutionError as e:
         print(f"tierflow run: {e}", file=sys.stderr)
