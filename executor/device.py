@@ -163,6 +163,7 @@ class CudaBackend(DeviceBackend):
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self.name = str(self.device)
+        enable_expandable_segments()
 
     def thread_init(self) -> None:
         torch.cuda.set_device(self.device)
@@ -224,6 +225,21 @@ class CudaBackend(DeviceBackend):
             name = torch.cuda.get_device_name(self.device)
             raise ValueError(f"--device {self.device}: {name} has no bf16 support (compute capability < 8.0); "
                              "use an Ampere or newer GPU")
+
+
+def enable_expandable_segments() -> bool:
+    """The caching allocator maps growing segments instead of fixed blocks, so that the three streams' pools do
+    not fragment device memory (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before the first CUDA
+    allocation; a user's own setting is kept)."""
+    import os
+
+    if "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return False
+    try:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except (AttributeError, RuntimeError):  # an older torch, or a platform without it
+        return False
+    return True
 
 
 def make_backend(name: str, seed: int = 0) -> DeviceBackend:

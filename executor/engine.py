@@ -55,7 +55,7 @@ class RoundResult:
     losses: list[float]
     start_s: np.ndarray
     end_s: np.ndarray
-    peak_bytes: dict[str, float]
+    peak_bytes: dict[str, float]  # per tier, by the plan's memory effects (extra["device_memory"]: measured)
     memory_trace: list[tuple[float, float, float, float]]
     wall_s: float
     extra: dict = field(default_factory=dict)
@@ -80,6 +80,8 @@ class Executor:
             raise UnsupportedPlan(f"{plan.source}: op kind {unknown[0]!r} is not implemented by this executor "
                                  f"(it runs {', '.join(sorted(KINDS))}); upgrade tierflow")
         self.binding = Binding(plan, state.layout)
+        if self.backend.streams_async:  # the device memory the plan assumes, enforced by the allocator
+            self.backend.cap_memory(float(plan.graph.capacity_bytes["gpu"]))
         self.ops = Ops(OpContext(self.binding, state, self.device, hyper, ssd, self.backend))
 
     # -- running a round ---------------------------------------------------------------------------------------
@@ -328,4 +330,7 @@ def measured_result(plan: Plan, rr: RoundResult) -> SimResult:
     g = plan.graph
     n = len(rr.start_s)
     graph = TaskGraph(g.tasks[:n], g.static_bytes, g.capacity_bytes, rr.iterations, g.num_blocks, dict(g.meta))
-    return summarize(graph, rr.start_s, rr.end_s, [rr.peak_bytes[t] for t in TIERS], rr.memory_trace)
+    res = summarize(graph, rr.start_s, rr.end_s, [rr.peak_bytes[t] for t in TIERS], rr.memory_trace)
+    if rr.extra.get("device_memory"):  # measured by the device's allocator (CUDA, the emulation), not the plan's
+        res.meta["device_memory"] = dict(rr.extra["device_memory"])
+    return res

@@ -392,3 +392,97 @@ def test_round_aborted_is_quiet(be):
     with pytest.raises(RoundAborted):
         be.synchronize_event(ev)
     be.close_streams([s])
+
+
+# -- defect 3: device memory measured per round, in the trace and in compare; the plan's capacity enforced --------
+
+
+def test_measured_device_memory_reaches_the_trace_and_compare(tmp_path):
+    from tierflow.planner.io.compare import compare, format_comparison
+    from tierflow.planner.io.planfile import load_plan
+
+    plan = make_plan("tiny-gpt", "vertical", "mix", 0.25)
+    f = tmp_path / "plan.json"
+    write_plan(plan, f)
+    for device, measured in ((ADV, True), ("cpu", False)):
+        out = tmp_path / device
+        run(load_plan(f), tmp_path, device=device, steps=2, out=str(out))
+        c = compare(load_plan(f), out / "trace.json")
+        text = format_comparison(c)
+        if measured:  # the emulated allocator's own peak, not the plan's numbers replayed
+            m = c.measured_device_memory
+            assert m["max_reserved_bytes"] >= m["max_allocated_bytes"] > 0
+            assert m["max_allocated_bytes"] != c.predicted.peak_bytes["gpu"]
+            assert "measured max allocated" in text and c.to_dict()["measured_device_memory"] == m
+        else:
+            assert c.measured_device_memory is None and "not measured" in text
+
+
+def test_the_plans_gpu_capacity_is_enforced(tmp_path):
+    plan = make_plan("tiny-gpt", "vertical", "weights_cpu")
+    plan.graph.capacity_bytes["gpu"] = 256 << 10  # what the executor allocates on the device exceeds it
+    with pytest.raises(ExecutionError, match="gpu out of memory in op"):
+        run(plan, tmp_path, device=ADV, steps=1)
+
+
+def test_expandable_segments(monkeypatch):
+    from tierflow.executor.device import enable_expandable_segments
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert enable_expandable_segments() and calls == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the user's choice is kept
+    assert not enable_expandable_segments() and len(calls) == 1
+
+
+# -- defect 1: only what crosses PCIe is pinned, at its size --------------------------------------------------------
+
+
+def test_only_what_crosses_pcie_is_pinned():
+    from test_executor import PLACEMENTS
+
+    from tierflow.planner.core.models import get_model
+
+    b = AdversarialCpuBackend(max_delay_s=0)
+    p = PLACEMENTS["mix"]  # weights, master, Adam moments and gradients all partly in host memory
+    st = TrainState(get_model("tiny-gpt"), p, 0.25, b, torch.float32, None)
+    st.ssd = None
+    for cls in ("master", "adam_m", "adam_v", "weights"):  # no SSD store here: keep every host range in memory
+        for v in st.vec[cls]:
+            v.c, v.s = v.c + v.s, 0
+    st.init_random(0)
+
+    def pinned(t):
+        return b.host[t.untyped_storage().data_ptr()]
+
+    for blk in range(len(st.layout.numel)):
+        assert pinned(st.vec["weights"][blk].host)  # fetch_weights copies it to the device
+        for cls in ("master", "adam_m", "adam_v"):
+            assert not pinned(st.vec[cls][blk].host)  # CPU Adam only
+        assert not pinned(st.grads[blk])  # fp32 accumulators: offload_grads stages the compute dtype
+    weights_host = sum(v.host.numel() * v.host.element_size() for v in st.vec["weights"])
+    assert b.pinned_bytes == weights_host
+
+
+def test_a_pinned_read_asks_for_its_size_only(tmp_path):
+    """The pinned caching allocator rounds a request up to a power of two: 1 MiB + 4 KiB would pin 2 MiB."""
+    from tierflow.executor.store import SsdStore, aligned_empty
+
+    asked = []
+
+    class PageAligned:
+        pins = True
+
+        def host_buffer(self, numel, dtype, pinned):
+            asked.append((numel, pinned))
+            return aligned_empty(numel)  # page-aligned, as pinned memory is
+
+    store = SsdStore(tmp_path, backend=PageAligned(), warn=lambda m: None)
+    data = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB
+    store.write("w", data)
+    assert torch.equal(store.read("w", torch.float32, 1 << 18, pinned=True), data)
+    assert asked == [(1 << 20, True)]
+    assert torch.equal(store.read("w", torch.float32, 1 << 18), data)  # pageable: aligned by one extra page
+    assert asked[-1] == ((1 << 20) + 4096, False)
+    store.close()
