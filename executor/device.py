@@ -164,6 +164,7 @@ class CudaBackend(DeviceBackend):
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self.name = str(self.device)
         enable_expandable_segments()
+        enable_determinism()
 
     def thread_init(self) -> None:
         torch.cuda.set_device(self.device)
@@ -240,6 +241,16 @@ def enable_expandable_segments() -> bool:
     except (AttributeError, RuntimeError):  # an older torch, or a platform without it
         return False
     return True
+
+
+def enable_determinism() -> None:
+    """Deterministic CUDA kernels where PyTorch has them (index_add_ of the embedding gradient, cuBLAS with a
+    fixed workspace), so that a resumed run repeats an uninterrupted one's losses; kernels without a deterministic
+    version (the backward of fused attention) only warn, so bit-identical resume is not guaranteed on a GPU."""
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS creates its handle
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def make_backend(name: str, seed: int = 0) -> DeviceBackend:

@@ -79,6 +79,11 @@ class Executor:
         if unknown:
             raise UnsupportedPlan(f"{plan.source}: op kind {unknown[0]!r} is not implemented by this executor "
                                  f"(it runs {', '.join(sorted(KINDS))}); upgrade tierflow")
+        if state is not None:
+            try:
+                self.backend.check_compute_dtype(state.compute_dtype)
+            except ValueError as e:
+                raise UnsupportedPlan(str(e)) from None
         self.binding = Binding(plan, state.layout)
         if self.backend.streams_async:  # the device memory the plan assumes, enforced by the allocator
             self.backend.cap_memory(float(plan.graph.capacity_bytes["gpu"]))

@@ -486,3 +486,18 @@ def test_a_pinned_read_asks_for_its_size_only(tmp_path):
     assert torch.equal(store.read("w", torch.float32, 1 << 18), data)  # pageable: aligned by one extra page
     assert asked[-1] == ((1 << 20) + 4096, False)
     store.close()
+
+
+# -- defect 8: bf16 support is checked before training --------------------------------------------------------------
+
+
+def test_a_device_without_bf16_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    def no_bf16(self, dtype):
+        raise ValueError(f"--device {self.name}: emulated GPU without bf16 support; use an Ampere or newer GPU")
+
+    monkeypatch.setattr(AdversarialCpuBackend, "check_compute_dtype", no_bf16)
+    started = []
+    monkeypatch.setattr(Executor, "run_round", lambda self, *a, **kw: started.append(1))
+    assert main(["run", str(_plan_file(tmp_path)), "--steps", "1", "--device", ADV]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "without bf16 support" in err and "\n" not in err and not started
