@@ -3,11 +3,13 @@ order, an op starting only when its dependencies have finished. Nothing is sched
 compute step and optimizer step is an op of the plan, and the executor only decides *how* to carry it out.
 
 Workers and streams
-    gpu, h2d and d2h each own a CUDA stream (on a CPU "device" they are plain threads); a dependency between
-    two stream resources is a CUDA event the waiting stream waits on, and a host worker (cpu, ssd_read,
-    ssd_write) waiting on a stream op synchronizes on that op's event only. There is no device-wide
-    synchronization inside an iteration; the only full synchronization is at the end of a round (the plan's
-    iterations), to read the losses and the timings.
+    gpu, h2d and d2h each own a stream of the device backend (device.py: CUDA, or its adversarial CPU
+    emulation; on a plain CPU there are no streams and every op runs in its worker). A stream worker enqueues
+    its op's handler on its stream (`launch`) and marks the op done once enqueued; a dependency between two
+    stream resources is the end event the waiting stream waits on, and a host worker (cpu, ssd_read,
+    ssd_write) waiting on a stream op synchronizes on that op's event only. A handler's failure is the op's,
+    whichever thread runs it. There is no device-wide synchronization inside an iteration; the only full
+    synchronization is at the end of a round (the plan's iterations), to read the losses and the timings.
 
 The rest of the design lives with its code: how ops bind to tensors and the entries' states in binding.py,
 the op handlers and their dispatch table in ops.py (ops_entries.py, ops_compute.py, ops_state.py, with the

@@ -56,6 +56,7 @@ class ComputeOps:
         it, b, m = t.iteration, t.block, t.mb
         x_key = EntryKey(it, "x", b, m)
         vecs = self.weights.weights(rs, t)
+        pack = None
         if b == 0:
             with torch.no_grad():
                 out = self._call(0, self._leaves(0, vecs), rs.batches[it][m][0])
@@ -78,6 +79,8 @@ class ComputeOps:
         if b >= 1:
             self.entries.done_with(rs, t, x_key)
         self.entries.put(rs, EntryKey(it, "x", b + 1, m), out.detach())
+        if pack is not None:
+            pack.release_output()  # the plan frees it with the next layer's input, not at this layer's backward
         self.weights.release(rs, t)
 
     def recompute(self, rs: RoundState, t: Task) -> None:
@@ -118,7 +121,7 @@ class ComputeOps:
             pack_key = EntryKey(it, "pack", b, m)
             pack = self.entries.take(rs, t, pack_key)
             self._repoint(b, pack.leaves, self.weights.weights(rs, t))
-            torch.autograd.backward(pack.out, gout)
+            pack.backward(gout)
             self._leaf_grads(rs, t, pack.leaves)
             self.entries.put(rs, EntryKey(it, "dx", b, m), pack.x_leaf.grad)
             pack.restored = pack.out = None

@@ -64,6 +64,20 @@ class Pack:
             off_bytes += -off_bytes % PACK_ALIGN
         return segs, off_bytes
 
+    def release_output(self) -> None:
+        """Drop the layer output's memory from the pack: its backward needs the output's autograd node, not its
+        values (the next layer's input entry holds them for as long as the plan keeps them). Kept if autograd
+        saved the output itself."""
+        ptr = self.out.untyped_storage().data_ptr()
+        if any(t.untyped_storage().data_ptr() == ptr for t in self.saved or []):
+            return
+        self.out.data = torch.empty(0, dtype=self.out.dtype, device=self.out.device)
+
+    def backward(self, grad_out: torch.Tensor) -> None:
+        """Backward from the (released) output: the engine checks grad_out against the node's recorded shape."""
+        torch.autograd.Variable._execution_engine.run_backward(
+            (self.out,), (grad_out,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+
     def saved_bytes(self) -> int:
         """Bytes autograd saved for this layer (the captured tensors, without padding)."""
         return sum(t.numel() * t.element_size() for t in self.saved or [])

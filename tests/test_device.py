@@ -501,3 +501,33 @@ def test_a_device_without_bf16_is_refused_before_training(tmp_path, monkeypatch,
     assert main(["run", str(_plan_file(tmp_path)), "--steps", "1", "--device", ADV]) == 2
     err = capsys.readouterr().err.strip()
     assert "without bf16 support" in err and "\n" not in err and not started
+
+
+# -- defect 2: a kept layer does not hold its output until its backward ---------------------------------------------
+
+
+@pytest.mark.parametrize("model_name", ["tiny-gpt", "tiny-llama"])
+def test_a_pack_releases_the_layer_output_and_backward_still_matches(model_name):
+    from tierflow.executor.models import build_blocks
+    from tierflow.executor.packs import Pack
+    from tierflow.planner.core.models import get_model
+
+    torch.manual_seed(0)
+    layer = build_blocks(get_model(model_name))[1]
+    x = torch.randn(2, 16, get_model(model_name).hidden)
+    g = torch.randn_like(x)
+    xa = x.clone().requires_grad_()
+    layer(xa).backward(g)
+    want = [xa.grad, *(p.grad.clone() for p in layer.parameters())]
+    layer.zero_grad()
+    leaves = list(layer.parameters())
+    pack = Pack(leaves)
+    pack.x_leaf = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack.pack_hook, pack.unpack_hook):
+        pack.out = layer(pack.x_leaf)
+    next_input = pack.out.detach()
+    pack.release_output()
+    assert pack.out.numel() == 0 and next_input.numel() == x.numel()  # the next layer's input keeps the values
+    pack.backward(g)
+    got = [pack.x_leaf.grad, *(p.grad for p in layer.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
