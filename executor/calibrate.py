@@ -50,6 +50,10 @@ from tierflow.planner.io.cli import CliError
 from tierflow.planner.io.progress import Progress
 
 FALLBACK_BASE = "rtx4090-lohan"
+# plans count activations, weights and their copies in the compute dtype's bytes, bf16 (workload.COMPUTE_BYTES);
+# the executor computes in fp32 on a CPU device, so that device's measured rates are converted to plan bytes
+PLAN_BYTES_PER_ELEMENT = 2
+HOST_DEVICE_BYTES_PER_ELEMENT = 4
 MIB = 2**20
 GIB = 2**30
 # Without a datasheet (--base), the best measured GEMM rate is taken to be this fraction of the peak.
@@ -517,6 +521,7 @@ def fit_gemm_half_gflop(small_gflop: float, small_eff: float, e_max: float) -> f
 # fp32 GEMMs (tokens, in, out) from small to large: the executor computes in fp32 on a CPU device
 HOST_GEMM_SHAPES = [(64, 128, 128), (128, 256, 256), (256, 512, 512), (512, 512, 2048), (1024, 1024, 1024),
                     (1024, 1024, 4096)]
+HOST_ATTENTION_SHAPES = [(2, 4, 256, 64), (2, 8, 512, 64)]  # (batch, heads, seq, head_dim)
 DEFAULT_HOST_DEVICE_GIB = 2.0  # device memory cap of a CPU "device" when --set gpu.memory_gib is not given
 
 
@@ -566,10 +571,23 @@ def measure_host_device(sizes: Sizes, progress: Progress) -> tuple[dict, dict]:
     n = max(1, min(sizes.dram_bytes, int(cpu_memory_gib() * GIB / 32)) // 4)
     xs = [torch.ones(n), torch.ones(n), torch.empty(n)]
     elementwise_gbps = 3 * n * 4 / _cpu_s_per_call(lambda: torch.add(xs[0], xs[1], out=xs[2]), 0.1) / 1e9
+    progress.step("CPU activation function and attention")
+    activation_gbps = 2 * n * 4 / _cpu_s_per_call(
+        lambda: torch.nn.functional.gelu(xs[0], approximate="tanh"), 0.1) / 1e9  # the GPT blocks' GELU
+    attention = []
+    for b, h, sq, d in HOST_ATTENTION_SHAPES:  # causal SDPA, as the executor's blocks call it
+        q, k, v = (torch.randn(b, h, sq, d) for _ in range(3))
+        sec = _cpu_s_per_call(lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True), min(0.2, sizes.gpu_target_s))
+        work = 2 * b * h * sq * sq * d  # the causal half of 4 b h s^2 d (costmodel.CAUSAL_ATTENTION_WORK)
+        curve = peak * (work / 1e9) / (work / 1e9 + half)  # a GEMM of the same work on the fitted curve, TFLOPS
+        attention.append({"shape": [b, h, sq, d], "tflops": work / sec / 1e12, "of_gemm": work / sec / 1e12 / curve})
     progress.step("device <-> host copies")
     copies = measure_host_copies(min(sizes.pcie_bytes, int(cpu_memory_gib() * GIB / 32)))
     gpu = {"model": f"{cpu_model()} via torch ({threads} threads)", "host_cores": threads, "gemms": gemms,
-           "peak_tflops": peak, "half_gflop": half, "elementwise_gbps": elementwise_gbps}
+           "peak_tflops": peak, "half_gflop": half, "elementwise_gbps": elementwise_gbps,
+           "activation_gbps": activation_gbps, "attention": attention,
+           "attention_efficiency": sum(a["of_gemm"] for a in attention) / len(attention)}
     return gpu, copies
 
 
@@ -613,11 +631,15 @@ def measurement_plan(device: str, sizes: Sizes = FULL, ssd: bool = False) -> lis
         steps += ["GPU small GEMM", "GPU memory bandwidth", "PCIe H2D / D2H / duplex"]
     else:
         steps = [f"CPU fp32 GEMM {a}x{b}->{c}" for a, b, c in HOST_GEMM_SHAPES]
-        steps += ["CPU elementwise bandwidth", "device <-> host copies"]
+        steps += ["CPU elementwise bandwidth", "CPU activation function and attention", "device <-> host copies"]
     steps += ["CPU memory bandwidth", f"CPU AdamW ({sizes.adam_params / 1e6:g}M params)"]
     if ssd:
         mib = sizes.ssd_file_bytes / MIB
         steps += [f"SSD write ({mib:.0f} MiB)", f"SSD read ({mib:.0f} MiB)", f"SSD read + write ({sizes.ssd_mixed_s:g} s)"]
+    if device == "cpu":
+        if ssd:
+            steps += ["SSD through the executor's store"]
+        steps += ["the executor's fixed cost per op (a tiny plan)"]
     return steps
 
 
@@ -649,8 +671,121 @@ def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | Non
         m["ssd"] = measure_ssd(ssd_dir, sizes.ssd_file_bytes, sizes.ssd_block_bytes, sizes.ssd_min_s,
                                sizes.ssd_mixed_s, warn=progress.message, step=progress.step)
         m["ssd"]["dir"] = str(ssd_dir)
+    if device == "cpu":
+        if ssd_dir is not None:
+            progress.step("SSD through the executor's store")
+            m["ssd"]["store"] = measure_store(ssd_dir, sizes.ssd_file_bytes // 2, sizes.ssd_mixed_s)
+        progress.step("the executor's fixed cost per op (a tiny plan)")
+        m["executor"] = measure_executor_costs(build_profile(m).profile, device, ssd_dir)
     progress.clear()
     return m
+
+
+def measure_store(directory: str | os.PathLike[str], total_bytes: int, mixed_s: float = 1.0,
+                  files: int = 4) -> dict[str, float]:
+    """GB/s of the SSD tier as the executor uses it (executor.store.SsdStore: O_DIRECT from aligned buffers, 8 MiB
+    requests on its thread pool, a CRC32 per file): write `files` files of `total_bytes` together, read them back,
+    then read them again while writing a second set on another thread for about `mixed_s` seconds."""
+    torch = _torch()
+    from tierflow.executor.store import SsdStore
+
+    store = SsdStore(directory, warn=lambda msg: None)
+    n = max(1, total_bytes // files // 4)
+    data = [torch.full((n,), float(i)) for i in range(files)]
+    names_a, names_b = [f"calibrate-a{i}" for i in range(files)], [f"calibrate-b{i}" for i in range(files)]
+    try:
+        t0 = time.perf_counter()
+        for name, d in zip(names_a, data):
+            store.write(name, d)
+        write_gbps = files * n * 4 / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        for name in names_a:
+            store.read(name, torch.float32, n)
+        read_gbps = files * n * 4 / (time.perf_counter() - t0) / 1e9
+        moved = {"read": 0, "write": 0}
+        spans = {"read": 0.0, "write": 0.0}
+        start = time.perf_counter()
+
+        def loop(kind: str) -> None:
+            i = 0
+            while time.perf_counter() - start < mixed_s or i == 0:
+                if kind == "read":
+                    store.read(names_a[i % files], torch.float32, n)
+                else:
+                    store.write(names_b[i % files], data[i % files])
+                moved[kind] += n * 4
+                i += 1
+            spans[kind] = time.perf_counter() - start
+
+        threads = [threading.Thread(target=loop, args=(k,)) for k in ("read", "write")]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        for name in names_a + names_b:
+            store.delete(name)
+        store.close()
+    return {"read_gbps": read_gbps, "write_gbps": write_gbps, "file_bytes": n * 4,
+            "mixed_read_gbps": moved["read"] / spans["read"] / 1e9,
+            "mixed_write_gbps": moved["write"] / spans["write"] / 1e9, "direct": store.direct}
+
+
+def measure_executor_costs(profile: HardwareProfile, device: str,
+                           ssd_dir: str | os.PathLike[str] | None) -> dict[str, float]:
+    """The executor's fixed software cost per op, on each resource: a tiny plan (2 layers x 64, 4 micro-batches of
+    32 tokens: every op's work near zero; weights and checkpoints in host memory, optimizer states on the SSD tier
+    when there is one) is trained by the executor itself for two rounds, and for every op of the second round its
+    measured duration less the cost model's time for its work (`profile`, which has no fixed costs yet), plus the
+    hand-off delay (its start less the later of its dependencies' ends and its queue predecessor's end): the
+    median per resource, in microseconds. What `gpu.op_overhead_us`, `pcie.latency_us` and `ssd.latency_us` add
+    to every op of a plan."""
+    import statistics
+    import tempfile
+    from dataclasses import replace
+
+    from tierflow.executor.run import RunOptions, run_plan
+    from tierflow.planner.core.costmodel import link_rates
+    from tierflow.planner.core.models import get_model
+    from tierflow.planner.core.placement import Placement, Split
+    from tierflow.planner.core.schedules import build_graph, make_schedule
+    from tierflow.planner.io.planfile import load_plan, plan_from_graph, write_plan
+
+    tiny = replace(get_model("tiny-gpt"), name="calibrate-tiny", num_layers=2, hidden=64, num_heads=2,
+                   num_kv_heads=2, head_dim=32, ffn_hidden=256, vocab_size=256, seq_len=32, max_positions=32)
+    host, ssd = Split(0.0, 1.0, 0.0), Split(0.0, 0.0, 1.0)
+    states = ssd if ssd_dir is not None else host
+    placement = Placement(weights=host, master=states, adam_m=states, adam_v=states, grads=host, checkpoints=host)
+    hw = profile.with_overrides({"gpu.memory_gib": max(profile.gpu.memory_gib, 0.05),
+                                 "cpu.memory_gib": max(profile.cpu.memory_gib, 8.0),
+                                 "ssd.count": 1 if ssd_dir is not None else 0})
+    cfg = make_schedule("horizontal", tiny, hw, batch=4, micro_batch=1, seq=32, placement=placement,
+                        runtime="ideal", iterations=3)
+    rates = link_rates(hw)
+    with tempfile.TemporaryDirectory(prefix="tierflow-calibrate-") as tmp:
+        path = Path(tmp) / "tiny.json"
+        write_plan(plan_from_graph(tiny, hw, cfg, build_graph(tiny, hw, cfg)), path)
+        res = run_plan(load_plan(path), RunOptions(steps=6, device=device, quiet=True,
+                                                   ssd_dir=str(ssd_dir) if ssd_dir is not None else None))
+    m = res.measured
+    tasks, start, end = m.graph.tasks, m.start_s, m.end_s
+    prev: dict[str, int] = {}
+    fixed: dict[str, list[float]] = {}
+    for t in sorted(tasks, key=lambda t: start[t.id]):
+        ready = max([end[d] for d in t.deps] + ([end[prev[t.resource]]] if t.resource in prev else [0.0]))
+        prev[t.resource] = t.id
+        if t.iteration < 1:  # the round's first iteration waits for its setup
+            continue
+        work_s = t.work if t.resource in ("gpu", "cpu") else t.work / getattr(rates, t.resource)
+        fixed.setdefault(t.resource, []).append((end[t.id] - start[t.id] - work_s) + max(0.0, start[t.id] - ready))
+
+    def med_us(*resources: str) -> float | None:
+        xs = [x for r in resources for x in fixed.get(r, [])]
+        return max(0.0, statistics.median(xs)) * 1e6 if xs else None
+
+    return {"op_overhead_us": med_us("gpu"), "pcie_latency_us": med_us("h2d", "d2h"),
+            "ssd_latency_us": med_us("ssd_read", "ssd_write"),
+            "ops": {r: len(v) for r, v in fixed.items()}}
 
 
 def _measure_gpu(sizes: Sizes, progress: Progress, errors: list[str]) -> tuple[dict | None, dict | None]:
@@ -783,9 +918,24 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
             f"fit of fp32 GEMM rates at {len(g['gemms'])} sizes: rate = peak x f / (f + half)")
         put("gpu.gemm_efficiency", 1.0, "derived", "the fitted peak is what large GEMMs reach")
         put("gpu.gemm_half_gflop", g["half_gflop"], "measured", "same fit")
-        put("gpu.hbm_gbps", g["elementwise_gbps"], "measured", "torch add of large fp32 tensors, 3 x bytes")
+        per_plan_byte = PLAN_BYTES_PER_ELEMENT / HOST_DEVICE_BYTES_PER_ELEMENT
+        plan_bytes = (f"in plan bytes: plans count {PLAN_BYTES_PER_ELEMENT} per element, the CPU device computes "
+                      f"in fp32 ({HOST_DEVICE_BYTES_PER_ELEMENT}), so the measured GB/s x {per_plan_byte:g}")
+        put("gpu.hbm_gbps", g["elementwise_gbps"] * per_plan_byte, "measured",
+            f"torch add of large fp32 tensors ({g['elementwise_gbps']:.3g} GB/s), {plan_bytes}")
         put("gpu.hbm_efficiency", 1.0, "derived", "hbm_gbps above is measured")
         put("gpu.host_cores", g["host_cores"], "measured", "torch intra-op threads: compute shares these cores")
+        if g.get("activation_gbps"):
+            put("gpu.activation_gbps", g["activation_gbps"] * per_plan_byte, "measured",
+                f"tanh GELU of large fp32 tensors ({g['activation_gbps']:.3g} GB/s read + written), {plan_bytes}")
+        if g.get("attention"):
+            put("gpu.attention_efficiency", min(1.0, g["attention_efficiency"]), "measured",
+                "causal scaled_dot_product_attention at " + ", ".join(
+                    f"{a['shape']}: {a['tflops']:.3g} TFLOPS" for a in g["attention"]) + ", over a GEMM of its work")
+        ex = measurements.get("executor") or {}
+        if ex.get("op_overhead_us") is not None:
+            put("gpu.op_overhead_us", ex["op_overhead_us"], "measured",
+                "the executor's compute ops on a tiny plan: median of (duration - the cost model's time) + hand-off")
     elif g:
         put("gpu.model", g["model"], "measured", "torch.cuda.get_device_properties")
         put("gpu.memory_gib", g["memory_gib"], "measured", "torch.cuda.get_device_properties")
@@ -838,13 +988,21 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
             put("pcie.generation", 1, "derived", "no PCIe link: device <-> host copies stay in host memory")
         else:
             put("pcie.generation", pcie_generation_from_rate(h2d), "derived", "from the H2D rate, assuming x16")
-        put("pcie.h2d_gbps", h2d, "measured", what)
-        put("pcie.d2h_gbps", d2h, "measured", what)
+        scale = PLAN_BYTES_PER_ELEMENT / HOST_DEVICE_BYTES_PER_ELEMENT if host_device else 1.0
+        if host_device:  # what crosses this "link" (weights, activations, gradients) is in the compute dtype
+            what += (f", in plan bytes (plans count {PLAN_BYTES_PER_ELEMENT} per element, the CPU device moves fp32: "
+                     f"the measured GB/s x {scale:g})")
+        put("pcie.h2d_gbps", h2d * scale, "measured", what)
+        put("pcie.d2h_gbps", d2h * scale, "measured", what)
         # rounding must not make a duplex rate exceed its solo rate
-        put("pcie.duplex_h2d_gbps", min(_sig(p["duplex_h2d_gbps"]), data["pcie"]["h2d_gbps"]), "measured",
-            "H2D while D2H runs (two streams)" if not host_device else "two copies at once on two threads")
-        put("pcie.duplex_d2h_gbps", min(_sig(p["duplex_d2h_gbps"]), data["pcie"]["d2h_gbps"]), "measured",
-            "D2H while H2D runs (two streams)" if not host_device else "two copies at once on two threads")
+        put("pcie.duplex_h2d_gbps", min(_sig(p["duplex_h2d_gbps"] * scale), data["pcie"]["h2d_gbps"]), "measured",
+            "H2D while D2H runs (two streams)" if not host_device else "two copies at once on two threads, likewise")
+        put("pcie.duplex_d2h_gbps", min(_sig(p["duplex_d2h_gbps"] * scale), data["pcie"]["d2h_gbps"]), "measured",
+            "D2H while H2D runs (two streams)" if not host_device else "two copies at once on two threads, likewise")
+        ex = measurements.get("executor") or {}
+        if host_device and ex.get("pcie_latency_us") is not None:
+            put("pcie.latency_us", ex["pcie_latency_us"], "measured",
+                "the executor's transfer ops on a tiny plan: median of (duration - bytes / rate) + hand-off")
 
     # ---- CPU
     c = measurements["cpu"]
@@ -881,6 +1039,18 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
         kept = (s["mixed_read_gbps"] / s["read_gbps"] + s["mixed_write_gbps"] / s["write_gbps"]) / 2
         put("ssd.mixed_efficiency", min(1.0, max(0.5, kept)), "measured",
             "mean fraction of its solo rate each direction kept in the mixed run (within [0.5, 1])")
+        st = s.get("store")
+        if host_device and st:  # the SSD tier as the executor's own store achieves it (O_DIRECT, CRC32, its pool)
+            what = f"the executor's SsdStore, {st['file_bytes'] // MIB} MiB files"
+            put("ssd.read_gbps", st["read_gbps"], "measured", f"{what} (raw {io}: {s['read_gbps']:.2f})")
+            put("ssd.write_gbps", st["write_gbps"], "measured", f"{what} (raw {io}: {s['write_gbps']:.2f})")
+            kept = (st["mixed_read_gbps"] / st["read_gbps"] + st["mixed_write_gbps"] / st["write_gbps"]) / 2
+            put("ssd.mixed_efficiency", min(1.0, max(0.5, kept)), "measured",
+                f"{what}: mean fraction of its solo rate each direction kept reading and writing at once")
+        ex = measurements.get("executor") or {}
+        if host_device and ex.get("ssd_latency_us") is not None:
+            put("ssd.latency_us", ex["ssd_latency_us"], "measured",
+                "the executor's SSD ops on a tiny plan: median of (duration - bytes / rate) + hand-off")
         if not s.get("direct", True):
             notes.append(f"{where} refused O_DIRECT: the SSD rates were measured with buffered I/O and may be "
                          "optimistic")

@@ -35,9 +35,21 @@ def register_run(subparsers: Any) -> None:
                    help="steps between checkpoints, >= 1 (default: the plan's iterations per round)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write the measured timeline.csv, trace.json (Perfetto), gantt.png and steps.csv here")
+    p.add_argument("--export-hf", default=None, metavar="DIR",
+                   help="after the last step, write the trained fp32 weights as a Hugging Face model directory "
+                   "(config.json + model.safetensors) that transformers' from_pretrained loads; DIR must be new or empty")
     p.add_argument("--lr", type=positive_float(), default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--weight-decay", type=non_negative_float(), default=0.1, help="AdamW weight decay (default 0.1)")
     p.add_argument("--seed", type=int_in(0, 2**63 - 1, "a non-negative integer"), default=0, help="seed of the random init and synthetic data (default 0)")
+    p.add_argument("--profile", action="store_true",
+                   help="run under torch.profiler and write its Chrome trace, torch_trace.json, under --out (each "
+                   "op in a record_function named after the plan's op, e.g. 'op 123 fwd b3 mb1 it0'); needs --out")
+    p.add_argument("--resume-fallback", action="store_true",
+                   help="if the latest checkpoint is corrupt, truncated or unreadable, resume from the previous one "
+                   "that verifies (default: refuse with one line)")
+    p.add_argument("--allow-changed-hyper", action="store_true",
+                   help="resume although --seed, --lr, --weight-decay or --data differ from the checkpoint's "
+                   "(default: refuse, naming what differs)")
     p.add_argument("--json", action="store_true", help="print the steps and the measured summary as JSON")
     p.set_defaults(func=_cmd_run)
 

@@ -71,10 +71,11 @@ class Executor:
     round; the ops themselves are in ops.py."""
 
     def __init__(self, plan: Plan, state: TrainState, data: TokenData, device: torch.device | DeviceBackend,
-                 hyper: Hyper, ssd: SsdStore | None) -> None:
+                 hyper: Hyper, ssd: SsdStore | None, profile: bool = False) -> None:
         self.backend = state.backend if state is not None else as_backend(device)
         self.plan, self.state, self.data, self.hyper, self.ssd = plan, state, data, hyper, ssd
         self.device = self.backend.device
+        self.profile = profile  # each op under a torch.profiler record_function named after it (tierflow run --profile)
         self.cfg = plan.config
         self.tasks: list[Task] = plan.graph.tasks
         unknown = sorted({t.kind for t in self.tasks} - KINDS)
@@ -96,7 +97,8 @@ class Executor:
     def run_round(self, iterations: int, step0: int, on_step=None) -> RoundResult:
         """Run the plan's ops of its first `iterations` iterations as training steps step0 .. step0+iterations-1.
         `on_step(iteration, loss, end_s)` is called (from a reporter thread) as soon as an iteration's last GPU
-        op has finished, so that long rounds show progress; it waits on that op's event only."""
+        op has finished, so that long rounds show progress; it waits on that op's event only. An exception it
+        raises stops the round's workers and is raised here (how `tierflow run` stops at a non-finite loss)."""
         n = self._check_round(iterations)
         rs = self._new_round(iterations, step0, n)
         queues = {r: [i for i in ids if i < n] for r, ids in self.plan.graph.resource_order().items()}
@@ -113,12 +115,20 @@ class Executor:
                 th.start()
             for th in threads:
                 th.join()
-            self.backend.synchronize()  # the workers have enqueued every op; the streams run the last ones
-            if rs.grad_adds is not None:
-                rs.grad_adds.close()  # after the streams: the last offload_grads submit their adds there
+        except BaseException:  # e.g. Interrupted or KeyboardInterrupt in this (the main) thread: stop every
+            rs.abort.set()     # worker and wait for it, so that no thread still runs torch ops at exit
+            for th in threads:
+                if th.ident is not None:
+                    th.join()
+            raise
         finally:
-            if rs.streams is not None:
-                self.backend.close_streams(rs.streams.values())
+            try:
+                self.backend.synchronize()  # the workers have enqueued every op; the streams run the last ones
+                if rs.grad_adds is not None:
+                    rs.grad_adds.close()  # after the streams: the last offload_grads submit their adds there
+            finally:
+                if rs.streams is not None:
+                    self.backend.close_streams(rs.streams.values())
         wall_s = time.perf_counter() - rs.t0_s
         if rs.errors:
             raise rs.errors[0]
@@ -193,10 +203,16 @@ class Executor:
                     end_s = self.backend.elapsed_s(rs.ev0, rs.ev_end[tid])
                 else:
                     end_s = float(rs.end_s[tid])
-                on_step(it, float(rs.loss_sum[it]), end_s)
+                loss = float(rs.loss_sum[it])
+                try:
+                    on_step(it, loss, end_s)
+                except Exception as e:  # noqa: BLE001 - on_step stopped training (e.g. a non-finite loss)
+                    rs.errors.insert(0, e)
+                    rs.abort.set()
+                    return
         except _Aborted:
             return
-        except BaseException as e:  # noqa: BLE001 - reported to the caller with the op it was reporting
+        except BaseException as e:  # noqa: BLE001 - the reporter's own failure, passed up with the op it reported
             self._fail(rs, self.tasks[tid] if tid is not None else None, e, "reporting the loss after ")
 
     def _wait(self, rs: RoundState, d: int) -> None:
@@ -208,6 +224,7 @@ class Executor:
     def _worker(self, rs: RoundState, resource: str, queue: list[int]) -> None:
         self.backend.thread_init()
         stream = rs.streams[resource] if rs.streams is not None and resource in STREAM_RESOURCES else None
+        run_op = self._run_op_profiled if self.profile else self.ops.run  # chosen once: no cost when not profiling
         t = None
         try:
             for tid in queue:
@@ -216,11 +233,12 @@ class Executor:
                 self._apply_mem(rs, t.mem_start)
                 if stream is not None:
                     rs.ev_start[tid] = self.backend.record(stream)
-                    self.backend.launch(stream, functools.partial(self._run_on_stream, rs, t), f"{tid} {t.label}")
+                    self.backend.launch(stream, functools.partial(self._run_on_stream, rs, t, run_op),
+                                        f"{tid} {t.label}")
                     rs.ev_end[tid] = self.backend.record(stream)
                 else:
                     rs.start_s[tid] = time.perf_counter() - rs.t0_s
-                    self.ops.run(rs, t)
+                    run_op(rs, t)
                     rs.end_s[tid] = time.perf_counter() - rs.t0_s
                 self._apply_mem(rs, t.mem_end)
                 rs.done[tid].set()
@@ -229,13 +247,19 @@ class Executor:
         except BaseException as e:  # noqa: BLE001 - reported to the caller, the other workers stop
             self._fail(rs, t, e)
 
-    def _run_on_stream(self, rs: RoundState, t: Task) -> None:
+    def _run_op_profiled(self, rs: RoundState, t: Task) -> None:
+        """The op under a record_function named after the plan's op, e.g. 'op 123 fwd b3 mb1 it0', so that the
+        profiler's kernels line up with the plan's trace."""
+        with torch.profiler.record_function(f"op {t.id} {t.label}"):
+            self.ops.run(rs, t)
+
+    def _run_on_stream(self, rs: RoundState, t: Task, run_op) -> None:
         """An op's handler with its stream current: at once on CUDA (its kernels run later), on the stream's
         thread in the emulation. A failure is the op's, whichever thread runs it."""
         if rs.abort.is_set():
             return
         try:
-            self.ops.run(rs, t)
+            run_op(rs, t)
         except _Aborted:
             return
         except BaseException as e:  # noqa: BLE001
@@ -258,6 +282,7 @@ class Executor:
                         self.backend.wait_event(stream, rs.ev_end[d])
                 else:
                     self.backend.synchronize_event(rs.ev_end[d])
+
     def _apply_mem(self, rs: RoundState, effects) -> None:
         if not effects:
             return

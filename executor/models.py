@@ -9,7 +9,17 @@ between GPU memory, CPU memory and NVMe, so the model is not one monolithic ``nn
 * ``family`` in ``llama``, ``mistral``, ``qwen2``: :class:`LlamaBlock`, RMSNorm, SwiGLU, rotary positions,
   grouped-query attention, biases only where the spec says (``qkv_bias`` for Qwen2). Mistral's sliding window
   is not modelled: it equals plain causal attention while ``seq_len <= sliding_window`` (4096 for Mistral-7B).
-* ``opt`` and ``gpt_neox`` raise :class:`NotImplementedError` (see :func:`check_supported`).
+* ``qwen3``: :class:`LlamaBlock` with an RMSNorm over head_dim on every query and key head (``q_norm``, ``k_norm``).
+* ``gemma``: :class:`LlamaBlock` with GeGLU (tanh GELU gate), RMSNorms that scale by ``1 + weight``
+  (:class:`GemmaRMSNorm`) and the embedding scaled by sqrt(hidden).
+* ``phi3``: :class:`Phi3Block`, LLaMA with q, k, v fused in ``qkv_proj``, gate and up fused in ``gate_up_proj``, and
+  partial rotary embeddings (``rotary_fraction``).
+* ``opt``: :class:`OPTBlock`, pre-LN (``do_layer_norm_before``) with a final LayerNorm, ReLU, learned positions
+  offset by 2. Post-LN OPT (opt-350m) and ``project_in``/``project_out`` are refused.
+* ``gpt_neox``: :class:`NeoXBlock`, parallel (or sequential) residual, the per-head interleaved fused
+  ``query_key_value``, partial rotary embeddings, exact GELU.
+* ``gemma2`` is refused (attention-logit soft-capping and ``query_pre_attn_scalar`` are not in the spec); see
+  :func:`check_supported`.
 
 Parameter names inside each block equal Hugging Face's (``self_attn.q_proj.weight``, ``attn.c_attn.weight``,
 ...) so :func:`hf_state_dict_to_blocks` is mostly prefix stripping; the parameter count of every block equals
@@ -22,8 +32,11 @@ full forward; it is the PyTorch reference in correctness tests.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +49,12 @@ RMSNORM_EPS = 1e-5  # LLaMA-2 / Mistral rms_norm_eps (transformers' LlamaConfig 
 ROPE_THETA = 10000.0  # LLaMA / LLaMA-2 rope_theta (Qwen2 checkpoints use 1e6: pass rope_theta=)
 INIT_STD = 0.02  # GPT-2 initializer_range
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
-SUPPORTED_FAMILIES = ("gpt", *LLAMA_LIKE)
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+SUPPORTED_FAMILIES = ("gpt", *LLAMA_LIKE, "phi3", "opt", "gpt_neox")
 
 _WHY_UNSUPPORTED = {
-    "opt": "OPT needs post-LN layers, a position offset of 2 and project_in/out",
-    "gpt_neox": "GPT-NeoX needs partial rotary embeddings and a per-head interleaved fused qkv",
+    "gemma2": "Gemma2 soft-caps attention and final logits and scales queries by query_pre_attn_scalar; the model "
+              "spec does not carry those constants, so its logits could not match the checkpoint's",
 }
 
 
@@ -59,10 +72,24 @@ def check_supported(spec: ModelSpec) -> None:
         ("layernorm", "relu"),
     ):
         raise no(f"GPT blocks need layernorm with gelu or relu, got {spec.norm} with {spec.activation}")
-    if spec.family in LLAMA_LIKE and (spec.norm, spec.activation) != ("rmsnorm", "swiglu"):
-        raise no(f"LLaMA blocks need rmsnorm with swiglu, got {spec.norm} with {spec.activation}")
-    if spec.embed_proj_dim or spec.position_offset or not spec.final_norm or not spec.norm_affine:
-        raise no("OPT-only features (embed_proj_dim, position_offset, no final norm, non-affine norms)")
+    if spec.family in (*LLAMA_LIKE, "phi3") and (spec.norm, spec.activation) not in (
+        ("rmsnorm", "swiglu"),
+        ("rmsnorm", "geglu"),
+    ):
+        raise no(f"LLaMA blocks need rmsnorm with swiglu or geglu, got {spec.norm} with {spec.activation}")
+    if spec.family in ("opt", "gpt_neox") and spec.norm != "layernorm":
+        raise no(f"{spec.family} blocks need layernorm, got {spec.norm}")
+    if spec.family == "opt" and (spec.embed_proj_dim or not spec.final_norm or spec.position_offset != 2):
+        raise no("post-LN OPT (do_layer_norm_before=false, e.g. opt-350m), word_embed_proj_dim != hidden_size "
+                 "(project_in/out) and a removed final norm are not implemented; pre-LN OPT is")
+    if spec.family != "opt" and (spec.embed_proj_dim or spec.position_offset or not spec.final_norm):
+        raise no("OPT-only features (embed_proj_dim, position_offset, no final norm) outside an OPT model")
+    if not spec.norm_affine:
+        raise no("norms without weights (layer_norm_elementwise_affine=false) are not implemented")
+    if spec.sandwich_norm or (spec.qk_norm and spec.family != "qwen3"):
+        raise no("sandwich norms (Gemma2) and qk-norm outside Qwen3 are not implemented")
+    if spec.rotary_fraction != 1.0 and spec.family not in ("gpt_neox", "phi3"):
+        raise no("partial rotary embeddings are implemented for GPT-NeoX and Phi-3 only")
     if spec.family == "gpt" and not spec.max_positions:
         raise no("GPT blocks need a learned position table (max_positions > 0)")
     if not spec.lm_head:
@@ -89,6 +116,20 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by ``1 + weight`` in float32 before casting back (the weight starts at zero)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _rms_norm(spec: ModelSpec, dim: int, eps: float, device=None, dtype=None) -> RMSNorm:
+    cls = GemmaRMSNorm if spec.family == "gemma" else RMSNorm
+    return cls(dim, eps=eps, device=device, dtype=dtype)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal SDPA over (B, heads, T, head_dim); k and v may have fewer (grouped-query) heads: kv head j serves
     query heads j*groups .. (j+1)*groups-1, as transformers' repeat_kv, but without repeating them (enable_gqa),
@@ -107,9 +148,18 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, heads, T, head_dim) by the tables (the "rotate half" layout of transformers' LLaMA)."""
+    """Rotate (B, heads, T, head_dim) by the tables (the "rotate half" layout of transformers' LLaMA). Tables
+    narrower than head_dim rotate only the first dims (partial rotary: GPT-NeoX, Phi-3); the rest pass."""
+    rot = cos.size(-1)
+    if rot < x.size(-1):
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rotary_dims(spec: ModelSpec) -> int:
+    """How many of each head's dims rotary positions rotate (transformers: int(head_dim * partial factor))."""
+    return int(spec.head_dim * spec.rotary_fraction)
 
 
 def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -133,21 +183,25 @@ class Embedding(nn.Module):
     def __init__(self, spec: ModelSpec, device=None, dtype=None) -> None:
         super().__init__()
         self.wte = nn.Embedding(spec.vocab_size, spec.hidden, device=device, dtype=dtype)
+        self.offset = spec.position_offset  # OPT: position p reads row p + 2
         self.wpe = (
-            nn.Embedding(spec.max_positions, spec.hidden, device=device, dtype=dtype)
+            nn.Embedding(spec.max_positions + self.offset, spec.hidden, device=device, dtype=dtype)
             if spec.max_positions
             else None
         )
+        self.scale = spec.hidden**0.5 if spec.family == "gemma" else None  # Gemma scales by sqrt(hidden)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.wte(tokens)
+        if self.scale is not None:  # as transformers: the factor rounded to the activations' dtype first
+            x = x * torch.tensor(self.scale, dtype=x.dtype, device=x.device)
         if self.wpe is not None:
             T = tokens.size(-1)
-            if T > self.wpe.num_embeddings:
+            if T > self.wpe.num_embeddings - self.offset:
                 raise ValueError(
-                    f"sequence of {T} tokens exceeds the {self.wpe.num_embeddings} learned positions"
+                    f"sequence of {T} tokens exceeds the {self.wpe.num_embeddings - self.offset} learned positions"
                 )
-            x = x + self.wpe(torch.arange(T, device=tokens.device))
+            x = x + self.wpe(torch.arange(T, device=tokens.device) + self.offset)
         return x
 
 
@@ -165,9 +219,7 @@ class Head(nn.Module):
                 spec.hidden, eps=LAYERNORM_EPS if norm_eps is None else norm_eps, device=device, dtype=dtype
             )
         else:
-            self.norm = RMSNorm(
-                spec.hidden, eps=RMSNORM_EPS if norm_eps is None else norm_eps, device=device, dtype=dtype
-            )
+            self.norm = _rms_norm(spec, spec.hidden, RMSNORM_EPS if norm_eps is None else norm_eps, device, dtype)
         self.lm_head = (
             None
             if self.tied
@@ -253,7 +305,8 @@ class GPTBlock(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, *, rope_theta: float, device=None, dtype=None) -> None:
+    def __init__(self, spec: ModelSpec, *, rope_theta: float, norm_eps: float = RMSNORM_EPS, device=None,
+                 dtype=None) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.rope_theta = rope_theta
@@ -262,11 +315,17 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias, **kw)
         self.v_proj = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias, **kw)
         self.o_proj = nn.Linear(spec.q_dim, spec.hidden, bias=spec.out_bias, **kw)
+        if spec.qk_norm:  # Qwen3: RMSNorm over head_dim of every query and key head, before rotary
+            self.q_norm = RMSNorm(spec.head_dim, eps=norm_eps, **kw)
+            self.k_norm = RMSNorm(spec.head_dim, eps=norm_eps, **kw)
+        self.qk_norm = spec.qk_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = _split_heads(self.q_proj(x), self.heads)
         k = _split_heads(self.k_proj(x), self.kv_heads)
         v = _split_heads(self.v_proj(x), self.kv_heads)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_cos_sin(x.size(1), self.head_dim, self.rope_theta, x.device, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.o_proj(_merge_heads(causal_attention(q, k, v)))
@@ -276,12 +335,18 @@ class LlamaMLP(nn.Module):
     def __init__(self, spec: ModelSpec, device=None, dtype=None) -> None:
         super().__init__()
         kw = {"bias": spec.mlp_bias, "device": device, "dtype": dtype}
+        self.geglu = spec.activation == "geglu"
         self.gate_proj = nn.Linear(spec.hidden, spec.ffn_hidden, **kw)
         self.up_proj = nn.Linear(spec.hidden, spec.ffn_hidden, **kw)
         self.down_proj = nn.Linear(spec.ffn_hidden, spec.hidden, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        return self.down_proj(_gate(self.gate_proj(x), self.geglu) * self.up_proj(x))
+
+
+def _gate(x: torch.Tensor, geglu: bool) -> torch.Tensor:
+    """SwiGLU's silu gate, or GeGLU's tanh GELU (Gemma's gelu_pytorch_tanh)."""
+    return F.gelu(x, approximate="tanh") if geglu else F.silu(x)
 
 
 class LlamaBlock(nn.Module):
@@ -298,18 +363,148 @@ class LlamaBlock(nn.Module):
     ) -> None:
         super().__init__()
         eps = RMSNORM_EPS if norm_eps is None else norm_eps
+        theta = ROPE_THETA if rope_theta is None else rope_theta
         self.parallel_residual = spec.parallel_residual
-        self.input_layernorm = RMSNorm(spec.hidden, eps=eps, device=device, dtype=dtype)
-        self.self_attn = LlamaAttention(
-            spec, rope_theta=ROPE_THETA if rope_theta is None else rope_theta, device=device, dtype=dtype
-        )
-        self.post_attention_layernorm = RMSNorm(spec.hidden, eps=eps, device=device, dtype=dtype)
+        self.input_layernorm = _rms_norm(spec, spec.hidden, eps, device, dtype)
+        if spec.family == "phi3":
+            self.self_attn = Phi3Attention(spec, rope_theta=theta, device=device, dtype=dtype)
+            self.post_attention_layernorm = _rms_norm(spec, spec.hidden, eps, device, dtype)
+            self.mlp = Phi3MLP(spec, device=device, dtype=dtype)
+            return
+        self.self_attn = LlamaAttention(spec, rope_theta=theta, norm_eps=eps, device=device, dtype=dtype)
+        self.post_attention_layernorm = _rms_norm(spec, spec.hidden, eps, device, dtype)
         self.mlp = LlamaMLP(spec, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel_residual:
             return x + self.self_attn(self.input_layernorm(x)) + self.mlp(self.post_attention_layernorm(x))
         x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Phi3Attention(nn.Module):
+    """Phi-3: q, k, v in one ``qkv_proj`` (all queries, then keys, then values), partial rotary."""
+
+    def __init__(self, spec: ModelSpec, *, rope_theta: float, device=None, dtype=None) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.rope_theta, self.rot = rope_theta, rotary_dims(spec)
+        self.sizes = [spec.q_dim, spec.kv_dim, spec.kv_dim]
+        self.qkv_proj = nn.Linear(spec.hidden, sum(self.sizes), bias=False, device=device, dtype=dtype)
+        self.o_proj = nn.Linear(spec.q_dim, spec.hidden, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q, k, v = _split_heads(q, self.heads), _split_heads(k, self.kv_heads), _split_heads(v, self.kv_heads)
+        cos, sin = rope_cos_sin(x.size(1), self.rot, self.rope_theta, x.device, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(_merge_heads(causal_attention(q, k, v)))
+
+
+class Phi3MLP(nn.Module):
+    """Phi-3: gate and up in one ``gate_up_proj`` (gate first), SwiGLU."""
+
+    def __init__(self, spec: ModelSpec, device=None, dtype=None) -> None:
+        super().__init__()
+        self.geglu = spec.activation == "geglu"
+        self.gate_up_proj = nn.Linear(spec.hidden, 2 * spec.ffn_hidden, bias=False, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(spec.ffn_hidden, spec.hidden, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(_gate(gate, self.geglu) * up)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# OPT and GPT-NeoX blocks
+# --------------------------------------------------------------------------------------------------------------
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, device=None, dtype=None) -> None:
+        super().__init__()
+        self.heads = spec.num_heads
+        kw = {"device": device, "dtype": dtype}
+        self.k_proj = nn.Linear(spec.hidden, spec.q_dim, bias=spec.qkv_bias, **kw)
+        self.v_proj = nn.Linear(spec.hidden, spec.q_dim, bias=spec.qkv_bias, **kw)
+        self.q_proj = nn.Linear(spec.hidden, spec.q_dim, bias=spec.qkv_bias, **kw)
+        self.out_proj = nn.Linear(spec.q_dim, spec.hidden, bias=spec.out_bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (_split_heads(p(x), self.heads) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.out_proj(_merge_heads(causal_attention(q, k, v)))
+
+
+class OPTBlock(nn.Module):
+    """Pre-LN OPT decoder layer (``do_layer_norm_before``; names as transformers' ``OPTDecoderLayer``)."""
+
+    def __init__(self, spec: ModelSpec, *, norm_eps: float | None = None, device=None, dtype=None) -> None:
+        super().__init__()
+        eps = LAYERNORM_EPS if norm_eps is None else norm_eps
+        kw = {"device": device, "dtype": dtype}
+        self.relu = spec.activation == "relu"
+        self.self_attn = OPTAttention(spec, **kw)
+        self.self_attn_layer_norm = nn.LayerNorm(spec.hidden, eps=eps, **kw)
+        self.fc1 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=spec.mlp_bias, **kw)
+        self.fc2 = nn.Linear(spec.ffn_hidden, spec.hidden, bias=spec.mlp_bias, **kw)
+        self.final_layer_norm = nn.LayerNorm(spec.hidden, eps=eps, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x))
+        h = self.fc1(self.final_layer_norm(x))
+        return x + self.fc2(F.relu(h) if self.relu else F.gelu(h))
+
+
+class NeoXAttention(nn.Module):
+    """GPT-NeoX attention: ``query_key_value`` holds q, k, v interleaved per head ((heads, 3, head_dim) rows)."""
+
+    def __init__(self, spec: ModelSpec, *, rope_theta: float, device=None, dtype=None) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.rope_theta, self.rot = spec.num_heads, spec.head_dim, rope_theta, rotary_dims(spec)
+        kw = {"device": device, "dtype": dtype}
+        self.query_key_value = nn.Linear(spec.hidden, 3 * spec.q_dim, bias=spec.qkv_bias, **kw)
+        self.dense = nn.Linear(spec.q_dim, spec.hidden, bias=spec.out_bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.query_key_value(x).view(B, T, self.heads, 3 * self.head_dim).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)
+        cos, sin = rope_cos_sin(T, self.rot, self.rope_theta, x.device, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.dense(_merge_heads(causal_attention(q, k, v)))
+
+
+class NeoXMLP(nn.Module):
+    def __init__(self, spec: ModelSpec, device=None, dtype=None) -> None:
+        super().__init__()
+        self.relu = spec.activation == "relu"
+        self.dense_h_to_4h = nn.Linear(spec.hidden, spec.ffn_hidden, bias=spec.mlp_bias, device=device, dtype=dtype)
+        self.dense_4h_to_h = nn.Linear(spec.ffn_hidden, spec.hidden, bias=spec.mlp_bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.dense_h_to_4h(x)
+        return self.dense_4h_to_h(F.relu(h) if self.relu else F.gelu(h))  # exact GELU: NeoX's hidden_act "gelu"
+
+
+class NeoXBlock(nn.Module):
+    """GPT-NeoX decoder layer (names as transformers' ``GPTNeoXLayer``): parallel residual by default."""
+
+    def __init__(self, spec: ModelSpec, *, norm_eps: float | None = None, rope_theta: float | None = None,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        eps = LAYERNORM_EPS if norm_eps is None else norm_eps
+        kw = {"device": device, "dtype": dtype}
+        self.parallel_residual = spec.parallel_residual
+        self.input_layernorm = nn.LayerNorm(spec.hidden, eps=eps, **kw)
+        self.post_attention_layernorm = nn.LayerNorm(spec.hidden, eps=eps, **kw)
+        self.attention = NeoXAttention(spec, rope_theta=ROPE_THETA if rope_theta is None else rope_theta, **kw)
+        self.mlp = NeoXMLP(spec, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        attn = self.attention(self.input_layernorm(x))
+        if self.parallel_residual:  # x + attn(ln1(x)) + mlp(ln2(x))
+            return x + attn + self.mlp(self.post_attention_layernorm(x))
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -325,6 +520,11 @@ def _make_blocks(
     check_supported(spec)
     if spec.family == "gpt":
         layers = [GPTBlock(spec, norm_eps=norm_eps, device=device) for _ in range(spec.num_layers)]
+    elif spec.family == "opt":
+        layers = [OPTBlock(spec, norm_eps=norm_eps, device=device) for _ in range(spec.num_layers)]
+    elif spec.family == "gpt_neox":
+        layers = [NeoXBlock(spec, norm_eps=norm_eps, rope_theta=rope_theta, device=device)
+                  for _ in range(spec.num_layers)]
     else:
         layers = [
             LlamaBlock(spec, norm_eps=norm_eps, rope_theta=rope_theta, device=device)
@@ -341,6 +541,8 @@ def init_weights(module: nn.Module, std: float = INIT_STD) -> None:
             nn.init.normal_(m.weight, mean=0.0, std=std)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+        elif isinstance(m, GemmaRMSNorm):  # scales by 1 + weight: zero is the identity
+            nn.init.zeros_(m.weight)
         elif isinstance(m, (nn.LayerNorm, RMSNorm)):
             nn.init.ones_(m.weight)
             if getattr(m, "bias", None) is not None:
@@ -425,21 +627,47 @@ class BlockModel(nn.Module):
 
 _LAYER_KEY = re.compile(r"^(?:h|layers)\.(\d+)\.(.+)$")
 # Non-parameter buffers that older checkpoints saved: GPT-2's causal mask, LLaMA's rotary table.
-_IGNORED_KEY = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+_IGNORED_KEY = re.compile(
+    r"(^|\.)(attn\.bias|attn\.masked_bias|attention\.bias|attention\.masked_bias|rotary_emb\.inv_freq)$"
+)
 # GPT-2 stores these as Conv1D, whose weight is (in, out): the transpose of nn.Linear's (out, in).
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 def _outer_keys(spec: ModelSpec) -> dict[str, tuple[int, str]]:
     last = spec.num_layers + 1
-    if spec.family == "gpt":  # HF name -> (block index, our name)
+    if spec.family == "gpt":  # HF name (without the prefix) -> (block index, our name)
         return {
             "wte.weight": (0, "wte.weight"),
             "wpe.weight": (0, "wpe.weight"),
             "ln_f.weight": (last, "norm.weight"),
             "ln_f.bias": (last, "norm.bias"),
         }
+    if spec.family == "opt":
+        return {
+            "embed_tokens.weight": (0, "wte.weight"),
+            "embed_positions.weight": (0, "wpe.weight"),
+            "final_layer_norm.weight": (last, "norm.weight"),
+            "final_layer_norm.bias": (last, "norm.bias"),
+        }
+    if spec.family == "gpt_neox":
+        return {
+            "embed_in.weight": (0, "wte.weight"),
+            "final_layer_norm.weight": (last, "norm.weight"),
+            "final_layer_norm.bias": (last, "norm.bias"),
+        }
     return {"embed_tokens.weight": (0, "wte.weight"), "norm.weight": (last, "norm.weight")}
+
+
+def _hf_prefix(spec: ModelSpec) -> str:
+    """The prefix of the base model's tensors in a transformers checkpoint (optional when reading)."""
+    return {"gpt": "transformer.", "opt": "model.decoder.", "gpt_neox": "gpt_neox."}.get(spec.family, "model.")
+
+
+def _hf_lm_head(spec: ModelSpec) -> str:
+    """The lm_head's name as written on export: GPT-NeoX checkpoints call it ``embed_out`` (transformers 5 renames
+    it to ``lm_head`` on load, and older releases know only ``embed_out``)."""
+    return "embed_out.weight" if spec.family == "gpt_neox" else "lm_head.weight"
 
 
 def hf_key_target(spec: ModelSpec, key: str) -> tuple[int, str, bool] | None | bool:
@@ -449,9 +677,11 @@ def hf_key_target(spec: ModelSpec, key: str) -> tuple[int, str, bool] | None | b
     last = spec.num_layers + 1
     if _IGNORED_KEY.search(key):
         return None
-    if key == "lm_head.weight":
+    if key in (_hf_lm_head(spec), "lm_head.weight"):
         return None if spec.tied_embeddings else (last, "lm_head.weight", False)
-    name = key.removeprefix("transformer." if gpt else "model.")
+    name = key
+    for part in _hf_prefix(spec).split(".")[:-1]:  # OPT: "model." and "decoder." are each optional
+        name = name.removeprefix(part + ".")
     layer = _LAYER_KEY.match(name)
     if layer and int(layer.group(1)) < spec.num_layers:
         sub = layer.group(2)
@@ -486,8 +716,9 @@ def hf_state_dict_to_blocks(
 ) -> list[dict[str, torch.Tensor]]:
     """Split a transformers state dict into one state dict per block of :func:`build_blocks`.
 
-    Accepts ``LlamaForCausalLM``/``MistralForCausalLM``/``Qwen2ForCausalLM`` (``model.`` prefix optional) and
-    ``GPT2LMHeadModel`` (``transformer.`` prefix optional, as in the original GPT-2 checkpoints). GPT-2 Conv1D
+    Accepts the ``*ForCausalLM`` of every family in :data:`SUPPORTED_FAMILIES` (``model.`` prefix optional;
+    OPT's ``model.decoder.``, GPT-NeoX's ``gpt_neox.``) and ``GPT2LMHeadModel`` (``transformer.`` prefix optional,
+    as in the original GPT-2 checkpoints). GPT-2 Conv1D
     weights are transposed; a tied ``lm_head.weight`` is dropped (the head uses the embedding's). Each result
     loads with ``block.load_state_dict(sd)`` (strict); missing, unexpected or mis-shaped tensors raise
     :class:`ValueError`.
@@ -510,6 +741,144 @@ def hf_state_dict_to_blocks(
     return blocks
 
 
+def blocks_to_hf_state_dict(
+    spec: ModelSpec, blocks: list[Mapping[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`hf_state_dict_to_blocks`: one transformers state dict with the full prefixes
+    (``model.``, ``transformer.``, ``model.decoder.``, ``gpt_neox.``); a tied lm_head is left out (transformers
+    ties it to the embedding on load), GPT-2 Conv1D weights are transposed back."""
+    check_supported(spec)
+    check_block_state_dicts(spec, blocks)
+    prefix, last = _hf_prefix(spec), spec.num_layers + 1
+    outer = {target: name for name, target in _outer_keys(spec).items()}  # (block, our name) -> HF name
+    layer = "h" if spec.family == "gpt" else "layers"
+    out: dict[str, torch.Tensor] = {}
+    for i, sd in enumerate(blocks):
+        for name, t in sd.items():
+            if i == last and name == "lm_head.weight":
+                key = _hf_lm_head(spec)
+            elif 0 < i < last:
+                key = f"{prefix}{layer}.{i - 1}.{name}"
+                if spec.family == "gpt" and name in _CONV1D:
+                    t = t.t()
+            else:
+                key = prefix + outer[(i, name)]
+            out[key] = t.detach().contiguous()
+    return out
+
+
+# family -> (model_type, architecture) of the transformers class with the same layers
+_HF_ARCH = {
+    "gpt": ("gpt2", "GPT2LMHeadModel"),
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma": ("gemma", "GemmaForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "opt": ("opt", "OPTForCausalLM"),
+    "gpt_neox": ("gpt_neox", "GPTNeoXForCausalLM"),
+}
+
+
+def hf_config(spec: ModelSpec) -> dict:
+    """The ``config.json`` of the transformers model whose layers compute what tierflow's blocks compute: the
+    executor's constants (norm eps 1e-5, rope theta 10000, no dropout) and no special-token ids. Raises
+    :class:`ValueError` (one line) for a spec transformers' class for the family cannot express."""
+    check_supported(spec)
+
+    def no(why: str) -> ValueError:
+        return ValueError(f"{spec.name}: cannot export to the Hugging Face layout: {why}")
+
+    kind, arch = _HF_ARCH[spec.family]
+    cfg: dict = {"architectures": [arch], "model_type": kind, "vocab_size": spec.vocab_size,
+                 "tie_word_embeddings": spec.tied_embeddings, "torch_dtype": "float32",
+                 "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    classic = spec.num_kv_heads == spec.num_heads and spec.q_dim == spec.hidden
+    if spec.family in ("gpt", "opt", "gpt_neox") and not classic:
+        raise no(f"{kind} has neither grouped-query attention nor a head_dim other than hidden / heads")
+    if spec.family == "gpt":
+        if spec.parallel_residual or not (spec.qkv_bias and spec.out_bias and spec.mlp_bias):
+            raise no("GPT-2 layers have every bias and a sequential residual")
+        cfg.update(n_embd=spec.hidden, n_layer=spec.num_layers, n_head=spec.num_heads, n_inner=spec.ffn_hidden,
+                   n_positions=spec.max_positions, layer_norm_epsilon=LAYERNORM_EPS,
+                   activation_function="relu" if spec.activation == "relu" else "gelu_new",
+                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return cfg
+    if spec.family == "opt":
+        if not (spec.qkv_bias == spec.out_bias == spec.mlp_bias):
+            raise no("OPT's enable_bias switches every bias at once")
+        cfg.update(hidden_size=spec.hidden, num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                   ffn_dim=spec.ffn_hidden, max_position_embeddings=spec.max_positions, do_layer_norm_before=True,
+                   word_embed_proj_dim=spec.hidden, enable_bias=spec.qkv_bias, layer_norm_elementwise_affine=True,
+                   activation_function="relu" if spec.activation == "relu" else "gelu",
+                   dropout=0.0, attention_dropout=0.0, layerdrop=0.0)
+        return cfg
+    rope = {"rope_type": "default", "rope_theta": ROPE_THETA}
+    if spec.family == "gpt_neox":
+        if spec.qkv_bias != spec.out_bias or not spec.mlp_bias:
+            raise no("GPT-NeoX's attention_bias covers query_key_value and dense together, and its MLP has biases")
+        rope["partial_rotary_factor"] = spec.rotary_fraction
+        cfg.update(hidden_size=spec.hidden, num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                   intermediate_size=spec.ffn_hidden, max_position_embeddings=spec.seq_len,
+                   hidden_act="relu" if spec.activation == "relu" else "gelu", rope_parameters=rope,
+                   rotary_pct=spec.rotary_fraction, rotary_emb_base=ROPE_THETA, layer_norm_eps=LAYERNORM_EPS,
+                   use_parallel_residual=spec.parallel_residual, attention_bias=spec.qkv_bias,
+                   hidden_dropout=0.0, attention_dropout=0.0)
+        return cfg
+    # the llama-like families
+    if spec.family in ("qwen2", "qwen3") and spec.sliding_window:
+        raise no("which Qwen layers slide (max_window_layers) is not kept in the model spec")
+    biases = {"llama": None, "qwen3": None, "gemma": None, "mistral": (False, False, False),
+              "qwen2": (True, False, False), "phi3": (False, False, False)}[spec.family]
+    if biases is not None and (spec.qkv_bias, spec.out_bias, spec.mlp_bias) != biases:
+        raise no(f"{kind} layers have biases {biases} (qkv, out, mlp)")
+    if spec.family in ("qwen3", "gemma", "llama") and spec.qkv_bias != spec.out_bias:
+        raise no(f"{kind}'s attention_bias covers q, k, v and o together")
+    if spec.family != "llama" and spec.mlp_bias:
+        raise no(f"{kind} has no MLP biases")
+    cfg.update(hidden_size=spec.hidden, intermediate_size=spec.ffn_hidden, num_hidden_layers=spec.num_layers,
+               num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+               max_position_embeddings=spec.seq_len, rms_norm_eps=RMSNORM_EPS, rope_parameters=rope,
+               rope_theta=ROPE_THETA, attention_dropout=0.0,
+               hidden_act="gelu_pytorch_tanh" if spec.activation == "geglu" else "silu")
+    if spec.family in ("llama", "qwen3", "gemma"):
+        cfg["attention_bias"] = spec.qkv_bias
+    if spec.family == "llama":
+        cfg["mlp_bias"] = spec.mlp_bias
+    if spec.family in ("mistral", "phi3"):
+        cfg["sliding_window"] = spec.sliding_window or None
+    if spec.family in ("qwen2", "qwen3"):
+        cfg["use_sliding_window"] = False
+    if spec.family == "phi3":
+        rope["partial_rotary_factor"] = spec.rotary_fraction
+        cfg.update(partial_rotary_factor=spec.rotary_fraction, original_max_position_embeddings=spec.seq_len,
+                   resid_pdrop=0.0, embd_pdrop=0.0)
+    return cfg
+
+
+def export_hf(spec: ModelSpec, blocks: list[Mapping[str, torch.Tensor]], directory: str | os.PathLike[str]) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (the tensors as given, e.g. fp32 master weights) into
+    ``directory``, which ``transformers.AutoModelForCausalLM.from_pretrained`` loads. Each file is written under
+    a temporary name and renamed into place."""
+    from safetensors.torch import save_file
+
+    config = hf_config(spec)
+    tensors = blocks_to_hf_state_dict(spec, blocks)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".model.safetensors.{os.getpid()}.tmp"
+    save_file({k: v.cpu() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # as any file this process creates (safetensors writes it owner-only)
+    os.replace(tmp, out / "model.safetensors")
+    tmp = out / f".config.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, out / "config.json")
+    return out
+
+
 __all__ = [
     "INIT_STD",
     "LAYERNORM_EPS",
@@ -521,10 +890,15 @@ __all__ = [
     "GPTBlock",
     "Head",
     "LlamaBlock",
+    "NeoXBlock",
+    "OPTBlock",
     "RMSNorm",
+    "blocks_to_hf_state_dict",
     "build_blocks",
     "check_supported",
     "check_block_state_dicts",
+    "export_hf",
+    "hf_config",
     "hf_key_target",
     "hf_state_dict_to_blocks",
     "init_weights",

@@ -131,13 +131,16 @@ class ComputeOps:
 
     def _embedding_grads(self, rs: RoundState, t: Task, gout: torch.Tensor, tokens: torch.Tensor) -> None:
         hidden = self.cx.spec.hidden
+        emb = self.cx.layout.templates[0]
+        # Gemma scales the token embedding by sqrt(hidden) (rounded to the activations' dtype, as its forward)
+        gtok = gout if emb.scale is None else gout * torch.tensor(emb.scale, dtype=gout.dtype, device=gout.device)
         pieces = []
         for s in self.cx.layout.slots[0]:
             g = torch.zeros(s.shape, dtype=torch.float32, device=self.cx.device)
             if s.name == "wte.weight":
-                g.index_add_(0, tokens.reshape(-1), gout.reshape(-1, hidden).float())
-            else:  # learned positions: position p gets the sum over the batch of the gradient at p
-                g[: gout.size(1)] = gout.float().sum(0)
+                g.index_add_(0, tokens.reshape(-1), gtok.reshape(-1, hidden).float())
+            else:  # learned positions: position p (row p + offset: OPT's 2) gets the batch's gradient at p
+                g[emb.offset: emb.offset + gout.size(1)] = gout.float().sum(0)
             pieces.append((s.offset, s.offset + s.numel, g))
         self.grads.accumulate(rs, t, 0, pieces)
 

@@ -2,7 +2,12 @@
 requested number of steps (a *round* runs the plan's iterations once; the last round of a run, or one that
 ends at a checkpoint, runs only the first iterations of the plan), prints loss, tokens/s and TFLOPS per step,
 checkpoints atomically and resumes from the last checkpoint, and writes the measured trace in the simulator's
-format (timeline.csv, trace.json, gantt.png) plus steps.csv.
+format (timeline.csv, trace.json, gantt.png) plus steps.csv; with --profile also torch.profiler's Chrome trace
+(torch_trace.json), each op under a record_function named after its plan op.
+
+A run holds a lock on its checkpoint and SSD directories, removes what killed runs left there, and stops
+cleanly: at the first non-finite loss (exit 4), on SIGINT / SIGTERM (130 / 143), or when a checkpoint cannot be
+written, keeping the last good checkpoint and writing the results so far (`RunStopped`).
 """
 
 from __future__ import annotations
@@ -12,18 +17,28 @@ import csv
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tierflow.executor.checkpoint import (
+    CheckpointWriteError,
+    NonFiniteState,
+    remove_temporaries,
+    resume,
+    save_checkpoint,
+)
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device import DeviceBackend, TierOutOfMemory, make_backend
+from tierflow.executor.dirlock import DirLock, LockError, remove_stale_run_dirs
 from tierflow.executor.engine import (
     ExecutionError,
     Executor,
@@ -32,8 +47,9 @@ from tierflow.executor.engine import (
     UnsupportedPlan,
     measured_result,
 )
-from tierflow.executor.models import check_supported
-from tierflow.executor.state import StateError, TrainState, latest_checkpoint, read_manifest
+from tierflow.executor.models import check_supported, export_hf, hf_config
+from tierflow.executor.signals import Interrupted, StopOnSignals
+from tierflow.executor.state import StateError, TrainState
 from tierflow.executor.store import ChecksumError, SsdError, SsdStore, check_ssd_dir
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.core.workload import COMPUTE_BYTES, model_flops_per_token
@@ -46,6 +62,10 @@ LOG = logging.getLogger(__name__)  # debug: each round's wall time and peak byte
 
 class RunError(ValueError):
     """Bad input to `tierflow run` (one line)."""
+
+
+class Diverged(RuntimeError):
+    """A non-finite loss (or state): training stops there."""
 
 
 @dataclass
@@ -62,7 +82,11 @@ class RunOptions:
     hyper: Hyper = field(default_factory=Hyper)
     seed: int = 0
     quiet: bool = False
+    profile: bool = False  # torch.profiler around the run, its Chrome trace to out/torch_trace.json (needs out)
+    resume_fallback: bool = False  # a corrupt latest checkpoint: resume from the previous one that verifies
+    allow_changed_hyper: bool = False  # resume although the seed / hyper-parameters / data differ from the checkpoint's
     collect_final: bool = False  # return the final fp32 master weights (RunResult.final_master), e.g. for tests
+    export_hf: str | None = None  # after the last step, write the fp32 master weights here in the HF layout
 
 
 @dataclass
@@ -85,10 +109,21 @@ class RunResult:
     ssd_bytes_written: int = 0
     o_direct: bool | None = None
     final_master: list[torch.Tensor] | None = None
+    checkpoint: Path | None = None  # the last checkpoint written or resumed from
 
     @property
     def losses(self) -> list[float]:
         return [r.loss for r in self.records]
+
+
+class RunStopped(Exception):  # noqa: N818 - the run stopped; not necessarily an error
+    """Training stopped before --steps: diverged (exit 4), interrupted (130, 143), or a checkpoint could not be
+    written (3 when the disk is full, else 2). `result` holds the steps so far; the last good checkpoint is kept
+    and --out was written."""
+
+    def __init__(self, message: str, exit_code: int, result: RunResult) -> None:
+        super().__init__(message)
+        self.exit_code, self.result = exit_code, result
 
 
 def plan_fingerprint(plan: Plan) -> str:
@@ -142,66 +177,110 @@ def _ssd_need_bytes(plan: Plan, state: TrainState) -> float:
     return static + dynamic * scale * 1.1 + (1 << 20)
 
 
+def check_hyper(h: Hyper) -> None:
+    """The optimizer's settings, refused up front (RunError) rather than diverging at step 1."""
+    if not math.isfinite(h.lr) or h.lr <= 0:
+        raise RunError(f"--lr {h.lr}: must be a finite number > 0 (e.g. 1e-3)")
+    if not math.isfinite(h.weight_decay) or h.weight_decay < 0:
+        raise RunError(f"--weight-decay {h.weight_decay}: must be a finite number >= 0 (e.g. 0.1)")
+
+
 def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
-    """Train `opts.steps` steps (in total, counting those of a checkpoint resumed from) with `plan`."""
+    """Train `opts.steps` steps (in total, counting those of a checkpoint resumed from) with `plan`. Raises
+    RunStopped when training stops early (diverged, interrupted, a checkpoint that cannot be written)."""
     try:
         check_supported(plan.model)
     except NotImplementedError as e:
         raise RunError(str(e)) from None
     if opts.steps < 1:
         raise RunError(f"--steps {opts.steps}: must be >= 1")
+    if opts.export_hf:
+        check_export_hf(opts.export_hf, plan)
+    check_hyper(opts.hyper)
+    if opts.profile and not opts.out:
+        raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured trace.json")
     backend = _device(opts.device, opts.seed)
     dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
     cfg = plan.config
     probe = TrainState(plan.model, cfg.placement, cfg.alpha, backend, dtype, None)
     need_ssd = _ssd_need_bytes(plan, probe)
     uses_ssd = need_ssd > (1 << 20) or any(t.resource in ("ssd_read", "ssd_write") for t in plan.graph.tasks)
-    ssd = run_dir = None
-    if uses_ssd:
-        root = check_ssd_dir(opts.ssd_dir, need_ssd, "optimizer states, weights, gradients or activations placed there")
-        run_dir = root / f"tierflow-run-{os.getpid()}"
-        run_dir.mkdir(exist_ok=True)
-        ssd = SsdStore(run_dir, backend=backend, warn=lambda m: log(m, file=sys.stderr))
-    try:
-        return _train(plan, opts, backend, dtype, ssd, log)
-    finally:
-        if ssd is not None:
-            ssd.close()
-            shutil.rmtree(run_dir, ignore_errors=True)
+
+    def warn(msg: str) -> None:
+        log(f"tierflow run: {msg}", file=sys.stderr)
+
+    ssd = None
+    with ExitStack() as cleanup:  # runs in reverse: SSD store closed, its run directory removed, locks released
+        locked: set[Path] = set()
+        if opts.checkpoint_dir:
+            ck = Path(opts.checkpoint_dir)
+            try:
+                ck.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise RunError(f"--checkpoint-dir {ck}: cannot create it ({e.strerror}); pass a writable "
+                               "directory") from None
+            _lock(cleanup, ck, "--checkpoint-dir", locked, warn)
+            gone = remove_temporaries(ck)
+            if gone:
+                warn(f"removed {len(gone)} half-written checkpoint file(s) under {ck} left by a run that was killed")
+        if uses_ssd:
+            root = check_ssd_dir(opts.ssd_dir, need_ssd,
+                                 "optimizer states, weights, gradients or activations placed there")
+            _lock(cleanup, root, "--ssd-dir", locked, warn)
+            remove_stale_run_dirs(root, warn)
+            run_dir = root / f"tierflow-run-{os.getpid()}"
+            run_dir.mkdir(exist_ok=True)
+            cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
+            ssd = SsdStore(run_dir, backend=backend, warn=warn)
+            cleanup.callback(ssd.close)
+        return _train(plan, opts, backend, dtype, ssd, log, warn)
+
+
+def _lock(cleanup: ExitStack, directory: Path, what: str, locked: set[Path], warn) -> None:
+    """Hold `directory`'s lock until `cleanup` closes (once, if the checkpoint and SSD directories are one)."""
+    key = directory.resolve()
+    if key in locked:
+        return
+    lock = cleanup.enter_context(DirLock(directory, what))
+    locked.add(key)
+    if lock.previous_pid is not None:
+        warn(f"took over the lock of {what} {directory} from tierflow run pid {lock.previous_pid}, which is gone")
 
 
 def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dtype, ssd: SsdStore | None,
-           log) -> RunResult:
+           log, warn) -> RunResult:
     cfg, spec = plan.config, plan.model
-    device = backend.name
+    device = backend.device
     state = TrainState(spec, cfg.placement, cfg.alpha, backend, dtype, ssd)
-    fingerprint = plan_fingerprint(plan)
+    data = TokenData.load(opts.data, spec.vocab_size, opts.data_format, seed=opts.seed)
+    if opts.data:
+        data.check_batch(cfg.batch, cfg.seq)
+    settings = {"plan": plan_fingerprint(plan), "seed": opts.seed, "hyper": asdict(opts.hyper), "data": data.source}
     start_step = 0
-    ckpt = latest_checkpoint(opts.checkpoint_dir) if opts.checkpoint_dir else None
-    if ckpt is not None:
-        manifest = read_manifest(ckpt)
-        if manifest.get("plan") != fingerprint:
-            raise RunError(f"--checkpoint-dir {opts.checkpoint_dir}: its checkpoint was written with another plan "
-                           f"(model {manifest.get('model')!r}); resume with that plan or use another directory")
-        state.load(ckpt)
+
+    def check(ckpt: Path, manifest: dict) -> None:
+        _check_resume(ckpt, manifest, settings, opts, warn)
+
+    found = resume(state, opts.checkpoint_dir, fallback=opts.resume_fallback, check=check,
+                   log=warn) if opts.checkpoint_dir else None
+    last_ckpt = None
+    if found is not None:
+        last_ckpt, manifest = found
         start_step = int(manifest["step"])
-        where = f"resumed from {ckpt} (step {start_step})"
+        where = f"resumed from {last_ckpt} (step {start_step})"
     elif opts.init:
         where = f"weights from {state.init_hf(opts.init)}"
     else:
         state.init_random(opts.seed)
         where = f"random init (seed {opts.seed})"
-    data = TokenData.load(opts.data, spec.vocab_size, opts.data_format, seed=opts.seed)
-    if opts.data:
-        data.check_batch(cfg.batch, cfg.seq)
-    ex = Executor(plan, state, data, backend, opts.hyper, ssd)
+    ex = Executor(plan, state, data, backend, opts.hyper, ssd, profile=opts.profile)
     per_round = plan.graph.num_iterations
     tokens = cfg.batch * cfg.seq
     flops_per_step = tokens * model_flops_per_token(spec, cfg.seq)
     if not opts.quiet:
         log(f"tierflow run: {spec.describe()}")
         log(f"  plan {plan.source}: {cfg.describe()}; {per_round} iteration(s) per round, {len(plan.graph.tasks)} ops")
-        log(f"  device {device}, compute {str(dtype).removeprefix('torch.')}; {where}; data {data.source}")
+        log(f"  device {backend.name}, compute {str(dtype).removeprefix('torch.')}; {where}; data {data.source}")
         if ssd is not None:
             log(f"  SSD tier: {ssd.root} ({'O_DIRECT' if ssd.direct else 'buffered I/O'})")
     records: list[StepRecord] = []
@@ -209,50 +288,158 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
     best_iters = 0
     step = start_step
     every = opts.checkpoint_every
-    while step < opts.steps:
-        r = min(per_round, opts.steps - step)
-        if opts.checkpoint_dir and every:
-            r = min(r, every - step % every)
-        prev = [0.0]
 
-        def on_step(i: int, loss: float, end_s: float, step=step, prev=prev) -> None:
-            step_s = end_s - prev[0]
-            prev[0] = end_s
-            rec = StepRecord(step + i + 1, loss, step_s, tokens / step_s if step_s > 0 else 0.0,
-                             flops_per_step / step_s / 1e12 if step_s > 0 else 0.0)
-            records.append(rec)
-            if not opts.quiet:
-                log(f"step {rec.step:>5}/{opts.steps} {bar(rec.step, opts.steps, fill=' ')} loss {rec.loss:.4f}  {rec.step_s * 1e3:8.1f} ms  "
-                    f"{rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS", flush=True)
+    def result() -> RunResult:
+        return RunResult(plan, start_step, records, state, measured, ssd.bytes_read if ssd else 0,
+                         ssd.bytes_written if ssd else 0, ssd.direct if ssd else None, checkpoint=last_ckpt)
 
-        rr = ex.run_round(r, step, on_step=on_step)
-        LOG.debug("round of %d iteration(s) from step %d: %.3f s wall; peak %s", r, step + 1, rr.wall_s,
-                  ", ".join(f"{t} {b / 1e6:,.1f} MB" for t, b in rr.peak_bytes.items()))
-        res = measured_result(plan, rr)
-        # the reporter's losses are the round's own (read after each iteration's last GPU op)
-        assert [x.loss for x in records[-r:]] == rr.losses
-        if r >= best_iters:
-            best_iters, measured = r, res
-        step += r
-        if opts.checkpoint_dir and every and step % every == 0:
-            path = state.save(opts.checkpoint_dir, step, {"plan": fingerprint, "seed": opts.seed,
-                                                          "hyper": asdict(opts.hyper), "data": data.source})
+    profiler = _profiler(device) if opts.profile else None
+    if profiler is not None:
+        profiler.start()  # stopped and exported when the rounds end, also when a run stops early
+    try:
+        while step < opts.steps:
+            r = min(per_round, opts.steps - step)
+            if opts.checkpoint_dir and every:
+                r = min(r, every - step % every)
+            prev = [0.0]
+
+            def on_step(i: int, loss: float, end_s: float, step=step, prev=prev) -> None:
+                if not math.isfinite(loss):
+                    raise Diverged(f"loss {loss} at step {step + i + 1}")
+                step_s = end_s - prev[0]
+                prev[0] = end_s
+                rec = StepRecord(step + i + 1, loss, step_s, tokens / step_s if step_s > 0 else 0.0,
+                                 flops_per_step / step_s / 1e12 if step_s > 0 else 0.0)
+                records.append(rec)
+                if not opts.quiet:
+                    log(f"step {rec.step:>5}/{opts.steps} {bar(rec.step, opts.steps, fill=' ')} loss {rec.loss:.4f}  "
+                        f"{rec.step_s * 1e3:8.1f} ms  {rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS",
+                        flush=True)
+
+            rr = ex.run_round(r, step, on_step=on_step)
+            LOG.debug("round of %d iteration(s) from step %d: %.3f s wall; peak %s", r, step + 1, rr.wall_s,
+                      ", ".join(f"{t} {b / 1e6:,.1f} MB" for t, b in rr.peak_bytes.items()))
+            # the reporter's losses are the round's own (read after each iteration's last GPU op)
+            if [x.loss for x in records[-r:]] != rr.losses:
+                raise ExecutionError(f"internal: the reported losses {[x.loss for x in records[-r:]]} are not the "
+                                     f"round's {rr.losses}")
+            res = measured_result(plan, rr)
+            if r >= best_iters:
+                best_iters, measured = r, res
+            step += r
+            if opts.checkpoint_dir and every and step % every == 0:
+                try:
+                    last_ckpt = save_checkpoint(state, opts.checkpoint_dir, step, settings)
+                except NonFiniteState as e:
+                    raise Diverged(str(e)) from None
+                if not opts.quiet:
+                    log(f"  checkpoint {last_ckpt}")
+    except (Diverged, CheckpointWriteError, Interrupted) as e:
+        kept = (f"the last good checkpoint {last_ckpt} is kept" if last_ckpt is not None
+                else "no checkpoint was written" if opts.checkpoint_dir else "no --checkpoint-dir")
+        done = f"{len(records)} step(s) done ({start_step + len(records)} of {opts.steps})"
+        if isinstance(e, Diverged):
+            code = 4
+            msg = (f"training diverged: {e}; stopped after {done}, {kept} (lower --lr, or check --init and "
+                   "--data)")
+        elif isinstance(e, Interrupted):
+            code = e.exit_code
+            msg = f"interrupted by {e.name}: workers stopped after {done}, {kept}; the SSD tier's files are removed"
+        else:
+            code = 3 if e.full else 2
+            msg = str(e)
+        if opts.out:
+            write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({backend.name})")
+            msg += f"; the results so far are under {opts.out}"
+        raise RunStopped(msg, code, result()) from None
+    finally:
+        if profiler is not None:
+            profiler.stop()
+            Path(opts.out).mkdir(parents=True, exist_ok=True)
+            profiler.export_chrome_trace(str(Path(opts.out) / "torch_trace.json"))
             if not opts.quiet:
-                log(f"  checkpoint {path}")
+                log(f"  wrote torch_trace.json (torch.profiler; each op under a record_function 'op ID KIND "
+                    f"bBLOCK ...') under {opts.out}")
     if opts.out and measured is not None:
-        write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({device})")
+        write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({backend.name})")
         if not opts.quiet:
             log(f"  wrote timeline.csv, trace.json, gantt.png, steps.csv under {opts.out}")
-    final = state.master_blocks() if opts.collect_final else None
-    return RunResult(plan, start_step, records, state, measured,
-                     ssd.bytes_read if ssd else 0, ssd.bytes_written if ssd else 0, ssd.direct if ssd else None,
-                     final_master=final)
+    if opts.export_hf:
+        path = export_trained(state, opts.export_hf)
+        if not opts.quiet:
+            log(f"  exported the fp32 weights after step {step} to {path} (config.json, model.safetensors)")
+    res = result()
+    res.final_master = state.master_blocks() if opts.collect_final else None
+    return res
 
 
-def write_run_outputs(measured: SimResult, records: list[StepRecord], out: str, name: str) -> None:
+def check_export_hf(directory: str, plan: Plan) -> None:
+    """Before training: the model has a Hugging Face layout and the directory is new or empty (never overwritten)."""
+    try:
+        hf_config(plan.model)
+    except ValueError as e:
+        raise RunError(f"--export-hf: {e}") from None
+    d = Path(directory)
+    if d.exists() and (not d.is_dir() or any(d.iterdir())):
+        raise RunError(f"--export-hf {d}: exists and is not an empty directory (give a new or empty one; "
+                       "tierflow does not overwrite it)")
+    try:  # made now, so that an unwritable place fails before training rather than after it
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"--export-hf {d}: cannot create it ({e.strerror}); give a writable directory") from None
+
+
+def export_trained(state: TrainState, directory: str) -> Path:
+    """The fp32 master weights of every block, written as config.json + model.safetensors (transformers' layout)."""
+    blocks = [state.layout.params(b, state.full("master", b)) for b in range(len(state.layout.numel))]
+    return export_hf(state.spec, blocks, directory)
+
+
+def _profiler(device: torch.device) -> torch.profiler.profile:
+    """torch.profiler over every thread (the executor runs its ops on one worker thread per resource; by default
+    the profiler records only the thread that started it)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities,
+                                  experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))
+
+
+HYPER_NAMES = {"seed": "--seed", "lr": "--lr", "weight_decay": "--weight-decay", "beta1": "beta1", "beta2": "beta2",
+               "eps": "eps", "data": "--data"}
+
+
+def changed_settings(manifest: dict, settings: dict) -> list[tuple[str, object, object]]:
+    """(name, checkpoint's value, this run's) of every seed / hyper-parameter / data source that differs."""
+    old = {"seed": manifest.get("seed"), "data": manifest.get("data"), **(manifest.get("hyper") or {})}
+    new = {"seed": settings["seed"], "data": settings["data"], **settings["hyper"]}
+    return [(k, old[k], new.get(k)) for k in old if old[k] is not None and old[k] != new.get(k)]
+
+
+def _check_resume(ckpt: Path, manifest: dict, settings: dict, opts: RunOptions, warn) -> None:
+    """A checkpoint of another plan is refused; one of other settings too, unless --allow-changed-hyper."""
+    if manifest.get("plan") != settings["plan"]:
+        raise RunError(f"--checkpoint-dir {opts.checkpoint_dir}: its checkpoint was written with another plan "
+                       f"(model {manifest.get('model')!r}); resume with that plan or use another directory")
+    diff = changed_settings(manifest, settings)
+    if not diff:
+        return
+    what = ", ".join(f"{HYPER_NAMES.get(k, k)} {a!r} -> {b!r}" for k, a, b in diff)
+    if not opts.allow_changed_hyper:
+        raise RunError(f"--checkpoint-dir {opts.checkpoint_dir}: {ckpt.name} was written with other settings "
+                       f"(checkpoint -> this run: {what}); resume with the checkpoint's, or pass "
+                       "--allow-changed-hyper to continue with this run's")
+    warn(f"resuming {ckpt.name} with changed settings ({what}), as --allow-changed-hyper asks")
+
+
+def write_run_outputs(measured: SimResult | None, records: list[StepRecord], out: str, name: str) -> None:
+    """steps.csv, and the measured trace (timeline.csv, trace.json, gantt.png) of the longest round when one
+    has finished."""
     from tierflow.planner.core.trace import write_outputs
 
-    write_outputs(measured, out, name=name)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    if measured is not None:
+        write_outputs(measured, out, name=name)
     with open(Path(out) / "steps.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step", "loss", "step_s", "tokens_per_s", "tflops"])
@@ -270,17 +457,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     opts = RunOptions(steps=args.steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
                       data_format=args.data_format, init=args.init, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every or 0, out=args.out, hyper=hyper, seed=args.seed,
-                      quiet=args.json or level_of(args) >= QUIET)
+                      quiet=args.json or level_of(args) >= QUIET, export_hf=args.export_hf,
+                      resume_fallback=args.resume_fallback, profile=args.profile, allow_changed_hyper=args.allow_changed_hyper)
+    stopped = None
     try:
-        plan = load_plan(args.plan)
-        simulate_plan(plan)  # a plan that overflows a tier is refused as `tierflow simulate --plan` refuses it
-        if args.init:
-            check_init_dir(args.init)
-        if args.checkpoint_dir and args.checkpoint_every is None:
-            opts.checkpoint_every = plan.graph.num_iterations
-        t0 = time.perf_counter()
-        res = run_plan(plan, opts)
-    except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan) as e:
+        with StopOnSignals():
+            plan = load_plan(args.plan)
+            simulate_plan(plan)  # a plan that overflows a tier is refused as `tierflow simulate --plan` refuses it
+            if args.init:
+                check_init_dir(args.init)
+            if args.checkpoint_dir and args.checkpoint_every is None:
+                opts.checkpoint_every = plan.graph.num_iterations
+            t0 = time.perf_counter()
+            res = run_plan(plan, opts)
+    except RunStopped as e:
+        print(f"tierflow run: {e}", file=sys.stderr)
+        res, stopped = e.result, e
+    except Interrupted as e:
+        print(f"tierflow run: interrupted by {e.name} outside the training steps; stopped cleanly, the SSD tier's "
+              "files removed", file=sys.stderr)
+        return e.exit_code
+    except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan, LockError) as e:
         print(f"tierflow run: error: {e}", file=sys.stderr)
         return 2
     except CapacityError as e:
@@ -300,8 +497,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         out: dict[str, Any] = {"plan": str(args.plan), "first_step": res.first_step,
                                "steps": [asdict(r) for r in res.records], "wall_s": time.perf_counter() - t0,
                                "ssd_bytes_read": res.ssd_bytes_read, "ssd_bytes_written": res.ssd_bytes_written,
-                               "o_direct": res.o_direct}
+                               "o_direct": res.o_direct,
+                               "checkpoint": str(res.checkpoint) if res.checkpoint is not None else None}
+        if stopped is not None:
+            out["stopped"] = {"exit_code": stopped.exit_code, "reason": str(stopped)}
         if res.measured is not None:
             out["measured"] = res.measured.to_dict()
+        if args.export_hf and stopped is None:  # a run that stopped early exports nothing
+            out["export_hf"] = str(args.export_hf)
         print(json.dumps(out, indent=2))
-    return 0
+    return stopped.exit_code if stopped is not None else 0

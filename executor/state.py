@@ -8,16 +8,12 @@ host and stay pageable. The SSD range is stored as one file per optimizer *part*
 and the ``alpha`` deferred step each cover a contiguous element range), so each part reads and writes exactly
 its own files.
 
-A checkpoint is one directory per saved step holding the full fp32 master, Adam m/v and compute weights of
-every block (safetensors) and a JSON manifest; it is written under a temporary name and renamed into place,
-and ``latest`` is replaced atomically last, so a run killed at any moment leaves the previous checkpoint intact.
+Checkpoints of this state (writing, verifying, resuming) are in checkpoint.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +24,6 @@ from tierflow.executor.models import _make_blocks, check_block_state_dicts, hf_k
 from tierflow.executor.store import SsdStore, split_counts
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split
-
-CHECKPOINT_FORMAT = "tierflow-checkpoint"
-CHECKPOINT_VERSION = 1
 
 
 class StateError(ValueError):
@@ -166,7 +159,7 @@ class TrainState:
         for b, meta in enumerate(_make_blocks(self.spec, "meta", None, None)):
             block = meta.to_empty(device="cpu")
             init_weights(block)  # the same draws, in the same order, as build_blocks
-            self._set_block(b, torch.cat([p.detach().reshape(-1) for p in block.parameters()]))
+            self.set_block(b, torch.cat([p.detach().reshape(-1) for p in block.parameters()]))
 
     def init_hf(self, directory: str | os.PathLike[str]) -> str:
         """Load a Hugging Face checkpoint directory (*.safetensors) block by block: only one block's tensors
@@ -202,10 +195,10 @@ class TrainState:
             except ValueError as e:
                 raise StateError(f"--init {d}: {e}") from None
             flat = torch.cat([sd[s.name].float().reshape(-1) for s in self.layout.slots[b]])
-            self._set_block(b, flat)
+            self.set_block(b, flat)
         return f"{d} ({len(files)} safetensors file(s))"
 
-    def _set_block(self, b: int, master: torch.Tensor, m: torch.Tensor | None = None, v: torch.Tensor | None = None,
+    def set_block(self, b: int, master: torch.Tensor, m: torch.Tensor | None = None, v: torch.Tensor | None = None,
                    weights: torch.Tensor | None = None) -> None:
         master = master.float()
         self.vec["master"][b].set_full(master, self.ssd)
@@ -232,85 +225,3 @@ class TrainState:
     def ssd_static_bytes(self) -> int:
         n = sum(v.ssd_bytes() for cls in STATE_CLASSES for v in self.vec[cls])
         return n + sum(s * 4 for _g, _c, s in self.grad_split)
-
-    # -- checkpoints -------------------------------------------------------------------------------------------
-
-    def save(self, directory: str | os.PathLike[str], step: int, meta: dict) -> Path:
-        """Write a checkpoint of the state after `step` steps atomically; returns its directory."""
-        from safetensors.torch import save_file
-
-        root = Path(directory)
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"step{step:08d}"
-        tmp = root / f".tmp-step{step:08d}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        for b in range(len(self.layout.numel)):
-            tensors = {cls: self.full(cls, b).contiguous() for cls in STATE_CLASSES}
-            save_file(tensors, tmp / f"block{b:04d}.safetensors")
-        manifest = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step,
-                    "model": self.spec.name, "numel": self.layout.numel, **meta}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        for f in tmp.iterdir():
-            _fsync(f)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        latest_tmp = root / f".latest-{os.getpid()}"
-        latest_tmp.write_text(final.name + "\n")
-        _fsync(latest_tmp)
-        os.replace(latest_tmp, root / "latest")
-        _fsync_dir(root)
-        for old in sorted(root.glob("step*"))[:-2]:  # keep the last two
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
-        return final
-
-    def load(self, ckpt: Path) -> dict:
-        """Restore the state from checkpoint directory `ckpt`; returns its manifest."""
-        from safetensors.torch import load_file
-
-        manifest = read_manifest(ckpt)
-        if manifest.get("numel") != self.layout.numel or manifest.get("model") != self.spec.name:
-            raise StateError(f"checkpoint {ckpt}: it is of model {manifest.get('model')!r}, the plan trains "
-                             f"{self.spec.name!r} (use another --checkpoint-dir, or the plan it was made with)")
-        for b in range(len(self.layout.numel)):
-            t = load_file(ckpt / f"block{b:04d}.safetensors")
-            self._set_block(b, t["master"], t["adam_m"], t["adam_v"], t["weights"])
-        return manifest
-
-
-def read_manifest(ckpt: Path) -> dict:
-    try:
-        manifest = json.loads((ckpt / "manifest.json").read_text())
-    except (OSError, ValueError) as e:
-        raise StateError(f"checkpoint {ckpt}: unreadable manifest ({e}); delete it to start over") from None
-    if manifest.get("format") != CHECKPOINT_FORMAT or manifest.get("version") != CHECKPOINT_VERSION:
-        raise StateError(f"checkpoint {ckpt}: not a tierflow checkpoint of version {CHECKPOINT_VERSION}")
-    return manifest
-
-
-def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    root = Path(directory)
-    pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    ckpt = root / pointer.read_text().strip()
-    if not ckpt.is_dir():
-        raise StateError(f"--checkpoint-dir {root}: 'latest' names {ckpt.name}, which is missing")
-    return ckpt
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        _fsync(path)
-    except OSError:  # some filesystems cannot fsync a directory
-        pass

@@ -7,8 +7,9 @@
    so that the models below do not fit on the device and their optimizer states must go to the SSD tier.
 2. For two model sizes, three schedules (horizontal, vertical with the paper placement: weights in host memory,
    optimizer states on the SSD; and `plan_search`'s plan): write the plan file, train it with the executor
-   (`run_plan`, the same code as `tierflow run`) and compare its measured trace with the plan's prediction
-   (`tierflow compare`): iteration error (measured / predicted - 1) and each resource's busy-time error.
+   (`run_plan`, the same code as `tierflow run`) twice and compare the faster run's measured trace with the
+   plan's prediction (`tierflow compare`): iteration error (measured / predicted - 1) and each resource's
+   busy-time error.
 Writes closed_loop.csv (one row per run), closed_loop_resources.csv, closed_loop_blocks.csv (one decoder block
 timed alone with plain PyTorch against the cost model: the model's error without the executor's) and
 closed_loop.png (predicted and measured iteration times side by side; measured / predicted busy time per
@@ -25,7 +26,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from expcommon import Progress, arg_parser, new_figure, print_table, save_figure, write_csv
+from expcommon import (
+    Progress,
+    arg_parser,
+    new_figure,
+    print_table,
+    reference_line,
+    save_figure,
+    schedule_color,
+    write_csv,
+)
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.models import ModelSpec, get_model
@@ -40,6 +50,7 @@ from tierflow.planner.search.problem import Problem
 SEQ = 256
 BATCH, MICRO_BATCH = 8, 2
 STEPS = 6  # training steps per run: two rounds of the plan's three iterations
+REPEATS = 2  # runs of each plan; the fastest is compared (calibrate likewise keeps the best of its timings)
 
 
 def gpt(layers: int, hidden: int, heads: int) -> ModelSpec:
@@ -99,13 +110,19 @@ def one_run(name: str, model: ModelSpec, hw: HardwareProfile, schedule: str, dev
     tag = f"{name}-{schedule}"
     path = work / f"plan-{tag}.json"
     write_plan(plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg), predicted=predicted), path)
-    run_dir = work / f"run-{tag}"
+    # best of REPEATS runs, as calibrate keeps the best of its timings: on a shared machine a run is only ever
+    # slowed by others, so the fastest is the closest to what the box delivers, on both sides of the comparison
+    best = None
     t0 = time.perf_counter()
-    run = run_plan(load_plan(path), RunOptions(steps=STEPS, device=device, ssd_dir=str(ssd_dir), out=str(run_dir),
-                                               quiet=True))
-    wall_s = time.perf_counter() - t0
-    c = compare(load_plan(path), run_dir / "trace.json")
-    d = c.to_dict()
+    for k in range(REPEATS):
+        run_dir = work / f"run-{tag}-{k}"
+        run = run_plan(load_plan(path), RunOptions(steps=STEPS, device=device, ssd_dir=str(ssd_dir),
+                                                   out=str(run_dir), quiet=True))
+        d = compare(load_plan(path), run_dir / "trace.json").to_dict()
+        if best is None or d["measured_iteration_s"] < best[1]["measured_iteration_s"]:
+            best = (run, d)
+    wall_s = (time.perf_counter() - t0) / REPEATS
+    run, d = best
     peaks = run.measured.peak_bytes if run.measured is not None else {}
     row = {"model": name, "params_m": round(model.total_params() / 1e6, 2), "schedule": schedule,
            "decisions": cfg.describe() if hasattr(cfg, "describe") else cfg.family,
@@ -167,30 +184,38 @@ def isolated_blocks(models: dict[str, ModelSpec], hw: HardwareProfile, device: s
 
 
 def plot(rows: list[dict], res_rows: list[dict], path: Path) -> Path:
-    fig, (ax1, ax2) = new_figure(2, width_in=6.0, height_in=4.2)
+    """Each run in its schedule's colour: predicted hatched and light, measured solid; model sizes side by side."""
+    fig, (ax1, ax2) = new_figure(2, width_in=6.0, height_in=4.4)
     labels = [f"{r['model']}\n{r['schedule']}" for r in rows]
     xs = range(len(rows))
-    ax1.bar([x - 0.2 for x in xs], [r["predicted_s"] for r in rows], width=0.4, label="predicted")
-    ax1.bar([x + 0.2 for x in xs], [r["measured_s"] for r in rows], width=0.4, label="measured")
+    colors = [schedule_color(r["schedule"]) for r in rows]
+    ax1.bar([x - 0.2 for x in xs], [r["predicted_s"] for r in rows], width=0.4, color=colors, alpha=0.35,
+            hatch="//", edgecolor=colors)
+    ax1.bar([x + 0.2 for x in xs], [r["measured_s"] for r in rows], width=0.4, color=colors)
     for x, r in zip(xs, rows):
         ax1.annotate(f"{r['iteration_error']:+.0%}", (x + 0.2, r["measured_s"]), ha="center", va="bottom",
                      fontsize=7)
     ax1.set_xticks(list(xs), labels, fontsize=7)
     ax1.set_ylabel("seconds per iteration")
     ax1.set_title("Iteration time: predicted vs measured")
-    ax1.legend(fontsize=8)
+    from matplotlib.patches import Patch
+
+    ax1.legend(handles=[Patch(facecolor="0.85", hatch="//", edgecolor="0.5", label="predicted"),
+                        Patch(facecolor="0.35", label="measured")], fontsize=8, loc="upper left")
     resources = sorted({r["resource"] for r in res_rows})
     width = 0.8 / max(1, len(rows))
+    models = list(dict.fromkeys(r["model"] for r in rows))
     for i, r in enumerate(rows):
         vals = [next((x["measured_busy_s"] / x["predicted_busy_s"] for x in res_rows if x["model"] == r["model"]
                       and x["schedule"] == r["schedule"] and x["resource"] == res and x["predicted_busy_s"] > 0),
                      float("nan")) for res in resources]
         ax2.bar([j + (i - (len(rows) - 1) / 2) * width for j in range(len(resources))], vals, width=width,
-                label=f"{r['model']} {r['schedule']}")
-    ax2.axhline(1.0, color="black", lw=1)
+                color=schedule_color(r["schedule"]), hatch="...." if models.index(r["model"]) else None,
+                edgecolor="white", linewidth=0.3, label=f"{r['model']} {r['schedule']}")
+    reference_line(ax2, 1.0, "as predicted", ls="-", left=True)
     ax2.set_xticks(range(len(resources)), resources, fontsize=8)
     ax2.set_ylabel("measured / predicted busy time")
-    ax2.set_title("Per resource")
+    ax2.set_title("Per resource" + (f" (dotted: {', '.join(models[1:])})" if len(models) > 1 else ""))
     ax2.legend(fontsize=6)
     return save_figure(fig, path)
 

@@ -272,6 +272,60 @@ def arg_parser(doc: str) -> argparse.ArgumentParser:
     return ap
 
 
+# ---- figures ----------------------------------------------------------------------------------------------
+
+# One colour per schedule in every experiment figure (the papers' systems take their schedule's colour:
+# ZeRO-Infinity = horizontal, Fuyou = fuyou, GreedySnake = vertical). Other series use other markers or line
+# styles, never these colours for something else.
+SCHEDULE_COLORS = {
+    "horizontal": "#ff7f0e",
+    "fuyou": "#1f77b4",
+    "vertical": "#2ca02c",
+    "block": "#9467bd",
+    "plan": "#d62728",
+}
+REFERENCE_COLOR = "0.35"  # reference lines (hardware peaks, published values, the box as published)
+
+
+def schedule_color(family: str) -> str:
+    """The colour of a schedule family; 'block k=2 ...' or 'vertical mb=2' name their family first."""
+    name = family.split()[0] if family else ""
+    if name not in SCHEDULE_COLORS:
+        raise KeyError(f"no colour for schedule {family!r}; add it to SCHEDULE_COLORS")
+    return SCHEDULE_COLORS[name]
+
+
+def reference_line(ax, value: float, label: str, vertical: bool = False, ls: str = "--", left: bool = False) -> None:
+    """A grey reference line with its label written on the plot (at the right end of a horizontal line, or the
+    left one with `left`; the top of a vertical one), so that it reads without the legend."""
+    style = {"color": REFERENCE_COLOR, "lw": 0.9, "ls": ls, "zorder": 1}
+    if vertical:
+        ax.axvline(value, **style)
+        ax.annotate(label, (value, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -3),
+                    textcoords="offset points", rotation=90, ha="left", va="top", fontsize=7, color=REFERENCE_COLOR)
+    else:
+        ax.axhline(value, **style)
+        ax.annotate(label, (0.0 if left else 1.0, value), xycoords=("axes fraction", "data"),
+                    xytext=(2 if left else -2, 2), textcoords="offset points", ha="left" if left else "right",
+                    va="bottom", fontsize=7, color=REFERENCE_COLOR, zorder=7)
+
+
+def paper_point(ax, x: float, y: float, family: str, label: str) -> None:
+    """A number a paper published: a star in its schedule's colour, outlined in black."""
+    ax.scatter([x], [y], marker="*", s=170, color=schedule_color(family), edgecolors="black", linewidths=0.7,
+               zorder=6, label=label)
+
+
+def no_fit_markers(ax, xs: Sequence[float], family: str | None, label: str | None = None, level: int = 0) -> None:
+    """'x' markers on the x axis where a configuration does not fit in memory: in the schedule's colour, black
+    for a box where no schedule fits (family None); `level` > 0 stacks them above another series' markers."""
+    if not xs:
+        return
+    ax.scatter(list(xs), [0.025 + 0.05 * level] * len(xs), marker="x", s=55, linewidths=1.8,
+               color=schedule_color(family) if family else "black", transform=ax.get_xaxis_transform(),
+               clip_on=False, zorder=6, label=label or f"{family or 'no schedule'}: does not fit")
+
+
 def new_figure(ncols: int, width_in: float = 5.0, height_in: float = 3.8):
     """A row of matplotlib axes, without a display (Agg)."""
     import matplotlib

@@ -30,7 +30,9 @@ from expcommon import (
     new_figure,
     print_headlines,
     print_table,
+    reference_line,
     save_figure,
+    schedule_color,
     write_csv,
 )
 
@@ -108,33 +110,40 @@ def rms(errors: list[float]) -> float:
 
 def plot(points: list[dict], curve_rows: list[dict], path: Path) -> Path:
     fig, (ax1, ax2) = new_figure(2, width_in=6.0, height_in=4.6)
-    styles = {"fitted on": ("o", "tab:blue"), "held out": ("s", "tab:orange"), "seed headline": ("^", "tab:green")}
+    # every published run here is Fuyou's (LoHan's code), in the fuyou schedule's colour; the kinds differ by marker
+    fuyou = schedule_color("fuyou")
+    styles = {"fitted on": ("o", fuyou, fuyou), "held out": ("s", "none", fuyou), "seed headline": ("^", "0.3", "0.3")}
     tflops = [p for p in points if p["measure"] in ("hw_tflops", "TFLOPS (recompute counted)")]
     hi = max([p["measured"] for p in tflops] + [p["predicted"] for p in tflops] + [1.0]) * 1.1
     xs = [0, hi]
     ax1.plot(xs, xs, color="black", lw=1, label="predicted = measured")
     ax1.fill_between(xs, [x * (1 - BAND) for x in xs], [x * (1 + BAND) for x in xs], color="grey", alpha=0.2,
                      label=f"+-{BAND:.0%}")
-    for kind, (marker, color) in styles.items():
+    for kind, (marker, face, edge) in styles.items():
         pts = [p for p in tflops if p["kind"] == kind]
         if pts:
-            ax1.scatter([p["measured"] for p in pts], [p["predicted"] for p in pts], marker=marker, color=color,
-                        label=f"{kind} ({len(pts)})", zorder=3)
+            ax1.scatter([p["measured"] for p in pts], [p["predicted"] for p in pts], marker=marker, facecolors=face,
+                        edgecolors=edge, label=f"{kind} ({len(pts)})" + (" (any schedule)" if kind == "seed headline"
+                                                                         else ""), zorder=3)
     ax1.set_xlim(0, hi)
     ax1.set_ylim(0, hi)
     ax1.set_xlabel("measured (published) hardware TFLOPS")
     ax1.set_ylabel("predicted hardware TFLOPS")
     ax1.set_title("Predicted vs measured")
     ax1.legend(fontsize=7, loc="upper left")
-    colors = {32: "tab:purple", 48: "tab:blue", 64: "tab:red"}
+    dashes = {32: ":", 48: "-", 64: "--"}  # one schedule (fuyou), one colour: batches differ by line style
     for batch in sorted({r["batch"] for r in curve_rows}):
-        c = colors.get(batch, None)
         cr = [r for r in curve_rows if r["batch"] == batch]
-        ax2.plot([r["ssd_count"] for r in cr], [r["predicted"] for r in cr], color=c, label=f"batch {batch} predicted")
+        ax2.plot([r["ssd_count"] for r in cr], [r["predicted"] for r in cr], color=fuyou, ls=dashes.get(batch, "-."),
+                 label=f"batch {batch} predicted")
         pts = [p for p in points if p["data"] in (FITTED.name, HELD_OUT[0].name) and p["batch"] == batch]
-        ax2.scatter([p["ssd_count"] for p in pts], [p["measured"] for p in pts], color=c,
-                    marker="o" if batch == 48 else "s", label=f"batch {batch} measured"
-                    + (" (fitted on)" if batch == 48 else " (held out)"), zorder=3)
+        marker = {32: "v", 48: "o", 64: "s"}.get(batch, "D")
+        ax2.scatter([p["ssd_count"] for p in pts], [p["measured"] for p in pts], marker=marker,
+                    facecolors=fuyou if batch == 48 else "none", edgecolors=fuyou,
+                    label=f"batch {batch} published" + (" (fitted on)" if batch == 48 else " (held out)"), zorder=3)
+    gpu = load_profile(HW).gpu
+    reference_line(ax2, gpu.peak_tflops, f"{gpu.model} peak {gpu.peak_tflops:g} TFLOPS", ls=":")
+    ax2.set_ylim(0, gpu.peak_tflops * 1.08)
     ax2.set_xscale("log", base=2)
     ax2.set_xticks(CURVE_SSD_COUNTS, [str(n) for n in CURVE_SSD_COUNTS])
     ax2.set_xlabel("SSDs in the RAID0 array")

@@ -26,10 +26,14 @@ from expcommon import (
     divisors_up_to,
     headline,
     new_figure,
+    no_fit_markers,
+    paper_point,
     print_headlines,
     print_table,
+    reference_line,
     result_row,
     save_figure,
+    schedule_color,
     write_csv,
 )
 
@@ -302,10 +306,11 @@ def short_binding(binding: str) -> str:
 def plot(rows: list[dict], path: Path) -> Path:
     fig, (ax1, ax2) = new_figure(2)
     for family, name in FAMILIES.items():
+        color = schedule_color(family)
         for ax, part, key in ((ax1, "batch_sweep", "batch"), (ax2, "ssd_sweep", "ssd_count")):
             pts = [r for r in rows if r["part"] == part and r["family"] == family and r["fits"]]
             xs, ys = [r[key] for r in pts], [r["hw_tflops"] for r in pts]
-            ax.plot(xs, ys, marker="o", label=f"{name} (ours)")
+            ax.plot(xs, ys, marker="o", color=color, label=f"{name} ({family}, ours)")
             for r in pts:
                 ax.annotate(
                     short_binding(r["binding"]),
@@ -314,30 +319,26 @@ def plot(rows: list[dict], path: Path) -> Path:
                     textcoords="offset points",
                     xytext=(0, 5 if family == "fuyou" else -10),
                 )
-    ax1.scatter(
-        [64], [PAPER["fuyou_13b_tflops"]], marker="*", s=140, color="C0", label="Fuyou (paper)", zorder=5
-    )
-    ax1.scatter(
-        [64],
-        [PAPER["zero_13b_tflops"]],
-        marker="*",
-        s=140,
-        color="C1",
-        label="ZeRO-Infinity (paper)",
-        zorder=5,
-    )
+            no_fit_markers(ax, [r[key] for r in rows if r["part"] == part and r["family"] == family
+                                and not r["fits"]], family, f"{name}: does not fit")
+    for ax, x in ((ax1, 64), (ax2, 12)):  # the paper's 13B numbers: batch 64 on 12 SSDs
+        paper_point(ax, x, PAPER["fuyou_13b_tflops"], "fuyou", f"Fuyou (paper): {PAPER['fuyou_13b_tflops']:g}")
+        paper_point(ax, x, PAPER["zero_13b_tflops"], "horizontal",
+                    f"ZeRO-Infinity (paper): {PAPER['zero_13b_tflops']:g}")
     ax1.set(
         xscale="log",
-        xlabel="batch (sequences of 1024 tokens)",
+        xlabel=f"batch (sequences of {SEQ} tokens)",
         ylabel="hardware TFLOPS (recompute counted)",
         title="GPT-3 13B, 12 SSDs: batch size",
     )
     ax2.set(xlabel="SSD count (RAID0)", ylabel="hardware TFLOPS", title="GPT-3 13B, batch 64: SSD count")
+    gpu = resolve(M13, HW)[1].gpu
     for ax in (ax1, ax2):
-        ax.set_ylim(0, 175)
-        ax.axhline(165.2, color="gray", lw=0.8, ls=":")
+        ax.set_ylim(0, gpu.peak_tflops * 1.08)
+        reference_line(ax, gpu.peak_tflops, f"{gpu.model} peak {gpu.peak_tflops:g} TFLOPS", ls=":")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+    ax1.legend(fontsize=7, loc="lower right")
+    ax2.legend(fontsize=7, loc="lower center")
     return save_figure(fig, path)
 
 

@@ -22,7 +22,9 @@ from expcommon import (
     new_figure,
     print_headlines,
     print_table,
+    reference_line,
     save_figure,
+    schedule_color,
     write_csv,
 )
 
@@ -168,22 +170,24 @@ def plot(rows: list[dict], path: Path) -> Path:
         )
         head = next(r for r in rows if r["hw"] == hw_name and r["part"] == "headline")
         ax.plot(
-            [r["cpu_memory_gib"] for r in pts], [r["largest_params_b"] for r in pts], marker="o", label="ours"
+            [r["cpu_memory_gib"] for r in pts], [r["largest_params_b"] for r in pts], marker="o",
+            color=schedule_color("plan"), label="ours (the planner's most memory-frugal plan)"
         )
-        ax.axhline(head["paper_params_b"], color="C3", ls="--", label=f"paper {head['paper_params_b']:g}B")
+        reference_line(ax, head["paper_params_b"], f"paper: {head['paper_params_b']:g}B")
         ax.scatter(
             [head["cpu_memory_gib"]],
             [head["largest_params_b"]],
-            marker="*",
-            s=150,
-            color="C2",
+            marker="D",
+            s=45,
+            facecolors="none",
+            edgecolors="black",
             zorder=5,
-            label=f"assumed {head['cpu_memory_gib']} GiB",
+            label=f"ours at the assumed {head['cpu_memory_gib']} GiB",
         )
         ax.set(xlabel="CPU memory (GiB)", ylabel="largest trainable GPT (B params)", title=hw_name)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, max([r["largest_params_b"] for r in pts] + [head["paper_params_b"]]) * 1.1)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper left")
     return save_figure(fig, path)
 
 

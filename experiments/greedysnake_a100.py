@@ -21,10 +21,13 @@ from expcommon import (
     divisors_up_to,
     headline,
     new_figure,
+    no_fit_markers,
     print_headlines,
     print_table,
+    reference_line,
     result_row,
     save_figure,
+    schedule_color,
     write_csv,
 )
 
@@ -207,23 +210,36 @@ def saturation_headline(s: dict) -> dict:
 
 def plot(rows: list[dict], path: Path) -> Path:
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = new_figure(len(models))
+    fig, axes = new_figure(len(models), height_in=4.8)
     for ax, model in zip(axes, models):
         for family, system in FAMILIES.items():
+            color = schedule_color(family)
             pts = [r for r in rows if r["model"] == model and r["family"] == family and r["fits"]]
-            ax.plot([r["batch"] for r in pts], [r["tokens_per_s"] for r in pts], marker="o", label=system)
+            ax.plot([r["batch"] for r in pts], [r["tokens_per_s"] for r in pts], marker="o", color=color,
+                    label=system)
             sat = saturation(rows, model, family)
             if sat["saturates_at"]:
-                ax.axvline(sat["saturates_at"], ls=":", lw=0.8, color="C0" if family == "vertical" else "C1")
+                ax.axvline(sat["saturates_at"], ls=":", lw=0.9, color=color,
+                           label=f"{family}: 95% of its best from batch {sat['saturates_at']}")
+            no_fit_markers(ax, [r["batch"] for r in rows if r["model"] == model and r["family"] == family
+                                and not r["fits"]], family, f"{system}: does not fit")
+        # the paper gives a ratio, not tokens/s: where GreedySnake would saturate at the paper's ratio over our
+        # ZeRO-Infinity
+        h = saturation(rows, model, "horizontal")["tokens_per_s"]
+        if h:
+            reference_line(ax, h * PAPER_RATIO[model],
+                           f"paper: {PAPER_RATIO[model]}x our ZeRO-Infinity best ({h * PAPER_RATIO[model]:,.0f})")
         ax.set(
             xscale="log",
             xlabel=f"batch (sequences of {SEQ} tokens)",
             ylabel="tokens/s",
             title=f"{model} on {HW} (paper ratio {PAPER_RATIO[model]}x)",
         )
-        ax.set_ylim(bottom=0)
+        top = max([r["tokens_per_s"] for r in rows if r["model"] == model and r["fits"]] + [h * PAPER_RATIO[model]
+                                                                                            if h else 0])
+        ax.set_ylim(0, top * 1.12)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     return save_figure(fig, path)
 
 

@@ -26,9 +26,12 @@ from expcommon import (
     divisors_up_to,
     headline,
     new_figure,
+    no_fit_markers,
     print_table,
+    reference_line,
     result_row,
     save_figure,
+    schedule_color,
     write_csv,
 )
 
@@ -214,13 +217,14 @@ def make_headlines(rows: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> Path:
+    family_of = {system: fam for case in CASES for fam, system in case[5].items()} | {"tierflow plan": "plan"}
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    fig, axes = new_figure(len(cases), width_in=3.6)
+    fig, axes = new_figure(len(cases), width_in=3.6, height_in=4.2)
     for ax, case in zip(axes, cases):
         pts = [r for r in rows if r["case"] == case]
         names = [r["system"].replace(" (", "\n(") for r in pts]
         vals = [r.get("tokens_per_s", 0) if r["fits"] else 0 for r in pts]
-        bars = ax.bar(range(len(pts)), vals, color=["C1" if "plan" not in n else "C2" for n in names])
+        bars = ax.bar(range(len(pts)), vals, color=[schedule_color(family_of[r["system"]]) for r in pts])
         for b, r in zip(bars, pts):
             ax.annotate(
                 r.get("binding", "no fit").replace("mixed: ", ""),
@@ -230,6 +234,16 @@ def plot(rows: list[dict], path: Path) -> Path:
                 textcoords="offset points",
                 xytext=(0, 2),
             )
+        for i, r in enumerate(pts):
+            if not r["fits"]:
+                no_fit_markers(ax, [i], family_of[r["system"]], "does not fit")
+        # the GPU's ceiling for this work: its peak at the model's FLOPs per token (recompute only adds FLOPs)
+        ok = next((r for r in pts if r["fits"] and r.get("model_tflops")), None)
+        if ok is not None:
+            peak = resolve(ok["model"], ok["hw"])[1].gpu.peak_tflops
+            ceiling = peak * ok["tokens_per_s"] / ok["model_tflops"]
+            reference_line(ax, ceiling, f"GPU peak ({peak:g} TFLOPS)")
+            ax.set_ylim(0, ceiling * 1.12)
         ax.set_xticks(range(len(pts)), names, fontsize=7)
         ax.set(ylabel="tokens/s", title=f"{case}\n{pts[0]['hw']}, batch {pts[0]['batch']} x {pts[0]['seq']}")
         ax.title.set_fontsize(9)

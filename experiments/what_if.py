@@ -27,10 +27,13 @@ from expcommon import (
     best_micro_batch,
     headline,
     new_figure,
+    no_fit_markers,
     print_headlines,
     print_table,
+    reference_line,
     result_row,
     save_figure,
+    schedule_color,
     write_csv,
 )
 
@@ -244,7 +247,7 @@ def sensitivity_lines(rows: list[dict]) -> list[str]:
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    fig, axes = new_figure(4, width_in=4.0)
+    fig, axes = new_figure(4, width_in=4.0, height_in=4.4)
     base = next(r for r in rows if r["sweep"] == "base")
     for ax, sweep, key, xlabel in (
         (axes[0], "ssd_count", "ssd_count", "SSD count"),
@@ -252,29 +255,37 @@ def plot(rows: list[dict], path: Path) -> Path:
         (axes[2], "pcie", "pcie_generation", "PCIe generation (rates x2 for 5)"),
     ):
         pts = sorted([r for r in rows if r["sweep"] == sweep] + [base], key=lambda r: r[key])
-        for fam, color in (("horizontal", "C1"), ("fuyou", "C0"), ("vertical", "C2")):
-            xs = [r[key] for r in pts if r.get(f"{fam}_tokens_per_s")]
-            ax.plot(
-                xs,
-                [r[f"{fam}_tokens_per_s"] for r in pts if r.get(f"{fam}_tokens_per_s")],
-                marker="o",
-                color=color,
-                label=fam,
-            )
+        for level, fam in enumerate(("horizontal", "fuyou", "vertical")):
+            fit = [r for r in pts if r.get(f"{fam}_tokens_per_s")]
+            ax.plot([r[key] for r in fit], [r[f"{fam}_tokens_per_s"] for r in fit], marker="o",
+                    color=schedule_color(fam), label=fam)
+            no_fit_markers(ax, [r[key] for r in pts if not r.get(f"{fam}_tokens_per_s")], fam, level=level)
+        lo, hi = pts[0][key], pts[-1][key]
+        ax.set_xlim(lo - 0.06 * (hi - lo), hi + 0.06 * (hi - lo))
+        reference_line(ax, base[key], "as published", vertical=True, ls=":")
         ax.set(xlabel=xlabel, ylabel="tokens/s", title=f"175B, batch {BATCH}x{SEQ}: {xlabel.split(' (')[0]}")
         ax.set_ylim(bottom=0)
         if sweep == "pcie":
             ax.set_xticks([4, 5])
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="lower right")
+    reference_line(axes[1], 256, "Fuyou v2: 175B in 256 GB", vertical=True)
     ax = axes[3]
-    ok = [r for r in rows if r.get("fits") and r["sweep"] != "cpu_256_check"]
-    ax.scatter([r["price_usd"] / 1e3 for r in ok], [r["tokens_per_s"] for r in ok], c="C0")
+    boxes = [r for r in rows if r["sweep"] not in ("cpu_256_check", "cheapest_for_target") and r.get("price_usd")]
+    ok = [r for r in boxes if r.get("fits")]
+    for fam in dict.fromkeys(r["best_schedule"].split()[0] for r in ok):
+        pts = [r for r in ok if r["best_schedule"].split()[0] == fam]
+        ax.scatter([r["price_usd"] / 1e3 for r in pts], [r["tokens_per_s"] for r in pts], color=schedule_color(fam),
+                   label=f"best: {fam}")
+    no_fit_markers(ax, [r["price_usd"] / 1e3 for r in boxes if not r.get("fits")], None, "no schedule fits")
     for r in ok:
         if r["sweep"] in ("base", "other_box"):
             ax.annotate(r["hw"].replace("[", "\n["), (r["price_usd"] / 1e3, r["tokens_per_s"]), fontsize=6)
     ax.set(xlabel="box price (k$)", ylabel="tokens/s (best fixed schedule)", title="price vs throughput")
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(left=0)
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
     return save_figure(fig, path)
 
 

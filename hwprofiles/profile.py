@@ -70,6 +70,19 @@ class GpuSpec:
     # the "device" is this host's CPU (tierflow run --device cpu): its compute runs on this many of the host's
     # cores, which CPU Adam and the device<->host copies share (cpu.cores); None: an accelerator
     host_cores: float | None = None
+    # software cost per compute op (a block's forward, recompute or backward, the head, a device optimizer step)
+    # that its kernels do not hide: Python dispatch, autograd bookkeeping, kernel launches, the executor's thread
+    # hand-off; added to every compute op's roofline time. None: not modelled (0)
+    op_overhead_us: float | None = None
+    # causal attention's rate as a fraction of a GEMM of its size on the fitted curve (None: 1, the same rate)
+    attention_efficiency: float | None = None
+    # bytes/s (read + written) of the MLP's activation function (GELU, SiLU): a transcendental per element
+    # (None: as any elementwise kernel, hbm_gbps x hbm_efficiency)
+    activation_gbps: float | None = None
+
+    @property
+    def op_overhead_s(self) -> float:
+        return (self.op_overhead_us or 0.0) * 1e-6
 
     @property
     def capacity_bytes(self) -> int:
@@ -84,6 +97,13 @@ class PcieSpec:
     d2h_gbps: float  # pinned device->host alone
     duplex_h2d_gbps: float  # H2D rate while a D2H copy runs at the same time
     duplex_d2h_gbps: float  # D2H rate while an H2D copy runs at the same time
+    # fixed software cost per transfer op either way (staging, allocation, synchronisation, thread hand-off),
+    # before its bytes move at the link rate. None: not modelled (0)
+    latency_us: float | None = None
+
+    @property
+    def latency_s(self) -> float:
+        return (self.latency_us or 0.0) * 1e-6
 
 
 @dataclass(frozen=True)
@@ -125,6 +145,13 @@ class SsdSpec:
     # while reads and writes run at once, each gets this fraction of its solo rate (flash channels and the
     # controller serve both): 0.5 = they time-share the drives, 1 = they do not interfere; None = from rw_sharing
     mixed_efficiency: float | None = None
+    # fixed software cost per SSD op either way (opening the file, allocating aligned buffers, submitting the
+    # requests, closing), before its bytes move at the array's rate. None: not modelled (0)
+    latency_us: float | None = None
+
+    @property
+    def latency_s(self) -> float:
+        return (self.latency_us or 0.0) * 1e-6
 
     @property
     def mixed_fraction(self) -> float:
@@ -298,6 +325,9 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "hbm_gbps": _pos(100000, "GB/s", 1e-2),
         "hbm_efficiency": _FRACTION,
         "host_cores": _optional(0, False, 4096, "cores", 0.1),
+        "op_overhead_us": _optional(0, True, 1e6, "microseconds per compute op", 1e-3),
+        "attention_efficiency": _optional(0, False, 1.0, "of a GEMM's rate", 1e-3),
+        "activation_gbps": _optional(0, False, 100000, "GB/s", 1e-3),
     },
     "pcie": {
         "generation": _Rule("int", 1, True, 7),
@@ -305,6 +335,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "d2h_gbps": _pos(2000, "GB/s", 1e-3),
         "duplex_h2d_gbps": _pos(2000, "GB/s", 1e-3),
         "duplex_d2h_gbps": _pos(2000, "GB/s", 1e-3),
+        "latency_us": _optional(0, True, 1e6, "microseconds per transfer op", 1e-3),
     },
     "cpu": {
         "model": _Rule("str"),
@@ -325,6 +356,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "array_write_gbps": _optional(0, False, 2000, "GB/s", 1e-3),
         "rw_sharing": _Rule("choice", choices=RW_SHARING_CHOICES, default="shared"),
         "mixed_efficiency": _optional(0.5, True, 1.0, "of the solo rate", 0.5),
+        "latency_us": _optional(0, True, 1e6, "microseconds per SSD op", 1e-3),
     },
     "price": {
         "gpu_usd": _pos(1e6, "USD", 1e-2),
@@ -334,8 +366,10 @@ _RULES: dict[str, dict[str, _Rule]] = {
     },
 }
 # Keys that may be left out of the ssd section when ssd.count == 0.
-_SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency")
-_OPTIONAL = {"cpu": ("memory_efficiency", "cores"), "gpu": ("host_cores",)}  # keys a profile may leave out (older files), other than ssd's
+_SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency", "latency_us")
+_OPTIONAL = {"cpu": ("memory_efficiency", "cores"),
+             "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps"),
+             "pcie": ("latency_us",)}  # keys a profile may leave out (older files), other than ssd's
 _SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec}
 
 

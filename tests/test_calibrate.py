@@ -139,8 +139,9 @@ def test_build_profile_for_a_cpu_device():
     c = cal.build_profile(m, device_gib=0.5, overrides={"cpu.memory_gib": 8})
     g, p, cpu = c.profile.gpu, c.profile.pcie, c.profile.cpu
     assert (g.memory_gib, g.reserved_gib, g.peak_tflops, g.gemm_efficiency, g.gemm_half_gflop) == (0.5, 0, 0.15, 1, 0.01)
-    assert (g.hbm_gbps, g.hbm_efficiency, g.host_cores, cpu.cores) == (30, 1, 2, 2)
-    assert (p.generation, p.h2d_gbps, p.duplex_d2h_gbps) == (1, 10, 6)
+    # in plan bytes: plans count 2 bytes per element, the CPU device moves 4 (fp32)
+    assert (g.hbm_gbps, g.hbm_efficiency, g.host_cores, cpu.cores) == (15, 1, 2, 2)
+    assert (p.generation, p.h2d_gbps, p.duplex_d2h_gbps) == (1, 5, 3)
     assert cpu.memory_gib == 8  # --set wins
     with pytest.raises(CliError, match="unknown profile key"):
         cal.build_profile(m, overrides={"cpu.nonsense": 1})
@@ -148,6 +149,43 @@ def test_build_profile_for_a_cpu_device():
     from tierflow.planner.core.costmodel import link_rates
     r = link_rates(c.profile)
     assert r.core_bound and (r.cores, r.gpu_cores, r.adam_cores, r.copy_cores) == (2, 2, 2, 1)
+
+
+def test_build_profile_for_a_cpu_device_takes_the_executors_store_and_fixed_costs():
+    m = fake_measurements()
+    m["device"] = "cpu"
+    m["gpu"] = {"model": "test CPU via torch (2 threads)", "host_cores": 2, "gemms": [{}, {}], "peak_tflops": 0.15,
+                "half_gflop": 0.01, "elementwise_gbps": 30.0}
+    m["pcie"] = {"h2d_gbps": 10.0, "d2h_gbps": 10.0, "duplex_h2d_gbps": 6.0, "duplex_d2h_gbps": 6.0}
+    m["ssd"] = {"dir": "x", "direct": True, "model": "vda", "capacity_gb": 50.0, "block_bytes": 2**20,
+                "read_gbps": 1.2, "write_gbps": 0.4, "mixed_read_gbps": 0.8, "mixed_write_gbps": 0.3,
+                "rw_sharing": "shared",
+                "store": {"read_gbps": 0.5, "write_gbps": 0.25, "file_bytes": 2**25, "mixed_read_gbps": 0.4,
+                          "mixed_write_gbps": 0.2, "direct": True}}
+    m["executor"] = {"op_overhead_us": 250.0, "pcie_latency_us": 80.0, "ssd_latency_us": 2000.0}
+    m["gpu"].update(activation_gbps=8.0, attention_efficiency=0.25,
+                    attention=[{"shape": [2, 4, 256, 64], "tflops": 0.04, "of_gemm": 0.25}])
+    c = cal.build_profile(m)
+    g, p, s = c.profile.gpu, c.profile.pcie, c.profile.ssd
+    assert (g.op_overhead_us, p.latency_us, s.latency_us) == (250, 80, 2000)
+    assert (g.activation_gbps, g.attention_efficiency) == (4, 0.25)  # activation in plan bytes, like hbm_gbps
+    assert (s.read_gbps, s.write_gbps, s.mixed_efficiency) == (0.5, 0.25, 0.8)  # the store's, not the raw device's
+    m["executor"] = {}
+    bare = cal.build_profile(m).profile
+    assert (bare.gpu.op_overhead_us, bare.pcie.latency_us, bare.ssd.latency_us) == (None, None, None)
+
+
+def test_executor_costs_and_store_are_measured_by_running_them(tmp_path):
+    """The tiny plan really runs through the executor (its SSD ops through the store) and every fixed cost is a
+    positive number of microseconds; the store's rates are positive and its files are gone afterwards."""
+    store = cal.measure_store(tmp_path, 4 * 2**20, mixed_s=0.1, files=2)
+    assert store["read_gbps"] > 0 and store["write_gbps"] > 0 and store["mixed_read_gbps"] > 0
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith("calibrate-")]
+    hw = load_profile("rtx3090-desktop")
+    costs = cal.measure_executor_costs(hw, "cpu", tmp_path)
+    assert all(costs[k] is not None and 0 < costs[k] < 1e6 for k in ("op_overhead_us", "pcie_latency_us",
+                                                                     "ssd_latency_us")), costs
+    assert {"gpu", "h2d", "d2h", "ssd_read", "ssd_write"} <= set(costs["ops"])
 
 
 def test_cli_set_is_parsed_and_checked():

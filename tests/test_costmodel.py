@@ -105,3 +105,22 @@ def test_a_model_without_lm_head_has_no_logits():
     torch_models = pytest.importorskip("tierflow.executor.models")
     with pytest.raises(NotImplementedError, match="without an lm_head"):
         torch_models.check_supported(headless)
+
+
+def test_measured_attention_and_activation_rates_slow_exactly_their_part_of_a_layer():
+    """gpu.attention_efficiency scales attention's time, gpu.activation_gbps the activation function's bytes;
+    absent, a profile's times are unchanged."""
+    from tierflow.planner.core.models import get_model
+    from tierflow.planner.core.workload import layer_cost
+
+    hw = load_profile("rtx3090-desktop")
+    block = layer_cost(get_model("gpt3-125m"), 2, 1024)
+    base = CostModel(hw)
+    slow = CostModel(hw.with_overrides({"gpu.attention_efficiency": 0.25, "gpu.activation_gbps": 100.0}))
+    attn = base.attention_s(block.attn_fwd_flops)
+    act_base = block.fwd_activation_bytes / base.hbm_bps
+    act_slow = block.fwd_activation_bytes / 100e9
+    assert block.fwd_activation_bytes > 0
+    assert slow.forward_s(block) == pytest.approx(base.forward_s(block) + 3 * attn + act_slow - act_base, rel=1e-12)
+    assert slow.backward_s(block) == pytest.approx(base.backward_s(block) + 2 * (3 * attn + act_slow - act_base),
+                                                   rel=1e-12)

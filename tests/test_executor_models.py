@@ -18,6 +18,9 @@ from tierflow.executor.models import (  # noqa: E402
     GPTBlock,
     Head,
     LlamaBlock,
+    NeoXBlock,
+    OPTBlock,
+    blocks_to_hf_state_dict,
     build_blocks,
     hf_state_dict_to_blocks,
     loss,
@@ -29,6 +32,16 @@ TINY_GPT = get_model("tiny-gpt")
 TINY_LLAMA = get_model("tiny-llama")
 TINY_QWEN2 = dataclasses.replace(TINY_LLAMA, name="tiny-qwen2", family="qwen2", qkv_bias=True)
 TINY_LLAMA_TIED = dataclasses.replace(TINY_LLAMA, name="tiny-llama-tied", tied_embeddings=True)
+TINY_OPT = dataclasses.replace(TINY_GPT, name="tiny-opt", family="opt", activation="relu", position_offset=2)
+TINY_NEOX = dataclasses.replace(TINY_GPT, name="tiny-neox", family="gpt_neox", max_positions=0, tied_embeddings=False,
+                                parallel_residual=True, rotary_fraction=0.25)
+TINY_NEOX_SEQUENTIAL = dataclasses.replace(TINY_NEOX, name="tiny-neox-sequential", parallel_residual=False,
+                                           qkv_bias=False, out_bias=False, rotary_fraction=0.5)
+TINY_QWEN3 = dataclasses.replace(TINY_LLAMA, name="tiny-qwen3", family="qwen3", qk_norm=True, head_dim=48)
+TINY_GEMMA = dataclasses.replace(TINY_LLAMA, name="tiny-gemma", family="gemma", activation="geglu",
+                                 tied_embeddings=True, head_dim=64)
+TINY_PHI3 = dataclasses.replace(TINY_LLAMA, name="tiny-phi3", family="phi3", rotary_fraction=0.5)
+NEW_FAMILIES = [TINY_OPT, TINY_NEOX, TINY_NEOX_SEQUENTIAL, TINY_QWEN3, TINY_GEMMA, TINY_PHI3]
 ATOL = 1e-5
 
 
@@ -37,12 +50,14 @@ def tokens(spec, batch=2, seq=32, seed=1):
     return torch.randint(0, spec.vocab_size, (batch, seq), generator=g)
 
 
-@pytest.mark.parametrize("spec", [TINY_GPT, TINY_LLAMA, TINY_QWEN2, TINY_LLAMA_TIED], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [TINY_GPT, TINY_LLAMA, TINY_QWEN2, TINY_LLAMA_TIED, *NEW_FAMILIES],
+                         ids=lambda s: s.name)
 def test_param_counts_equal_the_spec(spec):
     blocks = build_blocks(spec)
     assert len(blocks) == spec.num_layers + 2
     assert isinstance(blocks[0], Embedding) and isinstance(blocks[-1], Head)
-    assert all(isinstance(b, GPTBlock if spec.family == "gpt" else LlamaBlock) for b in blocks[1:-1])
+    layer_cls = {"gpt": GPTBlock, "opt": OPTBlock, "gpt_neox": NeoXBlock}.get(spec.family, LlamaBlock)
+    assert all(isinstance(b, layer_cls) for b in blocks[1:-1])
     assert param_count(blocks[0]) == spec.embedding_params()
     assert all(param_count(b) == spec.layer_params() for b in blocks[1:-1])
     assert param_count(blocks[-1]) == spec.final_norm_params() + spec.head_params()
@@ -84,6 +99,36 @@ def _hf_llama_like(spec):
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(attention_bias=False, **kw))
 
 
+def _hf_newer(spec):
+    """transformers' model for the families added after gpt2 / llama, from configs written out here."""
+    common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden, num_hidden_layers=spec.num_layers,
+                  num_attention_heads=spec.num_heads, tie_word_embeddings=spec.tied_embeddings,
+                  pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    rope = {"rope_type": "default", "rope_theta": ROPE_THETA}
+    llama_like = dict(common, intermediate_size=spec.ffn_hidden, num_key_value_heads=spec.num_kv_heads,
+                      rms_norm_eps=RMSNORM_EPS, max_position_embeddings=spec.seq_len)
+    if spec.family == "opt":
+        config = transformers.OPTConfig(**common, ffn_dim=spec.ffn_hidden, max_position_embeddings=spec.max_positions,
+                                        do_layer_norm_before=True, word_embed_proj_dim=spec.hidden, dropout=0.0,
+                                        attention_dropout=0.0, activation_function="relu", enable_bias=True)
+    elif spec.family == "gpt_neox":
+        config = transformers.GPTNeoXConfig(**common, intermediate_size=spec.ffn_hidden, hidden_act="gelu",
+                                            rope_parameters={**rope, "partial_rotary_factor": spec.rotary_fraction},
+                                            max_position_embeddings=spec.seq_len, layer_norm_eps=LAYERNORM_EPS,
+                                            use_parallel_residual=spec.parallel_residual,
+                                            attention_bias=spec.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0)
+    elif spec.family == "qwen3":
+        config = transformers.Qwen3Config(**llama_like, head_dim=spec.head_dim, rope_parameters=rope)
+    elif spec.family == "gemma":
+        config = transformers.GemmaConfig(**llama_like, head_dim=spec.head_dim, rope_parameters=rope,
+                                          hidden_act="gelu_pytorch_tanh")
+    else:
+        assert spec.family == "phi3"
+        config = transformers.Phi3Config(**llama_like,
+                                         rope_parameters={**rope, "partial_rotary_factor": spec.rotary_fraction})
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def _hf_gpt2(spec):
     config = transformers.GPT2Config(
         vocab_size=spec.vocab_size,
@@ -112,6 +157,7 @@ def _hf_gpt2(spec):
         (TINY_QWEN2, _hf_llama_like),
         (TINY_GPT, _hf_gpt2),
         (dataclasses.replace(TINY_GPT, name="tiny-gpt-untied", tied_embeddings=False), _hf_gpt2),
+        *((spec, _hf_newer) for spec in NEW_FAMILIES),
     ],
     ids=lambda x: getattr(x, "name", ""),
 )
@@ -123,6 +169,11 @@ def test_logits_match_transformers(spec, make_hf):
             for name, p in hf.named_parameters():
                 if name.endswith("_proj.bias"):
                     p.normal_(0.0, 0.02)
+    if spec in NEW_FAMILIES:  # norms start at 1 (Gemma: 0) and biases at 0: move them all, so each must map
+        with torch.no_grad():
+            for p in hf.parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p) * 0.1)
     model = BlockModel(spec).eval()
     model.load_block_state_dicts(hf_state_dict_to_blocks(spec, hf.state_dict()))
     x = tokens(spec)
@@ -174,15 +225,37 @@ def test_tied_head_needs_the_embedding_weight():
         untied[-1](h, tied_weight=untied[0].wte.weight)
 
 
-@pytest.mark.parametrize("family", ["opt", "gpt_neox"])
-def test_unsupported_family_raises_a_clear_error(family):
-    spec = dataclasses.replace(TINY_GPT, name=f"tiny-{family}", family=family)
-    with pytest.raises(
-        NotImplementedError, match=f"family '{family}'.*not supported.*gpt, llama, mistral, qwen2"
-    ):
+def test_unsupported_family_raises_a_clear_error():
+    spec = dataclasses.replace(TINY_GEMMA, name="tiny-gemma2", family="gemma2", sandwich_norm=True)
+    with pytest.raises(NotImplementedError, match="family 'gemma2'.*not supported.*soft-caps.*gpt, llama") as e:
         build_blocks(spec)
+    assert "\n" not in str(e.value)
     with pytest.raises(NotImplementedError, match="not supported"):
         hf_state_dict_to_blocks(spec, {})
+    post_ln = dataclasses.replace(TINY_OPT, name="tiny-opt-post-ln", final_norm=False)
+    with pytest.raises(NotImplementedError, match="post-LN OPT"):
+        build_blocks(post_ln)
+    with pytest.raises(NotImplementedError, match="partial rotary"):
+        build_blocks(dataclasses.replace(TINY_LLAMA, rotary_fraction=0.5))
+
+
+@pytest.mark.parametrize(
+    "spec, make_hf",
+    [(TINY_GPT, _hf_gpt2), (TINY_LLAMA_TIED, _hf_llama_like), (TINY_QWEN2, _hf_llama_like),
+     *((spec, _hf_newer) for spec in NEW_FAMILIES)],
+    ids=lambda x: getattr(x, "name", ""),
+)
+def test_blocks_to_hf_state_dict_inverts_the_import(spec, make_hf):
+    torch.manual_seed(0)
+    hf_sd = make_hf(spec).state_dict()
+    blocks = hf_state_dict_to_blocks(spec, hf_sd)
+    back = blocks_to_hf_state_dict(spec, blocks)
+    if spec.family == "gpt_neox":  # written under its checkpoint name, which transformers 5 renames on load
+        back["lm_head.weight"] = back.pop("embed_out.weight")
+    tied = {"lm_head.weight"} if spec.tied_embeddings else set()
+    assert set(back) == set(hf_sd) - tied
+    for key, t in back.items():
+        assert torch.equal(t, hf_sd[key]), key
 
 
 def test_state_dict_problems_are_reported():

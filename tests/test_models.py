@@ -292,6 +292,92 @@ HF_VARIANTS = {
             attention_bias=False,
         ),
     ),
+    # Gemma: GeGLU, its own head_dim, tied; GQA down to one kv head
+    "gemma-mqa": (
+        "gemma",
+        dict(
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=64,
+            intermediate_size=256,
+            vocab_size=300,
+        ),
+    ),
+    "gemma-bias-untied": (
+        "gemma",
+        dict(
+            hidden_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=32,
+            intermediate_size=200,
+            vocab_size=300,
+            attention_bias=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Gemma2: 4 norms a layer, soft-capping, every other layer sliding over 4096 tokens
+    "gemma2-sandwich": (
+        "gemma2",
+        dict(
+            hidden_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=48,
+            intermediate_size=256,
+            vocab_size=300,
+        ),
+    ),
+    # Qwen3: qk-norm over head_dim 128 (the default), with and without attention biases
+    "qwen3-qk-norm": (
+        "qwen3",
+        dict(
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=256,
+            vocab_size=300,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-bias-sliding": (
+        "qwen3",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            intermediate_size=160,
+            vocab_size=300,
+            attention_bias=True,
+            use_sliding_window=True,
+            sliding_window=1024,
+            max_window_layers=1,
+        ),
+    ),
+    # Phi-3: fused qkv_proj and gate_up_proj, a 2047-token window (as Phi-3-mini-4k), partial rotary
+    "phi3-fused": (
+        "phi3",
+        dict(
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=256,
+            vocab_size=300,
+            pad_token_id=0,
+            bos_token_id=0,
+            eos_token_id=0,
+            sliding_window=2047,
+            partial_rotary_factor=0.5,
+        ),
+    ),
 }
 
 # Hand-written minimal config.json files: keys left out must take transformers' defaults (mistral: 8 kv heads,
@@ -346,6 +432,41 @@ MINIMAL_CONFIGS = {
         "intermediate_size": 256,
         "vocab_size": 1000,
     },
+    # gemma, gemma2, qwen3: head_dim defaults to 256, 256, 128 (not hidden / heads); gemma2 slides by default;
+    # kv heads default to 16, 4, 32
+    "min-gemma": {
+        "model_type": "gemma",
+        "hidden_size": 128,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "vocab_size": 1000,
+    },
+    "min-gemma2": {
+        "model_type": "gemma2",
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "vocab_size": 1000,
+    },
+    "min-qwen3": {
+        "model_type": "qwen3",
+        "hidden_size": 128,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "vocab_size": 1000,
+    },
+    "min-phi3": {
+        "model_type": "phi3",
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "vocab_size": 1000,
+        "pad_token_id": 0,
+    },
 }
 
 
@@ -368,6 +489,10 @@ def _config_class(transformers, kind: str):
         "qwen2": transformers.Qwen2Config,
         "opt": transformers.OPTConfig,
         "gpt_neox": transformers.GPTNeoXConfig,
+        "gemma": transformers.GemmaConfig,
+        "gemma2": transformers.Gemma2Config,
+        "qwen3": transformers.Qwen3Config,
+        "phi3": transformers.Phi3Config,
     }[kind]
 
 
@@ -413,10 +538,12 @@ def _hf_parts(model, kind: str) -> dict:
     else:
         base = model.model
         layers, embedding, final = base.layers, _n(base.embed_tokens), _n(base.norm)
+        # Gemma2's sandwich norms: two more around the MLP (qwen3's q_norm / k_norm live inside self_attn)
+        extra = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
         parts = lambda layer: (  # noqa: E731
             layer.self_attn,
             [layer.mlp],
-            [layer.input_layernorm, layer.post_attention_layernorm],
+            [layer.input_layernorm, layer.post_attention_layernorm, *(getattr(layer, n) for n in extra if hasattr(layer, n))],
         )
     attn, mlps, norms = parts(layers[0])
     norm_ids = {id(p) for m in norms for p in m.parameters()}
@@ -729,3 +856,74 @@ def test_spec_validation():
         ModelSpec(**{**fields, "hidden": 0})
     with pytest.raises(ModelError):
         ModelSpec(**{**fields, "norm": "batchnorm"})
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Gemma, Gemma2, Qwen3, Phi-3: what each config says, and what is refused
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _write(tmp_path, variant: str, **override) -> Path:
+    kind, kwargs = HF_VARIANTS[variant]
+    data = {"model_type": kind, **kwargs, **override}
+    path = tmp_path / f"{variant}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_newer_llama_like_details(tmp_path):
+    gemma = from_hf_config(_write(tmp_path, "gemma-mqa"))
+    assert (gemma.family, gemma.activation, gemma.head_dim, gemma.num_kv_heads) == ("gemma", "geglu", 64, 1)
+    assert gemma.tied_embeddings and gemma.gated_mlp and gemma.sliding_window == 0 and gemma.seq_len == 4096
+    gemma2 = from_hf_config(_write(tmp_path, "gemma2-sandwich"))
+    assert gemma2.sandwich_norm and gemma2.layer_norm_params() == 4 * gemma2.hidden
+    assert (gemma2.sliding_window, gemma2.seq_len) == (4096, 4096)  # every other layer slides by default
+    no_slide = from_hf_config(_write(tmp_path, "gemma2-sandwich", layer_types=["full_attention"] * 3))
+    assert no_slide.sliding_window == 0
+    qwen3 = from_hf_config(_write(tmp_path, "qwen3-qk-norm"))
+    assert qwen3.qk_norm and qwen3.head_dim == 128 and not qwen3.qkv_bias
+    assert qwen3.attention_params() == qwen3.attention_matmul_params() + 2 * 128
+    sliding = from_hf_config(_write(tmp_path, "qwen3-bias-sliding"))
+    assert sliding.qkv_bias and sliding.out_bias and (sliding.sliding_window, sliding.seq_len) == (1024, 1024)
+    # max_window_layers >= layers: no layer slides
+    assert from_hf_config(_write(tmp_path, "qwen3-bias-sliding", max_window_layers=3)).sliding_window == 0
+    phi3 = from_hf_config(_write(tmp_path, "phi3-fused"))
+    assert (phi3.sliding_window, phi3.seq_len, phi3.rotary_fraction) == (2047, 2047, 0.5)
+    assert not (phi3.qkv_bias or phi3.mlp_bias) and phi3.activation == "swiglu"
+    # the same FLOPs basis as a LLaMA of these shapes: qk-norm and extra norms are not GEMMs
+    assert qwen3.layer_matmul_params() == 128 * (512 + 2 * 256) + 512 * 128 + 3 * 128 * 256  # q, k, v, o + gated MLP
+
+
+def test_sliding_window_bounds_the_sequence(tmp_path):
+    phi3 = from_hf_config(_write(tmp_path, "phi3-fused"))
+    assert phi3.with_seq(2047).seq_len == 2047
+    with pytest.raises(ModelError) as exc_info:
+        phi3.with_seq(4096)
+    message = _one_line(exc_info)
+    assert "sliding attention window of 2047" in message and "--seq 2047" in message
+    mistral = get_model(str(_write(tmp_path, "mistral-gqa")))  # MistralConfig's default window: 4096
+    assert mistral.sliding_window == 4096
+    with pytest.raises(ModelError, match="sliding attention window of 4096"):
+        mistral.with_seq(8192)
+    unbounded = get_model(str(_write(tmp_path, "mistral-gqa", sliding_window=None)))
+    assert unbounded.sliding_window == 0 and unbounded.with_seq(8192).seq_len == 8192
+    with pytest.raises(ModelError, match="sliding attention window"):
+        ModelSpec(**{**phi3.__dict__, "seq_len": 4096})
+
+
+def test_newer_kinds_refusals_say_why(tmp_path):
+    def refused(variant: str, **override) -> str:
+        with pytest.raises(ModelError) as exc_info:
+            from_hf_config(_write(tmp_path, variant, **override))
+        return _one_line(exc_info)
+
+    assert "bidirectional" in refused("gemma-mqa", use_bidirectional_attention=True)
+    assert "gated MLP with 'relu'" in refused("gemma-mqa", hidden_act="relu")
+    path = tmp_path / "config.json"
+    for kind, why in (("mixtral", "mixture-of-experts"), ("qwen3_moe", "mixture-of-experts"), ("t5", "encoder"),
+                      ("phi", "one LayerNorm")):
+        path.write_text(json.dumps({"model_type": kind}))
+        with pytest.raises(ModelError) as exc_info:
+            from_hf_config(path)
+        message = _one_line(exc_info)
+        assert why in message and repr(kind) in message and "qwen3" in message

@@ -114,7 +114,7 @@ def test_run_refuses_an_overflowing_plan_as_simulate_does(tmp_path, capsys):
 # ---- class 5: unbounded inputs -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("value", "needle"), [("1000000", "num_layers: 1000000 is above the limit of 1024"),
+@pytest.mark.parametrize(("value", "needle"), [("1000000", "num_layers: 1000000 is above the limit of 4096"),
                                                (str(10**400), "num_layers: about 10^400 is above the limit")])
 def test_model_shape_limits(tmp_path, capsys, value, needle):
     f = tmp_path / "config.json"

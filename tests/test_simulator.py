@@ -25,6 +25,7 @@ from tierflow.planner.core.workload import (
     ADAM_STATE_BYTES,
     COMPUTE_BYTES,
     MASTER_BYTES,
+    layer_cost,
     model_flops_per_token,
     recompute_flops_per_token,
 )
@@ -352,6 +353,38 @@ def test_engine_pcie_duplex_fluid_model(x, y):
         want = (t1 + (x - r.h2d_duplex * t1) / r.h2d, t1)
     assert res.start_s[1] == res.start_s[2] == 0.0
     assert (res.end_s[1], res.end_s[2]) == pytest.approx(want, rel=1e-12)
+
+
+def test_engine_pays_each_ops_fixed_cost_before_its_bytes_flow():
+    """pcie.latency_us and ssd.latency_us: each op's fixed cost first, then its bytes at the link rate; a link
+    still in its fixed cost does not slow the opposite direction (no duplex sharing yet); gpu.op_overhead_us is
+    in every compute op's time."""
+    lat_pcie, lat_ssd = 2e-3, 5e-3
+    hw = profile().with_overrides({"pcie.latency_us": lat_pcie * 1e6, "ssd.latency_us": lat_ssd * 1e6})
+    r = CostModel(hw).rates
+    tasks = [T(0, "gpu", 0.5), T(1, "h2d", 1e9, deps=[0]), T(2, "ssd_write", 2e9, deps=[1]),
+             T(3, "h2d", 1e9, deps=[2])]
+    res = simulate_graph(graph_of(tasks), hw)
+    ends = np.cumsum([0.5, lat_pcie + 1e9 / r.h2d, lat_ssd + 2e9 / r.ssd_write, lat_pcie + 1e9 / r.h2d])
+    assert res.end_s == pytest.approx(ends, rel=1e-12)
+    # H2D and D2H start together: both pay the fixed cost alone, then share the link as the duplex model says
+    x = y = 2e9
+    res = simulate_graph(graph_of([T(0, "gpu", 1e-3), T(1, "h2d", x), T(2, "d2h", y)]), hw)
+    t1 = min(x / r.h2d_duplex, y / r.d2h_duplex)
+    first = lat_pcie + t1
+    if x / r.h2d_duplex <= y / r.d2h_duplex:
+        want = (first, first + (y - r.d2h_duplex * t1) / r.d2h)
+    else:
+        want = (first + (x - r.h2d_duplex * t1) / r.h2d, first)
+    assert (res.end_s[1], res.end_s[2]) == pytest.approx(want, rel=1e-12)
+    # a D2H still in its fixed cost leaves a running H2D at its solo rate
+    hw2 = profile().with_overrides({"pcie.latency_us": 0.25e6})
+    r2 = CostModel(hw2).rates
+    res = simulate_graph(graph_of([T(0, "h2d", r2.h2d * 0.2), T(1, "gpu", 0.3), T(2, "d2h", 1e6, deps=[1])]), hw2)
+    assert res.end_s[0] == pytest.approx(0.25 + 0.2, rel=1e-12)  # the D2H is in its fixed cost from 0.3 to 0.55
+    block = CostModel(hw).forward_s(layer_cost(get_model("tiny-gpt"), 1, 64))
+    with_overhead = CostModel(hw.with_overrides({"gpu.op_overhead_us": 300.0}))
+    assert with_overhead.forward_s(layer_cost(get_model("tiny-gpt"), 1, 64)) == pytest.approx(block + 300e-6)
 
 
 @pytest.mark.parametrize("sharing", ["shared", "independent"])

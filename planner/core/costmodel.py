@@ -4,10 +4,16 @@
   so that small GEMMs do not reach peak (f_half = the profile's gemm_half_gflop).
 - Attention (flash-style, causal) does half of the convention's FLOPs and runs at the same size-dependent
   efficiency as one GEMM of that size.
-- Elementwise kernels are bound by HBM bandwidth.
+- Elementwise kernels are bound by HBM bandwidth; the MLP's activation function by gpu.activation_gbps where the
+  profile measured it (a CPU computes GELU / SiLU far below its memory bandwidth), and attention runs at
+  gpu.attention_efficiency of a GEMM of its size where measured.
 - Transfers: bytes / link bandwidth; H2D and D2H share the PCIe link and SSD reads and writes share the array
   as the profile says (the simulator applies the shared rates while both directions are active).
 - CPU Adam: parameters / the CPU's Adam rate.
+- Software costs (optional profile fields, 0 when absent): every compute op adds gpu.op_overhead_us (host work
+  its kernels do not hide: dispatch, autograd, launches, the executor's hand-off); every transfer op adds
+  pcie.latency_us and every SSD op ssd.latency_us before its bytes move (`Rates.latency_s`; the simulator runs
+  that fixed part first, outside the shared link, then the bytes).
 - Host memory: every host-side transfer (PCIe DMA either way, SSD DMA either way) moves its bytes through DRAM
   once, and CPU Adam moves CPU_ADAM_DRAM_BYTES_PER_PARAM per parameter; when together they ask for more than the
   box sustains (cpu.memory_gbps x cpu.memory_efficiency), the simulator slows all of them in proportion (a fluid
@@ -53,6 +59,18 @@ class Rates:
     gpu_cores: float = 0.0  # cores device compute uses at its solo speed
     adam_cores: float = 0.0  # cores CPU Adam uses at its solo speed
     copy_cores: float = 0.0  # cores one copy or SSD op (memcpy, checksum) uses at its solo rate
+    # fixed software cost of one op on each link (pcie.latency_us, ssd.latency_us), before its bytes move
+    pcie_latency_s: float = 0.0
+    ssd_latency_s: float = 0.0
+
+    def latency_s(self, resource: str) -> float:
+        """The fixed cost of one op on `resource` before its work starts flowing (0 for gpu and cpu, whose
+        software cost is in their work)."""
+        if resource in ("h2d", "d2h"):
+            return self.pcie_latency_s
+        if resource in ("ssd_read", "ssd_write"):
+            return self.ssd_latency_s
+        return 0.0
 
     @property
     def core_bound(self) -> bool:
@@ -104,6 +122,8 @@ def link_rates(hw: HardwareProfile) -> Rates:
         # a solo rate already includes its own memory limit: alone, CPU Adam never waits for DRAM
         adam_dram_bps=min(hw.cpu.adam_gparams_per_s * 1e9 * CPU_ADAM_DRAM_BYTES_PER_PARAM,
                           hw.cpu.sustained_memory_bps),
+        pcie_latency_s=p.latency_s,
+        ssd_latency_s=s.latency_s,
         **_core_rates(hw),
     )
 
@@ -129,6 +149,11 @@ class CostModel:
         self.gemm_eff = g.gemm_efficiency
         self.half_flops = g.gemm_half_gflop * 1e9
         self.hbm_bps = g.hbm_gbps * 1e9 * g.hbm_efficiency
+        self.op_overhead_s = g.op_overhead_s  # per compute op (gpu.op_overhead_us)
+        # attention's rate relative to a GEMM of its size (gpu.attention_efficiency), the activation function's
+        # bytes/s (gpu.activation_gbps): as measured where the profile has them, else like any GEMM / elementwise
+        self.attention_eff = g.attention_efficiency if g.attention_efficiency is not None else 1.0
+        self.activation_bps = g.activation_gbps * 1e9 if g.activation_gbps is not None else self.hbm_bps
         self.rates = link_rates(hw)
 
     # ---- GPU compute ------------------------------------------------------------------------------------------
@@ -144,16 +169,18 @@ class CostModel:
 
     def attention_s(self, flops: float) -> float:
         work = flops * CAUSAL_ATTENTION_WORK
-        return 0.0 if work <= 0 else work / (self.peak_flops * self.efficiency(work))
+        return 0.0 if work <= 0 else work / (self.peak_flops * self.efficiency(work) * self.attention_eff)
 
-    def elementwise_s(self, nbytes: float) -> float:
-        return nbytes / self.hbm_bps
+    def elementwise_s(self, nbytes: float, activation_bytes: float = 0.0) -> float:
+        """Non-GEMM kernels moving `nbytes`, of which `activation_bytes` through the activation function."""
+        return (nbytes - activation_bytes) / self.hbm_bps + activation_bytes / self.activation_bps
 
     def forward_s(self, block: BlockCost) -> float:
         return (
             sum(self.gemm_s(g) for g in block.fwd_gemms)
             + self.attention_s(block.attn_fwd_flops)
-            + self.elementwise_s(block.fwd_elementwise_bytes)
+            + self.elementwise_s(block.fwd_elementwise_bytes, block.fwd_activation_bytes)
+            + self.op_overhead_s
         )
 
     def backward_s(self, block: BlockCost) -> float:
@@ -161,11 +188,12 @@ class CostModel:
         return (
             2 * sum(self.gemm_s(g) for g in block.fwd_gemms)
             + 2 * self.attention_s(block.attn_fwd_flops)
-            + 2 * self.elementwise_s(block.fwd_elementwise_bytes)
+            + 2 * self.elementwise_s(block.fwd_elementwise_bytes, block.fwd_activation_bytes)
+            + self.op_overhead_s
         )
 
     def gpu_adam_s(self, params: float) -> float:
-        return params * GPU_ADAM_BYTES_PER_PARAM / self.hbm_bps
+        return params * GPU_ADAM_BYTES_PER_PARAM / self.hbm_bps + self.op_overhead_s
 
     # ---- CPU and links ----------------------------------------------------------------------------------------
 
@@ -173,8 +201,9 @@ class CostModel:
         return params / self.rates.adam_params_per_s
 
     def transfer_s(self, link: str, nbytes: float) -> float:
-        """Solo time of a transfer on link 'h2d' | 'd2h' | 'ssd_read' | 'ssd_write'."""
+        """Solo time of one transfer op on link 'h2d' | 'd2h' | 'ssd_read' | 'ssd_write': its fixed cost, then
+        its bytes at the link rate."""
         rate = getattr(self.rates, link)
         if rate <= 0:
             return float("inf") if nbytes > 0 else 0.0
-        return nbytes / rate
+        return self.rates.latency_s(link) + nbytes / rate

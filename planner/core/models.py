@@ -9,7 +9,9 @@ Models come from two places:
 * the named zoo :data:`MODELS` (GPT-3 paper family, the GPT-65B/70B shapes of the seed papers, LLaMA-2, and two
   tiny models for tests and demos), looked up case-insensitively by :func:`get_model`;
 * a Hugging Face ``config.json`` (or a directory holding one) read by :func:`from_hf_config`, for the
-  ``model_type`` kinds in :data:`SUPPORTED_HF_KINDS`.
+  ``model_type`` kinds in :data:`SUPPORTED_HF_KINDS`;
+* a hub id (``org/name``) whose config.json is in the local Hugging Face cache (:func:`find_cached_config`;
+  nothing is downloaded).
 
     >>> from tierflow.planner.core.models import get_model
     >>> get_model("gpt3-175b").describe()
@@ -22,16 +24,17 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tierflow.hwprofiles.inputs import MIB, InputLimitError, loads_json_limited, read_limited_text
 
-FAMILIES = ("gpt", "llama", "mistral", "qwen2", "opt", "gpt_neox")
+FAMILIES = ("gpt", "llama", "mistral", "qwen2", "opt", "gpt_neox", "qwen3", "gemma", "gemma2", "phi3")
 NORMS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu", "swiglu", "relu")
-SUPPORTED_HF_KINDS = ("gpt2", "gpt_neox", "llama", "mistral", "opt", "qwen2")
+ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu")  # swiglu / geglu: gated MLPs (silu / tanh-GELU gate)
+SUPPORTED_HF_KINDS = ("gemma", "gemma2", "gpt2", "gpt_neox", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3")
 
 # Rotary models advertise very long context windows (Mistral: 131072, Qwen2: 32768) that are not a sensible
 # default *training* length; configs read from config.json train at min(max_position_embeddings, this).
@@ -41,7 +44,7 @@ DEFAULT_MAX_TRAIN_SEQ = 4096
 # num_hidden_layers: 1000000 or 10**400 is refused with one line instead of growing a task graph past memory
 # or overflowing a numpy index.
 SHAPE_LIMITS: dict[str, int] = {
-    "num_layers": 1024,
+    "num_layers": 4096,  # `tierflow capacity` searches up to it (3.2T params on the 4090 box with SSDs)
     "hidden": 1 << 17,
     "num_heads": 4096,
     "num_kv_heads": 4096,
@@ -97,6 +100,13 @@ class ModelSpec:
     # (RC4ML/LoHan gpt_model.py:196-212, docs/baselines-as-coded.md section B); the token embedding stays
     lm_head: bool = True
     norm_affine: bool = True  # False for OPT with layer_norm_elementwise_affine=False (norms hold no params)
+    qk_norm: bool = False  # Qwen3: an RMSNorm over head_dim on every query and key head (2 x head_dim params a layer)
+    sandwich_norm: bool = False  # Gemma2: a norm before and after both attention and MLP (4 norms a layer)
+    # Tokens a sliding-window attention layer sees (Mistral, Gemma2, Phi-3, Qwen with use_sliding_window); 0: none.
+    # seq_len may not exceed it: within the window such a layer is plain causal attention, which is what the
+    # FLOPs and cost model count (attention over a window shorter than the sequence is not modelled).
+    sliding_window: int = 0
+    rotary_fraction: float = 1.0  # share of each head's dims rotary positions rotate (GPT-NeoX rotary_pct)
 
     def __post_init__(self) -> None:
         def bad(field: str, problem: str) -> ModelError:
@@ -123,7 +133,7 @@ class ModelSpec:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise bad(field, f"must be a positive integer, got {value!r}")
-        for field in ("max_positions", "embed_proj_dim", "position_offset"):
+        for field in ("max_positions", "embed_proj_dim", "position_offset", "sliding_window"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise bad(field, f"must be a non-negative integer, got {value!r}")
@@ -137,6 +147,13 @@ class ModelSpec:
             raise bad("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
         if self.max_positions and self.seq_len > self.max_positions:
             raise bad("seq_len", f"{self.seq_len} exceeds the {self.max_positions} learned positions")
+        if self.sliding_window and self.seq_len > self.sliding_window:
+            raise bad("seq_len", f"{self.seq_len} exceeds the sliding attention window of {self.sliding_window} "
+                      "tokens (attention over a window shorter than the sequence is not modelled)")
+        if isinstance(self.rotary_fraction, bool) or not isinstance(self.rotary_fraction, (int, float)) or not (
+            0 < self.rotary_fraction <= 1
+        ):
+            raise bad("rotary_fraction", f"must be in (0, 1], got {self.rotary_fraction!r}")
 
     # ---- derived sizes ---------------------------------------------------------------------------------------
 
@@ -157,7 +174,7 @@ class ModelSpec:
 
     @property
     def gated_mlp(self) -> bool:
-        return self.activation == "swiglu"
+        return self.activation in ("swiglu", "geglu")
 
     # ---- exact parameter counts -----------------------------------------------------------------------------
 
@@ -181,6 +198,8 @@ class ModelSpec:
             n += self.q_dim + 2 * self.kv_dim
         if self.out_bias:
             n += self.hidden
+        if self.qk_norm and self.norm_affine:
+            n += 2 * self.head_dim
         return n
 
     def mlp_params(self) -> int:
@@ -191,8 +210,8 @@ class ModelSpec:
         return n
 
     def layer_norm_params(self) -> int:
-        """The two norms inside one layer."""
-        return 2 * self._norm_params()
+        """The two norms inside one layer (four with Gemma2's sandwich norms)."""
+        return (4 if self.sandwich_norm else 2) * self._norm_params()
 
     def layer_params(self) -> int:
         """One decoder layer: attention + MLP + norms."""
@@ -241,6 +260,12 @@ class ModelSpec:
             raise ModelError(
                 f"model {self.name!r}: seq_len {seq_len} exceeds its {self.max_positions} learned positions "
                 f"(use seq_len <= {self.max_positions} or a model with more positions)"
+            )
+        if self.sliding_window and seq_len > self.sliding_window:
+            raise ModelError(
+                f"model {self.name!r}: seq_len {seq_len} exceeds its sliding attention window of "
+                f"{self.sliding_window} tokens; tierflow models attention as causal over the whole sequence, "
+                f"which is that window only while seq_len <= {self.sliding_window} (use --seq {self.sliding_window} or less)"
             )
         return replace(self, seq_len=seq_len)
 
@@ -376,12 +401,15 @@ def _looks_like_path(text: str) -> bool:
 
 
 def get_model(name_or_path: str | os.PathLike[str]) -> ModelSpec:
-    """A zoo model by name (case-insensitive), or a model read from a config.json file or its directory."""
+    """A zoo model by name (case-insensitive), a model read from a config.json file or a model directory holding
+    one, or a Hugging Face hub id (``org/name``) found in the local Hugging Face cache (never downloaded)."""
     text = os.fspath(name_or_path)
     key = text.strip().lower()
     if key in MODELS:
         return MODELS[key]
     path = Path(text).expanduser()
+    if not path.exists() and is_hub_id(text):
+        return from_hf_config(hub_config_path(text), name=text)
     if path.exists() or _looks_like_path(text):
         return from_hf_config(path)
     close = difflib.get_close_matches(key, list(MODELS), n=4, cutoff=0.5)
@@ -390,6 +418,69 @@ def get_model(name_or_path: str | os.PathLike[str]) -> ModelSpec:
     else:
         hint = f"known models: {', '.join(MODELS)}."
     raise ModelError(f"unknown model {text!r}: {hint} (or give a path to a Hugging Face config.json)")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Hugging Face hub ids in the local cache
+# --------------------------------------------------------------------------------------------------------------
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def is_hub_id(text: str) -> bool:
+    """``org/name`` as the Hugging Face hub spells repository ids (one slash, no .json file name)."""
+    return bool(_HUB_ID.match(text)) and not text.endswith(".json") and ".." not in text
+
+
+def hf_cache_dir() -> Path:
+    """The hub cache huggingface_hub uses: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub
+    ($XDG_CACHE_HOME/huggingface/hub when that is set)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    base = Path(os.environ["XDG_CACHE_HOME"]).expanduser() if os.environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "huggingface" / "hub"
+
+
+def find_cached_config(repo_id: str, cache_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """config.json of hub model ``repo_id`` in the local cache, or None; never touches the network.
+
+    With huggingface_hub importable, ``try_to_load_from_cache`` (the snapshot ``refs/main`` points to); else, or
+    when no ``main`` ref was cached, the newest ``models--org--name/snapshots/<rev>/config.json``."""
+    cache = Path(cache_dir) if cache_dir is not None else hf_cache_dir()
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        try_to_load_from_cache = None
+    if try_to_load_from_cache is not None:
+        try:
+            found = try_to_load_from_cache(repo_id, "config.json", cache_dir=str(cache), repo_type="model")
+        except Exception:  # an id huggingface_hub rejects: look for the folder ourselves
+            found = None
+        if isinstance(found, str) and Path(found).is_file():
+            return Path(found)
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        main = repo / "snapshots" / ref.read_text().strip() / "config.json"
+        if main.is_file():
+            return main
+    configs = [p for p in (repo / "snapshots").glob("*/config.json") if p.is_file()]
+    return max(configs, key=lambda p: p.stat().st_mtime) if configs else None
+
+
+def hub_config_path(repo_id: str) -> Path:
+    """config.json of a cached hub model; a :class:`ModelError` saying how to download it when it is not cached."""
+    found = find_cached_config(repo_id)
+    if found is None:
+        raise ModelError(
+            f"{repo_id!r} is neither a local path nor a model in the Hugging Face cache ({hf_cache_dir()}); "
+            f"tierflow does not download: fetch its config with `hf download {repo_id} config.json` "
+            "(or set HF_HUB_CACHE / HF_HOME to the cache that holds it, or give a path to its config.json)"
+        )
+    return found
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -472,6 +563,75 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
 }
+_HF_DEFAULTS.update(
+    {
+        "gemma": {
+            "vocab_size": 256000,
+            "hidden_size": 3072,
+            "intermediate_size": 24576,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "head_dim": 256,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_activation": None,
+            "max_position_embeddings": 8192,
+            "tie_word_embeddings": True,
+            "attention_bias": False,
+            "use_bidirectional_attention": None,
+        },
+        "gemma2": {
+            "vocab_size": 256000,
+            "hidden_size": 2304,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "max_position_embeddings": 8192,
+            "tie_word_embeddings": True,
+            "attention_bias": False,
+            "sliding_window": 4096,
+            "layer_types": None,
+            "use_bidirectional_attention": None,
+        },
+        "qwen3": {
+            "vocab_size": 151936,
+            "hidden_size": 4096,
+            "intermediate_size": 22016,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "max_position_embeddings": 32768,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "sliding_window": 4096,
+            "max_window_layers": 28,
+            "layer_types": None,
+        },
+        "phi3": {
+            "vocab_size": 32064,
+            "hidden_size": 3072,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": None,
+            "head_dim": None,
+            "hidden_act": "silu",
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": False,
+            "sliding_window": None,
+        },
+    }
+)
+# Sliding windows of the older llama-like kinds (Mistral-7B-v0.1 slides over 4096 tokens; Qwen2 only with
+# use_sliding_window).
+_HF_DEFAULTS["mistral"].update({"sliding_window": 4096})
+_HF_DEFAULTS["qwen2"].update({"sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 28})
 
 # GPT2Config.attribute_map: the generic names a gpt2 config.json may use instead of the GPT-2 ones.
 _GPT2_ALIASES = {
@@ -544,12 +704,33 @@ def _train_seq(max_pos: int) -> int:
     return min(max_pos, DEFAULT_MAX_TRAIN_SEQ)
 
 
-def from_hf_config(path: str | os.PathLike[str]) -> ModelSpec:
+_MOE = "a mixture-of-experts MLP (tierflow's layer has one dense MLP, and its FLOPs count every weight)"
+_ENCODER = "an encoder or encoder-decoder model (tierflow trains decoder-only causal language models)"
+# model_type -> why tierflow cannot express it (the unknown rest are just "unsupported")
+_WHY_NOT_KINDS = {
+    **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx",
+                     "granitemoe", "phimoe", "jamba"), _MOE),
+    **dict.fromkeys(("bert", "roberta", "t5", "bart", "mt5", "electra", "deberta", "deberta-v2"), _ENCODER),
+    "phi": "Phi-1/2 layers run attention and MLP in parallel from one LayerNorm (one norm a layer) and its lm_head "
+           "has a bias: no tierflow layer shape",
+    "gemma3": "a vision-language model (gemma3_text is the text-only kind)",
+    "gemma3_text": "not read yet: its layers are expressible (qk-norm, sandwich norms, GeGLU) but 5 of every 6 "
+                   "slide over a 512- or 1024-token window, so only sequences that short would be modelled exactly",
+    "mamba": "a state-space model without attention",
+}
+
+
+def unsupported_kind_reason(kind: object) -> str:
+    """Why a Hugging Face model_type is refused, when it is known ('' otherwise)."""
+    return _WHY_NOT_KINDS.get(kind, "") if isinstance(kind, str) else ""
+
+
+def from_hf_config(path: str | os.PathLike[str], name: str | None = None) -> ModelSpec:
     """Read a Hugging Face ``config.json`` (or a directory containing one) into a :class:`ModelSpec`.
 
-    Supported ``model_type``: gpt2, gpt_neox, llama, mistral, opt, qwen2. Keys that the file leaves out take
+    Supported ``model_type``: :data:`SUPPORTED_HF_KINDS`. Keys that the file leaves out take
     transformers' defaults for that model type. The name is the directory name for ``config.json`` files, else
-    the file stem. The default training sequence is the learned position table (gpt2, opt) or
+    the file stem, unless ``name`` is given (a hub id). The default training sequence is the learned position table (gpt2, opt) or
     ``min(max_position_embeddings, 4096)`` for rotary models.
     """
     file = _config_file(path)
@@ -563,10 +744,11 @@ def from_hf_config(path: str | os.PathLike[str]) -> ModelSpec:
         raise ModelError(f"{file}: expected a JSON object, got {type(data).__name__}")
     kind = data.get("model_type")
     if kind not in SUPPORTED_HF_KINDS:
+        why = f": {unsupported_kind_reason(kind)}" if unsupported_kind_reason(kind) else ""
         raise ModelError(
-            f"{file}: unsupported model_type {kind!r} (supported: {', '.join(SUPPORTED_HF_KINDS)})"
+            f"{file}: unsupported model_type {kind!r}{why} (supported: {', '.join(SUPPORTED_HF_KINDS)})"
         )
-    name = (file.resolve().parent.name if file.name == "config.json" else file.stem) or kind
+    name = name or (file.resolve().parent.name if file.name == "config.json" else file.stem) or kind
     cfg = _Config(file, data, kind)
     try:
         return _BUILDERS[kind](name, cfg)
@@ -576,7 +758,8 @@ def from_hf_config(path: str | os.PathLike[str]) -> ModelSpec:
 
 
 def _heads(cfg: _Config, hidden: int, heads: int, kv_heads: int | None) -> tuple[int, int]:
-    head_dim = cfg.get_int("head_dim", optional=True) if "head_dim" in cfg.data else None
+    # gemma, gemma2 and qwen3 default to a head_dim of their own (256, 256, 128), not hidden / heads
+    head_dim = cfg.get_int("head_dim", optional=True) if "head_dim" in cfg.data or cfg.defaults.get("head_dim") else None
     if head_dim is None:
         if hidden % heads:
             raise ModelError(
@@ -649,6 +832,18 @@ def _from_opt(name: str, cfg: _Config) -> ModelSpec:
     )
 
 
+def _rotary_fraction(cfg: _Config, legacy_key: str, default: float) -> float:
+    """Share of head_dim that rotary positions rotate: ``rope_parameters.partial_rotary_factor`` (transformers 5),
+    else the legacy top-level key (GPT-NeoX ``rotary_pct``, Phi-3 ``partial_rotary_factor``), else ``default``."""
+    rope = cfg.data.get("rope_parameters")
+    value = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    if value is None:
+        value = cfg.data.get(legacy_key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ModelError(f"{cfg.source}: {legacy_key}: expected a number in (0, 1], got {value!r}")
+    return float(value)
+
+
 def _from_gpt_neox(name: str, cfg: _Config) -> ModelSpec:
     hidden, heads = cfg.get_int("hidden_size"), cfg.get_int("num_attention_heads")
     if hidden % heads:
@@ -673,6 +868,7 @@ def _from_gpt_neox(name: str, cfg: _Config) -> ModelSpec:
         mlp_bias=True,
         tied_embeddings=cfg.get_bool("tie_word_embeddings"),
         parallel_residual=cfg.get_bool("use_parallel_residual"),
+        rotary_fraction=_rotary_fraction(cfg, "rotary_pct", 0.25),
     )
 
 
@@ -687,6 +883,8 @@ def _from_llama_like(name: str, cfg: _Config) -> ModelSpec:
         qkv_bias, out_bias, mlp_bias = True, False, False
     else:  # mistral: no biases
         qkv_bias = out_bias = mlp_bias = False
+    window = 0 if kind == "llama" else _sliding_window(cfg)
+    max_pos = cfg.get_int("max_position_embeddings")
     return ModelSpec(
         name=name,
         family=kind,
@@ -698,13 +896,90 @@ def _from_llama_like(name: str, cfg: _Config) -> ModelSpec:
         ffn_hidden=cfg.get_int("intermediate_size"),
         vocab_size=cfg.get_int("vocab_size"),
         max_positions=0,
-        seq_len=_train_seq(cfg.get_int("max_position_embeddings")),
+        seq_len=min(_train_seq(max_pos), window) if window else _train_seq(max_pos),
         norm="rmsnorm",
         activation="swiglu",
         qkv_bias=qkv_bias,
         out_bias=out_bias,
         mlp_bias=mlp_bias,
         tied_embeddings=cfg.get_bool("tie_word_embeddings"),
+        sliding_window=window,
+    )
+
+
+def _gated_activation(cfg: _Config, key: str) -> str:
+    """SwiGLU for a silu gate, GeGLU for a GELU gate (Gemma's gelu_pytorch_tanh); other gates are refused."""
+    act = cfg.get_str(key).lower()
+    if act in ("silu", "swish"):
+        return "swiglu"
+    if act.startswith("gelu"):
+        return "geglu"
+    raise ModelError(f"{cfg.source}: {key}: gated MLP with {cfg.raw(key)!r} is not modelled (silu or gelu gates only)")
+
+
+def _sliding_window(cfg: _Config) -> int:
+    """The window of the layers that slide (0: none do). Qwen slides only with use_sliding_window, from layer
+    max_window_layers on; Gemma2 on the layers layer_types names sliding_attention (every other one by default)."""
+    if cfg.raw("sliding_window") is None:
+        return 0
+    window = cfg.get_int("sliding_window")
+    types = cfg.raw("layer_types") if "layer_types" in cfg.defaults else None
+    if isinstance(types, list):
+        return window if "sliding_attention" in types else 0
+    if cfg.kind in ("qwen2", "qwen3") and (
+        not cfg.get_bool("use_sliding_window") or cfg.get_int("max_window_layers", positive=False) >= cfg.get_int("num_hidden_layers")
+    ):
+        return 0
+    return window
+
+
+def _from_gemma_qwen3_phi3(name: str, cfg: _Config) -> ModelSpec:
+    """Gemma, Gemma2, Qwen3 and Phi-3: LLaMA-shaped layers with one or two differences each that change no GEMM
+    (so the FLOPs are LLaMA's for the same shapes) and that the parameter count represents exactly:
+
+    * gemma: GeGLU MLP, head_dim 256 by default, tied embeddings (RMSNorm with 1 + weight and an embedding scaled
+      by sqrt(hidden) hold the same parameters);
+    * gemma2: as gemma plus a norm after attention and after the MLP (4 norms a layer); the tanh soft-capping of
+      attention and final logits is elementwise; sliding-window layers are exact while seq <= the window;
+    * qwen3: an RMSNorm over head_dim on every query and key head (qk-norm), head_dim 128 by default;
+    * phi3: q, k, v fused in one qkv_proj and gate / up in one gate_up_proj (the same weights, concatenated).
+    """
+    kind = cfg.kind
+    if kind in ("gemma", "gemma2") and cfg.raw("use_bidirectional_attention"):
+        raise ModelError(f"{cfg.source}: use_bidirectional_attention: an encoder (bidirectional attention) is not a "
+                         "causal language model tierflow can train")
+    hidden, heads = cfg.get_int("hidden_size"), cfg.get_int("num_attention_heads")
+    head_dim, kv_heads = _heads(cfg, hidden, heads, cfg.get_int("num_key_value_heads", optional=True))
+    if kind == "gemma":
+        act_key = "hidden_activation" if cfg.raw("hidden_activation") is not None else "hidden_act"
+    else:
+        act_key = "hidden_activation" if kind == "gemma2" else "hidden_act"
+    bias = False if kind == "phi3" else cfg.get_bool("attention_bias")
+    max_pos = cfg.get_int("max_position_embeddings")
+    window = _sliding_window(cfg) if kind != "gemma" else 0
+    seq = min(_train_seq(max_pos), window) if window else _train_seq(max_pos)
+    return ModelSpec(
+        name=name,
+        family=kind,
+        num_layers=cfg.get_int("num_hidden_layers"),
+        hidden=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn_hidden=cfg.get_int("intermediate_size"),
+        vocab_size=cfg.get_int("vocab_size"),
+        max_positions=0,
+        seq_len=seq,
+        norm="rmsnorm",
+        activation=_gated_activation(cfg, act_key),
+        qkv_bias=bias,
+        out_bias=bias,
+        mlp_bias=False,
+        tied_embeddings=cfg.get_bool("tie_word_embeddings"),
+        qk_norm=kind == "qwen3",
+        sandwich_norm=kind == "gemma2",
+        sliding_window=window,
+        rotary_fraction=_rotary_fraction(cfg, "partial_rotary_factor", 1.0) if kind == "phi3" else 1.0,
     )
 
 
@@ -715,6 +990,10 @@ _BUILDERS = {
     "llama": _from_llama_like,
     "mistral": _from_llama_like,
     "qwen2": _from_llama_like,
+    "gemma": _from_gemma_qwen3_phi3,
+    "gemma2": _from_gemma_qwen3_phi3,
+    "qwen3": _from_gemma_qwen3_phi3,
+    "phi3": _from_gemma_qwen3_phi3,
 }
 
 __all__ = [
@@ -726,7 +1005,11 @@ __all__ = [
     "SUPPORTED_HF_KINDS",
     "ModelError",
     "ModelSpec",
+    "find_cached_config",
     "from_hf_config",
     "get_model",
+    "hf_cache_dir",
+    "hub_config_path",
+    "is_hub_id",
     "list_models",
 ]

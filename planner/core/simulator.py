@@ -163,19 +163,22 @@ def _simulate(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
     since = [0.0] * R
     version = [0] * R
     heap: list[tuple[float, int, int, int]] = []  # (time, seq, resource, version)
+    # each op's fixed software cost on its resource (pcie.latency_us, ssd.latency_us) runs before its work flows
+    latency = [rates.latency_s(res) for res in RESOURCES]
+    flowing = [True] * R  # False while the op running on a resource is still in its fixed cost
     seq = 0
     now = 0.0
     mem_blocked: set[int] = set()
 
     def base_rate(r: int) -> float:
         p = partner[r]
-        return duplex[r] if p >= 0 and running[p] >= 0 else solo[r]
+        return duplex[r] if p >= 0 and running[p] >= 0 and flowing[p] else solo[r]
 
     def rerate_fluids() -> None:
         """Bring every running fluid resource's progress up to now and reschedule its finish at the rate it gets
         now: its solo or duplex rate, all scaled down together while their DRAM traffic exceeds the box's."""
         nonlocal seq
-        active = [r for r in fluids if running[r] >= 0]
+        active = [r for r in fluids if running[r] >= 0 and flowing[r]]
         base = {r: base_rate(r) for r in active}
         scale = dict.fromkeys(active, 1.0)
         for cap_s, use in pools:
@@ -223,6 +226,18 @@ def _simulate(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
         ptr[r] += 1
         running[r] = tid
         start[tid] = now
+        version[r] += 1
+        if latency[r] > 0:  # the op's fixed software cost first, outside the shared link and pools
+            flowing[r] = False
+            seq += 1
+            heapq.heappush(heap, (now + latency[r], seq, r, version[r]))
+        else:
+            begin_work(r, tid)
+
+    def begin_work(r: int, tid: int) -> None:
+        """The op's work starts: a fluid resource's flows at the rate it gets now, another's takes its time."""
+        nonlocal seq
+        flowing[r] = True
         if fluid[r]:
             remaining[r] = work[tid]
             since[r] = now
@@ -242,6 +257,9 @@ def _simulate(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
             continue
         now = t_ev
         tid = running[r]
+        if not flowing[r]:  # its fixed cost is paid: now its work
+            begin_work(r, tid)
+            continue
         running[r] = -1
         end[tid] = now
         done += 1

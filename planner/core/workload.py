@@ -56,6 +56,9 @@ class BlockCost:
     bwd_working_bytes: int  # transient GPU memory of recompute + backward, incl. the layer's activations
     tokens: int = 0
     extras: dict = field(default_factory=dict)
+    # the part of fwd_elementwise_bytes that the MLP's activation function (GELU, SiLU x gate, ReLU) reads and
+    # writes: a transcendental per element, which a CPU computes far below its memory bandwidth (gpu.activation_gbps)
+    fwd_activation_bytes: float = 0.0
 
     @property
     def fwd_flops(self) -> float:
@@ -98,6 +101,7 @@ def layer_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
         fwd_gemms=tuple(gemms),
         attn_fwd_flops=attn,
         fwd_elementwise_bytes=float(elementwise),
+        fwd_activation_bytes=float(COMPUTE_BYTES * t * act_elems),
         checkpoint_bytes=ckpt,
         full_activation_bytes=full_act,
         fwd_working_bytes=fwd_work,

@@ -467,7 +467,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def add_box_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     """--model, --hw and --set, shared by the commands that take a model and a box."""
     if model:
-        p.add_argument("--model", default="gpt3-175b", help="zoo name (see `tierflow models`) or a HF config.json path")
+        p.add_argument("--model", default="gpt3-175b",
+                       help="zoo name (see `tierflow models`), a HF config.json or model directory, or a hub id "
+                       "(org/name) in the local HF cache (never downloaded)")
     p.add_argument("--hw", default="rtx4090-lohan", help="profile name (see `tierflow profiles`) or a YAML path")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a profile field, e.g. ssd.count=6")
 

@@ -1,0 +1,207 @@
+"""Executor efficiency: `tierflow run` against plain PyTorch training of the same blocks, in one process,
+alternating.
+
+    python experiments/bench_executor.py [--quick] [--device cpu|cuda] [--ssd-dir DIR] [--out DIR]
+
+1. **On the device.** Plain PyTorch: the executor's own blocks (`executor.models.BlockModel`) trained with
+   `torch.optim.AdamW` on the device, the batch in micro-batches with gradient accumulation, no offload, no
+   recompute. tierflow: a plan of the same batch and micro-batches with every tensor class on the device and no
+   recompute (`horizontal`, runtime ideal: the optimizer step is one `adam_gpu` op per block), run by the executor
+   (`run_plan`, the code behind `tierflow run`). The two alternate round by round, so that a noisy machine slows
+   both alike; each reports the median step time after its first (warm-up) round. Target: tierflow's tokens/s at
+   least 0.95x plain PyTorch's.
+2. **Optimizer states on the SSD tier.** The same plan with fp32 master weights and Adam moments on the SSD
+   tier (weights and gradients on the device and in host memory): the executor must overlap the SSD traffic with
+   compute as the plan says, so its step time should be max(compute, SSD time), with compute = the plain PyTorch
+   step above and SSD time = the bytes the run moved per step over the store's rates measured here
+   (`measure_store`, the executor's own SsdStore: O_DIRECT, checksums). Target: within 10%.
+
+Writes bench_executor.csv under --out. --quick: one small model, fewer rounds (a CI test runs it).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from expcommon import Progress, arg_parser, print_table, write_csv
+
+from tierflow.hwprofiles import load_profile
+from tierflow.planner.core.models import ModelSpec, get_model
+from tierflow.planner.core.placement import Placement, Split
+from tierflow.planner.core.schedules import build_graph, make_schedule
+from tierflow.planner.io.planfile import Plan, load_plan, plan_from_graph, write_plan
+
+SEQ, BATCH, MICRO_BATCH = 256, 8, 2
+STEPS_PER_ROUND = 3  # one round of the plan's three iterations
+ON_GPU, ON_CPU, ON_SSD = Split(1.0, 0.0, 0.0), Split(0.0, 1.0, 0.0), Split(0.0, 0.0, 1.0)
+ALL_ON_DEVICE = Placement(weights=ON_GPU, master=ON_GPU, adam_m=ON_GPU, adam_v=ON_GPU, grads=ON_GPU,
+                          checkpoints=ON_GPU)
+STATES_ON_SSD = Placement(weights=ON_GPU, master=ON_SSD, adam_m=ON_SSD, adam_v=ON_SSD, grads=ON_CPU,
+                          checkpoints=ON_GPU)
+
+
+def gpt(layers: int, hidden: int) -> ModelSpec:
+    base = get_model("tiny-gpt")
+    heads = hidden // 64
+    return replace(base, name=f"gpt-{layers}x{hidden}", num_layers=layers, hidden=hidden, num_heads=heads,
+                   num_kv_heads=heads, ffn_hidden=4 * hidden, vocab_size=2048, seq_len=SEQ, max_positions=SEQ)
+
+
+MODELS = {"small": gpt(4, 256), "medium": gpt(6, 384)}
+
+
+def make_plan(model: ModelSpec, placement: Placement, path: Path) -> Plan:
+    """A horizontal plan with no recompute (the prediction is not used here: any profile with room will do)."""
+    hw = load_profile("rtx3090-desktop").with_overrides({"gpu.memory_gib": 64, "cpu.memory_gib": 64})
+    cfg = make_schedule("horizontal", model, hw, batch=BATCH, micro_batch=MICRO_BATCH, seq=SEQ,
+                        placement=placement, iterations=STEPS_PER_ROUND, runtime="ideal", recompute=False)
+    write_plan(plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg)), path)
+    return load_plan(path)
+
+
+class PlainTrainer:
+    """Plain PyTorch: BlockModel + AdamW (the executor's hyper-parameters), gradient accumulation over the
+    micro-batches, on the device, in the main thread."""
+
+    def __init__(self, model: ModelSpec, device: str) -> None:
+        import torch
+
+        from tierflow.executor.context import Hyper
+        from tierflow.executor.models import BlockModel
+
+        self.torch, self.device = torch, torch.device(device)
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        torch.manual_seed(0)
+        self.model = BlockModel(model, dtype=dtype, device=self.device)
+        h = Hyper()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps,
+                                     weight_decay=h.weight_decay)
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randint(0, model.vocab_size, (BATCH, SEQ), generator=g).to(self.device)
+        self.y = torch.randint(0, model.vocab_size, (BATCH, SEQ), generator=g).to(self.device)
+
+    def steps(self, n: int) -> list[float]:
+        from tierflow.executor.models import loss as lm_loss
+
+        torch, out, num_mb = self.torch, [], BATCH // MICRO_BATCH
+        for _ in range(n):
+            t0 = time.perf_counter()
+            for i in range(num_mb):
+                sl = slice(i * MICRO_BATCH, (i + 1) * MICRO_BATCH)
+                (lm_loss(self.model(self.x[sl]), self.y[sl]) / num_mb).backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+def tierflow_steps(plan: Plan, device: str, ssd_dir: Path | None) -> tuple[list[float], int]:
+    """One round of the plan (its three iterations) through `run_plan`: step times and SSD bytes moved."""
+    from tierflow.executor.run import RunOptions, run_plan
+
+    res = run_plan(plan, RunOptions(steps=STEPS_PER_ROUND, device=device, quiet=True,
+                                    ssd_dir=str(ssd_dir) if ssd_dir else None))
+    return [r.step_s for r in res.records], res.ssd_bytes_read + res.ssd_bytes_written
+
+
+def measure_store(ssd_dir: Path, nbytes: int, files: int = 3, repeats: int = 3) -> dict[str, float]:
+    """GB/s of the executor's own SSD store (SsdStore: O_DIRECT, aligned buffers, CRC32), writing then reading
+    `files` files of `nbytes` each, as a step's optimizer-state ops do; the best of `repeats`."""
+    import torch
+
+    from tierflow.executor.store import SsdStore
+
+    store = SsdStore(ssd_dir, warn=lambda m: print(m, file=sys.stderr))
+    data = [torch.ones(nbytes // 4) for _ in range(files)]
+    best_w = best_r = float("inf")
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for i, d in enumerate(data):
+                store.write(f"bench{i}", d)
+            best_w = min(best_w, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for i in range(files):
+                store.read(f"bench{i}", torch.float32, nbytes // 4)
+            best_r = min(best_r, time.perf_counter() - t0)
+    finally:
+        for i in range(files):
+            store.delete(f"bench{i}")
+        store.close()
+    return {"write_gbps": files * nbytes / best_w / 1e9, "read_gbps": files * nbytes / best_r / 1e9}
+
+
+def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = None) -> list[dict]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    models = {"small": MODELS["small"]} if quick else MODELS
+    rounds = 3 if quick else 6
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tierflow-bench-executor-") as tmp:
+        work = Path(tmp)
+        ssd = ssd_dir or work / "ssd"
+        ssd.mkdir(parents=True, exist_ok=True)
+        prog = Progress(len(models) * rounds, "bench executor")
+        for name, model in models.items():
+            plans = {"on device": make_plan(model, ALL_ON_DEVICE, work / f"{name}-dev.json"),
+                     "states on SSD": make_plan(model, STATES_ON_SSD, work / f"{name}-ssd.json")}
+            plain = PlainTrainer(model, device)
+            times: dict[str, list[float]] = {"plain": [], **{k: [] for k in plans}}
+            ssd_bytes_per_step = 0.0
+            for r in range(rounds):  # alternating; round 0 warms every path up and is not counted
+                prog.step(f"{name} round {r + 1}")
+                t = plain.steps(STEPS_PER_ROUND)
+                if r:
+                    times["plain"] += t
+                for case, plan in plans.items():
+                    t, moved = tierflow_steps(plan, device, ssd if case == "states on SSD" else None)
+                    if r:
+                        times[case] += t[1:]  # a round's first step also waits for the round's setup
+                    if case == "states on SSD":
+                        ssd_bytes_per_step = moved / STEPS_PER_ROUND
+            plain_s = statistics.median(times["plain"])
+            tokens = BATCH * SEQ
+            dev_s = statistics.median(times["on device"])
+            rows.append({"model": name, "params_m": round(model.total_params() / 1e6, 2), "case": "on device",
+                         "plain_step_s": round(plain_s, 4), "tierflow_step_s": round(dev_s, 4),
+                         "plain_tokens_per_s": round(tokens / plain_s), "tierflow_tokens_per_s": round(tokens / dev_s),
+                         "ratio": round(plain_s / dev_s, 3), "target": ">= 0.95x plain",
+                         "bound_s": "", "vs_bound": ""})
+            per_file = max(1 << 20, int(ssd_bytes_per_step / 6))  # read + write of master, m, v: ~6 files a step
+            rates = measure_store(ssd, per_file)
+            ssd_s = ssd_bytes_per_step / 2 / (rates["read_gbps"] * 1e9) + ssd_bytes_per_step / 2 / (
+                rates["write_gbps"] * 1e9)
+            bound_s = max(plain_s, ssd_s)
+            st_s = statistics.median(times["states on SSD"])
+            rows.append({"model": name, "params_m": round(model.total_params() / 1e6, 2), "case": "states on SSD",
+                         "plain_step_s": round(plain_s, 4), "tierflow_step_s": round(st_s, 4),
+                         "plain_tokens_per_s": round(tokens / plain_s), "tierflow_tokens_per_s": round(tokens / st_s),
+                         "ratio": round(plain_s / st_s, 3),
+                         "target": "within 10% of max(compute, SSD time)", "bound_s": round(bound_s, 4),
+                         "vs_bound": round(st_s / bound_s - 1, 4), "ssd_gb_per_step": round(ssd_bytes_per_step / 1e9, 4),
+                         "store_read_gbps": round(rates["read_gbps"], 2),
+                         "store_write_gbps": round(rates["write_gbps"], 2), "ssd_s": round(ssd_s, 4)})
+        prog.finish()
+    write_csv(rows, out_dir / "bench_executor.csv")
+    print_table(rows, ["model", "case", "plain_step_s", "tierflow_step_s", "ratio", "bound_s", "vs_bound"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = arg_parser(__doc__)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--ssd-dir", type=Path, default=None, help="directory for the SSD tier (default: a temp dir)")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    run(args.quick, args.out, args.device, args.ssd_dir)
+    print(f"wrote {args.out / 'bench_executor.csv'} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
