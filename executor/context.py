@@ -11,12 +11,13 @@ import numpy as np
 import torch
 
 from tierflow.executor.binding import Binding, Entry, EntryKey
+from tierflow.executor.device import DeviceBackend, PlainCpuBackend
 from tierflow.executor.state import BlockLayout, TrainState
 from tierflow.executor.store import SsdStore
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.schedules import ScheduleConfig
 
-STREAM_RESOURCES = ("gpu", "h2d", "d2h")  # resources with a CUDA stream each (plain threads on a CPU device)
+STREAM_RESOURCES = ("gpu", "h2d", "d2h")  # resources with a stream each (device.py; none on a plain CPU)
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,13 @@ class OpContext:
     device: torch.device
     hyper: Hyper
     ssd: SsdStore | None
+    backend: DeviceBackend = field(default_factory=PlainCpuBackend)
 
     @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
+    def asynchronous(self) -> bool:
+        """Stream ops run asynchronously to their workers (CUDA and its emulation): results cross streams by
+        events only, copies are copy_async between device and pinned host memory."""
+        return self.backend.streams_async
 
     @property
     def dtype(self) -> torch.dtype:
@@ -108,13 +112,15 @@ class RoundState:
     peak_bytes: list[float] = field(default_factory=list)
     mem_trace: list[tuple[float, ...]] = field(default_factory=list)  # (seconds, bytes per tier)
     t0_s: float = 0.0  # time.perf_counter() at the start
-    # CUDA only (None / empty on a CPU device)
-    streams: dict[str, torch.cuda.Stream] | None = None
-    ev0: torch.cuda.Event | None = None
-    ev_start: dict[int, torch.cuda.Event] = field(default_factory=dict)
-    ev_end: dict[int, torch.cuda.Event] = field(default_factory=dict)
+    # with streams only (None / empty on a plain CPU): the backend's streams and events
+    backend: DeviceBackend | None = None
+    streams: dict[str, object] | None = None
+    ev0: object | None = None
+    ev_start: dict[int, object] = field(default_factory=dict)
+    ev_end: dict[int, object] = field(default_factory=dict)
+    grad_adds: object | None = None  # ops_state.HostGradAdds: host fp32 accumulation of offloaded gradients
 
     def use_on(self, x: torch.Tensor | None, resource: str) -> None:
-        """A device tensor made on one stream and used on another: tell the caching allocator (CUDA only)."""
-        if self.streams is not None and x is not None and x.is_cuda:
-            x.record_stream(self.streams[resource])
+        """A device tensor made on one stream and used on another: tell the allocator (record_stream)."""
+        if self.streams is not None and x is not None:
+            self.backend.record_stream(x, self.streams[resource])

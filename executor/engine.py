@@ -3,11 +3,13 @@ order, an op starting only when its dependencies have finished. Nothing is sched
 compute step and optimizer step is an op of the plan, and the executor only decides *how* to carry it out.
 
 Workers and streams
-    gpu, h2d and d2h each own a CUDA stream (on a CPU "device" they are plain threads); a dependency between
-    two stream resources is a CUDA event the waiting stream waits on, and a host worker (cpu, ssd_read,
-    ssd_write) waiting on a stream op synchronizes on that op's event only. There is no device-wide
-    synchronization inside an iteration; the only full synchronization is at the end of a round (the plan's
-    iterations), to read the losses and the timings.
+    gpu, h2d and d2h each own a stream of the device backend (device.py: CUDA, or its adversarial CPU
+    emulation; on a plain CPU there are no streams and every op runs in its worker). A stream worker enqueues
+    its op's handler on its stream (`launch`) and marks the op done once enqueued; a dependency between two
+    stream resources is the end event the waiting stream waits on, and a host worker (cpu, ssd_read,
+    ssd_write) waiting on a stream op synchronizes on that op's event only. A handler's failure is the op's,
+    whichever thread runs it. There is no device-wide synchronization inside an iteration; the only full
+    synchronization is at the end of a round (the plan's iterations), to read the losses and the timings.
 
 The rest of the design lives with its code: how ops bind to tensors and the entries' states in binding.py,
 the op handlers and their dispatch table in ops.py (ops_entries.py, ops_compute.py, ops_state.py, with the
@@ -17,6 +19,7 @@ numerics), what a round shares between its workers in context.py (RoundState), s
 from __future__ import annotations
 
 import errno
+import functools
 import threading
 import time
 from collections import Counter
@@ -28,7 +31,9 @@ import torch
 from tierflow.executor.binding import Binding, ExecutionError
 from tierflow.executor.context import STREAM_RESOURCES, Hyper, OpContext, RoundState
 from tierflow.executor.data import TokenData
+from tierflow.executor.device import DeviceBackend, RoundAborted, TierOutOfMemory, as_backend
 from tierflow.executor.ops import KINDS, Ops
+from tierflow.executor.ops_state import HostGradAdds
 from tierflow.executor.state import TrainState
 from tierflow.executor.store import ChecksumError, SsdStore
 from tierflow.planner.core.graph import TIERS, Task, TaskGraph
@@ -52,33 +57,40 @@ class RoundResult:
     losses: list[float]
     start_s: np.ndarray
     end_s: np.ndarray
-    peak_bytes: dict[str, float]
+    peak_bytes: dict[str, float]  # per tier, by the plan's memory effects (extra["device_memory"]: measured)
     memory_trace: list[tuple[float, float, float, float]]
     wall_s: float
     extra: dict = field(default_factory=dict)
 
 
-class _Aborted(Exception):
-    pass
+_Aborted = RoundAborted
 
 
 class Executor:
     """Runs rounds of a plan's ops on the training state: a worker thread per resource, a fresh RoundState per
     round; the ops themselves are in ops.py."""
 
-    def __init__(self, plan: Plan, state: TrainState, data: TokenData, device: torch.device, hyper: Hyper,
-                 ssd: SsdStore | None, profile: bool = False) -> None:
-        self.plan, self.state, self.data, self.device, self.hyper, self.ssd = plan, state, data, device, hyper, ssd
+    def __init__(self, plan: Plan, state: TrainState, data: TokenData, device: torch.device | DeviceBackend,
+                 hyper: Hyper, ssd: SsdStore | None, profile: bool = False) -> None:
+        self.backend = state.backend if state is not None else as_backend(device)
+        self.plan, self.state, self.data, self.hyper, self.ssd = plan, state, data, hyper, ssd
+        self.device = self.backend.device
         self.profile = profile  # each op under a torch.profiler record_function named after it (tierflow run --profile)
         self.cfg = plan.config
         self.tasks: list[Task] = plan.graph.tasks
-        self.cuda = device.type == "cuda"
         unknown = sorted({t.kind for t in self.tasks} - KINDS)
         if unknown:
             raise UnsupportedPlan(f"{plan.source}: op kind {unknown[0]!r} is not implemented by this executor "
                                  f"(it runs {', '.join(sorted(KINDS))}); upgrade tierflow")
+        if state is not None:
+            try:
+                self.backend.check_compute_dtype(state.compute_dtype)
+            except ValueError as e:
+                raise UnsupportedPlan(str(e)) from None
         self.binding = Binding(plan, state.layout)
-        self.ops = Ops(OpContext(self.binding, state, device, hyper, ssd))
+        if self.backend.streams_async:  # the device memory the plan assumes, enforced by the allocator
+            self.backend.cap_memory(float(plan.graph.capacity_bytes["gpu"]))
+        self.ops = Ops(OpContext(self.binding, state, self.device, hyper, ssd, self.backend))
 
     # -- running a round ---------------------------------------------------------------------------------------
 
@@ -110,20 +122,25 @@ class Executor:
                     th.join()
             raise
         finally:
-            if self.cuda:
-                torch.cuda.synchronize(self.device)
+            try:
+                self.backend.synchronize()  # the workers have enqueued every op; the streams run the last ones
+                if rs.grad_adds is not None:
+                    rs.grad_adds.close()  # after the streams: the last offload_grads submit their adds there
+            finally:
+                if rs.streams is not None:
+                    self.backend.close_streams(rs.streams.values())
         wall_s = time.perf_counter() - rs.t0_s
         if rs.errors:
             raise rs.errors[0]
-        if self.cuda:
+        if rs.streams is not None:
             for tid, ev in rs.ev_start.items():
-                rs.start_s[tid] = rs.ev0.elapsed_time(ev) / 1e3
-                rs.end_s[tid] = rs.ev0.elapsed_time(rs.ev_end[tid]) / 1e3
+                rs.start_s[tid] = self.backend.elapsed_s(rs.ev0, ev)
+                rs.end_s[tid] = self.backend.elapsed_s(rs.ev0, rs.ev_end[tid])
         leftover = [tuple(k) for k in rs.entries]
         losses = [float(v) for v in rs.loss_sum]
         return RoundResult(iterations, losses, rs.start_s.copy(), rs.end_s.copy(),
                            {t: rs.peak_bytes[i] for i, t in enumerate(TIERS)}, list(rs.mem_trace), wall_s,
-                           extra={"leftover_entries": leftover})
+                           extra={"leftover_entries": leftover, "device_memory": self.backend.memory_stats()})
 
     def _check_round(self, iterations: int) -> int:
         """The number of ops in the plan's first `iterations` iterations, which must not depend on later ones."""
@@ -139,7 +156,10 @@ class Executor:
 
     def _new_round(self, iterations: int, step0: int, n: int) -> RoundState:
         """A fresh RoundState: the round's batches on the device, no entries, the memory at the plan's static
-        bytes, and (CUDA) one stream per stream resource and the event the timings are measured from."""
+        bytes, and (CUDA and its emulation) one stream per stream resource and the event the timings are
+        measured from, recorded on the run's device (its gpu stream)."""
+        be = self.backend
+        be.thread_init()
         loss_sum = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in range(iterations)]
         batches = []
         mb, num_mb = self.cfg.micro_batch, self.cfg.num_micro_batches
@@ -149,36 +169,51 @@ class Executor:
                             for m in range(num_mb)])
         mem_bytes = [float(self.plan.graph.static_bytes[t]) for t in TIERS]
         rs = RoundState(
-            num_ops=n, step0=step0, batches=batches,
+            num_ops=n, step0=step0, batches=batches, backend=be,
             weight_users=Counter({k: v for k, v in self.binding.wfetch_users.items() if k < n}),
             loss_sum=loss_sum,
             done=[threading.Event() for _ in range(n)], start_s=np.full(n, np.nan), end_s=np.full(n, np.nan),
             mem_bytes=mem_bytes, peak_bytes=list(mem_bytes), mem_trace=[(0.0, *mem_bytes)])
-        if self.cuda:
-            rs.streams = {r: torch.cuda.Stream(self.device) for r in STREAM_RESOURCES}
-            torch.cuda.synchronize(self.device)
-            rs.ev0 = torch.cuda.Event(enable_timing=True)
-            rs.ev0.record()
-            torch.cuda.synchronize(self.device)
+        be.start_round(rs.abort, lambda label, e: self._fail(rs, self._task_of(label), e))
+        if be.streams_async:
+            rs.streams = {r: be.new_stream(r) for r in STREAM_RESOURCES}
+            be.synchronize()  # the batches' copies (default stream) before any stream reads them
+            be.reset_peaks()
+            rs.ev0 = be.record(rs.streams["gpu"])
+            be.synchronize_event(rs.ev0)
+            if not self.state.placement.gpu_optimizer:
+                rs.grad_adds = HostGradAdds(be, self.state, rs, lambda t, e: self._fail(rs, t, e))
         rs.t0_s = time.perf_counter()
         return rs
 
+    def _task_of(self, label: str) -> Task | None:
+        """The op of a label given to backend.launch (its id first)."""
+        head = label.partition(" ")[0]
+        return self.tasks[int(head)] if head.isdigit() and int(head) < len(self.tasks) else None
+
     def _reporter(self, rs: RoundState, last: dict[int, int], on_step) -> None:
+        self.backend.thread_init()
+        tid = None
         try:
             for it in sorted(last):
                 tid = last[it]
                 self._wait(rs, tid)
-                if self.cuda:
-                    rs.ev_end[tid].synchronize()
-                    end_s = rs.ev0.elapsed_time(rs.ev_end[tid]) / 1e3
+                if rs.streams is not None:
+                    self.backend.synchronize_event(rs.ev_end[tid])
+                    end_s = self.backend.elapsed_s(rs.ev0, rs.ev_end[tid])
                 else:
                     end_s = float(rs.end_s[tid])
-                on_step(it, float(rs.loss_sum[it]), end_s)
+                loss = float(rs.loss_sum[it])
+                try:
+                    on_step(it, loss, end_s)
+                except Exception as e:  # noqa: BLE001 - on_step stopped training (e.g. a non-finite loss)
+                    rs.errors.insert(0, e)
+                    rs.abort.set()
+                    return
         except _Aborted:
             return
-        except Exception as e:  # noqa: BLE001 - on_step stopped training (e.g. a non-finite loss): stop the workers
-            rs.errors.insert(0, e)
-            rs.abort.set()
+        except BaseException as e:  # noqa: BLE001 - the reporter's own failure, passed up with the op it reported
+            self._fail(rs, self.tasks[tid] if tid is not None else None, e, "reporting the loss after ")
 
     def _wait(self, rs: RoundState, d: int) -> None:
         ev = rs.done[d]
@@ -187,22 +222,20 @@ class Executor:
                 raise _Aborted()
 
     def _worker(self, rs: RoundState, resource: str, queue: list[int]) -> None:
+        self.backend.thread_init()
         stream = rs.streams[resource] if rs.streams is not None and resource in STREAM_RESOURCES else None
         run_op = self._run_op_profiled if self.profile else self.ops.run  # chosen once: no cost when not profiling
+        t = None
         try:
             for tid in queue:
                 t = self.tasks[tid]
                 self._wait_for_deps(rs, t, stream)
                 self._apply_mem(rs, t.mem_start)
                 if stream is not None:
-                    with torch.cuda.stream(stream):
-                        ev = torch.cuda.Event(enable_timing=True)
-                        ev.record(stream)
-                        rs.ev_start[tid] = ev
-                        run_op(rs, t)
-                        ev = torch.cuda.Event(enable_timing=True)
-                        ev.record(stream)
-                        rs.ev_end[tid] = ev
+                    rs.ev_start[tid] = self.backend.record(stream)
+                    self.backend.launch(stream, functools.partial(self._run_on_stream, rs, t, run_op),
+                                        f"{tid} {t.label}")
+                    rs.ev_end[tid] = self.backend.record(stream)
                 else:
                     rs.start_s[tid] = time.perf_counter() - rs.t0_s
                     run_op(rs, t)
@@ -212,8 +245,7 @@ class Executor:
         except _Aborted:
             return
         except BaseException as e:  # noqa: BLE001 - reported to the caller, the other workers stop
-            rs.errors.append(self._explain(t, e))
-            rs.abort.set()
+            self._fail(rs, t, e)
 
     def _run_op_profiled(self, rs: RoundState, t: Task) -> None:
         """The op under a record_function named after the plan's op, e.g. 'op 123 fwd b3 mb1 it0', so that the
@@ -221,16 +253,35 @@ class Executor:
         with torch.profiler.record_function(f"op {t.id} {t.label}"):
             self.ops.run(rs, t)
 
-    def _wait_for_deps(self, rs: RoundState, t: Task, stream: torch.cuda.Stream | None) -> None:
-        """Until t's dependencies have finished: on the host, then (CUDA) on the stream ops' end events, by this
-        worker's stream or, for a host worker, by the host."""
+    def _run_on_stream(self, rs: RoundState, t: Task, run_op) -> None:
+        """An op's handler with its stream current: at once on CUDA (its kernels run later), on the stream's
+        thread in the emulation. A failure is the op's, whichever thread runs it."""
+        if rs.abort.is_set():
+            return
+        try:
+            run_op(rs, t)
+        except _Aborted:
+            return
+        except BaseException as e:  # noqa: BLE001
+            self._fail(rs, t, e)
+
+    def _fail(self, rs: RoundState, t: Task | None, e: BaseException, prefix: str = "") -> None:
+        with rs.lock:
+            rs.errors.append(self._explain(t, e, prefix))
+        rs.abort.set()
+
+    def _wait_for_deps(self, rs: RoundState, t: Task, stream) -> None:
+        """Until t's dependencies have finished: on the host, then (streams) on the stream ops' end events, by
+        this worker's stream (not for an op earlier on the same stream) or, for a host worker, by the host."""
         for d in t.deps:
             self._wait(rs, d)
-            if self.cuda and self.tasks[d].resource in STREAM_RESOURCES:
+            dep = self.tasks[d].resource
+            if rs.streams is not None and dep in STREAM_RESOURCES:
                 if stream is not None:
-                    stream.wait_event(rs.ev_end[d])
+                    if dep != t.resource:
+                        self.backend.wait_event(stream, rs.ev_end[d])
                 else:
-                    rs.ev_end[d].synchronize()
+                    self.backend.synchronize_event(rs.ev_end[d])
 
     def _apply_mem(self, rs: RoundState, effects) -> None:
         if not effects:
@@ -243,16 +294,19 @@ class Executor:
 
     # -- errors ------------------------------------------------------------------------------------------------
 
-    def _explain(self, t: Task, e: BaseException) -> BaseException:
-        what = f"op {t.id} ({t.label} on {t.resource})"
+    def _explain(self, t: Task | None, e: BaseException, prefix: str = "") -> BaseException:
+        what = f"{prefix}op {t.id} ({t.label} on {t.resource})" if t is not None else f"{prefix}the round"
         if isinstance(e, ExecutionError | ChecksumError):
             return e
-        oom_gpu = isinstance(e, torch.OutOfMemoryError)
-        full_disk = isinstance(e, OSError) and e.errno == errno.ENOSPC
-        if oom_gpu or isinstance(e, MemoryError) or full_disk:
-            tier = "gpu" if oom_gpu else "ssd" if full_disk else "cpu"
-            return OutOfMemory(f"{tier} out of memory in {what}: caused by the plan's {self._decision(t)}; "
+        tier = oom_tier(e)
+        if tier is not None:
+            why = self._decision(t) if t is not None else "placement"
+            return OutOfMemory(f"{tier} out of memory in {what}: caused by the plan's {why}; "
                                f"plan again for this machine (tierflow calibrate, then tierflow plan --hw box.yaml)")
+        if is_cuda_error(e):
+            return ExecutionError(f"CUDA error surfaced in {what}: {' '.join(str(e).split())[:160]}; CUDA reports "
+                                  "errors asynchronously, so the failing kernel may belong to an earlier op on any "
+                                  "stream: rerun with CUDA_LAUNCH_BLOCKING=1 to name it")
         return ExecutionError(f"{what} failed: {type(e).__name__}: {e}")
 
     def _decision(self, t: Task) -> str:
@@ -273,10 +327,42 @@ class Executor:
         return f"micro_batch {cfg.micro_batch} (the working memory of {t.kind})"
 
 
+_HOST_OOM = ("DefaultCPUAllocator: can't allocate memory", "CPU out of memory")
+_PINNED_OOM = ("CachingHostAllocator", "cudaHostAlloc", "pinned memory")
+
+
+def oom_tier(e: BaseException) -> str | None:
+    """The tier an allocation failure is of (torch raises RuntimeError / AcceleratorError, not MemoryError, for
+    host and pinned memory), or None if `e` is not an out-of-memory error."""
+    if isinstance(e, TierOutOfMemory):
+        return e.tier
+    if isinstance(e, torch.OutOfMemoryError):
+        return "gpu"
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return "ssd"
+    if isinstance(e, MemoryError):
+        return "cpu"
+    if isinstance(e, RuntimeError):
+        msg = str(e)
+        if any(k in msg for k in _HOST_OOM):
+            return "cpu"
+        if "out of memory" in msg:
+            return "cpu (pinned)" if any(k in msg for k in _PINNED_OOM) else "gpu"
+    return None
+
+
+def is_cuda_error(e: BaseException) -> bool:
+    accel = getattr(torch, "AcceleratorError", ())
+    return (accel and isinstance(e, accel)) or (isinstance(e, RuntimeError) and "CUDA error" in str(e))
+
+
 def measured_result(plan: Plan, rr: RoundResult) -> SimResult:
     """The measured round as a SimResult over the plan's graph (its first `rr.iterations` iterations), so that
     every output of the simulator (CSV, Chrome trace, Gantt) works on measurements too."""
     g = plan.graph
     n = len(rr.start_s)
     graph = TaskGraph(g.tasks[:n], g.static_bytes, g.capacity_bytes, rr.iterations, g.num_blocks, dict(g.meta))
-    return summarize(graph, rr.start_s, rr.end_s, [rr.peak_bytes[t] for t in TIERS], rr.memory_trace)
+    res = summarize(graph, rr.start_s, rr.end_s, [rr.peak_bytes[t] for t in TIERS], rr.memory_trace)
+    if rr.extra.get("device_memory"):  # measured by the device's allocator (CUDA, the emulation), not the plan's
+        res.meta["device_memory"] = dict(rr.extra["device_memory"])
+    return res

@@ -131,12 +131,10 @@ def _rms_norm(spec: ModelSpec, dim: int, eps: float, device=None, dtype=None) ->
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA over (B, heads, T, head_dim); k and v may have fewer (grouped-query) heads."""
-    groups = q.size(1) // k.size(1)
-    if groups > 1:  # kv head j serves query heads j*groups .. (j+1)*groups-1, as transformers' repeat_kv
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """Causal SDPA over (B, heads, T, head_dim); k and v may have fewer (grouped-query) heads: kv head j serves
+    query heads j*groups .. (j+1)*groups-1, as transformers' repeat_kv, but without repeating them (enable_gqa),
+    so that autograd saves K and V at their own size, not groups times it."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1))
 
 
 def rope_cos_sin(

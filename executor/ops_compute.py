@@ -56,6 +56,7 @@ class ComputeOps:
         it, b, m = t.iteration, t.block, t.mb
         x_key = EntryKey(it, "x", b, m)
         vecs = self.weights.weights(rs, t)
+        pack = None
         if b == 0:
             with torch.no_grad():
                 out = self._call(0, self._leaves(0, vecs), rs.batches[it][m][0])
@@ -66,10 +67,11 @@ class ComputeOps:
         else:  # keep every activation: autograd's saved tensors go into a Pack the plan's ops move
             x = self.entries.take(rs, t, x_key)
             leaves = self._leaves(b, vecs)
-            pack = Pack(leaves)
+            pack = Pack(leaves, own=self.cx.backend.own)
             pack.x_leaf = x.detach().requires_grad_()
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack.pack_hook, pack.unpack_hook):
                 pack.out = self._call(b, leaves, pack.x_leaf)
+            pack.originals = []
             for leaf in leaves:  # the weight buffer is not kept: backward gets its own fetch
                 leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
             self.entries.put(rs, EntryKey(it, "pack", b, m), pack=pack)
@@ -77,6 +79,8 @@ class ComputeOps:
         if b >= 1:
             self.entries.done_with(rs, t, x_key)
         self.entries.put(rs, EntryKey(it, "x", b + 1, m), out.detach())
+        if pack is not None:
+            pack.release_output()  # the plan frees it with the next layer's input, not at this layer's backward
         self.weights.release(rs, t)
 
     def recompute(self, rs: RoundState, t: Task) -> None:
@@ -117,7 +121,7 @@ class ComputeOps:
             pack_key = EntryKey(it, "pack", b, m)
             pack = self.entries.take(rs, t, pack_key)
             self._repoint(b, pack.leaves, self.weights.weights(rs, t))
-            torch.autograd.backward(pack.out, gout)
+            pack.backward(gout)
             self._leaf_grads(rs, t, pack.leaves)
             self.entries.put(rs, EntryKey(it, "dx", b, m), pack.x_leaf.grad)
             pack.restored = pack.out = None

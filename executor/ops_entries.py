@@ -10,7 +10,7 @@ import torch
 from tierflow.executor.binding import Entry, EntryKey, EntryState, ExecutionError
 from tierflow.executor.context import OpContext, RoundState
 from tierflow.executor.packs import Pack
-from tierflow.executor.store import host_empty, split_counts
+from tierflow.executor.store import split_counts
 from tierflow.planner.core.graph import Task
 
 
@@ -26,6 +26,8 @@ class EntryOps:
         users = self.binding.consumers[key]
         if users == 0:
             return
+        if dev is not None:
+            dev = self.cx.backend.own(dev)
         e = Entry(shape=tuple(dev.shape) if dev is not None else None,
                   dtype=dev.dtype if dev is not None else torch.uint8, users=users,
                   dev_users=self.binding.direct_users[key], dev=dev, pack=pack)
@@ -44,7 +46,8 @@ class EntryOps:
         elif e.holds_device_copy:
             return e.dev
         elif e.state is not EntryState.ON_DEVICE and 0 < e.gpu_elems == int(np.prod(e.shape)):
-            data = e.kept  # offloaded with every element kept on the device
+            data = e.kept  # offloaded with every element kept on the device (by the d2h stream)
+            rs.use_on(data, "gpu")
         else:
             raise ExecutionError(f"op {t.id} ({t.label}): {tuple(key)} is neither on the device nor fetched by one "
                                  "of its dependencies (inconsistent plan)")
@@ -81,29 +84,33 @@ class EntryOps:
     # -- the plan's ops ------------------------------------------------------------------------------------------
 
     def offload(self, rs: RoundState, t: Task) -> None:
-        """Split the entry's flat elements over the tiers: [0, gpu) kept on the device (a copy), then host memory,
-        then a host buffer staging the SSD part for the write."""
+        """Split the entry's flat elements over the tiers: [0, gpu) kept on the device, then pinned host memory,
+        then a pinned host buffer staging the SSD part for the write. Each source (the tensor, or each tensor
+        of a pack, as bytes) is copied straight into its slices of those buffers: nothing is joined first."""
+        be = self.cx.backend
         e = rs.entries[self.binding.entry_key(t)]
         if e.is_pack:
             for x in e.pack.saved:
                 rs.use_on(x, "d2h")
-            flat = e.pack.flatten()
-            e.dtype, e.shape = torch.uint8, (flat.numel(),)
+            sources, n = e.pack.segments()
+            e.dtype, e.shape = torch.uint8, (n,)
         else:
-            flat = e.dev.reshape(-1)
             rs.use_on(e.dev, "d2h")
+            sources, n = [(0, e.dev.reshape(-1))], e.dev.numel()
         ck = self.cx.cfg.placement.checkpoints
-        e.gpu_elems, e.cpu_elems, e.ssd_elems = split_counts(flat.numel(), ck.gpu, ck.ssd)
+        e.gpu_elems, e.cpu_elems, e.ssd_elems = split_counts(n, ck.gpu, ck.ssd)
         g, c = e.gpu_elems, e.cpu_elems
+        dests = []
         if g:
-            e.kept = flat[:g].clone()
-        pin = self.cx.cuda
+            e.kept = be.empty(g, e.dtype)
+            dests.append((0, e.kept))
         if c:
-            e.host_cpu = host_empty(c, flat.dtype, pin)
-            e.host_cpu.copy_(flat[g:g + c], non_blocking=pin)
+            e.host_cpu = be.host_buffer(c, e.dtype, pinned=True)
+            dests.append((g, e.host_cpu))
         if e.ssd_elems:
-            e.host_ssd = host_empty(e.ssd_elems, flat.dtype, pin)
-            e.host_ssd.copy_(flat[g + c:], non_blocking=pin)
+            e.host_ssd = be.host_buffer(e.ssd_elems, e.dtype, pinned=True)
+            dests.append((g + c, e.host_ssd))
+        scatter(be, sources, dests)
         with rs.lock:
             e.move(EntryState.OFFLOADED)
             if e.is_pack:
@@ -124,21 +131,33 @@ class EntryOps:
 
     def read(self, rs: RoundState, t: Task) -> None:
         e = rs.entries[self.binding.entry_key(t)]
-        e.host_ssd = self.cx.ssd.read(e.ssd_name, e.dtype, e.ssd_elems)
+        e.host_ssd = self.cx.ssd.read(e.ssd_name, e.dtype, e.ssd_elems, pinned=True)  # the fetch copies it
         e.move(EntryState.READ_BACK)
 
     def fetch(self, rs: RoundState, t: Task) -> None:
-        """Join the kept, host and SSD parts into one device tensor for the consumer that depends on this op."""
+        """Copy the kept, host and SSD parts into one device buffer for the consumer that depends on this op."""
+        be = self.cx.backend
         e = rs.entries[self.binding.entry_key(t)]
         assert not e.ssd_elems or e.state in (EntryState.OFFLOADED, EntryState.READ_BACK), e.state
-        parts = []
-        if e.gpu_elems:
+        g, c = e.gpu_elems, e.cpu_elems
+        dst = be.empty(g + c + e.ssd_elems, e.dtype)
+        if g:
             rs.use_on(e.kept, "h2d")
-            parts.append(e.kept)
-        if e.cpu_elems:
-            parts.append(e.host_cpu.to(self.cx.device, non_blocking=self.cx.cuda))
+            be.copy_async(dst[:g], e.kept)
+        if c:
+            be.copy_async(dst[g:g + c], e.host_cpu)
         if e.ssd_elems:
-            parts.append(e.host_ssd.to(self.cx.device, non_blocking=self.cx.cuda))
+            be.copy_async(dst[g + c:], e.host_ssd)
             e.host_ssd = None
         e.move(EntryState.FETCHED)
-        rs.fetched[t.id] = torch.cat(parts) if len(parts) > 1 else parts[0].clone() if parts[0] is e.kept else parts[0]
+        rs.fetched[t.id] = dst
+
+
+def scatter(be, sources: list[tuple[int, torch.Tensor]], dests: list[tuple[int, torch.Tensor]]) -> None:
+    """Copy flat sources [(offset, tensor)] of one flat layout into the flat destinations [(offset, buffer)] that
+    tile it: each overlap is one copy_async, straight into the destination's slice."""
+    for so, src in sources:
+        for do, dst in dests:
+            a, z = max(so, do), min(so + src.numel(), do + dst.numel())
+            if z > a:
+                be.copy_async(dst[a - do: z - do], src[a - so: z - so])

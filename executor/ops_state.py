@@ -9,12 +9,14 @@ to the compute dtype.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.optim.adamw import adamw as adamw_step
 
 from tierflow.executor.binding import OPTIMIZER_PART, ExecutionError
 from tierflow.executor.context import OpContext, RoundState, Staged
-from tierflow.executor.store import host_empty
+from tierflow.executor.device import RoundAborted
 from tierflow.planner.core.graph import Task
 
 OPT_CLASSES = ("master", "adam_m", "adam_v")
@@ -27,35 +29,45 @@ class WeightOps:
         self.cx = cx
 
     def read_weights(self, rs: RoundState, t: Task) -> None:
+        """The SSD range of every owner's weights into a pinned host buffer (fetch_weights copies it)."""
+        be = self.cx.backend
         out = {}
         for o, lo, hi in self.cx.layout.owners(t.block):
             W = self.cx.state.vec["weights"][o]
             a = max(lo, W.ssd_lo)
             if hi <= a:
                 continue
-            buf = torch.empty(hi - a, dtype=W.dtype, pin_memory=self.cx.cuda)
-            for name, _j, plo, phi in W.ssd_pieces():
-                x, z = max(plo, a), min(phi, hi)
-                if z > x:
-                    buf[x - a: z - a].copy_(self.cx.ssd.read(name, W.dtype, phi - plo)[x - plo: z - plo])
+            pieces = [(name, max(plo, a), min(phi, hi), plo, phi) for name, _j, plo, phi in W.ssd_pieces()
+                      if min(phi, hi) > max(plo, a)]
+            if len(pieces) == 1 and pieces[0][1:] == (a, hi, a, hi):  # one file, exactly the range: read into pinned
+                out[o] = self.cx.ssd.read(pieces[0][0], W.dtype, hi - a, pinned=be.pins)
+                continue
+            buf = be.host_buffer(hi - a, W.dtype, pinned=True)
+            for name, x, z, plo, phi in pieces:
+                buf[x - a: z - a].copy_(self.cx.ssd.read(name, W.dtype, phi - plo)[x - plo: z - plo])
             out[o] = buf
         rs.staged[Staged("weights_read", t.id)] = out
 
     def fetch_weights(self, rs: RoundState, t: Task) -> None:
-        """The non-resident part of every owner's range to the device: host memory, then what read_weights read."""
+        """The non-resident part of every owner's range to the device, straight into one buffer per owner: host
+        memory, then what read_weights read."""
+        be = self.cx.backend
         rid = self.cx.binding.dep_of_kind[t.id].get("read_weights")
         staged = rs.staged.pop(Staged("weights_read", rid)) if rid is not None else {}
         out = {}
         for o, lo, hi in self.cx.layout.owners(t.block):
             W = self.cx.state.vec["weights"][o]
-            parts = []
-            a, z = max(lo, W.g), min(hi, W.ssd_lo)
+            base = max(lo, W.g)
+            if hi <= base:
+                continue
+            dst = be.empty(hi - base, W.dtype)
+            a, z = base, min(hi, W.ssd_lo)
             if z > a:
-                parts.append(W.host[a - W.g: z - W.g].to(self.cx.device, non_blocking=self.cx.cuda))
+                be.copy_async(dst[: z - a], W.host[a - W.g: z - W.g])
             if o in staged:
-                parts.append(staged[o].to(self.cx.device, non_blocking=self.cx.cuda))
-            if parts:
-                out[o] = torch.cat(parts) if len(parts) > 1 else parts[0]
+                s = max(lo, W.ssd_lo)
+                be.copy_async(dst[s - base:], staged[o])
+            out[o] = dst
         rs.weight_bufs[t.id] = out
 
     def weights(self, rs: RoundState, t: Task) -> list[torch.Tensor]:
@@ -92,7 +104,7 @@ class WeightOps:
     def update_weights(self, rs: RoundState, t: Task) -> None:
         a, z, w = rs.staged.pop(Staged("weights_gpu", t.deps[0]))
         if z > a:
-            self.cx.state.vec["weights"][t.block].dev[a:z].copy_(w, non_blocking=self.cx.cuda)
+            self.cx.backend.copy_async(self.cx.state.vec["weights"][t.block].dev[a:z], w)
 
 
 class GradBuffers:
@@ -109,7 +121,7 @@ class GradBuffers:
         with rs.lock:
             acc = rs.grad_acc.get(key)
         if acc is None:
-            acc = torch.zeros(self.cx.layout.numel[o], dtype=torch.float32, device=self.cx.device)
+            acc = self.cx.backend.empty(self.cx.layout.numel[o], torch.float32).zero_()
             with rs.lock:
                 rs.grad_acc[key] = acc
         for lo, hi, grad in pieces:
@@ -130,19 +142,20 @@ class GradOps:
         self.cx, self.buffers = cx, buffers
 
     def offload_grads(self, rs: RoundState, t: Task) -> None:
-        """Send a block's gradients to the host in the compute dtype and add them to the fp32 accumulators."""
+        """Send a block's gradients to the host in the compute dtype; they are added to the fp32 accumulators
+        on the host, not in the D2H queue: with streams by HostGradAdds (after this copy's event), on a plain
+        CPU at once."""
+        be = self.cx.backend
         for o, g in self.buffers.take(rs, t.id):
             rs.use_on(g, "d2h")
-            wire = g.to(self.cx.dtype)
-            if self.cx.cuda:
-                host = host_empty(wire.numel(), wire.dtype, True)
-                host.copy_(wire, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(rs.streams["d2h"])
-                done.synchronize()  # this op's own copy only: the host accumulation below needs its bytes
-            else:
-                host = wire
-            self.cx.state.grads[o] += host.float()
+            if not self.cx.asynchronous:
+                self.cx.state.grads[o] += g.to(self.cx.dtype).float()
+                continue
+            wire = be.empty(g.numel(), self.cx.dtype)
+            wire.copy_(g)  # the cast, on this stream
+            host = be.host_buffer(g.numel(), self.cx.dtype, pinned=True)
+            be.copy_async(host, wire)
+            rs.grad_adds.submit(t, o, be.record(rs.streams["d2h"]), host)
 
     def _ssd_range(self, b: int) -> tuple[int, int]:
         _gpu_elems, _cpu_elems, ssd_elems = self.cx.state.grad_split[b]
@@ -150,12 +163,14 @@ class GradOps:
         return n - ssd_elems, n
 
     def write_grads(self, rs: RoundState, t: Task) -> None:
+        HostGradAdds.wait_for(rs, t.block)
         a, z = self._ssd_range(t.block)
         if z > a:
             self.cx.ssd.write(f"grads_b{t.block}", self.cx.state.grads[t.block][a:z])
             self.cx.state.grads[t.block][a:z].zero_()
 
     def read_grads(self, rs: RoundState, t: Task) -> None:
+        HostGradAdds.wait_for(rs, t.block)
         a, z = self._ssd_range(t.block)
         if z > a:
             self.cx.state.grads[t.block][a:z].copy_(self.cx.ssd.read(f"grads_b{t.block}", torch.float32, z - a))
@@ -170,7 +185,8 @@ class OptimizerOps:
 
     def _adamw(self, params, grads, ms, vs, step: int, fused: bool) -> None:
         h = self.cx.hyper
-        steps = [torch.tensor(float(step - 1), device=p.device) for p in params]
+        # a fill kernel, not torch.tensor(..., device=cuda): that is a synchronizing copy from pageable memory
+        steps = [torch.full((), float(step - 1), dtype=torch.float32, device=p.device) for p in params]
         adamw_step(params, grads, ms, vs, [], steps, foreach=False if fused else None, fused=fused,
                    amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay,
                    eps=h.eps, maximize=False)
@@ -182,12 +198,13 @@ class OptimizerOps:
             V = self.cx.state.vec[cls][t.block]
             for name, pj, lo, hi in V.ssd_pieces():
                 if pj == j:
-                    out[cls] = (lo, hi, self.cx.ssd.read(name, torch.float32, hi - lo))
+                    out[cls] = (lo, hi, self.cx.ssd.read(name, torch.float32, hi - lo))  # host-only: pageable
         rs.staged[Staged("opt_states_read", t.id)] = out
 
     def adam(self, rs: RoundState, t: Task) -> None:
         """One optimizer part of block t.block on the host (adam and adam_deferred)."""
         b, state = t.block, self.cx.state
+        HostGradAdds.wait_for(rs, b)
         j = OPTIMIZER_PART[t.kind]
         lo, hi = state.parts[b][j]
         rid = self.cx.binding.dep_of_kind[t.id].get("read_opt_states")
@@ -224,8 +241,9 @@ class OptimizerOps:
         if z > a:
             W.host[a - W.g: z - W.g].copy_(new[a - lo: z - lo])
         a, z = lo, min(hi, W.g)
-        rs.staged[Staged("weights_gpu", t.id)] = (a, z, new[: max(z - a, 0)].to(self.cx.device) if not self.cx.cuda
-                                                  else new[: max(z - a, 0)].pin_memory())
+        wire = self.cx.backend.host_buffer(max(z - a, 0), new.dtype, pinned=True)  # update_weights copies it
+        wire.copy_(new[: max(z - a, 0)])
+        rs.staged[Staged("weights_gpu", t.id)] = (a, z, wire)
         w_ssd = [(name, new[plo - lo: phi - lo]) for name, pj, plo, phi in W.ssd_pieces() if pj == j]
         rs.staged[Staged("weights_ssd", t.id)] = w_ssd
 
@@ -244,5 +262,67 @@ class OptimizerOps:
         for _o, g in self.buffers.take(rs, t.id):
             grad = g if grad is None else grad + g
         vecs = [self.cx.state.vec[cls][b].dev for cls in OPT_CLASSES]
-        self._adamw([vecs[0]], [grad], [vecs[1]], [vecs[2]], rs.step0 + t.iteration + 1, fused=self.cx.cuda)
+        self._adamw([vecs[0]], [grad], [vecs[1]], [vecs[2]], rs.step0 + t.iteration + 1,
+                    fused=self.cx.device.type == "cuda")
         self.cx.state.vec["weights"][b].dev.copy_(vecs[0].to(self.cx.dtype))
+
+
+class HostGradAdds:
+    """Adds offloaded gradients to the host fp32 accumulators off the D2H queue: a thread per round that waits
+    (blocking) for each offload_grads copy's event and adds its bytes, in the D2H queue's order, so that the
+    D2H worker never synchronizes and the fp32 add runs on a host thread. Host ops that read a block's
+    accumulators (adam, write_grads, read_grads) first wait for the block's adds queued before them."""
+
+    def __init__(self, backend, state, rs: RoundState, fail) -> None:
+        self.backend, self.state, self.rs, self.fail = backend, state, rs, fail
+        self.cv = threading.Condition()
+        self.items: list[tuple[Task, int, object, torch.Tensor] | None] = []
+        self.pending: dict[int, int] = {}
+        self.thread = threading.Thread(target=self._loop, name="tierflow-gradadd", daemon=True)
+        self.thread.start()
+
+    def submit(self, t: Task, o: int, event, host: torch.Tensor) -> None:
+        with self.cv:
+            self.pending[o] = self.pending.get(o, 0) + 1
+            self.items.append((t, o, event, host))
+            self.cv.notify_all()
+
+    @staticmethod
+    def wait_for(rs: RoundState, b: int) -> None:
+        """Until every add of block b queued so far is done (no-op without streams)."""
+        self = rs.grad_adds
+        if self is None:
+            return
+        with self.cv:
+            while self.pending.get(b, 0):
+                if rs.abort.is_set():
+                    raise RoundAborted()
+                self.cv.wait(0.05)
+
+    def close(self) -> None:
+        with self.cv:
+            self.items.append(None)
+            self.cv.notify_all()
+        self.thread.join()
+
+    def _loop(self) -> None:
+        self.backend.thread_init()
+        while True:
+            with self.cv:
+                while not self.items:
+                    self.cv.wait()
+                item = self.items.pop(0)
+            if item is None:
+                return
+            t, o, event, host = item
+            try:
+                if not self.rs.abort.is_set():
+                    self.backend.synchronize_event(event)
+                    self.state.grads[o] += host.float()
+            except RoundAborted:
+                pass
+            except BaseException as e:  # noqa: BLE001 - the op whose gradients these are
+                self.fail(t, e)
+            with self.cv:
+                self.pending[o] -= 1
+                self.cv.notify_all()

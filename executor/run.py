@@ -37,6 +37,7 @@ from tierflow.executor.checkpoint import (
     save_checkpoint,
 )
 from tierflow.executor.data import DataError, TokenData
+from tierflow.executor.device import DeviceBackend, TierOutOfMemory, make_backend
 from tierflow.executor.dirlock import DirLock, LockError, remove_stale_run_dirs
 from tierflow.executor.engine import (
     ExecutionError,
@@ -153,12 +154,12 @@ def check_init_dir(directory: str) -> None:
                            f"({' '.join(str(e).split())[:80]}); re-download or re-save it") from None
 
 
-def _device(name: str) -> torch.device:
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise RunError(f"--device {name!r}: use cpu or cuda")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RunError("--device cuda: no CUDA device is available here (use --device cpu)")
-    return torch.device(name)
+def _device(name: str, seed: int = 0) -> DeviceBackend:
+    """The device backend of --device (cpu, cuda[:N]; cpu-adversarial[:N], not in --help, for tests)."""
+    try:
+        return make_backend(name, seed)
+    except ValueError as e:
+        raise RunError(str(e)) from None
 
 
 def _ssd_need_bytes(plan: Plan, state: TrainState) -> float:
@@ -198,10 +199,10 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
     check_hyper(opts.hyper)
     if opts.profile and not opts.out:
         raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured trace.json")
-    device = _device(opts.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = _device(opts.device, opts.seed)
+    dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
     cfg = plan.config
-    probe = TrainState(plan.model, cfg.placement, cfg.alpha, device, dtype, None)
+    probe = TrainState(plan.model, cfg.placement, cfg.alpha, backend, dtype, None)
     need_ssd = _ssd_need_bytes(plan, probe)
     uses_ssd = need_ssd > (1 << 20) or any(t.resource in ("ssd_read", "ssd_write") for t in plan.graph.tasks)
 
@@ -230,9 +231,9 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
             run_dir = root / f"tierflow-run-{os.getpid()}"
             run_dir.mkdir(exist_ok=True)
             cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
-            ssd = SsdStore(run_dir, pin=device.type == "cuda", warn=warn)
+            ssd = SsdStore(run_dir, backend=backend, warn=warn)
             cleanup.callback(ssd.close)
-        return _train(plan, opts, device, dtype, ssd, log, warn)
+        return _train(plan, opts, backend, dtype, ssd, log, warn)
 
 
 def _lock(cleanup: ExitStack, directory: Path, what: str, locked: set[Path], warn) -> None:
@@ -246,10 +247,11 @@ def _lock(cleanup: ExitStack, directory: Path, what: str, locked: set[Path], war
         warn(f"took over the lock of {what} {directory} from tierflow run pid {lock.previous_pid}, which is gone")
 
 
-def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtype, ssd: SsdStore | None,
+def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dtype, ssd: SsdStore | None,
            log, warn) -> RunResult:
     cfg, spec = plan.config, plan.model
-    state = TrainState(spec, cfg.placement, cfg.alpha, device, dtype, ssd)
+    device = backend.device
+    state = TrainState(spec, cfg.placement, cfg.alpha, backend, dtype, ssd)
     data = TokenData.load(opts.data, spec.vocab_size, opts.data_format, seed=opts.seed)
     if opts.data:
         data.check_batch(cfg.batch, cfg.seq)
@@ -271,14 +273,14 @@ def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtyp
     else:
         state.init_random(opts.seed)
         where = f"random init (seed {opts.seed})"
-    ex = Executor(plan, state, data, device, opts.hyper, ssd, profile=opts.profile)
+    ex = Executor(plan, state, data, backend, opts.hyper, ssd, profile=opts.profile)
     per_round = plan.graph.num_iterations
     tokens = cfg.batch * cfg.seq
     flops_per_step = tokens * model_flops_per_token(spec, cfg.seq)
     if not opts.quiet:
         log(f"tierflow run: {spec.describe()}")
         log(f"  plan {plan.source}: {cfg.describe()}; {per_round} iteration(s) per round, {len(plan.graph.tasks)} ops")
-        log(f"  device {device}, compute {str(dtype).removeprefix('torch.')}; {where}; data {data.source}")
+        log(f"  device {backend.name}, compute {str(dtype).removeprefix('torch.')}; {where}; data {data.source}")
         if ssd is not None:
             log(f"  SSD tier: {ssd.root} ({'O_DIRECT' if ssd.direct else 'buffered I/O'})")
     records: list[StepRecord] = []
@@ -347,7 +349,7 @@ def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtyp
             code = 3 if e.full else 2
             msg = str(e)
         if opts.out:
-            write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({device})")
+            write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({backend.name})")
             msg += f"; the results so far are under {opts.out}"
         raise RunStopped(msg, code, result()) from None
     finally:
@@ -359,7 +361,7 @@ def _train(plan: Plan, opts: RunOptions, device: torch.device, dtype: torch.dtyp
                 log(f"  wrote torch_trace.json (torch.profiler; each op under a record_function 'op ID KIND "
                     f"bBLOCK ...') under {opts.out}")
     if opts.out and measured is not None:
-        write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({device})")
+        write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({backend.name})")
         if not opts.quiet:
             log(f"  wrote timeline.csv, trace.json, gantt.png, steps.csv under {opts.out}")
     if opts.export_hf:
@@ -483,6 +485,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 3
     except OutOfMemory as e:
         print(f"tierflow run: {e}", file=sys.stderr)
+        return 3
+    except TierOutOfMemory as e:  # building the state on its tiers, before any op
+        print(f"tierflow run: {e.tier} out of memory for the training state: {e}; plan again for this machine "
+              "(tierflow calibrate, then tierflow plan --hw box.yaml)", file=sys.stderr)
         return 3
     except ExecutionError as e:
         print(f"tierflow run: {e}", file=sys.stderr)

@@ -2,9 +2,11 @@
 
 Every block's parameters form one flat vector (in ``named_parameters()`` order of the block's module), and
 each tensor class (compute weights, fp32 master, Adam m, Adam v) of a block is split by element ranges:
-``[0, g)`` on the device, ``[g, g+c)`` in (pinned) host memory, ``[g+c, n)`` on the SSD. The SSD range is stored
-as one file per optimizer *part* (the ``1 - alpha`` main step and the ``alpha`` deferred step each cover a
-contiguous element range), so each part reads and writes exactly its own files.
+``[0, g)`` on the device, ``[g, g+c)`` in host memory, ``[g+c, n)`` on the SSD. Host memory is pinned only for
+the compute weights, which cross PCIe; the fp32 master, Adam moments and gradient accumulators never leave the
+host and stay pageable. The SSD range is stored as one file per optimizer *part* (the ``1 - alpha`` main step
+and the ``alpha`` deferred step each cover a contiguous element range), so each part reads and writes exactly
+its own files.
 
 Checkpoints of this state (writing, verifying, resuming) are in checkpoint.py.
 """
@@ -17,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from tierflow.executor.device import DeviceBackend, as_backend
 from tierflow.executor.models import _make_blocks, check_block_state_dicts, hf_key_target, init_weights
-from tierflow.executor.store import SsdStore, host_empty, split_counts
+from tierflow.executor.store import SsdStore, split_counts
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split
 
@@ -76,12 +79,13 @@ def part_ranges(n: int, alpha: float) -> list[tuple[int, int]]:
 class TierVector:
     """One tensor class of one block, split over device / host / SSD by element ranges."""
 
-    def __init__(self, cls: str, block: int, n: int, split: Split, dtype: torch.dtype, device: torch.device,
+    def __init__(self, cls: str, block: int, n: int, split: Split, dtype: torch.dtype, backend: DeviceBackend,
                  parts: list[tuple[int, int]], pin: bool) -> None:
-        self.cls, self.block, self.n, self.dtype, self.device = cls, block, n, dtype, device
+        self.cls, self.block, self.n, self.dtype = cls, block, n, dtype
+        self.backend, self.device = backend, backend.device
         self.g, self.c, self.s = split_counts(n, split.gpu, split.ssd)
         self.parts = parts
-        self.pin = pin
+        self.pin = pin  # its host range crosses PCIe (compute weights); master and Adam moments stay pageable
         self.dev: torch.Tensor | None = None
         self.host: torch.Tensor | None = None
 
@@ -103,7 +107,7 @@ class TierVector:
         full = full.detach().reshape(-1)
         self.dev = full[: self.g].to(self.device, self.dtype).clone() if self.g else None
         if self.c:
-            self.host = host_empty(self.c, self.dtype, self.pin)
+            self.host = self.backend.host_buffer(self.c, self.dtype, pinned=self.pin)
             self.host.copy_(full[self.g: self.g + self.c].to(self.dtype))
         for name, _j, lo, hi in self.ssd_pieces():
             ssd.write(name, full[lo:hi].to("cpu", self.dtype))
@@ -129,17 +133,18 @@ STATE_CLASSES = ("weights", "master", "adam_m", "adam_v")
 class TrainState:
     """Weights, master weights, Adam moments and host gradient accumulators of every block, on their tiers."""
 
-    def __init__(self, spec: ModelSpec, placement: Placement, alpha: float, device: torch.device,
+    def __init__(self, spec: ModelSpec, placement: Placement, alpha: float, device: torch.device | DeviceBackend,
                  compute_dtype: torch.dtype, ssd: SsdStore | None) -> None:
-        self.spec, self.placement, self.device, self.compute_dtype, self.ssd = spec, placement, device, compute_dtype, ssd
+        self.backend = as_backend(device)
+        self.spec, self.placement, self.device, self.compute_dtype, self.ssd = (
+            spec, placement, self.backend.device, compute_dtype, ssd)
         self.layout = BlockLayout(spec)
-        self.pin = device.type == "cuda"
         self.parts = [part_ranges(n, alpha) for n in self.layout.numel]
         self.vec: dict[str, list[TierVector]] = {}
         for cls in STATE_CLASSES:
             split = getattr(placement, cls)
             dtype = compute_dtype if cls == "weights" else torch.float32
-            self.vec[cls] = [TierVector(cls, b, n, split, dtype, device, self.parts[b], self.pin)
+            self.vec[cls] = [TierVector(cls, b, n, split, dtype, self.backend, self.parts[b], cls == "weights")
                              for b, n in enumerate(self.layout.numel)]
         # host fp32 gradient accumulators (a GPU optimizer keeps its gradients on the device instead)
         self.grads: list[torch.Tensor | None] = [None] * len(self.layout.numel)
@@ -206,7 +211,8 @@ class TrainState:
         if self.placement.gpu_optimizer:
             self.grads[b] = None
         else:
-            self.grads[b] = torch.zeros(self.layout.numel[b], dtype=torch.float32, pin_memory=self.pin)
+            # host-only (offload_grads sends the compute dtype through pinned buffers): pageable
+            self.grads[b] = self.backend.host_buffer(self.layout.numel[b], torch.float32, pinned=False).zero_()
 
     # -- inspection --------------------------------------------------------------------------------------------
 

@@ -3,8 +3,10 @@ from page-aligned host buffers, in chunks on a thread pool, with a CRC32 per fil
 reported by name instead of silently training on garbage.
 
 Where the filesystem refuses O_DIRECT (tmpfs, some network filesystems: EINVAL), the store falls back to
-buffered I/O and warns once. Host buffers are pinned when CUDA is in use (so H2D/D2H copies from them are
-asynchronous DMA), plain otherwise.
+buffered I/O and warns once. Read buffers come from the device backend's host allocator: pinned where the caller
+copies them to the device (weights, activations), pageable where they stay on the host (optimizer states,
+gradients). A pinned buffer is page-aligned already, so it is allocated at its size (not size + 4 KiB, which the
+pinned caching allocator would round up to the next power of two).
 """
 
 from __future__ import annotations
@@ -41,14 +43,22 @@ def split_counts(n: int, gpu: float, ssd: float) -> tuple[int, int, int]:
     return g, n - g - s, s
 
 
-def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, pin_memory=pin)
-
-
-def aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
-    """A uint8 host tensor of `nbytes` (rounded up to ALIGN) whose address is ALIGN-aligned."""
+def aligned_empty(nbytes: int, pinned: bool = False, backend=None) -> torch.Tensor:
+    """A uint8 host tensor of `nbytes` (rounded up to ALIGN) whose address is ALIGN-aligned, from `backend`'s
+    host allocator (plain torch.empty without one). Pinned memory is page-aligned: no extra page is asked for."""
     padded = -(-max(nbytes, 1) // ALIGN) * ALIGN
-    raw = torch.empty(padded + ALIGN, dtype=torch.uint8, pin_memory=pin)
+
+    def alloc(n: int) -> torch.Tensor:
+        if backend is None:
+            return torch.empty(n, dtype=torch.uint8)
+        return backend.host_buffer(n, torch.uint8, pinned=pinned)
+
+    if pinned:
+        raw = alloc(padded)
+        if raw.data_ptr() % ALIGN == 0:
+            return raw
+        del raw
+    raw = alloc(padded + ALIGN)
     off = (-raw.data_ptr()) % ALIGN
     return raw[off: off + padded]
 
@@ -59,12 +69,12 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 class SsdStore:
     """Named tensor files under `root`. `write(name, tensor)` stores a tensor's bytes; `read(name, dtype, numel)`
-    returns them as a new (aligned, possibly pinned) host tensor, after checking the CRC32 recorded at write."""
+    returns them as a new aligned host tensor (pinned if asked), after checking the CRC32 recorded at write."""
 
-    def __init__(self, root: str | os.PathLike[str], *, pin: bool = False, workers: int = 4,
+    def __init__(self, root: str | os.PathLike[str], *, backend=None, workers: int = 4,
                  warn: Callable[[str], None] | None = None, direct: bool | None = None) -> None:
         self.root = Path(root)
-        self.pin = pin
+        self.backend = backend  # DeviceBackend: its host_buffer allocates the read buffers
         self.warn = warn or (lambda msg: print(msg, file=sys.stderr))
         self.crc: dict[str, int] = {}
         self.nbytes: dict[str, int] = {}
@@ -121,7 +131,7 @@ class SsdStore:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         data = _bytes_of(tensor.cpu() if tensor.device.type != "cpu" else tensor)
         nbytes = data.numel()
-        buf = aligned_empty(nbytes, pin=False)
+        buf = aligned_empty(nbytes)
         buf[:nbytes].copy_(data)
         if len(buf) > nbytes:
             buf[nbytes:].zero_()
@@ -139,11 +149,11 @@ class SsdStore:
             self.nbytes[name] = nbytes
             self.bytes_written += nbytes
 
-    def read(self, name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    def read(self, name: str, dtype: torch.dtype, numel: int, pinned: bool = False) -> torch.Tensor:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         if self.nbytes.get(name) != nbytes:
             raise ChecksumError(f"ssd tier: {name}: expected {nbytes} bytes, the store wrote {self.nbytes.get(name)}")
-        buf = aligned_empty(nbytes, pin=self.pin)
+        buf = aligned_empty(nbytes, pinned and self.backend is not None and self.backend.pins, self.backend)
         path = self.path(name)
         try:
             fd = self._open(path, False)

@@ -99,6 +99,8 @@ class SimResult:
             "capacity_bytes": dict(self.graph.capacity_bytes),
             "tasks": self.graph.meta.get("tasks", len(self.graph.tasks)),
             "iterations_simulated": self.graph.num_iterations,
+            # an executor's measurement: the device allocator's peaks (bytes), where the device measures them
+            **({"measured_device_memory": dict(self.meta["device_memory"])} if self.meta.get("device_memory") else {}),
         }
 
 

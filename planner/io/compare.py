@@ -50,6 +50,7 @@ class Comparison:
     predicted: SimResult
     measured_start_s: np.ndarray
     measured_end_s: np.ndarray
+    measured_device_memory: dict | None = None  # the device allocator's peaks in the trace (CUDA, emulation)
 
     @property
     def iteration_error(self) -> float:
@@ -58,11 +59,20 @@ class Comparison:
     def to_dict(self) -> dict:
         return {"predicted_iteration_s": self.predicted_iteration_s, "measured_iteration_s": self.measured_iteration_s,
                 "iteration_error": self.iteration_error, "iterations": self.iterations, "ops": self.ops,
-                "by_kind": self.by_kind, "by_resource": self.by_resource}
+                "by_kind": self.by_kind, "by_resource": self.by_resource,
+                "predicted_gpu_peak_bytes": self.predicted.peak_bytes.get("gpu"),
+                "gpu_capacity_bytes": self.predicted.graph.capacity_bytes.get("gpu"),
+                "measured_device_memory": self.measured_device_memory}
 
 
 def load_measured(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
     """(start_s, end_s) per op id from a Chrome trace; NaN for ops the trace does not hold."""
+    start, end, _ = load_measured_trace(path, n_ops)
+    return start, end
+
+
+def load_measured_trace(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray, dict | None]:
+    """load_measured, and the device memory the executor measured (otherData.measured_device_memory), if any."""
     p = Path(path)
     try:
         d = loads_json_limited(read_text(p, MAX_TRACE_BYTES))  # plain or gzip-compressed
@@ -85,13 +95,17 @@ def load_measured(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray]
         found += 1
     if not found:
         raise TraceError(f"{p}: no op events with args.id; pass the trace.json written by `tierflow run --out`")
-    return start, end
+    mem = (d.get("otherData") or {}).get("measured_device_memory")
+    if not (isinstance(mem, dict) and all(isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
+                                          for v in mem.values())):
+        mem = None
+    return start, end, mem
 
 
 def compare(plan: Plan, trace_path: str | Path) -> Comparison:
     pred = simulate_plan(plan)
     tasks = plan.graph.tasks
-    ms, me = load_measured(trace_path, len(tasks))
+    ms, me, device_memory = load_measured_trace(trace_path, len(tasks))
     ran = ~np.isnan(ms)
     iters = int(max(t.iteration for t, r in zip(tasks, ran) if r)) + 1
     for t, r in zip(tasks, ran):
@@ -125,7 +139,7 @@ def compare(plan: Plan, trace_path: str | Path) -> Comparison:
     measured_it = ends[-2] - ends[-3] if iters >= 3 else ends[-1] / iters
     pred_it = pred.iteration_s if iters >= 3 or plan.graph.num_iterations == 1 else \
         float(np.max(pred.end_s[gpu])) / iters
-    return Comparison(by_kind, by_resource, pred_it, measured_it, iters, int(mask.sum()), pred, ms, me)
+    return Comparison(by_kind, by_resource, pred_it, measured_it, iters, int(mask.sum()), pred, ms, me, device_memory)
 
 
 def format_comparison(c: Comparison) -> str:
@@ -140,6 +154,13 @@ def format_comparison(c: Comparison) -> str:
     for r in c.by_resource:
         lines.append(f"{r['resource']:<10} {r['predicted_busy_s'] * 1e3:>18,.3f} {r['measured_busy_s'] * 1e3:>17,.3f} "
                      f"{r['ratio']:>7.2f}x")
+    peak, cap = c.predicted.peak_bytes.get("gpu", 0.0), c.predicted.graph.capacity_bytes.get("gpu", 0.0)
+    m = c.measured_device_memory
+    lines += ["", f"gpu memory: plan peak {peak / 1e6:,.1f} MB of {cap / 1e6:,.1f} MB; " + (
+        f"measured max allocated {m.get('max_allocated_bytes', 0) / 1e6:,.1f} MB "
+        f"({m.get('max_allocated_bytes', 0) / peak - 1 if peak else 0:+.1%}), "
+        f"max reserved {m.get('max_reserved_bytes', 0) / 1e6:,.1f} MB" if m else
+        "not measured (a CPU device: the trace's peaks are the plan's own memory effects)")]
     return "\n".join(lines)
 
 
