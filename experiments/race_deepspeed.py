@@ -433,8 +433,8 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> Path:
             tok = r["tokens_per_s"]
             xs.append(j + (i - (len(variants) - 1) / 2) * width)
             ys.append(tok)
-            lo.append(tok - tok * r["step_s"] / r["max_s"])
-            hi.append(tok * r["step_s"] / r["min_s"] - tok)
+            lo.append(max(0.0, tok - tok * r["step_s"] / r["max_s"]))  # one run: a spread of 0 (up to rounding)
+            hi.append(max(0.0, tok * r["step_s"] / r["min_s"] - tok))
         ax1.bar(xs, ys, width=width, yerr=[lo, hi], capsize=2, label=v,
                 hatch="//" if v.startswith("ds-") else None)
     ax1.set_xticks(range(len(points)), [p.replace(" b", "\nb") for p in points], fontsize=7)
