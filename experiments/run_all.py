@@ -1,6 +1,7 @@
 """Regenerate every paper-reproduction experiment and the summary of headline numbers (ours, paper, ratio).
 
-Runs fuyou_lohan, greedysnake_a100, gemini_capacity, own_plans, what_if and fidelity (last: predicted against
+Runs fuyou_lohan, greedysnake_a100, gemini_capacity, own_plans, what_if, race_deepspeed (only where DeepSpeed is
+importable: the race against ZeRO-Infinity on this machine) and fidelity (last: predicted against
 published for every headline and LoHan's SSD sweep) in this process (each writes its CSV and PNG under the output
 folder and prints its own tables), then writes summary.csv and summary.md there
 with every headline number, the paper's value, the ratio and the note explaining any difference over 15%.
@@ -18,6 +19,7 @@ import fuyou_lohan
 import gemini_capacity
 import greedysnake_a100
 import own_plans
+import race_deepspeed
 import what_if
 from expcommon import Progress, arg_parser, print_headlines, write_csv
 
@@ -27,6 +29,9 @@ STUDIES = {
     "gemini_capacity": gemini_capacity,
     "own_plans": own_plans,
     "what_if": what_if,
+    # tierflow against DeepSpeed ZeRO-Infinity on this machine: only where DeepSpeed (the baseline extra) and
+    # libaio are installed; otherwise it prints one line and adds no headline
+    "race_deepspeed": race_deepspeed,
     "fidelity": fidelity,  # last: it compares every earlier study's headline numbers with the papers'
 }
 

@@ -1,0 +1,85 @@
+"""experiments/race_deepspeed.py: tierflow against DeepSpeed ZeRO-Infinity on this machine.
+
+The race itself runs only where DeepSpeed (`pip install -e '.[baseline]'`) and libaio are installed; CI does not
+install the baseline extra, so there it is skipped with the reason. The config and skip checks always run.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import race_deepspeed  # noqa: E402
+
+from tierflow.planner.io.dsconfig import parse_ds_config  # noqa: E402
+
+
+@pytest.mark.parametrize("variant", race_deepspeed.DS_VARIANTS)
+def test_every_deepspeed_config_is_one_the_bridge_reads_as_run(variant):
+    """The configs DeepSpeed runs are the ones the bridge simulates: no key unknown to DeepSpeed, the batch as
+    the point says, and the placement the variant means (everything on NVMe, or the optimizer only)."""
+    p = race_deepspeed.SWEEP[0]
+    ds = parse_ds_config(race_deepspeed.ds_config(p, "nvme", variant), f"{variant}.json", p.spec())
+    assert ds.unknown == ()
+    assert (ds.stage, ds.batch, ds.micro_batch, ds.accumulation) == (3, p.batch, p.batch, 1)
+    assert ds.optimizer_device == "nvme"
+    assert ds.param_device == ("none" if variant == "ds-opt-nvme" else "nvme")
+    pl = ds.placement()
+    assert pl.master.ssd == pl.adam_m.ssd == pl.adam_v.ssd == 1.0
+    assert pl.weights.ssd == (0.0 if variant == "ds-opt-nvme" else 1.0)
+
+
+def test_the_tuned_buffers_hold_the_largest_parameter():
+    """DeepSpeed refuses a parameter swap buffer smaller than the largest parameter (the embedding)."""
+    for p in race_deepspeed.SWEEP + [race_deepspeed.QUICK_POINT]:
+        buf = race_deepspeed.ds_config(p, "nvme", "ds-tuned")["zero_optimization"]["offload_param"]["buffer_size"]
+        spec = p.spec()
+        assert buf >= spec.vocab_size * spec.hidden
+
+
+def test_without_deepspeed_it_skips_with_one_line(monkeypatch, tmp_path, capsys):
+    import importlib.metadata as md
+
+    real = md.version
+
+    def version(name):
+        if name == "deepspeed":
+            raise md.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(md, "version", version)
+    assert race_deepspeed.run(True, tmp_path) == []
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "skipped" in out[0] and "pip install -e '.[baseline]'" in out[0]
+    assert "libaio" in out[0]
+    assert not (tmp_path / "race.csv").exists()
+
+
+MISSING = race_deepspeed.deepspeed_missing()
+
+
+@pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+def test_quick_race_runs_both_on_the_same_point(tmp_path):
+    """One small point, DeepSpeed (everything on NVMe) against tierflow's horizontal and vertical plans, each in
+    its own process: both train, both move bytes through the SSD directory, both are predicted."""
+    heads = race_deepspeed.run(True, tmp_path)
+    with open(tmp_path / "race.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["variant"] for r in rows} == {"ds-default", "tf-horizontal", "tf-vertical"}
+    for r in rows:
+        assert r["failed"] == "" and int(r["runs"]) == 1, r
+        assert float(r["tokens_per_s"]) > 0 and float(r["peak_rss_gb"]) > 0.1
+        # every step reads and writes the fp32 optimizer states (12 B/param at least) on the SSD directory
+        params = float(r["params_m"]) * 1e6
+        assert float(r["ssd_write_gb_per_step"]) * 1e9 >= 8 * params, r
+        assert float(r["predicted_s"]) > 0
+    assert (tmp_path / "race.png").stat().st_size > 0
+    md = (tmp_path / "race.md").read_text()
+    assert "deepspeed 0.19.8" in md and "| ds-default |" in md
+    assert any("tierflow / DeepSpeed tokens/s" in h["metric"] for h in heads)
