@@ -112,30 +112,12 @@ def tierflow_steps(plan: Plan, device: str, ssd_dir: Path | None) -> tuple[list[
 
 
 def measure_store(ssd_dir: Path, nbytes: int, files: int = 3, repeats: int = 3) -> dict[str, float]:
-    """GB/s of the executor's own SSD store (SsdStore: O_DIRECT, aligned buffers, CRC32), writing then reading
-    `files` files of `nbytes` each, as a step's optimizer-state ops do; the best of `repeats`."""
-    import torch
+    """GB/s of the executor's own SSD store, writing then reading `files` files of `nbytes` each, as a step's
+    optimizer-state ops do: calibrate's measurement (executor.calibrate.measure_store), the best of `repeats`."""
+    from tierflow.executor.calibrate import measure_store as store_rates
 
-    from tierflow.executor.store import SsdStore
-
-    store = SsdStore(ssd_dir, warn=lambda m: print(m, file=sys.stderr))
-    data = [torch.ones(nbytes // 4) for _ in range(files)]
-    best_w = best_r = float("inf")
-    try:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for i, d in enumerate(data):
-                store.write(f"bench{i}", d)
-            best_w = min(best_w, time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for i in range(files):
-                store.read(f"bench{i}", torch.float32, nbytes // 4)
-            best_r = min(best_r, time.perf_counter() - t0)
-    finally:
-        for i in range(files):
-            store.delete(f"bench{i}")
-        store.close()
-    return {"write_gbps": files * nbytes / best_w / 1e9, "read_gbps": files * nbytes / best_r / 1e9}
+    runs = [store_rates(ssd_dir, files * nbytes, mixed_s=0.0, files=files) for _ in range(repeats)]
+    return {"write_gbps": max(r["write_gbps"] for r in runs), "read_gbps": max(r["read_gbps"] for r in runs)}
 
 
 def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = None) -> list[dict]:
