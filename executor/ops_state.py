@@ -28,11 +28,20 @@ class WeightOps:
     def __init__(self, cx: OpContext) -> None:
         self.cx = cx
 
+    def owners(self, b: int) -> list[tuple[int, int, int]]:
+        """(owner, lo, hi): the range of each owner's weights vector (of this rank's shard with several ranks)
+        that compute on block b needs from this rank: layout.owners with one rank; with several, each owner's whole
+        shard, which the all-gather completes (a tied head gathers all of block 0, of which it reads wte)."""
+        owners = self.cx.layout.owners(b)
+        if self.cx.state.world.single:
+            return owners
+        return [(o, 0, self.cx.state.shard_numel[o]) for o, _lo, _hi in owners]
+
     def read_weights(self, rs: RoundState, t: Task) -> None:
         """The SSD range of every owner's weights into a pinned host buffer (fetch_weights copies it)."""
         be = self.cx.backend
         out = {}
-        for o, lo, hi in self.cx.layout.owners(t.block):
+        for o, lo, hi in self.owners(t.block):
             W = self.cx.state.vec["weights"][o]
             a = max(lo, W.ssd_lo)
             if hi <= a:
@@ -50,10 +59,14 @@ class WeightOps:
 
     def fetch_weights(self, rs: RoundState, t: Task) -> None:
         """The non-resident part of every owner's range to the device, straight into one buffer per owner: host
-        memory, then what read_weights read."""
+        memory, then what read_weights read. With several ranks: this rank's whole shard into its slot of a
+        full-size buffer per owner, which all_gather_weights completes (ops_net.py)."""
         be = self.cx.backend
         rid = self.cx.binding.dep_of_kind[t.id].get("read_weights")
         staged = rs.staged.pop(Staged("weights_read", rid)) if rid is not None else {}
+        if not self.cx.state.world.single:
+            rs.weight_bufs[t.id] = self.shard_buffers(rs, t, staged)
+            return
         out = {}
         for o, lo, hi in self.cx.layout.owners(t.block):
             W = self.cx.state.vec["weights"][o]
@@ -70,9 +83,40 @@ class WeightOps:
             out[o] = dst
         rs.weight_bufs[t.id] = out
 
+    def shard_buffers(self, rs: RoundState, t: Task, staged: dict) -> dict[int, torch.Tensor]:
+        """{owner: a device buffer of W*S elements (S = ceil(n/W)) holding this rank's shard of the owner's
+        compute weights in slot [r*S, r*S + shard)}: the device part copied on the device, the host part and what
+        read_weights read (`staged`) copied from pinned host memory. The other slots are filled by the gather."""
+        be, world = self.cx.backend, self.cx.state.world
+        out = {}
+        for o, _lo, hi in self.owners(t.block):
+            W = self.cx.state.vec["weights"][o]
+            s = world.shard_size(self.cx.layout.numel[o])
+            full = be.empty(s * world.ranks, W.dtype)
+            slot = full[world.rank * s: world.rank * s + hi]
+            if W.g:
+                slot[: W.g].copy_(W.dev)  # device to device, on this op's stream
+            if W.ssd_lo > W.g:
+                be.copy_async(slot[W.g: W.ssd_lo], W.host)
+            if o in staged:
+                be.copy_async(slot[W.ssd_lo:], staged[o])
+            out[o] = full
+        return out
+
     def weights(self, rs: RoundState, t: Task) -> list[torch.Tensor]:
-        """One flat vector per owner of block t.block: the resident part and the fetched part, joined."""
+        """One flat vector per owner of block t.block: the resident part and the fetched part, joined (with several
+        ranks: the owner's range of the gathered full-size buffer)."""
         fid = self.cx.binding.wfetch[t.id]
+        if not self.cx.state.world.single:
+            if fid is None:
+                raise ExecutionError(f"op {t.id} ({t.label}): no all_gather_weights precedes it on a plan for "
+                                     f"{self.cx.state.world.ranks} ranks (inconsistent plan)")
+            bufs = rs.weight_bufs[fid]
+            out = []
+            for o, lo, hi in self.cx.layout.owners(t.block):
+                rs.use_on(bufs[o], "gpu")
+                out.append(bufs[o][lo:hi])
+            return out
         out = []
         for o, lo, hi in self.cx.layout.owners(t.block):
             W = self.cx.state.vec["weights"][o]
@@ -121,7 +165,8 @@ class GradBuffers:
         with rs.lock:
             acc = rs.grad_acc.get(key)
         if acc is None:
-            acc = self.cx.backend.empty(self.cx.layout.numel[o], torch.float32).zero_()
+            # the owner's whole vector; with several ranks padded to W*S elements for the reduce-scatter
+            acc = self.cx.backend.empty(self.cx.state.world.padded(self.cx.layout.numel[o]), torch.float32).zero_()
             with rs.lock:
                 rs.grad_acc[key] = acc
         for lo, hi, grad in pieces:
@@ -159,7 +204,7 @@ class GradOps:
 
     def _ssd_range(self, b: int) -> tuple[int, int]:
         _gpu_elems, _cpu_elems, ssd_elems = self.cx.state.grad_split[b]
-        n = self.cx.layout.numel[b]
+        n = self.cx.state.shard_numel[b]
         return n - ssd_elems, n
 
     def write_grads(self, rs: RoundState, t: Task) -> None:
