@@ -58,11 +58,11 @@ def fmt_table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def _busy(k: str, r: SimResult) -> str:
-    return f"{100 * r.busy[k]:.0f}%"
+    return f"{100 * r.busy.get(k, 0.0):.0f}%"
 
 
 def _link(k: str, r: SimResult) -> str:
-    return gb(r.link_bytes[k])
+    return gb(r.link_bytes.get(k, 0.0))
 
 
 def _peak(k: str, r: SimResult) -> str:
@@ -77,8 +77,14 @@ def summary_table(results: dict[str, SimResult | Exception]) -> str:
         ("model TFLOPS", lambda r: f"{r.model_tflops:.1f}"),
         ("hardware TFLOPS", lambda r: f"{r.hw_tflops:.1f}"),
     ]
-    metrics += [(f"busy {k}", partial(_busy, k)) for k in ("gpu", "h2d", "d2h", "ssd_read", "ssd_write", "cpu")]
-    metrics += [(f"bytes {k}", partial(_link, k)) for k in ("cpu->gpu", "gpu->cpu", "ssd->cpu", "cpu->ssd")]
+    many = any(isinstance(r, SimResult) and r.ranks > 1 for r in results.values())
+    if many:  # several ranks: the figures above are the world's; per GPU, and the collectives' link
+        metrics += [("tokens/s per GPU", lambda r: f"{r.per_gpu()['tokens_per_s_per_gpu']:,.0f}"),
+                    ("hardware TFLOPS per GPU", lambda r: f"{r.per_gpu()['hw_tflops_per_gpu']:.1f}")]
+    busy = ("gpu", "h2d", "d2h", "ssd_read", "ssd_write", "cpu") + (("net",) if many else ())
+    links = ("cpu->gpu", "gpu->cpu", "ssd->cpu", "cpu->ssd") + (("gpu<->gpu",) if many else ())
+    metrics += [(f"busy {k}", partial(_busy, k)) for k in busy]
+    metrics += [(f"bytes {k}", partial(_link, k)) for k in links]
     metrics += [(f"peak {k}", partial(_peak, k)) for k in ("gpu", "cpu", "ssd")]
     rows = []
     for label, fn in metrics:
@@ -165,7 +171,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         cfg = make_schedule(fam, model, hw, batch=args.batch, micro_batch=args.micro_batch, seq=model.seq_len,
                             placement=placement, group=args.group, alpha=args.alpha,
                             prefetch_depth=args.prefetch, recompute=not args.no_recompute, runtime=args.runtime,
-                            iterations=args.iterations, swap_layers=args.swap_layers)
+                            iterations=args.iterations, swap_layers=args.swap_layers, gpus=args.gpus,
+                            nodes=args.nodes)
         configs[fam] = cfg
         try:
             results[fam] = simulate_config(model, hw, cfg)
@@ -191,21 +198,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 write_outputs(r, d, name=f"{model.name} on {hw.name}: {fam}")
     if args.json:
         out = {"model": model.name, "params": model.total_params(), "hw": hw.name, "batch": args.batch,
-               "micro_batch": args.micro_batch, "seq": model.seq_len, "schedules": {}}
+               "micro_batch": args.micro_batch, "seq": model.seq_len, "world": world_dict(args), "schedules": {}}
         for fam, r in results.items():
             if isinstance(r, SimResult):
-                out["schedules"][fam] = {"params": model.total_params(), **r.to_dict(),
-                                         "schedule": r.meta.get("schedule")}
+                out["schedules"][fam] = {"params": model.total_params(), **r.to_dict(), **r.per_gpu(),
+                                         "world": r.world, "schedule": r.meta.get("schedule")}
             else:
                 out["schedules"][fam] = {"error": str(r)}
         if len(families) == 1:
             out = {**out, **out["schedules"][families[0]]}
         print(json.dumps(out, indent=2))
         return 0
-    M = args.batch // args.micro_batch
+    W = args.gpus * args.nodes
+    M = args.batch // (args.micro_batch * W)
     print(f"{model.describe()}")
     print(f"box: {hw.name}: {hw.summary()}")
-    print(f"batch {args.batch} sequences x {model.seq_len} tokens = {M} micro-batches of {args.micro_batch}")
+    if W == 1:
+        print(f"batch {args.batch} sequences x {model.seq_len} tokens = {M} micro-batches of {args.micro_batch}")
+    else:
+        print(f"{W} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes); global batch {args.batch} "
+              f"sequences x {model.seq_len} tokens = {W} ranks x {M} micro-batches of {args.micro_batch}; "
+              "throughput below is the world's, per GPU where said")
     for fam, r in results.items():
         if isinstance(r, SimResult):
             print(f"  {fam:<11} placement: {Placement.from_dict(r.meta['schedule']['placement']).describe()}")
@@ -228,6 +241,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if written:
         print(f"wrote plan {written.path} (run it with: tierflow run {written.path})")
     return 0
+
+
+def world_dict(args: argparse.Namespace) -> dict[str, int]:
+    """{gpus, nodes, ranks} of --gpus / --nodes."""
+    gpus, nodes = getattr(args, "gpus", 1), getattr(args, "nodes", 1)
+    return {"gpus": gpus, "nodes": nodes, "ranks": gpus * nodes}
+
+
+def add_world_args(p: argparse.ArgumentParser) -> None:
+    """--gpus and --nodes: the data-parallel world (tierflow.planner.core.world)."""
+    p.add_argument("--gpus", type=positive_int(1024), default=1,
+                   help="data-parallel GPUs per box (default 1; at most the profile's topology.gpu_count)")
+    p.add_argument("--nodes", type=positive_int(1024), default=1,
+                   help="boxes (default 1; more need the profile's network section)")
 
 
 def write_plan_file(plan: Plan, path: str) -> WrittenPlan:
@@ -508,6 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the last N layers keep (and swap out) their activations instead of recomputing")
     s.add_argument("--write-plan", default=None, metavar="FILE",
                    help="also write this schedule as a plan file (one --schedule), e.g. for `tierflow run`")
+    add_world_args(s)
     add_ds_config_args(s)
     s.set_defaults(func=cmd_simulate)
     pl = sub.add_parser("plan", help="search schedule, micro-batching, placement and recompute; write a plan file",
