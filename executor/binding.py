@@ -236,9 +236,10 @@ class Binding:
             by_key.setdefault((r.iteration, r.block), []).append((max(gpu_deps), r.id))
         for v in by_key.values():
             v.sort()
-        for t in tasks:
+        for t in tasks:  # the taker of the same block (a tied embedding's adam_gpu also waits for the head's)
             for d in t.deps:
-                if tasks[d].kind == "reduce_scatter_grads" and t.kind in ("offload_grads", "adam_gpu"):
+                if tasks[d].kind == "reduce_scatter_grads" and t.kind in ("offload_grads", "adam_gpu") \
+                        and tasks[d].block == t.block:
                     self.scatter_to[d] = t.id
         missing = [r.id for r in scatters if r.id not in self.scatter_to]
         if missing:

@@ -103,7 +103,7 @@ class DistWorld:
         slot = torch.zeros(s, dtype=shard.dtype)
         slot[: shard.numel()].copy_(shard)
         out = torch.empty(s * self.ranks, dtype=shard.dtype)
-        dist.all_gather_into_tensor(out, slot, group=self.ctrl_group)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, slot, group=self.ctrl_group)
         return out[:n]
 
 

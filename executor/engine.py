@@ -117,16 +117,15 @@ class Executor:
                 last[self.tasks[tid].iteration] = tid
             threads.append(threading.Thread(target=self._reporter, args=(rs, last, on_step), daemon=True,
                                             name="tierflow-reporter"))
+        # threads that may wait in a collective of several ranks: the net worker, the reporter (the mean loss)
+        collective = [th for th in threads if not self.world.single and th.name in ("tierflow-net", "tierflow-reporter")]
         try:
             for th in threads:
                 th.start()
-            for th in threads:
-                th.join()
+            self._join(rs, threads, collective)
         except BaseException:  # e.g. Interrupted or KeyboardInterrupt in this (the main) thread: stop every
             rs.abort.set()     # worker and wait for it, so that no thread still runs torch ops at exit
-            for th in threads:
-                if th.ident is not None:
-                    th.join()
+            self._join(rs, [th for th in threads if th.ident is not None], collective)
             raise
         finally:
             try:
@@ -148,6 +147,21 @@ class Executor:
         return RoundResult(iterations, losses, rs.start_s.copy(), rs.end_s.copy(),
                            {t: rs.peak_bytes[i] for i, t in enumerate(TIERS)}, list(rs.mem_trace), wall_s,
                            extra={"leftover_entries": leftover, "device_memory": self.backend.memory_stats()})
+
+    @staticmethod
+    def _join(rs: RoundState, threads: list[threading.Thread], collective: list[threading.Thread],
+              grace_s: float = 5.0) -> None:
+        """Join the round's threads. One blocked in a collective (`collective`) cannot see the abort: once the round
+        has failed it is given `grace_s` to finish, then left behind (a daemon thread; the run is ending with the
+        error, and torchrun stops the other ranks when this one exits)."""
+        for th in threads:
+            if th not in collective:
+                th.join()
+        for th in collective:
+            waited = 0.0
+            while th.is_alive() and (not rs.abort.is_set() or waited < grace_s):
+                th.join(0.05)
+                waited += 0.05 if rs.abort.is_set() else 0.0
 
     def _check_round(self, iterations: int) -> int:
         """The number of ops in the plan's first `iterations` iterations, which must not depend on later ones."""

@@ -3,7 +3,7 @@ plan's order on the net worker, so the i-th collective of every rank is the same
 
     all_gather_weights    after this rank's fetch_weights put its shard of a block's compute weights into its
                           slot of a full-size buffer (slot r = elements [r*S, r*S + shard) with S = ceil(n/W)),
-                          fill the other ranks' slots: `all_gather_into_tensor`, in place. A block whose shard is
+                          fill the other ranks' slots: `all_gather_single` (all_gather_into_tensor), in place. A block whose shard is
                           wholly on the device has no fetch: the gather builds the buffer from the device shard.
     reduce_scatter_grads  sum the ranks' fp32 gradient accumulators of a block (padded to W*S elements) and
                           keep this rank's shard: `reduce_scatter_single` (reduce_scatter_tensor), which gloo (CPU) has in the PyTorch
@@ -13,25 +13,24 @@ plan's order on the net worker, so the i-th collective of every rank is the same
 
 On a CUDA device the net worker has a stream of its own: NCCL's collectives are enqueued with it current, so
 `work.wait()` makes that stream (not the host) wait, and the ops after the collective wait on its end event as
-on any stream. On the CPU (gloo) the collective runs asynchronously and the worker polls it, giving up when the
-round is aborted (so that a rank that failed elsewhere can stop instead of waiting in a collective forever).
+on any stream. On the CPU (gloo) the net worker waits for each collective. A rank whose round failed does not
+wait for a collective the other ranks will never join: the engine stops waiting for its net worker after a
+grace period, the rank exits, and torchrun stops the others.
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
 
 from tierflow.executor.context import OpContext, RoundState
-from tierflow.executor.device import RoundAborted
 from tierflow.executor.ops_state import GradBuffers, WeightOps
 from tierflow.planner.core.graph import Task
 
 _HAS_REDUCE_SCATTER: dict[str, bool] = {}  # backend name -> whether reduce_scatter works there
 # reduce_scatter_single is reduce_scatter_tensor's new name (the old one warns from PyTorch 2.13 on)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # likewise
 
 
 class NetOps:
@@ -40,18 +39,11 @@ class NetOps:
         self.world = cx.state.world
 
     def _finish(self, rs: RoundState, work) -> None:
-        """Wait for a collective: on CUDA by the current (net) stream, on the CPU by polling, so that an
-        aborted round does not hang here."""
-        if self.cx.device.type == "cuda":
-            work.wait()
-            return
-        pause = 0.0
-        while not work.is_completed():
-            if rs.abort.is_set():
-                raise RoundAborted()
-            time.sleep(pause)
-            pause = min(1e-3, pause + 5e-5)
-        work.wait()  # raises the collective's error, if any
+        """Wait for a collective: on CUDA the current (net) stream waits for it, not the host; on the CPU the
+        host. (Polling gloo's work.is_completed() is no way out of a collective another rank never joins: it stays
+        False for a completed reduce-scatter in PyTorch 2.13; the engine gives up on this worker instead, see
+        Executor.run_round.)"""
+        work.wait()
 
     def all_gather_weights(self, rs: RoundState, t: Task) -> None:
         fid = self.cx.binding.dep_of_kind[t.id].get("fetch_weights")
@@ -61,7 +53,7 @@ class NetOps:
             full = bufs[o]
             rs.use_on(full, "net")
             s = self.world.shard_size(self.cx.layout.numel[o])
-            work = dist.all_gather_into_tensor(full, full[r * s:(r + 1) * s], group=self.world.net_group,
+            work = ALL_GATHER(full, full[r * s:(r + 1) * s], group=self.world.net_group,
                                                async_op=True)
             self._finish(rs, work)
         rs.weight_bufs[t.id] = bufs

@@ -43,8 +43,8 @@ from tierflow.executor.checkpoint import (
 )
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device import DeviceBackend, TierOutOfMemory, make_backend
-from tierflow.executor.dist import DistWorld, LaunchError, check_launch, init_world, rank_device
 from tierflow.executor.dirlock import DirLock, LockError, remove_stale_run_dirs
+from tierflow.executor.dist import DistWorld, LaunchError, check_launch, init_world, rank_device
 from tierflow.executor.engine import (
     ExecutionError,
     Executor,
@@ -279,7 +279,7 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
         _check_resume(ckpt, manifest, settings, opts, warn)
 
     found = resume(state, opts.checkpoint_dir, fallback=opts.resume_fallback, check=check,
-                   log=warn, world=world) if opts.checkpoint_dir else None
+                   log=warn) if opts.checkpoint_dir else None
     last_ckpt = None
     if found is not None:
         last_ckpt, manifest = found
@@ -504,6 +504,36 @@ def cmd_run(args: argparse.Namespace) -> int:
         except (PlanError, LaunchError) as e:
             print(f"tierflow run: error: {e}", file=sys.stderr)
             return 2
+    return leave_world(_cmd_run_here(args))
+
+
+def leave_world(code: int) -> int:
+    """The end of a rank of several: a clean exit leaves the process groups; a failed one exits at once, so that
+    no collective the other ranks will never join (nor a process group's teardown) holds it, and torchrun stops
+    the others. With one rank: `code`."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return code
+    if code == 0:
+        dist.destroy_process_group()
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _says(e: BaseException | None = None) -> bool:
+    """Does this process print the failure? With several ranks a failure all of them share (the checkpoint
+    they agreed on, a stopped run: the mean loss, a checkpoint write) is printed by rank 0 only."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        return True
+    return not (e is None or getattr(e, "agreed", False))
+
+
+def _cmd_run_here(args: argparse.Namespace) -> int:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     hyper = Hyper(lr=args.lr, weight_decay=args.weight_decay)
@@ -524,7 +554,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             res = run_plan(plan, opts)
     except RunStopped as e:
-        print(f"tierflow run: {e}", file=sys.stderr)
+        if _says():
+            print(f"tierflow run: {e}", file=sys.stderr)
         res, stopped = e.result, e
     except Interrupted as e:
         print(f"tierflow run: interrupted by {e.name} outside the training steps; stopped cleanly, the SSD tier's "
@@ -532,7 +563,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return e.exit_code
     except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan, LockError,
             LaunchError) as e:
-        print(f"tierflow run: error: {e}", file=sys.stderr)
+        if _says(e):
+            print(f"tierflow run: error: {e}", file=sys.stderr)
         return 2
     except CapacityError as e:
         print(f"tierflow run: does not fit: {e}", file=sys.stderr)
@@ -547,7 +579,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ExecutionError as e:
         print(f"tierflow run: {e}", file=sys.stderr)
         return 1
-    if args.json:
+    if args.json and _says():
         out: dict[str, Any] = {"plan": str(args.plan), "first_step": res.first_step,
                                "steps": [asdict(r) for r in res.records], "wall_s": time.perf_counter() - t0,
                                "ssd_bytes_read": res.ssd_bytes_read, "ssd_bytes_written": res.ssd_bytes_written,
