@@ -91,7 +91,7 @@ class RunOptions:
     profile: bool = False  # torch.profiler around the run, its Chrome trace to out/torch_trace.json (needs out)
     resume_fallback: bool = False  # a corrupt latest checkpoint: resume from the previous one that verifies
     allow_changed_hyper: bool = False  # resume although the seed / hyper-parameters / data differ from the checkpoint's
-    collect_final: bool = False  # return the final fp32 master weights (RunResult.final_master), e.g. for tests
+    collect_final: bool = False  # return the final fp32 master weights and Adam m (RunResult.final_*), e.g. for tests
     export_hf: str | None = None  # after the last step, write the fp32 master weights here in the HF layout
 
 
@@ -115,6 +115,7 @@ class RunResult:
     ssd_bytes_written: int = 0
     o_direct: bool | None = None
     final_master: list[torch.Tensor] | None = None
+    final_adam_m: list[torch.Tensor] | None = None  # with collect_final: Adam's first moments (whole blocks)
     checkpoint: Path | None = None  # the last checkpoint written or resumed from
 
     @property
@@ -394,7 +395,9 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
         if not quiet:
             log(f"  exported the fp32 weights after step {step} to {path} (config.json, model.safetensors)")
     res = result()
-    res.final_master = state.master_blocks() if opts.collect_final else None
+    if opts.collect_final:
+        res.final_master = state.master_blocks()
+        res.final_adam_m = [state.gathered("adam_m", b) for b in range(len(state.layout.numel))]
     return res
 
 

@@ -1,6 +1,7 @@
 """One rank of the data-parallel executor tests (tests/test_dist_executor.py, experiments/dist_executor.py): started
 by torchrun, it trains the cases of a JSON file one after the other in one process group and rank 0 saves each
-case's losses and final fp32 master weights (gathered from the shards) to OUT/<name>.pt, or the error it raised.
+case's losses, final fp32 master weights and Adam m (gathered from the shards) to OUT/<name>.pt, or the error it
+raised.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py cases.json OUT
 
@@ -77,7 +78,7 @@ def run_case(case: dict, out: Path, ranks: int, rank: int) -> None:
             torch.save({"error": str(e), "type": type(e).__name__}, out / f"{case['name']}.pt")
         return
     if rank == 0:
-        torch.save({"losses": res.losses, "first_step": res.first_step, "final": res.final_master,
+        torch.save({"losses": res.losses, "adam_m": res.final_adam_m, "first_step": res.first_step, "final": res.final_master,
                     "checkpoint": str(res.checkpoint) if res.checkpoint else None,
                     "ssd_bytes": res.ssd_bytes_read + res.ssd_bytes_written,
                     "kinds": sorted({t.kind for t in plan.graph.tasks})}, out / f"{case['name']}.pt")
