@@ -216,7 +216,7 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str, arg
     env_threads = "OMP_NUM_THREADS" not in os.environ
     if env_threads:  # torchrun would set 1 and say so; give each local rank its share of the cores instead
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the failing rank says why
     args = parse_args(torchrun_args(nproc, nnodes, rdzv_endpoint, rdzv_id, argv))
     try:
         run(args)

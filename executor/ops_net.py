@@ -66,6 +66,7 @@ class NetOps:
             s, r = self.world.shard_size(n), self.world.rank
             lo, hi = self.world.shard(n)
             out = self._reduce_scatter(rs, acc, s, r)
+            rs.use_on(out, self.cx.binding.tasks[consumer].resource)  # made on the net stream, read on the taker's
             with rs.lock:
                 rs.grad_acc[(consumer, o)] = out[: hi - lo]
 

@@ -236,7 +236,8 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
                     warn(f"removed {len(gone)} half-written checkpoint file(s) under {ck} left by a run that was "
                          "killed")
         if uses_ssd:
-            root = check_ssd_dir(opts.ssd_dir, need_ssd,
+            # the ranks of a box share the directory: room for all of their tiers
+            root = check_ssd_dir(opts.ssd_dir, need_ssd * world.local_ranks,
                                  "optimizer states, weights, gradients or activations placed there")
             if not world.single:  # each rank's SSD tier in a directory of its own
                 root = root / f"rank-{world.rank}"

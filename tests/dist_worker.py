@@ -5,8 +5,9 @@ raised.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py cases.json OUT
 
-A case: {"name", "family", "placement", "steps", "alpha"?, "ssd_dir", "checkpoint_dir"?, "checkpoint_every"?,
-"resume_fallback"?, "remove_shard"?: rank whose shard of the latest checkpoint to delete first (rank 0 does it)}.
+A case: {"name", "family", "placement", "steps", "model"?, "batch"?, "alpha"?, "device"?, "ssd_dir",
+"checkpoint_dir"?, "checkpoint_every"?, "resume_fallback"?, "remove_shard"?: the rank whose shard of the latest
+checkpoint rank 0 deletes first}.
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ def box(gpus: int, nodes: int = 1):
 
 
 def make_plan(model_name: str, family: str, placement: str, gpus: int = 1, nodes: int = 1, alpha: float = 0.25,
-              iterations: int = 2):
+              iterations: int = 2, batch: int = BATCH):
     model = get_model(model_name)
     hw = box(gpus, nodes)
-    cfg = make_schedule(family, model, hw, batch=BATCH, micro_batch=MICRO, seq=SEQ, placement=PLACEMENTS[placement],
+    cfg = make_schedule(family, model, hw, batch=batch, micro_batch=MICRO, seq=SEQ, placement=PLACEMENTS[placement],
                         alpha=alpha, iterations=iterations, swap_layers=2 if placement == "mix" else 0, gpus=gpus,
                         nodes=nodes)
     return plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg))
@@ -62,7 +63,7 @@ def make_plan(model_name: str, family: str, placement: str, gpus: int = 1, nodes
 
 def run_case(case: dict, out: Path, ranks: int, rank: int) -> None:
     plan = make_plan(case.get("model", "tiny-gpt"), case["family"], case["placement"], gpus=ranks,
-                     alpha=case.get("alpha", 0.25))
+                     alpha=case.get("alpha", 0.25), batch=case.get("batch", BATCH))
     ck = case.get("checkpoint_dir")
     if case.get("remove_shard") is not None and rank == 0:
         latest, _steps, _problem = candidates(ck)

@@ -1,7 +1,8 @@
 """The executor on torch.distributed (issue 19): 2 ranks with gloo on the CPU reproduce the losses and final fp32
 weights of 1 rank training the whole batch (relative error <= 1e-5) for tiny-gpt on every family (optimizer states
-on SSD in one case, the GPU optimizer in another); sharded checkpoints resume; a missing shard and a wrong world
-size are one line and exit 2; a run of 2 "boxes" meets through torchrun's c10d rendezvous on 127.0.0.1.
+on SSD in one case, the GPU optimizer in another; two also on the adversarial CUDA emulation); sharded checkpoints
+resume; a missing shard and a wrong world size are one line and exit 2; a run of 2 "boxes" meets through
+torchrun's c10d rendezvous on 127.0.0.1.
 
 The 2-rank cases run in ONE torchrun launch (tests/dist_worker.py, a process group reused case after case), so
 the whole file costs three launches."""
@@ -27,11 +28,15 @@ from tierflow.planner.io.cli import main
 from tierflow.planner.io.planfile import write_plan
 
 HERE = Path(__file__).parent
-CASES = {  # name: (family, placement, steps)
-    "vertical-states_ssd": ("vertical", "states_ssd", 4),
-    "horizontal-weights_cpu": ("horizontal", "weights_cpu", 3),
-    "block-device": ("block", "device", 3),  # GPU optimizer: adam_gpu on the reduce-scattered shard
-    "fuyou-mix": ("fuyou", "mix", 3),  # every tier, swapped layers, gradients on SSD
+CASES = {  # name: (family, placement, steps, device)
+    "vertical-states_ssd": ("vertical", "states_ssd", 4, "cpu"),
+    "horizontal-weights_cpu": ("horizontal", "weights_cpu", 3, "cpu"),
+    "block-device": ("block", "device", 3, "cpu"),  # GPU optimizer: adam_gpu on the reduce-scattered shard
+    "fuyou-mix": ("fuyou", "mix", 3, "cpu"),  # every tier, swapped layers, gradients on SSD
+    # the CUDA logic (the net stream, its events and record_stream) on the adversarial emulation of a CUDA device
+    # (executor/device_emulated.py), which turns a missing wait or record_stream into an error or a wrong number
+    "block-device-emulated": ("block", "device", 3, "cpu-adversarial"),
+    "fuyou-mix-emulated": ("fuyou", "mix", 3, "cpu-adversarial"),
 }
 CK_FAMILY, CK_PLACEMENT = "vertical", "states_ssd"  # the checkpoint cases continue "vertical-states_ssd"
 
@@ -53,7 +58,8 @@ def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     ssd, ck, out = tmp / "ssd", tmp / "ck", tmp / "out"
     out.mkdir()
-    cases = [{"name": n, "family": f, "placement": p, "steps": s, "ssd_dir": str(ssd)} for n, (f, p, s) in CASES.items()]
+    cases = [{"name": n, "family": f, "placement": p, "steps": s, "device": d, "ssd_dir": str(ssd)}
+             for n, (f, p, s, d) in CASES.items()]
     ck_case = {"family": CK_FAMILY, "placement": CK_PLACEMENT, "ssd_dir": str(ssd), "checkpoint_dir": str(ck),
                "checkpoint_every": 2}
     cases += [
@@ -82,7 +88,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_ranks_reproduce_one_rank(name, two_ranks, tmp_path):
-    family, placement, steps = CASES[name]
+    family, placement, steps, _device = CASES[name]
     got = two_ranks[name]
     # the 2-rank plan really shards: collectives on the net resource, adam on the shard
     assert {"all_gather_weights", "reduce_scatter_grads"} <= set(got["kinds"])
