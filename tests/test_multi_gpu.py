@@ -269,3 +269,50 @@ def test_two_rank_plan_validates_against_the_schema(tmp_path):
     bad = json.loads(json.dumps(d))
     bad["decisions"]["gpus"] = 0
     assert not v.is_valid(bad)
+
+
+# ---- profiles ---------------------------------------------------------------------------------------------
+
+
+def test_bundled_multi_gpu_boxes():
+    from tierflow.hwprofiles import load_profile
+
+    lohan4 = load_profile("rtx4090-lohan-4gpu")
+    one = load_profile("rtx4090-lohan")
+    assert (lohan4.gpu_count, lohan4.topology.p2p, lohan4.network) == (4, "host", None)
+    # the same host as the one-GPU box: only the GPUs (and their price) differ
+    for section in ("gpu", "pcie", "cpu", "ssd"):
+        assert getattr(lohan4, section) == getattr(one, section), section
+    assert one.topology is None and one.gpu_count == 1 and "topology" not in one.to_dict()
+    dgx = load_profile("dgx-a100-8gpu")
+    assert (dgx.gpu_count, dgx.topology.p2p, dgx.topology.p2p_gbps) == (8, "nvlink", 300)
+    assert dgx.network.gbps == 200
+    assert dgx.summary().startswith("8x A100")
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("topology.gpus_per_switch", 8, "must be <= topology.gpu_count (4)"),
+    ("topology.p2p", "infiniband", "must be one of 'nvlink', 'pcie', 'host'"),
+    ("topology.gpu_count", 0, "must be >= 1"),
+    ("topology.p2p_gbps", 0, "must be > 0"),
+    ("network.gbps", -1, "must be > 0"),
+])
+def test_bad_topology_is_one_line(key, value, fragment):
+    from tierflow.hwprofiles import ProfileError, load_profile
+
+    with pytest.raises(ProfileError) as e:
+        load_profile("rtx4090-lohan-4gpu").with_overrides({key: value})
+    assert "\n" not in str(e.value) and key in str(e.value) and fragment in str(e.value)
+
+
+def test_topology_section_needs_every_key(tmp_path):
+    import yaml
+
+    from tierflow.hwprofiles import ProfileError, load_profile
+
+    d = load_profile("rtx4090-lohan-4gpu").to_dict()
+    del d["topology"]["p2p"]
+    path = tmp_path / "box.yaml"
+    path.write_text(yaml.safe_dump(d))
+    with pytest.raises(ProfileError, match=r"topology.p2p: missing key"):
+        load_profile(str(path))
