@@ -8,8 +8,11 @@ import math
 from collections import Counter
 
 import pytest
-from helpers import CPU, SSD, placement, profile
+from helpers import CPU, SSD, placement, profile, small_models
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from tierflow.planner.core.costmodel import link_rates
 from tierflow.planner.core.graph import HOST_LINKS, LINK_NAMES, NET, RESOURCES
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement
@@ -21,8 +24,9 @@ from tierflow.planner.core.schedules import (
     make_schedule,
 )
 from tierflow.planner.core.simulate import simulate_config
+from tierflow.planner.core.simulator import CapacityError
 from tierflow.planner.core.workload import COMPUTE_BYTES, GRAD_WIRE_BYTES
-from tierflow.planner.core.world import rank_capacity_bytes, shard_elems, shard_range
+from tierflow.planner.core.world import World, rank_capacity_bytes, shard_elems, shard_range
 from tierflow.planner.io.cli import main
 from tierflow.planner.io.planfile import (
     PlanError,
@@ -316,3 +320,80 @@ def test_topology_section_needs_every_key(tmp_path):
     path.write_text(yaml.safe_dump(d))
     with pytest.raises(ProfileError, match=r"topology.p2p: missing key"):
         load_profile(str(path))
+
+
+# ---- properties (hypothesis) ------------------------------------------------------------------------------
+
+PROPERTY = settings(max_examples=30, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+BOXES = ("rtx4090-lohan-4gpu", "dgx-a100-8gpu")
+
+
+@PROPERTY
+@given(name=st.sampled_from(BOXES), g1=st.integers(1, 8), extra=st.integers(1, 7),
+       uplink=st.sampled_from([None, 12.5, 25.0, 64.0]), per_switch=st.integers(1, 8))
+def test_more_gpus_never_give_a_rank_more_of_the_box(name, g1, extra, uplink, per_switch):
+    from tierflow.hwprofiles import load_profile
+
+    hw = load_profile(name).with_overrides({"topology.gpu_count": 16, "topology.switch_uplink_gbps": uplink,
+                                            "topology.gpus_per_switch": per_switch})
+    g2 = g1 + extra
+    c1, c2 = rank_capacity_bytes(hw, g1), rank_capacity_bytes(hw, g2)
+    assert c2["gpu"] == c1["gpu"]  # a GPU's own memory is never divided
+    assert c2["cpu"] < c1["cpu"] and c2["ssd"] < c1["ssd"]
+    r1, r2 = link_rates(hw, World(g1)), link_rates(hw, World(g2))
+    for field in ("ssd_read", "ssd_write", "ssd_read_mixed", "ssd_write_mixed", "adam_params_per_s", "dram_bps",
+                  "adam_dram_bps", "h2d", "d2h", "h2d_duplex", "d2h_duplex"):
+        assert getattr(r2, field) <= getattr(r1, field), field
+    for field in ("ssd_read", "ssd_write", "adam_params_per_s", "dram_bps"):
+        assert getattr(r2, field) == pytest.approx(getattr(r1, field) * g1 / g2)
+
+
+@PROPERTY
+@given(model=small_models(), family=st.sampled_from(FAMILIES), mb=st.sampled_from([1, 2]), mbs=st.integers(1, 4),
+       weights=st.sampled_from([CPU, SSD]), states=st.sampled_from([CPU, SSD]))
+def test_one_gpu_of_a_multi_gpu_box_is_the_one_gpu_box(model, family, mb, mbs, weights, states):
+    """W = 1 on a profile with a topology is exactly today's one-GPU simulation: no collective, same ops, same
+    numbers."""
+    p = placement(weights=weights, states=states)
+    plain, multi = profile(), profile("rtx4090-lohan-4gpu")
+    cfg = make_schedule(family, model, plain, batch=mb * mbs, micro_batch=mb, placement=p, iterations=2)
+    cfg4 = make_schedule(family, model, multi, batch=mb * mbs, micro_batch=mb, placement=p, iterations=2, gpus=1)
+    assert cfg4 == cfg and cfg4.to_dict() == cfg.to_dict()
+    g, g4 = build_graph(model, plain, cfg), build_graph(model, multi, cfg4)
+    assert not g4.has_net()
+    assert [(t.kind, t.resource, t.work, t.deps, t.key, t.mem_start, t.mem_end) for t in g4.tasks] == \
+           [(t.kind, t.resource, t.work, t.deps, t.key, t.mem_start, t.mem_end) for t in g.tasks]
+    assert (g4.static_bytes, g4.capacity_bytes) == (g.static_bytes, g.capacity_bytes)
+    try:
+        r = simulate_config(model, plain, cfg, g)
+    except CapacityError:
+        return
+    r4 = simulate_config(model, multi, cfg4, g4)
+    assert r4.to_dict() == r.to_dict()
+
+
+@PROPERTY
+@given(model=small_models(), family=st.sampled_from(FAMILIES), gpus=st.integers(2, 4),
+       p2p=st.sampled_from(["host", "pcie"]), mb=st.sampled_from([1, 2]), mbs=st.integers(1, 3),
+       weights=st.sampled_from([CPU, SSD]), states=st.sampled_from([CPU, SSD]))
+def test_n_gpus_are_never_faster_than_n_times_one(model, family, gpus, p2p, mb, mbs, weights, states):
+    """Global tokens/s of N ranks <= N x tokens/s of one GPU running one rank's share of the batch, where the
+    GPUs exchange data through the host or the PCIe fabric (their collectives then load the links and host
+    memory the single GPU uses alone). Over NVLink this does not hold and should not: each rank moves only its
+    shard over its own PCIe link, the aggregate PCIe bandwidth grows with N (ZeRO-Infinity's superlinear
+    scaling)."""
+    p = placement(weights=weights, states=states)
+    one = profile()
+    many = profile("rtx4090-lohan-4gpu").with_overrides({"topology.p2p": p2p})
+    cfg1 = make_schedule(family, model, one, batch=mb * mbs, micro_batch=mb, placement=p, iterations=3)
+    cfgn = make_schedule(family, model, many, batch=mb * mbs * gpus, micro_batch=mb, placement=p, iterations=3,
+                         gpus=gpus)
+    assert cfgn.num_micro_batches == cfg1.num_micro_batches
+    try:
+        r1 = simulate_config(model, one, cfg1)
+        rn = simulate_config(model, many, cfgn)
+    except CapacityError:
+        return
+    assert rn.tokens_per_s <= gpus * r1.tokens_per_s * (1 + 1e-9)
+    assert rn.per_gpu()["tokens_per_s_per_gpu"] <= r1.tokens_per_s * (1 + 1e-9)
