@@ -479,3 +479,15 @@ def test_multi_gpu_experiment_quick(tmp_path):
     assert float(cost["ratio"]) <= 4 and float(cost["ratio_same_per_rank"]) <= 4
     md = (tmp_path / "multi_gpu.md").read_text()
     assert "(a) LoHan 2x RTX 4090" in md and "(b) GreedySnake" in md and "(c) simulation wall time" in md
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["capacity", "--hw", "rtx4090-lohan-4gpu", "--gpus", "2", "--nodes", "2"], "describes no network"),
+    (["capacity", "--hw", "rtx4090-lohan-4gpu", "--gpus", "4", "--batch", "6"], "not divisible by 4 ranks"),
+    (["plan", "--model", "tiny-gpt", "--gpus", "2"], "--set topology.gpu_count=2"),
+    (["simulate", "--model", "tiny-gpt", "--hw", "rtx4090-lohan-4gpu", "--gpus", "5"], "has 4"),
+])
+def test_world_flags_bad_input_is_one_line(argv, fragment, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and fragment in err, err

@@ -402,7 +402,13 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     seq = args.seq or 2048
     jobs = len(CAP_FAMILIES) * (2 if hw.ssd.count else 1)
     prog = Progress(jobs, "capacity")
-    answers = largest_all(hw, args.batch, seq, gpus=args.gpus, on_answer=lambda a: prog.step(
+    # check the world once, up front: one line for a bad --gpus / --nodes (not one per worker)
+    from tierflow.planner.core.schedules import check_world
+
+    check_world(hw, args.gpus, args.nodes)
+    if args.batch % (args.gpus * args.nodes):
+        raise CliError(f"--batch {args.batch} is not divisible by {args.gpus * args.nodes} ranks (use a multiple of it)")
+    answers = largest_all(hw, args.batch, seq, gpus=args.gpus, nodes=args.nodes, on_answer=lambda a: prog.step(
         f"{a.family} {'with' if a.with_ssd else 'without'} SSDs"))
     prog.finish()
     checks = []
@@ -410,7 +416,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         from tierflow.planner.search.capacity import fits
 
         m = get_model(name).with_seq(min(seq, get_model(name).max_positions or seq))
-        checks.append((name, {s: fits(m, hw, args.batch, seq, s, args.gpus) for s in (True, False)}))
+        checks.append((name, {s: fits(m, hw, args.batch, seq, s, args.gpus, args.nodes) for s in (True, False)}))
     if args.json:
         print(json.dumps({"hw": hw.name, "batch": args.batch, "seq": seq, "world": world_dict(args), "largest": [
             {"family": a.family, "with_ssd": a.with_ssd, "model": a.model.describe() if a.model else None,
@@ -421,9 +427,11 @@ def cmd_capacity(args: argparse.Namespace) -> int:
             "checks": {n: c for n, c in checks}}, indent=2))
         return 0
     print(f"box: {hw.name}: {hw.summary()}")
-    if args.gpus > 1:
-        print(f"{args.gpus} data-parallel GPUs: each holds its 1/{args.gpus} shard of the states in its 1/{args.gpus} "
-              f"of the host memory and SSDs, and runs {args.batch // args.gpus} of the {args.batch} sequences")
+    W = args.gpus * args.nodes
+    if W > 1:
+        print(f"{W} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes): each holds its 1/{W} shard "
+              f"of the states in its 1/{args.gpus} of its box's host memory and SSDs, and runs {args.batch // W} of the "
+              f"{args.batch} sequences")
     print(f"batch {args.batch} x seq {seq}; most frugal plan: vertical, micro-batch 1, states and checkpoints "
           f"on the SSDs when used (else in CPU memory)")
     rows = []
@@ -573,8 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--seq", type=positive_int(), default=None, help="sequence length (default 2048)")
     ca.add_argument("--model", action="append", help="also check whether this model fits (repeatable)")
     ca.add_argument("--json", action="store_true", help="print the result as JSON")
-    ca.add_argument("--gpus", type=positive_int(1024), default=1,
-                    help="data-parallel GPUs of the box (default 1): each trains its shard in its share of the box")
+    add_world_args(ca)
     ca.set_defaults(func=cmd_capacity)
     co = sub.add_parser("compare", help="predicted vs measured time per op kind and resource (plan vs tierflow run trace)",
                         description="Compare a plan's simulated op times with a trace measured by `tierflow run --out`: "
