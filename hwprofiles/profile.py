@@ -302,8 +302,15 @@ class HardwareProfile:
             if s.count
             else "no SSD"
         )
+        gpus = ""
+        if self.topology is not None and self.topology.gpu_count > 1:
+            t = self.topology
+            gpus = f"{t.gpu_count}x "
+            ssd += f", GPU<->GPU {t.p2p} {_num(t.p2p_gbps)} GB/s"
+        if self.network is not None:
+            ssd += f", network {_num(self.network.gbps)} GB/s"
         return (
-            f"{g.model} {_num(g.memory_gib)} GiB ({_num(g.peak_tflops)} TFLOPS), "
+            f"{gpus}{g.model} {_num(g.memory_gib)} GiB ({_num(g.peak_tflops)} TFLOPS), "
             f"PCIe {p.generation}.0 {_num(p.h2d_gbps)}/{_num(p.d2h_gbps)} GB/s, "
             f"{_num(c.memory_gib)} GiB DRAM, {ssd}"
         )
