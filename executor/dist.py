@@ -38,6 +38,8 @@ from tierflow.planner.core.world import shard_range
 class LaunchError(ValueError):
     """A run launched with another number of processes than its plan's ranks, or a bad launch flag (exit 2)."""
 
+    agreed = True  # every rank finds the same: rank 0 says it
+
 
 @dataclass
 class DistWorld:
@@ -210,6 +212,7 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str, arg
     bad input is 2, a diverged run 4, ...), 0 when all succeeded."""
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -224,6 +227,8 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str, arg
         failure = e.get_first_failure()[1]
         code = failure.exitcode
         return 128 - code if code < 0 else code  # a rank killed by signal S: 128 + S, as a shell reports it
+    except SignalException as e:  # SIGINT / SIGTERM: torchrun passed it on to the ranks, which stop cleanly
+        return 128 + int(e.sigval)
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - the launcher's own failure (rendezvous timeout, port in use, ...)

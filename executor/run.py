@@ -532,7 +532,8 @@ def _says(e: BaseException | None = None) -> bool:
     they agreed on, a stopped run: the mean loss, a checkpoint write) is printed by rank 0 only."""
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
+    if rank == 0:
         return True
     return not (e is None or getattr(e, "agreed", False))
 
@@ -562,8 +563,9 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
             print(f"tierflow run: {e}", file=sys.stderr)
         res, stopped = e.result, e
     except Interrupted as e:
-        print(f"tierflow run: interrupted by {e.name} outside the training steps; stopped cleanly, the SSD tier's "
-              "files removed", file=sys.stderr)
+        if _says():
+            print(f"tierflow run: interrupted by {e.name} outside the training steps; stopped cleanly, the SSD "
+                  "tier's files removed", file=sys.stderr)
         return e.exit_code
     except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan, LockError,
             LaunchError) as e:
