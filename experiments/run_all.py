@@ -1,6 +1,6 @@
 """Regenerate every paper-reproduction experiment and the summary of headline numbers (ours, paper, ratio).
 
-Runs fuyou_lohan, greedysnake_a100, gemini_capacity, own_plans, what_if, race_deepspeed (only where DeepSpeed is
+Runs fuyou_lohan, greedysnake_a100, gemini_capacity, own_plans, what_if, multi_gpu, race_deepspeed (only where DeepSpeed is
 importable: the race against ZeRO-Infinity on this machine) and fidelity (last: predicted against
 published for every headline and LoHan's SSD sweep) in this process (each writes its CSV and PNG under the output
 folder and prints its own tables), then writes summary.csv and summary.md there
@@ -18,6 +18,7 @@ import fidelity
 import fuyou_lohan
 import gemini_capacity
 import greedysnake_a100
+import multi_gpu
 import own_plans
 import race_deepspeed
 import what_if
@@ -29,6 +30,8 @@ STUDIES = {
     "gemini_capacity": gemini_capacity,
     "own_plans": own_plans,
     "what_if": what_if,
+    # several GPUs (issue 19): LoHan's 2x RTX 4090 points (check data), GreedySnake on 4 A100s, simulation cost
+    "multi_gpu": multi_gpu,
     # tierflow against DeepSpeed ZeRO-Infinity on this machine: only where DeepSpeed (the baseline extra) and
     # libaio are installed; otherwise it prints one line and adds no headline
     "race_deepspeed": race_deepspeed,

@@ -9,14 +9,17 @@ Bundled profiles are the ``*.yaml`` files in this package; ``list_profiles()`` n
 """
 
 from .profile import (
+    P2P_CHOICES,
     SCHEMA_VERSION,
     CpuSpec,
     GpuSpec,
     HardwareProfile,
+    NetworkSpec,
     PcieSpec,
     PriceSpec,
     ProfileError,
     SsdSpec,
+    TopologySpec,
     list_profiles,
     load_profile,
     profile_from_dict,
@@ -25,6 +28,9 @@ from .profile import (
 )
 
 __all__ = [
+    "P2P_CHOICES",
+    "NetworkSpec",
+    "TopologySpec",
     "SCHEMA_VERSION",
     "CpuSpec",
     "GpuSpec",

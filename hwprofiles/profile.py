@@ -30,8 +30,13 @@ from .inputs import MIB, InputLimitError, check_yaml_depth, read_limited_text
 
 SCHEMA_VERSION = 1
 RW_SHARING_CHOICES = ("shared", "independent")
+P2P_CHOICES = ("nvlink", "pcie", "host")  # how GPUs of one box exchange data (topology.p2p)
 _SECTIONS = ("gpu", "pcie", "cpu", "ssd", "price")
-_TOP_LEVEL_KEYS = ("schema_version", "name", "description", *_SECTIONS)
+# optional sections (absent: a box with one GPU, no network); to_dict writes them only when present, so a
+# profile without them reads, writes and hashes (plan digests) exactly as before they existed
+_OPTIONAL_SECTIONS = ("topology", "network")
+_TOP_LEVEL_KEYS = ("schema_version", "name", "description", *_SECTIONS, *_OPTIONAL_SECTIONS)
+_REQUIRED_TOP_LEVEL = ("schema_version", "name", "description", *_SECTIONS)
 _FIX_FILE = "fix the value in the file"
 _FIX_OVERRIDE = "fix the override"
 MAX_PROFILE_BYTES = MIB  # a profile is a few KiB of YAML
@@ -210,6 +215,34 @@ class PriceSpec:
 
 
 @dataclass(frozen=True)
+class TopologySpec:
+    """The GPUs of one box and how they reach each other and the host (issue 19)."""
+
+    gpu_count: int  # GPUs in the box
+    gpus_per_switch: int  # GPUs sharing one upstream PCIe link (a PCIe switch or a root port)
+    switch_uplink_gbps: float | None  # that upstream link per direction; None: not a bottleneck
+    p2p: str  # GPU <-> GPU path: "nvlink", "pcie" (peer-to-peer through the PCIe fabric), "host" (staged in DRAM)
+    p2p_gbps: float  # GPU <-> GPU bandwidth per GPU per direction
+    p2p_latency_us: float  # fixed cost of one step of a ring collective between two GPUs of the box
+
+    @property
+    def p2p_latency_s(self) -> float:
+        return self.p2p_latency_us * 1e-6
+
+
+@dataclass(frozen=True)
+class NetworkSpec:
+    """The network between boxes (several nodes)."""
+
+    gbps: float  # per box per direction
+    latency_us: float  # fixed cost of one step of a collective between two boxes
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency_us * 1e-6
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str
     description: str
@@ -219,6 +252,13 @@ class HardwareProfile:
     ssd: SsdSpec
     price: PriceSpec
     source: str = field(default="<dict>", compare=False)  # the file it was loaded from, or "<dict>"
+    topology: TopologySpec | None = None  # None: one GPU
+    network: NetworkSpec | None = None  # None: no network described (one box)
+
+    @property
+    def gpu_count(self) -> int:
+        """GPUs in the box (1 without a topology section)."""
+        return self.topology.gpu_count if self.topology is not None else 1
 
     @property
     def tier_capacity_bytes(self) -> dict[str, float]:
@@ -233,9 +273,10 @@ class HardwareProfile:
             "name": self.name,
             "description": self.description,
         }
-        for section in _SECTIONS:
+        for section in (*_SECTIONS, *_OPTIONAL_SECTIONS):
             spec = getattr(self, section)
-            out[section] = {key: getattr(spec, key) for key in _RULES[section]}
+            if spec is not None:
+                out[section] = {key: getattr(spec, key) for key in _RULES[section]}
         return out
 
     def with_overrides(self, overrides: Mapping[str, object]) -> HardwareProfile:
@@ -248,13 +289,15 @@ class HardwareProfile:
             return self
         source = f"{self.source} (overrides)"
         data = self.to_dict()
-        known = [f"{s}.{k}" for s in _SECTIONS for k in _RULES[s]]
+        known = [f"{s}.{k}" for s in (*_SECTIONS, *_OPTIONAL_SECTIONS) for k in _RULES[s]]
         for dotted, value in overrides.items():
             section, _, key = str(dotted).partition(".")
             if section not in _RULES or key not in _RULES[section]:
                 raise _error(
                     source, str(dotted), "unknown key", _did_you_mean(str(dotted), known, "section.key")
                 )
+            if section not in data:  # an optional section the profile lacks: start from its defaults
+                data[section] = _default_section(section, self)
             data[section][key] = _coerce_override(_RULES[section][key], value)
         suffix = ",".join(
             f"{k}={format_value(data[k.split('.')[0]][k.split('.')[1]])}" for k in sorted(overrides)
@@ -270,8 +313,15 @@ class HardwareProfile:
             if s.count
             else "no SSD"
         )
+        gpus = ""
+        if self.topology is not None and self.topology.gpu_count > 1:
+            t = self.topology
+            gpus = f"{t.gpu_count}x "
+            ssd += f", GPU<->GPU {t.p2p} {_num(t.p2p_gbps)} GB/s"
+        if self.network is not None:
+            ssd += f", network {_num(self.network.gbps)} GB/s"
         return (
-            f"{g.model} {_num(g.memory_gib)} GiB ({_num(g.peak_tflops)} TFLOPS), "
+            f"{gpus}{g.model} {_num(g.memory_gib)} GiB ({_num(g.peak_tflops)} TFLOPS), "
             f"PCIe {p.generation}.0 {_num(p.h2d_gbps)}/{_num(p.d2h_gbps)} GB/s, "
             f"{_num(c.memory_gib)} GiB DRAM, {ssd}"
         )
@@ -372,6 +422,18 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "mixed_efficiency": _optional(0.5, True, 1.0, "of the solo rate", 0.5),
         "latency_us": _optional(0, True, 1e6, "microseconds per SSD op", 1e-3),
     },
+    "topology": {
+        "gpu_count": _Rule("int", 1, True, 1024, "GPUs"),
+        "gpus_per_switch": _Rule("int", 1, True, 1024, "GPUs"),
+        "switch_uplink_gbps": _optional(0, False, 2000, "GB/s", 1e-3),
+        "p2p": _Rule("choice", choices=P2P_CHOICES),
+        "p2p_gbps": _pos(10000, "GB/s per GPU per direction", 1e-3),
+        "p2p_latency_us": _nonneg(1e6, "microseconds", 1e-3),
+    },
+    "network": {
+        "gbps": _pos(100000, "GB/s per box per direction", 1e-4),
+        "latency_us": _nonneg(1e6, "microseconds", 1e-3),
+    },
     "price": {
         "gpu_usd": _pos(1e6, "USD", 1e-2),
         "cpu_memory_usd_per_gib": _pos(1000, "USD per GiB", 1e-4),
@@ -385,7 +447,22 @@ _OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op",
                      "ssd_slowdown_beside_compute"),
              "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps"),
              "pcie": ("latency_us",)}  # keys a profile may leave out (older files), other than ssd's
-_SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec}
+_SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec,
+                 "topology": TopologySpec, "network": NetworkSpec}
+# a fixed cost per ring step when an override adds a section the profile lacks (assumption: the order of
+# NCCL's per-step latency over PCIe or a network, a few to tens of microseconds)
+DEFAULT_LATENCY_US = 10.0
+
+
+def _default_section(section: str, profile: HardwareProfile) -> dict[str, Any]:
+    """The values an override starts from when it sets a key of an optional section the profile lacks: one GPU
+    per box that reaches the others through host memory at the PCIe rate both directions get at once; a network
+    of the PCIe rate."""
+    p = profile.pcie
+    if section == "topology":
+        return {"gpu_count": 1, "gpus_per_switch": 1, "switch_uplink_gbps": None, "p2p": "host",
+                "p2p_gbps": min(p.duplex_h2d_gbps, p.duplex_d2h_gbps), "p2p_latency_us": DEFAULT_LATENCY_US}
+    return {"gbps": min(p.h2d_gbps, p.d2h_gbps), "latency_us": DEFAULT_LATENCY_US}
 
 
 def _did_you_mean(key: str, known: list[str], what: str = "key") -> str:
@@ -516,7 +593,7 @@ def _build(data: object, source: str, fix: str, source_label: str | None = None)
             f"expected a mapping with keys {', '.join(_TOP_LEVEL_KEYS)}, got {type_name(data)}",
             "see hwprofiles/rtx4090-lohan.yaml for the layout",
         )
-    _check_keys(check, "", data, list(_TOP_LEVEL_KEYS), required=list(_TOP_LEVEL_KEYS))
+    _check_keys(check, "", data, list(_TOP_LEVEL_KEYS), required=list(_REQUIRED_TOP_LEVEL))
 
     version = data["schema_version"]
     if isinstance(version, bool) or version != SCHEMA_VERSION:
@@ -534,6 +611,17 @@ def _build(data: object, source: str, fix: str, source_label: str | None = None)
 
     specs: dict[str, Any] = {}
     for section in _SECTIONS:
+        values = data[section]
+        if not isinstance(values, Mapping):
+            raise check.fail(
+                section,
+                f"expected a mapping of keys, got {type_name(values)}",
+                f"write the {section} keys indented under '{section}:'",
+            )
+        specs[section] = _build_section(check, section, values)
+    for section in _OPTIONAL_SECTIONS:
+        if section not in data or data[section] is None:
+            continue
         values = data[section]
         if not isinstance(values, Mapping):
             raise check.fail(
@@ -604,6 +692,12 @@ def _check_relations(check: _Checker, section: str, v: dict[str, Any]) -> None:
             f"must be < {section}.memory_gib ({format_value(v['memory_gib'])}), "
             f"got {format_value(v['reserved_gib'])}",
             f"reserved is the unusable part of memory_gib: lower {section}.reserved_gib or raise memory_gib",
+        )
+    if section == "topology" and v["gpus_per_switch"] > v["gpu_count"]:
+        raise check.fail(
+            "topology.gpus_per_switch",
+            f"must be <= topology.gpu_count ({v['gpu_count']}), got {v['gpus_per_switch']}",
+            "a switch cannot hold more GPUs than the box has",
         )
     if section == "pcie":
         for direction in ("h2d", "d2h"):

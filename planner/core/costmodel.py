@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.workload import BlockCost, Gemm
+from tierflow.planner.core.world import SINGLE, World
 
 CAUSAL_ATTENTION_WORK = 0.5  # a causal flash-attention kernel skips the masked half of the score matrix
 # CPU Adam (DeepSpeed's cpu_adam, fp32 gradients): reads gradient, master, m, v (16 B), writes master, m, v
@@ -73,6 +74,13 @@ class Rates:
     # fixed software cost of one op on each link (pcie.latency_us, ssd.latency_us), before its bytes move
     pcie_latency_s: float = 0.0
     ssd_latency_s: float = 0.0
+    # several ranks (tierflow.planner.core.world): the collectives' rate in bytes one rank receives per second,
+    # their fixed cost (the ring's steps x each step's latency), and what each of those bytes also uses of this
+    # rank's PCIe link (each direction) and of the host memory pool (through-host and PCIe peer-to-peer paths)
+    net: float = 0.0
+    net_latency_s: float = 0.0
+    net_pcie_use: float = 0.0
+    net_dram_use: float = 0.0
 
     def latency_s(self, resource: str) -> float:
         """The fixed cost of one op on `resource` before its work starts flowing (0 for gpu and cpu, whose
@@ -81,6 +89,8 @@ class Rates:
             return self.pcie_latency_s
         if resource in ("ssd_read", "ssd_write"):
             return self.ssd_latency_s
+        if resource == "net":
+            return self.net_latency_s
         return 0.0
 
     @property
@@ -108,8 +118,14 @@ class Rates:
         of a link's work is a byte, of gpu's and cpu's a second of work at solo speed."""
         out = []
         if self.dram_bound:
-            out.append(("dram", self.dram_bps, {"h2d": 1.0, "d2h": 1.0, "ssd_read": 1.0, "ssd_write": 1.0,
-                                                "cpu": self.adam_dram_bps}))
+            use = {"h2d": 1.0, "d2h": 1.0, "ssd_read": 1.0, "ssd_write": 1.0, "cpu": self.adam_dram_bps}
+            if self.net_dram_use > 0:
+                use["net"] = self.net_dram_use
+            out.append(("dram", self.dram_bps, use))
+        if self.net_pcie_use > 0:
+            # collectives through the PCIe fabric share this rank's x16 link with its own copies, each direction
+            out.append(("pcie_h2d", self.h2d, {"h2d": 1.0, "net": self.net_pcie_use}))
+            out.append(("pcie_d2h", self.d2h, {"d2h": 1.0, "net": self.net_pcie_use}))
         if self.core_bound:
             # a device<->host copy is a memcpy on one core; an SSD op of the executor copies through aligned
             # buffers and checksums (CRC32) every byte on the host, one core as well
@@ -128,41 +144,91 @@ class Rates:
         return math.isfinite(self.dram_bps)
 
 
-def link_rates(hw: HardwareProfile) -> Rates:
-    """The link rates of a box (cheap: no cost model is built)."""
+def link_rates(hw: HardwareProfile, world: World | None = None) -> Rates:
+    """The link rates one rank sees on a box (cheap: no cost model is built). With several ranks per box
+    (`world.gpus` > 1) the box's shared resources are divided among them (tierflow.planner.core.world): the SSD
+    array, host memory bandwidth, CPU Adam, and a PCIe switch's uplink among the GPUs behind it."""
     p, s = hw.pcie, hw.ssd
+    world = world or SINGLE
+    g = world.gpus
     mixed = s.mixed_fraction
-    read = s.total_read_gbps * 1e9
-    write = s.total_write_gbps * 1e9
+    read = s.total_read_gbps * 1e9 / g
+    write = s.total_write_gbps * 1e9 / g
+    pcie = {"h2d": p.h2d_gbps * 1e9, "d2h": p.d2h_gbps * 1e9, "h2d_duplex": p.duplex_h2d_gbps * 1e9,
+            "d2h_duplex": p.duplex_d2h_gbps * 1e9}
+    topo = hw.topology
+    if g > 1 and topo is not None and topo.switch_uplink_gbps is not None:
+        # the GPUs behind one switch share its uplink to the host (each direction)
+        share = topo.switch_uplink_gbps * 1e9 / min(topo.gpus_per_switch, g)
+        pcie = {k: min(v, share) for k, v in pcie.items()}
+    adam = hw.cpu.adam_gparams_per_s * 1e9 / g
+    dram = hw.cpu.sustained_memory_bps / g
     return Rates(
-        h2d=p.h2d_gbps * 1e9,
-        d2h=p.d2h_gbps * 1e9,
-        h2d_duplex=p.duplex_h2d_gbps * 1e9,
-        d2h_duplex=p.duplex_d2h_gbps * 1e9,
+        **pcie,
         ssd_read=read,
         ssd_write=write,
         ssd_read_mixed=read * mixed,
         ssd_write_mixed=write * mixed,
-        adam_params_per_s=hw.cpu.adam_gparams_per_s * 1e9,
-        dram_bps=hw.cpu.sustained_memory_bps,
+        adam_params_per_s=adam,
+        dram_bps=dram,
         # a solo rate already includes its own memory limit: alone, CPU Adam never waits for DRAM
-        adam_dram_bps=min(hw.cpu.adam_gparams_per_s * 1e9 * CPU_ADAM_DRAM_BYTES_PER_PARAM,
-                          hw.cpu.sustained_memory_bps),
+        adam_dram_bps=min(adam * CPU_ADAM_DRAM_BYTES_PER_PARAM, dram),
         pcie_latency_s=p.latency_s,
         ssd_latency_s=s.latency_s,
-        **_core_rates(hw),
+        **_core_rates(hw, g),
+        **_net_rates(hw, world),
     )
 
 
-def _core_rates(hw: HardwareProfile) -> dict:
+def _net_rates(hw: HardwareProfile, world: World) -> dict:
+    """The collectives of `world` on `hw` (empty for one rank): a hierarchical ring, first among the boxes (the
+    ranks with the same local index exchange over the network, each box's `network.gbps` shared by its `gpus`
+    ranks), then inside each box over the GPU <-> GPU links. For a vector of S bytes a rank receives
+    (W-1)/W x S in all (the op's work) in time (n-1)/n x S / network + (g-1)/g x S / p2p, so the op's rate is
+    the quotient; each of the (g-1) + (n-1) ring steps costs its link's latency. Through host memory (p2p: host)
+    every byte a rank receives was written to DRAM by its sender's DMA and is read by its own, and crosses its
+    PCIe link in both directions (it sends as much as it receives): 2 bytes of DRAM traffic and 1 of each PCIe
+    direction per byte; peer-to-peer over PCIe loads the links but not DRAM; NVLink neither."""
+    if world.single:
+        return {}
+    g, n = world.gpus, world.nodes
+    topo, netw = hw.topology, hw.network
+    seconds_per_byte = 0.0  # per byte of the vector
+    latency = 0.0
+    pcie_use = dram_use = 0.0
+    if g > 1:
+        if topo is None:
+            raise ValueError(f"{g} GPUs per box, but profile {hw.name} has no topology section "
+                             "(add one, or --set topology.gpu_count=N)")
+        seconds_per_byte += (g - 1) / g / (topo.p2p_gbps * 1e9)
+        latency += (g - 1) * topo.p2p_latency_s
+        if topo.p2p in ("host", "pcie"):
+            pcie_use = 1.0
+        if topo.p2p == "host":
+            dram_use = 2.0
+    if n > 1:
+        if netw is None:
+            raise ValueError(f"{n} boxes, but profile {hw.name} has no network section "
+                             "(add one, or --set network.gbps=N)")
+        seconds_per_byte += (n - 1) / n / (netw.gbps * 1e9)
+        latency += (n - 1) * netw.latency_s
+    W = world.ranks
+    # only the intra-box part of the bytes crosses the GPU's links to the host for the p2p paths; the inter-box
+    # part crosses them too (NIC <-> GPU over PCIe): every byte received is counted once per direction
+    return {"net": (W - 1) / W / seconds_per_byte, "net_latency_s": latency, "net_pcie_use": pcie_use,
+            "net_dram_use": dram_use}
+
+
+def _core_rates(hw: HardwareProfile, gpus: int = 1) -> dict:
     """Core sharing on a host device: compute takes gpu.host_cores, CPU Adam all the cores (torch's intra-op
     threads), each copy or SSD op one core (a memcpy, a checksum); each alone at its solo speed never waits
-    for cores."""
+    for cores. With several ranks per box, each rank gets 1/gpus of the cores."""
     cores, device = hw.cpu.cores, hw.gpu.host_cores
     if cores is None or device is None:
         return {}
-    out = {"cores": float(cores), "gpu_cores": min(float(device), cores), "adam_cores": float(cores),
-           "copy_cores": min(1.0, float(cores))}
+    cores = float(cores) / gpus
+    out = {"cores": cores, "gpu_cores": min(float(device), cores), "adam_cores": cores,
+           "copy_cores": min(1.0, cores)}
     c = hw.cpu
     if c.compute_slowdown_per_io_op is not None and c.compute_slowdown_per_io_op > 1:
         out.update(compute_io_extra=c.compute_slowdown_per_io_op - 1.0,
@@ -174,7 +240,7 @@ def _core_rates(hw: HardwareProfile) -> dict:
 class CostModel:
     """Turns work (FLOPs, bytes, parameters) into seconds on one hardware profile."""
 
-    def __init__(self, hw: HardwareProfile):
+    def __init__(self, hw: HardwareProfile, world: World | None = None):
         self.hw = hw
         g = hw.gpu
         self.peak_flops = g.peak_tflops * 1e12
@@ -186,7 +252,7 @@ class CostModel:
         # bytes/s (gpu.activation_gbps): as measured where the profile has them, else like any GEMM / elementwise
         self.attention_eff = g.attention_efficiency if g.attention_efficiency is not None else 1.0
         self.activation_bps = g.activation_gbps * 1e9 if g.activation_gbps is not None else self.hbm_bps
-        self.rates = link_rates(hw)
+        self.rates = link_rates(hw, world)
 
     # ---- GPU compute ------------------------------------------------------------------------------------------
 

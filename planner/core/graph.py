@@ -18,12 +18,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # networkx is imported only by to_networkx(): ~0.2 s of every command's start-up
     import networkx as nx
 
-RESOURCES = ("gpu", "h2d", "d2h", "ssd_read", "ssd_write", "cpu")
-LINKS = ("h2d", "d2h", "ssd_read", "ssd_write")
+# "net": the collectives of several data-parallel ranks (all-gather of weights, reduce-scatter of gradients);
+# a W = 1 graph has no op on it (tierflow.planner.core.world)
+RESOURCES = ("gpu", "h2d", "d2h", "ssd_read", "ssd_write", "cpu", "net")
+NET = "net"
+HOST_LINKS = ("h2d", "d2h", "ssd_read", "ssd_write")
+LINKS = (*HOST_LINKS, NET)  # resources whose work is bytes
 TIERS = ("gpu", "cpu", "ssd")  # the memory tiers, fastest first (the one definition: placement imports it)
 TIER_INDEX = {t: i for i, t in enumerate(TIERS)}
 # which physical link a transfer resource is, for bytes-per-link reporting
-LINK_NAMES = {"h2d": "cpu->gpu", "d2h": "gpu->cpu", "ssd_read": "ssd->cpu", "ssd_write": "cpu->ssd"}
+LINK_NAMES = {"h2d": "cpu->gpu", "d2h": "gpu->cpu", "ssd_read": "ssd->cpu", "ssd_write": "cpu->ssd", NET: "gpu<->gpu"}
 
 
 @contextmanager
@@ -159,6 +163,17 @@ class TaskGraph:
     num_blocks: int
     meta: dict = field(default_factory=dict)
 
+    def has_net(self) -> bool:
+        """Whether the graph has collectives (several ranks); cached in meta["net"] once known."""
+        if "net" not in self.meta:
+            self.meta["net"] = any(t.resource == NET for t in self.tasks) if self.tasks else False
+        return bool(self.meta["net"])
+
+    def resources(self) -> tuple[str, ...]:
+        """The resources to report for this graph: every one, less `net` when it has no op on it (one rank),
+        so that one-GPU outputs stay as they were before several GPUs existed."""
+        return RESOURCES if self.has_net() else tuple(r for r in RESOURCES if r != NET)
+
     def resource_order(self) -> dict[str, list[int]]:
         """Task ids of each resource in the order the schedule runs them (by key, then creation)."""
         order: dict[str, list[int]] = {r: [] for r in RESOURCES}
@@ -185,7 +200,7 @@ class TaskGraph:
         return g
 
     def bytes_per_link(self, iteration: int | None = None) -> dict[str, float]:
-        out = {LINK_NAMES[link]: 0.0 for link in LINKS}
+        out = {LINK_NAMES[link]: 0.0 for link in (LINKS if self.has_net() else HOST_LINKS)}
         for t in self.tasks:
             if t.resource in LINK_NAMES and (iteration is None or t.iteration == iteration):
                 out[LINK_NAMES[t.resource]] += t.work

@@ -30,6 +30,7 @@ from tierflow.planner.core.workload import (
     head_cost,
     layer_cost,
 )
+from tierflow.planner.core.world import shard_elems
 
 STATE_BYTES = MASTER_BYTES + 2 * ADAM_STATE_BYTES  # fp32 master + Adam m + v, per parameter
 # Host memory the planner leaves free on every box, for what no model counts: the runtime's own allocations,
@@ -62,10 +63,10 @@ def blocks_of(model: ModelSpec, micro_batch: int, seq: int) -> list[BlockCost]:
     return [embed_cost(model, micro_batch, seq)] + [layer] * model.num_layers + [head_cost(model, micro_batch, seq)]
 
 
-def placed_bytes(model: ModelSpec, placement: Placement) -> dict[str, float]:
+def placed_bytes(model: ModelSpec, placement: Placement, ranks: int = 1) -> dict[str, float]:
     """Bytes resident on each tier for the whole run: weights and optimizer states where the placement puts
-    them, plus the SSD space reserved for spilled gradients."""
-    return placed_bytes_of(model.total_params(), placement)
+    them, plus the SSD space reserved for spilled gradients; with several ranks, one rank's shard of them."""
+    return placed_bytes_of(shard_elems(model.total_params(), ranks), placement)
 
 
 def placed_bytes_of(params: int, placement: Placement) -> dict[str, float]:
@@ -78,10 +79,10 @@ def placed_bytes_of(params: int, placement: Placement) -> dict[str, float]:
     return out
 
 
-def static_bytes(model: ModelSpec, placement: Placement, runtime: str = "ideal") -> dict[str, float]:
-    """Bytes resident on each tier for the whole run: the placed tensors, plus the GPU buffers DeepSpeed's
-    runtime holds while the optimizer states are offloaded."""
-    out = placed_bytes(model, placement)
+def static_bytes(model: ModelSpec, placement: Placement, runtime: str = "ideal", ranks: int = 1) -> dict[str, float]:
+    """Bytes resident on each tier for the whole run: the placed tensors (one rank's shard of them), plus the
+    GPU buffers DeepSpeed's runtime holds while the optimizer states are offloaded."""
+    out = placed_bytes(model, placement, ranks)
     if runtime == "deepspeed" and not placement.gpu_optimizer:
         out["gpu"] += deepspeed_gpu_buffers_bytes(model)
     return out
@@ -156,11 +157,13 @@ class ScheduleMemory:
 
 def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_batches: int, group: int,
                     alpha: float, optimizer_overlap: bool, prefetch_depth: int, act_prefetch: int = 2,
-                    runtime: str = "ideal") -> ScheduleMemory:
-    """The memory a schedule with these settings needs besides its placed tensors (see the module doc)."""
+                    runtime: str = "ideal", ranks: int = 1) -> ScheduleMemory:
+    """The memory a schedule with these settings needs besides its placed tensors (see the module doc). With
+    several ranks (`ranks` > 1, `num_micro_batches` per rank), one rank's: its shard of the gradients, states and
+    weights on the host and the SSDs; full blocks on the GPU (gathered weights, full gradients)."""
     blocks = blocks_of(model, micro_batch, seq)
     layer = blocks[1] if model.num_layers else blocks[0]
-    params = model.total_params()
+    params = shard_elems(model.total_params(), ranks)
     L = max(model.num_layers, 1)
     # n blocks in flight at once hold at most the n largest blocks' bytes (for small models the embedding and a
     # tied head are far larger than a layer, and counting every block in flight at the largest size overstates it)
@@ -175,12 +178,15 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
     else:
         # the block whose Adam runs, the next ones whose backward finished meanwhile, and alpha of every block
         # (a CPU Adam slower than the backward lets more wait: the simulator then delays offloads or overflows)
-        grads = GRAD_ACCUM_BYTES * (largest(fetched, 3) + alpha * params)
+        grads = GRAD_ACCUM_BYTES * (largest(fetched, 3) + alpha * model.total_params())
     # in flight at once: weights read from the SSD ahead of their fetch (prefetch_depth + 2 uses), optimizer
     # states of three blocks (read next, updated now, written back), a spilled gradient read back
     weight_staging = COMPUTE_BYTES * largest(fetched, prefetch_depth + 2)
     state_staging = STATE_BYTES * largest(owned, 3)
     grad_staging = GRAD_ACCUM_BYTES * largest(fetched, 2)
+    if ranks > 1:  # the host and the SSDs hold and stream one rank's shard of every block
+        grads, weight_staging, state_staging, grad_staging = (
+            x / ranks for x in (grads, weight_staging, state_staging, grad_staging))
     # checkpoints pass through host memory on their way to the SSDs and back: the one being written, the one
     # read back for the step in use and those read ahead for the next act_prefetch steps
     ckpt_staging = (act_prefetch + 2) * layer.checkpoint_bytes

@@ -39,6 +39,7 @@ from tierflow.planner.core.workload import (
     GRAD_WIRE_BYTES,
     MASTER_BYTES,
 )
+from tierflow.planner.core.world import World, rank_capacity_bytes, shard_elems
 
 FAMILIES = ("horizontal", "vertical", "fuyou", "block")
 # How a schedule's transfers may overlap: "ideal" is tierflow's executor (every transfer runs as early as the
@@ -79,10 +80,21 @@ class ScheduleConfig:
     swap_layers: int = 0  # the last n layers keep (and swap out) all their activations instead of recomputing
     iterations: int = 3  # iterations simulated; the one before the last is reported as the steady state
     runtime: str = "ideal"  # how transfers overlap: RUNTIMES
+    gpus: int = 1  # data-parallel ranks per box (tierflow.planner.core.world)
+    nodes: int = 1  # boxes
+
+    @property
+    def world(self) -> World:
+        return World(self.gpus, self.nodes)
+
+    @property
+    def ranks(self) -> int:
+        return self.gpus * self.nodes
 
     @property
     def num_micro_batches(self) -> int:
-        return self.batch // self.micro_batch
+        """Micro-batches of ONE rank per iteration: the global batch split over the ranks, then into micro-batches."""
+        return self.batch // (self.micro_batch * self.ranks)
 
     def recomputes(self, block: int, num_layers: int) -> bool:
         """Is decoder layer `block` (1..num_layers) recomputed in backward? The last `swap_layers` layers keep
@@ -94,7 +106,9 @@ class ScheduleConfig:
         return (num_layers - self.swap_layers) / num_layers if self.recompute and num_layers else 0.0
 
     def describe(self) -> str:
-        return (f"{self.family}: batch {self.batch} = {self.num_micro_batches} x {self.micro_batch}, group {self.group}, "
+        world = "" if self.ranks == 1 else f" over {self.ranks} ranks ({self.gpus} GPUs x {self.nodes} boxes)"
+        per = "" if self.ranks == 1 else f"{self.ranks} x "
+        return (f"{self.family}: batch {self.batch} = {per}{self.num_micro_batches} x {self.micro_batch}{world}, group {self.group}, "
                 f"alpha {self.alpha:g}, prefetch {self.prefetch_depth}, "
                 f"{'recompute' if self.recompute else 'no recompute'}{f', {self.swap_layers} layers swapped' if self.swap_layers else ''}"
                 f"{'' if self.runtime == 'ideal' else f', as {self.runtime} runs it'}")
@@ -106,6 +120,8 @@ class ScheduleConfig:
             "prefetch_depth": self.prefetch_depth, "act_prefetch": self.act_prefetch, "recompute": self.recompute,
             "swap_layers": self.swap_layers,
             "iterations": self.iterations, "runtime": self.runtime, "placement": self.placement.as_dict(),
+            # one rank: left out, so that one-GPU plans and their digests stay as they were
+            **({"gpus": self.gpus, "nodes": self.nodes} if self.ranks != 1 else {}),
         }
 
     @classmethod
@@ -121,14 +137,17 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     horizontal schedule go to the SSD with the optimizer, as ZeRO-Infinity does), then weights, then optimizer
     states; the rest on SSD. Fuyou keeps weights and optimizer states on the SSDs even when host memory could hold
     them (REFERENCE.md section 1: "fp16 weights on SSD read twice per iteration ... fp32 master + m + v on SSD",
-    docs/baselines-as-coded.md section B); its gradients and checkpoints stay in host memory."""
-    params = model.total_params()
+    docs/baselines-as-coded.md section B); its gradients and checkpoints stay in host memory. With several ranks,
+    one rank's shard of the states in its share of the box's host memory (tierflow.planner.core.world)."""
+    params = shard_elems(model.total_params(), cfg.ranks)
     mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq, num_micro_batches=cfg.num_micro_batches,
                           group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
-                          prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime)
+                          prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime,
+                          ranks=cfg.ranks)
     # staging buffers for whatever may stream from the SSDs (all of it on a box with SSDs)
     staging = mem.host_staging_bytes if hw.ssd.count > 0 else 0.0
-    budget = float(hw.cpu.capacity_bytes) - staging - host_reserve_bytes(hw.cpu.capacity_bytes)
+    cpu_cap = rank_capacity_bytes(hw, cfg.gpus)["cpu"]
+    budget = float(cpu_cap) - staging - host_reserve_bytes(cpu_cap)
     ssd = hw.ssd.count > 0
     if cfg.family == "horizontal" and ssd:
         # ZeRO-Infinity puts the fp32 gradients on NVMe with the optimizer when the optimizer is there
@@ -148,23 +167,42 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     return Placement(weights=weights, master=states, adam_m=states, adam_v=states, grads=grads, checkpoints=ckpt)
 
 
+def check_world(hw: HardwareProfile, gpus: int, nodes: int) -> None:
+    """ScheduleError unless `gpus` ranks per box on `nodes` boxes can run on `hw`."""
+    for name, v in (("gpus", gpus), ("nodes", nodes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ScheduleError(f"{name} must be a positive integer, got {v!r} (use --{name} 1 or more)")
+    if gpus > hw.gpu_count:
+        raise ScheduleError(f"{gpus} GPUs per box, but profile {hw.name} has {hw.gpu_count} (use --gpus <= "
+                            f"{hw.gpu_count}, a profile with more GPUs, or --set topology.gpu_count={gpus})")
+    if nodes > 1 and hw.network is None:
+        raise ScheduleError(f"{nodes} boxes, but profile {hw.name} describes no network between boxes (add a "
+                            "network section to the profile, or --set network.gbps=N)")
+
+
 def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: int, micro_batch: int,
                   seq: int | None = None, placement: Placement | None = None, group: int | None = None,
                   alpha: float | None = None, prefetch_depth: int = 1, recompute: bool = True,
                   swap_layers: int = 0, act_prefetch: int = 2, iterations: int = 3,
-                  runtime: str | None = None) -> ScheduleConfig:
+                  runtime: str | None = None, gpus: int = 1, nodes: int = 1) -> ScheduleConfig:
     """A schedule of one family with that family's defaults for everything not given. `horizontal` runs as
-    DeepSpeed runs ZeRO-Infinity unless `runtime="ideal"` asks for the idealised baseline."""
+    DeepSpeed runs ZeRO-Infinity unless `runtime="ideal"` asks for the idealised baseline. `gpus` ranks per box
+    on `nodes` boxes split the global `batch` among them (tierflow.planner.core.world)."""
     if family not in FAMILIES:
         raise ScheduleError(f"unknown schedule {family!r} (known: {', '.join(FAMILIES)}, all)")
     seq = seq or model.seq_len
     if batch <= 0 or micro_batch <= 0:
         raise ScheduleError(f"batch ({batch}) and micro-batch ({micro_batch}) must be positive")
+    check_world(hw, gpus, nodes)
     if batch % micro_batch:
         raise ScheduleError(f"batch {batch} is not divisible by micro-batch {micro_batch} (use a micro-batch that divides it)")
+    W = gpus * nodes
+    if batch % (W * micro_batch):
+        raise ScheduleError(f"batch {batch} is not divisible by {W} ranks x micro-batch {micro_batch} = "
+                            f"{W * micro_batch} (use a batch that is a multiple of it, or a smaller micro-batch)")
     if model.max_positions and seq > model.max_positions:
         raise ScheduleError(f"seq {seq} exceeds the {model.max_positions} positions of {model.name} (use --seq <= {model.max_positions})")
-    M = batch // micro_batch
+    M = batch // (micro_batch * W)
     if group is not None and FIXED_GROUP[family] is not None:
         raise ScheduleError(f"--group applies to the block schedule only: {family} runs {FIXED_GROUP[family]} "
                             f"micro-batch(es) per block sweep (use --schedule block --group {group})")
@@ -195,7 +233,7 @@ def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: 
     cfg = ScheduleConfig(family=family_of(g, M, overlap), batch=batch, micro_batch=micro_batch, seq=seq,
                          placement=placement or Placement(), group=g, alpha=a, optimizer_overlap=overlap,
                          prefetch_depth=prefetch_depth, recompute=recompute, swap_layers=swap_layers,
-                         act_prefetch=act_prefetch, iterations=iterations, runtime=runtime)
+                         act_prefetch=act_prefetch, iterations=iterations, runtime=runtime, gpus=gpus, nodes=nodes)
     if placement is None:
         cfg = replace(cfg, placement=default_placement(model, hw, cfg))
     return cfg
@@ -255,13 +293,20 @@ class _Use:
     steps: list[int] = field(default_factory=list)
     last_task: int = -1
     fetch_h2d: Task | None = None
+    gather: Task | None = None  # all_gather_weights of the use (several ranks)
     gpu_bytes: float = 0.0
+
+    @property
+    def ready_task(self) -> Task | None:
+        """The task after which the use's weights are complete on the GPU."""
+        return self.gather if self.gather is not None else self.fetch_h2d
 
 
 class _Builder:
     def __init__(self, model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig):
         self.model, self.hw, self.cfg = model, hw, cfg
-        self.cost = CostModel(hw)
+        self.W = cfg.ranks
+        self.cost = CostModel(hw, cfg.world)
         self.g = GraphBuilder()
         self.blocks = blocks_of(model, cfg.micro_batch, cfg.seq)
         self.nb = len(self.blocks)
@@ -283,6 +328,14 @@ class _Builder:
     def rec(self, b: int) -> bool:
         """Is layer block b recomputed in backward? (ScheduleConfig.recomputes)"""
         return self.cfg.recomputes(b, self.L)
+
+    def shard(self, n: int) -> int:
+        """Elements of an n-element block vector that this rank (rank 0) owns."""
+        return shard_elems(n, self.W)
+
+    def collective_bytes(self, nbytes: float) -> float:
+        """Bytes one rank receives in a ring all-gather or reduce-scatter of a vector of `nbytes`."""
+        return (self.W - 1) / self.W * nbytes
 
     def prev_step_task(self, k: int) -> int:
         return self.step_task[k] if 0 <= k < len(self.step_task) else -1
@@ -333,8 +386,10 @@ class _Builder:
         blk = self.blocks[b]
         w = self.p.weights
         deps = list(self.resident_update.get(b, []))
-        off = blk.weight_bytes * w.off_gpu
-        if off <= 0:
+        # this rank's shard of the block (the whole block with one rank) crosses its links
+        mine = blk.weight_bytes if self.W == 1 else COMPUTE_BYTES * self.shard(blk.fetch_params)
+        off = mine * w.off_gpu
+        if off <= 0 and self.W == 1:
             return deps
         g, d = self.g, self.cfg.prefetch_depth
         if self.cfg.runtime == "deepspeed" and w.ssd > 0:
@@ -359,18 +414,31 @@ class _Builder:
             # waiting for last iteration's optimizer: never queue ahead of that iteration's own transfers
             floor = self.clock.step(it, 0) + Offset.OPTIMIZER_FLOOR
         read = None
-        to_ssd = blk.weight_bytes * w.ssd
+        to_ssd = mine * w.ssd
         if to_ssd > 0:
             read = g.add("read_weights", "ssd_read", to_ssd, tensor="weights", block=b, mb=-1, iteration=it,
                          key=max(first_key(u - d - 1), floor), deps=[last_task(u - d - 2), *ready])
             g.alloc(read, "cpu", to_ssd)
-        h = g.add("fetch_weights", "h2d", off, tensor="weights", block=b, mb=-1, iteration=it,
-                  key=max(first_key(u - d), floor), deps=[read.id if read else -1, last_task(u - d - 1), *ready])
-        g.alloc(h, "gpu", off)
-        g.free(h, "cpu", to_ssd)
-        use.fetch_h2d = h
-        use.gpu_bytes = off
-        return deps + [h.id]
+        # the device buffer of the full block, less the part of it this rank keeps resident, taken at the fetch
+        buffer = off if self.W == 1 else blk.weight_bytes - mine * w.gpu
+        h = None
+        if off > 0:
+            h = g.add("fetch_weights", "h2d", off, tensor="weights", block=b, mb=-1, iteration=it,
+                      key=max(first_key(u - d), floor), deps=[read.id if read else -1, last_task(u - d - 1), *ready])
+            g.alloc(h, "gpu", buffer)
+            g.free(h, "cpu", to_ssd)
+            use.fetch_h2d = h
+        use.gpu_bytes = buffer
+        if self.W == 1:
+            return deps + [h.id]
+        # the other ranks' shards: a ring all-gather into the rest of the buffer
+        gather_deps = [h.id] if h is not None else [last_task(u - d - 1), *deps]
+        a = g.add("all_gather_weights", "net", self.collective_bytes(blk.weight_bytes), tensor="weights", block=b,
+                  mb=-1, iteration=it, key=max(first_key(u - d), floor), deps=gather_deps)
+        if h is None:
+            g.alloc(a, "gpu", buffer)
+        use.gather = a
+        return deps + [a.id]
 
     # -- the iteration ------------------------------------------------------------------------------------------
 
@@ -392,10 +460,12 @@ class _Builder:
                 st.use = len(self.uses) - 1
             self.step_key.extend(self.clock.steps(it))
             self.build_iteration(it, base, seq_steps)
-        static = static_bytes(self.model, self.p, cfg.runtime)
-        cap = self.hw.tier_capacity_bytes
-        return TaskGraph(g.tasks, static, cap, cfg.iterations, self.nb,
-                         meta={"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations})
+        static = static_bytes(self.model, self.p, cfg.runtime, self.W)
+        cap = rank_capacity_bytes(self.hw, cfg.gpus)
+        meta = {"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations}
+        if self.W > 1:
+            meta["world"] = cfg.world.to_dict()
+        return TaskGraph(g.tasks, static, cap, cfg.iterations, self.nb, meta=meta)
 
     def build_iteration(self, it: int, base: int, seq_steps: list[_Step]) -> None:
         g, p = self.g, self.p
@@ -425,8 +495,8 @@ class _Builder:
             free_gpu = 0.0
             if k == use.first_step:
                 deps += self.fetch_weights(st.use, it)
-            elif use.fetch_h2d is not None:
-                deps.append(use.fetch_h2d.id)
+            elif use.ready_task is not None:
+                deps.append(use.ready_task.id)
             prev = self.prev_step_task(k - 1)
 
             if st.phase == "F":
@@ -528,18 +598,27 @@ class _Builder:
             g.alloc(t, "gpu", grad_gpu_bytes)
         if p.gpu_optimizer:
             grad_last[b] = [t.id]
+            if self.W > 1 and k == self.cur_last_step[b]:  # the final gradient: sum it, keep this rank's shard
+                grad_last[b] = [self._reduce_scatter(t, b, it).id]
             return
         if k != use.steps[-1]:
             return
         if p.grads.gpu == 1.0 and k != self.cur_last_step[b]:
             return
-        d2h = g.add("offload_grads", "d2h", GRAD_WIRE_BYTES * blk.fetch_params, tensor="grads", block=b, mb=-1,
-                    iteration=it, key=t.key + Offset.OFFLOAD, deps=[t.id])
+        src = t if self.W == 1 else self._reduce_scatter(t, b, it)
+        d2h = g.add("offload_grads", "d2h", GRAD_WIRE_BYTES * self.shard(blk.fetch_params), tensor="grads", block=b,
+                    mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[src.id])
         g.free(d2h, "gpu", grad_gpu_bytes)
         if b not in host_grad_alloc:
             host_grad_alloc.add(b)
-            g.alloc(d2h, "cpu", GRAD_ACCUM_BYTES * blk.fetch_params)
+            g.alloc(d2h, "cpu", GRAD_ACCUM_BYTES * self.shard(blk.fetch_params))
         grad_last[b] = [d2h.id]
+
+    def _reduce_scatter(self, t: Task, b: int, it: int) -> Task:
+        """The ranks' gradients of block b summed, this rank's shard kept (a ring reduce-scatter after `t`)."""
+        wire = GRAD_WIRE_BYTES * self.blocks[b].fetch_params
+        return self.g.add("reduce_scatter_grads", "net", self.collective_bytes(wire), tensor="grads", block=b,
+                          mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[t.id])
 
     def _optimizer(self, it: int, base: int, seq_steps: list[_Step], grad_last: dict, last_step_of_block: dict,
                    first_fwd_idx: dict) -> None:
@@ -558,18 +637,19 @@ class _Builder:
             grads_ready = list(grad_last[b])
             if b == 0 and model.tied_embeddings:
                 grads_ready += grad_last[self.head]
-            owned = blk.owned_params
+            owned = self.shard(blk.owned_params)  # this rank's shard of the block's states
+            fetch_params = self.shard(blk.fetch_params)
             if owned == 0:
                 continue
             if p.gpu_optimizer:
                 t = g.add("adam_gpu", "gpu", self.cost.gpu_adam_s(owned), tensor="opt_states", block=b, mb=-1,
                           iteration=it, key=key + Offset.ADAM_GPU, deps=grads_ready + barrier)
-                g.free(t, "gpu", GRAD_ACCUM_BYTES * blk.fetch_params)  # the step consumes the gradient buffer
+                g.free(t, "gpu", GRAD_ACCUM_BYTES * blk.fetch_params)  # the step consumes the (full) gradient buffer
                 self.resident_update[b] = [t.id]
                 self.weights_ready[b] = [t.id]
                 continue
             states_ssd = owned * (MASTER_BYTES * p.master.ssd + ADAM_STATE_BYTES * (p.adam_m.ssd + p.adam_v.ssd))
-            grads_ssd = GRAD_ACCUM_BYTES * blk.fetch_params * p.grads.ssd
+            grads_ssd = GRAD_ACCUM_BYTES * fetch_params * p.grads.ssd
             w_ssd = COMPUTE_BYTES * owned * p.weights.ssd
             w_gpu = COMPUTE_BYTES * owned * p.weights.gpu
             pre: list[int] = []
@@ -606,7 +686,7 @@ class _Builder:
                 if kind == "adam":
                     prev_main = a.id
                 # each part is done with its slice of the fp32 gradient
-                g.free(a, "cpu", frac * (GRAD_ACCUM_BYTES * blk.fetch_params * (1 - p.grads.ssd) + grads_ssd))
+                g.free(a, "cpu", frac * (GRAD_ACCUM_BYTES * fetch_params * (1 - p.grads.ssd) + grads_ssd))
                 prev_part = a.id
                 if states_ssd + w_ssd > 0:
                     wb = g.add("write_opt_states", "ssd_write", (states_ssd + w_ssd) * frac, tensor="opt_states",

@@ -20,9 +20,12 @@ def resolve(model: ModelSpec | str, hw: HardwareProfile | str) -> tuple[ModelSpe
 
 def simulate_config(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
                     graph: TaskGraph | None = None) -> SimResult:
-    """Build the task graph of `cfg` (unless given) and simulate it; fills in tokens and FLOPs."""
+    """Build the task graph of `cfg` (unless given) and simulate it; fills in tokens and FLOPs. With several
+    ranks the graph is one rank's and the tokens and FLOPs are the whole world's (the global batch)."""
     graph = graph or build_graph(model, hw, cfg)
-    res = simulate_graph(graph, hw)
+    if cfg.ranks > 1:
+        graph.meta["world"] = cfg.world.to_dict()
+    res = simulate_graph(graph, hw, cfg.world)
     tokens = cfg.batch * cfg.seq
     res.tokens_per_iteration = tokens
     res.model_flops_per_iteration = tokens * model_flops_per_token(model, cfg.seq)

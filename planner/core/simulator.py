@@ -25,7 +25,8 @@ import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.costmodel import link_rates
-from tierflow.planner.core.graph import LINK_NAMES, RESOURCES, TIERS, TaskGraph, gc_paused
+from tierflow.planner.core.graph import LINK_NAMES, NET, RESOURCES, TIERS, TaskGraph, gc_paused
+from tierflow.planner.core.world import SINGLE, World
 
 _EPS_BYTES = 1.0
 
@@ -59,7 +60,23 @@ class SimResult:
 
     @property
     def tokens_per_s(self) -> float:
+        """Tokens per second of the whole world (every rank)."""
         return self.tokens_per_iteration / self.iteration_s
+
+    @property
+    def world(self) -> dict:
+        """{gpus, nodes, ranks} of the run (one rank unless the graph says otherwise)."""
+        return dict(self.graph.meta.get("world") or {"gpus": 1, "nodes": 1, "ranks": 1})
+
+    @property
+    def ranks(self) -> int:
+        return int(self.world["ranks"])
+
+    def per_gpu(self) -> dict:
+        """Throughput per GPU (rank): the world's divided by the ranks."""
+        r = self.ranks
+        return {"tokens_per_s_per_gpu": self.tokens_per_s / r, "model_tflops_per_gpu": self.model_tflops / r,
+                "hw_tflops_per_gpu": self.hw_tflops / r}
 
     @property
     def model_tflops(self) -> float:
@@ -86,7 +103,7 @@ class SimResult:
         every metric and peak stays; timeline() needs the full result."""
         g = self.graph
         shell = TaskGraph([], g.static_bytes, g.capacity_bytes, g.num_iterations, g.num_blocks,
-                          meta={**g.meta, "tasks": len(g.tasks)})
+                          meta={**g.meta, "tasks": len(g.tasks), "net": g.has_net()})
         return replace(self, graph=shell, start_s=np.empty(0), end_s=np.empty(0), memory_trace=[])
 
     def to_dict(self) -> dict:
@@ -101,19 +118,25 @@ class SimResult:
             "capacity_bytes": dict(self.graph.capacity_bytes),
             "tasks": self.graph.meta.get("tasks", len(self.graph.tasks)),
             "iterations_simulated": self.graph.num_iterations,
+            # several ranks: the world and per-GPU throughput (left out for one, whose output stays as it was)
+            **({"world": self.world, **self.per_gpu()} if self.ranks > 1 else {}),
             # an executor's measurement: the device allocator's peaks (bytes), where the device measures them
             **({"measured_device_memory": dict(self.meta["device_memory"])} if self.meta.get("device_memory") else {}),
         }
 
 
-def simulate_graph(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
-    """Play `graph` on `hw`; returns times of every task and the steady-state metrics (see _summarize)."""
+def simulate_graph(graph: TaskGraph, hw: HardwareProfile, world: World | None = None) -> SimResult:
+    """Play `graph` on `hw`; returns times of every task and the steady-state metrics (see _summarize). With
+    several ranks (`world`, else the graph's meta["world"]) the graph is one rank's, on its share of the box
+    (tierflow.planner.core.world)."""
+    if world is None and "world" in graph.meta:
+        world = World(graph.meta["world"]["gpus"], graph.meta["world"]["nodes"])
     with gc_paused():
-        return _simulate(graph, hw)
+        return _simulate(graph, hw, world or SINGLE)
 
 
-def _simulate(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
-    rates = link_rates(hw)
+def _simulate(graph: TaskGraph, hw: HardwareProfile, world: World) -> SimResult:
+    rates = link_rates(hw, world)
     tasks = graph.tasks
     n = len(tasks)
     R = len(RESOURCES)
@@ -150,6 +173,10 @@ def _simulate(graph: TaskGraph, hw: HardwareProfile) -> SimResult:
         ia, ib = ridx[a], ridx[b]
         partner[ia], partner[ib] = ib, ia
         solo[ia], solo[ib], duplex[ia], duplex[ib] = sa, sb, da, db
+    solo[ridx[NET]] = duplex[ridx[NET]] = rates.net
+    if rates.net <= 0 and any(t.resource == NET for t in tasks):
+        raise SimulationError("the graph has collectives (net ops) but the world has one rank: simulate it "
+                              "with the plan's gpus and nodes")
 
     cap = [graph.capacity_bytes[t] for t in TIERS]
     mem = [graph.static_bytes[t] for t in TIERS]
@@ -351,7 +378,7 @@ def summarize(graph: TaskGraph, start: np.ndarray, end: np.ndarray, peak: list[f
         w0, iteration_s = 0.0, float(np.nanmax(end))
     w1 = w0 + iteration_s
     busy = {}
-    for r in RESOURCES:
+    for r in graph.resources():
         m = res == r
         s = np.clip(start[m], w0, w1)
         e = np.clip(end[m], w0, w1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tierflow.planner.core.graph import RESOURCES, TIERS
+from tierflow.planner.core.graph import TIERS
 from tierflow.planner.core.jsonio import write_json
 from tierflow.planner.core.simulator import SimResult
 
@@ -39,10 +39,11 @@ def write_timeline_csv(res: SimResult, path: str | Path) -> None:
 def chrome_trace(res: SimResult, name: str = "tierflow") -> dict:
     """Chrome trace events: one thread (track) per resource, one counter track of bytes per memory tier."""
     events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": name}}]
-    for i, r in enumerate(RESOURCES):
+    resources = res.graph.resources()
+    for i, r in enumerate(resources):
         events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": i, "args": {"name": r}})
         events.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": i, "args": {"sort_index": i}})
-    tid = {r: i for i, r in enumerate(RESOURCES)}
+    tid = {r: i for i, r in enumerate(resources)}
     for t in res.graph.tasks:
         s, e = float(res.start_s[t.id]), float(res.end_s[t.id])
         args = {"id": t.id, "kind": t.kind, "tensor": t.tensor, "block": t.block, "mb": t.mb, "iteration": t.iteration}
@@ -112,11 +113,12 @@ def _draw_bars(ax, res: SimResult, w0: float, w1: float, x0: float, edges: bool 
     import matplotlib.colors as mcolors
 
     bars: dict[tuple[int, str, bool], list[tuple[float, float]]] = {}
+    row_of = {r: i for i, r in enumerate(res.graph.resources())}
     for t in res.graph.tasks:
         s, e = float(res.start_s[t.id]), float(res.end_s[t.id])
         if e < w0 or s > w1 or e <= s:
             continue
-        key = (RESOURCES.index(t.resource), _color(t.kind, t.tensor), _is_compute(t.resource))
+        key = (row_of[t.resource], _color(t.kind, t.tensor), _is_compute(t.resource))
         bars.setdefault(key, []).append((s - x0, e - s))
     for (row, color, compute), spans in bars.items():
         if compute:
@@ -128,9 +130,10 @@ def _draw_bars(ax, res: SimResult, w0: float, w1: float, x0: float, edges: bool 
             wide = [sp for sp in spans if sp[1] > (w1 - w0) / 200] if edges else []
             if wide:  # the hatch takes the edge colour: the white outline is a second, unfilled pass (wide bars only)
                 ax.broken_barh(wide, (row - 0.4, 0.8), facecolors="none", edgecolor="white", linewidth=0.6)
-    ax.set_yticks(range(len(RESOURCES)))
-    ax.set_yticklabels(RESOURCES)
-    ax.set_ylim(len(RESOURCES) - 0.5, -0.5)
+    resources = res.graph.resources()
+    ax.set_yticks(range(len(resources)))
+    ax.set_yticklabels(resources)
+    ax.set_ylim(len(resources) - 0.5, -0.5)
 
 
 def _legend(ax) -> None:

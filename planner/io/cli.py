@@ -58,11 +58,11 @@ def fmt_table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def _busy(k: str, r: SimResult) -> str:
-    return f"{100 * r.busy[k]:.0f}%"
+    return f"{100 * r.busy.get(k, 0.0):.0f}%"
 
 
 def _link(k: str, r: SimResult) -> str:
-    return gb(r.link_bytes[k])
+    return gb(r.link_bytes.get(k, 0.0))
 
 
 def _peak(k: str, r: SimResult) -> str:
@@ -77,8 +77,14 @@ def summary_table(results: dict[str, SimResult | Exception]) -> str:
         ("model TFLOPS", lambda r: f"{r.model_tflops:.1f}"),
         ("hardware TFLOPS", lambda r: f"{r.hw_tflops:.1f}"),
     ]
-    metrics += [(f"busy {k}", partial(_busy, k)) for k in ("gpu", "h2d", "d2h", "ssd_read", "ssd_write", "cpu")]
-    metrics += [(f"bytes {k}", partial(_link, k)) for k in ("cpu->gpu", "gpu->cpu", "ssd->cpu", "cpu->ssd")]
+    many = any(isinstance(r, SimResult) and r.ranks > 1 for r in results.values())
+    if many:  # several ranks: the figures above are the world's; per GPU, and the collectives' link
+        metrics += [("tokens/s per GPU", lambda r: f"{r.per_gpu()['tokens_per_s_per_gpu']:,.0f}"),
+                    ("hardware TFLOPS per GPU", lambda r: f"{r.per_gpu()['hw_tflops_per_gpu']:.1f}")]
+    busy = ("gpu", "h2d", "d2h", "ssd_read", "ssd_write", "cpu") + (("net",) if many else ())
+    links = ("cpu->gpu", "gpu->cpu", "ssd->cpu", "cpu->ssd") + (("gpu<->gpu",) if many else ())
+    metrics += [(f"busy {k}", partial(_busy, k)) for k in busy]
+    metrics += [(f"bytes {k}", partial(_link, k)) for k in links]
     metrics += [(f"peak {k}", partial(_peak, k)) for k in ("gpu", "cpu", "ssd")]
     rows = []
     for label, fn in metrics:
@@ -165,7 +171,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         cfg = make_schedule(fam, model, hw, batch=args.batch, micro_batch=args.micro_batch, seq=model.seq_len,
                             placement=placement, group=args.group, alpha=args.alpha,
                             prefetch_depth=args.prefetch, recompute=not args.no_recompute, runtime=args.runtime,
-                            iterations=args.iterations, swap_layers=args.swap_layers)
+                            iterations=args.iterations, swap_layers=args.swap_layers, gpus=args.gpus,
+                            nodes=args.nodes)
         configs[fam] = cfg
         try:
             results[fam] = simulate_config(model, hw, cfg)
@@ -191,21 +198,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 write_outputs(r, d, name=f"{model.name} on {hw.name}: {fam}")
     if args.json:
         out = {"model": model.name, "params": model.total_params(), "hw": hw.name, "batch": args.batch,
-               "micro_batch": args.micro_batch, "seq": model.seq_len, "schedules": {}}
+               "micro_batch": args.micro_batch, "seq": model.seq_len, "world": world_dict(args), "schedules": {}}
         for fam, r in results.items():
             if isinstance(r, SimResult):
-                out["schedules"][fam] = {"params": model.total_params(), **r.to_dict(),
-                                         "schedule": r.meta.get("schedule")}
+                out["schedules"][fam] = {"params": model.total_params(), **r.to_dict(), **r.per_gpu(),
+                                         "world": r.world, "schedule": r.meta.get("schedule")}
             else:
                 out["schedules"][fam] = {"error": str(r)}
         if len(families) == 1:
             out = {**out, **out["schedules"][families[0]]}
         print(json.dumps(out, indent=2))
         return 0
-    M = args.batch // args.micro_batch
+    W = args.gpus * args.nodes
+    M = args.batch // (args.micro_batch * W)
     print(f"{model.describe()}")
     print(f"box: {hw.name}: {hw.summary()}")
-    print(f"batch {args.batch} sequences x {model.seq_len} tokens = {M} micro-batches of {args.micro_batch}")
+    if W == 1:
+        print(f"batch {args.batch} sequences x {model.seq_len} tokens = {M} micro-batches of {args.micro_batch}")
+    else:
+        print(f"{W} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes); global batch {args.batch} "
+              f"sequences x {model.seq_len} tokens = {W} ranks x {M} micro-batches of {args.micro_batch}; "
+              "throughput below is the world's, per GPU where said")
     for fam, r in results.items():
         if isinstance(r, SimResult):
             print(f"  {fam:<11} placement: {Placement.from_dict(r.meta['schedule']['placement']).describe()}")
@@ -228,6 +241,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if written:
         print(f"wrote plan {written.path} (run it with: tierflow run {written.path})")
     return 0
+
+
+def world_dict(args: argparse.Namespace) -> dict[str, int]:
+    """{gpus, nodes, ranks} of --gpus / --nodes."""
+    gpus, nodes = getattr(args, "gpus", 1), getattr(args, "nodes", 1)
+    return {"gpus": gpus, "nodes": nodes, "ranks": gpus * nodes}
+
+
+def add_world_args(p: argparse.ArgumentParser) -> None:
+    """--gpus and --nodes: the data-parallel world (tierflow.planner.core.world)."""
+    p.add_argument("--gpus", type=positive_int(1024), default=1,
+                   help="data-parallel GPUs per box (default 1; at most the profile's topology.gpu_count)")
+    p.add_argument("--nodes", type=positive_int(1024), default=1,
+                   help="boxes (default 1; more need the profile's network section)")
 
 
 def write_plan_file(plan: Plan, path: str) -> WrittenPlan:
@@ -284,7 +311,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         prog.update(i, n, what)
 
     mbs = [args.micro_batch] if args.micro_batch else None
-    problem = Problem(model, hw, args.batch, model.seq_len, allow_ssd=not args.no_ssd)
+    problem = Problem(model, hw, args.batch, model.seq_len, allow_ssd=not args.no_ssd, gpus=args.gpus,
+                      nodes=args.nodes)
+    rb = problem.rank_batch  # candidates describe one rank's micro-batches
     sr = plan_search(problem, time_limit_s=args.time_limit, micro_batches=mbs, progress=progress,
                      baselines=not args.no_baselines)
     prog.finish()
@@ -296,7 +325,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                    "verified_s": best.verified_s, "skipped_by_time_limit": sr.skipped_by_time_limit})
     if best.prediction:
         solver["prediction"] = best.prediction.to_dict()
-    if not args.no_window:
+    if not args.no_window and problem.ranks == 1:  # the window model covers one rank
         from tierflow.planner.search.plan_search import window_check
 
         solver.update(window_check(problem, cfg, time_limit_s=min(10.0, max(1.0, args.time_limit / 10))))
@@ -309,9 +338,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             emit_ds_config(args.emit_ds_config, model, cfg, stream=sys.stderr)
         print(json.dumps({"model": model.name, "params": model.total_params(), "hw": hw.name,
                           "decisions": cfg.to_dict(), "solver": solver, "predicted": best.result.to_dict(),
-                          "candidate": best.candidate.describe(args.batch), "plan_file": str(written.path) if written else None,
+                          "candidate": best.candidate.describe(rb), "plan_file": str(written.path) if written else None,
+                          "world": problem.world.to_dict(), **best.result.per_gpu(),
                           "explain": lines,
-                          "evaluated": [{"candidate": e.candidate.describe(args.batch),
+                          "evaluated": [{"candidate": e.candidate.describe(rb),
                                          "verified_s": e.verified_s if e.result else None,
                                          "solver": e.solver.to_dict() if e.solver else None,
                                          "error": e.error} for e in sr.evaluated]}, indent=2))
@@ -322,16 +352,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if sr.skipped_by_time_limit:
         print(f"note: the time limit ({args.time_limit:g} s) left {sr.skipped_by_time_limit} candidate(s) untried, so a "
               f"faster plan may exist (raise --time-limit)")
+    if problem.ranks > 1:
+        print(f"{problem.ranks} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes): each runs "
+              f"{rb} sequences; candidates below are one rank's; tokens/s is the world's")
     rows = []
     ok = sorted((e for e in sr.evaluated if e.result), key=lambda e: e.verified_s)
     for e in ok[:8]:
         s_ = e.solver
-        rows.append([e.candidate.describe(args.batch), f"{e.verified_s:,.1f} s", f"{e.result.tokens_per_s:,.0f}",
+        rows.append([e.candidate.describe(rb), f"{e.verified_s:,.1f} s", f"{e.result.tokens_per_s:,.0f}",
                      f"{e.result.hw_tflops:.1f}", s_.status if s_ else "-", f"{s_.objective_s:,.1f} s" if s_ else "-"])
     print()
     print(fmt_table(rows, ["candidate (best first)", "simulated", "tokens/s", "hw TFLOPS", "CP-SAT", "objective"]))
     print()
-    print(f"chosen: {best.candidate.describe(args.batch)}; {cfg.swap_layers} of {model.num_layers} layers swap "
+    print(f"chosen: {best.candidate.describe(rb)}; {cfg.swap_layers} of {model.num_layers} layers swap "
           f"their activations instead of recomputing")
     print(f"placement: {cfg.placement.describe()}")
     if best.solver:
@@ -372,7 +405,13 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     seq = args.seq or 2048
     jobs = len(CAP_FAMILIES) * (2 if hw.ssd.count else 1)
     prog = Progress(jobs, "capacity")
-    answers = largest_all(hw, args.batch, seq, on_answer=lambda a: prog.step(
+    # check the world once, up front: one line for a bad --gpus / --nodes (not one per worker)
+    from tierflow.planner.core.schedules import check_world
+
+    check_world(hw, args.gpus, args.nodes)
+    if args.batch % (args.gpus * args.nodes):
+        raise CliError(f"--batch {args.batch} is not divisible by {args.gpus * args.nodes} ranks (use a multiple of it)")
+    answers = largest_all(hw, args.batch, seq, gpus=args.gpus, nodes=args.nodes, on_answer=lambda a: prog.step(
         f"{a.family} {'with' if a.with_ssd else 'without'} SSDs"))
     prog.finish()
     checks = []
@@ -380,9 +419,9 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         from tierflow.planner.search.capacity import fits
 
         m = get_model(name).with_seq(min(seq, get_model(name).max_positions or seq))
-        checks.append((name, {s: fits(m, hw, args.batch, seq, s) for s in (True, False)}))
+        checks.append((name, {s: fits(m, hw, args.batch, seq, s, args.gpus, args.nodes) for s in (True, False)}))
     if args.json:
-        print(json.dumps({"hw": hw.name, "batch": args.batch, "seq": seq, "largest": [
+        print(json.dumps({"hw": hw.name, "batch": args.batch, "seq": seq, "world": world_dict(args), "largest": [
             {"family": a.family, "with_ssd": a.with_ssd, "model": a.model.describe() if a.model else None,
              "params": a.params, "layers": a.model.num_layers if a.model else None,
              "hidden": a.model.hidden if a.model else None,
@@ -391,6 +430,11 @@ def cmd_capacity(args: argparse.Namespace) -> int:
             "checks": {n: c for n, c in checks}}, indent=2))
         return 0
     print(f"box: {hw.name}: {hw.summary()}")
+    W = args.gpus * args.nodes
+    if W > 1:
+        print(f"{W} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes): each holds its 1/{W} shard "
+              f"of the states in its 1/{args.gpus} of its box's host memory and SSDs, and runs {args.batch // W} of the "
+              f"{args.batch} sequences")
     print(f"batch {args.batch} x seq {seq}; most frugal plan: vertical, micro-batch 1, states and checkpoints "
           f"on the SSDs when used (else in CPU memory)")
     rows = []
@@ -511,6 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the last N layers keep (and swap out) their activations instead of recomputing")
     s.add_argument("--write-plan", default=None, metavar="FILE",
                    help="also write this schedule as a plan file (one --schedule), e.g. for `tierflow run`")
+    add_world_args(s)
     add_ds_config_args(s)
     s.set_defaults(func=cmd_simulate)
     pl = sub.add_parser("plan", help="search schedule, micro-batching, placement and recompute; write a plan file",
@@ -531,6 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the result as JSON")
     pl.add_argument("--emit-ds-config", default=None, metavar="JSON",
                     help="also write the nearest DeepSpeed config for the chosen plan (and say what it cannot express)")
+    add_world_args(pl)
     pl.set_defaults(func=cmd_plan)
     ca = sub.add_parser("capacity", help="the largest model of each family that trains on a box")
     add_box_args(ca, model=False)
@@ -538,6 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--seq", type=positive_int(), default=None, help="sequence length (default 2048)")
     ca.add_argument("--model", action="append", help="also check whether this model fits (repeatable)")
     ca.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_world_args(ca)
     ca.set_defaults(func=cmd_capacity)
     co = sub.add_parser("compare", help="predicted vs measured time per op kind and resource (plan vs tierflow run trace)",
                         description="Compare a plan's simulated op times with a trace measured by `tierflow run --out`: "

@@ -173,11 +173,11 @@ def comparison_figure(c: Comparison):
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from tierflow.planner.core.graph import RESOURCES
     from tierflow.planner.core.trace import _color
 
     fig, axes = plt.subplots(3, 1, figsize=(13, 9), gridspec_kw={"height_ratios": [3, 3, 2]})
     tasks = c.predicted.graph.tasks
+    RESOURCES = c.predicted.graph.resources()  # noqa: N806  (less `net` for one rank)
     legend: dict[str, str] = {}
     t_max = 0.0
     for ax, (start, end, title) in zip(axes[:2], [(c.predicted.start_s, c.predicted.end_s, "predicted (simulator)"),

@@ -33,6 +33,7 @@ from tierflow.hwprofiles import HardwareProfile, ProfileError, profile_from_dict
 from tierflow.hwprofiles.inputs import GIB, InputLimitError, loads_json_limited
 from tierflow.planner.core.graph import (
     LINKS,
+    NET,
     RESOURCES,
     TIER_INDEX,
     TIERS,
@@ -48,6 +49,7 @@ from tierflow.planner.core.placement import Placement, PlacementError
 from tierflow.planner.core.schedules import FAMILIES, RUNTIMES, ScheduleConfig
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import SimResult
+from tierflow.planner.core.world import rank_capacity_bytes
 
 PLAN_FORMAT = "tierflow-plan"
 PLAN_VERSION = 1
@@ -375,7 +377,7 @@ def _hardware(source: str, d: object) -> HardwareProfile:
         raise PlanError(f"{source}: hardware: {rest}") from exc
 
 
-def _decisions(source: str, d: object, model: ModelSpec) -> ScheduleConfig:
+def _decisions(source: str, d: object, model: ModelSpec, hw: HardwareProfile) -> ScheduleConfig:
     if isinstance(d, dict) and "placement" in d:
         d = dict(d)
         placement = d.pop("placement")
@@ -406,14 +408,23 @@ def _decisions(source: str, d: object, model: ModelSpec) -> ScheduleConfig:
         raise bad("family", f"unknown schedule family {_short(cfg.family)}", f"use one of {', '.join(FAMILIES)}")
     if cfg.runtime not in RUNTIMES:
         raise bad("runtime", f"unknown runtime {_short(cfg.runtime)}", f"use one of {', '.join(RUNTIMES)}")
-    for key in ("batch", "micro_batch", "seq", "group", "prefetch_depth", "iterations"):
+    for key in ("batch", "micro_batch", "seq", "group", "prefetch_depth", "iterations", "gpus", "nodes"):
         if getattr(cfg, key) < 1:
             raise bad(key, f"must be >= 1, got {getattr(cfg, key)}", "write a positive integer")
+    if cfg.gpus > hw.gpu_count:
+        raise bad("gpus", f"{cfg.gpus} GPUs per box, but the hardware section has {hw.gpu_count}",
+                  f"write gpus <= {hw.gpu_count}, or plan for a profile whose topology.gpu_count is {cfg.gpus}")
+    if cfg.nodes > 1 and hw.network is None:
+        raise bad("nodes", f"{cfg.nodes} boxes, but the hardware section has no network",
+                  "write nodes 1, or plan for a profile with a network section")
     if cfg.act_prefetch < 0:
         raise bad("act_prefetch", f"must be >= 0, got {cfg.act_prefetch}", "write a non-negative integer")
     if cfg.batch % cfg.micro_batch:
         raise bad("batch", f"batch {cfg.batch} is not divisible by micro_batch {cfg.micro_batch}",
                   "use a micro-batch that divides the batch")
+    if cfg.batch % (cfg.micro_batch * cfg.ranks):
+        raise bad("batch", f"batch {cfg.batch} is not divisible by {cfg.ranks} ranks x micro_batch {cfg.micro_batch}",
+                  "use a batch that is a multiple of ranks x micro_batch")
     if cfg.num_micro_batches % cfg.group:
         raise bad("group", f"group {cfg.group} does not divide the {cfg.num_micro_batches} micro-batches",
                   "use a divisor of batch / micro_batch")
@@ -596,19 +607,20 @@ def _check_micro_batch_count(source: str, ops: object, cfg: ScheduleConfig) -> N
         return
     computed = max(mbs) + 1
     if computed != cfg.num_micro_batches:
-        raise _err(source, "decisions.batch", f"{cfg.batch} / micro_batch {cfg.micro_batch} = "
+        split = f"micro_batch {cfg.micro_batch}" if cfg.ranks == 1 else f"({cfg.ranks} ranks x micro_batch {cfg.micro_batch})"
+        raise _err(source, "decisions.batch", f"{cfg.batch} / {split} = "
                    f"{cfg.num_micro_batches} micro-batches, the ops compute {computed}", _REWRITE)
 
 
 def _check_derived_bytes(source: str, model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
                          static: dict[str, float], capacity: dict[str, float]) -> None:
     """static_bytes and capacity_bytes must be what the model, placement and hardware imply (recomputed)."""
-    want_cap = hw.tier_capacity_bytes
+    want_cap = rank_capacity_bytes(hw, cfg.gpus)
     for t in TIERS:
         if not math.isclose(capacity[t], want_cap[t], rel_tol=1e-9, abs_tol=1.0):
             raise _err(source, f"capacity_bytes.{t}", f"{capacity[t]:,.0f} bytes, but the hardware section gives "
                        f"{want_cap[t]:,.0f}: edited after writing?", _REWRITE)
-    want = placed_static_bytes(model, cfg.placement, cfg.runtime)
+    want = placed_static_bytes(model, cfg.placement, cfg.runtime, cfg.ranks)
     for t in TIERS:
         if not math.isclose(static[t], want[t], rel_tol=1e-9, abs_tol=1.0):
             raise _err(source, f"static_bytes.{t}", f"{static[t]:,.0f} bytes, but the model and "
@@ -668,7 +680,7 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
 
     model = _model(source, d["model"])
     hardware = _hardware(source, d["hardware"])
-    config = _decisions(source, d["decisions"], model)
+    config = _decisions(source, d["decisions"], model, hardware)
     static = _tier_bytes(source, "static_bytes", d["static_bytes"])
     capacity = _tier_bytes(source, "capacity_bytes", d["capacity_bytes"])
     num_iterations = _positive_int(source, d, "num_iterations")
@@ -681,10 +693,16 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
                    f"write {model.num_layers + 2} (embedding, layers, head)")
     _check_micro_batch_count(source, d["ops"], config)
     tasks = _ops(source, d["ops"], num_iterations, num_blocks, config.num_micro_batches)
+    if config.ranks == 1:
+        net = next((t for t in tasks if t.resource == NET), None)
+        if net is not None:
+            raise _err(source, f"op {net.id}", "a collective (resource net) in a plan of one rank",
+                       "write decisions.gpus / nodes for the world it was built for, or " + _REWRITE)
     if d.get("digest") is not None:
         _check_digest(source, d, model, hardware, config)
     _check_derived_bytes(source, model, hardware, config, static, capacity)
-    graph = TaskGraph(tasks, static, capacity, num_iterations, num_blocks)
+    graph = TaskGraph(tasks, static, capacity, num_iterations, num_blocks,
+                      meta={"world": config.world.to_dict()} if config.ranks > 1 else {})
     return Plan(model=model, hardware=hardware, config=config, graph=graph, predicted=d.get("predicted"),
                 solver=d.get("solver"), source=source)
 

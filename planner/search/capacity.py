@@ -54,25 +54,31 @@ def shape(family: str, hidden: int, heads: int, layers: int, seq: int | None = N
                    num_kv_heads=kv, head_dim=hidden // heads, ffn_hidden=ffn)
 
 
-def fits(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool) -> bool:
-    problem = Problem(model, hw, batch, seq, allow_ssd=with_ssd)
+def fits(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool, gpus: int = 1,
+         nodes: int = 1) -> bool:
+    """Does the most frugal plan fit every tier? With `gpus` ranks per box on `nodes` boxes (`batch` the global
+    batch), each rank's shard in its share of its box."""
+    problem = Problem(model, hw, batch, seq, allow_ssd=with_ssd, gpus=gpus, nodes=nodes)
     need, caps = min_requirements(problem), problem.capacity_bytes
     return all(need[t] <= caps[t] for t in need)
 
 
-def frugal_config(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool):
-    placement = frugal_placement(Problem(model, hw, batch, seq, allow_ssd=with_ssd))
-    return make_schedule("vertical", model, hw, batch=batch, micro_batch=1, seq=seq, placement=placement, alpha=0.0)
+def frugal_config(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool, gpus: int = 1,
+                  nodes: int = 1):
+    placement = frugal_placement(Problem(model, hw, batch, seq, allow_ssd=with_ssd, gpus=gpus, nodes=nodes))
+    return make_schedule("vertical", model, hw, batch=batch, micro_batch=1, seq=seq, placement=placement, alpha=0.0,
+                         gpus=gpus, nodes=nodes)
 
 
-def largest(family: str, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool, verify: bool = True) -> CapacityAnswer:
+def largest(family: str, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool, verify: bool = True,
+            gpus: int = 1, nodes: int = 1) -> CapacityAnswer:
     _, widths = FAMILIES[family]
     fitting: list[ModelSpec] = []
     for hidden, heads in widths:
         lo, hi = 0, SHAPE_LIMITS["num_layers"]
         while lo < hi:  # largest layer count that fits at this width (up to tierflow's shape limit)
             mid = (lo + hi + 1) // 2
-            if fits(shape(family, hidden, heads, mid, seq), hw, batch, seq, with_ssd):
+            if fits(shape(family, hidden, heads, mid, seq), hw, batch, seq, with_ssd, gpus, nodes):
                 lo = mid
             else:
                 hi = mid - 1
@@ -81,11 +87,11 @@ def largest(family: str, hw: HardwareProfile, batch: int, seq: int, with_ssd: bo
     fitting.sort(key=lambda m: -m.total_params())
     hw_run = hw if with_ssd else hw.with_overrides({"ssd.count": 0})
     for m in fitting[:4]:
-        req = min_requirements(Problem(m, hw, batch, seq, allow_ssd=with_ssd))
+        req = min_requirements(Problem(m, hw, batch, seq, allow_ssd=with_ssd, gpus=gpus, nodes=nodes))
         if not verify:
             return CapacityAnswer(family, with_ssd, m, m.total_params(), req, None)
         try:
-            res = simulate_config(m, hw_run, frugal_config(m, hw_run, batch, seq, with_ssd))
+            res = simulate_config(m, hw_run, frugal_config(m, hw_run, batch, seq, with_ssd, gpus, nodes))
             return CapacityAnswer(family, with_ssd, m, m.total_params(), req, res)
         except CapacityError as e:
             last = str(e)
@@ -102,12 +108,12 @@ def _largest_light(args: tuple) -> CapacityAnswer:
 
 
 def largest_all(hw: HardwareProfile, batch: int, seq: int, *, families: tuple[str, ...] = tuple(FAMILIES),
-                workers: int | None = None, on_answer=None) -> list[CapacityAnswer]:
+                workers: int | None = None, on_answer=None, gpus: int = 1, nodes: int = 1) -> list[CapacityAnswer]:
     """`largest` for every family, with and without the SSDs (when the box has them), each in its own process
     (up to `workers`, default the machine's cores, at most 2 when they share a small box): the answers are
     independent and each ends in one large simulation. `on_answer(answer)` is called as each one arrives."""
     # the answers with SSDs are the largest models and the longest simulations: start them first
-    jobs = [(fam, hw, batch, seq, with_ssd) for with_ssd in (True, False) for fam in families
+    jobs = [(fam, hw, batch, seq, with_ssd, True, gpus, nodes) for with_ssd in (True, False) for fam in families
             if not (with_ssd and hw.ssd.count == 0)]
     workers = min(len(jobs), workers or os.cpu_count() or 1)
     answers: dict[int, CapacityAnswer] = {}

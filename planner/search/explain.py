@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from tierflow.planner.core.memory import schedule_memory
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.simulator import SimResult
+from tierflow.planner.core.world import rank_capacity_bytes
 from tierflow.planner.search.loads import IterationLoads
 from tierflow.planner.search.problem import Problem
 
@@ -26,9 +27,10 @@ def frugal_placement(problem: Problem) -> Placement:
 def min_requirements(problem: Problem) -> dict[str, float]:
     """The least each tier must hold for the most memory-frugal plan (vertical, micro-batch 1, alpha 0,
     everything that can live on the SSD there), by the one memory model (tierflow.planner.core.memory)."""
-    mem = schedule_memory(problem.model, micro_batch=1, seq=problem.seq, num_micro_batches=problem.batch,
-                          group=problem.batch, alpha=0.0, optimizer_overlap=True, prefetch_depth=1)
-    return mem.tier_bytes(frugal_placement(problem), 0, problem.hw.cpu.capacity_bytes)
+    mem = schedule_memory(problem.model, micro_batch=1, seq=problem.seq, num_micro_batches=problem.rank_batch,
+                          group=problem.rank_batch, alpha=0.0, optimizer_overlap=True, prefetch_depth=1,
+                          ranks=problem.ranks)
+    return mem.tier_bytes(frugal_placement(problem), 0, rank_capacity_bytes(problem.hw, problem.gpus)["cpu"])
 
 
 def overflows(problem: Problem) -> dict[str, float]:
@@ -60,7 +62,10 @@ def infeasible_message(problem: Problem) -> str:
 WHAT_BINDS = {"gpu": "GPU compute: the plan is compute-bound; only a faster GPU or less recompute helps",
               "cpu": "CPU Adam", "h2d": "PCIe host-to-device", "d2h": "PCIe device-to-host", "pcie": "the PCIe link",
               "ssd_read": "SSD reads", "ssd_write": "SSD writes", "ssd": "the SSD array (reads + writes)",
-              "dram": "host memory bandwidth (CPU Adam, PCIe and SSD DMA together)"}
+              "dram": "host memory bandwidth (CPU Adam, PCIe and SSD DMA together)",
+              "net": "the collectives among the GPUs (all-gather of weights, reduce-scatter of gradients)",
+              "pcie_h2d": "the PCIe link host-to-device, shared with the collectives through the host",
+              "pcie_d2h": "the PCIe link device-to-host, shared with the collectives through the host"}
 
 
 def explain(sr: SearchResult) -> list[str]:
@@ -69,7 +74,7 @@ def explain(sr: SearchResult) -> list[str]:
 
     best, problem = sr.best, sr.problem
     hw, cfg = problem.hw, best.config
-    times = IterationLoads(work=_work_of(best.result), static_bytes={}).times_s(hw)
+    times = IterationLoads(work=_work_of(best.result), static_bytes={}, world=problem.world).times_s(hw)
     lines = []
     order = sorted(times.items(), key=lambda kv: -kv[1])
     it = best.verified_s
@@ -109,7 +114,7 @@ def explain(sr: SearchResult) -> list[str]:
 
 def _work_of(res: SimResult) -> dict[str, float]:
     N = res.graph.num_iterations
-    w = dict.fromkeys(("gpu", "h2d", "d2h", "ssd_read", "ssd_write", "cpu"), 0.0)
+    w = dict.fromkeys(res.graph.resources(), 0.0)
     for t in res.graph.tasks:
         if t.iteration == N - 1:
             w[t.resource] += t.work

@@ -17,6 +17,7 @@ from tierflow.planner.core.graph import RESOURCES
 from tierflow.planner.core.memory import static_bytes
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.schedules import ScheduleConfig, build_graph, step_sequence
+from tierflow.planner.core.world import SINGLE, World
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class IterationLoads:
 
     work: dict[str, float]  # resource -> seconds (gpu, cpu) or bytes (links)
     static_bytes: dict[str, float]
+    world: World = SINGLE  # several ranks: one rank's work, on its share of the box
 
     def times_s(self, hw: HardwareProfile) -> dict[str, float]:
         """Each resource's busy time if it ran alone at full rate, the shared-link terms, and "phases": the
@@ -36,7 +38,7 @@ class IterationLoads:
         return out
 
     def _times(self, hw: HardwareProfile, suffix: str) -> dict[str, float]:
-        r = link_rates(hw)
+        r = link_rates(hw, self.world)
         w = {k: self.work.get(k + suffix, 0.0) for k in RESOURCES}
         out = {"gpu": w["gpu"], "cpu": w["cpu"]}
         out["h2d"] = _div(w["h2d"], r.h2d)
@@ -47,6 +49,8 @@ class IterationLoads:
         if hw.ssd.count > 0:  # both directions of the array, as for PCIe (ssd.mixed_efficiency)
             out["ssd"] = duplex_time_s(w["ssd_read"], w["ssd_write"], r.ssd_read, r.ssd_write, r.ssd_read_mixed,
                                        r.ssd_write_mixed)
+        if w["net"] > 0:  # the collectives of several ranks
+            out["net"] = _div(w["net"], r.net)
         out.update(pool_times_s(w, r))  # host memory (cpu.memory_efficiency) and, on a host device, its cores
         return out
 
@@ -105,7 +109,7 @@ def _work(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, layers: in
     if cache is None:
         return _measure_work(model, hw, cfg, layers, swapped)
     key = (cfg.micro_batch, cfg.group, cfg.placement, cfg.alpha, cfg.optimizer_overlap, cfg.prefetch_depth,
-           cfg.act_prefetch, cfg.recompute, layers, swapped)
+           cfg.act_prefetch, cfg.recompute, layers, swapped, cfg.gpus, cfg.nodes)
     if key not in cache:
         cache[key] = _measure_work(model, hw, cfg, layers, swapped)
     return cache[key]
@@ -146,4 +150,5 @@ def iteration_loads(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
         c = w1[k] - r  # embedding + head
         s = ws[k] - c  # one swapped layer
         work[k] = c + (L - n) * r + n * s
-    return IterationLoads(work=work, static_bytes=static_bytes(model, cfg.placement, cfg.runtime))
+    return IterationLoads(work=work, static_bytes=static_bytes(model, cfg.placement, cfg.runtime, cfg.ranks),
+                          world=cfg.world)

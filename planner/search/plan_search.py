@@ -129,7 +129,7 @@ def evaluate(problem: Problem, c: Candidate, *, time_limit_s: float = 5.0, verif
         if solved is None:
             return Evaluated(c, None, None, error=last_error or "no placement fits every tier")
         cfg = problem.config(c, placement_of(solved.x), solved.n)
-        loads = IterationLoads(work=lin.work(solved.x, solved.n), static_bytes={})
+        loads = IterationLoads(work=lin.work(solved.x, solved.n), static_bytes={}, world=problem.world)
         ev = Evaluated(c, cfg, solved.report, predicted_s=loads.predict_s(problem.hw),
                        binding=loads.binding(problem.hw))
         if solved.report.objective_s > prune_at * (1 + PRUNE_TOLERANCE):
@@ -170,7 +170,7 @@ def plan_search(problem: Problem, *, time_limit_s: float = 60.0, micro_batches: 
                 progress: Callable[[int, int, str], None] | None = None, baselines: bool = True) -> SearchResult:
     """Search every candidate (pruned by its roofline floor), return the best verified plan."""
     t0 = time.perf_counter()
-    batch = problem.batch
+    batch = problem.rank_batch  # candidates split one rank's share of the batch
     cands = [c for c in candidates(batch, micro_batches=micro_batches) if problem.fits_gpu(c.micro_batch)]
     if not cands:
         raise PlanningError(infeasible_message(problem))
@@ -265,7 +265,8 @@ def fixed_baselines(problem: Problem, micro_batches: list[int], *,
     for family in ("horizontal", "fuyou", "vertical"):
         for mb in micro_batches:
             try:
-                cfg = make_schedule(family, model, hw, batch=problem.batch, micro_batch=mb, seq=problem.seq)
+                cfg = make_schedule(family, model, hw, batch=problem.batch, micro_batch=mb, seq=problem.seq,
+                                    gpus=problem.gpus, nodes=problem.nodes)
             except (CapacityError, ValueError):
                 continue
             try:

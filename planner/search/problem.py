@@ -1,5 +1,8 @@
 """The planning problem: a model on a box at a batch and sequence length, and everything that depends only on them
-(cost model, link rates, tier capacities, per-micro-batch blocks), built once. Every search function takes a
+(cost model, link rates, tier capacities, per-micro-batch blocks), built once. With several data-parallel ranks
+(`gpus` per box x `nodes` boxes) the problem is one rank's: its share of the global batch (`rank_batch`), its
+share of the box's host resources and capacities (tierflow.planner.core.world); candidates, placement and loads
+are per rank. Every search function takes a
 Problem instead of the (model, hw, batch, seq) tuple; its caches live on the instance, so two problems never
 share (or hash) each other's state.
 
@@ -19,8 +22,15 @@ from tierflow.planner.core.costmodel import CostModel, Rates
 from tierflow.planner.core.memory import ScheduleMemory, blocks_of, schedule_memory
 from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.placement import Placement
-from tierflow.planner.core.schedules import ScheduleConfig, family_of, make_schedule
+from tierflow.planner.core.schedules import (
+    ScheduleConfig,
+    ScheduleError,
+    check_world,
+    family_of,
+    make_schedule,
+)
 from tierflow.planner.core.workload import BlockCost
+from tierflow.planner.core.world import World, rank_capacity_bytes
 
 
 @dataclass(frozen=True)
@@ -34,7 +44,7 @@ class Candidate:
     optimizer_overlap: bool = True  # the search's own candidates overlap; a fixed horizontal baseline does not
 
     def family(self, batch: int) -> str:
-        """What the builder builds for this candidate."""
+        """What the builder builds for this candidate (`batch`: one rank's sequences per iteration)."""
         return family_of(self.group, batch // self.micro_batch, self.optimizer_overlap)
 
     def describe(self, batch: int) -> str:
@@ -53,23 +63,44 @@ class Problem:
     seq: int
     allow_ssd: bool = True  # may the plan use the SSD tier at all
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    gpus: int = 1  # data-parallel ranks per box
+    nodes: int = 1  # boxes
+
+    def __post_init__(self) -> None:
+        check_world(self.hw, self.gpus, self.nodes)
+        W = self.gpus * self.nodes
+        if self.batch % W:
+            raise ScheduleError(f"batch {self.batch} is not divisible by {W} ranks (use a multiple of {W})")
 
     @classmethod
     def of(cls, model: ModelSpec | str, hw: HardwareProfile | str, *, batch: int, seq: int | None = None,
-           allow_ssd: bool = True) -> Problem:
+           allow_ssd: bool = True, gpus: int = 1, nodes: int = 1) -> Problem:
         m = model if isinstance(model, ModelSpec) else get_model(model)
         h = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
-        return cls(m, h, batch, seq or m.seq_len, allow_ssd)
+        return cls(m, h, batch, seq or m.seq_len, allow_ssd, gpus=gpus, nodes=nodes)
 
     def on(self, hw: HardwareProfile) -> Problem:
         """The same problem on another box (its own caches)."""
-        return Problem(self.model, hw, self.batch, self.seq, self.allow_ssd)
+        return Problem(self.model, hw, self.batch, self.seq, self.allow_ssd, gpus=self.gpus, nodes=self.nodes)
+
+    @property
+    def world(self) -> World:
+        return World(self.gpus, self.nodes)
+
+    @property
+    def ranks(self) -> int:
+        return self.gpus * self.nodes
+
+    @property
+    def rank_batch(self) -> int:
+        """Sequences one rank runs per iteration (the global batch split over the ranks)."""
+        return self.batch // self.ranks
 
     # ---- built once -------------------------------------------------------------------------------------------
 
     @cached_property
     def cost(self) -> CostModel:
-        return CostModel(self.hw)
+        return CostModel(self.hw, self.world)
 
     @cached_property
     def rates(self) -> Rates:
@@ -77,8 +108,8 @@ class Problem:
 
     @cached_property
     def capacity_bytes(self) -> dict[str, float]:
-        """Usable bytes of each tier (the SSD tier is empty when the problem forbids it)."""
-        return {**self.hw.tier_capacity_bytes, **({} if self.uses_ssd else {"ssd": 0.0})}
+        """Usable bytes of each tier for one rank (the SSD tier is empty when the problem forbids it)."""
+        return {**rank_capacity_bytes(self.hw, self.gpus), **({} if self.uses_ssd else {"ssd": 0.0})}
 
     @property
     def uses_ssd(self) -> bool:
@@ -98,24 +129,25 @@ class Problem:
     def config(self, c: Candidate, placement: Placement | None = None, swap_layers: int = 0,
                iterations: int = 3) -> ScheduleConfig:
         """The schedule of a candidate with these decisions (the public way to build a candidate's config)."""
-        fam = c.family(self.batch)
+        fam = c.family(self.rank_batch)
         return make_schedule(fam, self.model, self.hw, batch=self.batch,
                              micro_batch=c.micro_batch, seq=self.seq, placement=placement or Placement(),
                              group=c.group if fam == "block" else None, alpha=c.alpha,
-                             prefetch_depth=c.prefetch_depth, swap_layers=swap_layers, iterations=iterations)
+                             prefetch_depth=c.prefetch_depth, swap_layers=swap_layers, iterations=iterations,
+                             gpus=self.gpus, nodes=self.nodes)
 
     def schedule_memory(self, cfg: ScheduleConfig) -> ScheduleMemory:
         return self.memoized(("schedule_memory", cfg.micro_batch, cfg.group, cfg.alpha, cfg.optimizer_overlap,
                               cfg.prefetch_depth, cfg.act_prefetch, cfg.runtime), lambda: schedule_memory(
             self.model, micro_batch=cfg.micro_batch, seq=self.seq, num_micro_batches=cfg.num_micro_batches,
             group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
-            prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime))
+            prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime, ranks=self.ranks))
 
     def gpu_floor_s(self, micro_batch: int) -> float:
         """GPU compute of one iteration without any recompute: no plan with this micro-batch can beat it."""
         def floor() -> float:
             per_mb = sum(self.cost.forward_s(b) + self.cost.backward_s(b) for b in self.blocks(micro_batch))
-            return per_mb * self.batch // micro_batch
+            return per_mb * self.rank_batch // micro_batch
         return self.memoized(("gpu_floor_s", micro_batch), floor)
 
     def fits_gpu(self, micro_batch: int) -> bool:
@@ -125,4 +157,5 @@ class Problem:
         return need <= self.capacity_bytes["gpu"]
 
     def describe(self) -> str:
-        return f"{self.model.name} on {self.hw.name}, batch {self.batch} x {self.seq}"
+        world = "" if self.ranks == 1 else f" over {self.ranks} ranks ({self.gpus} GPUs x {self.nodes} boxes)"
+        return f"{self.model.name} on {self.hw.name}, batch {self.batch} x {self.seq}{world}"

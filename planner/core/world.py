@@ -1,0 +1,76 @@
+"""Several GPUs and boxes: the data-parallel world, each rank's shard, and what one rank gets of its box.
+
+A run has `gpus` data-parallel ranks per box (node) and `nodes` boxes: W = gpus x nodes ranks. Every rank owns a
+1/W shard of each block's flat parameter vector (ZeRO-3 / ZeRO-Infinity partitioning): elements
+[r*ceil(n/W), min(n, (r+1)*ceil(n/W))) of a block's n. Its bf16 weights, fp32 master, Adam m/v and fp32 gradient
+accumulators of that shard live on its tiers, split by the plan's placement fractions; its CPU Adam updates that
+shard only. Weights are all-gathered for compute, gradients reduce-scattered (ops on the resource `net`).
+
+Symmetry. All ranks run the same ops on the same amounts of data at the same time (lockstep data parallelism:
+every collective is a barrier among them), so the simulator plays ONE rank's graph (rank 0, whose shard
+ceil(n/W) is the largest) and models what the ranks of a box share as divided among them:
+
+- divided by the `gpus` ranks of a box: the CPU cores that run Adam (its parameter rate), the host memory
+  bandwidth pool, host memory capacity, the SSD array's read and write rates and its capacity, and the upstream
+  PCIe link of a switch among the GPUs behind it (topology.gpus_per_switch, topology.switch_uplink_gbps);
+- not divided: the GPU's compute and memory, and its own x16 link up to the switch (pcie.*).
+
+Why this is exact for lockstep symmetric ranks: when g identical ranks ask a shared resource for the same work
+at the same moments, a fair share gives each 1/g of it for as long as they all ask, which is what one rank
+with 1/g of the resource sees. Where it is not: ranks drift apart (a straggler, uneven shards: rank 0 is the
+largest by at most one element per block), and then a rank that asks while the others are idle would get more
+than 1/g, so the model is pessimistic for bursts that do not coincide (e.g. the SSD reads of one rank while
+another computes); and a resource shared unfairly (one rank's DMA starving another's) is not modelled.
+
+Collectives run over `net`, whose rate comes from the box's GPU <-> GPU links and, with several boxes, the
+network: a hierarchical ring (costmodel.net_rate).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tierflow.hwprofiles import HardwareProfile
+
+
+@dataclass(frozen=True)
+class World:
+    """The data-parallel world of a run."""
+
+    gpus: int = 1  # ranks per box
+    nodes: int = 1  # boxes
+
+    @property
+    def ranks(self) -> int:
+        return self.gpus * self.nodes
+
+    @property
+    def single(self) -> bool:
+        return self.ranks == 1
+
+    def to_dict(self) -> dict[str, int]:
+        return {"gpus": self.gpus, "nodes": self.nodes, "ranks": self.ranks}
+
+
+SINGLE = World()
+
+
+def shard_elems(n: int, ranks: int) -> int:
+    """Elements of an n-element flat vector that rank 0 (the largest shard) owns: ceil(n / ranks)."""
+    return n if ranks <= 1 else math.ceil(n / ranks)
+
+
+def shard_range(n: int, ranks: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of rank `rank`'s shard of an n-element flat vector."""
+    size = math.ceil(n / ranks) if ranks > 1 else n
+    return min(n, rank * size), min(n, (rank + 1) * size)
+
+
+def rank_capacity_bytes(hw: HardwareProfile, gpus: int = 1) -> dict[str, float]:
+    """Each memory tier's usable bytes for one rank of a box with `gpus` ranks: its whole GPU; 1/gpus of the
+    box's host memory and SSD array."""
+    cap = hw.tier_capacity_bytes
+    if gpus <= 1:
+        return cap
+    return {"gpu": cap["gpu"], "cpu": cap["cpu"] / gpus, "ssd": cap["ssd"] / gpus}
