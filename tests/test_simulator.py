@@ -52,8 +52,8 @@ def solo_and_slowest_rates(hw) -> dict[str, tuple[float, float]]:
         for k in use:
             scale[k] = min(scale[k], cap_s / demand)
     if r.io_contention:  # measured interference: compute beside all four links at once, each link beside compute
-        scale["gpu"] = min(scale["gpu"], 1.0 / (1.0 + r.compute_io_extra * len(LINKS)))
-        for k in LINKS:
+        scale["gpu"] = min(scale["gpu"], 1.0 / (1.0 + r.compute_io_extra * len(HOST_LINKS)))
+        for k in HOST_LINKS:
             scale[k] = min(scale[k], 1.0 / r.beside_compute(k))
     return {k: (solo, slow * scale[k]) for k, (solo, slow) in out.items()}
 

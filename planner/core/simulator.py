@@ -25,7 +25,7 @@ import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.costmodel import link_rates
-from tierflow.planner.core.graph import LINK_NAMES, NET, RESOURCES, TIERS, TaskGraph, gc_paused
+from tierflow.planner.core.graph import HOST_LINKS, LINK_NAMES, NET, RESOURCES, TIERS, TaskGraph, gc_paused
 from tierflow.planner.core.world import SINGLE, World
 
 _EPS_BYTES = 1.0
@@ -220,7 +220,7 @@ def _simulate(graph: TaskGraph, hw: HardwareProfile, world: World) -> SimResult:
                     if use[r] > 0:
                         scale[r] = min(scale[r], cap_s / demand)
         if contention and gpu_r in scale:  # measured interference of compute and the host's I/O threads
-            io = [r for r in active if is_link[r]]
+            io = [r for r in active if RESOURCES[r] in HOST_LINKS]  # host threads (the collectives: not measured)
             if io:
                 scale[gpu_r] = min(scale[gpu_r], 1.0 / (1.0 + rates.compute_io_extra * len(io)))
                 for r in io:
