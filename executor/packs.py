@@ -8,6 +8,21 @@ import torch
 PACK_ALIGN = 256  # bytes: alignment of each saved tensor inside a flattened pack
 
 
+class _InputGrad(torch.autograd.Function):
+    """Identity on a layer input that hands the input's gradient to a list (`box`) in backward and saves
+    nothing; `anchor` (an empty tensor that requires grad) puts the node into the graph."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, box):
+        ctx.box = box
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.box.append(g)
+        return None, None, None
+
+
 class Pack:
     """The tensors autograd saves in the forward of a layer that is not recomputed, captured explicitly with
     saved_tensors_hooks so that the plan's offload/fetch ops can move them. Views of the layer's weights are
@@ -28,7 +43,13 @@ class Pack:
         self.desc: list[tuple[int, int, int]] = []  # per storage: (offset in the flat layout, lo, hi)
         self.out: torch.Tensor | None = None
         self.originals: list[torch.Tensor] = []  # with a copying own(): the tensors the keys' addresses are of
-        self.x_leaf: torch.Tensor | None = None
+        self.x_grad: list[torch.Tensor] = []  # the gradient of the layer input, after backward (see input())
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer input to run the forward on: its gradient arrives in self.x_grad in backward, and nothing
+        here keeps `x` alive (an autograd leaf would hold the input's memory until the backward, although the
+        plan frees it after the forward: the pack holds what the backward needs)."""
+        return _InputGrad.apply(x.detach(), torch.empty(0, device=x.device, requires_grad=True), self.x_grad)
 
     def pack_hook(self, t: torch.Tensor):
         st = t.untyped_storage()
