@@ -241,3 +241,22 @@ def test_the_hidden_compute_dtype_option_trains_in_bf16_on_a_cpu(tmp_path, capsy
     write_plan(plan_from_graph(model, HW, cfg, build_graph(model, HW, cfg)), path)
     assert main(["run", str(path), "--steps", "1", "--device", "cpu", "--compute-dtype", "bf16"]) == 0
     assert "compute bfloat16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", ["horizontal", "vertical"])
+def test_gradients_leave_the_compute_stream_in_the_compute_dtype(family, tmp_path, monkeypatch):
+    """offload_grads only copies: the cast of fp32 accumulators happens on the compute stream after the last
+    contribution (vertical: several micro-batches), or a single contribution is written in bf16 (horizontal)."""
+    from tierflow.executor.ops_state import GradBuffers
+
+    seen = []
+    real = GradBuffers.take
+
+    def take(self, rs, group):
+        out = real(self, rs, group)
+        seen.extend(g.dtype for _o, _lo, g in out)
+        return out
+
+    monkeypatch.setattr(GradBuffers, "take", take)
+    c = run_contract("tiny-llama", family, CASES["weights_cpu_swap"], 1, tmp_path)
+    assert all(x == x for x in c.losses) and seen and set(seen) == {torch.bfloat16}
