@@ -121,11 +121,14 @@ class Binding:
         self.fetch_for: dict[int, dict[EntryKey, int]] = {}  # consumer op -> {entry key: fetch op}
         self.consumers: Counter = Counter()  # entry key -> consumer ops
         self.direct_users: Counter = Counter()  # entry key -> ops reading the produced device tensor
+        self.last_fetch: set[int] = set()  # fetch ops after which no other fetch of their entry comes
         self.wfetch: dict[int, int | None] = {}  # compute op -> its fetch_weights op
         self.wfetch_users: Counter = Counter()  # fetch_weights op -> compute ops reading it
         self.dep_of_kind: dict[int, dict[str, int]] = {}  # op -> {kind: its (last) dependency of that kind}
         self.part_of: dict[int, int] = {}  # read/write_opt_states, update_weights -> optimizer part
         self.grad_group: dict[tuple[int, int], int] = {}  # (compute op, owner) -> op that takes its gradients
+        self.grad_contributors: Counter = Counter()  # (taking op, owner) -> compute ops adding into its buffer
+        self.grad_range: dict[tuple[int, int], tuple[int, int]] = {}  # (taking op, owner) -> elements [lo, hi)
         self._bind()
         self._bind_grad_groups()
 
@@ -157,6 +160,11 @@ class Binding:
 
     def _bind(self) -> None:
         tasks = self.tasks
+        last: dict[EntryKey, int] = {}
+        for t in tasks:
+            if t.kind in ENTRY_KINDS["fetch"]:
+                last[self.entry_key(t)] = t.id
+        self.last_fetch = set(last.values())
         for t in tasks:
             by_kind = {}
             for d in t.deps:
@@ -178,6 +186,12 @@ class Binding:
         """A compute op's inputs: through a fetch among its dependencies, or the device copy; its weight fetch."""
         tasks = self.tasks
         fetches = {self.entry_key(tasks[d]): d for d in t.deps if tasks[d].kind in ENTRY_KINDS["fetch"]}
+        if t.kind == "bwd":  # a recomputed layer's backward depends on its recompute, which waits for the fetch
+            mine = set(self.inputs(t))  # of the backward's input (the activation gradient)
+            for r in t.deps:
+                if tasks[r].kind == "recompute":
+                    fetches.update({k: d for d in tasks[r].deps if tasks[d].kind in ENTRY_KINDS["fetch"]
+                                    for k in [self.entry_key(tasks[d])] if k in mine})
         self.fetch_for[t.id] = fetches
         for key in self.inputs(t):
             self.consumers[key] += 1
@@ -206,7 +220,7 @@ class Binding:
         for t in tasks:
             if t.kind not in ("head", "bwd"):
                 continue
-            for o, _lo, _hi in self.layout.owners(t.block):
+            for o, lo, hi in self.layout.owners(t.block):
                 if self.cfg.placement.gpu_optimizer:
                     group = adam_gpu.get((t.iteration, o))
                 else:
@@ -215,3 +229,6 @@ class Binding:
                     raise ExecutionError(f"{self.plan.source}: the gradients of op {t.id} ({t.label}) are never taken "
                                          "by an offload_grads or adam_gpu op (inconsistent plan)")
                 self.grad_group[(t.id, o)] = group
+                self.grad_contributors[(group, o)] += 1
+                a, z = self.grad_range.get((group, o), (lo, hi))
+                self.grad_range[(group, o)] = (min(a, lo), max(z, hi))

@@ -51,6 +51,8 @@ def register_run(subparsers: Any) -> None:
                    help="resume although --seed, --lr, --weight-decay or --data differ from the checkpoint's "
                    "(default: refuse, naming what differs)")
     p.add_argument("--json", action="store_true", help="print the steps and the measured summary as JSON")
+    # hidden (tests): compute in bf16 on a CPU device too, as on CUDA (bf16 is the default there, fp32 on a CPU)
+    p.add_argument("--compute-dtype", choices=["bf16", "fp32"], default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_run)
 
 

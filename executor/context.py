@@ -97,10 +97,12 @@ class RoundState:
     entries: dict[EntryKey, Entry] = field(default_factory=dict)
     fetched: dict[int, torch.Tensor] = field(default_factory=dict)  # fetch op -> the device copy it made
     graphs: dict[tuple[int, int, int], tuple] = field(default_factory=dict)  # (it, b, m) -> recompute's graph
-    grad_acc: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (taking op, owner) -> fp32 grads
+    # (taking op, owner) -> weight gradients of the owner's range binding.grad_range (ops_state.GradBuffers)
+    grad_acc: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    grad_left: dict[tuple[int, int], int] = field(default_factory=dict)  # ... compute ops still to add into it
     staged: dict[Staged, object] = field(default_factory=dict)
-    weight_bufs: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # fetch_weights -> owner -> part
-    weight_full: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # fetch_weights -> owner -> joined
+    # fetch_weights -> owner -> (first element, device buffer of the owner's elements from there on)
+    weight_bufs: dict[int, dict[int, tuple[int, torch.Tensor]]] = field(default_factory=dict)
     loss_sum: list[torch.Tensor] = field(default_factory=list)  # per iteration, on the device
     # progress and timing
     done: list[threading.Event] = field(default_factory=list)  # per op

@@ -135,7 +135,10 @@ class EntryOps:
         e.move(EntryState.READ_BACK)
 
     def fetch(self, rs: RoundState, t: Task) -> None:
-        """Copy the kept, host and SSD parts into one device buffer for the consumer that depends on this op."""
+        """Copy the kept, host and SSD parts into one device buffer for the consumer that depends on this op.
+        The SSD part read back is dropped at once; the last fetch of the entry also drops the kept and the host
+        parts (the plan frees them there: its consumer reads only the fetched copy). A dropped buffer that a
+        queued copy still reads is kept by record_stream (device) and by the pinned allocator's events (host)."""
         be = self.cx.backend
         e = rs.entries[self.binding.entry_key(t)]
         assert not e.ssd_elems or e.state in (EntryState.OFFLOADED, EntryState.READ_BACK), e.state
@@ -149,6 +152,8 @@ class EntryOps:
         if e.ssd_elems:
             be.copy_async(dst[g + c:], e.host_ssd)
             e.host_ssd = None
+        if t.id in self.binding.last_fetch:
+            e.kept = e.host_cpu = None
         e.move(EntryState.FETCHED)
         rs.fetched[t.id] = dst
 

@@ -87,6 +87,7 @@ class RunOptions:
     allow_changed_hyper: bool = False  # resume although the seed / hyper-parameters / data differ from the checkpoint's
     collect_final: bool = False  # return the final fp32 master weights (RunResult.final_master), e.g. for tests
     export_hf: str | None = None  # after the last step, write the fp32 master weights here in the HF layout
+    compute_dtype: str | None = None  # "bf16" | "fp32"; None: bf16 on CUDA, fp32 on a CPU (hidden --compute-dtype)
 
 
 @dataclass
@@ -201,6 +202,8 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
         raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured trace.json")
     backend = _device(opts.device, opts.seed)
     dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
+    if opts.compute_dtype is not None:
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[opts.compute_dtype]
     cfg = plan.config
     probe = TrainState(plan.model, cfg.placement, cfg.alpha, backend, dtype, None)
     need_ssd = _ssd_need_bytes(plan, probe)
@@ -458,7 +461,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                       data_format=args.data_format, init=args.init, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every or 0, out=args.out, hyper=hyper, seed=args.seed,
                       quiet=args.json or level_of(args) >= QUIET, export_hf=args.export_hf,
-                      resume_fallback=args.resume_fallback, profile=args.profile, allow_changed_hyper=args.allow_changed_hyper)
+                      resume_fallback=args.resume_fallback, profile=args.profile, allow_changed_hyper=args.allow_changed_hyper,
+                      compute_dtype=getattr(args, "compute_dtype", None))
     stopped = None
     try:
         with StopOnSignals():
