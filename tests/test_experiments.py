@@ -156,16 +156,18 @@ def test_fidelity_quick(tmp_path):
 
 def test_closed_loop_quick(tmp_path):
     """calibrate -> plan -> run -> compare on this CPU: every run trains, its comparison is measured / predicted
-    of the same plan, the caps push the optimizer states to the SSD tier. The 25% target is not met yet (README,
-    closed loop): the bound here is the loop's own arithmetic, not its accuracy."""
+    of the same plan, the caps push the optimizer states to the SSD tier, and the iteration time is predicted
+    within 25% (the issue's CI bound for a noisy machine; the full loop's target is 10%, README)."""
     rows = closed_loop.run(quick=True, out_dir=tmp_path)
     assert [r["schedule"] for r in rows] == ["vertical", "plan"]
     hw = load_profile(str(tmp_path / "closed_loop_cpu.yaml"))
     assert hw.gpu.host_cores is not None and hw.cpu.cores is not None  # the CPU as the device, cores shared
+    assert hw.cpu.compute_slowdown_per_io_op is not None  # and how its threads slow each other, measured
     for r in rows:
         assert r["predicted_s"] > 0 and r["measured_s"] > 0
         assert r["iteration_error"] == pytest.approx(r["measured_s"] / r["predicted_s"] - 1, abs=2e-3)
         assert r["ssd_gb_written"] > 0  # the optimizer states live on the SSD tier
+        assert abs(r["iteration_error"]) <= 0.25, r
     res = read_csv(tmp_path / "closed_loop_resources.csv")
     assert {x["resource"] for x in res} >= {"gpu", "cpu", "ssd_read", "ssd_write"}
     assert (tmp_path / "closed_loop.png").stat().st_size > 1000
