@@ -149,11 +149,18 @@ class SsdStore:
             self.nbytes[name] = nbytes
             self.bytes_written += nbytes
 
-    def read(self, name: str, dtype: torch.dtype, numel: int, pinned: bool = False) -> torch.Tensor:
+    def read(self, name: str, dtype: torch.dtype, numel: int, pinned: bool = False,
+             into: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+        """`into(nbytes)`: the page-aligned uint8 buffer to read into (whole pages; the executor's transfer area)
+        instead of a new one."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         if self.nbytes.get(name) != nbytes:
             raise ChecksumError(f"ssd tier: {name}: expected {nbytes} bytes, the store wrote {self.nbytes.get(name)}")
-        buf = aligned_empty(nbytes, pinned and self.backend is not None and self.backend.pins, self.backend)
+        if into is not None:
+            buf = into(nbytes)
+            buf = buf[: -(-max(nbytes, 1) // ALIGN) * ALIGN]
+        else:
+            buf = aligned_empty(nbytes, pinned and self.backend is not None and self.backend.pins, self.backend)
         path = self.path(name)
         try:
             fd = self._open(path, False)
