@@ -41,8 +41,8 @@ from tierflow.planner.core.workload import COMPUTE_BYTES
 ENTRY_TENSORS = ("checkpoint", "act", "act_grad")
 
 
-def page_round(nbytes: float) -> int:
-    return -(-int(math.ceil(nbytes)) // ALIGN) * ALIGN if nbytes > 0 else 0
+def page_round(nbytes: float, page: int = ALIGN) -> int:
+    return -(-int(math.ceil(nbytes)) // page) * page if nbytes > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,18 @@ class PlannedBuffer:
     nbytes: int  # page-rounded, in the run's compute dtype
 
 
-def planned_buffers(tasks: list[Task], binding, elem_bytes: int, grad_wire: bool) -> list[PlannedBuffer]:
+def planned_buffers(tasks: list[Task], binding, state, elem_bytes: int, grad_wire: bool,
+                    page: int = ALIGN) -> list[PlannedBuffer]:
     """The plan's transfer buffers (see the module docstring); `elem_bytes` of the run's compute dtype, the
-    gradient wire only where offload_grads copies asynchronously (`grad_wire`)."""
+    gradient wire only where offload_grads copies asynchronously (`grad_wire`); each rounded up to `page`.
+    The weight and gradient buffers are one per owner block and the placement's element ranges (`state`):
+    the plan's op bytes of those ops split proportionally over the optimizer parts and join a tied head's
+    owners, where the executor moves whole element ranges per owner."""
     scale = elem_bytes / COMPUTE_BYTES
     out: list[PlannedBuffer] = []
 
     def add(what: str, take: int, give: int, nbytes: float) -> None:
-        n = page_round(nbytes * scale)
+        n = page_round(nbytes * scale, page)
         if n:
             out.append(PlannedBuffer(what, take, give, n))
 
@@ -87,11 +91,26 @@ def planned_buffers(tasks: list[Task], binding, elem_bytes: int, grad_wire: bool
     for t in tasks:
         if t.kind == "fetch_weights" and "read_weights" in binding.dep_of_kind[t.id]:
             r = binding.dep_of_kind[t.id]["read_weights"]
-            add(f"weights b{t.block} it{t.iteration} SSD read", r, t.id, tasks[r].work)
+            for o, n in _weight_reads(tasks[r], state):  # one buffer per owner (a tied head reads two)
+                add(f"weights b{t.block} it{t.iteration} owner {o} SSD read", r, t.id, n * COMPUTE_BYTES)
         elif t.kind == "update_weights":
-            add(f"weights b{t.block} it{t.iteration} update wire", t.deps[0], t.id, t.work)
+            lo, hi = state.parts[t.block][binding.part_of[t.id]]  # the part's range on the device
+            n = max(min(hi, state.vec["weights"][t.block].g) - lo, 0)
+            add(f"weights b{t.block} it{t.iteration} update wire", t.deps[0], t.id, n * COMPUTE_BYTES)
         elif t.kind == "offload_grads" and grad_wire:
-            add(f"grads b{t.block} it{t.iteration} wire", t.id, t.id, t.work)
+            for (g, o), (lo, hi) in binding.grad_range.items():
+                if g == t.id:
+                    add(f"grads b{t.block} it{t.iteration} owner {o} wire", t.id, t.id, (hi - lo) * COMPUTE_BYTES)
+    return out
+
+
+def _weight_reads(t: Task, state) -> list[tuple[int, int]]:
+    """(owner, elements) of what read_weights t reads: every owner's range past the start of its SSD part."""
+    out = []
+    for o, lo, hi in state.layout.owners(t.block):
+        a = max(lo, state.vec["weights"][o].ssd_lo)
+        if hi > a:
+            out.append((o, hi - a))
     return out
 
 
@@ -110,11 +129,11 @@ def plan_peak_bytes(tasks: list[Task], buffers: list[PlannedBuffer]) -> int:
     return peak
 
 
-def arena_bytes_for(plan, binding, dtype: torch.dtype, streams_async: bool) -> int:
-    """The transfer area a run of `plan` in `dtype` needs."""
-    elem = torch.empty(0, dtype=dtype).element_size()
+def arena_bytes_for(plan, binding, state, streams_async: bool) -> int:
+    """The transfer area a run of `plan` on `state` (its compute dtype and element ranges) needs."""
+    elem = torch.empty(0, dtype=state.compute_dtype).element_size()
     tasks = plan.graph.tasks
-    return plan_peak_bytes(tasks, planned_buffers(tasks, binding, elem, streams_async))
+    return plan_peak_bytes(tasks, planned_buffers(tasks, binding, state, elem, streams_async))
 
 
 class TransferAreaOutOfMemory(TierOutOfMemory):

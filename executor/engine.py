@@ -93,7 +93,7 @@ class Executor:
         if self.backend.streams_async:  # the device memory the plan assumes, enforced by the allocator
             self.backend.cap_memory(float(plan.graph.capacity_bytes["gpu"]))
         # the host buffers that cross PCIe: one area, allocated now, sized from the plan (arena.py)
-        area_bytes = arena_bytes_for(plan, self.binding, state.compute_dtype, self.backend.streams_async)
+        area_bytes = arena_bytes_for(plan, self.binding, state, self.backend.streams_async)
         self.arena = TransferArena(self.backend, area_bytes, warn=lambda msg: print(msg, file=sys.stderr))
         self.backend.arena = self.arena
         self.ops = Ops(OpContext(self.binding, state, self.device, hyper, ssd, self.backend, self.arena))
