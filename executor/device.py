@@ -234,19 +234,21 @@ class CudaBackend(DeviceBackend):
 
     def pinned_area(self, nbytes: int) -> torch.Tensor:
         """Pageable memory, page-locked in place with cudaHostRegister (unregistered when it is freed): one
-        allocation of exactly `nbytes`, where the pinned caching allocator would round up to a power of two."""
+        allocation of whole pages of its own, where the pinned caching allocator would round up to a power of
+        two. Not yet run on a GPU (see the README's "Known gaps")."""
         import weakref
 
-        t = _host_empty(nbytes, torch.uint8, False)
-        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+        page = 4096
+        padded = -(-max(nbytes, 1) // page) * page
+        t = _host_empty(padded + page, torch.uint8, False)
+        skip = (-t.data_ptr()) % page
+        ptr = t.data_ptr() + skip
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, padded, 0)
         if int(rc) != 0:
-            raise TierOutOfMemory("cpu (pinned)", nbytes, f"cudaHostRegister returned {rc}")
-        arr = t.numpy()  # keeps t; every view of the returned tensor keeps arr
-        weakref.finalize(arr, torch.cuda.cudart().cudaHostUnregister, t.data_ptr())
+            raise TierOutOfMemory("cpu (pinned)", padded, f"cudaHostRegister returned {rc}")
+        arr = t.numpy()[skip: skip + nbytes]  # keeps t; every view of the returned tensor keeps arr
+        weakref.finalize(arr, torch.cuda.cudart().cudaHostUnregister, ptr)
         return torch.from_numpy(arr)
-
-    def host_buffer(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-        return _host_empty(numel, dtype, pinned)
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         for t in (dst, src):

@@ -3,11 +3,9 @@ from page-aligned host buffers, in chunks on a thread pool, with a CRC32 per fil
 reported by name instead of silently training on garbage.
 
 Where the filesystem refuses O_DIRECT (tmpfs, some network filesystems: EINVAL), the store falls back to
-buffered I/O and warns once. Read buffers come from the device backend's host allocator: pinned where the caller
-copies them to the device (weights, activations), pageable where they stay on the host (optimizer states,
-gradients). A pinned buffer is page-aligned already, so it is allocated at its size (not size + 4 KiB, which the
-pinned caching allocator would round up to the next power of two).
-"""
+buffered I/O and warns once. Reads that go to the device (weights, activations) land in a page-aligned buffer
+the caller hands in (`into`: the executor's transfer area, executor/arena.py); the others come from the device
+backend's host allocator, pageable (optimizer states, gradients)."""
 
 from __future__ import annotations
 
