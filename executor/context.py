@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tierflow.executor.arena import TransferArena
 from tierflow.executor.binding import Binding, Entry, EntryKey
 from tierflow.executor.device import DeviceBackend, PlainCpuBackend
 from tierflow.executor.state import BlockLayout, TrainState
@@ -39,6 +40,21 @@ class OpContext:
     hyper: Hyper
     ssd: SsdStore | None
     backend: DeviceBackend = field(default_factory=PlainCpuBackend)
+    arena: TransferArena | None = None  # the pinned transfer area (arena.py); None: the backend's pinned buffers
+
+    def transfer_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer that crosses PCIe: a view into the transfer area."""
+        if self.arena is None:
+            return self.backend.host_buffer(numel, dtype, pinned=True)
+        return self.arena.take(numel, dtype)
+
+    def transfer_bytes(self, nbytes: int) -> torch.Tensor:
+        """A page-aligned uint8 transfer buffer of at least `nbytes` (an SSD read's destination)."""
+        if self.arena is None:
+            from tierflow.executor.store import aligned_empty
+
+            return aligned_empty(nbytes, self.backend.pins, self.backend)
+        return self.arena.take_bytes(nbytes)
 
     @property
     def asynchronous(self) -> bool:

@@ -49,8 +49,7 @@ class WeightOps:
         self.cx = cx
 
     def read_weights(self, rs: RoundState, t: Task) -> None:
-        """The SSD range of every owner's weights into a pinned host buffer (fetch_weights copies it)."""
-        be = self.cx.backend
+        """The SSD range of every owner's weights into a transfer-area buffer (fetch_weights copies it)."""
         out = {}
         for o, lo, hi in self.cx.layout.owners(t.block):
             W = self.cx.state.vec["weights"][o]
@@ -60,9 +59,9 @@ class WeightOps:
             pieces = [(name, max(plo, a), min(phi, hi), plo, phi) for name, _j, plo, phi in W.ssd_pieces()
                       if min(phi, hi) > max(plo, a)]
             if len(pieces) == 1 and pieces[0][1:] == (a, hi, a, hi):  # one file, exactly the range: read into pinned
-                out[o] = self.cx.ssd.read(pieces[0][0], W.dtype, hi - a, pinned=be.pins)
+                out[o] = self.cx.ssd.read(pieces[0][0], W.dtype, hi - a, into=self.cx.transfer_bytes)
                 continue
-            buf = be.host_buffer(hi - a, W.dtype, pinned=True)
+            buf = self.cx.transfer_buffer(hi - a, W.dtype)
             for name, x, z, plo, phi in pieces:
                 buf[x - a: z - a].copy_(self.cx.ssd.read(name, W.dtype, phi - plo)[x - plo: z - plo])
             out[o] = buf
@@ -205,7 +204,7 @@ class GradOps:
             if not self.cx.asynchronous:
                 self.cx.state.grads[o][lo: lo + g.numel()] += g.float()
                 continue
-            host = be.host_buffer(g.numel(), g.dtype, pinned=True)
+            host = self.cx.transfer_buffer(g.numel(), g.dtype)
             be.copy_async(host, g)
             rs.grad_adds.submit(t, o, lo, be.record(rs.streams["d2h"]), host)
 
@@ -293,7 +292,7 @@ class OptimizerOps:
         if z > a:
             W.host[a - W.g: z - W.g].copy_(new[a - lo: z - lo])
         a, z = lo, min(hi, W.g)
-        wire = self.cx.backend.host_buffer(max(z - a, 0), new.dtype, pinned=True)  # update_weights copies it
+        wire = self.cx.transfer_buffer(max(z - a, 0), new.dtype)  # update_weights copies it
         wire.copy_(new[: max(z - a, 0)])
         rs.staged[Staged("weights_gpu", t.id)] = (a, z, wire)
         w_ssd = [(name, new[plo - lo: phi - lo]) for name, pj, plo, phi in W.ssd_pieces() if pj == j]

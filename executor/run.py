@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tierflow.executor.arena import TransferAreaOutOfMemory
 from tierflow.executor.checkpoint import (
     CheckpointWriteError,
     NonFiniteState,
@@ -488,6 +489,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"tierflow run: does not fit: {e}", file=sys.stderr)
         return 3
     except OutOfMemory as e:
+        print(f"tierflow run: {e}", file=sys.stderr)
+        return 3
+    except TransferAreaOutOfMemory as e:  # the pinned transfer area, allocated at start
         print(f"tierflow run: {e}", file=sys.stderr)
         return 3
     except TierOutOfMemory as e:  # building the state on its tiers, before any op

@@ -13,6 +13,8 @@ import pytest
 import torch
 from test_executor import make_plan, reference, rel_err, run
 
+from tierflow.executor import engine as engine_mod
+from tierflow.executor.arena import arena_bytes_for
 from tierflow.executor.context import RoundState
 from tierflow.executor.device import (
     CudaBackend,
@@ -282,16 +284,25 @@ def test_pinned_out_of_memory_exits_3_naming_the_tier(tmp_path, monkeypatch, cap
     assert "cpu (pinned) out of memory for the training state" in err and "\n" not in err
     real = TrainState.init_random
 
-    def init(self, seed):  # the state fits, the first staged activations do not
+    def init(self, seed):  # the state fits, the plan's transfer area does not
         real(self, seed)
         self.backend.pinned_limit_bytes = self.backend.pinned_bytes + 4096
 
     monkeypatch.setattr(TrainState, "init_random", init)
     monkeypatch.setattr(AdversarialCpuBackend, "pinned_limit_bytes", None)
+    sized = []
+    monkeypatch.setattr(engine_mod, "arena_bytes_for", lambda *a: sized.append(arena_bytes_for(*a)) or sized[-1])
     assert main(base) == 3
     err = capsys.readouterr().err.strip()
-    assert "cpu (pinned) out of memory in op" in err and "offload_checkpoint" in err and "\n" not in err
-    assert "placement.checkpoints" in err
+    need = sized[0]
+    assert err.startswith("tierflow run: cpu (pinned) out of memory: the plan's pinned transfer area needs "
+                          f"{need / 2**30:.3f} GiB ({need:,} bytes)") and "\n" not in err
+    # an area too small for the run (here: empty) serves its buffers outside it; a failure there names the op
+    monkeypatch.setattr(engine_mod, "arena_bytes_for", lambda *a: 0)
+    assert main(base) == 3
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the warning that the area is full
+    assert "cpu (pinned) out of memory in op" in last and "offload_checkpoint" in last
+    assert "placement.checkpoints" in last
 
 
 @pytest.mark.parametrize(("message", "code", "want"), [

@@ -82,6 +82,18 @@ class TrackingCpuBackend(PlainCpuBackend):
             if old is None or old[0].expired():
                 self.device_storages[ptr] = (StorageWeakRef(st), n)
 
+    def pinned_area(self, nbytes: int) -> torch.Tensor:
+        _tls.host = True
+        try:
+            t = super().pinned_area(nbytes)
+        finally:
+            _tls.host = False
+        st = t.untyped_storage()
+        with self.lock:  # one allocation of its size (cudaHostRegister on CUDA: no rounding)
+            self.arena_ptrs.add(st.data_ptr())
+            self.pinned[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+        return t
+
     def host_buffer(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         _tls.host = True
         try:
@@ -117,6 +129,7 @@ class Sample:
     plan_bytes: float
     pinned_bytes: int = 0
     plan_cpu_bytes: float = 0.0
+    area_used_bytes: int = 0  # of the transfer area, after the op
 
 
 @dataclass
@@ -125,6 +138,10 @@ class Contract:
     static_device_bytes: int = 0
     losses: list[float] = field(default_factory=list)
     straddle_bytes: int = 0  # see slack_bytes
+    static_pinned_bytes: int = 0  # pinned before the first op: the state's host weights and the transfer area
+    area_bytes: int = 0
+    area_max_used_bytes: int = 0
+    area_overflows: int = 0
 
 
 def run_contract(model_name: str, family: str, placement: Placement, swap_layers: int, tmp_path,
@@ -145,7 +162,8 @@ def run_contract(model_name: str, family: str, placement: Placement, swap_layers
     order = sorted(range(len(g.tasks)), key=lambda i: (g.tasks[i].key, i))
     pos = {tid: i for i, tid in enumerate(order)}
     static = sum(v.dev.untyped_storage().nbytes() for vs in state.vec.values() for v in vs if v.dev is not None)
-    out = Contract(static_device_bytes=static, straddle_bytes=_straddle_bytes(state))
+    out = Contract(static_device_bytes=static, straddle_bytes=_straddle_bytes(state),
+                   static_pinned_bytes=be.pinned_bytes(), area_bytes=ex.arena.size_bytes)
     gpu, cpu = TIER_INDEX["gpu"], TIER_INDEX["cpu"]
     level = {"gpu": float(g.static_bytes["gpu"]), "cpu": float(g.static_bytes["cpu"])}
     turn = [0]
@@ -167,7 +185,7 @@ def run_contract(model_name: str, family: str, placement: Placement, swap_layers
             for tier, idx in (("gpu", gpu), ("cpu", cpu)):
                 level[tier] += sum(d for i, d in t.mem_start + t.mem_end if i == idx)
             out.samples.append(Sample(f"{t.id} {t.label}", t.resource, static + be.device_bytes(), level["gpu"],
-                                      be.pinned_bytes(), level["cpu"]))
+                                      be.pinned_bytes(), level["cpu"], ex.arena.used_bytes()))
         finally:
             with cv:
                 turn[0] += 1
@@ -177,6 +195,7 @@ def run_contract(model_name: str, family: str, placement: Placement, swap_layers
     rr = ex.run_round(iterations, 0)
     ssd.close()
     out.losses = rr.losses
+    out.area_max_used_bytes, out.area_overflows = ex.arena.stats.max_used_bytes, ex.arena.stats.overflows
     assert len(out.samples) == len(order)
     return out
 
@@ -228,6 +247,11 @@ def test_live_device_bytes_stay_within_the_plan_per_op(model_name, family, case,
     worst = max(c.samples, key=lambda s: s.measured_bytes - s.plan_bytes)
     assert not over, (f"{len(over)} of {len(c.samples)} ops leave more device memory than the plan + {slack:,.0f}; "
                       f"worst {worst.op}: {worst.measured_bytes:,} vs {worst.plan_bytes:,.0f}", over[:8])
+    # pinned host memory: the state's and the transfer area, allocated before the first op; nothing pinned after
+    assert c.area_bytes > 0 and c.area_overflows == 0
+    assert max(s.pinned_bytes for s in c.samples) <= c.static_pinned_bytes
+    assert max(s.area_used_bytes for s in c.samples) <= c.area_max_used_bytes <= c.area_bytes
+    assert c.area_max_used_bytes == c.area_bytes, (c.area_max_used_bytes, c.area_bytes)
 
 
 def test_the_hidden_compute_dtype_option_trains_in_bf16_on_a_cpu(tmp_path, capsys):
