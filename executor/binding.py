@@ -121,12 +121,15 @@ class Binding:
         self.fetch_for: dict[int, dict[EntryKey, int]] = {}  # consumer op -> {entry key: fetch op}
         self.consumers: Counter = Counter()  # entry key -> consumer ops
         self.direct_users: Counter = Counter()  # entry key -> ops reading the produced device tensor
+        self.last_fetch: set[int] = set()  # fetch ops after which no other fetch of their entry comes
         self.wfetch: dict[int, int | None] = {}  # compute op -> its fetch_weights (or all_gather_weights) op
         self.wfetch_users: Counter = Counter()  # that op -> compute ops reading it
         self.scatter_to: dict[int, int] = {}  # reduce_scatter_grads op -> the op taking its shard
         self.dep_of_kind: dict[int, dict[str, int]] = {}  # op -> {kind: its (last) dependency of that kind}
         self.part_of: dict[int, int] = {}  # read/write_opt_states, update_weights -> optimizer part
         self.grad_group: dict[tuple[int, int], int] = {}  # (compute op, owner) -> op that takes its gradients
+        self.grad_contributors: Counter = Counter()  # (taking op, owner) -> compute ops adding into its buffer
+        self.grad_range: dict[tuple[int, int], tuple[int, int]] = {}  # (taking op, owner) -> elements [lo, hi)
         self._bind()
         self._bind_grad_groups()
 
@@ -158,6 +161,11 @@ class Binding:
 
     def _bind(self) -> None:
         tasks = self.tasks
+        last: dict[EntryKey, int] = {}
+        for t in tasks:
+            if t.kind in ENTRY_KINDS["fetch"]:
+                last[self.entry_key(t)] = t.id
+        self.last_fetch = set(last.values())
         for t in tasks:
             by_kind = {}
             for d in t.deps:
@@ -179,6 +187,12 @@ class Binding:
         """A compute op's inputs: through a fetch among its dependencies, or the device copy; its weight fetch."""
         tasks = self.tasks
         fetches = {self.entry_key(tasks[d]): d for d in t.deps if tasks[d].kind in ENTRY_KINDS["fetch"]}
+        if t.kind == "bwd":  # a recomputed layer's backward depends on its recompute, which waits for the fetch
+            mine = set(self.inputs(t))  # of the backward's input (the activation gradient)
+            for r in t.deps:
+                if tasks[r].kind == "recompute":
+                    fetches.update({k: d for d in tasks[r].deps if tasks[d].kind in ENTRY_KINDS["fetch"]
+                                    for k in [self.entry_key(tasks[d])] if k in mine})
         self.fetch_for[t.id] = fetches
         for key in self.inputs(t):
             self.consumers[key] += 1
@@ -215,7 +229,7 @@ class Binding:
         for t in tasks:
             if t.kind not in ("head", "bwd"):
                 continue
-            for o, _lo, _hi in self.layout.owners(t.block):
+            for o, lo, hi in self.layout.owners(t.block):
                 if self.cfg.placement.gpu_optimizer:
                     group = adam_gpu.get((t.iteration, o))
                 else:
@@ -224,8 +238,13 @@ class Binding:
                     raise ExecutionError(f"{self.plan.source}: the gradients of op {t.id} ({t.label}) are never taken "
                                          "by an offload_grads or adam_gpu op (inconsistent plan)")
                 self.grad_group[(t.id, o)] = group
+                self.grad_contributors[(group, o)] += 1
+                a, z = self.grad_range.get((group, o), (lo, hi))
+                self.grad_range[(group, o)] = (min(a, lo), max(z, hi))
 
     def _bind_scatters(self, scatters: list[Task], pos: dict[int, int]) -> None:
+        """Several ranks: the buffer of a reduce_scatter_grads op spans each owner's whole vector padded to W*S
+        elements (grad_range), and the shard it hands on starts at element 0 of this rank's shard."""
         tasks = self.tasks
         by_key: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for r in scatters:
@@ -246,6 +265,7 @@ class Binding:
             raise ExecutionError(f"{self.plan.source}: the gradient shard of op {missing[0]} is taken by no "
                                  "offload_grads or adam_gpu op (inconsistent plan)")
         gpu_opt = self.cfg.placement.gpu_optimizer
+        ranks = self.cfg.ranks
         for t in tasks:
             if t.kind not in ("head", "bwd"):
                 continue
@@ -256,3 +276,7 @@ class Binding:
                     raise ExecutionError(f"{self.plan.source}: the gradients of op {t.id} ({t.label}) are never "
                                          "reduce-scattered by a later reduce_scatter_grads op (inconsistent plan)")
                 self.grad_group[(t.id, o)] = group
+                self.grad_contributors[(group, o)] += 1
+                slot = -(-self.layout.numel[o] // ranks)  # S = ceil(n / W): every rank's slot
+                self.grad_range[(group, o)] = (0, slot * ranks)  # the whole vector, padded for the reduce-scatter
+                self.grad_range[(self.scatter_to[group], o)] = (0, slot)  # the shard (the last rank's may be shorter)

@@ -39,6 +39,7 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -639,7 +640,7 @@ def measurement_plan(device: str, sizes: Sizes = FULL, ssd: bool = False) -> lis
     if device == "cpu":
         if ssd:
             steps += ["SSD through the executor's store"]
-        steps += ["the executor's fixed cost per op (a tiny plan)"]
+        steps += ["compute beside the host's I/O threads", "the executor's fixed cost per op (a tiny plan)"]
     return steps
 
 
@@ -675,6 +676,9 @@ def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | Non
         if ssd_dir is not None:
             progress.step("SSD through the executor's store")
             m["ssd"]["store"] = measure_store(ssd_dir, sizes.ssd_file_bytes // 2, sizes.ssd_mixed_s)
+        progress.step("compute beside the host's I/O threads")
+        m["interference"] = measure_io_interference(ssd_dir, seconds=min(0.4, sizes.ssd_mixed_s),
+                                                     copy_bytes=min(64 * MIB, sizes.pcie_bytes))
         progress.step("the executor's fixed cost per op (a tiny plan)")
         m["executor"] = measure_executor_costs(build_profile(m).profile, device, ssd_dir)
     progress.clear()
@@ -729,6 +733,93 @@ def measure_store(directory: str | os.PathLike[str], total_bytes: int, mixed_s: 
     return {"read_gbps": read_gbps, "write_gbps": write_gbps, "file_bytes": n * 4,
             "mixed_read_gbps": moved["read"] / spans["read"] / 1e9,
             "mixed_write_gbps": moved["write"] / spans["write"] / 1e9, "direct": store.direct}
+
+
+INTERFERENCE_GEMM = (512, 512, 512)  # a GEMM on torch's intra-op threads: compute as the executor's blocks run it
+
+
+def measure_io_interference(directory: str | os.PathLike[str] | None, seconds: float = 0.4,
+                            copy_bytes: int = 64 * MIB) -> dict[str, float]:
+    """How device compute on a host device and the host's I/O threads slow each other: a GEMM loop on torch's
+    intra-op threads timed alone and beside one I/O loop on another thread (a memcpy, as a fetch or offload is
+    on a CPU device; an SSD read and an SSD write through the executor's store when `directory` is given), and
+    each I/O loop alone and beside the GEMM loop. Returns each rate ratio (alone / beside) and their means:
+    `compute_slowdown` (the GEMM's, over the I/O kinds), `copy_slowdown`, `ssd_slowdown`."""
+    torch = _torch()
+    m_, k, n_ = INTERFERENCE_GEMM
+    a, b = torch.randn(m_, k), torch.randn(k, n_)
+    out = torch.empty(m_, n_)
+    elems = max(1, copy_bytes // 4)
+    src, dst = torch.randn(elems), torch.empty(elems)
+    store = None
+    io: dict[str, Callable[[], int]] = {"copy": lambda: (dst.copy_(src), elems * 4)[1]}
+    if directory is not None:
+        from tierflow.executor.store import SsdStore
+
+        store = SsdStore(directory, warn=lambda msg: None)
+        store.write("interference-r", src)
+        io["ssd_read"] = lambda: (store.read("interference-r", torch.float32, elems), elems * 4)[1]
+        io["ssd_write"] = lambda: (store.write("interference-w", src), elems * 4)[1]
+
+    def rate(fn: Callable[[], int], stop: threading.Event | None = None, windows: int = 4,
+             counted: threading.Event | None = None) -> float:
+        """Units of fn per second, after one call: the best of `windows` spans of seconds / windows (as calibrate
+        keeps its best timings: on a shared machine a span is only ever slowed by others), or, with `stop`, the
+        mean until it is set, over at least one call (`counted` is set once one is timed)."""
+        fn()
+        if stop is not None:
+            t0, done = time.perf_counter(), fn()
+            if counted is not None:
+                counted.set()
+            while not stop.is_set():
+                done += fn()
+            return done / (time.perf_counter() - t0)
+        best = 0.0
+        for _ in range(windows):
+            t0, done = time.perf_counter(), 0
+            while time.perf_counter() - t0 < seconds / windows:
+                done += fn()
+            best = max(best, done / (time.perf_counter() - t0))
+        return best
+
+    def gemm() -> int:
+        torch.mm(a, b, out=out)
+        return 1
+
+    def beside(fg: Callable[[], int], bg: Callable[[], int]) -> tuple[float, float]:
+        """(rate of fg, rate of bg) with both running, bg on its own thread."""
+        stop, counted, got = threading.Event(), threading.Event(), {}
+        th = threading.Thread(target=lambda: got.setdefault("bg", rate(bg, stop, counted=counted)))
+        th.start()
+        try:
+            fg_rate = rate(fg)
+            while not counted.is_set() and th.is_alive():  # fg keeps bg company until bg has timed a call
+                fg()
+        finally:
+            stop.set()
+            th.join()
+        return fg_rate, got["bg"]
+
+    try:
+        rate(gemm)  # warm-up (on this project's VM the first seconds of load after a pause ran 10x slower)
+        out_d: dict[str, float] = {}
+        for kind, fn in io.items():
+            gemm_alone, io_alone = rate(gemm), rate(fn)
+            gemm_beside, io_beside = beside(gemm, fn)
+            out_d[f"gemm_beside_{kind}"] = gemm_alone / gemm_beside
+            out_d[f"{kind}_beside_gemm"] = io_alone / io_beside
+    finally:
+        if store is not None:
+            for name in ("interference-r", "interference-w"):
+                store.delete(name)
+            store.close()
+    kinds = list(io)
+    out_d["compute_slowdown"] = sum(out_d[f"gemm_beside_{k}"] for k in kinds) / len(kinds)
+    out_d["copy_slowdown"] = out_d["copy_beside_gemm"]
+    ssd = [out_d[f"{k}_beside_gemm"] for k in ("ssd_read", "ssd_write") if k in io]
+    if ssd:
+        out_d["ssd_slowdown"] = sum(ssd) / len(ssd)
+    return out_d
 
 
 def measure_executor_costs(profile: HardwareProfile, device: str,
@@ -1018,6 +1109,17 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
             "torch intra-op threads: compute, CPU Adam and the copies share them")
     else:
         put("cpu.cores", None, "derived", "core sharing is modelled only when the device is this CPU")
+    itf = measurements.get("interference") if host_device else None
+    if itf:
+        gemm = INTERFERENCE_GEMM
+        put("cpu.compute_slowdown_per_io_op", max(1.0, itf["compute_slowdown"]), "measured",
+            f"a {gemm[0]}x{gemm[1]}x{gemm[2]} GEMM loop beside one I/O loop on another thread, mean over "
+            + ", ".join(f"{k[len('gemm_beside_'):]} {v:.2f}x" for k, v in itf.items() if k.startswith("gemm_beside_")))
+        put("cpu.copy_slowdown_beside_compute", max(1.0, itf["copy_slowdown"]), "measured",
+            "a memcpy loop beside the GEMM loop, against alone")
+        if "ssd_slowdown" in itf:
+            put("cpu.ssd_slowdown_beside_compute", max(1.0, itf["ssd_slowdown"]), "measured",
+                "the executor's store reading, then writing, beside the GEMM loop, against alone")
     put("cpu.adam_gparams_per_s", c["adam_gparams_per_s"], "measured",
         f"torch AdamW ({c.get('adam_impl', '?')}) on {measurements.get('cpu_threads', '?')} threads")
 

@@ -60,6 +60,8 @@ def register_run(subparsers: Any) -> None:
                    help="where the boxes' launchers meet (torchrun's c10d rendezvous); needed with --nnodes > 1")
     g.add_argument("--rdzv-id", default="tierflow", metavar="ID", help="the run's rendezvous id (default tierflow)")
     p.add_argument("--json", action="store_true", help="print the steps and the measured summary as JSON")
+    # hidden (tests): compute in bf16 on a CPU device too, as on CUDA (bf16 is the default there, fp32 on a CPU)
+    p.add_argument("--compute-dtype", choices=["bf16", "fp32"], default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_run)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tierflow.executor.arena import TransferArena
 from tierflow.executor.binding import Binding, Entry, EntryKey
 from tierflow.executor.device import DeviceBackend, PlainCpuBackend
 from tierflow.executor.state import BlockLayout, TrainState
@@ -39,6 +40,21 @@ class OpContext:
     hyper: Hyper
     ssd: SsdStore | None
     backend: DeviceBackend = field(default_factory=PlainCpuBackend)
+    arena: TransferArena | None = None  # the pinned transfer area (arena.py); None: the backend's pinned buffers
+
+    def transfer_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer that crosses PCIe: a view into the transfer area."""
+        if self.arena is None:
+            return self.backend.host_buffer(numel, dtype, pinned=True)
+        return self.arena.take(numel, dtype)
+
+    def transfer_bytes(self, nbytes: int) -> torch.Tensor:
+        """A page-aligned uint8 transfer buffer of at least `nbytes` (an SSD read's destination)."""
+        if self.arena is None:
+            from tierflow.executor.store import aligned_empty
+
+            return aligned_empty(nbytes, self.backend.pins, self.backend)
+        return self.arena.take_bytes(nbytes)
 
     @property
     def asynchronous(self) -> bool:
@@ -97,10 +113,12 @@ class RoundState:
     entries: dict[EntryKey, Entry] = field(default_factory=dict)
     fetched: dict[int, torch.Tensor] = field(default_factory=dict)  # fetch op -> the device copy it made
     graphs: dict[tuple[int, int, int], tuple] = field(default_factory=dict)  # (it, b, m) -> recompute's graph
-    grad_acc: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (taking op, owner) -> fp32 grads
+    # (taking op, owner) -> weight gradients of the owner's range binding.grad_range (ops_state.GradBuffers)
+    grad_acc: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    grad_left: dict[tuple[int, int], int] = field(default_factory=dict)  # ... compute ops still to add into it
     staged: dict[Staged, object] = field(default_factory=dict)
-    weight_bufs: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # fetch_weights -> owner -> part
-    weight_full: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # fetch_weights -> owner -> joined
+    # fetch_weights -> owner -> (first element, device buffer of the owner's elements from there on)
+    weight_bufs: dict[int, dict[int, tuple[int, torch.Tensor]]] = field(default_factory=dict)
     loss_sum: list[torch.Tensor] = field(default_factory=list)  # per iteration, on the device
     # progress and timing
     done: list[threading.Event] = field(default_factory=list)  # per op

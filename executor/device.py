@@ -61,6 +61,7 @@ class DeviceBackend:
     device: torch.device
     streams_async = False
     pins = False  # host buffers asked for as pinned really are page-locked
+    arena = None  # the executor's transfer area (arena.TransferArena): copy_async notes its views' stream uses
 
     # -- threads, streams, events ------------------------------------------------------------------------------
 
@@ -96,6 +97,14 @@ class DeviceBackend:
     def synchronize(self) -> None:
         """The host waits for all work on the device."""
 
+    def current_stream(self):
+        """The stream the calling code runs on inside an op's handler, None on a host thread."""
+        return None
+
+    def query_event(self, event) -> bool:
+        """Whether `event` has happened (not blocking)."""
+        return True
+
     # -- memory ------------------------------------------------------------------------------------------------
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -114,6 +123,25 @@ class DeviceBackend:
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst <- src on the current stream, not waiting for it to land."""
         dst.copy_(src)
+
+    def pinned_area(self, nbytes: int) -> torch.Tensor:
+        """One host allocation of `nbytes` (uint8) for the transfer area: page-locked where the backend pins,
+        without the pinned caching allocator's rounding to a power of two. TierOutOfMemory if it fails."""
+        return _host_empty(nbytes, torch.uint8, False)
+
+    def poison_host(self, t: torch.Tensor, stream) -> None:
+        """A transfer-area view handed to a new owner (the adversary fills it with NaN, in `stream`'s order)."""
+
+    def _note_arena_use(self, *tensors: torch.Tensor) -> None:
+        """After a copy_async on the current stream: its transfer-area views get that stream's event."""
+        arena = self.arena
+        if arena is None:
+            return
+        ev = None
+        for t in tensors:
+            if arena.range_of(t) is not None:
+                ev = ev if ev is not None else self.record(None)
+                arena.note_use(t, ev)
 
     def record_stream(self, t: torch.Tensor | None, stream) -> None:
         """`t`, allocated on another stream, is used by `stream`: its memory is not reused before that use."""
@@ -197,14 +225,37 @@ class CudaBackend(DeviceBackend):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
-    def host_buffer(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-        return _host_empty(numel, dtype, pinned)
+    def current_stream(self):
+        cur = torch.cuda.current_stream(self.device)
+        return None if cur == torch.cuda.default_stream(self.device) else cur
+
+    def query_event(self, event) -> bool:
+        return event.query()
+
+    def pinned_area(self, nbytes: int) -> torch.Tensor:
+        """Pageable memory, page-locked in place with cudaHostRegister (unregistered when it is freed): one
+        allocation of whole pages of its own, where the pinned caching allocator would round up to a power of
+        two. Not yet run on a GPU (see the README's "Known gaps")."""
+        import weakref
+
+        page = 4096
+        padded = -(-max(nbytes, 1) // page) * page
+        t = _host_empty(padded + page, torch.uint8, False)
+        skip = (-t.data_ptr()) % page
+        ptr = t.data_ptr() + skip
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, padded, 0)
+        if int(rc) != 0:
+            raise TierOutOfMemory("cpu (pinned)", padded, f"cudaHostRegister returned {rc}")
+        arr = t.numpy()[skip: skip + nbytes]  # keeps t; every view of the returned tensor keeps arr
+        weakref.finalize(arr, torch.cuda.cudart().cudaHostUnregister, ptr)
+        return torch.from_numpy(arr)
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         for t in (dst, src):
             if t.device.type == "cpu" and not t.is_pinned():
                 raise PageableCopyError(f"copy_async with pageable host memory ({tuple(t.shape)} {t.dtype})")
         dst.copy_(src, non_blocking=True)
+        self._note_arena_use(dst, src)
 
     def record_stream(self, t: torch.Tensor | None, stream) -> None:
         if t is not None and t.is_cuda:

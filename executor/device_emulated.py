@@ -276,6 +276,12 @@ class AdversarialCpuBackend(DeviceBackend):
         self._check_device(stream, "launch")
         stream.submit(fn, label)
 
+    def current_stream(self):
+        return _current_stream()
+
+    def query_event(self, event: EmuEvent) -> bool:
+        return not event.enqueued or event.done.is_set()
+
     def synchronize(self) -> None:
         if _current_stream() is not None:
             raise HiddenSyncError("a device synchronization inside a stream op")
@@ -393,13 +399,38 @@ class AdversarialCpuBackend(DeviceBackend):
         weakref.finalize(arr, self._host_freed, ptr, arr.nbytes if pinned else 0)
         return torch.from_numpy(arr)[:nbytes].view(dtype)
 
+    def pinned_area(self, nbytes: int) -> torch.Tensor:
+        return self.host_buffer(nbytes, torch.uint8, pinned=True)
+
+    def poison_host(self, t: torch.Tensor, stream: EmuStream | None) -> None:
+        """A transfer-area range handed out again holds garbage: NaN bytes, written in the new owner's stream
+        order (after the waits for the previous owners' uses) or at once on a host thread."""
+        if stream is None:
+            t.fill_(NAN_BYTE)
+        else:
+            stream.submit(lambda: t.fill_(NAN_BYTE))
+
+    def _pageable(self, t: torch.Tensor) -> bool:
+        if not t.numel() or t.device.type != "cpu":
+            return False
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.host:
+            return not self.host[ptr]
+        arena = self.arena
+        return arena is not None and arena.contains(ptr) and not arena.pinned
+
     def _host_freed(self, ptr: int, pinned_bytes: int) -> None:
         with self.lock:
             self.host.pop(ptr, None)
             self.pinned_bytes -= pinned_bytes
 
     def _raw(self, t: torch.Tensor) -> torch.Tensor:
-        """A view of t's memory that does not keep its block allocated (as a queued kernel does not)."""
+        """A view of t's memory that does not keep its block (or transfer-area range) allocated (as a queued
+        kernel does not): a range given back while a copy is queued is handed out again at once."""
+        arena = self.arena
+        if arena is not None and t.numel() and arena.range_of(t) is not None:
+            base = torch.from_numpy(arena.base).view(t.dtype)
+            return base.as_strided(t.shape, t.stride(), (t.data_ptr() - arena.base_ptr) // t.element_size())
         block = self._block_of(t)
         if block is None:
             return t
@@ -411,7 +442,7 @@ class AdversarialCpuBackend(DeviceBackend):
         if stream is None:
             raise RuntimeError("copy_async outside an op on a stream")
         for side, t in (("destination", dst), ("source", src)):
-            if t.numel() and self.host.get(t.untyped_storage().data_ptr()) is False:
+            if self._pageable(t):
                 raise PageableCopyError(f"non-blocking copy with pageable host memory as its {side} "
                                         f"({tuple(t.shape)} {t.dtype}); allocate it pinned")
         if dst.shape != src.shape:
@@ -429,6 +460,7 @@ class AdversarialCpuBackend(DeviceBackend):
                 self._copied(own)
 
         stream.submit(land)
+        self._note_arena_use(dst, src)
 
     def _copied(self, blocks: list[Block]) -> None:
         with self.lock:

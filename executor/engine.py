@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import sys
 import threading
 import time
 from collections import Counter
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tierflow.executor.arena import TransferArena, arena_bytes_for
 from tierflow.executor.binding import Binding, ExecutionError
 from tierflow.executor.context import STREAM_RESOURCES, Hyper, OpContext, RoundState
 from tierflow.executor.data import TokenData
@@ -97,7 +99,11 @@ class Executor:
         self.binding = Binding(plan, state.layout)
         if self.backend.streams_async:  # the device memory the plan assumes, enforced by the allocator
             self.backend.cap_memory(float(plan.graph.capacity_bytes["gpu"]))
-        self.ops = Ops(OpContext(self.binding, state, self.device, hyper, ssd, self.backend))
+        # the host buffers that cross PCIe: one area, allocated now, sized from the plan (arena.py)
+        area_bytes = arena_bytes_for(plan, self.binding, state, self.backend.streams_async)
+        self.arena = TransferArena(self.backend, area_bytes, warn=lambda msg: print(msg, file=sys.stderr))
+        self.backend.arena = self.arena
+        self.ops = Ops(OpContext(self.binding, state, self.device, hyper, ssd, self.backend, self.arena))
 
     # -- running a round ---------------------------------------------------------------------------------------
 

@@ -102,8 +102,39 @@ def check_supported(spec: ModelSpec) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
+class _SaveInputs(torch.autograd.Function):
+    """`fn(*inputs)` that saves only its inputs for backward and recomputes the rest there (as fused kernels
+    such as Megatron's RMSNorm and SwiGLU do): the backward re-runs `fn` under autograd, so its gradients are
+    bit-identical to plain autograd's, while the forward keeps no intermediates (an fp32 copy of a norm's input,
+    the activation function's output) alive until the backward."""
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        ctx.fn = fn
+        ctx.save_for_backward(*inputs)
+        return fn(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = [x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad[1:])]
+        with torch.enable_grad():
+            out = ctx.fn(*inputs)
+        want = [x for x in inputs if x.requires_grad]
+        got = iter(torch.autograd.grad(out, want, grads, allow_unused=True)) if want else iter(())
+        return (None, *(next(got) if x.requires_grad else None for x in inputs))
+
+
+def save_inputs_only(fn, *inputs: torch.Tensor) -> torch.Tensor:
+    """fn(*inputs), keeping only `inputs` for the backward (see _SaveInputs); plain fn(*inputs) without grad."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+        return _SaveInputs.apply(fn, *inputs)
+    return fn(*inputs)
+
+
 class RMSNorm(nn.Module):
-    """LLaMA RMSNorm, computed in float32 like transformers' ``LlamaRMSNorm``."""
+    """LLaMA RMSNorm, computed in float32 like transformers' ``LlamaRMSNorm``. Only its input (in the compute
+    dtype) is kept for the backward, as a fused RMSNorm kernel keeps it: autograd alone would keep the fp32 copy
+    of the input, its normalised bf16 cast and the fp32 statistics (2.5x the input's bytes in bf16 more)."""
 
     def __init__(self, dim: int, eps: float = RMSNORM_EPS, device=None, dtype=None) -> None:
         super().__init__()
@@ -111,18 +142,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return save_inputs_only(self._norm, x, self.weight)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return weight * x32.to(x.dtype)
 
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: scales by ``1 + weight`` in float32 before casting back (the weight starts at zero)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
 
 
 def _rms_norm(spec: ModelSpec, dim: int, eps: float, device=None, dtype=None) -> RMSNorm:
@@ -153,8 +187,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rot = cos.size(-1)
     if rot < x.size(-1):
         return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Rope.apply(x, cos, sin)
+    return _rope(x, cos, sin)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class _Rope(torch.autograd.Function):
+    """Rotary positions that keep only the tables for backward (a rotation's gradient is the inverse rotation),
+    not the un-rotated queries and keys autograd would keep beside the rotated ones attention saves. The
+    gradient is computed with the same bf16 operations autograd runs (g*cos + the halves of g*sin swapped, one
+    negated), so it is bit-identical."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        a1, a2 = (g * sin).chunk(2, dim=-1)
+        return g * cos + torch.cat((a2, -a1), dim=-1), None, None
 
 
 def rotary_dims(spec: ModelSpec) -> int:
@@ -341,12 +399,21 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(spec.ffn_hidden, spec.hidden, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_gate(self.gate_proj(x), self.geglu) * self.up_proj(x))
+        return self.down_proj(_glu(self.gate_proj(x), self.up_proj(x), self.geglu))
 
 
-def _gate(x: torch.Tensor, geglu: bool) -> torch.Tensor:
-    """SwiGLU's silu gate, or GeGLU's tanh GELU (Gemma's gelu_pytorch_tanh)."""
-    return F.gelu(x, approximate="tanh") if geglu else F.silu(x)
+def _glu(gate: torch.Tensor, up: torch.Tensor, geglu: bool) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up, or GeGLU's (Gemma's gelu_pytorch_tanh) tanh GELU(gate) * up, keeping only gate and up for the backward (as a fused SwiGLU kernel does): autograd
+    alone would also keep the gate's output, one more ffn-wide tensor per layer."""
+    return save_inputs_only(_geglu if geglu else _swiglu, gate, up)
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
 
 
 class LlamaBlock(nn.Module):
@@ -412,7 +479,7 @@ class Phi3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(_gate(gate, self.geglu) * up)
+        return self.down_proj(_glu(gate, up, self.geglu))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from tierflow.executor.binding import EntryKey
 from tierflow.executor.context import OpContext, RoundState
 from tierflow.executor.models import loss as lm_loss
 from tierflow.executor.ops_entries import EntryOps
-from tierflow.executor.ops_state import GradBuffers, WeightOps
+from tierflow.executor.ops_state import GradBuffers, OwnerWeights, WeightOps
 from tierflow.executor.packs import Pack
 from tierflow.planner.core.graph import Task
 
@@ -31,18 +31,21 @@ class ComputeOps:
         # with W ranks each rank's gradient is 1/W of its mean, so that the reduce-scatter's sum is the whole batch's
         self.grad_scale = self.num_mb * cx.state.world.ranks
 
-    def _leaves(self, b: int, vecs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One autograd leaf per parameter of block b (a view of its owner's flat vector), in the order of
-        layout.slots[b], then a tied head's embedding matrix. A single leaf per flat vector would make the
-        backward of every parameter view scatter its gradient into a zero tensor of the whole vector (one pass
-        over the block's bytes per parameter); per-parameter leaves get each gradient written once, as in
-        plain PyTorch."""
-        leaves = [v.detach().requires_grad_() for v in self.cx.layout.params(b, vecs[0]).values()]
+    def _leaves(self, b: int, vecs: list[OwnerWeights]) -> list[torch.Tensor]:
+        """One autograd leaf per parameter of block b (a view of its owner's resident or fetched weights), in
+        the order of layout.slots[b], then a tied head's embedding matrix. A single leaf per flat vector would
+        make the backward of every parameter view scatter its gradient into a zero tensor of the whole vector
+        (one pass over the block's bytes per parameter); per-parameter leaves get each gradient written once, as
+        in plain PyTorch."""
+        own = vecs[0]
+        leaves = [own.view(s.offset, s.offset + s.numel).view(s.shape).detach().requires_grad_()
+                  for s in self.cx.layout.slots[b]]
         if len(vecs) > 1:  # a tied head: block 0's wte range
-            leaves.append(vecs[1].detach().view(self.cx.spec.vocab_size, -1).requires_grad_())
+            wte = vecs[1]
+            leaves.append(wte.view(wte.lo, wte.hi).view(self.cx.spec.vocab_size, -1).detach().requires_grad_())
         return leaves
 
-    def _repoint(self, b: int, leaves: list[torch.Tensor], vecs: list[torch.Tensor]) -> None:
+    def _repoint(self, b: int, leaves: list[torch.Tensor], vecs: list[OwnerWeights]) -> None:
         """Point the leaves of a forward at the weights fetched for the backward (same layout)."""
         for leaf, view in zip(leaves, self._leaves(b, vecs)):
             leaf.data = view.data
@@ -71,9 +74,8 @@ class ComputeOps:
             x = self.entries.take(rs, t, x_key)
             leaves = self._leaves(b, vecs)
             pack = Pack(leaves, own=self.cx.backend.own)
-            pack.x_leaf = x.detach().requires_grad_()
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack.pack_hook, pack.unpack_hook):
-                pack.out = self._call(b, leaves, pack.x_leaf)
+                pack.out = self._call(b, leaves, pack.input(x))
             pack.originals = []
             for leaf in leaves:  # the weight buffer is not kept: backward gets its own fetch
                 leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
@@ -126,7 +128,7 @@ class ComputeOps:
             self._repoint(b, pack.leaves, self.weights.weights(rs, t))
             pack.backward(gout)
             self._leaf_grads(rs, t, pack.leaves)
-            self.entries.put(rs, EntryKey(it, "dx", b, m), pack.x_leaf.grad)
+            self.entries.put(rs, EntryKey(it, "dx", b, m), pack.x_grad.pop())
             pack.restored = pack.out = None
             self.entries.done_with(rs, t, pack_key)
         self.entries.done_with(rs, t, EntryKey(it, "dx", b + 1, m))

@@ -84,8 +84,8 @@ class EntryOps:
     # -- the plan's ops ------------------------------------------------------------------------------------------
 
     def offload(self, rs: RoundState, t: Task) -> None:
-        """Split the entry's flat elements over the tiers: [0, gpu) kept on the device, then pinned host memory,
-        then a pinned host buffer staging the SSD part for the write. Each source (the tensor, or each tensor
+        """Split the entry's flat elements over the tiers: [0, gpu) kept on the device, then the transfer area (host part),
+        then a transfer-area buffer staging the SSD part for the write. Each source (the tensor, or each tensor
         of a pack, as bytes) is copied straight into its slices of those buffers: nothing is joined first."""
         be = self.cx.backend
         e = rs.entries[self.binding.entry_key(t)]
@@ -105,10 +105,10 @@ class EntryOps:
             e.kept = be.empty(g, e.dtype)
             dests.append((0, e.kept))
         if c:
-            e.host_cpu = be.host_buffer(c, e.dtype, pinned=True)
+            e.host_cpu = self.cx.transfer_buffer(c, e.dtype)
             dests.append((g, e.host_cpu))
         if e.ssd_elems:
-            e.host_ssd = be.host_buffer(e.ssd_elems, e.dtype, pinned=True)
+            e.host_ssd = self.cx.transfer_buffer(e.ssd_elems, e.dtype)
             dests.append((g + c, e.host_ssd))
         scatter(be, sources, dests)
         with rs.lock:
@@ -131,11 +131,15 @@ class EntryOps:
 
     def read(self, rs: RoundState, t: Task) -> None:
         e = rs.entries[self.binding.entry_key(t)]
-        e.host_ssd = self.cx.ssd.read(e.ssd_name, e.dtype, e.ssd_elems, pinned=True)  # the fetch copies it
+        # the fetch copies it
+        e.host_ssd = self.cx.ssd.read(e.ssd_name, e.dtype, e.ssd_elems, into=self.cx.transfer_bytes)
         e.move(EntryState.READ_BACK)
 
     def fetch(self, rs: RoundState, t: Task) -> None:
-        """Copy the kept, host and SSD parts into one device buffer for the consumer that depends on this op."""
+        """Copy the kept, host and SSD parts into one device buffer for the consumer that depends on this op.
+        The SSD part read back is dropped at once; the last fetch of the entry also drops the kept and the host
+        parts (the plan frees them there: its consumer reads only the fetched copy). A dropped buffer that a
+        queued copy still reads is kept by record_stream (device) and by the transfer area's events (host)."""
         be = self.cx.backend
         e = rs.entries[self.binding.entry_key(t)]
         assert not e.ssd_elems or e.state in (EntryState.OFFLOADED, EntryState.READ_BACK), e.state
@@ -149,6 +153,8 @@ class EntryOps:
         if e.ssd_elems:
             be.copy_async(dst[g + c:], e.host_ssd)
             e.host_ssd = None
+        if t.id in self.binding.last_fetch:
+            e.kept = e.host_cpu = None
         e.move(EntryState.FETCHED)
         rs.fetched[t.id] = dst
 

@@ -9,7 +9,8 @@ plan's order on the net worker, so the i-th collective of every rank is the same
                           keep this rank's shard: `reduce_scatter_single` (reduce_scatter_tensor), which gloo (CPU) has in the PyTorch
                           this project pins (2.13); where a backend lacks it (older gloo), all_reduce and take the
                           shard, which moves more bytes but sums the same numbers. The shard goes to the op that
-                          takes it (offload_grads, or adam_gpu for a GPU optimizer) as that op's accumulator.
+                          takes it: to offload_grads cast to the compute dtype on the net stream (offload_grads
+                          only copies, as with one rank), to adam_gpu (a GPU optimizer) in fp32.
 
 On a CUDA device the net worker has a stream of its own: NCCL's collectives are enqueued with it current, so
 `work.wait()` makes that stream (not the host) wait, and the ops after the collective wait on its end event as
@@ -59,16 +60,21 @@ class NetOps:
         rs.weight_bufs[t.id] = bufs
 
     def reduce_scatter_grads(self, rs: RoundState, t: Task) -> None:
-        consumer = self.cx.binding.scatter_to[t.id]
-        for o, acc in sorted(self.buffers.take(rs, t.id), key=lambda x: x[0]):
+        consumer = self.cx.binding.tasks[self.cx.binding.scatter_to[t.id]]
+        for o, _lo, acc in sorted(self.buffers.take(rs, t.id), key=lambda x: x[0]):
             rs.use_on(acc, "net")
             n = self.cx.layout.numel[o]
             s, r = self.world.shard_size(n), self.world.rank
             lo, hi = self.world.shard(n)
-            out = self._reduce_scatter(rs, acc, s, r)
-            rs.use_on(out, self.cx.binding.tasks[consumer].resource)  # made on the net stream, read on the taker's
+            out = self._reduce_scatter(rs, acc, s, r)[: hi - lo]
+            if consumer.kind == "offload_grads" and out.dtype != self.cx.dtype:
+                # offload_grads only copies (GradBuffers): the shard in the compute dtype, cast on this stream
+                wire = self.cx.backend.empty(hi - lo, self.cx.dtype)
+                wire.copy_(out)
+                out = wire
+            rs.use_on(out, consumer.resource)  # made on the net stream, read on the taker's
             with rs.lock:
-                rs.grad_acc[(consumer, o)] = out[: hi - lo]
+                rs.grad_acc[(consumer.id, o)] = out
 
     def _reduce_scatter(self, rs: RoundState, acc: torch.Tensor, s: int, r: int) -> torch.Tensor:
         group = self.world.net_group

@@ -10,6 +10,7 @@ to the compute dtype.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import torch
 from torch.optim.adamw import adamw as adamw_step
@@ -22,6 +23,25 @@ from tierflow.planner.core.graph import Task
 OPT_CLASSES = ("master", "adam_m", "adam_v")
 
 
+@dataclass
+class OwnerWeights:
+    """The compute weights of one owner's range [lo, hi) on the device: elements before `start` in the resident
+    vector (its element 0 is the owner's element 0), from `start` on in the buffer a fetch_weights op filled."""
+
+    lo: int
+    hi: int
+    resident: torch.Tensor | None
+    start: int
+    fetched: torch.Tensor | None
+
+    def view(self, a: int, z: int) -> torch.Tensor:
+        """Elements [a, z) of the owner's vector; a parameter lies wholly in one of the two parts."""
+        if a >= self.start:
+            return self.fetched[a - self.start: z - self.start]
+        assert z <= self.start, (a, z, self.start)
+        return self.resident[a:z]
+
+
 class WeightOps:
     """Weights of the block a compute op runs: resident on the device, or fetched for it by a fetch_weights op."""
 
@@ -29,17 +49,11 @@ class WeightOps:
         self.cx = cx
 
     def owners(self, b: int) -> list[tuple[int, int, int]]:
-        """(owner, lo, hi): the range of each owner's weights vector (of this rank's shard with several ranks)
-        that compute on block b needs from this rank: layout.owners with one rank; with several, each owner's whole
-        shard, which the all-gather completes (a tied head gathers all of block 0, of which it reads wte)."""
-        owners = self.cx.layout.owners(b)
-        if self.cx.state.world.single:
-            return owners
-        return [(o, 0, self.cx.state.shard_numel[o]) for o, _lo, _hi in owners]
+        """(owner, lo, hi) of each owner's weights this rank fetches for block b (TrainState.owner_ranges)."""
+        return self.cx.state.owner_ranges(b)
 
     def read_weights(self, rs: RoundState, t: Task) -> None:
-        """The SSD range of every owner's weights into a pinned host buffer (fetch_weights copies it)."""
-        be = self.cx.backend
+        """The SSD range of every owner's weights into a transfer-area buffer (fetch_weights copies it)."""
         out = {}
         for o, lo, hi in self.owners(t.block):
             W = self.cx.state.vec["weights"][o]
@@ -49,18 +63,32 @@ class WeightOps:
             pieces = [(name, max(plo, a), min(phi, hi), plo, phi) for name, _j, plo, phi in W.ssd_pieces()
                       if min(phi, hi) > max(plo, a)]
             if len(pieces) == 1 and pieces[0][1:] == (a, hi, a, hi):  # one file, exactly the range: read into pinned
-                out[o] = self.cx.ssd.read(pieces[0][0], W.dtype, hi - a, pinned=be.pins)
+                out[o] = self.cx.ssd.read(pieces[0][0], W.dtype, hi - a, into=self.cx.transfer_bytes)
                 continue
-            buf = be.host_buffer(hi - a, W.dtype, pinned=True)
+            buf = self.cx.transfer_buffer(hi - a, W.dtype)
             for name, x, z, plo, phi in pieces:
                 buf[x - a: z - a].copy_(self.cx.ssd.read(name, W.dtype, phi - plo)[x - plo: z - plo])
             out[o] = buf
         rs.staged[Staged("weights_read", t.id)] = out
 
+    def fetch_start(self, o: int, lo: int, hi: int) -> int:
+        """Where the fetched buffer of owner o's range [lo, hi) starts: the first element not on the device, or
+        the start of the parameter that element belongs to, so that every parameter is one tensor (of the
+        resident vector or of the fetched buffer) and nothing is concatenated per use. The resident part of
+        that one parameter is copied into the buffer too: the only device bytes beyond the plan's fetch."""
+        g = self.cx.state.vec["weights"][o].g
+        if g <= lo:
+            return lo
+        for s in self.cx.layout.slots[o]:
+            if s.offset < g < s.offset + s.numel:
+                return max(lo, s.offset)
+        return g
+
     def fetch_weights(self, rs: RoundState, t: Task) -> None:
-        """The non-resident part of every owner's range to the device, straight into one buffer per owner: host
-        memory, then what read_weights read. With several ranks: this rank's whole shard into its slot of a
-        full-size buffer per owner, which all_gather_weights completes (ops_net.py)."""
+        """The non-resident part of every owner's range to the device, straight into one buffer per owner (from
+        fetch_start): device memory of a parameter split by the placement, host memory, then what read_weights
+        read. With several ranks: this rank's whole shard into its slot of a full-size buffer per owner, which
+        all_gather_weights completes (ops_net.py)."""
         be = self.cx.backend
         rid = self.cx.binding.dep_of_kind[t.id].get("read_weights")
         staged = rs.staged.pop(Staged("weights_read", rid)) if rid is not None else {}
@@ -70,17 +98,19 @@ class WeightOps:
         out = {}
         for o, lo, hi in self.cx.layout.owners(t.block):
             W = self.cx.state.vec["weights"][o]
-            base = max(lo, W.g)
-            if hi <= base:
+            if hi <= W.g:
                 continue
+            base = self.fetch_start(o, lo, hi)
             dst = be.empty(hi - base, W.dtype)
-            a, z = base, min(hi, W.ssd_lo)
+            if W.g > base:  # the resident head of the parameter the split cuts
+                be.copy_async(dst[: W.g - base], W.dev[base: W.g])
+            a, z = max(base, W.g), min(hi, W.ssd_lo)
             if z > a:
-                be.copy_async(dst[: z - a], W.host[a - W.g: z - W.g])
+                be.copy_async(dst[a - base: z - base], W.host[a - W.g: z - W.g])
             if o in staged:
                 s = max(lo, W.ssd_lo)
                 be.copy_async(dst[s - base:], staged[o])
-            out[o] = dst
+            out[o] = (base, dst)
         rs.weight_bufs[t.id] = out
 
     def shard_buffers(self, rs: RoundState, t: Task, staged: dict) -> dict[int, torch.Tensor]:
@@ -103,9 +133,9 @@ class WeightOps:
             out[o] = full
         return out
 
-    def weights(self, rs: RoundState, t: Task) -> list[torch.Tensor]:
-        """One flat vector per owner of block t.block: the resident part and the fetched part, joined (with several
-        ranks: the owner's range of the gathered full-size buffer)."""
+    def weights(self, rs: RoundState, t: Task) -> list[OwnerWeights]:
+        """The weights of every owner of block t.block: resident, fetched, or both (never joined); with several
+        ranks the owner's range of the gathered full-size buffer (all of it "fetched", from element 0)."""
         fid = self.cx.binding.wfetch[t.id]
         if not self.cx.state.world.single:
             if fid is None:
@@ -115,7 +145,7 @@ class WeightOps:
             out = []
             for o, lo, hi in self.cx.layout.owners(t.block):
                 rs.use_on(bufs[o], "gpu")
-                out.append(bufs[o][lo:hi])
+                out.append(OwnerWeights(lo, hi, None, 0, bufs[o]))
             return out
         out = []
         for o, lo, hi in self.cx.layout.owners(t.block):
@@ -124,15 +154,11 @@ class WeightOps:
                 if W.g < hi:
                     raise ExecutionError(f"op {t.id} ({t.label}): weights of block {o} are not all on the device and "
                                          "no fetch_weights precedes it (inconsistent plan)")
-                out.append(W.dev[lo:hi])
+                out.append(OwnerWeights(lo, hi, W.dev, hi, None))
                 continue
-            cache = rs.weight_full.setdefault(fid, {})
-            if o not in cache:
-                off = rs.weight_bufs[fid].get(o)
-                rs.use_on(off, "gpu")
-                res = W.dev[lo: min(hi, W.g)] if W.g > lo else None
-                cache[o] = off if res is None else res if off is None else torch.cat([res, off])
-            out.append(cache[o])
+            base, buf = rs.weight_bufs[fid].get(o, (hi, None))
+            rs.use_on(buf, "gpu")
+            out.append(OwnerWeights(lo, hi, W.dev, base, buf))
         return out
 
     def release(self, rs: RoundState, t: Task) -> None:
@@ -143,7 +169,6 @@ class WeightOps:
         rs.weight_users[fid] -= 1
         if rs.weight_users[fid] == 0:
             rs.weight_bufs.pop(fid, None)
-            rs.weight_full.pop(fid, None)
 
     def update_weights(self, rs: RoundState, t: Task) -> None:
         a, z, w = rs.staged.pop(Staged("weights_gpu", t.deps[0]))
@@ -152,32 +177,63 @@ class WeightOps:
 
 
 class GradBuffers:
-    """fp32 weight-gradient accumulators on the device, one per (op that takes them, owner block)."""
+    """Weight-gradient buffers on the device, one per (op that takes them, owner block), covering the owner's
+    range the taking op gets (binding.grad_range: a tied head's buffer for block 0 is the wte range only).
+
+    The plan counts a buffer that several compute ops add into (a weight use of several micro-batches, or
+    gradients kept on the device) as fp32 and one written by a single compute op as the compute dtype
+    (GRAD_ACCUM_BYTES vs GRAD_WIRE_BYTES): a single contribution is written straight into a compute-dtype
+    buffer (the same values an fp32 buffer would round to on the wire), several are added in fp32 and, after
+    the last, cast into a compute-dtype buffer on the compute stream, the fp32 one freed. Either way the
+    offload_grads op only copies what it takes (no cast on the D2H queue). A GPU optimizer keeps fp32.
+
+    With several ranks every buffer is fp32 (whatever the number of contributions) and spans the owner's whole
+    vector padded to W*S elements: the reduce-scatter sums in fp32, and reduce_scatter_grads casts this rank's
+    shard to the compute dtype on the net stream for an offload_grads taker (ops_net.py), so that offload_grads
+    still only copies."""
 
     def __init__(self, cx: OpContext) -> None:
         self.cx = cx
+        # main's dtype rule (compute dtype for a single contribution, cast after the last): one rank, host optimizer
+        self.wire_cast = not cx.state.placement.gpu_optimizer and cx.state.world.single
 
     def accumulate(self, rs: RoundState, t: Task, o: int, pieces: list[tuple[int, int, torch.Tensor | None]]) -> None:
-        """fp32 accumulation on the device of gradients `pieces` = [(lo, hi, grad)] into owner o's ranges, in the
-        buffer of the op that will take these gradients (a buffer spans the owner's whole vector: a tied head adds
-        the wte range of block 0). A None gradient (a parameter the step did not use) adds nothing."""
-        key = (self.cx.binding.grad_group[(t.id, o)], o)
+        """Gradients `pieces` = [(lo, hi, grad)] of owner o's ranges into the buffer of the op that will take
+        them. A None gradient (a parameter the step did not use) adds nothing."""
+        bind = self.cx.binding
+        key = (bind.grad_group[(t.id, o)], o)
+        base, end = bind.grad_range[key]
+        cast = self.wire_cast
+        single = bind.grad_contributors[key] == 1 and cast
         with rs.lock:
             acc = rs.grad_acc.get(key)
+            left = rs.grad_left.setdefault(key, bind.grad_contributors[key]) - 1
+            rs.grad_left[key] = left
         if acc is None:
-            # the owner's whole vector; with several ranks padded to W*S elements for the reduce-scatter
-            acc = self.cx.backend.empty(self.cx.state.world.padded(self.cx.layout.numel[o]), torch.float32).zero_()
+            # with several ranks [base, end) is the owner's whole vector padded to W*S elements (binding)
+            acc = self.cx.backend.empty(end - base, self.cx.dtype if single else torch.float32).zero_()
             with rs.lock:
                 rs.grad_acc[key] = acc
         for lo, hi, grad in pieces:
-            if grad is not None:
-                acc[lo:hi] += grad.reshape(-1)
+            if grad is None:
+                continue
+            if single:
+                acc[lo - base: hi - base].copy_(grad.reshape(-1))
+            else:
+                acc[lo - base: hi - base] += grad.reshape(-1)
+        if left == 0 and acc.dtype != self.cx.dtype and cast:
+            wire = self.cx.backend.empty(end - base, self.cx.dtype)
+            wire.copy_(acc)  # the cast, on the compute stream where the gradient is produced
+            with rs.lock:
+                rs.grad_acc[key] = wire
 
-    def take(self, rs: RoundState, group: int) -> list[tuple[int, torch.Tensor]]:
-        """(owner, accumulator) of every buffer the op `group` takes."""
+    def take(self, rs: RoundState, group: int) -> list[tuple[int, int, torch.Tensor]]:
+        """(owner, first element, buffer) of every buffer the op `group` takes."""
         with rs.lock:
             keys = [k for k in rs.grad_acc if k[0] == group]
-            return [(k[1], rs.grad_acc.pop(k)) for k in keys]
+            for k in keys:
+                rs.grad_left.pop(k, None)
+            return [(k[1], self.cx.binding.grad_range[k][0], rs.grad_acc.pop(k)) for k in keys]
 
 
 class GradOps:
@@ -187,20 +243,18 @@ class GradOps:
         self.cx, self.buffers = cx, buffers
 
     def offload_grads(self, rs: RoundState, t: Task) -> None:
-        """Send a block's gradients to the host in the compute dtype; they are added to the fp32 accumulators
-        on the host, not in the D2H queue: with streams by HostGradAdds (after this copy's event), on a plain
-        CPU at once."""
+        """Send a block's gradients (already in the compute dtype: GradBuffers) to the host; they are added to the
+        fp32 accumulators on the host, not in the D2H queue: with streams by HostGradAdds (after this copy's
+        event), on a plain CPU at once."""
         be = self.cx.backend
-        for o, g in self.buffers.take(rs, t.id):
+        for o, lo, g in self.buffers.take(rs, t.id):
             rs.use_on(g, "d2h")
             if not self.cx.asynchronous:
-                self.cx.state.grads[o] += g.to(self.cx.dtype).float()
+                self.cx.state.grads[o][lo: lo + g.numel()] += g.float()
                 continue
-            wire = be.empty(g.numel(), self.cx.dtype)
-            wire.copy_(g)  # the cast, on this stream
-            host = be.host_buffer(g.numel(), self.cx.dtype, pinned=True)
-            be.copy_async(host, wire)
-            rs.grad_adds.submit(t, o, be.record(rs.streams["d2h"]), host)
+            host = self.cx.transfer_buffer(g.numel(), g.dtype)
+            be.copy_async(host, g)
+            rs.grad_adds.submit(t, o, lo, be.record(rs.streams["d2h"]), host)
 
     def _ssd_range(self, b: int) -> tuple[int, int]:
         _gpu_elems, _cpu_elems, ssd_elems = self.cx.state.grad_split[b]
@@ -286,7 +340,7 @@ class OptimizerOps:
         if z > a:
             W.host[a - W.g: z - W.g].copy_(new[a - lo: z - lo])
         a, z = lo, min(hi, W.g)
-        wire = self.cx.backend.host_buffer(max(z - a, 0), new.dtype, pinned=True)  # update_weights copies it
+        wire = self.cx.transfer_buffer(max(z - a, 0), new.dtype)  # update_weights copies it
         wire.copy_(new[: max(z - a, 0)])
         rs.staged[Staged("weights_gpu", t.id)] = (a, z, wire)
         w_ssd = [(name, new[plo - lo: phi - lo]) for name, pj, plo, phi in W.ssd_pieces() if pj == j]
@@ -304,7 +358,7 @@ class OptimizerOps:
     def adam_gpu(self, rs: RoundState, t: Task) -> None:
         b = t.block
         grad = None
-        for _o, g in self.buffers.take(rs, t.id):
+        for _o, _lo, g in self.buffers.take(rs, t.id):
             grad = g if grad is None else grad + g
         vecs = [self.cx.state.vec[cls][b].dev for cls in OPT_CLASSES]
         self._adamw([vecs[0]], [grad], [vecs[1]], [vecs[2]], rs.step0 + t.iteration + 1,
@@ -321,15 +375,15 @@ class HostGradAdds:
     def __init__(self, backend, state, rs: RoundState, fail) -> None:
         self.backend, self.state, self.rs, self.fail = backend, state, rs, fail
         self.cv = threading.Condition()
-        self.items: list[tuple[Task, int, object, torch.Tensor] | None] = []
+        self.items: list[tuple[Task, int, int, object, torch.Tensor] | None] = []
         self.pending: dict[int, int] = {}
         self.thread = threading.Thread(target=self._loop, name="tierflow-gradadd", daemon=True)
         self.thread.start()
 
-    def submit(self, t: Task, o: int, event, host: torch.Tensor) -> None:
+    def submit(self, t: Task, o: int, lo: int, event, host: torch.Tensor) -> None:
         with self.cv:
             self.pending[o] = self.pending.get(o, 0) + 1
-            self.items.append((t, o, event, host))
+            self.items.append((t, o, lo, event, host))
             self.cv.notify_all()
 
     @staticmethod
@@ -359,11 +413,11 @@ class HostGradAdds:
                 item = self.items.pop(0)
             if item is None:
                 return
-            t, o, event, host = item
+            t, o, lo, event, host = item
             try:
                 if not self.rs.abort.is_set():
                     self.backend.synchronize_event(event)
-                    self.state.grads[o] += host.float()
+                    self.state.grads[o][lo: lo + host.numel()] += host.float()
             except RoundAborted:
                 pass
             except BaseException as e:  # noqa: BLE001 - the op whose gradients these are

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from tierflow.executor.arena import TransferAreaOutOfMemory
 from tierflow.executor.checkpoint import (
     CheckpointWriteError,
     NonFiniteState,
@@ -93,6 +94,7 @@ class RunOptions:
     allow_changed_hyper: bool = False  # resume although the seed / hyper-parameters / data differ from the checkpoint's
     collect_final: bool = False  # return the final fp32 master weights and Adam m (RunResult.final_*), e.g. for tests
     export_hf: str | None = None  # after the last step, write the fp32 master weights here in the HF layout
+    compute_dtype: str | None = None  # "bf16" | "fp32"; None: bf16 on CUDA, fp32 on a CPU (hidden --compute-dtype)
 
 
 @dataclass
@@ -211,6 +213,8 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
     backend = _device(rank_device(opts.device, cfg.ranks), opts.seed)
     world = init_world(cfg.ranks, backend.device)
     dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
+    if opts.compute_dtype is not None:
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[opts.compute_dtype]
     probe = TrainState(plan.model, cfg.placement, cfg.alpha, backend, dtype, None, world)
     need_ssd = _ssd_need_bytes(plan, probe)
     uses_ssd = need_ssd > (1 << 20) or any(t.resource in ("ssd_read", "ssd_write") for t in plan.graph.tasks)
@@ -546,7 +550,8 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
                       data_format=args.data_format, init=args.init, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every or 0, out=args.out, hyper=hyper, seed=args.seed,
                       quiet=args.json or level_of(args) >= QUIET, export_hf=args.export_hf,
-                      resume_fallback=args.resume_fallback, profile=args.profile, allow_changed_hyper=args.allow_changed_hyper)
+                      resume_fallback=args.resume_fallback, profile=args.profile, allow_changed_hyper=args.allow_changed_hyper,
+                      compute_dtype=getattr(args, "compute_dtype", None))
     stopped = None
     try:
         with StopOnSignals():
@@ -576,6 +581,9 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
         print(f"tierflow run: does not fit: {e}", file=sys.stderr)
         return 3
     except OutOfMemory as e:
+        print(f"tierflow run: {e}", file=sys.stderr)
+        return 3
+    except TransferAreaOutOfMemory as e:  # the pinned transfer area, allocated at start
         print(f"tierflow run: {e}", file=sys.stderr)
         return 3
     except TierOutOfMemory as e:  # building the state on its tiers, before any op

@@ -234,6 +234,15 @@ class TrainState:
 
     # -- inspection --------------------------------------------------------------------------------------------
 
+    def owner_ranges(self, b: int) -> list[tuple[int, int, int]]:
+        """(owner, lo, hi): the range of each owner's vector held here that compute on block b needs from this
+        rank: layout.owners with one rank; with several, each owner's whole shard (ranges relative to it), which
+        the all-gather completes (a tied head gathers all of block 0, of which it reads wte)."""
+        owners = self.layout.owners(b)
+        if self.world.single:
+            return owners
+        return [(o, 0, self.shard_numel[o]) for o, _lo, _hi in owners]
+
     def full(self, cls: str, b: int) -> torch.Tensor:
         """This rank's vector of class `cls` of block b on the CPU (the whole block with one rank, else its shard)."""
         return self.vec[cls][b].get_full(self.ssd)

@@ -3,11 +3,9 @@ from page-aligned host buffers, in chunks on a thread pool, with a CRC32 per fil
 reported by name instead of silently training on garbage.
 
 Where the filesystem refuses O_DIRECT (tmpfs, some network filesystems: EINVAL), the store falls back to
-buffered I/O and warns once. Read buffers come from the device backend's host allocator: pinned where the caller
-copies them to the device (weights, activations), pageable where they stay on the host (optimizer states,
-gradients). A pinned buffer is page-aligned already, so it is allocated at its size (not size + 4 KiB, which the
-pinned caching allocator would round up to the next power of two).
-"""
+buffered I/O and warns once. Reads that go to the device (weights, activations) land in a page-aligned buffer
+the caller hands in (`into`: the executor's transfer area, executor/arena.py); the others come from the device
+backend's host allocator, pageable (optimizer states, gradients)."""
 
 from __future__ import annotations
 
@@ -149,11 +147,18 @@ class SsdStore:
             self.nbytes[name] = nbytes
             self.bytes_written += nbytes
 
-    def read(self, name: str, dtype: torch.dtype, numel: int, pinned: bool = False) -> torch.Tensor:
+    def read(self, name: str, dtype: torch.dtype, numel: int, pinned: bool = False,
+             into: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+        """`into(nbytes)`: the page-aligned uint8 buffer to read into (whole pages; the executor's transfer area)
+        instead of a new one."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         if self.nbytes.get(name) != nbytes:
             raise ChecksumError(f"ssd tier: {name}: expected {nbytes} bytes, the store wrote {self.nbytes.get(name)}")
-        buf = aligned_empty(nbytes, pinned and self.backend is not None and self.backend.pins, self.backend)
+        if into is not None:
+            buf = into(nbytes)
+            buf = buf[: -(-max(nbytes, 1) // ALIGN) * ALIGN]
+        else:
+            buf = aligned_empty(nbytes, pinned and self.backend is not None and self.backend.pins, self.backend)
         path = self.path(name)
         try:
             fd = self._open(path, False)

@@ -86,10 +86,11 @@ def calibrate(device: str, ssd_dir: Path, quick: bool, out: Path, model: ModelSp
 
 
 def host_cap(hw: HardwareProfile, model: ModelSpec) -> HardwareProfile:
-    """Host memory capped above the weights, gradients and working buffers but below the 12 B/param of optimizer
-    states: only the SSD tier can hold them."""
+    """Host memory capped above the weights, gradients and working buffers (10 B/param) with room for a third of
+    the 12 B/param of optimizer states: at least two thirds of them must go to the SSD tier. (A fixed 0.25 GiB of
+    headroom, as before, held all the states of the small model: a plan could leave the SSD tier idle.)"""
     P = model.total_params()
-    usable_gib = 10 * P / 2**30 + 0.25
+    usable_gib = 14 * P / 2**30
     return hw.with_overrides({"cpu.memory_gib": round(hw.cpu.reserved_gib + usable_gib, 3)})
 
 

@@ -123,6 +123,17 @@ class CpuSpec:
     memory_efficiency: float | None = None
     # cores of the host shared by compute on a host device, CPU Adam and the copies (None: not modelled)
     cores: float | None = None
+    # How the host's threads slow each other when the device is the host CPU (gpu.host_cores), as `tierflow
+    # calibrate --device cpu` measures them (None: the proportional share of `cores` instead):
+    # device compute's time x (1 + (this - 1) x k) while k host I/O ops (copies, SSD ops) run beside it: an I/O
+    # thread takes time slices from one of compute's threads, and a parallel region runs at its slowest thread's
+    # pace, so one I/O thread costs compute far more than its share of the cores
+    compute_slowdown_per_io_op: float | None = None
+    # a device<->host copy's time x this while device compute runs (a memcpy thread time-shares its core)
+    copy_slowdown_beside_compute: float | None = None
+    # an SSD op's time x this while device compute runs (its thread sleeps on the device between requests, so the
+    # scheduler runs it promptly when it wakes)
+    ssd_slowdown_beside_compute: float | None = None
 
     @property
     def sustained_memory_bps(self) -> float:
@@ -395,6 +406,9 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "adam_gparams_per_s": _pos(100, "billion parameters/s", 1e-5),
         "memory_efficiency": _optional(0, False, 1.0, "of memory_gbps", 1e-3),
         "cores": _optional(0, False, 4096, "cores", 0.1),
+        "compute_slowdown_per_io_op": _optional(1, True, 100, "x compute time per I/O op beside it", 1e-3),
+        "copy_slowdown_beside_compute": _optional(1, True, 100, "x copy time beside compute", 1e-3),
+        "ssd_slowdown_beside_compute": _optional(1, True, 100, "x SSD op time beside compute", 1e-3),
     },
     "ssd": {
         "count": _Rule("int", 0, True, 64, "drives"),
@@ -429,7 +443,8 @@ _RULES: dict[str, dict[str, _Rule]] = {
 }
 # Keys that may be left out of the ssd section when ssd.count == 0.
 _SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency", "latency_us")
-_OPTIONAL = {"cpu": ("memory_efficiency", "cores"),
+_OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op", "copy_slowdown_beside_compute",
+                     "ssd_slowdown_beside_compute"),
              "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps"),
              "pcie": ("latency_us",)}  # keys a profile may leave out (older files), other than ssd's
 _SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec,

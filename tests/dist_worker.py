@@ -7,7 +7,7 @@ raised.
 
 A case: {"name", "family", "placement", "steps", "model"?, "batch"?, "alpha"?, "device"?, "ssd_dir",
 "checkpoint_dir"?, "checkpoint_every"?, "resume_fallback"?, "remove_shard"?: the rank whose shard of the latest
-checkpoint rank 0 deletes first}.
+checkpoint rank 0 deletes first, "compute_dtype"?: "bf16" | "fp32"}.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def run_case(case: dict, out: Path, ranks: int, rank: int) -> None:
     Path(case["ssd_dir"]).mkdir(parents=True, exist_ok=True)
     opts = RunOptions(steps=case["steps"], ssd_dir=case["ssd_dir"], quiet=True, collect_final=True, hyper=HYPER,
                       checkpoint_dir=ck, checkpoint_every=case.get("checkpoint_every", 0),
-                      resume_fallback=case.get("resume_fallback", False), device=case.get("device", "cpu"))
+                      resume_fallback=case.get("resume_fallback", False), device=case.get("device", "cpu"),
+                      compute_dtype=case.get("compute_dtype"))
     try:
         res = run_plan(plan, opts)
     except CheckpointError as e:

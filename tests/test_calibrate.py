@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 from tierflow.executor import calibrate as cal  # noqa: E402
 from tierflow.hwprofiles import load_profile  # noqa: E402
+from tierflow.planner.core.costmodel import link_rates  # noqa: E402
 from tierflow.planner.io.cli import CliError, main  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
@@ -146,7 +147,7 @@ def test_build_profile_for_a_cpu_device():
     with pytest.raises(CliError, match="unknown profile key"):
         cal.build_profile(m, overrides={"cpu.nonsense": 1})
     # compute, Adam and copies share the two cores in the simulator
-    from tierflow.planner.core.costmodel import link_rates
+
     r = link_rates(c.profile)
     assert r.core_bound and (r.cores, r.gpu_cores, r.adam_cores, r.copy_cores) == (2, 2, 2, 1)
 
@@ -173,6 +174,29 @@ def test_build_profile_for_a_cpu_device_takes_the_executors_store_and_fixed_cost
     m["executor"] = {}
     bare = cal.build_profile(m).profile
     assert (bare.gpu.op_overhead_us, bare.pcie.latency_us, bare.ssd.latency_us) == (None, None, None)
+    assert not link_rates(bare).io_contention  # no interference measured: the proportional share of the cores
+    m["interference"] = {"gemm_beside_copy": 2.2, "copy_beside_gemm": 1.6, "gemm_beside_ssd_read": 1.9,
+                         "ssd_read_beside_gemm": 1.2, "compute_slowdown": 2.05, "copy_slowdown": 1.6,
+                         "ssd_slowdown": 1.2}
+    c = cal.build_profile(m)
+    cpu = c.profile.cpu
+    assert (cpu.compute_slowdown_per_io_op, cpu.copy_slowdown_beside_compute, cpu.ssd_slowdown_beside_compute) == (
+        2.05, 1.6, 1.2)
+    assert "copy 2.20x, ssd_read 1.90x" in {f.key: f for f in c.fields}["cpu.compute_slowdown_per_io_op"].note
+    r = link_rates(c.profile)
+    assert r.io_contention and r.compute_io_extra == pytest.approx(1.05) and r.beside_compute("ssd_write") == 1.2
+
+
+def test_io_interference_is_measured_by_running_both_loops(tmp_path):
+    """A GEMM loop beside a memcpy loop and the store's reads and writes, each against alone: every ratio is a
+    positive number, the means are the means of the parts, and the store's files are gone afterwards."""
+    itf = cal.measure_io_interference(tmp_path, seconds=0.08, copy_bytes=2**22)
+    parts = ("copy", "ssd_read", "ssd_write")
+    assert all(itf[f"gemm_beside_{k}"] > 0 and itf[f"{k}_beside_gemm"] > 0 for k in parts)
+    assert itf["compute_slowdown"] == pytest.approx(sum(itf[f"gemm_beside_{k}"] for k in parts) / 3)
+    assert itf["ssd_slowdown"] == pytest.approx((itf["ssd_read_beside_gemm"] + itf["ssd_write_beside_gemm"]) / 2)
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith("interference-")]
+    assert "ssd_slowdown" not in cal.measure_io_interference(None, seconds=0.04, copy_bytes=2**20)
 
 
 def test_executor_costs_and_store_are_measured_by_running_them(tmp_path):

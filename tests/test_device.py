@@ -13,6 +13,8 @@ import pytest
 import torch
 from test_executor import make_plan, reference, rel_err, run
 
+from tierflow.executor import engine as engine_mod
+from tierflow.executor.arena import arena_bytes_for
 from tierflow.executor.context import RoundState
 from tierflow.executor.device import (
     CudaBackend,
@@ -282,16 +284,25 @@ def test_pinned_out_of_memory_exits_3_naming_the_tier(tmp_path, monkeypatch, cap
     assert "cpu (pinned) out of memory for the training state" in err and "\n" not in err
     real = TrainState.init_random
 
-    def init(self, seed):  # the state fits, the first staged activations do not
+    def init(self, seed):  # the state fits, the plan's transfer area does not
         real(self, seed)
         self.backend.pinned_limit_bytes = self.backend.pinned_bytes + 4096
 
     monkeypatch.setattr(TrainState, "init_random", init)
     monkeypatch.setattr(AdversarialCpuBackend, "pinned_limit_bytes", None)
+    sized = []
+    monkeypatch.setattr(engine_mod, "arena_bytes_for", lambda *a: sized.append(arena_bytes_for(*a)) or sized[-1])
     assert main(base) == 3
     err = capsys.readouterr().err.strip()
-    assert "cpu (pinned) out of memory in op" in err and "offload_checkpoint" in err and "\n" not in err
-    assert "placement.checkpoints" in err
+    need = sized[0]
+    assert err.startswith("tierflow run: cpu (pinned) out of memory: the plan's pinned transfer area needs "
+                          f"{need / 2**30:.3f} GiB ({need:,} bytes)") and "\n" not in err
+    # an area too small for the run (here: empty) serves its buffers outside it; a failure there names the op
+    monkeypatch.setattr(engine_mod, "arena_bytes_for", lambda *a: 0)
+    assert main(base) == 3
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the warning that the area is full
+    assert "cpu (pinned) out of memory in op" in last and "offload_checkpoint" in last
+    assert "placement.checkpoints" in last
 
 
 @pytest.mark.parametrize(("message", "code", "want"), [
@@ -317,11 +328,11 @@ def test_a_synchronizing_d2h_op_is_refused(tmp_path, monkeypatch):
     """The old offload_grads waited for its own copy inside the D2H queue (and added in fp32 there)."""
 
     def old_offload_grads(self, rs, t):
-        for o, g in self.buffers.take(rs, t.id):
+        for o, lo, g in self.buffers.take(rs, t.id):
             host = self.cx.backend.host_buffer(g.numel(), g.dtype, pinned=True)
             self.cx.backend.copy_async(host, g)
             self.cx.backend.synchronize_event(self.cx.backend.record(rs.streams["d2h"]))
-            self.cx.state.grads[o] += host
+            self.cx.state.grads[o][lo: lo + g.numel()] += host
 
     monkeypatch.setattr(GradOps, "offload_grads", old_offload_grads)
     with pytest.raises(ExecutionError, match="offload_grads .*HiddenSyncError"):
@@ -522,12 +533,11 @@ def test_a_pack_releases_the_layer_output_and_backward_still_matches(model_name)
     layer.zero_grad()
     leaves = list(layer.parameters())
     pack = Pack(leaves)
-    pack.x_leaf = x.clone().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(pack.pack_hook, pack.unpack_hook):
-        pack.out = layer(pack.x_leaf)
+        pack.out = layer(pack.input(x.clone()))
     next_input = pack.out.detach()
     pack.release_output()
     assert pack.out.numel() == 0 and next_input.numel() == x.numel()  # the next layer's input keeps the values
     pack.backward(g)
-    got = [pack.x_leaf.grad, *(p.grad for p in layer.parameters())]
+    got = [pack.x_grad[0], *(p.grad for p in layer.parameters())]
     assert all(torch.equal(a, b) for a, b in zip(got, want))

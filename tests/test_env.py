@@ -130,6 +130,7 @@ def test_measurement_plan_is_what_calibrate_measures(tmp_path):
     cal.run_measurements(sizes, tmp_path, rec, gpu=False, device="cpu")
     assert rec.labels == cal.measurement_plan("cpu", sizes, ssd=True)
     no_ssd = cal.measurement_plan("cpu", sizes)  # without --ssd-dir: no SSD steps, then the executor's fixed costs
-    assert no_ssd[-2].startswith("CPU AdamW") and no_ssd[-1].startswith("the executor's fixed cost")
+    assert no_ssd[-3].startswith("CPU AdamW") and no_ssd[-2].startswith("compute beside the host's I/O")
+    assert no_ssd[-1].startswith("the executor's fixed cost")
     assert not any("SSD" in step for step in no_ssd)
     assert len(cal.measurement_plan("cuda", sizes, ssd=True)) == 7 + 2 + 3

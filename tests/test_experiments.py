@@ -156,12 +156,15 @@ def test_fidelity_quick(tmp_path):
 
 def test_closed_loop_quick(tmp_path):
     """calibrate -> plan -> run -> compare on this CPU: every run trains, its comparison is measured / predicted
-    of the same plan, the caps push the optimizer states to the SSD tier. The 25% target is not met yet (README,
-    closed loop): the bound here is the loop's own arithmetic, not its accuracy."""
+    of the same plan, the caps push the optimizer states to the SSD tier, and the iteration time is predicted
+    within 25% (the issue's CI bound for a noisy machine; the full loop's target is 10%, README)."""
+    before = _cpu_ticks()
     rows = closed_loop.run(quick=True, out_dir=tmp_path)
+    others = _others_share(before, _cpu_ticks())
     assert [r["schedule"] for r in rows] == ["vertical", "plan"]
     hw = load_profile(str(tmp_path / "closed_loop_cpu.yaml"))
     assert hw.gpu.host_cores is not None and hw.cpu.cores is not None  # the CPU as the device, cores shared
+    assert hw.cpu.compute_slowdown_per_io_op is not None  # and how its threads slow each other, measured
     for r in rows:
         assert r["predicted_s"] > 0 and r["measured_s"] > 0
         assert r["iteration_error"] == pytest.approx(r["measured_s"] / r["predicted_s"] - 1, abs=2e-3)
@@ -173,6 +176,26 @@ def test_closed_loop_quick(tmp_path):
         assert float(b["fwd_bwd_measured_s"]) > float(b["fwd_measured_s"]) > 0
         assert float(b["fwd_error"]) == pytest.approx(float(b["fwd_measured_s"]) / float(b["fwd_predicted_s"]) - 1,
                                                       abs=2e-3)
+    if others > 0.1:  # another process on a core slows the device's compute 4-10x (README, closed loop)
+        pytest.skip(f"other processes used {others:.0%} of the machine's CPU time during the loop: the 25% bound "
+                    "needs a machine to itself")
+    for r in rows:
+        assert abs(r["iteration_error"]) <= 0.25, r
+
+
+def _cpu_ticks() -> tuple[int, int, int]:
+    """(busy, total) jiffies of the whole machine and the busy jiffies of this process (all its threads), from
+    /proc."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    me = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(fields) - idle, sum(fields), int(me[11]) + int(me[12])  # utime + stime
+
+
+def _others_share(a: tuple[int, int, int], b: tuple[int, int, int]) -> float:
+    """The share of the machine's CPU time that other processes used between a and b."""
+    total = b[1] - a[1]
+    return max(0.0, (b[0] - a[0]) - (b[2] - a[2])) / total if total > 0 else 0.0
 
 
 def test_run_all_writes_the_summary(tmp_path):

@@ -52,3 +52,16 @@ def test_gantt_into_an_axes_draws_only_the_window(res):
     assert plot_gantt(res, window=(w0, w0 + 0.01), ax=ax) is fig
     assert len(fig.axes) == 1 and ax.get_legend() is not None
     plt.close(fig)
+
+
+def test_memory_panel_shows_a_small_run_on_a_big_box(res):
+    """tiny-llama uses a sliver of the 3090 box: the memory panel is scaled to the fullest tier (not 0-100%, where
+    every line lies on 0) and its legend gives each tier's peak and capacity."""
+    fig = plot_gantt(res)
+    mem = fig.axes[2]
+    peak_pct = max(100 * res.peak_bytes[t] / res.graph.capacity_bytes[t] for t in ("gpu", "cpu", "ssd"))
+    assert peak_pct < 1
+    assert mem.get_ylim()[1] == pytest.approx(peak_pct * 1.15, rel=1e-6)
+    labels = [t.get_text() for t in mem.get_legend().get_texts()]
+    assert [s.split(":")[0] for s in labels] == ["gpu", "cpu", "ssd"] and all(" of " in s for s in labels)
+    plt.close(fig)

@@ -22,7 +22,7 @@ from tierflow.executor.ops_state import GradBuffers
 from tierflow.planner.core.graph import topological_order
 
 _current = threading.local()
-LOGGED = ("entries", "fetched", "staged", "weight_bufs", "weight_full", "grad_acc", "graphs")
+LOGGED = ("entries", "fetched", "staged", "weight_bufs", "grad_acc", "graphs")
 
 
 class AccessLog:

@@ -97,6 +97,22 @@ def test_plan_is_never_slower_than_the_fixed_schedules():
     assert sr.best.result is not None
 
 
+def test_a_search_cut_short_by_the_time_limit_says_so(capsys):
+    """A limit of 0 s lets only the first verified candidate through: the rest are counted as skipped, the CLI
+    says a faster plan may exist, and a search with time to finish skips none."""
+    hw = small_box()
+    cut = plan_search(Problem(MODEL, hw, 8, SEQ), time_limit_s=0, baselines=False)
+    assert cut.skipped_by_time_limit == sum(e.result is None and "time limit" in e.error for e in cut.evaluated) > 0
+    full = plan_search(Problem(MODEL, hw, 8, SEQ), time_limit_s=60, baselines=False)
+    assert full.skipped_by_time_limit == 0
+    assert full.best.verified_s <= cut.best.verified_s
+    rc = main(["plan", "--model", "gpt3-125m", "--hw", "rtx3090-desktop", "--batch", "4", "--seq", "512",
+               "--time-limit", "0.001", "--no-window"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "candidate(s) untried" in out and "raise --time-limit" in out
+
+
 def test_infeasible_request_names_the_tier_and_a_fix():
     hw = load_profile("rtx2060-laptop").with_overrides({"ssd.count": 0})
     with pytest.raises(PlanningError) as e:

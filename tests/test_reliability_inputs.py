@@ -86,6 +86,24 @@ def test_edited_field_is_named_by_the_digest(tmp_path, plan_text, capsys, path, 
     run_cli(capsys, ["simulate", "--plan", f], 2, ".".join(path) + ": not the value the ops were built for")
 
 
+def test_a_plan_written_before_a_nullable_field_existed_still_loads(tmp_path, plan_text, capsys):
+    """An older tierflow wrote neither the key nor its digest field (cpu.ssd_slowdown_beside_compute, null in the
+    profile): the plan loads. The same field absent from the digest but set in the hardware section is refused."""
+    from tierflow.planner.io.planfile import _digest_ops
+
+    key = "hardware.cpu.ssd_slowdown_beside_compute"
+    d = json.loads(plan_text)
+    assert d["hardware"]["cpu"].pop("ssd_slowdown_beside_compute") is None
+    del d["digest"]["fields"][key]
+    d["digest"]["ops"] = _digest_ops(d, d["digest"]["fields"])  # as the older writer hashed its fields
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    assert main(["simulate", "--plan", "old.json"]) == 0
+    capsys.readouterr()
+    d["hardware"]["cpu"]["ssd_slowdown_beside_compute"] = 1.5
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    run_cli(capsys, ["simulate", "--plan", "old.json"], 2, key + ": not the value the ops were built for")
+
+
 def test_edited_ops_are_refused(tmp_path, plan_text, capsys):
     d = json.loads(plan_text)
     gpu = next(o for o in d["ops"] if o["resource"] == "gpu")

@@ -51,6 +51,10 @@ def solo_and_slowest_rates(hw) -> dict[str, tuple[float, float]]:
         demand = sum(u * out[k][0] for k, u in use.items())
         for k in use:
             scale[k] = min(scale[k], cap_s / demand)
+    if r.io_contention:  # measured interference: compute beside all four links at once, each link beside compute
+        scale["gpu"] = min(scale["gpu"], 1.0 / (1.0 + r.compute_io_extra * len(HOST_LINKS)))
+        for k in HOST_LINKS:
+            scale[k] = min(scale[k], 1.0 / r.beside_compute(k))
     return {k: (solo, slow * scale[k]) for k, (solo, slow) in out.items()}
 
 
@@ -188,6 +192,10 @@ def profiles(draw):
         ov["cpu.memory_efficiency"] = draw(st.sampled_from([None, 0.02, 0.1]))
     if draw(st.booleans()):  # the CPU as the device: compute, Adam and copies share the host's cores
         ov.update({"gpu.host_cores": draw(st.sampled_from([1, 2])), "cpu.cores": 2})
+        if draw(st.booleans()):  # ... and slow each other by measured factors
+            ov.update({"cpu.compute_slowdown_per_io_op": draw(st.sampled_from([1.5, 2.0, 4.0])),
+                       "cpu.copy_slowdown_beside_compute": draw(st.sampled_from([1.0, 1.7])),
+                       "cpu.ssd_slowdown_beside_compute": draw(st.sampled_from([1.0, 1.3]))})
     return hw.with_overrides(ov) if ov else hw
 
 
@@ -447,6 +455,30 @@ def test_engine_host_device_shares_cores_between_compute_adam_and_copies():
     gpu_box = profile().with_overrides({"cpu.cores": 2, "cpu.memory_efficiency": None})
     res = simulate_graph(graph_of([T(0, "gpu", 1.0), T(1, "cpu", 1.0)]), gpu_box)
     assert list(res.end_s) == pytest.approx([1.0, 1.0], rel=1e-12)
+
+
+def test_engine_host_device_measured_io_interference():
+    """With measured interference (cpu.compute_slowdown_per_io_op and the two beside-compute factors) compute runs
+    1 + (s - 1) x k times slower beside k copies or SSD ops, and each of them its own factor slower beside
+    compute; the copies no longer take a proportional share of the cores."""
+    hw = profile().with_overrides({"gpu.host_cores": 2, "cpu.cores": 2, "cpu.memory_efficiency": None,
+                                   "cpu.compute_slowdown_per_io_op": 2.0, "cpu.copy_slowdown_beside_compute": 1.5,
+                                   "cpu.ssd_slowdown_beside_compute": 1.25})
+    r = CostModel(hw).rates
+    assert r.io_contention and "h2d" not in dict((n, u) for n, _, u in r.pools())["cores"]
+    # compute (2 s of work) beside an SSD read (1 s alone): compute at 1/2, the read at 1/1.25, done at 1.25 s;
+    # compute has done 0.625 s of work by then and runs the rest alone
+    res = simulate_graph(graph_of([T(0, "gpu", 2.0), T(1, "ssd_read", 1.0 * r.ssd_read)]), hw)
+    assert list(res.end_s) == pytest.approx([1.25 + 1.375, 1.25], rel=1e-12)
+    # beside a copy and an SSD read at once: compute at 1/3 until the read ends (1.25 s), 1/2 until the copy
+    # ends (1.5 s), then alone
+    res = simulate_graph(graph_of([T(0, "gpu", 1.0), T(1, "h2d", 1.0 * r.h2d), T(2, "ssd_read", 1.0 * r.ssd_read)]), hw)
+    done = 1.25 / 3 + 0.25 / 2
+    assert list(res.end_s) == pytest.approx([1.5 + (1.0 - done), 1.5, 1.25], rel=1e-12)
+    # without compute beside them the links run at their solo rates
+    res = simulate_graph(graph_of([T(0, "h2d", 1.0 * r.h2d), T(1, "ssd_read", 1.0 * r.ssd_read),
+                                  T(2, "gpu", 1e-3, deps=[0, 1])]), hw)
+    assert list(res.end_s) == pytest.approx([1.0, 1.0, 1.0 + 1e-3], rel=1e-12)
 
 
 def test_engine_host_memory_not_modelled_leaves_rates_alone():

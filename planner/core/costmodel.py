@@ -20,7 +20,11 @@
   shared resource, like the PCIe duplex).
 - Host cores: when the device is the host CPU (gpu.host_cores set, as `tierflow calibrate --device cpu` writes),
   its compute, CPU Adam, the device<->host copies and the SSD ops (buffer copies and CRC32 checksums in the
-  executor's store) share cpu.cores the same way.
+  executor's store) share cpu.cores the same way. Where calibrate measured how the threads interfere
+  (cpu.compute_slowdown_per_io_op, cpu.copy_slowdown_beside_compute, cpu.ssd_slowdown_beside_compute), those
+  factors replace the proportional share for the copies and SSD ops: on 2 cores one SSD read beside a GEMM
+  slowed the GEMM 1.9x (an I/O thread takes time slices from one of compute's two threads, and the parallel
+  region runs at its slowest thread's pace) but the read only 1.16x (it sleeps on the device between requests).
 """
 
 from __future__ import annotations
@@ -60,6 +64,13 @@ class Rates:
     gpu_cores: float = 0.0  # cores device compute uses at its solo speed
     adam_cores: float = 0.0  # cores CPU Adam uses at its solo speed
     copy_cores: float = 0.0  # cores one copy or SSD op (memcpy, checksum) uses at its solo rate
+    # measured thread interference on a host device (cpu.compute_slowdown_per_io_op and the two beside-compute
+    # slowdowns): when set, the copies and SSD ops leave the proportional share of the cores; instead compute
+    # runs 1 + compute_io_extra x k times slower beside k of them, and each of them its own factor slower beside
+    # compute (`io_contention`)
+    compute_io_extra: float = 0.0
+    copy_beside_compute: float = 1.0
+    ssd_beside_compute: float = 1.0
     # fixed software cost of one op on each link (pcie.latency_us, ssd.latency_us), before its bytes move
     pcie_latency_s: float = 0.0
     ssd_latency_s: float = 0.0
@@ -87,6 +98,20 @@ class Rates:
         """Whether host cores are a shared resource (the device is the host CPU)."""
         return math.isfinite(self.cores)
 
+    @property
+    def io_contention(self) -> bool:
+        """Whether compute and the host's I/O threads slow each other by measured factors (a host device whose
+        profile has cpu.compute_slowdown_per_io_op) rather than by a proportional share of the cores."""
+        return self.core_bound and self.compute_io_extra > 0
+
+    def beside_compute(self, resource: str) -> float:
+        """The factor an op on a link takes longer while device compute runs (io_contention; else 1)."""
+        if resource in ("h2d", "d2h"):
+            return self.copy_beside_compute
+        if resource in ("ssd_read", "ssd_write"):
+            return self.ssd_beside_compute
+        return 1.0
+
     def pools(self) -> list[tuple[str, float, dict[str, float]]]:
         """The shared host resources: (name, capacity per second, {resource: capacity used per unit of its work
         at its solo rate}) for host memory ("dram", bytes) and, on a host device, the cores ("cores"). Every unit
@@ -104,10 +129,11 @@ class Rates:
         if self.core_bound:
             # a device<->host copy is a memcpy on one core; an SSD op of the executor copies through aligned
             # buffers and checksums (CRC32) every byte on the host, one core as well
+            # (with measured interference, io_contention, the copies and SSD ops are slowed by it instead)
             use = {"gpu": self.gpu_cores, "cpu": self.adam_cores}
             for link in ("h2d", "d2h", "ssd_read", "ssd_write"):
                 rate = getattr(self, link)
-                if rate > 0:
+                if rate > 0 and not self.io_contention:
                     use[link] = self.copy_cores / rate
             out.append(("cores", self.cores, {k: v for k, v in use.items() if v > 0}))
         return out
@@ -201,8 +227,14 @@ def _core_rates(hw: HardwareProfile, gpus: int = 1) -> dict:
     if cores is None or device is None:
         return {}
     cores = float(cores) / gpus
-    return {"cores": cores, "gpu_cores": min(float(device), cores), "adam_cores": cores,
-            "copy_cores": min(1.0, cores)}
+    out = {"cores": cores, "gpu_cores": min(float(device), cores), "adam_cores": cores,
+           "copy_cores": min(1.0, cores)}
+    c = hw.cpu
+    if c.compute_slowdown_per_io_op is not None and c.compute_slowdown_per_io_op > 1:
+        out.update(compute_io_extra=c.compute_slowdown_per_io_op - 1.0,
+                   copy_beside_compute=c.copy_slowdown_beside_compute or 1.0,
+                   ssd_beside_compute=c.ssd_slowdown_beside_compute or 1.0)
+    return out
 
 
 class CostModel:

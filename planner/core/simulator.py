@@ -7,7 +7,9 @@ slow each other down while both run, as the profile says: the simulator tracks t
 to move and re-rates it whenever the opposite direction starts or stops (a fluid model). Host memory is shared the
 same way: every transfer's bytes and CPU Adam's (costmodel.CPU_ADAM_DRAM_BYTES_PER_PARAM) cross DRAM, and while
 together they would ask for more than the box sustains, every one of them slows in proportion. On a host device
-(the CPU as the device) the compute, CPU Adam and the copies share the host's cores the same way.
+(the CPU as the device) the compute, CPU Adam and the copies share the host's cores the same way, except where the
+profile has measured how compute and the host's I/O threads slow each other (costmodel.Rates.io_contention): then
+compute runs (1 + extra x k) times slower beside k copies or SSD ops, and each of them its measured factor slower.
 
 If the run can no longer progress because a task's allocation never fits, the schedule is refused with a
 CapacityError naming the tier, the simulated time and the bytes over.
@@ -23,7 +25,7 @@ import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.costmodel import link_rates
-from tierflow.planner.core.graph import LINK_NAMES, NET, RESOURCES, TIERS, TaskGraph, gc_paused
+from tierflow.planner.core.graph import HOST_LINKS, LINK_NAMES, NET, RESOURCES, TIERS, TaskGraph, gc_paused
 from tierflow.planner.core.world import SINGLE, World
 
 _EPS_BYTES = 1.0
@@ -158,6 +160,9 @@ def _simulate(graph: TaskGraph, hw: HardwareProfile, world: World) -> SimResult:
     pools = [(cap_s, [use.get(r, 0.0) for r in RESOURCES]) for _, cap_s, use in rates.pools()]
     fluid = [is_link[r] or RESOURCES[r] == "cpu" or any(use[r] > 0 for _, use in pools) for r in range(R)]
     fluids = [r for r in range(R) if fluid[r]]
+    contention = rates.io_contention
+    gpu_r = ridx["gpu"]
+    beside = [rates.beside_compute(res) for res in RESOURCES]
     partner = [-1] * R
     solo = [1.0] * R
     duplex = [1.0] * R
@@ -214,6 +219,12 @@ def _simulate(graph: TaskGraph, hw: HardwareProfile, world: World) -> SimResult:
                 for r in active:
                     if use[r] > 0:
                         scale[r] = min(scale[r], cap_s / demand)
+        if contention and gpu_r in scale:  # measured interference of compute and the host's I/O threads
+            io = [r for r in active if RESOURCES[r] in HOST_LINKS]  # host threads (the collectives: not measured)
+            if io:
+                scale[gpu_r] = min(scale[gpu_r], 1.0 / (1.0 + rates.compute_io_extra * len(io)))
+                for r in io:
+                    scale[r] = min(scale[r], 1.0 / beside[r])
         for r in active:
             new = base[r] * scale[r]
             if new == rate[r]:

@@ -148,6 +148,14 @@ def _legend(ax) -> None:
               borderaxespad=0.2)
 
 
+def _bytes_text(n: float) -> str:
+    """Bytes with a unit a reader takes in at a glance: 512 B, 3.1 MB, 24 GB (decimal units)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 def plot_gantt(res: SimResult, path: str | Path | None = None, title: str = "", window: tuple[float, float] | None = None,
                ax=None, zoom: tuple[float, float] | None = None):
     """Gantt chart of every resource over `window` (default: the steady-state iteration); compute in saturated
@@ -181,12 +189,18 @@ def plot_gantt(res: SimResult, path: str | Path | None = None, title: str = "", 
     import numpy as np
 
     tr = np.array(res.memory_trace)
+    top = 0.0
     for i, tier in enumerate(TIERS):
         cap = res.graph.capacity_bytes[tier]
-        axm.step(tr[:, 0] - w0, 100 * tr[:, i + 1] / cap if cap else 0 * tr[:, 0], where="post", label=tier)
+        pct = 100 * tr[:, i + 1] / cap if cap else 0 * tr[:, 0]
+        top = max(top, float(pct.max(initial=0.0)))
+        axm.step(tr[:, 0] - w0, pct, where="post",
+                 label=f"{tier}: peak {_bytes_text(float(tr[:, i + 1].max(initial=0.0)))} of {_bytes_text(cap)}")
     axm.set_ylabel("% of tier")
     axm.set_xlabel("seconds into the iteration")
-    axm.set_ylim(0, 105)
+    # scaled to the fullest tier, so that a run using a sliver of a big box (a tiny model on a CPU "device")
+    # still shows when memory is taken and freed; the legend gives each tier's peak and capacity
+    axm.set_ylim(0, 105 if top > 50 else max(top * 1.15, 1e-6))
     axm.set_xlim(0, w1 - w0)
     axm.legend(loc="upper right", fontsize=7)
     if path is not None:

@@ -85,10 +85,7 @@ def layer_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
     act_elems = 3 * f if model.gated_mlp else 2 * f
     elementwise = COMPUTE_BYTES * t * (4 * h + 6 * h + 2 * (q + kv) + act_elems + 2 * q)
     ckpt = COMPUTE_BYTES * t * h
-    # saved for backward (no recompute): norm inputs, qkv input, q/k/v, attention output (+ softmax stats),
-    # mlp input, activation input(s) and output.
-    saved_elems = (h + h + q + 2 * kv + q) + (h + h) + (3 * f if model.gated_mlp else 2 * f)
-    full_act = COMPUTE_BYTES * t * saved_elems + 4 * micro_batch * model.num_heads * seq
+    full_act = COMPUTE_BYTES * t * saved_elements_per_token(model) + saved_stats_bytes(model, micro_batch, seq)
     fwd_work = COMPUTE_BYTES * t * (3 * h + q + 2 * kv + (2 * f if model.gated_mlp else f))
     # backward: the recomputed activations + gradient temporaries (dX, d of the widest intermediate)
     # + the layer's bf16 weight gradient before it is accumulated.
@@ -108,6 +105,37 @@ def layer_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
         bwd_working_bytes=bwd_work,
         tokens=t,
     )
+
+
+def saved_elements_per_token(model: ModelSpec) -> int:
+    """Elements per token (compute dtype) one decoder layer saves for its backward when it is not recomputed, as
+    the executor's layers save them (tests/test_saved_activations.py compares the two): the first norm's input
+    (the layer input), the qkv input, q, k, v after rotary (attention saves them at their own size with GQA),
+    the attention output (the output projection's input is a view of it), the second norm's input, the MLP input,
+    and the MLP's inner tensors: GELU keeps its input and the down projection its output (2 ffn); SwiGLU / GeGLU
+    keep the gate and up projections and the down projection's input (3 ffn: the gate is recomputed in backward,
+    as a fused SwiGLU kernel does); ReLU only its output (its backward reads the output, which the down projection
+    saves too). RMSNorm keeps only its input (executor.models.RMSNorm, as a fused kernel), rotary positions only
+    their tables (executor.models._Rope). A parallel-residual layer normalises one input twice (saved once); a
+    Qwen3 layer's q/k norms keep q and k before them."""
+    h, f, q, kv = model.hidden, model.ffn_hidden, model.q_dim, model.kv_dim
+    norms = h if model.parallel_residual else 2 * h
+    mlp = 3 * f if model.gated_mlp else f if model.activation == "relu" else 2 * f
+    qk_norm = q + kv if model.qk_norm else 0
+    return norms + h + q + 2 * kv + q + qk_norm + h + mlp
+
+
+def saved_stats_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int:
+    """The small tensors a layer saves besides saved_elements_per_token: attention's softmax statistics (fp32 per
+    query head and token), LayerNorm's mean and rstd (fp32 per token, two norms: a CUDA kernel's; a CPU one keeps
+    them in the input's dtype), the rotary tables cos and sin (seq x rotary dims, compute dtype)."""
+    t = micro_batch * seq
+    out = 4 * micro_batch * model.num_heads * seq
+    if model.norm == "layernorm":
+        out += 2 * 2 * 4 * t
+    if not model.max_positions:  # rotary positions
+        out += 2 * COMPUTE_BYTES * seq * int(model.head_dim * model.rotary_fraction)
+    return out
 
 
 def embed_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:

@@ -322,7 +322,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     graph = build_graph(model, hw, cfg)
     solver = best.solver.to_dict() if best.solver else {"status": "BASELINE"}
     solver.update({"search_wall_s": sr.wall_s, "candidates": len(sr.evaluated), "predicted_s": best.predicted_s,
-                   "verified_s": best.verified_s})
+                   "verified_s": best.verified_s, "skipped_by_time_limit": sr.skipped_by_time_limit})
     if best.prediction:
         solver["prediction"] = best.prediction.to_dict()
     if not args.no_window and problem.ranks == 1:  # the window model covers one rank
@@ -349,6 +349,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(model.describe())
     print(f"box: {hw.name}: {hw.summary()}")
     print(f"batch {args.batch} sequences x {model.seq_len} tokens; searched {len(sr.evaluated)} candidates in {sr.wall_s:.1f} s")
+    if sr.skipped_by_time_limit:
+        print(f"note: the time limit ({args.time_limit:g} s) left {sr.skipped_by_time_limit} candidate(s) untried, so a "
+              f"faster plan may exist (raise --time-limit)")
     if problem.ranks > 1:
         print(f"{problem.ranks} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes): each runs "
               f"{rb} sequences; candidates below are one rank's; tokens/s is the world's")

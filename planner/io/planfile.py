@@ -638,11 +638,14 @@ def _check_digest(source: str, d: dict, model: ModelSpec, hw: HardwareProfile, c
                    f"this tierflow writes {DIGEST_ALGORITHM!r}; {_REWRITE}")
     fields = _digest_fields(model, hw, cfg)
     recorded = dg["fields"]
+    # a field one side lacks counts as null: a plan written before an optional (nullable) profile or model field
+    # existed still loads, as long as the field is null now
+    none = _hash(None)
     for key in [*fields, *(k for k in recorded if k not in fields)]:
-        if recorded.get(key) != fields.get(key):
+        if recorded.get(key, none) != fields.get(key, none):
             raise _err(source, key, "not the value the ops were built for: edited after writing "
                        "(the digest does not match)", _REWRITE)
-    if dg["ops"] != _digest_ops(d, fields):
+    if dg["ops"] != _digest_ops(d, recorded):  # the recorded fields: each one checked above
         raise _err(source, "ops", "ops or byte totals edited after writing (the digest does not match)", _REWRITE)
 
 

@@ -45,6 +45,7 @@ LOG = logging.getLogger(__name__)  # debug: every candidate's solver status and 
 # experiments/bench_planner.py): a candidate predicted slower than the best verified time by more than this
 # cannot be the fastest and is not simulated
 PRUNE_TOLERANCE = 0.02
+SKIPPED_TIME_LIMIT = "skipped: time limit"  # the error of a candidate the time limit left untried
 # a verification that overflows a tier tightens that tier by this much more than the overflow, plus a share of
 # the tier, and solves again (at most VERIFY_ATTEMPTS times)
 TIGHTEN_OVERFLOW = 1.25
@@ -81,6 +82,12 @@ class SearchResult:
     wall_s: float
     problem: Problem
     baseline: dict[str, SimResult] = field(default_factory=dict)  # best fixed schedules with default settings
+
+    @property
+    def skipped_by_time_limit(self) -> int:
+        """Candidates not tried because the time limit ran out: when > 0 the plan depends on the machine's speed
+        (another run, or a larger batch, may find a better one), so say so and suggest a longer limit."""
+        return sum(e.error == SKIPPED_TIME_LIMIT for e in self.evaluated)
 
     @property
     def model(self) -> ModelSpec:
@@ -180,7 +187,7 @@ def plan_search(problem: Problem, *, time_limit_s: float = 60.0, micro_batches: 
             evaluated.append(Evaluated(c, None, None, error=f"pruned: GPU floor {floor:.3g} s >= best {best.verified_s:.3g} s"))
             continue
         if time.perf_counter() - t0 > time_limit_s and best is not None:
-            evaluated.append(Evaluated(c, None, None, error="skipped: time limit"))
+            evaluated.append(Evaluated(c, None, None, error=SKIPPED_TIME_LIMIT))
             continue
         ev = evaluate(problem, c, time_limit_s=per_solve_s, prune_at=best.verified_s if best else math.inf)
         evaluated.append(ev)
