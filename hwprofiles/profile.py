@@ -610,18 +610,9 @@ def _build(data: object, source: str, fix: str, source_label: str | None = None)
         )
 
     specs: dict[str, Any] = {}
-    for section in _SECTIONS:
-        values = data[section]
-        if not isinstance(values, Mapping):
-            raise check.fail(
-                section,
-                f"expected a mapping of keys, got {type_name(values)}",
-                f"write the {section} keys indented under '{section}:'",
-            )
-        specs[section] = _build_section(check, section, values)
-    for section in _OPTIONAL_SECTIONS:
-        if section not in data or data[section] is None:
-            continue
+    for section in (*_SECTIONS, *_OPTIONAL_SECTIONS):
+        if section in _OPTIONAL_SECTIONS and data.get(section) is None:
+            continue  # an optional section left out (or null)
         values = data[section]
         if not isinstance(values, Mapping):
             raise check.fail(
