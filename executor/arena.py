@@ -105,9 +105,10 @@ def planned_buffers(tasks: list[Task], binding, state, elem_bytes: int, grad_wir
 
 
 def _weight_reads(t: Task, state) -> list[tuple[int, int]]:
-    """(owner, elements) of what read_weights t reads: every owner's range past the start of its SSD part."""
+    """(owner, elements) of what read_weights t reads: every owner's range past the start of its SSD part (with
+    several ranks: of this rank's shard, WeightOps.owners)."""
     out = []
-    for o, lo, hi in state.layout.owners(t.block):
+    for o, lo, hi in state.owner_ranges(t.block):
         a = max(lo, state.vec["weights"][o].ssd_lo)
         if hi > a:
             out.append((o, hi - a))

@@ -122,8 +122,9 @@ class Binding:
         self.consumers: Counter = Counter()  # entry key -> consumer ops
         self.direct_users: Counter = Counter()  # entry key -> ops reading the produced device tensor
         self.last_fetch: set[int] = set()  # fetch ops after which no other fetch of their entry comes
-        self.wfetch: dict[int, int | None] = {}  # compute op -> its fetch_weights op
-        self.wfetch_users: Counter = Counter()  # fetch_weights op -> compute ops reading it
+        self.wfetch: dict[int, int | None] = {}  # compute op -> its fetch_weights (or all_gather_weights) op
+        self.wfetch_users: Counter = Counter()  # that op -> compute ops reading it
+        self.scatter_to: dict[int, int] = {}  # reduce_scatter_grads op -> the op taking its shard
         self.dep_of_kind: dict[int, dict[str, int]] = {}  # op -> {kind: its (last) dependency of that kind}
         self.part_of: dict[int, int] = {}  # read/write_opt_states, update_weights -> optimizer part
         self.grad_group: dict[tuple[int, int], int] = {}  # (compute op, owner) -> op that takes its gradients
@@ -197,7 +198,9 @@ class Binding:
             self.consumers[key] += 1
             if key not in fetches:
                 self.direct_users[key] += 1
-        wf = [d for d in t.deps if tasks[d].kind == "fetch_weights" and tasks[d].block == t.block]
+        # the op whose weight buffers it reads: with several ranks the all-gather that completed its fetch
+        wf = ([d for d in t.deps if tasks[d].kind == "all_gather_weights" and tasks[d].block == t.block]
+              or [d for d in t.deps if tasks[d].kind == "fetch_weights" and tasks[d].block == t.block])
         self.wfetch[t.id] = wf[-1] if wf else None
         if wf:
             self.wfetch_users[wf[-1]] += 1
@@ -205,9 +208,15 @@ class Binding:
     def _bind_grad_groups(self) -> None:
         """Which op takes each compute op's weight gradients: the first offload_grads of its block after it on the
         GPU queue (or, for a GPU optimizer, the owner's adam_gpu). Gradients of different groups never share a
-        buffer, so a transfer never reads a buffer that a later backward is adding into."""
+        buffer, so a transfer never reads a buffer that a later backward is adding into. With several ranks the
+        reduce_scatter_grads ops take them instead (the first of its block after it; for a GPU optimizer the
+        first of the owner's), and hand each shard to the offload_grads or adam_gpu that depends on them."""
         tasks = self.tasks
         pos = {tid: i for i, tid in enumerate(self.plan.graph.resource_order()["gpu"])}
+        scatters = [t for t in tasks if t.kind == "reduce_scatter_grads"]
+        if scatters:
+            self._bind_scatters(scatters, pos)
+            return
         offloads: dict[tuple[int, int], list[tuple[int, int]]] = {}
         adam_gpu: dict[tuple[int, int], int] = {}
         for t in tasks:
@@ -232,3 +241,42 @@ class Binding:
                 self.grad_contributors[(group, o)] += 1
                 a, z = self.grad_range.get((group, o), (lo, hi))
                 self.grad_range[(group, o)] = (min(a, lo), max(z, hi))
+
+    def _bind_scatters(self, scatters: list[Task], pos: dict[int, int]) -> None:
+        """Several ranks: the buffer of a reduce_scatter_grads op spans each owner's whole vector padded to W*S
+        elements (grad_range), and the shard it hands on starts at element 0 of this rank's shard."""
+        tasks = self.tasks
+        by_key: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for r in scatters:
+            gpu_deps = [pos[d] for d in r.deps if d in pos]
+            if not gpu_deps:
+                raise ExecutionError(f"{self.plan.source}: op {r.id} ({r.label}) depends on no backward "
+                                     "(inconsistent plan)")
+            by_key.setdefault((r.iteration, r.block), []).append((max(gpu_deps), r.id))
+        for v in by_key.values():
+            v.sort()
+        for t in tasks:  # the taker of the same block (a tied embedding's adam_gpu also waits for the head's)
+            for d in t.deps:
+                if tasks[d].kind == "reduce_scatter_grads" and t.kind in ("offload_grads", "adam_gpu") \
+                        and tasks[d].block == t.block:
+                    self.scatter_to[d] = t.id
+        missing = [r.id for r in scatters if r.id not in self.scatter_to]
+        if missing:
+            raise ExecutionError(f"{self.plan.source}: the gradient shard of op {missing[0]} is taken by no "
+                                 "offload_grads or adam_gpu op (inconsistent plan)")
+        gpu_opt = self.cfg.placement.gpu_optimizer
+        ranks = self.cfg.ranks
+        for t in tasks:
+            if t.kind not in ("head", "bwd"):
+                continue
+            for o, _lo, _hi in self.layout.owners(t.block):
+                key = (t.iteration, o if gpu_opt else t.block)
+                group = next((rid for p, rid in by_key.get(key, []) if p >= pos[t.id]), None)
+                if group is None:
+                    raise ExecutionError(f"{self.plan.source}: the gradients of op {t.id} ({t.label}) are never "
+                                         "reduce-scattered by a later reduce_scatter_grads op (inconsistent plan)")
+                self.grad_group[(t.id, o)] = group
+                self.grad_contributors[(group, o)] += 1
+                slot = -(-self.layout.numel[o] // ranks)  # S = ceil(n / W): every rank's slot
+                self.grad_range[(group, o)] = (0, slot * ranks)  # the whole vector, padded for the reduce-scatter
+                self.grad_range[(self.scatter_to[group], o)] = (0, slot)  # the shard (the last rank's may be shorter)

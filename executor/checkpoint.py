@@ -10,6 +10,16 @@ full disk) removes what it wrote. The last two checkpoints are kept.
 On resume every block file's size and CRC32 are checked against the manifest before it is used; a corrupt,
 truncated or unreadable file is named in one line, and `resume(..., fallback=True)` goes back to the
 previous checkpoint that verifies instead (renaming the bad one to ``corrupt-step...``, kept for inspection).
+
+With several data-parallel ranks (dist.py) a checkpoint is sharded: ``stepN/rank-<r>/`` holds rank r's shard of
+every block (the same block files, of its element range, and its own manifest.json with their sizes and CRC32s),
+and ``stepN/manifest.json`` (version 3) the world size and the size and CRC32 of every rank's manifest. All ranks
+write their shards into one temporary directory; rank 0 checks that every shard is there, renames it into place
+and moves ``latest`` only after all of them have been written (the ranks agree on each phase, so a failure on
+one rank is a failure on all and nothing half-written is named). The checkpoint directory must be one directory
+that every rank sees (on several boxes: a shared filesystem). On resume every rank verifies and loads its own
+shard, rank 0 also checks that every rank's shard is present, and the ranks agree on the checkpoint to use, so a
+kill -9 of one rank (torchrun then stops the others) resumes from the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -24,11 +34,13 @@ from pathlib import Path
 
 import torch
 
+from tierflow.executor.dist import SINGLE, DistWorld
 from tierflow.executor.state import STATE_CLASSES, StateError, TrainState
 
 CHECKPOINT_FORMAT = "tierflow-checkpoint"
 CHECKPOINT_VERSION = 2  # 2: per-file sizes and CRC32s in the manifest; version 1 (without them) is still read
-READ_VERSIONS = (1, 2)
+SHARDED_VERSION = 3  # the top manifest of a checkpoint of several ranks (rank-<r>/ shards, each a version 2 manifest)
+READ_VERSIONS = (1, 2, SHARDED_VERSION)
 CHUNK_BYTES = 64 << 20
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -48,9 +60,11 @@ class CheckpointWriteError(RuntimeError):
 class NonFiniteState(ValueError):
     """The state to be saved holds NaN or inf (training diverged): it is not written."""
 
-    def __init__(self, step: int, block: int, classes: list[str]) -> None:
-        super().__init__(f"non-finite values (NaN or inf) in {', '.join(classes)} of block {block} after step {step}")
-        self.step, self.block, self.classes = step, block, classes
+    def __init__(self, step: int, block: int, classes: list[str], rank: int | None = None) -> None:
+        where = "" if rank is None else f" (rank {rank}'s shard)"
+        super().__init__(f"non-finite values (NaN or inf) in {', '.join(classes)} of block {block}{where} after "
+                         f"step {step}")
+        self.step, self.block, self.classes, self.rank = step, block, classes, rank
 
 
 # -- files ----------------------------------------------------------------------------------------------------
@@ -130,9 +144,35 @@ def block_file(b: int) -> str:
 # -- saving ---------------------------------------------------------------------------------------------------
 
 
-def save_checkpoint(state: TrainState, directory: str | os.PathLike[str], step: int, meta: dict) -> Path:
+def _write_blocks(state: TrainState, directory: Path, step: int) -> dict[str, dict]:
+    """One safetensors file per block of this rank's state (the whole blocks with one rank); {file: size, CRC32}."""
+    files = {}
+    rank = None if state.world.single else state.world.rank
+    for b in range(len(state.layout.numel)):
+        tensors = {cls: state.full(cls, b).contiguous() for cls in STATE_CLASSES}
+        bad = [cls for cls, t in tensors.items() if not bool(torch.isfinite(t).all())]
+        if bad:
+            raise NonFiniteState(step, b, bad, rank)
+        nbytes, crc = write_safetensors(directory / block_file(b), tensors)
+        files[block_file(b)] = {"bytes": nbytes, "crc32": crc}
+    return files
+
+
+def _write_error(root: Path, step: int, e: OSError) -> CheckpointWriteError:
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    why = "the disk is full" if full else (e.strerror or str(e))
+    return CheckpointWriteError(f"--checkpoint-dir {root}: cannot write the checkpoint of step {step} ({why}); "
+                                f"nothing of it was left behind and the previous checkpoint is kept "
+                                f"({'free space or ' if full else ''}pass another --checkpoint-dir)", full)
+
+
+def save_checkpoint(state: TrainState, directory: str | os.PathLike[str], step: int, meta: dict,
+                    world: DistWorld = SINGLE) -> Path:
     """Write a checkpoint of `state` after `step` steps atomically; returns its directory. Raises NonFiniteState
-    (nothing written) if the state holds NaN or inf, CheckpointWriteError (nothing left behind) if a write fails."""
+    (nothing written) if the state holds NaN or inf, CheckpointWriteError (nothing left behind) if a write fails.
+    With several ranks every rank calls it and every rank gets the same outcome (the sharded layout above)."""
+    if not world.single:
+        return _save_sharded(state, Path(directory), step, meta, world)
     root = Path(directory)
     final = root / f"step{step:08d}"
     tmp = root / f".tmp-step{step:08d}-{os.getpid()}"
@@ -142,14 +182,7 @@ def save_checkpoint(state: TrainState, directory: str | os.PathLike[str], step: 
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        files = {}
-        for b in range(len(state.layout.numel)):
-            tensors = {cls: state.full(cls, b).contiguous() for cls in STATE_CLASSES}
-            bad = [cls for cls, t in tensors.items() if not bool(torch.isfinite(t).all())]
-            if bad:
-                raise NonFiniteState(step, b, bad)
-            nbytes, crc = write_safetensors(tmp / block_file(b), tensors)
-            files[block_file(b)] = {"bytes": nbytes, "crc32": crc}
+        files = _write_blocks(state, tmp, step)
         manifest = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step,
                     "model": state.spec.name, "numel": state.layout.numel, **meta, "files": files}
         _write_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
@@ -165,16 +198,106 @@ def save_checkpoint(state: TrainState, directory: str | os.PathLike[str], step: 
         if renamed:  # 'latest' still names the previous checkpoint: do not leave one it does not name
             shutil.rmtree(final, ignore_errors=True)
         if isinstance(e, OSError):
-            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            why = "the disk is full" if full else (e.strerror or str(e))
-            raise CheckpointWriteError(f"--checkpoint-dir {root}: cannot write the checkpoint of step {step} "
-                                       f"({why}); nothing of it was left behind and the previous checkpoint is "
-                                       f"kept ({'free space or ' if full else ''}pass another --checkpoint-dir)",
-                                       full) from None
+            raise _write_error(root, step, e) from None
         raise
+    _prune(root, final)
+    return final
+
+
+def _prune(root: Path, final: Path) -> None:
     for old in sorted(root.glob("step*"))[:-2]:  # keep the last two
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _failure(e: BaseException) -> tuple | None:
+    """What a rank tells the others about its failure in a phase of a sharded checkpoint (picklable)."""
+    if isinstance(e, NonFiniteState):
+        return ("nonfinite", e.step, e.block, e.classes, e.rank)
+    if isinstance(e, CheckpointWriteError):
+        return ("write", str(e), e.full)
+    return None
+
+
+def _agree(world: DistWorld, failure: tuple | None, cleanup=None) -> None:
+    """Every rank's outcome of a phase; the first failure (lowest rank) is raised on every rank, after `cleanup`."""
+    failures = [f for f in world.gather_objects(failure) if f is not None]
+    if not failures:
+        return
+    if cleanup is not None:
+        cleanup()
+    f = failures[0]
+    if f[0] == "nonfinite":
+        raise NonFiniteState(*f[1:])
+    raise CheckpointWriteError(f[1], f[2])
+
+
+def _save_sharded(state: TrainState, root: Path, step: int, meta: dict, world: DistWorld) -> Path:
+    final = root / f"step{step:08d}"
+    tmp = root / f".tmp-step{step:08d}"  # one name for all ranks (rank 0's pid is not theirs)
+    lead = world.rank == 0
+
+    def remove_tmp() -> None:
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def attempt(fn) -> tuple | None:
+        try:
+            fn()
+        except (OSError, NonFiniteState, CheckpointWriteError) as e:
+            return _failure(e if not isinstance(e, OSError) else _write_error(root, step, e))
+        return None
+
+    def prepare() -> None:
+        if lead:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+
+    def write_shard() -> None:
+        d = tmp / f"rank-{world.rank}"
+        d.mkdir()
+        files = _write_blocks(state, d, step)
+        manifest = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step, "model": state.spec.name,
+                    "rank": world.rank, "ranks": world.ranks, "shards": [list(s) for s in state.shards],
+                    "files": files}
+        _write_text(d / "manifest.json", json.dumps(manifest, indent=1))
+        _fsync_dir(d)
+
+    def publish() -> None:
+        if not lead:
+            return
+        shards = {}
+        for k in range(world.ranks):
+            m = tmp / f"rank-{k}" / "manifest.json"
+            if not m.is_file():
+                raise CheckpointWriteError(f"--checkpoint-dir {root}: rank {k}'s shard is not in {tmp.name}: every "
+                                           "rank must see the same checkpoint directory (on several boxes, a shared "
+                                           "filesystem)", False)
+            nbytes, crc = file_crc32(m)
+            shards[f"rank-{k}"] = {"bytes": nbytes, "crc32": crc}
+        manifest = {"format": CHECKPOINT_FORMAT, "version": SHARDED_VERSION, "step": step, "model": state.spec.name,
+                    "numel": state.layout.numel, "world": {"ranks": world.ranks}, **meta, "shards": shards}
+        _write_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        try:
+            _fsync_dir(root)
+            _point_latest(root, final)
+        except BaseException:
+            shutil.rmtree(final, ignore_errors=True)  # 'latest' still names the previous checkpoint
+            raise
+
+    try:
+        _agree(world, attempt(prepare), remove_tmp)
+        _agree(world, attempt(write_shard), remove_tmp)  # every shard written before rank 0 publishes
+        _agree(world, attempt(publish), remove_tmp)  # 'latest' moved, or the failure, on every rank
+    except BaseException:
+        remove_tmp()
+        raise
+    if lead:
+        _prune(root, final)
     return final
 
 
@@ -228,25 +351,56 @@ def verify_file(ckpt: Path, name: str, manifest: dict) -> None:
                               "written (disk error or another program)")
 
 
-def load_checkpoint(state: TrainState, ckpt: Path, manifest: dict) -> None:
-    """Restore `state` from checkpoint directory `ckpt`, verifying every block file first."""
-    from safetensors.torch import load_file
+def check_world(ckpt: Path, manifest: dict, ranks: int) -> None:
+    """StateError unless the checkpoint was written by `ranks` ranks (shards are not re-split)."""
+    wrote = int((manifest.get("world") or {}).get("ranks", 1))
+    if wrote != ranks:
+        raise StateError(f"checkpoint {ckpt}: written by {wrote} rank(s), this run has {ranks}; resume it with the "
+                         f"plan and world size it was written with ({wrote} rank(s)), or use another "
+                         "--checkpoint-dir")
 
+
+def load_checkpoint(state: TrainState, ckpt: Path, manifest: dict) -> None:
+    """Restore `state` from checkpoint directory `ckpt` (this rank's shard with several ranks), verifying every
+    block file first."""
     if manifest.get("numel") != state.layout.numel or manifest.get("model") != state.spec.name:
         raise StateError(f"checkpoint {ckpt}: it is of model {manifest.get('model')!r}, the plan trains "
                          f"{state.spec.name!r} (use another --checkpoint-dir, or the plan it was made with)")
-    for b, n in enumerate(state.layout.numel):
+    if state.world.single:
+        _load_blocks(state, ckpt, manifest, state.layout.numel, state.set_block)
+        return
+    d, shard = _shard_manifest(ckpt, manifest, state.world.rank)
+    if shard.get("shards") != [list(x) for x in state.shards]:
+        raise CheckpointError(f"checkpoint {ckpt}: rank-{state.world.rank}/ holds other element ranges than this "
+                              "rank's shard (written by another world size?)")
+    _load_blocks(state, d, shard, state.shard_numel, state.set_shard)
+
+
+def _shard_manifest(ckpt: Path, manifest: dict, rank: int) -> tuple[Path, dict]:
+    """(directory, manifest) of rank `rank`'s shard, its manifest verified against the top manifest."""
+    d = ckpt / f"rank-{rank}"
+    if not (d / "manifest.json").is_file():
+        raise CheckpointError(f"checkpoint {ckpt}: rank {rank}'s shard (rank-{rank}/manifest.json) is missing")
+    verify_file(ckpt, f"rank-{rank}/manifest.json", {"files": {f"rank-{rank}/manifest.json":
+                                                               (manifest.get("shards") or {}).get(f"rank-{rank}")}})
+    return d, read_manifest(d)
+
+
+def _load_blocks(state: TrainState, d: Path, manifest: dict, numel: list[int], put) -> None:
+    from safetensors.torch import load_file
+
+    for b, n in enumerate(numel):
         name = block_file(b)
-        verify_file(ckpt, name, manifest)
+        verify_file(d, name, manifest)
         try:
-            t = load_file(ckpt / name)
+            t = load_file(d / name)
         except Exception as e:  # noqa: BLE001 - safetensors' own errors (SafetensorError), OSError
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CheckpointError(f"checkpoint {ckpt}: {name} is unreadable ({why})") from None
+            raise CheckpointError(f"checkpoint {d}: {name} is unreadable ({why})") from None
         bad = [cls for cls in STATE_CLASSES if cls not in t or t[cls].numel() != n]
         if bad:
-            raise CheckpointError(f"checkpoint {ckpt}: {name} lacks {', '.join(bad)} of {n:,} elements")
-        state.set_block(b, t["master"], t["adam_m"], t["adam_v"], t["weights"])
+            raise CheckpointError(f"checkpoint {d}: {name} lacks {', '.join(bad)} of {n:,} elements")
+        put(b, t["master"], t["adam_m"], t["adam_v"], t["weights"])
 
 
 def candidates(directory: str | os.PathLike[str]) -> tuple[Path | None, list[Path], str | None]:
@@ -271,7 +425,10 @@ def resume(state: TrainState, directory: str | os.PathLike[str], *, fallback: bo
     """Load the latest checkpoint under `directory` into `state`; None if there is none. `check(ckpt,
     manifest)` refuses one of another plan or settings (its error is raised as is). A corrupt, truncated or
     unreadable checkpoint raises CheckpointError, or with `fallback` the previous one that verifies is used
-    (one line per checkpoint skipped)."""
+    (one line per checkpoint skipped). With several ranks every rank calls it and they agree (see the module
+    docstring)."""
+    if not state.world.single:
+        return _resume_sharded(state, Path(directory), fallback=fallback, check=check, log=log)
     root = Path(directory)
     latest, steps, problem = candidates(root)
     if latest is None and problem is None:
@@ -283,26 +440,82 @@ def resume(state: TrainState, directory: str | os.PathLike[str], *, fallback: bo
     for i, ckpt in enumerate(order):
         try:
             manifest = read_manifest(ckpt)
+            check_world(ckpt, manifest, 1)
             check(ckpt, manifest)
             load_checkpoint(state, ckpt, manifest)
         except CheckpointError as e:
-            rest = order[i + 1:]
-            if not fallback:
-                hint = (f"pass --resume-fallback to resume from the previous checkpoint ({rest[0].name})" if rest
-                        else "no earlier checkpoint is left: delete the directory to start over")
-                raise CheckpointError(f"{e}; {hint}") from None
-            # renamed out of the way, so that keeping the last two checkpoints keeps good ones
-            aside = ckpt.with_name(f"corrupt-{ckpt.name}")
-            try:
-                shutil.rmtree(aside, ignore_errors=True)
-                os.replace(ckpt, aside)
-                moved = f"moved it to {aside.name} (delete it when done)"
-            except OSError as err:
-                moved = f"could not move it aside ({err.strerror})"
-            log(f"skipping a bad checkpoint: {e}; {moved}")
+            _bad_checkpoint(e, ckpt, order[i + 1:], fallback, log)
             continue
         if ckpt != latest:
             _point_latest(root, ckpt)
+        return ckpt, manifest
+    raise CheckpointError(f"--checkpoint-dir {root}: none of its {len(order)} checkpoint(s) verifies; delete it to "
+                          "start over, or pass another --checkpoint-dir")
+
+
+def _bad_checkpoint(e: CheckpointError | str, ckpt: Path, rest: list[Path], fallback: bool, log,
+                    move: bool = True) -> None:
+    """Without fallback: raise CheckpointError naming the way on. With it: move `ckpt` aside (when `move`: one
+    rank does it) and log the skip."""
+    if not fallback:
+        hint = (f"pass --resume-fallback to resume from the previous checkpoint ({rest[0].name})" if rest
+                else "no earlier checkpoint is left: delete the directory to start over")
+        raise CheckpointError(f"{e}; {hint}") from None
+    # renamed out of the way, so that keeping the last two checkpoints keeps good ones
+    aside = ckpt.with_name(f"corrupt-{ckpt.name}")
+    moved = f"moved it to {aside.name} (delete it when done)"
+    if move:
+        try:
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(ckpt, aside)
+        except OSError as err:
+            moved = f"could not move it aside ({err.strerror})"
+        log(f"skipping a bad checkpoint: {e}; {moved}")
+
+
+def _resume_sharded(state: TrainState, root: Path, *, fallback: bool, check: Callable[[Path, dict], None],
+                    log: Callable[[str], None]) -> tuple[Path, dict] | None:
+    """resume() for several ranks: rank 0 lists the checkpoints; for each candidate every rank verifies and loads
+    its shard (rank 0 also checks that every shard is present) and all agree before it is used or skipped."""
+    world = state.world
+    lead = world.rank == 0
+    listed = None
+    if lead:
+        latest, steps, problem = candidates(root)
+        listed = (latest.name if latest is not None else None, [p.name for p in steps], problem)
+    latest_name, step_names, problem = world.broadcast(listed)
+    if latest_name is None and problem is None:
+        return None
+    latest = root / latest_name if latest_name is not None else None
+    order = ([latest] if latest is not None else []) + [root / n for n in step_names if n != latest_name]
+    if problem is not None and not fallback:
+        raise CheckpointError(f"--checkpoint-dir {root}: {problem}; pass --resume-fallback to resume from the "
+                              "newest checkpoint that verifies, or use another directory")
+    for i, ckpt in enumerate(order):
+        err = None
+        try:
+            manifest = read_manifest(ckpt)
+            check_world(ckpt, manifest, world.ranks)
+            check(ckpt, manifest)
+            if lead:  # every shard there and as written, before any rank trains from it
+                for k in range(world.ranks):
+                    _shard_manifest(ckpt, manifest, k)
+            load_checkpoint(state, ckpt, manifest)
+        except CheckpointError as e:
+            err = str(e)
+        errors = [x for x in world.gather_objects(err) if x is not None]
+        if errors:
+            world.barrier()  # every rank is done reading it before rank 0 moves it aside
+            try:
+                _bad_checkpoint(errors[0], ckpt, order[i + 1:], fallback, log, move=lead)
+            except CheckpointError as e:
+                e.agreed = True  # every rank raises it: rank 0 says it
+                raise
+            world.barrier()
+            continue
+        if ckpt != latest and lead:
+            _point_latest(root, ckpt)
+        world.barrier()
         return ckpt, manifest
     raise CheckpointError(f"--checkpoint-dir {root}: none of its {len(order)} checkpoint(s) verifies; delete it to "
                           "start over, or pass another --checkpoint-dir")

@@ -50,6 +50,15 @@ def register_run(subparsers: Any) -> None:
     p.add_argument("--allow-changed-hyper", action="store_true",
                    help="resume although --seed, --lr, --weight-decay or --data differ from the checkpoint's "
                    "(default: refuse, naming what differs)")
+    g = p.add_argument_group("several GPUs (a plan made with --gpus/--nodes; or launch with torchrun yourself)")
+    g.add_argument("--nproc", type=positive_int(1024), default=None, metavar="N",
+                   help="start N ranks on this box through torchrun (torch.distributed.run), as `torchrun "
+                   "--nproc-per-node N -m tierflow run ...` does; N x --nnodes must be the plan's gpus x nodes")
+    g.add_argument("--nnodes", type=positive_int(1024), default=1, metavar="M",
+                   help="boxes of the run, each starting its --nproc ranks with this same command (default 1)")
+    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="where the boxes' launchers meet (torchrun's c10d rendezvous); needed with --nnodes > 1")
+    g.add_argument("--rdzv-id", default="tierflow", metavar="ID", help="the run's rendezvous id (default tierflow)")
     p.add_argument("--json", action="store_true", help="print the steps and the measured summary as JSON")
     # hidden (tests): compute in bf16 on a CPU device too, as on CUDA (bf16 is the default there, fp32 on a CPU)
     p.add_argument("--compute-dtype", choices=["bf16", "fp32"], default=None, help=argparse.SUPPRESS)

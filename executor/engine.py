@@ -89,6 +89,13 @@ class Executor:
                 self.backend.check_compute_dtype(state.compute_dtype)
             except ValueError as e:
                 raise UnsupportedPlan(str(e)) from None
+        # the net worker (several ranks' collectives, ops_net.py) has a stream of its own where the device has streams
+        has_net = any(t.resource == "net" for t in self.tasks)
+        self.stream_resources = (*STREAM_RESOURCES, "net") if has_net else STREAM_RESOURCES
+        self.world = state.world
+        if has_net and self.world.single:
+            raise UnsupportedPlan(f"{plan.source}: the plan has collectives (ops on resource net) but this run has one "
+                                  "rank (launch it with torchrun or --nproc)")
         self.binding = Binding(plan, state.layout)
         if self.backend.streams_async:  # the device memory the plan assumes, enforced by the allocator
             self.backend.cap_memory(float(plan.graph.capacity_bytes["gpu"]))
@@ -116,16 +123,15 @@ class Executor:
                 last[self.tasks[tid].iteration] = tid
             threads.append(threading.Thread(target=self._reporter, args=(rs, last, on_step), daemon=True,
                                             name="tierflow-reporter"))
+        # threads that may wait in a collective of several ranks: the net worker, the reporter (the mean loss)
+        collective = [th for th in threads if not self.world.single and th.name in ("tierflow-net", "tierflow-reporter")]
         try:
             for th in threads:
                 th.start()
-            for th in threads:
-                th.join()
+            self._join(rs, threads, collective)
         except BaseException:  # e.g. Interrupted or KeyboardInterrupt in this (the main) thread: stop every
             rs.abort.set()     # worker and wait for it, so that no thread still runs torch ops at exit
-            for th in threads:
-                if th.ident is not None:
-                    th.join()
+            self._join(rs, [th for th in threads if th.ident is not None], collective)
             raise
         finally:
             try:
@@ -148,6 +154,21 @@ class Executor:
                            {t: rs.peak_bytes[i] for i, t in enumerate(TIERS)}, list(rs.mem_trace), wall_s,
                            extra={"leftover_entries": leftover, "device_memory": self.backend.memory_stats()})
 
+    @staticmethod
+    def _join(rs: RoundState, threads: list[threading.Thread], collective: list[threading.Thread],
+              grace_s: float = 5.0) -> None:
+        """Join the round's threads. One blocked in a collective (`collective`) cannot see the abort: once the round
+        has failed it is given `grace_s` to finish, then left behind (a daemon thread; the run is ending with the
+        error, and torchrun stops the other ranks when this one exits)."""
+        for th in threads:
+            if th not in collective:
+                th.join()
+        for th in collective:
+            waited = 0.0
+            while th.is_alive() and (not rs.abort.is_set() or waited < grace_s):
+                th.join(0.05)
+                waited += 0.05 if rs.abort.is_set() else 0.0
+
     def _check_round(self, iterations: int) -> int:
         """The number of ops in the plan's first `iterations` iterations, which must not depend on later ones."""
         n = sum(1 for t in self.tasks if t.iteration < iterations)
@@ -169,8 +190,11 @@ class Executor:
         loss_sum = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in range(iterations)]
         batches = []
         mb, num_mb = self.cfg.micro_batch, self.cfg.num_micro_batches
+        share = self.cfg.batch // self.world.ranks  # rank r trains on sequences [r*share, (r+1)*share) of each batch
         for it in range(iterations):
             x, y = self.data.batch(step0 + it, self.cfg.batch, self.cfg.seq)
+            if not self.world.single:
+                x, y = (z[self.world.rank * share:(self.world.rank + 1) * share] for z in (x, y))
             batches.append([(x[m * mb:(m + 1) * mb].to(self.device), y[m * mb:(m + 1) * mb].to(self.device))
                             for m in range(num_mb)])
         mem_bytes = [float(self.plan.graph.static_bytes[t]) for t in TIERS]
@@ -182,7 +206,7 @@ class Executor:
             mem_bytes=mem_bytes, peak_bytes=list(mem_bytes), mem_trace=[(0.0, *mem_bytes)])
         be.start_round(rs.abort, lambda label, e: self._fail(rs, self._task_of(label), e))
         if be.streams_async:
-            rs.streams = {r: be.new_stream(r) for r in STREAM_RESOURCES}
+            rs.streams = {r: be.new_stream(r) for r in self.stream_resources}
             be.synchronize()  # the batches' copies (default stream) before any stream reads them
             be.reset_peaks()
             rs.ev0 = be.record(rs.streams["gpu"])
@@ -229,7 +253,7 @@ class Executor:
 
     def _worker(self, rs: RoundState, resource: str, queue: list[int]) -> None:
         self.backend.thread_init()
-        stream = rs.streams[resource] if rs.streams is not None and resource in STREAM_RESOURCES else None
+        stream = rs.streams[resource] if rs.streams is not None and resource in self.stream_resources else None
         run_op = self._run_op_profiled if self.profile else self.ops.run  # chosen once: no cost when not profiling
         t = None
         try:
@@ -282,7 +306,7 @@ class Executor:
         for d in t.deps:
             self._wait(rs, d)
             dep = self.tasks[d].resource
-            if rs.streams is not None and dep in STREAM_RESOURCES:
+            if rs.streams is not None and dep in self.stream_resources:
                 if stream is not None:
                     if dep != t.resource:
                         self.backend.wait_event(stream, rs.ev_end[d])
@@ -322,6 +346,8 @@ class Executor:
             s = getattr(p, name)
             return f"placement.{name} (gpu {s.gpu:g}, cpu {s.cpu:g}, ssd {s.ssd:g})"
 
+        if t.resource == "net":  # a collective's full-size buffer: the weights / gradients of a whole block
+            return f"world of {self.world.ranks} ranks (the full-size {t.tensor} buffer of block {t.block})"
         if t.tensor == "weights":
             return f"{split('weights')} with prefetch_depth {cfg.prefetch_depth}"
         if t.tensor in ("checkpoint", "act", "act_grad"):

@@ -4,7 +4,8 @@ device) and adding the weight gradients into fp32 device buffers (ops_state.Grad
 A forward of a recomputed block keeps nothing; one of a block that is not recomputed captures autograd's saved
 tensors in a Pack that the plan's offload/fetch ops move (ops_entries.py); a recompute rebuilds the block's graph
 right before its backward. The loss of each micro-batch is its mean token cross entropy divided by the number of
-micro-batches, so the step equals plain PyTorch training of the whole batch.
+micro-batches, so the step equals plain PyTorch training of the whole batch; with W data-parallel ranks (dist.py)
+its gradient is divided by W too, so that the ranks' summed gradients equal one rank's of the global batch.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ class ComputeOps:
         self.cx, self.entries, self.weights, self.grads = cx, entries, weights, grads
         self.rec = cx.binding.rec
         self.head_block = cx.spec.num_layers + 1
-        self.num_mb = cx.cfg.num_micro_batches
+        self.num_mb = cx.cfg.num_micro_batches  # of this rank
+        # with W ranks each rank's gradient is 1/W of its mean, so that the reduce-scatter's sum is the whole batch's
+        self.grad_scale = self.num_mb * cx.state.world.ranks
 
     def _leaves(self, b: int, vecs: list[OwnerWeights]) -> list[torch.Tensor]:
         """One autograd leaf per parameter of block b (a view of its owner's resident or fetched weights), in
@@ -102,7 +105,7 @@ class ComputeOps:
         with torch.enable_grad():
             logits = self._call(b, leaves, x)
             loss = lm_loss(logits, rs.batches[it][m][1])
-            (loss / self.num_mb).backward()
+            (loss / self.grad_scale).backward()
         rs.loss_sum[it] += loss.detach() / self.num_mb
         self.entries.done_with(rs, t, EntryKey(it, "x", b, m))
         self._leaf_grads(rs, t, leaves)

@@ -48,10 +48,14 @@ class WeightOps:
     def __init__(self, cx: OpContext) -> None:
         self.cx = cx
 
+    def owners(self, b: int) -> list[tuple[int, int, int]]:
+        """(owner, lo, hi) of each owner's weights this rank fetches for block b (TrainState.owner_ranges)."""
+        return self.cx.state.owner_ranges(b)
+
     def read_weights(self, rs: RoundState, t: Task) -> None:
         """The SSD range of every owner's weights into a transfer-area buffer (fetch_weights copies it)."""
         out = {}
-        for o, lo, hi in self.cx.layout.owners(t.block):
+        for o, lo, hi in self.owners(t.block):
             W = self.cx.state.vec["weights"][o]
             a = max(lo, W.ssd_lo)
             if hi <= a:
@@ -83,10 +87,14 @@ class WeightOps:
     def fetch_weights(self, rs: RoundState, t: Task) -> None:
         """The non-resident part of every owner's range to the device, straight into one buffer per owner (from
         fetch_start): device memory of a parameter split by the placement, host memory, then what read_weights
-        read."""
+        read. With several ranks: this rank's whole shard into its slot of a full-size buffer per owner, which
+        all_gather_weights completes (ops_net.py)."""
         be = self.cx.backend
         rid = self.cx.binding.dep_of_kind[t.id].get("read_weights")
         staged = rs.staged.pop(Staged("weights_read", rid)) if rid is not None else {}
+        if not self.cx.state.world.single:
+            rs.weight_bufs[t.id] = self.shard_buffers(rs, t, staged)
+            return
         out = {}
         for o, lo, hi in self.cx.layout.owners(t.block):
             W = self.cx.state.vec["weights"][o]
@@ -105,9 +113,40 @@ class WeightOps:
             out[o] = (base, dst)
         rs.weight_bufs[t.id] = out
 
+    def shard_buffers(self, rs: RoundState, t: Task, staged: dict) -> dict[int, torch.Tensor]:
+        """{owner: a device buffer of W*S elements (S = ceil(n/W)) holding this rank's shard of the owner's
+        compute weights in slot [r*S, r*S + shard)}: the device part copied on the device, the host part and what
+        read_weights read (`staged`) copied from pinned host memory. The other slots are filled by the gather."""
+        be, world = self.cx.backend, self.cx.state.world
+        out = {}
+        for o, _lo, hi in self.owners(t.block):
+            W = self.cx.state.vec["weights"][o]
+            s = world.shard_size(self.cx.layout.numel[o])
+            full = be.empty(s * world.ranks, W.dtype)
+            slot = full[world.rank * s: world.rank * s + hi]
+            if W.g:
+                slot[: W.g].copy_(W.dev)  # device to device, on this op's stream
+            if W.ssd_lo > W.g:
+                be.copy_async(slot[W.g: W.ssd_lo], W.host)
+            if o in staged:
+                be.copy_async(slot[W.ssd_lo:], staged[o])
+            out[o] = full
+        return out
+
     def weights(self, rs: RoundState, t: Task) -> list[OwnerWeights]:
-        """The weights of every owner of block t.block: resident, fetched, or both (never joined)."""
+        """The weights of every owner of block t.block: resident, fetched, or both (never joined); with several
+        ranks the owner's range of the gathered full-size buffer (all of it "fetched", from element 0)."""
         fid = self.cx.binding.wfetch[t.id]
+        if not self.cx.state.world.single:
+            if fid is None:
+                raise ExecutionError(f"op {t.id} ({t.label}): no all_gather_weights precedes it on a plan for "
+                                     f"{self.cx.state.world.ranks} ranks (inconsistent plan)")
+            bufs = rs.weight_bufs[fid]
+            out = []
+            for o, lo, hi in self.cx.layout.owners(t.block):
+                rs.use_on(bufs[o], "gpu")
+                out.append(OwnerWeights(lo, hi, None, 0, bufs[o]))
+            return out
         out = []
         for o, lo, hi in self.cx.layout.owners(t.block):
             W = self.cx.state.vec["weights"][o]
@@ -146,10 +185,17 @@ class GradBuffers:
     (GRAD_ACCUM_BYTES vs GRAD_WIRE_BYTES): a single contribution is written straight into a compute-dtype
     buffer (the same values an fp32 buffer would round to on the wire), several are added in fp32 and, after
     the last, cast into a compute-dtype buffer on the compute stream, the fp32 one freed. Either way the
-    offload_grads op only copies what it takes (no cast on the D2H queue). A GPU optimizer keeps fp32."""
+    offload_grads op only copies what it takes (no cast on the D2H queue). A GPU optimizer keeps fp32.
+
+    With several ranks every buffer is fp32 (whatever the number of contributions) and spans the owner's whole
+    vector padded to W*S elements: the reduce-scatter sums in fp32, and reduce_scatter_grads casts this rank's
+    shard to the compute dtype on the net stream for an offload_grads taker (ops_net.py), so that offload_grads
+    still only copies."""
 
     def __init__(self, cx: OpContext) -> None:
         self.cx = cx
+        # main's dtype rule (compute dtype for a single contribution, cast after the last): one rank, host optimizer
+        self.wire_cast = not cx.state.placement.gpu_optimizer and cx.state.world.single
 
     def accumulate(self, rs: RoundState, t: Task, o: int, pieces: list[tuple[int, int, torch.Tensor | None]]) -> None:
         """Gradients `pieces` = [(lo, hi, grad)] of owner o's ranges into the buffer of the op that will take
@@ -157,12 +203,14 @@ class GradBuffers:
         bind = self.cx.binding
         key = (bind.grad_group[(t.id, o)], o)
         base, end = bind.grad_range[key]
-        single = bind.grad_contributors[key] == 1 and not self.cx.state.placement.gpu_optimizer
+        cast = self.wire_cast
+        single = bind.grad_contributors[key] == 1 and cast
         with rs.lock:
             acc = rs.grad_acc.get(key)
             left = rs.grad_left.setdefault(key, bind.grad_contributors[key]) - 1
             rs.grad_left[key] = left
         if acc is None:
+            # with several ranks [base, end) is the owner's whole vector padded to W*S elements (binding)
             acc = self.cx.backend.empty(end - base, self.cx.dtype if single else torch.float32).zero_()
             with rs.lock:
                 rs.grad_acc[key] = acc
@@ -173,7 +221,7 @@ class GradBuffers:
                 acc[lo - base: hi - base].copy_(grad.reshape(-1))
             else:
                 acc[lo - base: hi - base] += grad.reshape(-1)
-        if left == 0 and acc.dtype != self.cx.dtype and not self.cx.state.placement.gpu_optimizer:
+        if left == 0 and acc.dtype != self.cx.dtype and cast:
             wire = self.cx.backend.empty(end - base, self.cx.dtype)
             wire.copy_(acc)  # the cast, on the compute stream where the gradient is produced
             with rs.lock:
@@ -210,7 +258,7 @@ class GradOps:
 
     def _ssd_range(self, b: int) -> tuple[int, int]:
         _gpu_elems, _cpu_elems, ssd_elems = self.cx.state.grad_split[b]
-        n = self.cx.layout.numel[b]
+        n = self.cx.state.shard_numel[b]
         return n - ssd_elems, n
 
     def write_grads(self, rs: RoundState, t: Task) -> None:

@@ -8,6 +8,11 @@ format (timeline.csv, trace.json, gantt.png) plus steps.csv; with --profile also
 A run holds a lock on its checkpoint and SSD directories, removes what killed runs left there, and stops
 cleanly: at the first non-finite loss (exit 4), on SIGINT / SIGTERM (130 / 143), or when a checkpoint cannot be
 written, keeping the last good checkpoint and writing the results so far (`RunStopped`).
+
+A plan for several ranks (gpus x nodes) runs as that many processes under torchrun (dist.py): `--nproc N` starts
+torchrun here; each rank trains its share of every batch on its shard of the state, with its SSD tier under
+`<ssd-dir>/rank-<r>/` and its checkpoint shard under `<checkpoint>/rank-<r>/` (checkpoint.py). Rank 0 prints
+the steps (the loss is the mean over the ranks) and writes --out and --export-hf.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from tierflow.executor.checkpoint import (
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device import DeviceBackend, TierOutOfMemory, make_backend
 from tierflow.executor.dirlock import DirLock, LockError, remove_stale_run_dirs
+from tierflow.executor.dist import DistWorld, LaunchError, check_launch, init_world, rank_device
 from tierflow.executor.engine import (
     ExecutionError,
     Executor,
@@ -86,7 +92,7 @@ class RunOptions:
     profile: bool = False  # torch.profiler around the run, its Chrome trace to out/torch_trace.json (needs out)
     resume_fallback: bool = False  # a corrupt latest checkpoint: resume from the previous one that verifies
     allow_changed_hyper: bool = False  # resume although the seed / hyper-parameters / data differ from the checkpoint's
-    collect_final: bool = False  # return the final fp32 master weights (RunResult.final_master), e.g. for tests
+    collect_final: bool = False  # return the final fp32 master weights and Adam m (RunResult.final_*), e.g. for tests
     export_hf: str | None = None  # after the last step, write the fp32 master weights here in the HF layout
     compute_dtype: str | None = None  # "bf16" | "fp32"; None: bf16 on CUDA, fp32 on a CPU (hidden --compute-dtype)
 
@@ -111,6 +117,7 @@ class RunResult:
     ssd_bytes_written: int = 0
     o_direct: bool | None = None
     final_master: list[torch.Tensor] | None = None
+    final_adam_m: list[torch.Tensor] | None = None  # with collect_final: Adam's first moments (whole blocks)
     checkpoint: Path | None = None  # the last checkpoint written or resumed from
 
     @property
@@ -201,17 +208,20 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
     check_hyper(opts.hyper)
     if opts.profile and not opts.out:
         raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured trace.json")
-    backend = _device(opts.device, opts.seed)
+    cfg = plan.config
+    check_launch(cfg.ranks, cfg.gpus, cfg.nodes, str(plan.source))
+    backend = _device(rank_device(opts.device, cfg.ranks), opts.seed)
+    world = init_world(cfg.ranks, backend.device)
     dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
     if opts.compute_dtype is not None:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[opts.compute_dtype]
-    cfg = plan.config
-    probe = TrainState(plan.model, cfg.placement, cfg.alpha, backend, dtype, None)
+    probe = TrainState(plan.model, cfg.placement, cfg.alpha, backend, dtype, None, world)
     need_ssd = _ssd_need_bytes(plan, probe)
     uses_ssd = need_ssd > (1 << 20) or any(t.resource in ("ssd_read", "ssd_write") for t in plan.graph.tasks)
+    who = "" if world.single else f" [rank {world.rank}]"
 
     def warn(msg: str) -> None:
-        log(f"tierflow run: {msg}", file=sys.stderr)
+        log(f"tierflow run{who}: {msg}", file=sys.stderr)
 
     ssd = None
     with ExitStack() as cleanup:  # runs in reverse: SSD store closed, its run directory removed, locks released
@@ -223,13 +233,19 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
             except OSError as e:
                 raise RunError(f"--checkpoint-dir {ck}: cannot create it ({e.strerror}); pass a writable "
                                "directory") from None
-            _lock(cleanup, ck, "--checkpoint-dir", locked, warn)
-            gone = remove_temporaries(ck)
-            if gone:
-                warn(f"removed {len(gone)} half-written checkpoint file(s) under {ck} left by a run that was killed")
+            if world.rank == 0:  # with several ranks rank 0 holds the shared directory for all of them
+                _lock(cleanup, ck, "--checkpoint-dir", locked, warn)
+                gone = remove_temporaries(ck)
+                if gone:
+                    warn(f"removed {len(gone)} half-written checkpoint file(s) under {ck} left by a run that was "
+                         "killed")
         if uses_ssd:
-            root = check_ssd_dir(opts.ssd_dir, need_ssd,
+            # the ranks of a box share the directory: room for all of their tiers
+            root = check_ssd_dir(opts.ssd_dir, need_ssd * world.local_ranks,
                                  "optimizer states, weights, gradients or activations placed there")
+            if not world.single:  # each rank's SSD tier in a directory of its own
+                root = root / f"rank-{world.rank}"
+                root.mkdir(exist_ok=True)
             _lock(cleanup, root, "--ssd-dir", locked, warn)
             remove_stale_run_dirs(root, warn)
             run_dir = root / f"tierflow-run-{os.getpid()}"
@@ -237,7 +253,8 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
             cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
             ssd = SsdStore(run_dir, backend=backend, warn=warn)
             cleanup.callback(ssd.close)
-        return _train(plan, opts, backend, dtype, ssd, log, warn)
+        world.barrier()  # every rank has its directories (rank 0: the checkpoint directory cleaned) before resuming
+        return _train(plan, opts, backend, dtype, ssd, log, warn, world)
 
 
 def _lock(cleanup: ExitStack, directory: Path, what: str, locked: set[Path], warn) -> None:
@@ -252,10 +269,12 @@ def _lock(cleanup: ExitStack, directory: Path, what: str, locked: set[Path], war
 
 
 def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dtype, ssd: SsdStore | None,
-           log, warn) -> RunResult:
+           log, warn, world: DistWorld) -> RunResult:
     cfg, spec = plan.config, plan.model
     device = backend.device
-    state = TrainState(spec, cfg.placement, cfg.alpha, backend, dtype, ssd)
+    state = TrainState(spec, cfg.placement, cfg.alpha, backend, dtype, ssd, world)
+    quiet = opts.quiet or world.rank != 0  # rank 0 reports for all
+    lead = world.rank == 0  # writes --out, --export-hf
     data = TokenData.load(opts.data, spec.vocab_size, opts.data_format, seed=opts.seed)
     if opts.data:
         data.check_batch(cfg.batch, cfg.seq)
@@ -281,12 +300,17 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
     per_round = plan.graph.num_iterations
     tokens = cfg.batch * cfg.seq
     flops_per_step = tokens * model_flops_per_token(spec, cfg.seq)
-    if not opts.quiet:
+    if not quiet:
         log(f"tierflow run: {spec.describe()}")
         log(f"  plan {plan.source}: {cfg.describe()}; {per_round} iteration(s) per round, {len(plan.graph.tasks)} ops")
         log(f"  device {backend.name}, compute {str(dtype).removeprefix('torch.')}; {where}; data {data.source}")
+        if not world.single:
+            log(f"  {world.ranks} ranks ({world.backend}): rank r trains sequences [r*{cfg.batch // world.ranks}, "
+                f"(r+1)*{cfg.batch // world.ranks}) of each batch on its 1/{world.ranks} shard of the state; "
+                "the loss is their mean")
         if ssd is not None:
-            log(f"  SSD tier: {ssd.root} ({'O_DIRECT' if ssd.direct else 'buffered I/O'})")
+            log(f"  SSD tier: {ssd.root} ({'O_DIRECT' if ssd.direct else 'buffered I/O'})"
+                + ("" if world.single else ", one such directory per rank"))
     records: list[StepRecord] = []
     measured = None
     best_iters = 0
@@ -297,7 +321,7 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
         return RunResult(plan, start_step, records, state, measured, ssd.bytes_read if ssd else 0,
                          ssd.bytes_written if ssd else 0, ssd.direct if ssd else None, checkpoint=last_ckpt)
 
-    profiler = _profiler(device) if opts.profile else None
+    profiler = _profiler(device) if opts.profile and lead else None
     if profiler is not None:
         profiler.start()  # stopped and exported when the rounds end, also when a run stops early
     try:
@@ -306,8 +330,11 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
             if opts.checkpoint_dir and every:
                 r = min(r, every - step % every)
             prev = [0.0]
+            local: list[float] = []  # this rank's own losses of the round (the reported ones are the ranks' mean)
 
-            def on_step(i: int, loss: float, end_s: float, step=step, prev=prev) -> None:
+            def on_step(i: int, loss: float, end_s: float, step=step, prev=prev, local=local) -> None:
+                local.append(loss)
+                loss = world.mean(loss)  # on the reporter thread, in iteration order on every rank
                 if not math.isfinite(loss):
                     raise Diverged(f"loss {loss} at step {step + i + 1}")
                 step_s = end_s - prev[0]
@@ -315,7 +342,7 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
                 rec = StepRecord(step + i + 1, loss, step_s, tokens / step_s if step_s > 0 else 0.0,
                                  flops_per_step / step_s / 1e12 if step_s > 0 else 0.0)
                 records.append(rec)
-                if not opts.quiet:
+                if not quiet:
                     log(f"step {rec.step:>5}/{opts.steps} {bar(rec.step, opts.steps, fill=' ')} loss {rec.loss:.4f}  "
                         f"{rec.step_s * 1e3:8.1f} ms  {rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS",
                         flush=True)
@@ -324,19 +351,18 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
             LOG.debug("round of %d iteration(s) from step %d: %.3f s wall; peak %s", r, step + 1, rr.wall_s,
                       ", ".join(f"{t} {b / 1e6:,.1f} MB" for t, b in rr.peak_bytes.items()))
             # the reporter's losses are the round's own (read after each iteration's last GPU op)
-            if [x.loss for x in records[-r:]] != rr.losses:
-                raise ExecutionError(f"internal: the reported losses {[x.loss for x in records[-r:]]} are not the "
-                                     f"round's {rr.losses}")
+            if local != rr.losses:
+                raise ExecutionError(f"internal: the reported losses {local} are not the round's {rr.losses}")
             res = measured_result(plan, rr)
             if r >= best_iters:
                 best_iters, measured = r, res
             step += r
             if opts.checkpoint_dir and every and step % every == 0:
                 try:
-                    last_ckpt = save_checkpoint(state, opts.checkpoint_dir, step, settings)
+                    last_ckpt = save_checkpoint(state, opts.checkpoint_dir, step, settings, world=world)
                 except NonFiniteState as e:
                     raise Diverged(str(e)) from None
-                if not opts.quiet:
+                if not quiet:
                     log(f"  checkpoint {last_ckpt}")
     except (Diverged, CheckpointWriteError, Interrupted) as e:
         kept = (f"the last good checkpoint {last_ckpt} is kept" if last_ckpt is not None
@@ -352,7 +378,7 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
         else:
             code = 3 if e.full else 2
             msg = str(e)
-        if opts.out:
+        if opts.out and lead:
             write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({backend.name})")
             msg += f"; the results so far are under {opts.out}"
         raise RunStopped(msg, code, result()) from None
@@ -361,19 +387,22 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
             profiler.stop()
             Path(opts.out).mkdir(parents=True, exist_ok=True)
             profiler.export_chrome_trace(str(Path(opts.out) / "torch_trace.json"))
-            if not opts.quiet:
+            if not quiet:
                 log(f"  wrote torch_trace.json (torch.profiler; each op under a record_function 'op ID KIND "
                     f"bBLOCK ...') under {opts.out}")
-    if opts.out and measured is not None:
+    if opts.out and measured is not None and lead:
         write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({backend.name})")
-        if not opts.quiet:
-            log(f"  wrote timeline.csv, trace.json, gantt.png, steps.csv under {opts.out}")
+        if not quiet:
+            log(f"  wrote timeline.csv, trace.json, gantt.png, steps.csv under {opts.out}"
+                + ("" if world.single else " (rank 0's ops)"))
     if opts.export_hf:
-        path = export_trained(state, opts.export_hf)
-        if not opts.quiet:
+        path = export_trained(state, opts.export_hf)  # a collective with several ranks; rank 0 writes
+        if not quiet:
             log(f"  exported the fp32 weights after step {step} to {path} (config.json, model.safetensors)")
     res = result()
-    res.final_master = state.master_blocks() if opts.collect_final else None
+    if opts.collect_final:
+        res.final_master = state.master_blocks()
+        res.final_adam_m = [state.gathered("adam_m", b) for b in range(len(state.layout.numel))]
     return res
 
 
@@ -394,8 +423,11 @@ def check_export_hf(directory: str, plan: Plan) -> None:
 
 
 def export_trained(state: TrainState, directory: str) -> Path:
-    """The fp32 master weights of every block, written as config.json + model.safetensors (transformers' layout)."""
-    blocks = [state.layout.params(b, state.full("master", b)) for b in range(len(state.layout.numel))]
+    """The fp32 master weights of every block, written as config.json + model.safetensors (transformers' layout).
+    With several ranks every rank calls it (the weights are gathered from the shards) and rank 0 writes."""
+    blocks = [state.layout.params(b, state.gathered("master", b)) for b in range(len(state.layout.numel))]
+    if state.world.rank != 0:
+        return Path(directory)
     return export_hf(state.spec, blocks, directory)
 
 
@@ -454,7 +486,63 @@ def write_run_outputs(measured: SimResult | None, records: list[StepRecord], out
 # -- command line -----------------------------------------------------------------------------------------------
 
 
+def launch_ranks(args: argparse.Namespace) -> int:
+    """`--nproc N`: check the plan's world, then start its ranks here through torchrun."""
+    from tierflow.executor.dist import launch, strip_launch_flags
+
+    if "WORLD_SIZE" in os.environ:
+        raise LaunchError("--nproc inside a torchrun launch: pass either --nproc or torchrun, not both")
+    plan = load_plan(args.plan)
+    cfg = plan.config
+    if args.nproc * args.nnodes != cfg.ranks:
+        raise LaunchError(f"--nproc {args.nproc} x --nnodes {args.nnodes} = {args.nproc * args.nnodes} ranks, but plan "
+                          f"{args.plan} is for {cfg.ranks} ({cfg.gpus} GPU(s) x {cfg.nodes} box(es)); pass --nproc "
+                          f"{cfg.gpus} --nnodes {cfg.nodes}, or plan again with --gpus {args.nproc} --nodes {args.nnodes}")
+    argv = sys.argv[1:]  # the command line as typed: every rank runs it without the launch flags
+    if "run" not in argv or str(args.plan) not in argv:
+        raise LaunchError("--nproc starts `tierflow run` from the command line only (call torchrun yourself to "
+                          "launch from a program)")
+    return launch(args.nproc, args.nnodes, args.rdzv_endpoint, args.rdzv_id, strip_launch_flags(argv))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    if getattr(args, "nproc", None) is not None:
+        try:
+            return launch_ranks(args)
+        except (PlanError, LaunchError) as e:
+            print(f"tierflow run: error: {e}", file=sys.stderr)
+            return 2
+    return leave_world(_cmd_run_here(args))
+
+
+def leave_world(code: int) -> int:
+    """The end of a rank of several: a clean exit leaves the process groups; a failed one exits at once, so that
+    no collective the other ranks will never join (nor a process group's teardown) holds it, and torchrun stops
+    the others. With one rank: `code`."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return code
+    if code == 0:
+        dist.destroy_process_group()
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _says(e: BaseException | None = None) -> bool:
+    """Does this process print the failure? With several ranks a failure all of them share (the checkpoint
+    they agreed on, a stopped run: the mean loss, a checkpoint write) is printed by rank 0 only."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
+    if rank == 0:
+        return True
+    return not (e is None or getattr(e, "agreed", False))
+
+
+def _cmd_run_here(args: argparse.Namespace) -> int:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     hyper = Hyper(lr=args.lr, weight_decay=args.weight_decay)
@@ -476,14 +564,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             res = run_plan(plan, opts)
     except RunStopped as e:
-        print(f"tierflow run: {e}", file=sys.stderr)
+        if _says():
+            print(f"tierflow run: {e}", file=sys.stderr)
         res, stopped = e.result, e
     except Interrupted as e:
-        print(f"tierflow run: interrupted by {e.name} outside the training steps; stopped cleanly, the SSD tier's "
-              "files removed", file=sys.stderr)
+        if _says():
+            print(f"tierflow run: interrupted by {e.name} outside the training steps; stopped cleanly, the SSD "
+                  "tier's files removed", file=sys.stderr)
         return e.exit_code
-    except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan, LockError) as e:
-        print(f"tierflow run: error: {e}", file=sys.stderr)
+    except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan, LockError,
+            LaunchError) as e:
+        if _says(e):
+            print(f"tierflow run: error: {e}", file=sys.stderr)
         return 2
     except CapacityError as e:
         print(f"tierflow run: does not fit: {e}", file=sys.stderr)
@@ -501,7 +593,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ExecutionError as e:
         print(f"tierflow run: {e}", file=sys.stderr)
         return 1
-    if args.json:
+    if args.json and _says():
         out: dict[str, Any] = {"plan": str(args.plan), "first_step": res.first_step,
                                "steps": [asdict(r) for r in res.records], "wall_s": time.perf_counter() - t0,
                                "ssd_bytes_read": res.ssd_bytes_read, "ssd_bytes_written": res.ssd_bytes_written,

@@ -8,6 +8,10 @@ host and stay pageable. The SSD range is stored as one file per optimizer *part*
 and the ``alpha`` deferred step each cover a contiguous element range), so each part reads and writes exactly
 its own files.
 
+With several data-parallel ranks (dist.py) a TrainState holds this rank's shard of every block only: element
+range ``shards[b]`` of the block's flat vector, split over the tiers exactly as above (the ranges in TierVector
+and the optimizer parts are then relative to the shard).
+
 Checkpoints of this state (writing, verifying, resuming) are in checkpoint.py.
 """
 
@@ -20,6 +24,7 @@ from pathlib import Path
 import torch
 
 from tierflow.executor.device import DeviceBackend, as_backend
+from tierflow.executor.dist import SINGLE, DistWorld
 from tierflow.executor.models import _make_blocks, check_block_state_dicts, hf_key_target, init_weights
 from tierflow.executor.store import SsdStore, split_counts
 from tierflow.planner.core.models import ModelSpec
@@ -131,25 +136,29 @@ STATE_CLASSES = ("weights", "master", "adam_m", "adam_v")
 
 
 class TrainState:
-    """Weights, master weights, Adam moments and host gradient accumulators of every block, on their tiers."""
+    """Weights, master weights, Adam moments and host gradient accumulators of every block (of this rank's shard
+    of every block), on their tiers."""
 
     def __init__(self, spec: ModelSpec, placement: Placement, alpha: float, device: torch.device | DeviceBackend,
-                 compute_dtype: torch.dtype, ssd: SsdStore | None) -> None:
+                 compute_dtype: torch.dtype, ssd: SsdStore | None, world: DistWorld = SINGLE) -> None:
         self.backend = as_backend(device)
         self.spec, self.placement, self.device, self.compute_dtype, self.ssd = (
             spec, placement, self.backend.device, compute_dtype, ssd)
+        self.world = world
         self.layout = BlockLayout(spec)
-        self.parts = [part_ranges(n, alpha) for n in self.layout.numel]
+        self.shards = [world.shard(n) for n in self.layout.numel]  # [lo, hi) of each block this rank owns
+        self.shard_numel = [hi - lo for lo, hi in self.shards]
+        self.parts = [part_ranges(n, alpha) for n in self.shard_numel]
         self.vec: dict[str, list[TierVector]] = {}
         for cls in STATE_CLASSES:
             split = getattr(placement, cls)
             dtype = compute_dtype if cls == "weights" else torch.float32
             self.vec[cls] = [TierVector(cls, b, n, split, dtype, self.backend, self.parts[b], cls == "weights")
-                             for b, n in enumerate(self.layout.numel)]
+                             for b, n in enumerate(self.shard_numel)]
         # host fp32 gradient accumulators (a GPU optimizer keeps its gradients on the device instead)
         self.grads: list[torch.Tensor | None] = [None] * len(self.layout.numel)
         gs = placement.grads
-        self.grad_split = [split_counts(n, 0.0, gs.ssd) for n in self.layout.numel]
+        self.grad_split = [split_counts(n, 0.0, gs.ssd) for n in self.shard_numel]
 
     # -- initialisation ----------------------------------------------------------------------------------------
 
@@ -200,6 +209,15 @@ class TrainState:
 
     def set_block(self, b: int, master: torch.Tensor, m: torch.Tensor | None = None, v: torch.Tensor | None = None,
                    weights: torch.Tensor | None = None) -> None:
+        """Block b's state from whole-block vectors (this rank keeps its shard of them)."""
+        lo, hi = self.shards[b]
+        if (lo, hi) != (0, self.layout.numel[b]):
+            master, m, v, weights = (x.reshape(-1)[lo:hi] if x is not None else None for x in (master, m, v, weights))
+        self.set_shard(b, master, m, v, weights)
+
+    def set_shard(self, b: int, master: torch.Tensor, m: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                  weights: torch.Tensor | None = None) -> None:
+        """This rank's shard of block b's state (vectors of shard_numel[b] elements)."""
         master = master.float()
         self.vec["master"][b].set_full(master, self.ssd)
         self.vec["adam_m"][b].set_full(torch.zeros_like(master) if m is None else m, self.ssd)
@@ -212,15 +230,30 @@ class TrainState:
             self.grads[b] = None
         else:
             # host-only (offload_grads sends the compute dtype through pinned buffers): pageable
-            self.grads[b] = self.backend.host_buffer(self.layout.numel[b], torch.float32, pinned=False).zero_()
+            self.grads[b] = self.backend.host_buffer(self.shard_numel[b], torch.float32, pinned=False).zero_()
 
     # -- inspection --------------------------------------------------------------------------------------------
 
+    def owner_ranges(self, b: int) -> list[tuple[int, int, int]]:
+        """(owner, lo, hi): the range of each owner's vector held here that compute on block b needs from this
+        rank: layout.owners with one rank; with several, each owner's whole shard (ranges relative to it), which
+        the all-gather completes (a tied head gathers all of block 0, of which it reads wte)."""
+        owners = self.layout.owners(b)
+        if self.world.single:
+            return owners
+        return [(o, 0, self.shard_numel[o]) for o, _lo, _hi in owners]
+
     def full(self, cls: str, b: int) -> torch.Tensor:
+        """This rank's vector of class `cls` of block b on the CPU (the whole block with one rank, else its shard)."""
         return self.vec[cls][b].get_full(self.ssd)
 
+    def gathered(self, cls: str, b: int) -> torch.Tensor:
+        """The whole block's vector, gathered from every rank's shard (a collective: every rank calls it)."""
+        return self.world.gather_vector(self.full(cls, b), self.layout.numel[b])
+
     def master_blocks(self) -> list[torch.Tensor]:
-        return [self.full("master", b) for b in range(len(self.layout.numel))]
+        """The whole fp32 master weights of every block (gathered from the ranks: call it on every rank)."""
+        return [self.gathered("master", b) for b in range(len(self.layout.numel))]
 
     def ssd_static_bytes(self) -> int:
         n = sum(v.ssd_bytes() for cls in STATE_CLASSES for v in self.vec[cls])

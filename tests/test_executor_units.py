@@ -7,6 +7,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+from dist_worker import make_plan as dist_plan
 from test_executor import PLACEMENTS, make_plan, run
 
 from tierflow.executor.binding import ENTERED_FROM, Entry, EntryState
@@ -15,7 +16,8 @@ from tierflow.executor.ops import KINDS, Ops
 
 
 def planner_kinds() -> set[str]:
-    """Every op kind the planner emits over the schedule families x placements x alpha x recompute/swap."""
+    """Every op kind the planner emits over the schedule families x placements x alpha x recompute/swap, and
+    with two ranks."""
     kinds = set()
     for family in ("horizontal", "fuyou", "vertical", "block"):
         for placement in PLACEMENTS:
@@ -23,6 +25,8 @@ def planner_kinds() -> set[str]:
                 for swap in (None, 4):
                     plan = make_plan("tiny-gpt", family, placement, alpha, iterations=1, swap_layers=swap)
                     kinds |= {t.kind for t in plan.graph.tasks}
+    for family in ("horizontal", "block"):  # several ranks add the collectives (tests/test_dist_executor.py runs them)
+        kinds |= {t.kind for t in dist_plan("tiny-gpt", family, "weights_cpu", gpus=2).graph.tasks}
     return kinds
 
 

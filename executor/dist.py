@@ -1,0 +1,238 @@
+"""Data-parallel training on torch.distributed (issue 19): the world of one `tierflow run` process, its process
+groups, the collectives the executor needs outside the plan's ops, and the `--nproc` launch through torchrun.
+
+A plan made for W = gpus x nodes ranks runs as W processes started by torchrun (`torchrun --nproc-per-node N -m
+tierflow run plan.json ...`, or `tierflow run plan.json --nproc N`, which runs torch.distributed.run itself).
+Each process reads its rank from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) and:
+
+- computes on one device: cuda:LOCAL_RANK (NCCL) or the CPU (gloo);
+- owns a 1/W shard of every block's flat vector, elements [r*ceil(n/W), min(n, (r+1)*ceil(n/W))) (ZeRO-3
+  partitioning, tierflow.planner.core.world): its compute weights, fp32 master, Adam moments and gradient
+  accumulators of that shard live on its tiers as the plan's placement splits them (state.py);
+- trains on sequences [r*B/W, (r+1)*B/W) of each global batch of B sequences (engine.py), scales its loss by
+  1/W so that the summed gradient shard equals one rank's gradient of the whole batch, and reports the mean loss
+  over the ranks;
+- replays the same op list as every other rank; the plan's ops on resource `net` (all_gather_weights,
+  reduce_scatter_grads: ops_net.py) run on a worker of their own, in the plan's order, on the *net* process
+  group. Everything else collective (the loss, checkpoint agreement, gathering the final weights) runs on a
+  separate gloo group (*ctrl*) from the main or the reporter thread, never concurrently with itself, so the two
+  groups' collectives never interleave differently on different ranks.
+
+One process (no torchrun) on a 1-rank plan is `SINGLE`: no process group, nothing changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tierflow.planner.core.world import shard_range
+
+
+class LaunchError(ValueError):
+    """A run launched with another number of processes than its plan's ranks, or a bad launch flag (exit 2)."""
+
+    agreed = True  # every rank finds the same: rank 0 says it
+
+
+@dataclass
+class DistWorld:
+    """The data-parallel world as this process sees it."""
+
+    rank: int = 0
+    ranks: int = 1
+    local_rank: int = 0
+    local_ranks: int = 1
+    net_group: Any = None  # the plan's collectives (NCCL on CUDA, gloo on CPU)
+    ctrl_group: Any = None  # losses, checkpoint agreement, final weights (gloo, CPU tensors)
+    backend: str = "none"
+
+    @property
+    def single(self) -> bool:
+        return self.ranks == 1
+
+    def shard(self, n: int) -> tuple[int, int]:
+        """[lo, hi) of this rank's shard of an n-element flat vector."""
+        return shard_range(n, self.ranks, self.rank) if not self.single else (0, n)
+
+    def shard_size(self, n: int) -> int:
+        """Elements of every rank's slot in a gathered vector: ceil(n / W) (the last shard may be shorter)."""
+        return -(-n // self.ranks)
+
+    def padded(self, n: int) -> int:
+        return self.shard_size(n) * self.ranks
+
+    # -- collectives on the ctrl group (CPU), from one thread at a time -------------------------------------
+
+    def mean(self, value: float) -> float:
+        """The mean of `value` over the ranks (the reported loss)."""
+        if self.single:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, group=self.ctrl_group)
+        return float(t[0]) / self.ranks
+
+    def barrier(self) -> None:
+        if not self.single:
+            dist.barrier(group=self.ctrl_group)
+
+    def gather_objects(self, obj: object) -> list[object]:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
+        if self.single:
+            return [obj]
+        out: list[object] = [None] * self.ranks
+        dist.all_gather_object(out, obj, group=self.ctrl_group)
+        return out
+
+    def broadcast(self, obj: object, src: int = 0) -> object:
+        if self.single:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.ctrl_group)
+        return box[0]
+
+    def gather_vector(self, shard: torch.Tensor, n: int) -> torch.Tensor:
+        """The full n-element vector (CPU) from every rank's shard of it."""
+        if self.single:
+            return shard
+        s = self.shard_size(n)
+        slot = torch.zeros(s, dtype=shard.dtype)
+        slot[: shard.numel()].copy_(shard)
+        out = torch.empty(s * self.ranks, dtype=shard.dtype)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, slot, group=self.ctrl_group)
+        return out[:n]
+
+
+SINGLE = DistWorld()
+_WORLD: DistWorld | None = None  # the process's world once its groups exist (they are made once per process)
+
+
+def launched_ranks() -> int:
+    """WORLD_SIZE as torchrun sets it (1 when this process was not started by torchrun)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def check_launch(plan_ranks: int, gpus: int, nodes: int, plan_source: str) -> None:
+    """LaunchError unless this process was started as one of exactly the plan's ranks."""
+    have = launched_ranks()
+    if have == plan_ranks:
+        return
+    how = (f"tierflow run {plan_source} --nproc {gpus}" + (f" --nnodes {nodes} --rdzv-endpoint HOST:PORT" if nodes > 1
+                                                           else "")
+           + f", or torchrun --nnodes {nodes} --nproc-per-node {gpus} -m tierflow run {plan_source} ...")
+    if plan_ranks == 1:
+        raise LaunchError(f"launched as {have} ranks, but plan {plan_source} is for one GPU (run it without torchrun, "
+                          "or plan again with --gpus/--nodes)")
+    raise LaunchError(f"plan {plan_source} is for {plan_ranks} ranks ({gpus} GPU(s) x {nodes} box(es)), but this run "
+                      f"has {have}: launch it with {how}")
+
+
+def rank_device(device: str, world_ranks: int) -> str:
+    """The --device of this rank: cuda:LOCAL_RANK for cuda; an explicit cuda:N is refused with several ranks."""
+    if world_ranks == 1:
+        return device
+    local = os.environ.get("LOCAL_RANK", "0")
+    if device == "cuda":
+        return f"cuda:{local}"
+    if device.startswith("cuda:"):
+        raise LaunchError(f"--device {device}: with several ranks each rank computes on cuda:LOCAL_RANK; pass "
+                          "--device cuda")
+    if device == "cpu-adversarial":  # the emulation of a CUDA device: one emulated device index per rank
+        return f"cpu-adversarial:{local}"
+    return device
+
+
+def init_world(plan_ranks: int, device: torch.device) -> DistWorld:
+    """The world of this process: SINGLE for a 1-rank plan, else the default process group (NCCL on CUDA,
+    gloo on CPU) for the plan's collectives and a gloo group for the rest. Made once per process (a test may run
+    several plans in one process group)."""
+    global _WORLD
+    if plan_ranks == 1:
+        return SINGLE
+    if _WORLD is not None:
+        return _WORLD
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        kw: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(minutes=30)}
+        if device.type == "cuda":
+            kw["device_id"] = device
+        dist.init_process_group(**kw)
+    ctrl = dist.new_group(backend="gloo")
+    _WORLD = DistWorld(rank=dist.get_rank(), ranks=dist.get_world_size(),
+                       local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                       local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                       net_group=None, ctrl_group=ctrl, backend=backend)
+    return _WORLD
+
+
+# -- `tierflow run --nproc N`: torchrun, started from here ---------------------------------------------------------
+
+LAUNCH_FLAGS = ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-id")
+
+
+def strip_launch_flags(argv: list[str]) -> list[str]:
+    """argv without the launch flags (and their values), i.e. what every rank runs."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in LAUNCH_FLAGS:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def torchrun_args(nproc: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str, argv: list[str]) -> list[str]:
+    """torch.distributed.run's arguments that start `nproc` ranks here of `nnodes` boxes running `argv`."""
+    if nnodes > 1 and not rdzv_endpoint:
+        raise LaunchError(f"--nnodes {nnodes}: pass --rdzv-endpoint HOST:PORT, the address every box's launcher "
+                          "meets at (e.g. the first box's address and a free port)")
+    if nnodes == 1 and not rdzv_endpoint:
+        where = ["--standalone"]
+    else:
+        where = ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
+    return ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), *where, "--max-restarts", "0",
+            "--module", "tierflow", *argv]
+
+
+def launch(nproc: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str, argv: list[str]) -> int:
+    """Run torch.distributed.run in this process; the exit code is that of the first rank that failed (so that
+    bad input is 2, a diverged run 4, ...), 0 when all succeeded."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    env_threads = "OMP_NUM_THREADS" not in os.environ
+    if env_threads:  # torchrun would set 1 and say so; give each local rank its share of the cores instead
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the failing rank says why
+    args = parse_args(torchrun_args(nproc, nnodes, rdzv_endpoint, rdzv_id, argv))
+    try:
+        run(args)
+    except ChildFailedError as e:
+        failure = e.get_first_failure()[1]
+        code = failure.exitcode
+        return 128 - code if code < 0 else code  # a rank killed by signal S: 128 + S, as a shell reports it
+    except SignalException as e:  # SIGINT / SIGTERM: torchrun passed it on to the ranks, which stop cleanly
+        return 128 + int(e.sigval)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - the launcher's own failure (rendezvous timeout, port in use, ...)
+        print(f"tierflow run: the torchrun launch failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}",
+              file=sys.stderr)
+        return 1
+    return 0

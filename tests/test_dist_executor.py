@@ -1,0 +1,222 @@
+"""The executor on torch.distributed (issue 19): 2 ranks with gloo on the CPU reproduce the losses and final fp32
+weights of 1 rank training the whole batch (relative error <= 1e-5) for tiny-gpt on every family (optimizer states
+on SSD in one case, the GPU optimizer in another; two also on the adversarial CUDA emulation); sharded checkpoints
+resume; a missing shard and a wrong world size are one line and exit 2; a run of 2 "boxes" meets through
+torchrun's c10d rendezvous on 127.0.0.1.
+
+The 2-rank cases run in ONE torchrun launch (tests/dist_worker.py, a process group reused case after case), so
+the whole file costs three launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_worker import HYPER, make_plan
+
+from tierflow.executor.models import build_blocks
+from tierflow.executor.run import RunOptions, run_plan
+from tierflow.planner.core.models import get_model
+from tierflow.planner.io.cli import main
+from tierflow.planner.io.planfile import write_plan
+
+HERE = Path(__file__).parent
+CASES = {  # name: (family, placement, steps, device)
+    "vertical-states_ssd": ("vertical", "states_ssd", 4, "cpu"),
+    "horizontal-weights_cpu": ("horizontal", "weights_cpu", 3, "cpu"),
+    "block-device": ("block", "device", 3, "cpu"),  # GPU optimizer: adam_gpu on the reduce-scattered shard
+    "fuyou-mix": ("fuyou", "mix", 3, "cpu"),  # every tier, swapped layers, gradients on SSD
+    # the CUDA logic (the net stream, its events and record_stream) on the adversarial emulation of a CUDA device
+    # (executor/device_emulated.py), which turns a missing wait or record_stream into an error or a wrong number
+    "block-device-emulated": ("block", "device", 3, "cpu-adversarial"),
+    "fuyou-mix-emulated": ("fuyou", "mix", 3, "cpu-adversarial"),
+}
+# bf16 compute on the emulation: the reduce-scattered fp32 shard is cast to bf16 on the net stream before
+# offload_grads copies it (one rank rounds its gradient buffers at other points: compared at bf16's precision)
+BF16_CASE = ("fuyou", "mix", 3, "cpu-adversarial")
+CK_FAMILY, CK_PLACEMENT = "vertical", "states_ssd"  # the checkpoint cases continue "vertical-states_ssd"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], capture_output=True, text=True,
+                          timeout=timeout, env=_env())
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Every 2-rank case, run by one torchrun launch: {case name: rank 0's saved result}."""
+    tmp = tmp_path_factory.mktemp("dist")
+    ssd, ck, out = tmp / "ssd", tmp / "ck", tmp / "out"
+    out.mkdir()
+    cases = [{"name": n, "family": f, "placement": p, "steps": s, "device": d, "ssd_dir": str(ssd)}
+             for n, (f, p, s, d) in CASES.items()]
+    f, p, s, d = BF16_CASE
+    cases.append({"name": "bf16", "family": f, "placement": p, "steps": s, "device": d, "ssd_dir": str(ssd),
+                  "compute_dtype": "bf16"})
+    ck_case = {"family": CK_FAMILY, "placement": CK_PLACEMENT, "ssd_dir": str(ssd), "checkpoint_dir": str(ck),
+               "checkpoint_every": 2}
+    cases += [
+        {**ck_case, "name": "ck-first", "steps": 2},  # writes step 2
+        {**ck_case, "name": "ck-resumed", "steps": 4},  # resumes at 2, writes step 4
+        {**ck_case, "name": "ck-shard-missing", "steps": 6, "remove_shard": 1},  # step 4 lacks rank 1's shard
+        {**ck_case, "name": "ck-fallback", "steps": 4, "resume_fallback": True},  # back to step 2, step 4 again
+    ]
+    spec = tmp / "cases.json"
+    spec.write_text(json.dumps(cases))
+    p = _torchrun("--standalone", "--nproc-per-node", "2", str(HERE / "dist_worker.py"), str(spec), str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return {f.stem: torch.load(f) for f in out.glob("*.pt")} | {"_ck": ck}
+
+
+def one_rank(family: str, placement: str, steps: int, tmp_path: Path):
+    ssd = tmp_path / "ssd1"
+    ssd.mkdir(exist_ok=True)
+    plan = make_plan("tiny-gpt", family, placement, gpus=1)
+    return run_plan(plan, RunOptions(steps=steps, ssd_dir=str(ssd), quiet=True, collect_final=True, hyper=HYPER))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_two_ranks_in_bf16_train_like_one_rank(two_ranks, tmp_path):
+    family, placement, steps, device = BF16_CASE
+    got = two_ranks["bf16"]
+    ssd = tmp_path / "ssd1"
+    ssd.mkdir()
+    want = run_plan(make_plan("tiny-gpt", family, placement, gpus=1),
+                    RunOptions(steps=steps, ssd_dir=str(ssd), quiet=True, collect_final=True, hyper=HYPER,
+                               device=device, compute_dtype="bf16"))
+    assert got["losses"][0] == want.losses[0]  # the same bf16 weights and data: the same first loss
+    for a, b in zip(got["losses"], want.losses):
+        assert abs(a - b) <= 1e-4 * abs(b)  # measured 2.2e-5
+    for b, (a, w) in enumerate(zip(got["final"], want.final_master)):
+        assert rel_err(a, w) <= 1e-2, f"block {b}"  # measured 1.3e-3
+    for b, a in enumerate(got["adam_m"]):  # a gradient of the wrong scale would be off by ~1
+        assert rel_err(a, want.final_adam_m[b]) <= 5e-2, f"adam_m of block {b}"  # measured 1.1e-2
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_ranks_reproduce_one_rank(name, two_ranks, tmp_path):
+    family, placement, steps, _device = CASES[name]
+    got = two_ranks[name]
+    # the 2-rank plan really shards: collectives on the net resource, adam on the shard
+    assert {"all_gather_weights", "reduce_scatter_grads"} <= set(got["kinds"])
+    if placement == "states_ssd":
+        assert {"read_opt_states", "write_opt_states"} <= set(got["kinds"]) and got["ssd_bytes"] > 0
+    if placement == "device":
+        assert "adam_gpu" in got["kinds"]
+    want = one_rank(family, placement, steps, tmp_path)
+    assert "all_gather_weights" not in {t.kind for t in want.plan.graph.tasks}
+    assert len(got["losses"]) == len(want.losses) == steps
+    for a, b in zip(got["losses"], want.losses):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    assert len(got["final"]) == len(want.final_master)
+    for b, (a, w) in enumerate(zip(got["final"], want.final_master)):
+        assert a.shape == w.shape and rel_err(a, w) <= 1e-5, f"block {b}"
+    # Adam's first moment too: AdamW's step hardly depends on the gradient's scale, m does (a gradient of the
+    # wrong scale, e.g. not divided by the ranks, changes the weights by ~1e-5 only)
+    for b, a in enumerate(got["adam_m"]):
+        assert rel_err(a, want.final_adam_m[b]) <= 1e-5, f"adam_m of block {b}"
+    # training moved the weights (not a comparison of two initial states)
+    torch.manual_seed(0)
+    init = torch.cat([p.detach().reshape(-1) for p in build_blocks(get_model("tiny-gpt"))[1].parameters()])
+    assert rel_err(got["final"][1], init) > 1e-4
+
+
+def test_sharded_checkpoints_resume_like_an_uninterrupted_run(two_ranks):
+    straight = two_ranks["vertical-states_ssd"]["losses"]
+    first, resumed = two_ranks["ck-first"], two_ranks["ck-resumed"]
+    assert first["losses"] == straight[:2]
+    assert resumed["first_step"] == 2 and resumed["losses"] == straight[2:4]  # bit-identical on the CPU
+    for a, b in zip(resumed["final"], two_ranks["vertical-states_ssd"]["final"]):
+        assert torch.equal(a, b)
+    # a shard missing: one line naming the rank and the way on (exit 2 from the command, see below)
+    err = two_ranks["ck-shard-missing"]
+    assert err["type"] == "CheckpointError" and "\n" not in err["error"]
+    assert "rank 1's shard" in err["error"] and "--resume-fallback" in err["error"]
+    # with --resume-fallback the ranks agreed on step 2 and trained steps 3 and 4 again, identically
+    fb = two_ranks["ck-fallback"]
+    assert fb["first_step"] == 2 and fb["losses"] == straight[2:4]
+    ck = two_ranks["_ck"]
+    assert (ck / "latest").read_text().strip() == "step00000004"
+    assert (ck / "corrupt-step00000004").is_dir() and not (ck / "corrupt-step00000004" / "rank-1").exists()
+    top = json.loads((ck / "step00000004" / "manifest.json").read_text())
+    assert top["version"] == 3 and top["world"] == {"ranks": 2} and set(top["shards"]) == {"rank-0", "rank-1"}
+    for r in (0, 1):
+        shard = json.loads((ck / "step00000004" / f"rank-{r}" / "manifest.json").read_text())
+        assert shard["rank"] == r and len(shard["files"]) == len(top["numel"])
+        n0 = top["numel"][1]
+        assert shard["shards"][1] == [r * ((n0 + 1) // 2), min(n0, (r + 1) * ((n0 + 1) // 2))]
+    assert not list(ck.glob(".tmp-*"))
+
+
+def test_missing_shard_from_the_command_is_one_line_and_exit_2(two_ranks, tmp_path):
+    """`tierflow run --nproc 2` (torchrun started by tierflow) on a checkpoint that lacks rank 0's shard."""
+    ck = tmp_path / "ck"
+    shutil.copytree(two_ranks["_ck"], ck)
+    shutil.rmtree(ck / "step00000004" / "rank-0")
+    plan = tmp_path / "plan.json"
+    write_plan(make_plan("tiny-gpt", CK_FAMILY, CK_PLACEMENT, gpus=2), plan)
+    (tmp_path / "ssd").mkdir()
+    p = subprocess.run([sys.executable, "-m", "tierflow", "run", str(plan), "--nproc", "2", "--device", "cpu",
+                        "--steps", "6", "--ssd-dir", str(tmp_path / "ssd"), "--checkpoint-dir", str(ck)],
+                       capture_output=True, text=True, timeout=240, env=_env())
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [x for x in p.stderr.splitlines() if x.startswith("tierflow run")]
+    assert len(lines) == 1, p.stderr[-2000:]
+    assert "rank 0's shard (rank-0/manifest.json) is missing" in lines[0] and "step00000002" in lines[0]
+    assert "Traceback" not in p.stderr
+
+
+def test_world_size_mismatch_is_one_line_and_exit_2(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    write_plan(make_plan("tiny-gpt", "vertical", "weights_cpu", gpus=2), plan)
+    assert main(["run", str(plan), "--device", "cpu", "--steps", "1"]) == 2  # not launched as 2 ranks
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is for 2 ranks" in err[0] and "--nproc 2" in err[0] and "torchrun" in err[0]
+    assert main(["run", str(plan), "--device", "cpu", "--nproc", "3"]) == 2  # refused before torchrun starts
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--nproc 3 x --nnodes 1 = 3 ranks" in err[0] and "--nproc 2" in err[0]
+    one = tmp_path / "one.json"
+    write_plan(make_plan("tiny-gpt", "vertical", "weights_cpu", gpus=1), one)
+    assert main(["run", str(one), "--device", "cpu", "--nproc", "2"]) == 2
+    assert "is for 1 (1 GPU(s) x 1 box(es))" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_boxes_on_the_loopback_address(tmp_path):
+    """Two launchers (`tierflow run --nproc 1 --nnodes 2`, i.e. torchrun with the c10d rendezvous) on 127.0.0.1,
+    one rank each, train the plan for 1 GPU x 2 boxes as 1 rank trains the whole batch."""
+    plan = tmp_path / "plan.json"
+    write_plan(make_plan("tiny-gpt", "vertical", "weights_cpu", gpus=1, nodes=2), plan)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-m", "tierflow", "run", str(plan), "--device", "cpu", "--steps", "3", "--json",
+           "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", f"test-{os.getpid()}"]
+    boxes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                              cwd=tmp_path) for _ in range(2)]
+    outs = [b.communicate(timeout=240) for b in boxes]
+    assert [b.returncode for b in boxes] == [0, 0], [e[-2000:] for _o, e in outs]
+    reports = [json.loads(o) for o, _e in outs if o.strip()]
+    assert len(reports) == 1  # rank 0 reports, on whichever box the rendezvous made it
+    got = [s["loss"] for s in reports[0]["steps"]]
+    want = one_rank("vertical", "weights_cpu", 3, tmp_path).losses
+    assert max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-5
