@@ -221,14 +221,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_worker(job: dict, work: Path, timeout_s: float = 600) -> dict:
-    """Run one measurement in a fresh Python process; its result dict (or {"error": one line})."""
+def run_worker(job: dict, work: Path, timeout_s: float = 600, script: Path | None = None) -> dict:
+    """Run one measurement in a fresh Python process (`script --worker JOB`, this file by default); its result
+    dict (or {"error": one line})."""
     path = work / f"job-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(job))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1", "OMP_NUM_THREADS": str(job["threads"])}
     # its own session, so that a timeout also ends what it started (DeepSpeed's JIT builds run ninja)
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(path)], env=env,
+    proc = subprocess.Popen([sys.executable, str(script or Path(__file__).resolve()), "--worker", str(path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
@@ -307,10 +308,11 @@ def ds_budget(hw, spec: ModelSpec, budget_bytes: float):
     """The planner's box with DeepSpeed's memory: device + host (above the host's reserve) hold `budget_bytes`
     (DeepSpeed's measured peak RSS less a bare process's). The host gets what DeepSpeed keeps there by design
     (fp32 parameters and gradients, 8 B/param, and 50 MiB of buffers), the device the rest; the optimizer states
-    fit only on the SSD tier (12 B/param more than the host holds)."""
+    fit only on the SSD tier (12 B/param more than the host holds). Both reserves come on top, as in `capped`."""
     P = spec.total_params()
     host_bytes = 8 * P + 50 * 2**20
-    dev = hw.with_overrides({"gpu.memory_gib": max(0.02, round((budget_bytes - host_bytes) / 2**30, 3))})
+    dev_gib = hw.gpu.reserved_gib + max(0.02, (budget_bytes - host_bytes) / 2**30)
+    dev = hw.with_overrides({"gpu.memory_gib": round(dev_gib, 3)})
     return dev.with_overrides({"cpu.memory_gib": round(hw.cpu.reserved_gib + host_bytes / 2**30, 3)})
 
 
