@@ -492,7 +492,7 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> Path:
                 hatch="//" if v.startswith("ds-") else None)
     ax1.set_xticks(range(len(points)), [p.replace(" b", "\nb") for p in points], fontsize=7)
     ax1.set_ylabel("tokens/s (median, bars: spread)")
-    ax1.set_title("DeepSpeed ZeRO-Infinity vs tierflow, everything on the SSD")
+    ax1.set_title("DeepSpeed ZeRO-Infinity vs tierflow, optimizer states on the SSD")
     ax1.legend(fontsize=6, ncol=2)
     ax2.plot([s["ds_ssd_share"] for s in summary], [s["speedup"] for s in summary], "o")
     for s in summary:
