@@ -49,6 +49,10 @@ ON_DEVICE = Split(gpu=1.0, cpu=0.0, ssd=0.0)
 ALL_ON_SSD = Placement(weights=ON_SSD, master=ON_SSD, adam_m=ON_SSD, adam_v=ON_SSD, grads=ON_SSD,
                        checkpoints=ON_DEVICE)
 OPT_ON_SSD = replace(ALL_ON_SSD, weights=ON_DEVICE)  # DeepSpeed's optimizer-only NVMe offload
+ON_HOST = Split(gpu=0.0, cpu=1.0, ssd=0.0)
+# like-for-like with DeepSpeed's NVMe offload as it runs: its parameters stay in host memory (max_in_cpu) and
+# its fp32 gradients are accumulated there; only the fp32 master and Adam m, v live on the SSD
+HOST_WEIGHTS = replace(ALL_ON_SSD, weights=ON_HOST, grads=ON_HOST)
 HYPER = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}  # executor.context.Hyper
 
 
@@ -113,7 +117,7 @@ def ds_config(p: Point, nvme_dir: str, variant: str) -> dict:
 
 
 DS_VARIANTS = ("ds-default", "ds-tuned", "ds-opt-nvme")
-TF_VARIANTS = ("tf-horizontal", "tf-vertical", "tf-plan")
+TF_VARIANTS = ("tf-horizontal", "tf-vertical", "tf-hostweights", "tf-plan")
 
 
 # ---- workers (one subprocess per measurement) -------------------------------------------------------------------
@@ -136,6 +140,17 @@ def _peak_rss_bytes() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def bare_worker(_job: dict) -> dict:
+    """The peak resident memory of a process that has only imported torch, DeepSpeed and tierflow's executor:
+    what every measured process holds before it allocates a single tensor of the model."""
+    import deepspeed  # noqa: F401
+    import torch  # noqa: F401
+
+    import tierflow.executor.run  # noqa: F401
+
+    return {"peak_rss_bytes": _peak_rss_bytes()}
 
 
 def ds_worker(job: dict) -> dict:
@@ -206,14 +221,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_worker(job: dict, work: Path, timeout_s: float = 600) -> dict:
-    """Run one measurement in a fresh Python process; its result dict (or {"error": one line})."""
+def run_worker(job: dict, work: Path, timeout_s: float = 600, script: Path | None = None) -> dict:
+    """Run one measurement in a fresh Python process (`script --worker JOB`, this file by default); its result
+    dict (or {"error": one line})."""
     path = work / f"job-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(job))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1", "OMP_NUM_THREADS": str(job["threads"])}
     # its own session, so that a timeout also ends what it started (DeepSpeed's JIT builds run ninja)
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(path)], env=env,
+    proc = subprocess.Popen([sys.executable, str(script or Path(__file__).resolve()), "--worker", str(path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
@@ -240,7 +256,7 @@ def build_ops() -> dict:
 
 def worker_main(path: str) -> None:
     job = json.loads(Path(path).read_text())
-    res = {"ds": ds_worker, "tf": tf_worker, "build": lambda _job: build_ops()}[job["kind"]](job)
+    res = {"ds": ds_worker, "tf": tf_worker, "bare": bare_worker, "build": lambda _job: build_ops()}[job["kind"]](job)
     print(RESULT_TAG + json.dumps(res), flush=True)
 
 
@@ -288,10 +304,25 @@ def capped(hw, spec: ModelSpec):
     return dev.with_overrides({"cpu.memory_gib": round(hw.cpu.reserved_gib + 8 * P / 2**30 + 0.05, 3)})
 
 
-def tf_plans(p: Point, hw, hw_capped, work: Path) -> dict[str, tuple[Path, float, str]]:
+def ds_budget(hw, spec: ModelSpec, budget_bytes: float):
+    """The planner's box with DeepSpeed's memory: device + host (above the host's reserve) hold `budget_bytes`
+    (DeepSpeed's measured peak RSS less a bare process's). The host gets what DeepSpeed keeps there by design
+    (fp32 parameters and gradients, 8 B/param, and 50 MiB of buffers), the device the rest; the optimizer states
+    fit only on the SSD tier (12 B/param more than the host holds). Both reserves come on top, as in `capped`."""
+    P = spec.total_params()
+    host_bytes = 8 * P + 50 * 2**20
+    dev_gib = hw.gpu.reserved_gib + max(0.02, (budget_bytes - host_bytes) / 2**30)
+    dev = hw.with_overrides({"gpu.memory_gib": round(dev_gib, 3)})
+    return dev.with_overrides({"cpu.memory_gib": round(hw.cpu.reserved_gib + host_bytes / 2**30, 3)})
+
+
+def tf_plans(p: Point, hw, hw_capped, work: Path,
+             variants: tuple[str, ...] = TF_VARIANTS) -> dict[str, tuple[Path, float, str]]:
     """tierflow's plans for a point: {variant: (plan file, predicted step s, decisions)}. The fixed schedules
-    (everything on the SSD, no recompute: all activations stay on the device) on the calibrated box; the
-    planner's plan on the capped box, where only the SSD tier holds the optimizer states."""
+    (no recompute: all activations stay on the device) on the calibrated box: everything on the SSD
+    (horizontal, vertical), or like-for-like with DeepSpeed (hostweights: weights and gradients in host memory,
+    the optimizer states on the SSD; the faster predicted of horizontal and vertical); the planner's plan on the
+    capped box, where only the SSD tier holds the optimizer states."""
     from tierflow.planner.core.schedules import build_graph, make_schedule
     from tierflow.planner.core.simulate import simulate_config
     from tierflow.planner.io.planfile import plan_from_graph, write_plan
@@ -300,7 +331,7 @@ def tf_plans(p: Point, hw, hw_capped, work: Path) -> dict[str, tuple[Path, float
 
     spec = p.spec()
     out = {}
-    for variant in TF_VARIANTS:
+    for variant in variants:
         if variant == "tf-plan":
             try:
                 sr = plan_search(Problem(spec, hw_capped, p.batch, p.seq), time_limit_s=20)
@@ -308,6 +339,11 @@ def tf_plans(p: Point, hw, hw_capped, work: Path) -> dict[str, tuple[Path, float
                 print(f"race_deepspeed: {p.name}: no tierflow plan: {e}", file=sys.stderr)
                 continue
             cfg, pred = sr.best.config, sr.best.result
+        elif variant == "tf-hostweights":
+            tried = [make_schedule(sched, spec, hw, batch=p.batch, micro_batch=p.batch, seq=p.seq,
+                                   placement=HOST_WEIGHTS, recompute=False, iterations=3, runtime="ideal")
+                     for sched in ("horizontal", "vertical")]
+            cfg, pred = min(((c, simulate_config(spec, hw, c)) for c in tried), key=lambda cp: cp[1].iteration_s)
         else:
             cfg = make_schedule(variant.removeprefix("tf-"), spec, hw, batch=p.batch, micro_batch=p.batch,
                                 seq=p.seq, placement=ALL_ON_SSD, recompute=False, iterations=3, runtime="ideal")
@@ -342,14 +378,29 @@ def _median(xs: list[float]) -> float:
 
 
 def race_point(p: Point, hw, reps: int, steps: int, warmup: int, ssd_dir: Path, work: Path,
-               variants: tuple[str, ...], prog: Progress) -> list[dict]:
+               variants: tuple[str, ...], prog: Progress, bare_rss_bytes: float = 0.0) -> list[dict]:
+    """Every variant of one point, `reps` times, alternating. tf-plan is planned after DeepSpeed's first runs:
+    its box gets DeepSpeed's memory (the smallest peak RSS of its variants less a bare process's, ds_budget);
+    without a DeepSpeed run, closed_loop.py's caps (capped)."""
     spec = p.spec()
-    hw_p = capped(hw, spec)
-    plans = tf_plans(p, hw, hw_p, work) if any(v.startswith("tf-") for v in variants) else {}
+    fixed = tuple(v for v in variants if v.startswith("tf-") and v != "tf-plan")
+    plans = tf_plans(p, hw, None, work, fixed) if fixed else {}
+    budget: dict[str, float] = {}
     nvme = ssd_dir / "deepspeed"
     runs: dict[str, list[dict]] = {v: [] for v in variants}
+    ordered = (*[v for v in variants if v.startswith("ds-")], *[v for v in variants if not v.startswith("ds-")])
     for rep in range(reps):
-        for v in (variants if rep % 2 == 0 else variants[::-1]):  # alternate the order between repetitions
+        # alternate the order between repetitions; the first has DeepSpeed first (tf-plan needs its memory)
+        for v in (ordered if rep % 2 == 0 else ordered[::-1]):
+            if v == "tf-plan" and v not in plans:
+                ds_rss = [r["peak_rss_bytes"] for d in variants if d.startswith("ds-") for r in runs[d]
+                          if "error" not in r]
+                if ds_rss:
+                    budget["bytes"] = min(ds_rss) - bare_rss_bytes
+                    hw_p = ds_budget(hw, spec, budget["bytes"])
+                else:
+                    hw_p = capped(hw, spec)
+                plans.update(tf_plans(p, hw, hw_p, work, ("tf-plan",)))
             prog.step(f"{p.name} {v} rep {rep + 1}")
             job = {"point": asdict(p), "threads": THREADS, "steps": steps, "warmup": warmup}
             if v.startswith("ds-"):
@@ -371,6 +422,8 @@ def race_point(p: Point, hw, reps: int, steps: int, warmup: int, ssd_dir: Path, 
             pred_s, decisions = predict_ds(p, hw, ds_config(p, "/nvme", v), v)
         elif v in plans:
             _, pred_s, decisions = plans[v]
+            if v == "tf-plan" and budget:
+                decisions += f"; planned with DeepSpeed's memory ({budget['bytes'] / 1e9:.2f} GB above a bare process)"
         else:
             continue
         per_rep = [_median(r["step_s"]) for r in ok]
@@ -439,7 +492,7 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> Path:
                 hatch="//" if v.startswith("ds-") else None)
     ax1.set_xticks(range(len(points)), [p.replace(" b", "\nb") for p in points], fontsize=7)
     ax1.set_ylabel("tokens/s (median, bars: spread)")
-    ax1.set_title("DeepSpeed ZeRO-Infinity vs tierflow, everything on the SSD")
+    ax1.set_title("DeepSpeed ZeRO-Infinity vs tierflow, optimizer states on the SSD")
     ax1.legend(fontsize=6, ncol=2)
     ax2.plot([s["ds_ssd_share"] for s in summary], [s["speedup"] for s in summary], "o")
     for s in summary:
@@ -498,10 +551,12 @@ def run(quick: bool, out_dir: Path, reps: int | None = None, steps: int | None =
             print(f"race_deepspeed: skipped: DeepSpeed's async_io / cpu_adam ops do not build ({built['error']})")
             return []
         hw = calibrate_box(ssd_dir, quick, out_dir)
+        bare = run_worker({"kind": "bare", "threads": THREADS}, work)
         prog = Progress(len(points) * reps * len(variants), "race")
         rows = []
         for p in points:
-            rows += race_point(p, hw, reps, steps, 1, ssd_dir, work, variants, prog)
+            rows += race_point(p, hw, reps, steps, 1, ssd_dir, work, variants, prog,
+                               bare_rss_bytes=bare.get("peak_rss_bytes", 0.0))
         prog.finish(f"done in {time.perf_counter() - t0:.0f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -83,3 +83,60 @@ def test_quick_race_runs_both_on_the_same_point(tmp_path):
     md = (tmp_path / "race.md").read_text()
     assert "deepspeed 0.19.8" in md and "| ds-default |" in md
     assert any("tierflow / DeepSpeed tokens/s" in h["metric"] for h in heads)
+
+
+def test_hostweights_keeps_weights_and_grads_in_host_memory_and_only_the_optimizer_on_the_ssd(tmp_path):
+    """tf-hostweights is DeepSpeed's NVMe offload as it runs (parameters in host memory under max_in_cpu,
+    fp32 gradients there, master and Adam states on NVMe): its plan reads from the SSD only the optimizer states,
+    less than the all-on-SSD plans."""
+    from tierflow.hwprofiles import load_profile
+    from tierflow.planner.io.planfile import load_plan
+
+    hw = load_profile("rtx4090-lohan")
+    p = race_deepspeed.QUICK_POINT
+    plans = race_deepspeed.tf_plans(p, hw, None, tmp_path, ("tf-horizontal", "tf-hostweights"))
+    assert set(plans) == {"tf-horizontal", "tf-hostweights"}
+    host = load_plan(plans["tf-hostweights"][0])
+    pl = host.config.placement
+    assert pl.weights.cpu == pl.grads.cpu == 1.0
+    assert pl.master.ssd == pl.adam_m.ssd == pl.adam_v.ssd == 1.0
+    all_ssd = load_plan(plans["tf-horizontal"][0])
+
+    def ssd_read_bytes(plan):
+        return sum(t.work for t in plan.graph.tasks if t.resource == "ssd_read" and t.iteration == 1)
+
+    assert 0 < ssd_read_bytes(host) < ssd_read_bytes(all_ssd)
+
+
+def test_the_planner_gets_deepspeeds_memory_split_over_device_and_host():
+    """ds_budget: device + host (above its reserve) hold what DeepSpeed's process held; the host what
+    DeepSpeed keeps there (8 B/param and buffers), not the optimizer states."""
+    from tierflow.hwprofiles import load_profile
+
+    hw = load_profile("rtx4090-lohan")
+    spec = race_deepspeed.SWEEP[1].spec()
+    box = race_deepspeed.ds_budget(hw, spec, 1.5e9)
+    host = (box.cpu.memory_gib - hw.cpu.reserved_gib) * 2**30
+    assert abs((box.gpu.memory_gib - hw.gpu.reserved_gib) * 2**30 + host - 1.5e9) < 2e6
+    assert 8 * spec.total_params() <= host < 12 * spec.total_params()
+
+
+def test_trace_profile_walks_a_critical_path_that_covers_the_step():
+    """race_profile.trace_profile on a simulated run: busy per resource is at most the step, and the critical
+    path's time per resource plus its gaps add up to the step."""
+    import race_profile
+
+    from tierflow.hwprofiles import load_profile
+    from tierflow.planner.core.schedules import make_schedule
+    from tierflow.planner.core.simulate import simulate_config
+
+    hw = load_profile("rtx4090-lohan")
+    p = race_deepspeed.QUICK_POINT
+    cfg = make_schedule("horizontal", p.spec(), hw, batch=p.batch, micro_batch=p.batch, seq=p.seq,
+                        placement=race_deepspeed.ALL_ON_SSD, recompute=False, iterations=3)
+    prof = race_profile.trace_profile(simulate_config(p.spec(), hw, cfg))
+    w = prof["window_s"]
+    assert w > 0
+    assert all(0 <= b <= w * (1 + 1e-9) for b in prof["busy_s"].values())
+    assert prof["busy_s"]["ssd_read"] > 0 and prof["critical_s"]["gpu"] > 0
+    assert abs(sum(prof["critical_s"].values()) + prof["critical_gap_s"] - w) < 1e-6 * max(1.0, w)
