@@ -247,12 +247,14 @@ def make_headlines(rows: list[dict]) -> list[dict]:
             note=(
                 f"seq {SEQ} assumed (the 175B sequence length is not in REFERENCE.md); our micro-batch "
                 f"{f175['micro_batch']} (best of {f175['micro_batches_tried']}{_no_fit(rows, M175)}); "
-                f"binds: {f175.get('binding')}. The drives' write rate is fitted to LoHan's 13B batch-48 SSD "
-                "sweep, the array's 60 GB/s read ceiling and the CPU Adam rate are assumptions. Missing mechanism: "
-                "LoHan issues its NVMe reads and its optimizer's swap-in/swap-out waits from the training thread, "
-                "inside autograd hooks (docs/baselines-as-coded.md B2, B3), so they serialise with the GPU where "
-                "it does not bind; our fuyou schedule runs every transfer as early as its dependencies allow. "
-                "LoHan's held-out batch sweep shows the same gap (experiments/fidelity.py: 13B batch 8 and 16)"
+                f"binds: {f175.get('binding')}. Fuyou runs as LoHan's code runs it (runtime lohan: its training "
+                "thread waits for each optimizer read and write and fetches backward weights without prefetch, "
+                "docs/baselines-as-coded.md B2, B3, D); the drives' write rate and the array's host path are "
+                "fitted to LoHan's 13B batch-48 SSD sweep; the CPU Adam rate is an assumption. Still missing: a "
+                "per-iteration cost that shrinks with neither the batch nor the SSD count (LoHan's held-out 13B "
+                "runs at 12 SSDs take about 20 s at batch 8 and at 16, ours 13-14 s; experiments/fidelity.py); "
+                "unmeasured candidates: CPU Adam in LoHan's child process, GPU-memory pressure while its thread "
+                "runs ahead"
             )
             if f175["fits"]
             else "does not fit in our simulator",

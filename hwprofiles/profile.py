@@ -164,6 +164,11 @@ class SsdSpec:
     # fixed software cost per SSD op either way (opening the file, allocating aligned buffers, submitting the
     # requests, closing), before its bytes move at the array's rate. None: not modelled (0)
     latency_us: float | None = None
+    # the host's serial path every SSD byte crosses, in series with the drives (the software RAID0 layer, the
+    # filesystem, the I/O threads that submit and reap requests, the copies out of the DMA buffers): a byte
+    # takes 1/(count x per-drive rate) + 1/host_path_gbps, so drives added shorten only the first term.
+    # None: not modelled (the array scales linearly up to its ceiling)
+    host_path_gbps: float | None = None
 
     @property
     def latency_s(self) -> float:
@@ -182,18 +187,23 @@ class SsdSpec:
 
     @property
     def total_read_gbps(self) -> float:
-        return _array_rate(self.count, self.read_gbps, self.array_read_gbps)
+        return _array_rate(self.count, self.read_gbps, self.array_read_gbps, self.host_path_gbps)
 
     @property
     def total_write_gbps(self) -> float:
-        return _array_rate(self.count, self.write_gbps, self.array_write_gbps)
+        return _array_rate(self.count, self.write_gbps, self.array_write_gbps, self.host_path_gbps)
 
 
-def _array_rate(count: int, per_drive_gbps: float, ceiling_gbps: float | None) -> float:
+def _array_rate(count: int, per_drive_gbps: float, ceiling_gbps: float | None,
+                host_path_gbps: float | None = None) -> float:
+    """The whole array's rate one way: the drives in parallel, in series with the host's path, up to the
+    host-side ceiling."""
     if count == 0:
         return 0.0
-    linear = count * per_drive_gbps
-    return linear if ceiling_gbps is None else min(linear, ceiling_gbps)
+    rate = count * per_drive_gbps
+    if host_path_gbps is not None:
+        rate = 1.0 / (1.0 / rate + 1.0 / host_path_gbps)
+    return rate if ceiling_gbps is None else min(rate, ceiling_gbps)
 
 
 @dataclass(frozen=True)
@@ -421,6 +431,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "rw_sharing": _Rule("choice", choices=RW_SHARING_CHOICES, default="shared"),
         "mixed_efficiency": _optional(0.5, True, 1.0, "of the solo rate", 0.5),
         "latency_us": _optional(0, True, 1e6, "microseconds per SSD op", 1e-3),
+        "host_path_gbps": _optional(0, False, 2000, "GB/s", 1e-3),
     },
     "topology": {
         "gpu_count": _Rule("int", 1, True, 1024, "GPUs"),
@@ -442,7 +453,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
     },
 }
 # Keys that may be left out of the ssd section when ssd.count == 0.
-_SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency", "latency_us")
+_SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency", "latency_us", "host_path_gbps")
 _OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op", "copy_slowdown_beside_compute",
                      "ssd_slowdown_beside_compute"),
              "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps"),

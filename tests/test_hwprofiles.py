@@ -98,7 +98,7 @@ def test_every_number_in_a_bundled_file_has_a_source_comment(name):
         if value is None or isinstance(value, (int, float))
     ]
     # every numeric key of the schema, including the nullable ones (+5 with a topology, +2 with a network)
-    assert len(numeric) == 39 + 5 * (profile.topology is not None) + 2 * (profile.network is not None)
+    assert len(numeric) == 40 + 5 * (profile.topology is not None) + 2 * (profile.network is not None)
     missing = [f"{sec}.{key}" for sec, key in numeric if (sec, key) not in commented]
     assert not missing, f"{name}: numbers without a source comment: {missing}"
 
@@ -115,8 +115,13 @@ def test_lohan_profile_has_the_paper_box_numbers():
     assert p.ssd.count == 12
     assert p.ssd.read_gbps == 6.5  # the spec: the fit leaves it on its upper bound
     assert 1 <= p.ssd.write_gbps < 3.4  # fitted below the 3.4 GB/s spec, within the fit's bounds
-    assert p.ssd.total_read_gbps == 60  # the array ceiling binds: 12 x 6.5 = 78 > 60
-    assert p.ssd.total_write_gbps == pytest.approx(12 * p.ssd.write_gbps)  # the ceiling does not bind
+    # the fitted host path in series with the drives: 1 / (1 / (12 x rate) + 1 / host path), each way
+    h = p.ssd.host_path_gbps
+    assert 5 <= h <= 200
+    assert p.ssd.total_read_gbps == pytest.approx(1 / (1 / (12 * 6.5) + 1 / h))
+    assert p.ssd.total_write_gbps == pytest.approx(1 / (1 / (12 * p.ssd.write_gbps) + 1 / h))
+    one = p.with_overrides({"ssd.count": "1"}).ssd
+    assert one.total_read_gbps == pytest.approx(1 / (1 / 6.5 + 1 / h))  # and with one drive
     assert p.ssd.capacity_bytes == 12 * 3840 * 10**9
     assert p.summary().startswith("RTX 4090 24 GiB (165 TFLOPS), PCIe 4.0 25/25 GB/s, 768 GiB DRAM, 12x D7-P5510")
 
@@ -128,7 +133,7 @@ def test_lohan_profile_fitted_fields_name_their_data_and_reproduce_it():
 
     text = (PACKAGE_DIR / "rtx4090-lohan.yaml").read_text(encoding="utf-8")
     data = "lohan_fuyou_ssd_count_as_coded.csv"
-    for key in ("write_gbps", "mixed_efficiency"):
+    for key in ("write_gbps", "host_path_gbps"):
         line = next(x for x in text.splitlines() if x.strip().startswith(key + ":"))
         assert "fit:" in line and data in line, line
     p = load_profile("rtx4090-lohan")
@@ -276,10 +281,18 @@ def test_array_ceilings_are_optional_and_nullable(tmp_path):
     data = lohan_dict()
     del data["ssd"]["array_read_gbps"]
     data["ssd"]["array_write_gbps"] = None
+    del data["ssd"]["host_path_gbps"]
     p = load_profile(write_yaml(tmp_path, data))
-    assert p.ssd.array_read_gbps is None
-    assert p.ssd.total_read_gbps == pytest.approx(12 * 6.5)
+    assert p.ssd.array_read_gbps is None and p.ssd.host_path_gbps is None
+    assert p.ssd.total_read_gbps == pytest.approx(12 * 6.5)  # linear in the drives
     assert p.ssd.total_write_gbps == pytest.approx(12 * p.ssd.write_gbps)
+    data["ssd"]["array_read_gbps"] = 50.0
+    data["ssd"]["host_path_gbps"] = 100.0
+    p = load_profile(write_yaml(tmp_path, data))
+    assert p.ssd.total_read_gbps == pytest.approx(1 / (1 / 78 + 1 / 100))  # 43.8: the host path in series
+    assert p.ssd.total_write_gbps == pytest.approx(1 / (1 / (12 * p.ssd.write_gbps) + 1 / 100))
+    data["ssd"]["host_path_gbps"] = 1000.0
+    assert load_profile(write_yaml(tmp_path, data)).ssd.total_read_gbps == 50.0  # then the ceiling
 
 
 def test_no_ssd_needs_only_count(tmp_path):
@@ -377,7 +390,7 @@ def test_overrides_change_values_and_name_and_leave_the_original_alone():
     base = load_profile("rtx4090-lohan")
     p = base.with_overrides({"ssd.count": 6, "cpu.memory_gib": 256, "pcie.h2d_gbps": 50})
     assert p.ssd.count == 6 and p.cpu.memory_gib == 256 and p.pcie.h2d_gbps == 50
-    assert p.ssd.total_read_gbps == pytest.approx(6 * 6.5)  # 39 < the 60 GB/s ceiling now
+    assert p.ssd.total_read_gbps == pytest.approx(1 / (1 / (6 * 6.5) + 1 / p.ssd.host_path_gbps))  # fewer drives, same host path
     assert p.name == "rtx4090-lohan[cpu.memory_gib=256,pcie.h2d_gbps=50,ssd.count=6]"
     assert p.source == base.source
     assert base.ssd.count == 12 and base.name == "rtx4090-lohan"
@@ -387,7 +400,8 @@ def test_overrides_change_values_and_name_and_leave_the_original_alone():
 
 def test_overrides_accept_strings_from_a_command_line():
     p = load_profile("rtx4090-lohan").with_overrides(
-        {"ssd.count": "6", "gpu.peak_tflops": "150.5", "ssd.array_read_gbps": "null", "ssd.model": "980 Pro"}
+        {"ssd.count": "6", "gpu.peak_tflops": "150.5", "ssd.array_read_gbps": "null", "ssd.host_path_gbps": "null",
+         "ssd.model": "980 Pro"}
     )
     assert p.ssd.count == 6 and isinstance(p.ssd.count, int)
     assert p.gpu.peak_tflops == 150.5

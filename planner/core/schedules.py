@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock, Offset
 from tierflow.planner.core.costmodel import CostModel
-from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused
+from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused, topological_order
 from tierflow.planner.core.memory import (
     blocks_of,
     host_reserve_bytes,
@@ -44,9 +44,17 @@ from tierflow.planner.core.world import World, rank_capacity_bytes, shard_elems
 FAMILIES = ("horizontal", "vertical", "fuyou", "block")
 # How a schedule's transfers may overlap: "ideal" is tierflow's executor (every transfer runs as early as the
 # plan's dependencies and memory allow); "deepspeed" is ZeRO-Infinity as DeepSpeed's ZeRO-3 code runs it
-# (docs/baselines-as-coded.md): parameters on NVMe are fetched on demand, the optimizer's sub-groups are read,
-# stepped and written back one after the other.
-RUNTIMES = ("ideal", "deepspeed")
+# (docs/baselines-as-coded.md A): parameters on NVMe are fetched on demand, the optimizer's sub-groups are read,
+# stepped and written back one after the other; "lohan" is Fuyou as its artifact's code runs it
+# (docs/baselines-as-coded.md B2, B3): no weight prefetch in the backward, and the optimizer's NVMe reads and
+# writes are waited for on the training thread, between one layer's backward and the next.
+RUNTIMES = ("ideal", "deepspeed", "lohan")
+# the runtime each family runs as unless asked otherwise: the system whose code the family models
+DEFAULT_RUNTIME = {"horizontal": "deepspeed", "fuyou": "lohan", "vertical": "ideal", "block": "ideal"}
+# LoHan: how far behind the I/O it waits for a training-thread op is queued (a key offset, in steps)
+THREAD_KEY_STEP = 0.001
+# the family each non-ideal runtime models
+RUNTIME_FAMILY = {"deepspeed": "horizontal", "lohan": "fuyou"}
 # the group size each family fixes (None: the block schedule's own --group)
 FIXED_GROUP = {"horizontal": "1", "fuyou": "1", "vertical": "all micro-batches", "block": None}
 def family_of(group: int, num_micro_batches: int, optimizer_overlap: bool) -> str:
@@ -186,7 +194,8 @@ def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: 
                   swap_layers: int = 0, act_prefetch: int = 2, iterations: int = 3,
                   runtime: str | None = None, gpus: int = 1, nodes: int = 1) -> ScheduleConfig:
     """A schedule of one family with that family's defaults for everything not given. `horizontal` runs as
-    DeepSpeed runs ZeRO-Infinity unless `runtime="ideal"` asks for the idealised baseline. `gpus` ranks per box
+    DeepSpeed runs ZeRO-Infinity and `fuyou` as LoHan's code runs Fuyou unless `runtime="ideal"` asks for the
+    idealised baseline (DEFAULT_RUNTIME). `gpus` ranks per box
     on `nodes` boxes split the global `batch` among them (tierflow.planner.core.world)."""
     if family not in FAMILIES:
         raise ScheduleError(f"unknown schedule {family!r} (known: {', '.join(FAMILIES)}, all)")
@@ -224,12 +233,13 @@ def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: 
         raise ScheduleError(f"swap_layers {swap_layers} must be within [0, {model.num_layers}]")
     if prefetch_depth < 1:
         raise ScheduleError(f"prefetch depth {prefetch_depth} must be >= 1")
-    runtime = runtime or ("deepspeed" if family == "horizontal" else "ideal")
+    runtime = runtime or DEFAULT_RUNTIME[family]
     if runtime not in RUNTIMES:
         raise ScheduleError(f"unknown runtime {runtime!r} (known: {', '.join(RUNTIMES)})")
-    if runtime == "deepspeed" and family != "horizontal":
-        raise ScheduleError(f"runtime deepspeed models ZeRO-Infinity: it applies to the horizontal schedule, "
-                            f"not {family} (use --runtime ideal)")
+    if runtime in RUNTIME_FAMILY and family != RUNTIME_FAMILY[runtime]:
+        system = {"deepspeed": "ZeRO-Infinity", "lohan": "Fuyou (LoHan)"}[runtime]
+        raise ScheduleError(f"runtime {runtime} models {system}: it applies to the {RUNTIME_FAMILY[runtime]} "
+                            f"schedule, not {family} (use --runtime ideal)")
     cfg = ScheduleConfig(family=family_of(g, M, overlap), batch=batch, micro_batch=micro_batch, seq=seq,
                          placement=placement or Placement(), group=g, alpha=a, optimizer_overlap=overlap,
                          prefetch_depth=prefetch_depth, recompute=recompute, swap_layers=swap_layers,
@@ -317,6 +327,8 @@ class _Builder:
         self.t_fwd = [self.cost.forward_s(x) for x in b]
         self.t_bwd = [self.cost.backward_s(x) for x in b]
         self.step_task: list[int] = []  # global step -> id of its last GPU task
+        self.step_use: list[int] = []  # global step -> index of its weight use
+        self._weight_read: dict[int, Task] = {}  # id(use) -> its SSD read of the weights
         self.step_key: list[float] = []
         self.uses: list[_Use] = []
         self.weights_ready: dict[int, list[int]] = {}  # block -> tasks that produce its updated weights
@@ -397,6 +409,13 @@ class _Builder:
             # starts when the previous module's hook runs, its copy to the GPU when this module's hook does
             # (partitioned_param_coordinator.py:460-463, 667-690; partition_parameters.py:1689-1692)
             d = 0
+        if self.cfg.runtime == "lohan" and w.ssd > 0 and use.phase == "B":
+            # LoHan prefetches weights only in the forward (its loop needs fw_flag, cleared once module inputs
+            # carry a grad_fn): in the recompute and the backward each module reads its weights from NVMe and
+            # waits itself, while the GPU runs what is already queued (RC4ML/LoHan ratel_init.py:720-723,
+            # 738-744, 774, 838-855; docs/baselines-as-coded.md B3). Its forward prefetch (3 half-layer blocks
+            # ahead, ratel_init.py:951-992) is the ideal depth-1 prefetch here
+            d = 0
         ready = list(self.weights_ready.get(b, []))
         if b == self.head and self.model.tied_embeddings:
             ready += self.weights_ready.get(0, [])
@@ -419,6 +438,7 @@ class _Builder:
             read = g.add("read_weights", "ssd_read", to_ssd, tensor="weights", block=b, mb=-1, iteration=it,
                          key=max(first_key(u - d - 1), floor), deps=[last_task(u - d - 2), *ready])
             g.alloc(read, "cpu", to_ssd)
+            self._weight_read[id(use)] = read
         # the device buffer of the full block, less the part of it this rank keeps resident, taken at the fetch
         buffer = off if self.W == 1 else blk.weight_bytes - mine * w.gpu
         h = None
@@ -460,6 +480,8 @@ class _Builder:
                 st.use = len(self.uses) - 1
             self.step_key.extend(self.clock.steps(it))
             self.build_iteration(it, base, seq_steps)
+        if cfg.runtime == "lohan":
+            _renumber(self.g.tasks)
         static = static_bytes(self.model, self.p, cfg.runtime, self.W)
         cap = rank_capacity_bytes(self.hw, cfg.gpus)
         meta = {"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations}
@@ -553,6 +575,7 @@ class _Builder:
                 if b >= 1:
                     self._emit_dx(t, ("dx", b, m), i, seq_steps, direct, stored, it)
             self.step_task.append(last.id)
+            self.step_use.append(st.use)
             if k == use.steps[-1]:
                 use.last_task = last.id
                 if use.gpu_bytes:
@@ -627,6 +650,15 @@ class _Builder:
         order = sorted(range(self.nb), key=lambda b: last_step_of_block[b])
         prev_main = -1
         prev_write = -1  # DeepSpeed: a sub-group's states are read only after the previous one's are written
+        # LoHan steps each sub-group from the gradient hook that sees the backward enter the next one, on the
+        # training thread: it reads the group's fp32 p, m, v from NVMe and waits, hands them to the CPU-Adam
+        # process, then writes back the group stepped before it (fp16 weights and p, m, v) and waits; only then
+        # does the backward go on (RC4ML/LoHan ratel_optimizer.py:530-534, 1047-1089;
+        # nvme_ds/pipelined_optimizer_swapper.py:160-216; docs/baselines-as-coded.md B2). Here a layer block
+        # stands for a sub-group, and the GPU is taken to have nothing left queued while the thread waits.
+        thread_waits = cfg.runtime == "lohan"
+        unwaited_write: Task | None = None  # LoHan: the write-back the thread issues at the next boundary
+        thread_last: Task | None = None  # LoHan: the thread's last wait
         S = len(seq_steps)
         end_key = self.step_key[base + S - 1]
         for rank, b in enumerate(order):
@@ -677,9 +709,14 @@ class _Builder:
                     rs = g.add("read_opt_states", "ssd_read", states_ssd * frac, tensor="opt_states", block=b, mb=-1,
                                iteration=it, key=pkey + Offset.READ_STATES,
                                deps=[prev_main if kind == "adam" else prev_part, *self.states_written.get((b, kind), []),
-                                     prev_write if serial_swap else -1])
+                                     prev_write if serial_swap else -1,
+                                     *(self._lohan_trigger(k_last, thread_last) if thread_waits and kind == "adam"
+                                       else [])])
                     g.alloc(rs, "cpu", states_ssd * frac)
                     deps.append(rs.id)
+                    if thread_waits and kind == "adam":
+                        thread_last = self._lohan_thread(rs, unwaited_write, k_last, base + S)
+                        unwaited_write = None
                 a = g.add(kind, "cpu", self.cost.cpu_adam_s(owned * frac), tensor="opt_states", block=b, mb=-1,
                           iteration=it, key=pkey, deps=deps)
                 ready.append(a.id)
@@ -694,6 +731,8 @@ class _Builder:
                     g.free(wb, "cpu", states_ssd * frac)
                     self.states_written[(b, kind)] = [wb.id]
                     prev_write = wb.id
+                    if thread_waits and kind == "adam":
+                        unwaited_write = wb
                     if w_ssd > 0:
                         ready.append(wb.id)
                 if w_gpu > 0:
@@ -703,6 +742,45 @@ class _Builder:
             if w_gpu > 0:
                 self.resident_update[b] = self.resident_update[b][-len(parts):]
             self.weights_ready[b] = ready
+
+
+    def _lohan_trigger(self, k_last: int, thread_last: Task | None) -> list[int]:
+        """LoHan: the tasks after which its training thread reaches the gradient hook that steps the block whose
+        last backward step is k_last: its previous wait, and the next block's weights fetched (it waits for
+        their copy to the GPU, ratel_init.py:838-855) before it launches that block's backward; the GPU may
+        still be behind."""
+        out = [thread_last.id] if thread_last is not None else []
+        h = self.uses[self.step_use[k_last + 1]].fetch_h2d if k_last + 1 < len(self.step_use) else None
+        return out + [h.id if h is not None else self.step_task[k_last]]
+
+    def _lohan_thread(self, read: Task, write: Task | None, k_last: int, end: int) -> Task:
+        """LoHan's training thread at a sub-group boundary: it reads the block's optimizer states and waits, then
+        writes back the block stepped before it and waits; only then does it go on to the next module's hook,
+        which reads that module's weights from NVMe. The GPU runs ahead on what the thread launched before."""
+        if write is not None:
+            write.deps.append(read.id)  # the write is issued after the read's wait
+            write.key = max(write.key, read.key + THREAD_KEY_STEP)
+        last = write if write is not None else read
+        if k_last + 2 >= end:
+            return last  # the iteration's last blocks: the next forward waits for the weights it reads anyway
+        rd = self._weight_read.get(id(self.uses[self.step_use[k_last + 2]]))
+        if rd is not None:
+            rd.deps.append(last.id)
+            rd.key = max(rd.key, last.key + THREAD_KEY_STEP)  # behind it in its resource's queue
+        return last
+
+def _renumber(tasks: list[Task]) -> None:
+    """Give the tasks new ids in a topological order, the build order wherever the edges allow, so that every
+    task again comes after its dependencies: LoHan's training thread adds edges from later-built tasks to
+    earlier ones (_Builder._lohan_thread), all within one iteration, so the ops stay ordered by iteration."""
+    order = topological_order(len(tasks), [t.deps for t in tasks], [float(t.id) for t in tasks],
+                              cycle_message="LoHan's thread order makes a dependency cycle")
+    new_id = {old: new for new, old in enumerate(order)}
+    ordered = [tasks[i] for i in order]
+    for t in ordered:
+        t.id = new_id[t.id]
+        t.deps = sorted(new_id[d] for d in t.deps)
+    tasks[:] = ordered
 
 
 def build_graph(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> TaskGraph:

@@ -17,7 +17,7 @@ from tierflow.hwprofiles import HardwareProfile, ProfileError, list_profiles, lo
 from tierflow.hwprofiles.inputs import MIB, InputLimitError, loads_json_limited, read_limited_text
 from tierflow.planner.core.models import ModelError, get_model, list_models
 from tierflow.planner.core.placement import Placement, PlacementError
-from tierflow.planner.core.schedules import FAMILIES, ScheduleError, make_schedule
+from tierflow.planner.core.schedules import FAMILIES, RUNTIMES, ScheduleError, make_schedule
 from tierflow.planner.core.simulate import DEFAULT_FAMILIES, simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult, SimulationError
 from tierflow.planner.io.argtypes import (
@@ -541,9 +541,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--alpha", type=fraction_below_one, default=None,
                    help="deferred optimizer fraction, within [0, 1) (vertical default 0.25)")
     s.add_argument("--prefetch", type=positive_int(1024), default=1, help="weight buffers fetched ahead (default 1)")
-    s.add_argument("--runtime", choices=("ideal", "deepspeed"), default=None,
+    s.add_argument("--runtime", choices=RUNTIMES, default=None,
                    help="how transfers overlap: deepspeed = ZeRO-Infinity as DeepSpeed's code runs it (the default "
-                   "of --schedule horizontal), ideal = as early as the plan allows (every other schedule)")
+                   "of --schedule horizontal), lohan = Fuyou as LoHan's code runs it (the default of --schedule "
+                   "fuyou), ideal = as early as the plan allows (every other schedule; tierflow's executor)")
     s.add_argument("--no-recompute", action="store_true", help="keep every activation instead of recomputing")
     s.add_argument("--placement", default=None, help="gpu|cpu|ssd, or JSON / a JSON file of fractions per tensor class")
     s.add_argument("--iterations", type=positive_int(MAX_ITERATIONS), default=3,

@@ -134,7 +134,10 @@ class Problem:
                              micro_batch=c.micro_batch, seq=self.seq, placement=placement or Placement(),
                              group=c.group if fam == "block" else None, alpha=c.alpha,
                              prefetch_depth=c.prefetch_depth, swap_layers=swap_layers, iterations=iterations,
-                             gpus=self.gpus, nodes=self.nodes)
+                             gpus=self.gpus, nodes=self.nodes,
+                             # a candidate is tierflow's own plan: with the optimizer overlapped and one
+                             # micro-batch per sweep it is built as Fuyou's schedule, but runs on tierflow's executor
+                             runtime="ideal" if fam == "fuyou" else None)
 
     def schedule_memory(self, cfg: ScheduleConfig) -> ScheduleMemory:
         return self.memoized(("schedule_memory", cfg.micro_batch, cfg.group, cfg.alpha, cfg.optimizer_overlap,
