@@ -303,6 +303,7 @@ class _Use:
     steps: list[int] = field(default_factory=list)
     last_task: int = -1
     fetch_h2d: Task | None = None
+    read: Task | None = None  # the SSD read of the use's weights, if any
     gather: Task | None = None  # all_gather_weights of the use (several ranks)
     gpu_bytes: float = 0.0
 
@@ -328,7 +329,6 @@ class _Builder:
         self.t_bwd = [self.cost.backward_s(x) for x in b]
         self.step_task: list[int] = []  # global step -> id of its last GPU task
         self.step_use: list[int] = []  # global step -> index of its weight use
-        self._weight_read: dict[int, Task] = {}  # id(use) -> its SSD read of the weights
         self.step_key: list[float] = []
         self.uses: list[_Use] = []
         self.weights_ready: dict[int, list[int]] = {}  # block -> tasks that produce its updated weights
@@ -438,7 +438,7 @@ class _Builder:
             read = g.add("read_weights", "ssd_read", to_ssd, tensor="weights", block=b, mb=-1, iteration=it,
                          key=max(first_key(u - d - 1), floor), deps=[last_task(u - d - 2), *ready])
             g.alloc(read, "cpu", to_ssd)
-            self._weight_read[id(use)] = read
+            use.read = read
         # the device buffer of the full block, less the part of it this rank keeps resident, taken at the fetch
         buffer = off if self.W == 1 else blk.weight_bytes - mine * w.gpu
         h = None
@@ -655,7 +655,8 @@ class _Builder:
         # process, then writes back the group stepped before it (fp16 weights and p, m, v) and waits; only then
         # does the backward go on (RC4ML/LoHan ratel_optimizer.py:530-534, 1047-1089;
         # nvme_ds/pipelined_optimizer_swapper.py:160-216; docs/baselines-as-coded.md B2). Here a layer block
-        # stands for a sub-group, and the GPU is taken to have nothing left queued while the thread waits.
+        # stands for a sub-group; the GPU is not waited for, it runs ahead on what the thread launched before
+        # (_lohan_trigger, _lohan_thread).
         thread_waits = cfg.runtime == "lohan"
         unwaited_write: Task | None = None  # LoHan: the write-back the thread issues at the next boundary
         thread_last: Task | None = None  # LoHan: the thread's last wait
@@ -743,7 +744,6 @@ class _Builder:
                 self.resident_update[b] = self.resident_update[b][-len(parts):]
             self.weights_ready[b] = ready
 
-
     def _lohan_trigger(self, k_last: int, thread_last: Task | None) -> list[int]:
         """LoHan: the tasks after which its training thread reaches the gradient hook that steps the block whose
         last backward step is k_last: its previous wait, and the next block's weights fetched (it waits for
@@ -763,11 +763,12 @@ class _Builder:
         last = write if write is not None else read
         if k_last + 2 >= end:
             return last  # the iteration's last blocks: the next forward waits for the weights it reads anyway
-        rd = self._weight_read.get(id(self.uses[self.step_use[k_last + 2]]))
+        rd = self.uses[self.step_use[k_last + 2]].read
         if rd is not None:
             rd.deps.append(last.id)
             rd.key = max(rd.key, last.key + THREAD_KEY_STEP)  # behind it in its resource's queue
         return last
+
 
 def _renumber(tasks: list[Task]) -> None:
     """Give the tasks new ids in a topological order, the build order wherever the edges allow, so that every
