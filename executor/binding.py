@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from tierflow.errors import TierflowError
 from tierflow.executor.packs import Pack
 from tierflow.executor.state import BlockLayout
 from tierflow.planner.core.graph import Task
@@ -41,8 +42,10 @@ ACT_TENSORS = {"act": "x", "act_grad": "dx"}
 OPTIMIZER_PART = {"adam": 0, "adam_deferred": 1}  # CPU optimizer op kind -> part (main step, deferred alpha)
 
 
-class ExecutionError(RuntimeError):
+class ExecutionError(TierflowError, RuntimeError):
     """An op failed; the message names the op and, for a resource problem, the plan decision behind it."""
+
+    exit_code = 1  # a failure of the executor itself, not of the input
 
 
 class EntryKey(NamedTuple):

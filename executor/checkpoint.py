@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from tierflow.errors import TierflowError
 from tierflow.executor.dist import SINGLE, DistWorld
 from tierflow.executor.state import STATE_CLASSES, StateError, TrainState
 
@@ -49,7 +50,7 @@ class CheckpointError(StateError):
     """A checkpoint that cannot be resumed from: missing, truncated, corrupt or unreadable (one line)."""
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(TierflowError, RuntimeError):
     """A checkpoint could not be written (nothing of it is left behind); `full` when the disk is full."""
 
     def __init__(self, message: str, full: bool) -> None:
@@ -57,7 +58,7 @@ class CheckpointWriteError(RuntimeError):
         self.full = full
 
 
-class NonFiniteState(ValueError):
+class NonFiniteState(TierflowError, ValueError):
     """The state to be saved holds NaN or inf (training diverged): it is not written."""
 
     def __init__(self, step: int, block: int, classes: list[str], rank: int | None = None) -> None:

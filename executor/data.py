@@ -12,8 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tierflow.errors import TierflowError
 
-class DataError(ValueError):
+
+class DataError(TierflowError, ValueError):
     """A data file that cannot be used."""
 
 

@@ -30,10 +30,12 @@ from collections.abc import Callable
 
 import torch
 
+from tierflow.errors import DoesNotFit, TierflowError
+
 STREAM_PRIORITY = {"gpu": 0, "h2d": -1, "d2h": -1}  # CUDA: lower is higher; copy streams ahead of the GEMMs
 
 
-class TierOutOfMemory(RuntimeError):
+class TierOutOfMemory(DoesNotFit, RuntimeError):
     """An allocation on a tier failed (the executor maps it to exit 3, naming the tier and the plan's decision)."""
 
     def __init__(self, tier: str, nbytes: int, detail: str = "") -> None:
@@ -45,12 +47,16 @@ class RoundAborted(Exception):
     """A wait given up because the round failed elsewhere (the failure is reported by whoever failed)."""
 
 
-class PageableCopyError(RuntimeError):
+class PageableCopyError(TierflowError, RuntimeError):
     """A non-blocking copy from or to pageable host memory (CUDA would silently copy synchronously)."""
 
+    exit_code = 1  # a bug in the executor that the emulation caught
 
-class HiddenSyncError(RuntimeError):
+
+class HiddenSyncError(TierflowError, RuntimeError):
     """A host synchronization inside an op on a stream (on CUDA it stalls the stream's worker)."""
+
+    exit_code = 1  # a bug in the executor that the emulation caught
 
 
 class DeviceBackend:

@@ -17,11 +17,13 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from tierflow.errors import TierflowError
+
 LOCK_NAME = ".tierflow-lock"
 RUN_DIR_PREFIX = "tierflow-run-"
 
 
-class LockError(RuntimeError):
+class LockError(TierflowError, RuntimeError):
     """Another live run holds the directory."""
 
 

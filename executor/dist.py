@@ -32,10 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tierflow.errors import TierflowError
 from tierflow.planner.core.world import shard_range
 
 
-class LaunchError(ValueError):
+class LaunchError(TierflowError, ValueError):
     """A run launched with another number of processes than its plan's ranks, or a bad launch flag (exit 2)."""
 
     agreed = True  # every rank finds the same: rank 0 says it

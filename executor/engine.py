@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tierflow.errors import DoesNotFit, TierflowError
 from tierflow.executor.arena import TransferArena, arena_bytes_for
 from tierflow.executor.binding import Binding, ExecutionError
 from tierflow.executor.context import STREAM_RESOURCES, Hyper, OpContext, RoundState
@@ -45,11 +46,11 @@ from tierflow.planner.io.planfile import Plan
 __all__ = ["ExecutionError", "Executor", "Hyper", "OutOfMemory", "RoundResult", "UnsupportedPlan", "measured_result"]
 
 
-class OutOfMemory(ExecutionError):
+class OutOfMemory(DoesNotFit, ExecutionError):
     pass
 
 
-class UnsupportedPlan(ValueError):
+class UnsupportedPlan(TierflowError, ValueError):
     """A plan this executor cannot run as written (refused before training starts)."""
 
 

@@ -21,6 +21,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from tierflow.errors import TierflowError
+
 GIB = 2**30
 
 
@@ -221,7 +223,7 @@ def format_report(r: EnvReport) -> str:
 # ---- command line ----------------------------------------------------------------------------------------------
 
 
-class EnvError(ValueError):
+class EnvError(TierflowError, ValueError):
     """Bad input to `tierflow env` (one line, exit code 2)."""
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from tierflow.errors import TierflowError
 from tierflow.executor.arena import TransferAreaOutOfMemory
 from tierflow.executor.checkpoint import (
     CheckpointWriteError,
@@ -67,12 +68,14 @@ from tierflow.planner.io.progress import bar
 LOG = logging.getLogger(__name__)  # debug: each round's wall time and peak bytes per tier (tierflow -v run)
 
 
-class RunError(ValueError):
+class RunError(TierflowError, ValueError):
     """Bad input to `tierflow run` (one line)."""
 
 
-class Diverged(RuntimeError):
+class Diverged(TierflowError, RuntimeError):
     """A non-finite loss (or state): training stops there."""
+
+    exit_code = 4
 
 
 @dataclass

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from tierflow.errors import TierflowError
 from tierflow.executor.device import DeviceBackend, as_backend
 from tierflow.executor.dist import SINGLE, DistWorld
 from tierflow.executor.models import _make_blocks, check_block_state_dicts, hf_key_target, init_weights
@@ -31,7 +32,7 @@ from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split
 
 
-class StateError(ValueError):
+class StateError(TierflowError, ValueError):
     """A checkpoint or initial weights that do not match the plan."""
 
 

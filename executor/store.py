@@ -20,16 +20,17 @@ from pathlib import Path
 
 import torch
 
+from tierflow.errors import TierflowError
 from tierflow.executor.direct_io import ALIGN, probe_o_direct
 
 CHUNK_BYTES = 8 << 20  # one I/O request; several run at once on the pool so that an SSD array is kept busy
 
 
-class ChecksumError(RuntimeError):
+class ChecksumError(TierflowError, RuntimeError):
     """A file of the SSD tier does not hold what was written to it."""
 
 
-class SsdError(RuntimeError):
+class SsdError(TierflowError, RuntimeError):
     """The SSD directory cannot be used (missing, read-only, full)."""
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from tierflow.errors import TierflowError
+
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
@@ -22,7 +24,7 @@ GIB = 1 << 30
 MAX_DEPTH = 32
 
 
-class InputLimitError(ValueError):
+class InputLimitError(TierflowError, ValueError):
     """An input file or document beyond a limit (one line, without the file's name)."""
 
 

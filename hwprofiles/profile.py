@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from tierflow.errors import TierflowError
+
 from .inputs import MIB, InputLimitError, check_yaml_depth, read_limited_text
 
 SCHEMA_VERSION = 1
@@ -42,7 +44,7 @@ _FIX_OVERRIDE = "fix the override"
 MAX_PROFILE_BYTES = MIB  # a profile is a few KiB of YAML
 
 
-class ProfileError(ValueError):
+class ProfileError(TierflowError, ValueError):
     """A hardware profile could not be found, parsed or validated.
 
     ``str(e)`` is always a single line: ``"<file>: <dotted.key>: <problem> (<how to fix>)"``.

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tierflow.errors import TierflowError
+
 if TYPE_CHECKING:  # networkx is imported only by to_networkx(): ~0.2 s of every command's start-up
     import networkx as nx
 
@@ -48,7 +50,7 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-class CycleError(ValueError):
+class CycleError(TierflowError, ValueError):
     """`topological_order` met a cycle. `order` is the topological order of the nodes it could sort (every node
     not on or after a cycle), `left` the nodes it could not, and `cycle` one cycle among them as node ids, each
     a predecessor of the next and the last a predecessor of the first (see `find_cycle`)."""

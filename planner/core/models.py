@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from tierflow.errors import TierflowError
 from tierflow.hwprofiles.inputs import MIB, InputLimitError, loads_json_limited, read_limited_text
 
 FAMILIES = ("gpt", "llama", "mistral", "qwen2", "opt", "gpt_neox", "qwen3", "gemma", "gemma2", "phi3")
@@ -59,7 +60,7 @@ SHAPE_LIMITS: dict[str, int] = {
 MAX_CONFIG_BYTES = 16 * MIB  # a config.json is a few KiB
 
 
-class ModelError(ValueError):
+class ModelError(TierflowError, ValueError):
     """A model could not be found, read or validated. ``str(e)`` is always one line."""
 
     def __init__(self, message: str) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tierflow.errors import TierflowError
 from tierflow.planner.core.graph import TIERS
 
 TENSOR_CLASSES = ("weights", "master", "adam_m", "adam_v", "grads", "checkpoints")
 
 
-class PlacementError(ValueError):
+class PlacementError(TierflowError, ValueError):
     """A placement that cannot be used (fractions, or a combination the executor cannot run)."""
 
 

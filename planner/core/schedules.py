@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock, Offset
 from tierflow.planner.core.costmodel import CostModel
@@ -68,7 +69,7 @@ def family_of(group: int, num_micro_batches: int, optimizer_overlap: bool) -> st
     return "block"
 
 
-class ScheduleError(ValueError):
+class ScheduleError(TierflowError, ValueError):
     """A schedule request that cannot be built (bad batch split, unknown family, ...)."""
 
 

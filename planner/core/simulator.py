@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from tierflow.errors import DoesNotFit, TierflowError
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.costmodel import link_rates
 from tierflow.planner.core.graph import HOST_LINKS, LINK_NAMES, NET, RESOURCES, TIERS, TaskGraph, gc_paused
@@ -31,11 +32,11 @@ from tierflow.planner.core.world import SINGLE, World
 _EPS_BYTES = 1.0
 
 
-class SimulationError(RuntimeError):
+class SimulationError(TierflowError, RuntimeError):
     """A schedule the simulator cannot play."""
 
 
-class CapacityError(SimulationError):
+class CapacityError(DoesNotFit, SimulationError):
     def __init__(self, tier: str, time_s: float, over_bytes: float, what: str):
         self.tier, self.time_s, self.over_bytes = tier, time_s, over_bytes
         super().__init__(f"{tier} memory exceeded by {over_bytes / 1e9:.2f} GB at t={time_s:.3f} s ({what})")

@@ -49,6 +49,11 @@ class World:
     def single(self) -> bool:
         return self.ranks == 1
 
+    def rank_batch(self, batch: int) -> int:
+        """Sequences one rank runs per iteration: the global batch split over the ranks (the one place it is
+        computed)."""
+        return batch // self.ranks
+
     def to_dict(self) -> dict[str, int]:
         return {"gpus": self.gpus, "nodes": self.nodes, "ranks": self.ranks}
 

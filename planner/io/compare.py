@@ -15,13 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
+from tierflow.errors import TierflowError
 from tierflow.hwprofiles.inputs import GIB, loads_json_limited
 from tierflow.planner.core.jsonio import read_text
 from tierflow.planner.core.simulator import SimResult
 from tierflow.planner.io.planfile import Plan, PlanError, simulate_plan
 
 
-class TraceError(ValueError):
+class TraceError(TierflowError, ValueError):
     """A measured trace that cannot be compared with the plan."""
 
 

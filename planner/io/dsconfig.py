@@ -47,6 +47,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tierflow.errors import TierflowError
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleConfig
@@ -143,7 +144,7 @@ HIDDEN_AUTO = {  # Hugging Face Trainer: the keys it fills from the model's hidd
 PRECISION_AUTO = {"bf16.enabled", "bfloat16.enabled", "fp16.enabled"}
 
 
-class DsConfigError(ValueError):
+class DsConfigError(TierflowError, ValueError):
     """A DeepSpeed config that cannot be read or simulated: one line, exit code 2."""
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile, ProfileError, profile_from_dict, type_name
 from tierflow.hwprofiles.inputs import GIB, InputLimitError, loads_json_limited
 from tierflow.planner.core.graph import (
@@ -70,7 +71,7 @@ DIGEST_ALGORITHM = "sha256/16"  # the first 16 hex digits of a SHA-256
 LARGE_PLAN_BYTES = 16_000_000
 
 
-class PlanError(ValueError):
+class PlanError(TierflowError, ValueError):
     """A plan file that cannot be read or is not valid. ``str(e)`` is one line:
     ``"<file>: <where>: <problem> (<fix>)"``."""
 

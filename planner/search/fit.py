@@ -45,6 +45,7 @@ import numpy as np
 import yaml
 from scipy.optimize import minimize
 
+from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile, ProfileError, list_profiles, load_profile
 from tierflow.hwprofiles.profile import profile_from_dict
 from tierflow.planner.core.models import ModelError, ModelSpec, get_model
@@ -69,7 +70,7 @@ OBJECTIVE_FLOOR = 1e-4
 MAX_ROUNDS = 3  # re-choices of the "best" micro-batches
 
 
-class FitError(ValueError):
+class FitError(TierflowError, ValueError):
     """Bad runs, fields or bounds; the message is one line."""
 
     def __init__(self, message: str) -> None:

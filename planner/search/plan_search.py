@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.schedules import ScheduleConfig, build_graph, make_schedule
@@ -53,7 +54,7 @@ TIGHTEN_CAPACITY = 0.01
 VERIFY_ATTEMPTS = 4
 
 
-class PlanningError(ValueError):
+class PlanningError(TierflowError, ValueError):
     """No plan fits; the message says which tier overflows by how much and what would make it fit."""
 
 

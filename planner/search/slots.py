@@ -53,6 +53,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock
 from tierflow.planner.core.costmodel import link_rates
@@ -1291,7 +1292,7 @@ def _expand(template: SlotTemplate, lay: _Layout) -> SlotModel:
 # --- the LP -----------------------------------------------------------------------------------------------
 
 
-class SlotModelError(RuntimeError):
+class SlotModelError(TierflowError, RuntimeError):
     """The slot model's LP could not be solved."""
 
 
