@@ -1,10 +1,11 @@
-"""Race DeepSpeed ZeRO-Infinity (ZeRO-3, parameters and optimizer states on NVMe) against tierflow on this machine.
+"""Race DeepSpeed ZeRO-Infinity (ZeRO-3, parameters and optimizer states on NVMe) against tierflow on this
+machine.
 
     python experiments/race_deepspeed.py [--quick] [--reps N] [--steps N] [--ssd-dir DIR] [--out DIR]
 
 Both train the same model (tierflow's own blocks, `executor.models.BlockModel`), on the same synthetic data,
-batch = micro-batch, sequence, fp32 on the CPU as the device, torch intra-op threads, everything (weights, fp32
-master, Adam m and v, gradients) on the SSD directory, no recompute. DeepSpeed 0.19.8 runs on its CPU
+batch = micro-batch, sequence, fp32 on the CPU as the device, torch intra-op threads, everything (weights,
+fp32 master, Adam m and v, gradients) on the SSD directory, no recompute. DeepSpeed 0.19.8 runs on its CPU
 accelerator (`DS_ACCELERATOR=cpu`, gloo, one rank, no launcher); tierflow runs its plans with `run_plan` (the
 code of `tierflow run`). Every measurement is its own subprocess (DeepSpeed's global state does not leak; both
 start cold), the variants of a point alternate, and each repetition reports the median step time over several
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -73,9 +75,10 @@ class Point:
 
     def spec(self) -> ModelSpec:
         base = get_model("tiny-gpt")
-        return replace(base, name=f"gpt-{self.layers}x{self.hidden}", num_layers=self.layers, hidden=self.hidden,
-                       num_heads=self.heads, num_kv_heads=self.heads, ffn_hidden=4 * self.hidden,
-                       vocab_size=self.vocab, seq_len=self.seq, max_positions=self.seq)
+        return replace(base, name=f"gpt-{self.layers}x{self.hidden}", num_layers=self.layers,
+                       hidden=self.hidden, num_heads=self.heads, num_kv_heads=self.heads,
+                       ffn_hidden=4 * self.hidden, vocab_size=self.vocab, seq_len=self.seq,
+                       max_positions=self.seq)
 
 
 # From compute-bound (many tokens per weight byte) to offload-bound (few): model size x batch.
@@ -83,7 +86,7 @@ SWEEP = [Point(6, 512, 8, 8, 256), Point(6, 512, 8, 1, 128), Point(12, 768, 12, 
 QUICK_POINT = Point(2, 256, 4, 2, 64, vocab=2048)
 
 
-# ---- DeepSpeed configs ----------------------------------------------------------------------------------------
+# ---- DeepSpeed configs -------------------------------------------------------------------------------------
 
 
 def ds_config(p: Point, nvme_dir: str, variant: str) -> dict:
@@ -120,7 +123,7 @@ DS_VARIANTS = ("ds-default", "ds-tuned", "ds-opt-nvme")
 TF_VARIANTS = ("tf-horizontal", "tf-vertical", "tf-hostweights", "tf-plan")
 
 
-# ---- workers (one subprocess per measurement) -------------------------------------------------------------------
+# ---- workers (one subprocess per measurement) --------------------------------------------------------------
 
 
 def _io_bytes() -> tuple[int, int]:
@@ -153,7 +156,19 @@ def bare_worker(_job: dict) -> dict:
     return {"peak_rss_bytes": _peak_rss_bytes()}
 
 
-def ds_worker(job: dict) -> dict:
+@dataclass
+class DsRun:
+    """A DeepSpeed engine ready to train one point, with the point and its data (see ds_engine)."""
+    engine: object
+    data: object
+    point: Point
+
+
+def ds_engine(job: dict, before_init: Callable[[], None] | None = None) -> DsRun:
+    """The DeepSpeed set-up every worker shares: torch's threads, tierflow's `BlockModel` of the job's point
+    (seed 0) with its loss, one gloo rank, `deepspeed.initialize` with the job's config, synthetic tokens.
+    `before_init` runs after deepspeed is imported and before the engine exists (race_profile.py instruments
+    DeepSpeed's classes there)."""
     import torch
 
     torch.set_num_threads(job["threads"])
@@ -162,6 +177,8 @@ def ds_worker(job: dict) -> dict:
     from tierflow.executor.data import TokenData
     from tierflow.executor.models import BlockModel
 
+    if before_init is not None:
+        before_init()
     p = Point(**job["point"])
     spec = p.spec()
 
@@ -176,8 +193,14 @@ def ds_worker(job: dict) -> dict:
 
     deepspeed.init_distributed(dist_backend="gloo")
     model = WithLoss()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=job["ds_config"])
-    data = TokenData.load(None, spec.vocab_size, seed=0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=job["ds_config"])
+    return DsRun(engine=engine, data=TokenData.load(None, spec.vocab_size, seed=0), point=p)
+
+
+def ds_worker(job: dict) -> dict:
+    ds = ds_engine(job)
+    engine, data, p = ds.engine, ds.data, ds.point
     times, losses, io0 = [], [], None
     for step in range(job["warmup"] + job["steps"]):
         if step == job["warmup"]:
@@ -191,7 +214,8 @@ def ds_worker(job: dict) -> dict:
         losses.append(float(loss.detach()))
     io1 = _io_bytes()
     return {"step_s": times[job["warmup"]:], "losses": losses, "peak_rss_bytes": _peak_rss_bytes(),
-            "ssd_read_bytes": (io1[0] - io0[0]) / job["steps"], "ssd_write_bytes": (io1[1] - io0[1]) / job["steps"]}
+            "ssd_read_bytes": (io1[0] - io0[0]) / job["steps"],
+            "ssd_write_bytes": (io1[1] - io0[1]) / job["steps"]}
 
 
 def tf_worker(job: dict) -> dict:
@@ -226,11 +250,13 @@ def run_worker(job: dict, work: Path, timeout_s: float = 600, script: Path | Non
     dict (or {"error": one line})."""
     path = work / f"job-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(job))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1", "OMP_NUM_THREADS": str(job["threads"])}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "LOCAL_SIZE": "1", "OMP_NUM_THREADS": str(job["threads"])}
     # its own session, so that a timeout also ends what it started (DeepSpeed's JIT builds run ninja)
-    proc = subprocess.Popen([sys.executable, str(script or Path(__file__).resolve()), "--worker", str(path)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, str(script or Path(__file__).resolve()), "--worker", str(path)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -245,7 +271,8 @@ def run_worker(job: dict, work: Path, timeout_s: float = 600, script: Path | Non
 
 
 def build_ops() -> dict:
-    """Build (or load from torch's extension cache) the DeepSpeed ops the race needs: async_io and cpu_adam."""
+    """Build (or load from torch's extension cache) the DeepSpeed ops the race needs: async_io and
+    cpu_adam."""
     from deepspeed.accelerator import get_accelerator
 
     t0 = time.perf_counter()
@@ -256,11 +283,12 @@ def build_ops() -> dict:
 
 def worker_main(path: str) -> None:
     job = json.loads(Path(path).read_text())
-    res = {"ds": ds_worker, "tf": tf_worker, "bare": bare_worker, "build": lambda _job: build_ops()}[job["kind"]](job)
+    workers = {"ds": ds_worker, "tf": tf_worker, "bare": bare_worker, "build": lambda _job: build_ops()}
+    res = workers[job["kind"]](job)
     print(RESULT_TAG + json.dumps(res), flush=True)
 
 
-# ---- planning and prediction ------------------------------------------------------------------------------------
+# ---- planning and prediction -------------------------------------------------------------------------------
 
 
 def deepspeed_missing() -> str | None:
@@ -307,8 +335,9 @@ def capped(hw, spec: ModelSpec):
 def ds_budget(hw, spec: ModelSpec, budget_bytes: float):
     """The planner's box with DeepSpeed's memory: device + host (above the host's reserve) hold `budget_bytes`
     (DeepSpeed's measured peak RSS less a bare process's). The host gets what DeepSpeed keeps there by design
-    (fp32 parameters and gradients, 8 B/param, and 50 MiB of buffers), the device the rest; the optimizer states
-    fit only on the SSD tier (12 B/param more than the host holds). Both reserves come on top, as in `capped`."""
+    (fp32 parameters and gradients, 8 B/param, and 50 MiB of buffers), the device the rest; the optimizer
+    states fit only on the SSD tier (12 B/param more than the host holds). Both reserves come on top, as in
+    `capped`."""
     P = spec.total_params()
     host_bytes = 8 * P + 50 * 2**20
     dev_gib = hw.gpu.reserved_gib + max(0.02, (budget_bytes - host_bytes) / 2**30)
@@ -320,9 +349,9 @@ def tf_plans(p: Point, hw, hw_capped, work: Path,
              variants: tuple[str, ...] = TF_VARIANTS) -> dict[str, tuple[Path, float, str]]:
     """tierflow's plans for a point: {variant: (plan file, predicted step s, decisions)}. The fixed schedules
     (no recompute: all activations stay on the device) on the calibrated box: everything on the SSD
-    (horizontal, vertical), or like-for-like with DeepSpeed (hostweights: weights and gradients in host memory,
-    the optimizer states on the SSD; the faster predicted of horizontal and vertical); the planner's plan on the
-    capped box, where only the SSD tier holds the optimizer states."""
+    (horizontal, vertical), or like-for-like with DeepSpeed (hostweights: weights and gradients in host
+    memory, the optimizer states on the SSD; the faster predicted of horizontal and vertical); the planner's
+    plan on the capped box, where only the SSD tier holds the optimizer states."""
     from tierflow.planner.core.schedules import build_graph, make_schedule
     from tierflow.planner.core.simulate import simulate_config
     from tierflow.planner.io.planfile import plan_from_graph, write_plan
@@ -343,10 +372,12 @@ def tf_plans(p: Point, hw, hw_capped, work: Path,
             tried = [make_schedule(sched, spec, hw, batch=p.batch, micro_batch=p.batch, seq=p.seq,
                                    placement=HOST_WEIGHTS, recompute=False, iterations=3, runtime="ideal")
                      for sched in ("horizontal", "vertical")]
-            cfg, pred = min(((c, simulate_config(spec, hw, c)) for c in tried), key=lambda cp: cp[1].iteration_s)
+            cfg, pred = min(((c, simulate_config(spec, hw, c)) for c in tried),
+                            key=lambda cp: cp[1].iteration_s)
         else:
             cfg = make_schedule(variant.removeprefix("tf-"), spec, hw, batch=p.batch, micro_batch=p.batch,
-                                seq=p.seq, placement=ALL_ON_SSD, recompute=False, iterations=3, runtime="ideal")
+                                seq=p.seq, placement=ALL_ON_SSD, recompute=False, iterations=3,
+                                runtime="ideal")
             pred = simulate_config(spec, hw, cfg)
         path = work / f"plan-{p.layers}x{p.hidden}-b{p.batch}-{variant}.json"
         write_plan(plan_from_graph(spec, hw, cfg, build_graph(spec, hw, cfg), predicted=pred), path)
@@ -370,7 +401,7 @@ def predict_ds(p: Point, hw, cfg: dict, variant: str) -> tuple[float | None, str
         return None, f"does not fit: {e}"
 
 
-# ---- the race ---------------------------------------------------------------------------------------------------
+# ---- the race ----------------------------------------------------------------------------------------------
 
 
 def _median(xs: list[float]) -> float:
@@ -388,7 +419,8 @@ def race_point(p: Point, hw, reps: int, steps: int, warmup: int, ssd_dir: Path, 
     budget: dict[str, float] = {}
     nvme = ssd_dir / "deepspeed"
     runs: dict[str, list[dict]] = {v: [] for v in variants}
-    ordered = (*[v for v in variants if v.startswith("ds-")], *[v for v in variants if not v.startswith("ds-")])
+    ordered = (*[v for v in variants if v.startswith("ds-")],
+               *[v for v in variants if not v.startswith("ds-")])
     for rep in range(reps):
         # alternate the order between repetitions; the first has DeepSpeed first (tf-plan needs its memory)
         for v in (ordered if rep % 2 == 0 else ordered[::-1]):
@@ -423,7 +455,8 @@ def race_point(p: Point, hw, reps: int, steps: int, warmup: int, ssd_dir: Path, 
         elif v in plans:
             _, pred_s, decisions = plans[v]
             if v == "tf-plan" and budget:
-                decisions += f"; planned with DeepSpeed's memory ({budget['bytes'] / 1e9:.2f} GB above a bare process)"
+                decisions += (f"; planned with DeepSpeed's memory ({budget['bytes'] / 1e9:.2f} GB above a "
+                              "bare process)")
         else:
             continue
         per_rep = [_median(r["step_s"]) for r in ok]
@@ -455,7 +488,8 @@ def ssd_share(row: dict, hw) -> float:
 
 
 def summarise(rows: list[dict], hw) -> list[dict]:
-    """Per point: DeepSpeed's best variant against tierflow's best plan, and the SSD share of DeepSpeed's step."""
+    """Per point: DeepSpeed's best variant against tierflow's best plan, and the SSD share of DeepSpeed's
+    step."""
     out = []
     for point in dict.fromkeys(r["point"] for r in rows):
         mine = [r for r in rows if r["point"] == point and r["runs"]]
@@ -486,7 +520,8 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> Path:
             tok = r["tokens_per_s"]
             xs.append(j + (i - (len(variants) - 1) / 2) * width)
             ys.append(tok)
-            lo.append(max(0.0, tok - tok * r["step_s"] / r["max_s"]))  # one run: a spread of 0 (up to rounding)
+            # one run: a spread of 0 (up to rounding)
+            lo.append(max(0.0, tok - tok * r["step_s"] / r["max_s"]))
             hi.append(max(0.0, tok * r["step_s"] / r["min_s"] - tok))
         ax1.bar(xs, ys, width=width, yerr=[lo, hi], capsize=2, label=v,
                 hatch="//" if v.startswith("ds-") else None)
@@ -506,14 +541,17 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> Path:
 
 def markdown(rows: list[dict], summary: list[dict], command: str, versions: str) -> str:
     lines = [f"Produced by `{command}` ({versions}).", "",
-             "| point | params | variant | step s (median) | spread s | tokens/s | peak RSS GB | SSD read GB/step | "
-             "SSD write GB/step | predicted s | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| point | params | variant | step s (median) | spread s | tokens/s | peak RSS GB | "
+             "SSD read GB/step | SSD write GB/step | predicted s | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = f"{r['error']:+.0%}" if r["error"] == r["error"] else "-"
-        lines.append(f"| {r['point']} | {r['params_m']}M | {r['variant']} | {r['step_s']} | {r['min_s']}-{r['max_s']} "
-                     f"| {r['tokens_per_s']:,.0f} | {r['peak_rss_gb']} | {r['ssd_read_gb_per_step']} | "
-                     f"{r['ssd_write_gb_per_step']} | {r['predicted_s']} | {err} |")
-    lines += ["", "| point | DeepSpeed best | tokens/s | tierflow best | tokens/s | speedup | SSD share of DS step |",
+        lines.append(f"| {r['point']} | {r['params_m']}M | {r['variant']} | {r['step_s']} | "
+                     f"{r['min_s']}-{r['max_s']} | {r['tokens_per_s']:,.0f} | {r['peak_rss_gb']} | "
+                     f"{r['ssd_read_gb_per_step']} | {r['ssd_write_gb_per_step']} | "
+                     f"{r['predicted_s']} | {err} |")
+    lines += ["", "| point | DeepSpeed best | tokens/s | tierflow best | tokens/s | speedup | "
+              "SSD share of DS step |",
               "|---|---|---|---|---|---|---|"]
     for s in summary:
         lines.append(f"| {s['point']} | {s['ds_best']} | {s['ds_tokens_per_s']:,.0f} | {s['tf_best']} | "
@@ -525,8 +563,8 @@ def versions() -> str:
     import importlib.metadata as md
     import platform
 
-    return (f"deepspeed {md.version('deepspeed')}, torch {md.version('torch')}, tierflow {md.version('tierflow')}, "
-            f"Python {platform.python_version()}, {os.cpu_count()} cores")
+    return (f"deepspeed {md.version('deepspeed')}, torch {md.version('torch')}, "
+            f"tierflow {md.version('tierflow')}, Python {platform.python_version()}, {os.cpu_count()} cores")
 
 
 def run(quick: bool, out_dir: Path, reps: int | None = None, steps: int | None = None,
@@ -539,7 +577,8 @@ def run(quick: bool, out_dir: Path, reps: int | None = None, steps: int | None =
     points = [QUICK_POINT] if quick else SWEEP
     reps = reps or (1 if quick else 2)
     steps = steps or 2
-    variants = variants or (("ds-default", "tf-horizontal", "tf-vertical") if quick else (*DS_VARIANTS, *TF_VARIANTS))
+    variants = variants or (("ds-default", "tf-horizontal", "tf-vertical") if quick
+                            else (*DS_VARIANTS, *TF_VARIANTS))
     work = Path(tempfile.mkdtemp(prefix="tierflow-race-"))
     ssd_dir = ssd_dir or work / "ssd"
     ssd_dir.mkdir(parents=True, exist_ok=True)
@@ -548,7 +587,8 @@ def run(quick: bool, out_dir: Path, reps: int | None = None, steps: int | None =
         # async_io and cpu_adam JIT-build on first use (minutes on 2 cores): once here, not inside a timed run
         built = run_worker({"kind": "build", "threads": THREADS}, work, timeout_s=1800)
         if "error" in built:
-            print(f"race_deepspeed: skipped: DeepSpeed's async_io / cpu_adam ops do not build ({built['error']})")
+            print("race_deepspeed: skipped: DeepSpeed's async_io / cpu_adam ops do not build "
+                  f"({built['error']})")
             return []
         hw = calibrate_box(ssd_dir, quick, out_dir)
         bare = run_worker({"kind": "bare", "threads": THREADS}, work)
@@ -591,10 +631,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__)
     ap.add_argument("--reps", type=int, default=None, help="repetitions per variant (default 2, --quick 1)")
     ap.add_argument("--steps", type=int, default=None, help="measured steps per run after one warm-up step")
-    ap.add_argument("--ssd-dir", type=Path, default=None, help="directory for both SSD tiers (default: a temp dir)")
+    ap.add_argument("--ssd-dir", type=Path, default=None,
+                    help="directory for both SSD tiers (default: a temp dir)")
     ap.add_argument("--variants", nargs="+", choices=[*DS_VARIANTS, *TF_VARIANTS], default=None)
     args = ap.parse_args(argv)
-    run(args.quick, args.out, args.reps, args.steps, args.ssd_dir, tuple(args.variants) if args.variants else None)
+    run(args.quick, args.out, args.reps, args.steps, args.ssd_dir,
+        tuple(args.variants) if args.variants else None)
     print(f"wrote {args.out / 'race.csv'}, race.md and race.png", file=sys.stderr)
 
 

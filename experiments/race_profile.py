@@ -1,12 +1,14 @@
-"""Where each side's step goes, per resource, at the race's points where tierflow lost (issue 21).
+"""Where each side's step goes, per resource, at the race's points where tierflow lost (the race against
+DeepSpeed ZeRO-Infinity, docs/deepspeed.md).
 
     python experiments/race_profile.py [--steps N] [--profile race_box.yaml] [--out DIR]
 
-DeepSpeed (race_deepspeed.py's configs, same model, data, threads and SSD directory): the step's wall time split
-into forward / backward / optimizer step (timed around engine(x), engine.backward, engine.step), and inside
-them the time spent in its NVMe swapper calls (parameter swap-in / swap-out / synchronise, optimizer-state swap
-in / out, inclusive of their waits), the time blocked in its aio handles' wait() (read and write handles
-apart), and its CPU Adam kernel. The rest of a phase is its compute, DeepSpeed's module hooks and casts.
+DeepSpeed (race_deepspeed.py's configs, same model, data, threads and SSD directory): the step's wall time
+split into forward / backward / optimizer step (timed around engine(x), engine.backward, engine.step), and
+inside them the time spent in its NVMe swapper calls (parameter swap-in / swap-out / synchronise,
+optimizer-state swap in / out, inclusive of their waits), the time blocked in its aio handles' wait() (read
+and write handles apart), and its CPU Adam kernel. The rest of a phase is its compute, DeepSpeed's module
+hooks and casts.
 
 tierflow (race_deepspeed.py's plans): the measured trace of `run_plan` (RunResult.measured, the executor's own
 per-op times): busy time per resource over the last measured step, and the critical path of that step, walked
@@ -35,7 +37,7 @@ TF_VARIANTS = ("tf-horizontal", "tf-hostweights")
 RESOURCES = ("gpu", "cpu", "ssd_read", "ssd_write", "h2d", "d2h")
 
 
-# ---- DeepSpeed: timers around its phases, swapper calls and aio waits --------------------------------------------
+# ---- DeepSpeed: timers around its phases, swapper calls and aio waits --------------------------------------
 
 
 class _Clock:
@@ -72,8 +74,8 @@ class _TimedHandle:
         elif name in ("async_pwrite", "sync_pwrite", "pwrite"):
             self._dir = "write"
         if name in ("wait", "sync_pread", "sync_pwrite"):
-            return self._clock.timed(f"aio wait ({'read' if 'read' in name else 'write' if 'write' in name else self._dir})",
-                                     attr)
+            rw = "read" if "read" in name else "write" if "write" in name else self._dir
+            return self._clock.timed(f"aio wait ({rw})", attr)
         return attr
 
 
@@ -116,32 +118,9 @@ def _instrument_deepspeed(clock: _Clock) -> None:
 
 
 def ds_profile_worker(job: dict) -> dict:
-    import torch
-
-    torch.set_num_threads(job["threads"])
-    import deepspeed
-
-    from tierflow.executor.data import TokenData
-    from tierflow.executor.models import BlockModel
-
     clock = _Clock()
-    _instrument_deepspeed(clock)
-    p = race.Point(**job["point"])
-    spec = p.spec()
-
-    class WithLoss(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.model = BlockModel(spec)
-
-        def forward(self, x, y):
-            return self.model.loss(x, y)
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    model = WithLoss()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=job["ds_config"])
-    data = TokenData.load(None, spec.vocab_size, seed=0)
+    ds = race.ds_engine(job, before_init=lambda: _instrument_deepspeed(clock))
+    engine, data, p = ds.engine, ds.data, ds.point
     steps = []
     for step in range(job["warmup"] + job["steps"]):
         clock.s = {}
@@ -162,11 +141,12 @@ def ds_profile_worker(job: dict) -> dict:
     return {"steps": steps[job["warmup"]:]}
 
 
-# ---- tierflow: the executor's measured trace ----------------------------------------------------------------------
+# ---- tierflow: the executor's measured trace ---------------------------------------------------------------
 
 
 def trace_profile(res) -> dict:
-    """Busy time per resource and the critical path over the last measured iteration of a measured SimResult."""
+    """Busy time per resource and the critical path over the last measured iteration of a measured
+    SimResult."""
     tasks = res.graph.tasks
     n_it = res.graph.num_iterations
     last = n_it - 1
@@ -187,7 +167,8 @@ def trace_profile(res) -> dict:
     for lst in by_res.values():
         for a, b in zip(lst, lst[1:]):
             prev_on_res[b.id] = a.id
-    end_t = max((t for t in tasks if t.resource == "gpu" and t.iteration == last), key=lambda t: float(res.end_s[t.id]))
+    end_t = max((t for t in tasks if t.resource == "gpu" and t.iteration == last),
+                key=lambda t: float(res.end_s[t.id]))
     path = dict.fromkeys(RESOURCES, 0.0)
     kinds: dict[str, float] = {}
     gap = 0.0
@@ -222,7 +203,7 @@ def tf_profile_worker(job: dict) -> dict:
     return prof
 
 
-# ---- driver ---------------------------------------------------------------------------------------------------------
+# ---- driver ------------------------------------------------------------------------------------------------
 
 
 def _phase_rows(ds: dict) -> dict[str, float]:
@@ -237,12 +218,12 @@ def _phase_rows(ds: dict) -> dict[str, float]:
 
 
 def markdown(results: dict, versions: str) -> str:
-    lines = [f"Produced by `python experiments/race_profile.py` ({versions}); one run per variant, the median of "
-             "its measured steps after one warm-up step, on the shared 2-core dev machine (noisy: other processes "
-             "ran beside it).", ""]
+    lines = [f"Produced by `python experiments/race_profile.py` ({versions}); one run per variant, "
+             "the median of its measured steps after one warm-up step, on the shared 2-core dev machine "
+             "(noisy: other processes ran beside it).", ""]
     for point, res in results.items():
-        lines += [f"### {point}", "", "DeepSpeed (seconds of the median step; swapper calls include their aio waits; "
-                  "the remainder of a phase is compute, hooks, casts):", "",
+        lines += [f"### {point}", "", "DeepSpeed (seconds of the median step; swapper calls include their "
+                  "aio waits; the remainder of a phase is compute, hooks, casts):", "",
                   "| variant | phase / part | s |", "|---|---|---|"]
         for v in DS_VARIANTS:
             r = res.get(v)
@@ -251,8 +232,8 @@ def markdown(results: dict, versions: str) -> str:
                 continue
             for k, s in _phase_rows(r).items():
                 lines.append(f"| {v} | {k} | {s:.3f} |")
-        lines += ["", "tierflow (the executor's measured trace, last step: busy per resource and the critical path "
-                  "per resource; gap = time on the path when no op ran):", "",
+        lines += ["", "tierflow (the executor's measured trace, last step: busy per resource and the "
+                  "critical path per resource; gap = time on the path when no op ran):", "",
                   "| variant | step s | resource | busy s | on critical path s |", "|---|---|---|---|---|"]
         for v in TF_VARIANTS:
             r = res.get(v)
