@@ -1,4 +1,4 @@
-"""Several GPUs (issue 19): tierflow's data-parallel model (ZeRO-style shards, collectives on `net`, the box's host
+"""Several GPUs: tierflow's data-parallel model (ZeRO-style shards, collectives on `net`, the box's host
 resources divided among its GPUs) against the published multi-GPU numbers, and what it costs to simulate.
 
 (a) LoHan on 2x RTX 4090 (RC4ML/LoHan evaluation_data.md, Figure 11(a); docs/baselines-as-coded.md): GPT-3 13B
