@@ -1,6 +1,7 @@
-"""Benchmark: time one simulated iteration of GPT-3 175B, 96 layers x 64 micro-batches (batch 64, micro-batch 1).
+"""Benchmark: time one simulated iteration of GPT-3 175B, 96 layers x 64 micro-batches
+(batch 64, micro-batch 1).
 
-Target (issue 2): under 2 s per simulated iteration on a 2-core machine. Prints a table and writes
+Target: under 2 s per simulated iteration on a 2-core machine. Prints a table and writes
 experiments/results/bench_simulator.csv. Run: python experiments/bench_simulator.py [--repeat 3]
 """
 
@@ -38,9 +39,9 @@ def main() -> None:
                 t2 = time.perf_counter()
                 best_build, best_sim = min(best_build, t1 - t0), min(best_sim, t2 - t1)
             per_it = (best_build + best_sim) / iters
-            rows.append({"schedule": family, "iterations": iters, "tasks": len(g.tasks), "build_s": round(best_build, 3),
-                         "simulate_s": round(best_sim, 3), "per_iteration_s": round(per_it, 3),
-                         "target_s": TARGET_S, "ok": per_it < TARGET_S})
+            rows.append({"schedule": family, "iterations": iters, "tasks": len(g.tasks),
+                         "build_s": round(best_build, 3), "simulate_s": round(best_sim, 3),
+                         "per_iteration_s": round(per_it, 3), "target_s": TARGET_S, "ok": per_it < TARGET_S})
             print(f"{family:<11} iterations={iters} tasks={len(g.tasks):>7,} build {best_build:.2f}s "
                   f"simulate {best_sim:.2f}s -> {per_it:.2f}s per iteration "
                   f"({'OK' if per_it < TARGET_S else 'OVER'} target {TARGET_S}s)", flush=True)
@@ -49,7 +50,8 @@ def main() -> None:
         w = csv.DictWriter(f, fieldnames=list(rows[0]) + ["machine"])
         w.writeheader()
         for r in rows:
-            w.writerow({**r, "machine": f"{platform.processor() or platform.machine()} ({__import__('os').cpu_count()} cores)"})
+            w.writerow({**r, "machine": f"{platform.processor() or platform.machine()} "
+                                        f"({__import__('os').cpu_count()} cores)"})
     print(f"wrote {args.out}")
 
 

@@ -4,12 +4,13 @@ Headlines: GPT-3 13B (40 x 5120, seq 1024) at batch 64 with 12 SSDs, Fuyou 156 T
 (hardware FLOPs: recompute counted); GPT-3 175B at batch 16, Fuyou ~87 TFLOPS, ZeRO-Infinity cannot run it.
 Sweeps for 13B: batch size (8..128) and SSD count (1..12), naming the resource that binds at every point.
 
-Both systems train LoHan's benchmark models (gpt3-13b-lohan, gpt3-175b-lohan: the GPT-3 shapes without an LM head,
-as its code builds them), on the bundled profile whose SSD write rate is fitted to LoHan's batch-48 SSD sweep.
-Fuyou = our `fuyou` schedule, ZeRO-Infinity = our `horizontal` schedule, both with the placement the paper's
-code uses when the model lives on the SSDs (weights + optimizer states on SSD; Fuyou keeps fp32 gradients in
-host memory, ZeRO-Infinity spills them to NVMe with the optimizer; checkpoints in CPU memory). Each point uses
-the micro-batch (power of two, up to the whole batch as LoHan's code runs it) that simulates fastest.
+Both systems train LoHan's benchmark models (gpt3-13b-lohan, gpt3-175b-lohan: the GPT-3 shapes without an LM
+head, as its code builds them), on the bundled profile whose SSD write rate is fitted to LoHan's batch-48 SSD
+sweep. Fuyou = our `fuyou` schedule, ZeRO-Infinity = our `horizontal` schedule, both with the placement the
+paper's code uses when the model lives on the SSDs (weights + optimizer states on SSD; Fuyou keeps fp32
+gradients in host memory, ZeRO-Infinity spills them to NVMe with the optimizer; checkpoints in CPU memory).
+Each point uses the micro-batch (power of two, up to the whole batch as LoHan's code runs it) that
+simulates fastest.
 Writes experiments/results/fuyou_lohan.csv and fuyou_lohan.png.
 """
 
@@ -40,8 +41,9 @@ from expcommon import (
 from tierflow.api import resolve
 
 HW = "rtx4090-lohan"
-# LoHan's benchmark models: the GPT-3 shapes with no LM head (RC4ML/LoHan gpt_model.py:196-212), which is what its
-# published numbers trained; with no vocab-sized logits the whole batch goes through at once, as its code runs it
+# LoHan's benchmark models: the GPT-3 shapes with no LM head (RC4ML/LoHan gpt_model.py:196-212), which is what
+# its published numbers trained; with no vocab-sized logits the whole batch goes through at once,
+# as its code runs it
 M13, M175 = "gpt3-13b-lohan", "gpt3-175b-lohan"
 # REFERENCE.md: the 13B experiment uses seq 1024; assumed for 175B too (its 175B sequence length is not given)
 SEQ = 1024
@@ -247,14 +249,14 @@ def make_headlines(rows: list[dict]) -> list[dict]:
             note=(
                 f"seq {SEQ} assumed (the 175B sequence length is not in REFERENCE.md); our micro-batch "
                 f"{f175['micro_batch']} (best of {f175['micro_batches_tried']}{_no_fit(rows, M175)}); "
-                f"binds: {f175.get('binding')}. Fuyou runs as LoHan's code runs it (runtime lohan: its training "
-                "thread waits for each optimizer read and write and fetches backward weights without prefetch, "
-                "docs/baselines-as-coded.md B2, B3, D); the drives' write rate and the array's host path are "
-                "fitted to LoHan's 13B batch-48 SSD sweep; the CPU Adam rate is an assumption. Still missing: a "
-                "per-iteration cost that shrinks with neither the batch nor the SSD count (LoHan's held-out 13B "
-                "runs at 12 SSDs take about 20 s at batch 8 and at 16, ours 13-14 s; experiments/fidelity.py); "
-                "unmeasured candidates: CPU Adam in LoHan's child process, GPU-memory pressure while its thread "
-                "runs ahead"
+                f"binds: {f175.get('binding')}. Fuyou runs as LoHan's code runs it (runtime lohan: its "
+                "training thread waits for each optimizer read and write and fetches backward weights "
+                "without prefetch, docs/baselines-as-coded.md B2, B3, D); the drives' write rate and the "
+                "array's host path are fitted to LoHan's 13B batch-48 SSD sweep; the CPU Adam rate is an "
+                "assumption. Still missing: a per-iteration cost that shrinks with neither the batch nor the "
+                "SSD count (LoHan's held-out 13B runs at 12 SSDs take about 20 s at batch 8 and at 16, ours "
+                "13-14 s; experiments/fidelity.py); unmeasured candidates: CPU Adam in LoHan's child "
+                "process, GPU-memory pressure while its thread runs ahead"
             )
             if f175["fits"]
             else "does not fit in our simulator",
@@ -324,7 +326,8 @@ def plot(rows: list[dict], path: Path) -> Path:
             no_fit_markers(ax, [r[key] for r in rows if r["part"] == part and r["family"] == family
                                 and not r["fits"]], family, f"{name}: does not fit")
     for ax, x in ((ax1, 64), (ax2, 12)):  # the paper's 13B numbers: batch 64 on 12 SSDs
-        paper_point(ax, x, PAPER["fuyou_13b_tflops"], "fuyou", f"Fuyou (paper): {PAPER['fuyou_13b_tflops']:g}")
+        paper_point(ax, x, PAPER["fuyou_13b_tflops"], "fuyou",
+                    f"Fuyou (paper): {PAPER['fuyou_13b_tflops']:g}")
         paper_point(ax, x, PAPER["zero_13b_tflops"], "horizontal",
                     f"ZeRO-Infinity (paper): {PAPER['zero_13b_tflops']:g}")
     ax1.set(

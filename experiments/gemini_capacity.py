@@ -5,8 +5,9 @@ Paper (Colossal-AI blog figure, 2022, GPT-2 family): RTX 2060 6 GB 1.5B, RTX 309
 The CPU memory of those machines was not published, and without an SSD tier CPU memory (about 14 bytes per
 parameter: bf16 weights + fp32 master, Adam m, v) sets the limit, so each box is evaluated at an assumed CPU
 memory (said below, with why), swept over a range, and the CPU memory our model needs to reach the paper's
-figure is found by bisection. The capacity answer is tierflow.planner.search.capacity.largest (the most memory-frugal plan,
-GPT-3-shaped models of any width, batch 8 x seq 1024), verified by simulation at the assumed memory.
+figure is found by bisection. The capacity answer is tierflow.planner.search.capacity.largest (the most
+memory-frugal plan, GPT-3-shaped models of any width, batch 8 x seq 1024), verified by simulation at the
+assumed memory.
 Writes experiments/results/gemini_capacity.csv and gemini_capacity.png.
 """
 

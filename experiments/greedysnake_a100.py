@@ -223,20 +223,21 @@ def plot(rows: list[dict], path: Path) -> Path:
                            label=f"{family}: 95% of its best from batch {sat['saturates_at']}")
             no_fit_markers(ax, [r["batch"] for r in rows if r["model"] == model and r["family"] == family
                                 and not r["fits"]], family, f"{system}: does not fit")
-        # the paper gives a ratio, not tokens/s: where GreedySnake would saturate at the paper's ratio over our
-        # ZeRO-Infinity
+        # the paper gives a ratio, not tokens/s: where GreedySnake would saturate at the paper's ratio over
+        # our ZeRO-Infinity
         h = saturation(rows, model, "horizontal")["tokens_per_s"]
         if h:
             reference_line(ax, h * PAPER_RATIO[model],
-                           f"paper: {PAPER_RATIO[model]}x our ZeRO-Infinity best ({h * PAPER_RATIO[model]:,.0f})")
+                           f"paper: {PAPER_RATIO[model]}x our ZeRO-Infinity best "
+                           f"({h * PAPER_RATIO[model]:,.0f})")
         ax.set(
             xscale="log",
             xlabel=f"batch (sequences of {SEQ} tokens)",
             ylabel="tokens/s",
             title=f"{model} on {HW} (paper ratio {PAPER_RATIO[model]}x)",
         )
-        top = max([r["tokens_per_s"] for r in rows if r["model"] == model and r["fits"]] + [h * PAPER_RATIO[model]
-                                                                                            if h else 0])
+        top = max([r["tokens_per_s"] for r in rows if r["model"] == model and r["fits"]]
+                  + [h * PAPER_RATIO[model] if h else 0])
         ax.set_ylim(0, top * 1.12)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)

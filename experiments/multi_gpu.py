@@ -1,13 +1,13 @@
-"""Several GPUs (issue 19): tierflow's data-parallel model (ZeRO-style shards, collectives on `net`, the box's host
+"""Several GPUs: tierflow's data-parallel model (ZeRO-style shards, collectives on `net`, the box's host
 resources divided among its GPUs) against the published multi-GPU numbers, and what it costs to simulate.
 
 (a) LoHan on 2x RTX 4090 (RC4ML/LoHan evaluation_data.md, Figure 11(a); docs/baselines-as-coded.md): GPT-3 13B
-    (LoHan's benchmark model: 40 x 5120, no LM head), seq 1024, Fuyou's schedule and placement, 12 SSDs, global
-    hardware TFLOPS vs global batch 16 / 32 / 64 / 128 = 55.0 / 103.2 / 194.7 / 278.2. These are CHECK data: the
-    model is not fitted or tuned to them. Box: rtx4090-lohan-4gpu with --gpus 2 (the same host as rtx4090-lohan).
-    Each point at its fastest micro-batch (powers of two up to one rank's batch). For context every row also
-    carries our one-GPU prediction and LoHan's one-GPU measurement (Figure 5(a)) at the same batch per GPU, so
-    the error of the one-GPU model and that of the multi-GPU mechanism can be told apart.
+    (LoHan's benchmark model: 40 x 5120, no LM head), seq 1024, Fuyou's schedule and placement, 12 SSDs,
+    global hardware TFLOPS vs global batch 16 / 32 / 64 / 128 = 55.0 / 103.2 / 194.7 / 278.2. These are CHECK
+    data: the model is not fitted or tuned to them. Box: rtx4090-lohan-4gpu with --gpus 2 (the same host as
+    rtx4090-lohan). Each point at its fastest micro-batch (powers of two up to one rank's batch). For context
+    every row also carries our one-GPU prediction and LoHan's one-GPU measurement (Figure 5(a)) at the same
+    batch per GPU, so the error of the one-GPU model and that of the multi-GPU mechanism can be told apart.
 (b) GreedySnake over ZeRO-Infinity on 4 A100s, GPT-65B (REFERENCE.md: 1.93x saturated training throughput):
     vertical vs horizontal (as DeepSpeed runs it) on a100-80g-nvme with 4 GPUs (its topology is an assumption:
     the paper's box is unpublished; A100 PCIe boards do peer-to-peer over PCIe), saturated = the best tokens/s
@@ -71,8 +71,8 @@ TARGET = 0.15
 
 def settings(quick: bool) -> dict:
     if quick:
-        return {"lohan_batches": [16, 64], "mb_limit": 64, "gs_batches": [64], "gs_mbs": [4], "cost_repeats": 1,
-                "cost_batch": 16}
+        return {"lohan_batches": [16, 64], "mb_limit": 64, "gs_batches": [64], "gs_mbs": [4],
+                "cost_repeats": 1, "cost_batch": 16}
     return {"lohan_batches": sorted(LOHAN_2GPU), "mb_limit": 128, "gs_batches": [32, 64, 128, 256],
             "gs_mbs": [1, 2, 4, 8, 16], "cost_repeats": 3, "cost_batch": 64}
 
@@ -101,10 +101,10 @@ def lohan_rows(s: dict, progress: Progress) -> list[dict]:
     rows = []
     for batch in s["lohan_batches"]:
         per_gpu = batch // 2
-        mb, res = _best(model, hw, "fuyou", batch, LOHAN_SEQ, divisors_up_to(per_gpu, s["mb_limit"]), 2, place,
-                        progress)
-        mb1, res1 = _best(model, hw1, "fuyou", per_gpu, LOHAN_SEQ, divisors_up_to(per_gpu, s["mb_limit"]), 1, place,
-                          progress)
+        mb, res = _best(model, hw, "fuyou", batch, LOHAN_SEQ, divisors_up_to(per_gpu, s["mb_limit"]), 2,
+                        place, progress)
+        mb1, res1 = _best(model, hw1, "fuyou", per_gpu, LOHAN_SEQ, divisors_up_to(per_gpu, s["mb_limit"]), 1,
+                          place, progress)
         measured = LOHAN_2GPU[batch]
         row = {"part": "lohan_2gpu", "model": LOHAN_MODEL, "hw": LOHAN_HW, "gpus": 2, "family": "fuyou",
                "batch": batch, "batch_per_gpu": per_gpu, "seq": LOHAN_SEQ, "micro_batch": mb or "",
@@ -112,7 +112,8 @@ def lohan_rows(s: dict, progress: Progress) -> list[dict]:
         if res is not None:
             ours = res.hw_tflops
             row.update({"ours_hw_tflops": round(ours, 1), "error": round(ours / measured - 1, 3),
-                        "within_target": abs(ours / measured - 1) <= TARGET, "iteration_s": round(res.iteration_s, 3),
+                        "within_target": abs(ours / measured - 1) <= TARGET,
+                        "iteration_s": round(res.iteration_s, 3),
                         "busy_gpu": round(res.busy["gpu"], 2), "busy_net": round(res.busy.get("net", 0.0), 2),
                         "busy_ssd_write": round(res.busy["ssd_write"], 2)})
         if res1 is not None:
@@ -161,13 +162,13 @@ def greedysnake_summary(rows: list[dict]) -> dict:
 
 
 def cost_row(s: dict, progress: Progress) -> dict:
-    """Wall time of one simulation (build + play) of GPT-3 175B, vertical, at the same global batch on 1 and on 4
-    GPUs of the 4x RTX 4090 box (best of `cost_repeats`)."""
+    """Wall time of one simulation (build + play) of GPT-3 175B, vertical, at the same global batch on 1 and
+    on 4 GPUs of the 4x RTX 4090 box (best of `cost_repeats`)."""
     model, hw = resolve(COST_MODEL, LOHAN_HW)
     batch, mb = s["cost_batch"], 2  # the micro-batch of `tierflow simulate` with no arguments
     out = {"part": "simulation_cost", "model": COST_MODEL, "hw": LOHAN_HW, "batch": batch, "micro_batch": mb}
-    # 4 GPUs at the same global batch (each rank a quarter of the micro-batches), and at 4x the batch (each rank
-    # the one GPU's micro-batches: the same graph size plus the collectives)
+    # 4 GPUs at the same global batch (each rank a quarter of the micro-batches), and at 4x the batch (each
+    # rank the one GPU's micro-batches: the same graph size plus the collectives)
     for name, gpus, b in (("1gpu", 1, batch), ("4gpu", 4, batch), ("4gpu_same_per_rank", 4, 4 * batch)):
         cfg = make_schedule("vertical", model, hw, batch=b, micro_batch=mb, gpus=gpus)
         best = float("inf")
@@ -184,32 +185,33 @@ def cost_row(s: dict, progress: Progress) -> dict:
     return out
 
 
-# ---- notes: the missing mechanism of each miss ----------------------------------------------------------------
+# ---- notes: the missing mechanism of each miss -------------------------------------------------------------
 
 
 def lohan_note(r: dict) -> str:
     if r.get("within_target"):
         return ""
-    parts = [f"ours {r['ours_hw_tflops']} vs measured {r['measured_hw_tflops']} (micro-batch {r['micro_batch']})"]
+    parts = [f"ours {r['ours_hw_tflops']} vs measured {r['measured_hw_tflops']} "
+             f"(micro-batch {r['micro_batch']})"]
     if r.get("measured_1gpu_hw_tflops"):
         one_err = r["ours_1gpu_hw_tflops"] / r["measured_1gpu_hw_tflops"] - 1
         if abs(one_err) > TARGET:
             parts.append(
                 f"at the same {r['batch_per_gpu']} sequences per GPU our one-GPU model already predicts "
-                f"{r['ours_1gpu_hw_tflops']} against LoHan's one-GPU {r['measured_1gpu_hw_tflops']} ({one_err:+.0%}: "
-                "the one-GPU model misses LoHan's small batches, fidelity.py)")
+                f"{r['ours_1gpu_hw_tflops']} against LoHan's one-GPU {r['measured_1gpu_hw_tflops']} "
+                f"({one_err:+.0%}: the one-GPU model misses LoHan's small batches, fidelity.py)")
         else:
             parts.append(
-                f"at the same {r['batch_per_gpu']} sequences per GPU our one-GPU model is within {one_err:+.0%} of "
-                f"LoHan's one GPU ({r['ours_1gpu_hw_tflops']} vs {r['measured_1gpu_hw_tflops']}), so the miss is the "
-                "multi-GPU mechanism")
+                f"at the same {r['batch_per_gpu']} sequences per GPU our one-GPU model is within "
+                f"{one_err:+.0%} of LoHan's one GPU ({r['ours_1gpu_hw_tflops']} vs "
+                f"{r['measured_1gpu_hw_tflops']}), so the miss is the multi-GPU mechanism")
         parts.append(
             f"per GPU, LoHan's 2 GPUs keep {r['measured_scaling_per_gpu']:.0%} of one GPU's TFLOPS, ours "
-            f"{r['ours_scaling_per_gpu']:.0%}: tierflow shards the SSD, PCIe and optimizer traffic over the ranks "
-            "(ZeRO-3) and overlaps the collectives, so 2 ranks cost each about what 1 GPU costs at half the batch; "
-            "LoHan's multi-GPU code is not public (its snapshot has no distributed code), and a mode that streams "
-            "every GPU's full copy of the model from the shared SSD array, or serialises the GPUs' SSD traffic, "
-            "would lose what it loses here: neither is modelled")
+            f"{r['ours_scaling_per_gpu']:.0%}: tierflow shards the SSD, PCIe and optimizer traffic over the "
+            "ranks (ZeRO-3) and overlaps the collectives, so 2 ranks cost each about what 1 GPU costs at "
+            "half the batch; LoHan's multi-GPU code is not public (its snapshot has no distributed code), "
+            "and a mode that streams every GPU's full copy of the model from the shared SSD array, or "
+            "serialises the GPUs' SSD traffic, would lose what it loses here: neither is modelled")
     return "; ".join(parts)
 
 
@@ -219,17 +221,18 @@ def greedysnake_note(s: dict) -> str:
     return (f"vertical peaks at {s['vertical_tokens_per_s']} tokens/s (global batch {s['vertical_batch']}), "
             f"horizontal at {s['horizontal_tokens_per_s']} (batch {s['horizontal_batch']}, gpu "
             f"{s['horizontal_busy_gpu']:.0%} busy); the one-GPU ratio misses the paper the same way "
-            "(greedysnake_a100.py: our horizontal fits micro-batches large enough to hide its weight traffic; "
-            "DeepSpeed's runtime overheads and GPU memory, which would cap it, are not modelled), and the paper's "
-            "4-GPU box (host, SSDs, GPU links) is unpublished: ours is a100-80g-nvme with 4 PCIe A100s sharing its "
-            "host")
+            "(greedysnake_a100.py: our horizontal fits micro-batches large enough to hide its weight "
+            "traffic; DeepSpeed's runtime overheads and GPU memory, which would cap it, are not modelled), "
+            "and the paper's 4-GPU box (host, SSDs, GPU links) is unpublished: ours is a100-80g-nvme with 4 "
+            "PCIe A100s sharing its host")
 
 
 def make_headlines(rows: list[dict]) -> list[dict]:
     heads = []
     for r in rows:
         if r["part"] == "lohan_2gpu" and "ours_hw_tflops" in r:
-            heads.append(headline(STUDY, f"LoHan 2x RTX 4090, GPT-3 13B, global batch {r['batch']} (hw TFLOPS)",
+            heads.append(headline(STUDY,
+                                  f"LoHan 2x RTX 4090, GPT-3 13B, global batch {r['batch']} (hw TFLOPS)",
                                   r["ours_hw_tflops"], r["measured_hw_tflops"], "TFLOPS", note=lohan_note(r),
                                   source=LOHAN_SOURCE))
         elif r["part"] == "greedysnake_4gpu_summary":
@@ -238,38 +241,42 @@ def make_headlines(rows: list[dict]) -> list[dict]:
                                   note=greedysnake_note(r), source=GS_SOURCE))
         elif r["part"] == "simulation_cost":
             for key, what in (("ratio", "same global batch"), ("ratio_same_per_rank", "same batch per GPU")):
-                heads.append(headline(STUDY, f"simulation wall time, GPT-3 175B, 4 GPUs / 1 GPU ({what})", r[key],
-                                      None, "x (target <= 4)", note="" if r[key] <= COST_TARGET else "over the 4x target"))
+                heads.append(headline(STUDY, f"simulation wall time, GPT-3 175B, 4 GPUs / 1 GPU ({what})",
+                                      r[key], None, "x (target <= 4)",
+                                      note="" if r[key] <= COST_TARGET else "over the 4x target"))
     return heads
 
 
-# ---- outputs --------------------------------------------------------------------------------------------------
+# ---- outputs -----------------------------------------------------------------------------------------------
 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| check | ours | measured / paper | error | within target |", "|---|---|---|---|---|"]
     for r in rows:
         if r["part"] == "lohan_2gpu" and "ours_hw_tflops" in r:
-            lines.append(f"| (a) LoHan 2x RTX 4090, GPT-3 13B, global batch {r['batch']} (hw TFLOPS; micro-batch "
-                         f"{r['micro_batch']}) | {r['ours_hw_tflops']} | {r['measured_hw_tflops']} | "
-                         f"{r['error']:+.0%} | {'yes' if r['within_target'] else 'no'} (15%) |")
+            lines.append(f"| (a) LoHan 2x RTX 4090, GPT-3 13B, global batch {r['batch']} (hw TFLOPS; "
+                         f"micro-batch {r['micro_batch']}) | {r['ours_hw_tflops']} | "
+                         f"{r['measured_hw_tflops']} | {r['error']:+.0%} | "
+                         f"{'yes' if r['within_target'] else 'no'} (15%) |")
         elif r["part"] == "greedysnake_4gpu_summary" and r["ratio"]:
             lines.append(f"| (b) GreedySnake / ZeRO-Infinity, GPT-65B, 4 A100 (saturated tokens/s) | "
                          f"{r['ratio']:.2f}x | {GS_PAPER}x | {r['error']:+.0%} | "
                          f"{'yes' if r['within_target'] else 'no'} (15%) |")
         elif r["part"] == "simulation_cost":
             lines.append(f"| (c) simulation wall time, GPT-3 175B batch {r['batch']}, 4 GPUs / 1 GPU | "
-                         f"{r['ratio']:.2f}x ({r['wall_s_4gpu']} s / {r['wall_s_1gpu']} s) | <= {COST_TARGET:g}x | - | "
-                         f"{'yes' if r['ratio'] <= COST_TARGET else 'no'} |")
-            lines.append(f"| (c') the same, 4 GPUs at batch {4 * r['batch']} (one GPU's micro-batches per rank) | "
+                         f"{r['ratio']:.2f}x ({r['wall_s_4gpu']} s / {r['wall_s_1gpu']} s) | "
+                         f"<= {COST_TARGET:g}x | - | {'yes' if r['ratio'] <= COST_TARGET else 'no'} |")
+            lines.append(f"| (c') the same, 4 GPUs at batch {4 * r['batch']} "
+                         "(one GPU's micro-batches per rank) | "
                          f"{r['ratio_same_per_rank']:.2f}x ({r['wall_s_4gpu_same_per_rank']} s; "
-                         f"{r['tasks_4gpu_same_per_rank']:,} vs {r['tasks_1gpu']:,} ops) | <= {COST_TARGET:g}x | - | "
+                         f"{r['tasks_4gpu_same_per_rank']:,} vs {r['tasks_1gpu']:,} ops) | "
+                         f"<= {COST_TARGET:g}x | - | "
                          f"{'yes' if r['ratio_same_per_rank'] <= COST_TARGET else 'no'} |")
     scal = [r for r in rows if r["part"] == "lohan_2gpu" and r.get("measured_scaling_per_gpu")]
     if scal:
         lines += ["", "Per GPU, 2 GPUs against 1 GPU at the same batch per GPU (hardware TFLOPS):", "",
-                  "| global batch | per GPU | LoHan 1 GPU | LoHan 2 GPUs / 2 | LoHan kept | ours 1 GPU | ours 2 GPUs / 2 "
-                  "| ours kept |", "|---|---|---|---|---|---|---|---|"]
+                  "| global batch | per GPU | LoHan 1 GPU | LoHan 2 GPUs / 2 | LoHan kept | ours 1 GPU | "
+                  "ours 2 GPUs / 2 | ours kept |", "|---|---|---|---|---|---|---|---|"]
         for r in scal:
             lines.append(f"| {r['batch']} | {r['batch_per_gpu']} | {r['measured_1gpu_hw_tflops']} | "
                          f"{r['measured_hw_tflops'] / 2:.1f} | {r['measured_scaling_per_gpu']:.0%} | "
@@ -282,7 +289,8 @@ def plot(rows: list[dict], path: Path) -> Path:
     fig, (ax1, ax2) = new_figure(2)
     lohan = [r for r in rows if r["part"] == "lohan_2gpu" and "ours_hw_tflops" in r]
     xs = [r["batch"] for r in lohan]
-    ax1.plot(xs, [r["ours_hw_tflops"] for r in lohan], "o-", color=schedule_color("fuyou"), label="tierflow, 2 GPUs")
+    ax1.plot(xs, [r["ours_hw_tflops"] for r in lohan], "o-", color=schedule_color("fuyou"),
+             label="tierflow, 2 GPUs")
     ax1.plot(xs, [r["measured_hw_tflops"] for r in lohan], "k*--", label="LoHan measured, 2 GPUs")
     ax1.fill_between(xs, [r["measured_hw_tflops"] * (1 - TARGET) for r in lohan],
                      [r["measured_hw_tflops"] * (1 + TARGET) for r in lohan], color="grey", alpha=0.2,
@@ -323,8 +331,8 @@ def run(quick: bool = False, out_dir: Path | None = None, progress: Progress | N
     print("Several GPUs: LoHan 2x RTX 4090 (check data, not fitted), GreedySnake 4x A100, simulation cost")
     print_table([r for r in rows if r["part"] == "lohan_2gpu"],
                 ["batch", "batch_per_gpu", "micro_batch", "ours_hw_tflops", "measured_hw_tflops", "error",
-                 "ours_1gpu_hw_tflops", "measured_1gpu_hw_tflops", "ours_scaling_per_gpu", "measured_scaling_per_gpu",
-                 "busy_gpu", "busy_net", "busy_ssd_write"])
+                 "ours_1gpu_hw_tflops", "measured_1gpu_hw_tflops", "ours_scaling_per_gpu",
+                 "measured_scaling_per_gpu", "busy_gpu", "busy_net", "busy_ssd_write"])
     print()
     print_table([r for r in rows if r["part"] == "greedysnake_4gpu"],
                 ["system", "batch", "batch_per_gpu", "micro_batch", "tokens_per_s", "busy_gpu"])

@@ -4,9 +4,10 @@ decisions).
 
 Paper schedules are simulated exactly as in those scripts (the best micro-batch of each; on the RTX 4090 box
 the placement the paper's code uses, on the A100 box the library's default placement). The plan is the best
-verified plan of tierflow.planner.search.plan_search.plan_search (which also considers the fixed schedules with default settings,
-so it is never slower than those). Speedups compare tokens/s (the same tokens per iteration on both sides),
-not TFLOPS: a plan that swaps activations instead of recomputing does fewer hardware FLOPs for the same work.
+verified plan of tierflow.planner.search.plan_search.plan_search (which also considers the fixed schedules
+with default settings, so it is never slower than those). Speedups compare tokens/s (the same tokens per
+iteration on both sides), not TFLOPS: a plan that swaps activations instead of recomputing does fewer hardware
+FLOPs for the same work.
 Writes experiments/results/own_plans.csv and own_plans.png.
 """
 
@@ -80,8 +81,8 @@ def paper_schedule(model, hw, family: str, batch: int, seq: int, paper_placement
 
 def decisions(cfg, batch: int) -> dict:
     """The decisions of a schedule config, as CSV columns (with one micro-batch per iteration horizontal and
-    vertical orders coincide: the shape says so instead of naming either; one micro-batch per sweep is named by
-    its family, horizontal or fuyou, as the optimizer runs after or during the backward)."""
+    vertical orders coincide: the shape says so instead of naming either; one micro-batch per sweep is named
+    by its family, horizontal or fuyou, as the optimizer runs after or during the backward)."""
     M = cfg.batch // cfg.micro_batch
     if M == 1:
         shape = "one micro-batch"

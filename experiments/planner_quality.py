@@ -1,9 +1,10 @@
-"""Planner quality on a grid of (model, box, batch) cases (issue 3, item 6).
+"""Planner quality on a grid of (model, box, batch) cases.
 
 For each case: plan with `plan_search`, and compare the verified (simulated) iteration time with (a) the best
-fixed schedule (horizontal / fuyou / vertical with default settings, best micro-batch) and (b) the planner's own
-prediction of its decisions (the slot model's LP, tierflow.planner.search.slots). Writes experiments/results/planner_quality.csv and prints a
-table. Run: python experiments/planner_quality.py [--time-limit 30]
+fixed schedule (horizontal / fuyou / vertical with default settings, best micro-batch) and (b) the planner's
+own prediction of its decisions (the slot model's LP, tierflow.planner.search.slots). Writes
+experiments/results/planner_quality.csv and prints a table.
+Run: python experiments/planner_quality.py [--time-limit 30]
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def main() -> None:
         model, hw = resolve(name, hwname)
         model = model.with_seq(seq) if not model.max_positions or seq <= model.max_positions else model
         t0 = time.perf_counter()
-        print(f"[{i + 1}/{len(cases)}] {name} on {hwname}, batch {batch} x {seq} ...", file=sys.stderr, flush=True)
+        print(f"[{i + 1}/{len(cases)}] {name} on {hwname}, batch {batch} x {seq} ...", file=sys.stderr,
+              flush=True)
         try:
             sr = plan_search(Problem(model, hw, batch, seq), time_limit_s=args.time_limit)
         except PlanningError as e:
@@ -54,18 +56,21 @@ def main() -> None:
             continue
         b = sr.best
         bound = iteration_loads(model, hw, b.config).bound_s(hw)
-        fixed_name, fixed = min(sr.baseline.items(), key=lambda kv: kv[1].iteration_s) if sr.baseline else ("-", None)
+        fixed_name, fixed = min(sr.baseline.items(),
+                                key=lambda kv: kv[1].iteration_s) if sr.baseline else ("-", None)
         rows.append({
             "model": name, "hw": hwname, "batch": batch, "seq": seq, "plan": b.candidate.describe(batch),
             "swap_layers": b.config.swap_layers, "verified_s": round(b.verified_s, 3),
-            "solver_prediction_s": round(b.predicted_s, 3), "prediction_error": round(b.verified_s / b.predicted_s - 1, 4),
+            "solver_prediction_s": round(b.predicted_s, 3),
+            "prediction_error": round(b.verified_s / b.predicted_s - 1, 4),
             "placement_model_s": round(b.solver.objective_s, 3) if b.solver else "",
             "roofline_bound_s": round(bound, 3),
             "fraction_of_roofline": round(bound / b.verified_s, 4),
             "binding": b.binding,
             "best_fixed": fixed_name, "best_fixed_s": round(fixed.iteration_s, 3) if fixed else "",
             "speedup_vs_fixed": round(fixed.iteration_s / b.verified_s, 3) if fixed else "",
-            "hw_tflops": round(b.result.hw_tflops, 1), "wall_s": round(time.perf_counter() - t0, 1), "error": "",
+            "hw_tflops": round(b.result.hw_tflops, 1), "wall_s": round(time.perf_counter() - t0, 1),
+            "error": "",
         })
     out = Path(__file__).parent / "results" / "planner_quality.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -75,16 +80,19 @@ def main() -> None:
         w.writeheader()
         w.writerows(rows)
     ok = [r for r in rows if not r.get("error")]
-    print(f"{'model':<11} {'hw':<16} {'batch':>5} {'plan':<42} {'sim s':>9} {'pred err':>8} {'roofline':>8} {'vs fixed':>8}")
+    print(f"{'model':<11} {'hw':<16} {'batch':>5} {'plan':<42} {'sim s':>9} {'pred err':>8} "
+          f"{'roofline':>8} {'vs fixed':>8}")
     for r in rows:
         if r.get("error"):
             print(f"{r['model']:<11} {r['hw']:<16} {r['batch']:>5} ERROR {r['error'][:90]}")
             continue
         print(f"{r['model']:<11} {r['hw']:<16} {r['batch']:>5} {r['plan']:<42} {r['verified_s']:>9.1f} "
-              f"{r['prediction_error']:>+8.1%} {r['fraction_of_roofline']:>8.1%} {r['speedup_vs_fixed']:>7.2f}x")
+              f"{r['prediction_error']:>+8.1%} {r['fraction_of_roofline']:>8.1%} "
+              f"{r['speedup_vs_fixed']:>7.2f}x")
     slower = [r for r in ok if r["speedup_vs_fixed"] != "" and r["speedup_vs_fixed"] < 1 - 1e-9]
     print(f"{len(ok)} cases planned; slower than the best fixed schedule: {len(slower)}; "
-          f"within 2% of the solver's prediction: {sum(abs(r['prediction_error']) <= 0.02 for r in ok)}; wrote {out}")
+          f"within 2% of the solver's prediction: {sum(abs(r['prediction_error']) <= 0.02 for r in ok)}; "
+          f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Regenerate every paper-reproduction experiment and the summary of headline numbers (ours, paper, ratio).
 
-Runs fuyou_lohan, greedysnake_a100, gemini_capacity, own_plans, what_if, multi_gpu, race_deepspeed (only where DeepSpeed is
-importable: the race against ZeRO-Infinity on this machine) and fidelity (last: predicted against
-published for every headline and LoHan's SSD sweep) in this process (each writes its CSV and PNG under the output
-folder and prints its own tables), then writes summary.csv and summary.md there
+Runs fuyou_lohan, greedysnake_a100, gemini_capacity, own_plans, what_if, multi_gpu, race_deepspeed (only where
+DeepSpeed is importable: the race against ZeRO-Infinity on this machine) and fidelity (last: predicted against
+published for every headline and LoHan's SSD sweep) in this process (each writes its CSV and PNG under the
+output folder and prints its own tables), then writes summary.csv and summary.md there
 with every headline number, the paper's value, the ratio and the note explaining any difference over 15%.
 Progress goes to stderr. The full run takes several minutes on a 2-core machine; --quick a minute or two.
 """
@@ -30,7 +30,7 @@ STUDIES = {
     "gemini_capacity": gemini_capacity,
     "own_plans": own_plans,
     "what_if": what_if,
-    # several GPUs (issue 19): LoHan's 2x RTX 4090 points (check data), GreedySnake on 4 A100s, simulation cost
+    # several GPUs: LoHan's 2x RTX 4090 points (check data), GreedySnake on 4 A100s, simulation cost
     "multi_gpu": multi_gpu,
     # tierflow against DeepSpeed ZeRO-Infinity on this machine: only where DeepSpeed (the baseline extra) and
     # libaio are installed; otherwise it prints one line and adds no headline

@@ -4,8 +4,8 @@ target throughput.
 Setting: GPT-3 175B, batch 32 x seq 2048, on rtx4090-lohan with one field changed at a time
 (HardwareProfile.with_overrides). Every point is the best of the fixed schedules (horizontal, fuyou, vertical)
 with their default placement (CPU memory filled first, the rest on the SSDs) over micro-batches 2-32
-(tierflow.planner.search.plan_search.fixed_baselines; micro-batch 1 is never the fastest here and the slowest to simulate);
-own_plans.py shows what the planner adds on top.
+(tierflow.planner.search.plan_search.fixed_baselines; micro-batch 1 is never the fastest here and the slowest
+to simulate); own_plans.py shows what the planner adds on top.
 PCIe 5.0 is hypothetical for an RTX 4090 (the card is PCIe 4.0): we double every PCIe rate (one direction and
 the duplex rates, as REFERENCE.md's ~25 -> ~50 GB/s) and keep everything else, including the SSD array
 ceiling.
@@ -271,12 +271,13 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.legend(fontsize=7, loc="lower right")
     reference_line(axes[1], 256, "Fuyou v2: 175B in 256 GB", vertical=True)
     ax = axes[3]
-    boxes = [r for r in rows if r["sweep"] not in ("cpu_256_check", "cheapest_for_target") and r.get("price_usd")]
+    boxes = [r for r in rows
+             if r["sweep"] not in ("cpu_256_check", "cheapest_for_target") and r.get("price_usd")]
     ok = [r for r in boxes if r.get("fits")]
     for fam in dict.fromkeys(r["best_schedule"].split()[0] for r in ok):
         pts = [r for r in ok if r["best_schedule"].split()[0] == fam]
-        ax.scatter([r["price_usd"] / 1e3 for r in pts], [r["tokens_per_s"] for r in pts], color=schedule_color(fam),
-                   label=f"best: {fam}")
+        ax.scatter([r["price_usd"] / 1e3 for r in pts], [r["tokens_per_s"] for r in pts],
+                   color=schedule_color(fam), label=f"best: {fam}")
     no_fit_markers(ax, [r["price_usd"] / 1e3 for r in boxes if not r.get("fits")], None, "no schedule fits")
     for r in ok:
         if r["sweep"] in ("base", "other_box"):

@@ -1,1 +1,2 @@
-"""The planner: simulator core (``core``), search (``search``) and input/output (``io``). Never imports torch."""
+"""The planner: simulator core (``core``), search (``search``) and input/output (``io``).
+Never imports torch."""

@@ -2,8 +2,8 @@
 
 Writing: a name ending in `.gz` is written gzip-compressed, any other name as plain text. Reading: the content
 decides, not the name (gzip's two magic bytes), so every reader accepts a plain or a compressed file under any
-name. Standard library only (the planner never imports torch); it lives in planner.core because the trace writers
-(planner/core/trace.py) use it, and planner.io and the executor import down the stack.
+name. Standard library only (the planner never imports torch); it lives in planner.core because the trace
+writers (planner/core/trace.py) use it, and planner.io and the executor import down the stack.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def is_gzip_file(path: str | os.PathLike[str]) -> bool:
 
 
 def open_text(path: str | os.PathLike[str], mode: str = "r") -> IO[str]:
-    """A UTF-8 text stream on `path`. Mode "r": gzip-compressed or plain, by the content; "w" / "x": compressed
-    when the name ends in .gz. Raises OSError (FileNotFoundError, IsADirectoryError, ...) as open() does; a
-    damaged gzip file raises OSError (gzip.BadGzipFile) or EOFError when read."""
+    """A UTF-8 text stream on `path`. Mode "r": gzip-compressed or plain, by the content; "w" / "x":
+    compressed when the name ends in .gz. Raises OSError (FileNotFoundError, IsADirectoryError, ...) as open()
+    does; a damaged gzip file raises OSError (gzip.BadGzipFile) or EOFError when read."""
     if mode not in ("r", "w", "x"):
         raise ValueError(f"open_text: mode {mode!r} (use r, w or x)")
     if mode == "r":
@@ -50,8 +50,9 @@ def open_text(path: str | os.PathLike[str], mode: str = "r") -> IO[str]:
 def read_text(path: str | os.PathLike[str], max_bytes: int | None = None) -> str:
     """The whole text of a plain or gzip-compressed file. A damaged gzip file raises OSError (gzip raises
     EOFError when it is truncated and zlib.error when its data is corrupt; both become OSError here). With
-    `max_bytes`, the file must be a regular file of at most that size, and its text at most that many characters
-    once decompressed (InputLimitError, a ValueError, otherwise: /dev/zero or a gzip bomb is refused, not read)."""
+    `max_bytes`, the file must be a regular file of at most that size, and its text at most that many
+    characters once decompressed (InputLimitError, a ValueError, otherwise: /dev/zero or a gzip bomb is
+    refused, not read)."""
     if max_bytes is not None:
         check_regular_file(path, max_bytes)
     try:

@@ -1,1 +1,2 @@
-"""Input and output: plan files (format, validation), predicted-vs-measured comparison and the command line."""
+"""Input and output: plan files (format, validation), predicted-vs-measured comparison and the
+command line."""

@@ -1,6 +1,6 @@
-"""Argument types for every numeric flag of every `tierflow` subcommand, in one place: argparse calls them on the
-text, and a bad value (0 or -3 for a count, nan, inf or -5 for a time) is refused before any work starts, with one
-line naming the flag (argparse adds "argument --flag:") and exit code 2.
+"""Argument types for every numeric flag of every `tierflow` subcommand, in one place: argparse calls them on
+the text, and a bad value (0 or -3 for a count, nan, inf or -5 for a time) is refused before any work starts,
+with one line naming the flag (argparse adds "argument --flag:") and exit code 2.
 
     p.add_argument("--iterations", type=positive_int(limit=1000), default=3)
     p.add_argument("--time-limit", type=positive_float(), default=60.0)
@@ -15,8 +15,8 @@ import math
 import sys
 from collections.abc import Callable
 
-# the most micro-batches / iterations / sequences a flag accepts: generous, but a graph past these would not fit
-# in memory (ops grow with layers x micro-batches x iterations)
+# the most micro-batches / iterations / sequences a flag accepts: generous, but a graph past these would not
+# fit in memory (ops grow with layers x micro-batches x iterations)
 MAX_BATCH = 1 << 20
 MAX_ITERATIONS = 1000
 MAX_STEPS = 10**9
@@ -101,8 +101,8 @@ def fraction_below_one(text: str) -> float:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line on stderr (what, which flag, where to look) and exit code 2,
-    instead of the usage block and the message; subparsers inherit the class."""
+    """An ArgumentParser whose errors are one line on stderr (what, which flag, where to look)
+    and exit code 2, instead of the usage block and the message; subparsers inherit the class."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")

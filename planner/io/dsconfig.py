@@ -1,10 +1,10 @@
-"""The DeepSpeed bridge: read a DeepSpeed config (`ds_config.json`) as the schedule DeepSpeed runs, and write the
-nearest DeepSpeed config for a tierflow plan. Pure parsing and mapping: no simulation, no torch.
+"""The DeepSpeed bridge: read a DeepSpeed config (`ds_config.json`) as the schedule DeepSpeed runs, and write
+the nearest DeepSpeed config for a tierflow plan. Pure parsing and mapping: no simulation, no torch.
 
 Reading (`read_ds_config`): the documented keys of a DeepSpeed config become one `DsConfig`: ZeRO stage, where
 parameters and optimizer states are offloaded, where activation checkpoints live, the batch split and the
-prefetch bucket. `DsConfig.schedule` turns it into the `horizontal` schedule with `runtime="deepspeed"` (ZeRO-3
-as DeepSpeed's code runs it, docs/baselines-as-coded.md) and the placement the config implies:
+prefetch bucket. `DsConfig.schedule` turns it into the `horizontal` schedule with `runtime="deepspeed"`
+(ZeRO-3 as DeepSpeed's code runs it, docs/baselines-as-coded.md) and the placement the config implies:
 
 - weights: `offload_param.device` nvme -> SSD, cpu -> CPU memory, none (or stage < 3) -> GPU;
 - fp32 master, Adam m and v: `offload_optimizer.device` nvme -> SSD, cpu -> CPU memory, none -> GPU (a GPU
@@ -13,27 +13,27 @@ as DeepSpeed's code runs it, docs/baselines-as-coded.md) and the placement the c
 - activation checkpoints: `activation_checkpointing.cpu_checkpointing` -> CPU memory, else GPU;
 - batch = `train_batch_size`, micro-batch = `train_micro_batch_size_per_gpu`, on one GPU;
 - parameters on CPU memory are prefetched `min(stage3_prefetch_bucket_size, stage3_max_live_parameters)`
-  elements ahead: that many whole decoder layers (at least one, as DeepSpeed prefetches a parameter larger than
-  the bucket whole) become the schedule's prefetch depth. Parameters on NVMe are fetched on demand whatever the
-  bucket (the deepspeed runtime).
+  elements ahead: that many whole decoder layers (at least one, as DeepSpeed prefetches a parameter larger
+  than the bucket whole) become the schedule's prefetch depth. Parameters on NVMe are fetched on demand
+  whatever the bucket (the deepspeed runtime).
 
 Every other key is sorted into one of: no effect on the step time (learning rate, scheduler, logging, saving),
 not modelled (named in one warning line, `DsConfig.warning_line`), or unknown to DeepSpeed (named in the same
-line). "auto" values, as Hugging Face's Trainer writes them, are resolved as the Trainer resolves them where the
-config and the model allow (the batch keys from each other or from the command line's batch and micro-batch,
-`reduce_bucket_size` = hidden^2, `stage3_prefetch_bucket_size` = 0.9 hidden^2,
+line). "auto" values, as Hugging Face's Trainer writes them, are resolved as the Trainer resolves them where
+the config and the model allow (the batch keys from each other or from the command line's batch and
+micro-batch, `reduce_bucket_size` = hidden^2, `stage3_prefetch_bucket_size` = 0.9 hidden^2,
 `stage3_param_persistence_threshold` = 10 hidden: transformers `integrations/deepspeed.py`,
 `HfTrainerDeepSpeedConfig`), else refused with one line.
 
 Writing (`ds_config_for_plan`): a plan's placement, batch split and checkpoint tier as DeepSpeed keys, and the
-decisions DeepSpeed cannot express (block and vertical orders, the optimizer overlapped with the backward, alpha
-deferral, per-layer swap-vs-recompute, fractional placements).
+decisions DeepSpeed cannot express (block and vertical orders, the optimizer overlapped with the backward,
+alpha deferral, per-layer swap-vs-recompute, fractional placements).
 
 Defaults are DeepSpeed's, read in deepspeedai/DeepSpeed:
 `deepspeed/runtime/zero/config.py` (stage 0, sub_group_size 1e9, stage3_prefetch_bucket_size 5e7,
 stage3_max_live_parameters 1e9, stage3_max_reuse_distance 1e9, reduce_bucket_size 5e8, overlap_comm True on
-stage 3), `deepspeed/runtime/zero/offload_config.py` (device none; offload_param buffer_count 5, buffer_size 1e8,
-max_in_cpu 1e9, pin_memory False; offload_optimizer buffer_count 4, pipeline_read/pipeline_write False,
+stage 3), `deepspeed/runtime/zero/offload_config.py` (device none; offload_param buffer_count 5, buffer_size
+1e8, max_in_cpu 1e9, pin_memory False; offload_optimizer buffer_count 4, pipeline_read/pipeline_write False,
 ratio 1.0), `deepspeed/runtime/swap_tensor/aio_config.py` with `swap_tensor/constants.py` (block_size 1048576,
 queue_depth 8, thread_count / intra_op_parallelism 1, single_submit False, overlap_events True),
 `deepspeed/runtime/activation_checkpointing/config.py` (cpu_checkpointing False, partition_activations False),
@@ -57,7 +57,8 @@ AUTO = "auto"
 
 # DeepSpeed's defaults the simulation depends on (see the module docstring for the files)
 DS_STAGE = 0
-DS_PREFETCH_BUCKET_ELEMS = 50_000_000  # zero/config.py prefetch_bucket_size (alias stage3_prefetch_bucket_size)
+DS_PREFETCH_BUCKET_ELEMS = 50_000_000  # zero/config.py prefetch_bucket_size
+                                       # (alias stage3_prefetch_bucket_size)
 DS_MAX_LIVE_ELEMS = 1_000_000_000  # zero/config.py max_live_parameters
 DS_OFFLOAD_DEVICE = "none"  # offload_config.py OffloadDeviceEnum default
 DS_DEVICES = ("none", "cpu", "nvme")
@@ -81,20 +82,25 @@ ASSUMED_DEFAULTS: dict[str, object] = {
 # Keys the simulation reads (handled one by one below).
 MODELLED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "zero_optimization.stage", "zero_optimization.offload_param.device", "zero_optimization.offload_optimizer.device",
+    "zero_optimization.stage", "zero_optimization.offload_param.device",
+    "zero_optimization.offload_optimizer.device",
     "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_max_live_parameters",
     "zero_optimization.cpu_offload", "zero_optimization.cpu_offload_param",
-    "activation_checkpointing.cpu_checkpointing", "bf16.enabled", "bfloat16.enabled", "fp16.enabled", "optimizer.type",
+    "activation_checkpointing.cpu_checkpointing", "bf16.enabled", "bfloat16.enabled", "fp16.enabled",
+    "optimizer.type",
 }
 # Documented keys that do not change the time of a training step (learning rate, logging, saving, paths).
 NO_EFFECT = {
-    "optimizer.params", "scheduler", "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown",
-    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "monitor_config", "checkpoint",
+    "optimizer.params", "scheduler", "steps_per_print", "wall_clock_breakdown", "dump_state",
+    "memory_breakdown",
+    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "monitor_config",
+    "checkpoint",
     "nebula", "elasticity", "autotuning", "dataloader_drop_last", "load_universal_checkpoint", "timers",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "optimizer.legacy_fusion",
     "zero_optimization.offload_param.nvme_path", "zero_optimization.offload_optimizer.nvme_path",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save", "zero_optimization.gather_16bit_weights_on_model_save",
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save",
+    "zero_optimization.gather_16bit_weights_on_model_save",
     "zero_optimization.load_from_fp32_weights", "zero_optimization.elastic_checkpoint",
     "zero_optimization.log_trace_cache_warnings", "zero_optimization.enable_sanity_checks",
     "zero_optimization.ignore_unused_parameters", "zero_optimization.pipeline_loading_checkpoint",
@@ -106,35 +112,43 @@ NOT_MODELLED = {
     "communication_data_type", "seq_parallel_communication_data_type", "data_types", "compile", "pipeline",
     "sparse_attention", "disable_allgather", "compression_training", "data_efficiency", "curriculum_learning",
     "tensor_parallel", "expert_parallel", "torch_autocast", "weight_quantization", "hybrid_engine",
-    "zero_optimization.sub_group_size", "zero_optimization.contiguous_gradients", "zero_optimization.reduce_scatter",
+    "zero_optimization.sub_group_size", "zero_optimization.contiguous_gradients",
+    "zero_optimization.reduce_scatter",
     "zero_optimization.allgather_partitions", "zero_optimization.allgather_bucket_size",
-    "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.stage3_model_persistence_threshold",
+    "zero_optimization.stage3_param_persistence_threshold",
+    "zero_optimization.stage3_model_persistence_threshold",
     "zero_optimization.round_robin_gradients", "zero_optimization.zero_hpz_partition_size",
     "zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_nontrainable_weights",
     "zero_optimization.zero_quantized_gradients", "zero_optimization.stage3_module_granularity_threshold",
     "zero_optimization.memory_efficient_linear", "zero_optimization.use_multi_rank_bucket_allreduce",
-    "zero_optimization.stage3_use_all_reduce_for_fetch_params", "zero_optimization.stage3_allgather_sequential",
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params",
+    "zero_optimization.stage3_allgather_sequential",
     "zero_optimization.stage3_partition_stream_chunk_size", "zero_optimization.mics_shard_size",
-    "zero_optimization.mics_hierarchical_params_gather", "zero_optimization.zenflow", "zero_optimization.leaf_module",
-    "zero_optimization.zeropp_loco_param", "zero_optimization.legacy_stage1", "zero_optimization.override_module_apply",
+    "zero_optimization.mics_hierarchical_params_gather", "zero_optimization.zenflow",
+    "zero_optimization.leaf_module",
+    "zero_optimization.zeropp_loco_param", "zero_optimization.legacy_stage1",
+    "zero_optimization.override_module_apply",
     "zero_optimization.save_muon_momentum_buffer_in_memory",
     "zero_optimization.offload_param.buffer_count", "zero_optimization.offload_param.buffer_size",
     "zero_optimization.offload_param.max_in_cpu",
     "zero_optimization.offload_optimizer.buffer_count", "zero_optimization.offload_optimizer.super_offload",
-    "zero_optimization.offload_optimizer.convert_grad_on_cpu", "zero_optimization.offload_optimizer.cpuadam_cores_perc",
+    "zero_optimization.offload_optimizer.convert_grad_on_cpu",
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc",
     "aio.block_size", "aio.queue_depth", "aio.thread_count", "aio.intra_op_parallelism", "aio.single_submit",
     "aio.overlap_events", "aio.use_gds",
-    "activation_checkpointing.partition_activations", "activation_checkpointing.contiguous_memory_optimization",
+    "activation_checkpointing.partition_activations",
+    "activation_checkpointing.contiguous_memory_optimization",
     "activation_checkpointing.number_checkpoints", "activation_checkpointing.synchronize_checkpoint_boundary",
     "activation_checkpointing.profile",
     "fp16.loss_scale", "fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis",
-    "fp16.consecutive_hysteresis", "fp16.min_loss_scale", "fp16.auto_cast", "fp16.fp16_master_weights_and_grads",
+    "fp16.consecutive_hysteresis", "fp16.min_loss_scale", "fp16.auto_cast",
+    "fp16.fp16_master_weights_and_grads",
     "bf16.immediate_grad_update", "bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states",
     "bf16.check_grad_overflow", "bfloat16.immediate_grad_update",
 }
 # Sections whose keys are classified one by one (every other value is one leaf, whatever it holds).
-SECTIONS = {"zero_optimization", "zero_optimization.offload_param", "zero_optimization.offload_optimizer", "aio",
-            "activation_checkpointing", "bf16", "bfloat16", "fp16", "optimizer"}
+SECTIONS = {"zero_optimization", "zero_optimization.offload_param", "zero_optimization.offload_optimizer",
+            "aio", "activation_checkpointing", "bf16", "bfloat16", "fp16", "optimizer"}
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 HIDDEN_AUTO = {  # Hugging Face Trainer: the keys it fills from the model's hidden size h
     "zero_optimization.reduce_bucket_size": ("h^2", lambda h: h * h),
@@ -174,13 +188,14 @@ class DsConfig:
         states = _one(DEVICE_TIER[self.optimizer_device])
         grads = states  # fp32 gradients wait where the optimizer runs: GPU, host memory, or NVMe (A4)
         ckpt = _one("cpu" if self.cpu_checkpointing else "gpu")
-        return Placement(weights=w, master=states, adam_m=states, adam_v=states, grads=grads, checkpoints=ckpt)
+        return Placement(weights=w, master=states, adam_m=states, adam_v=states, grads=grads,
+                         checkpoints=ckpt)
 
     def prefetch_depth(self, model: ModelSpec) -> int:
         """Decoder layers fetched ahead of the one in use: DeepSpeed prefetches parameters up to
         min(prefetch bucket, max live parameters) elements ahead, one parameter at least
-        (partitioned_param_coordinator.py, docs/baselines-as-coded.md A2). It matters only for parameters in CPU
-        memory; on NVMe they are fetched on demand, on the GPU not at all."""
+        (partitioned_param_coordinator.py, docs/baselines-as-coded.md A2). It matters only for parameters in
+        CPU memory; on NVMe they are fetched on demand, on the GPU not at all."""
         if self.param_device != "cpu":
             return 1
         ahead = min(self.prefetch_bucket_elems, self.max_live_elems)
@@ -196,9 +211,10 @@ class DsConfig:
 
     def describe(self) -> str:
         ck = "in CPU memory" if self.cpu_checkpointing else "on the GPU"
-        return (f"{self.source}: ZeRO stage {self.stage}, offload_param {self.param_device}, offload_optimizer "
-                f"{self.optimizer_device}, activation checkpoints {ck}, {self.precision}; batch {self.batch} = "
-                f"{self.accumulation} micro-batches of {self.micro_batch} on {WORLD_SIZE} GPU")
+        return (f"{self.source}: ZeRO stage {self.stage}, offload_param {self.param_device}, "
+                f"offload_optimizer {self.optimizer_device}, activation checkpoints {ck}, {self.precision}; "
+                f"batch {self.batch} = {self.accumulation} micro-batches of {self.micro_batch} "
+                f"on {WORLD_SIZE} GPU")
 
     def warning_line(self) -> str | None:
         """The one line naming what the simulation leaves out, or None when it models every key."""
@@ -226,30 +242,33 @@ def _one(tier: str) -> Split:
     return Split(**{t: 1.0 if t == tier else 0.0 for t in ("gpu", "cpu", "ssd")})
 
 
-# ---- reading ----------------------------------------------------------------------------------------------------
+# ---- reading -----------------------------------------------------------------------------------------------
 
 
 def read_ds_config(path: str | Path, model: ModelSpec, *, batch_hint: int | None = None,
                    micro_batch_hint: int | None = None) -> DsConfig:
-    """Read a DeepSpeed config file. `batch_hint` / `micro_batch_hint` fill "auto" batch keys the config itself
-    cannot resolve (the Trainer fills them from its arguments; here the command line's --batch / --micro-batch)."""
+    """Read a DeepSpeed config file. `batch_hint` / `micro_batch_hint` fill "auto" batch keys the config
+    itself cannot resolve (the Trainer fills them from its arguments; here the command line's
+    --batch / --micro-batch)."""
     name = Path(path).name
     try:
         text = Path(path).read_text()
     except OSError as e:
-        raise DsConfigError(f"{name}: cannot read the DeepSpeed config ({e.strerror or e}); check the path") from None
+        raise DsConfigError(f"{name}: cannot read the DeepSpeed config ({e.strerror or e}); "
+                            "check the path") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DsConfigError(f"{name}: not JSON ({e.msg} at line {e.lineno} column {e.colno}); a DeepSpeed config is "
-                            "one JSON object") from None
+        raise DsConfigError(f"{name}: not JSON ({e.msg} at line {e.lineno} column {e.colno}); a DeepSpeed "
+                            "config is one JSON object") from None
     return parse_ds_config(data, name, model, batch_hint=batch_hint, micro_batch_hint=micro_batch_hint)
 
 
 def parse_ds_config(data: object, source: str, model: ModelSpec, *, batch_hint: int | None = None,
                     micro_batch_hint: int | None = None) -> DsConfig:
     if not isinstance(data, dict):
-        raise DsConfigError(f"{source}: a DeepSpeed config is a JSON object ({{...}}), got {_json_kind(data)}")
+        raise DsConfigError(f"{source}: a DeepSpeed config is a JSON object ({{...}}), "
+                            f"got {_json_kind(data)}")
     leaves = _flatten(data, "")
     zero = data.get("zero_optimization", {})
     if isinstance(zero, bool):  # the deprecated form "zero_optimization": true means stage 1
@@ -267,8 +286,9 @@ def parse_ds_config(data: object, source: str, model: ModelSpec, *, batch_hint: 
         elif key in PRECISION_AUTO:
             resolved.append(f"{key} (16-bit, as the Trainer's --bf16/--fp16 sets it)")
         elif key in MODELLED and key not in BATCH_KEYS:
-            raise DsConfigError(f"{source}: {key} is \"auto\", which only the batch keys, bf16/fp16.enabled and the "
-                                "hidden-size keys can be (as Hugging Face's Trainer fills them); set a value")
+            raise DsConfigError(f"{source}: {key} is \"auto\", which only the batch keys, bf16/fp16.enabled "
+                                "and the hidden-size keys can be (as Hugging Face's Trainer fills them); "
+                                "set a value")
     not_modelled, no_effect, unknown = [], [], []
     for key, value in leaves.items():
         if key in ASSUMED_DEFAULTS:
@@ -285,7 +305,8 @@ def parse_ds_config(data: object, source: str, model: ModelSpec, *, batch_hint: 
 
     stage = _int(leaves, "zero_optimization.stage", DS_STAGE, source, lo=0)
     if stage > 3:
-        raise DsConfigError(f"{source}: zero_optimization.stage {stage}: DeepSpeed's ZeRO stages are 0, 1, 2 and 3")
+        raise DsConfigError(f"{source}: zero_optimization.stage {stage}: "
+                            "DeepSpeed's ZeRO stages are 0, 1, 2 and 3")
     param_device = _device(leaves, "zero_optimization.offload_param.device", source)
     optimizer_device = _device(leaves, "zero_optimization.offload_optimizer.device", source)
     if leaves.get("zero_optimization.cpu_offload") is True and optimizer_device == "none":
@@ -294,23 +315,25 @@ def parse_ds_config(data: object, source: str, model: ModelSpec, *, batch_hint: 
         param_device = "cpu"
     if param_device != "none" and stage != 3:
         raise DsConfigError(f"{source}: zero_optimization.offload_param.device {param_device} needs "
-                            f"zero_optimization.stage 3, got stage {stage} (DeepSpeed offloads parameters in ZeRO "
-                            "stage 3 only); set stage 3 or remove offload_param")
+                            f"zero_optimization.stage 3, got stage {stage} (DeepSpeed offloads parameters in "
+                            "ZeRO stage 3 only); set stage 3 or remove offload_param")
     if optimizer_device != "none" and stage == 0:
-        raise DsConfigError(f"{source}: zero_optimization.offload_optimizer.device {optimizer_device} needs ZeRO "
-                            "stage 1, 2 or 3, got stage 0; set a stage or remove offload_optimizer")
+        raise DsConfigError(f"{source}: zero_optimization.offload_optimizer.device {optimizer_device} needs "
+                            "ZeRO stage 1, 2 or 3, got stage 0; set a stage or remove offload_optimizer")
     if optimizer_device == "nvme" and stage != 3:
-        raise DsConfigError(f"{source}: zero_optimization.offload_optimizer.device nvme with stage {stage}: NVMe "
-                            "offload is ZeRO-Infinity, stage 3 (tierflow does not simulate it below); set stage 3")
+        raise DsConfigError(f"{source}: zero_optimization.offload_optimizer.device nvme with stage {stage}: "
+                            "NVMe offload is ZeRO-Infinity, stage 3 (tierflow does not simulate it below); "
+                            "set stage 3")
     if param_device != "none" and optimizer_device == "none":
-        raise DsConfigError(f"{source}: offload_param.device {param_device} without offload_optimizer: tierflow "
-                            "cannot simulate a GPU optimizer with the parameters off the GPU; offload the optimizer "
-                            "too (offload_optimizer.device cpu or nvme)")
+        raise DsConfigError(f"{source}: offload_param.device {param_device} without offload_optimizer: "
+                            "tierflow cannot simulate a GPU optimizer with the parameters off the GPU; "
+                            "offload the optimizer too (offload_optimizer.device cpu or nvme)")
 
     bf16 = leaves.get("bf16.enabled", leaves.get("bfloat16.enabled", False))
     fp16 = leaves.get("fp16.enabled", False)
     if bf16 is True and fp16 is True:
-        raise DsConfigError(f"{source}: bf16.enabled and fp16.enabled are both true; DeepSpeed refuses that (pick one)")
+        raise DsConfigError(f"{source}: bf16.enabled and fp16.enabled are both true; DeepSpeed refuses that "
+                            "(pick one)")
     if bf16 is True:
         precision = "bf16"
     elif fp16 is True:
@@ -326,12 +349,14 @@ def parse_ds_config(data: object, source: str, model: ModelSpec, *, batch_hint: 
 
     cpu_ckpt = leaves.get("activation_checkpointing.cpu_checkpointing", False)
     if not isinstance(cpu_ckpt, bool):
-        raise DsConfigError(f"{source}: activation_checkpointing.cpu_checkpointing {_show(cpu_ckpt)}: expected "
-                            "true or false")
-    bucket = _int(leaves, "zero_optimization.stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET_ELEMS, source, lo=0)
+        raise DsConfigError(f"{source}: activation_checkpointing.cpu_checkpointing {_show(cpu_ckpt)}: "
+                            "expected true or false")
+    bucket = _int(leaves, "zero_optimization.stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET_ELEMS, source,
+                  lo=0)
     max_live = _int(leaves, "zero_optimization.stage3_max_live_parameters", DS_MAX_LIVE_ELEMS, source, lo=0)
     if param_device == "cpu" and min(bucket, max_live) == 0:
-        not_modelled.append("no parameter prefetch (stage3_prefetch_bucket_size 0: simulated one layer ahead)")
+        not_modelled.append("no parameter prefetch "
+                            "(stage3_prefetch_bucket_size 0: simulated one layer ahead)")
     batch, micro, accum, from_cli = _batch_split(leaves, source, batch_hint, micro_batch_hint, resolved)
     return DsConfig(source=source, stage=stage, param_device=param_device, optimizer_device=optimizer_device,
                     cpu_checkpointing=cpu_ckpt, batch=batch, micro_batch=micro, accumulation=accum,
@@ -395,13 +420,14 @@ def _batch_split(leaves: dict, source: str, batch_hint: int | None, micro_hint: 
     "auto" from the other two keys or, failing that, from the command line's batch and micro-batch."""
     tb, mb, ga = (leaves.get(k) for k in BATCH_KEYS)
     for key, v in zip(BATCH_KEYS, (tb, mb, ga)):
-        if v is not None and v != AUTO and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v)
-                                            or v <= 0):
+        if v is not None and v != AUTO and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                            or v != int(v) or v <= 0):
             raise DsConfigError(f"{source}: {key} {_show(v)}: expected a positive integer or \"auto\"")
     tb, mb, ga = (int(v) if isinstance(v, (int, float)) else v for v in (tb, mb, ga))
     autos = [k for k, v in zip(BATCH_KEYS, (tb, mb, ga)) if v == AUTO]
     from_cli: list[str] = []
-    if len(autos) == 1 and all(isinstance(v, int) for v in (tb, mb, ga) if v != AUTO) and None not in (tb, mb, ga):
+    if (len(autos) == 1 and all(isinstance(v, int) for v in (tb, mb, ga) if v != AUTO)
+            and None not in (tb, mb, ga)):
         # one "auto" between two numbers: the identity batch = micro x accumulation x world fixes it
         if tb == AUTO:
             tb = mb * ga * WORLD_SIZE
@@ -415,8 +441,8 @@ def _batch_split(leaves: dict, source: str, batch_hint: int | None, micro_hint: 
         # the Trainer fills these from its arguments; here from --micro-batch and --batch
         if mb == AUTO:
             if micro_hint is None:
-                raise DsConfigError(f"{source}: train_micro_batch_size_per_gpu is \"auto\" and cannot be resolved; "
-                                    "set it, or pass --micro-batch")
+                raise DsConfigError(f"{source}: train_micro_batch_size_per_gpu is \"auto\" and cannot be "
+                                    "resolved; set it, or pass --micro-batch")
             mb = micro_hint
             from_cli.append(f"train_micro_batch_size_per_gpu={mb}")
         if tb == AUTO and isinstance(ga, int):
@@ -424,8 +450,8 @@ def _batch_split(leaves: dict, source: str, batch_hint: int | None, micro_hint: 
             resolved.append(f"train_batch_size={tb} (from the other batch keys)")
         elif tb == AUTO:
             if batch_hint is None:
-                raise DsConfigError(f"{source}: train_batch_size is \"auto\" and cannot be resolved; set it, or pass "
-                                    "--batch")
+                raise DsConfigError(f"{source}: train_batch_size is \"auto\" and cannot be resolved; set it, "
+                                    "or pass --batch")
             tb = batch_hint
             from_cli.append(f"train_batch_size={tb}")
         if ga == AUTO:
@@ -449,19 +475,19 @@ def _batch_split(leaves: dict, source: str, batch_hint: int | None, micro_hint: 
                             "DeepSpeed needs one of them")
     if tb != mb * ga * WORLD_SIZE:
         raise DsConfigError(f"{source}: train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} x "
-                            f"gradient_accumulation_steps {ga} x {WORLD_SIZE} GPU (= {mb * ga * WORLD_SIZE}); "
-                            "make them agree (tierflow simulates one GPU)")
+                            f"gradient_accumulation_steps {ga} x {WORLD_SIZE} GPU "
+                            f"(= {mb * ga * WORLD_SIZE}); make them agree (tierflow simulates one GPU)")
     return tb, mb, ga, from_cli
 
 
 def _exact(total: int, part: int, source: str, key: str) -> int:
     if total % part:
-        raise DsConfigError(f"{source}: {key} would be {total} / {part}, not an integer; set the batch keys so that "
-                            "train_batch_size = micro-batch x accumulation x 1 GPU")
+        raise DsConfigError(f"{source}: {key} would be {total} / {part}, not an integer; set the batch keys "
+                            "so that train_batch_size = micro-batch x accumulation x 1 GPU")
     return total // part
 
 
-# ---- writing ----------------------------------------------------------------------------------------------------
+# ---- writing -----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -482,8 +508,8 @@ class EmittedDsConfig:
 
 
 def _device_of(*splits: Split) -> str:
-    """One DeepSpeed device for tensors a plan may split over tiers: the slowest tier holding any part (the one
-    that surely has the room for all of it)."""
+    """One DeepSpeed device for tensors a plan may split over tiers: the slowest tier holding any part (the
+    one that surely has the room for all of it)."""
     if any(s.ssd > 0 for s in splits):
         return "nvme"
     if any(s.cpu > 0 for s in splits):
@@ -527,8 +553,8 @@ def ds_config_for_plan(model: ModelSpec, cfg: ScheduleConfig) -> EmittedDsConfig
     out: list[str] = []
     if cfg.group > 1:
         order = "vertical" if cfg.group == cfg.num_micro_batches else "block"
-        out.append(f"the {order} order ({cfg.group} micro-batches through a layer before the next; DeepSpeed runs "
-                   "one micro-batch through every layer)")
+        out.append(f"the {order} order ({cfg.group} micro-batches through a layer before the next; DeepSpeed "
+                   "runs one micro-batch through every layer)")
     if cfg.optimizer_overlap:
         out.append("the optimizer overlapped with the backward (DeepSpeed steps it after the whole backward)")
     if cfg.alpha > 0:
@@ -547,13 +573,13 @@ def ds_config_for_plan(model: ModelSpec, cfg: ScheduleConfig) -> EmittedDsConfig
         out.append("activation checkpoints on the SSDs (DeepSpeed keeps them on the GPU or in CPU memory)")
     grads_dev = _device_of(p.grads) if p.grads.gpu < 1.0 else "none"
     if grads_dev != opt_dev:
-        out.append(f"gradients {TIER_WORDS[DEVICE_TIER[grads_dev]]} (DeepSpeed keeps them with the optimizer states, "
-                   f"{TIER_WORDS[DEVICE_TIER[opt_dev]]})")
+        out.append(f"gradients {TIER_WORDS[DEVICE_TIER[grads_dev]]} (DeepSpeed keeps them with the optimizer "
+                   f"states, {TIER_WORDS[DEVICE_TIER[opt_dev]]})")
     if p.weights.ssd > 0 and cfg.runtime != "deepspeed":
         out.append("weights read from the SSDs ahead of use (DeepSpeed fetches NVMe parameters on demand)")
     if p.master.ssd > 0 and cfg.runtime != "deepspeed":
-        out.append("optimizer states streamed to and from the SSDs while Adam runs (DeepSpeed reads, steps and "
-                   "writes one sub-group after the other)")
+        out.append("optimizer states streamed to and from the SSDs while Adam runs (DeepSpeed reads, steps "
+                   "and writes one sub-group after the other)")
     return EmittedDsConfig(config=config, inexpressible=tuple(out))
 
 

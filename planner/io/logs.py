@@ -1,15 +1,15 @@
 """How chatty a command is: `--quiet` / `--verbose`, through the `logging` module.
 
-Every tierflow module logs to a child of the `tierflow` logger (`logging.getLogger(__name__)`). The CLI sets that
-logger's level once, from the global options (`tierflow --quiet plan ...`) or the same options after the
+Every tierflow module logs to a child of the `tierflow` logger (`logging.getLogger(__name__)`). The CLI sets
+that logger's level once, from the global options (`tierflow --quiet plan ...`) or the same options after the
 subcommand (`tierflow plan ... --quiet`):
 
 - quiet (WARNING): no progress display and no info lines; warnings, errors and the command's result remain;
 - normal (INFO, the default): progress and info lines on stderr;
 - verbose (DEBUG): also debug detail, e.g. the solver's status for every candidate of `tierflow plan`.
 
-The progress display (progress.py) follows the same level, so a command that shows progress needs nothing else.
-What a command prints as its result (tables, JSON) goes to stdout and is never affected.
+The progress display (progress.py) follows the same level, so a command that shows progress needs nothing
+else. What a command prints as its result (tables, JSON) goes to stdout and is never affected.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ QUIET, NORMAL, VERBOSE = logging.WARNING, logging.INFO, logging.DEBUG
 
 
 class _StderrHandler(logging.StreamHandler):
-    """Writes to the current sys.stderr (looked up per record, so a redirected or captured stderr is used and a
-    replaced one that was closed is never written to)."""
+    """Writes to the current sys.stderr (looked up per record, so a redirected or captured stderr is used and
+    a replaced one that was closed is never written to)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -34,7 +34,8 @@ class _StderrHandler(logging.StreamHandler):
         return sys.stderr
 
     @stream.setter
-    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; the current sys.stderr is used instead
+    def stream(self, value) -> None:
+        # StreamHandler.__init__ assigns it; the current sys.stderr is used instead
         pass
 
 
@@ -54,8 +55,8 @@ def configure(level: int = NORMAL) -> None:
 
 
 def progress_enabled() -> bool:
-    """Whether progress is shown: yes unless the `tierflow` logger was set above INFO (--quiet). A logger nobody
-    configured (tierflow used as a library) shows progress, as before there were levels."""
+    """Whether progress is shown: yes unless the `tierflow` logger was set above INFO (--quiet). A logger
+    nobody configured (tierflow used as a library) shows progress, as before there were levels."""
     level = logger().level
     return level == logging.NOTSET or level <= logging.INFO
 

@@ -1,11 +1,11 @@
 """Progress of a long command on stderr, the one helper of the CLI, `tierflow calibrate` and the experiments.
 
 On a terminal it is one line rewritten in place, `label [#####-----] 5/10 what  12s`. Anywhere else (a pipe,
-a log file, CI) the same text is printed as whole lines at a bounded rate: the first step at once, then at most
-one line every `interval_s` (5 s) with the step reached by then, and always the last step, so a long command is
-never silent in a pipe and a short one does not flood it. Only stderr is written, so what a command prints on
-stdout (tables, JSON) stays clean. `--quiet` (the `tierflow` logger above INFO, logs.py) turns it off; messages
-still print. Torch-free, like the rest of the planner.
+a log file, CI) the same text is printed as whole lines at a bounded rate: the first step at once, then at
+most one line every `interval_s` (5 s) with the step reached by then, and always the last step, so a long
+command is never silent in a pipe and a short one does not flood it. Only stderr is written, so what a command
+prints on stdout (tables, JSON) stays clean. `--quiet` (the `tierflow` logger above INFO, logs.py) turns it
+off; messages still print. Torch-free, like the rest of the planner.
 """
 
 from __future__ import annotations
