@@ -294,69 +294,54 @@ def _human_count(n: int) -> str:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _gpt(
-    name: str,
-    layers: int,
-    hidden: int,
-    heads: int,
-    *,
-    vocab: int = 50257,
-    seq: int = 2048,
-    positions: int = 2048,
-) -> ModelSpec:
-    """GPT-2/GPT-3 block: pre-LN LayerNorm, biases everywhere, learned positions, tied embeddings, GELU 4h."""
-    return ModelSpec(
-        name=name,
-        family="gpt",
-        num_layers=layers,
-        hidden=hidden,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
-        ffn_hidden=4 * hidden,
-        vocab_size=vocab,
-        max_positions=positions,
-        seq_len=seq,
-        norm="layernorm",
-        activation="gelu",
-        qkv_bias=True,
-        out_bias=True,
-        mlp_bias=True,
-        tied_embeddings=True,
-    )
+# What each family's layers are unless a builder says otherwise: norm, MLP activation, positions (0 learned
+# position rows: rotary), biases, tied embeddings and the per-family extras. `_spec` fills every field a family
+# builder leaves out from here.
+_LLAMA_LIKE: dict[str, Any] = {
+    "max_positions": 0, "norm": "rmsnorm", "activation": "swiglu", "qkv_bias": False, "out_bias": False,
+    "mlp_bias": False, "tied_embeddings": False,
+}
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    # GPT-2/GPT-3 block: pre-LN LayerNorm, biases everywhere, learned positions, tied embeddings, GELU
+    "gpt": {"norm": "layernorm", "activation": "gelu", "qkv_bias": True, "out_bias": True, "mlp_bias": True,
+            "tied_embeddings": True},
+    # OPT: learned positions with 2 extra rows, biases everywhere (enable_bias), ReLU
+    "opt": {"norm": "layernorm", "activation": "relu", "qkv_bias": True, "out_bias": True, "mlp_bias": True,
+            "tied_embeddings": True, "position_offset": 2},
+    # GPT-NeoX: rotary positions on a fraction of each head, LayerNorm, parallel residual, MLP biases
+    "gpt_neox": {"max_positions": 0, "norm": "layernorm", "activation": "gelu", "qkv_bias": True,
+                 "out_bias": True, "mlp_bias": True, "tied_embeddings": False, "parallel_residual": True},
+    # LLaMA block: RMSNorm, SwiGLU, rotary positions, no biases, untied lm_head
+    "llama": _LLAMA_LIKE,
+    "mistral": _LLAMA_LIKE,
+    "qwen2": {**_LLAMA_LIKE, "qkv_bias": True},  # Qwen2Attention: bias on q, k, v but not on o_proj
+    "qwen3": {**_LLAMA_LIKE, "qk_norm": True},
+    "gemma": {**_LLAMA_LIKE, "activation": "geglu", "tied_embeddings": True},
+    "gemma2": {**_LLAMA_LIKE, "activation": "geglu", "tied_embeddings": True, "sandwich_norm": True},
+    "phi3": _LLAMA_LIKE,
+}
 
 
-def _llama(
-    name: str,
-    layers: int,
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    ffn: int,
-    *,
-    vocab: int = 32000,
-    seq: int = 4096,
-) -> ModelSpec:
-    """LLaMA block: RMSNorm, SwiGLU, rotary positions, no biases, untied lm_head."""
-    return ModelSpec(
-        name=name,
-        family="llama",
-        num_layers=layers,
-        hidden=hidden,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=hidden // heads,
-        ffn_hidden=ffn,
-        vocab_size=vocab,
-        max_positions=0,
-        seq_len=seq,
-        norm="rmsnorm",
-        activation="swiglu",
-        qkv_bias=False,
-        out_bias=False,
-        mlp_bias=False,
-        tied_embeddings=False,
-    )
+def _spec(name: str, family: str, *, hidden: int, heads: int, **fields: Any) -> ModelSpec:
+    """A ModelSpec of `family` from the fields given; every other field from the family's defaults
+    (_FAMILY_DEFAULTS), with num_kv_heads = heads (no GQA) and head_dim = hidden // heads unless given."""
+    shape = {"num_kv_heads": heads, "head_dim": hidden // heads}
+    return ModelSpec(name=name, family=family, hidden=hidden, num_heads=heads,
+                     **{**shape, **_FAMILY_DEFAULTS[family], **fields})
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int, *, vocab: int = 50257, seq: int = 2048,
+         positions: int = 2048, **fields: Any) -> ModelSpec:
+    """GPT-2/GPT-3 block (_FAMILY_DEFAULTS["gpt"]) with a 4h MLP."""
+    return _spec(name, "gpt", num_layers=layers, hidden=hidden, heads=heads, ffn_hidden=4 * hidden,
+                 vocab_size=vocab, max_positions=positions, seq_len=seq, **fields)
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, *, vocab: int = 32000,
+           seq: int = 4096) -> ModelSpec:
+    """LLaMA block (_FAMILY_DEFAULTS["llama"])."""
+    return _spec(name, "llama", num_layers=layers, hidden=hidden, heads=heads, num_kv_heads=kv_heads,
+                 ffn_hidden=ffn, vocab_size=vocab, seq_len=seq)
 
 
 _ZOO: list[ModelSpec] = [
@@ -382,8 +367,8 @@ _ZOO: list[ModelSpec] = [
     # LoHan's benchmark models (RC4ML/LoHan gpt_model.py:196-212): the GPT-3 shapes with no LM head, the loss an MSE
     # on the final hidden states. Its published runs (Fuyou 13B 156 TFLOPS, the SSD sweeps) trained these; the
     # executor refuses to train them (a language model needs its head).
-    replace(_gpt("gpt3-13b-lohan", 40, 5120, 40), lm_head=False),
-    replace(_gpt("gpt3-175b-lohan", 96, 12288, 96), lm_head=False),
+    _gpt("gpt3-13b-lohan", 40, 5120, 40, lm_head=False),
+    _gpt("gpt3-175b-lohan", 96, 12288, 96, lm_head=False),
     # Tiny models for tests and demos.
     _gpt("tiny-gpt", 4, 128, 4, vocab=256, seq=64, positions=64),
     _llama("tiny-llama", 4, 128, 4, 2, 344, vocab=256, seq=64),
@@ -779,23 +764,14 @@ def _from_gpt2(name: str, cfg: _Config) -> ModelSpec:
     if hidden % heads:
         raise ModelError(f"{cfg.source}: n_head {heads} does not divide n_embd {hidden}")
     positions = cfg.get_int("n_positions")
-    return ModelSpec(
-        name=name,
-        family="gpt",
+    return _spec(
+        name, "gpt", hidden=hidden, heads=heads,
         num_layers=cfg.get_int("n_layer"),
-        hidden=hidden,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
         ffn_hidden=cfg.get_int("n_inner", optional=True) or 4 * hidden,
         vocab_size=cfg.get_int("vocab_size"),
         max_positions=positions,
         seq_len=positions,
-        norm="layernorm",
         activation=_activation(cfg.get_str("activation_function"), "gelu"),
-        qkv_bias=True,
-        out_bias=True,
-        mlp_bias=True,
         tied_embeddings=cfg.get_bool("tie_word_embeddings"),
     )
 
@@ -807,26 +783,19 @@ def _from_opt(name: str, cfg: _Config) -> ModelSpec:
     proj = cfg.get_int("word_embed_proj_dim", optional=True) or hidden
     bias = cfg.get_bool("enable_bias")
     positions = cfg.get_int("max_position_embeddings")
-    return ModelSpec(
-        name=name,
-        family="opt",
+    return _spec(
+        name, "opt", hidden=hidden, heads=heads,
         num_layers=cfg.get_int("num_hidden_layers"),
-        hidden=hidden,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
         ffn_hidden=cfg.get_int("ffn_dim"),
         vocab_size=cfg.get_int("vocab_size"),
         max_positions=positions,
         seq_len=positions,
-        norm="layernorm",
         activation=_activation(cfg.get_str("activation_function"), "relu"),
         qkv_bias=bias,
         out_bias=bias,
         mlp_bias=bias,
         tied_embeddings=cfg.get_bool("tie_word_embeddings"),
         embed_proj_dim=proj if proj != hidden else 0,
-        position_offset=2,
         # OPTDecoder: final_layer_norm exists only if do_layer_norm_before and not _remove_final_layer_norm.
         final_norm=cfg.get_bool("do_layer_norm_before") and not cfg.get_bool("_remove_final_layer_norm"),
         norm_affine=cfg.get_bool("layer_norm_elementwise_affine"),
@@ -850,23 +819,15 @@ def _from_gpt_neox(name: str, cfg: _Config) -> ModelSpec:
     if hidden % heads:
         raise ModelError(f"{cfg.source}: num_attention_heads {heads} does not divide hidden_size {hidden}")
     bias = cfg.get_bool("attention_bias")
-    return ModelSpec(
-        name=name,
-        family="gpt_neox",
+    return _spec(
+        name, "gpt_neox", hidden=hidden, heads=heads,
         num_layers=cfg.get_int("num_hidden_layers"),
-        hidden=hidden,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
         ffn_hidden=cfg.get_int("intermediate_size"),
         vocab_size=cfg.get_int("vocab_size"),
-        max_positions=0,
         seq_len=_train_seq(cfg.get_int("max_position_embeddings")),
-        norm="layernorm",
         activation=_activation(cfg.get_str("hidden_act"), "gelu"),
         qkv_bias=bias,
         out_bias=bias,
-        mlp_bias=True,
         tied_embeddings=cfg.get_bool("tie_word_embeddings"),
         parallel_residual=cfg.get_bool("use_parallel_residual"),
         rotary_fraction=_rotary_fraction(cfg, "rotary_pct", 0.25),
@@ -874,35 +835,25 @@ def _from_gpt_neox(name: str, cfg: _Config) -> ModelSpec:
 
 
 def _from_llama_like(name: str, cfg: _Config) -> ModelSpec:
+    """LLaMA, Mistral and Qwen2 (their biases: _FAMILY_DEFAULTS; LLaMA's from attention_bias and mlp_bias)."""
     kind = cfg.kind
     hidden, heads = cfg.get_int("hidden_size"), cfg.get_int("num_attention_heads")
     head_dim, kv_heads = _heads(cfg, hidden, heads, cfg.get_int("num_key_value_heads", optional=True))
+    biases: dict[str, bool] = {}
     if kind == "llama":
-        qkv_bias = out_bias = cfg.get_bool("attention_bias")
-        mlp_bias = cfg.get_bool("mlp_bias")
-    elif kind == "qwen2":  # Qwen2Attention: bias on q, k, v but not on o_proj
-        qkv_bias, out_bias, mlp_bias = True, False, False
-    else:  # mistral: no biases
-        qkv_bias = out_bias = mlp_bias = False
+        biases["qkv_bias"] = biases["out_bias"] = cfg.get_bool("attention_bias")
+        biases["mlp_bias"] = cfg.get_bool("mlp_bias")
     window = 0 if kind == "llama" else _sliding_window(cfg)
     max_pos = cfg.get_int("max_position_embeddings")
-    return ModelSpec(
-        name=name,
-        family=kind,
+    return _spec(
+        name, kind, hidden=hidden, heads=heads,
         num_layers=cfg.get_int("num_hidden_layers"),
-        hidden=hidden,
-        num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         ffn_hidden=cfg.get_int("intermediate_size"),
         vocab_size=cfg.get_int("vocab_size"),
-        max_positions=0,
         seq_len=min(_train_seq(max_pos), window) if window else _train_seq(max_pos),
-        norm="rmsnorm",
-        activation="swiglu",
-        qkv_bias=qkv_bias,
-        out_bias=out_bias,
-        mlp_bias=mlp_bias,
+        **biases,
         tied_embeddings=cfg.get_bool("tie_word_embeddings"),
         sliding_window=window,
     )
@@ -959,28 +910,20 @@ def _from_gemma_qwen3_phi3(name: str, cfg: _Config) -> ModelSpec:
     max_pos = cfg.get_int("max_position_embeddings")
     window = _sliding_window(cfg) if kind != "gemma" else 0
     seq = min(_train_seq(max_pos), window) if window else _train_seq(max_pos)
-    return ModelSpec(
-        name=name,
-        family=kind,
+    return _spec(
+        name, kind, hidden=hidden, heads=heads,
         num_layers=cfg.get_int("num_hidden_layers"),
-        hidden=hidden,
-        num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         ffn_hidden=cfg.get_int("intermediate_size"),
         vocab_size=cfg.get_int("vocab_size"),
-        max_positions=0,
         seq_len=seq,
-        norm="rmsnorm",
         activation=_gated_activation(cfg, act_key),
         qkv_bias=bias,
         out_bias=bias,
-        mlp_bias=False,
         tied_embeddings=cfg.get_bool("tie_word_embeddings"),
-        qk_norm=kind == "qwen3",
-        sandwich_norm=kind == "gemma2",
         sliding_window=window,
-        rotary_fraction=_rotary_fraction(cfg, "partial_rotary_factor", 1.0) if kind == "phi3" else 1.0,
+        **({"rotary_fraction": _rotary_fraction(cfg, "partial_rotary_factor", 1.0)} if kind == "phi3" else {}),
     )
 
 

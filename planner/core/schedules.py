@@ -32,6 +32,26 @@ from tierflow.planner.core.memory import (
     static_bytes,
 )
 from tierflow.planner.core.models import ModelSpec
+from tierflow.planner.core.opkinds import (
+    ADAM,
+    ADAM_DEFERRED,
+    ADAM_GPU,
+    ALL_GATHER_WEIGHTS,
+    BWD,
+    FETCH_WEIGHTS,
+    FWD,
+    HEAD,
+    OFFLOAD_GRADS,
+    READ_GRADS,
+    READ_OPT_STATES,
+    READ_WEIGHTS,
+    RECOMPUTE,
+    REDUCE_SCATTER_GRADS,
+    UPDATE_WEIGHTS,
+    WRITE_GRADS,
+    WRITE_OPT_STATES,
+    entry_kind,
+)
 from tierflow.planner.core.placement import Placement, Split, fill_split
 from tierflow.planner.core.workload import (
     ADAM_STATE_BYTES,
@@ -97,13 +117,10 @@ class ScheduleConfig:
         return World(self.gpus, self.nodes)
 
     @property
-    def ranks(self) -> int:
-        return self.gpus * self.nodes
-
-    @property
     def num_micro_batches(self) -> int:
-        """Micro-batches of ONE rank per iteration: the global batch split over the ranks, then into micro-batches."""
-        return self.batch // (self.micro_batch * self.ranks)
+        """Micro-batches of ONE rank per iteration: the global batch split over the ranks, then into
+        micro-batches."""
+        return self.world.rank_batch(self.batch) // self.micro_batch
 
     def recomputes(self, block: int, num_layers: int) -> bool:
         """Is decoder layer `block` (1..num_layers) recomputed in backward? The last `swap_layers` layers keep
@@ -115,11 +132,13 @@ class ScheduleConfig:
         return (num_layers - self.swap_layers) / num_layers if self.recompute and num_layers else 0.0
 
     def describe(self) -> str:
-        world = "" if self.ranks == 1 else f" over {self.ranks} ranks ({self.gpus} GPUs x {self.nodes} boxes)"
-        per = "" if self.ranks == 1 else f"{self.ranks} x "
-        return (f"{self.family}: batch {self.batch} = {per}{self.num_micro_batches} x {self.micro_batch}{world}, group {self.group}, "
-                f"alpha {self.alpha:g}, prefetch {self.prefetch_depth}, "
-                f"{'recompute' if self.recompute else 'no recompute'}{f', {self.swap_layers} layers swapped' if self.swap_layers else ''}"
+        ranks = self.world.ranks
+        world = "" if ranks == 1 else f" over {ranks} ranks ({self.gpus} GPUs x {self.nodes} boxes)"
+        per = "" if ranks == 1 else f"{ranks} x "
+        swapped = f", {self.swap_layers} layers swapped" if self.swap_layers else ""
+        return (f"{self.family}: batch {self.batch} = {per}{self.num_micro_batches} x {self.micro_batch}{world}, "
+                f"group {self.group}, alpha {self.alpha:g}, prefetch {self.prefetch_depth}, "
+                f"{'recompute' if self.recompute else 'no recompute'}{swapped}"
                 f"{'' if self.runtime == 'ideal' else f', as {self.runtime} runs it'}")
 
     def to_dict(self) -> dict:
@@ -130,7 +149,7 @@ class ScheduleConfig:
             "swap_layers": self.swap_layers,
             "iterations": self.iterations, "runtime": self.runtime, "placement": self.placement.as_dict(),
             # one rank: left out, so that one-GPU plans and their digests stay as they were
-            **({"gpus": self.gpus, "nodes": self.nodes} if self.ranks != 1 else {}),
+            **({"gpus": self.gpus, "nodes": self.nodes} if self.world.ranks != 1 else {}),
         }
 
     @classmethod
@@ -148,11 +167,11 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     them (REFERENCE.md section 1: "fp16 weights on SSD read twice per iteration ... fp32 master + m + v on SSD",
     docs/baselines-as-coded.md section B); its gradients and checkpoints stay in host memory. With several ranks,
     one rank's shard of the states in its share of the box's host memory (tierflow.planner.core.world)."""
-    params = shard_elems(model.total_params(), cfg.ranks)
-    mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq, num_micro_batches=cfg.num_micro_batches,
-                          group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
-                          prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime,
-                          ranks=cfg.ranks)
+    params = shard_elems(model.total_params(), cfg.world.ranks)
+    mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq,
+                          num_micro_batches=cfg.num_micro_batches, group=cfg.group, alpha=cfg.alpha,
+                          optimizer_overlap=cfg.optimizer_overlap, prefetch_depth=cfg.prefetch_depth,
+                          act_prefetch=cfg.act_prefetch, runtime=cfg.runtime, ranks=cfg.world.ranks)
     # staging buffers for whatever may stream from the SSDs (all of it on a box with SSDs)
     staging = mem.host_staging_bytes if hw.ssd.count > 0 else 0.0
     cpu_cap = rank_capacity_bytes(hw, cfg.gpus)["cpu"]
@@ -201,39 +220,72 @@ def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: 
     if family not in FAMILIES:
         raise ScheduleError(f"unknown schedule {family!r} (known: {', '.join(FAMILIES)}, all)")
     seq = seq or model.seq_len
+    M = _rank_micro_batches(model, hw, batch, micro_batch, seq, gpus, nodes)
+    g, a, overlap = _family_settings(family, M, group)
+    if alpha is not None:
+        a = alpha
+    _check_settings(model, M, g, a, swap_layers, prefetch_depth)
+    runtime = _runtime_of(family, runtime)
+    cfg = ScheduleConfig(family=family_of(g, M, overlap), batch=batch, micro_batch=micro_batch, seq=seq,
+                         placement=placement or Placement(), group=g, alpha=a, optimizer_overlap=overlap,
+                         prefetch_depth=prefetch_depth, recompute=recompute, swap_layers=swap_layers,
+                         act_prefetch=act_prefetch, iterations=iterations, runtime=runtime, gpus=gpus,
+                         nodes=nodes)
+    if placement is None:
+        cfg = replace(cfg, placement=default_placement(model, hw, cfg))
+    return cfg
+
+
+def _rank_micro_batches(model: ModelSpec, hw: HardwareProfile, batch: int, micro_batch: int, seq: int,
+                        gpus: int, nodes: int) -> int:
+    """The micro-batches one rank runs per iteration; ScheduleError unless the batch splits evenly over the
+    ranks and micro-batches and `seq` fits the model."""
     if batch <= 0 or micro_batch <= 0:
         raise ScheduleError(f"batch ({batch}) and micro-batch ({micro_batch}) must be positive")
     check_world(hw, gpus, nodes)
     if batch % micro_batch:
-        raise ScheduleError(f"batch {batch} is not divisible by micro-batch {micro_batch} (use a micro-batch that divides it)")
-    W = gpus * nodes
+        raise ScheduleError(f"batch {batch} is not divisible by micro-batch {micro_batch} (use a micro-batch "
+                            "that divides it)")
+    world = World(gpus, nodes)
+    W = world.ranks
     if batch % (W * micro_batch):
         raise ScheduleError(f"batch {batch} is not divisible by {W} ranks x micro-batch {micro_batch} = "
                             f"{W * micro_batch} (use a batch that is a multiple of it, or a smaller micro-batch)")
     if model.max_positions and seq > model.max_positions:
-        raise ScheduleError(f"seq {seq} exceeds the {model.max_positions} positions of {model.name} (use --seq <= {model.max_positions})")
-    M = batch // (micro_batch * W)
+        raise ScheduleError(f"seq {seq} exceeds the {model.max_positions} positions of {model.name} (use --seq <= "
+                            f"{model.max_positions})")
+    return world.rank_batch(batch) // micro_batch
+
+
+def _family_settings(family: str, M: int, group: int | None) -> tuple[int, float, bool]:
+    """(group, alpha, optimizer overlap) a family runs with over M micro-batches; `group` only for block."""
     if group is not None and FIXED_GROUP[family] is not None:
         raise ScheduleError(f"--group applies to the block schedule only: {family} runs {FIXED_GROUP[family]} "
                             f"micro-batch(es) per block sweep (use --schedule block --group {group})")
     if family == "horizontal":
-        g, a, overlap = 1, 0.0, False
-    elif family == "fuyou":
-        g, a, overlap = 1, 0.0, True
-    elif family == "vertical":
-        g, a, overlap = M, 0.25, True
-    else:
-        g, a, overlap = (group or max(1, M // 2)), 0.25, True
-    if alpha is not None:
-        a = alpha
-    if not 1 <= g <= M or M % g:
-        raise ScheduleError(f"group {g} must divide the {M} micro-batches")
-    if not 0.0 <= a < 1.0:
-        raise ScheduleError(f"alpha {a} must be within [0, 1)")
+        return 1, 0.0, False
+    if family == "fuyou":
+        return 1, 0.0, True
+    if family == "vertical":
+        return M, 0.25, True
+    return (group or max(1, M // 2)), 0.25, True
+
+
+def _check_settings(model: ModelSpec, M: int, group: int, alpha: float, swap_layers: int,
+                    prefetch_depth: int) -> None:
+    """ScheduleError unless the group, alpha, swapped layers and prefetch depth are within their ranges."""
+    if not 1 <= group <= M or M % group:
+        raise ScheduleError(f"group {group} must divide the {M} micro-batches")
+    if not 0.0 <= alpha < 1.0:
+        raise ScheduleError(f"alpha {alpha} must be within [0, 1)")
     if not 0 <= swap_layers <= model.num_layers:
         raise ScheduleError(f"swap_layers {swap_layers} must be within [0, {model.num_layers}]")
     if prefetch_depth < 1:
         raise ScheduleError(f"prefetch depth {prefetch_depth} must be >= 1")
+
+
+def _runtime_of(family: str, runtime: str | None) -> str:
+    """The runtime asked for (else the family's default); ScheduleError when it does not model the family."""
     runtime = runtime or DEFAULT_RUNTIME[family]
     if runtime not in RUNTIMES:
         raise ScheduleError(f"unknown runtime {runtime!r} (known: {', '.join(RUNTIMES)})")
@@ -241,13 +293,7 @@ def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: 
         system = {"deepspeed": "ZeRO-Infinity", "lohan": "Fuyou (LoHan)"}[runtime]
         raise ScheduleError(f"runtime {runtime} models {system}: it applies to the {RUNTIME_FAMILY[runtime]} "
                             f"schedule, not {family} (use --runtime ideal)")
-    cfg = ScheduleConfig(family=family_of(g, M, overlap), batch=batch, micro_batch=micro_batch, seq=seq,
-                         placement=placement or Placement(), group=g, alpha=a, optimizer_overlap=overlap,
-                         prefetch_depth=prefetch_depth, recompute=recompute, swap_layers=swap_layers,
-                         act_prefetch=act_prefetch, iterations=iterations, runtime=runtime, gpus=gpus, nodes=nodes)
-    if placement is None:
-        cfg = replace(cfg, placement=default_placement(model, hw, cfg))
-    return cfg
+    return runtime
 
 
 # ---- the generic builder ------------------------------------------------------------------------------------
@@ -314,10 +360,26 @@ class _Use:
         return self.gather if self.gather is not None else self.fetch_h2d
 
 
+@dataclass
+class _IterState:
+    """What the build of one iteration carries from step to step."""
+
+    it: int
+    base: int  # global index of the iteration's first step
+    seq_steps: list[_Step]
+    # tensors waiting between steps: ("x", block, mb) = input of block; ("dx", block, mb) = grad wrt input
+    direct: dict[tuple, int] = field(default_factory=dict)  # tensor -> producing task, while on the GPU
+    stored: dict[tuple, _Stored] = field(default_factory=dict)  # tensor -> where it was parked
+    ckpts: dict[tuple, _Stored] = field(default_factory=dict)  # checkpoints (or saved activations) parked
+    grad_first_b: dict[int, int] = field(default_factory=dict)  # block -> first backward task (buffer alloc)
+    grad_last: dict[int, list[int]] = field(default_factory=dict)  # block -> tasks that deliver final grads
+    host_grad_alloc: set[int] = field(default_factory=set)  # blocks whose host gradient buffer is allocated
+
+
 class _Builder:
     def __init__(self, model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig):
         self.model, self.hw, self.cfg = model, hw, cfg
-        self.W = cfg.ranks
+        self.W = cfg.world.ranks
         self.cost = CostModel(hw, cfg.world)
         self.g = GraphBuilder()
         self.blocks = blocks_of(model, cfg.micro_batch, cfg.seq)
@@ -359,12 +421,12 @@ class _Builder:
         g.alloc(producer, "gpu", s.kept)  # the output buffer is taken when the producing kernel starts
         if s.off > 0:
             g.alloc(producer, "gpu", s.off)
-            s.d2h = g.add("offload_" + tensor, "d2h", s.off, tensor=tensor, block=block, mb=mb, iteration=it,
+            s.d2h = g.add(entry_kind("offload", tensor), "d2h", s.off, tensor=tensor, block=block, mb=mb, iteration=it,
                           key=producer.key + Offset.OFFLOAD, deps=[producer.id])
             g.alloc(s.d2h, "cpu", s.off)
             g.free(s.d2h, "gpu", s.off)
         if s.to_ssd > 0:
-            s.write = g.add("write_" + tensor, "ssd_write", s.to_ssd, tensor=tensor, block=block, mb=mb, iteration=it,
+            s.write = g.add(entry_kind("write", tensor), "ssd_write", s.to_ssd, tensor=tensor, block=block, mb=mb, iteration=it,
                             key=producer.key + Offset.WRITE_OFFLOADED, deps=[s.d2h.id])
             g.alloc(s.write, "ssd", s.to_ssd)
             g.free(s.write, "cpu", s.to_ssd)
@@ -376,14 +438,14 @@ class _Builder:
         key = self.step_key[k]
         read = None
         if s.to_ssd > 0:
-            read = g.add("read_" + tensor, "ssd_read", s.to_ssd, tensor=tensor, block=block, mb=mb, iteration=it,
+            read = g.add(entry_kind("read", tensor), "ssd_read", s.to_ssd, tensor=tensor, block=block, mb=mb, iteration=it,
                          key=key - a - 1, deps=[s.write.id, self.prev_step_task(k - a - 2)])
             g.alloc(read, "cpu", s.to_ssd)
             if consume:
                 g.free(read, "ssd", s.to_ssd)
         deps: list[int] = []
         if s.off > 0:
-            h = g.add("fetch_" + tensor, "h2d", s.off, tensor=tensor, block=block, mb=mb, iteration=it,
+            h = g.add(entry_kind("fetch", tensor), "h2d", s.off, tensor=tensor, block=block, mb=mb, iteration=it,
                       key=key - a, deps=[s.d2h.id, read.id if read else -1, self.prev_step_task(k - a - 1)])
             g.alloc(h, "gpu", s.off)
             g.free(h, "cpu", s.off if consume else s.to_ssd)
@@ -436,7 +498,7 @@ class _Builder:
         read = None
         to_ssd = mine * w.ssd
         if to_ssd > 0:
-            read = g.add("read_weights", "ssd_read", to_ssd, tensor="weights", block=b, mb=-1, iteration=it,
+            read = g.add(READ_WEIGHTS, "ssd_read", to_ssd, tensor="weights", block=b, mb=-1, iteration=it,
                          key=max(first_key(u - d - 1), floor), deps=[last_task(u - d - 2), *ready])
             g.alloc(read, "cpu", to_ssd)
             use.read = read
@@ -444,7 +506,7 @@ class _Builder:
         buffer = off if self.W == 1 else blk.weight_bytes - mine * w.gpu
         h = None
         if off > 0:
-            h = g.add("fetch_weights", "h2d", off, tensor="weights", block=b, mb=-1, iteration=it,
+            h = g.add(FETCH_WEIGHTS, "h2d", off, tensor="weights", block=b, mb=-1, iteration=it,
                       key=max(first_key(u - d), floor), deps=[read.id if read else -1, last_task(u - d - 1), *ready])
             g.alloc(h, "gpu", buffer)
             g.free(h, "cpu", to_ssd)
@@ -454,7 +516,7 @@ class _Builder:
             return deps + [h.id]
         # the other ranks' shards: a ring all-gather into the rest of the buffer
         gather_deps = [h.id] if h is not None else [last_task(u - d - 1), *deps]
-        a = g.add("all_gather_weights", "net", self.collective_bytes(blk.weight_bytes), tensor="weights", block=b,
+        a = g.add(ALL_GATHER_WEIGHTS, "net", self.collective_bytes(blk.weight_bytes), tensor="weights", block=b,
                   mb=-1, iteration=it, key=max(first_key(u - d), floor), deps=gather_deps)
         if h is None:
             g.alloc(a, "gpu", buffer)
@@ -491,16 +553,8 @@ class _Builder:
         return TaskGraph(g.tasks, static, cap, cfg.iterations, self.nb, meta=meta)
 
     def build_iteration(self, it: int, base: int, seq_steps: list[_Step]) -> None:
-        g, p = self.g, self.p
-        L = self.L
-        ck = p.checkpoints
-        # tensors waiting between steps: ("x", block, mb) = input of block; ("dx", block, mb) = grad wrt input
-        direct: dict[tuple, int] = {}  # tensor -> producing task id, while it sits on the GPU for the next step
-        stored: dict[tuple, _Stored] = {}
-        ckpts: dict[tuple, _Stored] = {}
-        grad_first_b: dict[int, int] = {}  # block -> first backward task of this iteration (buffer alloc)
-        grad_last: dict[int, list[int]] = {b: [] for b in range(self.nb)}  # tasks that deliver final grads
-        host_grad_alloc: set[int] = set()
+        g = self.g
+        s = _IterState(it, base, seq_steps, grad_last={b: [] for b in range(self.nb)})
         last_step_of_block: dict[int, int] = {}
         for i, st in enumerate(seq_steps):
             k = base + i
@@ -510,78 +564,102 @@ class _Builder:
 
         for i, st in enumerate(seq_steps):
             k = base + i
-            key = self.step_key[k]
-            b, m = st.block, st.mb
             use = self.uses[st.use]
-            blk = self.blocks[b]
             deps: list[int] = []
-            free_gpu = 0.0
             if k == use.first_step:
                 deps += self.fetch_weights(st.use, it)
             elif use.ready_task is not None:
                 deps.append(use.ready_task.id)
-            prev = self.prev_step_task(k - 1)
-
             if st.phase == "F":
-                if b > 0:
-                    free_gpu += self._take(("x", b, m), not self.rec(b), k, prev, deps, direct, stored, it)
-                t = g.add("fwd", "gpu", self.t_fwd[b], tensor="activations", block=b, mb=m, iteration=it, key=key, deps=deps)
-                g.alloc(t, "gpu", blk.fwd_working_bytes)
-                g.free(t, "gpu", blk.fwd_working_bytes + free_gpu)
-                if b >= 1 and not self.rec(b):
-                    # a layer that is not recomputed keeps (swaps out) every activation its backward needs
-                    ckpts[("x", b, m)] = self.offload(t, blk.full_activation_bytes, ck, "checkpoint", it, b, m)
-                out = ("x", b + 1, m)
-                out_bytes = blk.checkpoint_bytes if b > 0 else self.blocks[1].checkpoint_bytes
-                if b + 1 <= L and self.rec(b + 1):
-                    # the next layer's input is its activation checkpoint: park it per the placement
-                    s = self.offload(t, out_bytes, ck, "checkpoint", it, b + 1, m)
-                    ckpts[out] = stored[out] = s
-                else:
-                    nxt = seq_steps[i + 1] if i + 1 < len(seq_steps) else None
-                    if not (nxt and nxt.block == b + 1 and nxt.mb == m):
-                        stored[out] = self.offload(t, out_bytes, ck, "act", it, b + 1, m)
-                direct[out] = t.id
-                last = t
+                last = self._forward_step(s, i, st, deps)
             elif st.phase == "H":
-                free_gpu += self._take(("x", b, m), True, k, prev, deps, direct, stored, it)
-                t = g.add("head", "gpu", self.t_fwd[b] + self.t_bwd[b], tensor="activations", block=b, mb=m,
-                          iteration=it, key=key, deps=deps)
-                g.alloc(t, "gpu", blk.bwd_working_bytes)
-                g.free(t, "gpu", blk.bwd_working_bytes + free_gpu)
-                last = t
-                self._grad_out(t, b, use, k, it, grad_first_b, grad_last, host_grad_alloc)
-                self._emit_dx(t, ("dx", b, m), i, seq_steps, direct, stored, it)
-            else:  # backward
-                free_gpu += self._take(("dx", b + 1, m), True, k, prev, deps, direct, stored, it)
-                s = ckpts.pop(("x", b, m), None)
-                if s is not None:  # the checkpoint (or the saved activations): its last use
-                    dd, fb = self.fetch(s, k, True, "checkpoint", it, b, m)
-                    deps.extend(dd)
-                    free_gpu += fb
-                first = None
-                if b >= 1 and self.rec(b):
-                    first = g.add("recompute", "gpu", self.t_fwd[b], tensor="activations", block=b, mb=m,
-                                  iteration=it, key=key + Offset.RECOMPUTE, deps=deps)
-                    g.alloc(first, "gpu", blk.bwd_working_bytes)
-                t = g.add("bwd", "gpu", self.t_bwd[b], tensor="activations", block=b, mb=m, iteration=it,
-                          key=key, deps=[first.id] if first else deps)
-                # a swapped layer's saved activations arrive by fetch (counted there), not by recompute
-                work_bytes = blk.bwd_working_bytes - (blk.full_activation_bytes if b >= 1 and not self.rec(b) else 0)
-                if first is None:
-                    g.alloc(t, "gpu", work_bytes)
-                g.free(t, "gpu", work_bytes + free_gpu)
-                last = t
-                self._grad_out(t, b, use, k, it, grad_first_b, grad_last, host_grad_alloc)
-                if b >= 1:
-                    self._emit_dx(t, ("dx", b, m), i, seq_steps, direct, stored, it)
+                last = self._head_step(s, i, st, deps)
+            else:
+                last = self._backward_step(s, i, st, deps)
             self.step_task.append(last.id)
             self.step_use.append(st.use)
             if k == use.steps[-1]:
                 use.last_task = last.id
                 if use.gpu_bytes:
                     g.free(last, "gpu", use.gpu_bytes)
-        self._optimizer(it, base, seq_steps, grad_last, last_step_of_block, first_fwd_idx)
+        self._optimizer(it, base, seq_steps, s.grad_last, last_step_of_block, first_fwd_idx)
+
+    def _forward_step(self, s: _IterState, i: int, st: _Step, deps: list[int]) -> Task:
+        """A decoder layer's (or the embedding's) forward of one micro-batch; its output parked or kept."""
+        g, ck, it = self.g, self.p.checkpoints, s.it
+        k = s.base + i
+        b, m = st.block, st.mb
+        blk = self.blocks[b]
+        prev = self.prev_step_task(k - 1)
+        free_gpu = 0.0
+        if b > 0:
+            free_gpu += self._take(("x", b, m), not self.rec(b), k, prev, deps, s.direct, s.stored, it)
+        t = g.add(FWD, "gpu", self.t_fwd[b], tensor="activations", block=b, mb=m, iteration=it,
+                  key=self.step_key[k], deps=deps)
+        g.alloc(t, "gpu", blk.fwd_working_bytes)
+        g.free(t, "gpu", blk.fwd_working_bytes + free_gpu)
+        if b >= 1 and not self.rec(b):
+            # a layer that is not recomputed keeps (swaps out) every activation its backward needs
+            s.ckpts[("x", b, m)] = self.offload(t, blk.full_activation_bytes, ck, "checkpoint", it, b, m)
+        out = ("x", b + 1, m)
+        out_bytes = blk.checkpoint_bytes if b > 0 else self.blocks[1].checkpoint_bytes
+        if b + 1 <= self.L and self.rec(b + 1):
+            # the next layer's input is its activation checkpoint: park it per the placement
+            stored = self.offload(t, out_bytes, ck, "checkpoint", it, b + 1, m)
+            s.ckpts[out] = s.stored[out] = stored
+        else:
+            nxt = s.seq_steps[i + 1] if i + 1 < len(s.seq_steps) else None
+            if not (nxt and nxt.block == b + 1 and nxt.mb == m):
+                s.stored[out] = self.offload(t, out_bytes, ck, "act", it, b + 1, m)
+        s.direct[out] = t.id
+        return t
+
+    def _head_step(self, s: _IterState, i: int, st: _Step, deps: list[int]) -> Task:
+        """The head's forward and backward of one micro-batch."""
+        g, it = self.g, s.it
+        k = s.base + i
+        b, m = st.block, st.mb
+        blk = self.blocks[b]
+        prev = self.prev_step_task(k - 1)
+        free_gpu = self._take(("x", b, m), True, k, prev, deps, s.direct, s.stored, it)
+        t = g.add(HEAD, "gpu", self.t_fwd[b] + self.t_bwd[b], tensor="activations", block=b, mb=m,
+                  iteration=it, key=self.step_key[k], deps=deps)
+        g.alloc(t, "gpu", blk.bwd_working_bytes)
+        g.free(t, "gpu", blk.bwd_working_bytes + free_gpu)
+        self._grad_out(t, b, self.uses[st.use], k, it, s.grad_first_b, s.grad_last, s.host_grad_alloc)
+        self._emit_dx(t, ("dx", b, m), i, s.seq_steps, s.direct, s.stored, it)
+        return t
+
+    def _backward_step(self, s: _IterState, i: int, st: _Step, deps: list[int]) -> Task:
+        """A decoder layer's (or the embedding's) backward of one micro-batch, after its recompute if any."""
+        g, it = self.g, s.it
+        k = s.base + i
+        key = self.step_key[k]
+        b, m = st.block, st.mb
+        blk = self.blocks[b]
+        prev = self.prev_step_task(k - 1)
+        free_gpu = self._take(("dx", b + 1, m), True, k, prev, deps, s.direct, s.stored, it)
+        stored = s.ckpts.pop(("x", b, m), None)
+        if stored is not None:  # the checkpoint (or the saved activations): its last use
+            dd, fb = self.fetch(stored, k, True, "checkpoint", it, b, m)
+            deps.extend(dd)
+            free_gpu += fb
+        first = None
+        if b >= 1 and self.rec(b):
+            first = g.add(RECOMPUTE, "gpu", self.t_fwd[b], tensor="activations", block=b, mb=m,
+                          iteration=it, key=key + Offset.RECOMPUTE, deps=deps)
+            g.alloc(first, "gpu", blk.bwd_working_bytes)
+        t = g.add(BWD, "gpu", self.t_bwd[b], tensor="activations", block=b, mb=m, iteration=it,
+                  key=key, deps=[first.id] if first else deps)
+        # a swapped layer's saved activations arrive by fetch (counted there), not by recompute
+        work_bytes = blk.bwd_working_bytes - (blk.full_activation_bytes if b >= 1 and not self.rec(b) else 0)
+        if first is None:
+            g.alloc(t, "gpu", work_bytes)
+        g.free(t, "gpu", work_bytes + free_gpu)
+        self._grad_out(t, b, self.uses[st.use], k, it, s.grad_first_b, s.grad_last, s.host_grad_alloc)
+        if b >= 1:
+            self._emit_dx(t, ("dx", b, m), i, s.seq_steps, s.direct, s.stored, it)
+        return t
 
     def _take(self, name: tuple, consume: bool, k: int, prev: int, deps: list[int], direct: dict, stored: dict,
               it: int) -> float:
@@ -630,7 +708,7 @@ class _Builder:
         if p.grads.gpu == 1.0 and k != self.cur_last_step[b]:
             return
         src = t if self.W == 1 else self._reduce_scatter(t, b, it)
-        d2h = g.add("offload_grads", "d2h", GRAD_WIRE_BYTES * self.shard(blk.fetch_params), tensor="grads", block=b,
+        d2h = g.add(OFFLOAD_GRADS, "d2h", GRAD_WIRE_BYTES * self.shard(blk.fetch_params), tensor="grads", block=b,
                     mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[src.id])
         g.free(d2h, "gpu", grad_gpu_bytes)
         if b not in host_grad_alloc:
@@ -641,7 +719,7 @@ class _Builder:
     def _reduce_scatter(self, t: Task, b: int, it: int) -> Task:
         """The ranks' gradients of block b summed, this rank's shard kept (a ring reduce-scatter after `t`)."""
         wire = GRAD_WIRE_BYTES * self.blocks[b].fetch_params
-        return self.g.add("reduce_scatter_grads", "net", self.collective_bytes(wire), tensor="grads", block=b,
+        return self.g.add(REDUCE_SCATTER_GRADS, "net", self.collective_bytes(wire), tensor="grads", block=b,
                           mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[t.id])
 
     def _optimizer(self, it: int, base: int, seq_steps: list[_Step], grad_last: dict, last_step_of_block: dict,
@@ -676,7 +754,7 @@ class _Builder:
             if owned == 0:
                 continue
             if p.gpu_optimizer:
-                t = g.add("adam_gpu", "gpu", self.cost.gpu_adam_s(owned), tensor="opt_states", block=b, mb=-1,
+                t = g.add(ADAM_GPU, "gpu", self.cost.gpu_adam_s(owned), tensor="opt_states", block=b, mb=-1,
                           iteration=it, key=key + Offset.ADAM_GPU, deps=grads_ready + barrier)
                 g.free(t, "gpu", GRAD_ACCUM_BYTES * blk.fetch_params)  # the step consumes the (full) gradient buffer
                 self.resident_update[b] = [t.id]
@@ -688,19 +766,19 @@ class _Builder:
             w_gpu = COMPUTE_BYTES * owned * p.weights.gpu
             pre: list[int] = []
             if grads_ssd > 0:
-                wr = g.add("write_grads", "ssd_write", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
+                wr = g.add(WRITE_GRADS, "ssd_write", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
                            key=key + Offset.WRITE_GRADS, deps=grads_ready)
                 g.free(wr, "cpu", grads_ssd)
-                rd = g.add("read_grads", "ssd_read", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
+                rd = g.add(READ_GRADS, "ssd_read", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
                            key=key + Offset.READ_GRADS, deps=[wr.id, prev_main] + barrier)
                 g.alloc(rd, "cpu", grads_ssd)
                 pre.append(rd.id)
             # DeepSpeed's default optimizer swapper (pipeline_read/write off) reads, steps and writes one
             # sub-group after the other (partitioned_optimizer_swapper.py:100-191; offload_config.py:84-94)
             serial_swap = cfg.runtime == "deepspeed"
-            parts = [(1.0 - cfg.alpha, key + Offset.ADAM, "adam")]
+            parts = [(1.0 - cfg.alpha, key + Offset.ADAM, ADAM)]
             if cfg.alpha > 0:
-                parts.append((cfg.alpha, self.clock.deferred_adam(it, first_fwd_idx[b]), "adam_deferred"))
+                parts.append((cfg.alpha, self.clock.deferred_adam(it, first_fwd_idx[b]), ADAM_DEFERRED))
             ready: list[int] = []
             prev_part = -1
             for frac, pkey, kind in parts:
@@ -708,37 +786,37 @@ class _Builder:
                 if states_ssd > 0:
                     # each part streams its own slice of master, m and v in from the SSD and back out, after
                     # the previous iteration wrote that slice back
-                    rs = g.add("read_opt_states", "ssd_read", states_ssd * frac, tensor="opt_states", block=b, mb=-1,
+                    rs = g.add(READ_OPT_STATES, "ssd_read", states_ssd * frac, tensor="opt_states", block=b, mb=-1,
                                iteration=it, key=pkey + Offset.READ_STATES,
-                               deps=[prev_main if kind == "adam" else prev_part, *self.states_written.get((b, kind), []),
+                               deps=[prev_main if kind == ADAM else prev_part, *self.states_written.get((b, kind), []),
                                      prev_write if serial_swap else -1,
-                                     *(self._lohan_trigger(k_last, thread_last) if thread_waits and kind == "adam"
+                                     *(self._lohan_trigger(k_last, thread_last) if thread_waits and kind == ADAM
                                        else [])])
                     g.alloc(rs, "cpu", states_ssd * frac)
                     deps.append(rs.id)
-                    if thread_waits and kind == "adam":
+                    if thread_waits and kind == ADAM:
                         thread_last = self._lohan_thread(rs, unwaited_write, k_last, base + S)
                         unwaited_write = None
                 a = g.add(kind, "cpu", self.cost.cpu_adam_s(owned * frac), tensor="opt_states", block=b, mb=-1,
                           iteration=it, key=pkey, deps=deps)
                 ready.append(a.id)
-                if kind == "adam":
+                if kind == ADAM:
                     prev_main = a.id
                 # each part is done with its slice of the fp32 gradient
                 g.free(a, "cpu", frac * (GRAD_ACCUM_BYTES * fetch_params * (1 - p.grads.ssd) + grads_ssd))
                 prev_part = a.id
                 if states_ssd + w_ssd > 0:
-                    wb = g.add("write_opt_states", "ssd_write", (states_ssd + w_ssd) * frac, tensor="opt_states",
+                    wb = g.add(WRITE_OPT_STATES, "ssd_write", (states_ssd + w_ssd) * frac, tensor="opt_states",
                                block=b, mb=-1, iteration=it, key=pkey + Offset.AFTER_ADAM, deps=[a.id])
                     g.free(wb, "cpu", states_ssd * frac)
                     self.states_written[(b, kind)] = [wb.id]
                     prev_write = wb.id
-                    if thread_waits and kind == "adam":
+                    if thread_waits and kind == ADAM:
                         unwaited_write = wb
                     if w_ssd > 0:
                         ready.append(wb.id)
                 if w_gpu > 0:
-                    up = g.add("update_weights", "h2d", w_gpu * frac, tensor="weights", block=b, mb=-1, iteration=it,
+                    up = g.add(UPDATE_WEIGHTS, "h2d", w_gpu * frac, tensor="weights", block=b, mb=-1, iteration=it,
                                key=pkey + Offset.AFTER_ADAM, deps=[a.id])
                     self.resident_update.setdefault(b, []).append(up.id)
             if w_gpu > 0:

@@ -23,7 +23,7 @@ def simulate_config(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
     """Build the task graph of `cfg` (unless given) and simulate it; fills in tokens and FLOPs. With several
     ranks the graph is one rank's and the tokens and FLOPs are the whole world's (the global batch)."""
     graph = graph or build_graph(model, hw, cfg)
-    if cfg.ranks > 1:
+    if cfg.world.ranks > 1:
         graph.meta["world"] = cfg.world.to_dict()
     res = simulate_graph(graph, hw, cfg.world)
     tokens = cfg.batch * cfg.seq

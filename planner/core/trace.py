@@ -6,13 +6,14 @@ from pathlib import Path
 
 from tierflow.planner.core.graph import TIERS
 from tierflow.planner.core.jsonio import write_json
+from tierflow.planner.core.opkinds import ADAM, ADAM_DEFERRED, ADAM_GPU, BWD, FWD, HEAD, RECOMPUTE
 from tierflow.planner.core.simulator import SimResult
 
 # Compute (gpu and cpu rows) in saturated colours, transfers (links) in a separate family of light tints drawn
 # hatched, so that no op kind shares a colour with the tensor its transfers carry (forward vs weight fetch, ...).
 KIND_COLORS = {
-    "fwd": "#1f5fbf", "recompute": "#7b2fbe", "bwd": "#18893a", "head": "#d62728", "adam": "#e6550d",
-    "adam_deferred": "#c99a00", "adam_gpu": "#e6550d",
+    FWD: "#1f5fbf", RECOMPUTE: "#7b2fbe", BWD: "#18893a", HEAD: "#d62728", ADAM: "#e6550d",
+    ADAM_DEFERRED: "#c99a00", ADAM_GPU: "#e6550d",
 }
 TENSOR_COLORS = {
     "weights": "#80cdc1", "checkpoint": "#f1b6da", "act": "#d9d9d9", "act_grad": "#a3a3a3", "grads": "#c2e699",
@@ -98,7 +99,7 @@ def zoom_window(res: SimResult, layers: int = ZOOM_LAYERS) -> tuple[float, float
     take `layers` times over. (Over a whole large-model iteration every bar is thinner than a pixel.)"""
     w0, w1 = res.window_s
     mid = max(1, (res.graph.num_blocks - 1) // 2)
-    fwd = [t.id for t in res.graph.tasks if t.kind == "fwd" and t.block == mid and t.resource == "gpu"
+    fwd = [t.id for t in res.graph.tasks if t.kind == FWD and t.block == mid and t.resource == "gpu"
            and w0 <= float(res.start_s[t.id]) < w1]
     if not fwd:
         return w0, w1

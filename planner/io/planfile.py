@@ -46,6 +46,7 @@ from tierflow.planner.core.graph import (
 from tierflow.planner.core.jsonio import gz_name, gzip_bytes, is_gzip_file, is_gzip_name, read_text
 from tierflow.planner.core.memory import static_bytes as placed_static_bytes
 from tierflow.planner.core.models import ModelError, ModelSpec
+from tierflow.planner.core.opkinds import OP_KINDS
 from tierflow.planner.core.placement import Placement, PlacementError
 from tierflow.planner.core.schedules import FAMILIES, RUNTIMES, ScheduleConfig
 from tierflow.planner.core.simulate import simulate_config
@@ -423,8 +424,8 @@ def _decisions(source: str, d: object, model: ModelSpec, hw: HardwareProfile) ->
     if cfg.batch % cfg.micro_batch:
         raise bad("batch", f"batch {cfg.batch} is not divisible by micro_batch {cfg.micro_batch}",
                   "use a micro-batch that divides the batch")
-    if cfg.batch % (cfg.micro_batch * cfg.ranks):
-        raise bad("batch", f"batch {cfg.batch} is not divisible by {cfg.ranks} ranks x micro_batch {cfg.micro_batch}",
+    if cfg.batch % (cfg.micro_batch * cfg.world.ranks):
+        raise bad("batch", f"batch {cfg.batch} is not divisible by {cfg.world.ranks} ranks x micro_batch {cfg.micro_batch}",
                   "use a batch that is a multiple of ranks x micro_batch")
     if cfg.num_micro_batches % cfg.group:
         raise bad("group", f"group {cfg.group} does not divide the {cfg.num_micro_batches} micro-batches",
@@ -465,94 +466,154 @@ def _cycle_text(cycle: list[int], limit: int = 6) -> str:
     return " -> ".join(str(i) for i in ids) + more + (f" -> {cycle[0]}" if len(cycle) <= limit else "")
 
 
+@dataclass(frozen=True)
+class _OpBounds:
+    """What an op's ids and indices may be: ops 0..n-1, iterations, blocks and micro-batches."""
+
+    n: int
+    num_iterations: int
+    num_blocks: int
+    num_mb: int
+
+
 def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb: int) -> list[Task]:
+    """The plan's ops as tasks: each op parsed and its fields checked, then the references between them (queue
+    positions, dependency cycles, deadlocks through the queues)."""
     if not isinstance(ops, list):
         raise _err(source, "ops", f"expected a list of ops, got {_json_type_name(ops)}", "write \"ops\": [...]")
     n = len(ops)
     if n == 0:
         raise _err(source, "ops", "the plan has no ops", "write the plan with tierflow, not by hand")
+    bounds = _OpBounds(n, num_iterations, num_blocks, num_mb)
     tasks: list[Task | None] = [None] * n
     orders: list[int] = [0] * n
-    known = OP_KEYS + OP_WORK_KEYS
     for index, op in enumerate(ops):
-        if not isinstance(op, dict):
-            raise _err(source, f"ops[{index}]", f"expected an object, got {_json_type_name(op)}", "write each op as an object")
-        tid = op.get("id")
-        if "id" not in op:
-            raise _err(source, f"ops[{index}]", "missing field 'id'", "give every op an integer id")
-        if not _is_int(tid) or not 0 <= tid < n:
-            raise _err(source, f"ops[{index}]", f"id {_short(tid)} out of range",
-                       f"ids must be the integers 0..{n - 1}, one per op")
-        where = f"op {tid}"
+        tid = _op_id(source, index, op, n)
         if tasks[tid] is not None:
-            raise _err(source, where, f"duplicate id {tid}", "give every op its own id")
-        for key in op:
-            if key not in known:
-                raise _unknown_key(source, where, key, known)
-        for key in OP_KEYS:
-            if key not in op:
-                raise _err(source, where, f"missing field {key!r}", f"add \"{key}\" to the op")
-        resource = op["resource"]
-        if resource not in RESOURCES:
-            raise _err(source, where, f"unknown resource {_short(resource)}", f"use one of {', '.join(RESOURCES)}")
-        work_key = "bytes" if resource in LINKS else "seconds"
-        other = "seconds" if work_key == "bytes" else "bytes"
-        if other in op:
-            raise _err(source, where, f"a {resource} op carries {other!r}",
-                       f"{resource} ops carry {work_key!r}: gpu/cpu ops carry seconds, link ops bytes")
-        if work_key not in op:
-            raise _err(source, where, f"missing field {work_key!r}", f"{resource} ops carry {work_key!r}")
-        work = op[work_key]
-        if not _is_number(work) or work < 0:
-            raise _err(source, where, f"{work_key} must be a non-negative number, got {_short(work)}",
-                       f"write the {work_key} as a plain number >= 0")
-        for key in ("kind", "tensor"):
-            if not isinstance(op[key], str) or not op[key]:
-                raise _err(source, where, f"{key} must be a non-empty string, got {_short(op[key])}", f"fix {key!r}")
-        it, block, mb, order = op["iteration"], op["block"], op["mb"], op["order"]
-        if not _is_int(it) or not 0 <= it < num_iterations:
-            raise _err(source, where, f"iteration {_short(it)} out of range",
-                       f"iterations run 0..{num_iterations - 1} (num_iterations = {num_iterations})")
-        if not _is_int(block) or not 0 <= block < num_blocks:
-            raise _err(source, where, f"block {_short(block)} out of range",
-                       f"blocks run 0..{num_blocks - 1} (num_blocks = {num_blocks})")
-        if not _is_int(mb) or not -1 <= mb < num_mb:
-            raise _err(source, where, f"mb {_short(mb)} is not a micro-batch index",
-                       f"micro-batches run 0..{num_mb - 1}; -1 marks per-block ops")
-        if not _is_int(order) or order < 0:
-            raise _err(source, where, f"order {_short(order)} is not a queue position",
-                       "write the 0-based position in the resource's queue")
-        deps = op["deps"]
-        if not isinstance(deps, list):
-            raise _err(source, where, f"deps must be a list of op ids, got {_json_type_name(deps)}", "write \"deps\": [...]")
-        for d in deps:
-            if not _is_int(d) or not 0 <= d < n:
-                raise _err(source, where, f"dangling dependency: op {_short(d, 20)} does not exist",
-                           f"depend only on op ids 0..{n - 1}")
-        mem = op["mem"]
-        if not isinstance(mem, list):
-            raise _err(source, where, f"mem must be a list, got {_json_type_name(mem)}", "write \"mem\": [[when, tier, bytes], ...]")
-        mem_start: list[tuple[int, float]] = []
-        mem_end: list[tuple[int, float]] = []
-        for e in mem:
-            if not isinstance(e, list) or len(e) != 3:
-                raise _err(source, where, f"mem effect {_short(e)} is not [when, tier, bytes]",
-                           "write e.g. [\"start\", \"gpu\", 1024.0]")
-            when, tier, delta = e
-            if when not in MEM_WHEN:
-                raise _err(source, where, f"mem effect at {_short(when)}", "use \"start\" or \"end\"")
-            if tier not in TIER_INDEX:
-                raise _err(source, where, f"unknown tier {_short(tier)} in mem", f"use one of {', '.join(TIERS)}")
-            if not _is_number(delta):
-                raise _err(source, where, f"mem bytes {_short(delta)} is not a finite number",
-                           "write + bytes to allocate, - bytes to free")
-            (mem_start if when == "start" else mem_end).append((TIER_INDEX[tier], float(delta)))
-        tasks[tid] = Task(tid, op["kind"], resource, float(work), op["tensor"], block, mb, it, list(deps),
-                          float(order), mem_start, mem_end)
-        orders[tid] = order
+            raise _err(source, f"op {tid}", f"duplicate id {tid}", "give every op its own id")
+        tasks[tid] = _op_task(source, tid, op, bounds)
+        orders[tid] = op["order"]
     done: list[Task] = tasks  # type: ignore[assignment]  # every slot filled: n unique ids within 0..n-1
+    by_res = _check_queues(source, done, orders, num_iterations)
+    _check_references(source, done, orders, by_res)
+    return done
 
-    # queue positions: each resource's orders are exactly 0..k-1
+
+def _op_id(source: str, index: int, op: object, n: int) -> int:
+    """The id of ops[index], which must be an object whose id is within 0..n-1."""
+    if not isinstance(op, dict):
+        raise _err(source, f"ops[{index}]", f"expected an object, got {_json_type_name(op)}",
+                   "write each op as an object")
+    tid = op.get("id")
+    if "id" not in op:
+        raise _err(source, f"ops[{index}]", "missing field 'id'", "give every op an integer id")
+    if not _is_int(tid) or not 0 <= tid < n:
+        raise _err(source, f"ops[{index}]", f"id {_short(tid)} out of range",
+                   f"ids must be the integers 0..{n - 1}, one per op")
+    return tid
+
+
+def _op_task(source: str, tid: int, op: dict, bounds: _OpBounds) -> Task:
+    """One op parsed into a Task, every field checked."""
+    where = f"op {tid}"
+    _check_op_keys(source, where, op)
+    resource, work = _op_work(source, where, op)
+    for key in ("kind", "tensor"):
+        if not isinstance(op[key], str) or not op[key]:
+            raise _err(source, where, f"{key} must be a non-empty string, got {_short(op[key])}", f"fix {key!r}")
+    _check_op_indices(source, where, op, bounds)
+    deps = _op_deps(source, where, op["deps"], bounds.n)
+    mem_start, mem_end = _op_mem(source, where, op["mem"])
+    return Task(tid, op["kind"], resource, work, op["tensor"], op["block"], op["mb"], op["iteration"], deps,
+                float(op["order"]), mem_start, mem_end)
+
+
+def _check_op_keys(source: str, where: str, op: dict) -> None:
+    """Every key of the op known, every required one present."""
+    known = OP_KEYS + OP_WORK_KEYS
+    for key in op:
+        if key not in known:
+            raise _unknown_key(source, where, key, known)
+    for key in OP_KEYS:
+        if key not in op:
+            raise _err(source, where, f"missing field {key!r}", f"add \"{key}\" to the op")
+
+
+def _op_work(source: str, where: str, op: dict) -> tuple[str, float]:
+    """The op's resource and its work: seconds on gpu/cpu, bytes on a link."""
+    resource = op["resource"]
+    if resource not in RESOURCES:
+        raise _err(source, where, f"unknown resource {_short(resource)}", f"use one of {', '.join(RESOURCES)}")
+    work_key = "bytes" if resource in LINKS else "seconds"
+    other = "seconds" if work_key == "bytes" else "bytes"
+    if other in op:
+        raise _err(source, where, f"a {resource} op carries {other!r}",
+                   f"{resource} ops carry {work_key!r}: gpu/cpu ops carry seconds, link ops bytes")
+    if work_key not in op:
+        raise _err(source, where, f"missing field {work_key!r}", f"{resource} ops carry {work_key!r}")
+    work = op[work_key]
+    if not _is_number(work) or work < 0:
+        raise _err(source, where, f"{work_key} must be a non-negative number, got {_short(work)}",
+                   f"write the {work_key} as a plain number >= 0")
+    return resource, float(work)
+
+
+def _check_op_indices(source: str, where: str, op: dict, bounds: _OpBounds) -> None:
+    """The op's iteration, block, micro-batch and queue position within the plan's bounds."""
+    it, block, mb, order = op["iteration"], op["block"], op["mb"], op["order"]
+    num_iterations, num_blocks, num_mb = bounds.num_iterations, bounds.num_blocks, bounds.num_mb
+    if not _is_int(it) or not 0 <= it < num_iterations:
+        raise _err(source, where, f"iteration {_short(it)} out of range",
+                   f"iterations run 0..{num_iterations - 1} (num_iterations = {num_iterations})")
+    if not _is_int(block) or not 0 <= block < num_blocks:
+        raise _err(source, where, f"block {_short(block)} out of range",
+                   f"blocks run 0..{num_blocks - 1} (num_blocks = {num_blocks})")
+    if not _is_int(mb) or not -1 <= mb < num_mb:
+        raise _err(source, where, f"mb {_short(mb)} is not a micro-batch index",
+                   f"micro-batches run 0..{num_mb - 1}; -1 marks per-block ops")
+    if not _is_int(order) or order < 0:
+        raise _err(source, where, f"order {_short(order)} is not a queue position",
+                   "write the 0-based position in the resource's queue")
+
+
+def _op_deps(source: str, where: str, deps: object, n: int) -> list[int]:
+    """The op's dependencies: a list of existing op ids."""
+    if not isinstance(deps, list):
+        raise _err(source, where, f"deps must be a list of op ids, got {_json_type_name(deps)}",
+                   "write \"deps\": [...]")
+    for d in deps:
+        if not _is_int(d) or not 0 <= d < n:
+            raise _err(source, where, f"dangling dependency: op {_short(d, 20)} does not exist",
+                       f"depend only on op ids 0..{n - 1}")
+    return list(deps)
+
+
+def _op_mem(source: str, where: str, mem: object) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """The op's memory effects, (tier index, bytes) at its start and at its end."""
+    if not isinstance(mem, list):
+        raise _err(source, where, f"mem must be a list, got {_json_type_name(mem)}",
+                   "write \"mem\": [[when, tier, bytes], ...]")
+    mem_start: list[tuple[int, float]] = []
+    mem_end: list[tuple[int, float]] = []
+    for e in mem:
+        if not isinstance(e, list) or len(e) != 3:
+            raise _err(source, where, f"mem effect {_short(e)} is not [when, tier, bytes]",
+                       "write e.g. [\"start\", \"gpu\", 1024.0]")
+        when, tier, delta = e
+        if when not in MEM_WHEN:
+            raise _err(source, where, f"mem effect at {_short(when)}", "use \"start\" or \"end\"")
+        if tier not in TIER_INDEX:
+            raise _err(source, where, f"unknown tier {_short(tier)} in mem", f"use one of {', '.join(TIERS)}")
+        if not _is_number(delta):
+            raise _err(source, where, f"mem bytes {_short(delta)} is not a finite number",
+                       "write + bytes to allocate, - bytes to free")
+        (mem_start if when == "start" else mem_end).append((TIER_INDEX[tier], float(delta)))
+    return mem_start, mem_end
+
+
+def _check_queues(source: str, done: list[Task], orders: list[int], num_iterations: int) -> dict[str, dict[int, int]]:
+    """Each resource's queue positions are exactly 0..k-1, and every iteration computes on the gpu. Returns
+    resource -> {position: op id}."""
     by_res: dict[str, dict[int, int]] = {r: {} for r in RESOURCES}
     for t in done:
         q = by_res[t.resource]
@@ -568,8 +629,12 @@ def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb:
     for it in range(num_iterations):
         if not any(t.resource == "gpu" and t.iteration == it for t in done):
             raise _err(source, "ops", f"iteration {it} has no gpu op", "every iteration computes on the gpu")
+    return by_res
 
-    # dependency cycles
+
+def _check_references(source: str, done: list[Task], orders: list[int], by_res: dict[str, dict[int, int]]) -> None:
+    """The dependencies are acyclic, no op is queued before a same-resource dependency, and dependencies and
+    queue orders together do not deadlock."""
     preds = [sorted(set(t.deps)) for t in done]
     try:
         topological_order(len(done), preds)
@@ -592,7 +657,16 @@ def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb:
     except CycleError as e:
         raise _err(source, f"op {e.cycle[0]}", f"the resource orders deadlock: ops {_cycle_text(e.cycle)} wait on "
                    "each other through deps and queues", "reorder the queues to follow the dependencies") from None
-    return done
+
+
+def _check_kinds(source: str, tasks: list[Task]) -> None:
+    """Every op's kind is one of the op vocabulary (tierflow.planner.core.opkinds.OP_KINDS). Checked after the
+    digest, so that an edited op of a written plan is reported as an edit."""
+    for t in tasks:
+        if t.kind not in OP_KINDS:
+            close = difflib.get_close_matches(t.kind, sorted(OP_KINDS), n=1, cutoff=0.6)
+            fix = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(sorted(OP_KINDS))}"
+            raise _err(source, f"op {t.id}", f"op kind {_short(t.kind)} is not implemented", fix)
 
 
 _REWRITE = "rewrite it: tierflow plan -o or simulate --write-plan"
@@ -608,7 +682,7 @@ def _check_micro_batch_count(source: str, ops: object, cfg: ScheduleConfig) -> N
         return
     computed = max(mbs) + 1
     if computed != cfg.num_micro_batches:
-        split = f"micro_batch {cfg.micro_batch}" if cfg.ranks == 1 else f"({cfg.ranks} ranks x micro_batch {cfg.micro_batch})"
+        split = f"micro_batch {cfg.micro_batch}" if cfg.world.ranks == 1 else f"({cfg.world.ranks} ranks x micro_batch {cfg.micro_batch})"
         raise _err(source, "decisions.batch", f"{cfg.batch} / {split} = "
                    f"{cfg.num_micro_batches} micro-batches, the ops compute {computed}", _REWRITE)
 
@@ -621,7 +695,7 @@ def _check_derived_bytes(source: str, model: ModelSpec, hw: HardwareProfile, cfg
         if not math.isclose(capacity[t], want_cap[t], rel_tol=1e-9, abs_tol=1.0):
             raise _err(source, f"capacity_bytes.{t}", f"{capacity[t]:,.0f} bytes, but the hardware section gives "
                        f"{want_cap[t]:,.0f}: edited after writing?", _REWRITE)
-    want = placed_static_bytes(model, cfg.placement, cfg.runtime, cfg.ranks)
+    want = placed_static_bytes(model, cfg.placement, cfg.runtime, cfg.world.ranks)
     for t in TIERS:
         if not math.isclose(static[t], want[t], rel_tol=1e-9, abs_tol=1.0):
             raise _err(source, f"static_bytes.{t}", f"{static[t]:,.0f} bytes, but the model and "
@@ -694,16 +768,17 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
                    f"write {model.num_layers + 2} (embedding, layers, head)")
     _check_micro_batch_count(source, d["ops"], config)
     tasks = _ops(source, d["ops"], num_iterations, num_blocks, config.num_micro_batches)
-    if config.ranks == 1:
+    if config.world.ranks == 1:
         net = next((t for t in tasks if t.resource == NET), None)
         if net is not None:
             raise _err(source, f"op {net.id}", "a collective (resource net) in a plan of one rank",
                        "write decisions.gpus / nodes for the world it was built for, or " + _REWRITE)
     if d.get("digest") is not None:
         _check_digest(source, d, model, hardware, config)
+    _check_kinds(source, tasks)
     _check_derived_bytes(source, model, hardware, config, static, capacity)
     graph = TaskGraph(tasks, static, capacity, num_iterations, num_blocks,
-                      meta={"world": config.world.to_dict()} if config.ranks > 1 else {})
+                      meta={"world": config.world.to_dict()} if config.world.ranks > 1 else {})
     return Plan(model=model, hardware=hardware, config=config, graph=graph, predicted=d.get("predicted"),
                 solver=d.get("solver"), source=source)
 

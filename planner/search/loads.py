@@ -150,5 +150,5 @@ def iteration_loads(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
         c = w1[k] - r  # embedding + head
         s = ws[k] - c  # one swapped layer
         work[k] = c + (L - n) * r + n * s
-    return IterationLoads(work=work, static_bytes=static_bytes(model, cfg.placement, cfg.runtime, cfg.ranks),
+    return IterationLoads(work=work, static_bytes=static_bytes(model, cfg.placement, cfg.runtime, cfg.world.ranks),
                           world=cfg.world)

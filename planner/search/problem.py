@@ -68,7 +68,7 @@ class Problem:
 
     def __post_init__(self) -> None:
         check_world(self.hw, self.gpus, self.nodes)
-        W = self.gpus * self.nodes
+        W = self.world.ranks
         if self.batch % W:
             raise ScheduleError(f"batch {self.batch} is not divisible by {W} ranks (use a multiple of {W})")
 
@@ -88,13 +88,9 @@ class Problem:
         return World(self.gpus, self.nodes)
 
     @property
-    def ranks(self) -> int:
-        return self.gpus * self.nodes
-
-    @property
     def rank_batch(self) -> int:
         """Sequences one rank runs per iteration (the global batch split over the ranks)."""
-        return self.batch // self.ranks
+        return self.world.rank_batch(self.batch)
 
     # ---- built once -------------------------------------------------------------------------------------------
 
@@ -144,7 +140,8 @@ class Problem:
                               cfg.prefetch_depth, cfg.act_prefetch, cfg.runtime), lambda: schedule_memory(
             self.model, micro_batch=cfg.micro_batch, seq=self.seq, num_micro_batches=cfg.num_micro_batches,
             group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
-            prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime, ranks=self.ranks))
+            prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime,
+            ranks=self.world.ranks))
 
     def gpu_floor_s(self, micro_batch: int) -> float:
         """GPU compute of one iteration without any recompute: no plan with this micro-batch can beat it."""
@@ -160,5 +157,6 @@ class Problem:
         return need <= self.capacity_bytes["gpu"]
 
     def describe(self) -> str:
-        world = "" if self.ranks == 1 else f" over {self.ranks} ranks ({self.gpus} GPUs x {self.nodes} boxes)"
+        ranks = self.world.ranks
+        world = "" if ranks == 1 else f" over {ranks} ranks ({self.gpus} GPUs x {self.nodes} boxes)"
         return f"{self.model.name} on {self.hw.name}, batch {self.batch} x {self.seq}{world}"
