@@ -376,6 +376,36 @@ class _IterState:
     host_grad_alloc: set[int] = field(default_factory=set)  # blocks whose host gradient buffer is allocated
 
 
+@dataclass
+class _AdamBlock:
+    """One block's optimizer step in one iteration: where it is keyed and this rank's shard of the block."""
+
+    block: int
+    it: int
+    key: float  # the step's position in the resources' queues
+    k_last: int  # the block's last backward step
+    owned: int  # elements of the block's states this rank owns
+    fetch_params: int  # elements of the block's gradient this rank keeps
+    end: int  # global index of the step after the iteration's last
+
+
+@dataclass
+class _OptChain:
+    """What the optimizer steps of successive blocks chain on within one iteration.
+
+    LoHan steps each sub-group from the gradient hook that sees the backward enter the next one, on the training
+    thread: it reads the group's fp32 p, m, v from NVMe and waits, hands them to the CPU-Adam process, then writes
+    back the group stepped before it (fp16 weights and p, m, v) and waits; only then does the backward go on
+    (RC4ML/LoHan ratel_optimizer.py:530-534, 1047-1089; nvme_ds/pipelined_optimizer_swapper.py:160-216;
+    docs/baselines-as-coded.md B2). Here a layer block stands for a sub-group; the GPU is not waited for, it runs
+    ahead on what the thread launched before (_Builder._lohan_trigger, _Builder._lohan_thread)."""
+
+    prev_main: int = -1  # the previous block's main CPU Adam step
+    prev_write: int = -1  # DeepSpeed: a sub-group's states are read only after the previous one's are written
+    unwaited_write: Task | None = None  # LoHan: the write-back the thread issues at the next boundary
+    thread_last: Task | None = None  # LoHan: the thread's last wait
+
+
 class _Builder:
     def __init__(self, model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig):
         self.model, self.hw, self.cfg = model, hw, cfg
@@ -466,19 +496,7 @@ class _Builder:
         off = mine * w.off_gpu
         if off <= 0 and self.W == 1:
             return deps
-        g, d = self.g, self.cfg.prefetch_depth
-        if self.cfg.runtime == "deepspeed" and w.ssd > 0:
-            # DeepSpeed's parameter prefetch stops at the first parameter still on NVMe; its NVMe read-ahead
-            # starts when the previous module's hook runs, its copy to the GPU when this module's hook does
-            # (partitioned_param_coordinator.py:460-463, 667-690; partition_parameters.py:1689-1692)
-            d = 0
-        if self.cfg.runtime == "lohan" and w.ssd > 0 and use.phase == "B":
-            # LoHan prefetches weights only in the forward (its loop needs fw_flag, cleared once module inputs
-            # carry a grad_fn): in the recompute and the backward each module reads its weights from NVMe and
-            # waits itself, while the GPU runs what is already queued (RC4ML/LoHan ratel_init.py:720-723,
-            # 738-744, 774, 838-855; docs/baselines-as-coded.md B3). Its forward prefetch (3 half-layer blocks
-            # ahead, ratel_init.py:951-992) is the ideal depth-1 prefetch here
-            d = 0
+        g, d = self.g, self._weight_prefetch_depth(use)
         ready = list(self.weights_ready.get(b, []))
         if b == self.head and self.model.tied_embeddings:
             ready += self.weights_ready.get(0, [])
@@ -522,6 +540,23 @@ class _Builder:
             g.alloc(a, "gpu", buffer)
         use.gather = a
         return deps + [a.id]
+
+    def _weight_prefetch_depth(self, use: _Use) -> int:
+        """Weight uses ahead the fetch of `use` may start: the schedule's prefetch depth, but none where the
+        modelled runtime fetches SSD-resident weights on demand."""
+        if self.cfg.runtime == "deepspeed" and self.p.weights.ssd > 0:
+            # DeepSpeed's parameter prefetch stops at the first parameter still on NVMe; its NVMe read-ahead
+            # starts when the previous module's hook runs, its copy to the GPU when this module's hook does
+            # (partitioned_param_coordinator.py:460-463, 667-690; partition_parameters.py:1689-1692)
+            return 0
+        if self.cfg.runtime == "lohan" and self.p.weights.ssd > 0 and use.phase == "B":
+            # LoHan prefetches weights only in the forward (its loop needs fw_flag, cleared once module inputs
+            # carry a grad_fn): in the recompute and the backward each module reads its weights from NVMe and
+            # waits itself, while the GPU runs what is already queued (RC4ML/LoHan ratel_init.py:720-723,
+            # 738-744, 774, 838-855; docs/baselines-as-coded.md B3). Its forward prefetch (3 half-layer blocks
+            # ahead, ratel_init.py:951-992) is the ideal depth-1 prefetch here
+            return 0
+        return self.cfg.prefetch_depth
 
     # -- the iteration ------------------------------------------------------------------------------------------
 
@@ -727,18 +762,7 @@ class _Builder:
         g, p, cfg, model = self.g, self.p, self.cfg, self.model
         barrier = [self.step_task[-1]] if not cfg.optimizer_overlap else []
         order = sorted(range(self.nb), key=lambda b: last_step_of_block[b])
-        prev_main = -1
-        prev_write = -1  # DeepSpeed: a sub-group's states are read only after the previous one's are written
-        # LoHan steps each sub-group from the gradient hook that sees the backward enter the next one, on the
-        # training thread: it reads the group's fp32 p, m, v from NVMe and waits, hands them to the CPU-Adam
-        # process, then writes back the group stepped before it (fp16 weights and p, m, v) and waits; only then
-        # does the backward go on (RC4ML/LoHan ratel_optimizer.py:530-534, 1047-1089;
-        # nvme_ds/pipelined_optimizer_swapper.py:160-216; docs/baselines-as-coded.md B2). Here a layer block
-        # stands for a sub-group; the GPU is not waited for, it runs ahead on what the thread launched before
-        # (_lohan_trigger, _lohan_thread).
-        thread_waits = cfg.runtime == "lohan"
-        unwaited_write: Task | None = None  # LoHan: the write-back the thread issues at the next boundary
-        thread_last: Task | None = None  # LoHan: the thread's last wait
+        chain = _OptChain()
         S = len(seq_steps)
         end_key = self.step_key[base + S - 1]
         for rank, b in enumerate(order):
@@ -750,78 +774,94 @@ class _Builder:
             if b == 0 and model.tied_embeddings:
                 grads_ready += grad_last[self.head]
             owned = self.shard(blk.owned_params)  # this rank's shard of the block's states
-            fetch_params = self.shard(blk.fetch_params)
             if owned == 0:
                 continue
             if p.gpu_optimizer:
                 t = g.add(ADAM_GPU, "gpu", self.cost.gpu_adam_s(owned), tensor="opt_states", block=b, mb=-1,
                           iteration=it, key=key + Offset.ADAM_GPU, deps=grads_ready + barrier)
-                g.free(t, "gpu", GRAD_ACCUM_BYTES * blk.fetch_params)  # the step consumes the (full) gradient buffer
+                # the step consumes the (full) gradient buffer
+                g.free(t, "gpu", GRAD_ACCUM_BYTES * blk.fetch_params)
                 self.resident_update[b] = [t.id]
                 self.weights_ready[b] = [t.id]
                 continue
-            states_ssd = owned * (MASTER_BYTES * p.master.ssd + ADAM_STATE_BYTES * (p.adam_m.ssd + p.adam_v.ssd))
-            grads_ssd = GRAD_ACCUM_BYTES * fetch_params * p.grads.ssd
-            w_ssd = COMPUTE_BYTES * owned * p.weights.ssd
-            w_gpu = COMPUTE_BYTES * owned * p.weights.gpu
-            pre: list[int] = []
-            if grads_ssd > 0:
-                wr = g.add(WRITE_GRADS, "ssd_write", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
-                           key=key + Offset.WRITE_GRADS, deps=grads_ready)
-                g.free(wr, "cpu", grads_ssd)
-                rd = g.add(READ_GRADS, "ssd_read", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
-                           key=key + Offset.READ_GRADS, deps=[wr.id, prev_main] + barrier)
-                g.alloc(rd, "cpu", grads_ssd)
-                pre.append(rd.id)
-            # DeepSpeed's default optimizer swapper (pipeline_read/write off) reads, steps and writes one
-            # sub-group after the other (partitioned_optimizer_swapper.py:100-191; offload_config.py:84-94)
-            serial_swap = cfg.runtime == "deepspeed"
-            parts = [(1.0 - cfg.alpha, key + Offset.ADAM, ADAM)]
-            if cfg.alpha > 0:
-                parts.append((cfg.alpha, self.clock.deferred_adam(it, first_fwd_idx[b]), ADAM_DEFERRED))
-            ready: list[int] = []
-            prev_part = -1
-            for frac, pkey, kind in parts:
-                deps = grads_ready + pre + barrier + [prev_part]
-                if states_ssd > 0:
-                    # each part streams its own slice of master, m and v in from the SSD and back out, after
-                    # the previous iteration wrote that slice back
-                    rs = g.add(READ_OPT_STATES, "ssd_read", states_ssd * frac, tensor="opt_states", block=b, mb=-1,
-                               iteration=it, key=pkey + Offset.READ_STATES,
-                               deps=[prev_main if kind == ADAM else prev_part, *self.states_written.get((b, kind), []),
-                                     prev_write if serial_swap else -1,
-                                     *(self._lohan_trigger(k_last, thread_last) if thread_waits and kind == ADAM
-                                       else [])])
-                    g.alloc(rs, "cpu", states_ssd * frac)
-                    deps.append(rs.id)
-                    if thread_waits and kind == ADAM:
-                        thread_last = self._lohan_thread(rs, unwaited_write, k_last, base + S)
-                        unwaited_write = None
-                a = g.add(kind, "cpu", self.cost.cpu_adam_s(owned * frac), tensor="opt_states", block=b, mb=-1,
-                          iteration=it, key=pkey, deps=deps)
-                ready.append(a.id)
-                if kind == ADAM:
-                    prev_main = a.id
-                # each part is done with its slice of the fp32 gradient
-                g.free(a, "cpu", frac * (GRAD_ACCUM_BYTES * fetch_params * (1 - p.grads.ssd) + grads_ssd))
-                prev_part = a.id
-                if states_ssd + w_ssd > 0:
-                    wb = g.add(WRITE_OPT_STATES, "ssd_write", (states_ssd + w_ssd) * frac, tensor="opt_states",
-                               block=b, mb=-1, iteration=it, key=pkey + Offset.AFTER_ADAM, deps=[a.id])
-                    g.free(wb, "cpu", states_ssd * frac)
-                    self.states_written[(b, kind)] = [wb.id]
-                    prev_write = wb.id
-                    if thread_waits and kind == ADAM:
-                        unwaited_write = wb
-                    if w_ssd > 0:
-                        ready.append(wb.id)
-                if w_gpu > 0:
-                    up = g.add(UPDATE_WEIGHTS, "h2d", w_gpu * frac, tensor="weights", block=b, mb=-1, iteration=it,
-                               key=pkey + Offset.AFTER_ADAM, deps=[a.id])
-                    self.resident_update.setdefault(b, []).append(up.id)
+            step = _AdamBlock(b, it, key, k_last, owned, self.shard(blk.fetch_params), base + S)
+            self._cpu_adam(step, grads_ready, barrier, chain, first_fwd_idx)
+
+    def _cpu_adam(self, step: _AdamBlock, grads_ready: list[int], barrier: list[int], chain: _OptChain,
+                  first_fwd_idx: dict) -> None:
+        """The CPU Adam step of one block: its fp32 gradient through the SSD if placed there, then each part (the
+        main step, and the fraction alpha deferred into the next forward) with its states read from and written
+        back to the SSD, and its GPU-resident weights updated."""
+        g, p, cfg = self.g, self.p, self.cfg
+        b, it, owned, fetch_params = step.block, step.it, step.owned, step.fetch_params
+        states_ssd = owned * (MASTER_BYTES * p.master.ssd + ADAM_STATE_BYTES * (p.adam_m.ssd + p.adam_v.ssd))
+        grads_ssd = GRAD_ACCUM_BYTES * fetch_params * p.grads.ssd
+        w_ssd = COMPUTE_BYTES * owned * p.weights.ssd
+        w_gpu = COMPUTE_BYTES * owned * p.weights.gpu
+        pre: list[int] = []
+        if grads_ssd > 0:
+            wr = g.add(WRITE_GRADS, "ssd_write", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
+                       key=step.key + Offset.WRITE_GRADS, deps=grads_ready)
+            g.free(wr, "cpu", grads_ssd)
+            rd = g.add(READ_GRADS, "ssd_read", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
+                       key=step.key + Offset.READ_GRADS, deps=[wr.id, chain.prev_main] + barrier)
+            g.alloc(rd, "cpu", grads_ssd)
+            pre.append(rd.id)
+        parts = [(1.0 - cfg.alpha, step.key + Offset.ADAM, ADAM)]
+        if cfg.alpha > 0:
+            parts.append((cfg.alpha, self.clock.deferred_adam(it, first_fwd_idx[b]), ADAM_DEFERRED))
+        ready: list[int] = []
+        prev_part = -1
+        for frac, pkey, kind in parts:
+            deps = grads_ready + pre + barrier + [prev_part]
+            if states_ssd > 0:
+                # each part streams its own slice of master, m and v in from the SSD and back out, after the
+                # previous iteration wrote that slice back
+                deps.append(self._read_states(step, states_ssd * frac, pkey, kind, prev_part, chain).id)
+            a = g.add(kind, "cpu", self.cost.cpu_adam_s(owned * frac), tensor="opt_states", block=b, mb=-1,
+                      iteration=it, key=pkey, deps=deps)
+            ready.append(a.id)
+            if kind == ADAM:
+                chain.prev_main = a.id
+            # each part is done with its slice of the fp32 gradient
+            g.free(a, "cpu", frac * (GRAD_ACCUM_BYTES * fetch_params * (1 - p.grads.ssd) + grads_ssd))
+            prev_part = a.id
+            if states_ssd + w_ssd > 0:
+                wb = g.add(WRITE_OPT_STATES, "ssd_write", (states_ssd + w_ssd) * frac, tensor="opt_states",
+                           block=b, mb=-1, iteration=it, key=pkey + Offset.AFTER_ADAM, deps=[a.id])
+                g.free(wb, "cpu", states_ssd * frac)
+                self.states_written[(b, kind)] = [wb.id]
+                chain.prev_write = wb.id
+                if cfg.runtime == "lohan" and kind == ADAM:
+                    chain.unwaited_write = wb
+                if w_ssd > 0:
+                    ready.append(wb.id)
             if w_gpu > 0:
-                self.resident_update[b] = self.resident_update[b][-len(parts):]
-            self.weights_ready[b] = ready
+                up = g.add(UPDATE_WEIGHTS, "h2d", w_gpu * frac, tensor="weights", block=b, mb=-1, iteration=it,
+                           key=pkey + Offset.AFTER_ADAM, deps=[a.id])
+                self.resident_update.setdefault(b, []).append(up.id)
+        if w_gpu > 0:
+            self.resident_update[b] = self.resident_update[b][-len(parts):]
+        self.weights_ready[b] = ready
+
+    def _read_states(self, step: _AdamBlock, nbytes: float, pkey: float, kind: str, prev_part: int,
+                     chain: _OptChain) -> Task:
+        """The SSD read of one Adam part's slice of a block's fp32 master, m and v. DeepSpeed's default optimizer
+        swapper (pipeline_read/write off) reads, steps and writes one sub-group after the other
+        (partitioned_optimizer_swapper.py:100-191; offload_config.py:84-94); LoHan's training thread waits for
+        the read (_lohan_trigger, _lohan_thread)."""
+        lohan_main = self.cfg.runtime == "lohan" and kind == ADAM
+        rs = self.g.add(READ_OPT_STATES, "ssd_read", nbytes, tensor="opt_states", block=step.block, mb=-1,
+                        iteration=step.it, key=pkey + Offset.READ_STATES,
+                        deps=[chain.prev_main if kind == ADAM else prev_part,
+                              *self.states_written.get((step.block, kind), []),
+                              chain.prev_write if self.cfg.runtime == "deepspeed" else -1,
+                              *(self._lohan_trigger(step.k_last, chain.thread_last) if lohan_main else [])])
+        self.g.alloc(rs, "cpu", nbytes)
+        if lohan_main:
+            chain.thread_last = self._lohan_thread(rs, chain.unwaited_write, step.k_last, step.end)
+            chain.unwaited_write = None
+        return rs
 
     def _lohan_trigger(self, k_last: int, thread_last: Task | None) -> list[int]:
         """LoHan: the tasks after which its training thread reaches the gradient hook that steps the block whose
