@@ -6,8 +6,8 @@ size every tensor without importing torch or transformers.
 
 Models come from two places:
 
-* the named zoo :data:`MODELS` (GPT-3 paper family, the GPT-65B/70B shapes of the seed papers, LLaMA-2, and two
-  tiny models for tests and demos), looked up case-insensitively by :func:`get_model`;
+* the named zoo :data:`MODELS` (GPT-3 paper family, the GPT-65B/70B shapes of the seed papers, LLaMA-2, and
+  two tiny models for tests and demos), looked up case-insensitively by :func:`get_model`;
 * a Hugging Face ``config.json`` (or a directory holding one) read by :func:`from_hf_config`, for the
   ``model_type`` kinds in :data:`SUPPORTED_HF_KINDS`;
 * a hub id (``org/name``) whose config.json is in the local Hugging Face cache (:func:`find_cached_config`;
@@ -67,9 +67,9 @@ class ModelError(TierflowError, ValueError):
         super().__init__(" ".join(str(message).split()))
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # ModelSpec
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -97,15 +97,16 @@ class ModelSpec:
     embed_proj_dim: int = 0  # OPT word_embed_proj_dim when != hidden (adds project_in/out); else 0
     position_offset: int = 0  # OPT learned positions have 2 extra rows
     final_norm: bool = True  # False for post-LN OPT (do_layer_norm_before=False, e.g. opt-350m)
-    # False: no lm_head and no logits: the loss is taken on the final hidden states, as in LoHan's benchmark model
-    # (RC4ML/LoHan gpt_model.py:196-212, docs/baselines-as-coded.md section B); the token embedding stays
+    # False: no lm_head and no logits: the loss is taken on the final hidden states, as in LoHan's benchmark
+    # model (RC4ML/LoHan gpt_model.py:196-212, docs/baselines-as-coded.md section B); the token embedding
+    # stays
     lm_head: bool = True
     norm_affine: bool = True  # False for OPT with layer_norm_elementwise_affine=False (norms hold no params)
     qk_norm: bool = False  # Qwen3: an RMSNorm over head_dim on every query and key head (2 x head_dim params a layer)
     sandwich_norm: bool = False  # Gemma2: a norm before and after both attention and MLP (4 norms a layer)
-    # Tokens a sliding-window attention layer sees (Mistral, Gemma2, Phi-3, Qwen with use_sliding_window); 0: none.
-    # seq_len may not exceed it: within the window such a layer is plain causal attention, which is what the
-    # FLOPs and cost model count (attention over a window shorter than the sequence is not modelled).
+    # Tokens a sliding-window attention layer sees (Mistral, Gemma2, Phi-3, Qwen with use_sliding_window); 0:
+    # none. seq_len may not exceed it: within the window such a layer is plain causal attention, which is what
+    # the FLOPs and cost model count (attention over a window shorter than the sequence is not modelled).
     sliding_window: int = 0
     rotary_fraction: float = 1.0  # share of each head's dims rotary positions rotate (GPT-NeoX rotary_pct)
 
@@ -156,7 +157,7 @@ class ModelSpec:
         ):
             raise bad("rotary_fraction", f"must be in (0, 1], got {self.rotary_fraction!r}")
 
-    # ---- derived sizes ---------------------------------------------------------------------------------------
+    # ---- derived sizes -------------------------------------------------------------------------------------
 
     @property
     def q_dim(self) -> int:
@@ -177,7 +178,7 @@ class ModelSpec:
     def gated_mlp(self) -> bool:
         return self.activation in ("swiglu", "geglu")
 
-    # ---- exact parameter counts -----------------------------------------------------------------------------
+    # ---- exact parameter counts ----------------------------------------------------------------------------
 
     def _norm_params(self) -> int:
         if not self.norm_affine:
@@ -251,7 +252,7 @@ class ModelSpec:
             + self.head_params()
         )
 
-    # ---- helpers ----------------------------------------------------------------------------------------------
+    # ---- helpers -------------------------------------------------------------------------------------------
 
     def with_seq(self, seq_len: int) -> ModelSpec:
         """The same model trained at another sequence length (must fit a learned position table)."""
@@ -289,14 +290,14 @@ def _human_count(n: int) -> str:
     return str(n)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # The named zoo
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 # What each family's layers are unless a builder says otherwise: norm, MLP activation, positions (0 learned
-# position rows: rotary), biases, tied embeddings and the per-family extras. `_spec` fills every field a family
-# builder leaves out from here.
+# position rows: rotary), biases, tied embeddings and the per-family extras. `_spec` fills every field a
+# family builder leaves out from here.
 _LLAMA_LIKE: dict[str, Any] = {
     "max_positions": 0, "norm": "rmsnorm", "activation": "swiglu", "qkv_bias": False, "out_bias": False,
     "mlp_bias": False, "tied_embeddings": False,
@@ -364,9 +365,9 @@ _ZOO: list[ModelSpec] = [
     _llama("llama2-7b", 32, 4096, 32, 32, 11008),
     _llama("llama2-13b", 40, 5120, 40, 40, 13824),
     _llama("llama2-70b", 80, 8192, 64, 8, 28672),
-    # LoHan's benchmark models (RC4ML/LoHan gpt_model.py:196-212): the GPT-3 shapes with no LM head, the loss an MSE
-    # on the final hidden states. Its published runs (Fuyou 13B 156 TFLOPS, the SSD sweeps) trained these; the
-    # executor refuses to train them (a language model needs its head).
+    # LoHan's benchmark models (RC4ML/LoHan gpt_model.py:196-212): the GPT-3 shapes with no LM head, the loss
+    # an MSE on the final hidden states. Its published runs (Fuyou 13B 156 TFLOPS, the SSD sweeps) trained
+    # these; the executor refuses to train them (a language model needs its head).
     _gpt("gpt3-13b-lohan", 40, 5120, 40, lm_head=False),
     _gpt("gpt3-175b-lohan", 96, 12288, 96, lm_head=False),
     # Tiny models for tests and demos.
@@ -387,8 +388,9 @@ def _looks_like_path(text: str) -> bool:
 
 
 def get_model(name_or_path: str | os.PathLike[str]) -> ModelSpec:
-    """A zoo model by name (case-insensitive), a model read from a config.json file or a model directory holding
-    one, or a Hugging Face hub id (``org/name``) found in the local Hugging Face cache (never downloaded)."""
+    """A zoo model by name (case-insensitive), a model read from a config.json file or a model directory
+    holding one, or a Hugging Face hub id (``org/name``) found in the local Hugging Face cache (never
+    downloaded)."""
     text = os.fspath(name_or_path)
     key = text.strip().lower()
     if key in MODELS:
@@ -406,9 +408,9 @@ def get_model(name_or_path: str | os.PathLike[str]) -> ModelSpec:
     raise ModelError(f"unknown model {text!r}: {hint} (or give a path to a Hugging Face config.json)")
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Hugging Face hub ids in the local cache
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -433,8 +435,8 @@ def hf_cache_dir() -> Path:
 def find_cached_config(repo_id: str, cache_dir: str | os.PathLike[str] | None = None) -> Path | None:
     """config.json of hub model ``repo_id`` in the local cache, or None; never touches the network.
 
-    With huggingface_hub importable, ``try_to_load_from_cache`` (the snapshot ``refs/main`` points to); else, or
-    when no ``main`` ref was cached, the newest ``models--org--name/snapshots/<rev>/config.json``."""
+    With huggingface_hub importable, ``try_to_load_from_cache`` (the snapshot ``refs/main`` points to); else,
+    or when no ``main`` ref was cached, the newest ``models--org--name/snapshots/<rev>/config.json``."""
     cache = Path(cache_dir) if cache_dir is not None else hf_cache_dir()
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -458,7 +460,8 @@ def find_cached_config(repo_id: str, cache_dir: str | os.PathLike[str] | None = 
 
 
 def hub_config_path(repo_id: str) -> Path:
-    """config.json of a cached hub model; a :class:`ModelError` saying how to download it when it is not cached."""
+    """config.json of a cached hub model; a :class:`ModelError` saying how to download it when it is not
+    cached."""
     found = find_cached_config(repo_id)
     if found is None:
         raise ModelError(
@@ -469,9 +472,9 @@ def hub_config_path(repo_id: str) -> Path:
     return found
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Hugging Face config.json
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 # transformers' default for every key we read, per model_type (used when config.json leaves a key out).
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -716,8 +719,8 @@ def from_hf_config(path: str | os.PathLike[str], name: str | None = None) -> Mod
 
     Supported ``model_type``: :data:`SUPPORTED_HF_KINDS`. Keys that the file leaves out take
     transformers' defaults for that model type. The name is the directory name for ``config.json`` files, else
-    the file stem, unless ``name`` is given (a hub id). The default training sequence is the learned position table (gpt2, opt) or
-    ``min(max_position_embeddings, 4096)`` for rotary models.
+    the file stem, unless ``name`` is given (a hub id). The default training sequence is the learned position
+    table (gpt2, opt) or ``min(max_position_embeddings, 4096)`` for rotary models.
     """
     file = _config_file(path)
     try:
@@ -803,8 +806,9 @@ def _from_opt(name: str, cfg: _Config) -> ModelSpec:
 
 
 def _rotary_fraction(cfg: _Config, legacy_key: str, default: float) -> float:
-    """Share of head_dim that rotary positions rotate: ``rope_parameters.partial_rotary_factor`` (transformers 5),
-    else the legacy top-level key (GPT-NeoX ``rotary_pct``, Phi-3 ``partial_rotary_factor``), else ``default``."""
+    """Share of head_dim that rotary positions rotate: ``rope_parameters.partial_rotary_factor`` (transformers
+    5), else the legacy top-level key (GPT-NeoX ``rotary_pct``, Phi-3 ``partial_rotary_factor``), else
+    ``default``."""
     rope = cfg.data.get("rope_parameters")
     value = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
     if value is None:
@@ -871,7 +875,8 @@ def _gated_activation(cfg: _Config, key: str) -> str:
 
 def _sliding_window(cfg: _Config) -> int:
     """The window of the layers that slide (0: none do). Qwen slides only with use_sliding_window, from layer
-    max_window_layers on; Gemma2 on the layers layer_types names sliding_attention (every other one by default)."""
+    max_window_layers on; Gemma2 on the layers layer_types names sliding_attention (every other one by
+    default)."""
     if cfg.raw("sliding_window") is None:
         return 0
     window = cfg.get_int("sliding_window")
@@ -886,13 +891,13 @@ def _sliding_window(cfg: _Config) -> int:
 
 
 def _from_gemma_qwen3_phi3(name: str, cfg: _Config) -> ModelSpec:
-    """Gemma, Gemma2, Qwen3 and Phi-3: LLaMA-shaped layers with one or two differences each that change no GEMM
-    (so the FLOPs are LLaMA's for the same shapes) and that the parameter count represents exactly:
+    """Gemma, Gemma2, Qwen3 and Phi-3: LLaMA-shaped layers with one or two differences each that change no
+    GEMM (so the FLOPs are LLaMA's for the same shapes) and that the parameter count represents exactly:
 
-    * gemma: GeGLU MLP, head_dim 256 by default, tied embeddings (RMSNorm with 1 + weight and an embedding scaled
-      by sqrt(hidden) hold the same parameters);
-    * gemma2: as gemma plus a norm after attention and after the MLP (4 norms a layer); the tanh soft-capping of
-      attention and final logits is elementwise; sliding-window layers are exact while seq <= the window;
+    * gemma: GeGLU MLP, head_dim 256 by default, tied embeddings (RMSNorm with 1 + weight and an embedding
+      scaled by sqrt(hidden) hold the same parameters);
+    * gemma2: as gemma plus a norm after attention and after the MLP (4 norms a layer); the tanh soft-capping
+      of attention and final logits is elementwise; sliding-window layers are exact while seq <= the window;
     * qwen3: an RMSNorm over head_dim on every query and key head (qk-norm), head_dim 128 by default;
     * phi3: q, k, v fused in one qkv_proj and gate / up in one gate_up_proj (the same weights, concatenated).
     """

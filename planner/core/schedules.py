@@ -5,14 +5,14 @@ block runs all k micro-batches before the next block (forward, then backward in 
 order (the micro-batch direction alternates from one block to the next, so the micro-batch that ends one block
 starts the next and its activation stays on the GPU).
 
-- horizontal (ZeRO-Infinity): k = 1; weights fetched for every micro-batch; gradients offloaded per micro-batch;
-  the CPU optimizer runs after the whole backward;
+- horizontal (ZeRO-Infinity): k = 1; weights fetched for every micro-batch; gradients offloaded per
+  micro-batch; the CPU optimizer runs after the whole backward;
 - fuyou: horizontal, but the CPU optimizer of a block starts as soon as its gradient is final (overlapped with
   the rest of the backward), and activation checkpoints go GPU -> CPU (-> SSD);
 - vertical (GreedySnake): k = all micro-batches; a block's weights cross PCIe once per pass; its gradient is
   accumulated on the GPU and offloaded once; the CPU Adam step overlaps the backward of later blocks and a
   fraction alpha of it is deferred into the next iteration's forward;
-- block: 1 < k < all, the hybrid between the two (planner issue).
+- block: 1 < k < all, the hybrid between the two (tierflow's own).
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ from tierflow.planner.core.world import World, rank_capacity_bytes, shard_elems
 FAMILIES = ("horizontal", "vertical", "fuyou", "block")
 # How a schedule's transfers may overlap: "ideal" is tierflow's executor (every transfer runs as early as the
 # plan's dependencies and memory allow); "deepspeed" is ZeRO-Infinity as DeepSpeed's ZeRO-3 code runs it
-# (docs/baselines-as-coded.md A): parameters on NVMe are fetched on demand, the optimizer's sub-groups are read,
-# stepped and written back one after the other; "lohan" is Fuyou as its artifact's code runs it
+# (docs/baselines-as-coded.md A): parameters on NVMe are fetched on demand, the optimizer's sub-groups are
+# read, stepped and written back one after the other; "lohan" is Fuyou as its artifact's code runs it
 # (docs/baselines-as-coded.md B2, B3): no weight prefetch in the backward, and the optimizer's NVMe reads and
 # writes are waited for on the training thread, between one layer's backward and the next.
 RUNTIMES = ("ideal", "deepspeed", "lohan")
@@ -79,9 +79,10 @@ RUNTIME_FAMILY = {"deepspeed": "horizontal", "lohan": "fuyou"}
 # the group size each family fixes (None: the block schedule's own --group)
 FIXED_GROUP = {"horizontal": "1", "fuyou": "1", "vertical": "all micro-batches", "block": None}
 def family_of(group: int, num_micro_batches: int, optimizer_overlap: bool) -> str:
-    """The name of what a builder with these settings builds: one micro-batch per block sweep with the optimizer
-    after the backward is ZeRO-Infinity's horizontal schedule, with the optimizer overlapped Fuyou's; all
-    micro-batches per sweep is GreedySnake's vertical schedule; anything between is the block hybrid."""
+    """The name of what a builder with these settings builds: one micro-batch per block sweep with the
+    optimizer after the backward is ZeRO-Infinity's horizontal schedule, with the optimizer overlapped
+    Fuyou's; all micro-batches per sweep is GreedySnake's vertical schedule; anything between is the block
+    hybrid."""
     if group == 1 and num_micro_batches >= 1:
         return "fuyou" if optimizer_overlap else "horizontal"
     if group == num_micro_batches:
@@ -136,8 +137,8 @@ class ScheduleConfig:
         world = "" if ranks == 1 else f" over {ranks} ranks ({self.gpus} GPUs x {self.nodes} boxes)"
         per = "" if ranks == 1 else f"{ranks} x "
         swapped = f", {self.swap_layers} layers swapped" if self.swap_layers else ""
-        return (f"{self.family}: batch {self.batch} = {per}{self.num_micro_batches} x {self.micro_batch}{world}, "
-                f"group {self.group}, alpha {self.alpha:g}, prefetch {self.prefetch_depth}, "
+        return (f"{self.family}: batch {self.batch} = {per}{self.num_micro_batches} x {self.micro_batch}"
+                f"{world}, group {self.group}, alpha {self.alpha:g}, prefetch {self.prefetch_depth}, "
                 f"{'recompute' if self.recompute else 'no recompute'}{swapped}"
                 f"{'' if self.runtime == 'ideal' else f', as {self.runtime} runs it'}")
 
@@ -145,7 +146,8 @@ class ScheduleConfig:
         return {
             "family": self.family, "batch": self.batch, "micro_batch": self.micro_batch, "seq": self.seq,
             "group": self.group, "alpha": self.alpha, "optimizer_overlap": self.optimizer_overlap,
-            "prefetch_depth": self.prefetch_depth, "act_prefetch": self.act_prefetch, "recompute": self.recompute,
+            "prefetch_depth": self.prefetch_depth, "act_prefetch": self.act_prefetch,
+            "recompute": self.recompute,
             "swap_layers": self.swap_layers,
             "iterations": self.iterations, "runtime": self.runtime, "placement": self.placement.as_dict(),
             # one rank: left out, so that one-GPU plans and their digests stay as they were
@@ -163,10 +165,11 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     """The placement a user of that system would start from: nothing resident on the GPU; fill CPU memory with
     what the schedule holds there (the memory model's gradients, staging and checkpoints: fp32 gradients of a
     horizontal schedule go to the SSD with the optimizer, as ZeRO-Infinity does), then weights, then optimizer
-    states; the rest on SSD. Fuyou keeps weights and optimizer states on the SSDs even when host memory could hold
-    them (REFERENCE.md section 1: "fp16 weights on SSD read twice per iteration ... fp32 master + m + v on SSD",
-    docs/baselines-as-coded.md section B); its gradients and checkpoints stay in host memory. With several ranks,
-    one rank's shard of the states in its share of the box's host memory (tierflow.planner.core.world)."""
+    states; the rest on SSD. Fuyou keeps weights and optimizer states on the SSDs even when host memory could
+    hold them (REFERENCE.md section 1: "fp16 weights on SSD read twice per iteration ... fp32 master + m + v
+    on SSD", docs/baselines-as-coded.md section B); its gradients and checkpoints stay in host memory. With
+    several ranks, one rank's shard of the states in its share of the box's host memory
+    (tierflow.planner.core.world)."""
     params = shard_elems(model.total_params(), cfg.world.ranks)
     mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq,
                           num_micro_batches=cfg.num_micro_batches, group=cfg.group, alpha=cfg.alpha,
@@ -192,7 +195,8 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
         weights = states = ckpt = grads = Split()
     if cfg.family == "horizontal" and states.ssd == 0:
         grads = Split()
-    return Placement(weights=weights, master=states, adam_m=states, adam_v=states, grads=grads, checkpoints=ckpt)
+    return Placement(weights=weights, master=states, adam_m=states, adam_v=states, grads=grads,
+                     checkpoints=ckpt)
 
 
 def check_world(hw: HardwareProfile, gpus: int, nodes: int) -> None:
@@ -250,18 +254,20 @@ def _rank_micro_batches(model: ModelSpec, hw: HardwareProfile, batch: int, micro
     W = world.ranks
     if batch % (W * micro_batch):
         raise ScheduleError(f"batch {batch} is not divisible by {W} ranks x micro-batch {micro_batch} = "
-                            f"{W * micro_batch} (use a batch that is a multiple of it, or a smaller micro-batch)")
+                            f"{W * micro_batch} (use a batch that is a multiple of it, or a smaller "
+                            "micro-batch)")
     if model.max_positions and seq > model.max_positions:
-        raise ScheduleError(f"seq {seq} exceeds the {model.max_positions} positions of {model.name} (use --seq <= "
-                            f"{model.max_positions})")
+        raise ScheduleError(f"seq {seq} exceeds the {model.max_positions} positions of {model.name} "
+                            f"(use --seq <= {model.max_positions})")
     return world.rank_batch(batch) // micro_batch
 
 
 def _family_settings(family: str, M: int, group: int | None) -> tuple[int, float, bool]:
     """(group, alpha, optimizer overlap) a family runs with over M micro-batches; `group` only for block."""
     if group is not None and FIXED_GROUP[family] is not None:
-        raise ScheduleError(f"--group applies to the block schedule only: {family} runs {FIXED_GROUP[family]} "
-                            f"micro-batch(es) per block sweep (use --schedule block --group {group})")
+        raise ScheduleError(f"--group applies to the block schedule only: {family} runs "
+                            f"{FIXED_GROUP[family]} micro-batch(es) per block sweep (use --schedule block "
+                            f"--group {group})")
     if family == "horizontal":
         return 1, 0.0, False
     if family == "fuyou":
@@ -296,7 +302,8 @@ def _runtime_of(family: str, runtime: str | None) -> str:
     return runtime
 
 
-# ---- the generic builder ------------------------------------------------------------------------------------
+# ---- the generic builder
+# ------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -393,12 +400,13 @@ class _AdamBlock:
 class _OptChain:
     """What the optimizer steps of successive blocks chain on within one iteration.
 
-    LoHan steps each sub-group from the gradient hook that sees the backward enter the next one, on the training
-    thread: it reads the group's fp32 p, m, v from NVMe and waits, hands them to the CPU-Adam process, then writes
-    back the group stepped before it (fp16 weights and p, m, v) and waits; only then does the backward go on
-    (RC4ML/LoHan ratel_optimizer.py:530-534, 1047-1089; nvme_ds/pipelined_optimizer_swapper.py:160-216;
-    docs/baselines-as-coded.md B2). Here a layer block stands for a sub-group; the GPU is not waited for, it runs
-    ahead on what the thread launched before (_Builder._lohan_trigger, _Builder._lohan_thread)."""
+    LoHan steps each sub-group from the gradient hook that sees the backward enter the next one, on the
+    training thread: it reads the group's fp32 p, m, v from NVMe and waits, hands them to the CPU-Adam
+    process, then writes back the group stepped before it (fp16 weights and p, m, v) and waits; only then does
+    the backward go on (RC4ML/LoHan ratel_optimizer.py:530-534, 1047-1089;
+    nvme_ds/pipelined_optimizer_swapper.py:160-216; docs/baselines-as-coded.md B2). Here a layer block stands
+    for a sub-group; the GPU is not waited for, it runs ahead on what the thread launched before
+    (_Builder._lohan_trigger, _Builder._lohan_thread)."""
 
     prev_main: int = -1  # the previous block's main CPU Adam step
     prev_write: int = -1  # DeepSpeed: a sub-group's states are read only after the previous one's are written
@@ -425,10 +433,11 @@ class _Builder:
         self.step_key: list[float] = []
         self.uses: list[_Use] = []
         self.weights_ready: dict[int, list[int]] = {}  # block -> tasks that produce its updated weights
-        self.resident_update: dict[int, list[int]] = {}  # block -> tasks that refresh its GPU-resident weights
+        # block -> tasks that refresh its GPU-resident weights
+        self.resident_update: dict[int, list[int]] = {}
         self.states_written: dict[tuple[int, str], list[int]] = {}  # (block, part) -> SSD write of its states
 
-    # -- helpers ----------------------------------------------------------------------------------------------
+    # -- helpers ---------------------------------------------------------------------------------------------
 
     def rec(self, b: int) -> bool:
         """Is layer block b recomputed in backward? (ScheduleConfig.recomputes)"""
@@ -445,44 +454,47 @@ class _Builder:
     def prev_step_task(self, k: int) -> int:
         return self.step_task[k] if 0 <= k < len(self.step_task) else -1
 
-    def offload(self, producer: Task, nbytes: float, split: Split, tensor: str, it: int, block: int, mb: int) -> _Stored:
+    def offload(self, producer: Task, nbytes: float, split: Split, tensor: str, it: int, block: int,
+                mb: int) -> _Stored:
         g = self.g
         s = _Stored(nbytes, split, None, None)
         g.alloc(producer, "gpu", s.kept)  # the output buffer is taken when the producing kernel starts
         if s.off > 0:
             g.alloc(producer, "gpu", s.off)
-            s.d2h = g.add(entry_kind("offload", tensor), "d2h", s.off, tensor=tensor, block=block, mb=mb, iteration=it,
-                          key=producer.key + Offset.OFFLOAD, deps=[producer.id])
+            s.d2h = g.add(entry_kind("offload", tensor), "d2h", s.off, tensor=tensor, block=block, mb=mb,
+                          iteration=it, key=producer.key + Offset.OFFLOAD, deps=[producer.id])
             g.alloc(s.d2h, "cpu", s.off)
             g.free(s.d2h, "gpu", s.off)
         if s.to_ssd > 0:
-            s.write = g.add(entry_kind("write", tensor), "ssd_write", s.to_ssd, tensor=tensor, block=block, mb=mb, iteration=it,
-                            key=producer.key + Offset.WRITE_OFFLOADED, deps=[s.d2h.id])
+            s.write = g.add(entry_kind("write", tensor), "ssd_write", s.to_ssd, tensor=tensor, block=block,
+                            mb=mb, iteration=it, key=producer.key + Offset.WRITE_OFFLOADED, deps=[s.d2h.id])
             g.alloc(s.write, "ssd", s.to_ssd)
             g.free(s.write, "cpu", s.to_ssd)
         return s
 
-    def fetch(self, s: _Stored, k: int, consume: bool, tensor: str, it: int, block: int, mb: int) -> tuple[list[int], float]:
+    def fetch(self, s: _Stored, k: int, consume: bool, tensor: str, it: int, block: int,
+              mb: int) -> tuple[list[int], float]:
         """Bring a stored tensor back for step k. Returns (deps for the consumer, GPU bytes it must free)."""
         g, a = self.g, self.cfg.act_prefetch
         key = self.step_key[k]
         read = None
         if s.to_ssd > 0:
-            read = g.add(entry_kind("read", tensor), "ssd_read", s.to_ssd, tensor=tensor, block=block, mb=mb, iteration=it,
-                         key=key - a - 1, deps=[s.write.id, self.prev_step_task(k - a - 2)])
+            read = g.add(entry_kind("read", tensor), "ssd_read", s.to_ssd, tensor=tensor, block=block, mb=mb,
+                         iteration=it, key=key - a - 1, deps=[s.write.id, self.prev_step_task(k - a - 2)])
             g.alloc(read, "cpu", s.to_ssd)
             if consume:
                 g.free(read, "ssd", s.to_ssd)
         deps: list[int] = []
         if s.off > 0:
-            h = g.add(entry_kind("fetch", tensor), "h2d", s.off, tensor=tensor, block=block, mb=mb, iteration=it,
-                      key=key - a, deps=[s.d2h.id, read.id if read else -1, self.prev_step_task(k - a - 1)])
+            h = g.add(entry_kind("fetch", tensor), "h2d", s.off, tensor=tensor, block=block, mb=mb,
+                      iteration=it, key=key - a,
+                      deps=[s.d2h.id, read.id if read else -1, self.prev_step_task(k - a - 1)])
             g.alloc(h, "gpu", s.off)
             g.free(h, "cpu", s.off if consume else s.to_ssd)
             deps.append(h.id)
         return deps, s.off + (s.kept if consume else 0.0)
 
-    # -- weights ------------------------------------------------------------------------------------------------
+    # -- weights ---------------------------------------------------------------------------------------------
 
     def fetch_weights(self, u: int, it: int) -> list[int]:
         """Fetch tasks for weight use u (global index). Returns deps for its first compute step."""
@@ -520,12 +532,14 @@ class _Builder:
                          key=max(first_key(u - d - 1), floor), deps=[last_task(u - d - 2), *ready])
             g.alloc(read, "cpu", to_ssd)
             use.read = read
-        # the device buffer of the full block, less the part of it this rank keeps resident, taken at the fetch
+        # the device buffer of the full block, less the part of it this rank keeps resident, taken at the
+        # fetch
         buffer = off if self.W == 1 else blk.weight_bytes - mine * w.gpu
         h = None
         if off > 0:
             h = g.add(FETCH_WEIGHTS, "h2d", off, tensor="weights", block=b, mb=-1, iteration=it,
-                      key=max(first_key(u - d), floor), deps=[read.id if read else -1, last_task(u - d - 1), *ready])
+                      key=max(first_key(u - d), floor),
+                      deps=[read.id if read else -1, last_task(u - d - 1), *ready])
             g.alloc(h, "gpu", buffer)
             g.free(h, "cpu", to_ssd)
             use.fetch_h2d = h
@@ -534,8 +548,8 @@ class _Builder:
             return deps + [h.id]
         # the other ranks' shards: a ring all-gather into the rest of the buffer
         gather_deps = [h.id] if h is not None else [last_task(u - d - 1), *deps]
-        a = g.add(ALL_GATHER_WEIGHTS, "net", self.collective_bytes(blk.weight_bytes), tensor="weights", block=b,
-                  mb=-1, iteration=it, key=max(first_key(u - d), floor), deps=gather_deps)
+        a = g.add(ALL_GATHER_WEIGHTS, "net", self.collective_bytes(blk.weight_bytes), tensor="weights",
+                  block=b, mb=-1, iteration=it, key=max(first_key(u - d), floor), deps=gather_deps)
         if h is None:
             g.alloc(a, "gpu", buffer)
         use.gather = a
@@ -558,7 +572,8 @@ class _Builder:
             return 0
         return self.cfg.prefetch_depth
 
-    # -- the iteration ------------------------------------------------------------------------------------------
+    # -- the iteration
+    # ------------------------------------------------------------------------------------------
 
     def build(self) -> TaskGraph:
         cfg, g = self.cfg, self.g
@@ -696,8 +711,8 @@ class _Builder:
             self._emit_dx(t, ("dx", b, m), i, s.seq_steps, s.direct, s.stored, it)
         return t
 
-    def _take(self, name: tuple, consume: bool, k: int, prev: int, deps: list[int], direct: dict, stored: dict,
-              it: int) -> float:
+    def _take(self, name: tuple, consume: bool, k: int, prev: int, deps: list[int], direct: dict,
+              stored: dict, it: int) -> float:
         """Make tensor `name` available to step k: straight from the previous step if it is still on the GPU,
         else fetched back from where it was parked. Appends to `deps`; returns the GPU bytes step k frees."""
         if name in direct and direct[name] == prev:
@@ -714,20 +729,23 @@ class _Builder:
             deps.append(direct[name])
         return 0.0
 
-    def _emit_dx(self, t: Task, name: tuple, i: int, seq_steps: list[_Step], direct: dict, stored: dict, it: int) -> None:
+    def _emit_dx(self, t: Task, name: tuple, i: int, seq_steps: list[_Step], direct: dict, stored: dict,
+                 it: int) -> None:
         b, m = name[1], name[2]
         direct[name] = t.id
         nxt = seq_steps[i + 1] if i + 1 < len(seq_steps) else None
         if not (nxt and nxt.block == b - 1 and nxt.mb == m and nxt.phase == "B"):
-            stored[name] = self.offload(t, self.blocks[1].checkpoint_bytes, self.p.checkpoints, "act_grad", it, b, m)
+            act_grad_bytes = self.blocks[1].checkpoint_bytes
+            stored[name] = self.offload(t, act_grad_bytes, self.p.checkpoints, "act_grad", it, b, m)
 
     def _grad_out(self, t: Task, b: int, use: _Use, k: int, it: int, grad_first_b: dict, grad_last: dict,
                   host_grad_alloc: set) -> None:
-        """Gradient accumulation: on the GPU within a weight use (or a whole iteration with grads.gpu = 1), then
-        offloaded to the host where it is accumulated in fp32."""
+        """Gradient accumulation: on the GPU within a weight use (or a whole iteration with grads.gpu = 1),
+        then offloaded to the host where it is accumulated in fp32."""
         g, p = self.g, self.p
         blk = self.blocks[b]
-        grad_gpu_bytes = (GRAD_ACCUM_BYTES if len(use.steps) > 1 or p.grads.gpu == 1.0 else GRAD_WIRE_BYTES) * blk.fetch_params
+        accum = len(use.steps) > 1 or p.grads.gpu == 1.0
+        grad_gpu_bytes = (GRAD_ACCUM_BYTES if accum else GRAD_WIRE_BYTES) * blk.fetch_params
         if b not in grad_first_b:
             grad_first_b[b] = t.id
             g.alloc(t, "gpu", grad_gpu_bytes)  # the accumulation buffer lives until it is offloaded
@@ -735,7 +753,8 @@ class _Builder:
             g.alloc(t, "gpu", grad_gpu_bytes)
         if p.gpu_optimizer:
             grad_last[b] = [t.id]
-            if self.W > 1 and k == self.cur_last_step[b]:  # the final gradient: sum it, keep this rank's shard
+            # the final gradient: sum it, keep this rank's shard
+            if self.W > 1 and k == self.cur_last_step[b]:
                 grad_last[b] = [self._reduce_scatter(t, b, it).id]
             return
         if k != use.steps[-1]:
@@ -743,8 +762,8 @@ class _Builder:
         if p.grads.gpu == 1.0 and k != self.cur_last_step[b]:
             return
         src = t if self.W == 1 else self._reduce_scatter(t, b, it)
-        d2h = g.add(OFFLOAD_GRADS, "d2h", GRAD_WIRE_BYTES * self.shard(blk.fetch_params), tensor="grads", block=b,
-                    mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[src.id])
+        d2h = g.add(OFFLOAD_GRADS, "d2h", GRAD_WIRE_BYTES * self.shard(blk.fetch_params), tensor="grads",
+                    block=b, mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[src.id])
         g.free(d2h, "gpu", grad_gpu_bytes)
         if b not in host_grad_alloc:
             host_grad_alloc.add(b)
@@ -752,13 +771,14 @@ class _Builder:
         grad_last[b] = [d2h.id]
 
     def _reduce_scatter(self, t: Task, b: int, it: int) -> Task:
-        """The ranks' gradients of block b summed, this rank's shard kept (a ring reduce-scatter after `t`)."""
+        """The ranks' gradients of block b summed, this rank's shard kept (a ring reduce-scatter after
+        `t`)."""
         wire = GRAD_WIRE_BYTES * self.blocks[b].fetch_params
         return self.g.add(REDUCE_SCATTER_GRADS, "net", self.collective_bytes(wire), tensor="grads", block=b,
                           mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[t.id])
 
-    def _optimizer(self, it: int, base: int, seq_steps: list[_Step], grad_last: dict, last_step_of_block: dict,
-                   first_fwd_idx: dict) -> None:
+    def _optimizer(self, it: int, base: int, seq_steps: list[_Step], grad_last: dict,
+                   last_step_of_block: dict, first_fwd_idx: dict) -> None:
         g, p, cfg, model = self.g, self.p, self.cfg, self.model
         barrier = [self.step_task[-1]] if not cfg.optimizer_overlap else []
         order = sorted(range(self.nb), key=lambda b: last_step_of_block[b])
@@ -789,9 +809,9 @@ class _Builder:
 
     def _cpu_adam(self, step: _AdamBlock, grads_ready: list[int], barrier: list[int], chain: _OptChain,
                   first_fwd_idx: dict) -> None:
-        """The CPU Adam step of one block: its fp32 gradient through the SSD if placed there, then each part (the
-        main step, and the fraction alpha deferred into the next forward) with its states read from and written
-        back to the SSD, and its GPU-resident weights updated."""
+        """The CPU Adam step of one block: its fp32 gradient through the SSD if placed there, then each part
+        (the main step, and the fraction alpha deferred into the next forward) with its states read from and
+        written back to the SSD, and its GPU-resident weights updated."""
         g, p, cfg = self.g, self.p, self.cfg
         b, it, owned, fetch_params = step.block, step.it, step.owned, step.fetch_params
         states_ssd = owned * (MASTER_BYTES * p.master.ssd + ADAM_STATE_BYTES * (p.adam_m.ssd + p.adam_v.ssd))
@@ -837,8 +857,8 @@ class _Builder:
                 if w_ssd > 0:
                     ready.append(wb.id)
             if w_gpu > 0:
-                up = g.add(UPDATE_WEIGHTS, "h2d", w_gpu * frac, tensor="weights", block=b, mb=-1, iteration=it,
-                           key=pkey + Offset.AFTER_ADAM, deps=[a.id])
+                up = g.add(UPDATE_WEIGHTS, "h2d", w_gpu * frac, tensor="weights", block=b, mb=-1,
+                           iteration=it, key=pkey + Offset.AFTER_ADAM, deps=[a.id])
                 self.resident_update.setdefault(b, []).append(up.id)
         if w_gpu > 0:
             self.resident_update[b] = self.resident_update[b][-len(parts):]
@@ -846,8 +866,8 @@ class _Builder:
 
     def _read_states(self, step: _AdamBlock, nbytes: float, pkey: float, kind: str, prev_part: int,
                      chain: _OptChain) -> Task:
-        """The SSD read of one Adam part's slice of a block's fp32 master, m and v. DeepSpeed's default optimizer
-        swapper (pipeline_read/write off) reads, steps and writes one sub-group after the other
+        """The SSD read of one Adam part's slice of a block's fp32 master, m and v. DeepSpeed's default
+        optimizer swapper (pipeline_read/write off) reads, steps and writes one sub-group after the other
         (partitioned_optimizer_swapper.py:100-191; offload_config.py:84-94); LoHan's training thread waits for
         the read (_lohan_trigger, _lohan_thread)."""
         lohan_main = self.cfg.runtime == "lohan" and kind == ADAM
@@ -864,18 +884,19 @@ class _Builder:
         return rs
 
     def _lohan_trigger(self, k_last: int, thread_last: Task | None) -> list[int]:
-        """LoHan: the tasks after which its training thread reaches the gradient hook that steps the block whose
-        last backward step is k_last: its previous wait, and the next block's weights fetched (it waits for
-        their copy to the GPU, ratel_init.py:838-855) before it launches that block's backward; the GPU may
-        still be behind."""
+        """LoHan: the tasks after which its training thread reaches the gradient hook that steps the block
+        whose last backward step is k_last: its previous wait, and the next block's weights fetched (it waits
+        for their copy to the GPU, ratel_init.py:838-855) before it launches that block's backward; the GPU
+        may still be behind."""
         out = [thread_last.id] if thread_last is not None else []
         h = self.uses[self.step_use[k_last + 1]].fetch_h2d if k_last + 1 < len(self.step_use) else None
         return out + [h.id if h is not None else self.step_task[k_last]]
 
     def _lohan_thread(self, read: Task, write: Task | None, k_last: int, end: int) -> Task:
-        """LoHan's training thread at a sub-group boundary: it reads the block's optimizer states and waits, then
-        writes back the block stepped before it and waits; only then does it go on to the next module's hook,
-        which reads that module's weights from NVMe. The GPU runs ahead on what the thread launched before."""
+        """LoHan's training thread at a sub-group boundary: it reads the block's optimizer states and waits,
+        then writes back the block stepped before it and waits; only then does it go on to the next module's
+        hook, which reads that module's weights from NVMe. The GPU runs ahead on what the thread launched
+        before."""
         if write is not None:
             write.deps.append(read.id)  # the write is issued after the read's wait
             write.key = max(write.key, read.key + THREAD_KEY_STEP)

@@ -1,4 +1,5 @@
-"""Timeline outputs of a simulation: CSV, Chrome trace event JSON (opens in Perfetto) and a Gantt chart PNG."""
+"""Timeline outputs of a simulation: CSV, Chrome trace event JSON (opens in Perfetto) and a Gantt chart
+PNG."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from tierflow.planner.core.opkinds import ADAM, ADAM_DEFERRED, ADAM_GPU, BWD, FW
 from tierflow.planner.core.simulator import SimResult
 
 # Compute (gpu and cpu rows) in saturated colours, transfers (links) in a separate family of light tints drawn
-# hatched, so that no op kind shares a colour with the tensor its transfers carry (forward vs weight fetch, ...).
+# hatched, so that no op kind shares a colour with the tensor its transfers carry (forward vs weight fetch,
+# ...).
 KIND_COLORS = {
     FWD: "#1f5fbf", RECOMPUTE: "#7b2fbe", BWD: "#18893a", HEAD: "#d62728", ADAM: "#e6550d",
     ADAM_DEFERRED: "#c99a00", ADAM_GPU: "#e6550d",
@@ -62,9 +64,9 @@ def chrome_trace(res: SimResult, name: str = "tierflow") -> dict:
 
 
 def flow_events(res: SimResult, tid: dict[str, int], max_flows: int | None = None) -> list[dict]:
-    """Chrome trace flow arrows ("ph": "s" / "f" pairs) for the dependencies between ops on different resources
-    (the ones that make a resource wait for another; a resource's own order is its track). At most `max_flows`
-    (default MAX_FLOWS):
+    """Chrome trace flow arrows ("ph": "s" / "f" pairs) for the dependencies between ops on different
+    resources (the ones that make a resource wait for another; a resource's own order is its track). At most
+    `max_flows` (default MAX_FLOWS):
     when there are more, those into the ops of the steady-state window first, in time order, so that the
     arrows stay readable in Perfetto for a whole 175B run. Each end point lies inside its op's slice (its
     midpoint), so a viewer binds it to that op."""

@@ -57,7 +57,8 @@ class BlockCost:
     tokens: int = 0
     extras: dict = field(default_factory=dict)
     # the part of fwd_elementwise_bytes that the MLP's activation function (GELU, SiLU x gate, ReLU) reads and
-    # writes: a transcendental per element, which a CPU computes far below its memory bandwidth (gpu.activation_gbps)
+    # writes: a transcendental per element, which a CPU computes far below its memory bandwidth
+    # (gpu.activation_gbps)
     fwd_activation_bytes: float = 0.0
 
     @property
@@ -108,16 +109,16 @@ def layer_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
 
 
 def saved_elements_per_token(model: ModelSpec) -> int:
-    """Elements per token (compute dtype) one decoder layer saves for its backward when it is not recomputed, as
-    the executor's layers save them (tests/test_saved_activations.py compares the two): the first norm's input
-    (the layer input), the qkv input, q, k, v after rotary (attention saves them at their own size with GQA),
-    the attention output (the output projection's input is a view of it), the second norm's input, the MLP input,
-    and the MLP's inner tensors: GELU keeps its input and the down projection its output (2 ffn); SwiGLU / GeGLU
-    keep the gate and up projections and the down projection's input (3 ffn: the gate is recomputed in backward,
-    as a fused SwiGLU kernel does); ReLU only its output (its backward reads the output, which the down projection
-    saves too). RMSNorm keeps only its input (executor.models.RMSNorm, as a fused kernel), rotary positions only
-    their tables (executor.models._Rope). A parallel-residual layer normalises one input twice (saved once); a
-    Qwen3 layer's q/k norms keep q and k before them."""
+    """Elements per token (compute dtype) one decoder layer saves for its backward when it is not recomputed,
+    as the executor's layers save them (tests/test_saved_activations.py compares the two): the first norm's
+    input (the layer input), the qkv input, q, k, v after rotary (attention saves them at their own size with
+    GQA), the attention output (the output projection's input is a view of it), the second norm's input, the
+    MLP input, and the MLP's inner tensors: GELU keeps its input and the down projection its output (2 ffn);
+    SwiGLU / GeGLU keep the gate and up projections and the down projection's input (3 ffn: the gate is
+    recomputed in backward, as a fused SwiGLU kernel does); ReLU only its output (its backward reads the
+    output, which the down projection saves too). RMSNorm keeps only its input (executor.models.RMSNorm, as a
+    fused kernel), rotary positions only their tables (executor.models._Rope). A parallel-residual layer
+    normalises one input twice (saved once); a Qwen3 layer's q/k norms keep q and k before them."""
     h, f, q, kv = model.hidden, model.ffn_hidden, model.q_dim, model.kv_dim
     norms = h if model.parallel_residual else 2 * h
     mlp = 3 * f if model.gated_mlp else f if model.activation == "relu" else 2 * f
@@ -126,9 +127,9 @@ def saved_elements_per_token(model: ModelSpec) -> int:
 
 
 def saved_stats_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int:
-    """The small tensors a layer saves besides saved_elements_per_token: attention's softmax statistics (fp32 per
-    query head and token), LayerNorm's mean and rstd (fp32 per token, two norms: a CUDA kernel's; a CPU one keeps
-    them in the input's dtype), the rotary tables cos and sin (seq x rotary dims, compute dtype)."""
+    """The small tensors a layer saves besides saved_elements_per_token: attention's softmax statistics (fp32
+    per query head and token), LayerNorm's mean and rstd (fp32 per token, two norms: a CUDA kernel's; a CPU
+    one keeps them in the input's dtype), the rotary tables cos and sin (seq x rotary dims, compute dtype)."""
     t = micro_batch * seq
     out = 4 * micro_batch * model.num_heads * seq
     if model.norm == "layernorm":

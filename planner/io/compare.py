@@ -1,5 +1,5 @@
-"""Predicted vs measured: a plan's simulated times against a trace measured by the executor (`tierflow run --out`),
-op by op, summed per op kind and per resource, and the overall iteration time. Works without PyTorch.
+"""Predicted vs measured: a plan's simulated times against a trace measured by the executor (`tierflow run
+--out`), op by op, summed per op kind and per resource, and the overall iteration time. Works without PyTorch.
 
 The measured trace is the Chrome trace JSON the executor writes (the simulator's own format): one complete
 event ("ph": "X") per executed op with the op's id in ``args.id``. Only ops present in both are compared; the
@@ -30,8 +30,8 @@ MAX_TRACE_BYTES = 2 * GIB  # the executor writes ~250 bytes per op
 
 
 def _event_times_s(p: Path, index: int, ev: dict, oid: int) -> tuple[float, float]:
-    """(start, end) in seconds of a complete event; refuses what no measurement gives (a negative or non-finite
-    time), naming the event."""
+    """(start, end) in seconds of a complete event; refuses what no measurement gives (a negative or
+    non-finite time), naming the event."""
     ts, dur = ev.get("ts"), ev.get("dur")
     for key, v in (("ts", ts), ("dur", dur)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -73,7 +73,8 @@ def load_measured(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray]
 
 
 def load_measured_trace(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray, dict | None]:
-    """load_measured, and the device memory the executor measured (otherData.measured_device_memory), if any."""
+    """load_measured, and the device memory the executor measured (otherData.measured_device_memory), if
+    any."""
     p = Path(path)
     try:
         d = loads_json_limited(read_text(p, MAX_TRACE_BYTES))  # plain or gzip-compressed

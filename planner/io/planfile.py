@@ -2,8 +2,8 @@
 
 A plan file is a versioned JSON document holding everything the simulator and the executor need to run one
 schedule: the model's shapes, the hardware profile, the schedule decisions (batch split, group, alpha,
-placement, ...), and every op of the task graph with its resource, amount of work, dependencies, position in its
-resource's queue and memory effects. ``docs/plan-format.md`` documents every field.
+placement, ...), and every op of the task graph with its resource, amount of work, dependencies, position in
+its resource's queue and memory effects. ``docs/plan-format.md`` documents every field.
 
     plan = plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg))
     write_plan(plan, "plan.json")          # "plan.json.gz": gzip-compressed
@@ -91,9 +91,9 @@ class Plan:
     source: str = "<plan>"
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Writing
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def _created_by() -> str:
@@ -127,7 +127,8 @@ def _jsonable(x: Any) -> Any:
 
 def plan_from_graph(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, graph: TaskGraph,
                     predicted: dict | SimResult | None = None, solver: dict | None = None) -> Plan:
-    """A plan of `graph` (built from `cfg` for `model` on `hw`); `predicted` is a SimResult or its to_dict()."""
+    """A plan of `graph` (built from `cfg` for `model` on `hw`); `predicted` is a SimResult or its
+    to_dict()."""
     if predicted is not None and not isinstance(predicted, dict):
         predicted = predicted.to_dict()
     return Plan(model=model, hardware=hw, config=cfg, graph=graph,
@@ -174,9 +175,9 @@ def plan_to_dict(plan: Plan) -> dict:
     return d
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Digest: binds the ops to the model, hardware and decisions they were built from
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def _hash(value: Any) -> str:
@@ -197,7 +198,8 @@ def _digest_fields(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -
 
 
 def _digest_ops(d: dict, fields: dict[str, str]) -> str:
-    return _hash([fields, d["static_bytes"], d["capacity_bytes"], d["num_iterations"], d["num_blocks"], d["ops"]])
+    return _hash([fields, d["static_bytes"], d["capacity_bytes"], d["num_iterations"], d["num_blocks"],
+                  d["ops"]])
 
 
 def plan_digest(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, d: dict) -> dict:
@@ -239,12 +241,13 @@ class WrittenPlan:
         """One line when the plan went to another name than requested (else None)."""
         if self.path == self.requested:
             return None
-        return (f"the plan's JSON is {self.json_bytes / 1e6:,.1f} MB (over {LARGE_PLAN_BYTES / 1e6:,.0f} MB): wrote "
-                f"{self.path} (gzip, {self.file_bytes / 1e6:,.1f} MB) instead of {self.requested}; every reader "
-                "takes it as it is")
+        json_mb, limit_mb, file_mb = self.json_bytes / 1e6, LARGE_PLAN_BYTES / 1e6, self.file_bytes / 1e6
+        return (f"the plan's JSON is {json_mb:,.1f} MB (over {limit_mb:,.0f} MB): wrote {self.path} (gzip, "
+                f"{file_mb:,.1f} MB) instead of {self.requested}; every reader takes it as it is")
 
 
-def write_plan(plan: Plan, path: str | os.PathLike[str], *, compress_over_bytes: int | None = None) -> WrittenPlan:
+def write_plan(plan: Plan, path: str | os.PathLike[str], *,
+               compress_over_bytes: int | None = None) -> WrittenPlan:
     """Write `plan` as JSON to `path`, atomically: the text goes to a temporary file in the same directory,
     which then replaces `path`. The plan is validated first, so an invalid plan never reaches the disk.
     A name ending in .gz is written gzip-compressed. With `compress_over_bytes` (the CLI passes
@@ -256,7 +259,8 @@ def write_plan(plan: Plan, path: str | os.PathLike[str], *, compress_over_bytes:
     try:
         text = dumps_plan_dict(d)
     except ValueError as exc:  # a non-finite number outside the validated fields
-        raise _err(str(requested), "(top level)", f"cannot write strict JSON: {exc}", "fix the plan's values") from exc
+        raise _err(str(requested), "(top level)", f"cannot write strict JSON: {exc}",
+                   "fix the plan's values") from exc
     data = text.encode("utf-8")
     path = requested
     if compress_over_bytes is not None and len(data) > compress_over_bytes:
@@ -279,9 +283,9 @@ def write_plan(plan: Plan, path: str | os.PathLike[str], *, compress_over_bytes:
     return WrittenPlan(path, len(data), len(payload), requested)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Reading and validation
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def _err(source: str, where: str, problem: str, fix: str) -> PlanError:
@@ -297,11 +301,13 @@ _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
 
 
 def _short(value: Any, n: int = 40) -> str:
-    text = _REPR.repr(value) if isinstance(value, (list, dict)) else repr(value)  # bounded depth: no recursion
+    # bounded depth: no recursion
+    text = _REPR.repr(value) if isinstance(value, (list, dict)) else repr(value)
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-_json_type_name = functools.partial(type_name, mapping="object")  # the hwprofiles names; JSON's "object" for a dict
+# the hwprofiles names; JSON's "object" for a dict
+_json_type_name = functools.partial(type_name, mapping="object")
 
 
 def _is_int(x: object) -> bool:
@@ -322,7 +328,8 @@ def _unknown_key(source: str, where: str, key: str, known: typing.Iterable[str])
 def _check_fields(source: str, section: str, d: object, cls: type) -> dict:
     """Keys and value types of a section that rebuilds dataclass `cls`."""
     if not isinstance(d, dict):
-        raise _err(source, section, f"expected an object, got {_json_type_name(d)}", f"write the {section} as a JSON object")
+        raise _err(source, section, f"expected an object, got {_json_type_name(d)}",
+                   f"write the {section} as a JSON object")
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
     for key in d:
@@ -388,12 +395,13 @@ def _decisions(source: str, d: object, model: ModelSpec, hw: HardwareProfile) ->
                        "write one {gpu, cpu, ssd} object per tensor class")
         for name, split in placement.items():
             if not isinstance(split, dict) or set(split) - set(TIERS):
-                raise _err(source, f"decisions.placement.{name}", f"expected an object of {'/'.join(TIERS)} fractions, "
-                           f"got {_short(split)}", "write e.g. {\"gpu\": 0, \"cpu\": 1, \"ssd\": 0}")
+                raise _err(source, f"decisions.placement.{name}",
+                           f"expected an object of {'/'.join(TIERS)} fractions, got {_short(split)}",
+                           "write e.g. {\"gpu\": 0, \"cpu\": 1, \"ssd\": 0}")
             for tier, v in split.items():
                 if not _is_number(v):
-                    raise _err(source, f"decisions.placement.{name}.{tier}", f"expected a number, got {_short(v)}",
-                               "write a fraction within [0, 1]")
+                    raise _err(source, f"decisions.placement.{name}.{tier}",
+                               f"expected a number, got {_short(v)}", "write a fraction within [0, 1]")
         try:
             p = Placement.from_dict(placement)
         except PlacementError as exc:
@@ -407,7 +415,8 @@ def _decisions(source: str, d: object, model: ModelSpec, hw: HardwareProfile) ->
         return _err(source, f"decisions.{key}", problem, fix)
 
     if cfg.family not in FAMILIES:
-        raise bad("family", f"unknown schedule family {_short(cfg.family)}", f"use one of {', '.join(FAMILIES)}")
+        raise bad("family", f"unknown schedule family {_short(cfg.family)}",
+                  f"use one of {', '.join(FAMILIES)}")
     if cfg.runtime not in RUNTIMES:
         raise bad("runtime", f"unknown runtime {_short(cfg.runtime)}", f"use one of {', '.join(RUNTIMES)}")
     for key in ("batch", "micro_batch", "seq", "group", "prefetch_depth", "iterations", "gpus", "nodes"):
@@ -415,7 +424,8 @@ def _decisions(source: str, d: object, model: ModelSpec, hw: HardwareProfile) ->
             raise bad(key, f"must be >= 1, got {getattr(cfg, key)}", "write a positive integer")
     if cfg.gpus > hw.gpu_count:
         raise bad("gpus", f"{cfg.gpus} GPUs per box, but the hardware section has {hw.gpu_count}",
-                  f"write gpus <= {hw.gpu_count}, or plan for a profile whose topology.gpu_count is {cfg.gpus}")
+                  f"write gpus <= {hw.gpu_count}, or plan for a profile whose topology.gpu_count is "
+                  f"{cfg.gpus}")
     if cfg.nodes > 1 and hw.network is None:
         raise bad("nodes", f"{cfg.nodes} boxes, but the hardware section has no network",
                   "write nodes 1, or plan for a profile with a network section")
@@ -425,7 +435,8 @@ def _decisions(source: str, d: object, model: ModelSpec, hw: HardwareProfile) ->
         raise bad("batch", f"batch {cfg.batch} is not divisible by micro_batch {cfg.micro_batch}",
                   "use a micro-batch that divides the batch")
     if cfg.batch % (cfg.micro_batch * cfg.world.ranks):
-        raise bad("batch", f"batch {cfg.batch} is not divisible by {cfg.world.ranks} ranks x micro_batch {cfg.micro_batch}",
+        raise bad("batch", f"batch {cfg.batch} is not divisible by {cfg.world.ranks} ranks x micro_batch "
+                  f"{cfg.micro_batch}",
                   "use a batch that is a multiple of ranks x micro_batch")
     if cfg.num_micro_batches % cfg.group:
         raise bad("group", f"group {cfg.group} does not divide the {cfg.num_micro_batches} micro-batches",
@@ -440,7 +451,8 @@ def _decisions(source: str, d: object, model: ModelSpec, hw: HardwareProfile) ->
 
 def _tier_bytes(source: str, key: str, d: object) -> dict[str, float]:
     if not isinstance(d, dict):
-        raise _err(source, key, f"expected an object, got {_json_type_name(d)}", "write {\"gpu\": .., \"cpu\": .., \"ssd\": ..}")
+        raise _err(source, key, f"expected an object, got {_json_type_name(d)}",
+                   "write {\"gpu\": .., \"cpu\": .., \"ssd\": ..}")
     for k in d:
         if k not in TIERS:
             raise _unknown_key(source, key, k, TIERS)
@@ -480,7 +492,8 @@ def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb:
     """The plan's ops as tasks: each op parsed and its fields checked, then the references between them (queue
     positions, dependency cycles, deadlocks through the queues)."""
     if not isinstance(ops, list):
-        raise _err(source, "ops", f"expected a list of ops, got {_json_type_name(ops)}", "write \"ops\": [...]")
+        raise _err(source, "ops", f"expected a list of ops, got {_json_type_name(ops)}",
+                   "write \"ops\": [...]")
     n = len(ops)
     if n == 0:
         raise _err(source, "ops", "the plan has no ops", "write the plan with tierflow, not by hand")
@@ -520,7 +533,8 @@ def _op_task(source: str, tid: int, op: dict, bounds: _OpBounds) -> Task:
     resource, work = _op_work(source, where, op)
     for key in ("kind", "tensor"):
         if not isinstance(op[key], str) or not op[key]:
-            raise _err(source, where, f"{key} must be a non-empty string, got {_short(op[key])}", f"fix {key!r}")
+            raise _err(source, where, f"{key} must be a non-empty string, got {_short(op[key])}",
+                       f"fix {key!r}")
     _check_op_indices(source, where, op, bounds)
     deps = _op_deps(source, where, op["deps"], bounds.n)
     mem_start, mem_end = _op_mem(source, where, op["mem"])
@@ -543,7 +557,8 @@ def _op_work(source: str, where: str, op: dict) -> tuple[str, float]:
     """The op's resource and its work: seconds on gpu/cpu, bytes on a link."""
     resource = op["resource"]
     if resource not in RESOURCES:
-        raise _err(source, where, f"unknown resource {_short(resource)}", f"use one of {', '.join(RESOURCES)}")
+        raise _err(source, where, f"unknown resource {_short(resource)}",
+                   f"use one of {', '.join(RESOURCES)}")
     work_key = "bytes" if resource in LINKS else "seconds"
     other = "seconds" if work_key == "bytes" else "bytes"
     if other in op:
@@ -611,14 +626,16 @@ def _op_mem(source: str, where: str, mem: object) -> tuple[list[tuple[int, float
     return mem_start, mem_end
 
 
-def _check_queues(source: str, done: list[Task], orders: list[int], num_iterations: int) -> dict[str, dict[int, int]]:
+def _check_queues(source: str, done: list[Task], orders: list[int],
+                  num_iterations: int) -> dict[str, dict[int, int]]:
     """Each resource's queue positions are exactly 0..k-1, and every iteration computes on the gpu. Returns
     resource -> {position: op id}."""
     by_res: dict[str, dict[int, int]] = {r: {} for r in RESOURCES}
     for t in done:
         q = by_res[t.resource]
         if orders[t.id] in q:
-            raise _err(source, f"op {t.id}", f"same order {orders[t.id]} on {t.resource} as op {q[orders[t.id]]}",
+            raise _err(source, f"op {t.id}",
+                       f"same order {orders[t.id]} on {t.resource} as op {q[orders[t.id]]}",
                        "give each op of a resource its own queue position")
         q[orders[t.id]] = t.id
     for r, q in by_res.items():
@@ -632,7 +649,8 @@ def _check_queues(source: str, done: list[Task], orders: list[int], num_iteratio
     return by_res
 
 
-def _check_references(source: str, done: list[Task], orders: list[int], by_res: dict[str, dict[int, int]]) -> None:
+def _check_references(source: str, done: list[Task], orders: list[int],
+                      by_res: dict[str, dict[int, int]]) -> None:
     """The dependencies are acyclic, no op is queued before a same-resource dependency, and dependencies and
     queue orders together do not deadlock."""
     preds = [sorted(set(t.deps)) for t in done]
@@ -645,8 +663,9 @@ def _check_references(source: str, done: list[Task], orders: list[int], by_res: 
     for t in done:
         for d in t.deps:
             if done[d].resource == t.resource and orders[d] > orders[t.id]:
-                raise _err(source, f"op {t.id}", f"order {orders[t.id]} on {t.resource} is before its dependency "
-                           f"op {d} (order {orders[d]})", "queue every op after its same-resource dependencies")
+                raise _err(source, f"op {t.id}", f"order {orders[t.id]} on {t.resource} is before its "
+                           f"dependency op {d} (order {orders[d]})",
+                           "queue every op after its same-resource dependencies")
     # dependencies and queue orders together must be acyclic, else the resources wait on each other forever
     chained = [list(p) for p in preds]
     for q in by_res.values():
@@ -655,8 +674,9 @@ def _check_references(source: str, done: list[Task], orders: list[int], by_res: 
     try:
         topological_order(len(done), chained)
     except CycleError as e:
-        raise _err(source, f"op {e.cycle[0]}", f"the resource orders deadlock: ops {_cycle_text(e.cycle)} wait on "
-                   "each other through deps and queues", "reorder the queues to follow the dependencies") from None
+        raise _err(source, f"op {e.cycle[0]}", f"the resource orders deadlock: ops {_cycle_text(e.cycle)} "
+                   "wait on each other through deps and queues",
+                   "reorder the queues to follow the dependencies") from None
 
 
 def _check_kinds(source: str, tasks: list[Task]) -> None:
@@ -677,12 +697,15 @@ def _check_micro_batch_count(source: str, ops: object, cfg: ScheduleConfig) -> N
     would otherwise train (and report tokens/s for) another batch than the ops compute."""
     if not isinstance(ops, list):
         return  # _ops reports it
-    mbs = [o["mb"] for o in ops if isinstance(o, dict) and _is_int(o.get("mb")) and o.get("resource") == "gpu"]
+    mbs = [o["mb"] for o in ops
+           if isinstance(o, dict) and _is_int(o.get("mb")) and o.get("resource") == "gpu"]
     if not mbs:
         return
     computed = max(mbs) + 1
     if computed != cfg.num_micro_batches:
-        split = f"micro_batch {cfg.micro_batch}" if cfg.world.ranks == 1 else f"({cfg.world.ranks} ranks x micro_batch {cfg.micro_batch})"
+        ranks = cfg.world.ranks
+        split = (f"micro_batch {cfg.micro_batch}" if ranks == 1
+                 else f"({ranks} ranks x micro_batch {cfg.micro_batch})")
         raise _err(source, "decisions.batch", f"{cfg.batch} / {split} = "
                    f"{cfg.num_micro_batches} micro-batches, the ops compute {computed}", _REWRITE)
 
@@ -693,8 +716,8 @@ def _check_derived_bytes(source: str, model: ModelSpec, hw: HardwareProfile, cfg
     want_cap = rank_capacity_bytes(hw, cfg.gpus)
     for t in TIERS:
         if not math.isclose(capacity[t], want_cap[t], rel_tol=1e-9, abs_tol=1.0):
-            raise _err(source, f"capacity_bytes.{t}", f"{capacity[t]:,.0f} bytes, but the hardware section gives "
-                       f"{want_cap[t]:,.0f}: edited after writing?", _REWRITE)
+            raise _err(source, f"capacity_bytes.{t}", f"{capacity[t]:,.0f} bytes, but the hardware section "
+                       f"gives {want_cap[t]:,.0f}: edited after writing?", _REWRITE)
     want = placed_static_bytes(model, cfg.placement, cfg.runtime, cfg.world.ranks)
     for t in TIERS:
         if not math.isclose(static[t], want[t], rel_tol=1e-9, abs_tol=1.0):
@@ -706,36 +729,41 @@ def _check_digest(source: str, d: dict, model: ModelSpec, hw: HardwareProfile, c
     """Verify the digest written with the plan: name the first field whose value is not the one the ops were
     built from, or say that the ops themselves were edited."""
     dg = d["digest"]
-    if not isinstance(dg, dict) or set(dg) != {"algorithm", "fields", "ops"} or not isinstance(dg["fields"], dict):
+    if (not isinstance(dg, dict) or set(dg) != {"algorithm", "fields", "ops"}
+            or not isinstance(dg["fields"], dict)):
         raise _err(source, "digest", "expected an object {algorithm, fields, ops}", _REWRITE)
     if dg["algorithm"] != DIGEST_ALGORITHM:
         raise _err(source, "digest.algorithm", f"unknown digest {_short(dg['algorithm'])}",
                    f"this tierflow writes {DIGEST_ALGORITHM!r}; {_REWRITE}")
     fields = _digest_fields(model, hw, cfg)
     recorded = dg["fields"]
-    # a field one side lacks counts as null: a plan written before an optional (nullable) profile or model field
-    # existed still loads, as long as the field is null now
+    # a field one side lacks counts as null: a plan written before an optional (nullable) profile or model
+    # field existed still loads, as long as the field is null now
     none = _hash(None)
     for key in [*fields, *(k for k in recorded if k not in fields)]:
         if recorded.get(key, none) != fields.get(key, none):
             raise _err(source, key, "not the value the ops were built for: edited after writing "
                        "(the digest does not match)", _REWRITE)
     if dg["ops"] != _digest_ops(d, recorded):  # the recorded fields: each one checked above
-        raise _err(source, "ops", "ops or byte totals edited after writing (the digest does not match)", _REWRITE)
+        raise _err(source, "ops", "ops or byte totals edited after writing (the digest does not match)",
+                   _REWRITE)
 
 
 def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
     """Validate a parsed plan and rebuild it; raises PlanError."""
     if not isinstance(d, dict):
-        raise _err(source, "(top level)", f"expected a JSON object, got {_json_type_name(d)}", "is this a tierflow plan?")
+        raise _err(source, "(top level)", f"expected a JSON object, got {_json_type_name(d)}",
+                   "is this a tierflow plan?")
     if "format" not in d:
-        raise _err(source, "format", "missing key", f"add \"format\": \"{PLAN_FORMAT}\"; is this a tierflow plan?")
+        raise _err(source, "format", "missing key",
+                   f"add \"format\": \"{PLAN_FORMAT}\"; is this a tierflow plan?")
     if d["format"] != PLAN_FORMAT:
         raise _err(source, "format", f"expected {PLAN_FORMAT!r}, got {_short(d['format'])}",
                    "this is not a tierflow plan file")
     supported = ", ".join(str(v) for v in SUPPORTED_VERSIONS)
     if "version" not in d:
-        raise _err(source, "version", "missing key", f"add \"version\"; this tierflow reads versions {supported}")
+        raise _err(source, "version", "missing key",
+                   f"add \"version\"; this tierflow reads versions {supported}")
     version = d["version"]
     if not _is_int(version) or version not in SUPPORTED_VERSIONS:
         newer = _is_int(version) and version > max(SUPPORTED_VERSIONS)
@@ -748,10 +776,12 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
         if key not in d:
             raise _err(source, key, "missing key", f"add \"{key}\" at the top level")
     if "created_by" in d and not isinstance(d["created_by"], str):
-        raise _err(source, "created_by", f"expected a string, got {_json_type_name(d['created_by'])}", "write a string")
+        raise _err(source, "created_by", f"expected a string, got {_json_type_name(d['created_by'])}",
+                   "write a string")
     for key in ("predicted", "solver"):
         if d.get(key) is not None and not isinstance(d[key], dict):
-            raise _err(source, key, f"expected an object or null, got {_json_type_name(d[key])}", f"write \"{key}\": {{...}}")
+            raise _err(source, key, f"expected an object or null, got {_json_type_name(d[key])}",
+                       f"write \"{key}\": {{...}}")
 
     model = _model(source, d["model"])
     hardware = _hardware(source, d["hardware"])
@@ -761,8 +791,8 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
     num_iterations = _positive_int(source, d, "num_iterations")
     num_blocks = _positive_int(source, d, "num_blocks")
     if num_iterations != config.iterations:
-        raise _err(source, "num_iterations", f"{num_iterations} but decisions.iterations is {config.iterations}",
-                   "make them equal")
+        raise _err(source, "num_iterations",
+                   f"{num_iterations} but decisions.iterations is {config.iterations}", "make them equal")
     if num_blocks != model.num_layers + 2:
         raise _err(source, "num_blocks", f"{num_blocks} but the model has {model.num_layers} layers + 2",
                    f"write {model.num_layers + 2} (embedding, layers, head)")
@@ -784,8 +814,8 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
 
 
 def validate_plan_dict(d: dict, source: str) -> None:
-    """Raise PlanError (one line naming `source`, the key or op id, the problem and a fix) unless `d` is a valid
-    plan."""
+    """Raise PlanError (one line naming `source`, the key or op id, the problem and a fix) unless `d` is a
+    valid plan."""
     plan_from_dict(d, source)
 
 
@@ -795,7 +825,8 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     try:
         text = read_text(path, MAX_PLAN_BYTES)  # plain or gzip-compressed, by the content
     except InputLimitError as exc:
-        raise _err(source, "(file)", str(exc), "give the path of a plan .json file written by tierflow") from None
+        raise _err(source, "(file)", str(exc),
+                   "give the path of a plan .json file written by tierflow") from None
     except FileNotFoundError as exc:
         raise _err(source, "(file)", "file not found", "check the path") from exc
     except IsADirectoryError as exc:
@@ -805,9 +836,11 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     except OSError as exc:
         if _looks_gzip(path):
             raise _err(source, "(file)", f"damaged gzip file: {exc}", "write the plan again") from exc
-        raise _err(source, "(file)", f"cannot read: {exc.strerror or exc}", "check the file's permissions") from exc
+        raise _err(source, "(file)", f"cannot read: {exc.strerror or exc}",
+                   "check the file's permissions") from exc
     try:
-        d = loads_json_limited(text, unchecked=("ops",), parse_constant=_reject_constant)  # ops: _ops checks them
+        # ops: _ops checks them
+        d = loads_json_limited(text, unchecked=("ops",), parse_constant=_reject_constant)
     except InputLimitError as exc:
         raise _err(source, "(file)", str(exc), "a plan nests 4 levels: ops, op, mem, effect") from None
     except json.JSONDecodeError as exc:
@@ -830,19 +863,20 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a JSON number")
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Simulation
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def simulate_plan(plan: Plan) -> SimResult:
-    """Play the plan's graph on the plan's hardware (tierflow.planner.core.simulator); tokens and FLOPs filled in as
-    tierflow.planner.core.simulate.simulate_config does."""
+    """Play the plan's graph on the plan's hardware (tierflow.planner.core.simulator); tokens and FLOPs filled
+    in as tierflow.planner.core.simulate.simulate_config does."""
     return simulate_config(plan.model, plan.hardware, plan.config, plan.graph)
 
 
 __all__ = [
-    "PLAN_FORMAT", "PLAN_VERSION", "SUPPORTED_VERSIONS", "LARGE_PLAN_BYTES", "Plan", "PlanError", "WrittenPlan", "plan_from_graph", "plan_to_dict",
+    "PLAN_FORMAT", "PLAN_VERSION", "SUPPORTED_VERSIONS", "LARGE_PLAN_BYTES", "Plan", "PlanError",
+    "WrittenPlan", "plan_from_graph", "plan_to_dict",
     "plan_from_dict", "write_plan", "load_plan", "validate_plan_dict", "simulate_plan", "dumps_plan_dict",
     "plan_digest", "MAX_PLAN_BYTES",
 ]

@@ -56,8 +56,8 @@ def shape(family: str, hidden: int, heads: int, layers: int, seq: int | None = N
 
 def fits(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool, gpus: int = 1,
          nodes: int = 1) -> bool:
-    """Does the most frugal plan fit every tier? With `gpus` ranks per box on `nodes` boxes (`batch` the global
-    batch), each rank's shard in its share of its box."""
+    """Does the most frugal plan fit every tier? With `gpus` ranks per box on `nodes` boxes (`batch` the
+    global batch), each rank's shard in its share of its box."""
     problem = Problem(model, hw, batch, seq, allow_ssd=with_ssd, gpus=gpus, nodes=nodes)
     need, caps = min_requirements(problem), problem.capacity_bytes
     return all(need[t] <= caps[t] for t in need)
@@ -100,7 +100,8 @@ def largest(family: str, hw: HardwareProfile, batch: int, seq: int, with_ssd: bo
 
 
 def _largest_light(args: tuple) -> CapacityAnswer:
-    """largest() for a worker process: the answer without the simulated task graph (only its summary travels)."""
+    """largest() for a worker process: the answer without the simulated task graph (only its summary
+    travels)."""
     a = largest(*args)
     if a.verified is not None:
         a.verified = a.verified.summary_only()

@@ -2,8 +2,8 @@
 
 The loads are exact and cannot drift from the schedule builder: they are *measured* on the builder's own task
 graphs for 1- and 2-layer versions of the model and extrapolated linearly in the layer count (every decoder
-layer of a model contributes the same tasks, so a load is c + (L - n) x r + n x s for L layers of which the last
-n swap instead of recomputing). """
+layer of a model contributes the same tasks, so a load is c + (L - n) x r + n x s for L layers of which the
+last n swap instead of recomputing). """
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ class IterationLoads:
         return out
 
     def bound_s(self, hw: HardwareProfile) -> float:
-        """Roofline lower bound: no iteration can be shorter than its busiest resource (phases not counted)."""
+        """Roofline lower bound: no iteration can be shorter than its busiest resource (phases not
+        counted)."""
         return max(v for k, v in self.times_s(hw).items() if k != "phases")
 
     def predict_s(self, hw: HardwareProfile) -> float:
@@ -68,9 +69,9 @@ class IterationLoads:
 
 
 def pool_times_s(work: dict[str, float], r) -> dict[str, float]:
-    """Least time each shared host pool needs for `work` (bytes on the links, seconds on gpu and cpu): host memory
-    ("dram": each byte a link moves crosses DRAM once, CPU Adam moves r.adam_dram_bps while it runs) and, on a host
-    device, its cores ("cores")."""
+    """Least time each shared host pool needs for `work` (bytes on the links, seconds on gpu and cpu): host
+    memory ("dram": each byte a link moves crosses DRAM once, CPU Adam moves r.adam_dram_bps while it runs)
+    and, on a host device, its cores ("cores")."""
     return {name: sum(work.get(k, 0.0) * u for k, u in use.items()) / cap_s for name, cap_s, use in r.pools()}
 
 
@@ -82,9 +83,9 @@ def pcie_time_s(h2d_bytes: float, d2h_bytes: float, r) -> float:
 def duplex_time_s(a_bytes: float, b_bytes: float, a_rate: float, b_rate: float, a_mixed: float,
                   b_mixed: float) -> float:
     """Least time to move both directions of one link (PCIe, or the SSD array's reads and writes): run them
-    together for t (at the mixed rates) as long as both have bytes left, the rest alone at the solo rates. With
-    c = 1 - Am/A - Bm/B < 0 (running both at once moves more than one alone), t = min(a/Am, b/Bm) and the time is
-    a/A + b/B + c t."""
+    together for t (at the mixed rates) as long as both have bytes left, the rest alone at the solo rates.
+    With c = 1 - Am/A - Bm/B < 0 (running both at once moves more than one alone), t = min(a/Am, b/Bm) and the
+    time is a/A + b/B + c t."""
     if a_bytes <= 0 or b_bytes <= 0:
         return _div(a_bytes, a_rate) + _div(b_bytes, b_rate)
     base = a_bytes / a_rate + b_bytes / b_rate
@@ -117,9 +118,9 @@ def _work(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, layers: in
 
 def _measure_work(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, layers: int,
                   swapped: int) -> dict[str, float]:
-    """Work per resource, and per resource and phase ("gpu@F", "h2d@B", ...): a task belongs to the phase of the
-    GPU step its queue position serves (forward steps -> F; head and backward steps -> B; the optimizer tail
-    after the last step to neither)."""
+    """Work per resource, and per resource and phase ("gpu@F", "h2d@B", ...): a task belongs to the phase of
+    the GPU step its queue position serves (forward steps -> F; head and backward steps -> B; the optimizer
+    tail after the last step to neither)."""
     m = replace(model, num_layers=layers)
     g = build_graph(m, hw, replace(cfg, iterations=1, swap_layers=swapped))
     phases = ["F" if st.phase == "F" else "B" for st in step_sequence(layers + 2, cfg.num_micro_batches, cfg.group)]

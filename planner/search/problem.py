@@ -1,8 +1,8 @@
-"""The planning problem: a model on a box at a batch and sequence length, and everything that depends only on them
-(cost model, link rates, tier capacities, per-micro-batch blocks), built once. With several data-parallel ranks
-(`gpus` per box x `nodes` boxes) the problem is one rank's: its share of the global batch (`rank_batch`), its
-share of the box's host resources and capacities (tierflow.planner.core.world); candidates, placement and loads
-are per rank. Every search function takes a
+"""The planning problem: a model on a box at a batch and sequence length, and everything that depends only on
+them (cost model, link rates, tier capacities, per-micro-batch blocks), built once. With several data-parallel
+ranks (`gpus` per box x `nodes` boxes) the problem is one rank's: its share of the global batch
+(`rank_batch`), its share of the box's host resources and capacities (tierflow.planner.core.world);
+candidates, placement and loads are per rank. Every search function takes a
 Problem instead of the (model, hw, batch, seq) tuple; its caches live on the instance, so two problems never
 share (or hash) each other's state.
 
@@ -92,7 +92,7 @@ class Problem:
         """Sequences one rank runs per iteration (the global batch split over the ranks)."""
         return self.world.rank_batch(self.batch)
 
-    # ---- built once -------------------------------------------------------------------------------------------
+    # ---- built once ----------------------------------------------------------------------------------------
 
     @cached_property
     def cost(self) -> CostModel:
@@ -120,7 +120,7 @@ class Problem:
             self._cache[key] = make()
         return self._cache[key]
 
-    # ---- candidates --------------------------------------------------------------------------------------------
+    # ---- candidates ----------------------------------------------------------------------------------------
 
     def config(self, c: Candidate, placement: Placement | None = None, swap_layers: int = 0,
                iterations: int = 3) -> ScheduleConfig:
@@ -132,7 +132,8 @@ class Problem:
                              prefetch_depth=c.prefetch_depth, swap_layers=swap_layers, iterations=iterations,
                              gpus=self.gpus, nodes=self.nodes,
                              # a candidate is tierflow's own plan: with the optimizer overlapped and one
-                             # micro-batch per sweep it is built as Fuyou's schedule, but runs on tierflow's executor
+                             # micro-batch per sweep it is built as Fuyou's schedule, but runs on tierflow's
+                             # executor
                              runtime="ideal" if fam == "fuyou" else None)
 
     def schedule_memory(self, cfg: ScheduleConfig) -> ScheduleMemory:
