@@ -35,7 +35,9 @@ from tierflow.hwprofiles.inputs import MIB, InputLimitError, loads_json_limited,
 FAMILIES = ("gpt", "llama", "mistral", "qwen2", "opt", "gpt_neox", "qwen3", "gemma", "gemma2", "phi3")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu")  # swiglu / geglu: gated MLPs (silu / tanh-GELU gate)
-SUPPORTED_HF_KINDS = ("gemma", "gemma2", "gpt2", "gpt_neox", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3")
+SUPPORTED_HF_KINDS = (
+    "gemma", "gemma2", "gpt2", "gpt_neox", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3",
+)
 
 # Rotary models advertise very long context windows (Mistral: 131072, Qwen2: 32768) that are not a sensible
 # default *training* length; configs read from config.json train at min(max_position_embeddings, this).
@@ -102,7 +104,8 @@ class ModelSpec:
     # stays
     lm_head: bool = True
     norm_affine: bool = True  # False for OPT with layer_norm_elementwise_affine=False (norms hold no params)
-    qk_norm: bool = False  # Qwen3: an RMSNorm over head_dim on every query and key head (2 x head_dim params a layer)
+    # Qwen3: an RMSNorm over head_dim on every query and key head (2 x head_dim params a layer)
+    qk_norm: bool = False
     sandwich_norm: bool = False  # Gemma2: a norm before and after both attention and MLP (4 norms a layer)
     # Tokens a sliding-window attention layer sees (Mistral, Gemma2, Phi-3, Qwen with use_sliding_window); 0:
     # none. seq_len may not exceed it: within the window such a layer is plain causal attention, which is what
@@ -143,18 +146,18 @@ class ModelSpec:
             value = getattr(self, field)
             if value > limit:
                 shown = f"{value}" if value < 10**30 else f"about 10^{int(value.bit_length() * 0.30103)}"
-                raise bad(field, f"{shown} is above the limit of {limit} (a shape limit of tierflow; is the value "
-                          "a typo?)")
+                raise bad(field, f"{shown} is above the limit of {limit} (a shape limit of tierflow; is the "
+                          "value a typo?)")
         if self.num_heads % self.num_kv_heads:
             raise bad("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
         if self.max_positions and self.seq_len > self.max_positions:
             raise bad("seq_len", f"{self.seq_len} exceeds the {self.max_positions} learned positions")
         if self.sliding_window and self.seq_len > self.sliding_window:
-            raise bad("seq_len", f"{self.seq_len} exceeds the sliding attention window of {self.sliding_window} "
-                      "tokens (attention over a window shorter than the sequence is not modelled)")
-        if isinstance(self.rotary_fraction, bool) or not isinstance(self.rotary_fraction, (int, float)) or not (
-            0 < self.rotary_fraction <= 1
-        ):
+            raise bad("seq_len", f"{self.seq_len} exceeds the sliding attention window of "
+                      f"{self.sliding_window} tokens (attention over a window shorter than the sequence is not "
+                      "modelled)")
+        fraction = self.rotary_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise bad("rotary_fraction", f"must be in (0, 1], got {self.rotary_fraction!r}")
 
     # ---- derived sizes -------------------------------------------------------------------------------------
@@ -267,7 +270,8 @@ class ModelSpec:
             raise ModelError(
                 f"model {self.name!r}: seq_len {seq_len} exceeds its sliding attention window of "
                 f"{self.sliding_window} tokens; tierflow models attention as causal over the whole sequence, "
-                f"which is that window only while seq_len <= {self.sliding_window} (use --seq {self.sliding_window} or less)"
+                f"which is that window only while seq_len <= {self.sliding_window} (use --seq "
+                f"{self.sliding_window} or less)"
             )
         return replace(self, seq_len=seq_len)
 
@@ -428,7 +432,8 @@ def hf_cache_dir() -> Path:
             return Path(os.environ[var]).expanduser()
     if os.environ.get("HF_HOME"):
         return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    base = Path(os.environ["XDG_CACHE_HOME"]).expanduser() if os.environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "huggingface" / "hub"
 
 
@@ -700,11 +705,12 @@ _WHY_NOT_KINDS = {
     **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx",
                      "granitemoe", "phimoe", "jamba"), _MOE),
     **dict.fromkeys(("bert", "roberta", "t5", "bart", "mt5", "electra", "deberta", "deberta-v2"), _ENCODER),
-    "phi": "Phi-1/2 layers run attention and MLP in parallel from one LayerNorm (one norm a layer) and its lm_head "
-           "has a bias: no tierflow layer shape",
+    "phi": "Phi-1/2 layers run attention and MLP in parallel from one LayerNorm (one norm a layer) and its "
+           "lm_head has a bias: no tierflow layer shape",
     "gemma3": "a vision-language model (gemma3_text is the text-only kind)",
-    "gemma3_text": "not read yet: its layers are expressible (qk-norm, sandwich norms, GeGLU) but 5 of every 6 "
-                   "slide over a 512- or 1024-token window, so only sequences that short would be modelled exactly",
+    "gemma3_text": "not read yet: its layers are expressible (qk-norm, sandwich norms, GeGLU) but 5 of every "
+                   "6 slide over a 512- or 1024-token window, so only sequences that short would be modelled "
+                   "exactly",
     "mamba": "a state-space model without attention",
 }
 
@@ -748,7 +754,8 @@ def from_hf_config(path: str | os.PathLike[str], name: str | None = None) -> Mod
 
 def _heads(cfg: _Config, hidden: int, heads: int, kv_heads: int | None) -> tuple[int, int]:
     # gemma, gemma2 and qwen3 default to a head_dim of their own (256, 256, 128), not hidden / heads
-    head_dim = cfg.get_int("head_dim", optional=True) if "head_dim" in cfg.data or cfg.defaults.get("head_dim") else None
+    own_head_dim = "head_dim" in cfg.data or cfg.defaults.get("head_dim")
+    head_dim = cfg.get_int("head_dim", optional=True) if own_head_dim else None
     if head_dim is None:
         if hidden % heads:
             raise ModelError(
@@ -870,7 +877,8 @@ def _gated_activation(cfg: _Config, key: str) -> str:
         return "swiglu"
     if act.startswith("gelu"):
         return "geglu"
-    raise ModelError(f"{cfg.source}: {key}: gated MLP with {cfg.raw(key)!r} is not modelled (silu or gelu gates only)")
+    raise ModelError(f"{cfg.source}: {key}: gated MLP with {cfg.raw(key)!r} is not modelled (silu or gelu "
+                     "gates only)")
 
 
 def _sliding_window(cfg: _Config) -> int:
@@ -884,7 +892,8 @@ def _sliding_window(cfg: _Config) -> int:
     if isinstance(types, list):
         return window if "sliding_attention" in types else 0
     if cfg.kind in ("qwen2", "qwen3") and (
-        not cfg.get_bool("use_sliding_window") or cfg.get_int("max_window_layers", positive=False) >= cfg.get_int("num_hidden_layers")
+        not cfg.get_bool("use_sliding_window")
+        or cfg.get_int("max_window_layers", positive=False) >= cfg.get_int("num_hidden_layers")
     ):
         return 0
     return window
@@ -903,8 +912,8 @@ def _from_gemma_qwen3_phi3(name: str, cfg: _Config) -> ModelSpec:
     """
     kind = cfg.kind
     if kind in ("gemma", "gemma2") and cfg.raw("use_bidirectional_attention"):
-        raise ModelError(f"{cfg.source}: use_bidirectional_attention: an encoder (bidirectional attention) is not a "
-                         "causal language model tierflow can train")
+        raise ModelError(f"{cfg.source}: use_bidirectional_attention: an encoder (bidirectional attention) "
+                         "is not a causal language model tierflow can train")
     hidden, heads = cfg.get_int("hidden_size"), cfg.get_int("num_attention_heads")
     head_dim, kv_heads = _heads(cfg, hidden, heads, cfg.get_int("num_key_value_heads", optional=True))
     if kind == "gemma":
@@ -928,7 +937,8 @@ def _from_gemma_qwen3_phi3(name: str, cfg: _Config) -> ModelSpec:
         out_bias=bias,
         tied_embeddings=cfg.get_bool("tie_word_embeddings"),
         sliding_window=window,
-        **({"rotary_fraction": _rotary_fraction(cfg, "partial_rotary_factor", 1.0)} if kind == "phi3" else {}),
+        **({"rotary_fraction": _rotary_fraction(cfg, "partial_rotary_factor", 1.0)} if kind == "phi3"
+           else {}),
     )
 
 
