@@ -41,7 +41,8 @@ CAUSAL_ATTENTION_WORK = 0.5  # a causal flash-attention kernel skips the masked 
 # CPU Adam (DeepSpeed's cpu_adam, fp32 gradients): reads gradient, master, m, v (16 B), writes master, m, v
 # (12 B) and the fp16 copy of the weight (2 B): 30 B per parameter (REF 2: "~28-32 bytes moved per parameter")
 CPU_ADAM_DRAM_BYTES_PER_PARAM = 30
-GPU_ADAM_BYTES_PER_PARAM = 36  # GPU Adam reads grad, master, m, v (16 B) and writes master, m, v, bf16 weight (14 B) + grad zeroing
+# GPU Adam reads grad, master, m, v (16 B) and writes master, m, v, bf16 weight (14 B) + grad zeroing
+GPU_ADAM_BYTES_PER_PARAM = 36
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,9 @@ LINKS = (*HOST_LINKS, NET)  # resources whose work is bytes
 TIERS = ("gpu", "cpu", "ssd")  # the memory tiers, fastest first (the one definition: placement imports it)
 TIER_INDEX = {t: i for i, t in enumerate(TIERS)}
 # which physical link a transfer resource is, for bytes-per-link reporting
-LINK_NAMES = {"h2d": "cpu->gpu", "d2h": "gpu->cpu", "ssd_read": "ssd->cpu", "ssd_write": "cpu->ssd", NET: "gpu<->gpu"}
+LINK_NAMES = {
+    "h2d": "cpu->gpu", "d2h": "gpu->cpu", "ssd_read": "ssd->cpu", "ssd_write": "cpu->ssd", NET: "gpu<->gpu",
+}
 
 
 @contextmanager
@@ -61,8 +63,9 @@ class CycleError(TierflowError, ValueError):
         self.order, self.left, self.cycle = order, left, cycle
 
 
-def topological_order(num_nodes: int, preds: Sequence[Sequence[int]], tie_break: Sequence[float] | None = None,
-                      *, cycle_message: str = "dependency cycle") -> list[int]:
+def topological_order(num_nodes: int, preds: Sequence[Sequence[int]],
+                      tie_break: Sequence[float] | None = None, *,
+                      cycle_message: str = "dependency cycle") -> list[int]:
     """Nodes 0..num_nodes-1 in an order where every node comes after all of its predecessors (Kahn's
     algorithm).
 
@@ -141,7 +144,7 @@ def find_cycle(preds: Sequence[Sequence[int]], left: set[int]) -> list[int]:
 @dataclass(slots=True)
 class Task:
     id: int
-    kind: str  # fwd, recompute, bwd, head, opt_gpu | fetch_w, fetch_act, offload_act, offload_grad, ... | adam
+    kind: str  # one of the op vocabulary, tierflow.planner.core.opkinds.OP_KINDS
     resource: str  # one of RESOURCES
     work: float  # seconds on gpu/cpu; bytes on links
     tensor: str  # tensor class touched: weights, checkpoint, act, act_grad, grads, opt_states, ...

@@ -47,7 +47,8 @@ MARGIN = 1.5
 
 # DeepSpeed ZeRO-3 defaults that hold GPU memory for the whole step (docs/baselines-as-coded.md, A2 and A4):
 DS_REDUCE_BUCKET_ELEMS = 5e8  # reduce_bucket_size: the gradient bucket, model dtype (zero/config.py:113)
-DS_MAX_REUSE_DISTANCE_ELEMS = 1e9  # parameters kept on the GPU at the forward/backward turn (zero/config.py:244)
+# parameters kept on the GPU at the forward/backward turn (zero/config.py:244)
+DS_MAX_REUSE_DISTANCE_ELEMS = 1e9
 
 
 def deepspeed_gpu_buffers_bytes(model: ModelSpec) -> float:
@@ -60,7 +61,8 @@ def deepspeed_gpu_buffers_bytes(model: ModelSpec) -> float:
 def blocks_of(model: ModelSpec, micro_batch: int, seq: int) -> list[BlockCost]:
     """The embedding, every decoder layer and the head, for one micro-batch."""
     layer = layer_cost(model, micro_batch, seq)
-    return [embed_cost(model, micro_batch, seq)] + [layer] * model.num_layers + [head_cost(model, micro_batch, seq)]
+    return ([embed_cost(model, micro_batch, seq)] + [layer] * model.num_layers
+            + [head_cost(model, micro_batch, seq)])
 
 
 def placed_bytes(model: ModelSpec, placement: Placement, ranks: int = 1) -> dict[str, float]:
@@ -73,13 +75,15 @@ def placed_bytes_of(params: int, placement: Placement) -> dict[str, float]:
     p = placement
     out = {}
     for tier in ("gpu", "cpu", "ssd"):
-        out[tier] = params * (COMPUTE_BYTES * getattr(p.weights, tier) + MASTER_BYTES * getattr(p.master, tier)
+        out[tier] = params * (COMPUTE_BYTES * getattr(p.weights, tier)
+                              + MASTER_BYTES * getattr(p.master, tier)
                               + ADAM_STATE_BYTES * (getattr(p.adam_m, tier) + getattr(p.adam_v, tier)))
     out["ssd"] += GRAD_ACCUM_BYTES * params * p.grads.ssd
     return out
 
 
-def static_bytes(model: ModelSpec, placement: Placement, runtime: str = "ideal", ranks: int = 1) -> dict[str, float]:
+def static_bytes(model: ModelSpec, placement: Placement, runtime: str = "ideal",
+                 ranks: int = 1) -> dict[str, float]:
     """Bytes resident on each tier for the whole run: the placed tensors (one rank's shard of them), plus the
     GPU buffers DeepSpeed's runtime holds while the optimizer states are offloaded."""
     out = placed_bytes(model, placement, ranks)
@@ -114,9 +118,11 @@ class ScheduleMemory:
     grad_staging_bytes: float  # host buffers of spilled gradients read back for the optimizer
     ckpt_staging_bytes: float  # host buffers of checkpoints on their way to and from the SSDs
     ckpt_staging_swap_bytes: float  # ... when layers swap all their activations
-    ckpt_per_layer_bytes: float  # checkpoints (+ parked activations / activation gradients) per recomputed layer
+    # checkpoints (+ parked activations / activation gradients) per recomputed layer
+    ckpt_per_layer_bytes: float
     swap_extra_bytes: float  # ... extra per swapped layer
-    gpu_working_bytes: float  # closed-form GPU bytes beyond resident tensors (weight buffers, work, gradients)
+    # closed-form GPU bytes beyond resident tensors (weight buffers, work, gradients)
+    gpu_working_bytes: float
     gpu_working_swap_bytes: float  # ... when layers keep their activations (their prefetched activations)
     runtime_gpu_bytes: float = 0.0  # GPU buffers the runtime holds while states are offloaded (DeepSpeed's)
 
@@ -130,7 +136,8 @@ class ScheduleMemory:
         """Staging of the tensor classes this placement streams from the SSDs."""
         p = placement
         ckpt = self.ckpt_staging_swap_bytes if swap_layers else self.ckpt_staging_bytes
-        return (self.weight_staging_bytes * (p.weights.ssd > 0) + self.state_staging_bytes * (p.master.ssd > 0)
+        return (self.weight_staging_bytes * (p.weights.ssd > 0)
+                + self.state_staging_bytes * (p.master.ssd > 0)
                 + self.grad_staging_bytes * (p.grads.ssd > 0) + ckpt * (p.checkpoints.ssd > 0))
 
     def checkpoint_bytes(self, swap_layers: int) -> float:
@@ -146,7 +153,8 @@ class ScheduleMemory:
         if gpu_working_bytes is None:
             gpu_working_bytes = self.gpu_working_swap_bytes if swap_layers else self.gpu_working_bytes
         gpu_work = gpu_working_bytes + (0.0 if placement.gpu_optimizer else self.runtime_gpu_bytes)
-        grads_on_host = self.host_grad_bytes * (1.0 - placement.grads.ssd) if not placement.gpu_optimizer else 0.0
+        grads_on_host = (self.host_grad_bytes * (1.0 - placement.grads.ssd) if not placement.gpu_optimizer
+                         else 0.0)
         return {
             "gpu": placed["gpu"] + gpu_work + ck * c.gpu,
             "cpu": placed["cpu"] + grads_on_host + self.staging_bytes(placement, swap_layers) + ck * c.cpu
@@ -210,6 +218,7 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
                           weight_staging_bytes=weight_staging, state_staging_bytes=state_staging,
                           grad_staging_bytes=grad_staging, ckpt_staging_bytes=ckpt_staging,
                           ckpt_staging_swap_bytes=ckpt_staging_swap,
-                          ckpt_per_layer_bytes=ckpt, swap_extra_bytes=swap_extra, gpu_working_bytes=gpu_recompute,
-                          gpu_working_swap_bytes=gpu_swap,
-                          runtime_gpu_bytes=deepspeed_gpu_buffers_bytes(model) if runtime == "deepspeed" else 0.0)
+                          ckpt_per_layer_bytes=ckpt, swap_extra_bytes=swap_extra,
+                          gpu_working_bytes=gpu_recompute, gpu_working_swap_bytes=gpu_swap,
+                          runtime_gpu_bytes=(deepspeed_gpu_buffers_bytes(model) if runtime == "deepspeed"
+                                             else 0.0))

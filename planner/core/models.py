@@ -154,8 +154,8 @@ class ModelSpec:
             raise bad("seq_len", f"{self.seq_len} exceeds the {self.max_positions} learned positions")
         if self.sliding_window and self.seq_len > self.sliding_window:
             raise bad("seq_len", f"{self.seq_len} exceeds the sliding attention window of "
-                      f"{self.sliding_window} tokens (attention over a window shorter than the sequence is not "
-                      "modelled)")
+                      f"{self.sliding_window} tokens (attention over a window shorter than the sequence is "
+                      "not modelled)")
         fraction = self.rotary_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise bad("rotary_fraction", f"must be in (0, 1], got {self.rotary_fraction!r}")

@@ -86,11 +86,13 @@ def layer_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
     act_elems = 3 * f if model.gated_mlp else 2 * f
     elementwise = COMPUTE_BYTES * t * (4 * h + 6 * h + 2 * (q + kv) + act_elems + 2 * q)
     ckpt = COMPUTE_BYTES * t * h
-    full_act = COMPUTE_BYTES * t * saved_elements_per_token(model) + saved_stats_bytes(model, micro_batch, seq)
+    full_act = (COMPUTE_BYTES * t * saved_elements_per_token(model)
+                + saved_stats_bytes(model, micro_batch, seq))
     fwd_work = COMPUTE_BYTES * t * (3 * h + q + 2 * kv + (2 * f if model.gated_mlp else f))
     # backward: the recomputed activations + gradient temporaries (dX, d of the widest intermediate)
     # + the layer's bf16 weight gradient before it is accumulated.
-    bwd_work = full_act + COMPUTE_BYTES * t * (2 * h + (2 * f if model.gated_mlp else f)) + COMPUTE_BYTES * model.layer_params()
+    bwd_work = (full_act + COMPUTE_BYTES * t * (2 * h + (2 * f if model.gated_mlp else f))
+                + COMPUTE_BYTES * model.layer_params())
     return BlockCost(
         name="layer",
         kind="layer",
@@ -185,14 +187,16 @@ def head_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
         checkpoint_bytes=COMPUTE_BYTES * t * model.hidden,
         full_activation_bytes=COMPUTE_BYTES * t * model.hidden * 2,
         fwd_working_bytes=logits + COMPUTE_BYTES * t * max(vocab, model.hidden),
-        bwd_working_bytes=2 * logits + COMPUTE_BYTES * t * max(vocab, 2 * model.hidden) + GRAD_WIRE_BYTES * (owned + tied),
+        bwd_working_bytes=(2 * logits + COMPUTE_BYTES * t * max(vocab, 2 * model.hidden)
+                           + GRAD_WIRE_BYTES * (owned + tied)),
         tokens=t,
     )
 
 
 def model_flops_per_token(model: ModelSpec, seq: int) -> float:
     """Training FLOPs per token without recompute: 6 * matmul params + 12 * L * q_dim * seq (fwd + bwd)."""
-    matmul = model.num_layers * model.layer_matmul_params() + (model.vocab_size * model.embed_dim if model.lm_head else 0)
+    matmul = (model.num_layers * model.layer_matmul_params()
+              + (model.vocab_size * model.embed_dim if model.lm_head else 0))
     if model.embed_proj_dim:
         matmul += 2 * model.embed_proj_dim * model.hidden
     return 6.0 * matmul + 12.0 * model.num_layers * model.q_dim * seq

@@ -47,8 +47,8 @@ class IterationLoads:
         out["ssd_read"] = _div(w["ssd_read"], r.ssd_read)
         out["ssd_write"] = _div(w["ssd_write"], r.ssd_write)
         if hw.ssd.count > 0:  # both directions of the array, as for PCIe (ssd.mixed_efficiency)
-            out["ssd"] = duplex_time_s(w["ssd_read"], w["ssd_write"], r.ssd_read, r.ssd_write, r.ssd_read_mixed,
-                                       r.ssd_write_mixed)
+            out["ssd"] = duplex_time_s(w["ssd_read"], w["ssd_write"], r.ssd_read, r.ssd_write,
+                                       r.ssd_read_mixed, r.ssd_write_mixed)
         if w["net"] > 0:  # the collectives of several ranks
             out["net"] = _div(w["net"], r.net)
         out.update(pool_times_s(w, r))  # host memory (cpu.memory_efficiency) and, on a host device, its cores
@@ -123,7 +123,8 @@ def _measure_work(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, la
     tail after the last step to neither)."""
     m = replace(model, num_layers=layers)
     g = build_graph(m, hw, replace(cfg, iterations=1, swap_layers=swapped))
-    phases = ["F" if st.phase == "F" else "B" for st in step_sequence(layers + 2, cfg.num_micro_batches, cfg.group)]
+    steps = step_sequence(layers + 2, cfg.num_micro_batches, cfg.group)
+    phases = ["F" if st.phase == "F" else "B" for st in steps]
     clock = Clock(len(phases))
     work = dict.fromkeys(RESOURCES, 0.0)
     for r in RESOURCES:
@@ -151,5 +152,6 @@ def iteration_loads(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
         c = w1[k] - r  # embedding + head
         s = ws[k] - c  # one swapped layer
         work[k] = c + (L - n) * r + n * s
-    return IterationLoads(work=work, static_bytes=static_bytes(model, cfg.placement, cfg.runtime, cfg.world.ranks),
+    return IterationLoads(work=work,
+                          static_bytes=static_bytes(model, cfg.placement, cfg.runtime, cfg.world.ranks),
                           world=cfg.world)

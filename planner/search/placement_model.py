@@ -136,7 +136,8 @@ class Solved:
 
 
 def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *, allow_swap: bool = True,
-                    time_limit_s: float = 5.0, workers: int = 2, tighten_bytes: dict[str, float] | None = None,
+                    time_limit_s: float = 5.0, workers: int = 2,
+                    tighten_bytes: dict[str, float] | None = None,
                     hint: Solved | None = None) -> Solved | None:
     """CP-SAT: minimise the busiest resource's time over placement fractions and the number of swapped layers,
     subject to every tier's capacity (less `tighten_bytes` per tier). Returns None when infeasible."""
@@ -148,7 +149,8 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
         return None
     can_swap = allow_swap and not math.isinf(mem.gpu_working_swap_bytes)
     tighten_bytes = tighten_bytes or {}
-    cap_mib = {t: max(0, int((c - tighten_bytes.get(t, 0.0)) / MIB)) for t, c in problem.capacity_bytes.items()}
+    cap_mib = {t: max(0, int((c - tighten_bytes.get(t, 0.0)) / MIB))
+               for t, c in problem.capacity_bytes.items()}
     weight_mib = _mib(COMPUTE_BYTES * sm.params / STEPS)  # per step of a fraction
     state_mib = _mib(STATE_BYTES * sm.params / STEPS)
     ckpt_recompute_mib = _mib(sm.ckpt_per_layer_bytes * L / STEPS)  # all layers' checkpoints, per step of c_*
@@ -188,7 +190,8 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
     # CPU: weights, optimizer states and checkpoints not placed elsewhere + the schedule's host memory +
     # reserve
     m.Add(weight_mib * (STEPS - frac["w_gpu"] - frac["w_ssd"]) + state_mib * (STEPS - frac["s_ssd"])
-          + ckpt_recompute_mib * (STEPS - frac["c_gpu"] - frac["c_ssd"]) + ckpt_swap_mib * swap_on_cpu + host_mib
+          + ckpt_recompute_mib * (STEPS - frac["c_gpu"] - frac["c_ssd"]) + ckpt_swap_mib * swap_on_cpu
+          + host_mib
           + sum(staging_mib[v] * flag for v, flag in streams.items()) <= cap_mib["cpu"])
     if problem.uses_ssd:
         m.Add(weight_mib * frac["w_ssd"] + state_mib * frac["s_ssd"] + ckpt_recompute_mib * frac["c_ssd"]
@@ -240,7 +243,8 @@ class _TimeTerms:
     integer decision variables."""
 
     def __init__(self, problem: Problem, lin: LinearLoads, frac: dict, swapped, swap_frac: dict) -> None:
-        self.problem, self.lin, self.frac, self.swapped, self.swap_frac = problem, lin, frac, swapped, swap_frac
+        self.problem, self.lin, self.frac = problem, lin, frac
+        self.swapped, self.swap_frac = swapped, swap_frac
 
     def expr(self, resource: str, rate: float, scale: float = 1.0):
         lin = self.lin

@@ -41,7 +41,8 @@ class Candidate:
     group: int  # micro-batches a block runs before the next block (1 = one per sweep, M = all)
     alpha: float  # fraction of each block's CPU Adam deferred into the next iteration's forward
     prefetch_depth: int = 1
-    optimizer_overlap: bool = True  # the search's own candidates overlap; a fixed horizontal baseline does not
+    # the search's own candidates overlap; a fixed horizontal baseline does not
+    optimizer_overlap: bool = True
 
     def family(self, batch: int) -> str:
         """What the builder builds for this candidate (`batch`: one rank's sequences per iteration)."""
