@@ -749,8 +749,9 @@ def _check_digest(source: str, d: dict, model: ModelSpec, hw: HardwareProfile, c
                    _REWRITE)
 
 
-def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
-    """Validate a parsed plan and rebuild it; raises PlanError."""
+def _check_top_level(source: str, d: object) -> dict:
+    """The plan's top level: a JSON object of a tierflow plan in a version this tierflow reads, with every
+    required key and no unknown one."""
     if not isinstance(d, dict):
         raise _err(source, "(top level)", f"expected a JSON object, got {_json_type_name(d)}",
                    "is this a tierflow plan?")
@@ -782,7 +783,12 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
         if d.get(key) is not None and not isinstance(d[key], dict):
             raise _err(source, key, f"expected an object or null, got {_json_type_name(d[key])}",
                        f"write \"{key}\": {{...}}")
+    return d
 
+
+def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
+    """Validate a parsed plan and rebuild it; raises PlanError."""
+    d = _check_top_level(source, d)
     model = _model(source, d["model"])
     hardware = _hardware(source, d["hardware"])
     config = _decisions(source, d["decisions"], model, hardware)
