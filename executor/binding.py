@@ -268,7 +268,7 @@ class Binding:
             raise ExecutionError(f"{self.plan.source}: the gradient shard of op {missing[0]} is taken by no "
                                  "offload_grads or adam_gpu op (inconsistent plan)")
         gpu_opt = self.cfg.placement.gpu_optimizer
-        ranks = self.cfg.ranks
+        ranks = self.cfg.world.ranks
         for t in tasks:
             if t.kind not in ("head", "bwd"):
                 continue

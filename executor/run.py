@@ -212,9 +212,9 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
     if opts.profile and not opts.out:
         raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured trace.json")
     cfg = plan.config
-    check_launch(cfg.ranks, cfg.gpus, cfg.nodes, str(plan.source))
-    backend = _device(rank_device(opts.device, cfg.ranks), opts.seed)
-    world = init_world(cfg.ranks, backend.device)
+    check_launch(cfg.world.ranks, cfg.gpus, cfg.nodes, str(plan.source))
+    backend = _device(rank_device(opts.device, cfg.world.ranks), opts.seed)
+    world = init_world(cfg.world.ranks, backend.device)
     dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
     if opts.compute_dtype is not None:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[opts.compute_dtype]
@@ -497,9 +497,9 @@ def launch_ranks(args: argparse.Namespace) -> int:
         raise LaunchError("--nproc inside a torchrun launch: pass either --nproc or torchrun, not both")
     plan = load_plan(args.plan)
     cfg = plan.config
-    if args.nproc * args.nnodes != cfg.ranks:
+    if args.nproc * args.nnodes != cfg.world.ranks:
         raise LaunchError(f"--nproc {args.nproc} x --nnodes {args.nnodes} = {args.nproc * args.nnodes} ranks, but plan "
-                          f"{args.plan} is for {cfg.ranks} ({cfg.gpus} GPU(s) x {cfg.nodes} box(es)); pass --nproc "
+                          f"{args.plan} is for {cfg.world.ranks} ({cfg.gpus} GPU(s) x {cfg.nodes} box(es)); pass --nproc "
                           f"{cfg.gpus} --nnodes {cfg.nodes}, or plan again with --gpus {args.nproc} --nodes {args.nnodes}")
     argv = sys.argv[1:]  # the command line as typed: every rank runs it without the launch flags
     if "run" not in argv or str(args.plan) not in argv:

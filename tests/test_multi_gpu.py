@@ -201,8 +201,8 @@ def test_old_plan_without_world_loads_as_one_rank():
     d = plan_to_dict(plan_from_graph(TINY, hw, cfg, build_graph(TINY, hw, cfg)))
     assert "gpus" not in d["decisions"]
     plan = plan_from_dict(d)
-    assert (plan.config.gpus, plan.config.nodes, plan.config.ranks) == (1, 1, 1)
-    assert ScheduleConfig.from_dict(d["decisions"]).ranks == 1
+    assert (plan.config.gpus, plan.config.nodes, plan.config.world.ranks) == (1, 1, 1)
+    assert ScheduleConfig.from_dict(d["decisions"]).world.ranks == 1
 
 
 @pytest.mark.parametrize("edit, where", [

@@ -1,11 +1,11 @@
 """Roofline cost model: how long a piece of work takes on a hardware profile.
 
-- A GEMM takes max(FLOPs / (peak x eff(FLOPs)), bytes / (HBM x hbm_eff)); eff(f) = gemm_efficiency x f / (f + f_half)
-  so that small GEMMs do not reach peak (f_half = the profile's gemm_half_gflop).
+- A GEMM takes max(FLOPs / (peak x eff(FLOPs)), bytes / (HBM x hbm_eff)); eff(f) = gemm_efficiency x f / (f +
+  f_half) so that small GEMMs do not reach peak (f_half = the profile's gemm_half_gflop).
 - Attention (flash-style, causal) does half of the convention's FLOPs and runs at the same size-dependent
   efficiency as one GEMM of that size.
-- Elementwise kernels are bound by HBM bandwidth; the MLP's activation function by gpu.activation_gbps where the
-  profile measured it (a CPU computes GELU / SiLU far below its memory bandwidth), and attention runs at
+- Elementwise kernels are bound by HBM bandwidth; the MLP's activation function by gpu.activation_gbps where
+  the profile measured it (a CPU computes GELU / SiLU far below its memory bandwidth), and attention runs at
   gpu.attention_efficiency of a GEMM of its size where measured.
 - Transfers: bytes / link bandwidth; H2D and D2H share the PCIe link and SSD reads and writes share the array
   as the profile says (the simulator applies the shared rates while both directions are active).
@@ -15,16 +15,17 @@
   pcie.latency_us and every SSD op ssd.latency_us before its bytes move (`Rates.latency_s`; the simulator runs
   that fixed part first, outside the shared link, then the bytes).
 - Host memory: every host-side transfer (PCIe DMA either way, SSD DMA either way) moves its bytes through DRAM
-  once, and CPU Adam moves CPU_ADAM_DRAM_BYTES_PER_PARAM per parameter; when together they ask for more than the
-  box sustains (cpu.memory_gbps x cpu.memory_efficiency), the simulator slows all of them in proportion (a fluid
-  shared resource, like the PCIe duplex).
-- Host cores: when the device is the host CPU (gpu.host_cores set, as `tierflow calibrate --device cpu` writes),
-  its compute, CPU Adam, the device<->host copies and the SSD ops (buffer copies and CRC32 checksums in the
-  executor's store) share cpu.cores the same way. Where calibrate measured how the threads interfere
+  once, and CPU Adam moves CPU_ADAM_DRAM_BYTES_PER_PARAM per parameter; when together they ask for more than
+  the box sustains (cpu.memory_gbps x cpu.memory_efficiency), the simulator slows all of them in proportion (a
+  fluid shared resource, like the PCIe duplex).
+- Host cores: when the device is the host CPU (gpu.host_cores set, as `tierflow calibrate --device cpu`
+  writes), its compute, CPU Adam, the device<->host copies and the SSD ops (buffer copies and CRC32 checksums
+  in the executor's store) share cpu.cores the same way. Where calibrate measured how the threads interfere
   (cpu.compute_slowdown_per_io_op, cpu.copy_slowdown_beside_compute, cpu.ssd_slowdown_beside_compute), those
   factors replace the proportional share for the copies and SSD ops: on 2 cores one SSD read beside a GEMM
   slowed the GEMM 1.9x (an I/O thread takes time slices from one of compute's two threads, and the parallel
-  region runs at its slowest thread's pace) but the read only 1.16x (it sleeps on the device between requests).
+  region runs at its slowest thread's pace) but the read only 1.16x (it sleeps on the device between
+  requests).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ CAUSAL_ATTENTION_WORK = 0.5  # a causal flash-attention kernel skips the masked 
 # CPU Adam (DeepSpeed's cpu_adam, fp32 gradients): reads gradient, master, m, v (16 B), writes master, m, v
 # (12 B) and the fp16 copy of the weight (2 B): 30 B per parameter (REF 2: "~28-32 bytes moved per parameter")
 CPU_ADAM_DRAM_BYTES_PER_PARAM = 30
-GPU_ADAM_BYTES_PER_PARAM = 36  # GPU Adam reads grad, master, m, v (16 B) and writes master, m, v, bf16 weight (14 B) + grad zeroing
+# GPU Adam reads grad, master, m, v (16 B) and writes master, m, v, bf16 weight (14 B) + grad zeroing
+GPU_ADAM_BYTES_PER_PARAM = 36
 
 
 @dataclass(frozen=True)
@@ -66,17 +68,18 @@ class Rates:
     copy_cores: float = 0.0  # cores one copy or SSD op (memcpy, checksum) uses at its solo rate
     # measured thread interference on a host device (cpu.compute_slowdown_per_io_op and the two beside-compute
     # slowdowns): when set, the copies and SSD ops leave the proportional share of the cores; instead compute
-    # runs 1 + compute_io_extra x k times slower beside k of them, and each of them its own factor slower beside
-    # compute (`io_contention`)
+    # runs 1 + compute_io_extra x k times slower beside k of them, and each of them its own factor slower
+    # beside compute (`io_contention`)
     compute_io_extra: float = 0.0
     copy_beside_compute: float = 1.0
     ssd_beside_compute: float = 1.0
     # fixed software cost of one op on each link (pcie.latency_us, ssd.latency_us), before its bytes move
     pcie_latency_s: float = 0.0
     ssd_latency_s: float = 0.0
-    # several ranks (tierflow.planner.core.world): the collectives' rate in bytes one rank receives per second,
-    # their fixed cost (the ring's steps x each step's latency), and what each of those bytes also uses of this
-    # rank's PCIe link (each direction) and of the host memory pool (through-host and PCIe peer-to-peer paths)
+    # several ranks (tierflow.planner.core.world): the collectives' rate in bytes one rank receives per
+    # second, their fixed cost (the ring's steps x each step's latency), and what each of those bytes also
+    # uses of this rank's PCIe link (each direction) and of the host memory pool (through-host and PCIe
+    # peer-to-peer paths)
     net: float = 0.0
     net_latency_s: float = 0.0
     net_pcie_use: float = 0.0
@@ -113,9 +116,9 @@ class Rates:
         return 1.0
 
     def pools(self) -> list[tuple[str, float, dict[str, float]]]:
-        """The shared host resources: (name, capacity per second, {resource: capacity used per unit of its work
-        at its solo rate}) for host memory ("dram", bytes) and, on a host device, the cores ("cores"). Every unit
-        of a link's work is a byte, of gpu's and cpu's a second of work at solo speed."""
+        """The shared host resources: (name, capacity per second, {resource: capacity used per unit of its
+        work at its solo rate}) for host memory ("dram", bytes) and, on a host device, the cores ("cores").
+        Every unit of a link's work is a byte, of gpu's and cpu's a second of work at solo speed."""
         out = []
         if self.dram_bound:
             use = {"h2d": 1.0, "d2h": 1.0, "ssd_read": 1.0, "ssd_write": 1.0, "cpu": self.adam_dram_bps}
@@ -123,7 +126,8 @@ class Rates:
                 use["net"] = self.net_dram_use
             out.append(("dram", self.dram_bps, use))
         if self.net_pcie_use > 0:
-            # collectives through the PCIe fabric share this rank's x16 link with its own copies, each direction
+            # collectives through the PCIe fabric share this rank's x16 link with its own copies, each
+            # direction
             out.append(("pcie_h2d", self.h2d, {"h2d": 1.0, "net": self.net_pcie_use}))
             out.append(("pcie_d2h", self.d2h, {"d2h": 1.0, "net": self.net_pcie_use}))
         if self.core_bound:
@@ -146,8 +150,8 @@ class Rates:
 
 def link_rates(hw: HardwareProfile, world: World | None = None) -> Rates:
     """The link rates one rank sees on a box (cheap: no cost model is built). With several ranks per box
-    (`world.gpus` > 1) the box's shared resources are divided among them (tierflow.planner.core.world): the SSD
-    array, host memory bandwidth, CPU Adam, and a PCIe switch's uplink among the GPUs behind it."""
+    (`world.gpus` > 1) the box's shared resources are divided among them (tierflow.planner.core.world): the
+    SSD array, host memory bandwidth, CPU Adam, and a PCIe switch's uplink among the GPUs behind it."""
     p, s = hw.pcie, hw.ssd
     world = world or SINGLE
     g = world.gpus
@@ -181,14 +185,14 @@ def link_rates(hw: HardwareProfile, world: World | None = None) -> Rates:
 
 
 def _net_rates(hw: HardwareProfile, world: World) -> dict:
-    """The collectives of `world` on `hw` (empty for one rank): a hierarchical ring, first among the boxes (the
-    ranks with the same local index exchange over the network, each box's `network.gbps` shared by its `gpus`
-    ranks), then inside each box over the GPU <-> GPU links. For a vector of S bytes a rank receives
+    """The collectives of `world` on `hw` (empty for one rank): a hierarchical ring, first among the boxes
+    (the ranks with the same local index exchange over the network, each box's `network.gbps` shared by its
+    `gpus` ranks), then inside each box over the GPU <-> GPU links. For a vector of S bytes a rank receives
     (W-1)/W x S in all (the op's work) in time (n-1)/n x S / network + (g-1)/g x S / p2p, so the op's rate is
-    the quotient; each of the (g-1) + (n-1) ring steps costs its link's latency. Through host memory (p2p: host)
-    every byte a rank receives was written to DRAM by its sender's DMA and is read by its own, and crosses its
-    PCIe link in both directions (it sends as much as it receives): 2 bytes of DRAM traffic and 1 of each PCIe
-    direction per byte; peer-to-peer over PCIe loads the links but not DRAM; NVLink neither."""
+    the quotient; each of the (g-1) + (n-1) ring steps costs its link's latency. Through host memory (p2p:
+    host) every byte a rank receives was written to DRAM by its sender's DMA and is read by its own, and
+    crosses its PCIe link in both directions (it sends as much as it receives): 2 bytes of DRAM traffic and 1
+    of each PCIe direction per byte; peer-to-peer over PCIe loads the links but not DRAM; NVLink neither."""
     if world.single:
         return {}
     g, n = world.gpus, world.nodes
@@ -213,8 +217,9 @@ def _net_rates(hw: HardwareProfile, world: World) -> dict:
         seconds_per_byte += (n - 1) / n / (netw.gbps * 1e9)
         latency += (n - 1) * netw.latency_s
     W = world.ranks
-    # only the intra-box part of the bytes crosses the GPU's links to the host for the p2p paths; the inter-box
-    # part crosses them too (NIC <-> GPU over PCIe): every byte received is counted once per direction
+    # only the intra-box part of the bytes crosses the GPU's links to the host for the p2p paths; the
+    # inter-box part crosses them too (NIC <-> GPU over PCIe): every byte received is counted once per
+    # direction
     return {"net": (W - 1) / W / seconds_per_byte, "net_latency_s": latency, "net_pcie_use": pcie_use,
             "net_dram_use": dram_use}
 
@@ -248,13 +253,14 @@ class CostModel:
         self.half_flops = g.gemm_half_gflop * 1e9
         self.hbm_bps = g.hbm_gbps * 1e9 * g.hbm_efficiency
         self.op_overhead_s = g.op_overhead_s  # per compute op (gpu.op_overhead_us)
-        # attention's rate relative to a GEMM of its size (gpu.attention_efficiency), the activation function's
-        # bytes/s (gpu.activation_gbps): as measured where the profile has them, else like any GEMM / elementwise
+        # attention's rate relative to a GEMM of its size (gpu.attention_efficiency), the activation
+        # function's bytes/s (gpu.activation_gbps): as measured where the profile has them, else like any GEMM
+        # / elementwise
         self.attention_eff = g.attention_efficiency if g.attention_efficiency is not None else 1.0
         self.activation_bps = g.activation_gbps * 1e9 if g.activation_gbps is not None else self.hbm_bps
         self.rates = link_rates(hw, world)
 
-    # ---- GPU compute ------------------------------------------------------------------------------------------
+    # ---- GPU compute ---------------------------------------------------------------------------------------
 
     def efficiency(self, flops: float) -> float:
         """Achieved fraction of peak for one GEMM of `flops` FLOPs."""
@@ -282,7 +288,8 @@ class CostModel:
         )
 
     def backward_s(self, block: BlockCost) -> float:
-        """Backward = two GEMMs per forward GEMM (data and weight gradient), 2x the attention, 2x elementwise."""
+        """Backward = two GEMMs per forward GEMM (data and weight gradient), 2x the attention, 2x
+        elementwise."""
         return (
             2 * sum(self.gemm_s(g) for g in block.fwd_gemms)
             + 2 * self.attention_s(block.attn_fwd_flops)
@@ -293,7 +300,7 @@ class CostModel:
     def gpu_adam_s(self, params: float) -> float:
         return params * GPU_ADAM_BYTES_PER_PARAM / self.hbm_bps + self.op_overhead_s
 
-    # ---- CPU and links ----------------------------------------------------------------------------------------
+    # ---- CPU and links -------------------------------------------------------------------------------------
 
     def cpu_adam_s(self, params: float) -> float:
         return params / self.rates.adam_params_per_s

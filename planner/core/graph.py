@@ -1,5 +1,6 @@
 """The task graph: every compute, transfer and optimizer step of a training run, with its resource, amount of
-work, memory effects and data dependencies. Schedules build it (tierflow.planner.core.schedules); the simulator plays it.
+work, memory effects and data dependencies. Schedules build it (tierflow.planner.core.schedules); the
+simulator plays it.
 
 Tasks are stored as a flat list for speed; `TaskGraph.to_networkx()` gives the same graph as a
 `networkx.DiGraph` (one node per task id, attributes = the task's fields, edges = dependencies).
@@ -29,17 +30,19 @@ LINKS = (*HOST_LINKS, NET)  # resources whose work is bytes
 TIERS = ("gpu", "cpu", "ssd")  # the memory tiers, fastest first (the one definition: placement imports it)
 TIER_INDEX = {t: i for i, t in enumerate(TIERS)}
 # which physical link a transfer resource is, for bytes-per-link reporting
-LINK_NAMES = {"h2d": "cpu->gpu", "d2h": "gpu->cpu", "ssd_read": "ssd->cpu", "ssd_write": "cpu->ssd", NET: "gpu<->gpu"}
+LINK_NAMES = {
+    "h2d": "cpu->gpu", "d2h": "gpu->cpu", "ssd_read": "ssd->cpu", "ssd_write": "cpu->ssd", NET: "gpu<->gpu",
+}
 
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector: building and playing a graph make ~10^6 small objects and no cycles,
-    so collections only cost time. On leaving, the objects made meanwhile are moved to the collector's permanent
-    generation (gc.freeze) instead of being scanned when it resumes: one scan of a 175B graph's tasks cost ~60 ms
-    at every build and simulation, and again at every full collection while the graph lives. Frozen objects are
-    still freed by reference counting when the graph is dropped; only cyclic garbage made inside the pause would
-    never be collected, and the builder and simulator make none."""
+    """Pause the cyclic garbage collector: building and playing a graph make ~10^6 small objects and no
+    cycles, so collections only cost time. On leaving, the objects made meanwhile are moved to the collector's
+    permanent generation (gc.freeze) instead of being scanned when it resumes: one scan of a 175B graph's
+    tasks cost ~60 ms at every build and simulation, and again at every full collection while the graph lives.
+    Frozen objects are still freed by reference counting when the graph is dropped; only cyclic garbage made
+    inside the pause would never be collected, and the builder and simulator make none."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -51,18 +54,20 @@ def gc_paused() -> Iterator[None]:
 
 
 class CycleError(TierflowError, ValueError):
-    """`topological_order` met a cycle. `order` is the topological order of the nodes it could sort (every node
-    not on or after a cycle), `left` the nodes it could not, and `cycle` one cycle among them as node ids, each
-    a predecessor of the next and the last a predecessor of the first (see `find_cycle`)."""
+    """`topological_order` met a cycle. `order` is the topological order of the nodes it could sort (every
+    node not on or after a cycle), `left` the nodes it could not, and `cycle` one cycle among them as node
+    ids, each a predecessor of the next and the last a predecessor of the first (see `find_cycle`)."""
 
     def __init__(self, message: str, order: list[int], left: set[int], cycle: list[int]) -> None:
         super().__init__(message)
         self.order, self.left, self.cycle = order, left, cycle
 
 
-def topological_order(num_nodes: int, preds: Sequence[Sequence[int]], tie_break: Sequence[float] | None = None,
-                      *, cycle_message: str = "dependency cycle") -> list[int]:
-    """Nodes 0..num_nodes-1 in an order where every node comes after all of its predecessors (Kahn's algorithm).
+def topological_order(num_nodes: int, preds: Sequence[Sequence[int]],
+                      tie_break: Sequence[float] | None = None, *,
+                      cycle_message: str = "dependency cycle") -> list[int]:
+    """Nodes 0..num_nodes-1 in an order where every node comes after all of its predecessors (Kahn's
+    algorithm).
 
     `preds[i]` lists the predecessors of node i (a repeated predecessor counts once). Which ready node (all of
     its predecessors placed) goes next:
@@ -73,8 +78,8 @@ def topological_order(num_nodes: int, preds: Sequence[Sequence[int]], tie_break:
     - `tie_break=key` (one number per node): the ready node with the smallest (key[i], i); e.g. key = each
       node's position in a queue keeps that queue's order wherever the edges allow it.
 
-    A cycle raises `CycleError` (a ValueError; `cycle_message` is its text) that carries the partial order, the
-    unsorted nodes and one cycle among them."""
+    A cycle raises `CycleError` (a ValueError; `cycle_message` is its text) that carries the partial order,
+    the unsorted nodes and one cycle among them."""
     n = num_nodes
     if len(preds) != n:
         raise ValueError(f"preds has {len(preds)} lists for {n} nodes")
@@ -120,9 +125,10 @@ def topological_order(num_nodes: int, preds: Sequence[Sequence[int]], tie_break:
 
 
 def find_cycle(preds: Sequence[Sequence[int]], left: set[int]) -> list[int]:
-    """A cycle among the nodes `left`, each of which has a predecessor in `left` (as the nodes Kahn's algorithm
-    leaves unsorted do), as node ids with each a predecessor of the next: from the smallest node of `left`, walk
-    to the first of its predecessors (in `preds` order) that is in `left` until a node repeats."""
+    """A cycle among the nodes `left`, each of which has a predecessor in `left` (as the nodes Kahn's
+    algorithm leaves unsorted do), as node ids with each a predecessor of the next: from the smallest node of
+    `left`, walk to the first of its predecessors (in `preds` order) that is in `left` until a node
+    repeats."""
     seen: dict[int, int] = {}
     path: list[int] = []
     node = min(left)
@@ -138,7 +144,7 @@ def find_cycle(preds: Sequence[Sequence[int]], left: set[int]) -> list[int]:
 @dataclass(slots=True)
 class Task:
     id: int
-    kind: str  # fwd, recompute, bwd, head, opt_gpu | fetch_w, fetch_act, offload_act, offload_grad, ... | adam
+    kind: str  # one of the op vocabulary, tierflow.planner.core.opkinds.OP_KINDS
     resource: str  # one of RESOURCES
     work: float  # seconds on gpu/cpu; bytes on links
     tensor: str  # tensor class touched: weights, checkpoint, act, act_grad, grads, opt_states, ...
@@ -184,8 +190,9 @@ class TaskGraph:
         return order
 
     def topological_order(self, tie_break: Sequence[float] | None = None) -> list[int]:
-        """Task ids with every task after its dependencies (`topological_order` over the tasks' deps, first ready
-        first out unless a `tie_break` key per task is given); a dependency cycle raises `CycleError`."""
+        """Task ids with every task after its dependencies (`topological_order` over the tasks' deps, first
+        ready first out unless a `tie_break` key per task is given); a dependency cycle raises
+        `CycleError`."""
         return topological_order(len(self.tasks), [t.deps for t in self.tasks], tie_break,
                                  cycle_message="the task graph has a dependency cycle")
 

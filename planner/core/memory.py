@@ -1,13 +1,13 @@
 """The memory model: the bytes a schedule needs on each tier (GPU, CPU memory, SSD), in closed form.
 
 One model serves every estimate: each family's default placement (tierflow.planner.core.schedules), the CP-SAT
-placement model and `min_requirements` of the search, `tierflow capacity` and the message for a model that does
-not fit. The simulator is the judge: tests/test_memory.py checks on random configurations that each tier's
-estimate is at least the simulated peak and at most MARGIN above it.
+placement model and `min_requirements` of the search, `tierflow capacity` and the message for a model that
+does not fit. The simulator is the judge: tests/test_memory.py checks on random configurations that each
+tier's estimate is at least the simulated peak and at most MARGIN above it.
 
 A tier holds
-- the placed tensors (static for the whole run): bf16 weights, fp32 master and Adam moments where the placement
-  puts them, and the SSD space of spilled fp32 gradients (`placed_bytes`);
+- the placed tensors (static for the whole run): bf16 weights, fp32 master and Adam moments where the
+  placement puts them, and the SSD space of spilled fp32 gradients (`placed_bytes`);
 - what the schedule holds besides them (`ScheduleMemory`): on the host the fp32 gradients that wait for their
   optimizer step and the staging buffers of the blocks in flight; on the tier the placement gives checkpoints,
   the activation checkpoints (and the activations and activation gradients parked between layers) held at the
@@ -36,23 +36,24 @@ STATE_BYTES = MASTER_BYTES + 2 * ADAM_STATE_BYTES  # fp32 master + Adam m + v, p
 # Host memory the planner leaves free on every box, for what no model counts: the runtime's own allocations,
 # page cache of the SSD files, the allocator's rounding. One constant, used wherever host memory is budgeted.
 HOST_RESERVE_FRACTION = 0.02
-# How far above the simulated peak (with the box's full capacity) an estimate may lie, as a fraction of that peak
-# (tests/test_memory.py; on the CPU plus the staging of the blocks in flight). The bounds count the blocks in
-# flight as the largest blocks of the model (for small models the embedding and a tied head, not layers) and
-# every swapped layer's activations at once; on random small configurations the GPU estimate is up to 1.6x the
-# peak, the SSD's up to 2.1x (two layers, both swapping), the CPU's (less staging) up to 1.3x. For large models
-# the terms that make the difference (a few blocks against L layers) vanish.
+# How far above the simulated peak (with the box's full capacity) an estimate may lie, as a fraction of that
+# peak (tests/test_memory.py; on the CPU plus the staging of the blocks in flight). The bounds count the
+# blocks in flight as the largest blocks of the model (for small models the embedding and a tied head, not
+# layers) and every swapped layer's activations at once; on random small configurations the GPU estimate is up
+# to 1.6x the peak, the SSD's up to 2.1x (two layers, both swapping), the CPU's (less staging) up to 1.3x. For
+# large models the terms that make the difference (a few blocks against L layers) vanish.
 MARGIN = 1.5
 
 
 # DeepSpeed ZeRO-3 defaults that hold GPU memory for the whole step (docs/baselines-as-coded.md, A2 and A4):
 DS_REDUCE_BUCKET_ELEMS = 5e8  # reduce_bucket_size: the gradient bucket, model dtype (zero/config.py:113)
-DS_MAX_REUSE_DISTANCE_ELEMS = 1e9  # parameters kept on the GPU at the forward/backward turn (zero/config.py:244)
+# parameters kept on the GPU at the forward/backward turn (zero/config.py:244)
+DS_MAX_REUSE_DISTANCE_ELEMS = 1e9
 
 
 def deepspeed_gpu_buffers_bytes(model: ModelSpec) -> float:
-    """GPU bytes DeepSpeed's ZeRO-3 holds besides what the schedule's tasks allocate: its gradient bucket and the
-    parameters its reuse distance keeps resident where the forward turns into the backward."""
+    """GPU bytes DeepSpeed's ZeRO-3 holds besides what the schedule's tasks allocate: its gradient bucket and
+    the parameters its reuse distance keeps resident where the forward turns into the backward."""
     return COMPUTE_BYTES * (DS_REDUCE_BUCKET_ELEMS + min(model.total_params(), DS_MAX_REUSE_DISTANCE_ELEMS))
 
 
@@ -60,7 +61,8 @@ def deepspeed_gpu_buffers_bytes(model: ModelSpec) -> float:
 def blocks_of(model: ModelSpec, micro_batch: int, seq: int) -> list[BlockCost]:
     """The embedding, every decoder layer and the head, for one micro-batch."""
     layer = layer_cost(model, micro_batch, seq)
-    return [embed_cost(model, micro_batch, seq)] + [layer] * model.num_layers + [head_cost(model, micro_batch, seq)]
+    return ([embed_cost(model, micro_batch, seq)] + [layer] * model.num_layers
+            + [head_cost(model, micro_batch, seq)])
 
 
 def placed_bytes(model: ModelSpec, placement: Placement, ranks: int = 1) -> dict[str, float]:
@@ -73,13 +75,15 @@ def placed_bytes_of(params: int, placement: Placement) -> dict[str, float]:
     p = placement
     out = {}
     for tier in ("gpu", "cpu", "ssd"):
-        out[tier] = params * (COMPUTE_BYTES * getattr(p.weights, tier) + MASTER_BYTES * getattr(p.master, tier)
+        out[tier] = params * (COMPUTE_BYTES * getattr(p.weights, tier)
+                              + MASTER_BYTES * getattr(p.master, tier)
                               + ADAM_STATE_BYTES * (getattr(p.adam_m, tier) + getattr(p.adam_v, tier)))
     out["ssd"] += GRAD_ACCUM_BYTES * params * p.grads.ssd
     return out
 
 
-def static_bytes(model: ModelSpec, placement: Placement, runtime: str = "ideal", ranks: int = 1) -> dict[str, float]:
+def static_bytes(model: ModelSpec, placement: Placement, runtime: str = "ideal",
+                 ranks: int = 1) -> dict[str, float]:
     """Bytes resident on each tier for the whole run: the placed tensors (one rank's shard of them), plus the
     GPU buffers DeepSpeed's runtime holds while the optimizer states are offloaded."""
     out = placed_bytes(model, placement, ranks)
@@ -102,8 +106,8 @@ def holds_every_gradient(num_micro_batches: int, group: int, optimizer_overlap: 
 
 @dataclass(frozen=True)
 class ScheduleMemory:
-    """Bytes a schedule needs besides the placed tensors, by where they live. Checkpoint bytes are per layer and
-    go to the tiers the placement gives checkpoints; `swap_extra_bytes` is what a layer that keeps all its
+    """Bytes a schedule needs besides the placed tensors, by where they live. Checkpoint bytes are per layer
+    and go to the tiers the placement gives checkpoints; `swap_extra_bytes` is what a layer that keeps all its
     activations (instead of recomputing) holds beyond a recomputed one."""
 
     layers: int
@@ -114,9 +118,11 @@ class ScheduleMemory:
     grad_staging_bytes: float  # host buffers of spilled gradients read back for the optimizer
     ckpt_staging_bytes: float  # host buffers of checkpoints on their way to and from the SSDs
     ckpt_staging_swap_bytes: float  # ... when layers swap all their activations
-    ckpt_per_layer_bytes: float  # checkpoints (+ parked activations / activation gradients) per recomputed layer
+    # checkpoints (+ parked activations / activation gradients) per recomputed layer
+    ckpt_per_layer_bytes: float
     swap_extra_bytes: float  # ... extra per swapped layer
-    gpu_working_bytes: float  # closed-form GPU bytes beyond resident tensors (weight buffers, work, gradients)
+    # closed-form GPU bytes beyond resident tensors (weight buffers, work, gradients)
+    gpu_working_bytes: float
     gpu_working_swap_bytes: float  # ... when layers keep their activations (their prefetched activations)
     runtime_gpu_bytes: float = 0.0  # GPU buffers the runtime holds while states are offloaded (DeepSpeed's)
 
@@ -130,7 +136,8 @@ class ScheduleMemory:
         """Staging of the tensor classes this placement streams from the SSDs."""
         p = placement
         ckpt = self.ckpt_staging_swap_bytes if swap_layers else self.ckpt_staging_bytes
-        return (self.weight_staging_bytes * (p.weights.ssd > 0) + self.state_staging_bytes * (p.master.ssd > 0)
+        return (self.weight_staging_bytes * (p.weights.ssd > 0)
+                + self.state_staging_bytes * (p.master.ssd > 0)
                 + self.grad_staging_bytes * (p.grads.ssd > 0) + ckpt * (p.checkpoints.ssd > 0))
 
     def checkpoint_bytes(self, swap_layers: int) -> float:
@@ -146,7 +153,8 @@ class ScheduleMemory:
         if gpu_working_bytes is None:
             gpu_working_bytes = self.gpu_working_swap_bytes if swap_layers else self.gpu_working_bytes
         gpu_work = gpu_working_bytes + (0.0 if placement.gpu_optimizer else self.runtime_gpu_bytes)
-        grads_on_host = self.host_grad_bytes * (1.0 - placement.grads.ssd) if not placement.gpu_optimizer else 0.0
+        grads_on_host = (self.host_grad_bytes * (1.0 - placement.grads.ssd) if not placement.gpu_optimizer
+                         else 0.0)
         return {
             "gpu": placed["gpu"] + gpu_work + ck * c.gpu,
             "cpu": placed["cpu"] + grads_on_host + self.staging_bytes(placement, swap_layers) + ck * c.cpu
@@ -159,14 +167,15 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
                     alpha: float, optimizer_overlap: bool, prefetch_depth: int, act_prefetch: int = 2,
                     runtime: str = "ideal", ranks: int = 1) -> ScheduleMemory:
     """The memory a schedule with these settings needs besides its placed tensors (see the module doc). With
-    several ranks (`ranks` > 1, `num_micro_batches` per rank), one rank's: its shard of the gradients, states and
-    weights on the host and the SSDs; full blocks on the GPU (gathered weights, full gradients)."""
+    several ranks (`ranks` > 1, `num_micro_batches` per rank), one rank's: its shard of the gradients, states
+    and weights on the host and the SSDs; full blocks on the GPU (gathered weights, full gradients)."""
     blocks = blocks_of(model, micro_batch, seq)
     layer = blocks[1] if model.num_layers else blocks[0]
     params = shard_elems(model.total_params(), ranks)
     L = max(model.num_layers, 1)
-    # n blocks in flight at once hold at most the n largest blocks' bytes (for small models the embedding and a
-    # tied head are far larger than a layer, and counting every block in flight at the largest size overstates it)
+    # n blocks in flight at once hold at most the n largest blocks' bytes (for small models the embedding and
+    # a tied head are far larger than a layer, and counting every block in flight at the largest size
+    # overstates it)
     owned = sorted((b.owned_params for b in blocks), reverse=True)
     fetched = sorted((b.fetch_params for b in blocks), reverse=True)
 
@@ -177,7 +186,8 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
         grads = GRAD_ACCUM_BYTES * sum(b.fetch_params for b in blocks)
     else:
         # the block whose Adam runs, the next ones whose backward finished meanwhile, and alpha of every block
-        # (a CPU Adam slower than the backward lets more wait: the simulator then delays offloads or overflows)
+        # (a CPU Adam slower than the backward lets more wait: the simulator then delays offloads or
+        # overflows)
         grads = GRAD_ACCUM_BYTES * (largest(fetched, 3) + alpha * model.total_params())
     # in flight at once: weights read from the SSD ahead of their fetch (prefetch_depth + 2 uses), optimizer
     # states of three blocks (read next, updated now, written back), a spilled gradient read back
@@ -191,8 +201,9 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
     # read back for the step in use and those read ahead for the next act_prefetch steps
     ckpt_staging = (act_prefetch + 2) * layer.checkpoint_bytes
     ckpt_staging_swap = (act_prefetch + 2) * layer.full_activation_bytes
-    # at the turn from forward to backward every micro-batch of the group holds each layer's checkpoint, and one
-    # more activation per micro-batch waits between two blocks (the head's input, then an activation gradient)
+    # at the turn from forward to backward every micro-batch of the group holds each layer's checkpoint, and
+    # one more activation per micro-batch waits between two blocks (the head's input, then an activation
+    # gradient)
     ckpt = group * layer.checkpoint_bytes * (L + 1) / L
     swap_extra = group * max(0, layer.full_activation_bytes - layer.checkpoint_bytes)
     # GPU: the largest backward with its weights and gradient buffer, the weight buffers fetched ahead, the
@@ -207,6 +218,7 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
                           weight_staging_bytes=weight_staging, state_staging_bytes=state_staging,
                           grad_staging_bytes=grad_staging, ckpt_staging_bytes=ckpt_staging,
                           ckpt_staging_swap_bytes=ckpt_staging_swap,
-                          ckpt_per_layer_bytes=ckpt, swap_extra_bytes=swap_extra, gpu_working_bytes=gpu_recompute,
-                          gpu_working_swap_bytes=gpu_swap,
-                          runtime_gpu_bytes=deepspeed_gpu_buffers_bytes(model) if runtime == "deepspeed" else 0.0)
+                          ckpt_per_layer_bytes=ckpt, swap_extra_bytes=swap_extra,
+                          gpu_working_bytes=gpu_recompute, gpu_working_swap_bytes=gpu_swap,
+                          runtime_gpu_bytes=(deepspeed_gpu_buffers_bytes(model) if runtime == "deepspeed"
+                                             else 0.0))

@@ -6,8 +6,8 @@ size every tensor without importing torch or transformers.
 
 Models come from two places:
 
-* the named zoo :data:`MODELS` (GPT-3 paper family, the GPT-65B/70B shapes of the seed papers, LLaMA-2, and two
-  tiny models for tests and demos), looked up case-insensitively by :func:`get_model`;
+* the named zoo :data:`MODELS` (GPT-3 paper family, the GPT-65B/70B shapes of the seed papers, LLaMA-2, and
+  two tiny models for tests and demos), looked up case-insensitively by :func:`get_model`;
 * a Hugging Face ``config.json`` (or a directory holding one) read by :func:`from_hf_config`, for the
   ``model_type`` kinds in :data:`SUPPORTED_HF_KINDS`;
 * a hub id (``org/name``) whose config.json is in the local Hugging Face cache (:func:`find_cached_config`;
@@ -35,7 +35,9 @@ from tierflow.hwprofiles.inputs import MIB, InputLimitError, loads_json_limited,
 FAMILIES = ("gpt", "llama", "mistral", "qwen2", "opt", "gpt_neox", "qwen3", "gemma", "gemma2", "phi3")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu")  # swiglu / geglu: gated MLPs (silu / tanh-GELU gate)
-SUPPORTED_HF_KINDS = ("gemma", "gemma2", "gpt2", "gpt_neox", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3")
+SUPPORTED_HF_KINDS = (
+    "gemma", "gemma2", "gpt2", "gpt_neox", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3",
+)
 
 # Rotary models advertise very long context windows (Mistral: 131072, Qwen2: 32768) that are not a sensible
 # default *training* length; configs read from config.json train at min(max_position_embeddings, this).
@@ -67,9 +69,9 @@ class ModelError(TierflowError, ValueError):
         super().__init__(" ".join(str(message).split()))
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # ModelSpec
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -97,15 +99,17 @@ class ModelSpec:
     embed_proj_dim: int = 0  # OPT word_embed_proj_dim when != hidden (adds project_in/out); else 0
     position_offset: int = 0  # OPT learned positions have 2 extra rows
     final_norm: bool = True  # False for post-LN OPT (do_layer_norm_before=False, e.g. opt-350m)
-    # False: no lm_head and no logits: the loss is taken on the final hidden states, as in LoHan's benchmark model
-    # (RC4ML/LoHan gpt_model.py:196-212, docs/baselines-as-coded.md section B); the token embedding stays
+    # False: no lm_head and no logits: the loss is taken on the final hidden states, as in LoHan's benchmark
+    # model (RC4ML/LoHan gpt_model.py:196-212, docs/baselines-as-coded.md section B); the token embedding
+    # stays
     lm_head: bool = True
     norm_affine: bool = True  # False for OPT with layer_norm_elementwise_affine=False (norms hold no params)
-    qk_norm: bool = False  # Qwen3: an RMSNorm over head_dim on every query and key head (2 x head_dim params a layer)
+    # Qwen3: an RMSNorm over head_dim on every query and key head (2 x head_dim params a layer)
+    qk_norm: bool = False
     sandwich_norm: bool = False  # Gemma2: a norm before and after both attention and MLP (4 norms a layer)
-    # Tokens a sliding-window attention layer sees (Mistral, Gemma2, Phi-3, Qwen with use_sliding_window); 0: none.
-    # seq_len may not exceed it: within the window such a layer is plain causal attention, which is what the
-    # FLOPs and cost model count (attention over a window shorter than the sequence is not modelled).
+    # Tokens a sliding-window attention layer sees (Mistral, Gemma2, Phi-3, Qwen with use_sliding_window); 0:
+    # none. seq_len may not exceed it: within the window such a layer is plain causal attention, which is what
+    # the FLOPs and cost model count (attention over a window shorter than the sequence is not modelled).
     sliding_window: int = 0
     rotary_fraction: float = 1.0  # share of each head's dims rotary positions rotate (GPT-NeoX rotary_pct)
 
@@ -142,21 +146,21 @@ class ModelSpec:
             value = getattr(self, field)
             if value > limit:
                 shown = f"{value}" if value < 10**30 else f"about 10^{int(value.bit_length() * 0.30103)}"
-                raise bad(field, f"{shown} is above the limit of {limit} (a shape limit of tierflow; is the value "
-                          "a typo?)")
+                raise bad(field, f"{shown} is above the limit of {limit} (a shape limit of tierflow; is the "
+                          "value a typo?)")
         if self.num_heads % self.num_kv_heads:
             raise bad("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
         if self.max_positions and self.seq_len > self.max_positions:
             raise bad("seq_len", f"{self.seq_len} exceeds the {self.max_positions} learned positions")
         if self.sliding_window and self.seq_len > self.sliding_window:
-            raise bad("seq_len", f"{self.seq_len} exceeds the sliding attention window of {self.sliding_window} "
-                      "tokens (attention over a window shorter than the sequence is not modelled)")
-        if isinstance(self.rotary_fraction, bool) or not isinstance(self.rotary_fraction, (int, float)) or not (
-            0 < self.rotary_fraction <= 1
-        ):
+            raise bad("seq_len", f"{self.seq_len} exceeds the sliding attention window of "
+                      f"{self.sliding_window} tokens (attention over a window shorter than the sequence is "
+                      "not modelled)")
+        fraction = self.rotary_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise bad("rotary_fraction", f"must be in (0, 1], got {self.rotary_fraction!r}")
 
-    # ---- derived sizes ---------------------------------------------------------------------------------------
+    # ---- derived sizes -------------------------------------------------------------------------------------
 
     @property
     def q_dim(self) -> int:
@@ -177,7 +181,7 @@ class ModelSpec:
     def gated_mlp(self) -> bool:
         return self.activation in ("swiglu", "geglu")
 
-    # ---- exact parameter counts -----------------------------------------------------------------------------
+    # ---- exact parameter counts ----------------------------------------------------------------------------
 
     def _norm_params(self) -> int:
         if not self.norm_affine:
@@ -251,7 +255,7 @@ class ModelSpec:
             + self.head_params()
         )
 
-    # ---- helpers ----------------------------------------------------------------------------------------------
+    # ---- helpers -------------------------------------------------------------------------------------------
 
     def with_seq(self, seq_len: int) -> ModelSpec:
         """The same model trained at another sequence length (must fit a learned position table)."""
@@ -266,7 +270,8 @@ class ModelSpec:
             raise ModelError(
                 f"model {self.name!r}: seq_len {seq_len} exceeds its sliding attention window of "
                 f"{self.sliding_window} tokens; tierflow models attention as causal over the whole sequence, "
-                f"which is that window only while seq_len <= {self.sliding_window} (use --seq {self.sliding_window} or less)"
+                f"which is that window only while seq_len <= {self.sliding_window} (use --seq "
+                f"{self.sliding_window} or less)"
             )
         return replace(self, seq_len=seq_len)
 
@@ -289,74 +294,59 @@ def _human_count(n: int) -> str:
     return str(n)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # The named zoo
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
-def _gpt(
-    name: str,
-    layers: int,
-    hidden: int,
-    heads: int,
-    *,
-    vocab: int = 50257,
-    seq: int = 2048,
-    positions: int = 2048,
-) -> ModelSpec:
-    """GPT-2/GPT-3 block: pre-LN LayerNorm, biases everywhere, learned positions, tied embeddings, GELU 4h."""
-    return ModelSpec(
-        name=name,
-        family="gpt",
-        num_layers=layers,
-        hidden=hidden,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
-        ffn_hidden=4 * hidden,
-        vocab_size=vocab,
-        max_positions=positions,
-        seq_len=seq,
-        norm="layernorm",
-        activation="gelu",
-        qkv_bias=True,
-        out_bias=True,
-        mlp_bias=True,
-        tied_embeddings=True,
-    )
+# What each family's layers are unless a builder says otherwise: norm, MLP activation, positions (0 learned
+# position rows: rotary), biases, tied embeddings and the per-family extras. `_spec` fills every field a
+# family builder leaves out from here.
+_LLAMA_LIKE: dict[str, Any] = {
+    "max_positions": 0, "norm": "rmsnorm", "activation": "swiglu", "qkv_bias": False, "out_bias": False,
+    "mlp_bias": False, "tied_embeddings": False,
+}
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    # GPT-2/GPT-3 block: pre-LN LayerNorm, biases everywhere, learned positions, tied embeddings, GELU
+    "gpt": {"norm": "layernorm", "activation": "gelu", "qkv_bias": True, "out_bias": True, "mlp_bias": True,
+            "tied_embeddings": True},
+    # OPT: learned positions with 2 extra rows, biases everywhere (enable_bias), ReLU
+    "opt": {"norm": "layernorm", "activation": "relu", "qkv_bias": True, "out_bias": True, "mlp_bias": True,
+            "tied_embeddings": True, "position_offset": 2},
+    # GPT-NeoX: rotary positions on a fraction of each head, LayerNorm, parallel residual, MLP biases
+    "gpt_neox": {"max_positions": 0, "norm": "layernorm", "activation": "gelu", "qkv_bias": True,
+                 "out_bias": True, "mlp_bias": True, "tied_embeddings": False, "parallel_residual": True},
+    # LLaMA block: RMSNorm, SwiGLU, rotary positions, no biases, untied lm_head
+    "llama": _LLAMA_LIKE,
+    "mistral": _LLAMA_LIKE,
+    "qwen2": {**_LLAMA_LIKE, "qkv_bias": True},  # Qwen2Attention: bias on q, k, v but not on o_proj
+    "qwen3": {**_LLAMA_LIKE, "qk_norm": True},
+    "gemma": {**_LLAMA_LIKE, "activation": "geglu", "tied_embeddings": True},
+    "gemma2": {**_LLAMA_LIKE, "activation": "geglu", "tied_embeddings": True, "sandwich_norm": True},
+    "phi3": _LLAMA_LIKE,
+}
 
 
-def _llama(
-    name: str,
-    layers: int,
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    ffn: int,
-    *,
-    vocab: int = 32000,
-    seq: int = 4096,
-) -> ModelSpec:
-    """LLaMA block: RMSNorm, SwiGLU, rotary positions, no biases, untied lm_head."""
-    return ModelSpec(
-        name=name,
-        family="llama",
-        num_layers=layers,
-        hidden=hidden,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=hidden // heads,
-        ffn_hidden=ffn,
-        vocab_size=vocab,
-        max_positions=0,
-        seq_len=seq,
-        norm="rmsnorm",
-        activation="swiglu",
-        qkv_bias=False,
-        out_bias=False,
-        mlp_bias=False,
-        tied_embeddings=False,
-    )
+def _spec(name: str, family: str, *, hidden: int, heads: int, **fields: Any) -> ModelSpec:
+    """A ModelSpec of `family` from the fields given; every other field from the family's defaults
+    (_FAMILY_DEFAULTS), with num_kv_heads = heads (no GQA) and head_dim = hidden // heads unless given."""
+    shape = {"num_kv_heads": heads, "head_dim": hidden // heads}
+    return ModelSpec(name=name, family=family, hidden=hidden, num_heads=heads,
+                     **{**shape, **_FAMILY_DEFAULTS[family], **fields})
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int, *, vocab: int = 50257, seq: int = 2048,
+         positions: int = 2048, **fields: Any) -> ModelSpec:
+    """GPT-2/GPT-3 block (_FAMILY_DEFAULTS["gpt"]) with a 4h MLP."""
+    return _spec(name, "gpt", num_layers=layers, hidden=hidden, heads=heads, ffn_hidden=4 * hidden,
+                 vocab_size=vocab, max_positions=positions, seq_len=seq, **fields)
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, *, vocab: int = 32000,
+           seq: int = 4096) -> ModelSpec:
+    """LLaMA block (_FAMILY_DEFAULTS["llama"])."""
+    return _spec(name, "llama", num_layers=layers, hidden=hidden, heads=heads, num_kv_heads=kv_heads,
+                 ffn_hidden=ffn, vocab_size=vocab, seq_len=seq)
 
 
 _ZOO: list[ModelSpec] = [
@@ -379,11 +369,11 @@ _ZOO: list[ModelSpec] = [
     _llama("llama2-7b", 32, 4096, 32, 32, 11008),
     _llama("llama2-13b", 40, 5120, 40, 40, 13824),
     _llama("llama2-70b", 80, 8192, 64, 8, 28672),
-    # LoHan's benchmark models (RC4ML/LoHan gpt_model.py:196-212): the GPT-3 shapes with no LM head, the loss an MSE
-    # on the final hidden states. Its published runs (Fuyou 13B 156 TFLOPS, the SSD sweeps) trained these; the
-    # executor refuses to train them (a language model needs its head).
-    replace(_gpt("gpt3-13b-lohan", 40, 5120, 40), lm_head=False),
-    replace(_gpt("gpt3-175b-lohan", 96, 12288, 96), lm_head=False),
+    # LoHan's benchmark models (RC4ML/LoHan gpt_model.py:196-212): the GPT-3 shapes with no LM head, the loss
+    # an MSE on the final hidden states. Its published runs (Fuyou 13B 156 TFLOPS, the SSD sweeps) trained
+    # these; the executor refuses to train them (a language model needs its head).
+    _gpt("gpt3-13b-lohan", 40, 5120, 40, lm_head=False),
+    _gpt("gpt3-175b-lohan", 96, 12288, 96, lm_head=False),
     # Tiny models for tests and demos.
     _gpt("tiny-gpt", 4, 128, 4, vocab=256, seq=64, positions=64),
     _llama("tiny-llama", 4, 128, 4, 2, 344, vocab=256, seq=64),
@@ -402,8 +392,9 @@ def _looks_like_path(text: str) -> bool:
 
 
 def get_model(name_or_path: str | os.PathLike[str]) -> ModelSpec:
-    """A zoo model by name (case-insensitive), a model read from a config.json file or a model directory holding
-    one, or a Hugging Face hub id (``org/name``) found in the local Hugging Face cache (never downloaded)."""
+    """A zoo model by name (case-insensitive), a model read from a config.json file or a model directory
+    holding one, or a Hugging Face hub id (``org/name``) found in the local Hugging Face cache (never
+    downloaded)."""
     text = os.fspath(name_or_path)
     key = text.strip().lower()
     if key in MODELS:
@@ -421,9 +412,9 @@ def get_model(name_or_path: str | os.PathLike[str]) -> ModelSpec:
     raise ModelError(f"unknown model {text!r}: {hint} (or give a path to a Hugging Face config.json)")
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Hugging Face hub ids in the local cache
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -441,15 +432,16 @@ def hf_cache_dir() -> Path:
             return Path(os.environ[var]).expanduser()
     if os.environ.get("HF_HOME"):
         return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    base = Path(os.environ["XDG_CACHE_HOME"]).expanduser() if os.environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "huggingface" / "hub"
 
 
 def find_cached_config(repo_id: str, cache_dir: str | os.PathLike[str] | None = None) -> Path | None:
     """config.json of hub model ``repo_id`` in the local cache, or None; never touches the network.
 
-    With huggingface_hub importable, ``try_to_load_from_cache`` (the snapshot ``refs/main`` points to); else, or
-    when no ``main`` ref was cached, the newest ``models--org--name/snapshots/<rev>/config.json``."""
+    With huggingface_hub importable, ``try_to_load_from_cache`` (the snapshot ``refs/main`` points to); else,
+    or when no ``main`` ref was cached, the newest ``models--org--name/snapshots/<rev>/config.json``."""
     cache = Path(cache_dir) if cache_dir is not None else hf_cache_dir()
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -473,7 +465,8 @@ def find_cached_config(repo_id: str, cache_dir: str | os.PathLike[str] | None = 
 
 
 def hub_config_path(repo_id: str) -> Path:
-    """config.json of a cached hub model; a :class:`ModelError` saying how to download it when it is not cached."""
+    """config.json of a cached hub model; a :class:`ModelError` saying how to download it when it is not
+    cached."""
     found = find_cached_config(repo_id)
     if found is None:
         raise ModelError(
@@ -484,9 +477,9 @@ def hub_config_path(repo_id: str) -> Path:
     return found
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Hugging Face config.json
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 # transformers' default for every key we read, per model_type (used when config.json leaves a key out).
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -712,11 +705,12 @@ _WHY_NOT_KINDS = {
     **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx",
                      "granitemoe", "phimoe", "jamba"), _MOE),
     **dict.fromkeys(("bert", "roberta", "t5", "bart", "mt5", "electra", "deberta", "deberta-v2"), _ENCODER),
-    "phi": "Phi-1/2 layers run attention and MLP in parallel from one LayerNorm (one norm a layer) and its lm_head "
-           "has a bias: no tierflow layer shape",
+    "phi": "Phi-1/2 layers run attention and MLP in parallel from one LayerNorm (one norm a layer) and its "
+           "lm_head has a bias: no tierflow layer shape",
     "gemma3": "a vision-language model (gemma3_text is the text-only kind)",
-    "gemma3_text": "not read yet: its layers are expressible (qk-norm, sandwich norms, GeGLU) but 5 of every 6 "
-                   "slide over a 512- or 1024-token window, so only sequences that short would be modelled exactly",
+    "gemma3_text": "not read yet: its layers are expressible (qk-norm, sandwich norms, GeGLU) but 5 of every "
+                   "6 slide over a 512- or 1024-token window, so only sequences that short would be modelled "
+                   "exactly",
     "mamba": "a state-space model without attention",
 }
 
@@ -731,8 +725,8 @@ def from_hf_config(path: str | os.PathLike[str], name: str | None = None) -> Mod
 
     Supported ``model_type``: :data:`SUPPORTED_HF_KINDS`. Keys that the file leaves out take
     transformers' defaults for that model type. The name is the directory name for ``config.json`` files, else
-    the file stem, unless ``name`` is given (a hub id). The default training sequence is the learned position table (gpt2, opt) or
-    ``min(max_position_embeddings, 4096)`` for rotary models.
+    the file stem, unless ``name`` is given (a hub id). The default training sequence is the learned position
+    table (gpt2, opt) or ``min(max_position_embeddings, 4096)`` for rotary models.
     """
     file = _config_file(path)
     try:
@@ -760,7 +754,8 @@ def from_hf_config(path: str | os.PathLike[str], name: str | None = None) -> Mod
 
 def _heads(cfg: _Config, hidden: int, heads: int, kv_heads: int | None) -> tuple[int, int]:
     # gemma, gemma2 and qwen3 default to a head_dim of their own (256, 256, 128), not hidden / heads
-    head_dim = cfg.get_int("head_dim", optional=True) if "head_dim" in cfg.data or cfg.defaults.get("head_dim") else None
+    own_head_dim = "head_dim" in cfg.data or cfg.defaults.get("head_dim")
+    head_dim = cfg.get_int("head_dim", optional=True) if own_head_dim else None
     if head_dim is None:
         if hidden % heads:
             raise ModelError(
@@ -779,23 +774,14 @@ def _from_gpt2(name: str, cfg: _Config) -> ModelSpec:
     if hidden % heads:
         raise ModelError(f"{cfg.source}: n_head {heads} does not divide n_embd {hidden}")
     positions = cfg.get_int("n_positions")
-    return ModelSpec(
-        name=name,
-        family="gpt",
+    return _spec(
+        name, "gpt", hidden=hidden, heads=heads,
         num_layers=cfg.get_int("n_layer"),
-        hidden=hidden,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
         ffn_hidden=cfg.get_int("n_inner", optional=True) or 4 * hidden,
         vocab_size=cfg.get_int("vocab_size"),
         max_positions=positions,
         seq_len=positions,
-        norm="layernorm",
         activation=_activation(cfg.get_str("activation_function"), "gelu"),
-        qkv_bias=True,
-        out_bias=True,
-        mlp_bias=True,
         tied_embeddings=cfg.get_bool("tie_word_embeddings"),
     )
 
@@ -807,26 +793,19 @@ def _from_opt(name: str, cfg: _Config) -> ModelSpec:
     proj = cfg.get_int("word_embed_proj_dim", optional=True) or hidden
     bias = cfg.get_bool("enable_bias")
     positions = cfg.get_int("max_position_embeddings")
-    return ModelSpec(
-        name=name,
-        family="opt",
+    return _spec(
+        name, "opt", hidden=hidden, heads=heads,
         num_layers=cfg.get_int("num_hidden_layers"),
-        hidden=hidden,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
         ffn_hidden=cfg.get_int("ffn_dim"),
         vocab_size=cfg.get_int("vocab_size"),
         max_positions=positions,
         seq_len=positions,
-        norm="layernorm",
         activation=_activation(cfg.get_str("activation_function"), "relu"),
         qkv_bias=bias,
         out_bias=bias,
         mlp_bias=bias,
         tied_embeddings=cfg.get_bool("tie_word_embeddings"),
         embed_proj_dim=proj if proj != hidden else 0,
-        position_offset=2,
         # OPTDecoder: final_layer_norm exists only if do_layer_norm_before and not _remove_final_layer_norm.
         final_norm=cfg.get_bool("do_layer_norm_before") and not cfg.get_bool("_remove_final_layer_norm"),
         norm_affine=cfg.get_bool("layer_norm_elementwise_affine"),
@@ -834,8 +813,9 @@ def _from_opt(name: str, cfg: _Config) -> ModelSpec:
 
 
 def _rotary_fraction(cfg: _Config, legacy_key: str, default: float) -> float:
-    """Share of head_dim that rotary positions rotate: ``rope_parameters.partial_rotary_factor`` (transformers 5),
-    else the legacy top-level key (GPT-NeoX ``rotary_pct``, Phi-3 ``partial_rotary_factor``), else ``default``."""
+    """Share of head_dim that rotary positions rotate: ``rope_parameters.partial_rotary_factor`` (transformers
+    5), else the legacy top-level key (GPT-NeoX ``rotary_pct``, Phi-3 ``partial_rotary_factor``), else
+    ``default``."""
     rope = cfg.data.get("rope_parameters")
     value = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
     if value is None:
@@ -850,23 +830,15 @@ def _from_gpt_neox(name: str, cfg: _Config) -> ModelSpec:
     if hidden % heads:
         raise ModelError(f"{cfg.source}: num_attention_heads {heads} does not divide hidden_size {hidden}")
     bias = cfg.get_bool("attention_bias")
-    return ModelSpec(
-        name=name,
-        family="gpt_neox",
+    return _spec(
+        name, "gpt_neox", hidden=hidden, heads=heads,
         num_layers=cfg.get_int("num_hidden_layers"),
-        hidden=hidden,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
         ffn_hidden=cfg.get_int("intermediate_size"),
         vocab_size=cfg.get_int("vocab_size"),
-        max_positions=0,
         seq_len=_train_seq(cfg.get_int("max_position_embeddings")),
-        norm="layernorm",
         activation=_activation(cfg.get_str("hidden_act"), "gelu"),
         qkv_bias=bias,
         out_bias=bias,
-        mlp_bias=True,
         tied_embeddings=cfg.get_bool("tie_word_embeddings"),
         parallel_residual=cfg.get_bool("use_parallel_residual"),
         rotary_fraction=_rotary_fraction(cfg, "rotary_pct", 0.25),
@@ -874,35 +846,25 @@ def _from_gpt_neox(name: str, cfg: _Config) -> ModelSpec:
 
 
 def _from_llama_like(name: str, cfg: _Config) -> ModelSpec:
+    """LLaMA, Mistral and Qwen2 (their biases: _FAMILY_DEFAULTS; LLaMA's from attention_bias and mlp_bias)."""
     kind = cfg.kind
     hidden, heads = cfg.get_int("hidden_size"), cfg.get_int("num_attention_heads")
     head_dim, kv_heads = _heads(cfg, hidden, heads, cfg.get_int("num_key_value_heads", optional=True))
+    biases: dict[str, bool] = {}
     if kind == "llama":
-        qkv_bias = out_bias = cfg.get_bool("attention_bias")
-        mlp_bias = cfg.get_bool("mlp_bias")
-    elif kind == "qwen2":  # Qwen2Attention: bias on q, k, v but not on o_proj
-        qkv_bias, out_bias, mlp_bias = True, False, False
-    else:  # mistral: no biases
-        qkv_bias = out_bias = mlp_bias = False
+        biases["qkv_bias"] = biases["out_bias"] = cfg.get_bool("attention_bias")
+        biases["mlp_bias"] = cfg.get_bool("mlp_bias")
     window = 0 if kind == "llama" else _sliding_window(cfg)
     max_pos = cfg.get_int("max_position_embeddings")
-    return ModelSpec(
-        name=name,
-        family=kind,
+    return _spec(
+        name, kind, hidden=hidden, heads=heads,
         num_layers=cfg.get_int("num_hidden_layers"),
-        hidden=hidden,
-        num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         ffn_hidden=cfg.get_int("intermediate_size"),
         vocab_size=cfg.get_int("vocab_size"),
-        max_positions=0,
         seq_len=min(_train_seq(max_pos), window) if window else _train_seq(max_pos),
-        norm="rmsnorm",
-        activation="swiglu",
-        qkv_bias=qkv_bias,
-        out_bias=out_bias,
-        mlp_bias=mlp_bias,
+        **biases,
         tied_embeddings=cfg.get_bool("tie_word_embeddings"),
         sliding_window=window,
     )
@@ -915,12 +877,14 @@ def _gated_activation(cfg: _Config, key: str) -> str:
         return "swiglu"
     if act.startswith("gelu"):
         return "geglu"
-    raise ModelError(f"{cfg.source}: {key}: gated MLP with {cfg.raw(key)!r} is not modelled (silu or gelu gates only)")
+    raise ModelError(f"{cfg.source}: {key}: gated MLP with {cfg.raw(key)!r} is not modelled (silu or gelu "
+                     "gates only)")
 
 
 def _sliding_window(cfg: _Config) -> int:
     """The window of the layers that slide (0: none do). Qwen slides only with use_sliding_window, from layer
-    max_window_layers on; Gemma2 on the layers layer_types names sliding_attention (every other one by default)."""
+    max_window_layers on; Gemma2 on the layers layer_types names sliding_attention (every other one by
+    default)."""
     if cfg.raw("sliding_window") is None:
         return 0
     window = cfg.get_int("sliding_window")
@@ -928,27 +892,28 @@ def _sliding_window(cfg: _Config) -> int:
     if isinstance(types, list):
         return window if "sliding_attention" in types else 0
     if cfg.kind in ("qwen2", "qwen3") and (
-        not cfg.get_bool("use_sliding_window") or cfg.get_int("max_window_layers", positive=False) >= cfg.get_int("num_hidden_layers")
+        not cfg.get_bool("use_sliding_window")
+        or cfg.get_int("max_window_layers", positive=False) >= cfg.get_int("num_hidden_layers")
     ):
         return 0
     return window
 
 
 def _from_gemma_qwen3_phi3(name: str, cfg: _Config) -> ModelSpec:
-    """Gemma, Gemma2, Qwen3 and Phi-3: LLaMA-shaped layers with one or two differences each that change no GEMM
-    (so the FLOPs are LLaMA's for the same shapes) and that the parameter count represents exactly:
+    """Gemma, Gemma2, Qwen3 and Phi-3: LLaMA-shaped layers with one or two differences each that change no
+    GEMM (so the FLOPs are LLaMA's for the same shapes) and that the parameter count represents exactly:
 
-    * gemma: GeGLU MLP, head_dim 256 by default, tied embeddings (RMSNorm with 1 + weight and an embedding scaled
-      by sqrt(hidden) hold the same parameters);
-    * gemma2: as gemma plus a norm after attention and after the MLP (4 norms a layer); the tanh soft-capping of
-      attention and final logits is elementwise; sliding-window layers are exact while seq <= the window;
+    * gemma: GeGLU MLP, head_dim 256 by default, tied embeddings (RMSNorm with 1 + weight and an embedding
+      scaled by sqrt(hidden) hold the same parameters);
+    * gemma2: as gemma plus a norm after attention and after the MLP (4 norms a layer); the tanh soft-capping
+      of attention and final logits is elementwise; sliding-window layers are exact while seq <= the window;
     * qwen3: an RMSNorm over head_dim on every query and key head (qk-norm), head_dim 128 by default;
     * phi3: q, k, v fused in one qkv_proj and gate / up in one gate_up_proj (the same weights, concatenated).
     """
     kind = cfg.kind
     if kind in ("gemma", "gemma2") and cfg.raw("use_bidirectional_attention"):
-        raise ModelError(f"{cfg.source}: use_bidirectional_attention: an encoder (bidirectional attention) is not a "
-                         "causal language model tierflow can train")
+        raise ModelError(f"{cfg.source}: use_bidirectional_attention: an encoder (bidirectional attention) "
+                         "is not a causal language model tierflow can train")
     hidden, heads = cfg.get_int("hidden_size"), cfg.get_int("num_attention_heads")
     head_dim, kv_heads = _heads(cfg, hidden, heads, cfg.get_int("num_key_value_heads", optional=True))
     if kind == "gemma":
@@ -959,28 +924,21 @@ def _from_gemma_qwen3_phi3(name: str, cfg: _Config) -> ModelSpec:
     max_pos = cfg.get_int("max_position_embeddings")
     window = _sliding_window(cfg) if kind != "gemma" else 0
     seq = min(_train_seq(max_pos), window) if window else _train_seq(max_pos)
-    return ModelSpec(
-        name=name,
-        family=kind,
+    return _spec(
+        name, kind, hidden=hidden, heads=heads,
         num_layers=cfg.get_int("num_hidden_layers"),
-        hidden=hidden,
-        num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         ffn_hidden=cfg.get_int("intermediate_size"),
         vocab_size=cfg.get_int("vocab_size"),
-        max_positions=0,
         seq_len=seq,
-        norm="rmsnorm",
         activation=_gated_activation(cfg, act_key),
         qkv_bias=bias,
         out_bias=bias,
-        mlp_bias=False,
         tied_embeddings=cfg.get_bool("tie_word_embeddings"),
-        qk_norm=kind == "qwen3",
-        sandwich_norm=kind == "gemma2",
         sliding_window=window,
-        rotary_fraction=_rotary_fraction(cfg, "partial_rotary_factor", 1.0) if kind == "phi3" else 1.0,
+        **({"rotary_fraction": _rotary_fraction(cfg, "partial_rotary_factor", 1.0)} if kind == "phi3"
+           else {}),
     )
 
 

@@ -2,7 +2,8 @@
 plan-file validation accepts exactly these, and the executor's dispatch table maps each to one handler.
 
 Entry ops move a tensor class that lives per micro-batch (activation checkpoints, kept activations and their
-gradients): their kind is `<verb>_<tensor>`, e.g. `offload_checkpoint` (GPU -> host), `write_act` (host -> SSD).
+gradients): their kind is `<verb>_<tensor>`, e.g. `offload_checkpoint` (GPU -> host), `write_act` (host ->
+SSD).
 """
 
 from __future__ import annotations

@@ -5,14 +5,14 @@ block runs all k micro-batches before the next block (forward, then backward in 
 order (the micro-batch direction alternates from one block to the next, so the micro-batch that ends one block
 starts the next and its activation stays on the GPU).
 
-- horizontal (ZeRO-Infinity): k = 1; weights fetched for every micro-batch; gradients offloaded per micro-batch;
-  the CPU optimizer runs after the whole backward;
+- horizontal (ZeRO-Infinity): k = 1; weights fetched for every micro-batch; gradients offloaded per
+  micro-batch; the CPU optimizer runs after the whole backward;
 - fuyou: horizontal, but the CPU optimizer of a block starts as soon as its gradient is final (overlapped with
   the rest of the backward), and activation checkpoints go GPU -> CPU (-> SSD);
 - vertical (GreedySnake): k = all micro-batches; a block's weights cross PCIe once per pass; its gradient is
   accumulated on the GPU and offloaded once; the CPU Adam step overlaps the backward of later blocks and a
   fraction alpha of it is deferred into the next iteration's forward;
-- block: 1 < k < all, the hybrid between the two (planner issue).
+- block: 1 < k < all, the hybrid between the two (tierflow's own).
 """
 
 from __future__ import annotations
@@ -32,6 +32,26 @@ from tierflow.planner.core.memory import (
     static_bytes,
 )
 from tierflow.planner.core.models import ModelSpec
+from tierflow.planner.core.opkinds import (
+    ADAM,
+    ADAM_DEFERRED,
+    ADAM_GPU,
+    ALL_GATHER_WEIGHTS,
+    BWD,
+    FETCH_WEIGHTS,
+    FWD,
+    HEAD,
+    OFFLOAD_GRADS,
+    READ_GRADS,
+    READ_OPT_STATES,
+    READ_WEIGHTS,
+    RECOMPUTE,
+    REDUCE_SCATTER_GRADS,
+    UPDATE_WEIGHTS,
+    WRITE_GRADS,
+    WRITE_OPT_STATES,
+    entry_kind,
+)
 from tierflow.planner.core.placement import Placement, Split, fill_split
 from tierflow.planner.core.workload import (
     ADAM_STATE_BYTES,
@@ -45,8 +65,8 @@ from tierflow.planner.core.world import World, rank_capacity_bytes, shard_elems
 FAMILIES = ("horizontal", "vertical", "fuyou", "block")
 # How a schedule's transfers may overlap: "ideal" is tierflow's executor (every transfer runs as early as the
 # plan's dependencies and memory allow); "deepspeed" is ZeRO-Infinity as DeepSpeed's ZeRO-3 code runs it
-# (docs/baselines-as-coded.md A): parameters on NVMe are fetched on demand, the optimizer's sub-groups are read,
-# stepped and written back one after the other; "lohan" is Fuyou as its artifact's code runs it
+# (docs/baselines-as-coded.md A): parameters on NVMe are fetched on demand, the optimizer's sub-groups are
+# read, stepped and written back one after the other; "lohan" is Fuyou as its artifact's code runs it
 # (docs/baselines-as-coded.md B2, B3): no weight prefetch in the backward, and the optimizer's NVMe reads and
 # writes are waited for on the training thread, between one layer's backward and the next.
 RUNTIMES = ("ideal", "deepspeed", "lohan")
@@ -59,9 +79,10 @@ RUNTIME_FAMILY = {"deepspeed": "horizontal", "lohan": "fuyou"}
 # the group size each family fixes (None: the block schedule's own --group)
 FIXED_GROUP = {"horizontal": "1", "fuyou": "1", "vertical": "all micro-batches", "block": None}
 def family_of(group: int, num_micro_batches: int, optimizer_overlap: bool) -> str:
-    """The name of what a builder with these settings builds: one micro-batch per block sweep with the optimizer
-    after the backward is ZeRO-Infinity's horizontal schedule, with the optimizer overlapped Fuyou's; all
-    micro-batches per sweep is GreedySnake's vertical schedule; anything between is the block hybrid."""
+    """The name of what a builder with these settings builds: one micro-batch per block sweep with the
+    optimizer after the backward is ZeRO-Infinity's horizontal schedule, with the optimizer overlapped
+    Fuyou's; all micro-batches per sweep is GreedySnake's vertical schedule; anything between is the block
+    hybrid."""
     if group == 1 and num_micro_batches >= 1:
         return "fuyou" if optimizer_overlap else "horizontal"
     if group == num_micro_batches:
@@ -97,13 +118,10 @@ class ScheduleConfig:
         return World(self.gpus, self.nodes)
 
     @property
-    def ranks(self) -> int:
-        return self.gpus * self.nodes
-
-    @property
     def num_micro_batches(self) -> int:
-        """Micro-batches of ONE rank per iteration: the global batch split over the ranks, then into micro-batches."""
-        return self.batch // (self.micro_batch * self.ranks)
+        """Micro-batches of ONE rank per iteration: the global batch split over the ranks, then into
+        micro-batches."""
+        return self.world.rank_batch(self.batch) // self.micro_batch
 
     def recomputes(self, block: int, num_layers: int) -> bool:
         """Is decoder layer `block` (1..num_layers) recomputed in backward? The last `swap_layers` layers keep
@@ -115,22 +133,25 @@ class ScheduleConfig:
         return (num_layers - self.swap_layers) / num_layers if self.recompute and num_layers else 0.0
 
     def describe(self) -> str:
-        world = "" if self.ranks == 1 else f" over {self.ranks} ranks ({self.gpus} GPUs x {self.nodes} boxes)"
-        per = "" if self.ranks == 1 else f"{self.ranks} x "
-        return (f"{self.family}: batch {self.batch} = {per}{self.num_micro_batches} x {self.micro_batch}{world}, group {self.group}, "
-                f"alpha {self.alpha:g}, prefetch {self.prefetch_depth}, "
-                f"{'recompute' if self.recompute else 'no recompute'}{f', {self.swap_layers} layers swapped' if self.swap_layers else ''}"
+        ranks = self.world.ranks
+        world = "" if ranks == 1 else f" over {ranks} ranks ({self.gpus} GPUs x {self.nodes} boxes)"
+        per = "" if ranks == 1 else f"{ranks} x "
+        swapped = f", {self.swap_layers} layers swapped" if self.swap_layers else ""
+        return (f"{self.family}: batch {self.batch} = {per}{self.num_micro_batches} x {self.micro_batch}"
+                f"{world}, group {self.group}, alpha {self.alpha:g}, prefetch {self.prefetch_depth}, "
+                f"{'recompute' if self.recompute else 'no recompute'}{swapped}"
                 f"{'' if self.runtime == 'ideal' else f', as {self.runtime} runs it'}")
 
     def to_dict(self) -> dict:
         return {
             "family": self.family, "batch": self.batch, "micro_batch": self.micro_batch, "seq": self.seq,
             "group": self.group, "alpha": self.alpha, "optimizer_overlap": self.optimizer_overlap,
-            "prefetch_depth": self.prefetch_depth, "act_prefetch": self.act_prefetch, "recompute": self.recompute,
+            "prefetch_depth": self.prefetch_depth, "act_prefetch": self.act_prefetch,
+            "recompute": self.recompute,
             "swap_layers": self.swap_layers,
             "iterations": self.iterations, "runtime": self.runtime, "placement": self.placement.as_dict(),
             # one rank: left out, so that one-GPU plans and their digests stay as they were
-            **({"gpus": self.gpus, "nodes": self.nodes} if self.ranks != 1 else {}),
+            **({"gpus": self.gpus, "nodes": self.nodes} if self.world.ranks != 1 else {}),
         }
 
     @classmethod
@@ -144,15 +165,16 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     """The placement a user of that system would start from: nothing resident on the GPU; fill CPU memory with
     what the schedule holds there (the memory model's gradients, staging and checkpoints: fp32 gradients of a
     horizontal schedule go to the SSD with the optimizer, as ZeRO-Infinity does), then weights, then optimizer
-    states; the rest on SSD. Fuyou keeps weights and optimizer states on the SSDs even when host memory could hold
-    them (REFERENCE.md section 1: "fp16 weights on SSD read twice per iteration ... fp32 master + m + v on SSD",
-    docs/baselines-as-coded.md section B); its gradients and checkpoints stay in host memory. With several ranks,
-    one rank's shard of the states in its share of the box's host memory (tierflow.planner.core.world)."""
-    params = shard_elems(model.total_params(), cfg.ranks)
-    mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq, num_micro_batches=cfg.num_micro_batches,
-                          group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
-                          prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime,
-                          ranks=cfg.ranks)
+    states; the rest on SSD. Fuyou keeps weights and optimizer states on the SSDs even when host memory could
+    hold them (REFERENCE.md section 1: "fp16 weights on SSD read twice per iteration ... fp32 master + m + v
+    on SSD", docs/baselines-as-coded.md section B); its gradients and checkpoints stay in host memory. With
+    several ranks, one rank's shard of the states in its share of the box's host memory
+    (tierflow.planner.core.world)."""
+    params = shard_elems(model.total_params(), cfg.world.ranks)
+    mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq,
+                          num_micro_batches=cfg.num_micro_batches, group=cfg.group, alpha=cfg.alpha,
+                          optimizer_overlap=cfg.optimizer_overlap, prefetch_depth=cfg.prefetch_depth,
+                          act_prefetch=cfg.act_prefetch, runtime=cfg.runtime, ranks=cfg.world.ranks)
     # staging buffers for whatever may stream from the SSDs (all of it on a box with SSDs)
     staging = mem.host_staging_bytes if hw.ssd.count > 0 else 0.0
     cpu_cap = rank_capacity_bytes(hw, cfg.gpus)["cpu"]
@@ -173,7 +195,8 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
         weights = states = ckpt = grads = Split()
     if cfg.family == "horizontal" and states.ssd == 0:
         grads = Split()
-    return Placement(weights=weights, master=states, adam_m=states, adam_v=states, grads=grads, checkpoints=ckpt)
+    return Placement(weights=weights, master=states, adam_m=states, adam_v=states, grads=grads,
+                     checkpoints=ckpt)
 
 
 def check_world(hw: HardwareProfile, gpus: int, nodes: int) -> None:
@@ -201,39 +224,74 @@ def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: 
     if family not in FAMILIES:
         raise ScheduleError(f"unknown schedule {family!r} (known: {', '.join(FAMILIES)}, all)")
     seq = seq or model.seq_len
+    M = _rank_micro_batches(model, hw, batch, micro_batch, seq, gpus, nodes)
+    g, a, overlap = _family_settings(family, M, group)
+    if alpha is not None:
+        a = alpha
+    _check_settings(model, M, g, a, swap_layers, prefetch_depth)
+    runtime = _runtime_of(family, runtime)
+    cfg = ScheduleConfig(family=family_of(g, M, overlap), batch=batch, micro_batch=micro_batch, seq=seq,
+                         placement=placement or Placement(), group=g, alpha=a, optimizer_overlap=overlap,
+                         prefetch_depth=prefetch_depth, recompute=recompute, swap_layers=swap_layers,
+                         act_prefetch=act_prefetch, iterations=iterations, runtime=runtime, gpus=gpus,
+                         nodes=nodes)
+    if placement is None:
+        cfg = replace(cfg, placement=default_placement(model, hw, cfg))
+    return cfg
+
+
+def _rank_micro_batches(model: ModelSpec, hw: HardwareProfile, batch: int, micro_batch: int, seq: int,
+                        gpus: int, nodes: int) -> int:
+    """The micro-batches one rank runs per iteration; ScheduleError unless the batch splits evenly over the
+    ranks and micro-batches and `seq` fits the model."""
     if batch <= 0 or micro_batch <= 0:
         raise ScheduleError(f"batch ({batch}) and micro-batch ({micro_batch}) must be positive")
     check_world(hw, gpus, nodes)
     if batch % micro_batch:
-        raise ScheduleError(f"batch {batch} is not divisible by micro-batch {micro_batch} (use a micro-batch that divides it)")
-    W = gpus * nodes
+        raise ScheduleError(f"batch {batch} is not divisible by micro-batch {micro_batch} (use a micro-batch "
+                            "that divides it)")
+    world = World(gpus, nodes)
+    W = world.ranks
     if batch % (W * micro_batch):
         raise ScheduleError(f"batch {batch} is not divisible by {W} ranks x micro-batch {micro_batch} = "
-                            f"{W * micro_batch} (use a batch that is a multiple of it, or a smaller micro-batch)")
+                            f"{W * micro_batch} (use a batch that is a multiple of it, or a smaller "
+                            "micro-batch)")
     if model.max_positions and seq > model.max_positions:
-        raise ScheduleError(f"seq {seq} exceeds the {model.max_positions} positions of {model.name} (use --seq <= {model.max_positions})")
-    M = batch // (micro_batch * W)
+        raise ScheduleError(f"seq {seq} exceeds the {model.max_positions} positions of {model.name} "
+                            f"(use --seq <= {model.max_positions})")
+    return world.rank_batch(batch) // micro_batch
+
+
+def _family_settings(family: str, M: int, group: int | None) -> tuple[int, float, bool]:
+    """(group, alpha, optimizer overlap) a family runs with over M micro-batches; `group` only for block."""
     if group is not None and FIXED_GROUP[family] is not None:
-        raise ScheduleError(f"--group applies to the block schedule only: {family} runs {FIXED_GROUP[family]} "
-                            f"micro-batch(es) per block sweep (use --schedule block --group {group})")
+        raise ScheduleError(f"--group applies to the block schedule only: {family} runs "
+                            f"{FIXED_GROUP[family]} micro-batch(es) per block sweep (use --schedule block "
+                            f"--group {group})")
     if family == "horizontal":
-        g, a, overlap = 1, 0.0, False
-    elif family == "fuyou":
-        g, a, overlap = 1, 0.0, True
-    elif family == "vertical":
-        g, a, overlap = M, 0.25, True
-    else:
-        g, a, overlap = (group or max(1, M // 2)), 0.25, True
-    if alpha is not None:
-        a = alpha
-    if not 1 <= g <= M or M % g:
-        raise ScheduleError(f"group {g} must divide the {M} micro-batches")
-    if not 0.0 <= a < 1.0:
-        raise ScheduleError(f"alpha {a} must be within [0, 1)")
+        return 1, 0.0, False
+    if family == "fuyou":
+        return 1, 0.0, True
+    if family == "vertical":
+        return M, 0.25, True
+    return (group or max(1, M // 2)), 0.25, True
+
+
+def _check_settings(model: ModelSpec, M: int, group: int, alpha: float, swap_layers: int,
+                    prefetch_depth: int) -> None:
+    """ScheduleError unless the group, alpha, swapped layers and prefetch depth are within their ranges."""
+    if not 1 <= group <= M or M % group:
+        raise ScheduleError(f"group {group} must divide the {M} micro-batches")
+    if not 0.0 <= alpha < 1.0:
+        raise ScheduleError(f"alpha {alpha} must be within [0, 1)")
     if not 0 <= swap_layers <= model.num_layers:
         raise ScheduleError(f"swap_layers {swap_layers} must be within [0, {model.num_layers}]")
     if prefetch_depth < 1:
         raise ScheduleError(f"prefetch depth {prefetch_depth} must be >= 1")
+
+
+def _runtime_of(family: str, runtime: str | None) -> str:
+    """The runtime asked for (else the family's default); ScheduleError when it does not model the family."""
     runtime = runtime or DEFAULT_RUNTIME[family]
     if runtime not in RUNTIMES:
         raise ScheduleError(f"unknown runtime {runtime!r} (known: {', '.join(RUNTIMES)})")
@@ -241,16 +299,11 @@ def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: 
         system = {"deepspeed": "ZeRO-Infinity", "lohan": "Fuyou (LoHan)"}[runtime]
         raise ScheduleError(f"runtime {runtime} models {system}: it applies to the {RUNTIME_FAMILY[runtime]} "
                             f"schedule, not {family} (use --runtime ideal)")
-    cfg = ScheduleConfig(family=family_of(g, M, overlap), batch=batch, micro_batch=micro_batch, seq=seq,
-                         placement=placement or Placement(), group=g, alpha=a, optimizer_overlap=overlap,
-                         prefetch_depth=prefetch_depth, recompute=recompute, swap_layers=swap_layers,
-                         act_prefetch=act_prefetch, iterations=iterations, runtime=runtime, gpus=gpus, nodes=nodes)
-    if placement is None:
-        cfg = replace(cfg, placement=default_placement(model, hw, cfg))
-    return cfg
+    return runtime
 
 
-# ---- the generic builder ------------------------------------------------------------------------------------
+# ---- the generic builder
+# ------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -314,10 +367,57 @@ class _Use:
         return self.gather if self.gather is not None else self.fetch_h2d
 
 
+@dataclass
+class _IterState:
+    """What the build of one iteration carries from step to step."""
+
+    it: int
+    base: int  # global index of the iteration's first step
+    seq_steps: list[_Step]
+    # tensors waiting between steps: ("x", block, mb) = input of block; ("dx", block, mb) = grad wrt input
+    direct: dict[tuple, int] = field(default_factory=dict)  # tensor -> producing task, while on the GPU
+    stored: dict[tuple, _Stored] = field(default_factory=dict)  # tensor -> where it was parked
+    ckpts: dict[tuple, _Stored] = field(default_factory=dict)  # checkpoints (or saved activations) parked
+    grad_first_b: dict[int, int] = field(default_factory=dict)  # block -> first backward task (buffer alloc)
+    grad_last: dict[int, list[int]] = field(default_factory=dict)  # block -> tasks that deliver final grads
+    host_grad_alloc: set[int] = field(default_factory=set)  # blocks whose host gradient buffer is allocated
+
+
+@dataclass
+class _AdamBlock:
+    """One block's optimizer step in one iteration: where it is keyed and this rank's shard of the block."""
+
+    block: int
+    it: int
+    key: float  # the step's position in the resources' queues
+    k_last: int  # the block's last backward step
+    owned: int  # elements of the block's states this rank owns
+    fetch_params: int  # elements of the block's gradient this rank keeps
+    end: int  # global index of the step after the iteration's last
+
+
+@dataclass
+class _OptChain:
+    """What the optimizer steps of successive blocks chain on within one iteration.
+
+    LoHan steps each sub-group from the gradient hook that sees the backward enter the next one, on the
+    training thread: it reads the group's fp32 p, m, v from NVMe and waits, hands them to the CPU-Adam
+    process, then writes back the group stepped before it (fp16 weights and p, m, v) and waits; only then does
+    the backward go on (RC4ML/LoHan ratel_optimizer.py:530-534, 1047-1089;
+    nvme_ds/pipelined_optimizer_swapper.py:160-216; docs/baselines-as-coded.md B2). Here a layer block stands
+    for a sub-group; the GPU is not waited for, it runs ahead on what the thread launched before
+    (_Builder._lohan_trigger, _Builder._lohan_thread)."""
+
+    prev_main: int = -1  # the previous block's main CPU Adam step
+    prev_write: int = -1  # DeepSpeed: a sub-group's states are read only after the previous one's are written
+    unwaited_write: Task | None = None  # LoHan: the write-back the thread issues at the next boundary
+    thread_last: Task | None = None  # LoHan: the thread's last wait
+
+
 class _Builder:
     def __init__(self, model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig):
         self.model, self.hw, self.cfg = model, hw, cfg
-        self.W = cfg.ranks
+        self.W = cfg.world.ranks
         self.cost = CostModel(hw, cfg.world)
         self.g = GraphBuilder()
         self.blocks = blocks_of(model, cfg.micro_batch, cfg.seq)
@@ -333,10 +433,11 @@ class _Builder:
         self.step_key: list[float] = []
         self.uses: list[_Use] = []
         self.weights_ready: dict[int, list[int]] = {}  # block -> tasks that produce its updated weights
-        self.resident_update: dict[int, list[int]] = {}  # block -> tasks that refresh its GPU-resident weights
+        # block -> tasks that refresh its GPU-resident weights
+        self.resident_update: dict[int, list[int]] = {}
         self.states_written: dict[tuple[int, str], list[int]] = {}  # (block, part) -> SSD write of its states
 
-    # -- helpers ----------------------------------------------------------------------------------------------
+    # -- helpers ---------------------------------------------------------------------------------------------
 
     def rec(self, b: int) -> bool:
         """Is layer block b recomputed in backward? (ScheduleConfig.recomputes)"""
@@ -353,44 +454,47 @@ class _Builder:
     def prev_step_task(self, k: int) -> int:
         return self.step_task[k] if 0 <= k < len(self.step_task) else -1
 
-    def offload(self, producer: Task, nbytes: float, split: Split, tensor: str, it: int, block: int, mb: int) -> _Stored:
+    def offload(self, producer: Task, nbytes: float, split: Split, tensor: str, it: int, block: int,
+                mb: int) -> _Stored:
         g = self.g
         s = _Stored(nbytes, split, None, None)
         g.alloc(producer, "gpu", s.kept)  # the output buffer is taken when the producing kernel starts
         if s.off > 0:
             g.alloc(producer, "gpu", s.off)
-            s.d2h = g.add("offload_" + tensor, "d2h", s.off, tensor=tensor, block=block, mb=mb, iteration=it,
-                          key=producer.key + Offset.OFFLOAD, deps=[producer.id])
+            s.d2h = g.add(entry_kind("offload", tensor), "d2h", s.off, tensor=tensor, block=block, mb=mb,
+                          iteration=it, key=producer.key + Offset.OFFLOAD, deps=[producer.id])
             g.alloc(s.d2h, "cpu", s.off)
             g.free(s.d2h, "gpu", s.off)
         if s.to_ssd > 0:
-            s.write = g.add("write_" + tensor, "ssd_write", s.to_ssd, tensor=tensor, block=block, mb=mb, iteration=it,
-                            key=producer.key + Offset.WRITE_OFFLOADED, deps=[s.d2h.id])
+            s.write = g.add(entry_kind("write", tensor), "ssd_write", s.to_ssd, tensor=tensor, block=block,
+                            mb=mb, iteration=it, key=producer.key + Offset.WRITE_OFFLOADED, deps=[s.d2h.id])
             g.alloc(s.write, "ssd", s.to_ssd)
             g.free(s.write, "cpu", s.to_ssd)
         return s
 
-    def fetch(self, s: _Stored, k: int, consume: bool, tensor: str, it: int, block: int, mb: int) -> tuple[list[int], float]:
+    def fetch(self, s: _Stored, k: int, consume: bool, tensor: str, it: int, block: int,
+              mb: int) -> tuple[list[int], float]:
         """Bring a stored tensor back for step k. Returns (deps for the consumer, GPU bytes it must free)."""
         g, a = self.g, self.cfg.act_prefetch
         key = self.step_key[k]
         read = None
         if s.to_ssd > 0:
-            read = g.add("read_" + tensor, "ssd_read", s.to_ssd, tensor=tensor, block=block, mb=mb, iteration=it,
-                         key=key - a - 1, deps=[s.write.id, self.prev_step_task(k - a - 2)])
+            read = g.add(entry_kind("read", tensor), "ssd_read", s.to_ssd, tensor=tensor, block=block, mb=mb,
+                         iteration=it, key=key - a - 1, deps=[s.write.id, self.prev_step_task(k - a - 2)])
             g.alloc(read, "cpu", s.to_ssd)
             if consume:
                 g.free(read, "ssd", s.to_ssd)
         deps: list[int] = []
         if s.off > 0:
-            h = g.add("fetch_" + tensor, "h2d", s.off, tensor=tensor, block=block, mb=mb, iteration=it,
-                      key=key - a, deps=[s.d2h.id, read.id if read else -1, self.prev_step_task(k - a - 1)])
+            h = g.add(entry_kind("fetch", tensor), "h2d", s.off, tensor=tensor, block=block, mb=mb,
+                      iteration=it, key=key - a,
+                      deps=[s.d2h.id, read.id if read else -1, self.prev_step_task(k - a - 1)])
             g.alloc(h, "gpu", s.off)
             g.free(h, "cpu", s.off if consume else s.to_ssd)
             deps.append(h.id)
         return deps, s.off + (s.kept if consume else 0.0)
 
-    # -- weights ------------------------------------------------------------------------------------------------
+    # -- weights ---------------------------------------------------------------------------------------------
 
     def fetch_weights(self, u: int, it: int) -> list[int]:
         """Fetch tasks for weight use u (global index). Returns deps for its first compute step."""
@@ -404,19 +508,7 @@ class _Builder:
         off = mine * w.off_gpu
         if off <= 0 and self.W == 1:
             return deps
-        g, d = self.g, self.cfg.prefetch_depth
-        if self.cfg.runtime == "deepspeed" and w.ssd > 0:
-            # DeepSpeed's parameter prefetch stops at the first parameter still on NVMe; its NVMe read-ahead
-            # starts when the previous module's hook runs, its copy to the GPU when this module's hook does
-            # (partitioned_param_coordinator.py:460-463, 667-690; partition_parameters.py:1689-1692)
-            d = 0
-        if self.cfg.runtime == "lohan" and w.ssd > 0 and use.phase == "B":
-            # LoHan prefetches weights only in the forward (its loop needs fw_flag, cleared once module inputs
-            # carry a grad_fn): in the recompute and the backward each module reads its weights from NVMe and
-            # waits itself, while the GPU runs what is already queued (RC4ML/LoHan ratel_init.py:720-723,
-            # 738-744, 774, 838-855; docs/baselines-as-coded.md B3). Its forward prefetch (3 half-layer blocks
-            # ahead, ratel_init.py:951-992) is the ideal depth-1 prefetch here
-            d = 0
+        g, d = self.g, self._weight_prefetch_depth(use)
         ready = list(self.weights_ready.get(b, []))
         if b == self.head and self.model.tied_embeddings:
             ready += self.weights_ready.get(0, [])
@@ -436,16 +528,18 @@ class _Builder:
         read = None
         to_ssd = mine * w.ssd
         if to_ssd > 0:
-            read = g.add("read_weights", "ssd_read", to_ssd, tensor="weights", block=b, mb=-1, iteration=it,
+            read = g.add(READ_WEIGHTS, "ssd_read", to_ssd, tensor="weights", block=b, mb=-1, iteration=it,
                          key=max(first_key(u - d - 1), floor), deps=[last_task(u - d - 2), *ready])
             g.alloc(read, "cpu", to_ssd)
             use.read = read
-        # the device buffer of the full block, less the part of it this rank keeps resident, taken at the fetch
+        # the device buffer of the full block, less the part of it this rank keeps resident, taken at the
+        # fetch
         buffer = off if self.W == 1 else blk.weight_bytes - mine * w.gpu
         h = None
         if off > 0:
-            h = g.add("fetch_weights", "h2d", off, tensor="weights", block=b, mb=-1, iteration=it,
-                      key=max(first_key(u - d), floor), deps=[read.id if read else -1, last_task(u - d - 1), *ready])
+            h = g.add(FETCH_WEIGHTS, "h2d", off, tensor="weights", block=b, mb=-1, iteration=it,
+                      key=max(first_key(u - d), floor),
+                      deps=[read.id if read else -1, last_task(u - d - 1), *ready])
             g.alloc(h, "gpu", buffer)
             g.free(h, "cpu", to_ssd)
             use.fetch_h2d = h
@@ -454,14 +548,32 @@ class _Builder:
             return deps + [h.id]
         # the other ranks' shards: a ring all-gather into the rest of the buffer
         gather_deps = [h.id] if h is not None else [last_task(u - d - 1), *deps]
-        a = g.add("all_gather_weights", "net", self.collective_bytes(blk.weight_bytes), tensor="weights", block=b,
-                  mb=-1, iteration=it, key=max(first_key(u - d), floor), deps=gather_deps)
+        a = g.add(ALL_GATHER_WEIGHTS, "net", self.collective_bytes(blk.weight_bytes), tensor="weights",
+                  block=b, mb=-1, iteration=it, key=max(first_key(u - d), floor), deps=gather_deps)
         if h is None:
             g.alloc(a, "gpu", buffer)
         use.gather = a
         return deps + [a.id]
 
-    # -- the iteration ------------------------------------------------------------------------------------------
+    def _weight_prefetch_depth(self, use: _Use) -> int:
+        """Weight uses ahead the fetch of `use` may start: the schedule's prefetch depth, but none where the
+        modelled runtime fetches SSD-resident weights on demand."""
+        if self.cfg.runtime == "deepspeed" and self.p.weights.ssd > 0:
+            # DeepSpeed's parameter prefetch stops at the first parameter still on NVMe; its NVMe read-ahead
+            # starts when the previous module's hook runs, its copy to the GPU when this module's hook does
+            # (partitioned_param_coordinator.py:460-463, 667-690; partition_parameters.py:1689-1692)
+            return 0
+        if self.cfg.runtime == "lohan" and self.p.weights.ssd > 0 and use.phase == "B":
+            # LoHan prefetches weights only in the forward (its loop needs fw_flag, cleared once module inputs
+            # carry a grad_fn): in the recompute and the backward each module reads its weights from NVMe and
+            # waits itself, while the GPU runs what is already queued (RC4ML/LoHan ratel_init.py:720-723,
+            # 738-744, 774, 838-855; docs/baselines-as-coded.md B3). Its forward prefetch (3 half-layer blocks
+            # ahead, ratel_init.py:951-992) is the ideal depth-1 prefetch here
+            return 0
+        return self.cfg.prefetch_depth
+
+    # -- the iteration
+    # ------------------------------------------------------------------------------------------
 
     def build(self) -> TaskGraph:
         cfg, g = self.cfg, self.g
@@ -491,16 +603,8 @@ class _Builder:
         return TaskGraph(g.tasks, static, cap, cfg.iterations, self.nb, meta=meta)
 
     def build_iteration(self, it: int, base: int, seq_steps: list[_Step]) -> None:
-        g, p = self.g, self.p
-        L = self.L
-        ck = p.checkpoints
-        # tensors waiting between steps: ("x", block, mb) = input of block; ("dx", block, mb) = grad wrt input
-        direct: dict[tuple, int] = {}  # tensor -> producing task id, while it sits on the GPU for the next step
-        stored: dict[tuple, _Stored] = {}
-        ckpts: dict[tuple, _Stored] = {}
-        grad_first_b: dict[int, int] = {}  # block -> first backward task of this iteration (buffer alloc)
-        grad_last: dict[int, list[int]] = {b: [] for b in range(self.nb)}  # tasks that deliver final grads
-        host_grad_alloc: set[int] = set()
+        g = self.g
+        s = _IterState(it, base, seq_steps, grad_last={b: [] for b in range(self.nb)})
         last_step_of_block: dict[int, int] = {}
         for i, st in enumerate(seq_steps):
             k = base + i
@@ -510,81 +614,105 @@ class _Builder:
 
         for i, st in enumerate(seq_steps):
             k = base + i
-            key = self.step_key[k]
-            b, m = st.block, st.mb
             use = self.uses[st.use]
-            blk = self.blocks[b]
             deps: list[int] = []
-            free_gpu = 0.0
             if k == use.first_step:
                 deps += self.fetch_weights(st.use, it)
             elif use.ready_task is not None:
                 deps.append(use.ready_task.id)
-            prev = self.prev_step_task(k - 1)
-
             if st.phase == "F":
-                if b > 0:
-                    free_gpu += self._take(("x", b, m), not self.rec(b), k, prev, deps, direct, stored, it)
-                t = g.add("fwd", "gpu", self.t_fwd[b], tensor="activations", block=b, mb=m, iteration=it, key=key, deps=deps)
-                g.alloc(t, "gpu", blk.fwd_working_bytes)
-                g.free(t, "gpu", blk.fwd_working_bytes + free_gpu)
-                if b >= 1 and not self.rec(b):
-                    # a layer that is not recomputed keeps (swaps out) every activation its backward needs
-                    ckpts[("x", b, m)] = self.offload(t, blk.full_activation_bytes, ck, "checkpoint", it, b, m)
-                out = ("x", b + 1, m)
-                out_bytes = blk.checkpoint_bytes if b > 0 else self.blocks[1].checkpoint_bytes
-                if b + 1 <= L and self.rec(b + 1):
-                    # the next layer's input is its activation checkpoint: park it per the placement
-                    s = self.offload(t, out_bytes, ck, "checkpoint", it, b + 1, m)
-                    ckpts[out] = stored[out] = s
-                else:
-                    nxt = seq_steps[i + 1] if i + 1 < len(seq_steps) else None
-                    if not (nxt and nxt.block == b + 1 and nxt.mb == m):
-                        stored[out] = self.offload(t, out_bytes, ck, "act", it, b + 1, m)
-                direct[out] = t.id
-                last = t
+                last = self._forward_step(s, i, st, deps)
             elif st.phase == "H":
-                free_gpu += self._take(("x", b, m), True, k, prev, deps, direct, stored, it)
-                t = g.add("head", "gpu", self.t_fwd[b] + self.t_bwd[b], tensor="activations", block=b, mb=m,
-                          iteration=it, key=key, deps=deps)
-                g.alloc(t, "gpu", blk.bwd_working_bytes)
-                g.free(t, "gpu", blk.bwd_working_bytes + free_gpu)
-                last = t
-                self._grad_out(t, b, use, k, it, grad_first_b, grad_last, host_grad_alloc)
-                self._emit_dx(t, ("dx", b, m), i, seq_steps, direct, stored, it)
-            else:  # backward
-                free_gpu += self._take(("dx", b + 1, m), True, k, prev, deps, direct, stored, it)
-                s = ckpts.pop(("x", b, m), None)
-                if s is not None:  # the checkpoint (or the saved activations): its last use
-                    dd, fb = self.fetch(s, k, True, "checkpoint", it, b, m)
-                    deps.extend(dd)
-                    free_gpu += fb
-                first = None
-                if b >= 1 and self.rec(b):
-                    first = g.add("recompute", "gpu", self.t_fwd[b], tensor="activations", block=b, mb=m,
-                                  iteration=it, key=key + Offset.RECOMPUTE, deps=deps)
-                    g.alloc(first, "gpu", blk.bwd_working_bytes)
-                t = g.add("bwd", "gpu", self.t_bwd[b], tensor="activations", block=b, mb=m, iteration=it,
-                          key=key, deps=[first.id] if first else deps)
-                # a swapped layer's saved activations arrive by fetch (counted there), not by recompute
-                work_bytes = blk.bwd_working_bytes - (blk.full_activation_bytes if b >= 1 and not self.rec(b) else 0)
-                if first is None:
-                    g.alloc(t, "gpu", work_bytes)
-                g.free(t, "gpu", work_bytes + free_gpu)
-                last = t
-                self._grad_out(t, b, use, k, it, grad_first_b, grad_last, host_grad_alloc)
-                if b >= 1:
-                    self._emit_dx(t, ("dx", b, m), i, seq_steps, direct, stored, it)
+                last = self._head_step(s, i, st, deps)
+            else:
+                last = self._backward_step(s, i, st, deps)
             self.step_task.append(last.id)
             self.step_use.append(st.use)
             if k == use.steps[-1]:
                 use.last_task = last.id
                 if use.gpu_bytes:
                     g.free(last, "gpu", use.gpu_bytes)
-        self._optimizer(it, base, seq_steps, grad_last, last_step_of_block, first_fwd_idx)
+        self._optimizer(it, base, seq_steps, s.grad_last, last_step_of_block, first_fwd_idx)
 
-    def _take(self, name: tuple, consume: bool, k: int, prev: int, deps: list[int], direct: dict, stored: dict,
-              it: int) -> float:
+    def _forward_step(self, s: _IterState, i: int, st: _Step, deps: list[int]) -> Task:
+        """A decoder layer's (or the embedding's) forward of one micro-batch; its output parked or kept."""
+        g, ck, it = self.g, self.p.checkpoints, s.it
+        k = s.base + i
+        b, m = st.block, st.mb
+        blk = self.blocks[b]
+        prev = self.prev_step_task(k - 1)
+        free_gpu = 0.0
+        if b > 0:
+            free_gpu += self._take(("x", b, m), not self.rec(b), k, prev, deps, s.direct, s.stored, it)
+        t = g.add(FWD, "gpu", self.t_fwd[b], tensor="activations", block=b, mb=m, iteration=it,
+                  key=self.step_key[k], deps=deps)
+        g.alloc(t, "gpu", blk.fwd_working_bytes)
+        g.free(t, "gpu", blk.fwd_working_bytes + free_gpu)
+        if b >= 1 and not self.rec(b):
+            # a layer that is not recomputed keeps (swaps out) every activation its backward needs
+            s.ckpts[("x", b, m)] = self.offload(t, blk.full_activation_bytes, ck, "checkpoint", it, b, m)
+        out = ("x", b + 1, m)
+        out_bytes = blk.checkpoint_bytes if b > 0 else self.blocks[1].checkpoint_bytes
+        if b + 1 <= self.L and self.rec(b + 1):
+            # the next layer's input is its activation checkpoint: park it per the placement
+            stored = self.offload(t, out_bytes, ck, "checkpoint", it, b + 1, m)
+            s.ckpts[out] = s.stored[out] = stored
+        else:
+            nxt = s.seq_steps[i + 1] if i + 1 < len(s.seq_steps) else None
+            if not (nxt and nxt.block == b + 1 and nxt.mb == m):
+                s.stored[out] = self.offload(t, out_bytes, ck, "act", it, b + 1, m)
+        s.direct[out] = t.id
+        return t
+
+    def _head_step(self, s: _IterState, i: int, st: _Step, deps: list[int]) -> Task:
+        """The head's forward and backward of one micro-batch."""
+        g, it = self.g, s.it
+        k = s.base + i
+        b, m = st.block, st.mb
+        blk = self.blocks[b]
+        prev = self.prev_step_task(k - 1)
+        free_gpu = self._take(("x", b, m), True, k, prev, deps, s.direct, s.stored, it)
+        t = g.add(HEAD, "gpu", self.t_fwd[b] + self.t_bwd[b], tensor="activations", block=b, mb=m,
+                  iteration=it, key=self.step_key[k], deps=deps)
+        g.alloc(t, "gpu", blk.bwd_working_bytes)
+        g.free(t, "gpu", blk.bwd_working_bytes + free_gpu)
+        self._grad_out(t, b, self.uses[st.use], k, it, s.grad_first_b, s.grad_last, s.host_grad_alloc)
+        self._emit_dx(t, ("dx", b, m), i, s.seq_steps, s.direct, s.stored, it)
+        return t
+
+    def _backward_step(self, s: _IterState, i: int, st: _Step, deps: list[int]) -> Task:
+        """A decoder layer's (or the embedding's) backward of one micro-batch, after its recompute if any."""
+        g, it = self.g, s.it
+        k = s.base + i
+        key = self.step_key[k]
+        b, m = st.block, st.mb
+        blk = self.blocks[b]
+        prev = self.prev_step_task(k - 1)
+        free_gpu = self._take(("dx", b + 1, m), True, k, prev, deps, s.direct, s.stored, it)
+        stored = s.ckpts.pop(("x", b, m), None)
+        if stored is not None:  # the checkpoint (or the saved activations): its last use
+            dd, fb = self.fetch(stored, k, True, "checkpoint", it, b, m)
+            deps.extend(dd)
+            free_gpu += fb
+        first = None
+        if b >= 1 and self.rec(b):
+            first = g.add(RECOMPUTE, "gpu", self.t_fwd[b], tensor="activations", block=b, mb=m,
+                          iteration=it, key=key + Offset.RECOMPUTE, deps=deps)
+            g.alloc(first, "gpu", blk.bwd_working_bytes)
+        t = g.add(BWD, "gpu", self.t_bwd[b], tensor="activations", block=b, mb=m, iteration=it,
+                  key=key, deps=[first.id] if first else deps)
+        # a swapped layer's saved activations arrive by fetch (counted there), not by recompute
+        work_bytes = blk.bwd_working_bytes - (blk.full_activation_bytes if b >= 1 and not self.rec(b) else 0)
+        if first is None:
+            g.alloc(t, "gpu", work_bytes)
+        g.free(t, "gpu", work_bytes + free_gpu)
+        self._grad_out(t, b, self.uses[st.use], k, it, s.grad_first_b, s.grad_last, s.host_grad_alloc)
+        if b >= 1:
+            self._emit_dx(t, ("dx", b, m), i, s.seq_steps, s.direct, s.stored, it)
+        return t
+
+    def _take(self, name: tuple, consume: bool, k: int, prev: int, deps: list[int], direct: dict,
+              stored: dict, it: int) -> float:
         """Make tensor `name` available to step k: straight from the previous step if it is still on the GPU,
         else fetched back from where it was parked. Appends to `deps`; returns the GPU bytes step k frees."""
         if name in direct and direct[name] == prev:
@@ -601,20 +729,23 @@ class _Builder:
             deps.append(direct[name])
         return 0.0
 
-    def _emit_dx(self, t: Task, name: tuple, i: int, seq_steps: list[_Step], direct: dict, stored: dict, it: int) -> None:
+    def _emit_dx(self, t: Task, name: tuple, i: int, seq_steps: list[_Step], direct: dict, stored: dict,
+                 it: int) -> None:
         b, m = name[1], name[2]
         direct[name] = t.id
         nxt = seq_steps[i + 1] if i + 1 < len(seq_steps) else None
         if not (nxt and nxt.block == b - 1 and nxt.mb == m and nxt.phase == "B"):
-            stored[name] = self.offload(t, self.blocks[1].checkpoint_bytes, self.p.checkpoints, "act_grad", it, b, m)
+            act_grad_bytes = self.blocks[1].checkpoint_bytes
+            stored[name] = self.offload(t, act_grad_bytes, self.p.checkpoints, "act_grad", it, b, m)
 
     def _grad_out(self, t: Task, b: int, use: _Use, k: int, it: int, grad_first_b: dict, grad_last: dict,
                   host_grad_alloc: set) -> None:
-        """Gradient accumulation: on the GPU within a weight use (or a whole iteration with grads.gpu = 1), then
-        offloaded to the host where it is accumulated in fp32."""
+        """Gradient accumulation: on the GPU within a weight use (or a whole iteration with grads.gpu = 1),
+        then offloaded to the host where it is accumulated in fp32."""
         g, p = self.g, self.p
         blk = self.blocks[b]
-        grad_gpu_bytes = (GRAD_ACCUM_BYTES if len(use.steps) > 1 or p.grads.gpu == 1.0 else GRAD_WIRE_BYTES) * blk.fetch_params
+        accum = len(use.steps) > 1 or p.grads.gpu == 1.0
+        grad_gpu_bytes = (GRAD_ACCUM_BYTES if accum else GRAD_WIRE_BYTES) * blk.fetch_params
         if b not in grad_first_b:
             grad_first_b[b] = t.id
             g.alloc(t, "gpu", grad_gpu_bytes)  # the accumulation buffer lives until it is offloaded
@@ -622,7 +753,8 @@ class _Builder:
             g.alloc(t, "gpu", grad_gpu_bytes)
         if p.gpu_optimizer:
             grad_last[b] = [t.id]
-            if self.W > 1 and k == self.cur_last_step[b]:  # the final gradient: sum it, keep this rank's shard
+            # the final gradient: sum it, keep this rank's shard
+            if self.W > 1 and k == self.cur_last_step[b]:
                 grad_last[b] = [self._reduce_scatter(t, b, it).id]
             return
         if k != use.steps[-1]:
@@ -630,8 +762,8 @@ class _Builder:
         if p.grads.gpu == 1.0 and k != self.cur_last_step[b]:
             return
         src = t if self.W == 1 else self._reduce_scatter(t, b, it)
-        d2h = g.add("offload_grads", "d2h", GRAD_WIRE_BYTES * self.shard(blk.fetch_params), tensor="grads", block=b,
-                    mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[src.id])
+        d2h = g.add(OFFLOAD_GRADS, "d2h", GRAD_WIRE_BYTES * self.shard(blk.fetch_params), tensor="grads",
+                    block=b, mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[src.id])
         g.free(d2h, "gpu", grad_gpu_bytes)
         if b not in host_grad_alloc:
             host_grad_alloc.add(b)
@@ -639,28 +771,18 @@ class _Builder:
         grad_last[b] = [d2h.id]
 
     def _reduce_scatter(self, t: Task, b: int, it: int) -> Task:
-        """The ranks' gradients of block b summed, this rank's shard kept (a ring reduce-scatter after `t`)."""
+        """The ranks' gradients of block b summed, this rank's shard kept (a ring reduce-scatter after
+        `t`)."""
         wire = GRAD_WIRE_BYTES * self.blocks[b].fetch_params
-        return self.g.add("reduce_scatter_grads", "net", self.collective_bytes(wire), tensor="grads", block=b,
+        return self.g.add(REDUCE_SCATTER_GRADS, "net", self.collective_bytes(wire), tensor="grads", block=b,
                           mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[t.id])
 
-    def _optimizer(self, it: int, base: int, seq_steps: list[_Step], grad_last: dict, last_step_of_block: dict,
-                   first_fwd_idx: dict) -> None:
+    def _optimizer(self, it: int, base: int, seq_steps: list[_Step], grad_last: dict,
+                   last_step_of_block: dict, first_fwd_idx: dict) -> None:
         g, p, cfg, model = self.g, self.p, self.cfg, self.model
         barrier = [self.step_task[-1]] if not cfg.optimizer_overlap else []
         order = sorted(range(self.nb), key=lambda b: last_step_of_block[b])
-        prev_main = -1
-        prev_write = -1  # DeepSpeed: a sub-group's states are read only after the previous one's are written
-        # LoHan steps each sub-group from the gradient hook that sees the backward enter the next one, on the
-        # training thread: it reads the group's fp32 p, m, v from NVMe and waits, hands them to the CPU-Adam
-        # process, then writes back the group stepped before it (fp16 weights and p, m, v) and waits; only then
-        # does the backward go on (RC4ML/LoHan ratel_optimizer.py:530-534, 1047-1089;
-        # nvme_ds/pipelined_optimizer_swapper.py:160-216; docs/baselines-as-coded.md B2). Here a layer block
-        # stands for a sub-group; the GPU is not waited for, it runs ahead on what the thread launched before
-        # (_lohan_trigger, _lohan_thread).
-        thread_waits = cfg.runtime == "lohan"
-        unwaited_write: Task | None = None  # LoHan: the write-back the thread issues at the next boundary
-        thread_last: Task | None = None  # LoHan: the thread's last wait
+        chain = _OptChain()
         S = len(seq_steps)
         end_key = self.step_key[base + S - 1]
         for rank, b in enumerate(order):
@@ -672,92 +794,109 @@ class _Builder:
             if b == 0 and model.tied_embeddings:
                 grads_ready += grad_last[self.head]
             owned = self.shard(blk.owned_params)  # this rank's shard of the block's states
-            fetch_params = self.shard(blk.fetch_params)
             if owned == 0:
                 continue
             if p.gpu_optimizer:
-                t = g.add("adam_gpu", "gpu", self.cost.gpu_adam_s(owned), tensor="opt_states", block=b, mb=-1,
+                t = g.add(ADAM_GPU, "gpu", self.cost.gpu_adam_s(owned), tensor="opt_states", block=b, mb=-1,
                           iteration=it, key=key + Offset.ADAM_GPU, deps=grads_ready + barrier)
-                g.free(t, "gpu", GRAD_ACCUM_BYTES * blk.fetch_params)  # the step consumes the (full) gradient buffer
+                # the step consumes the (full) gradient buffer
+                g.free(t, "gpu", GRAD_ACCUM_BYTES * blk.fetch_params)
                 self.resident_update[b] = [t.id]
                 self.weights_ready[b] = [t.id]
                 continue
-            states_ssd = owned * (MASTER_BYTES * p.master.ssd + ADAM_STATE_BYTES * (p.adam_m.ssd + p.adam_v.ssd))
-            grads_ssd = GRAD_ACCUM_BYTES * fetch_params * p.grads.ssd
-            w_ssd = COMPUTE_BYTES * owned * p.weights.ssd
-            w_gpu = COMPUTE_BYTES * owned * p.weights.gpu
-            pre: list[int] = []
-            if grads_ssd > 0:
-                wr = g.add("write_grads", "ssd_write", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
-                           key=key + Offset.WRITE_GRADS, deps=grads_ready)
-                g.free(wr, "cpu", grads_ssd)
-                rd = g.add("read_grads", "ssd_read", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
-                           key=key + Offset.READ_GRADS, deps=[wr.id, prev_main] + barrier)
-                g.alloc(rd, "cpu", grads_ssd)
-                pre.append(rd.id)
-            # DeepSpeed's default optimizer swapper (pipeline_read/write off) reads, steps and writes one
-            # sub-group after the other (partitioned_optimizer_swapper.py:100-191; offload_config.py:84-94)
-            serial_swap = cfg.runtime == "deepspeed"
-            parts = [(1.0 - cfg.alpha, key + Offset.ADAM, "adam")]
-            if cfg.alpha > 0:
-                parts.append((cfg.alpha, self.clock.deferred_adam(it, first_fwd_idx[b]), "adam_deferred"))
-            ready: list[int] = []
-            prev_part = -1
-            for frac, pkey, kind in parts:
-                deps = grads_ready + pre + barrier + [prev_part]
-                if states_ssd > 0:
-                    # each part streams its own slice of master, m and v in from the SSD and back out, after
-                    # the previous iteration wrote that slice back
-                    rs = g.add("read_opt_states", "ssd_read", states_ssd * frac, tensor="opt_states", block=b, mb=-1,
-                               iteration=it, key=pkey + Offset.READ_STATES,
-                               deps=[prev_main if kind == "adam" else prev_part, *self.states_written.get((b, kind), []),
-                                     prev_write if serial_swap else -1,
-                                     *(self._lohan_trigger(k_last, thread_last) if thread_waits and kind == "adam"
-                                       else [])])
-                    g.alloc(rs, "cpu", states_ssd * frac)
-                    deps.append(rs.id)
-                    if thread_waits and kind == "adam":
-                        thread_last = self._lohan_thread(rs, unwaited_write, k_last, base + S)
-                        unwaited_write = None
-                a = g.add(kind, "cpu", self.cost.cpu_adam_s(owned * frac), tensor="opt_states", block=b, mb=-1,
-                          iteration=it, key=pkey, deps=deps)
-                ready.append(a.id)
-                if kind == "adam":
-                    prev_main = a.id
-                # each part is done with its slice of the fp32 gradient
-                g.free(a, "cpu", frac * (GRAD_ACCUM_BYTES * fetch_params * (1 - p.grads.ssd) + grads_ssd))
-                prev_part = a.id
-                if states_ssd + w_ssd > 0:
-                    wb = g.add("write_opt_states", "ssd_write", (states_ssd + w_ssd) * frac, tensor="opt_states",
-                               block=b, mb=-1, iteration=it, key=pkey + Offset.AFTER_ADAM, deps=[a.id])
-                    g.free(wb, "cpu", states_ssd * frac)
-                    self.states_written[(b, kind)] = [wb.id]
-                    prev_write = wb.id
-                    if thread_waits and kind == "adam":
-                        unwaited_write = wb
-                    if w_ssd > 0:
-                        ready.append(wb.id)
-                if w_gpu > 0:
-                    up = g.add("update_weights", "h2d", w_gpu * frac, tensor="weights", block=b, mb=-1, iteration=it,
-                               key=pkey + Offset.AFTER_ADAM, deps=[a.id])
-                    self.resident_update.setdefault(b, []).append(up.id)
+            step = _AdamBlock(b, it, key, k_last, owned, self.shard(blk.fetch_params), base + S)
+            self._cpu_adam(step, grads_ready, barrier, chain, first_fwd_idx)
+
+    def _cpu_adam(self, step: _AdamBlock, grads_ready: list[int], barrier: list[int], chain: _OptChain,
+                  first_fwd_idx: dict) -> None:
+        """The CPU Adam step of one block: its fp32 gradient through the SSD if placed there, then each part
+        (the main step, and the fraction alpha deferred into the next forward) with its states read from and
+        written back to the SSD, and its GPU-resident weights updated."""
+        g, p, cfg = self.g, self.p, self.cfg
+        b, it, owned, fetch_params = step.block, step.it, step.owned, step.fetch_params
+        states_ssd = owned * (MASTER_BYTES * p.master.ssd + ADAM_STATE_BYTES * (p.adam_m.ssd + p.adam_v.ssd))
+        grads_ssd = GRAD_ACCUM_BYTES * fetch_params * p.grads.ssd
+        w_ssd = COMPUTE_BYTES * owned * p.weights.ssd
+        w_gpu = COMPUTE_BYTES * owned * p.weights.gpu
+        pre: list[int] = []
+        if grads_ssd > 0:
+            wr = g.add(WRITE_GRADS, "ssd_write", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
+                       key=step.key + Offset.WRITE_GRADS, deps=grads_ready)
+            g.free(wr, "cpu", grads_ssd)
+            rd = g.add(READ_GRADS, "ssd_read", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
+                       key=step.key + Offset.READ_GRADS, deps=[wr.id, chain.prev_main] + barrier)
+            g.alloc(rd, "cpu", grads_ssd)
+            pre.append(rd.id)
+        parts = [(1.0 - cfg.alpha, step.key + Offset.ADAM, ADAM)]
+        if cfg.alpha > 0:
+            parts.append((cfg.alpha, self.clock.deferred_adam(it, first_fwd_idx[b]), ADAM_DEFERRED))
+        ready: list[int] = []
+        prev_part = -1
+        for frac, pkey, kind in parts:
+            deps = grads_ready + pre + barrier + [prev_part]
+            if states_ssd > 0:
+                # each part streams its own slice of master, m and v in from the SSD and back out, after the
+                # previous iteration wrote that slice back
+                deps.append(self._read_states(step, states_ssd * frac, pkey, kind, prev_part, chain).id)
+            a = g.add(kind, "cpu", self.cost.cpu_adam_s(owned * frac), tensor="opt_states", block=b, mb=-1,
+                      iteration=it, key=pkey, deps=deps)
+            ready.append(a.id)
+            if kind == ADAM:
+                chain.prev_main = a.id
+            # each part is done with its slice of the fp32 gradient
+            g.free(a, "cpu", frac * (GRAD_ACCUM_BYTES * fetch_params * (1 - p.grads.ssd) + grads_ssd))
+            prev_part = a.id
+            if states_ssd + w_ssd > 0:
+                wb = g.add(WRITE_OPT_STATES, "ssd_write", (states_ssd + w_ssd) * frac, tensor="opt_states",
+                           block=b, mb=-1, iteration=it, key=pkey + Offset.AFTER_ADAM, deps=[a.id])
+                g.free(wb, "cpu", states_ssd * frac)
+                self.states_written[(b, kind)] = [wb.id]
+                chain.prev_write = wb.id
+                if cfg.runtime == "lohan" and kind == ADAM:
+                    chain.unwaited_write = wb
+                if w_ssd > 0:
+                    ready.append(wb.id)
             if w_gpu > 0:
-                self.resident_update[b] = self.resident_update[b][-len(parts):]
-            self.weights_ready[b] = ready
+                up = g.add(UPDATE_WEIGHTS, "h2d", w_gpu * frac, tensor="weights", block=b, mb=-1,
+                           iteration=it, key=pkey + Offset.AFTER_ADAM, deps=[a.id])
+                self.resident_update.setdefault(b, []).append(up.id)
+        if w_gpu > 0:
+            self.resident_update[b] = self.resident_update[b][-len(parts):]
+        self.weights_ready[b] = ready
+
+    def _read_states(self, step: _AdamBlock, nbytes: float, pkey: float, kind: str, prev_part: int,
+                     chain: _OptChain) -> Task:
+        """The SSD read of one Adam part's slice of a block's fp32 master, m and v. DeepSpeed's default
+        optimizer swapper (pipeline_read/write off) reads, steps and writes one sub-group after the other
+        (partitioned_optimizer_swapper.py:100-191; offload_config.py:84-94); LoHan's training thread waits for
+        the read (_lohan_trigger, _lohan_thread)."""
+        lohan_main = self.cfg.runtime == "lohan" and kind == ADAM
+        rs = self.g.add(READ_OPT_STATES, "ssd_read", nbytes, tensor="opt_states", block=step.block, mb=-1,
+                        iteration=step.it, key=pkey + Offset.READ_STATES,
+                        deps=[chain.prev_main if kind == ADAM else prev_part,
+                              *self.states_written.get((step.block, kind), []),
+                              chain.prev_write if self.cfg.runtime == "deepspeed" else -1,
+                              *(self._lohan_trigger(step.k_last, chain.thread_last) if lohan_main else [])])
+        self.g.alloc(rs, "cpu", nbytes)
+        if lohan_main:
+            chain.thread_last = self._lohan_thread(rs, chain.unwaited_write, step.k_last, step.end)
+            chain.unwaited_write = None
+        return rs
 
     def _lohan_trigger(self, k_last: int, thread_last: Task | None) -> list[int]:
-        """LoHan: the tasks after which its training thread reaches the gradient hook that steps the block whose
-        last backward step is k_last: its previous wait, and the next block's weights fetched (it waits for
-        their copy to the GPU, ratel_init.py:838-855) before it launches that block's backward; the GPU may
-        still be behind."""
+        """LoHan: the tasks after which its training thread reaches the gradient hook that steps the block
+        whose last backward step is k_last: its previous wait, and the next block's weights fetched (it waits
+        for their copy to the GPU, ratel_init.py:838-855) before it launches that block's backward; the GPU
+        may still be behind."""
         out = [thread_last.id] if thread_last is not None else []
         h = self.uses[self.step_use[k_last + 1]].fetch_h2d if k_last + 1 < len(self.step_use) else None
         return out + [h.id if h is not None else self.step_task[k_last]]
 
     def _lohan_thread(self, read: Task, write: Task | None, k_last: int, end: int) -> Task:
-        """LoHan's training thread at a sub-group boundary: it reads the block's optimizer states and waits, then
-        writes back the block stepped before it and waits; only then does it go on to the next module's hook,
-        which reads that module's weights from NVMe. The GPU runs ahead on what the thread launched before."""
+        """LoHan's training thread at a sub-group boundary: it reads the block's optimizer states and waits,
+        then writes back the block stepped before it and waits; only then does it go on to the next module's
+        hook, which reads that module's weights from NVMe. The GPU runs ahead on what the thread launched
+        before."""
         if write is not None:
             write.deps.append(read.id)  # the write is issued after the read's wait
             write.key = max(write.key, read.key + THREAD_KEY_STEP)

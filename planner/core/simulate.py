@@ -23,7 +23,7 @@ def simulate_config(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
     """Build the task graph of `cfg` (unless given) and simulate it; fills in tokens and FLOPs. With several
     ranks the graph is one rank's and the tokens and FLOPs are the whole world's (the global batch)."""
     graph = graph or build_graph(model, hw, cfg)
-    if cfg.ranks > 1:
+    if cfg.world.ranks > 1:
         graph.meta["world"] = cfg.world.to_dict()
     res = simulate_graph(graph, hw, cfg.world)
     tokens = cfg.batch * cfg.seq
@@ -40,14 +40,16 @@ def simulate(model: ModelSpec | str = "gpt3-175b", hw: HardwareProfile | str = "
              schedule: str = "vertical", *, batch: int = 64, micro_batch: int = 4, seq: int | None = None,
              iterations: int = 3, **options) -> SimResult:
     """Simulate one schedule family with its defaults (options: placement, group, alpha, prefetch_depth,
-    recompute, swap_layers). Returns the steady-state result (tierflow.planner.core.simulator: the iteration before the last)."""
+    recompute, swap_layers). Returns the steady-state result (tierflow.planner.core.simulator: the iteration
+    before the last)."""
     m, h = resolve(model, hw)
     cfg = make_schedule(schedule, m, h, batch=batch, micro_batch=micro_batch, seq=seq, iterations=iterations,
                         **options)
     return simulate_config(m, h, cfg)
 
 
-def compare(model: ModelSpec | str, hw: HardwareProfile | str, families=DEFAULT_FAMILIES, **kw) -> dict[str, SimResult]:
+def compare(model: ModelSpec | str, hw: HardwareProfile | str, families=DEFAULT_FAMILIES,
+            **kw) -> dict[str, SimResult]:
     """Simulate several schedule families with the same arguments."""
     return {f: simulate(model, hw, f, **kw) for f in families}
 

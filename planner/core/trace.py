@@ -1,4 +1,5 @@
-"""Timeline outputs of a simulation: CSV, Chrome trace event JSON (opens in Perfetto) and a Gantt chart PNG."""
+"""Timeline outputs of a simulation: CSV, Chrome trace event JSON (opens in Perfetto) and a Gantt chart
+PNG."""
 
 from __future__ import annotations
 
@@ -6,17 +7,19 @@ from pathlib import Path
 
 from tierflow.planner.core.graph import TIERS
 from tierflow.planner.core.jsonio import write_json
+from tierflow.planner.core.opkinds import ADAM, ADAM_DEFERRED, ADAM_GPU, BWD, FWD, HEAD, RECOMPUTE
 from tierflow.planner.core.simulator import SimResult
 
 # Compute (gpu and cpu rows) in saturated colours, transfers (links) in a separate family of light tints drawn
-# hatched, so that no op kind shares a colour with the tensor its transfers carry (forward vs weight fetch, ...).
+# hatched, so that no op kind shares a colour with the tensor its transfers carry (forward vs weight fetch,
+# ...).
 KIND_COLORS = {
-    "fwd": "#1f5fbf", "recompute": "#7b2fbe", "bwd": "#18893a", "head": "#d62728", "adam": "#e6550d",
-    "adam_deferred": "#c99a00", "adam_gpu": "#e6550d",
+    FWD: "#1f5fbf", RECOMPUTE: "#7b2fbe", BWD: "#18893a", HEAD: "#d62728", ADAM: "#e6550d",
+    ADAM_DEFERRED: "#c99a00", ADAM_GPU: "#e6550d",
 }
 TENSOR_COLORS = {
-    "weights": "#80cdc1", "checkpoint": "#f1b6da", "act": "#d9d9d9", "act_grad": "#a3a3a3", "grads": "#c2e699",
-    "opt_states": "#dfc27d",
+    "weights": "#80cdc1", "checkpoint": "#f1b6da", "act": "#d9d9d9", "act_grad": "#a3a3a3",
+    "grads": "#c2e699", "opt_states": "#dfc27d",
 }
 TRANSFER_HATCH = "////"
 ZOOM_LAYERS = 2  # the zoomed panel of gantt.png shows this many decoder layers' worth of forward time
@@ -46,7 +49,8 @@ def chrome_trace(res: SimResult, name: str = "tierflow") -> dict:
     tid = {r: i for i, r in enumerate(resources)}
     for t in res.graph.tasks:
         s, e = float(res.start_s[t.id]), float(res.end_s[t.id])
-        args = {"id": t.id, "kind": t.kind, "tensor": t.tensor, "block": t.block, "mb": t.mb, "iteration": t.iteration}
+        args = {"id": t.id, "kind": t.kind, "tensor": t.tensor, "block": t.block, "mb": t.mb,
+                "iteration": t.iteration}
         args["bytes" if t.resource not in ("gpu", "cpu") else "work_s"] = t.work
         events.append({"name": t.label, "cat": t.kind, "ph": "X", "pid": 1, "tid": tid[t.resource],
                        "ts": s * 1e6, "dur": max(e - s, 0.0) * 1e6, "args": args})
@@ -57,13 +61,14 @@ def chrome_trace(res: SimResult, name: str = "tierflow") -> dict:
         time_s, *tiers = trace[i]
         events.append({"name": "memory_GB", "ph": "C", "pid": 1, "ts": time_s * 1e6,
                        "args": {tier: round(v / 1e9, 4) for tier, v in zip(TIERS, tiers)}})
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"tool": "tierflow", **res.to_dict()}}
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"tool": "tierflow", **res.to_dict()}}
 
 
 def flow_events(res: SimResult, tid: dict[str, int], max_flows: int | None = None) -> list[dict]:
-    """Chrome trace flow arrows ("ph": "s" / "f" pairs) for the dependencies between ops on different resources
-    (the ones that make a resource wait for another; a resource's own order is its track). At most `max_flows`
-    (default MAX_FLOWS):
+    """Chrome trace flow arrows ("ph": "s" / "f" pairs) for the dependencies between ops on different
+    resources (the ones that make a resource wait for another; a resource's own order is its track). At most
+    `max_flows` (default MAX_FLOWS):
     when there are more, those into the ops of the steady-state window first, in time order, so that the
     arrows stay readable in Perfetto for a whole 175B run. Each end point lies inside its op's slice (its
     midpoint), so a viewer binds it to that op."""
@@ -79,8 +84,8 @@ def flow_events(res: SimResult, tid: dict[str, int], max_flows: int | None = Non
     for i, (src, dst) in enumerate(edges):
         for ph, op in (("s", src), ("f", dst)):
             mid_us = (float(start[op]) + float(end[op])) / 2 * 1e6
-            ev = {"name": "dep", "cat": "dependency", "ph": ph, "id": i, "pid": 1, "tid": tid[tasks[op].resource],
-                  "ts": mid_us}
+            ev = {"name": "dep", "cat": "dependency", "ph": ph, "id": i, "pid": 1,
+                  "tid": tid[tasks[op].resource], "ts": mid_us}
             if ph == "f":
                 ev["bp"] = "e"  # bind to the enclosing slice (the dependent op), not the next one
             out.append(ev)
@@ -98,7 +103,7 @@ def zoom_window(res: SimResult, layers: int = ZOOM_LAYERS) -> tuple[float, float
     take `layers` times over. (Over a whole large-model iteration every bar is thinner than a pixel.)"""
     w0, w1 = res.window_s
     mid = max(1, (res.graph.num_blocks - 1) // 2)
-    fwd = [t.id for t in res.graph.tasks if t.kind == "fwd" and t.block == mid and t.resource == "gpu"
+    fwd = [t.id for t in res.graph.tasks if t.kind == FWD and t.block == mid and t.resource == "gpu"
            and w0 <= float(res.start_s[t.id]) < w1]
     if not fwd:
         return w0, w1
@@ -122,13 +127,15 @@ def _draw_bars(ax, res: SimResult, w0: float, w1: float, x0: float, edges: bool 
         bars.setdefault(key, []).append((s - x0, e - s))
     for (row, color, compute), spans in bars.items():
         if compute:
-            ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.6 if edges else 0)
+            ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=color, edgecolor="white",
+                           linewidth=0.6 if edges else 0)
         else:
             dark = tuple(0.55 * c for c in mcolors.to_rgb(color))
             ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=color, edgecolor=dark, linewidth=0,
                            hatch=TRANSFER_HATCH)
             wide = [sp for sp in spans if sp[1] > (w1 - w0) / 200] if edges else []
-            if wide:  # the hatch takes the edge colour: the white outline is a second, unfilled pass (wide bars only)
+            # the hatch takes the edge colour: the white outline is a second, unfilled pass (wide bars only)
+            if wide:
                 ax.broken_barh(wide, (row - 0.4, 0.8), facecolors="none", edgecolor="white", linewidth=0.6)
     resources = res.graph.resources()
     ax.set_yticks(range(len(resources)))
@@ -156,8 +163,8 @@ def _bytes_text(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def plot_gantt(res: SimResult, path: str | Path | None = None, title: str = "", window: tuple[float, float] | None = None,
-               ax=None, zoom: tuple[float, float] | None = None):
+def plot_gantt(res: SimResult, path: str | Path | None = None, title: str = "",
+               window: tuple[float, float] | None = None, ax=None, zoom: tuple[float, float] | None = None):
     """Gantt chart of every resource over `window` (default: the steady-state iteration); compute in saturated
     colours, transfers hatched in light tints. On a new figure (no `ax`) also a zoomed panel over `zoom`
     (default `zoom_window`: two decoder layers' worth of time, shaded in the full chart) and the memory per
@@ -183,7 +190,8 @@ def plot_gantt(res: SimResult, path: str | Path | None = None, title: str = "", 
     ax.axvspan(z0 - w0, z1 - w0, color="#ffd54f", alpha=0.35, zorder=0, linewidth=0)
     _draw_bars(axz, res, z0, z1, w0, edges=True)
     axz.set_xlim(z0 - w0, z1 - w0)
-    what = "" if zoom else f" ({ZOOM_LAYERS} layers' worth of forward time from the middle layer's first forward)"
+    what = "" if zoom else (f" ({ZOOM_LAYERS} layers' worth of forward time from the middle layer's first "
+                            "forward)")
     axz.set_title(f"zoom: {z0 - w0:,.3g} s to {z1 - w0:,.3g} s{what}, shaded above", loc="left", fontsize=9)
     axz.set_xlabel("seconds into the iteration")
     import numpy as np
@@ -195,7 +203,8 @@ def plot_gantt(res: SimResult, path: str | Path | None = None, title: str = "", 
         pct = 100 * tr[:, i + 1] / cap if cap else 0 * tr[:, 0]
         top = max(top, float(pct.max(initial=0.0)))
         axm.step(tr[:, 0] - w0, pct, where="post",
-                 label=f"{tier}: peak {_bytes_text(float(tr[:, i + 1].max(initial=0.0)))} of {_bytes_text(cap)}")
+                 label=f"{tier}: peak {_bytes_text(float(tr[:, i + 1].max(initial=0.0)))} of "
+                       f"{_bytes_text(cap)}")
     axm.set_ylabel("% of tier")
     axm.set_xlabel("seconds into the iteration")
     # scaled to the fullest tier, so that a run using a sliver of a big box (a tiny model on a CPU "device")

@@ -57,7 +57,8 @@ class BlockCost:
     tokens: int = 0
     extras: dict = field(default_factory=dict)
     # the part of fwd_elementwise_bytes that the MLP's activation function (GELU, SiLU x gate, ReLU) reads and
-    # writes: a transcendental per element, which a CPU computes far below its memory bandwidth (gpu.activation_gbps)
+    # writes: a transcendental per element, which a CPU computes far below its memory bandwidth
+    # (gpu.activation_gbps)
     fwd_activation_bytes: float = 0.0
 
     @property
@@ -85,11 +86,13 @@ def layer_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
     act_elems = 3 * f if model.gated_mlp else 2 * f
     elementwise = COMPUTE_BYTES * t * (4 * h + 6 * h + 2 * (q + kv) + act_elems + 2 * q)
     ckpt = COMPUTE_BYTES * t * h
-    full_act = COMPUTE_BYTES * t * saved_elements_per_token(model) + saved_stats_bytes(model, micro_batch, seq)
+    full_act = (COMPUTE_BYTES * t * saved_elements_per_token(model)
+                + saved_stats_bytes(model, micro_batch, seq))
     fwd_work = COMPUTE_BYTES * t * (3 * h + q + 2 * kv + (2 * f if model.gated_mlp else f))
     # backward: the recomputed activations + gradient temporaries (dX, d of the widest intermediate)
     # + the layer's bf16 weight gradient before it is accumulated.
-    bwd_work = full_act + COMPUTE_BYTES * t * (2 * h + (2 * f if model.gated_mlp else f)) + COMPUTE_BYTES * model.layer_params()
+    bwd_work = (full_act + COMPUTE_BYTES * t * (2 * h + (2 * f if model.gated_mlp else f))
+                + COMPUTE_BYTES * model.layer_params())
     return BlockCost(
         name="layer",
         kind="layer",
@@ -108,16 +111,16 @@ def layer_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
 
 
 def saved_elements_per_token(model: ModelSpec) -> int:
-    """Elements per token (compute dtype) one decoder layer saves for its backward when it is not recomputed, as
-    the executor's layers save them (tests/test_saved_activations.py compares the two): the first norm's input
-    (the layer input), the qkv input, q, k, v after rotary (attention saves them at their own size with GQA),
-    the attention output (the output projection's input is a view of it), the second norm's input, the MLP input,
-    and the MLP's inner tensors: GELU keeps its input and the down projection its output (2 ffn); SwiGLU / GeGLU
-    keep the gate and up projections and the down projection's input (3 ffn: the gate is recomputed in backward,
-    as a fused SwiGLU kernel does); ReLU only its output (its backward reads the output, which the down projection
-    saves too). RMSNorm keeps only its input (executor.models.RMSNorm, as a fused kernel), rotary positions only
-    their tables (executor.models._Rope). A parallel-residual layer normalises one input twice (saved once); a
-    Qwen3 layer's q/k norms keep q and k before them."""
+    """Elements per token (compute dtype) one decoder layer saves for its backward when it is not recomputed,
+    as the executor's layers save them (tests/test_saved_activations.py compares the two): the first norm's
+    input (the layer input), the qkv input, q, k, v after rotary (attention saves them at their own size with
+    GQA), the attention output (the output projection's input is a view of it), the second norm's input, the
+    MLP input, and the MLP's inner tensors: GELU keeps its input and the down projection its output (2 ffn);
+    SwiGLU / GeGLU keep the gate and up projections and the down projection's input (3 ffn: the gate is
+    recomputed in backward, as a fused SwiGLU kernel does); ReLU only its output (its backward reads the
+    output, which the down projection saves too). RMSNorm keeps only its input (executor.models.RMSNorm, as a
+    fused kernel), rotary positions only their tables (executor.models._Rope). A parallel-residual layer
+    normalises one input twice (saved once); a Qwen3 layer's q/k norms keep q and k before them."""
     h, f, q, kv = model.hidden, model.ffn_hidden, model.q_dim, model.kv_dim
     norms = h if model.parallel_residual else 2 * h
     mlp = 3 * f if model.gated_mlp else f if model.activation == "relu" else 2 * f
@@ -126,9 +129,9 @@ def saved_elements_per_token(model: ModelSpec) -> int:
 
 
 def saved_stats_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int:
-    """The small tensors a layer saves besides saved_elements_per_token: attention's softmax statistics (fp32 per
-    query head and token), LayerNorm's mean and rstd (fp32 per token, two norms: a CUDA kernel's; a CPU one keeps
-    them in the input's dtype), the rotary tables cos and sin (seq x rotary dims, compute dtype)."""
+    """The small tensors a layer saves besides saved_elements_per_token: attention's softmax statistics (fp32
+    per query head and token), LayerNorm's mean and rstd (fp32 per token, two norms: a CUDA kernel's; a CPU
+    one keeps them in the input's dtype), the rotary tables cos and sin (seq x rotary dims, compute dtype)."""
     t = micro_batch * seq
     out = 4 * micro_batch * model.num_heads * seq
     if model.norm == "layernorm":
@@ -184,14 +187,16 @@ def head_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
         checkpoint_bytes=COMPUTE_BYTES * t * model.hidden,
         full_activation_bytes=COMPUTE_BYTES * t * model.hidden * 2,
         fwd_working_bytes=logits + COMPUTE_BYTES * t * max(vocab, model.hidden),
-        bwd_working_bytes=2 * logits + COMPUTE_BYTES * t * max(vocab, 2 * model.hidden) + GRAD_WIRE_BYTES * (owned + tied),
+        bwd_working_bytes=(2 * logits + COMPUTE_BYTES * t * max(vocab, 2 * model.hidden)
+                           + GRAD_WIRE_BYTES * (owned + tied)),
         tokens=t,
     )
 
 
 def model_flops_per_token(model: ModelSpec, seq: int) -> float:
     """Training FLOPs per token without recompute: 6 * matmul params + 12 * L * q_dim * seq (fwd + bwd)."""
-    matmul = model.num_layers * model.layer_matmul_params() + (model.vocab_size * model.embed_dim if model.lm_head else 0)
+    matmul = (model.num_layers * model.layer_matmul_params()
+              + (model.vocab_size * model.embed_dim if model.lm_head else 0))
     if model.embed_proj_dim:
         matmul += 2 * model.embed_proj_dim * model.hidden
     return 6.0 * matmul + 12.0 * model.num_layers * model.q_dim * seq

@@ -1,18 +1,20 @@
 """Several GPUs and boxes: the data-parallel world, each rank's shard, and what one rank gets of its box.
 
-A run has `gpus` data-parallel ranks per box (node) and `nodes` boxes: W = gpus x nodes ranks. Every rank owns a
-1/W shard of each block's flat parameter vector (ZeRO-3 / ZeRO-Infinity partitioning): elements
-[r*ceil(n/W), min(n, (r+1)*ceil(n/W))) of a block's n. Its bf16 weights, fp32 master, Adam m/v and fp32 gradient
-accumulators of that shard live on its tiers, split by the plan's placement fractions; its CPU Adam updates that
-shard only. Weights are all-gathered for compute, gradients reduce-scattered (ops on the resource `net`).
+A run has `gpus` data-parallel ranks per box (node) and `nodes` boxes: W = gpus x nodes ranks. Every rank owns
+a 1/W shard of each block's flat parameter vector (ZeRO-3 / ZeRO-Infinity partitioning): elements
+[r*ceil(n/W), min(n, (r+1)*ceil(n/W))) of a block's n. Its bf16 weights, fp32 master, Adam m/v and fp32
+gradient accumulators of that shard live on its tiers, split by the plan's placement fractions; its CPU Adam
+updates that shard only. Weights are all-gathered for compute, gradients reduce-scattered (ops on the resource
+`net`).
 
 Symmetry. All ranks run the same ops on the same amounts of data at the same time (lockstep data parallelism:
 every collective is a barrier among them), so the simulator plays ONE rank's graph (rank 0, whose shard
 ceil(n/W) is the largest) and models what the ranks of a box share as divided among them:
 
 - divided by the `gpus` ranks of a box: the CPU cores that run Adam (its parameter rate), the host memory
-  bandwidth pool, host memory capacity, the SSD array's read and write rates and its capacity, and the upstream
-  PCIe link of a switch among the GPUs behind it (topology.gpus_per_switch, topology.switch_uplink_gbps);
+  bandwidth pool, host memory capacity, the SSD array's read and write rates and its capacity, and the
+  upstream PCIe link of a switch among the GPUs behind it (topology.gpus_per_switch,
+  topology.switch_uplink_gbps);
 - not divided: the GPU's compute and memory, and its own x16 link up to the switch (pcie.*).
 
 Why this is exact for lockstep symmetric ranks: when g identical ranks ask a shared resource for the same work

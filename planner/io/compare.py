@@ -1,5 +1,5 @@
-"""Predicted vs measured: a plan's simulated times against a trace measured by the executor (`tierflow run --out`),
-op by op, summed per op kind and per resource, and the overall iteration time. Works without PyTorch.
+"""Predicted vs measured: a plan's simulated times against a trace measured by the executor (`tierflow run
+--out`), op by op, summed per op kind and per resource, and the overall iteration time. Works without PyTorch.
 
 The measured trace is the Chrome trace JSON the executor writes (the simulator's own format): one complete
 event ("ph": "X") per executed op with the op's id in ``args.id``. Only ops present in both are compared; the
@@ -30,13 +30,14 @@ MAX_TRACE_BYTES = 2 * GIB  # the executor writes ~250 bytes per op
 
 
 def _event_times_s(p: Path, index: int, ev: dict, oid: int) -> tuple[float, float]:
-    """(start, end) in seconds of a complete event; refuses what no measurement gives (a negative or non-finite
-    time), naming the event."""
+    """(start, end) in seconds of a complete event; refuses what no measurement gives (a negative or
+    non-finite time), naming the event."""
     ts, dur = ev.get("ts"), ev.get("dur")
     for key, v in (("ts", ts), ("dur", dur)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise TraceError(f"{p}: traceEvents[{index}] (op {oid}, {ev.get('name', '?')}): {key} {v!r} is not a "
-                             "non-negative number of microseconds (pass the trace.json written by `tierflow run --out`)")
+            raise TraceError(f"{p}: traceEvents[{index}] (op {oid}, {ev.get('name', '?')}): {key} {v!r} is "
+                             "not a non-negative number of microseconds (pass the trace.json written by "
+                             "`tierflow run --out`)")
     return ts / 1e6, (ts + dur) / 1e6
 
 
@@ -58,7 +59,8 @@ class Comparison:
         return self.measured_iteration_s / self.predicted_iteration_s - 1.0
 
     def to_dict(self) -> dict:
-        return {"predicted_iteration_s": self.predicted_iteration_s, "measured_iteration_s": self.measured_iteration_s,
+        return {"predicted_iteration_s": self.predicted_iteration_s,
+                "measured_iteration_s": self.measured_iteration_s,
                 "iteration_error": self.iteration_error, "iterations": self.iterations, "ops": self.ops,
                 "by_kind": self.by_kind, "by_resource": self.by_resource,
                 "predicted_gpu_peak_bytes": self.predicted.peak_bytes.get("gpu"),
@@ -73,12 +75,14 @@ def load_measured(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray]
 
 
 def load_measured_trace(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray, dict | None]:
-    """load_measured, and the device memory the executor measured (otherData.measured_device_memory), if any."""
+    """load_measured, and the device memory the executor measured (otherData.measured_device_memory), if
+    any."""
     p = Path(path)
     try:
         d = loads_json_limited(read_text(p, MAX_TRACE_BYTES))  # plain or gzip-compressed
     except (OSError, ValueError) as e:  # also InputLimitError: not a regular file, too large, nested too deep
-        raise TraceError(f"{p}: cannot read a trace ({e}); pass the trace.json written by `tierflow run --out`") from None
+        raise TraceError(f"{p}: cannot read a trace ({e}); pass the trace.json written by `tierflow run "
+                         "--out`") from None
     events = d.get("traceEvents") if isinstance(d, dict) else None
     if not isinstance(events, list):
         raise TraceError(f"{p}: no traceEvents list; pass the trace.json written by `tierflow run --out`")
@@ -95,7 +99,8 @@ def load_measured_trace(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.nd
         start[oid], end[oid] = _event_times_s(p, index, ev, oid)
         found += 1
     if not found:
-        raise TraceError(f"{p}: no op events with args.id; pass the trace.json written by `tierflow run --out`")
+        raise TraceError(f"{p}: no op events with args.id; pass the trace.json written by `tierflow run "
+                         "--out`")
     mem = (d.get("otherData") or {}).get("measured_device_memory")
     if not (isinstance(mem, dict) and all(isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
                                           for v in mem.values())):
@@ -111,8 +116,8 @@ def compare(plan: Plan, trace_path: str | Path) -> Comparison:
     iters = int(max(t.iteration for t, r in zip(tasks, ran) if r)) + 1
     for t, r in zip(tasks, ran):
         if t.iteration < iters and not r:
-            raise TraceError(f"{trace_path}: op {t.id} ({t.label}) of iteration {t.iteration} is missing; trace of "
-                             "another plan, or an interrupted run?")
+            raise TraceError(f"{trace_path}: op {t.id} ({t.label}) of iteration {t.iteration} is missing; "
+                             "trace of another plan, or an interrupted run?")
     mask = np.array([t.iteration < iters for t in tasks])
     pdur = pred.end_s - pred.start_s
     mdur = me - ms
@@ -140,21 +145,23 @@ def compare(plan: Plan, trace_path: str | Path) -> Comparison:
     measured_it = ends[-2] - ends[-3] if iters >= 3 else ends[-1] / iters
     pred_it = pred.iteration_s if iters >= 3 or plan.graph.num_iterations == 1 else \
         float(np.max(pred.end_s[gpu])) / iters
-    return Comparison(by_kind, by_resource, pred_it, measured_it, iters, int(mask.sum()), pred, ms, me, device_memory)
+    return Comparison(by_kind, by_resource, pred_it, measured_it, iters, int(mask.sum()), pred, ms, me,
+                      device_memory)
 
 
 def format_comparison(c: Comparison) -> str:
     lines = [f"{c.ops} ops over {c.iterations} iteration(s)",
              f"iteration time: predicted {c.predicted_iteration_s * 1e3:,.3f} ms, measured "
              f"{c.measured_iteration_s * 1e3:,.3f} ms ({c.iteration_error:+.1%})", "",
-             f"{'kind':<22} {'resource':<10} {'ops':>5} {'predicted ms':>13} {'measured ms':>12} {'ratio':>8}"]
+             f"{'kind':<22} {'resource':<10} {'ops':>5} {'predicted ms':>13} {'measured ms':>12} "
+             f"{'ratio':>8}"]
     for r in c.by_kind:
         lines.append(f"{r['kind']:<22} {r['resource']:<10} {r['ops']:>5} {r['predicted_s'] * 1e3:>13,.3f} "
                      f"{r['measured_s'] * 1e3:>12,.3f} {r['ratio']:>7.2f}x")
     lines += ["", f"{'resource':<10} {'predicted busy ms':>18} {'measured busy ms':>17} {'ratio':>8}"]
     for r in c.by_resource:
-        lines.append(f"{r['resource']:<10} {r['predicted_busy_s'] * 1e3:>18,.3f} {r['measured_busy_s'] * 1e3:>17,.3f} "
-                     f"{r['ratio']:>7.2f}x")
+        lines.append(f"{r['resource']:<10} {r['predicted_busy_s'] * 1e3:>18,.3f} "
+                     f"{r['measured_busy_s'] * 1e3:>17,.3f} {r['ratio']:>7.2f}x")
     peak, cap = c.predicted.peak_bytes.get("gpu", 0.0), c.predicted.graph.capacity_bytes.get("gpu", 0.0)
     m = c.measured_device_memory
     lines += ["", f"gpu memory: plan peak {peak / 1e6:,.1f} MB of {cap / 1e6:,.1f} MB; " + (
@@ -181,8 +188,9 @@ def comparison_figure(c: Comparison):
     RESOURCES = c.predicted.graph.resources()  # noqa: N806  (less `net` for one rank)
     legend: dict[str, str] = {}
     t_max = 0.0
-    for ax, (start, end, title) in zip(axes[:2], [(c.predicted.start_s, c.predicted.end_s, "predicted (simulator)"),
-                                                  (c.measured_start_s, c.measured_end_s, "measured (executor)")]):
+    panels = [(c.predicted.start_s, c.predicted.end_s, "predicted (simulator)"),
+              (c.measured_start_s, c.measured_end_s, "measured (executor)")]
+    for ax, (start, end, title) in zip(axes[:2], panels):
         bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
         for t in tasks:
             if t.iteration >= c.iterations or np.isnan(start[t.id]):

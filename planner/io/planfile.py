@@ -2,8 +2,8 @@
 
 A plan file is a versioned JSON document holding everything the simulator and the executor need to run one
 schedule: the model's shapes, the hardware profile, the schedule decisions (batch split, group, alpha,
-placement, ...), and every op of the task graph with its resource, amount of work, dependencies, position in its
-resource's queue and memory effects. ``docs/plan-format.md`` documents every field.
+placement, ...), and every op of the task graph with its resource, amount of work, dependencies, position in
+its resource's queue and memory effects. ``docs/plan-format.md`` documents every field.
 
     plan = plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg))
     write_plan(plan, "plan.json")          # "plan.json.gz": gzip-compressed
@@ -46,6 +46,7 @@ from tierflow.planner.core.graph import (
 from tierflow.planner.core.jsonio import gz_name, gzip_bytes, is_gzip_file, is_gzip_name, read_text
 from tierflow.planner.core.memory import static_bytes as placed_static_bytes
 from tierflow.planner.core.models import ModelError, ModelSpec
+from tierflow.planner.core.opkinds import OP_KINDS
 from tierflow.planner.core.placement import Placement, PlacementError
 from tierflow.planner.core.schedules import FAMILIES, RUNTIMES, ScheduleConfig
 from tierflow.planner.core.simulate import simulate_config
@@ -90,9 +91,9 @@ class Plan:
     source: str = "<plan>"
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Writing
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def _created_by() -> str:
@@ -126,7 +127,8 @@ def _jsonable(x: Any) -> Any:
 
 def plan_from_graph(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, graph: TaskGraph,
                     predicted: dict | SimResult | None = None, solver: dict | None = None) -> Plan:
-    """A plan of `graph` (built from `cfg` for `model` on `hw`); `predicted` is a SimResult or its to_dict()."""
+    """A plan of `graph` (built from `cfg` for `model` on `hw`); `predicted` is a SimResult or its
+    to_dict()."""
     if predicted is not None and not isinstance(predicted, dict):
         predicted = predicted.to_dict()
     return Plan(model=model, hardware=hw, config=cfg, graph=graph,
@@ -173,9 +175,9 @@ def plan_to_dict(plan: Plan) -> dict:
     return d
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Digest: binds the ops to the model, hardware and decisions they were built from
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def _hash(value: Any) -> str:
@@ -196,7 +198,8 @@ def _digest_fields(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -
 
 
 def _digest_ops(d: dict, fields: dict[str, str]) -> str:
-    return _hash([fields, d["static_bytes"], d["capacity_bytes"], d["num_iterations"], d["num_blocks"], d["ops"]])
+    return _hash([fields, d["static_bytes"], d["capacity_bytes"], d["num_iterations"], d["num_blocks"],
+                  d["ops"]])
 
 
 def plan_digest(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, d: dict) -> dict:
@@ -238,12 +241,13 @@ class WrittenPlan:
         """One line when the plan went to another name than requested (else None)."""
         if self.path == self.requested:
             return None
-        return (f"the plan's JSON is {self.json_bytes / 1e6:,.1f} MB (over {LARGE_PLAN_BYTES / 1e6:,.0f} MB): wrote "
-                f"{self.path} (gzip, {self.file_bytes / 1e6:,.1f} MB) instead of {self.requested}; every reader "
-                "takes it as it is")
+        json_mb, limit_mb, file_mb = self.json_bytes / 1e6, LARGE_PLAN_BYTES / 1e6, self.file_bytes / 1e6
+        return (f"the plan's JSON is {json_mb:,.1f} MB (over {limit_mb:,.0f} MB): wrote {self.path} (gzip, "
+                f"{file_mb:,.1f} MB) instead of {self.requested}; every reader takes it as it is")
 
 
-def write_plan(plan: Plan, path: str | os.PathLike[str], *, compress_over_bytes: int | None = None) -> WrittenPlan:
+def write_plan(plan: Plan, path: str | os.PathLike[str], *,
+               compress_over_bytes: int | None = None) -> WrittenPlan:
     """Write `plan` as JSON to `path`, atomically: the text goes to a temporary file in the same directory,
     which then replaces `path`. The plan is validated first, so an invalid plan never reaches the disk.
     A name ending in .gz is written gzip-compressed. With `compress_over_bytes` (the CLI passes
@@ -255,7 +259,8 @@ def write_plan(plan: Plan, path: str | os.PathLike[str], *, compress_over_bytes:
     try:
         text = dumps_plan_dict(d)
     except ValueError as exc:  # a non-finite number outside the validated fields
-        raise _err(str(requested), "(top level)", f"cannot write strict JSON: {exc}", "fix the plan's values") from exc
+        raise _err(str(requested), "(top level)", f"cannot write strict JSON: {exc}",
+                   "fix the plan's values") from exc
     data = text.encode("utf-8")
     path = requested
     if compress_over_bytes is not None and len(data) > compress_over_bytes:
@@ -278,9 +283,9 @@ def write_plan(plan: Plan, path: str | os.PathLike[str], *, compress_over_bytes:
     return WrittenPlan(path, len(data), len(payload), requested)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Reading and validation
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def _err(source: str, where: str, problem: str, fix: str) -> PlanError:
@@ -296,11 +301,13 @@ _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
 
 
 def _short(value: Any, n: int = 40) -> str:
-    text = _REPR.repr(value) if isinstance(value, (list, dict)) else repr(value)  # bounded depth: no recursion
+    # bounded depth: no recursion
+    text = _REPR.repr(value) if isinstance(value, (list, dict)) else repr(value)
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-_json_type_name = functools.partial(type_name, mapping="object")  # the hwprofiles names; JSON's "object" for a dict
+# the hwprofiles names; JSON's "object" for a dict
+_json_type_name = functools.partial(type_name, mapping="object")
 
 
 def _is_int(x: object) -> bool:
@@ -321,7 +328,8 @@ def _unknown_key(source: str, where: str, key: str, known: typing.Iterable[str])
 def _check_fields(source: str, section: str, d: object, cls: type) -> dict:
     """Keys and value types of a section that rebuilds dataclass `cls`."""
     if not isinstance(d, dict):
-        raise _err(source, section, f"expected an object, got {_json_type_name(d)}", f"write the {section} as a JSON object")
+        raise _err(source, section, f"expected an object, got {_json_type_name(d)}",
+                   f"write the {section} as a JSON object")
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
     for key in d:
@@ -387,12 +395,13 @@ def _decisions(source: str, d: object, model: ModelSpec, hw: HardwareProfile) ->
                        "write one {gpu, cpu, ssd} object per tensor class")
         for name, split in placement.items():
             if not isinstance(split, dict) or set(split) - set(TIERS):
-                raise _err(source, f"decisions.placement.{name}", f"expected an object of {'/'.join(TIERS)} fractions, "
-                           f"got {_short(split)}", "write e.g. {\"gpu\": 0, \"cpu\": 1, \"ssd\": 0}")
+                raise _err(source, f"decisions.placement.{name}",
+                           f"expected an object of {'/'.join(TIERS)} fractions, got {_short(split)}",
+                           "write e.g. {\"gpu\": 0, \"cpu\": 1, \"ssd\": 0}")
             for tier, v in split.items():
                 if not _is_number(v):
-                    raise _err(source, f"decisions.placement.{name}.{tier}", f"expected a number, got {_short(v)}",
-                               "write a fraction within [0, 1]")
+                    raise _err(source, f"decisions.placement.{name}.{tier}",
+                               f"expected a number, got {_short(v)}", "write a fraction within [0, 1]")
         try:
             p = Placement.from_dict(placement)
         except PlacementError as exc:
@@ -406,7 +415,8 @@ def _decisions(source: str, d: object, model: ModelSpec, hw: HardwareProfile) ->
         return _err(source, f"decisions.{key}", problem, fix)
 
     if cfg.family not in FAMILIES:
-        raise bad("family", f"unknown schedule family {_short(cfg.family)}", f"use one of {', '.join(FAMILIES)}")
+        raise bad("family", f"unknown schedule family {_short(cfg.family)}",
+                  f"use one of {', '.join(FAMILIES)}")
     if cfg.runtime not in RUNTIMES:
         raise bad("runtime", f"unknown runtime {_short(cfg.runtime)}", f"use one of {', '.join(RUNTIMES)}")
     for key in ("batch", "micro_batch", "seq", "group", "prefetch_depth", "iterations", "gpus", "nodes"):
@@ -414,7 +424,8 @@ def _decisions(source: str, d: object, model: ModelSpec, hw: HardwareProfile) ->
             raise bad(key, f"must be >= 1, got {getattr(cfg, key)}", "write a positive integer")
     if cfg.gpus > hw.gpu_count:
         raise bad("gpus", f"{cfg.gpus} GPUs per box, but the hardware section has {hw.gpu_count}",
-                  f"write gpus <= {hw.gpu_count}, or plan for a profile whose topology.gpu_count is {cfg.gpus}")
+                  f"write gpus <= {hw.gpu_count}, or plan for a profile whose topology.gpu_count is "
+                  f"{cfg.gpus}")
     if cfg.nodes > 1 and hw.network is None:
         raise bad("nodes", f"{cfg.nodes} boxes, but the hardware section has no network",
                   "write nodes 1, or plan for a profile with a network section")
@@ -423,8 +434,9 @@ def _decisions(source: str, d: object, model: ModelSpec, hw: HardwareProfile) ->
     if cfg.batch % cfg.micro_batch:
         raise bad("batch", f"batch {cfg.batch} is not divisible by micro_batch {cfg.micro_batch}",
                   "use a micro-batch that divides the batch")
-    if cfg.batch % (cfg.micro_batch * cfg.ranks):
-        raise bad("batch", f"batch {cfg.batch} is not divisible by {cfg.ranks} ranks x micro_batch {cfg.micro_batch}",
+    if cfg.batch % (cfg.micro_batch * cfg.world.ranks):
+        raise bad("batch", f"batch {cfg.batch} is not divisible by {cfg.world.ranks} ranks x micro_batch "
+                  f"{cfg.micro_batch}",
                   "use a batch that is a multiple of ranks x micro_batch")
     if cfg.num_micro_batches % cfg.group:
         raise bad("group", f"group {cfg.group} does not divide the {cfg.num_micro_batches} micro-batches",
@@ -439,7 +451,8 @@ def _decisions(source: str, d: object, model: ModelSpec, hw: HardwareProfile) ->
 
 def _tier_bytes(source: str, key: str, d: object) -> dict[str, float]:
     if not isinstance(d, dict):
-        raise _err(source, key, f"expected an object, got {_json_type_name(d)}", "write {\"gpu\": .., \"cpu\": .., \"ssd\": ..}")
+        raise _err(source, key, f"expected an object, got {_json_type_name(d)}",
+                   "write {\"gpu\": .., \"cpu\": .., \"ssd\": ..}")
     for k in d:
         if k not in TIERS:
             raise _unknown_key(source, key, k, TIERS)
@@ -465,99 +478,164 @@ def _cycle_text(cycle: list[int], limit: int = 6) -> str:
     return " -> ".join(str(i) for i in ids) + more + (f" -> {cycle[0]}" if len(cycle) <= limit else "")
 
 
+@dataclass(frozen=True)
+class _OpBounds:
+    """What an op's ids and indices may be: ops 0..n-1, iterations, blocks and micro-batches."""
+
+    n: int
+    num_iterations: int
+    num_blocks: int
+    num_mb: int
+
+
 def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb: int) -> list[Task]:
+    """The plan's ops as tasks: each op parsed and its fields checked, then the references between them (queue
+    positions, dependency cycles, deadlocks through the queues)."""
     if not isinstance(ops, list):
-        raise _err(source, "ops", f"expected a list of ops, got {_json_type_name(ops)}", "write \"ops\": [...]")
+        raise _err(source, "ops", f"expected a list of ops, got {_json_type_name(ops)}",
+                   "write \"ops\": [...]")
     n = len(ops)
     if n == 0:
         raise _err(source, "ops", "the plan has no ops", "write the plan with tierflow, not by hand")
+    bounds = _OpBounds(n, num_iterations, num_blocks, num_mb)
     tasks: list[Task | None] = [None] * n
     orders: list[int] = [0] * n
-    known = OP_KEYS + OP_WORK_KEYS
     for index, op in enumerate(ops):
-        if not isinstance(op, dict):
-            raise _err(source, f"ops[{index}]", f"expected an object, got {_json_type_name(op)}", "write each op as an object")
-        tid = op.get("id")
-        if "id" not in op:
-            raise _err(source, f"ops[{index}]", "missing field 'id'", "give every op an integer id")
-        if not _is_int(tid) or not 0 <= tid < n:
-            raise _err(source, f"ops[{index}]", f"id {_short(tid)} out of range",
-                       f"ids must be the integers 0..{n - 1}, one per op")
-        where = f"op {tid}"
+        tid = _op_id(source, index, op, n)
         if tasks[tid] is not None:
-            raise _err(source, where, f"duplicate id {tid}", "give every op its own id")
-        for key in op:
-            if key not in known:
-                raise _unknown_key(source, where, key, known)
-        for key in OP_KEYS:
-            if key not in op:
-                raise _err(source, where, f"missing field {key!r}", f"add \"{key}\" to the op")
-        resource = op["resource"]
-        if resource not in RESOURCES:
-            raise _err(source, where, f"unknown resource {_short(resource)}", f"use one of {', '.join(RESOURCES)}")
-        work_key = "bytes" if resource in LINKS else "seconds"
-        other = "seconds" if work_key == "bytes" else "bytes"
-        if other in op:
-            raise _err(source, where, f"a {resource} op carries {other!r}",
-                       f"{resource} ops carry {work_key!r}: gpu/cpu ops carry seconds, link ops bytes")
-        if work_key not in op:
-            raise _err(source, where, f"missing field {work_key!r}", f"{resource} ops carry {work_key!r}")
-        work = op[work_key]
-        if not _is_number(work) or work < 0:
-            raise _err(source, where, f"{work_key} must be a non-negative number, got {_short(work)}",
-                       f"write the {work_key} as a plain number >= 0")
-        for key in ("kind", "tensor"):
-            if not isinstance(op[key], str) or not op[key]:
-                raise _err(source, where, f"{key} must be a non-empty string, got {_short(op[key])}", f"fix {key!r}")
-        it, block, mb, order = op["iteration"], op["block"], op["mb"], op["order"]
-        if not _is_int(it) or not 0 <= it < num_iterations:
-            raise _err(source, where, f"iteration {_short(it)} out of range",
-                       f"iterations run 0..{num_iterations - 1} (num_iterations = {num_iterations})")
-        if not _is_int(block) or not 0 <= block < num_blocks:
-            raise _err(source, where, f"block {_short(block)} out of range",
-                       f"blocks run 0..{num_blocks - 1} (num_blocks = {num_blocks})")
-        if not _is_int(mb) or not -1 <= mb < num_mb:
-            raise _err(source, where, f"mb {_short(mb)} is not a micro-batch index",
-                       f"micro-batches run 0..{num_mb - 1}; -1 marks per-block ops")
-        if not _is_int(order) or order < 0:
-            raise _err(source, where, f"order {_short(order)} is not a queue position",
-                       "write the 0-based position in the resource's queue")
-        deps = op["deps"]
-        if not isinstance(deps, list):
-            raise _err(source, where, f"deps must be a list of op ids, got {_json_type_name(deps)}", "write \"deps\": [...]")
-        for d in deps:
-            if not _is_int(d) or not 0 <= d < n:
-                raise _err(source, where, f"dangling dependency: op {_short(d, 20)} does not exist",
-                           f"depend only on op ids 0..{n - 1}")
-        mem = op["mem"]
-        if not isinstance(mem, list):
-            raise _err(source, where, f"mem must be a list, got {_json_type_name(mem)}", "write \"mem\": [[when, tier, bytes], ...]")
-        mem_start: list[tuple[int, float]] = []
-        mem_end: list[tuple[int, float]] = []
-        for e in mem:
-            if not isinstance(e, list) or len(e) != 3:
-                raise _err(source, where, f"mem effect {_short(e)} is not [when, tier, bytes]",
-                           "write e.g. [\"start\", \"gpu\", 1024.0]")
-            when, tier, delta = e
-            if when not in MEM_WHEN:
-                raise _err(source, where, f"mem effect at {_short(when)}", "use \"start\" or \"end\"")
-            if tier not in TIER_INDEX:
-                raise _err(source, where, f"unknown tier {_short(tier)} in mem", f"use one of {', '.join(TIERS)}")
-            if not _is_number(delta):
-                raise _err(source, where, f"mem bytes {_short(delta)} is not a finite number",
-                           "write + bytes to allocate, - bytes to free")
-            (mem_start if when == "start" else mem_end).append((TIER_INDEX[tier], float(delta)))
-        tasks[tid] = Task(tid, op["kind"], resource, float(work), op["tensor"], block, mb, it, list(deps),
-                          float(order), mem_start, mem_end)
-        orders[tid] = order
+            raise _err(source, f"op {tid}", f"duplicate id {tid}", "give every op its own id")
+        tasks[tid] = _op_task(source, tid, op, bounds)
+        orders[tid] = op["order"]
     done: list[Task] = tasks  # type: ignore[assignment]  # every slot filled: n unique ids within 0..n-1
+    by_res = _check_queues(source, done, orders, num_iterations)
+    _check_references(source, done, orders, by_res)
+    return done
 
-    # queue positions: each resource's orders are exactly 0..k-1
+
+def _op_id(source: str, index: int, op: object, n: int) -> int:
+    """The id of ops[index], which must be an object whose id is within 0..n-1."""
+    if not isinstance(op, dict):
+        raise _err(source, f"ops[{index}]", f"expected an object, got {_json_type_name(op)}",
+                   "write each op as an object")
+    tid = op.get("id")
+    if "id" not in op:
+        raise _err(source, f"ops[{index}]", "missing field 'id'", "give every op an integer id")
+    if not _is_int(tid) or not 0 <= tid < n:
+        raise _err(source, f"ops[{index}]", f"id {_short(tid)} out of range",
+                   f"ids must be the integers 0..{n - 1}, one per op")
+    return tid
+
+
+def _op_task(source: str, tid: int, op: dict, bounds: _OpBounds) -> Task:
+    """One op parsed into a Task, every field checked."""
+    where = f"op {tid}"
+    _check_op_keys(source, where, op)
+    resource, work = _op_work(source, where, op)
+    for key in ("kind", "tensor"):
+        if not isinstance(op[key], str) or not op[key]:
+            raise _err(source, where, f"{key} must be a non-empty string, got {_short(op[key])}",
+                       f"fix {key!r}")
+    _check_op_indices(source, where, op, bounds)
+    deps = _op_deps(source, where, op["deps"], bounds.n)
+    mem_start, mem_end = _op_mem(source, where, op["mem"])
+    return Task(tid, op["kind"], resource, work, op["tensor"], op["block"], op["mb"], op["iteration"], deps,
+                float(op["order"]), mem_start, mem_end)
+
+
+def _check_op_keys(source: str, where: str, op: dict) -> None:
+    """Every key of the op known, every required one present."""
+    known = OP_KEYS + OP_WORK_KEYS
+    for key in op:
+        if key not in known:
+            raise _unknown_key(source, where, key, known)
+    for key in OP_KEYS:
+        if key not in op:
+            raise _err(source, where, f"missing field {key!r}", f"add \"{key}\" to the op")
+
+
+def _op_work(source: str, where: str, op: dict) -> tuple[str, float]:
+    """The op's resource and its work: seconds on gpu/cpu, bytes on a link."""
+    resource = op["resource"]
+    if resource not in RESOURCES:
+        raise _err(source, where, f"unknown resource {_short(resource)}",
+                   f"use one of {', '.join(RESOURCES)}")
+    work_key = "bytes" if resource in LINKS else "seconds"
+    other = "seconds" if work_key == "bytes" else "bytes"
+    if other in op:
+        raise _err(source, where, f"a {resource} op carries {other!r}",
+                   f"{resource} ops carry {work_key!r}: gpu/cpu ops carry seconds, link ops bytes")
+    if work_key not in op:
+        raise _err(source, where, f"missing field {work_key!r}", f"{resource} ops carry {work_key!r}")
+    work = op[work_key]
+    if not _is_number(work) or work < 0:
+        raise _err(source, where, f"{work_key} must be a non-negative number, got {_short(work)}",
+                   f"write the {work_key} as a plain number >= 0")
+    return resource, float(work)
+
+
+def _check_op_indices(source: str, where: str, op: dict, bounds: _OpBounds) -> None:
+    """The op's iteration, block, micro-batch and queue position within the plan's bounds."""
+    it, block, mb, order = op["iteration"], op["block"], op["mb"], op["order"]
+    num_iterations, num_blocks, num_mb = bounds.num_iterations, bounds.num_blocks, bounds.num_mb
+    if not _is_int(it) or not 0 <= it < num_iterations:
+        raise _err(source, where, f"iteration {_short(it)} out of range",
+                   f"iterations run 0..{num_iterations - 1} (num_iterations = {num_iterations})")
+    if not _is_int(block) or not 0 <= block < num_blocks:
+        raise _err(source, where, f"block {_short(block)} out of range",
+                   f"blocks run 0..{num_blocks - 1} (num_blocks = {num_blocks})")
+    if not _is_int(mb) or not -1 <= mb < num_mb:
+        raise _err(source, where, f"mb {_short(mb)} is not a micro-batch index",
+                   f"micro-batches run 0..{num_mb - 1}; -1 marks per-block ops")
+    if not _is_int(order) or order < 0:
+        raise _err(source, where, f"order {_short(order)} is not a queue position",
+                   "write the 0-based position in the resource's queue")
+
+
+def _op_deps(source: str, where: str, deps: object, n: int) -> list[int]:
+    """The op's dependencies: a list of existing op ids."""
+    if not isinstance(deps, list):
+        raise _err(source, where, f"deps must be a list of op ids, got {_json_type_name(deps)}",
+                   "write \"deps\": [...]")
+    for d in deps:
+        if not _is_int(d) or not 0 <= d < n:
+            raise _err(source, where, f"dangling dependency: op {_short(d, 20)} does not exist",
+                       f"depend only on op ids 0..{n - 1}")
+    return list(deps)
+
+
+def _op_mem(source: str, where: str, mem: object) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """The op's memory effects, (tier index, bytes) at its start and at its end."""
+    if not isinstance(mem, list):
+        raise _err(source, where, f"mem must be a list, got {_json_type_name(mem)}",
+                   "write \"mem\": [[when, tier, bytes], ...]")
+    mem_start: list[tuple[int, float]] = []
+    mem_end: list[tuple[int, float]] = []
+    for e in mem:
+        if not isinstance(e, list) or len(e) != 3:
+            raise _err(source, where, f"mem effect {_short(e)} is not [when, tier, bytes]",
+                       "write e.g. [\"start\", \"gpu\", 1024.0]")
+        when, tier, delta = e
+        if when not in MEM_WHEN:
+            raise _err(source, where, f"mem effect at {_short(when)}", "use \"start\" or \"end\"")
+        if tier not in TIER_INDEX:
+            raise _err(source, where, f"unknown tier {_short(tier)} in mem", f"use one of {', '.join(TIERS)}")
+        if not _is_number(delta):
+            raise _err(source, where, f"mem bytes {_short(delta)} is not a finite number",
+                       "write + bytes to allocate, - bytes to free")
+        (mem_start if when == "start" else mem_end).append((TIER_INDEX[tier], float(delta)))
+    return mem_start, mem_end
+
+
+def _check_queues(source: str, done: list[Task], orders: list[int],
+                  num_iterations: int) -> dict[str, dict[int, int]]:
+    """Each resource's queue positions are exactly 0..k-1, and every iteration computes on the gpu. Returns
+    resource -> {position: op id}."""
     by_res: dict[str, dict[int, int]] = {r: {} for r in RESOURCES}
     for t in done:
         q = by_res[t.resource]
         if orders[t.id] in q:
-            raise _err(source, f"op {t.id}", f"same order {orders[t.id]} on {t.resource} as op {q[orders[t.id]]}",
+            raise _err(source, f"op {t.id}",
+                       f"same order {orders[t.id]} on {t.resource} as op {q[orders[t.id]]}",
                        "give each op of a resource its own queue position")
         q[orders[t.id]] = t.id
     for r, q in by_res.items():
@@ -568,8 +646,13 @@ def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb:
     for it in range(num_iterations):
         if not any(t.resource == "gpu" and t.iteration == it for t in done):
             raise _err(source, "ops", f"iteration {it} has no gpu op", "every iteration computes on the gpu")
+    return by_res
 
-    # dependency cycles
+
+def _check_references(source: str, done: list[Task], orders: list[int],
+                      by_res: dict[str, dict[int, int]]) -> None:
+    """The dependencies are acyclic, no op is queued before a same-resource dependency, and dependencies and
+    queue orders together do not deadlock."""
     preds = [sorted(set(t.deps)) for t in done]
     try:
         topological_order(len(done), preds)
@@ -580,8 +663,9 @@ def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb:
     for t in done:
         for d in t.deps:
             if done[d].resource == t.resource and orders[d] > orders[t.id]:
-                raise _err(source, f"op {t.id}", f"order {orders[t.id]} on {t.resource} is before its dependency "
-                           f"op {d} (order {orders[d]})", "queue every op after its same-resource dependencies")
+                raise _err(source, f"op {t.id}", f"order {orders[t.id]} on {t.resource} is before its "
+                           f"dependency op {d} (order {orders[d]})",
+                           "queue every op after its same-resource dependencies")
     # dependencies and queue orders together must be acyclic, else the resources wait on each other forever
     chained = [list(p) for p in preds]
     for q in by_res.values():
@@ -590,9 +674,19 @@ def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb:
     try:
         topological_order(len(done), chained)
     except CycleError as e:
-        raise _err(source, f"op {e.cycle[0]}", f"the resource orders deadlock: ops {_cycle_text(e.cycle)} wait on "
-                   "each other through deps and queues", "reorder the queues to follow the dependencies") from None
-    return done
+        raise _err(source, f"op {e.cycle[0]}", f"the resource orders deadlock: ops {_cycle_text(e.cycle)} "
+                   "wait on each other through deps and queues",
+                   "reorder the queues to follow the dependencies") from None
+
+
+def _check_kinds(source: str, tasks: list[Task]) -> None:
+    """Every op's kind is one of the op vocabulary (tierflow.planner.core.opkinds.OP_KINDS). Checked after the
+    digest, so that an edited op of a written plan is reported as an edit."""
+    for t in tasks:
+        if t.kind not in OP_KINDS:
+            close = difflib.get_close_matches(t.kind, sorted(OP_KINDS), n=1, cutoff=0.6)
+            fix = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(sorted(OP_KINDS))}"
+            raise _err(source, f"op {t.id}", f"op kind {_short(t.kind)} is not implemented", fix)
 
 
 _REWRITE = "rewrite it: tierflow plan -o or simulate --write-plan"
@@ -603,12 +697,15 @@ def _check_micro_batch_count(source: str, ops: object, cfg: ScheduleConfig) -> N
     would otherwise train (and report tokens/s for) another batch than the ops compute."""
     if not isinstance(ops, list):
         return  # _ops reports it
-    mbs = [o["mb"] for o in ops if isinstance(o, dict) and _is_int(o.get("mb")) and o.get("resource") == "gpu"]
+    mbs = [o["mb"] for o in ops
+           if isinstance(o, dict) and _is_int(o.get("mb")) and o.get("resource") == "gpu"]
     if not mbs:
         return
     computed = max(mbs) + 1
     if computed != cfg.num_micro_batches:
-        split = f"micro_batch {cfg.micro_batch}" if cfg.ranks == 1 else f"({cfg.ranks} ranks x micro_batch {cfg.micro_batch})"
+        ranks = cfg.world.ranks
+        split = (f"micro_batch {cfg.micro_batch}" if ranks == 1
+                 else f"({ranks} ranks x micro_batch {cfg.micro_batch})")
         raise _err(source, "decisions.batch", f"{cfg.batch} / {split} = "
                    f"{cfg.num_micro_batches} micro-batches, the ops compute {computed}", _REWRITE)
 
@@ -619,9 +716,9 @@ def _check_derived_bytes(source: str, model: ModelSpec, hw: HardwareProfile, cfg
     want_cap = rank_capacity_bytes(hw, cfg.gpus)
     for t in TIERS:
         if not math.isclose(capacity[t], want_cap[t], rel_tol=1e-9, abs_tol=1.0):
-            raise _err(source, f"capacity_bytes.{t}", f"{capacity[t]:,.0f} bytes, but the hardware section gives "
-                       f"{want_cap[t]:,.0f}: edited after writing?", _REWRITE)
-    want = placed_static_bytes(model, cfg.placement, cfg.runtime, cfg.ranks)
+            raise _err(source, f"capacity_bytes.{t}", f"{capacity[t]:,.0f} bytes, but the hardware section "
+                       f"gives {want_cap[t]:,.0f}: edited after writing?", _REWRITE)
+    want = placed_static_bytes(model, cfg.placement, cfg.runtime, cfg.world.ranks)
     for t in TIERS:
         if not math.isclose(static[t], want[t], rel_tol=1e-9, abs_tol=1.0):
             raise _err(source, f"static_bytes.{t}", f"{static[t]:,.0f} bytes, but the model and "
@@ -632,36 +729,42 @@ def _check_digest(source: str, d: dict, model: ModelSpec, hw: HardwareProfile, c
     """Verify the digest written with the plan: name the first field whose value is not the one the ops were
     built from, or say that the ops themselves were edited."""
     dg = d["digest"]
-    if not isinstance(dg, dict) or set(dg) != {"algorithm", "fields", "ops"} or not isinstance(dg["fields"], dict):
+    if (not isinstance(dg, dict) or set(dg) != {"algorithm", "fields", "ops"}
+            or not isinstance(dg["fields"], dict)):
         raise _err(source, "digest", "expected an object {algorithm, fields, ops}", _REWRITE)
     if dg["algorithm"] != DIGEST_ALGORITHM:
         raise _err(source, "digest.algorithm", f"unknown digest {_short(dg['algorithm'])}",
                    f"this tierflow writes {DIGEST_ALGORITHM!r}; {_REWRITE}")
     fields = _digest_fields(model, hw, cfg)
     recorded = dg["fields"]
-    # a field one side lacks counts as null: a plan written before an optional (nullable) profile or model field
-    # existed still loads, as long as the field is null now
+    # a field one side lacks counts as null: a plan written before an optional (nullable) profile or model
+    # field existed still loads, as long as the field is null now
     none = _hash(None)
     for key in [*fields, *(k for k in recorded if k not in fields)]:
         if recorded.get(key, none) != fields.get(key, none):
             raise _err(source, key, "not the value the ops were built for: edited after writing "
                        "(the digest does not match)", _REWRITE)
     if dg["ops"] != _digest_ops(d, recorded):  # the recorded fields: each one checked above
-        raise _err(source, "ops", "ops or byte totals edited after writing (the digest does not match)", _REWRITE)
+        raise _err(source, "ops", "ops or byte totals edited after writing (the digest does not match)",
+                   _REWRITE)
 
 
-def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
-    """Validate a parsed plan and rebuild it; raises PlanError."""
+def _check_top_level(source: str, d: object) -> dict:
+    """The plan's top level: a JSON object of a tierflow plan in a version this tierflow reads, with every
+    required key and no unknown one."""
     if not isinstance(d, dict):
-        raise _err(source, "(top level)", f"expected a JSON object, got {_json_type_name(d)}", "is this a tierflow plan?")
+        raise _err(source, "(top level)", f"expected a JSON object, got {_json_type_name(d)}",
+                   "is this a tierflow plan?")
     if "format" not in d:
-        raise _err(source, "format", "missing key", f"add \"format\": \"{PLAN_FORMAT}\"; is this a tierflow plan?")
+        raise _err(source, "format", "missing key",
+                   f"add \"format\": \"{PLAN_FORMAT}\"; is this a tierflow plan?")
     if d["format"] != PLAN_FORMAT:
         raise _err(source, "format", f"expected {PLAN_FORMAT!r}, got {_short(d['format'])}",
                    "this is not a tierflow plan file")
     supported = ", ".join(str(v) for v in SUPPORTED_VERSIONS)
     if "version" not in d:
-        raise _err(source, "version", "missing key", f"add \"version\"; this tierflow reads versions {supported}")
+        raise _err(source, "version", "missing key",
+                   f"add \"version\"; this tierflow reads versions {supported}")
     version = d["version"]
     if not _is_int(version) or version not in SUPPORTED_VERSIONS:
         newer = _is_int(version) and version > max(SUPPORTED_VERSIONS)
@@ -674,11 +777,18 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
         if key not in d:
             raise _err(source, key, "missing key", f"add \"{key}\" at the top level")
     if "created_by" in d and not isinstance(d["created_by"], str):
-        raise _err(source, "created_by", f"expected a string, got {_json_type_name(d['created_by'])}", "write a string")
+        raise _err(source, "created_by", f"expected a string, got {_json_type_name(d['created_by'])}",
+                   "write a string")
     for key in ("predicted", "solver"):
         if d.get(key) is not None and not isinstance(d[key], dict):
-            raise _err(source, key, f"expected an object or null, got {_json_type_name(d[key])}", f"write \"{key}\": {{...}}")
+            raise _err(source, key, f"expected an object or null, got {_json_type_name(d[key])}",
+                       f"write \"{key}\": {{...}}")
+    return d
 
+
+def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
+    """Validate a parsed plan and rebuild it; raises PlanError."""
+    d = _check_top_level(source, d)
     model = _model(source, d["model"])
     hardware = _hardware(source, d["hardware"])
     config = _decisions(source, d["decisions"], model, hardware)
@@ -687,30 +797,31 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
     num_iterations = _positive_int(source, d, "num_iterations")
     num_blocks = _positive_int(source, d, "num_blocks")
     if num_iterations != config.iterations:
-        raise _err(source, "num_iterations", f"{num_iterations} but decisions.iterations is {config.iterations}",
-                   "make them equal")
+        raise _err(source, "num_iterations",
+                   f"{num_iterations} but decisions.iterations is {config.iterations}", "make them equal")
     if num_blocks != model.num_layers + 2:
         raise _err(source, "num_blocks", f"{num_blocks} but the model has {model.num_layers} layers + 2",
                    f"write {model.num_layers + 2} (embedding, layers, head)")
     _check_micro_batch_count(source, d["ops"], config)
     tasks = _ops(source, d["ops"], num_iterations, num_blocks, config.num_micro_batches)
-    if config.ranks == 1:
+    if config.world.ranks == 1:
         net = next((t for t in tasks if t.resource == NET), None)
         if net is not None:
             raise _err(source, f"op {net.id}", "a collective (resource net) in a plan of one rank",
                        "write decisions.gpus / nodes for the world it was built for, or " + _REWRITE)
     if d.get("digest") is not None:
         _check_digest(source, d, model, hardware, config)
+    _check_kinds(source, tasks)
     _check_derived_bytes(source, model, hardware, config, static, capacity)
     graph = TaskGraph(tasks, static, capacity, num_iterations, num_blocks,
-                      meta={"world": config.world.to_dict()} if config.ranks > 1 else {})
+                      meta={"world": config.world.to_dict()} if config.world.ranks > 1 else {})
     return Plan(model=model, hardware=hardware, config=config, graph=graph, predicted=d.get("predicted"),
                 solver=d.get("solver"), source=source)
 
 
 def validate_plan_dict(d: dict, source: str) -> None:
-    """Raise PlanError (one line naming `source`, the key or op id, the problem and a fix) unless `d` is a valid
-    plan."""
+    """Raise PlanError (one line naming `source`, the key or op id, the problem and a fix) unless `d` is a
+    valid plan."""
     plan_from_dict(d, source)
 
 
@@ -720,7 +831,8 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     try:
         text = read_text(path, MAX_PLAN_BYTES)  # plain or gzip-compressed, by the content
     except InputLimitError as exc:
-        raise _err(source, "(file)", str(exc), "give the path of a plan .json file written by tierflow") from None
+        raise _err(source, "(file)", str(exc),
+                   "give the path of a plan .json file written by tierflow") from None
     except FileNotFoundError as exc:
         raise _err(source, "(file)", "file not found", "check the path") from exc
     except IsADirectoryError as exc:
@@ -730,9 +842,11 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     except OSError as exc:
         if _looks_gzip(path):
             raise _err(source, "(file)", f"damaged gzip file: {exc}", "write the plan again") from exc
-        raise _err(source, "(file)", f"cannot read: {exc.strerror or exc}", "check the file's permissions") from exc
+        raise _err(source, "(file)", f"cannot read: {exc.strerror or exc}",
+                   "check the file's permissions") from exc
     try:
-        d = loads_json_limited(text, unchecked=("ops",), parse_constant=_reject_constant)  # ops: _ops checks them
+        # ops: _ops checks them
+        d = loads_json_limited(text, unchecked=("ops",), parse_constant=_reject_constant)
     except InputLimitError as exc:
         raise _err(source, "(file)", str(exc), "a plan nests 4 levels: ops, op, mem, effect") from None
     except json.JSONDecodeError as exc:
@@ -755,19 +869,20 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a JSON number")
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Simulation
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def simulate_plan(plan: Plan) -> SimResult:
-    """Play the plan's graph on the plan's hardware (tierflow.planner.core.simulator); tokens and FLOPs filled in as
-    tierflow.planner.core.simulate.simulate_config does."""
+    """Play the plan's graph on the plan's hardware (tierflow.planner.core.simulator); tokens and FLOPs filled
+    in as tierflow.planner.core.simulate.simulate_config does."""
     return simulate_config(plan.model, plan.hardware, plan.config, plan.graph)
 
 
 __all__ = [
-    "PLAN_FORMAT", "PLAN_VERSION", "SUPPORTED_VERSIONS", "LARGE_PLAN_BYTES", "Plan", "PlanError", "WrittenPlan", "plan_from_graph", "plan_to_dict",
+    "PLAN_FORMAT", "PLAN_VERSION", "SUPPORTED_VERSIONS", "LARGE_PLAN_BYTES", "Plan", "PlanError",
+    "WrittenPlan", "plan_from_graph", "plan_to_dict",
     "plan_from_dict", "write_plan", "load_plan", "validate_plan_dict", "simulate_plan", "dumps_plan_dict",
     "plan_digest", "MAX_PLAN_BYTES",
 ]

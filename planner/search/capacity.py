@@ -25,7 +25,8 @@ from tierflow.planner.search.problem import Problem
 FAMILIES = {
     "gpt": ("gpt3-125m", [(768, 12), (1024, 16), (1536, 16), (2048, 16), (2560, 32), (4096, 32), (5120, 40),
                           (6144, 48), (8192, 64), (10240, 80), (12288, 96), (16384, 128)]),
-    "llama": ("llama2-7b", [(2048, 16), (3072, 24), (4096, 32), (5120, 40), (6656, 52), (8192, 64), (12288, 96)]),
+    "llama": ("llama2-7b", [(2048, 16), (3072, 24), (4096, 32), (5120, 40), (6656, 52), (8192, 64),
+                            (12288, 96)]),
 }
 
 
@@ -44,7 +45,8 @@ def shape(family: str, hidden: int, heads: int, layers: int, seq: int | None = N
     template, _ = FAMILIES[family]
     base = get_model(template)
     if seq:
-        base = replace(base, seq_len=seq, max_positions=max(base.max_positions, seq) if base.max_positions else 0)
+        base = replace(base, seq_len=seq,
+                       max_positions=max(base.max_positions, seq) if base.max_positions else 0)
     if family == "gpt":
         return replace(base, name=f"gpt-{layers}x{hidden}", num_layers=layers, hidden=hidden, num_heads=heads,
                        num_kv_heads=heads, head_dim=hidden // heads, ffn_hidden=4 * hidden)
@@ -56,8 +58,8 @@ def shape(family: str, hidden: int, heads: int, layers: int, seq: int | None = N
 
 def fits(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool, gpus: int = 1,
          nodes: int = 1) -> bool:
-    """Does the most frugal plan fit every tier? With `gpus` ranks per box on `nodes` boxes (`batch` the global
-    batch), each rank's shard in its share of its box."""
+    """Does the most frugal plan fit every tier? With `gpus` ranks per box on `nodes` boxes (`batch` the
+    global batch), each rank's shard in its share of its box."""
     problem = Problem(model, hw, batch, seq, allow_ssd=with_ssd, gpus=gpus, nodes=nodes)
     need, caps = min_requirements(problem), problem.capacity_bytes
     return all(need[t] <= caps[t] for t in need)
@@ -66,8 +68,8 @@ def fits(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, with_ssd: 
 def frugal_config(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool, gpus: int = 1,
                   nodes: int = 1):
     placement = frugal_placement(Problem(model, hw, batch, seq, allow_ssd=with_ssd, gpus=gpus, nodes=nodes))
-    return make_schedule("vertical", model, hw, batch=batch, micro_batch=1, seq=seq, placement=placement, alpha=0.0,
-                         gpus=gpus, nodes=nodes)
+    return make_schedule("vertical", model, hw, batch=batch, micro_batch=1, seq=seq, placement=placement,
+                         alpha=0.0, gpus=gpus, nodes=nodes)
 
 
 def largest(family: str, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool, verify: bool = True,
@@ -100,7 +102,8 @@ def largest(family: str, hw: HardwareProfile, batch: int, seq: int, with_ssd: bo
 
 
 def _largest_light(args: tuple) -> CapacityAnswer:
-    """largest() for a worker process: the answer without the simulated task graph (only its summary travels)."""
+    """largest() for a worker process: the answer without the simulated task graph (only its summary
+    travels)."""
     a = largest(*args)
     if a.verified is not None:
         a.verified = a.verified.summary_only()
@@ -108,13 +111,14 @@ def _largest_light(args: tuple) -> CapacityAnswer:
 
 
 def largest_all(hw: HardwareProfile, batch: int, seq: int, *, families: tuple[str, ...] = tuple(FAMILIES),
-                workers: int | None = None, on_answer=None, gpus: int = 1, nodes: int = 1) -> list[CapacityAnswer]:
+                workers: int | None = None, on_answer=None, gpus: int = 1,
+                nodes: int = 1) -> list[CapacityAnswer]:
     """`largest` for every family, with and without the SSDs (when the box has them), each in its own process
     (up to `workers`, default the machine's cores, at most 2 when they share a small box): the answers are
     independent and each ends in one large simulation. `on_answer(answer)` is called as each one arrives."""
     # the answers with SSDs are the largest models and the longest simulations: start them first
-    jobs = [(fam, hw, batch, seq, with_ssd, True, gpus, nodes) for with_ssd in (True, False) for fam in families
-            if not (with_ssd and hw.ssd.count == 0)]
+    jobs = [(fam, hw, batch, seq, with_ssd, True, gpus, nodes)
+            for with_ssd in (True, False) for fam in families if not (with_ssd and hw.ssd.count == 0)]
     workers = min(len(jobs), workers or os.cpu_count() or 1)
     answers: dict[int, CapacityAnswer] = {}
     if workers > 1 and "fork" in mp.get_all_start_methods():

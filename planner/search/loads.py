@@ -2,8 +2,8 @@
 
 The loads are exact and cannot drift from the schedule builder: they are *measured* on the builder's own task
 graphs for 1- and 2-layer versions of the model and extrapolated linearly in the layer count (every decoder
-layer of a model contributes the same tasks, so a load is c + (L - n) x r + n x s for L layers of which the last
-n swap instead of recomputing). """
+layer of a model contributes the same tasks, so a load is c + (L - n) x r + n x s for L layers of which the
+last n swap instead of recomputing). """
 
 from __future__ import annotations
 
@@ -47,15 +47,16 @@ class IterationLoads:
         out["ssd_read"] = _div(w["ssd_read"], r.ssd_read)
         out["ssd_write"] = _div(w["ssd_write"], r.ssd_write)
         if hw.ssd.count > 0:  # both directions of the array, as for PCIe (ssd.mixed_efficiency)
-            out["ssd"] = duplex_time_s(w["ssd_read"], w["ssd_write"], r.ssd_read, r.ssd_write, r.ssd_read_mixed,
-                                       r.ssd_write_mixed)
+            out["ssd"] = duplex_time_s(w["ssd_read"], w["ssd_write"], r.ssd_read, r.ssd_write,
+                                       r.ssd_read_mixed, r.ssd_write_mixed)
         if w["net"] > 0:  # the collectives of several ranks
             out["net"] = _div(w["net"], r.net)
         out.update(pool_times_s(w, r))  # host memory (cpu.memory_efficiency) and, on a host device, its cores
         return out
 
     def bound_s(self, hw: HardwareProfile) -> float:
-        """Roofline lower bound: no iteration can be shorter than its busiest resource (phases not counted)."""
+        """Roofline lower bound: no iteration can be shorter than its busiest resource (phases not
+        counted)."""
         return max(v for k, v in self.times_s(hw).items() if k != "phases")
 
     def predict_s(self, hw: HardwareProfile) -> float:
@@ -68,9 +69,9 @@ class IterationLoads:
 
 
 def pool_times_s(work: dict[str, float], r) -> dict[str, float]:
-    """Least time each shared host pool needs for `work` (bytes on the links, seconds on gpu and cpu): host memory
-    ("dram": each byte a link moves crosses DRAM once, CPU Adam moves r.adam_dram_bps while it runs) and, on a host
-    device, its cores ("cores")."""
+    """Least time each shared host pool needs for `work` (bytes on the links, seconds on gpu and cpu): host
+    memory ("dram": each byte a link moves crosses DRAM once, CPU Adam moves r.adam_dram_bps while it runs)
+    and, on a host device, its cores ("cores")."""
     return {name: sum(work.get(k, 0.0) * u for k, u in use.items()) / cap_s for name, cap_s, use in r.pools()}
 
 
@@ -82,9 +83,9 @@ def pcie_time_s(h2d_bytes: float, d2h_bytes: float, r) -> float:
 def duplex_time_s(a_bytes: float, b_bytes: float, a_rate: float, b_rate: float, a_mixed: float,
                   b_mixed: float) -> float:
     """Least time to move both directions of one link (PCIe, or the SSD array's reads and writes): run them
-    together for t (at the mixed rates) as long as both have bytes left, the rest alone at the solo rates. With
-    c = 1 - Am/A - Bm/B < 0 (running both at once moves more than one alone), t = min(a/Am, b/Bm) and the time is
-    a/A + b/B + c t."""
+    together for t (at the mixed rates) as long as both have bytes left, the rest alone at the solo rates.
+    With c = 1 - Am/A - Bm/B < 0 (running both at once moves more than one alone), t = min(a/Am, b/Bm) and the
+    time is a/A + b/B + c t."""
     if a_bytes <= 0 or b_bytes <= 0:
         return _div(a_bytes, a_rate) + _div(b_bytes, b_rate)
     base = a_bytes / a_rate + b_bytes / b_rate
@@ -117,12 +118,13 @@ def _work(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, layers: in
 
 def _measure_work(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, layers: int,
                   swapped: int) -> dict[str, float]:
-    """Work per resource, and per resource and phase ("gpu@F", "h2d@B", ...): a task belongs to the phase of the
-    GPU step its queue position serves (forward steps -> F; head and backward steps -> B; the optimizer tail
-    after the last step to neither)."""
+    """Work per resource, and per resource and phase ("gpu@F", "h2d@B", ...): a task belongs to the phase of
+    the GPU step its queue position serves (forward steps -> F; head and backward steps -> B; the optimizer
+    tail after the last step to neither)."""
     m = replace(model, num_layers=layers)
     g = build_graph(m, hw, replace(cfg, iterations=1, swap_layers=swapped))
-    phases = ["F" if st.phase == "F" else "B" for st in step_sequence(layers + 2, cfg.num_micro_batches, cfg.group)]
+    steps = step_sequence(layers + 2, cfg.num_micro_batches, cfg.group)
+    phases = ["F" if st.phase == "F" else "B" for st in steps]
     clock = Clock(len(phases))
     work = dict.fromkeys(RESOURCES, 0.0)
     for r in RESOURCES:
@@ -150,5 +152,6 @@ def iteration_loads(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
         c = w1[k] - r  # embedding + head
         s = ws[k] - c  # one swapped layer
         work[k] = c + (L - n) * r + n * s
-    return IterationLoads(work=work, static_bytes=static_bytes(model, cfg.placement, cfg.runtime, cfg.ranks),
+    return IterationLoads(work=work,
+                          static_bytes=static_bytes(model, cfg.placement, cfg.runtime, cfg.world.ranks),
                           world=cfg.world)

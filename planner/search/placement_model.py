@@ -1,13 +1,13 @@
-"""The CP-SAT placement model of one candidate: where weights, optimizer states and checkpoints live, and how many
-layers swap their activations instead of recomputing, minimising the busiest resource's time under every tier's
-capacity.
+"""The CP-SAT placement model of one candidate: where weights, optimizer states and checkpoints live, and how
+many layers swap their activations instead of recomputing, minimising the busiest resource's time under every
+tier's capacity.
 
-Its coefficients are exact: the work of every resource is affine in the placement fractions and the swap count,
-and the coefficients are measured on the schedule builder's own task graphs (`linear_loads`, through
-tierflow.planner.search.loads), so the solver and the simulator cannot disagree about traffic. Its memory rows are
-the one memory model's (tierflow.planner.core.memory), with the GPU's working memory measured on a 2-layer window.
-`solve_placement` follows the sections of OR-Tools' own examples: data, variables, constraints, objective, solve,
-extract.
+Its coefficients are exact: the work of every resource is affine in the placement fractions and the swap
+count, and the coefficients are measured on the schedule builder's own task graphs (`linear_loads`, through
+tierflow.planner.search.loads), so the solver and the simulator cannot disagree about traffic. Its memory rows
+are the one memory model's (tierflow.planner.core.memory), with the GPU's working memory measured on a 2-layer
+window. `solve_placement` follows the sections of OR-Tools' own examples: data, variables, constraints,
+objective, solve, extract.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from tierflow.planner.search.problem import Problem
 from tierflow.planner.search.slots import SolverReport
 
 STEPS = 100  # placement fractions are decided in steps of 1/STEPS
-# the decision variables, as fractions: weights on GPU / on SSD, optimizer states on SSD, checkpoints on GPU / SSD
+# the decision variables, as fractions: weights on GPU / on SSD, optimizer states on SSD, checkpoints on GPU /
+# SSD
 VARS = ("w_gpu", "w_ssd", "s_ssd", "c_gpu", "c_ssd")
 CKPT_VARS = ("c_gpu", "c_ssd")
 MIB = 2**20  # memory rows are in MiB (allocations rounded up)
@@ -39,8 +40,9 @@ HORIZON_UNITS = 10**13
 
 @dataclass
 class LinearLoads:
-    """work_r(x, n) = base_r + sum_v coef_r[v] x_v + n (swap_r + sum_v swap_coef_r[v] x_v), x_v in [0, 1]; work is
-    seconds on gpu/cpu and bytes on links, per resource r (and per resource and phase, "gpu@F", ...)."""
+    """work_r(x, n) = base_r + sum_v coef_r[v] x_v + n (swap_r + sum_v swap_coef_r[v] x_v), x_v in [0, 1];
+    work is seconds on gpu/cpu and bytes on links, per resource r (and per resource and phase, "gpu@F",
+    ...)."""
 
     base: dict[str, float]
     coef: dict[str, dict[str, float]]
@@ -58,8 +60,8 @@ class LinearLoads:
 
 @dataclass(frozen=True)
 class PlacementMemory:
-    """The memory model of one candidate as the solver uses it: the schedule's memory (core.memory) with the GPU's
-    working memory measured on a 2-layer window (inf when even that does not fit)."""
+    """The memory model of one candidate as the solver uses it: the schedule's memory (core.memory) with the
+    GPU's working memory measured on a 2-layer window (inf when even that does not fit)."""
 
     schedule: ScheduleMemory
     gpu_working_bytes: float
@@ -114,8 +116,8 @@ def placement_memory(problem: Problem, cfg: ScheduleConfig) -> PlacementMemory:
 
 
 def _gpu_working_bytes(problem: Problem, cfg: ScheduleConfig, swapped: bool) -> float:
-    """Peak GPU bytes beyond the resident tensors, simulated on a 2-layer window of the schedule with the real GPU
-    capacity (transfers wait for memory as they will in the full run); inf when even that does not fit."""
+    """Peak GPU bytes beyond the resident tensors, simulated on a 2-layer window of the schedule with the real
+    GPU capacity (transfers wait for memory as they will in the full run); inf when even that does not fit."""
     small = replace(problem.model, num_layers=min(2, problem.model.num_layers))
     c = replace(cfg, placement=Placement(), iterations=1, swap_layers=small.num_layers if swapped else 0)
     g = build_graph(small, problem.hw, c)
@@ -134,7 +136,8 @@ class Solved:
 
 
 def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *, allow_swap: bool = True,
-                    time_limit_s: float = 5.0, workers: int = 2, tighten_bytes: dict[str, float] | None = None,
+                    time_limit_s: float = 5.0, workers: int = 2,
+                    tighten_bytes: dict[str, float] | None = None,
                     hint: Solved | None = None) -> Solved | None:
     """CP-SAT: minimise the busiest resource's time over placement fractions and the number of swapped layers,
     subject to every tier's capacity (less `tighten_bytes` per tier). Returns None when infeasible."""
@@ -146,7 +149,8 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
         return None
     can_swap = allow_swap and not math.isinf(mem.gpu_working_swap_bytes)
     tighten_bytes = tighten_bytes or {}
-    cap_mib = {t: max(0, int((c - tighten_bytes.get(t, 0.0)) / MIB)) for t, c in problem.capacity_bytes.items()}
+    cap_mib = {t: max(0, int((c - tighten_bytes.get(t, 0.0)) / MIB))
+               for t, c in problem.capacity_bytes.items()}
     weight_mib = _mib(COMPUTE_BYTES * sm.params / STEPS)  # per step of a fraction
     state_mib = _mib(STATE_BYTES * sm.params / STEPS)
     ckpt_recompute_mib = _mib(sm.ckpt_per_layer_bytes * L / STEPS)  # all layers' checkpoints, per step of c_*
@@ -183,9 +187,11 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
     # GPU: resident weights + checkpoints kept there + working memory (higher as soon as one layer swaps)
     m.Add(weight_mib * frac["w_gpu"] + ckpt_recompute_mib * frac["c_gpu"] + ckpt_swap_mib * swap_frac["c_gpu"]
           + gpu_work_mib + gpu_swap_extra_mib * any_swap <= cap_mib["gpu"])
-    # CPU: weights, optimizer states and checkpoints not placed elsewhere + the schedule's host memory + reserve
+    # CPU: weights, optimizer states and checkpoints not placed elsewhere + the schedule's host memory +
+    # reserve
     m.Add(weight_mib * (STEPS - frac["w_gpu"] - frac["w_ssd"]) + state_mib * (STEPS - frac["s_ssd"])
-          + ckpt_recompute_mib * (STEPS - frac["c_gpu"] - frac["c_ssd"]) + ckpt_swap_mib * swap_on_cpu + host_mib
+          + ckpt_recompute_mib * (STEPS - frac["c_gpu"] - frac["c_ssd"]) + ckpt_swap_mib * swap_on_cpu
+          + host_mib
           + sum(staging_mib[v] * flag for v, flag in streams.items()) <= cap_mib["cpu"])
     if problem.uses_ssd:
         m.Add(weight_mib * frac["w_ssd"] + state_mib * frac["s_ssd"] + ckpt_recompute_mib * frac["c_ssd"]
@@ -237,7 +243,8 @@ class _TimeTerms:
     integer decision variables."""
 
     def __init__(self, problem: Problem, lin: LinearLoads, frac: dict, swapped, swap_frac: dict) -> None:
-        self.problem, self.lin, self.frac, self.swapped, self.swap_frac = problem, lin, frac, swapped, swap_frac
+        self.problem, self.lin, self.frac = problem, lin, frac
+        self.swapped, self.swap_frac = swapped, swap_frac
 
     def expr(self, resource: str, rate: float, scale: float = 1.0):
         lin = self.lin
@@ -263,8 +270,8 @@ class _TimeTerms:
         return terms
 
     def duplex(self, a: str, b: str, a_rate: float, b_rate: float, a_mixed: float, b_mixed: float) -> list:
-        """Both directions of one link: a/A + b/B + c min(a/Am, b/Bm) (loads.duplex_time_s), a max of two linear
-        terms when c < 0."""
+        """Both directions of one link: a/A + b/B + c min(a/Am, b/Bm) (loads.duplex_time_s), a max of two
+        linear terms when c < 0."""
         both = self.expr(a, a_rate) + self.expr(b, b_rate)
         c = duplex_coefficient(a_rate, b_rate, a_mixed, b_mixed)
         if c < 0:

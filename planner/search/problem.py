@@ -1,8 +1,8 @@
-"""The planning problem: a model on a box at a batch and sequence length, and everything that depends only on them
-(cost model, link rates, tier capacities, per-micro-batch blocks), built once. With several data-parallel ranks
-(`gpus` per box x `nodes` boxes) the problem is one rank's: its share of the global batch (`rank_batch`), its
-share of the box's host resources and capacities (tierflow.planner.core.world); candidates, placement and loads
-are per rank. Every search function takes a
+"""The planning problem: a model on a box at a batch and sequence length, and everything that depends only on
+them (cost model, link rates, tier capacities, per-micro-batch blocks), built once. With several data-parallel
+ranks (`gpus` per box x `nodes` boxes) the problem is one rank's: its share of the global batch
+(`rank_batch`), its share of the box's host resources and capacities (tierflow.planner.core.world);
+candidates, placement and loads are per rank. Every search function takes a
 Problem instead of the (model, hw, batch, seq) tuple; its caches live on the instance, so two problems never
 share (or hash) each other's state.
 
@@ -41,7 +41,8 @@ class Candidate:
     group: int  # micro-batches a block runs before the next block (1 = one per sweep, M = all)
     alpha: float  # fraction of each block's CPU Adam deferred into the next iteration's forward
     prefetch_depth: int = 1
-    optimizer_overlap: bool = True  # the search's own candidates overlap; a fixed horizontal baseline does not
+    # the search's own candidates overlap; a fixed horizontal baseline does not
+    optimizer_overlap: bool = True
 
     def family(self, batch: int) -> str:
         """What the builder builds for this candidate (`batch`: one rank's sequences per iteration)."""
@@ -68,7 +69,7 @@ class Problem:
 
     def __post_init__(self) -> None:
         check_world(self.hw, self.gpus, self.nodes)
-        W = self.gpus * self.nodes
+        W = self.world.ranks
         if self.batch % W:
             raise ScheduleError(f"batch {self.batch} is not divisible by {W} ranks (use a multiple of {W})")
 
@@ -88,15 +89,11 @@ class Problem:
         return World(self.gpus, self.nodes)
 
     @property
-    def ranks(self) -> int:
-        return self.gpus * self.nodes
-
-    @property
     def rank_batch(self) -> int:
         """Sequences one rank runs per iteration (the global batch split over the ranks)."""
-        return self.batch // self.ranks
+        return self.world.rank_batch(self.batch)
 
-    # ---- built once -------------------------------------------------------------------------------------------
+    # ---- built once ----------------------------------------------------------------------------------------
 
     @cached_property
     def cost(self) -> CostModel:
@@ -124,7 +121,7 @@ class Problem:
             self._cache[key] = make()
         return self._cache[key]
 
-    # ---- candidates --------------------------------------------------------------------------------------------
+    # ---- candidates ----------------------------------------------------------------------------------------
 
     def config(self, c: Candidate, placement: Placement | None = None, swap_layers: int = 0,
                iterations: int = 3) -> ScheduleConfig:
@@ -136,7 +133,8 @@ class Problem:
                              prefetch_depth=c.prefetch_depth, swap_layers=swap_layers, iterations=iterations,
                              gpus=self.gpus, nodes=self.nodes,
                              # a candidate is tierflow's own plan: with the optimizer overlapped and one
-                             # micro-batch per sweep it is built as Fuyou's schedule, but runs on tierflow's executor
+                             # micro-batch per sweep it is built as Fuyou's schedule, but runs on tierflow's
+                             # executor
                              runtime="ideal" if fam == "fuyou" else None)
 
     def schedule_memory(self, cfg: ScheduleConfig) -> ScheduleMemory:
@@ -144,7 +142,8 @@ class Problem:
                               cfg.prefetch_depth, cfg.act_prefetch, cfg.runtime), lambda: schedule_memory(
             self.model, micro_batch=cfg.micro_batch, seq=self.seq, num_micro_batches=cfg.num_micro_batches,
             group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
-            prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime, ranks=self.ranks))
+            prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime,
+            ranks=self.world.ranks))
 
     def gpu_floor_s(self, micro_batch: int) -> float:
         """GPU compute of one iteration without any recompute: no plan with this micro-batch can beat it."""
@@ -160,5 +159,6 @@ class Problem:
         return need <= self.capacity_bytes["gpu"]
 
     def describe(self) -> str:
-        world = "" if self.ranks == 1 else f" over {self.ranks} ranks ({self.gpus} GPUs x {self.nodes} boxes)"
+        ranks = self.world.ranks
+        world = "" if ranks == 1 else f" over {ranks} ranks ({self.gpus} GPUs x {self.nodes} boxes)"
         return f"{self.model.name} on {self.hw.name}, batch {self.batch} x {self.seq}{world}"
