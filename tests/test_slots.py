@@ -1,5 +1,6 @@
-"""The slot model (tierflow.planner.search.slots): its template expands back to exactly the full iteration's work, its LP is
-solved to the optimum, and its prediction sits between the roofline bound and the simulated time."""
+"""The slot model (tierflow.planner.search.slots): its template expands back to exactly the full iteration's
+work, its LP is solved to the optimum, and its prediction sits between the roofline bound and the simulated
+time."""
 
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def _case(name: str):
     family, batch, mb, group, swap, pl = CASES[name]
     model = get_model(MODEL)
     hw = profile("rtx3090-desktop").with_overrides({"cpu.memory_gib": 48})
-    cfg = make_schedule(family, model, hw, batch=batch, micro_batch=mb, seq=512, group=group, swap_layers=swap,
-                        placement=pl)
+    cfg = make_schedule(family, model, hw, batch=batch, micro_batch=mb, seq=512, group=group,
+                        swap_layers=swap, placement=pl)
     return model, hw, cfg
 
 
@@ -68,8 +69,9 @@ def test_prediction_lies_between_the_roofline_and_the_simulation(name):
     """The windows are physical lower bounds (no resource works faster than its rate), so the prediction is
     at least the roofline and, up to the fluid model of shared links, at most the simulated time. How close it
     comes is the model's accuracy: these deliberately transfer-heavy placements are within 13% (12.1% for the
-    swapped vertical case on the 3090 desktop, 10.6% of it before host memory was shared: the slot model's windows
-    take host memory contention only in part; the planner's chosen plans: README, planner quality)."""
+    swapped vertical case on the 3090 desktop, 10.6% of it before host memory was shared: the slot model's
+    windows take host memory contention only in part; the planner's chosen plans: README, planner
+    quality)."""
     model, hw, cfg = _case(name)
     rep = solve_slots(build_slot_model(model, hw, cfg), hw)
     assert rep.status == "OPTIMAL" and rep.gap == 0.0
@@ -86,13 +88,15 @@ def _toy(counts, need_work, gpu, period) -> SlotModel:
     work[:, CHANNELS.index("cpu"), 0] = need_work
     total = np.zeros((len(CHANNELS), 1))
     return SlotModel(slots=[(0, "F", i, 0) for i in range(len(gpu))], gpu=np.array(gpu, dtype=float),
-                     period=np.array(period, dtype=float), counts=counts, work=work, released=np.zeros_like(work),
-                     total=total, links=np.zeros((len(counts), len(CHANNELS))), meta={})
+                     period=np.array(period, dtype=float), counts=counts, work=work,
+                     released=np.zeros_like(work), total=total, links=np.zeros((len(counts), len(CHANNELS))),
+                     meta={})
 
 
 def test_lp_finds_the_cheapest_way_to_stretch_the_slots():
     # slots of 1 s each, slot 1 repeated 10 times per iteration; window {0, 1} needs 5 s and window {1, 2}
-    # needs 4 s: stretching slot 0 by 3 s and slot 2 by 2 s costs 5 s, stretching the repeated slot 1 costs 10x
+    # needs 4 s: stretching slot 0 by 3 s and slot 2 by 2 s costs 5 s, stretching the repeated slot 1 costs
+    # 10x
     sm = _toy(counts=[[1, 1, 0], [0, 1, 1]], need_work=[5.0, 4.0], gpu=[1, 1, 1], period=[1, 10, 1])
     rep = solve_slots(sm, profile())
     assert rep.status == "OPTIMAL"
@@ -125,8 +129,8 @@ def test_a_chains_transfer_stretches_where_the_other_direction_runs_beside_it():
     released[:, CHANNELS.index("d2h"), 0] = np.array(b_seconds) * r.d2h  # bytes
     links = np.zeros((3, C))
     links[:, CHANNELS.index("h2d")] = 1.0 * r.h2d  # bytes: 1 s at the solo rate
-    sm = SlotModel(slots=[(0, "F", 0, 0)], gpu=np.zeros(1), period=np.ones(1), counts=np.ones((3, 1)), work=work,
-                   released=released, total=np.zeros((C, 1)), links=links, meta={})
+    sm = SlotModel(slots=[(0, "F", 0, 0)], gpu=np.zeros(1), period=np.ones(1), counts=np.ones((3, 1)),
+                   work=work, released=released, total=np.zeros((C, 1)), links=links, meta={})
     need = chain_needs(sm, hw)
     assert need[0] == pytest.approx(2.0)
     assert need[1] == pytest.approx(1.0 + r.h2d / r.h2d_duplex)
@@ -138,15 +142,17 @@ def test_a_chains_transfer_stretches_where_the_other_direction_runs_beside_it():
 
 
 def adam_as_hungry_as(bytes_per_s: float):
-    """The default box with CPU Adam asking host memory for `bytes_per_s` and host memory sustaining just that."""
+    """The default box with CPU Adam asking host memory for `bytes_per_s` and host memory sustaining just
+    that."""
     base = profile()
     return base.with_overrides({"cpu.adam_gparams_per_s": bytes_per_s / CPU_ADAM_DRAM_BYTES_PER_PARAM / 1e9,
                                 "cpu.memory_efficiency": bytes_per_s / (base.cpu.memory_gbps * 1e9)})
 
 
 def test_a_chains_adam_step_stretches_where_host_memory_is_oversubscribed():
-    """chain_needs: a 1 s chain that is one CPU Adam step, beside H2D copies that ask host memory for as much as
-    Adam does, on a box that sustains one of them: alone 1 s; with H2D busy the whole window, half speed (2 s)."""
+    """chain_needs: a 1 s chain that is one CPU Adam step, beside H2D copies that ask host memory for as much
+    as Adam does, on a box that sustains one of them: alone 1 s; with H2D busy the whole window, half speed
+    (2 s)."""
     h2d = CostModel(profile()).rates.h2d
     hw = adam_as_hungry_as(h2d)
     C = len(CHANNELS)
@@ -156,8 +162,8 @@ def test_a_chains_adam_step_stretches_where_host_memory_is_oversubscribed():
     released[:, CHANNELS.index("h2d"), 0] = [0.0, 100.0 * h2d]
     links = np.zeros((2, C))
     links[:, CHANNELS.index("cpu")] = 1.0  # the chain's Adam seconds
-    sm = SlotModel(slots=[(0, "F", 0, 0)], gpu=np.zeros(1), period=np.ones(1), counts=np.ones((2, 1)), work=work,
-                   released=released, total=np.zeros((C, 1)), links=links, meta={})
+    sm = SlotModel(slots=[(0, "F", 0, 0)], gpu=np.zeros(1), period=np.ones(1), counts=np.ones((2, 1)),
+                   work=work, released=released, total=np.zeros((C, 1)), links=links, meta={})
     need = chain_needs(sm, hw)
     assert need[0] == pytest.approx(1.0)
     assert need[1] == pytest.approx(2.0, rel=1e-6)
@@ -165,8 +171,9 @@ def test_a_chains_adam_step_stretches_where_host_memory_is_oversubscribed():
 
 def test_a_window_stretches_its_due_work_where_host_memory_is_oversubscribed():
     """dram_needs: a window must finish 1 s (solo) of SSD writes; CPU Adam asks host memory for as much as the
-    writes do, and host memory sustains one of them. Without Adam it needs 1 s; with Adam busy the whole window,
-    both run at half speed (2 s); with 1 s of Adam released, X = 1 + 1 / X (Adam runs 1/X of the window)."""
+    writes do, and host memory sustains one of them. Without Adam it needs 1 s; with Adam busy the whole
+    window, both run at half speed (2 s); with 1 s of Adam released, X = 1 + 1 / X (Adam runs 1/X of the
+    window)."""
     w = CostModel(profile()).rates.ssd_write
     hw = adam_as_hungry_as(w)
     C = len(CHANNELS)
@@ -174,8 +181,8 @@ def test_a_window_stretches_its_due_work_where_host_memory_is_oversubscribed():
     work[:, CHANNELS.index("ssd_write"), 0] = w  # bytes: 1 s at the solo rate
     released = np.zeros((3, C, 1))
     released[:, CHANNELS.index("cpu"), 0] = [0.0, 100.0, 1.0]  # seconds of CPU Adam beside it
-    sm = SlotModel(slots=[(0, "F", 0, 0)], gpu=np.zeros(1), period=np.ones(1), counts=np.ones((3, 1)), work=work,
-                   released=released, total=np.zeros((C, 1)), links=np.zeros((3, C)), meta={})
+    sm = SlotModel(slots=[(0, "F", 0, 0)], gpu=np.zeros(1), period=np.ones(1), counts=np.ones((3, 1)),
+                   work=work, released=released, total=np.zeros((C, 1)), links=np.zeros((3, C)), meta={})
     need = dram_needs(sm, hw)
     assert need[0] == pytest.approx(1.0)
     assert need[1] == pytest.approx(2.0)

@@ -1,6 +1,7 @@
-"""Tests for tierflow.planner.search.window: the CP-SAT window solver. Real windows (2 layers, one iteration) are checked for
-feasibility by replaying the solver's start times independently (dependencies, one task per resource, exact
-bytes against the capacities); toy graphs whose optimum is known by hand check the model itself."""
+"""Tests for tierflow.planner.search.window: the CP-SAT window solver. Real windows (2 layers, one iteration)
+are checked for feasibility by replaying the solver's start times independently (dependencies, one task per
+resource, exact bytes against the capacities); toy graphs whose optimum is known by hand check the model
+itself."""
 
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ def hw():
 
 
 def window_graph(family: str, headroom: float) -> TaskGraph:
-    """gpt3-125m cut to 2 layers, one iteration of batch 4 in micro-batches of 1, with the GPU and CPU capacities
-    set to `headroom` x the peak the schedule's own order reaches, so that memory constrains the solver."""
+    """gpt3-125m cut to 2 layers, one iteration of batch 4 in micro-batches of 1, with the GPU and CPU
+    capacities set to `headroom` x the peak the schedule's own order reaches, so that memory constrains the
+    solver."""
     h = hw()
     model = replace(get_model("gpt3-125m"), num_layers=2)
     g = build_graph(model, h, make_schedule(family, model, h, batch=4, micro_batch=1, iterations=1))
@@ -178,8 +180,8 @@ def test_static_bytes_count_against_capacity():
 
 
 def test_memory_rounding_is_conservative():
-    # allocations round up and frees down: the model's level never falls below the true one, and its worst-case
-    # excess stays within 0.1% of the headroom
+    # allocations round up and frees down: the model's level never falls below the true one, and its
+    # worst-case excess stays within 0.1% of the headroom
     g = window_graph("vertical", headroom=1.0)
     for m in memory_model(g):
         tier = TIERS[m.tier]

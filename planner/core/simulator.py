@@ -1,15 +1,16 @@
 """Discrete-event simulation of a task graph on a hardware profile.
 
-Each resource runs its tasks one at a time in the schedule's order. A task starts when (1) it is at the head of
-its resource's queue, (2) all its dependencies have finished and (3) the bytes it allocates at its start fit on
-every tier. Transfers on the two directions of a shared link (H2D/D2H over PCIe, reads/writes of the SSD array)
-slow each other down while both run, as the profile says: the simulator tracks the bytes each transfer still has
-to move and re-rates it whenever the opposite direction starts or stops (a fluid model). Host memory is shared the
-same way: every transfer's bytes and CPU Adam's (costmodel.CPU_ADAM_DRAM_BYTES_PER_PARAM) cross DRAM, and while
-together they would ask for more than the box sustains, every one of them slows in proportion. On a host device
-(the CPU as the device) the compute, CPU Adam and the copies share the host's cores the same way, except where the
-profile has measured how compute and the host's I/O threads slow each other (costmodel.Rates.io_contention): then
-compute runs (1 + extra x k) times slower beside k copies or SSD ops, and each of them its measured factor slower.
+Each resource runs its tasks one at a time in the schedule's order. A task starts when (1) it is at the head
+of its resource's queue, (2) all its dependencies have finished and (3) the bytes it allocates at its start
+fit on every tier. Transfers on the two directions of a shared link (H2D/D2H over PCIe, reads/writes of the
+SSD array) slow each other down while both run, as the profile says: the simulator tracks the bytes each
+transfer still has to move and re-rates it whenever the opposite direction starts or stops (a fluid model).
+Host memory is shared the same way: every transfer's bytes and CPU Adam's
+(costmodel.CPU_ADAM_DRAM_BYTES_PER_PARAM) cross DRAM, and while together they would ask for more than the box
+sustains, every one of them slows in proportion. On a host device (the CPU as the device) the compute, CPU
+Adam and the copies share the host's cores the same way, except where the profile has measured how compute and
+the host's I/O threads slow each other (costmodel.Rates.io_contention): then compute runs (1 + extra x k)
+times slower beside k copies or SSD ops, and each of them its measured factor slower.
 
 If the run can no longer progress because a task's allocation never fits, the schedule is refused with a
 CapacityError naming the tier, the simulated time and the bytes over.
@@ -20,12 +21,13 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
 from tierflow.errors import DoesNotFit, TierflowError
 from tierflow.hwprofiles import HardwareProfile
-from tierflow.planner.core.costmodel import link_rates
+from tierflow.planner.core.costmodel import Rates, link_rates
 from tierflow.planner.core.graph import HOST_LINKS, LINK_NAMES, NET, RESOURCES, TIERS, TaskGraph, gc_paused
 from tierflow.planner.core.world import SINGLE, World
 
@@ -37,6 +39,8 @@ class SimulationError(TierflowError, RuntimeError):
 
 
 class CapacityError(DoesNotFit, SimulationError):
+    """A tier's memory overflows: the tier, the simulated time and the bytes over."""
+
     def __init__(self, tier: str, time_s: float, over_bytes: float, what: str):
         self.tier, self.time_s, self.over_bytes = tier, time_s, over_bytes
         super().__init__(f"{tier} memory exceeded by {over_bytes / 1e9:.2f} GB at t={time_s:.3f} s ({what})")
@@ -44,6 +48,9 @@ class CapacityError(DoesNotFit, SimulationError):
 
 @dataclass
 class SimResult:
+    """The times of every task of a played graph and the steady-state metrics of its iteration
+    (`summarize`)."""
+
     graph: TaskGraph
     start_s: np.ndarray
     end_s: np.ndarray
@@ -122,7 +129,8 @@ class SimResult:
             # several ranks: the world and per-GPU throughput (left out for one, whose output stays as it was)
             **({"world": self.world, **self.per_gpu()} if self.ranks > 1 else {}),
             # an executor's measurement: the device allocator's peaks (bytes), where the device measures them
-            **({"measured_device_memory": dict(self.meta["device_memory"])} if self.meta.get("device_memory") else {}),
+            **({"measured_device_memory": dict(self.meta["device_memory"])}
+               if self.meta.get("device_memory") else {}),
         }
 
 
@@ -137,198 +145,296 @@ def simulate_graph(graph: TaskGraph, hw: HardwareProfile, world: World | None = 
 
 
 def _simulate(graph: TaskGraph, hw: HardwareProfile, world: World) -> SimResult:
-    rates = link_rates(hw, world)
-    tasks = graph.tasks
-    n = len(tasks)
+    """Play the graph: set up its queues, rates and memory, run the event loop, build the result."""
+    run = _Run(graph, link_rates(hw, world))
+    run.play()
+    if run.done < len(graph.tasks):
+        _raise_stuck(graph, run.queues, run.ptr, run.ndeps, run.mem, run.cap, run.now, run.mem_blocked,
+                     RESOURCES)
+    return summarize(graph, np.asarray(run.start), np.asarray(run.end), run.peak, run.trace)
+
+
+class _LinkTables(NamedTuple):
+    """The two directions of each shared link, by resource index (`_link_tables`)."""
+
+    partner: list[int]  # the other direction of the resource's link (-1: none)
+    solo: list[float]  # its rate alone (bytes/s; 1.0 for a resource that is not a link)
+    duplex: list[float]  # its rate while the other direction runs
+
+
+def _link_tables(rates: Rates, ridx: dict[str, int]) -> _LinkTables:
+    """Solo and duplex rates of the PCIe link and the SSD array, each direction against the other, and the
+    collectives' rate (no partner)."""
     R = len(RESOURCES)
-    ridx = {r: i for i, r in enumerate(RESOURCES)}
-    order = graph.resource_order()
-    queues = [order[r] for r in RESOURCES]
-    res_of = [ridx[t.resource] for t in tasks]
-    work = [t.work for t in tasks]
+    partner = [-1] * R
+    solo = [1.0] * R
+    duplex = [1.0] * R
+    for a, b, sa, sb, da, db in (
+        ("h2d", "d2h", rates.h2d, rates.d2h, rates.h2d_duplex, rates.d2h_duplex),
+        ("ssd_read", "ssd_write", rates.ssd_read, rates.ssd_write, rates.ssd_read_mixed,
+         rates.ssd_write_mixed),
+    ):
+        ia, ib = ridx[a], ridx[b]
+        partner[ia], partner[ib] = ib, ia
+        solo[ia], solo[ib], duplex[ia], duplex[ib] = sa, sb, da, db
+    solo[ridx[NET]] = duplex[ridx[NET]] = rates.net
+    return _LinkTables(partner, solo, duplex)
+
+
+def _dependencies(tasks) -> tuple[list[int], list[list[int]]]:
+    """How many distinct tasks each task waits for, and the tasks waiting for each."""
+    n = len(tasks)
     ndeps = [0] * n
     succ: list[list[int]] = [[] for _ in range(n)]
     for t in tasks:
         for d in set(t.deps):
             succ[d].append(t.id)
             ndeps[t.id] += 1
-    mstart = [t.mem_start for t in tasks]
-    mend = [t.mem_end for t in tasks]
-    is_link = [r in LINK_NAMES for r in RESOURCES]
-    # fluid resources progress at a rate that depends on what else runs: the links (bytes), the CPU and, on a host
-    # device, the GPU (seconds of work at solo speed); each shared host pool (memory bandwidth, cores) has a
-    # capacity and, per resource, what one unit of its work per second uses of it
-    pools = [(cap_s, [use.get(r, 0.0) for r in RESOURCES]) for _, cap_s, use in rates.pools()]
-    fluid = [is_link[r] or RESOURCES[r] == "cpu" or any(use[r] > 0 for _, use in pools) for r in range(R)]
-    fluids = [r for r in range(R) if fluid[r]]
-    contention = rates.io_contention
-    gpu_r = ridx["gpu"]
-    beside = [rates.beside_compute(res) for res in RESOURCES]
-    partner = [-1] * R
-    solo = [1.0] * R
-    duplex = [1.0] * R
-    for a, b, sa, sb, da, db in (
-        ("h2d", "d2h", rates.h2d, rates.d2h, rates.h2d_duplex, rates.d2h_duplex),
-        ("ssd_read", "ssd_write", rates.ssd_read, rates.ssd_write, rates.ssd_read_mixed, rates.ssd_write_mixed),
-    ):
-        ia, ib = ridx[a], ridx[b]
-        partner[ia], partner[ib] = ib, ia
-        solo[ia], solo[ib], duplex[ia], duplex[ib] = sa, sb, da, db
-    solo[ridx[NET]] = duplex[ridx[NET]] = rates.net
-    if rates.net <= 0 and any(t.resource == NET for t in tasks):
-        raise SimulationError("the graph has collectives (net ops) but the world has one rank: simulate it "
-                              "with the plan's gpus and nodes")
+    return ndeps, succ
 
+
+def _resident_memory(graph: TaskGraph) -> tuple[list[float], list[float]]:
+    """Each tier's capacity and the bytes its resident tensors take (raises CapacityError where they alone do
+    not fit)."""
     cap = [graph.capacity_bytes[t] for t in TIERS]
     mem = [graph.static_bytes[t] for t in TIERS]
     for i, tier in enumerate(TIERS):
         if mem[i] > cap[i] + _EPS_BYTES:
             raise CapacityError(tier, 0.0, mem[i] - cap[i], "resident tensors alone do not fit")
-    peak = list(mem)
-    trace: list[tuple[float, float, float, float]] = [(0.0, mem[0], mem[1], mem[2])]
+    return cap, mem
 
-    start = [math.nan] * n
-    end = [math.nan] * n
-    ptr = [0] * R
-    running = [-1] * R
-    remaining = [0.0] * R
-    rate = [0.0] * R
-    since = [0.0] * R
-    version = [0] * R
-    heap: list[tuple[float, int, int, int]] = []  # (time, seq, resource, version)
-    # each op's fixed software cost on its resource (pcie.latency_us, ssd.latency_us) runs before its work flows
-    latency = [rates.latency_s(res) for res in RESOURCES]
-    flowing = [True] * R  # False while the op running on a resource is still in its fixed cost
-    seq = 0
-    now = 0.0
-    mem_blocked: set[int] = set()
 
-    def base_rate(r: int) -> float:
-        p = partner[r]
-        return duplex[r] if p >= 0 and running[p] >= 0 and flowing[p] else solo[r]
+class _Run:
+    """One play of a task graph: the resources' queues and rates, the memory on each tier and the event heap.
+    Resources are indexed as RESOURCES, tiers as TIERS, tasks by id."""
 
-    def rerate_fluids() -> None:
-        """Bring every running fluid resource's progress up to now and reschedule its finish at the rate it gets
-        now: its solo or duplex rate, all scaled down together while their DRAM traffic exceeds the box's."""
-        nonlocal seq
-        active = [r for r in fluids if running[r] >= 0 and flowing[r]]
-        base = {r: base_rate(r) for r in active}
+    __slots__ = ("graph", "rates", "queues", "res_of", "work", "ndeps", "succ", "mstart", "mend", "pools",
+                 "fluid", "fluids", "contention", "gpu_r", "beside", "partner", "solo", "duplex", "cap",
+                 "mem", "peak", "trace", "start", "end", "ptr", "running", "remaining", "rate", "since",
+                 "version", "heap", "latency", "flowing", "seq", "now", "mem_blocked", "done")
+
+    def __init__(self, graph: TaskGraph, rates: Rates):
+        tasks = graph.tasks
+        n, R = len(tasks), len(RESOURCES)
+        ridx = {r: i for i, r in enumerate(RESOURCES)}
+        order = graph.resource_order()
+        self.graph, self.rates = graph, rates
+        self.queues = [order[r] for r in RESOURCES]
+        self.res_of = [ridx[t.resource] for t in tasks]
+        self.work = [t.work for t in tasks]
+        self.ndeps, self.succ = _dependencies(tasks)
+        self.mstart = [t.mem_start for t in tasks]
+        self.mend = [t.mem_end for t in tasks]
+        self._fluid_model(rates)
+        self.contention = rates.io_contention
+        self.gpu_r = ridx["gpu"]
+        self.beside = [rates.beside_compute(res) for res in RESOURCES]
+        self.partner, self.solo, self.duplex = _link_tables(rates, ridx)
+        if rates.net <= 0 and any(t.resource == NET for t in tasks):
+            raise SimulationError("the graph has collectives (net ops) but the world has one rank: simulate "
+                                  "it with the plan's gpus and nodes")
+        self.cap, self.mem = _resident_memory(graph)
+        self.peak = list(self.mem)
+        self.trace: list[tuple[float, float, float, float]] = [(0.0, self.mem[0], self.mem[1], self.mem[2])]
+        self.start = [math.nan] * n
+        self.end = [math.nan] * n
+        self.ptr = [0] * R  # the next task of each resource's queue
+        self.running = [-1] * R  # the task each resource runs (-1: none)
+        self.remaining = [0.0] * R  # a fluid resource's work left at `since`
+        self.rate = [0.0] * R
+        self.since = [0.0] * R
+        self.version = [0] * R  # a heap entry of an older version is stale
+        self.heap: list[tuple[float, int, int, int]] = []  # (time, seq, resource, version)
+        # each op's fixed software cost on its resource (pcie.latency_us, ssd.latency_us) runs before its work
+        # flows
+        self.latency = [rates.latency_s(res) for res in RESOURCES]
+        self.flowing = [True] * R  # False while the op running on a resource is still in its fixed cost
+        self.seq = 0
+        self.now = 0.0
+        self.mem_blocked: set[int] = set()
+        self.done = 0
+
+    def _fluid_model(self, rates: Rates) -> None:
+        """Fluid resources progress at a rate that depends on what else runs: the links (bytes), the CPU and,
+        on a host device, the GPU (seconds of work at solo speed); each shared host pool (memory bandwidth,
+        cores) has a capacity and, per resource, what one unit of its work per second uses of it."""
+        R = len(RESOURCES)
+        is_link = [r in LINK_NAMES for r in RESOURCES]
+        self.pools = [(cap_s, [use.get(r, 0.0) for r in RESOURCES]) for _, cap_s, use in rates.pools()]
+        self.fluid = [is_link[r] or RESOURCES[r] == "cpu" or any(use[r] > 0 for _, use in self.pools)
+                      for r in range(R)]
+        self.fluids = [r for r in range(R) if self.fluid[r]]
+
+    # --- the event loop ---------------------------------------------------------------------------------
+
+    def play(self) -> None:
+        """Start what can start, then take the events in time order: an op's fixed cost paid (its work
+        begins) or its work done (it finishes), until none is left."""
+        for r in range(len(RESOURCES)):
+            self.try_start(r)
+        heap, version, running, flowing = self.heap, self.version, self.running, self.flowing
+        while heap:
+            t_ev, _, r, ver = heapq.heappop(heap)
+            if ver != version[r] or running[r] < 0:
+                continue
+            self.now = t_ev
+            tid = running[r]
+            if not flowing[r]:  # its fixed cost is paid: now its work
+                self.begin_work(r, tid)
+                continue
+            self.finish(r, tid)
+
+    # --- rates of the fluid resources ---------------------------------------------------------------------
+
+    def base_rate(self, r: int) -> float:
+        """Resource r's rate before the shared pools: duplex while its link's other direction flows."""
+        p = self.partner[r]
+        return self.duplex[r] if p >= 0 and self.running[p] >= 0 and self.flowing[p] else self.solo[r]
+
+    def rerate_fluids(self) -> None:
+        """Bring every running fluid resource's progress up to now and reschedule its finish at the rate it
+        gets now: its solo or duplex rate, all scaled down together while their DRAM traffic exceeds the
+        box's."""
+        running, flowing = self.running, self.flowing
+        active = [r for r in self.fluids if running[r] >= 0 and flowing[r]]
+        base = {r: self.base_rate(r) for r in active}
+        scale = self._pool_scales(active, base)
+        for r in active:
+            self._rerate(r, base[r] * scale[r])
+
+    def _pool_scales(self, active: list[int], base: dict[int, float]) -> dict[int, float]:
+        """The factor each active fluid resource runs at: every user of an oversubscribed host pool slowed in
+        proportion, and with measured interference compute and the host's I/O threads slowed by each other."""
         scale = dict.fromkeys(active, 1.0)
-        for cap_s, use in pools:
+        for cap_s, use in self.pools:
             demand = sum(base[r] * use[r] for r in active)
             if demand > cap_s:
                 for r in active:
                     if use[r] > 0:
                         scale[r] = min(scale[r], cap_s / demand)
-        if contention and gpu_r in scale:  # measured interference of compute and the host's I/O threads
-            io = [r for r in active if RESOURCES[r] in HOST_LINKS]  # host threads (the collectives: not measured)
+        gpu_r = self.gpu_r
+        if self.contention and gpu_r in scale:  # measured interference of compute and the host's I/O threads
+            # host threads (the collectives: not measured)
+            io = [r for r in active if RESOURCES[r] in HOST_LINKS]
             if io:
-                scale[gpu_r] = min(scale[gpu_r], 1.0 / (1.0 + rates.compute_io_extra * len(io)))
+                scale[gpu_r] = min(scale[gpu_r], 1.0 / (1.0 + self.rates.compute_io_extra * len(io)))
                 for r in io:
-                    scale[r] = min(scale[r], 1.0 / beside[r])
-        for r in active:
-            new = base[r] * scale[r]
-            if new == rate[r]:
-                continue
-            remaining[r] -= rate[r] * (now - since[r])
-            since[r] = now
-            rate[r] = new
-            version[r] += 1
-            left = max(remaining[r], 0.0)
-            fin = now + (left / new if new > 0 else math.inf)
-            seq += 1
-            heapq.heappush(heap, (fin, seq, r, version[r]))
+                    scale[r] = min(scale[r], 1.0 / self.beside[r])
+        return scale
 
-    def try_start(r: int) -> None:
-        nonlocal seq
-        if running[r] >= 0 or ptr[r] >= len(queues[r]):
+    def _rerate(self, r: int, new: float) -> None:
+        """Resource r runs at `new` from now: its progress so far is booked and its finish rescheduled."""
+        rate = self.rate
+        if new == rate[r]:
             return
-        tid = queues[r][ptr[r]]
-        if ndeps[tid]:
+        now = self.now
+        self.remaining[r] -= rate[r] * (now - self.since[r])
+        self.since[r] = now
+        rate[r] = new
+        self.version[r] += 1
+        left = max(self.remaining[r], 0.0)
+        fin = now + (left / new if new > 0 else math.inf)
+        self.seq += 1
+        heapq.heappush(self.heap, (fin, self.seq, r, self.version[r]))
+
+    # --- starting tasks -----------------------------------------------------------------------------------
+
+    def try_start(self, r: int) -> None:
+        """Start the task at the head of r's queue if r is idle, its dependencies are done and the bytes it
+        allocates fit (else r waits for memory, in mem_blocked)."""
+        if self.running[r] >= 0 or self.ptr[r] >= len(self.queues[r]):
             return
-        ms = mstart[tid]
-        if ms:
-            need = [0.0, 0.0, 0.0]
-            for tier, delta in ms:
-                need[tier] += delta
-            for i in range(3):
-                if need[i] > 0 and mem[i] + need[i] > cap[i] + _EPS_BYTES:
-                    mem_blocked.add(r)
-                    return
-            for i in range(3):
-                if need[i]:
-                    mem[i] += need[i]
-                    if mem[i] > peak[i]:
-                        peak[i] = mem[i]
-            trace.append((now, mem[0], mem[1], mem[2]))
-        mem_blocked.discard(r)
-        ptr[r] += 1
-        running[r] = tid
-        start[tid] = now
-        version[r] += 1
-        if latency[r] > 0:  # the op's fixed software cost first, outside the shared link and pools
-            flowing[r] = False
-            seq += 1
-            heapq.heappush(heap, (now + latency[r], seq, r, version[r]))
-        else:
-            begin_work(r, tid)
+        tid = self.queues[r][self.ptr[r]]
+        if self.ndeps[tid]:
+            return
+        if self.mstart[tid] and not self._allocate(self.mstart[tid]):
+            self.mem_blocked.add(r)
+            return
+        self.mem_blocked.discard(r)
+        self._start(r, tid)
 
-    def begin_work(r: int, tid: int) -> None:
-        """The op's work starts: a fluid resource's flows at the rate it gets now, another's takes its time."""
-        nonlocal seq
-        flowing[r] = True
-        if fluid[r]:
-            remaining[r] = work[tid]
-            since[r] = now
-            rate[r] = -1.0  # no rate yet: rerate_fluids schedules its finish
-            rerate_fluids()
-        else:
-            version[r] += 1
-            seq += 1
-            heapq.heappush(heap, (now + work[tid], seq, r, version[r]))
+    def _allocate(self, ms) -> bool:
+        """Memory accounting at a task's start: the bytes it allocates (tier, delta) if they fit on every tier
+        (the peaks and the trace follow); False, allocating nothing, if they do not."""
+        mem, cap, peak = self.mem, self.cap, self.peak
+        need = [0.0, 0.0, 0.0]
+        for tier, delta in ms:
+            need[tier] += delta
+        for i in range(3):
+            if need[i] > 0 and mem[i] + need[i] > cap[i] + _EPS_BYTES:
+                return False
+        for i in range(3):
+            if need[i]:
+                mem[i] += need[i]
+                if mem[i] > peak[i]:
+                    peak[i] = mem[i]
+        self.trace.append((self.now, mem[0], mem[1], mem[2]))
+        return True
 
-    for r in range(R):
-        try_start(r)
-    done = 0
-    while heap:
-        t_ev, _, r, ver = heapq.heappop(heap)
-        if ver != version[r] or running[r] < 0:
-            continue
-        now = t_ev
-        tid = running[r]
-        if not flowing[r]:  # its fixed cost is paid: now its work
-            begin_work(r, tid)
-            continue
-        running[r] = -1
-        end[tid] = now
-        done += 1
-        freed = False
-        me = mend[tid]
-        if me:
-            for tier, delta in me:
-                mem[tier] += delta
-                if delta < 0:
-                    freed = True
-                elif mem[tier] > peak[tier]:
-                    peak[tier] = mem[tier]
-            trace.append((now, mem[0], mem[1], mem[2]))
-        if fluid[r]:
-            rate[r] = 0.0
-            rerate_fluids()
+    def _start(self, r: int, tid: int) -> None:
+        """Task tid starts on r: its fixed cost first where r has one, else its work."""
+        self.ptr[r] += 1
+        self.running[r] = tid
+        self.start[tid] = self.now
+        self.version[r] += 1
+        if self.latency[r] > 0:  # the op's fixed software cost first, outside the shared link and pools
+            self.flowing[r] = False
+            self.seq += 1
+            heapq.heappush(self.heap, (self.now + self.latency[r], self.seq, r, self.version[r]))
+        else:
+            self.begin_work(r, tid)
+
+    def begin_work(self, r: int, tid: int) -> None:
+        """The op's work starts: a fluid resource's flows at the rate it gets now, another's takes its
+        time."""
+        self.flowing[r] = True
+        if self.fluid[r]:
+            self.remaining[r] = self.work[tid]
+            self.since[r] = self.now
+            self.rate[r] = -1.0  # no rate yet: rerate_fluids schedules its finish
+            self.rerate_fluids()
+        else:
+            self.version[r] += 1
+            self.seq += 1
+            heapq.heappush(self.heap, (self.now + self.work[tid], self.seq, r, self.version[r]))
+
+    # --- finishing tasks ----------------------------------------------------------------------------------
+
+    def finish(self, r: int, tid: int) -> None:
+        """Task tid's work on r is done: its memory is freed or kept, the fluid resources re-rated, and r,
+        the resources of the tasks it released and (when it freed memory) those waiting for memory try to
+        start."""
+        self.running[r] = -1
+        self.end[tid] = self.now
+        self.done += 1
+        freed = self._release(self.mend[tid]) if self.mend[tid] else False
+        if self.fluid[r]:
+            self.rate[r] = 0.0
+            self.rerate_fluids()
         wake = {r}
-        for s in succ[tid]:
+        ndeps, res_of = self.ndeps, self.res_of
+        for s in self.succ[tid]:
             ndeps[s] -= 1
             if not ndeps[s]:
                 wake.add(res_of[s])
-        if freed and mem_blocked:
-            wake |= mem_blocked
+        if freed and self.mem_blocked:
+            wake |= self.mem_blocked
         for w in wake:
-            try_start(w)
+            self.try_start(w)
 
-    if done < n:
-        _raise_stuck(graph, queues, ptr, ndeps, mem, cap, now, mem_blocked, RESOURCES)
-
-    return summarize(graph, np.asarray(start), np.asarray(end), peak, trace)
+    def _release(self, me) -> bool:
+        """Memory accounting at a task's end: the bytes it frees or keeps (tier, delta); whether it freed
+        any."""
+        mem, peak = self.mem, self.peak
+        freed = False
+        for tier, delta in me:
+            mem[tier] += delta
+            if delta < 0:
+                freed = True
+            elif mem[tier] > peak[tier]:
+                peak[tier] = mem[tier]
+        self.trace.append((self.now, mem[0], mem[1], mem[2]))
+        return freed
 
 
 def _raise_stuck(graph, queues, ptr, ndeps, mem, cap, now, mem_blocked, resources) -> None:
@@ -355,37 +461,53 @@ def _raise_stuck(graph, queues, ptr, ndeps, mem, cap, now, mem_blocked, resource
 
 
 def summarize(graph: TaskGraph, start: np.ndarray, end: np.ndarray, peak: list[float], trace) -> SimResult:
-    """Steady-state metrics of a played graph: from the simulator's times, or from an executor's measured ones."""
+    """Steady-state metrics of a played graph: from the simulator's times, or from an executor's measured
+    ones."""
     tasks = graph.tasks
     N = graph.num_iterations
     gpu_mask = np.array([t.resource == "gpu" for t in tasks])
     its = np.array([t.iteration for t in tasks])
     ends = [float(end[gpu_mask & (its == i)].max()) for i in range(N)]
     res = np.array([t.resource for t in tasks])
-    if N >= 2:
-        # Report an iteration with one before and one after it (the last one has no successor whose prefetches
-        # compete with it). Its period: a pipeline runs at the pace of its slowest stage, and a short run has not
-        # always settled, so it is the largest gap, over every resource (and each shared link as a whole) and
-        # every pair of consecutive iterations, between finishing one iteration's work and the next's.
-        w0 = ends[-3] if N >= 3 else ends[-2]
-        iteration_s = 0.0
-        for group in [(r,) for r in RESOURCES] + [("h2d", "d2h"), ("ssd_read", "ssd_write")]:
-            m = np.isin(res, group)
-            done = [end[m & (its == i)] for i in range(N)]
-            for i in range(1, N):
-                if len(done[i - 1]) and len(done[i]):
-                    iteration_s = max(iteration_s, float(done[i].max() - done[i - 1].max()))
-    else:
-        w0, iteration_s = 0.0, float(np.nanmax(end))
+    w0, iteration_s = _steady_window(N, end, ends, res, its)
     w1 = w0 + iteration_s
+    return SimResult(
+        graph=graph, start_s=start, end_s=end, iteration_ends_s=ends, iteration_s=iteration_s,
+        window_s=(w0, w1),
+        busy=_busy_shares(graph, start, end, res, w0, w1, iteration_s),
+        link_bytes=graph.bytes_per_link(iteration=max(N - 2, 0)),
+        peak_bytes={t: peak[i] for i, t in enumerate(TIERS)}, memory_trace=trace,
+    )
+
+
+def _steady_window(N: int, end: np.ndarray, ends: list[float], res: np.ndarray,
+                   its: np.ndarray) -> tuple[float, float]:
+    """The start of the iteration reported and its period (N iterations played; `ends`: when each iteration's
+    GPU work ends; `res`, `its`: each task's resource and iteration)."""
+    if N < 2:
+        return 0.0, float(np.nanmax(end))
+    # Report an iteration with one before and one after it (the last one has no successor whose prefetches
+    # compete with it). Its period: a pipeline runs at the pace of its slowest stage, and a short run has not
+    # always settled, so it is the largest gap, over every resource (and each shared link as a whole) and
+    # every pair of consecutive iterations, between finishing one iteration's work and the next's.
+    w0 = ends[-3] if N >= 3 else ends[-2]
+    iteration_s = 0.0
+    for group in [(r,) for r in RESOURCES] + [("h2d", "d2h"), ("ssd_read", "ssd_write")]:
+        m = np.isin(res, group)
+        done = [end[m & (its == i)] for i in range(N)]
+        for i in range(1, N):
+            if len(done[i - 1]) and len(done[i]):
+                iteration_s = max(iteration_s, float(done[i].max() - done[i - 1].max()))
+    return w0, iteration_s
+
+
+def _busy_shares(graph: TaskGraph, start: np.ndarray, end: np.ndarray, res: np.ndarray, w0: float, w1: float,
+                 iteration_s: float) -> dict[str, float]:
+    """The share of the window [w0, w1] each resource of the graph is busy."""
     busy = {}
     for r in graph.resources():
         m = res == r
         s = np.clip(start[m], w0, w1)
         e = np.clip(end[m], w0, w1)
         busy[r] = float((e - s).sum() / iteration_s) if iteration_s > 0 else 0.0
-    return SimResult(
-        graph=graph, start_s=start, end_s=end, iteration_ends_s=ends, iteration_s=iteration_s, window_s=(w0, w1),
-        busy=busy, link_bytes=graph.bytes_per_link(iteration=max(N - 2, 0)),
-        peak_bytes={t: peak[i] for i, t in enumerate(TIERS)}, memory_trace=trace,
-    )
+    return busy

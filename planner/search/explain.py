@@ -5,23 +5,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from tierflow.planner.core.memory import schedule_memory
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.simulator import SimResult
 from tierflow.planner.core.world import rank_capacity_bytes
 from tierflow.planner.search.loads import IterationLoads
+from tierflow.planner.search.placement_model import linear_loads, placement_memory, solve_placement
 from tierflow.planner.search.problem import Problem
-
-if TYPE_CHECKING:
-    from tierflow.planner.search.plan_search import SearchResult
+from tierflow.planner.search.results import SearchResult
 
 
 def frugal_placement(problem: Problem) -> Placement:
-    """Weights, optimizer states and checkpoints on the SSDs when the problem may use them, else in CPU memory."""
+    """Weights, optimizer states and checkpoints on the SSDs when the problem may use them, else in CPU
+    memory."""
     where = Split(gpu=0, cpu=0, ssd=1) if problem.uses_ssd else Split()
-    return Placement(weights=where, master=where, adam_m=where, adam_v=where, grads=Split(), checkpoints=where)
+    return Placement(weights=where, master=where, adam_m=where, adam_v=where, grads=Split(),
+                     checkpoints=where)
 
 
 def min_requirements(problem: Problem) -> dict[str, float]:
@@ -41,18 +41,22 @@ def overflows(problem: Problem) -> dict[str, float]:
 
 
 def infeasible_message(problem: Problem) -> str:
+    """The one-line error for a problem no plan fits: which tier overflows by how much and what would make it
+    fit (or, when every tier holds the most frugal plan, that verification refused every candidate)."""
     model, hw = problem.model, problem.hw
     need, caps = min_requirements(problem), problem.capacity_bytes
     over = overflows(problem)
     if not over:
         return (f"{model.name} on {hw.name}: no candidate plan survived verification "
-                f"(try a smaller batch or --time-limit; the simulator refused every placement the solver found)")
+                f"(try a smaller batch or --time-limit; the simulator refused every placement the solver "
+                f"found)")
     parts = []
     ssd_gb = hw.ssd.capacity_gb * 1e9
     for tier, b in over.items():
         fix = {"gpu": "a smaller micro-batch or seq, or a GPU with more memory",
                "cpu": f"+{math.ceil(b / 2**30)} GiB CPU memory" + (
-                   f", or {max(1, math.ceil(b / ssd_gb))} SSD(s) to hold states" if hw.ssd.count == 0 else ""),
+                   f", or {max(1, math.ceil(b / ssd_gb))} SSD(s) to hold states"
+                   if hw.ssd.count == 0 else ""),
                "ssd": f"{math.ceil(b / (ssd_gb or 3.84e12))} more SSD(s) of {hw.ssd.capacity_gb:g} GB"}[tier]
         parts.append(f"{tier} overflows by {b / 1e9:,.1f} GB (needs {need[tier] / 1e9:,.1f} of "
                      f"{caps[tier] / 1e9:,.1f}; fix: {fix})")
@@ -60,7 +64,8 @@ def infeasible_message(problem: Problem) -> str:
 
 
 WHAT_BINDS = {"gpu": "GPU compute: the plan is compute-bound; only a faster GPU or less recompute helps",
-              "cpu": "CPU Adam", "h2d": "PCIe host-to-device", "d2h": "PCIe device-to-host", "pcie": "the PCIe link",
+              "cpu": "CPU Adam", "h2d": "PCIe host-to-device", "d2h": "PCIe device-to-host",
+              "pcie": "the PCIe link",
               "ssd_read": "SSD reads", "ssd_write": "SSD writes", "ssd": "the SSD array (reads + writes)",
               "dram": "host memory bandwidth (CPU Adam, PCIe and SSD DMA together)",
               "net": "the collectives among the GPUs (all-gather of weights, reduce-scatter of gradients)",
@@ -70,8 +75,6 @@ WHAT_BINDS = {"gpu": "GPU compute: the plan is compute-bound; only a faster GPU 
 
 def explain(sr: SearchResult) -> list[str]:
     """What binds, and what change to the box would help most (each re-solved with the same CP-SAT model)."""
-    from tierflow.planner.search.placement_model import linear_loads, placement_memory, solve_placement
-
     best, problem = sr.best, sr.problem
     hw, cfg = problem.hw, best.config
     times = IterationLoads(work=_work_of(best.result), static_bytes={}, world=problem.world).times_s(hw)
@@ -83,14 +86,16 @@ def explain(sr: SearchResult) -> list[str]:
     lines.append(f"binds: {WHAT_BINDS[order[0][0]]}")
     peak = best.result.peak_bytes
     caps = best.result.graph.capacity_bytes
-    lines.append("memory: " + ", ".join(f"{t} {peak[t] / 1e9:,.1f} of {caps[t] / 1e9:,.0f} GB" for t in ("gpu", "cpu", "ssd")))
+    lines.append("memory: " + ", ".join(f"{t} {peak[t] / 1e9:,.1f} of {caps[t] / 1e9:,.0f} GB"
+                                        for t in ("gpu", "cpu", "ssd")))
     base_cfg = replace(cfg, iterations=1)
     lin, mem = linear_loads(problem, base_cfg), placement_memory(problem, base_cfg)
     what_ifs = [
         ("one more SSD", {"ssd.count": hw.ssd.count + 1} if hw.ssd.count else None),
         ("twice the SSDs", {"ssd.count": 2 * hw.ssd.count} if hw.ssd.count else None),
         ("+50% CPU memory", {"cpu.memory_gib": hw.cpu.memory_gib * 1.5}),
-        ("next PCIe generation", {"pcie.h2d_gbps": hw.pcie.h2d_gbps * 2, "pcie.d2h_gbps": hw.pcie.d2h_gbps * 2,
+        ("next PCIe generation", {"pcie.h2d_gbps": hw.pcie.h2d_gbps * 2,
+                                  "pcie.d2h_gbps": hw.pcie.d2h_gbps * 2,
                                   "pcie.duplex_h2d_gbps": hw.pcie.duplex_h2d_gbps * 2,
                                   "pcie.duplex_d2h_gbps": hw.pcie.duplex_d2h_gbps * 2,
                                   "pcie.generation": min(7, hw.pcie.generation + 1)}),

@@ -3,14 +3,14 @@ swap-vs-recompute and the deferred optimizer fraction, decided together for one 
 
 Four layers (see README, "Planning"):
 1. candidates (group size k, micro-batch) are enumerated and pruned with the closed-form roofline bound;
-2. for each candidate the CP-SAT placement model (tierflow.planner.search.placement_model) chooses the placement
-   fractions and the number of layers that swap their activations instead of recomputing;
+2. for each candidate the CP-SAT placement model (tierflow.planner.search.placement_model) chooses the
+   placement fractions and the number of layers that swap their activations instead of recomputing;
 3. the best answers are expanded to full iterations and verified by the discrete-event simulator; a plan is
    never returned without that verification. A verification that overflows a tier tightens that tier in the
    CP-SAT model and solves again. Candidates whose CP-SAT objective, and fixed schedules whose slot-model
    prediction, exceed the best verified time by more than PRUNE_TOLERANCE are not simulated;
-4. the chosen plan's iteration is predicted by the slot model (tierflow.planner.search.slots), which knows when
-   each transfer may run, not only how much each resource works.
+4. the chosen plan's iteration is predicted by the slot model (tierflow.planner.search.slots), which knows
+   when each transfer may run, not only how much each resource works.
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from tierflow.errors import TierflowError
-from tierflow.hwprofiles import HardwareProfile
-from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.schedules import ScheduleConfig, build_graph, make_schedule
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
@@ -37,16 +35,18 @@ from tierflow.planner.search.placement_model import (
     solve_placement,
 )
 from tierflow.planner.search.problem import Candidate, Problem
-from tierflow.planner.search.slots import SlotModelError, SolverReport, predict_config
+from tierflow.planner.search.results import SKIPPED_TIME_LIMIT, Evaluated, SearchResult
+from tierflow.planner.search.slots import SlotModelError, predict_config
+from tierflow.planner.search.window import solve_window
 
-LOG = logging.getLogger(__name__)  # debug: every candidate's solver status and verification (tierflow -v plan)
+# debug: every candidate's solver status and verification (tierflow -v plan)
+LOG = logging.getLogger(__name__)
 
 # how far a model's prediction may lie above the simulated time (the placement model's objective: up to +1.1%,
 # the slot model's: up to +0.7% over experiments/planner_quality.py and the fixed schedules of
 # experiments/bench_planner.py): a candidate predicted slower than the best verified time by more than this
 # cannot be the fastest and is not simulated
 PRUNE_TOLERANCE = 0.02
-SKIPPED_TIME_LIMIT = "skipped: time limit"  # the error of a candidate the time limit left untried
 # a verification that overflows a tier tightens that tier by this much more than the overflow, plus a share of
 # the tier, and solves again (at most VERIFY_ATTEMPTS times)
 TIGHTEN_OVERFLOW = 1.25
@@ -56,47 +56,6 @@ VERIFY_ATTEMPTS = 4
 
 class PlanningError(TierflowError, ValueError):
     """No plan fits; the message says which tier overflows by how much and what would make it fit."""
-
-
-@dataclass
-class Evaluated:
-    candidate: Candidate
-    config: ScheduleConfig | None
-    solver: SolverReport | None  # the placement model's solve (solve_placement)
-    result: SimResult | None = None
-    error: str = ""
-    # the prediction for the decisions: the placement model's (IterationLoads.predict_s), replaced by the slot
-    # model's (tierflow.planner.search.slots) for the chosen plan
-    predicted_s: float = math.inf
-    binding: str = ""
-    prediction: SolverReport | None = None  # the slot model's solve behind predicted_s
-
-    @property
-    def verified_s(self) -> float:
-        return self.result.iteration_s if self.result else math.inf
-
-
-@dataclass
-class SearchResult:
-    best: Evaluated
-    evaluated: list[Evaluated]
-    wall_s: float
-    problem: Problem
-    baseline: dict[str, SimResult] = field(default_factory=dict)  # best fixed schedules with default settings
-
-    @property
-    def skipped_by_time_limit(self) -> int:
-        """Candidates not tried because the time limit ran out: when > 0 the plan depends on the machine's speed
-        (another run, or a larger batch, may find a better one), so say so and suggest a longer limit."""
-        return sum(e.error == SKIPPED_TIME_LIMIT for e in self.evaluated)
-
-    @property
-    def model(self) -> ModelSpec:
-        return self.problem.model
-
-    @property
-    def hw(self) -> HardwareProfile:
-        return self.problem.hw
 
 
 def divisors(n: int) -> list[int]:
@@ -126,7 +85,8 @@ def evaluate(problem: Problem, c: Candidate, *, time_limit_s: float = 5.0, verif
     last_error = ""
     solved: Solved | None = None
     for _attempt in range(VERIFY_ATTEMPTS):
-        solved = solve_placement(problem, lin, mem, time_limit_s=time_limit_s, tighten_bytes=tighten, hint=solved)
+        solved = solve_placement(problem, lin, mem, time_limit_s=time_limit_s, tighten_bytes=tighten,
+                                 hint=solved)
         if solved is None:
             return Evaluated(c, None, None, error=last_error or "no placement fits every tier")
         cfg = problem.config(c, placement_of(solved.x), solved.n)
@@ -168,7 +128,8 @@ def _predict(problem: Problem, ev: Evaluated) -> Evaluated:
 
 
 def plan_search(problem: Problem, *, time_limit_s: float = 60.0, micro_batches: list[int] | None = None,
-                progress: Callable[[int, int, str], None] | None = None, baselines: bool = True) -> SearchResult:
+                progress: Callable[[int, int, str], None] | None = None,
+                baselines: bool = True) -> SearchResult:
     """Search every candidate (pruned by its roofline floor), return the best verified plan."""
     t0 = time.perf_counter()
     batch = problem.rank_batch  # candidates split one rank's share of the batch
@@ -185,7 +146,8 @@ def plan_search(problem: Problem, *, time_limit_s: float = 60.0, micro_batches: 
             progress(i, len(cands), c.describe(batch))
         floor = problem.gpu_floor_s(c.micro_batch)
         if best is not None and floor >= best.verified_s:
-            evaluated.append(Evaluated(c, None, None, error=f"pruned: GPU floor {floor:.3g} s >= best {best.verified_s:.3g} s"))
+            evaluated.append(Evaluated(c, None, None, error=f"pruned: GPU floor {floor:.3g} s >= best "
+                                                            f"{best.verified_s:.3g} s"))
             continue
         if time.perf_counter() - t0 > time_limit_s and best is not None:
             evaluated.append(Evaluated(c, None, None, error=SKIPPED_TIME_LIMIT))
@@ -197,11 +159,13 @@ def plan_search(problem: Problem, *, time_limit_s: float = 60.0, micro_batches: 
             best = ev
     if best is not None:
         best = _order_variants(problem, best, evaluated)
-    base = fixed_baselines(problem, sorted({c.micro_batch for c in cands}), only_best=True) if baselines else {}
+    micro_batches_tried = sorted({c.micro_batch for c in cands})
+    base = fixed_baselines(problem, micro_batches_tried, only_best=True) if baselines else {}
     for name, (cfg_b, res_b) in base.items():
         # the fixed schedules are part of the decision space: a plan is never slower than them
         if best is None or res_b.iteration_s < best.verified_s:
-            c = Candidate(cfg_b.micro_batch, cfg_b.group, cfg_b.alpha, cfg_b.prefetch_depth, cfg_b.optimizer_overlap)
+            c = Candidate(cfg_b.micro_batch, cfg_b.group, cfg_b.alpha, cfg_b.prefetch_depth,
+                          cfg_b.optimizer_overlap)
             loads = iteration_loads(problem.model, problem.hw, cfg_b)
             best = Evaluated(c, cfg_b, None, res_b, predicted_s=loads.predict_s(problem.hw),
                              binding=loads.binding(problem.hw), error=f"baseline {name}")
@@ -220,8 +184,8 @@ def _evaluation_text(ev: Evaluated) -> str:
     time or why it was not verified."""
     parts = []
     if ev.solver:
-        parts.append(f"CP-SAT {ev.solver.status}, objective {ev.solver.objective_s:.4g} s, gap {ev.solver.gap:.1%}, "
-                     f"{ev.solver.wall_s:.2f} s")
+        parts.append(f"CP-SAT {ev.solver.status}, objective {ev.solver.objective_s:.4g} s, "
+                     f"gap {ev.solver.gap:.1%}, {ev.solver.wall_s:.2f} s")
     if ev.result:
         parts.append(f"verified {ev.verified_s:.4g} s")
     if ev.error:
@@ -230,8 +194,8 @@ def _evaluation_text(ev: Evaluated) -> str:
 
 
 def _order_variants(problem: Problem, best: Evaluated, evaluated: list[Evaluated]) -> Evaluated:
-    """The decisions that change only the order, not the traffic: one more weight buffer ahead, and the deferred
-    optimizer fraction; each variant is verified like the rest."""
+    """The decisions that change only the order, not the traffic: one more weight buffer ahead, and the
+    deferred optimizer fraction; each variant is verified like the rest."""
     for variant in ({"prefetch_depth": 2}, {"alpha": 0.0}, {"alpha": 0.5}):
         if all(getattr(best.config, k) == v for k, v in variant.items()):
             continue
@@ -242,7 +206,8 @@ def _order_variants(problem: Problem, best: Evaluated, evaluated: list[Evaluated
             predicted = 0.0  # no prediction: simulate it
         if predicted > best.verified_s * (1 + PRUNE_TOLERANCE):
             evaluated.append(Evaluated(replace(best.candidate, **variant), None, None,
-                                       error=f"pruned: slot-model prediction {predicted:.4g} s > best {best.verified_s:.4g} s"))
+                                       error=f"pruned: slot-model prediction {predicted:.4g} s > best "
+                                             f"{best.verified_s:.4g} s"))
             continue
         try:
             r2 = simulate_config(problem.model, problem.hw, cfg2)
@@ -258,9 +223,9 @@ def _order_variants(problem: Problem, best: Evaluated, evaluated: list[Evaluated
 def fixed_baselines(problem: Problem, micro_batches: list[int], *,
                     only_best: bool = False) -> dict[str, tuple[ScheduleConfig, SimResult]]:
     """The best of each fixed schedule (horizontal, fuyou, vertical) with its default settings over the
-    micro-batches that fit, keyed 'family mb=b'. `only_best`: only the fastest of them all, found by simulating
-    them in the order of the slot model's prediction (tierflow.planner.search.slots) and skipping those predicted
-    slower than the best simulated one by more than PRUNE_TOLERANCE."""
+    micro-batches that fit, keyed 'family mb=b'. `only_best`: only the fastest of them all, found by
+    simulating them in the order of the slot model's prediction (tierflow.planner.search.slots) and skipping
+    those predicted slower than the best simulated one by more than PRUNE_TOLERANCE."""
     model, hw = problem.model, problem.hw
     cfgs = []
     for family in ("horizontal", "fuyou", "vertical"):
@@ -290,11 +255,10 @@ def fixed_baselines(problem: Problem, micro_batches: list[int], *,
 
 
 def window_check(problem: Problem, cfg: ScheduleConfig, time_limit_s: float = 5.0, layers: int = 2) -> dict:
-    """Solve the exact CP-SAT window model (every task an interval, NoOverlap per resource, a reservoir per memory
-    tier; warm-started from the schedule's own order) on a `layers`-layer, one-iteration window of the chosen
-    plan. Reports how far the builder's order is from the best order CP-SAT finds and proves for that window."""
-    from tierflow.planner.search.window import solve_window
-
+    """Solve the exact CP-SAT window model (every task an interval, NoOverlap per resource, a reservoir per
+    memory tier; warm-started from the schedule's own order) on a `layers`-layer, one-iteration window of the
+    chosen plan. Reports how far the builder's order is from the best order CP-SAT finds and proves for that
+    window."""
     small = replace(problem.model, num_layers=min(layers, problem.model.num_layers))
     swap = min(cfg.swap_layers, small.num_layers)
     g = build_graph(small, problem.hw, replace(cfg, iterations=1, swap_layers=swap))

@@ -1,49 +1,52 @@
 """Exact ordering of a steady-state window with CP-SAT.
 
-A whole iteration of a 175B model is far too large to solve exactly, so the planner solves a *window*: the task
-graph of the model cut down to a few layers (``dataclasses.replace(model, num_layers=w)``, w = 2..4) and one
-iteration with all its micro-batches. `solve_window` decides the order of the tasks on every resource and
+A whole iteration of a 175B model is far too large to solve exactly, so the planner solves a *window*: the
+task graph of the model cut down to a few layers (``dataclasses.replace(model, num_layers=w)``, w = 2..4) and
+one iteration with all its micro-batches. `solve_window` decides the order of the tasks on every resource and
 reports CP-SAT's proven lower bound, i.e. how far that order can be from optimal.
 
 The model (one CP-SAT scheduling model over the whole graph):
 
 - one fixed-size interval per task. Its duration is the task's work in seconds on gpu/cpu, and bytes / the
-  link's *solo* rate on h2d, d2h, ssd_read and ssd_write. The window model ignores the duplex slow-down that the
-  simulator applies while both directions of a link are busy (PCIe H2D + D2H, SSD reads + writes), so it is
-  optimistic on shared links: its makespan and bound are those of a machine whose links never slow each other.
-- durations are integers in a time unit chosen so that the makespan is ~2e5 units (greedy makespan / 2e5 unless
-  `time_unit_s` is given), rounded *up*, and >= 1 unit for any task with work;
+  link's *solo* rate on h2d, d2h, ssd_read and ssd_write. The window model ignores the duplex slow-down that
+  the simulator applies while both directions of a link are busy (PCIe H2D + D2H, SSD reads + writes), so it
+  is optimistic on shared links: its makespan and bound are those of a machine whose links never slow each
+  other.
+- durations are integers in a time unit chosen so that the makespan is ~2e5 units (greedy makespan / 2e5
+  unless `time_unit_s` is given), rounded *up*, and >= 1 unit for any task with work;
 - a NoOverlap per resource (one task at a time, as in the simulator);
 - precedence: end(dep) <= start(task);
-- memory, per tier, as a reservoir: each task's `mem_start` changes the tier's level at its start and `mem_end`
-  at its end. The level starts at 0 = `graph.static_bytes` and must stay <= capacity - static (the fixed level
-  of the resident tensors is folded into the maximum). Like the simulator, the model sets no floor on the level
-  (the simulator only checks allocations against the capacity), so the reservoir's minimum is unbounded.
-  Bytes are integers in a per-tier unit of 1 MB = 10^6 bytes (`MEM_UNIT_BYTES`; decimal megabytes, not MiB),
-  *allocations rounded up and frees rounded down* (in magnitude): the model's level is then never below the
-  true level, so any solution of the model fits in the real capacities (it is never more optimistic than
-  reality). Rounding frees down leaks up to one unit per event, which could make a schedule that fits exactly
-  look infeasible; to bound that, a tier whose number of events x 1 MB exceeds 0.1% of its headroom gets a
-  smaller unit (headroom x 0.001 / events, >= 1 byte), so the model is at most 0.1% of the headroom more
-  pessimistic than reality. A tier whose total allocations fit in its headroom cannot bind and gets no
+- memory, per tier, as a reservoir: each task's `mem_start` changes the tier's level at its start and
+  `mem_end` at its end. The level starts at 0 = `graph.static_bytes` and must stay <= capacity - static (the
+  fixed level of the resident tensors is folded into the maximum). Like the simulator, the model sets no floor
+  on the level (the simulator only checks allocations against the capacity), so the reservoir's minimum is
+  unbounded. Bytes are integers in a per-tier unit of 1 MB = 10^6 bytes (`MEM_UNIT_BYTES`; decimal megabytes,
+  not MiB), *allocations rounded up and frees rounded down* (in magnitude): the model's level is then never
+  below the true level, so any solution of the model fits in the real capacities (it is never more optimistic
+  than reality). Rounding frees down leaks up to one unit per event, which could make a schedule that fits
+  exactly look infeasible; to bound that, a tier whose number of events x 1 MB exceeds 0.1% of its headroom
+  gets a smaller unit (headroom x 0.001 / events, >= 1 byte), so the model is at most 0.1% of the headroom
+  more pessimistic than reality. A tier whose total allocations fit in its headroom cannot bind and gets no
   reservoir;
 - objective: minimise the makespan = max end of all tasks.
 
-Warm start: the graph is simulated with `simulate_graph` in the schedule's own order (`greedy_makespan_s`, with
-the duplex-shared rates). The hint given to CP-SAT is the same order played again with the model's own integer
-solo durations and rounded memory (`replay_order`), which makes it a feasible solution of the model whenever
-that replay completes; if it cannot (a rounded capacity blocks it), the simulator's start times are hinted
-instead and CP-SAT repairs them. The solver thus starts from a solution at least as good as the schedule's own
-order under the same (solo) durations.
+Warm start: the graph is simulated with `simulate_graph` in the schedule's own order (`greedy_makespan_s`,
+with the duplex-shared rates). The hint given to CP-SAT is the same order played again with the model's own
+integer solo durations and rounded memory (`replay_order`), which makes it a feasible solution of the model
+whenever that replay completes; if it cannot (a rounded capacity blocks it), the simulator's start times are
+hinted instead and CP-SAT repairs them. The solver thus starts from a solution at least as good as the
+schedule's own order under the same (solo) durations.
 
-`best_bound_s` is CP-SAT's bound on the model with rounded-up durations, never below the preemptive one-machine
-bound of `resource_lower_bound` (which also seeds the makespan's domain); the rounding costs at most one time
-unit per task on a critical chain (e.g. <= 0.1% of the makespan for 400 tasks in a chain at 2e5 units).
+`best_bound_s` is CP-SAT's bound on the model with rounded-up durations, never below the preemptive
+one-machine bound of `resource_lower_bound` (which also seeds the makespan's domain); the rounding costs at
+most one time unit per task on a critical chain (e.g. <= 0.1% of the makespan for 400 tasks in a chain at 2e5
+units).
 
 Solver settings: reservoirs are kept as propagators (`expand_reservoir_constraints = False`: expanded, their
-presolve alone takes seconds on a few hundred events), and with the default two workers the full-problem worker
-runs `objective_lb_search` (the interleaved LNS workers find the solutions; that search tightens the bound).
-Two workers make CP-SAT nondeterministic: two runs with the same time limit may return different solutions.
+presolve alone takes seconds on a few hundred events), and with the default two workers the full-problem
+worker runs `objective_lb_search` (the interleaved LNS workers find the solutions; that search tightens the
+bound). Two workers make CP-SAT nondeterministic: two runs with the same time limit may return different
+solutions.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -70,6 +74,8 @@ _EPS_BYTES = 1.0  # the simulator's tolerance on capacities
 
 @dataclass
 class WindowResult:
+    """What `solve_window` found: the best order of every resource, its makespan and CP-SAT's proven bound."""
+
     status: str  # "OPTIMAL" | "FEASIBLE" | "INFEASIBLE" | "UNKNOWN" | "MODEL_INVALID"
     makespan_s: float  # solver's best makespan (seconds)
     best_bound_s: float  # CP-SAT's proven lower bound (seconds)
@@ -81,7 +87,7 @@ class WindowResult:
     num_tasks: int = 0
 
 
-# ---- the model's data ---------------------------------------------------------------------------------------
+# ---- the model's data --------------------------------------------------------------------------------------
 
 
 def solo_durations_s(graph: TaskGraph, hw: HardwareProfile) -> list[float]:
@@ -114,6 +120,8 @@ def duration_units(durations_s: list[float], time_unit_s: float) -> list[int]:
 
 @dataclass
 class _TierMemory:
+    """One tier's reservoir in the window model: its unit, its headroom and its rounded level changes."""
+
     tier: int
     unit_bytes: float
     max_level: int  # headroom (capacity - static) in units, rounded down
@@ -162,9 +170,9 @@ def replay_order(graph: TaskGraph, hw: HardwareProfile, time_unit_s: float, *, m
     dependencies are done, its resource is free and its start allocations fit.
 
     Returns (start of every task in time units, makespan in units), or (None, -1) when the order cannot be
-    played to the end (an allocation never fits under the rounded capacities) or an allocation made at a task's
-    end (which the simulator never refuses) overflows a tier. A returned replay is a feasible solution of the
-    window model."""
+    played to the end (an allocation never fits under the rounded capacities) or an allocation made at a
+    task's end (which the simulator never refuses) overflows a tier. A returned replay is a feasible solution
+    of the window model."""
     dur = duration_units(solo_durations_s(graph, hw), time_unit_s)
     tasks = graph.tasks
     n = len(tasks)
@@ -232,6 +240,8 @@ def replay_order(graph: TaskGraph, hw: HardwareProfile, time_unit_s: float, *, m
 
 def _finish(r: int, running: list[int], end_delta: dict, level: list[int], succ: list[list[int]],
             ndeps: list[int]) -> int:
+    """The task running on r ends: its memory changes at its end, its successors wait for one task less.
+    Returns 1 (one more task done)."""
     tid = running[r]
     running[r] = -1
     for k, q in end_delta.get(tid, ()):
@@ -242,10 +252,11 @@ def _finish(r: int, running: list[int], end_delta: dict, level: list[int], succ:
 
 
 def _over(level: list[int], cap: list[int]) -> bool:
+    """Whether some tier's rounded level exceeds its headroom."""
     return any(lv > c for lv, c in zip(level, cap))
 
 
-# ---- a lower bound ------------------------------------------------------------------------------------------
+# ---- a lower bound -----------------------------------------------------------------------------------------
 
 
 def resource_lower_bound(graph: TaskGraph, dur: list[int]) -> int:
@@ -298,7 +309,7 @@ def _jackson_preemptive(ids: list[int], head: list[int], dur: list[int], tail: l
     return best
 
 
-# ---- the solver -----------------------------------------------------------------------------------------------
+# ---- the solver --------------------------------------------------------------------------------------------
 
 
 def solve_window(graph: TaskGraph, hw: HardwareProfile, *, time_limit_s: float = 10.0, workers: int = 2,
@@ -307,79 +318,177 @@ def solve_window(graph: TaskGraph, hw: HardwareProfile, *, time_limit_s: float =
 
     The window model ignores the duplex slow-down that the simulator applies on shared links (it uses solo
     rates), so it is optimistic on shared links; see the module docstring for the whole model, the rounding of
-    time and memory and the warm start. `memory=False` drops the capacity constraints. Returns the solver's best
-    solution. When it found none, the result is the schedule's own order with the status CP-SAT gave: as the
-    window model plays it (`replay_order`) when that replay is a solution of the model, else as the simulator
-    played it (then `makespan_s` = `greedy_makespan_s`)."""
+    time and memory and the warm start. `memory=False` drops the capacity constraints. Returns the solver's
+    best solution. When it found none, the result is the schedule's own order with the status CP-SAT gave: as
+    the window model plays it (`replay_order`) when that replay is a solution of the model, else as the
+    simulator played it (then `makespan_s` = `greedy_makespan_s`)."""
     t0 = time.perf_counter()
-    tasks = graph.tasks
-    n = len(tasks)
+    trivial = _trivial_window(graph, memory, t0)
+    if trivial is not None:
+        return trivial
+    data = _window_data(graph, hw, time_unit_s, memory)
+    model = cp_model.CpModel()
+    v = _window_variables(model, graph, data)
+    _add_no_overlap(model, v)
+    _add_precedence(model, graph, data.dur, v.starts)
+    if memory:
+        _add_memory(model, graph, data.dur, v.starts)
+    objective = _add_objective(model, graph, data, v.starts)
+    _add_hints(model, data, v.starts, objective.makespan)
+    solver, code = _solve(model, time_limit_s, workers)
+    return _window_result(graph, data, v, objective, solver, code, t0)
+
+
+def _trivial_window(graph: TaskGraph, memory: bool, t0: float) -> WindowResult | None:
+    """The answer without a model: an empty graph, or resident tensors that do not fit (None otherwise)."""
+    n = len(graph.tasks)
     if n == 0:
-        return WindowResult("OPTIMAL", 0.0, 0.0, 0.0, time.perf_counter() - t0, 0.0, graph.resource_order(), {}, 0)
+        return WindowResult("OPTIMAL", 0.0, 0.0, 0.0, time.perf_counter() - t0, 0.0, graph.resource_order(),
+                            {}, 0)
     for name in TIERS:
         if memory and graph.static_bytes[name] > graph.capacity_bytes[name] + _EPS_BYTES:
-            return WindowResult("INFEASIBLE", math.nan, math.nan, math.nan, time.perf_counter() - t0, math.nan,
-                                graph.resource_order(), {}, n)
+            return WindowResult("INFEASIBLE", math.nan, math.nan, math.nan, time.perf_counter() - t0,
+                                math.nan, graph.resource_order(), {}, n)
+    return None
 
-    # the greedy: the simulator in the schedule's own order
+
+# ---- the solver: data --------------------------------------------------------------------------------------
+
+
+class _WindowData(NamedTuple):
+    """What the window model is built from (`_window_data`)."""
+
+    sim_start: np.ndarray | None  # the simulator's start of every task in the schedule's order (None: failed)
+    greedy_s: float  # the simulator's makespan (nan: it failed)
+    time_unit_s: float  # seconds per time unit of the model
+    dur: list[int]  # every task's solo duration in time units, rounded up
+    hint: list[int] | None  # the schedule's own order as the model plays it (`replay_order`; None: it cannot)
+    hint_makespan: int  # the replay's makespan in time units (-1: none)
+    horizon: int  # the latest end of any task, in time units
+
+
+def _window_data(graph: TaskGraph, hw: HardwareProfile, time_unit_s: float | None,
+                 memory: bool) -> _WindowData:
+    """The greedy (the simulator in the schedule's own order), the time unit, the integer durations and the
+    warm start."""
     sim_start: np.ndarray | None = None
     try:
         sim = simulate_graph(graph, hw)
         sim_start = sim.start_s
-        greedy_s = float(np.nanmax(sim.end_s)) if n else 0.0
+        greedy_s = float(np.nanmax(sim.end_s)) if graph.tasks else 0.0
     except SimulationError:
         greedy_s = math.nan
-
     dur_s = solo_durations_s(graph, hw)
     if time_unit_s is None:
-        ref = greedy_s
-        if not ref or not math.isfinite(ref):  # no greedy: the busiest resource's load
-            load: dict[str, float] = {}
-            for t, d in zip(tasks, dur_s):
-                load[t.resource] = load.get(t.resource, 0.0) + d
-            ref = max(load.values(), default=0.0)
-        time_unit_s = ref / TARGET_UNITS if ref > 0 else 1.0
+        time_unit_s = _default_time_unit_s(graph, dur_s, greedy_s)
     if time_unit_s <= 0:
         raise ValueError(f"time_unit_s must be > 0, got {time_unit_s}")
     dur = duration_units(dur_s, time_unit_s)
-
     hint, hint_makespan = replay_order(graph, hw, time_unit_s, memory=memory)
     horizon = max(sum(dur), hint_makespan, 1)
+    return _WindowData(sim_start, greedy_s, time_unit_s, dur, hint, hint_makespan, horizon)
 
-    model = cp_model.CpModel()
+
+def _default_time_unit_s(graph: TaskGraph, dur_s: list[float], greedy_s: float) -> float:
+    """The time unit that makes the greedy makespan (without one, the busiest resource's load) TARGET_UNITS
+    units long."""
+    ref = greedy_s
+    if not ref or not math.isfinite(ref):  # no greedy: the busiest resource's load
+        load: dict[str, float] = {}
+        for t, d in zip(graph.tasks, dur_s):
+            load[t.resource] = load.get(t.resource, 0.0) + d
+        ref = max(load.values(), default=0.0)
+    return ref / TARGET_UNITS if ref > 0 else 1.0
+
+
+# ---- the solver: variables, constraints, objective ---------------------------------------------------------
+
+
+class _WindowVars(NamedTuple):
+    """The window model's variables (`_window_variables`)."""
+
+    starts: list[cp_model.IntVar]  # the start of every task, in time units
+    intervals: list[cp_model.IntervalVar]  # its fixed-size interval
+    by_res: dict[str, list[int]]  # the task ids of each resource
+
+
+def _window_variables(model: cp_model.CpModel, graph: TaskGraph, data: _WindowData) -> _WindowVars:
+    """One start and one fixed-size interval per task, inside the horizon."""
+    dur, horizon = data.dur, data.horizon
+    n = len(graph.tasks)
     starts = [model.new_int_var(0, horizon - dur[i], f"s{i}") for i in range(n)]
     intervals = [model.new_fixed_size_interval_var(starts[i], dur[i], f"iv{i}") for i in range(n)]
     by_res: dict[str, list[int]] = {r: [] for r in RESOURCES}
-    for t in tasks:
+    for t in graph.tasks:
         by_res[t.resource].append(t.id)
-    for ids in by_res.values():
+    return _WindowVars(starts, intervals, by_res)
+
+
+def _add_no_overlap(model: cp_model.CpModel, v: _WindowVars) -> None:
+    """One task at a time on every resource, as in the simulator."""
+    for ids in v.by_res.values():
         if len(ids) > 1:
-            model.add_no_overlap([intervals[i] for i in ids])
-    for t in tasks:
+            model.add_no_overlap([v.intervals[i] for i in ids])
+
+
+def _add_precedence(model: cp_model.CpModel, graph: TaskGraph, dur: list[int], starts: list) -> None:
+    """A task starts after each of its dependencies ends."""
+    for t in graph.tasks:
         for d in set(t.deps):
             model.add(starts[d] + dur[d] <= starts[t.id])
-    if memory:
-        for m in memory_model(graph):
-            times = [starts[tid] + (dur[tid] if at_end else 0) for tid, at_end, _ in m.events]
-            changes = [q for _, _, q in m.events]
-            floor_level = -sum(-q for q in changes if q < 0)  # no floor, like the simulator
-            model.add_reservoir_constraint(times, changes, floor_level, m.max_level)
+
+
+def _add_memory(model: cp_model.CpModel, graph: TaskGraph, dur: list[int], starts: list) -> None:
+    """A reservoir per tier that could bind: the rounded level changes at the tasks' starts and ends stay
+    within the headroom."""
+    for m in memory_model(graph):
+        times = [starts[tid] + (dur[tid] if at_end else 0) for tid, at_end, _ in m.events]
+        changes = [q for _, _, q in m.events]
+        floor_level = -sum(-q for q in changes if q < 0)  # no floor, like the simulator
+        model.add_reservoir_constraint(times, changes, floor_level, m.max_level)
+
+
+class _Objective(NamedTuple):
+    """The makespan the model minimises (`_add_objective`)."""
+
+    makespan: cp_model.IntVar  # in time units
+    lower: int  # resource_lower_bound, the least value of its domain (within the horizon)
+
+
+def _add_objective(model: cp_model.CpModel, graph: TaskGraph, data: _WindowData, starts: list) -> _Objective:
+    """Minimise the makespan, the latest end of any task, whose domain starts at the resources' lower
+    bound."""
+    dur, horizon = data.dur, data.horizon
     lower = resource_lower_bound(graph, dur)
     makespan = model.new_int_var(min(lower, horizon), horizon, "makespan")
-    for i in range(n):
+    for i in range(len(graph.tasks)):
         model.add(makespan >= starts[i] + dur[i])
     model.minimize(makespan)
+    return _Objective(makespan, lower)
 
-    if hint is not None:
+
+def _add_hints(model: cp_model.CpModel, data: _WindowData, starts: list, makespan: cp_model.IntVar) -> None:
+    """The warm start: the schedule's own order as the model plays it, else the simulator's start times
+    (rounded into the horizon), else none."""
+    n, dur, horizon = len(starts), data.dur, data.horizon
+    if data.hint is not None:
         for i in range(n):
-            model.add_hint(starts[i], hint[i])
-        model.add_hint(makespan, hint_makespan)
-    elif sim_start is not None:
-        hinted = [min(max(0, round(float(sim_start[i]) / time_unit_s)), horizon - dur[i]) for i in range(n)]
+            model.add_hint(starts[i], data.hint[i])
+        model.add_hint(makespan, data.hint_makespan)
+    elif data.sim_start is not None:
+        hinted = [min(max(0, round(float(data.sim_start[i]) / data.time_unit_s)), horizon - dur[i])
+                  for i in range(n)]
         for i in range(n):
             model.add_hint(starts[i], hinted[i])
         model.add_hint(makespan, max((hinted[i] + dur[i] for i in range(n)), default=0))
 
+
+# ---- the solver: solve and read the answer -----------------------------------------------------------------
+
+
+def _solve(model: cp_model.CpModel, time_limit_s: float, workers: int) -> tuple[cp_model.CpSolver, int]:
+    """Run CP-SAT on the model with the window's settings (see the module docstring); the solver and its
+    status code."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
     solver.parameters.num_workers = int(workers)
@@ -392,26 +501,58 @@ def solve_window(graph: TaskGraph, hw: HardwareProfile, *, time_limit_s: float =
         # leaves a gap of ~6% on a 2-layer vertical window after 10 s; objective_lb_search ~3%)
         solver.parameters.subsolvers.append("objective_lb_search")
     code = solver.solve(model)
-    status = solver.status_name(code)
+    return solver, code
 
-    found = code in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+
+def _window_result(graph: TaskGraph, data: _WindowData, v: _WindowVars, objective: _Objective,
+                   solver: cp_model.CpSolver, code: int, t0: float) -> WindowResult:
+    """The answer: the solver's best solution (or the schedule's own order), its order per resource, and
+    CP-SAT's bound and gap."""
+    st, mk = _solution(data, v.starts, solver, code)
+    start_s, order = _solution_order(graph, data, v.by_res, st)
+    bound, gap = _bound_and_gap(solver, code, objective.lower, data.time_unit_s, mk)
+    return WindowResult(status=solver.status_name(code), makespan_s=mk, best_bound_s=bound, gap=gap,
+                        wall_s=time.perf_counter() - t0, greedy_makespan_s=data.greedy_s, order=order,
+                        start_s=start_s, num_tasks=len(graph.tasks))
+
+
+def _solution(data: _WindowData, starts: list, solver: cp_model.CpSolver,
+              code: int) -> tuple[list[int] | None, float]:
+    """The start of every task in time units (None: only the simulator's) and the makespan in seconds:
+    CP-SAT's solution unless the warm start beats it; without one, the warm start, else the greedy."""
     st: list[int] | None = None
-    if found:
-        st = [int(solver.value(v)) for v in starts]
+    if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        st = [int(solver.value(s)) for s in starts]
         obj = int(round(solver.objective_value))
-        if hint is not None and hint_makespan < obj:  # CP-SAT did not keep its (feasible) warm start
-            st, obj = list(hint), hint_makespan
-        mk = obj * time_unit_s
-    elif hint is not None:  # no solution from CP-SAT: the schedule's own order, as the model plays it
-        st, mk = list(hint), hint_makespan * time_unit_s
+        # CP-SAT did not keep its (feasible) warm start
+        if data.hint is not None and data.hint_makespan < obj:
+            st, obj = list(data.hint), data.hint_makespan
+        mk = obj * data.time_unit_s
+    elif data.hint is not None:  # no solution from CP-SAT: the schedule's own order, as the model plays it
+        st, mk = list(data.hint), data.hint_makespan * data.time_unit_s
     else:  # no solution at all: the schedule's own order, as the simulator plays it
-        mk = greedy_s
+        mk = data.greedy_s
+    return st, mk
+
+
+def _solution_order(graph: TaskGraph, data: _WindowData, by_res: dict[str, list[int]],
+                    st: list[int] | None) -> tuple[dict[int, float], dict[str, list[int]]]:
+    """The start of every task in seconds and the task ids of each resource in the order they start."""
+    tasks, dur, n = graph.tasks, data.dur, len(graph.tasks)
     if st is not None:
-        start_s = {i: st[i] * time_unit_s for i in range(n)}
-        order = {r: sorted(ids, key=lambda i: (st[i], st[i] + dur[i], tasks[i].key, i)) for r, ids in by_res.items()}
+        start_s = {i: st[i] * data.time_unit_s for i in range(n)}
+        order = {r: sorted(ids, key=lambda i: (st[i], st[i] + dur[i], tasks[i].key, i))
+                 for r, ids in by_res.items()}
     else:
-        start_s = {i: float(sim_start[i]) for i in range(n)} if sim_start is not None else {}
+        start_s = {i: float(data.sim_start[i]) for i in range(n)} if data.sim_start is not None else {}
         order = graph.resource_order()
+    return start_s, order
+
+
+def _bound_and_gap(solver: cp_model.CpSolver, code: int, lower: int, time_unit_s: float,
+                   mk: float) -> tuple[float, float]:
+    """CP-SAT's proven bound in seconds (never below the resources' lower bound, never above the makespan)
+    and the relative gap, in [0, 1]."""
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.UNKNOWN):
         b = float(solver.best_objective_bound)
         bound = max(b if math.isfinite(b) else 0.0, float(lower)) * time_unit_s
@@ -419,9 +560,10 @@ def solve_window(graph: TaskGraph, hw: HardwareProfile, *, time_limit_s: float =
             bound = min(bound, mk)
     else:
         bound = math.nan
-    gap = (mk - bound) / mk if mk and math.isfinite(mk) and math.isfinite(bound) else (0.0 if mk == 0 else math.nan)
+    if mk and math.isfinite(mk) and math.isfinite(bound):
+        gap = (mk - bound) / mk
+    else:
+        gap = 0.0 if mk == 0 else math.nan
     if math.isfinite(gap):
         gap = min(max(gap, 0.0), 1.0)
-    return WindowResult(status=status, makespan_s=mk, best_bound_s=bound, gap=gap,
-                        wall_s=time.perf_counter() - t0, greedy_makespan_s=greedy_s, order=order,
-                        start_s=start_s, num_tasks=n)
+    return bound, gap
