@@ -117,6 +117,6 @@ def predict_config(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -
     """The slot model's prediction of one steady-state iteration of `cfg`, whose decisions are all made. One
     rank only: a plan of several ranks (collectives on `net`, the box's shares) raises SlotModelError, and the
     search then verifies it in the simulator without the slot model's pruning."""
-    if cfg.ranks > 1:
+    if cfg.world.ranks > 1:
         raise SlotModelError("the slot model covers one rank; several ranks are verified by simulation only")
     return solve_slots(build_slot_model(model, hw, cfg), hw)
