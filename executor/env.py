@@ -3,7 +3,7 @@
 Versions (python, tierflow, torch, ortools, numpy), CUDA and the GPUs (name, memory, compute capability) when
 torch sees CUDA, whether a directory (--ssd-dir, default the current one) takes O_DIRECT (the SSD tier's own
 probe, direct_io.py) and its free space, the pinned-memory limit (`ulimit -l`, /proc/meminfo), cores, memory,
-and what `tierflow calibrate` would measure here. `--json` for machine-readable output.
+and what `tierflow calibrate` would measure here (the command and its `--json`: tierflow/cli/env.py).
 
 It never fails because a part is missing: torch that cannot be imported, no CUDA, no /proc are reported as such.
 Only the standard library is imported at start-up; torch is imported when the command runs, inside a guard.
@@ -11,8 +11,6 @@ Only the standard library is imported at start-up; torch is imported when the co
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import shutil
@@ -20,8 +18,6 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
-
-from tierflow.errors import TierflowError
 
 GIB = 2**30
 
@@ -105,7 +101,7 @@ def _torch_info() -> tuple[str | None, str, str, list[GpuInfo]]:
 
 def ssd_dir_info(directory: str | os.PathLike[str]) -> SsdDirInfo:
     """Whether `directory` takes O_DIRECT (the SSD tier's probe), its free space and block device."""
-    from tierflow.executor.calibrate import block_device_name
+    from tierflow.executor.calibration.ssd import block_device_name
     from tierflow.executor.direct_io import probe_o_direct
 
     path = Path(directory).resolve()
@@ -154,7 +150,7 @@ def pinned_info() -> PinnedInfo:
 
 def collect(ssd_dir: str | os.PathLike[str] = ".") -> EnvReport:
     from tierflow import __version__
-    from tierflow.executor.calibrate import FULL, cpu_model, measurement_plan
+    from tierflow.executor.calibration import FULL, cpu_model, measurement_plan
 
     torch_version, torch_error, cuda, gpus = _torch_info()
     versions = {"python": platform.python_version(), "tierflow": __version__,
@@ -218,34 +214,3 @@ def format_report(r: EnvReport) -> str:
     else:
         lines.append("  nothing: it needs torch")
     return "\n".join(lines)
-
-
-# ---- command line ----------------------------------------------------------------------------------------------
-
-
-class EnvError(TierflowError, ValueError):
-    """Bad input to `tierflow env` (one line, exit code 2)."""
-
-
-def cmd_env(args: argparse.Namespace) -> int:
-    if not Path(args.ssd_dir).is_dir():
-        raise EnvError(f"--ssd-dir {args.ssd_dir}: no such directory (give an existing directory on the SSD "
-                       "to probe, or leave it out for the current one)")
-    report = collect(args.ssd_dir)
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
-        print(format_report(report))
-    return 0
-
-
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "env", help="report versions, CUDA/GPUs, O_DIRECT, pinned-memory limits and what calibrate would measure",
-        description="Report what this machine offers tierflow (as DeepSpeed's ds_report): versions, CUDA and the "
-        "GPUs, whether --ssd-dir takes O_DIRECT, the pinned-memory limit, cores, memory and what `tierflow "
-        "calibrate` would measure. Never fails for a missing part: it says what is missing.")
-    p.add_argument("--ssd-dir", default=".", metavar="DIR",
-                   help="directory to probe for O_DIRECT and free space (default: the current one)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=cmd_env)

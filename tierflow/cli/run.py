@@ -1,6 +1,6 @@
-"""Registration of the executor's `tierflow run` command. Only argparse here: the `tierflow.commands` entry
-point loads this module for every tierflow command, and torch (3 s to import, and a heap that slows the
-planner's garbage collection) is imported only when `tierflow run` itself runs."""
+"""`tierflow run`: train with a plan file on this machine, measuring every op (tierflow.executor.run). Only
+argparse here: torch (seconds to import, and a heap that slows the planner's garbage collection) is imported
+when the command runs, not when the parser is built."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 from tierflow.planner.io.argtypes import MAX_STEPS, int_in, non_negative_float, positive_float, positive_int
 
 
-def register_run(subparsers: Any) -> None:
-    p = subparsers.add_parser(
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
         "run", help="train with a plan file on this machine (GPU or CPU), measuring every op",
         description="Replay a plan file (tierflow plan -o, or tierflow simulate --write-plan) as real training: "
         "the plan's ops run in the plan's order on per-resource workers, tensors live where the plan puts "
@@ -62,10 +62,10 @@ def register_run(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the steps and the measured summary as JSON")
     # hidden (tests): compute in bf16 on a CPU device too, as on CUDA (bf16 is the default there, fp32 on a CPU)
     p.add_argument("--compute-dtype", choices=["bf16", "fp32"], default=None, help=argparse.SUPPRESS)
-    p.set_defaults(func=_cmd_run)
+    return p
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from tierflow.executor.run import cmd_run  # torch is imported here, when the command runs
 
     return cmd_run(args)
