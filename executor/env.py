@@ -5,8 +5,9 @@ torch sees CUDA, whether a directory (--ssd-dir, default the current one) takes 
 probe, direct_io.py) and its free space, the pinned-memory limit (`ulimit -l`, /proc/meminfo), cores, memory,
 and what `tierflow calibrate` would measure here (the command and its `--json`: tierflow/cli/env.py).
 
-It never fails because a part is missing: torch that cannot be imported, no CUDA, no /proc are reported as such.
-Only the standard library is imported at start-up; torch is imported when the command runs, inside a guard.
+It never fails because a part is missing: torch that cannot be imported, no CUDA, no /proc are reported as
+such. Only the standard library is imported at start-up; torch is imported when the command runs, inside a
+guard.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class EnvReport:
         return asdict(self)
 
 
-# ---- collecting ------------------------------------------------------------------------------------------------
+# ---- collecting
+# ---------------------------------------------------------------------------------------------
 
 
 def _version(dist: str) -> str:
@@ -78,11 +80,13 @@ def _version(dist: str) -> str:
 
 
 def _torch_info() -> tuple[str | None, str, str, list[GpuInfo]]:
-    """(torch version or None, import error, CUDA line, GPUs). Any failure of torch is reported, not raised."""
+    """(torch version or None, import error, CUDA line, GPUs). Any failure of torch is reported, not
+    raised."""
     try:
         import torch
     except Exception as e:  # noqa: BLE001 - a broken torch install must not fail the report
-        return None, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}", "unknown (torch not importable)", []
+        error = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        return None, error, "unknown (torch not importable)", []
     gpus: list[GpuInfo] = []
     try:
         if not torch.cuda.is_available():
@@ -155,7 +159,8 @@ def collect(ssd_dir: str | os.PathLike[str] = ".") -> EnvReport:
     torch_version, torch_error, cuda, gpus = _torch_info()
     versions = {"python": platform.python_version(), "tierflow": __version__,
                 "torch": torch_version or "not importable", "ortools": _version("ortools"),
-                "numpy": _version("numpy"), "os": f"{platform.system()} {platform.release()} {platform.machine()}"}
+                "numpy": _version("numpy"),
+                "os": f"{platform.system()} {platform.release()} {platform.machine()}"}
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -169,7 +174,8 @@ def collect(ssd_dir: str | os.PathLike[str] = ".") -> EnvReport:
                      calibrate_measures=measurement_plan(device, FULL, ssd=True) if torch_version else [])
 
 
-# ---- formatting ------------------------------------------------------------------------------------------------
+# ---- formatting
+# ---------------------------------------------------------------------------------------------
 
 
 def _gib(n: int | None) -> str:
@@ -197,13 +203,15 @@ def format_report(r: EnvReport) -> str:
     for g in r.gpus:
         lines.append(f"  GPU {g.index}: {g.name}, {_gib(g.memory_bytes)}, compute capability {g.capability}")
     s = r.ssd_dir
-    direct = {True: "yes", False: "no (buffered I/O: reads may come from the page cache)", None: "unknown"}[s.o_direct]
-    lines += ["", f"SSD directory {s.path} ({s.device})", f"  O_DIRECT   {direct}" + (f"; {s.error}" if s.error else ""),
+    direct = {True: "yes", False: "no (buffered I/O: reads may come from the page cache)",
+              None: "unknown"}[s.o_direct]
+    lines += ["", f"SSD directory {s.path} ({s.device})",
+              f"  O_DIRECT   {direct}" + (f"; {s.error}" if s.error else ""),
               f"  free       {_gib(s.free_bytes)}"]
     p = r.pinned
     lines += ["", "pinned host memory",
-              f"  ulimit -l  {_limit(p.memlock_soft_bytes)} (hard {_limit(p.memlock_hard_bytes)}): the locked-memory "
-              "limit of this process",
+              f"  ulimit -l  {_limit(p.memlock_soft_bytes)} (hard {_limit(p.memlock_hard_bytes)}): the "
+              "locked-memory limit of this process",
               f"  meminfo    total {_gib(p.mem_total_bytes)}, available {_gib(p.mem_available_bytes)}, "
               f"locked {_gib(p.mlocked_bytes)}"]
     lines += ["", f"CPU: {r.cpu}", f"  cores      {r.cores_usable} usable of {r.cores_online} online",

@@ -1,6 +1,6 @@
-"""What every calibration measurement shares: the sizes of its work (``--quick`` or full), the units, the guarded
-torch import (torch is imported inside the functions, so that building the `tierflow` parser never imports it)
-and the error of a calibration that cannot run."""
+"""What every calibration measurement shares: the sizes of its work (``--quick`` or full), the units, the
+guarded torch import (torch is imported inside the functions, so that building the `tierflow` parser never
+imports it) and the error of a calibration that cannot run."""
 
 from __future__ import annotations
 
@@ -49,5 +49,6 @@ def import_torch() -> Any:
     try:
         import torch
     except ImportError as e:
-        raise CalibrationError(f"tierflow calibrate needs PyTorch ({e}): pip install 'tierflow[run]'") from None
+        raise CalibrationError(f"tierflow calibrate needs PyTorch ({e}): pip install "
+                               "'tierflow[run]'") from None
     return torch

@@ -39,7 +39,8 @@ def adam_impl() -> str:
 
 
 def measure_cpu_adam(params: int, steps: int = 3, chunk: int = 4 * 2**20) -> float:
-    """CPU AdamW update rate in parameters per second on ``params`` fp32 parameters (in tensors of ``chunk``)."""
+    """CPU AdamW update rate in parameters per second on ``params`` fp32 parameters (in tensors of
+    ``chunk``)."""
     torch = import_torch()
     sizes = [chunk] * (params // chunk) + ([params % chunk] if params % chunk else [])
     ps = []

@@ -1,6 +1,6 @@
-"""Measuring the executor itself on this machine: the SSD tier through its own store (executor.store.SsdStore),
-how device compute and the host's I/O threads slow each other on a CPU device, and the executor's fixed cost
-per op on a tiny plan."""
+"""Measuring the executor itself on this machine: the SSD tier through its own store
+(executor.store.SsdStore), how device compute and the host's I/O threads slow each other on a CPU device, and
+the executor's fixed cost per op on a tiny plan."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from tierflow.hwprofiles import HardwareProfile
 
 def measure_store(directory: str | os.PathLike[str], total_bytes: int, mixed_s: float = 1.0,
                   files: int = 4) -> dict[str, float]:
-    """GB/s of the SSD tier as the executor uses it (executor.store.SsdStore: O_DIRECT from aligned buffers, 8 MiB
-    requests on its thread pool, a CRC32 per file): write `files` files of `total_bytes` together, read them back,
-    then read them again while writing a second set on another thread for about `mixed_s` seconds."""
+    """GB/s of the SSD tier as the executor uses it (executor.store.SsdStore: O_DIRECT from aligned buffers, 8
+    MiB requests on its thread pool, a CRC32 per file): write `files` files of `total_bytes` together, read
+    them back, then read them again while writing a second set on another thread for about `mixed_s`
+    seconds."""
     torch = import_torch()
     from tierflow.executor.store import SsdStore
 
@@ -64,7 +65,8 @@ def measure_store(directory: str | os.PathLike[str], total_bytes: int, mixed_s: 
             "mixed_write_gbps": moved["write"] / spans["write"] / 1e9, "direct": store.direct}
 
 
-INTERFERENCE_GEMM = (512, 512, 512)  # a GEMM on torch's intra-op threads: compute as the executor's blocks run it
+# a GEMM on torch's intra-op threads: compute as the executor's blocks run it
+INTERFERENCE_GEMM = (512, 512, 512)
 
 
 def measure_io_interference(directory: str | os.PathLike[str] | None, seconds: float = 0.4,
@@ -92,9 +94,9 @@ def measure_io_interference(directory: str | os.PathLike[str] | None, seconds: f
 
     def rate(fn: Callable[[], int], stop: threading.Event | None = None, windows: int = 4,
              counted: threading.Event | None = None) -> float:
-        """Units of fn per second, after one call: the best of `windows` spans of seconds / windows (as calibrate
-        keeps its best timings: on a shared machine a span is only ever slowed by others), or, with `stop`, the
-        mean until it is set, over at least one call (`counted` is set once one is timed)."""
+        """Units of fn per second, after one call: the best of `windows` spans of seconds / windows (as
+        calibrate keeps its best timings: on a shared machine a span is only ever slowed by others), or, with
+        `stop`, the mean until it is set, over at least one call (`counted` is set once one is timed)."""
         fn()
         if stop is not None:
             t0, done = time.perf_counter(), fn()
@@ -153,13 +155,13 @@ def measure_io_interference(directory: str | os.PathLike[str] | None, seconds: f
 
 def measure_executor_costs(profile: HardwareProfile, device: str,
                            ssd_dir: str | os.PathLike[str] | None) -> dict[str, float]:
-    """The executor's fixed software cost per op, on each resource: a tiny plan (2 layers x 64, 4 micro-batches of
-    32 tokens: every op's work near zero; weights and checkpoints in host memory, optimizer states on the SSD tier
-    when there is one) is trained by the executor itself for two rounds, and for every op of the second round its
-    measured duration less the cost model's time for its work (`profile`, which has no fixed costs yet), plus the
-    hand-off delay (its start less the later of its dependencies' ends and its queue predecessor's end): the
-    median per resource, in microseconds. What `gpu.op_overhead_us`, `pcie.latency_us` and `ssd.latency_us` add
-    to every op of a plan."""
+    """The executor's fixed software cost per op, on each resource: a tiny plan (2 layers x 64, 4
+    micro-batches of 32 tokens: every op's work near zero; weights and checkpoints in host memory, optimizer
+    states on the SSD tier when there is one) is trained by the executor itself for two rounds, and for every
+    op of the second round its measured duration less the cost model's time for its work (`profile`, which has
+    no fixed costs yet), plus the hand-off delay (its start less the later of its dependencies' ends and its
+    queue predecessor's end): the median per resource, in microseconds. What `gpu.op_overhead_us`,
+    `pcie.latency_us` and `ssd.latency_us` add to every op of a plan."""
     import statistics
     import tempfile
     from dataclasses import replace
@@ -175,7 +177,8 @@ def measure_executor_costs(profile: HardwareProfile, device: str,
                    num_kv_heads=2, head_dim=32, ffn_hidden=256, vocab_size=256, seq_len=32, max_positions=32)
     host, ssd = Split(0.0, 1.0, 0.0), Split(0.0, 0.0, 1.0)
     states = ssd if ssd_dir is not None else host
-    placement = Placement(weights=host, master=states, adam_m=states, adam_v=states, grads=host, checkpoints=host)
+    placement = Placement(weights=host, master=states, adam_m=states, adam_v=states, grads=host,
+                          checkpoints=host)
     hw = profile.with_overrides({"gpu.memory_gib": max(profile.gpu.memory_gib, 0.05),
                                  "cpu.memory_gib": max(profile.cpu.memory_gib, 8.0),
                                  "ssd.count": 1 if ssd_dir is not None else 0})
@@ -197,7 +200,8 @@ def measure_executor_costs(profile: HardwareProfile, device: str,
         if t.iteration < 1:  # the round's first iteration waits for its setup
             continue
         work_s = t.work if t.resource in ("gpu", "cpu") else t.work / getattr(rates, t.resource)
-        fixed.setdefault(t.resource, []).append((end[t.id] - start[t.id] - work_s) + max(0.0, start[t.id] - ready))
+        fixed.setdefault(t.resource, []).append((end[t.id] - start[t.id] - work_s)
+                                                + max(0.0, start[t.id] - ready))
 
     def med_us(*resources: str) -> float | None:
         xs = [x for r in resources for x in fixed.get(r, [])]

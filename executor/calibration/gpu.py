@@ -1,6 +1,6 @@
 """Measuring a CUDA GPU (none of this runs without one): bf16 GEMM TFLOPS at transformer shapes (CUDA events
-after warm-up, small GEMMs from a CUDA graph), HBM bandwidth, memory size, and pinned H2D / D2H bandwidth alone
-and both at once on two streams."""
+after warm-up, small GEMMs from a CUDA graph), HBM bandwidth, memory size, and pinned H2D / D2H bandwidth
+alone and both at once on two streams."""
 
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ def _cuda_ms_per_call(fn: Any, target_s: float, max_iters: int = 2000) -> float:
 
 
 def _cuda_graph_ms_per_call(fn: Any, target_s: float, max_iters: int = 2000) -> float:
-    """As _cuda_ms_per_call, but the calls are replayed from a CUDA graph: one launch for all of them, so that a
-    kernel shorter than Python's launch overhead (a 1024^3 bf16 GEMM takes ~3 us on an H100) is timed, not the
-    launches. Falls back to plain launches where capture fails."""
+    """As _cuda_ms_per_call, but the calls are replayed from a CUDA graph: one launch for all of them, so that
+    a kernel shorter than Python's launch overhead (a 1024^3 bf16 GEMM takes ~3 us on an H100) is timed, not
+    the launches. Falls back to plain launches where capture fails."""
     torch = import_torch()
     per_ms = _cuda_ms_per_call(fn, 0.0, max_iters=3)  # warm-up (cuBLAS picks its kernel outside the capture)
     iters = int(min(max_iters, max(3, target_s * 1e3 / max(per_ms, 1e-4))))
@@ -67,8 +67,8 @@ def _cuda_graph_ms_per_call(fn: Any, target_s: float, max_iters: int = 2000) -> 
 
 
 def measure_gemm_tflops(tokens: int, d_in: int, d_out: int, target_s: float = 0.1) -> float:
-    """bf16 TFLOPS of ``x[tokens, d_in] @ W[d_out, d_in]^T`` (a Linear layer's forward), timed from a CUDA graph
-    (launch overhead would otherwise inflate the small GEMMs that fit gemm_half_gflop)."""
+    """bf16 TFLOPS of ``x[tokens, d_in] @ W[d_out, d_in]^T`` (a Linear layer's forward), timed from a CUDA
+    graph (launch overhead would otherwise inflate the small GEMMs that fit gemm_half_gflop)."""
     torch = import_torch()
     x = torch.randn(tokens, d_in, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16)
@@ -98,8 +98,10 @@ def measure_pcie(nbytes: int, chunks: int = 16) -> dict[str, float]:
     dev_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev_b = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     out = {
-        "h2d_gbps": nbytes / (_cuda_ms_per_call(lambda: dev_a.copy_(host_a, non_blocking=True), 0.0, 3) * 1e-3) / 1e9,
-        "d2h_gbps": nbytes / (_cuda_ms_per_call(lambda: host_b.copy_(dev_b, non_blocking=True), 0.0, 3) * 1e-3) / 1e9,
+        "h2d_gbps": nbytes / (_cuda_ms_per_call(lambda: dev_a.copy_(host_a, non_blocking=True), 0.0, 3)
+                              * 1e-3) / 1e9,
+        "d2h_gbps": nbytes / (_cuda_ms_per_call(lambda: host_b.copy_(dev_b, non_blocking=True), 0.0, 3)
+                              * 1e-3) / 1e9,
     }
     # Both at once: chunked copies on two streams, an event after each chunk; each direction's rate is taken
     # over the time both were running (up to the end of the one that finishes first).
@@ -132,7 +134,8 @@ def measure_pcie(nbytes: int, chunks: int = 16) -> dict[str, float]:
 def gpu_info() -> dict[str, Any]:
     torch = import_torch()
     props = torch.cuda.get_device_properties(0)
-    return {"model": " ".join(str(props.name).split()) or "unknown GPU", "memory_gib": props.total_memory / GIB}
+    return {"model": " ".join(str(props.name).split()) or "unknown GPU",
+            "memory_gib": props.total_memory / GIB}
 
 
 def pcie_generation_from_rate(h2d_gbps: float) -> int:
@@ -144,7 +147,8 @@ def pcie_generation_from_rate(h2d_gbps: float) -> int:
 
 
 def fit_gemm_half_gflop(small_gflop: float, small_eff: float, e_max: float) -> float:
-    """Solve ``small_eff = e_max * f / (f + h)`` for h (GFLOP); a tiny positive h if the small GEMM is as fast."""
+    """Solve ``small_eff = e_max * f / (f + h)`` for h (GFLOP); a tiny positive h if the small GEMM is as
+    fast."""
     if small_eff <= 0 or small_eff >= e_max:
         return 0.001
     return max(0.001, small_gflop * (e_max / small_eff - 1))

@@ -35,7 +35,8 @@ def _cpu_s_per_call(fn: Any, target_s: float, max_iters: int = 10_000) -> float:
 
 
 def fit_gemm_curve(gflops: list[float], tflops: list[float]) -> tuple[float, float]:
-    """Least-squares fit of ``rate = peak * f / (f + half)`` (1/rate linear in 1/f): (peak TFLOPS, half GFLOP)."""
+    """Least-squares fit of ``rate = peak * f / (f + half)`` (1/rate linear in 1/f): (peak TFLOPS, half
+    GFLOP)."""
     import numpy as np
 
     x, y = 1.0 / np.asarray(gflops), 1.0 / np.asarray(tflops)
@@ -57,8 +58,10 @@ def measure_host_device(sizes: Sizes, progress: Progress) -> tuple[dict, dict]:
         x, w = torch.randn(m_, k), torch.randn(n, k)
         out = torch.empty(m_, n)
         wt = w.t()
-        s = _cpu_s_per_call(lambda x=x, wt=wt, out=out: torch.mm(x, wt, out=out), min(0.2, sizes.gpu_target_s))
-        gemms.append({"shape": [m_, k, n], "gflop": 2 * m_ * k * n / 1e9, "tflops": 2 * m_ * k * n / s / 1e12})
+        s = _cpu_s_per_call(lambda x=x, wt=wt, out=out: torch.mm(x, wt, out=out),
+                            min(0.2, sizes.gpu_target_s))
+        gemms.append({"shape": [m_, k, n], "gflop": 2 * m_ * k * n / 1e9,
+                      "tflops": 2 * m_ * k * n / s / 1e12})
     peak, half = fit_gemm_curve([g["gflop"] for g in gemms], [g["tflops"] for g in gemms])
     progress.step("CPU elementwise bandwidth")
     n = max(1, min(sizes.dram_bytes, int(cpu_memory_gib() * GIB / 32)) // 4)
@@ -73,8 +76,9 @@ def measure_host_device(sizes: Sizes, progress: Progress) -> tuple[dict, dict]:
         sec = _cpu_s_per_call(lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True), min(0.2, sizes.gpu_target_s))
         work = 2 * b * h * sq * sq * d  # the causal half of 4 b h s^2 d (costmodel.CAUSAL_ATTENTION_WORK)
-        curve = peak * (work / 1e9) / (work / 1e9 + half)  # a GEMM of the same work on the fitted curve, TFLOPS
-        attention.append({"shape": [b, h, sq, d], "tflops": work / sec / 1e12, "of_gemm": work / sec / 1e12 / curve})
+        curve = peak * (work / 1e9) / (work / 1e9 + half)  # a GEMM of the same work on the fitted curve
+        attention.append({"shape": [b, h, sq, d], "tflops": work / sec / 1e12,
+                          "of_gemm": work / sec / 1e12 / curve})
     progress.step("device <-> host copies")
     copies = measure_host_copies(min(sizes.pcie_bytes, int(cpu_memory_gib() * GIB / 32)))
     gpu = {"model": f"{cpu_model()} via torch ({threads} threads)", "host_cores": threads, "gemms": gemms,
@@ -85,8 +89,8 @@ def measure_host_device(sizes: Sizes, progress: Progress) -> tuple[dict, dict]:
 
 
 def measure_host_copies(nbytes: int) -> dict[str, float]:
-    """GB/s of one tensor copy within host memory (what an offload or fetch is on a CPU device), alone and two at
-    once on two threads."""
+    """GB/s of one tensor copy within host memory (what an offload or fetch is on a CPU device), alone and two
+    at once on two threads."""
     torch = import_torch()
     n = max(1, nbytes // 4)
     bufs = [torch.ones(n) for _ in range(4)]

@@ -29,17 +29,20 @@ from tierflow.planner.io.progress import Progress
 
 def measurement_plan(device: str, sizes: Sizes = FULL, ssd: bool = False) -> list[str]:
     """What `tierflow calibrate` measures, in order, for `device` ("cuda" or "cpu") and with or without
-    --ssd-dir: the progress display's steps (its total) and what `tierflow env` says calibrate would measure."""
+    --ssd-dir: the progress display's steps (its total) and what `tierflow env` says calibrate would
+    measure."""
     if device == "cuda":
         steps = [f"GPU GEMM {a}x{b}->{c}" for a, b, c in GEMM_SHAPES]
         steps += ["GPU small GEMM", "GPU memory bandwidth", "PCIe H2D / D2H / duplex"]
     else:
         steps = [f"CPU fp32 GEMM {a}x{b}->{c}" for a, b, c in HOST_GEMM_SHAPES]
-        steps += ["CPU elementwise bandwidth", "CPU activation function and attention", "device <-> host copies"]
+        steps += ["CPU elementwise bandwidth", "CPU activation function and attention",
+                  "device <-> host copies"]
     steps += ["CPU memory bandwidth", f"CPU AdamW ({sizes.adam_params / 1e6:g}M params)"]
     if ssd:
         mib = sizes.ssd_file_bytes / MIB
-        steps += [f"SSD write ({mib:.0f} MiB)", f"SSD read ({mib:.0f} MiB)", f"SSD read + write ({sizes.ssd_mixed_s:g} s)"]
+        steps += [f"SSD write ({mib:.0f} MiB)", f"SSD read ({mib:.0f} MiB)",
+                  f"SSD read + write ({sizes.ssd_mixed_s:g} s)"]
     if device == "cpu":
         if ssd:
             steps += ["SSD through the executor's store"]
@@ -50,8 +53,8 @@ def measurement_plan(device: str, sizes: Sizes = FULL, ssd: bool = False) -> lis
 def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | None = None,
                      progress: Progress | None = None, gpu: bool | None = None,
                      device: str | None = None) -> dict[str, Any]:
-    """Every measurement this machine allows; the raw numbers as a JSON-able dict. ``device="cpu"`` measures the
-    CPU as the executor's device (``tierflow run --device cpu``) instead of a CUDA GPU."""
+    """Every measurement this machine allows; the raw numbers as a JSON-able dict. ``device="cpu"`` measures
+    the CPU as the executor's device (``tierflow run --device cpu``) instead of a CUDA GPU."""
     torch = import_torch()
     gpu = torch.cuda.is_available() if gpu is None else gpu
     device = device or ("cuda" if gpu else "cpu")

@@ -1,7 +1,7 @@
 """Building a hardware profile from calibration measurements: every field measured, derived, given with
-``--set`` or taken from a base profile (`build_profile`), and the record of which (`Calibration`, `FieldInfo`).
-Everything a measurement cannot give comes from ``base`` (default: the bundled rtx4090-lohan for gpu/pcie and
-prices, and no SSD tier)."""
+``--set`` or taken from a base profile (`build_profile`), and the record of which (`Calibration`,
+`FieldInfo`). Everything a measurement cannot give comes from ``base`` (default: the bundled rtx4090-lohan for
+gpu/pcie and prices, and no SSD tier)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from tierflow.executor.calibration.gpu import fit_gemm_half_gflop, pcie_generati
 from tierflow.hwprofiles import HardwareProfile, load_profile, profile_from_dict
 
 FALLBACK_BASE = "rtx4090-lohan"
-# plans count activations, weights and their copies in the compute dtype's bytes, bf16 (workload.COMPUTE_BYTES);
-# the executor computes in fp32 on a CPU device, so that device's measured rates are converted to plan bytes
+# plans count activations, weights and their copies in the compute dtype's bytes, bf16
+# (workload.COMPUTE_BYTES); the executor computes in fp32 on a CPU device, so that device's measured rates are
+# converted to plan bytes
 PLAN_BYTES_PER_ELEMENT = 2
 HOST_DEVICE_BYTES_PER_ELEMENT = 4
 # Without a datasheet (--base), the best measured GEMM rate is taken to be this fraction of the peak.
@@ -48,11 +49,13 @@ class Calibration:
     def not_measured(self) -> list[str]:
         return [f.key for f in self.fields if not f.source.startswith(("measured", "derived"))]
 
-    def to_json(self, measurements: dict[str, Any] | None = None, output: str | None = None) -> dict[str, Any]:
+    def to_json(self, measurements: dict[str, Any] | None = None,
+                output: str | None = None) -> dict[str, Any]:
         return {
             "output": output,
             "profile": self.profile.to_dict(),
-            "fields": [{"field": f.key, "value": f.value, "source": f.source, "note": f.note} for f in self.fields],
+            "fields": [{"field": f.key, "value": f.value, "source": f.source, "note": f.note}
+                       for f in self.fields],
             "not_measured": self.not_measured,
             "base": self.base_name,
             "notes": self.notes,
@@ -121,8 +124,8 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
 
 
 def _put_host_device(b: _Builder, g: dict[str, Any], device_gib: float | None) -> None:
-    """The gpu section of a CPU device (tierflow run --device cpu): this CPU's fitted GEMM curve and bandwidths,
-    in plan bytes, and the device memory cap."""
+    """The gpu section of a CPU device (tierflow run --device cpu): this CPU's fitted GEMM curve and
+    bandwidths, in plan bytes, and the device memory cap."""
     cap = device_gib if device_gib is not None else DEFAULT_HOST_DEVICE_GIB
     b.put("gpu.model", g["model"], "measured", "the device is this CPU (tierflow run --device cpu)")
     b.put("gpu.memory_gib", cap, "given" if device_gib is not None else "default",
@@ -145,11 +148,13 @@ def _put_host_device(b: _Builder, g: dict[str, Any], device_gib: float | None) -
     if g.get("attention"):
         b.put("gpu.attention_efficiency", min(1.0, g["attention_efficiency"]), "measured",
             "causal scaled_dot_product_attention at " + ", ".join(
-                f"{a['shape']}: {a['tflops']:.3g} TFLOPS" for a in g["attention"]) + ", over a GEMM of its work")
+                f"{a['shape']}: {a['tflops']:.3g} TFLOPS" for a in g["attention"])
+            + ", over a GEMM of its work")
     ex = b.m.get("executor") or {}
     if ex.get("op_overhead_us") is not None:
         b.put("gpu.op_overhead_us", ex["op_overhead_us"], "measured",
-            "the executor's compute ops on a tiny plan: median of (duration - the cost model's time) + hand-off")
+            "the executor's compute ops on a tiny plan: median of (duration - the cost model's time) + "
+            "hand-off")
 
 
 def _put_cuda_gpu(b: _Builder, g: dict[str, Any]) -> None:
@@ -206,7 +211,8 @@ def _put_hbm(b: _Builder, g: dict[str, Any]) -> None:
     else:
         b.put("gpu.hbm_gbps", hbm / NO_BASE_HBM_EFFICIENCY, "derived",
             f"no --base: measured {hbm:.0f} GB/s / {NO_BASE_HBM_EFFICIENCY:g}")
-        b.put("gpu.hbm_efficiency", NO_BASE_HBM_EFFICIENCY, "derived", "assumption, as in the bundled profiles")
+        b.put("gpu.hbm_efficiency", NO_BASE_HBM_EFFICIENCY, "derived",
+              "assumption, as in the bundled profiles")
 
 
 def _put_pcie(b: _Builder, p: dict[str, Any], host_device: bool) -> None:
@@ -220,15 +226,19 @@ def _put_pcie(b: _Builder, p: dict[str, Any], host_device: bool) -> None:
         b.put("pcie.generation", pcie_generation_from_rate(h2d), "derived", "from the H2D rate, assuming x16")
     scale = PLAN_BYTES_PER_ELEMENT / HOST_DEVICE_BYTES_PER_ELEMENT if host_device else 1.0
     if host_device:  # what crosses this "link" (weights, activations, gradients) is in the compute dtype
-        what += (f", in plan bytes (plans count {PLAN_BYTES_PER_ELEMENT} per element, the CPU device moves fp32: "
-                 f"the measured GB/s x {scale:g})")
+        what += (f", in plan bytes (plans count {PLAN_BYTES_PER_ELEMENT} per element, the CPU device moves "
+                 f"fp32: the measured GB/s x {scale:g})")
     b.put("pcie.h2d_gbps", h2d * scale, "measured", what)
     b.put("pcie.d2h_gbps", d2h * scale, "measured", what)
     # rounding must not make a duplex rate exceed its solo rate
-    b.put("pcie.duplex_h2d_gbps", min(_sig(p["duplex_h2d_gbps"] * scale), b.data["pcie"]["h2d_gbps"]), "measured",
-        "H2D while D2H runs (two streams)" if not host_device else "two copies at once on two threads, likewise")
-    b.put("pcie.duplex_d2h_gbps", min(_sig(p["duplex_d2h_gbps"] * scale), b.data["pcie"]["d2h_gbps"]), "measured",
-        "D2H while H2D runs (two streams)" if not host_device else "two copies at once on two threads, likewise")
+    b.put("pcie.duplex_h2d_gbps", min(_sig(p["duplex_h2d_gbps"] * scale), b.data["pcie"]["h2d_gbps"]),
+          "measured",
+        "H2D while D2H runs (two streams)" if not host_device
+        else "two copies at once on two threads, likewise")
+    b.put("pcie.duplex_d2h_gbps", min(_sig(p["duplex_d2h_gbps"] * scale), b.data["pcie"]["d2h_gbps"]),
+          "measured",
+        "D2H while H2D runs (two streams)" if not host_device
+        else "two copies at once on two threads, likewise")
     ex = b.m.get("executor") or {}
     if host_device and ex.get("pcie_latency_us") is not None:
         b.put("pcie.latency_us", ex["pcie_latency_us"], "measured",
@@ -243,9 +253,11 @@ def _put_cpu(b: _Builder, host_device: bool) -> None:
     b.put("cpu.memory_gib", c["memory_gib"], "measured", "sysconf")
     b.put("cpu.reserved_gib", min(6 + 0.05 * c["memory_gib"], 0.5 * c["memory_gib"]), "derived",
         "assumption: 6 GiB OS + runtime + 5% (at most half)")
-    b.put("cpu.memory_gbps", c["memory_gbps"], "measured", "large copy, read + write bytes (below datasheet peak)")
+    b.put("cpu.memory_gbps", c["memory_gbps"], "measured",
+          "large copy, read + write bytes (below datasheet peak)")
     b.put("cpu.memory_efficiency", 1.0, "derived",
-        "memory_gbps is a measured copy rate, already what the box sustains (host memory is modelled as shared)")
+        "memory_gbps is a measured copy rate, already what the box sustains (host memory is modelled as "
+        "shared)")
     if host_device:
         b.put("cpu.cores", b.m.get("cpu_threads") or g["host_cores"], "measured",
             "torch intra-op threads: compute, CPU Adam and the copies share them")
@@ -256,7 +268,8 @@ def _put_cpu(b: _Builder, host_device: bool) -> None:
         gemm = INTERFERENCE_GEMM
         b.put("cpu.compute_slowdown_per_io_op", max(1.0, itf["compute_slowdown"]), "measured",
             f"a {gemm[0]}x{gemm[1]}x{gemm[2]} GEMM loop beside one I/O loop on another thread, mean over "
-            + ", ".join(f"{k[len('gemm_beside_'):]} {v:.2f}x" for k, v in itf.items() if k.startswith("gemm_beside_")))
+            + ", ".join(f"{k[len('gemm_beside_'):]} {v:.2f}x" for k, v in itf.items()
+                        if k.startswith("gemm_beside_")))
         b.put("cpu.copy_slowdown_beside_compute", max(1.0, itf["copy_slowdown"]), "measured",
             "a memcpy loop beside the GEMM loop, against alone")
         if "ssd_slowdown" in itf:
@@ -273,10 +286,13 @@ def _put_ssd(b: _Builder, host_device: bool) -> None:
     if s:
         where = s.get("dir", "--ssd-dir")
         io = "O_DIRECT" if s.get("direct", True) else "buffered (no O_DIRECT)"
-        b.put("ssd.count", 1, "measured", "the directory's filesystem measured as ONE device (RAID0 = one drive)")
+        b.put("ssd.count", 1, "measured",
+              "the directory's filesystem measured as ONE device (RAID0 = one drive)")
         b.put("ssd.model", s["model"], "measured", f"block device of {where}")
-        b.put("ssd.capacity_gb", s["capacity_gb"], "measured", "free space on the filesystem, not the drive size")
-        b.put("ssd.read_gbps", s["read_gbps"], "measured", f"sequential {io}, {s['block_bytes'] // MIB} MiB blocks")
+        b.put("ssd.capacity_gb", s["capacity_gb"], "measured",
+              "free space on the filesystem, not the drive size")
+        b.put("ssd.read_gbps", s["read_gbps"], "measured",
+              f"sequential {io}, {s['block_bytes'] // MIB} MiB blocks")
         b.put("ssd.write_gbps", s["write_gbps"], "measured", f"sequential {io} + fsync")
         b.put("ssd.array_read_gbps", None, "derived", "one device: no separate array ceiling")
         b.put("ssd.array_write_gbps", None, "derived", "one device: no separate array ceiling")
@@ -287,7 +303,8 @@ def _put_ssd(b: _Builder, host_device: bool) -> None:
         b.put("ssd.mixed_efficiency", min(1.0, max(0.5, kept)), "measured",
             "mean fraction of its solo rate each direction kept in the mixed run (within [0.5, 1])")
         st = s.get("store")
-        if host_device and st:  # the SSD tier as the executor's own store achieves it (O_DIRECT, CRC32, its pool)
+        # on a CPU device, the SSD tier as the executor's own store achieves it (O_DIRECT, CRC32, its pool)
+        if host_device and st:
             what = f"the executor's SsdStore, {st['file_bytes'] // MIB} MiB files"
             b.put("ssd.read_gbps", st["read_gbps"], "measured", f"{what} (raw {io}: {s['read_gbps']:.2f})")
             b.put("ssd.write_gbps", st["write_gbps"], "measured", f"{what} (raw {io}: {s['write_gbps']:.2f})")
@@ -299,12 +316,14 @@ def _put_ssd(b: _Builder, host_device: bool) -> None:
             b.put("ssd.latency_us", ex["ssd_latency_us"], "measured",
                 "the executor's SSD ops on a tiny plan: median of (duration - bytes / rate) + hand-off")
         if not s.get("direct", True):
-            b.notes.append(f"{where} refused O_DIRECT: the SSD rates were measured with buffered I/O and may be "
-                           "optimistic")
+            b.notes.append(f"{where} refused O_DIRECT: the SSD rates were measured with buffered I/O and may "
+                           "be optimistic")
     elif not b.explicit_base:
         b.data["ssd"] = {"count": 0}
-        b.info["ssd.count"] = FieldInfo("ssd.count", 0, "no --ssd-dir", "no SSD tier: pass --ssd-dir to measure one")
-        b.notes.append("no --ssd-dir: the profile has no SSD tier (ssd.count = 0); pass --ssd-dir DIR on the SSD")
+        b.info["ssd.count"] = FieldInfo("ssd.count", 0, "no --ssd-dir",
+                                        "no SSD tier: pass --ssd-dir to measure one")
+        b.notes.append("no --ssd-dir: the profile has no SSD tier (ssd.count = 0); pass --ssd-dir DIR on the "
+                       "SSD")
 
 
 def _put_overrides(b: _Builder, overrides: dict[str, Any] | None, device_gib: float | None,
@@ -313,7 +332,8 @@ def _put_overrides(b: _Builder, overrides: dict[str, Any] | None, device_gib: fl
     for key, value in (overrides or {}).items():
         section, _, k = key.partition(".")
         if section not in b.data or k not in b.data[section]:
-            raise CalibrationError(f"--set {key}: unknown profile key (keys are SECTION.KEY as in a profile YAML)")
+            raise CalibrationError(f"--set {key}: unknown profile key (keys are SECTION.KEY as in a profile "
+                                   "YAML)")
         b.put(key, value, "given", "--set")
     if "cpu.memory_gib" in (overrides or {}) and "cpu.reserved_gib" not in overrides:
         mem = b.data["cpu"]["memory_gib"]

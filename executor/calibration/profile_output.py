@@ -1,5 +1,5 @@
-"""A calibration's output: the table of fields and their sources, and the profile YAML with a comment per field
-(measured / derived / from the base)."""
+"""A calibration's output: the table of fields and their sources, and the profile YAML with a comment per
+field (measured / derived / from the base)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,16 @@ def format_table(cal: Calibration) -> str:
     rows = [[f.key, format_value(f.value), f.source, f.note] for f in cal.fields]
     header = ["field", "value", "source", "note"]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
-    line = lambda r: "  ".join([r[0].ljust(widths[0]), r[1].rjust(widths[1]), r[2].ljust(widths[2]), r[3]]).rstrip()  # noqa: E731
+
+    def line(r: list[str]) -> str:
+        return "  ".join([r[0].ljust(widths[0]), r[1].rjust(widths[1]), r[2].ljust(widths[2]), r[3]]).rstrip()
+
     return "\n".join([line(header), line(["-" * w for w in widths] + ["----"]), *map(line, rows)])
 
 
 def write_profile(cal: Calibration, path: str | os.PathLike[str]) -> None:
-    """save_profile, then a comment per field (measured / derived / from base); plain if comments would break it."""
+    """save_profile, then a comment per field (measured / derived / from base); plain if comments would
+    break it."""
     save_profile(cal.profile, path)
     plain = Path(path).read_text(encoding="utf-8")
     notes = {f.key: f"{f.source}{': ' + f.note if f.note else ''}" for f in cal.fields}

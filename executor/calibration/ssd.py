@@ -24,7 +24,8 @@ def check_ssd_dir(directory: str | os.PathLike[str], need_bytes: int) -> Path:
     from tierflow.executor.store import check_ssd_dir as check  # imports torch: not at module level
 
     return check(directory, need_bytes, "two test files", needed_by="the SSD test",
-                 fix_space="free some space, use --quick or a smaller --ssd-file-mib, or give another directory")
+                 fix_space="free some space, use --quick or a smaller --ssd-file-mib, or give another "
+                 "directory")
 
 
 def ssd_need_bytes(file_bytes: int) -> int:
@@ -70,7 +71,8 @@ def _drop_cache(fd: int) -> None:
 
 def _stream(fd: int, buf: mmap.mmap, write: bool, file_bytes: int, min_bytes: int, until: float,
             direct: bool) -> int:
-    """Sequential blocks over the file, wrapping at its end, until ``min_bytes`` moved and ``until`` passed."""
+    """Sequential blocks over the file, wrapping at its end, until ``min_bytes`` moved and ``until``
+    passed."""
     block = len(buf)
     done = pos = 0
     while True:
@@ -145,8 +147,8 @@ def measure_ssd(directory: str | os.PathLike[str], file_bytes: int, block_bytes:
                 raise
             direct = False
             if warn:
-                warn(f"warning: {d} refuses O_DIRECT (tmpfs or similar?): measuring with buffered I/O + fsync + "
-                     "posix_fadvise(DONTNEED) instead; rates may include the page cache")
+                warn(f"warning: {d} refuses O_DIRECT (tmpfs or similar?): measuring with buffered I/O + "
+                     "fsync + posix_fadvise(DONTNEED) instead; rates may include the page cache")
             _preallocate(file_a, file_bytes, direct)
             wrote, t_write = _timed(file_a, buf_w, True, file_bytes, file_bytes, min_s, direct)
         step(f"SSD read ({file_bytes / MIB:.0f} MiB)")

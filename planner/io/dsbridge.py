@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 DS_COLUMN = "deepspeed"
 PLAN_COLUMN = "tierflow plan"
-DEFAULT_PLAN_TIME_LIMIT_S = 20.0  # a modest search: the plan beside a DeepSpeed run, not the best plan found in 60 s
+# a modest search: the plan beside a DeepSpeed run, not the best plan found in 60 s
+DEFAULT_PLAN_TIME_LIMIT_S = 20.0
 
 
 def simulate_ds(model: ModelSpec, hw: HardwareProfile, ds: DsConfig,
@@ -51,8 +52,8 @@ def plan_beside(model: ModelSpec, hw: HardwareProfile, batch: int, time_limit_s:
 
 
 def emit_ds_config(path: str, model: ModelSpec, cfg: ScheduleConfig, stream: TextIO | None = None) -> None:
-    """`tierflow plan --emit-ds-config FILE`: write the nearest DeepSpeed config for the chosen plan and say, in
-    a few lines, which of its decisions DeepSpeed cannot express."""
+    """`tierflow plan --emit-ds-config FILE`: write the nearest DeepSpeed config for the chosen plan and say,
+    in a few lines, which of its decisions DeepSpeed cannot express."""
     stream = sys.stdout if stream is None else stream
     emitted = ds_config_for_plan(model, cfg)
     write_ds_config(path, emitted)

@@ -15,8 +15,8 @@ def add_box_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     """--model, --hw and --set, shared by the commands that take a model and a box."""
     if model:
         p.add_argument("--model", default="gpt3-175b",
-                       help="zoo name (see `tierflow models`), a HF config.json or model directory, or a hub id "
-                       "(org/name) in the local HF cache (never downloaded)")
+                       help="zoo name (see `tierflow models`), a HF config.json or model directory, or a hub "
+                       "id (org/name) in the local HF cache (never downloaded)")
     add_hw_arg(p)
     add_set_arg(p)
 

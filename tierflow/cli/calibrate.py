@@ -5,8 +5,8 @@
 
 The measurements and the profile are tierflow.executor.calibration's; here are the flags, their checks and the
 output. Everything it cannot measure comes from ``--base PROFILE`` (default: the bundled ``rtx4090-lohan`` for
-gpu/pcie and prices, and no SSD tier without ``--ssd-dir``); ``--set KEY=VALUE`` fixes a field after measuring.
-The executor (and torch) is imported when the command runs, not when the parser is built.
+gpu/pcie and prices, and no SSD tier without ``--ssd-dir``); ``--set KEY=VALUE`` fixes a field after
+measuring. The executor (and torch) is imported when the command runs, not when the parser is built.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "calibrate", help="measure this machine (GPU, PCIe, CPU, SSD) and write a hardware profile",
         description="Measure this machine and write a hardware profile for `tierflow simulate --hw FILE`. "
-        "Measures the GPU (when CUDA is available), PCIe copies, DRAM bandwidth, CPU Adam and, with --ssd-dir, "
-        "the SSD. What it cannot measure comes from --base (default: the bundled rtx4090-lohan for gpu/pcie "
-        "and prices, and no SSD tier).")
+        "Measures the GPU (when CUDA is available), PCIe copies, DRAM bandwidth, CPU Adam and, with "
+        "--ssd-dir, the SSD. What it cannot measure comes from --base (default: the bundled rtx4090-lohan "
+        "for gpu/pcie and prices, and no SSD tier).")
     p.add_argument("-o", "--out", required=True, metavar="FILE", help="profile YAML to write, e.g. box.yaml")
     p.add_argument("--ssd-dir", default=None, metavar="DIR",
                    help="a directory on the SSD (array) to measure; needs 2x the test file free (4.1 GB, or "
@@ -47,17 +47,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="size of the SSD test file in MiB (default 2048, 256 with --quick)")
     p.add_argument("--name", default=None, help="profile name (default calibrated-<hostname>)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="the device tierflow run will train on: cuda measures the GPU and PCIe; cpu measures this "
-                   "CPU as the device (fp32 GEMMs over sizes, elementwise bandwidth, copies within host memory, "
-                   "its cores shared with CPU Adam); auto: cuda when available, else cpu")
-    add_set_arg(p, "set a profile field after measuring, e.g. --set gpu.memory_gib=2 (the device memory cap of "
-                "a CPU device; default 2) or --set cpu.memory_gib=8 (repeatable)")
-    p.add_argument("--json", action="store_true", help="print the fields, sources and raw measurements as JSON")
+                   help="the device tierflow run will train on: cuda measures the GPU and PCIe; cpu measures "
+                   "this CPU as the device (fp32 GEMMs over sizes, elementwise bandwidth, copies within host "
+                   "memory, its cores shared with CPU Adam); auto: cuda when available, else cpu")
+    add_set_arg(p, "set a profile field after measuring, e.g. --set gpu.memory_gib=2 (the device memory cap "
+                "of a CPU device; default 2) or --set cpu.memory_gib=8 (repeatable)")
+    p.add_argument("--json", action="store_true",
+                   help="print the fields, sources and raw measurements as JSON")
     return p
 
 
 def parse_sets(items: list[str] | None) -> dict[str, Any]:
-    """--set KEY=VALUE items: numbers as numbers, null as None, the rest as text (validated with the profile)."""
+    """--set KEY=VALUE items: numbers as numbers, null as None, the rest as text (validated with the
+    profile)."""
     return parse_overrides(items, SET_SYNTAX, need_dot=True, typed=True)
 
 
@@ -80,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
     gpu = torch.cuda.is_available()
     device = args.device if args.device != "auto" else ("cuda" if gpu else "cpu")
     if device == "cuda" and not gpu:
-        raise UsageError("--device cuda: no CUDA device is available here (use --device cpu to profile this CPU "
-                         "as the device)")
+        raise UsageError("--device cuda: no CUDA device is available here (use --device cpu to profile this "
+                         "CPU as the device)")
     overrides = parse_sets(args.set)
     m = _measure(sizes, ssd_dir, gpu, device)
     cal = build_profile(m, base, name=args.name, device_gib=overrides.pop("gpu.memory_gib", None),
@@ -108,7 +110,8 @@ def _check_out(out: Path) -> None:
     if out.is_dir():
         raise UsageError(f"-o {out}: is a directory (give a file name such as {out / 'box.yaml'})")
     if not out.parent.is_dir():
-        raise UsageError(f"-o {out}: directory {out.parent} does not exist (create it or choose another path)")
+        raise UsageError(f"-o {out}: directory {out.parent} does not exist (create it or choose another "
+                         "path)")
     if not os.access(out.parent, os.W_OK):
         raise UsageError(f"-o {out}: directory {out.parent} is not writable (choose another path)")
 
@@ -133,7 +136,7 @@ def _measure(sizes: Sizes, ssd_dir: Path | None, gpu: bool, device: str) -> dict
     except OSError as e:
         if ssd_dir is None:
             raise
-        raise UsageError(f"--ssd-dir {ssd_dir}: {e.strerror or e} while measuring (check the directory, its free "
-                         "space and permissions, or give another one)") from None
+        raise UsageError(f"--ssd-dir {ssd_dir}: {e.strerror or e} while measuring (check the directory, its "
+                         "free space and permissions, or give another one)") from None
     finally:
         progress.clear()

@@ -39,9 +39,12 @@ def run(args: argparse.Namespace) -> int:
     check_world(hw, args.gpus, args.nodes)
     world = world_of(args)
     if args.batch % world.ranks:
-        raise UsageError(f"--batch {args.batch} is not divisible by {world.ranks} ranks (use a multiple of it)")
-    answers = largest_all(hw, args.batch, seq, gpus=args.gpus, nodes=args.nodes, on_answer=lambda a: prog.step(
-        f"{a.family} {'with' if a.with_ssd else 'without'} SSDs"))
+        raise UsageError(f"--batch {args.batch} is not divisible by {world.ranks} ranks (use a multiple of "
+                         "it)")
+    def step(a: Any) -> None:
+        prog.step(f"{a.family} {'with' if a.with_ssd else 'without'} SSDs")
+
+    answers = largest_all(hw, args.batch, seq, gpus=args.gpus, nodes=args.nodes, on_answer=step)
     prog.finish()
     checks = _checks(args, hw, seq)
     if args.json:
@@ -51,15 +54,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"box: {hw.name}: {hw.summary()}")
     if world.ranks > 1:
         W = world.ranks
-        print(f"{W} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes): each holds its 1/{W} shard "
-              f"of the states in its 1/{args.gpus} of its box's host memory and SSDs, and runs "
+        print(f"{W} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes): each holds its "
+              f"1/{W} shard of the states in its 1/{args.gpus} of its box's host memory and SSDs, and runs "
               f"{world.rank_batch(args.batch)} of the {args.batch} sequences")
-    print(f"batch {args.batch} x seq {seq}; most frugal plan: vertical, micro-batch 1, states and checkpoints "
-          f"on the SSDs when used (else in CPU memory)")
+    print(f"batch {args.batch} x seq {seq}; most frugal plan: vertical, micro-batch 1, states and "
+          "checkpoints on the SSDs when used (else in CPU memory)")
     rows = []
     for a in answers:
-        rows.append([a.family, "CPU+GPU+SSD" if a.with_ssd else "CPU+GPU", a.model.describe().split(":")[1].strip()
-                     if a.model else a.note, f"{a.params / 1e9:,.1f}B",
+        rows.append([a.family, "CPU+GPU+SSD" if a.with_ssd else "CPU+GPU",
+                     a.model.describe().split(":")[1].strip() if a.model else a.note,
+                     f"{a.params / 1e9:,.1f}B",
                      f"{a.verified.tokens_per_s:,.1f}" if a.verified else "-"])
     print(fmt_table(rows, ["family", "tiers", "largest model", "params", "tokens/s (simulated)"]))
     for name, c in checks:
@@ -75,7 +79,8 @@ def _checks(args: argparse.Namespace, hw: HardwareProfile, seq: int) -> list[tup
     checks = []
     for name in args.model or []:
         m = get_model(name).with_seq(min(seq, get_model(name).max_positions or seq))
-        checks.append((name, {s: fits(m, hw, args.batch, seq, s, args.gpus, args.nodes) for s in (True, False)}))
+        checks.append((name, {s: fits(m, hw, args.batch, seq, s, args.gpus, args.nodes)
+                              for s in (True, False)}))
     return checks
 
 

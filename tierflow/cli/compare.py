@@ -10,12 +10,14 @@ from typing import Any
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     co = sub.add_parser("compare",
-                        help="predicted vs measured time per op kind and resource (plan vs tierflow run trace)",
-                        description="Compare a plan's simulated op times with a trace measured by `tierflow run "
-                        "--out`: per op kind, per resource and per iteration, and plot both timelines.")
+                        help="predicted vs measured time per op kind and resource (plan vs tierflow "
+                        "run trace)",
+                        description="Compare a plan's simulated op times with a trace measured by `tierflow "
+                        "run --out`: per op kind, per resource and per iteration, and plot both timelines.")
     co.add_argument("plan", help="the plan file that was run")
     co.add_argument("trace", help="trace.json written by `tierflow run --out DIR`")
-    co.add_argument("--plot", default=None, metavar="PNG", help="draw the predicted and measured timelines here")
+    co.add_argument("--plot", default=None, metavar="PNG",
+                    help="draw the predicted and measured timelines here")
     co.add_argument("--json", action="store_true", help="print the comparison as JSON")
     return co
 

@@ -32,10 +32,12 @@ def add_ds_config_args(s: argparse.ArgumentParser) -> None:
     """The bridge's options of `tierflow simulate`."""
     s.add_argument("--ds-config", default=None, metavar="JSON",
                    help="simulate the run a DeepSpeed config describes (ZeRO-3 as DeepSpeed runs it) beside "
-                   "tierflow's plan; its batch keys set the batch (--batch / --micro-batch only fill \"auto\")")
+                   "tierflow's plan; its batch keys set the batch (--batch / --micro-batch only fill "
+                   "\"auto\")")
     s.add_argument("--no-plan", action="store_true", help="with --ds-config: skip tierflow's plan")
     s.add_argument("--plan-time-limit", type=positive_float(), default=DEFAULT_PLAN_TIME_LIMIT_S,
-                   help=f"with --ds-config: seconds for tierflow's plan search (default {DEFAULT_PLAN_TIME_LIMIT_S:g})")
+                   help="with --ds-config: seconds for tierflow's plan search (default "
+                   f"{DEFAULT_PLAN_TIME_LIMIT_S:g})")
 
 
 def simulate_ds_config(args: argparse.Namespace) -> int:
@@ -58,7 +60,8 @@ def simulate_ds_config(args: argparse.Namespace) -> int:
     if args.json:
         out = {"model": model.name, "params": model.total_params(), "hw": hw.name, "seq": model.seq_len,
                "ds_config": ds.to_dict(), "warning": warning}
-        out[DS_COLUMN] = ({**ds_result.to_dict(), "schedule": cfg.to_dict()} if isinstance(ds_result, SimResult)
+        out[DS_COLUMN] = ({**ds_result.to_dict(), "schedule": cfg.to_dict()}
+                          if isinstance(ds_result, SimResult)
                           else {"error": str(ds_result), "schedule": cfg.to_dict()})
         out["plan"] = None if best is None else {"candidate": best.candidate.describe(ds.batch),
                                                  "decisions": best.config.to_dict(), **best.result.to_dict()}
@@ -69,14 +72,14 @@ def simulate_ds_config(args: argparse.Namespace) -> int:
 
 
 def _refuse_schedule_flags(args: argparse.Namespace) -> None:
-    clash = [flag for flag, given in (("--schedule", args.schedule != "all"), ("--placement", args.placement),
-                                      ("--group", args.group is not None), ("--alpha", args.alpha is not None),
-                                      ("--runtime", args.runtime), ("--no-recompute", args.no_recompute),
-                                      ("--swap-layers", args.swap_layers), ("--write-plan", args.write_plan),
-                                      ("--out", args.out)) if given]
+    flags = (("--schedule", args.schedule != "all"), ("--placement", args.placement),
+             ("--group", args.group is not None), ("--alpha", args.alpha is not None),
+             ("--runtime", args.runtime), ("--no-recompute", args.no_recompute),
+             ("--swap-layers", args.swap_layers), ("--write-plan", args.write_plan), ("--out", args.out))
+    clash = [flag for flag, given in flags if given]
     if clash:
-        raise DsConfigError(f"--ds-config sets the schedule and placement itself: drop {', '.join(clash)} (or "
-                            "simulate without --ds-config)")
+        raise DsConfigError(f"--ds-config sets the schedule and placement itself: drop {', '.join(clash)} "
+                            "(or simulate without --ds-config)")
 
 
 def _print_text(model: ModelSpec, hw: HardwareProfile, ds: DsConfig, cfg: ScheduleConfig,
@@ -99,5 +102,6 @@ def _print_text(model: ModelSpec, hw: HardwareProfile, ds: DsConfig, cfg: Schedu
         print(f"\n{DS_COLUMN}: does not fit: {ds_result}")
     elif best is not None:
         speedup = best.result.tokens_per_s / ds_result.tokens_per_s
-        print(f"\ntierflow plan ({best.candidate.describe(ds.batch)}) runs at {speedup:.2f}x the tokens/s of this "
-              f"DeepSpeed config; `tierflow plan --emit-ds-config FILE` writes the nearest DeepSpeed config for it")
+        print(f"\ntierflow plan ({best.candidate.describe(ds.batch)}) runs at {speedup:.2f}x the tokens/s of "
+              "this DeepSpeed config; `tierflow plan --emit-ds-config FILE` writes the nearest DeepSpeed "
+              "config for it")

@@ -17,14 +17,15 @@ from tierflow.planner.io.progress import Progress
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     fi = sub.add_parser("fit", help="fit hardware-profile fields to measured runs through the simulator",
                         description="Fit a few profile fields, within bounds, to measured runs (CSV or YAML: "
-                        "model, hw, schedule, batch, micro_batch, seq, placement, overrides, measured, measure) by "
-                        "minimising the relative error of the simulated values; report residuals, leave-one-out "
-                        "errors and unidentified fields, and write the fitted profile.")
+                        "model, hw, schedule, batch, micro_batch, seq, placement, overrides, measured, "
+                        "measure) by minimising the relative error of the simulated values; report "
+                        "residuals, leave-one-out errors and unidentified fields, and write the fitted "
+                        "profile.")
     fi.add_argument("runs", help="CSV or YAML file of measured runs")
     add_hw_arg(fi, None, "base profile name or YAML path (default: the runs' hw column)")
     add_set_arg(fi, "override a base profile field first")
-    fi.add_argument("--field", action="append", metavar="KEY=LOW:HIGH", help="a field to fit within bounds, e.g. "
-                    "ssd.read_gbps=0.5:8 (repeatable)")
+    fi.add_argument("--field", action="append", metavar="KEY=LOW:HIGH", help="a field to fit within bounds, "
+                    "e.g. ssd.read_gbps=0.5:8 (repeatable)")
     fi.add_argument("-o", "--out", default=None, help="write the fitted profile (YAML) here")
     fi.add_argument("--loo", action=argparse.BooleanOptionalAction, default=True,
                     help="leave-one-out refits (default: on)")
@@ -48,14 +49,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"base: {hw.name}: {hw.summary()}")
     print(f"{len(runs)} runs from {args.runs}; {res.evaluations} evaluations, {res.simulations} simulations, "
           f"{res.wall_s:.1f} s\n")
-    print(fmt_table([[f.key, f"{f.lower:g} .. {f.upper:g}", f"{res.initial[f.key]}", f"{res.values[f.key]:.4g}",
+    print(fmt_table([[f.key, f"{f.lower:g} .. {f.upper:g}", f"{res.initial[f.key]}",
+                      f"{res.values[f.key]:.4g}",
                       "unidentified" if f.key in res.unidentified else res.at_bound.get(f.key, "ok")]
                      for f in res.fields], ["field", "bounds", "base", "fitted", "status"]))
     print()
-    print(fmt_table([[f"{r.run.row}. {r.run.label()}", r.run.measure, f"{r.measured:.4g}", f"{r.predicted:.4g}",
-                      str(r.micro_batch), _pct(r.residual), _pct(r.loo_residual)] for r in res.runs],
+    print(fmt_table([[f"{r.run.row}. {r.run.label()}", r.run.measure, f"{r.measured:.4g}",
+                      f"{r.predicted:.4g}", str(r.micro_batch), _pct(r.residual), _pct(r.loo_residual)]
+                     for r in res.runs],
                     ["row. run", "measure", "measured", "predicted", "mb", "residual", "LOO"]))
-    loo = (f"; leave-one-out RMS {res.loo_rms:.2%} (max {res.loo_max_abs:.2%})" if res.loo_rms is not None else "")
+    loo = (f"; leave-one-out RMS {res.loo_rms:.2%} (max {res.loo_max_abs:.2%})" if res.loo_rms is not None
+           else "")
     print(f"\nRMS relative error {res.rms:.2%} (max {res.max_abs:.2%})" + loo)
     for note in res.notes():
         print(note)

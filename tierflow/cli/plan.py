@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    pl = sub.add_parser("plan", help="search schedule, micro-batching, placement and recompute; write a plan file",
-                        description="Search every decision with the roofline bound, CP-SAT and the simulator; "
-                        "every plan is verified by simulating full iterations.")
+    pl = sub.add_parser("plan",
+                        help="search schedule, micro-batching, placement and recompute; write a plan file",
+                        description="Search every decision with the roofline bound, CP-SAT and the "
+                        "simulator; every plan is verified by simulating full iterations.")
     add_box_args(pl)
     add_batch_arg(pl, 64)
     add_seq_arg(pl)
@@ -36,12 +37,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     pl.add_argument("--no-baselines", action="store_true",
                     help="do not simulate the fixed schedules for comparison")
     pl.add_argument("--explain", action="store_true", help="say what binds and what would help most")
-    pl.add_argument("--no-window", action="store_true", help="skip the exact CP-SAT check of a 2-layer window")
+    pl.add_argument("--no-window", action="store_true",
+                    help="skip the exact CP-SAT check of a 2-layer window")
     pl.add_argument("-o", "--out", default=None, help="write the plan file here (JSON, docs/plan-format.md)")
     pl.add_argument("--json", action="store_true", help="print the result as JSON")
     pl.add_argument("--emit-ds-config", default=None, metavar="JSON",
-                    help="also write the nearest DeepSpeed config for the chosen plan (and say what it cannot "
-                    "express)")
+                    help="also write the nearest DeepSpeed config for the chosen plan (and say what it "
+                    "cannot express)")
     add_world_args(pl)
     return pl
 
@@ -65,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
     solver = _solver_report(args, problem, sr)
     written = None
     if args.out:
-        written = write_plan_file(plan_from_graph(model, hw, cfg, graph, predicted=best.result, solver=solver),
-                                  args.out)
+        plan = plan_from_graph(model, hw, cfg, graph, predicted=best.result, solver=solver)
+        written = write_plan_file(plan, args.out)
     lines = explain(sr) if args.explain else []
     if args.json:
         if args.emit_ds_config:
@@ -104,14 +106,16 @@ def _solver_report(args: argparse.Namespace, problem: Problem, sr: SearchResult)
     the slot model's prediction and the window check (one rank only)."""
     best = sr.best
     solver = best.solver.to_dict() if best.solver else {"status": "BASELINE"}
-    solver.update({"search_wall_s": sr.wall_s, "candidates": len(sr.evaluated), "predicted_s": best.predicted_s,
-                   "verified_s": best.verified_s, "skipped_by_time_limit": sr.skipped_by_time_limit})
+    solver.update({"search_wall_s": sr.wall_s, "candidates": len(sr.evaluated),
+                   "predicted_s": best.predicted_s, "verified_s": best.verified_s,
+                   "skipped_by_time_limit": sr.skipped_by_time_limit})
     if best.prediction:
         solver["prediction"] = best.prediction.to_dict()
     if not args.no_window and problem.ranks == 1:  # the window model covers one rank
         from tierflow.planner.search.plan_search import window_check
 
-        solver.update(window_check(problem, best.config, time_limit_s=min(10.0, max(1.0, args.time_limit / 10))))
+        window_s = min(10.0, max(1.0, args.time_limit / 10))
+        solver.update(window_check(problem, best.config, time_limit_s=window_s))
     return solver
 
 
@@ -133,14 +137,14 @@ def _print_text(args: argparse.Namespace, problem: Problem, sr: SearchResult, so
     model, hw, rb = problem.model, problem.hw, problem.rank_batch
     print(model.describe())
     print(f"box: {hw.name}: {hw.summary()}")
-    print(f"batch {args.batch} sequences x {model.seq_len} tokens; searched {len(sr.evaluated)} candidates in "
-          f"{sr.wall_s:.1f} s")
+    print(f"batch {args.batch} sequences x {model.seq_len} tokens; searched {len(sr.evaluated)} candidates "
+          f"in {sr.wall_s:.1f} s")
     if sr.skipped_by_time_limit:
-        print(f"note: the time limit ({args.time_limit:g} s) left {sr.skipped_by_time_limit} candidate(s) untried, "
-              f"so a faster plan may exist (raise --time-limit)")
+        print(f"note: the time limit ({args.time_limit:g} s) left {sr.skipped_by_time_limit} candidate(s) "
+              "untried, so a faster plan may exist (raise --time-limit)")
     if problem.ranks > 1:
-        print(f"{problem.ranks} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes): each runs "
-              f"{rb} sequences; candidates below are one rank's; tokens/s is the world's")
+        print(f"{problem.ranks} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes): each "
+              f"runs {rb} sequences; candidates below are one rank's; tokens/s is the world's")
     _print_candidates(sr, rb)
     _print_choice(sr, rb, model.num_layers, solver)
 
@@ -151,9 +155,11 @@ def _print_candidates(sr: SearchResult, rb: int) -> None:
     for e in ok[:8]:
         s_ = e.solver
         rows.append([e.candidate.describe(rb), f"{e.verified_s:,.1f} s", f"{e.result.tokens_per_s:,.0f}",
-                     f"{e.result.hw_tflops:.1f}", s_.status if s_ else "-", f"{s_.objective_s:,.1f} s" if s_ else "-"])
+                     f"{e.result.hw_tflops:.1f}", s_.status if s_ else "-",
+                     f"{s_.objective_s:,.1f} s" if s_ else "-"])
     print()
-    print(fmt_table(rows, ["candidate (best first)", "simulated", "tokens/s", "hw TFLOPS", "CP-SAT", "objective"]))
+    print(fmt_table(rows, ["candidate (best first)", "simulated", "tokens/s", "hw TFLOPS", "CP-SAT",
+                           "objective"]))
     print()
 
 
@@ -169,17 +175,18 @@ def _print_choice(sr: SearchResult, rb: int, num_layers: int, solver: dict) -> N
               f"{r.best_bound_s:,.2f} s, gap {r.gap:.1%}, {r.wall_s:.2f} s")
     if best.prediction:
         r = best.prediction
-        print(f"prediction (slot model, {r.constraints:,} windows): {r.solver} {r.status}, {r.objective_s:,.2f} s "
-              f"per iteration, {r.wall_s:.2f} s")
+        print(f"prediction (slot model, {r.constraints:,} windows): {r.solver} {r.status}, "
+              f"{r.objective_s:,.2f} s per iteration, {r.wall_s:.2f} s")
     if "window_status" in solver:
         print(f"window check: CP-SAT {solver['window_status']} on a {solver['window_layers']}-layer window "
-              f"({solver['window_tasks']} tasks): the schedule's own order takes {solver['window_greedy_s']:.4g} s "
-              f"at solo link rates, the best order found {solver['window_makespan_s']:.4g} s, proven bound "
-              f"{solver['window_bound_s']:.4g} s (gap {solver['window_gap']:.1%}, {solver['window_wall_s']:.1f} s)")
+              f"({solver['window_tasks']} tasks): the schedule's own order takes "
+              f"{solver['window_greedy_s']:.4g} s at solo link rates, the best order found "
+              f"{solver['window_makespan_s']:.4g} s, proven bound {solver['window_bound_s']:.4g} s (gap "
+              f"{solver['window_gap']:.1%}, {solver['window_wall_s']:.1f} s)")
     res = best.result
-    print(f"verified by simulation: {res.iteration_s:,.2f} s per iteration ({res.iteration_s / best.predicted_s - 1:+.1%} "
-          f"vs the prediction), {res.tokens_per_s:,.0f} tokens/s, {res.model_tflops:.1f} model / "
-          f"{res.hw_tflops:.1f} hardware TFLOPS")
+    print(f"verified by simulation: {res.iteration_s:,.2f} s per iteration "
+          f"({res.iteration_s / best.predicted_s - 1:+.1%} vs the prediction), {res.tokens_per_s:,.0f} "
+          f"tokens/s, {res.model_tflops:.1f} model / {res.hw_tflops:.1f} hardware TFLOPS")
     if sr.baseline:
         name, b = min(sr.baseline.items(), key=lambda kv: kv[1].iteration_s)
         print(f"best fixed schedule with default settings: {name} at {b.iteration_s:,.2f} s -> plan is "

@@ -11,8 +11,8 @@ if TYPE_CHECKING:
 
 
 def write_plan_file(plan: Plan, path: str) -> WrittenPlan:
-    """Write a plan for the CLI: large plans are compressed to PATH.gz (planfile.LARGE_PLAN_BYTES), said in one
-    line on stderr."""
+    """Write a plan for the CLI: large plans are compressed to PATH.gz (planfile.LARGE_PLAN_BYTES), said in
+    one line on stderr."""
     from tierflow.planner.io.planfile import LARGE_PLAN_BYTES, write_plan
 
     written = write_plan(plan, path, compress_over_bytes=LARGE_PLAN_BYTES)

@@ -40,10 +40,11 @@ Results = dict[str, SimResult | Exception]
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     s = sub.add_parser("simulate", help="simulate schedules of a model on a box and report throughput",
-                       description="Simulate training iterations and report the steady state. With no arguments: "
-                       "GPT-3 175B on the RTX 4090 box (Fuyou's), every schedule side by side.")
+                       description="Simulate training iterations and report the steady state. With no "
+                       "arguments: GPT-3 175B on the RTX 4090 box (Fuyou's), every schedule side by side.")
     add_box_args(s)
-    s.add_argument("--schedule", default="all", choices=[*FAMILIES, "all"], help="schedule family (default: all)")
+    s.add_argument("--schedule", default="all", choices=[*FAMILIES, "all"],
+                   help="schedule family (default: all)")
     add_batch_arg(s, 64)
     add_micro_batch_arg(s, 2, "sequences per micro-batch (default 2)")
     add_seq_arg(s)
@@ -51,11 +52,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="micro-batches per block sweep (block schedule)")
     s.add_argument("--alpha", type=fraction_below_one, default=None,
                    help="deferred optimizer fraction, within [0, 1) (vertical default 0.25)")
-    s.add_argument("--prefetch", type=positive_int(1024), default=1, help="weight buffers fetched ahead (default 1)")
+    s.add_argument("--prefetch", type=positive_int(1024), default=1,
+                   help="weight buffers fetched ahead (default 1)")
     s.add_argument("--runtime", choices=RUNTIMES, default=None,
-                   help="how transfers overlap: deepspeed = ZeRO-Infinity as DeepSpeed's code runs it (the default "
-                   "of --schedule horizontal), lohan = Fuyou as LoHan's code runs it (the default of --schedule "
-                   "fuyou), ideal = as early as the plan allows (every other schedule; tierflow's executor)")
+                   help="how transfers overlap: deepspeed = ZeRO-Infinity as DeepSpeed's code runs it (the "
+                   "default of --schedule horizontal), lohan = Fuyou as LoHan's code runs it (the default of "
+                   "--schedule fuyou), ideal = as early as the plan allows (every other schedule; tierflow's "
+                   "executor)")
     s.add_argument("--no-recompute", action="store_true", help="keep every activation instead of recomputing")
     s.add_argument("--placement", default=None,
                    help="gpu|cpu|ssd, or JSON / a JSON file of fractions per tensor class")
@@ -93,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
 
         fam = families[0]
         r = results[fam]
-        written = write_plan_file(plan_from_graph(model, hw, configs[fam], r.graph, predicted=r), args.write_plan)
+        plan = plan_from_graph(model, hw, configs[fam], r.graph, predicted=r)
+        written = write_plan_file(plan, args.write_plan)
     if args.out:
         _write_outputs(args.out, model, hw, results)
     if args.json:
@@ -108,9 +112,10 @@ def run(args: argparse.Namespace) -> int:
 def _schedule(args: argparse.Namespace, fam: str, model: ModelSpec, hw: HardwareProfile,
               placement: Placement | None) -> ScheduleConfig:
     return make_schedule(fam, model, hw, batch=args.batch, micro_batch=args.micro_batch, seq=model.seq_len,
-                         placement=placement, group=args.group, alpha=args.alpha, prefetch_depth=args.prefetch,
-                         recompute=not args.no_recompute, runtime=args.runtime, iterations=args.iterations,
-                         swap_layers=args.swap_layers, gpus=args.gpus, nodes=args.nodes)
+                         placement=placement, group=args.group, alpha=args.alpha,
+                         prefetch_depth=args.prefetch, recompute=not args.no_recompute, runtime=args.runtime,
+                         iterations=args.iterations, swap_layers=args.swap_layers, gpus=args.gpus,
+                         nodes=args.nodes)
 
 
 def _simulate(args: argparse.Namespace, model: ModelSpec, hw: HardwareProfile, families: list[str],
@@ -166,7 +171,8 @@ def _print_text(args: argparse.Namespace, model: ModelSpec, hw: HardwareProfile,
     print(f"{model.describe()}")
     print(f"box: {hw.name}: {hw.summary()}")
     if W == 1:
-        print(f"batch {args.batch} sequences x {model.seq_len} tokens = {M} micro-batches of {args.micro_batch}")
+        print(f"batch {args.batch} sequences x {model.seq_len} tokens = {M} micro-batches of "
+              f"{args.micro_batch}")
     else:
         print(f"{W} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes); global batch "
               f"{args.batch} sequences x {model.seq_len} tokens = {W} ranks x {M} micro-batches of "

@@ -18,7 +18,8 @@ def fmt_table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
 
     def line(r: list[str]) -> str:
-        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(r, widths)))
 
     return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, rows)])
 
@@ -36,8 +37,8 @@ def _peak(k: str, r: SimResult) -> str:
 
 
 def summary_table(results: dict[str, SimResult | Exception]) -> str:
-    """One column per schedule (a "-" where it did not fit): throughput, busy fractions, bytes per link and the
-    peak of each memory tier; per GPU and the collectives' link too when a result has several ranks."""
+    """One column per schedule (a "-" where it did not fit): throughput, busy fractions, bytes per link and
+    the peak of each memory tier; per GPU and the collectives' link too when a result has several ranks."""
     names = list(results)
     many = any(isinstance(r, SimResult) and r.ranks > 1 for r in results.values())
     rows = []
