@@ -1,5 +1,6 @@
-"""Executor: replays a tierflow plan file with PyTorch on real hardware (see issue "Executor").
+"""Executor: replays a tierflow plan file with PyTorch on real hardware.
 
-Its commands (`run` in tierflow.executor.commands, `calibrate` in tierflow.executor.calibrate) register through the
-`tierflow.commands` entry-point group without importing torch, so that planning never imports it.
+Its commands (`run`, `calibrate`, `env`) are declared in tierflow.cli, which imports this package only when
+one of them runs, so that planning never imports torch. Calibration (measuring this machine for a hardware
+profile) is the `calibration` package.
 """

@@ -3,16 +3,15 @@
 Versions (python, tierflow, torch, ortools, numpy), CUDA and the GPUs (name, memory, compute capability) when
 torch sees CUDA, whether a directory (--ssd-dir, default the current one) takes O_DIRECT (the SSD tier's own
 probe, direct_io.py) and its free space, the pinned-memory limit (`ulimit -l`, /proc/meminfo), cores, memory,
-and what `tierflow calibrate` would measure here. `--json` for machine-readable output.
+and what `tierflow calibrate` would measure here (the command and its `--json`: tierflow/cli/env.py).
 
-It never fails because a part is missing: torch that cannot be imported, no CUDA, no /proc are reported as such.
-Only the standard library is imported at start-up; torch is imported when the command runs, inside a guard.
+It never fails because a part is missing: torch that cannot be imported, no CUDA, no /proc are reported as
+such. Only the standard library is imported at start-up; torch is imported when the command runs, inside a
+guard.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import shutil
@@ -20,8 +19,6 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
-
-from tierflow.errors import TierflowError
 
 GIB = 2**30
 
@@ -71,7 +68,8 @@ class EnvReport:
         return asdict(self)
 
 
-# ---- collecting ------------------------------------------------------------------------------------------------
+# ---- collecting
+# ---------------------------------------------------------------------------------------------
 
 
 def _version(dist: str) -> str:
@@ -82,11 +80,13 @@ def _version(dist: str) -> str:
 
 
 def _torch_info() -> tuple[str | None, str, str, list[GpuInfo]]:
-    """(torch version or None, import error, CUDA line, GPUs). Any failure of torch is reported, not raised."""
+    """(torch version or None, import error, CUDA line, GPUs). Any failure of torch is reported, not
+    raised."""
     try:
         import torch
     except Exception as e:  # noqa: BLE001 - a broken torch install must not fail the report
-        return None, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}", "unknown (torch not importable)", []
+        error = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        return None, error, "unknown (torch not importable)", []
     gpus: list[GpuInfo] = []
     try:
         if not torch.cuda.is_available():
@@ -105,7 +105,7 @@ def _torch_info() -> tuple[str | None, str, str, list[GpuInfo]]:
 
 def ssd_dir_info(directory: str | os.PathLike[str]) -> SsdDirInfo:
     """Whether `directory` takes O_DIRECT (the SSD tier's probe), its free space and block device."""
-    from tierflow.executor.calibrate import block_device_name
+    from tierflow.executor.calibration.ssd import block_device_name
     from tierflow.executor.direct_io import probe_o_direct
 
     path = Path(directory).resolve()
@@ -154,12 +154,13 @@ def pinned_info() -> PinnedInfo:
 
 def collect(ssd_dir: str | os.PathLike[str] = ".") -> EnvReport:
     from tierflow import __version__
-    from tierflow.executor.calibrate import FULL, cpu_model, measurement_plan
+    from tierflow.executor.calibration import FULL, cpu_model, measurement_plan
 
     torch_version, torch_error, cuda, gpus = _torch_info()
     versions = {"python": platform.python_version(), "tierflow": __version__,
                 "torch": torch_version or "not importable", "ortools": _version("ortools"),
-                "numpy": _version("numpy"), "os": f"{platform.system()} {platform.release()} {platform.machine()}"}
+                "numpy": _version("numpy"),
+                "os": f"{platform.system()} {platform.release()} {platform.machine()}"}
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -173,7 +174,8 @@ def collect(ssd_dir: str | os.PathLike[str] = ".") -> EnvReport:
                      calibrate_measures=measurement_plan(device, FULL, ssd=True) if torch_version else [])
 
 
-# ---- formatting ------------------------------------------------------------------------------------------------
+# ---- formatting
+# ---------------------------------------------------------------------------------------------
 
 
 def _gib(n: int | None) -> str:
@@ -201,13 +203,15 @@ def format_report(r: EnvReport) -> str:
     for g in r.gpus:
         lines.append(f"  GPU {g.index}: {g.name}, {_gib(g.memory_bytes)}, compute capability {g.capability}")
     s = r.ssd_dir
-    direct = {True: "yes", False: "no (buffered I/O: reads may come from the page cache)", None: "unknown"}[s.o_direct]
-    lines += ["", f"SSD directory {s.path} ({s.device})", f"  O_DIRECT   {direct}" + (f"; {s.error}" if s.error else ""),
+    direct = {True: "yes", False: "no (buffered I/O: reads may come from the page cache)",
+              None: "unknown"}[s.o_direct]
+    lines += ["", f"SSD directory {s.path} ({s.device})",
+              f"  O_DIRECT   {direct}" + (f"; {s.error}" if s.error else ""),
               f"  free       {_gib(s.free_bytes)}"]
     p = r.pinned
     lines += ["", "pinned host memory",
-              f"  ulimit -l  {_limit(p.memlock_soft_bytes)} (hard {_limit(p.memlock_hard_bytes)}): the locked-memory "
-              "limit of this process",
+              f"  ulimit -l  {_limit(p.memlock_soft_bytes)} (hard {_limit(p.memlock_hard_bytes)}): the "
+              "locked-memory limit of this process",
               f"  meminfo    total {_gib(p.mem_total_bytes)}, available {_gib(p.mem_available_bytes)}, "
               f"locked {_gib(p.mlocked_bytes)}"]
     lines += ["", f"CPU: {r.cpu}", f"  cores      {r.cores_usable} usable of {r.cores_online} online",
@@ -218,34 +222,3 @@ def format_report(r: EnvReport) -> str:
     else:
         lines.append("  nothing: it needs torch")
     return "\n".join(lines)
-
-
-# ---- command line ----------------------------------------------------------------------------------------------
-
-
-class EnvError(TierflowError, ValueError):
-    """Bad input to `tierflow env` (one line, exit code 2)."""
-
-
-def cmd_env(args: argparse.Namespace) -> int:
-    if not Path(args.ssd_dir).is_dir():
-        raise EnvError(f"--ssd-dir {args.ssd_dir}: no such directory (give an existing directory on the SSD "
-                       "to probe, or leave it out for the current one)")
-    report = collect(args.ssd_dir)
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
-        print(format_report(report))
-    return 0
-
-
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "env", help="report versions, CUDA/GPUs, O_DIRECT, pinned-memory limits and what calibrate would measure",
-        description="Report what this machine offers tierflow (as DeepSpeed's ds_report): versions, CUDA and the "
-        "GPUs, whether --ssd-dir takes O_DIRECT, the pinned-memory limit, cores, memory and what `tierflow "
-        "calibrate` would measure. Never fails for a missing part: it says what is missing.")
-    p.add_argument("--ssd-dir", default=".", metavar="DIR",
-                   help="directory to probe for O_DIRECT and free space (default: the current one)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=cmd_env)

@@ -114,7 +114,7 @@ def tierflow_steps(plan: Plan, device: str, ssd_dir: Path | None) -> tuple[list[
 def measure_store(ssd_dir: Path, nbytes: int, files: int = 3, repeats: int = 3) -> dict[str, float]:
     """GB/s of the executor's own SSD store, writing then reading `files` files of `nbytes` each, as a step's
     optimizer-state ops do: calibrate's measurement (executor.calibrate.measure_store), the best of `repeats`."""
-    from tierflow.executor.calibrate import measure_store as store_rates
+    from tierflow.executor.calibration import measure_store as store_rates
 
     runs = [store_rates(ssd_dir, files * nbytes, mixed_s=0.0, files=files) for _ in range(repeats)]
     return {"write_gbps": max(r["write_gbps"] for r in runs), "read_gbps": max(r["read_gbps"] for r in runs)}

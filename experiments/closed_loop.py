@@ -69,7 +69,7 @@ PAPER_PLACEMENT = Placement(weights=ON_CPU, master=ON_SSD, adam_m=ON_SSD, adam_v
 def calibrate(device: str, ssd_dir: Path, quick: bool, out: Path, model: ModelSpec) -> HardwareProfile:
     """Measure this box; cap the device below the model's weights + optimizer states and the host below its
     optimizer states, so that they go to the SSD tier (the loop's premise)."""
-    from tierflow.executor.calibrate import FULL, QUICK, build_profile, run_measurements, write_profile
+    from tierflow.executor.calibration import FULL, QUICK, build_profile, run_measurements, write_profile
 
     sizes = QUICK if quick else FULL
     prog = Progress(12, "calibrate")

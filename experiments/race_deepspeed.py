@@ -310,7 +310,7 @@ def deepspeed_missing() -> str | None:
 
 def calibrate_box(ssd_dir: Path, quick: bool, out: Path):
     """This box as the executor uses it (experiments/closed_loop.py's calibration)."""
-    from tierflow.executor.calibrate import FULL, QUICK, build_profile, run_measurements, write_profile
+    from tierflow.executor.calibration import FULL, QUICK, build_profile, run_measurements, write_profile
 
     prog = Progress(12, "calibrate")
     m = run_measurements(QUICK if quick else FULL, ssd_dir, prog, device="cpu")

@@ -5,9 +5,11 @@
     >>> p.name
     'rtx4090-lohan[ssd.count=6]'
 
-Bundled profiles are the ``*.yaml`` files in this package; ``list_profiles()`` names them.
+Bundled profiles are the ``*.yaml`` files in this package; ``list_profiles()`` names them. ``load_hw(name,
+["ssd.count=6"])`` loads one with ``section.key=value`` overrides (the parser of them: overrides.py).
 """
 
+from .overrides import OverrideError, load_hw, parse_overrides
 from .profile import (
     P2P_CHOICES,
     SCHEMA_VERSION,
@@ -35,12 +37,15 @@ __all__ = [
     "CpuSpec",
     "GpuSpec",
     "HardwareProfile",
+    "OverrideError",
     "PcieSpec",
     "PriceSpec",
     "ProfileError",
     "SsdSpec",
     "list_profiles",
+    "load_hw",
     "load_profile",
+    "parse_overrides",
     "profile_from_dict",
     "save_profile",
     "type_name",

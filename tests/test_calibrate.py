@@ -1,4 +1,5 @@
-"""`tierflow calibrate`: the real measurements at tiny sizes, the profile it writes, and its one-line errors."""
+"""`tierflow calibrate`: the real measurements at tiny sizes, the profile it writes, and its one-line
+errors."""
 
 from __future__ import annotations
 
@@ -9,26 +10,33 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tierflow.executor import calibrate as cal  # noqa: E402
-from tierflow.hwprofiles import load_profile  # noqa: E402
+from tierflow.cli import main  # noqa: E402
+from tierflow.cli.calibrate import parse_sets  # noqa: E402
+from tierflow.executor.calibration import cpu as cal_cpu  # noqa: E402
+from tierflow.executor.calibration import executor_costs as cal_executor  # noqa: E402
+from tierflow.executor.calibration import gpu as cal_gpu  # noqa: E402
+from tierflow.executor.calibration import host_device as cal_host_device  # noqa: E402
+from tierflow.executor.calibration import profile_builder as cal_profile  # noqa: E402
+from tierflow.executor.calibration import ssd as cal_ssd  # noqa: E402
+from tierflow.executor.calibration.common import CalibrationError  # noqa: E402
+from tierflow.hwprofiles import OverrideError, load_profile  # noqa: E402
 from tierflow.planner.core.costmodel import link_rates  # noqa: E402
-from tierflow.planner.io.cli import CliError, main  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
 GPU_KEYS = ["gpu.peak_tflops", "gpu.gemm_efficiency", "gpu.hbm_gbps", "pcie.h2d_gbps", "pcie.duplex_d2h_gbps"]
 
 
 def test_cpu_measurements_are_positive():
-    assert cal.measure_dram_gbps(16 * 2**20, repeats=2) > 0
-    assert cal.measure_cpu_adam(300_000, steps=1, chunk=100_000) > 0
-    assert cal.adam_impl() in ("fused", "foreach")
-    assert cal.cpu_memory_gib() > 0
-    assert cal.cpu_model().strip()
+    assert cal_cpu.measure_dram_gbps(16 * 2**20, repeats=2) > 0
+    assert cal_cpu.measure_cpu_adam(300_000, steps=1, chunk=100_000) > 0
+    assert cal_cpu.adam_impl() in ("fused", "foreach")
+    assert cal_cpu.cpu_memory_gib() > 0
+    assert cal_cpu.cpu_model().strip()
 
 
 def test_ssd_measurement_is_positive_and_cleans_up(tmp_path):
     steps = []
-    r = cal.measure_ssd(tmp_path, 8 * 2**20, 2**20, mixed_s=0.2, step=steps.append)
+    r = cal_ssd.measure_ssd(tmp_path, 8 * 2**20, 2**20, mixed_s=0.2, step=steps.append)
     for key in ("read_gbps", "write_gbps", "mixed_read_gbps", "mixed_write_gbps", "capacity_gb"):
         assert r[key] > 0, key
     assert r["rw_sharing"] in ("shared", "independent")
@@ -37,16 +45,16 @@ def test_ssd_measurement_is_positive_and_cleans_up(tmp_path):
 
 
 def test_ssd_falls_back_to_buffered_io_with_one_warning(tmp_path, monkeypatch):
-    real_open = cal._open
+    real_open = cal_ssd._open
 
     def refuse_direct(path, write, direct):
         if direct:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, write, direct)
 
-    monkeypatch.setattr(cal, "_open", refuse_direct)
+    monkeypatch.setattr(cal_ssd, "_open", refuse_direct)
     warnings = []
-    r = cal.measure_ssd(tmp_path, 4 * 2**20, 2**20, mixed_s=0.1, warn=warnings.append)
+    r = cal_ssd.measure_ssd(tmp_path, 4 * 2**20, 2**20, mixed_s=0.1, warn=warnings.append)
     assert r["direct"] is False and r["read_gbps"] > 0 and r["write_gbps"] > 0
     assert len(warnings) == 1 and "O_DIRECT" in warnings[0] and "\n" not in warnings[0]
     assert list(tmp_path.iterdir()) == []
@@ -56,24 +64,24 @@ def test_ssd_test_files_are_removed_on_error(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(cal, "_stream", fail)
+    monkeypatch.setattr(cal_ssd, "_stream", fail)
     with pytest.raises(OSError):
-        cal.measure_ssd(tmp_path, 4 * 2**20, 2**20)
+        cal_ssd.measure_ssd(tmp_path, 4 * 2**20, 2**20)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_half_gflop_fit_inverts_the_cost_model_curve():
     e_max, h, f = 0.8, 3.2, 2.0
-    assert cal.fit_gemm_half_gflop(f, e_max * f / (f + h), e_max) == pytest.approx(h)
-    assert cal.fit_gemm_half_gflop(f, e_max, e_max) > 0  # small GEMM as fast as large: still valid
+    assert cal_gpu.fit_gemm_half_gflop(f, e_max * f / (f + h), e_max) == pytest.approx(h)
+    assert cal_gpu.fit_gemm_half_gflop(f, e_max, e_max) > 0  # small GEMM as fast as large: still valid
 
 
 def fake_measurements() -> dict:
     return {
         "host": "testbox",
         "cpu_threads": 2,
-        "gpu": {"model": "NVIDIA H100 80GB HBM3", "memory_gib": 79.2, "best_tflops": 700.0, "small_gflop": 2.147,
-                "small_tflops": 300.0, "hbm_gbps": 2900.0},
+        "gpu": {"model": "NVIDIA H100 80GB HBM3", "memory_gib": 79.2, "best_tflops": 700.0,
+                "small_gflop": 2.147, "small_tflops": 300.0, "hbm_gbps": 2900.0},
         "pcie": {"h2d_gbps": 52.0, "d2h_gbps": 50.0, "duplex_h2d_gbps": 53.0, "duplex_d2h_gbps": 40.0},
         "cpu": {"model": "test CPU", "memory_gib": 128.0, "memory_gbps": 150.0, "adam_gparams_per_s": 3.0,
                 "adam_impl": "fused"},
@@ -83,7 +91,7 @@ def fake_measurements() -> dict:
 
 
 def test_build_profile_with_a_gpu_and_a_datasheet_base():
-    c = cal.build_profile(fake_measurements(), load_profile("h100-80g"))
+    c = cal_profile.build_profile(fake_measurements(), load_profile("h100-80g"))
     g, p = c.profile.gpu, c.profile.pcie
     assert g.peak_tflops == 989  # datasheet kept
     assert g.gemm_efficiency == pytest.approx(700 / 989, rel=1e-3)
@@ -96,7 +104,7 @@ def test_build_profile_with_a_gpu_and_a_datasheet_base():
 
 
 def test_build_profile_without_base_derives_the_peak_and_has_no_ssd():
-    c = cal.build_profile(fake_measurements())
+    c = cal_profile.build_profile(fake_measurements())
     assert c.profile.gpu.peak_tflops == pytest.approx(700 / 0.9, rel=1e-3)
     assert c.profile.gpu.gemm_efficiency == pytest.approx(0.9)
     assert any("no --base" in n for n in c.notes)
@@ -118,7 +126,7 @@ def test_cli_writes_a_profile_the_planner_loads(tmp_path, capsys):
     if not HAS_GPU:  # --device auto on a box without CUDA: this CPU is the device, measured
         assert hw.gpu.host_cores is not None and hw.cpu.cores == hw.gpu.host_cores
         assert "via torch" in hw.gpu.model and hw.gpu.peak_tflops > 0 and hw.gpu.hbm_gbps > 0
-        assert hw.gpu.memory_gib == cal.DEFAULT_HOST_DEVICE_GIB and hw.gpu.reserved_gib == 0
+        assert hw.gpu.memory_gib == cal_profile.DEFAULT_HOST_DEVICE_GIB and hw.gpu.reserved_gib == 0
         assert hw.pcie.generation == 1 and hw.pcie.duplex_h2d_gbps <= hw.pcie.h2d_gbps
         assert not any(k in not_measured[0] for k in ("gpu.peak_tflops", "gpu.hbm_gbps", "pcie.h2d_gbps"))
 
@@ -126,26 +134,28 @@ def test_cli_writes_a_profile_the_planner_loads(tmp_path, capsys):
 def test_gemm_curve_fit_recovers_peak_and_half_size():
     peak, half = 0.25, 0.05  # TFLOPS, GFLOP
     f = [0.002, 0.02, 0.1, 0.5, 2.0, 8.0]
-    got = cal.fit_gemm_curve(f, [peak * x / (x + half) for x in f])
+    got = cal_host_device.fit_gemm_curve(f, [peak * x / (x + half) for x in f])
     assert got == pytest.approx((peak, half), rel=1e-6)
-    assert cal.fit_gemm_curve([1.0, 2.0], [0.1, 0.2])[0] == 0.2  # still rising: the best rate is the peak
+    # still rising: the best rate is the peak
+    assert cal_host_device.fit_gemm_curve([1.0, 2.0], [0.1, 0.2])[0] == 0.2
 
 
 def test_build_profile_for_a_cpu_device():
     m = fake_measurements()
     m["device"] = "cpu"
-    m["gpu"] = {"model": "test CPU via torch (2 threads)", "host_cores": 2, "gemms": [{}, {}], "peak_tflops": 0.15,
-                "half_gflop": 0.01, "elementwise_gbps": 30.0}
+    m["gpu"] = {"model": "test CPU via torch (2 threads)", "host_cores": 2, "gemms": [{}, {}],
+                "peak_tflops": 0.15, "half_gflop": 0.01, "elementwise_gbps": 30.0}
     m["pcie"] = {"h2d_gbps": 10.0, "d2h_gbps": 10.0, "duplex_h2d_gbps": 6.0, "duplex_d2h_gbps": 6.0}
-    c = cal.build_profile(m, device_gib=0.5, overrides={"cpu.memory_gib": 8})
+    c = cal_profile.build_profile(m, device_gib=0.5, overrides={"cpu.memory_gib": 8})
     g, p, cpu = c.profile.gpu, c.profile.pcie, c.profile.cpu
-    assert (g.memory_gib, g.reserved_gib, g.peak_tflops, g.gemm_efficiency, g.gemm_half_gflop) == (0.5, 0, 0.15, 1, 0.01)
+    assert (g.memory_gib, g.reserved_gib, g.peak_tflops, g.gemm_efficiency, g.gemm_half_gflop) == (
+        0.5, 0, 0.15, 1, 0.01)
     # in plan bytes: plans count 2 bytes per element, the CPU device moves 4 (fp32)
     assert (g.hbm_gbps, g.hbm_efficiency, g.host_cores, cpu.cores) == (15, 1, 2, 2)
     assert (p.generation, p.h2d_gbps, p.duplex_d2h_gbps) == (1, 5, 3)
     assert cpu.memory_gib == 8  # --set wins
-    with pytest.raises(CliError, match="unknown profile key"):
-        cal.build_profile(m, overrides={"cpu.nonsense": 1})
+    with pytest.raises(CalibrationError, match="unknown profile key"):
+        cal_profile.build_profile(m, overrides={"cpu.nonsense": 1})
     # compute, Adam and copies share the two cores in the simulator
 
     r = link_rates(c.profile)
@@ -155,8 +165,8 @@ def test_build_profile_for_a_cpu_device():
 def test_build_profile_for_a_cpu_device_takes_the_executors_store_and_fixed_costs():
     m = fake_measurements()
     m["device"] = "cpu"
-    m["gpu"] = {"model": "test CPU via torch (2 threads)", "host_cores": 2, "gemms": [{}, {}], "peak_tflops": 0.15,
-                "half_gflop": 0.01, "elementwise_gbps": 30.0}
+    m["gpu"] = {"model": "test CPU via torch (2 threads)", "host_cores": 2, "gemms": [{}, {}],
+                "peak_tflops": 0.15, "half_gflop": 0.01, "elementwise_gbps": 30.0}
     m["pcie"] = {"h2d_gbps": 10.0, "d2h_gbps": 10.0, "duplex_h2d_gbps": 6.0, "duplex_d2h_gbps": 6.0}
     m["ssd"] = {"dir": "x", "direct": True, "model": "vda", "capacity_gb": 50.0, "block_bytes": 2**20,
                 "read_gbps": 1.2, "write_gbps": 0.4, "mixed_read_gbps": 0.8, "mixed_write_gbps": 0.3,
@@ -166,63 +176,66 @@ def test_build_profile_for_a_cpu_device_takes_the_executors_store_and_fixed_cost
     m["executor"] = {"op_overhead_us": 250.0, "pcie_latency_us": 80.0, "ssd_latency_us": 2000.0}
     m["gpu"].update(activation_gbps=8.0, attention_efficiency=0.25,
                     attention=[{"shape": [2, 4, 256, 64], "tflops": 0.04, "of_gemm": 0.25}])
-    c = cal.build_profile(m)
+    c = cal_profile.build_profile(m)
     g, p, s = c.profile.gpu, c.profile.pcie, c.profile.ssd
     assert (g.op_overhead_us, p.latency_us, s.latency_us) == (250, 80, 2000)
     assert (g.activation_gbps, g.attention_efficiency) == (4, 0.25)  # activation in plan bytes, like hbm_gbps
-    assert (s.read_gbps, s.write_gbps, s.mixed_efficiency) == (0.5, 0.25, 0.8)  # the store's, not the raw device's
+    # the store's, not the raw device's
+    assert (s.read_gbps, s.write_gbps, s.mixed_efficiency) == (0.5, 0.25, 0.8)
     m["executor"] = {}
-    bare = cal.build_profile(m).profile
+    bare = cal_profile.build_profile(m).profile
     assert (bare.gpu.op_overhead_us, bare.pcie.latency_us, bare.ssd.latency_us) == (None, None, None)
     assert not link_rates(bare).io_contention  # no interference measured: the proportional share of the cores
     m["interference"] = {"gemm_beside_copy": 2.2, "copy_beside_gemm": 1.6, "gemm_beside_ssd_read": 1.9,
                          "ssd_read_beside_gemm": 1.2, "compute_slowdown": 2.05, "copy_slowdown": 1.6,
                          "ssd_slowdown": 1.2}
-    c = cal.build_profile(m)
+    c = cal_profile.build_profile(m)
     cpu = c.profile.cpu
-    assert (cpu.compute_slowdown_per_io_op, cpu.copy_slowdown_beside_compute, cpu.ssd_slowdown_beside_compute) == (
-        2.05, 1.6, 1.2)
+    assert (cpu.compute_slowdown_per_io_op, cpu.copy_slowdown_beside_compute,
+            cpu.ssd_slowdown_beside_compute) == (2.05, 1.6, 1.2)
     assert "copy 2.20x, ssd_read 1.90x" in {f.key: f for f in c.fields}["cpu.compute_slowdown_per_io_op"].note
     r = link_rates(c.profile)
-    assert r.io_contention and r.compute_io_extra == pytest.approx(1.05) and r.beside_compute("ssd_write") == 1.2
+    assert r.io_contention and r.compute_io_extra == pytest.approx(1.05)
+    assert r.beside_compute("ssd_write") == 1.2
 
 
 def test_io_interference_is_measured_by_running_both_loops(tmp_path):
     """A GEMM loop beside a memcpy loop and the store's reads and writes, each against alone: every ratio is a
     positive number, the means are the means of the parts, and the store's files are gone afterwards."""
-    itf = cal.measure_io_interference(tmp_path, seconds=0.08, copy_bytes=2**22)
+    itf = cal_executor.measure_io_interference(tmp_path, seconds=0.08, copy_bytes=2**22)
     parts = ("copy", "ssd_read", "ssd_write")
     assert all(itf[f"gemm_beside_{k}"] > 0 and itf[f"{k}_beside_gemm"] > 0 for k in parts)
     assert itf["compute_slowdown"] == pytest.approx(sum(itf[f"gemm_beside_{k}"] for k in parts) / 3)
-    assert itf["ssd_slowdown"] == pytest.approx((itf["ssd_read_beside_gemm"] + itf["ssd_write_beside_gemm"]) / 2)
+    assert itf["ssd_slowdown"] == pytest.approx(
+        (itf["ssd_read_beside_gemm"] + itf["ssd_write_beside_gemm"]) / 2)
     assert not [f for f in tmp_path.iterdir() if f.name.startswith("interference-")]
-    assert "ssd_slowdown" not in cal.measure_io_interference(None, seconds=0.04, copy_bytes=2**20)
+    assert "ssd_slowdown" not in cal_executor.measure_io_interference(None, seconds=0.04, copy_bytes=2**20)
 
 
 def test_executor_costs_and_store_are_measured_by_running_them(tmp_path):
-    """The tiny plan really runs through the executor (its SSD ops through the store) and every fixed cost is a
-    positive number of microseconds; the store's rates are positive and its files are gone afterwards."""
-    store = cal.measure_store(tmp_path, 4 * 2**20, mixed_s=0.1, files=2)
+    """The tiny plan really runs through the executor (its SSD ops through the store) and every fixed cost is
+    a positive number of microseconds; the store's rates are positive and its files are gone afterwards."""
+    store = cal_executor.measure_store(tmp_path, 4 * 2**20, mixed_s=0.1, files=2)
     assert store["read_gbps"] > 0 and store["write_gbps"] > 0 and store["mixed_read_gbps"] > 0
     assert not [f for f in tmp_path.iterdir() if f.name.startswith("calibrate-")]
     hw = load_profile("rtx3090-desktop")
-    costs = cal.measure_executor_costs(hw, "cpu", tmp_path)
+    costs = cal_executor.measure_executor_costs(hw, "cpu", tmp_path)
     assert all(costs[k] is not None and 0 < costs[k] < 1e6 for k in ("op_overhead_us", "pcie_latency_us",
                                                                      "ssd_latency_us")), costs
     assert {"gpu", "h2d", "d2h", "ssd_read", "ssd_write"} <= set(costs["ops"])
 
 
 def test_cli_set_is_parsed_and_checked():
-    assert cal._parse_sets(["gpu.memory_gib=2", "ssd.array_read_gbps=null", "cpu.model=x"]) == {
+    assert parse_sets(["gpu.memory_gib=2", "ssd.array_read_gbps=null", "cpu.model=x"]) == {
         "gpu.memory_gib": 2, "ssd.array_read_gbps": None, "cpu.model": "x"}
-    with pytest.raises(CliError, match="expected SECTION.KEY=VALUE"):
-        cal._parse_sets(["memory=2"])
+    with pytest.raises(OverrideError, match="expected SECTION.KEY=VALUE"):
+        parse_sets(["memory=2"])
 
 
 def test_cli_json_reports_sources(tmp_path, capsys):
     out = tmp_path / "box.yaml"
-    rc = main(["calibrate", "--quick", "--ssd-dir", str(tmp_path), "--ssd-file-mib", "8", "--base", "h100-80g",
-               "--json", "-o", str(out)])
+    rc = main(["calibrate", "--quick", "--ssd-dir", str(tmp_path), "--ssd-file-mib", "8",
+               "--base", "h100-80g", "--json", "-o", str(out)])
     assert rc == 0
     d = json.loads(capsys.readouterr().out)
     sources = {f["field"]: f["source"] for f in d["fields"]}
@@ -248,8 +261,8 @@ def test_bad_ssd_dir_is_one_line_rc_2(tmp_path, capsys, kind):
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 def test_gpu_measurements_are_positive():
-    assert cal.measure_gemm_tflops(512, 512, 512, target_s=0.01) > 0
-    assert cal.measure_hbm_gbps(64 * 2**20, target_s=0.01) > 0
-    r = cal.measure_pcie(64 * 2**20)
+    assert cal_gpu.measure_gemm_tflops(512, 512, 512, target_s=0.01) > 0
+    assert cal_gpu.measure_hbm_gbps(64 * 2**20, target_s=0.01) > 0
+    r = cal_gpu.measure_pcie(64 * 2**20)
     assert all(v > 0 for v in r.values())
     assert r["duplex_h2d_gbps"] <= r["h2d_gbps"] and r["duplex_d2h_gbps"] <= r["d2h_gbps"]

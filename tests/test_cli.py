@@ -8,18 +8,20 @@ import sys
 
 import pytest
 
-from tierflow.planner.io.cli import main
+from tierflow.cli import main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tierflow.planner.io.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "tierflow.cli", *args], capture_output=True, text=True,
+                          timeout=300)
 
 
 def test_default_demo_compares_all_schedules_on_175b():
     p = run_cli("simulate")
     assert p.returncode == 0, p.stderr
     assert "gpt3-175b" in p.stdout and "rtx4090-lohan" in p.stdout
-    header = [line for line in p.stdout.splitlines() if "horizontal" in line and "vertical" in line and "fuyou" in line]
+    header = [line for line in p.stdout.splitlines()
+              if "horizontal" in line and "vertical" in line and "fuyou" in line]
     assert header, p.stdout
     assert "fastest:" in p.stdout
 
@@ -29,7 +31,8 @@ def test_json_has_required_keys(capsys):
                "--batch", "8", "--micro-batch", "2", "--json"])
     assert rc == 0
     d = json.loads(capsys.readouterr().out)
-    for key in ("params", "iteration_s", "tokens_per_s", "model_tflops", "hw_tflops", "busy", "link_bytes", "peak_bytes"):
+    for key in ("params", "iteration_s", "tokens_per_s", "model_tflops", "hw_tflops", "busy", "link_bytes",
+                "peak_bytes"):
         assert key in d, key
     assert set(d["peak_bytes"]) == {"gpu", "cpu", "ssd"}
     assert set(d["busy"]) >= {"gpu", "h2d", "d2h", "ssd_read", "ssd_write", "cpu"}

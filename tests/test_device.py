@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_executor import make_plan, reference, rel_err, run
 
+from tierflow.cli import main
 from tierflow.executor import engine as engine_mod
 from tierflow.executor.arena import arena_bytes_for
 from tierflow.executor.context import RoundState
@@ -27,7 +28,6 @@ from tierflow.executor.device_emulated import AdversarialCpuBackend
 from tierflow.executor.engine import ExecutionError, Executor
 from tierflow.executor.ops_state import GradOps, WeightOps
 from tierflow.executor.state import TrainState
-from tierflow.planner.io.cli import main
 from tierflow.planner.io.planfile import write_plan
 
 ADV = "cpu-adversarial"

@@ -21,10 +21,10 @@ import pytest
 import torch
 from dist_worker import HYPER, make_plan
 
+from tierflow.cli import main
 from tierflow.executor.models import build_blocks
 from tierflow.executor.run import RunOptions, run_plan
 from tierflow.planner.core.models import get_model
-from tierflow.planner.io.cli import main
 from tierflow.planner.io.planfile import write_plan
 
 HERE = Path(__file__).parent

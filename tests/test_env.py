@@ -1,5 +1,6 @@
-"""`tierflow env`: versions, CUDA, O_DIRECT of --ssd-dir (the SSD tier's own probe), pinned-memory limits, cores
-and what calibrate would measure; it starts without torch and reports a broken torch instead of failing."""
+"""`tierflow env`: versions, CUDA, O_DIRECT of --ssd-dir (the SSD tier's own probe), pinned-memory limits,
+cores and what calibrate would measure; it starts without torch and reports a broken torch instead of
+failing."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def _env(*args: str, **kw) -> subprocess.CompletedProcess:
 
 
 def test_env_json_reports_this_machine(tmp_path):
-    r = json.loads(json.dumps(collect(tmp_path).to_dict()))  # what --json prints (the CLI: the broken-torch test)
+    # what --json prints (the CLI: the broken-torch test)
+    r = json.loads(json.dumps(collect(tmp_path).to_dict()))
     v = r["versions"]
     assert v["python"] == platform.python_version() and v["tierflow"] == __version__
     assert v["ortools"] == metadata.version("ortools") and v["numpy"] == metadata.version("numpy")
@@ -33,7 +35,8 @@ def test_env_json_reports_this_machine(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the probe file is gone
     assert r["cores_online"] == os.cpu_count() and 1 <= r["cores_usable"] <= r["cores_online"]
     if os.path.exists("/proc/meminfo"):
-        assert r["memory_bytes"] == meminfo()["MemTotal"] and r["pinned"]["mem_total_bytes"] == r["memory_bytes"]
+        assert r["memory_bytes"] == meminfo()["MemTotal"]
+        assert r["pinned"]["mem_total_bytes"] == r["memory_bytes"]
         assert r["pinned"]["mem_available_bytes"] <= r["memory_bytes"]
     import resource
 
@@ -41,7 +44,7 @@ def test_env_json_reports_this_machine(tmp_path):
     assert r["pinned"]["memlock_soft_bytes"] == (None if soft == resource.RLIM_INFINITY else soft)
     torch = pytest.importorskip("torch")
     assert v["torch"] == torch.__version__ and r["torch_error"] == ""
-    from tierflow.executor.calibrate import FULL, measurement_plan
+    from tierflow.executor.calibration import FULL, measurement_plan
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert r["calibrate_device"] == device
@@ -57,7 +60,8 @@ def test_env_json_reports_this_machine(tmp_path):
 
 def test_env_text_names_every_section(tmp_path):
     text = format_report(collect(tmp_path))
-    for heading in ("versions", "CUDA:", f"SSD directory {tmp_path.resolve()}", "O_DIRECT", "pinned host memory",
+    for heading in ("versions", "CUDA:", f"SSD directory {tmp_path.resolve()}", "O_DIRECT", "pinned host "
+                                                                                            "memory",
                     "ulimit -l", "meminfo", "CPU:", "cores", "tierflow calibrate here measures"):
         assert heading in text, heading
 
@@ -65,7 +69,8 @@ def test_env_text_names_every_section(tmp_path):
 def test_env_survives_a_broken_torch_and_starts_without_torch(tmp_path):
     fake = tmp_path / "fake" / "torch"
     fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('libcudart.so.12: cannot open shared object file')\n")
+    (fake / "__init__.py").write_text("raise ImportError('libcudart.so.12: cannot open shared object "
+                                      "file')\n")
     environ = {**os.environ, "PYTHONPATH": str(fake.parent)}
     p = _env("--json", env=environ)
     assert p.returncode == 0, p.stderr
@@ -75,8 +80,9 @@ def test_env_survives_a_broken_torch_and_starts_without_torch(tmp_path):
     text = _env(env=environ)
     assert text.returncode == 0 and "torch import failed: ImportError: libcudart" in text.stdout
     # registering the command (and importing its module) pulls in no torch
-    probe = subprocess.run([sys.executable, "-c", "import sys, tierflow.executor.env, tierflow.planner.io.cli as c; "
-                            "c.build_parser(); print('torch' in sys.modules)"], capture_output=True, text=True,
+    probe = subprocess.run([sys.executable, "-c", "import sys, tierflow.executor.env, tierflow.cli as c; "
+                            "c.build_parser(); print('torch' in "
+                            "sys.modules)"], capture_output=True, text=True,
                            timeout=120)
     assert probe.stdout.strip() == "False", probe.stderr
 
@@ -85,8 +91,8 @@ def test_bad_ssd_dir_is_one_line_rc_2(tmp_path):
     p = _env("--ssd-dir", str(tmp_path / "missing"))
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.strip().splitlines() == [
-        f"tierflow: error: --ssd-dir {tmp_path / 'missing'}: no such directory (give an existing directory on the "
-        "SSD to probe, or leave it out for the current one)"]
+        f"tierflow: error: --ssd-dir {tmp_path / 'missing'}: no such directory (give an existing directory "
+        "on the SSD to probe, or leave it out for the current one)"]
 
 
 def test_o_direct_probe_refusal_and_errors(tmp_path, monkeypatch):
@@ -112,9 +118,10 @@ def test_o_direct_probe_refusal_and_errors(tmp_path, monkeypatch):
 def test_measurement_plan_is_what_calibrate_measures(tmp_path):
     """The steps `tierflow env` lists are the progress steps a CPU calibration really takes (tiny sizes)."""
     pytest.importorskip("torch")
-    from tierflow.executor import calibrate as cal
+    from tierflow.executor import calibration as cal
+    from tierflow.planner.io.progress import Progress
 
-    class Recorder(cal.Progress):
+    class Recorder(Progress):
         def __init__(self) -> None:
             super().__init__(0, "calibrate", enabled=False)
             self.labels: list[str] = []
@@ -124,12 +131,13 @@ def test_measurement_plan_is_what_calibrate_measures(tmp_path):
 
     mib = 2**20
     sizes = cal.Sizes(dram_bytes=8 * mib, adam_params=200_000, adam_steps=1, ssd_file_bytes=2 * mib,
-                      ssd_block_bytes=mib, ssd_min_s=0.0, ssd_mixed_s=0.1, gpu_target_s=0.002, hbm_bytes=8 * mib,
-                      pcie_bytes=8 * mib)
+                      ssd_block_bytes=mib, ssd_min_s=0.0, ssd_mixed_s=0.1, gpu_target_s=0.002,
+                      hbm_bytes=8 * mib, pcie_bytes=8 * mib)
     rec = Recorder()
     cal.run_measurements(sizes, tmp_path, rec, gpu=False, device="cpu")
     assert rec.labels == cal.measurement_plan("cpu", sizes, ssd=True)
-    no_ssd = cal.measurement_plan("cpu", sizes)  # without --ssd-dir: no SSD steps, then the executor's fixed costs
+    # without --ssd-dir: no SSD steps, then the executor's fixed costs
+    no_ssd = cal.measurement_plan("cpu", sizes)
     assert no_ssd[-3].startswith("CPU AdamW") and no_ssd[-2].startswith("compute beside the host's I/O")
     assert no_ssd[-1].startswith("the executor's fixed cost")
     assert not any("SSD" in step for step in no_ssd)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from tierflow.cli import main
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.engine import Executor, Hyper
 from tierflow.executor.models import BlockModel, build_blocks
@@ -29,7 +30,6 @@ from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import build_graph, make_schedule
-from tierflow.planner.io.cli import main
 from tierflow.planner.io.compare import compare
 from tierflow.planner.io.planfile import load_plan, plan_from_graph, write_plan
 
@@ -202,7 +202,7 @@ def test_queue_order_is_kept(tmp_path):
 
 
 def _cli_run(args: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tierflow.planner.io.cli", "run", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "tierflow.cli", "run", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
 
 

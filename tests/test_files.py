@@ -20,6 +20,7 @@ import pytest
 import yaml
 from referencing import Registry, Resource
 
+from tierflow import cli
 from tierflow.hwprofiles import list_profiles, load_profile
 from tierflow.hwprofiles.profile import _RULES
 from tierflow.planner.core.jsonio import open_text, read_json, write_json
@@ -27,7 +28,6 @@ from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.trace import write_chrome_trace
-from tierflow.planner.io import cli
 from tierflow.planner.io.compare import compare, load_measured
 from tierflow.planner.io.planfile import (
     PlanError,
@@ -116,7 +116,7 @@ def test_damaged_gzip_plan_is_one_line_error(tmp_path):
             load_plan(tmp_path / name)
         msg = str(e.value)
         assert "\n" not in msg and msg.startswith(str(tmp_path / name)), msg
-    p = subprocess.run([sys.executable, "-m", "tierflow.planner.io.cli", "simulate", "--plan",
+    p = subprocess.run([sys.executable, "-m", "tierflow.cli", "simulate", "--plan",
                         str(tmp_path / "cut.json.gz")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
     assert "gzip" in p.stderr
@@ -223,7 +223,7 @@ def test_profile_schema_matches_the_loader_rules():
 
 def test_plan_from_simulate_write_plan_validates_and_broken_ones_do_not(tmp_path):
     out = tmp_path / "plan.json"
-    p = subprocess.run([sys.executable, "-m", "tierflow.planner.io.cli", "simulate", "--model", "tiny-gpt", "--hw",
+    p = subprocess.run([sys.executable, "-m", "tierflow.cli", "simulate", "--model", "tiny-gpt", "--hw",
                         "rtx3090-desktop", "--schedule", "vertical", "--batch", "4", "--micro-batch", "2",
                         "--placement", '{"master": {"gpu": 0, "cpu": 0, "ssd": 1}}', "--write-plan", str(out)],
                        capture_output=True, text=True, timeout=120)

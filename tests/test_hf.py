@@ -91,7 +91,7 @@ def run_cli(*args: str, env_cache: Path) -> subprocess.CompletedProcess:
     import os
 
     env = {**os.environ, "HF_HUB_CACHE": str(env_cache)}
-    return subprocess.run([sys.executable, "-m", "tierflow.planner.io.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tierflow.cli", *args], capture_output=True, text=True,
                           timeout=300, env=env)
 
 
@@ -208,7 +208,7 @@ def test_run_trains_the_family_and_exports_what_transformers_loads(family, tmp_p
 
 
 def test_cli_export_hf_refuses_a_used_directory_before_training(tmp_path, capsys):
-    from tierflow.planner.io.cli import main
+    from tierflow.cli import main
 
     plan = tmp_path / "plan.json"
     write_plan(make_plan(LLAMA), plan)
@@ -228,7 +228,7 @@ def test_cli_export_hf_refuses_a_used_directory_before_training(tmp_path, capsys
 
 
 def test_cli_export_hf_writes_after_the_last_step(tmp_path, capsys):
-    from tierflow.planner.io.cli import main
+    from tierflow.cli import main
 
     plan = tmp_path / "plan.json"
     write_plan(make_plan(FAMILIES["opt"]), plan)

@@ -86,7 +86,7 @@ def test_pyproject_installs_every_package_folder():
 
 
 def test_planner_and_cli_start_without_torch():
-    code = ("import sys, tierflow.planner.io.cli, tierflow.api, tierflow.planner.core.simulator, "
+    code = ("import sys, tierflow.cli, tierflow.api, tierflow.planner.core.simulator, "
             "tierflow.planner.core.trace, tierflow.hwprofiles; "
             "print('torch' in sys.modules, 'transformers' in sys.modules, 'networkx' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
@@ -94,9 +94,9 @@ def test_planner_and_cli_start_without_torch():
 
 
 def test_every_registered_command_loads_without_torch():
-    """The tierflow.commands entry points are loaded for every command (tierflow simulate, plan, ...): they must
-    not import torch, which takes seconds and slows the planner's garbage collection."""
-    code = ("import sys; from tierflow.planner.io.cli import build_parser; p = build_parser(); "
+    """Every command module of tierflow.cli is imported for every command (tierflow simulate, plan, ...): they
+    must not import torch, which takes seconds and slows the planner's garbage collection."""
+    code = ("import sys; from tierflow.cli import build_parser; p = build_parser(); "
             "names = sorted(p._subparsers._group_actions[0].choices); "
             "print(','.join(names), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

@@ -255,7 +255,7 @@ def test_live_device_bytes_stay_within_the_plan_per_op(model_name, family, case,
 
 
 def test_the_hidden_compute_dtype_option_trains_in_bf16_on_a_cpu(tmp_path, capsys):
-    from tierflow.planner.io.cli import main
+    from tierflow.cli import main
     from tierflow.planner.io.planfile import write_plan
 
     model = get_model("tiny-gpt")

@@ -12,6 +12,7 @@ from helpers import CPU, SSD, placement, profile, small_models
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tierflow.cli import main
 from tierflow.planner.core.costmodel import link_rates
 from tierflow.planner.core.graph import HOST_LINKS, LINK_NAMES, NET, RESOURCES
 from tierflow.planner.core.models import get_model
@@ -27,7 +28,6 @@ from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError
 from tierflow.planner.core.workload import COMPUTE_BYTES, GRAD_WIRE_BYTES
 from tierflow.planner.core.world import World, rank_capacity_bytes, shard_elems, shard_range
-from tierflow.planner.io.cli import main
 from tierflow.planner.io.planfile import (
     PlanError,
     load_plan,

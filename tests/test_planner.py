@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 
 from tierflow.api import simulate_config
+from tierflow.cli import main
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.schedules import make_schedule
-from tierflow.planner.io.cli import main
 from tierflow.planner.search.capacity import fits, largest, shape
 from tierflow.planner.search.loads import iteration_loads
 from tierflow.planner.search.placement_model import (

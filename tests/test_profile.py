@@ -1,6 +1,7 @@
-"""`tierflow run --profile`: torch.profiler's Chrome trace beside the measured plan trace, each op of the plan under
-a record_function named after it; the plan-format trace.json carries flow arrows for the dependencies between
-ops on different resources, each end inside an existing op's slice. Real PyTorch on the CPU, a tiny plan."""
+"""`tierflow run --profile`: torch.profiler's Chrome trace beside the measured plan trace, each op of the plan
+under a record_function named after it; the plan-format trace.json carries flow arrows for the dependencies
+between ops on different resources, each end inside an existing op's slice. Real PyTorch on the CPU, a tiny
+plan."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from tierflow.cli import main
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.trace import chrome_trace
-from tierflow.planner.io.cli import main
 from tierflow.planner.io.planfile import plan_from_graph, write_plan
 
 HW = load_profile("rtx3090-desktop")
@@ -33,8 +34,8 @@ def tiny_plan(tmp_path: Path, iterations: int = 1) -> tuple[Path, object]:
 
 
 def flows_bind_to_slices(trace: dict) -> tuple[int, set[tuple[int, int]]]:
-    """Check every flow event: its id comes as one "s" and one "f", and its (tid, ts) lies inside an "X" slice of
-    that track; return the number of arrows and the (source op id, dependent op id) pairs they join."""
+    """Check every flow event: its id comes as one "s" and one "f", and its (tid, ts) lies inside an "X" slice
+    of that track; return the number of arrows and the (source op id, dependent op id) pairs they join."""
     slices: dict[int, list[dict]] = {}
     for ev in trace["traceEvents"]:
         if ev.get("ph") == "X":
@@ -45,7 +46,8 @@ def flows_bind_to_slices(trace: dict) -> tuple[int, set[tuple[int, int]]]:
             continue
         inside = [x for x in slices.get(ev["tid"], []) if x["ts"] <= ev["ts"] <= x["ts"] + x["dur"]]
         assert inside, f"flow {ev} does not lie in any op of its track"
-        assert ev["ph"] not in ends.setdefault(ev["id"], {}), f"flow id {ev['id']} has two {ev['ph']!r} events"
+        assert ev["ph"] not in ends.setdefault(ev["id"], {}), (
+            f"flow id {ev['id']} has two {ev['ph']!r} events")
         ends[ev["id"]][ev["ph"]] = inside[0]["args"]["id"]
     assert all(set(e) == {"s", "f"} for e in ends.values())
     return len(ends), {(e["s"], e["f"]) for e in ends.values()}
@@ -55,8 +57,8 @@ def test_run_profile_writes_the_torch_trace_with_the_plans_op_names(tmp_path, ca
     path, plan = tiny_plan(tmp_path)
     out, ssd = tmp_path / "out", tmp_path / "ssd"
     ssd.mkdir()
-    assert main(["run", str(path), "--steps", "1", "--device", "cpu", "--ssd-dir", str(ssd), "--out", str(out),
-                 "--profile"]) == 0
+    assert main(["run", str(path), "--steps", "1", "--device", "cpu", "--ssd-dir", str(ssd),
+                 "--out", str(out), "--profile"]) == 0
     assert "torch_trace.json" in capsys.readouterr().out
     torch_trace = json.loads((out / "torch_trace.json").read_text())
     names = {ev.get("name") for ev in torch_trace["traceEvents"]}
@@ -89,8 +91,8 @@ def test_without_profile_no_torch_trace(tmp_path):
     path, _ = tiny_plan(tmp_path)
     out, ssd = tmp_path / "out", tmp_path / "ssd"
     ssd.mkdir()
-    assert main(["run", str(path), "--steps", "1", "--device", "cpu", "--ssd-dir", str(ssd), "--out", str(out),
-                 "--json"]) == 0
+    assert main(["run", str(path), "--steps", "1", "--device", "cpu", "--ssd-dir", str(ssd),
+                 "--out", str(out), "--json"]) == 0
     assert (out / "trace.json").exists() and not (out / "torch_trace.json").exists()
 
 

@@ -121,7 +121,7 @@ def test_disabled_shows_no_progress_but_messages():
 
 
 def test_cli_prints_progress_lines_into_a_pipe():
-    p = subprocess.run([sys.executable, "-m", "tierflow.planner.io.cli", "capacity", "--hw", "rtx3090-desktop"],
+    p = subprocess.run([sys.executable, "-m", "tierflow.cli", "capacity", "--hw", "rtx3090-desktop"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     lines = p.stderr.splitlines()
@@ -149,7 +149,7 @@ def tierflow_level():
 
 
 def _main(capsys, *argv: str) -> tuple[int, str, str]:
-    from tierflow.planner.io.cli import main
+    from tierflow.cli import main
 
     rc = main(list(argv))
     captured = capsys.readouterr()

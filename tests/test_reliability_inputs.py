@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from tierflow.cli import build_parser, main
 from tierflow.hwprofiles import ProfileError, load_profile
 from tierflow.hwprofiles.profile import _RULES
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement
 from tierflow.planner.core.schedules import build_graph, make_schedule
-from tierflow.planner.io.cli import build_parser, main
 from tierflow.planner.io.planfile import load_plan, plan_from_graph, simulate_plan, write_plan
 
 TINY = ["--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--schedule", "vertical", "--batch", "8",

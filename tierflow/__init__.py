@@ -4,9 +4,11 @@ NVMe SSDs.
 Layers, each importing only the ones before it:
 
 - ``tierflow.hwprofiles``: hardware profiles (folder ``hwprofiles/``);
-- ``tierflow.planner``: the simulator core (``planner.core``), the search (``planner.search``) and input/output
-  (``planner.io``: plan files, compare, the ``tierflow`` command), never importing torch (folder ``planner/``);
-- ``tierflow.executor``: replays plan files with PyTorch (folder ``executor/``).
+- ``tierflow.planner``: the simulator core (``planner.core``), the search (``planner.search``) and
+  input/output (``planner.io``: plan files, compare, the DeepSpeed bridge), never importing torch (folder
+  ``planner/``);
+- ``tierflow.executor``: replays plan files with PyTorch, and calibrates a box (folder ``executor/``);
+- ``tierflow.cli``: the ``tierflow`` command, one module per subcommand (folder ``tierflow/cli/``).
 
 ``tierflow.api`` is the public Python API; nothing inside the package imports it.
 """

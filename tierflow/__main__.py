@@ -1,6 +1,6 @@
 """`python -m tierflow ...` is the `tierflow` command."""
 
-from tierflow.planner.io.cli import main
+from tierflow.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

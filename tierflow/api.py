@@ -19,8 +19,9 @@ from tierflow.planner.search.plan_search import PlanningError, SearchResult, pla
 from tierflow.planner.search.problem import Candidate, Problem
 
 __all__ = [
-    "Candidate", "Problem", "min_requirements", "DEFAULT_FAMILIES", "FAMILIES", "CapacityError", "HardwareProfile", "ModelSpec", "Placement", "Plan",
-    "PlanningError", "ScheduleConfig", "SearchResult", "SimResult", "Split", "build_graph", "compare", "explain",
-    "get_model", "largest", "list_models", "list_profiles", "load_plan", "load_profile", "make_schedule",
-    "plan_from_graph", "plan_search", "resolve", "simulate", "simulate_config", "simulate_plan", "write_plan",
+    "Candidate", "Problem", "min_requirements", "DEFAULT_FAMILIES", "FAMILIES", "CapacityError",
+    "HardwareProfile", "ModelSpec", "Placement", "Plan", "PlanningError", "ScheduleConfig", "SearchResult",
+    "SimResult", "Split", "build_graph", "compare", "explain", "get_model", "largest", "list_models",
+    "list_profiles", "load_plan", "load_profile", "make_schedule", "plan_from_graph", "plan_search",
+    "resolve", "simulate", "simulate_config", "simulate_plan", "write_plan",
 ]

@@ -17,3 +17,8 @@ class DoesNotFit(TierflowError):
 
     exit_code = 3
     prefix = "does not fit"
+
+
+class UsageError(TierflowError):
+    """Bad command-line input that no library error covers (a flag's value, a combination of flags): printed
+    as one line, exit code 2."""

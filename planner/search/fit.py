@@ -46,10 +46,10 @@ import yaml
 from scipy.optimize import minimize
 
 from tierflow.errors import TierflowError
-from tierflow.hwprofiles import HardwareProfile, ProfileError, list_profiles, load_profile
+from tierflow.hwprofiles import HardwareProfile, ProfileError, list_profiles, load_profile, parse_overrides
 from tierflow.hwprofiles.profile import profile_from_dict
 from tierflow.planner.core.models import ModelError, ModelSpec, get_model
-from tierflow.planner.core.placement import Placement, PlacementError
+from tierflow.planner.core.placement import Placement, PlacementError, parse_placement
 from tierflow.planner.core.schedules import FAMILIES, ScheduleError, make_schedule
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult, SimulationError
@@ -149,44 +149,21 @@ class FitField:
         return f"{self.key} in [{_num(self.lower)}, {_num(self.upper)}]"
 
 
-def parse_overrides(text: str, where: str = "overrides") -> dict[str, str]:
-    """``ssd.count=6;cpu.memory_gib=256`` -> {"ssd.count": "6", "cpu.memory_gib": "256"}."""
-    out: dict[str, str] = {}
-    for item in (text or "").split(";"):
-        item = item.strip()
-        if not item:
-            continue
-        if "=" not in item:
-            raise FitError(f"{where}: {item!r} is not section.key=value (write e.g. ssd.count=6;cpu.memory_gib=256)")
-        k, v = (s.strip() for s in item.split("=", 1))
-        if not k or not v:
-            raise FitError(f"{where}: {item!r} is not section.key=value (write e.g. ssd.count=6;cpu.memory_gib=256)")
-        out[k] = v
-    return out
+RUNS_OVERRIDE_SYNTAX = ("overrides: {item!r} is not section.key=value (write e.g. "
+                        "ssd.count=6;cpu.memory_gib=256)")
 
 
-def parse_placement(text: str) -> Placement | None:
-    """"default" (or blank) -> None (the schedule's default); gpu | cpu | ssd; or JSON fractions per tensor class,
-    completed with the library's defaults (everything in CPU memory), as `tierflow simulate --placement`."""
+def run_overrides(text: str) -> dict[str, str]:
+    """A runs file's overrides column, ``ssd.count=6;cpu.memory_gib=256`` -> {"ssd.count": "6", ...}."""
+    items = [item.strip() for item in (text or "").split(";") if item.strip()]
+    return parse_overrides(items, RUNS_OVERRIDE_SYNTAX, need_value=True)
+
+
+def run_placement(text: str) -> Placement | None:
+    """A runs file's placement column: "default" (or blank) -> None (the schedule's default); else gpu | cpu |
+    ssd or JSON fractions per tensor class, as `tierflow simulate --placement` takes them (not a file)."""
     text = (text or "").strip()
-    if text in ("", "default"):
-        return None
-    if text in ("gpu", "cpu", "ssd"):
-        return Placement.uniform(text)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise FitError(f"not 'default', gpu|cpu|ssd nor JSON ({e.msg} at char {e.pos}); write e.g. "
-                       '{"master": {"gpu": 0, "cpu": 0, "ssd": 1}}') from None
-    if not isinstance(data, dict):
-        raise FitError("JSON placement must be an object of tensor classes, e.g. "
-                       '{"master": {"gpu": 0, "cpu": 0, "ssd": 1}}')
-    base = Placement().as_dict()
-    base.update(data)
-    try:
-        return Placement.from_dict(base)
-    except TypeError as e:
-        raise FitError(f"bad tensor-class fractions ({e}); each class takes gpu, cpu and ssd") from None
+    return None if text == "default" else parse_placement(text, flag="", files=False)
 
 
 @lru_cache(maxsize=256)
@@ -229,10 +206,6 @@ def _profile(name: str) -> HardwareProfile:
 
 
 @lru_cache(maxsize=256)
-def _placement(text: str) -> Placement | None:
-    return parse_placement(text)
-
-
 def _num(x: float | None) -> str:
     return "null" if x is None else f"{x:.4g}"
 
@@ -373,11 +346,11 @@ def _make_run(rec: dict[str, str], row: int, src: str) -> Run:
             raise _RowError("seq", str(e)) from None
     placement = rec.get("placement") or "default"
     try:
-        parse_placement(placement)
-    except (FitError, PlacementError) as e:
+        run_placement(placement)
+    except PlacementError as e:
         raise _RowError("placement", str(e)) from None
     try:
-        overrides = parse_overrides(rec.get("overrides", ""))
+        overrides = run_overrides(rec.get("overrides", ""))
         model_overrides = tuple((k.removeprefix("model."), v) for k, v in overrides.items() if k.startswith("model."))
         overrides = {k: v for k, v in overrides.items() if not k.startswith("model.")}
         hw.with_overrides(overrides)
@@ -419,7 +392,7 @@ def simulate_run(run: Run, hw: HardwareProfile, micro_batch: int) -> SimResult:
     """Simulate `run` on `hw` (its overrides already applied) at one micro-batch."""
     model = _model(run.model, run.seq, run.model_overrides)
     cfg = make_schedule(run.schedule, model, hw, batch=run.batch, micro_batch=micro_batch, seq=model.seq_len,
-                        placement=_placement(run.placement))
+                        placement=run_placement(run.placement))
     return simulate_config(model, hw, cfg)
 
 

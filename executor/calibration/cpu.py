@@ -1,0 +1,88 @@
+"""Measuring the host: DRAM copy bandwidth, CPU AdamW update rate, memory size and the CPU's name."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import time
+
+from tierflow.executor.calibration.common import GIB, import_torch
+
+
+def measure_dram_gbps(nbytes: int, repeats: int = 3) -> float:
+    """DRAM bandwidth in GB/s of a large torch copy, counting read + write bytes (2 x nbytes per copy)."""
+    torch = import_torch()
+    n = max(1, nbytes // 4)
+    src = torch.empty(n, dtype=torch.float32)
+    src.fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch every page of both buffers before timing
+    best = math.inf
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n * 4 / best / 1e9
+
+
+def adam_impl() -> str:
+    """"fused" when this torch has a CPU fused AdamW, else "foreach"."""
+    torch = import_torch()
+    p = torch.nn.Parameter(torch.zeros(16))
+    p.grad = torch.ones(16)
+    try:
+        torch.optim.AdamW([p], lr=1e-3, fused=True).step()
+        return "fused"
+    except (RuntimeError, TypeError, ValueError):
+        return "foreach"
+
+
+def measure_cpu_adam(params: int, steps: int = 3, chunk: int = 4 * 2**20) -> float:
+    """CPU AdamW update rate in parameters per second on ``params`` fp32 parameters (in tensors of
+    ``chunk``)."""
+    torch = import_torch()
+    sizes = [chunk] * (params // chunk) + ([params % chunk] if params % chunk else [])
+    ps = []
+    for s in sizes:
+        p = torch.nn.Parameter(torch.full((s,), 0.01))
+        p.grad = torch.full((s,), 1e-3)
+        ps.append(p)
+    opt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, **{adam_impl(): True})
+    opt.step()  # warm-up: allocates exp_avg / exp_avg_sq
+    t0 = time.perf_counter()
+    for _ in range(max(1, steps)):
+        opt.step()
+    return params * max(1, steps) / (time.perf_counter() - t0)
+
+
+def cpu_memory_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    except (ValueError, OSError, AttributeError):
+        pass
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 / GIB
+    raise OSError("cannot find the memory size (no sysconf, no /proc/meminfo)")
+
+
+def cpu_model() -> str:
+    name, sockets = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not name:
+                    name = " ".join(value.split())
+                elif key == "physical id":
+                    sockets.add(value.strip())
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine() or "unknown CPU"
+    if len(sockets) > 1:
+        name = f"{len(sockets)}x {name}"
+    return f"{name} ({os.cpu_count()} threads)"
+

@@ -1,0 +1,369 @@
+"""Building a hardware profile from calibration measurements: every field measured, derived, given with
+``--set`` or taken from a base profile (`build_profile`), and the record of which (`Calibration`,
+`FieldInfo`). Everything a measurement cannot give comes from ``base`` (default: the bundled rtx4090-lohan for
+gpu/pcie and prices, and no SSD tier)."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierflow.executor.calibration.common import MIB, CalibrationError
+from tierflow.executor.calibration.executor_costs import INTERFERENCE_GEMM
+from tierflow.executor.calibration.gpu import fit_gemm_half_gflop, pcie_generation_from_rate
+from tierflow.hwprofiles import HardwareProfile, load_profile, profile_from_dict
+
+FALLBACK_BASE = "rtx4090-lohan"
+# plans count activations, weights and their copies in the compute dtype's bytes, bf16
+# (workload.COMPUTE_BYTES); the executor computes in fp32 on a CPU device, so that device's measured rates are
+# converted to plan bytes
+PLAN_BYTES_PER_ELEMENT = 2
+HOST_DEVICE_BYTES_PER_ELEMENT = 4
+# Without a datasheet (--base), the best measured GEMM rate is taken to be this fraction of the peak.
+NO_BASE_GEMM_EFFICIENCY = 0.9
+# Without a datasheet, measured HBM copy bandwidth is taken to be this fraction of the peak (the bundled
+# profiles' hbm_efficiency assumption).
+NO_BASE_HBM_EFFICIENCY = 0.85
+DEFAULT_HOST_DEVICE_GIB = 2.0  # device memory cap of a CPU "device" when --set gpu.memory_gib is not given
+
+
+@dataclass
+class FieldInfo:
+    key: str  # dotted, e.g. "gpu.peak_tflops"
+    value: Any
+    source: str  # "measured", "derived", "from <base>", "no --ssd-dir"
+    note: str = ""
+
+
+@dataclass
+class Calibration:
+    profile: HardwareProfile
+    fields: list[FieldInfo]
+    base_name: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def not_measured(self) -> list[str]:
+        return [f.key for f in self.fields if not f.source.startswith(("measured", "derived"))]
+
+    def to_json(self, measurements: dict[str, Any] | None = None,
+                output: str | None = None) -> dict[str, Any]:
+        return {
+            "output": output,
+            "profile": self.profile.to_dict(),
+            "fields": [{"field": f.key, "value": f.value, "source": f.source, "note": f.note}
+                       for f in self.fields],
+            "not_measured": self.not_measured,
+            "base": self.base_name,
+            "notes": self.notes,
+            "measurements": measurements,
+        }
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """Round to ``digits`` significant digits (readable YAML)."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    return round(x, digits - 1 - int(math.floor(math.log10(abs(x)))))
+
+
+def _gpu_matches(base_model: str, measured: str) -> bool:
+    tokens = [t.lower() for t in re.findall(r"[A-Za-z]*\d+[A-Za-z0-9]*", base_model)]
+    return not tokens or any(t in measured.lower() for t in tokens)
+
+
+@dataclass
+class _Builder:
+    """A profile being built: the base's values, replaced field by field (`put`), and where each came from."""
+
+    m: dict[str, Any]  # the measurements
+    base: HardwareProfile
+    explicit_base: bool
+    data: dict[str, Any]
+    info: dict[str, FieldInfo] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def base_name(self) -> str:
+        return self.base.name
+
+    @property
+    def from_base(self) -> str:
+        return f"from {self.base_name}"
+
+    def put(self, key: str, value: Any, source: str, note: str = "") -> None:
+        section, _, k = key.partition(".")
+        value = _sig(value) if isinstance(value, float) else value
+        self.data[section][k] = value
+        self.info[key] = FieldInfo(key, value, source, note)
+
+
+def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = None,
+                  name: str | None = None, device_gib: float | None = None,
+                  overrides: dict[str, Any] | None = None) -> Calibration:
+    """The profile for ``measurements`` (from :func:`run_measurements`): measured values where there are any,
+    the rest from ``base`` (default: the bundled rtx4090-lohan for gpu/pcie/price and no SSD tier)."""
+    explicit_base = base is not None
+    base = base if base is not None else load_profile(FALLBACK_BASE)
+    b = _Builder(measurements, base, explicit_base, base.to_dict())
+    g = measurements.get("gpu")
+    host_device = measurements.get("device") == "cpu" and g is not None
+    if host_device:
+        _put_host_device(b, g, device_gib)
+    elif g:
+        _put_cuda_gpu(b, g)
+    if measurements.get("pcie"):
+        _put_pcie(b, measurements["pcie"], host_device)
+    _put_cpu(b, host_device)
+    _put_ssd(b, host_device)
+    _put_overrides(b, overrides, device_gib, host_device)
+    return _finish(b, name)
+
+
+def _put_host_device(b: _Builder, g: dict[str, Any], device_gib: float | None) -> None:
+    """The gpu section of a CPU device (tierflow run --device cpu): this CPU's fitted GEMM curve and
+    bandwidths, in plan bytes, and the device memory cap."""
+    cap = device_gib if device_gib is not None else DEFAULT_HOST_DEVICE_GIB
+    b.put("gpu.model", g["model"], "measured", "the device is this CPU (tierflow run --device cpu)")
+    b.put("gpu.memory_gib", cap, "given" if device_gib is not None else "default",
+        "the device memory cap (--set gpu.memory_gib=...); the executor enforces it")
+    b.put("gpu.reserved_gib", 0.0, "derived", "no CUDA context on a CPU device")
+    b.put("gpu.peak_tflops", g["peak_tflops"], "measured",
+        f"fit of fp32 GEMM rates at {len(g['gemms'])} sizes: rate = peak x f / (f + half)")
+    b.put("gpu.gemm_efficiency", 1.0, "derived", "the fitted peak is what large GEMMs reach")
+    b.put("gpu.gemm_half_gflop", g["half_gflop"], "measured", "same fit")
+    per_plan_byte = PLAN_BYTES_PER_ELEMENT / HOST_DEVICE_BYTES_PER_ELEMENT
+    plan_bytes = (f"in plan bytes: plans count {PLAN_BYTES_PER_ELEMENT} per element, the CPU device computes "
+                  f"in fp32 ({HOST_DEVICE_BYTES_PER_ELEMENT}), so the measured GB/s x {per_plan_byte:g}")
+    b.put("gpu.hbm_gbps", g["elementwise_gbps"] * per_plan_byte, "measured",
+        f"torch add of large fp32 tensors ({g['elementwise_gbps']:.3g} GB/s), {plan_bytes}")
+    b.put("gpu.hbm_efficiency", 1.0, "derived", "hbm_gbps above is measured")
+    b.put("gpu.host_cores", g["host_cores"], "measured", "torch intra-op threads: compute shares these cores")
+    if g.get("activation_gbps"):
+        b.put("gpu.activation_gbps", g["activation_gbps"] * per_plan_byte, "measured",
+            f"tanh GELU of large fp32 tensors ({g['activation_gbps']:.3g} GB/s read + written), {plan_bytes}")
+    if g.get("attention"):
+        b.put("gpu.attention_efficiency", min(1.0, g["attention_efficiency"]), "measured",
+            "causal scaled_dot_product_attention at " + ", ".join(
+                f"{a['shape']}: {a['tflops']:.3g} TFLOPS" for a in g["attention"])
+            + ", over a GEMM of its work")
+    ex = b.m.get("executor") or {}
+    if ex.get("op_overhead_us") is not None:
+        b.put("gpu.op_overhead_us", ex["op_overhead_us"], "measured",
+            "the executor's compute ops on a tiny plan: median of (duration - the cost model's time) + "
+            "hand-off")
+
+
+def _put_cuda_gpu(b: _Builder, g: dict[str, Any]) -> None:
+    """The gpu section of a CUDA GPU: its size, and its GEMM and HBM rates against the base's datasheet peaks
+    (without a base, the peaks are derived from the measured rates)."""
+    b.put("gpu.model", g["model"], "measured", "torch.cuda.get_device_properties")
+    b.put("gpu.memory_gib", g["memory_gib"], "measured", "torch.cuda.get_device_properties")
+    b.put("gpu.reserved_gib", 0.6 + 0.05 * g["memory_gib"], "derived",
+        "assumption: 0.6 GiB CUDA context + 5% fragmentation")
+    if b.explicit_base and not _gpu_matches(b.base.gpu.model, g["model"]):
+        b.notes.append(f"the base's GPU is '{b.base.gpu.model}' but this one is '{g['model']}': "
+                       "peak_tflops and hbm_gbps come from the base's datasheet; pass the right --base")
+    if "best_tflops" in g:
+        _put_gemm(b, g)
+    if "hbm_gbps" in g:
+        _put_hbm(b, g)
+
+
+def _put_gemm(b: _Builder, g: dict[str, Any]) -> None:
+    """Peak and efficiency of the GEMMs (a datasheet peak from an explicit base), and the half-size fit."""
+    best = g["best_tflops"]
+    if b.explicit_base:
+        peak = b.base.gpu.peak_tflops
+        b.put("gpu.peak_tflops", peak, b.from_base, "datasheet peak")
+        eff = best / peak
+        if eff > 1:
+            b.notes.append(f"measured {best:.0f} TFLOPS is above the base's peak {peak:g}: "
+                           "gemm_efficiency capped at 1 (is --base the right GPU?)")
+        eff = min(eff, 1.0)
+    else:
+        eff = NO_BASE_GEMM_EFFICIENCY
+        b.put("gpu.peak_tflops", best / eff, "derived",
+            f"no --base: best measured {best:.0f} TFLOPS / {eff:g}")
+        b.notes.append(f"no --base datasheet: gpu.peak_tflops set to the best measured GEMM rate / {eff:g} "
+                       f"(gemm_efficiency {eff:g}); pass --base PROFILE to keep a datasheet peak")
+    b.put("gpu.gemm_efficiency", eff, "measured" if b.explicit_base else "derived",
+        f"best GEMM {best:.0f} TFLOPS / peak")
+    peak = b.data["gpu"]["peak_tflops"]
+    half = fit_gemm_half_gflop(g["small_gflop"], g["small_tflops"] / peak, b.data["gpu"]["gemm_efficiency"])
+    b.put("gpu.gemm_half_gflop", half, "measured",
+        f"fit: {g['small_gflop']:.2f} GFLOP GEMM at {g['small_tflops']:.0f} TFLOPS")
+
+
+def _put_hbm(b: _Builder, g: dict[str, Any]) -> None:
+    """HBM bandwidth: the base's datasheet and the measured fraction of it, or derived from the copy rate."""
+    hbm = g["hbm_gbps"]
+    if b.explicit_base:
+        b.put("gpu.hbm_gbps", b.base.gpu.hbm_gbps, b.from_base, "datasheet peak")
+        if hbm > b.base.gpu.hbm_gbps:
+            b.notes.append(f"measured HBM {hbm:.0f} GB/s is above the base's {b.base.gpu.hbm_gbps:g}: "
+                           "hbm_efficiency capped at 1")
+        b.put("gpu.hbm_efficiency", min(1.0, hbm / b.base.gpu.hbm_gbps), "measured",
+            f"copy at {hbm:.0f} GB/s / datasheet")
+    else:
+        b.put("gpu.hbm_gbps", hbm / NO_BASE_HBM_EFFICIENCY, "derived",
+            f"no --base: measured {hbm:.0f} GB/s / {NO_BASE_HBM_EFFICIENCY:g}")
+        b.put("gpu.hbm_efficiency", NO_BASE_HBM_EFFICIENCY, "derived",
+              "assumption, as in the bundled profiles")
+
+
+def _put_pcie(b: _Builder, p: dict[str, Any], host_device: bool) -> None:
+    """The pcie section: the measured copies (within host memory for a CPU device, in plan bytes)."""
+    h2d = p["h2d_gbps"]
+    d2h = p["d2h_gbps"]
+    what = "copy within host memory (a CPU device)" if host_device else "pinned copy"
+    if host_device:
+        b.put("pcie.generation", 1, "derived", "no PCIe link: device <-> host copies stay in host memory")
+    else:
+        b.put("pcie.generation", pcie_generation_from_rate(h2d), "derived", "from the H2D rate, assuming x16")
+    scale = PLAN_BYTES_PER_ELEMENT / HOST_DEVICE_BYTES_PER_ELEMENT if host_device else 1.0
+    if host_device:  # what crosses this "link" (weights, activations, gradients) is in the compute dtype
+        what += (f", in plan bytes (plans count {PLAN_BYTES_PER_ELEMENT} per element, the CPU device moves "
+                 f"fp32: the measured GB/s x {scale:g})")
+    b.put("pcie.h2d_gbps", h2d * scale, "measured", what)
+    b.put("pcie.d2h_gbps", d2h * scale, "measured", what)
+    # rounding must not make a duplex rate exceed its solo rate
+    b.put("pcie.duplex_h2d_gbps", min(_sig(p["duplex_h2d_gbps"] * scale), b.data["pcie"]["h2d_gbps"]),
+          "measured",
+        "H2D while D2H runs (two streams)" if not host_device
+        else "two copies at once on two threads, likewise")
+    b.put("pcie.duplex_d2h_gbps", min(_sig(p["duplex_d2h_gbps"] * scale), b.data["pcie"]["d2h_gbps"]),
+          "measured",
+        "D2H while H2D runs (two streams)" if not host_device
+        else "two copies at once on two threads, likewise")
+    ex = b.m.get("executor") or {}
+    if host_device and ex.get("pcie_latency_us") is not None:
+        b.put("pcie.latency_us", ex["pcie_latency_us"], "measured",
+            "the executor's transfer ops on a tiny plan: median of (duration - bytes / rate) + hand-off")
+
+
+def _put_cpu(b: _Builder, host_device: bool) -> None:
+    """The cpu section: memory, bandwidth, Adam rate, cores, and (CPU device) compute beside I/O."""
+    g = b.m.get("gpu")
+    c = b.m["cpu"]
+    b.put("cpu.model", c["model"], "measured", "/proc/cpuinfo")
+    b.put("cpu.memory_gib", c["memory_gib"], "measured", "sysconf")
+    b.put("cpu.reserved_gib", min(6 + 0.05 * c["memory_gib"], 0.5 * c["memory_gib"]), "derived",
+        "assumption: 6 GiB OS + runtime + 5% (at most half)")
+    b.put("cpu.memory_gbps", c["memory_gbps"], "measured",
+          "large copy, read + write bytes (below datasheet peak)")
+    b.put("cpu.memory_efficiency", 1.0, "derived",
+        "memory_gbps is a measured copy rate, already what the box sustains (host memory is modelled as "
+        "shared)")
+    if host_device:
+        b.put("cpu.cores", b.m.get("cpu_threads") or g["host_cores"], "measured",
+            "torch intra-op threads: compute, CPU Adam and the copies share them")
+    else:
+        b.put("cpu.cores", None, "derived", "core sharing is modelled only when the device is this CPU")
+    itf = b.m.get("interference") if host_device else None
+    if itf:
+        gemm = INTERFERENCE_GEMM
+        b.put("cpu.compute_slowdown_per_io_op", max(1.0, itf["compute_slowdown"]), "measured",
+            f"a {gemm[0]}x{gemm[1]}x{gemm[2]} GEMM loop beside one I/O loop on another thread, mean over "
+            + ", ".join(f"{k[len('gemm_beside_'):]} {v:.2f}x" for k, v in itf.items()
+                        if k.startswith("gemm_beside_")))
+        b.put("cpu.copy_slowdown_beside_compute", max(1.0, itf["copy_slowdown"]), "measured",
+            "a memcpy loop beside the GEMM loop, against alone")
+        if "ssd_slowdown" in itf:
+            b.put("cpu.ssd_slowdown_beside_compute", max(1.0, itf["ssd_slowdown"]), "measured",
+                "the executor's store reading, then writing, beside the GEMM loop, against alone")
+    b.put("cpu.adam_gparams_per_s", c["adam_gparams_per_s"], "measured",
+        f"torch AdamW ({c.get('adam_impl', '?')}) on {b.m.get('cpu_threads', '?')} threads")
+
+
+def _put_ssd(b: _Builder, host_device: bool) -> None:
+    """The ssd section: the measured directory as one device (the executor's store rates on a CPU device);
+    without --ssd-dir, the base's SSDs, or none when there is no explicit base."""
+    s = b.m.get("ssd")
+    if s:
+        where = s.get("dir", "--ssd-dir")
+        io = "O_DIRECT" if s.get("direct", True) else "buffered (no O_DIRECT)"
+        b.put("ssd.count", 1, "measured",
+              "the directory's filesystem measured as ONE device (RAID0 = one drive)")
+        b.put("ssd.model", s["model"], "measured", f"block device of {where}")
+        b.put("ssd.capacity_gb", s["capacity_gb"], "measured",
+              "free space on the filesystem, not the drive size")
+        b.put("ssd.read_gbps", s["read_gbps"], "measured",
+              f"sequential {io}, {s['block_bytes'] // MIB} MiB blocks")
+        b.put("ssd.write_gbps", s["write_gbps"], "measured", f"sequential {io} + fsync")
+        b.put("ssd.array_read_gbps", None, "derived", "one device: no separate array ceiling")
+        b.put("ssd.array_write_gbps", None, "derived", "one device: no separate array ceiling")
+        b.put("ssd.rw_sharing", s["rw_sharing"], "measured",
+            f"mixed {s['mixed_read_gbps']:.2f} read + {s['mixed_write_gbps']:.2f} write GB/s vs solo "
+            f"{max(s['read_gbps'], s['write_gbps']):.2f}")
+        kept = (s["mixed_read_gbps"] / s["read_gbps"] + s["mixed_write_gbps"] / s["write_gbps"]) / 2
+        b.put("ssd.mixed_efficiency", min(1.0, max(0.5, kept)), "measured",
+            "mean fraction of its solo rate each direction kept in the mixed run (within [0.5, 1])")
+        st = s.get("store")
+        # on a CPU device, the SSD tier as the executor's own store achieves it (O_DIRECT, CRC32, its pool)
+        if host_device and st:
+            what = f"the executor's SsdStore, {st['file_bytes'] // MIB} MiB files"
+            b.put("ssd.read_gbps", st["read_gbps"], "measured", f"{what} (raw {io}: {s['read_gbps']:.2f})")
+            b.put("ssd.write_gbps", st["write_gbps"], "measured", f"{what} (raw {io}: {s['write_gbps']:.2f})")
+            kept = (st["mixed_read_gbps"] / st["read_gbps"] + st["mixed_write_gbps"] / st["write_gbps"]) / 2
+            b.put("ssd.mixed_efficiency", min(1.0, max(0.5, kept)), "measured",
+                f"{what}: mean fraction of its solo rate each direction kept reading and writing at once")
+        ex = b.m.get("executor") or {}
+        if host_device and ex.get("ssd_latency_us") is not None:
+            b.put("ssd.latency_us", ex["ssd_latency_us"], "measured",
+                "the executor's SSD ops on a tiny plan: median of (duration - bytes / rate) + hand-off")
+        if not s.get("direct", True):
+            b.notes.append(f"{where} refused O_DIRECT: the SSD rates were measured with buffered I/O and may "
+                           "be optimistic")
+    elif not b.explicit_base:
+        b.data["ssd"] = {"count": 0}
+        b.info["ssd.count"] = FieldInfo("ssd.count", 0, "no --ssd-dir",
+                                        "no SSD tier: pass --ssd-dir to measure one")
+        b.notes.append("no --ssd-dir: the profile has no SSD tier (ssd.count = 0); pass --ssd-dir DIR on the "
+                       "SSD")
+
+
+def _put_overrides(b: _Builder, overrides: dict[str, Any] | None, device_gib: float | None,
+                   host_device: bool) -> None:
+    """--set: the user's values win (and a given CPU memory re-derives the reserve)."""
+    for key, value in (overrides or {}).items():
+        section, _, k = key.partition(".")
+        if section not in b.data or k not in b.data[section]:
+            raise CalibrationError(f"--set {key}: unknown profile key (keys are SECTION.KEY as in a profile "
+                                   "YAML)")
+        b.put(key, value, "given", "--set")
+    if "cpu.memory_gib" in (overrides or {}) and "cpu.reserved_gib" not in overrides:
+        mem = b.data["cpu"]["memory_gib"]
+        b.put("cpu.reserved_gib", min(6 + 0.05 * mem, 0.5 * mem), "derived",
+            "assumption: 6 GiB OS + runtime + 5% of the given memory (at most half)")
+    if device_gib is not None and not host_device:
+        b.put("gpu.memory_gib", device_gib, "given", "--set")
+
+
+def _finish(b: _Builder, name: str | None) -> Calibration:
+    """The rest from the base, the notes of what was not measured, the name and description; the profile."""
+    g, p, s = b.m.get("gpu"), b.m.get("pcie"), b.m.get("ssd")
+    for section in ("gpu", "pcie", "cpu", "ssd", "price"):
+        for k, v in b.data[section].items():
+            key = f"{section}.{k}"
+            if key not in b.info:
+                b.info[key] = FieldInfo(key, v, b.from_base,
+                                        "not measured" if section != "price" else "not measured (price)")
+    if not g:
+        b.notes.append(f"no CUDA GPU: the gpu and pcie sections are the {b.base_name} profile's "
+                       f"({b.base.gpu.model}); run calibrate on the GPU box to measure them, or --device cpu "
+                       "to profile this CPU as the device")
+    for err in b.m.get("errors", []):
+        b.notes.append(f"measurement failed, value taken from {b.base_name}: {err}")
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", str(b.m.get("host") or "box"))[:40] or "box"
+    b.data["name"] = name or f"calibrated-{host}"
+    measured_parts = ["CPU"] + (["GPU"] if g else []) + (["PCIe"] if p else []) + (["SSD"] if s else [])
+    b.data["description"] = (f"measured by tierflow calibrate on {host} {time.strftime('%Y-%m-%d')}: "
+                             f"{', '.join(measured_parts)} measured; the rest from {b.base_name}")
+    profile = profile_from_dict(b.data, source="tierflow calibrate")
+    order = [f"{sec}.{k}" for sec in ("gpu", "pcie", "cpu", "ssd", "price") for k in profile.to_dict()[sec]]
+    fields = [b.info[k] for k in order if k in b.info]
+    return Calibration(profile, fields, b.base_name, b.notes)

@@ -1,0 +1,61 @@
+"""The `tierflow` command: its parser, the command table and the one mapping of errors to exit codes.
+
+Every command is a module of this package with the same two functions: `add_parser(subparsers)` declares its
+flags (the shared ones come from `args`) and returns its parser, and `run(args) -> int` runs it. `COMMANDS`
+lists them in help order. Building the parser imports no torch: the executor's commands (run, calibrate,
+env) import the executor inside their `run`, so that `tierflow simulate` starts fast.
+
+Errors: every `tierflow.errors.TierflowError` is printed as one line, ``tierflow: <prefix>: <message>``, and
+exits with its `exit_code` (2 for bad input, 3 when something does not fit); a plain ValueError or OSError
+exits 2, an interrupt 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tierflow import __version__
+from tierflow.cli import calibrate, capacity, compare, env, fit, models, plan, profiles, run, simulate
+from tierflow.errors import TierflowError
+from tierflow.planner.io.argtypes import OneLineParser
+from tierflow.planner.io.logs import add_verbosity_options, configure, level_of
+
+COMMANDS = (simulate, plan, capacity, compare, fit, models, profiles, calibrate, env, run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="tierflow", description="Plan, simulate and run training of models larger than "
+                      "GPU memory over GPU memory, CPU memory and NVMe SSDs.")
+    p.add_argument("--version", action="version", version=f"tierflow {__version__}")
+    add_verbosity_options(p)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for command in COMMANDS:
+        sp = command.add_parser(sub)
+        sp.set_defaults(func=command.run)
+        add_verbosity_options(sp, on_subcommand=True)  # -q / -v after the subcommand too
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv:
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        configure(level_of(args))
+        return args.func(args) or 0
+    except TierflowError as e:
+        print(f"tierflow: {e.prefix}: {e}", file=sys.stderr)
+        return e.exit_code
+    except (ValueError, OSError) as e:
+        print(f"tierflow: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tierflow: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,61 @@
+"""The flags several commands share, each declared once here: the model, the box and its ``--set`` overrides,
+the batch, micro-batch and sequence length, and the data-parallel world (``--gpus``, ``--nodes``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tierflow.planner.core.world import World
+from tierflow.planner.io.argtypes import MAX_BATCH, positive_int
+
+SET_HELP = "override a profile field, e.g. ssd.count=6"
+
+
+def add_box_args(p: argparse.ArgumentParser, model: bool = True) -> None:
+    """--model, --hw and --set, shared by the commands that take a model and a box."""
+    if model:
+        p.add_argument("--model", default="gpt3-175b",
+                       help="zoo name (see `tierflow models`), a HF config.json or model directory, or a hub "
+                       "id (org/name) in the local HF cache (never downloaded)")
+    add_hw_arg(p)
+    add_set_arg(p)
+
+
+def add_hw_arg(p: argparse.ArgumentParser, default: str | None = "rtx4090-lohan",
+               help: str = "profile name (see `tierflow profiles`) or a YAML path") -> None:
+    """--hw: the box's hardware profile."""
+    p.add_argument("--hw", default=default, help=help)
+
+
+def add_set_arg(p: argparse.ArgumentParser, help: str = SET_HELP) -> None:
+    """--set KEY=VALUE (repeatable): profile overrides (tierflow.hwprofiles.overrides parses them)."""
+    p.add_argument("--set", action="append", default=None, metavar="KEY=VALUE", help=help)
+
+
+def add_batch_arg(p: argparse.ArgumentParser, default: int) -> None:
+    """--batch: the global batch in sequences."""
+    p.add_argument("--batch", type=positive_int(MAX_BATCH), default=default,
+                   help=f"global batch in sequences (default {default})")
+
+
+def add_micro_batch_arg(p: argparse.ArgumentParser, default: int | None, help: str) -> None:
+    """--micro-batch: sequences per micro-batch."""
+    p.add_argument("--micro-batch", type=positive_int(MAX_BATCH), default=default, help=help)
+
+
+def add_seq_arg(p: argparse.ArgumentParser, help: str = "sequence length (default: the model's)") -> None:
+    """--seq: the sequence length."""
+    p.add_argument("--seq", type=positive_int(), default=None, help=help)
+
+
+def add_world_args(p: argparse.ArgumentParser) -> None:
+    """--gpus and --nodes: the data-parallel world (tierflow.planner.core.world)."""
+    p.add_argument("--gpus", type=positive_int(1024), default=1,
+                   help="data-parallel GPUs per box (default 1; at most the profile's topology.gpu_count)")
+    p.add_argument("--nodes", type=positive_int(1024), default=1,
+                   help="boxes (default 1; more need the profile's network section)")
+
+
+def world_of(args: argparse.Namespace) -> World:
+    """The World of --gpus / --nodes (1 x 1 for a command without them)."""
+    return World(getattr(args, "gpus", 1), getattr(args, "nodes", 1))

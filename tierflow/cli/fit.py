@@ -1,0 +1,72 @@
+"""`tierflow fit`: fit hardware-profile fields, within bounds, to measured runs through the simulator
+(tierflow.planner.search.fit), report the residuals and write the fitted profile."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from tierflow.cli.args import add_hw_arg, add_set_arg
+from tierflow.cli.tables import fmt_table
+from tierflow.hwprofiles import load_hw
+from tierflow.planner.io.progress import Progress
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    fi = sub.add_parser("fit", help="fit hardware-profile fields to measured runs through the simulator",
+                        description="Fit a few profile fields, within bounds, to measured runs (CSV or YAML: "
+                        "model, hw, schedule, batch, micro_batch, seq, placement, overrides, measured, "
+                        "measure) by minimising the relative error of the simulated values; report "
+                        "residuals, leave-one-out errors and unidentified fields, and write the fitted "
+                        "profile.")
+    fi.add_argument("runs", help="CSV or YAML file of measured runs")
+    add_hw_arg(fi, None, "base profile name or YAML path (default: the runs' hw column)")
+    add_set_arg(fi, "override a base profile field first")
+    fi.add_argument("--field", action="append", metavar="KEY=LOW:HIGH", help="a field to fit within bounds, "
+                    "e.g. ssd.read_gbps=0.5:8 (repeatable)")
+    fi.add_argument("-o", "--out", default=None, help="write the fitted profile (YAML) here")
+    fi.add_argument("--loo", action=argparse.BooleanOptionalAction, default=True,
+                    help="leave-one-out refits (default: on)")
+    fi.add_argument("--json", action="store_true", help="print the result as JSON")
+    return fi
+
+
+def run(args: argparse.Namespace) -> int:
+    from tierflow.planner.search.fit import FitField, fit, load_runs, write_fitted_profile
+
+    fields = [FitField.parse(f) for f in args.field or []]
+    runs = load_runs(args.runs)
+    hw = load_hw(args.hw or runs[0].hw, args.set)
+    prog = Progress(1, "fitting")
+    res = fit(runs, hw, fields, loo=args.loo, progress=lambda i, n, what: prog.update(i, n, what))
+    prog.finish()
+    fitted = write_fitted_profile(hw, res, args.out, Path(args.runs).name) if args.out else None
+    if args.json:
+        print(json.dumps({**res.to_dict(), "runs_file": str(args.runs), "profile_file": args.out}, indent=2))
+        return 0
+    print(f"base: {hw.name}: {hw.summary()}")
+    print(f"{len(runs)} runs from {args.runs}; {res.evaluations} evaluations, {res.simulations} simulations, "
+          f"{res.wall_s:.1f} s\n")
+    print(fmt_table([[f.key, f"{f.lower:g} .. {f.upper:g}", f"{res.initial[f.key]}",
+                      f"{res.values[f.key]:.4g}",
+                      "unidentified" if f.key in res.unidentified else res.at_bound.get(f.key, "ok")]
+                     for f in res.fields], ["field", "bounds", "base", "fitted", "status"]))
+    print()
+    print(fmt_table([[f"{r.run.row}. {r.run.label()}", r.run.measure, f"{r.measured:.4g}",
+                      f"{r.predicted:.4g}", str(r.micro_batch), _pct(r.residual), _pct(r.loo_residual)]
+                     for r in res.runs],
+                    ["row. run", "measure", "measured", "predicted", "mb", "residual", "LOO"]))
+    loo = (f"; leave-one-out RMS {res.loo_rms:.2%} (max {res.loo_max_abs:.2%})" if res.loo_rms is not None
+           else "")
+    print(f"\nRMS relative error {res.rms:.2%} (max {res.max_abs:.2%})" + loo)
+    for note in res.notes():
+        print(note)
+    if fitted:
+        print(f"wrote {args.out} ({fitted.name})")
+    return 0
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.1%}"

@@ -1,0 +1,193 @@
+"""`tierflow plan`: search schedule, micro-batching, placement and recompute for a model on a box, verify the
+best plan by simulation and write it as a plan file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+from tierflow.cli.args import add_batch_arg, add_box_args, add_micro_batch_arg, add_seq_arg, add_world_args
+from tierflow.cli.planfiles import write_plan_file
+from tierflow.cli.tables import fmt_table
+from tierflow.hwprofiles import load_hw
+from tierflow.planner.core.models import get_model
+from tierflow.planner.io.argtypes import positive_float
+from tierflow.planner.io.dsbridge import emit_ds_config
+from tierflow.planner.io.progress import Progress
+
+if TYPE_CHECKING:
+    from tierflow.planner.search.plan_search import SearchResult
+    from tierflow.planner.search.problem import Problem
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    pl = sub.add_parser("plan",
+                        help="search schedule, micro-batching, placement and recompute; write a plan file",
+                        description="Search every decision with the roofline bound, CP-SAT and the "
+                        "simulator; every plan is verified by simulating full iterations.")
+    add_box_args(pl)
+    add_batch_arg(pl, 64)
+    add_seq_arg(pl)
+    add_micro_batch_arg(pl, None, "fix the micro-batch (default: searched)")
+    pl.add_argument("--time-limit", type=positive_float(7 * 24 * 3600), default=60.0,
+                    help="seconds for the whole search, > 0 (default 60)")
+    pl.add_argument("--no-ssd", action="store_true", help="use only GPU and CPU memory")
+    pl.add_argument("--no-baselines", action="store_true",
+                    help="do not simulate the fixed schedules for comparison")
+    pl.add_argument("--explain", action="store_true", help="say what binds and what would help most")
+    pl.add_argument("--no-window", action="store_true",
+                    help="skip the exact CP-SAT check of a 2-layer window")
+    pl.add_argument("-o", "--out", default=None, help="write the plan file here (JSON, docs/plan-format.md)")
+    pl.add_argument("--json", action="store_true", help="print the result as JSON")
+    pl.add_argument("--emit-ds-config", default=None, metavar="JSON",
+                    help="also write the nearest DeepSpeed config for the chosen plan (and say what it "
+                    "cannot express)")
+    add_world_args(pl)
+    return pl
+
+
+def run(args: argparse.Namespace) -> int:
+    from tierflow.planner.core.schedules import build_graph
+    from tierflow.planner.io.planfile import plan_from_graph
+    from tierflow.planner.search.explain import explain
+    from tierflow.planner.search.problem import Problem
+
+    model = get_model(args.model)
+    if args.seq is not None:
+        model = model.with_seq(args.seq)
+    hw = load_hw(args.hw, args.set)
+    problem = Problem(model, hw, args.batch, model.seq_len, allow_ssd=not args.no_ssd, gpus=args.gpus,
+                      nodes=args.nodes)
+    sr = _search(args, problem)
+    best = sr.best
+    cfg = best.config
+    graph = build_graph(model, hw, cfg)
+    solver = _solver_report(args, problem, sr)
+    written = None
+    if args.out:
+        plan = plan_from_graph(model, hw, cfg, graph, predicted=best.result, solver=solver)
+        written = write_plan_file(plan, args.out)
+    lines = explain(sr) if args.explain else []
+    if args.json:
+        if args.emit_ds_config:
+            emit_ds_config(args.emit_ds_config, model, cfg, stream=sys.stderr)
+        print(json.dumps(_to_json(problem, sr, solver, written, lines), indent=2))
+        return 0
+    _print_text(args, problem, sr, solver)
+    for line in lines:
+        print(line)
+    if written:
+        print(f"wrote {written.path} ({len(graph.tasks):,} ops); replay it with: tierflow simulate --plan "
+              f"{written.path}")
+    if args.emit_ds_config:
+        emit_ds_config(args.emit_ds_config, model, cfg)
+    return 0
+
+
+def _search(args: argparse.Namespace, problem: Problem) -> SearchResult:
+    from tierflow.planner.search.plan_search import plan_search
+
+    prog = Progress(1, "planning")
+
+    def progress(i: int, n: int, what: str) -> None:
+        prog.update(i, n, what)
+
+    mbs = [args.micro_batch] if args.micro_batch else None
+    sr = plan_search(problem, time_limit_s=args.time_limit, micro_batches=mbs, progress=progress,
+                     baselines=not args.no_baselines)
+    prog.finish()
+    return sr
+
+
+def _solver_report(args: argparse.Namespace, problem: Problem, sr: SearchResult) -> dict[str, Any]:
+    """What the plan file records of the search: the chosen candidate's solver report, the search's totals,
+    the slot model's prediction and the window check (one rank only)."""
+    best = sr.best
+    solver = best.solver.to_dict() if best.solver else {"status": "BASELINE"}
+    solver.update({"search_wall_s": sr.wall_s, "candidates": len(sr.evaluated),
+                   "predicted_s": best.predicted_s, "verified_s": best.verified_s,
+                   "skipped_by_time_limit": sr.skipped_by_time_limit})
+    if best.prediction:
+        solver["prediction"] = best.prediction.to_dict()
+    if not args.no_window and problem.ranks == 1:  # the window model covers one rank
+        from tierflow.planner.search.plan_search import window_check
+
+        window_s = min(10.0, max(1.0, args.time_limit / 10))
+        solver.update(window_check(problem, best.config, time_limit_s=window_s))
+    return solver
+
+
+def _to_json(problem: Problem, sr: SearchResult, solver: dict, written: Any, lines: list[str]) -> dict:
+    best, model = sr.best, problem.model
+    rb = problem.rank_batch  # candidates describe one rank's micro-batches
+    return {"model": model.name, "params": model.total_params(), "hw": problem.hw.name,
+            "decisions": best.config.to_dict(), "solver": solver, "predicted": best.result.to_dict(),
+            "candidate": best.candidate.describe(rb), "plan_file": str(written.path) if written else None,
+            "world": problem.world.to_dict(), **best.result.per_gpu(),
+            "explain": lines,
+            "evaluated": [{"candidate": e.candidate.describe(rb),
+                           "verified_s": e.verified_s if e.result else None,
+                           "solver": e.solver.to_dict() if e.solver else None,
+                           "error": e.error} for e in sr.evaluated]}
+
+
+def _print_text(args: argparse.Namespace, problem: Problem, sr: SearchResult, solver: dict) -> None:
+    model, hw, rb = problem.model, problem.hw, problem.rank_batch
+    print(model.describe())
+    print(f"box: {hw.name}: {hw.summary()}")
+    print(f"batch {args.batch} sequences x {model.seq_len} tokens; searched {len(sr.evaluated)} candidates "
+          f"in {sr.wall_s:.1f} s")
+    if sr.skipped_by_time_limit:
+        print(f"note: the time limit ({args.time_limit:g} s) left {sr.skipped_by_time_limit} candidate(s) "
+              "untried, so a faster plan may exist (raise --time-limit)")
+    if problem.ranks > 1:
+        print(f"{problem.ranks} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes): each "
+              f"runs {rb} sequences; candidates below are one rank's; tokens/s is the world's")
+    _print_candidates(sr, rb)
+    _print_choice(sr, rb, model.num_layers, solver)
+
+
+def _print_candidates(sr: SearchResult, rb: int) -> None:
+    rows = []
+    ok = sorted((e for e in sr.evaluated if e.result), key=lambda e: e.verified_s)
+    for e in ok[:8]:
+        s_ = e.solver
+        rows.append([e.candidate.describe(rb), f"{e.verified_s:,.1f} s", f"{e.result.tokens_per_s:,.0f}",
+                     f"{e.result.hw_tflops:.1f}", s_.status if s_ else "-",
+                     f"{s_.objective_s:,.1f} s" if s_ else "-"])
+    print()
+    print(fmt_table(rows, ["candidate (best first)", "simulated", "tokens/s", "hw TFLOPS", "CP-SAT",
+                           "objective"]))
+    print()
+
+
+def _print_choice(sr: SearchResult, rb: int, num_layers: int, solver: dict) -> None:
+    best = sr.best
+    cfg = best.config
+    print(f"chosen: {best.candidate.describe(rb)}; {cfg.swap_layers} of {num_layers} layers swap "
+          f"their activations instead of recomputing")
+    print(f"placement: {cfg.placement.describe()}")
+    if best.solver:
+        r = best.solver
+        print(f"placement solver: CP-SAT {r.status}, objective {r.objective_s:,.2f} s, best bound "
+              f"{r.best_bound_s:,.2f} s, gap {r.gap:.1%}, {r.wall_s:.2f} s")
+    if best.prediction:
+        r = best.prediction
+        print(f"prediction (slot model, {r.constraints:,} windows): {r.solver} {r.status}, "
+              f"{r.objective_s:,.2f} s per iteration, {r.wall_s:.2f} s")
+    if "window_status" in solver:
+        print(f"window check: CP-SAT {solver['window_status']} on a {solver['window_layers']}-layer window "
+              f"({solver['window_tasks']} tasks): the schedule's own order takes "
+              f"{solver['window_greedy_s']:.4g} s at solo link rates, the best order found "
+              f"{solver['window_makespan_s']:.4g} s, proven bound {solver['window_bound_s']:.4g} s (gap "
+              f"{solver['window_gap']:.1%}, {solver['window_wall_s']:.1f} s)")
+    res = best.result
+    print(f"verified by simulation: {res.iteration_s:,.2f} s per iteration "
+          f"({res.iteration_s / best.predicted_s - 1:+.1%} vs the prediction), {res.tokens_per_s:,.0f} "
+          f"tokens/s, {res.model_tflops:.1f} model / {res.hw_tflops:.1f} hardware TFLOPS")
+    if sr.baseline:
+        name, b = min(sr.baseline.items(), key=lambda kv: kv[1].iteration_s)
+        print(f"best fixed schedule with default settings: {name} at {b.iteration_s:,.2f} s -> plan is "
+              f"{b.iteration_s / res.iteration_s:.2f}x faster")
