@@ -111,7 +111,7 @@ def _solver_report(args: argparse.Namespace, problem: Problem, sr: SearchResult)
                    "skipped_by_time_limit": sr.skipped_by_time_limit})
     if best.prediction:
         solver["prediction"] = best.prediction.to_dict()
-    if not args.no_window and problem.ranks == 1:  # the window model covers one rank
+    if not args.no_window and problem.world.ranks == 1:  # the window model covers one rank
         from tierflow.planner.search.plan_search import window_check
 
         window_s = min(10.0, max(1.0, args.time_limit / 10))
@@ -142,8 +142,8 @@ def _print_text(args: argparse.Namespace, problem: Problem, sr: SearchResult, so
     if sr.skipped_by_time_limit:
         print(f"note: the time limit ({args.time_limit:g} s) left {sr.skipped_by_time_limit} candidate(s) "
               "untried, so a faster plan may exist (raise --time-limit)")
-    if problem.ranks > 1:
-        print(f"{problem.ranks} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes): each "
+    if problem.world.ranks > 1:
+        print(f"{problem.world.ranks} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes): each "
               f"runs {rb} sequences; candidates below are one rank's; tokens/s is the world's")
     _print_candidates(sr, rb)
     _print_choice(sr, rb, model.num_layers, solver)
