@@ -142,8 +142,9 @@ def _print_text(args: argparse.Namespace, problem: Problem, sr: SearchResult, so
     if sr.skipped_by_time_limit:
         print(f"note: the time limit ({args.time_limit:g} s) left {sr.skipped_by_time_limit} candidate(s) "
               "untried, so a faster plan may exist (raise --time-limit)")
-    if problem.world.ranks > 1:
-        print(f"{problem.world.ranks} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes): each "
+    ranks = problem.world.ranks
+    if ranks > 1:
+        print(f"{ranks} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes): each "
               f"runs {rb} sequences; candidates below are one rank's; tokens/s is the world's")
     _print_candidates(sr, rb)
     _print_choice(sr, rb, model.num_layers, solver)
