@@ -29,17 +29,15 @@ from typing import NamedTuple
 import torch
 
 from tierflow.errors import TierflowError
-from tierflow.executor.packs import Pack
-from tierflow.executor.state import BlockLayout
+from tierflow.executor.tiers.packs import Pack
+from tierflow.executor.tiers.state import BlockLayout
+from tierflow.planner.core import opkinds as k
 from tierflow.planner.core.graph import Task
+from tierflow.planner.core.opkinds import COMPUTE_KINDS, ENTRY_KINDS
 from tierflow.planner.io.planfile import Plan
 
-COMPUTE_KINDS = frozenset({"fwd", "recompute", "bwd", "head"})
-ENTRY_TENSORS = ("checkpoint", "act", "act_grad")  # tensor classes moved as entries
-ENTRY_VERBS = ("offload", "fetch", "write", "read")
-ENTRY_KINDS = {verb: frozenset(f"{verb}_{x}" for x in ENTRY_TENSORS) for verb in ENTRY_VERBS}
 ACT_TENSORS = {"act": "x", "act_grad": "dx"}
-OPTIMIZER_PART = {"adam": 0, "adam_deferred": 1}  # CPU optimizer op kind -> part (main step, deferred alpha)
+OPTIMIZER_PART = {k.ADAM: 0, k.ADAM_DEFERRED: 1}  # CPU optimizer op kind -> part (main step, deferred alpha)
 
 
 class ExecutionError(TierflowError, RuntimeError):
@@ -151,11 +149,11 @@ class Binding:
     def inputs(self, t: Task) -> list[EntryKey]:
         """The entries a compute op consumes."""
         it, b, m = t.iteration, t.block, t.mb
-        if t.kind == "fwd":
+        if t.kind == k.FWD:
             return [EntryKey(it, "x", b, m)] if b >= 1 else []
-        if t.kind in ("head", "recompute"):
+        if t.kind in (k.HEAD, k.RECOMPUTE):
             return [EntryKey(it, "x", b, m)]
-        if t.kind == "bwd":
+        if t.kind == k.BWD:
             keys = [EntryKey(it, "dx", b + 1, m)]
             if 1 <= b <= self.num_layers and not self.rec(b):
                 keys.append(EntryKey(it, "pack", b, m))
@@ -180,30 +178,30 @@ class Binding:
                 self.direct_users[self.entry_key(t)] += 1
             if t.kind in OPTIMIZER_PART:
                 for d in t.deps:
-                    if tasks[d].kind == "read_opt_states":
+                    if tasks[d].kind == k.READ_OPT_STATES:
                         self.part_of[d] = OPTIMIZER_PART[t.kind]
         for t in tasks:
-            if t.kind in ("write_opt_states", "update_weights"):
-                self.part_of[t.id] = 0 if tasks[t.deps[0]].kind == "adam" else 1
+            if t.kind in (k.WRITE_OPT_STATES, k.UPDATE_WEIGHTS):
+                self.part_of[t.id] = 0 if tasks[t.deps[0]].kind == k.ADAM else 1
 
     def _bind_compute(self, t: Task) -> None:
         """A compute op's inputs: through a fetch among its dependencies, or the device copy; its weight fetch."""
         tasks = self.tasks
         fetches = {self.entry_key(tasks[d]): d for d in t.deps if tasks[d].kind in ENTRY_KINDS["fetch"]}
-        if t.kind == "bwd":  # a recomputed layer's backward depends on its recompute, which waits for the fetch
+        if t.kind == k.BWD:  # a recomputed layer's backward depends on its recompute, which waits for the fetch
             mine = set(self.inputs(t))  # of the backward's input (the activation gradient)
             for r in t.deps:
-                if tasks[r].kind == "recompute":
-                    fetches.update({k: d for d in tasks[r].deps if tasks[d].kind in ENTRY_KINDS["fetch"]
-                                    for k in [self.entry_key(tasks[d])] if k in mine})
+                if tasks[r].kind == k.RECOMPUTE:
+                    fetches.update({key: d for d in tasks[r].deps if tasks[d].kind in ENTRY_KINDS["fetch"]
+                                    for key in [self.entry_key(tasks[d])] if key in mine})
         self.fetch_for[t.id] = fetches
         for key in self.inputs(t):
             self.consumers[key] += 1
             if key not in fetches:
                 self.direct_users[key] += 1
         # the op whose weight buffers it reads: with several ranks the all-gather that completed its fetch
-        wf = ([d for d in t.deps if tasks[d].kind == "all_gather_weights" and tasks[d].block == t.block]
-              or [d for d in t.deps if tasks[d].kind == "fetch_weights" and tasks[d].block == t.block])
+        wf = ([d for d in t.deps if tasks[d].kind == k.ALL_GATHER_WEIGHTS and tasks[d].block == t.block]
+              or [d for d in t.deps if tasks[d].kind == k.FETCH_WEIGHTS and tasks[d].block == t.block])
         self.wfetch[t.id] = wf[-1] if wf else None
         if wf:
             self.wfetch_users[wf[-1]] += 1
@@ -216,21 +214,21 @@ class Binding:
         first of the owner's), and hand each shard to the offload_grads or adam_gpu that depends on them."""
         tasks = self.tasks
         pos = {tid: i for i, tid in enumerate(self.plan.graph.resource_order()["gpu"])}
-        scatters = [t for t in tasks if t.kind == "reduce_scatter_grads"]
+        scatters = [t for t in tasks if t.kind == k.REDUCE_SCATTER_GRADS]
         if scatters:
             self._bind_scatters(scatters, pos)
             return
         offloads: dict[tuple[int, int], list[tuple[int, int]]] = {}
         adam_gpu: dict[tuple[int, int], int] = {}
         for t in tasks:
-            if t.kind == "offload_grads":
+            if t.kind == k.OFFLOAD_GRADS:
                 offloads.setdefault((t.iteration, t.block), []).append((pos[t.deps[0]], t.id))
-            elif t.kind == "adam_gpu":
+            elif t.kind == k.ADAM_GPU:
                 adam_gpu[(t.iteration, t.block)] = t.id
         for v in offloads.values():
             v.sort()
         for t in tasks:
-            if t.kind not in ("head", "bwd"):
+            if t.kind not in (k.HEAD, k.BWD):
                 continue
             for o, lo, hi in self.layout.owners(t.block):
                 if self.cfg.placement.gpu_optimizer:
@@ -260,7 +258,7 @@ class Binding:
             v.sort()
         for t in tasks:  # the taker of the same block (a tied embedding's adam_gpu also waits for the head's)
             for d in t.deps:
-                if tasks[d].kind == "reduce_scatter_grads" and t.kind in ("offload_grads", "adam_gpu") \
+                if tasks[d].kind == k.REDUCE_SCATTER_GRADS and t.kind in (k.OFFLOAD_GRADS, k.ADAM_GPU) \
                         and tasks[d].block == t.block:
                     self.scatter_to[d] = t.id
         missing = [r.id for r in scatters if r.id not in self.scatter_to]
@@ -270,7 +268,7 @@ class Binding:
         gpu_opt = self.cfg.placement.gpu_optimizer
         ranks = self.cfg.ranks
         for t in tasks:
-            if t.kind not in ("head", "bwd"):
+            if t.kind not in (k.HEAD, k.BWD):
                 continue
             for o, _lo, _hi in self.layout.owners(t.block):
                 key = (t.iteration, o if gpu_opt else t.block)

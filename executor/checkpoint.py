@@ -36,7 +36,7 @@ import torch
 
 from tierflow.errors import TierflowError
 from tierflow.executor.dist import SINGLE, DistWorld
-from tierflow.executor.state import STATE_CLASSES, StateError, TrainState
+from tierflow.executor.tiers.state import STATE_CLASSES, StateError, TrainState
 
 CHECKPOINT_FORMAT = "tierflow-checkpoint"
 CHECKPOINT_VERSION = 2  # 2: per-file sizes and CRC32s in the manifest; version 1 (without them) is still read

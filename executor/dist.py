@@ -1,4 +1,4 @@
-"""Data-parallel training on torch.distributed (issue 19): the world of one `tierflow run` process, its process
+"""Data-parallel training on torch.distributed: the world of one `tierflow run` process, its process
 groups, the collectives the executor needs outside the plan's ops, and the `--nproc` launch through torchrun.
 
 A plan made for W = gpus x nodes ranks runs as W processes started by torchrun (`torchrun --nproc-per-node N -m
@@ -8,12 +8,12 @@ Each process reads its rank from torchrun's environment (RANK, WORLD_SIZE, LOCAL
 - computes on one device: cuda:LOCAL_RANK (NCCL) or the CPU (gloo);
 - owns a 1/W shard of every block's flat vector, elements [r*ceil(n/W), min(n, (r+1)*ceil(n/W))) (ZeRO-3
   partitioning, tierflow.planner.core.world): its compute weights, fp32 master, Adam moments and gradient
-  accumulators of that shard live on its tiers as the plan's placement splits them (state.py);
+  accumulators of that shard live on its tiers as the plan's placement splits them (tiers/state.py);
 - trains on sequences [r*B/W, (r+1)*B/W) of each global batch of B sequences (engine.py), scales its loss by
   1/W so that the summed gradient shard equals one rank's gradient of the whole batch, and reports the mean loss
   over the ranks;
 - replays the same op list as every other rank; the plan's ops on resource `net` (all_gather_weights,
-  reduce_scatter_grads: ops_net.py) run on a worker of their own, in the plan's order, on the *net* process
+  reduce_scatter_grads: ops/net.py) run on a worker of their own, in the plan's order, on the *net* process
   group. Everything else collective (the loss, checkpoint agreement, gathering the final weights) runs on a
   separate gloo group (*ctrl*) from the main or the reporter thread, never concurrently with itself, so the two
   groups' collectives never interleave differently on different ranks.

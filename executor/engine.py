@@ -3,7 +3,7 @@ order, an op starting only when its dependencies have finished. Nothing is sched
 compute step and optimizer step is an op of the plan, and the executor only decides *how* to carry it out.
 
 Workers and streams
-    gpu, h2d and d2h each own a stream of the device backend (device.py: CUDA, or its adversarial CPU
+    gpu, h2d and d2h each own a stream of the device backend (executor/device: CUDA, or its adversarial CPU
     emulation; on a plain CPU there are no streams and every op runs in its worker). A stream worker enqueues
     its op's handler on its stream (`launch`) and marks the op done once enqueued; a dependency between two
     stream resources is the end event the waiting stream waits on, and a host worker (cpu, ssd_read,
@@ -12,8 +12,9 @@ Workers and streams
     synchronization is at the end of a round (the plan's iterations), to read the losses and the timings.
 
 The rest of the design lives with its code: how ops bind to tensors and the entries' states in binding.py,
-the op handlers and their dispatch table in ops.py (ops_entries.py, ops_compute.py, ops_state.py, with the
-numerics), what a round shares between its workers in context.py (RoundState), saved-tensor packs in packs.py.
+the op handlers and their dispatch table in ops/ (table.py; entries.py, compute.py, weights.py, grads.py,
+optimizer.py, with the numerics), what a round shares between its workers in ops/context.py (RoundState),
+saved-tensor packs in tiers/packs.py.
 """
 
 from __future__ import annotations
@@ -30,16 +31,18 @@ import numpy as np
 import torch
 
 from tierflow.errors import DoesNotFit, TierflowError
-from tierflow.executor.arena import TransferArena, arena_bytes_for
 from tierflow.executor.binding import Binding, ExecutionError
-from tierflow.executor.context import STREAM_RESOURCES, Hyper, OpContext, RoundState
 from tierflow.executor.data import TokenData
-from tierflow.executor.device import DeviceBackend, RoundAborted, TierOutOfMemory, as_backend
-from tierflow.executor.ops import KINDS, Ops
-from tierflow.executor.ops_state import HostGradAdds
-from tierflow.executor.state import TrainState
-from tierflow.executor.store import ChecksumError, SsdStore
+from tierflow.executor.device.base import DeviceBackend, RoundAborted, TierOutOfMemory
+from tierflow.executor.device.factory import as_backend
+from tierflow.executor.ops.context import STREAM_RESOURCES, Hyper, OpContext, RoundState
+from tierflow.executor.ops.grads import HostGradAdds
+from tierflow.executor.ops.table import Ops
+from tierflow.executor.tiers.arena import TransferArena, arena_bytes_for
+from tierflow.executor.tiers.ssd_store import ChecksumError, SsdStore
+from tierflow.executor.tiers.state import TrainState
 from tierflow.planner.core.graph import TIERS, Task, TaskGraph
+from tierflow.planner.core.opkinds import OP_KINDS
 from tierflow.planner.core.simulator import SimResult, summarize
 from tierflow.planner.io.planfile import Plan
 
@@ -71,7 +74,7 @@ _Aborted = RoundAborted
 
 class Executor:
     """Runs rounds of a plan's ops on the training state: a worker thread per resource, a fresh RoundState per
-    round; the ops themselves are in ops.py."""
+    round; the ops themselves are in executor/ops."""
 
     def __init__(self, plan: Plan, state: TrainState, data: TokenData, device: torch.device | DeviceBackend,
                  hyper: Hyper, ssd: SsdStore | None, profile: bool = False) -> None:
@@ -81,16 +84,16 @@ class Executor:
         self.profile = profile  # each op under a torch.profiler record_function named after it (tierflow run --profile)
         self.cfg = plan.config
         self.tasks: list[Task] = plan.graph.tasks
-        unknown = sorted({t.kind for t in self.tasks} - KINDS)
+        unknown = sorted({t.kind for t in self.tasks} - OP_KINDS)
         if unknown:
             raise UnsupportedPlan(f"{plan.source}: op kind {unknown[0]!r} is not implemented by this executor "
-                                 f"(it runs {', '.join(sorted(KINDS))}); upgrade tierflow")
+                                 f"(it runs {', '.join(sorted(OP_KINDS))}); upgrade tierflow")
         if state is not None:
             try:
                 self.backend.check_compute_dtype(state.compute_dtype)
             except ValueError as e:
                 raise UnsupportedPlan(str(e)) from None
-        # the net worker (several ranks' collectives, ops_net.py) has a stream of its own where the device has streams
+        # the net worker (several ranks' collectives, ops/net.py) has a stream of its own where the device has streams
         has_net = any(t.resource == "net" for t in self.tasks)
         self.stream_resources = (*STREAM_RESOURCES, "net") if has_net else STREAM_RESOURCES
         self.world = state.world
@@ -100,7 +103,7 @@ class Executor:
         self.binding = Binding(plan, state.layout)
         if self.backend.streams_async:  # the device memory the plan assumes, enforced by the allocator
             self.backend.cap_memory(float(plan.graph.capacity_bytes["gpu"]))
-        # the host buffers that cross PCIe: one area, allocated now, sized from the plan (arena.py)
+        # the host buffers that cross PCIe: one area, allocated now, sized from the plan (tiers/arena.py)
         area_bytes = arena_bytes_for(plan, self.binding, state, self.backend.streams_async)
         self.arena = TransferArena(self.backend, area_bytes, warn=lambda msg: print(msg, file=sys.stderr))
         self.backend.arena = self.arena
@@ -191,7 +194,7 @@ class Executor:
         loss_sum = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in range(iterations)]
         batches = []
         mb, num_mb = self.cfg.micro_batch, self.cfg.num_micro_batches
-        share = self.cfg.batch // self.world.ranks  # rank r trains on sequences [r*share, (r+1)*share) of each batch
+        share = self.cfg.world.rank_batch(self.cfg.batch)  # rank r trains on sequences [r*share, (r+1)*share)
         for it in range(iterations):
             x, y = self.data.batch(step0 + it, self.cfg.batch, self.cfg.seq)
             if not self.world.single:

@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,7 +36,6 @@ from typing import Any
 import torch
 
 from tierflow.errors import TierflowError
-from tierflow.executor.arena import TransferAreaOutOfMemory
 from tierflow.executor.checkpoint import (
     CheckpointWriteError,
     NonFiniteState,
@@ -44,8 +44,8 @@ from tierflow.executor.checkpoint import (
     save_checkpoint,
 )
 from tierflow.executor.data import DataError, TokenData
-from tierflow.executor.device import DeviceBackend, TierOutOfMemory, make_backend
-from tierflow.executor.dirlock import DirLock, LockError, remove_stale_run_dirs
+from tierflow.executor.device.base import DeviceBackend, TierOutOfMemory
+from tierflow.executor.device.factory import make_backend
 from tierflow.executor.dist import DistWorld, LaunchError, check_launch, init_world, rank_device
 from tierflow.executor.engine import (
     ExecutionError,
@@ -57,8 +57,11 @@ from tierflow.executor.engine import (
 )
 from tierflow.executor.models import check_supported, export_hf, hf_config
 from tierflow.executor.signals import Interrupted, StopOnSignals
-from tierflow.executor.state import StateError, TrainState
-from tierflow.executor.store import ChecksumError, SsdError, SsdStore, check_ssd_dir
+from tierflow.executor.tiers.arena import TransferAreaOutOfMemory
+from tierflow.executor.tiers.dirlock import DirLock, LockError, remove_stale_run_dirs
+from tierflow.executor.tiers.ssd_store import ChecksumError, SsdError, SsdStore, check_ssd_dir
+from tierflow.executor.tiers.state import StateError, TrainState
+from tierflow.planner.core.opkinds import ENTRY_TENSORS
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.core.workload import COMPUTE_BYTES, model_flops_per_token
 from tierflow.planner.io.logs import QUIET, level_of
@@ -181,10 +184,9 @@ def _ssd_need_bytes(plan: Plan, state: TrainState) -> float:
     pred = plan.predicted or {}
     peak = (pred.get("peak_bytes") or {}).get("ssd")
     dynamic = max(0.0, (peak or 0.0) - plan.graph.static_bytes["ssd"])
-    if peak is None and any(t.resource == "ssd_write" and t.tensor in ("checkpoint", "act", "act_grad")
-                            for t in plan.graph.tasks):
+    if peak is None and any(t.resource == "ssd_write" and t.tensor in ENTRY_TENSORS for t in plan.graph.tasks):
         dynamic = sum(t.work for t in plan.graph.tasks if t.resource == "ssd_write" and t.iteration == 0
-                      and t.tensor in ("checkpoint", "act", "act_grad"))
+                      and t.tensor in ENTRY_TENSORS)
     scale = torch.empty(0, dtype=state.compute_dtype).element_size() / COMPUTE_BYTES
     return static + dynamic * scale * 1.1 + (1 << 20)
 
@@ -271,138 +273,218 @@ def _lock(cleanup: ExitStack, directory: Path, what: str, locked: set[Path], war
         warn(f"took over the lock of {what} {directory} from tierflow run pid {lock.previous_pid}, which is gone")
 
 
+@dataclass
+class _Training:
+    """One run under way (`_train`): what it trains and where, and the steps so far."""
+
+    plan: Plan
+    opts: RunOptions
+    backend: DeviceBackend
+    ssd: SsdStore | None
+    log: Callable[..., None]
+    world: DistWorld
+    state: TrainState
+    settings: dict  # what a checkpoint records and a resume checks (plan, seed, hyper-parameters, data)
+    tokens: int  # per step, over the ranks
+    flops_per_step: float
+    start_step: int = 0
+    step: int = 0
+    last_ckpt: Path | None = None  # the last checkpoint written or resumed from
+    records: list[StepRecord] = field(default_factory=list)
+    measured: SimResult | None = None  # the measured trace of the longest round so far
+    best_iters: int = 0
+
+    @property
+    def quiet(self) -> bool:
+        return self.opts.quiet or self.world.rank != 0  # rank 0 reports for all
+
+    @property
+    def lead(self) -> bool:
+        return self.world.rank == 0  # writes --out, --export-hf
+
+    def result(self) -> RunResult:
+        ssd = self.ssd
+        return RunResult(self.plan, self.start_step, self.records, self.state, self.measured,
+                         ssd.bytes_read if ssd else 0, ssd.bytes_written if ssd else 0, ssd.direct if ssd else None,
+                         checkpoint=self.last_ckpt)
+
+
 def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dtype, ssd: SsdStore | None,
            log, warn, world: DistWorld) -> RunResult:
     cfg, spec = plan.config, plan.model
-    device = backend.device
     state = TrainState(spec, cfg.placement, cfg.alpha, backend, dtype, ssd, world)
-    quiet = opts.quiet or world.rank != 0  # rank 0 reports for all
-    lead = world.rank == 0  # writes --out, --export-hf
     data = TokenData.load(opts.data, spec.vocab_size, opts.data_format, seed=opts.seed)
     if opts.data:
         data.check_batch(cfg.batch, cfg.seq)
     settings = {"plan": plan_fingerprint(plan), "seed": opts.seed, "hyper": asdict(opts.hyper), "data": data.source}
-    start_step = 0
+    tokens = cfg.batch * cfg.seq
+    tr = _Training(plan, opts, backend, ssd, log, world, state, settings, tokens,
+                   tokens * model_flops_per_token(spec, cfg.seq))
+    where = _start_state(tr, warn)
+    ex = Executor(plan, state, data, backend, opts.hyper, ssd, profile=opts.profile)
+    if not tr.quiet:
+        _log_start(tr, dtype, where, data)
+    _run_rounds(tr, ex)
+    return _finish(tr)
+
+
+def _start_state(tr: _Training, warn) -> str:
+    """The state to start from: the last checkpoint of --checkpoint-dir (which sets the first step), --init's
+    weights, or a random init; says which."""
+    opts, state = tr.opts, tr.state
 
     def check(ckpt: Path, manifest: dict) -> None:
-        _check_resume(ckpt, manifest, settings, opts, warn)
+        _check_resume(ckpt, manifest, tr.settings, opts, warn)
 
     found = resume(state, opts.checkpoint_dir, fallback=opts.resume_fallback, check=check,
                    log=warn) if opts.checkpoint_dir else None
-    last_ckpt = None
     if found is not None:
-        last_ckpt, manifest = found
-        start_step = int(manifest["step"])
-        where = f"resumed from {last_ckpt} (step {start_step})"
-    elif opts.init:
-        where = f"weights from {state.init_hf(opts.init)}"
-    else:
-        state.init_random(opts.seed)
-        where = f"random init (seed {opts.seed})"
-    ex = Executor(plan, state, data, backend, opts.hyper, ssd, profile=opts.profile)
-    per_round = plan.graph.num_iterations
-    tokens = cfg.batch * cfg.seq
-    flops_per_step = tokens * model_flops_per_token(spec, cfg.seq)
-    if not quiet:
-        log(f"tierflow run: {spec.describe()}")
-        log(f"  plan {plan.source}: {cfg.describe()}; {per_round} iteration(s) per round, {len(plan.graph.tasks)} ops")
-        log(f"  device {backend.name}, compute {str(dtype).removeprefix('torch.')}; {where}; data {data.source}")
-        if not world.single:
-            log(f"  {world.ranks} ranks ({world.backend}): rank r trains sequences [r*{cfg.batch // world.ranks}, "
-                f"(r+1)*{cfg.batch // world.ranks}) of each batch on its 1/{world.ranks} shard of the state; "
-                "the loss is their mean")
-        if ssd is not None:
-            log(f"  SSD tier: {ssd.root} ({'O_DIRECT' if ssd.direct else 'buffered I/O'})"
-                + ("" if world.single else ", one such directory per rank"))
-    records: list[StepRecord] = []
-    measured = None
-    best_iters = 0
-    step = start_step
-    every = opts.checkpoint_every
+        tr.last_ckpt, manifest = found
+        tr.start_step = tr.step = int(manifest["step"])
+        return f"resumed from {tr.last_ckpt} (step {tr.start_step})"
+    if opts.init:
+        return f"weights from {state.init_hf(opts.init)}"
+    state.init_random(opts.seed)
+    return f"random init (seed {opts.seed})"
 
-    def result() -> RunResult:
-        return RunResult(plan, start_step, records, state, measured, ssd.bytes_read if ssd else 0,
-                         ssd.bytes_written if ssd else 0, ssd.direct if ssd else None, checkpoint=last_ckpt)
 
-    profiler = _profiler(device) if opts.profile and lead else None
+def _log_start(tr: _Training, dtype: torch.dtype, where: str, data: TokenData) -> None:
+    """What the run trains, with which plan, on which device, from where."""
+    plan, cfg, world, log = tr.plan, tr.plan.config, tr.world, tr.log
+    log(f"tierflow run: {plan.model.describe()}")
+    log(f"  plan {plan.source}: {cfg.describe()}; {plan.graph.num_iterations} iteration(s) per round, "
+        f"{len(plan.graph.tasks)} ops")
+    log(f"  device {tr.backend.name}, compute {str(dtype).removeprefix('torch.')}; {where}; data {data.source}")
+    if not world.single:
+        share = cfg.world.rank_batch(cfg.batch)
+        log(f"  {world.ranks} ranks ({world.backend}): rank r trains sequences [r*{share}, "
+            f"(r+1)*{share}) of each batch on its 1/{world.ranks} shard of the state; "
+            "the loss is their mean")
+    if tr.ssd is not None:
+        log(f"  SSD tier: {tr.ssd.root} ({'O_DIRECT' if tr.ssd.direct else 'buffered I/O'})"
+            + ("" if world.single else ", one such directory per rank"))
+
+
+def _run_rounds(tr: _Training, ex: Executor) -> None:
+    """Rounds until --steps, under torch.profiler with --profile; RunStopped (with --out written) when training
+    stops early."""
+    opts = tr.opts
+    profiler = _profiler(tr.backend.device) if opts.profile and tr.lead else None
     if profiler is not None:
         profiler.start()  # stopped and exported when the rounds end, also when a run stops early
     try:
-        while step < opts.steps:
-            r = min(per_round, opts.steps - step)
-            if opts.checkpoint_dir and every:
-                r = min(r, every - step % every)
-            prev = [0.0]
-            local: list[float] = []  # this rank's own losses of the round (the reported ones are the ranks' mean)
-
-            def on_step(i: int, loss: float, end_s: float, step=step, prev=prev, local=local) -> None:
-                local.append(loss)
-                loss = world.mean(loss)  # on the reporter thread, in iteration order on every rank
-                if not math.isfinite(loss):
-                    raise Diverged(f"loss {loss} at step {step + i + 1}")
-                step_s = end_s - prev[0]
-                prev[0] = end_s
-                rec = StepRecord(step + i + 1, loss, step_s, tokens / step_s if step_s > 0 else 0.0,
-                                 flops_per_step / step_s / 1e12 if step_s > 0 else 0.0)
-                records.append(rec)
-                if not quiet:
-                    log(f"step {rec.step:>5}/{opts.steps} {bar(rec.step, opts.steps, fill=' ')} loss {rec.loss:.4f}  "
-                        f"{rec.step_s * 1e3:8.1f} ms  {rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS",
-                        flush=True)
-
-            rr = ex.run_round(r, step, on_step=on_step)
-            LOG.debug("round of %d iteration(s) from step %d: %.3f s wall; peak %s", r, step + 1, rr.wall_s,
-                      ", ".join(f"{t} {b / 1e6:,.1f} MB" for t, b in rr.peak_bytes.items()))
-            # the reporter's losses are the round's own (read after each iteration's last GPU op)
-            if local != rr.losses:
-                raise ExecutionError(f"internal: the reported losses {local} are not the round's {rr.losses}")
-            res = measured_result(plan, rr)
-            if r >= best_iters:
-                best_iters, measured = r, res
-            step += r
-            if opts.checkpoint_dir and every and step % every == 0:
-                try:
-                    last_ckpt = save_checkpoint(state, opts.checkpoint_dir, step, settings, world=world)
-                except NonFiniteState as e:
-                    raise Diverged(str(e)) from None
-                if not quiet:
-                    log(f"  checkpoint {last_ckpt}")
+        while tr.step < opts.steps:
+            _run_round(tr, ex, _round_iterations(tr))
     except (Diverged, CheckpointWriteError, Interrupted) as e:
-        kept = (f"the last good checkpoint {last_ckpt} is kept" if last_ckpt is not None
-                else "no checkpoint was written" if opts.checkpoint_dir else "no --checkpoint-dir")
-        done = f"{len(records)} step(s) done ({start_step + len(records)} of {opts.steps})"
-        if isinstance(e, Diverged):
-            code = 4
-            msg = (f"training diverged: {e}; stopped after {done}, {kept} (lower --lr, or check --init and "
-                   "--data)")
-        elif isinstance(e, Interrupted):
-            code = e.exit_code
-            msg = f"interrupted by {e.name}: workers stopped after {done}, {kept}; the SSD tier's files are removed"
-        else:
-            code = 3 if e.full else 2
-            msg = str(e)
-        if opts.out and lead:
-            write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({backend.name})")
+        code, msg = _stop_message(tr, e)
+        if opts.out and tr.lead:
+            write_run_outputs(tr.measured, tr.records, opts.out, f"{tr.plan.model.name}: measured ({tr.backend.name})")
             msg += f"; the results so far are under {opts.out}"
-        raise RunStopped(msg, code, result()) from None
+        raise RunStopped(msg, code, tr.result()) from None
     finally:
         if profiler is not None:
-            profiler.stop()
-            Path(opts.out).mkdir(parents=True, exist_ok=True)
-            profiler.export_chrome_trace(str(Path(opts.out) / "torch_trace.json"))
-            if not quiet:
-                log(f"  wrote torch_trace.json (torch.profiler; each op under a record_function 'op ID KIND "
-                    f"bBLOCK ...') under {opts.out}")
-    if opts.out and measured is not None and lead:
-        write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({backend.name})")
-        if not quiet:
+            _export_profile(tr, profiler)
+
+
+def _round_iterations(tr: _Training) -> int:
+    """Iterations of the next round: the plan's, fewer for the last steps of the run or up to a checkpoint."""
+    opts, every = tr.opts, tr.opts.checkpoint_every
+    r = min(tr.plan.graph.num_iterations, opts.steps - tr.step)
+    if opts.checkpoint_dir and every:
+        r = min(r, every - tr.step % every)
+    return r
+
+
+def _run_round(tr: _Training, ex: Executor, r: int) -> None:
+    """One round of `r` iterations: its steps reported, its measured trace kept if it is the longest so far, and
+    a checkpoint at its end where --checkpoint-every falls."""
+    opts, step = tr.opts, tr.step
+    local: list[float] = []  # this rank's own losses of the round (the reported ones are the ranks' mean)
+    rr = ex.run_round(r, step, on_step=_step_reporter(tr, step, local))
+    LOG.debug("round of %d iteration(s) from step %d: %.3f s wall; peak %s", r, step + 1, rr.wall_s,
+              ", ".join(f"{t} {b / 1e6:,.1f} MB" for t, b in rr.peak_bytes.items()))
+    # the reporter's losses are the round's own (read after each iteration's last GPU op)
+    if local != rr.losses:
+        raise ExecutionError(f"internal: the reported losses {local} are not the round's {rr.losses}")
+    res = measured_result(tr.plan, rr)
+    if r >= tr.best_iters:
+        tr.best_iters, tr.measured = r, res
+    tr.step += r
+    every = opts.checkpoint_every
+    if opts.checkpoint_dir and every and tr.step % every == 0:
+        _save_checkpoint(tr)
+
+
+def _step_reporter(tr: _Training, step: int, local: list[float]) -> Callable[[int, float, float], None]:
+    """The round's on_step: the ranks' mean loss of iteration i (Diverged if not finite), recorded and printed."""
+    opts, log = tr.opts, tr.log
+    prev = [0.0]
+
+    def on_step(i: int, loss: float, end_s: float) -> None:
+        local.append(loss)
+        loss = tr.world.mean(loss)  # on the reporter thread, in iteration order on every rank
+        if not math.isfinite(loss):
+            raise Diverged(f"loss {loss} at step {step + i + 1}")
+        step_s = end_s - prev[0]
+        prev[0] = end_s
+        rec = StepRecord(step + i + 1, loss, step_s, tr.tokens / step_s if step_s > 0 else 0.0,
+                         tr.flops_per_step / step_s / 1e12 if step_s > 0 else 0.0)
+        tr.records.append(rec)
+        if not tr.quiet:
+            log(f"step {rec.step:>5}/{opts.steps} {bar(rec.step, opts.steps, fill=' ')} loss {rec.loss:.4f}  "
+                f"{rec.step_s * 1e3:8.1f} ms  {rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS",
+                flush=True)
+
+    return on_step
+
+
+def _save_checkpoint(tr: _Training) -> None:
+    try:
+        tr.last_ckpt = save_checkpoint(tr.state, tr.opts.checkpoint_dir, tr.step, tr.settings, world=tr.world)
+    except NonFiniteState as e:
+        raise Diverged(str(e)) from None
+    if not tr.quiet:
+        tr.log(f"  checkpoint {tr.last_ckpt}")
+
+
+def _stop_message(tr: _Training, e: Diverged | CheckpointWriteError | Interrupted) -> tuple[int, str]:
+    """(exit code, message) of a run that stopped early."""
+    opts = tr.opts
+    kept = (f"the last good checkpoint {tr.last_ckpt} is kept" if tr.last_ckpt is not None
+            else "no checkpoint was written" if opts.checkpoint_dir else "no --checkpoint-dir")
+    done = f"{len(tr.records)} step(s) done ({tr.start_step + len(tr.records)} of {opts.steps})"
+    if isinstance(e, Diverged):
+        return 4, (f"training diverged: {e}; stopped after {done}, {kept} (lower --lr, or check --init and "
+                   "--data)")
+    if isinstance(e, Interrupted):
+        return e.exit_code, (f"interrupted by {e.name}: workers stopped after {done}, {kept}; the SSD tier's "
+                             "files are removed")
+    return 3 if e.full else 2, str(e)
+
+
+def _export_profile(tr: _Training, profiler: torch.profiler.profile) -> None:
+    profiler.stop()
+    out = tr.opts.out
+    Path(out).mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(Path(out) / "torch_trace.json"))
+    if not tr.quiet:
+        tr.log(f"  wrote torch_trace.json (torch.profiler; each op under a record_function 'op ID KIND "
+               f"bBLOCK ...') under {out}")
+
+
+def _finish(tr: _Training) -> RunResult:
+    """After the last step: --out (rank 0), --export-hf, and the result (with collect_final, the final state)."""
+    opts, state, log = tr.opts, tr.state, tr.log
+    if opts.out and tr.measured is not None and tr.lead:
+        write_run_outputs(tr.measured, tr.records, opts.out, f"{tr.plan.model.name}: measured ({tr.backend.name})")
+        if not tr.quiet:
             log(f"  wrote timeline.csv, trace.json, gantt.png, steps.csv under {opts.out}"
-                + ("" if world.single else " (rank 0's ops)"))
+                + ("" if tr.world.single else " (rank 0's ops)"))
     if opts.export_hf:
         path = export_trained(state, opts.export_hf)  # a collective with several ranks; rank 0 writes
-        if not quiet:
-            log(f"  exported the fp32 weights after step {step} to {path} (config.json, model.safetensors)")
-    res = result()
+        if not tr.quiet:
+            log(f"  exported the fp32 weights after step {tr.step} to {path} (config.json, model.safetensors)")
+    res = tr.result()
     if opts.collect_final:
         res.final_master = state.master_blocks()
         res.final_adam_m = [state.gathered("adam_m", b) for b in range(len(state.layout.numel))]

@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tierflow.executor.device import (
+from tierflow.executor.device.base import (
     DeviceBackend,
     HiddenSyncError,
     PageableCopyError,

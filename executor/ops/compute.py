@@ -1,8 +1,8 @@
 """The GPU compute ops: fwd, recompute, head, bwd, computing in the weights' dtype (bf16 on CUDA, fp32 on a CPU
-device) and adding the weight gradients into fp32 device buffers (ops_state.GradBuffers).
+device) and adding the weight gradients into fp32 device buffers (grad_buffers.GradBuffers).
 
 A forward of a recomputed block keeps nothing; one of a block that is not recomputed captures autograd's saved
-tensors in a Pack that the plan's offload/fetch ops move (ops_entries.py); a recompute rebuilds the block's graph
+tensors in a Pack that the plan's offload/fetch ops move (entries.py); a recompute rebuilds the block's graph
 right before its backward. The loss of each micro-batch is its mean token cross entropy divided by the number of
 micro-batches, so the step equals plain PyTorch training of the whole batch; with W data-parallel ranks (dist.py)
 its gradient is divided by W too, so that the ranks' summed gradients equal one rank's of the global batch.
@@ -14,11 +14,12 @@ import torch
 from torch.func import functional_call
 
 from tierflow.executor.binding import EntryKey
-from tierflow.executor.context import OpContext, RoundState
 from tierflow.executor.models import loss as lm_loss
-from tierflow.executor.ops_entries import EntryOps
-from tierflow.executor.ops_state import GradBuffers, OwnerWeights, WeightOps
-from tierflow.executor.packs import Pack
+from tierflow.executor.ops.context import OpContext, RoundState
+from tierflow.executor.ops.entries import EntryOps
+from tierflow.executor.ops.grad_buffers import GradBuffers
+from tierflow.executor.ops.weights import OwnerWeights, WeightOps
+from tierflow.executor.tiers.packs import Pack
 from tierflow.planner.core.graph import Task
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from tierflow.executor.binding import Entry, EntryKey, EntryState, ExecutionError
-from tierflow.executor.context import OpContext, RoundState
-from tierflow.executor.packs import Pack
-from tierflow.executor.store import split_counts
+from tierflow.executor.ops.context import OpContext, RoundState
+from tierflow.executor.tiers.packs import Pack
+from tierflow.executor.tiers.ssd_store import split_counts
 from tierflow.planner.core.graph import Task
 
 

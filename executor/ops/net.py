@@ -24,8 +24,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tierflow.executor.context import OpContext, RoundState
-from tierflow.executor.ops_state import GradBuffers, WeightOps
+from tierflow.executor.ops.context import OpContext, RoundState
+from tierflow.executor.ops.grad_buffers import GradBuffers
+from tierflow.executor.ops.weights import WeightOps
 from tierflow.planner.core.graph import Task
 
 _HAS_REDUCE_SCATTER: dict[str, bool] = {}  # backend name -> whether reduce_scatter works there

@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierflow.executor.device import TierOutOfMemory
-from tierflow.executor.direct_io import ALIGN
+from tierflow.executor.device.base import TierOutOfMemory
+from tierflow.executor.tiers.direct_io import ALIGN
+from tierflow.executor.tiers.ssd_store import aligned_empty
+from tierflow.planner.core import opkinds as k
 from tierflow.planner.core.graph import Task
+from tierflow.planner.core.opkinds import ENTRY_TENSORS
 from tierflow.planner.core.workload import COMPUTE_BYTES
-
-ENTRY_TENSORS = ("checkpoint", "act", "act_grad")
 
 
 def page_round(nbytes: float, page: int = ALIGN) -> int:
@@ -89,15 +90,15 @@ def planned_buffers(tasks: list[Task], binding, state, elem_bytes: int, grad_wir
             if users:
                 add(f"{tuple(key)} SSD read", r.id, users[0], r.work)
     for t in tasks:
-        if t.kind == "fetch_weights" and "read_weights" in binding.dep_of_kind[t.id]:
-            r = binding.dep_of_kind[t.id]["read_weights"]
+        if t.kind == k.FETCH_WEIGHTS and k.READ_WEIGHTS in binding.dep_of_kind[t.id]:
+            r = binding.dep_of_kind[t.id][k.READ_WEIGHTS]
             for o, n in _weight_reads(tasks[r], state):  # one buffer per owner (a tied head reads two)
                 add(f"weights b{t.block} it{t.iteration} owner {o} SSD read", r, t.id, n * COMPUTE_BYTES)
-        elif t.kind == "update_weights":
+        elif t.kind == k.UPDATE_WEIGHTS:
             lo, hi = state.parts[t.block][binding.part_of[t.id]]  # the part's range on the device
             n = max(min(hi, state.vec["weights"][t.block].g) - lo, 0)
             add(f"weights b{t.block} it{t.iteration} update wire", t.deps[0], t.id, n * COMPUTE_BYTES)
-        elif t.kind == "offload_grads" and grad_wire:
+        elif t.kind == k.OFFLOAD_GRADS and grad_wire:
             for (g, o), (lo, hi) in binding.grad_range.items():
                 if g == t.id:
                     add(f"grads b{t.block} it{t.iteration} owner {o} wire", t.id, t.id, (hi - lo) * COMPUTE_BYTES)
@@ -237,8 +238,6 @@ class TransferArena:
                 self.warn(f"warning: the pinned transfer area ({self.size_bytes:,} bytes, the plan's peak) is full; "
                           f"{size:,} bytes pinned outside it (the run keeps more transfer buffers alive than the "
                           "plan's order)")
-            from tierflow.executor.store import aligned_empty
-
             return aligned_empty(size, self.backend.pins, self.backend)
         stream = self.backend.current_stream()
         pending = [ev for ev in r.events if not self.backend.query_event(ev)]

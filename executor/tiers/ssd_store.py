@@ -4,7 +4,7 @@ reported by name instead of silently training on garbage.
 
 Where the filesystem refuses O_DIRECT (tmpfs, some network filesystems: EINVAL), the store falls back to
 buffered I/O and warns once. Reads that go to the device (weights, activations) land in a page-aligned buffer
-the caller hands in (`into`: the executor's transfer area, executor/arena.py); the others come from the device
+the caller hands in (`into`: the executor's transfer area, tiers/arena.py); the others come from the device
 backend's host allocator, pageable (optimizer states, gradients)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from tierflow.errors import TierflowError
-from tierflow.executor.direct_io import ALIGN, probe_o_direct
+from tierflow.executor.tiers.direct_io import ALIGN, probe_o_direct
 
 CHUNK_BYTES = 8 << 20  # one I/O request; several run at once on the pool so that an SSD array is kept busy
 

@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 from tierflow.errors import TierflowError
-from tierflow.executor.device import DeviceBackend, as_backend
+from tierflow.executor.device.base import DeviceBackend
+from tierflow.executor.device.factory import as_backend
 from tierflow.executor.dist import SINGLE, DistWorld
 from tierflow.executor.models import _make_blocks, check_block_state_dicts, hf_key_target, init_weights
-from tierflow.executor.store import SsdStore, split_counts
+from tierflow.executor.tiers.ssd_store import SsdStore, split_counts
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split
 
