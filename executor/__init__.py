@@ -3,8 +3,8 @@ per main class:
 
     ops/       the plan's ops: one handler per op kind (tierflow.planner.core.opkinds), the dispatch table
                (ops/table.py) and what an op sees (ops/context.py: OpContext, RoundState)
-    tiers/     the training state on device / host / SSD and what moves it: TrainState, the SSD store, the pinned
-               transfer arena, saved-tensor packs, O_DIRECT probing, directory locks
+    tiers/     the training state on device / host / SSD and what moves it: TrainState, the SSD store, the
+               pinned transfer arena, saved-tensor packs, O_DIRECT probing, directory locks
     device/    the device behind one interface (DeviceBackend): plain CPU, CUDA, the adversarial CPU emulation
                of CUDA (tests), and the factory that picks one for `--device` (device/factory.py)
 
@@ -12,6 +12,6 @@ and, beside them, the engine that runs a plan's rounds (engine.py), how ops bind
 models (models.py), data (data.py), checkpoints (checkpoint.py), several ranks (dist.py), signals (signals.py)
 and `tierflow run` itself (run.py).
 
-Its commands (`run` in tierflow.executor.commands, `calibrate` in tierflow.executor.calibrate) register through
-the `tierflow.commands` entry-point group without importing torch, so that planning never imports it.
+Its commands (`run` in tierflow.executor.commands, `calibrate` in tierflow.executor.calibrate) register
+through the `tierflow.commands` entry-point group without importing torch, so that planning never imports it.
 """

@@ -1,18 +1,18 @@
-"""`tierflow run`: train with a plan file. Builds the state on the plan's tiers, replays the plan's ops for the
-requested number of steps (a *round* runs the plan's iterations once; the last round of a run, or one that
+"""`tierflow run`: train with a plan file. Builds the state on the plan's tiers, replays the plan's ops for
+the requested number of steps (a *round* runs the plan's iterations once; the last round of a run, or one that
 ends at a checkpoint, runs only the first iterations of the plan), prints loss, tokens/s and TFLOPS per step,
 checkpoints atomically and resumes from the last checkpoint, and writes the measured trace in the simulator's
 format (timeline.csv, trace.json, gantt.png) plus steps.csv; with --profile also torch.profiler's Chrome trace
 (torch_trace.json), each op under a record_function named after its plan op.
 
 A run holds a lock on its checkpoint and SSD directories, removes what killed runs left there, and stops
-cleanly: at the first non-finite loss (exit 4), on SIGINT / SIGTERM (130 / 143), or when a checkpoint cannot be
-written, keeping the last good checkpoint and writing the results so far (`RunStopped`).
+cleanly: at the first non-finite loss (exit 4), on SIGINT / SIGTERM (130 / 143), or when a checkpoint cannot
+be written, keeping the last good checkpoint and writing the results so far (`RunStopped`).
 
-A plan for several ranks (gpus x nodes) runs as that many processes under torchrun (dist.py): `--nproc N` starts
-torchrun here; each rank trains its share of every batch on its shard of the state, with its SSD tier under
-`<ssd-dir>/rank-<r>/` and its checkpoint shard under `<checkpoint>/rank-<r>/` (checkpoint.py). Rank 0 prints
-the steps (the loss is the mean over the ranks) and writes --out and --export-hf.
+A plan for several ranks (gpus x nodes) runs as that many processes under torchrun (dist.py): `--nproc N`
+starts torchrun here; each rank trains its share of every batch on its shard of the state, with its SSD tier
+under `<ssd-dir>/rank-<r>/` and its checkpoint shard under `<checkpoint>/rank-<r>/` (checkpoint.py). Rank 0
+prints the steps (the loss is the mean over the ranks) and writes --out and --export-hf.
 """
 
 from __future__ import annotations
@@ -95,12 +95,16 @@ class RunOptions:
     hyper: Hyper = field(default_factory=Hyper)
     seed: int = 0
     quiet: bool = False
-    profile: bool = False  # torch.profiler around the run, its Chrome trace to out/torch_trace.json (needs out)
+    # torch.profiler around the run, its Chrome trace to out/torch_trace.json (needs out)
+    profile: bool = False
     resume_fallback: bool = False  # a corrupt latest checkpoint: resume from the previous one that verifies
-    allow_changed_hyper: bool = False  # resume although the seed / hyper-parameters / data differ from the checkpoint's
-    collect_final: bool = False  # return the final fp32 master weights and Adam m (RunResult.final_*), e.g. for tests
+    # resume although the seed / hyper-parameters / data differ from the checkpoint's
+    allow_changed_hyper: bool = False
+    # return the final fp32 master weights and Adam m (RunResult.final_*), e.g. for tests
+    collect_final: bool = False
     export_hf: str | None = None  # after the last step, write the fp32 master weights here in the HF layout
-    compute_dtype: str | None = None  # "bf16" | "fp32"; None: bf16 on CUDA, fp32 on a CPU (hidden --compute-dtype)
+    # "bf16" | "fp32"; None: bf16 on CUDA, fp32 on a CPU (hidden --compute-dtype)
+    compute_dtype: str | None = None
 
 
 @dataclass
@@ -132,9 +136,9 @@ class RunResult:
 
 
 class RunStopped(Exception):  # noqa: N818 - the run stopped; not necessarily an error
-    """Training stopped before --steps: diverged (exit 4), interrupted (130, 143), or a checkpoint could not be
-    written (3 when the disk is full, else 2). `result` holds the steps so far; the last good checkpoint is kept
-    and --out was written."""
+    """Training stopped before --steps: diverged (exit 4), interrupted (130, 143), or a checkpoint could not
+    be written (3 when the disk is full, else 2). `result` holds the steps so far; the last good checkpoint is
+    kept and --out was written."""
 
     def __init__(self, message: str, exit_code: int, result: RunResult) -> None:
         super().__init__(message)
@@ -153,15 +157,16 @@ def check_init_dir(directory: str) -> None:
 
     d = Path(directory)
     if not d.is_dir():
-        raise RunError(f"--init {d}: not a directory (pass a Hugging Face model directory with *.safetensors)")
+        raise RunError(f"--init {d}: not a directory (pass a Hugging Face model directory with "
+                       "*.safetensors)")
     for f in sorted(d.glob("*.safetensors")):
         try:
             with safe_open(f, framework="pt") as sf:
                 for key in sf.keys():
                     dtype = sf.get_slice(key).get_dtype()
                     if not dtype.startswith(("F", "BF")):
-                        raise RunError(f"--init {d}: {f.name}: tensor {key!r} has dtype {dtype}, not floating point "
-                                       "(convert the checkpoint to float32/bfloat16/float16)")
+                        raise RunError(f"--init {d}: {f.name}: tensor {key!r} has dtype {dtype}, not "
+                                       "floating point (convert the checkpoint to float32/bfloat16/float16)")
         except (SafetensorError, OSError, ValueError) as e:
             if isinstance(e, RunError):
                 raise
@@ -184,9 +189,9 @@ def _ssd_need_bytes(plan: Plan, state: TrainState) -> float:
     pred = plan.predicted or {}
     peak = (pred.get("peak_bytes") or {}).get("ssd")
     dynamic = max(0.0, (peak or 0.0) - plan.graph.static_bytes["ssd"])
-    if peak is None and any(t.resource == "ssd_write" and t.tensor in ENTRY_TENSORS for t in plan.graph.tasks):
-        dynamic = sum(t.work for t in plan.graph.tasks if t.resource == "ssd_write" and t.iteration == 0
-                      and t.tensor in ENTRY_TENSORS)
+    parked = [t for t in plan.graph.tasks if t.resource == "ssd_write" and t.tensor in ENTRY_TENSORS]
+    if peak is None and parked:
+        dynamic = sum(t.work for t in parked if t.iteration == 0)
     scale = torch.empty(0, dtype=state.compute_dtype).element_size() / COMPUTE_BYTES
     return static + dynamic * scale * 1.1 + (1 << 20)
 
@@ -212,7 +217,8 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
         check_export_hf(opts.export_hf, plan)
     check_hyper(opts.hyper)
     if opts.profile and not opts.out:
-        raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured trace.json")
+        raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured "
+                       "trace.json")
     cfg = plan.config
     check_launch(cfg.ranks, cfg.gpus, cfg.nodes, str(plan.source))
     backend = _device(rank_device(opts.device, cfg.ranks), opts.seed)
@@ -229,7 +235,8 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
         log(f"tierflow run{who}: {msg}", file=sys.stderr)
 
     ssd = None
-    with ExitStack() as cleanup:  # runs in reverse: SSD store closed, its run directory removed, locks released
+    # runs in reverse: SSD store closed, its run directory removed, locks released
+    with ExitStack() as cleanup:
         locked: set[Path] = set()
         if opts.checkpoint_dir:
             ck = Path(opts.checkpoint_dir)
@@ -242,8 +249,8 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
                 _lock(cleanup, ck, "--checkpoint-dir", locked, warn)
                 gone = remove_temporaries(ck)
                 if gone:
-                    warn(f"removed {len(gone)} half-written checkpoint file(s) under {ck} left by a run that was "
-                         "killed")
+                    warn(f"removed {len(gone)} half-written checkpoint file(s) under {ck} left by a run that "
+                         "was killed")
         if uses_ssd:
             # the ranks of a box share the directory: room for all of their tiers
             root = check_ssd_dir(opts.ssd_dir, need_ssd * world.local_ranks,
@@ -258,19 +265,22 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
             cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
             ssd = SsdStore(run_dir, backend=backend, warn=warn)
             cleanup.callback(ssd.close)
-        world.barrier()  # every rank has its directories (rank 0: the checkpoint directory cleaned) before resuming
+        # every rank has its directories (rank 0: the checkpoint directory cleaned) before resuming
+        world.barrier()
         return _train(plan, opts, backend, dtype, ssd, log, warn, world)
 
 
 def _lock(cleanup: ExitStack, directory: Path, what: str, locked: set[Path], warn) -> None:
-    """Hold `directory`'s lock until `cleanup` closes (once, if the checkpoint and SSD directories are one)."""
+    """Hold `directory`'s lock until `cleanup` closes (once, if the checkpoint and SSD directories are
+    one)."""
     key = directory.resolve()
     if key in locked:
         return
     lock = cleanup.enter_context(DirLock(directory, what))
     locked.add(key)
     if lock.previous_pid is not None:
-        warn(f"took over the lock of {what} {directory} from tierflow run pid {lock.previous_pid}, which is gone")
+        warn(f"took over the lock of {what} {directory} from tierflow run pid {lock.previous_pid}, which is "
+             "gone")
 
 
 @dataclass
@@ -305,8 +315,8 @@ class _Training:
     def result(self) -> RunResult:
         ssd = self.ssd
         return RunResult(self.plan, self.start_step, self.records, self.state, self.measured,
-                         ssd.bytes_read if ssd else 0, ssd.bytes_written if ssd else 0, ssd.direct if ssd else None,
-                         checkpoint=self.last_ckpt)
+                         ssd.bytes_read if ssd else 0, ssd.bytes_written if ssd else 0,
+                         ssd.direct if ssd else None, checkpoint=self.last_ckpt)
 
 
 def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dtype, ssd: SsdStore | None,
@@ -316,7 +326,8 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
     data = TokenData.load(opts.data, spec.vocab_size, opts.data_format, seed=opts.seed)
     if opts.data:
         data.check_batch(cfg.batch, cfg.seq)
-    settings = {"plan": plan_fingerprint(plan), "seed": opts.seed, "hyper": asdict(opts.hyper), "data": data.source}
+    settings = {"plan": plan_fingerprint(plan), "seed": opts.seed, "hyper": asdict(opts.hyper),
+                "data": data.source}
     tokens = cfg.batch * cfg.seq
     tr = _Training(plan, opts, backend, ssd, log, world, state, settings, tokens,
                    tokens * model_flops_per_token(spec, cfg.seq))
@@ -354,7 +365,8 @@ def _log_start(tr: _Training, dtype: torch.dtype, where: str, data: TokenData) -
     log(f"tierflow run: {plan.model.describe()}")
     log(f"  plan {plan.source}: {cfg.describe()}; {plan.graph.num_iterations} iteration(s) per round, "
         f"{len(plan.graph.tasks)} ops")
-    log(f"  device {tr.backend.name}, compute {str(dtype).removeprefix('torch.')}; {where}; data {data.source}")
+    log(f"  device {tr.backend.name}, compute {str(dtype).removeprefix('torch.')}; {where}; data "
+        f"{data.source}")
     if not world.single:
         share = cfg.world.rank_batch(cfg.batch)
         log(f"  {world.ranks} ranks ({world.backend}): rank r trains sequences [r*{share}, "
@@ -366,8 +378,8 @@ def _log_start(tr: _Training, dtype: torch.dtype, where: str, data: TokenData) -
 
 
 def _run_rounds(tr: _Training, ex: Executor) -> None:
-    """Rounds until --steps, under torch.profiler with --profile; RunStopped (with --out written) when training
-    stops early."""
+    """Rounds until --steps, under torch.profiler with --profile; RunStopped (with --out written) when
+    training stops early."""
     opts = tr.opts
     profiler = _profiler(tr.backend.device) if opts.profile and tr.lead else None
     if profiler is not None:
@@ -378,7 +390,8 @@ def _run_rounds(tr: _Training, ex: Executor) -> None:
     except (Diverged, CheckpointWriteError, Interrupted) as e:
         code, msg = _stop_message(tr, e)
         if opts.out and tr.lead:
-            write_run_outputs(tr.measured, tr.records, opts.out, f"{tr.plan.model.name}: measured ({tr.backend.name})")
+            write_run_outputs(tr.measured, tr.records, opts.out, f"{tr.plan.model.name}: measured "
+                                                                 f"({tr.backend.name})")
             msg += f"; the results so far are under {opts.out}"
         raise RunStopped(msg, code, tr.result()) from None
     finally:
@@ -396,8 +409,8 @@ def _round_iterations(tr: _Training) -> int:
 
 
 def _run_round(tr: _Training, ex: Executor, r: int) -> None:
-    """One round of `r` iterations: its steps reported, its measured trace kept if it is the longest so far, and
-    a checkpoint at its end where --checkpoint-every falls."""
+    """One round of `r` iterations: its steps reported, its measured trace kept if it is the longest so far,
+    and a checkpoint at its end where --checkpoint-every falls."""
     opts, step = tr.opts, tr.step
     local: list[float] = []  # this rank's own losses of the round (the reported ones are the ranks' mean)
     rr = ex.run_round(r, step, on_step=_step_reporter(tr, step, local))
@@ -416,7 +429,8 @@ def _run_round(tr: _Training, ex: Executor, r: int) -> None:
 
 
 def _step_reporter(tr: _Training, step: int, local: list[float]) -> Callable[[int, float, float], None]:
-    """The round's on_step: the ranks' mean loss of iteration i (Diverged if not finite), recorded and printed."""
+    """The round's on_step: the ranks' mean loss of iteration i (Diverged if not finite), recorded and
+    printed."""
     opts, log = tr.opts, tr.log
     prev = [0.0]
 
@@ -473,17 +487,20 @@ def _export_profile(tr: _Training, profiler: torch.profiler.profile) -> None:
 
 
 def _finish(tr: _Training) -> RunResult:
-    """After the last step: --out (rank 0), --export-hf, and the result (with collect_final, the final state)."""
+    """After the last step: --out (rank 0), --export-hf, and the result (with collect_final, the final
+    state)."""
     opts, state, log = tr.opts, tr.state, tr.log
     if opts.out and tr.measured is not None and tr.lead:
-        write_run_outputs(tr.measured, tr.records, opts.out, f"{tr.plan.model.name}: measured ({tr.backend.name})")
+        write_run_outputs(tr.measured, tr.records, opts.out, f"{tr.plan.model.name}: measured "
+                                                             f"({tr.backend.name})")
         if not tr.quiet:
             log(f"  wrote timeline.csv, trace.json, gantt.png, steps.csv under {opts.out}"
                 + ("" if tr.world.single else " (rank 0's ops)"))
     if opts.export_hf:
         path = export_trained(state, opts.export_hf)  # a collective with several ranks; rank 0 writes
         if not tr.quiet:
-            log(f"  exported the fp32 weights after step {tr.step} to {path} (config.json, model.safetensors)")
+            log(f"  exported the fp32 weights after step {tr.step} to {path} (config.json, "
+                "model.safetensors)")
     res = tr.result()
     if opts.collect_final:
         res.final_master = state.master_blocks()
@@ -492,7 +509,8 @@ def _finish(tr: _Training) -> RunResult:
 
 
 def check_export_hf(directory: str, plan: Plan) -> None:
-    """Before training: the model has a Hugging Face layout and the directory is new or empty (never overwritten)."""
+    """Before training: the model has a Hugging Face layout and the directory is new or empty (never
+    overwritten)."""
     try:
         hf_config(plan.model)
     except ValueError as e:
@@ -504,12 +522,14 @@ def check_export_hf(directory: str, plan: Plan) -> None:
     try:  # made now, so that an unwritable place fails before training rather than after it
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise RunError(f"--export-hf {d}: cannot create it ({e.strerror}); give a writable directory") from None
+        raise RunError(f"--export-hf {d}: cannot create it ({e.strerror}); give a writable "
+                       "directory") from None
 
 
 def export_trained(state: TrainState, directory: str) -> Path:
-    """The fp32 master weights of every block, written as config.json + model.safetensors (transformers' layout).
-    With several ranks every rank calls it (the weights are gathered from the shards) and rank 0 writes."""
+    """The fp32 master weights of every block, written as config.json + model.safetensors (transformers'
+    layout). With several ranks every rank calls it (the weights are gathered from the shards) and rank 0
+    writes."""
     blocks = [state.layout.params(b, state.gathered("master", b)) for b in range(len(state.layout.numel))]
     if state.world.rank != 0:
         return Path(directory)
@@ -517,17 +537,17 @@ def export_trained(state: TrainState, directory: str) -> Path:
 
 
 def _profiler(device: torch.device) -> torch.profiler.profile:
-    """torch.profiler over every thread (the executor runs its ops on one worker thread per resource; by default
-    the profiler records only the thread that started it)."""
+    """torch.profiler over every thread (the executor runs its ops on one worker thread per resource; by
+    default the profiler records only the thread that started it)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=activities,
-                                  experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    return torch.profiler.profile(activities=activities, experimental_config=every_thread)
 
 
-HYPER_NAMES = {"seed": "--seed", "lr": "--lr", "weight_decay": "--weight-decay", "beta1": "beta1", "beta2": "beta2",
-               "eps": "eps", "data": "--data"}
+HYPER_NAMES = {"seed": "--seed", "lr": "--lr", "weight_decay": "--weight-decay", "beta1": "beta1",
+               "beta2": "beta2", "eps": "eps", "data": "--data"}
 
 
 def changed_settings(manifest: dict, settings: dict) -> list[tuple[str, object, object]]:
@@ -540,8 +560,9 @@ def changed_settings(manifest: dict, settings: dict) -> list[tuple[str, object, 
 def _check_resume(ckpt: Path, manifest: dict, settings: dict, opts: RunOptions, warn) -> None:
     """A checkpoint of another plan is refused; one of other settings too, unless --allow-changed-hyper."""
     if manifest.get("plan") != settings["plan"]:
-        raise RunError(f"--checkpoint-dir {opts.checkpoint_dir}: its checkpoint was written with another plan "
-                       f"(model {manifest.get('model')!r}); resume with that plan or use another directory")
+        raise RunError(f"--checkpoint-dir {opts.checkpoint_dir}: its checkpoint was written with another "
+                       f"plan (model {manifest.get('model')!r}); resume with that plan or use another "
+                       "directory")
     diff = changed_settings(manifest, settings)
     if not diff:
         return
@@ -568,7 +589,7 @@ def write_run_outputs(measured: SimResult | None, records: list[StepRecord], out
             w.writerow([r.step, repr(r.loss), r.step_s, r.tokens_per_s, r.tflops])
 
 
-# -- command line -----------------------------------------------------------------------------------------------
+# -- command line --------------------------------------------------------------------------------------------
 
 
 def launch_ranks(args: argparse.Namespace) -> int:
@@ -580,13 +601,14 @@ def launch_ranks(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     cfg = plan.config
     if args.nproc * args.nnodes != cfg.ranks:
-        raise LaunchError(f"--nproc {args.nproc} x --nnodes {args.nnodes} = {args.nproc * args.nnodes} ranks, but plan "
-                          f"{args.plan} is for {cfg.ranks} ({cfg.gpus} GPU(s) x {cfg.nodes} box(es)); pass --nproc "
-                          f"{cfg.gpus} --nnodes {cfg.nodes}, or plan again with --gpus {args.nproc} --nodes {args.nnodes}")
+        raise LaunchError(f"--nproc {args.nproc} x --nnodes {args.nnodes} = {args.nproc * args.nnodes} "
+                          f"ranks, but plan {args.plan} is for {cfg.ranks} ({cfg.gpus} GPU(s) x {cfg.nodes} "
+                          f"box(es)); pass --nproc {cfg.gpus} --nnodes {cfg.nodes}, or plan again with "
+                          f"--gpus {args.nproc} --nodes {args.nnodes}")
     argv = sys.argv[1:]  # the command line as typed: every rank runs it without the launch flags
     if "run" not in argv or str(args.plan) not in argv:
-        raise LaunchError("--nproc starts `tierflow run` from the command line only (call torchrun yourself to "
-                          "launch from a program)")
+        raise LaunchError("--nproc starts `tierflow run` from the command line only (call torchrun yourself "
+                          "to launch from a program)")
     return launch(args.nproc, args.nnodes, args.rdzv_endpoint, args.rdzv_id, strip_launch_flags(argv))
 
 
@@ -601,9 +623,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def leave_world(code: int) -> int:
-    """The end of a rank of several: a clean exit leaves the process groups; a failed one exits at once, so that
-    no collective the other ranks will never join (nor a process group's teardown) holds it, and torchrun stops
-    the others. With one rank: `code`."""
+    """The end of a rank of several: a clean exit leaves the process groups; a failed one exits at once, so
+    that no collective the other ranks will never join (nor a process group's teardown) holds it, and torchrun
+    stops the others. With one rank: `code`."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -635,13 +657,15 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
                       data_format=args.data_format, init=args.init, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every or 0, out=args.out, hyper=hyper, seed=args.seed,
                       quiet=args.json or level_of(args) >= QUIET, export_hf=args.export_hf,
-                      resume_fallback=args.resume_fallback, profile=args.profile, allow_changed_hyper=args.allow_changed_hyper,
+                      resume_fallback=args.resume_fallback, profile=args.profile,
+                      allow_changed_hyper=args.allow_changed_hyper,
                       compute_dtype=getattr(args, "compute_dtype", None))
     stopped = None
     try:
         with StopOnSignals():
             plan = load_plan(args.plan)
-            simulate_plan(plan)  # a plan that overflows a tier is refused as `tierflow simulate --plan` refuses it
+            # a plan that overflows a tier is refused as `tierflow simulate --plan` refuses it
+            simulate_plan(plan)
             if args.init:
                 check_init_dir(args.init)
             if args.checkpoint_dir and args.checkpoint_every is None:
@@ -654,8 +678,8 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
         res, stopped = e.result, e
     except Interrupted as e:
         if _says():
-            print(f"tierflow run: interrupted by {e.name} outside the training steps; stopped cleanly, the SSD "
-                  "tier's files removed", file=sys.stderr)
+            print(f"tierflow run: interrupted by {e.name} outside the training steps; stopped cleanly, the "
+                  "SSD tier's files removed", file=sys.stderr)
         return e.exit_code
     except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan, LockError,
             LaunchError) as e:
@@ -672,8 +696,8 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
         print(f"tierflow run: {e}", file=sys.stderr)
         return 3
     except TierOutOfMemory as e:  # building the state on its tiers, before any op
-        print(f"tierflow run: {e.tier} out of memory for the training state: {e}; plan again for this machine "
-              "(tierflow calibrate, then tierflow plan --hw box.yaml)", file=sys.stderr)
+        print(f"tierflow run: {e.tier} out of memory for the training state: {e}; plan again for this "
+              "machine (tierflow calibrate, then tierflow plan --hw box.yaml)", file=sys.stderr)
         return 3
     except ExecutionError as e:
         print(f"tierflow run: {e}", file=sys.stderr)
@@ -681,8 +705,8 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
     if args.json and _says():
         out: dict[str, Any] = {"plan": str(args.plan), "first_step": res.first_step,
                                "steps": [asdict(r) for r in res.records], "wall_s": time.perf_counter() - t0,
-                               "ssd_bytes_read": res.ssd_bytes_read, "ssd_bytes_written": res.ssd_bytes_written,
-                               "o_direct": res.o_direct,
+                               "ssd_bytes_read": res.ssd_bytes_read,
+                               "ssd_bytes_written": res.ssd_bytes_written, "o_direct": res.o_direct,
                                "checkpoint": str(res.checkpoint) if res.checkpoint is not None else None}
         if stopped is not None:
             out["stopped"] = {"exit_code": stopped.exit_code, "reason": str(stopped)}

@@ -1,18 +1,18 @@
-"""The device the executor runs on, behind one small interface (`DeviceBackend`): streams, events, asynchronous
-copies, device and host allocations and `record_stream`. The engine and the ops use only this interface, so
-that the CUDA logic (which waits, which copies are asynchronous, which buffer is pinned, which use is recorded)
-also runs on a CPU, against an adversary (device/emulated.py) that makes every missing wait or record visible.
-device/factory.py's `make_backend` picks the backend for `--device NAME`:
+"""The device the executor runs on, behind one small interface (`DeviceBackend`): streams, events,
+asynchronous copies, device and host allocations and `record_stream`. The engine and the ops use only this
+interface, so that the CUDA logic (which waits, which copies are asynchronous, which buffer is pinned, which
+use is recorded) also runs on a CPU, against an adversary (device/emulated.py) that makes every missing wait
+or record visible. device/factory.py's `make_backend` picks the backend for `--device NAME`:
 
     --device cpu                   PlainCpuBackend: no streams; every op runs in its worker thread, copies are
                                    plain copies (the default on a CPU)
     --device cuda[:N]              CudaBackend (cuda.py): one stream per stream resource (gpu, h2d, d2h), CUDA
                                    events, pinned host memory, the caching allocator
-    --device cpu-adversarial[:N]   AdversarialCpuBackend (emulated.py, tests): each stream a thread running its
-                                   queue with random delays, late non-blocking copies, a block allocator that
-                                   hands a freed block to the next request at once (filled with NaN) unless
-                                   another stream recorded a use; N is an emulated device index (events of
-                                   different devices cannot be timed against each other, as on CUDA)
+    --device cpu-adversarial[:N]   AdversarialCpuBackend (emulated.py, tests): each stream a thread running
+                                   its queue with random delays, late non-blocking copies, a block allocator
+                                   that hands a freed block to the next request at once (filled with NaN)
+                                   unless another stream recorded a use; N is an emulated device index (events
+                                   of different devices cannot be timed against each other, as on CUDA)
 
 Rules every backend enforces or assumes (on CUDA they are what makes the executor correct, and the adversary
 turns a broken one into a NaN loss or an exception):
@@ -35,7 +35,8 @@ from tierflow.errors import DoesNotFit, TierflowError
 
 
 class TierOutOfMemory(DoesNotFit, RuntimeError):
-    """An allocation on a tier failed (the executor maps it to exit 3, naming the tier and the plan's decision)."""
+    """An allocation on a tier failed (the executor maps it to exit 3, naming the tier and the plan's
+    decision)."""
 
     def __init__(self, tier: str, nbytes: int, detail: str = "") -> None:
         super().__init__(f"{tier}: cannot allocate {nbytes:,} bytes" + (f" ({detail})" if detail else ""))
@@ -66,15 +67,17 @@ class DeviceBackend:
     device: torch.device
     streams_async = False
     pins = False  # host buffers asked for as pinned really are page-locked
-    arena = None  # the executor's transfer area (arena.TransferArena): copy_async notes its views' stream uses
+    # the executor's transfer area (arena.TransferArena): copy_async notes its views' stream uses
+    arena = None
 
-    # -- threads, streams, events ------------------------------------------------------------------------------
+    # -- threads, streams, events ----------------------------------------------------------------------------
 
     def thread_init(self) -> None:
         """Called first by every thread that uses the device (CUDA: set_device)."""
 
     def start_round(self, abort: threading.Event, on_error: Callable[[str, BaseException], None]) -> None:
-        """A round begins: waits poll `abort`; errors the backend catches itself are passed to on_error(op, e)."""
+        """A round begins: waits poll `abort`; errors the backend catches itself are passed to on_error(op,
+        e)."""
 
     def new_stream(self, resource: str):
         return None
@@ -110,7 +113,7 @@ class DeviceBackend:
         """Whether `event` has happened (not blocking)."""
         return True
 
-    # -- memory ------------------------------------------------------------------------------------------------
+    # -- memory ----------------------------------------------------------------------------------------------
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Device memory, allocated on the current stream."""
@@ -135,7 +138,8 @@ class DeviceBackend:
         return host_empty(nbytes, torch.uint8, False)
 
     def poison_host(self, t: torch.Tensor, stream) -> None:
-        """A transfer-area view handed to a new owner (the adversary fills it with NaN, in `stream`'s order)."""
+        """A transfer-area view handed to a new owner (the adversary fills it with NaN, in `stream`'s
+        order)."""
 
     def _note_arena_use(self, *tensors: torch.Tensor) -> None:
         """After a copy_async on the current stream: its transfer-area views get that stream's event."""
@@ -171,7 +175,8 @@ def host_empty(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=pinned)
     except RuntimeError as e:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        raise TierOutOfMemory("cpu (pinned)" if pinned else "cpu", nbytes, " ".join(str(e).split())[:120]) from None
+        tier = "cpu (pinned)" if pinned else "cpu"
+        raise TierOutOfMemory(tier, nbytes, " ".join(str(e).split())[:120]) from None
 
 
 class PlainCpuBackend(DeviceBackend):

@@ -1,6 +1,6 @@
-"""The CUDA device (`CudaBackend`, `--device cuda[:N]`): one stream per stream resource, CUDA events, pinned host
-memory, the caching allocator (expandable segments) and deterministic kernels where PyTorch has them. The rules
-it keeps are in device/base.py.
+"""The CUDA device (`CudaBackend`, `--device cuda[:N]`): one stream per stream resource, CUDA events, pinned
+host memory, the caching allocator (expandable segments) and deterministic kernels where PyTorch has them. The
+rules it keeps are in device/base.py.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ STREAM_PRIORITY = {"gpu": 0, "h2d": -1, "d2h": -1}  # CUDA: lower is higher; cop
 
 
 class CudaBackend(DeviceBackend):
-    """One CUDA device: a stream per stream resource (copy streams at high priority), blocking events (a waiting
-    host thread sleeps instead of spinning on the cores CPU Adam needs), pinned host memory."""
+    """One CUDA device: a stream per stream resource (copy streams at high priority), blocking events (a
+    waiting host thread sleeps instead of spinning on the cores CPU Adam needs), pinned host memory."""
 
     streams_async = True
     pins = True
 
     def __init__(self, device: torch.device) -> None:
-        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
         self.name = str(self.device)
         enable_expandable_segments()
         enable_determinism()
@@ -106,13 +107,13 @@ class CudaBackend(DeviceBackend):
     def check_compute_dtype(self, dtype: torch.dtype) -> None:
         if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
             name = torch.cuda.get_device_name(self.device)
-            raise ValueError(f"--device {self.device}: {name} has no bf16 support (compute capability < 8.0); "
-                             "use an Ampere or newer GPU")
+            raise ValueError(f"--device {self.device}: {name} has no bf16 support (compute capability < "
+                             "8.0); use an Ampere or newer GPU")
 
 
 def enable_expandable_segments() -> bool:
-    """The caching allocator maps growing segments instead of fixed blocks, so that the three streams' pools do
-    not fragment device memory (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before the first CUDA
+    """The caching allocator maps growing segments instead of fixed blocks, so that the three streams' pools
+    do not fragment device memory (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before the first CUDA
     allocation; a user's own setting is kept)."""
     import os
 
@@ -127,8 +128,9 @@ def enable_expandable_segments() -> bool:
 
 def enable_determinism() -> None:
     """Deterministic CUDA kernels where PyTorch has them (index_add_ of the embedding gradient, cuBLAS with a
-    fixed workspace), so that a resumed run repeats an uninterrupted one's losses; kernels without a deterministic
-    version (the backward of fused attention) only warn, so bit-identical resume is not guaranteed on a GPU."""
+    fixed workspace), so that a resumed run repeats an uninterrupted one's losses; kernels without a
+    deterministic version (the backward of fused attention) only warn, so bit-identical resume is not
+    guaranteed on a GPU."""
     import os
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS creates its handle

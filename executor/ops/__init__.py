@@ -1,7 +1,8 @@
 """The plan's ops: one handler per op kind (tierflow.planner.core.opkinds.OP_KINDS), in the table of table.py
 (`Ops`), and what they see (context.py: `OpContext`, the executor's fixed context; `RoundState`, one round's).
 
-    entries.py        EntryOps: activations, their gradients and saved-tensor packs (offload, fetch, write, read)
+    entries.py        EntryOps: activations, their gradients and saved-tensor packs (offload, fetch, write,
+                      read)
     compute.py        ComputeOps: fwd, recompute, head, bwd
     weights.py        WeightOps: read_weights, fetch_weights, update_weights
     grad_buffers.py   GradBuffers: the device buffers the compute ops add weight gradients into

@@ -18,7 +18,8 @@ from tierflow.executor.tiers.state import BlockLayout, TrainState
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.schedules import ScheduleConfig
 
-STREAM_RESOURCES = ("gpu", "h2d", "d2h")  # resources with a stream each (executor/device; none on a plain CPU)
+# resources with a stream each (executor/device; none on a plain CPU)
+STREAM_RESOURCES = ("gpu", "h2d", "d2h")
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class OpContext:
     hyper: Hyper
     ssd: SsdStore | None
     backend: DeviceBackend = field(default_factory=PlainCpuBackend)
-    arena: TransferArena | None = None  # the pinned transfer area (tiers/arena.py); None: the backend's pinned buffers
+    # the pinned transfer area (tiers/arena.py); None: the backend's pinned buffers
+    arena: TransferArena | None = None
 
     def transfer_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer that crosses PCIe: a view into the transfer area."""
@@ -111,9 +113,11 @@ class RoundState:
     entries: dict[EntryKey, Entry] = field(default_factory=dict)
     fetched: dict[int, torch.Tensor] = field(default_factory=dict)  # fetch op -> the device copy it made
     graphs: dict[tuple[int, int, int], tuple] = field(default_factory=dict)  # (it, b, m) -> recompute's graph
-    # (taking op, owner) -> weight gradients of the owner's range binding.grad_range (grad_buffers.GradBuffers)
+    # (taking op, owner) -> weight gradients of the owner's range binding.grad_range
+    # (grad_buffers.GradBuffers)
     grad_acc: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    grad_left: dict[tuple[int, int], int] = field(default_factory=dict)  # ... compute ops still to add into it
+    # ... compute ops still to add into it
+    grad_left: dict[tuple[int, int], int] = field(default_factory=dict)
     staged: dict[Staged, object] = field(default_factory=dict)
     # fetch_weights -> owner -> (first element, device buffer of the owner's elements from there on)
     weight_bufs: dict[int, dict[int, tuple[int, torch.Tensor]]] = field(default_factory=dict)

@@ -1,5 +1,5 @@
-"""Weight-gradient buffers on the device (`GradBuffers`): where the compute ops add their weight gradients until
-the op that takes them (offload_grads, adam_gpu, or reduce_scatter_grads with several ranks) does.
+"""Weight-gradient buffers on the device (`GradBuffers`): where the compute ops add their weight gradients
+until the op that takes them (offload_grads, adam_gpu, or reduce_scatter_grads with several ranks) does.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ class GradBuffers:
 
     def __init__(self, cx: OpContext) -> None:
         self.cx = cx
-        # main's dtype rule (compute dtype for a single contribution, cast after the last): one rank, host optimizer
+        # main's dtype rule (compute dtype for a single contribution, cast after the last): one rank, host
+        # optimizer
         self.wire_cast = not cx.state.placement.gpu_optimizer and cx.state.world.single
 
-    def accumulate(self, rs: RoundState, t: Task, o: int, pieces: list[tuple[int, int, torch.Tensor | None]]) -> None:
+    def accumulate(self, rs: RoundState, t: Task, o: int,
+                   pieces: list[tuple[int, int, torch.Tensor | None]]) -> None:
         """Gradients `pieces` = [(lo, hi, grad)] of owner o's ranges into the buffer of the op that will take
         them. A None gradient (a parameter the step did not use) adds nothing."""
         bind = self.cx.binding

@@ -2,8 +2,8 @@
 they are added to the fp32 accumulators (with streams off the D2H queue, by `HostGradAdds`), write_grads and
 read_grads move the accumulators' SSD range.
 
-Numerics: weight gradients are accumulated in fp32 on the device (ops/grad_buffers.py), sent to the host in the
-compute dtype and accumulated there in fp32.
+Numerics: weight gradients are accumulated in fp32 on the device (ops/grad_buffers.py), sent to the host in
+the compute dtype and accumulated there in fp32.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ class GradOps:
         self.cx, self.buffers = cx, buffers
 
     def offload_grads(self, rs: RoundState, t: Task) -> None:
-        """Send a block's gradients (already in the compute dtype: GradBuffers) to the host; they are added to the
-        fp32 accumulators on the host, not in the D2H queue: with streams by HostGradAdds (after this copy's
-        event), on a plain CPU at once."""
+        """Send a block's gradients (already in the compute dtype: GradBuffers) to the host; they are added to
+        the fp32 accumulators on the host, not in the D2H queue: with streams by HostGradAdds (after this
+        copy's event), on a plain CPU at once."""
         be = self.cx.backend
         for o, lo, g in self.buffers.take(rs, t.id):
             rs.use_on(g, "d2h")
@@ -54,7 +54,8 @@ class GradOps:
         HostGradAdds.wait_for(rs, t.block)
         a, z = self._ssd_range(t.block)
         if z > a:
-            self.cx.state.grads[t.block][a:z].copy_(self.cx.ssd.read(f"grads_b{t.block}", torch.float32, z - a))
+            back = self.cx.ssd.read(f"grads_b{t.block}", torch.float32, z - a)
+            self.cx.state.grads[t.block][a:z].copy_(back)
 
 
 class HostGradAdds:

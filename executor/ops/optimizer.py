@@ -1,5 +1,6 @@
-"""The optimizer ops (`OptimizerOps`): AdamW per optimizer part on the host (adam, adam_deferred, with the reads
-and writes of their SSD ranges: read_opt_states, write_opt_states), or per block on the device (adam_gpu).
+"""The optimizer ops (`OptimizerOps`): AdamW per optimizer part on the host (adam, adam_deferred, with the
+reads and writes of their SSD ranges: read_opt_states, write_opt_states), or per block on the device
+(adam_gpu).
 
 Numerics: AdamW runs in fp32 on the host with PyTorch's fused/foreach kernel (or on the device for a GPU
 optimizer) on the fp32 gradient accumulators; the compute copy of the weights is the updated fp32 master cast

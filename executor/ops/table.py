@@ -45,7 +45,8 @@ class Ops:
         c, w, g, o, e = self.compute, self.weights, self.grads, self.optimizer, self.entries
         table: dict[str, Handler] = {
             k.FWD: c.fwd, k.RECOMPUTE: c.recompute, k.HEAD: c.head, k.BWD: c.bwd,
-            k.READ_WEIGHTS: w.read_weights, k.FETCH_WEIGHTS: w.fetch_weights, k.UPDATE_WEIGHTS: w.update_weights,
+            k.READ_WEIGHTS: w.read_weights, k.FETCH_WEIGHTS: w.fetch_weights,
+            k.UPDATE_WEIGHTS: w.update_weights,
             k.OFFLOAD_GRADS: g.offload_grads, k.WRITE_GRADS: g.write_grads, k.READ_GRADS: g.read_grads,
             k.READ_OPT_STATES: o.read_opt_states, k.ADAM: o.adam, k.ADAM_DEFERRED: o.adam,
             k.WRITE_OPT_STATES: o.write_opt_states, k.ADAM_GPU: o.adam_gpu,

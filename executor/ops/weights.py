@@ -1,7 +1,7 @@
-"""The weight ops: read a block's SSD range into the transfer area (read_weights), bring the non-resident part to
-the device (fetch_weights; with several ranks this rank's shard, which ops/net.py's all-gather completes), and
-copy a CPU optimizer step's new compute weights back to their device range (update_weights). `WeightOps.weights`
-gives a compute op the weights of its block, resident or fetched (`OwnerWeights`).
+"""The weight ops: read a block's SSD range into the transfer area (read_weights), bring the non-resident part
+to the device (fetch_weights; with several ranks this rank's shard, which ops/net.py's all-gather completes),
+and copy a CPU optimizer step's new compute weights back to their device range (update_weights).
+`WeightOps.weights` gives a compute op the weights of its block, resident or fetched (`OwnerWeights`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from tierflow.planner.core.opkinds import READ_WEIGHTS
 
 @dataclass
 class OwnerWeights:
-    """The compute weights of one owner's range [lo, hi) on the device: elements before `start` in the resident
-    vector (its element 0 is the owner's element 0), from `start` on in the buffer a fetch_weights op filled."""
+    """The compute weights of one owner's range [lo, hi) on the device: elements before `start` in the
+    resident vector (its element 0 is the owner's element 0), from `start` on in the buffer a fetch_weights op
+    filled."""
 
     lo: int
     hi: int
@@ -36,7 +37,8 @@ class OwnerWeights:
 
 
 class WeightOps:
-    """Weights of the block a compute op runs: resident on the device, or fetched for it by a fetch_weights op."""
+    """Weights of the block a compute op runs: resident on the device, or fetched for it by a fetch_weights
+    op."""
 
     def __init__(self, cx: OpContext) -> None:
         self.cx = cx
@@ -55,7 +57,8 @@ class WeightOps:
                 continue
             pieces = [(name, max(plo, a), min(phi, hi), plo, phi) for name, _j, plo, phi in W.ssd_pieces()
                       if min(phi, hi) > max(plo, a)]
-            if len(pieces) == 1 and pieces[0][1:] == (a, hi, a, hi):  # one file, exactly the range: read into pinned
+            # one file, exactly the range: read into pinned
+            if len(pieces) == 1 and pieces[0][1:] == (a, hi, a, hi):
                 out[o] = self.cx.ssd.read(pieces[0][0], W.dtype, hi - a, into=self.cx.transfer_bytes)
                 continue
             buf = self.cx.transfer_buffer(hi - a, W.dtype)
@@ -65,8 +68,8 @@ class WeightOps:
         rs.staged[Staged("weights_read", t.id)] = out
 
     def fetch_start(self, o: int, lo: int, hi: int) -> int:
-        """Where the fetched buffer of owner o's range [lo, hi) starts: the first element not on the device, or
-        the start of the parameter that element belongs to, so that every parameter is one tensor (of the
+        """Where the fetched buffer of owner o's range [lo, hi) starts: the first element not on the device,
+        or the start of the parameter that element belongs to, so that every parameter is one tensor (of the
         resident vector or of the fetched buffer) and nothing is concatenated per use. The resident part of
         that one parameter is copied into the buffer too: the only device bytes beyond the plan's fetch."""
         g = self.cx.state.vec["weights"][o].g
@@ -78,10 +81,10 @@ class WeightOps:
         return g
 
     def fetch_weights(self, rs: RoundState, t: Task) -> None:
-        """The non-resident part of every owner's range to the device, straight into one buffer per owner (from
-        fetch_start): device memory of a parameter split by the placement, host memory, then what read_weights
-        read. With several ranks: this rank's whole shard into its slot of a full-size buffer per owner, which
-        all_gather_weights completes (net.py)."""
+        """The non-resident part of every owner's range to the device, straight into one buffer per owner
+        (from fetch_start): device memory of a parameter split by the placement, host memory, then what
+        read_weights read. With several ranks: this rank's whole shard into its slot of a full-size buffer per
+        owner, which all_gather_weights completes (net.py)."""
         be = self.cx.backend
         rid = self.cx.binding.dep_of_kind[t.id].get(READ_WEIGHTS)
         staged = rs.staged.pop(Staged("weights_read", rid)) if rid is not None else {}
@@ -108,8 +111,9 @@ class WeightOps:
 
     def shard_buffers(self, rs: RoundState, t: Task, staged: dict) -> dict[int, torch.Tensor]:
         """{owner: a device buffer of W*S elements (S = ceil(n/W)) holding this rank's shard of the owner's
-        compute weights in slot [r*S, r*S + shard)}: the device part copied on the device, the host part and what
-        read_weights read (`staged`) copied from pinned host memory. The other slots are filled by the gather."""
+        compute weights in slot [r*S, r*S + shard)}: the device part copied on the device, the host part and
+        what read_weights read (`staged`) copied from pinned host memory. The other slots are filled by the
+        gather."""
         be, world = self.cx.backend, self.cx.state.world
         out = {}
         for o, _lo, hi in self.owners(t.block):
@@ -127,13 +131,14 @@ class WeightOps:
         return out
 
     def weights(self, rs: RoundState, t: Task) -> list[OwnerWeights]:
-        """The weights of every owner of block t.block: resident, fetched, or both (never joined); with several
-        ranks the owner's range of the gathered full-size buffer (all of it "fetched", from element 0)."""
+        """The weights of every owner of block t.block: resident, fetched, or both (never joined); with
+        several ranks the owner's range of the gathered full-size buffer (all of it "fetched", from element
+        0)."""
         fid = self.cx.binding.wfetch[t.id]
         if not self.cx.state.world.single:
             if fid is None:
-                raise ExecutionError(f"op {t.id} ({t.label}): no all_gather_weights precedes it on a plan for "
-                                     f"{self.cx.state.world.ranks} ranks (inconsistent plan)")
+                raise ExecutionError(f"op {t.id} ({t.label}): no all_gather_weights precedes it on a plan "
+                                     f"for {self.cx.state.world.ranks} ranks (inconsistent plan)")
             bufs = rs.weight_bufs[fid]
             out = []
             for o, lo, hi in self.cx.layout.owners(t.block):
@@ -145,8 +150,8 @@ class WeightOps:
             W = self.cx.state.vec["weights"][o]
             if fid is None:
                 if W.g < hi:
-                    raise ExecutionError(f"op {t.id} ({t.label}): weights of block {o} are not all on the device and "
-                                         "no fetch_weights precedes it (inconsistent plan)")
+                    raise ExecutionError(f"op {t.id} ({t.label}): weights of block {o} are not all on the "
+                                         "device and no fetch_weights precedes it (inconsistent plan)")
                 out.append(OwnerWeights(lo, hi, W.dev, hi, None))
                 continue
             base, buf = rs.weight_bufs[fid].get(o, (hi, None))
