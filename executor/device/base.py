@@ -67,7 +67,7 @@ class DeviceBackend:
     device: torch.device
     streams_async = False
     pins = False  # host buffers asked for as pinned really are page-locked
-    # the executor's transfer area (arena.TransferArena): copy_async notes its views' stream uses
+    # the executor's transfer area (tiers/arena.py): copy_async notes its views' stream uses
     arena = None
 
     # -- threads, streams, events ----------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from tierflow.executor.ops.context import OpContext, RoundState
 from tierflow.executor.ops.grad_buffers import GradBuffers
 from tierflow.executor.ops.weights import WeightOps
 from tierflow.planner.core.graph import Task
+from tierflow.planner.core.opkinds import FETCH_WEIGHTS, OFFLOAD_GRADS
 
 _HAS_REDUCE_SCATTER: dict[str, bool] = {}  # backend name -> whether reduce_scatter works there
 # reduce_scatter_single is reduce_scatter_tensor's new name (the old one warns from PyTorch 2.13 on)
@@ -50,7 +51,7 @@ class NetOps:
         work.wait()
 
     def all_gather_weights(self, rs: RoundState, t: Task) -> None:
-        fid = self.cx.binding.dep_of_kind[t.id].get("fetch_weights")
+        fid = self.cx.binding.dep_of_kind[t.id].get(FETCH_WEIGHTS)
         bufs = rs.weight_bufs.pop(fid) if fid is not None else self.weights.shard_buffers(rs, t, {})
         r = self.world.rank
         for o in sorted(bufs):
@@ -70,7 +71,7 @@ class NetOps:
             s, r = self.world.shard_size(n), self.world.rank
             lo, hi = self.world.shard(n)
             out = self._reduce_scatter(rs, acc, s, r)[: hi - lo]
-            if consumer.kind == "offload_grads" and out.dtype != self.cx.dtype:
+            if consumer.kind == OFFLOAD_GRADS and out.dtype != self.cx.dtype:
                 # offload_grads only copies (GradBuffers): the shard in the compute dtype, cast on this stream
                 wire = self.cx.backend.empty(hi - lo, self.cx.dtype)
                 wire.copy_(out)

@@ -1,4 +1,4 @@
-"""Whether a directory's filesystem takes O_DIRECT: the one probe of the SSD tier (store.SsdStore) and of
+"""Whether a directory's filesystem takes O_DIRECT: the one probe of the SSD tier (ssd_store.SsdStore) and of
 `tierflow env`. Standard library only, so `tierflow env` can answer without importing torch."""
 
 from __future__ import annotations
