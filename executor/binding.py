@@ -47,8 +47,8 @@ class ExecutionError(TierflowError, RuntimeError):
 
 
 class EntryKey(NamedTuple):
-    """A waiting tensor: name "x" (input activation of `block`), "dx" (its gradient) or "pack" (saved
-    tensors)."""
+    """A waiting tensor: name "x" (input activation of `block`),
+    "dx" (its gradient) or "pack" (saved tensors)."""
 
     iteration: int
     name: str
@@ -189,8 +189,8 @@ class Binding:
                 self.part_of[t.id] = 0 if tasks[t.deps[0]].kind == k.ADAM else 1
 
     def _bind_compute(self, t: Task) -> None:
-        """A compute op's inputs: through a fetch among its dependencies, or the device copy; its weight
-        fetch."""
+        """A compute op's inputs: through a fetch among its dependencies, or the device copy;
+        its weight fetch."""
         tasks = self.tasks
         fetches = {self.entry_key(tasks[d]): d for d in t.deps if tasks[d].kind in ENTRY_KINDS["fetch"]}
         # a recomputed layer's backward depends on its recompute, which waits for the fetch

@@ -149,8 +149,8 @@ def block_file(b: int) -> str:
 
 
 def _write_blocks(state: TrainState, directory: Path, step: int) -> dict[str, dict]:
-    """One safetensors file per block of this rank's state (the whole blocks with one rank); {file: size,
-    CRC32}."""
+    """One safetensors file per block of this rank's state (the whole blocks with one rank);
+    {file: size, CRC32}."""
     files = {}
     rank = None if state.world.single else state.world.rank
     for b in range(len(state.layout.numel)):
@@ -226,8 +226,8 @@ def _failure(e: BaseException) -> tuple | None:
 
 
 def _agree(world: DistWorld, failure: tuple | None, cleanup=None) -> None:
-    """Every rank's outcome of a phase; the first failure (lowest rank) is raised on every rank, after
-    `cleanup`."""
+    """Every rank's outcome of a phase; the first failure (lowest rank) is raised on every rank,
+    after `cleanup`."""
     failures = [f for f in world.gather_objects(failure) if f is not None]
     if not failures:
         return
@@ -369,8 +369,8 @@ def check_world(ckpt: Path, manifest: dict, ranks: int) -> None:
 
 
 def load_checkpoint(state: TrainState, ckpt: Path, manifest: dict) -> None:
-    """Restore `state` from checkpoint directory `ckpt` (this rank's shard with several ranks), verifying
-    every block file first."""
+    """Restore `state` from checkpoint directory `ckpt` (this rank's shard with several ranks),
+    verifying every block file first."""
     if manifest.get("numel") != state.layout.numel or manifest.get("model") != state.spec.name:
         raise StateError(f"checkpoint {ckpt}: it is of model {manifest.get('model')!r}, the plan trains "
                          f"{state.spec.name!r} (use another --checkpoint-dir, or the plan it was made with)")
@@ -413,8 +413,8 @@ def _load_blocks(state: TrainState, d: Path, manifest: dict, numel: list[int], p
 
 
 def candidates(directory: str | os.PathLike[str]) -> tuple[Path | None, list[Path], str | None]:
-    """(the checkpoint 'latest' names or None, every step directory newest first, why 'latest' is
-    unusable)."""
+    """(the checkpoint 'latest' names or None, every step directory newest first,
+    why 'latest' is unusable)."""
     root = Path(directory)
     steps = sorted((p for p in root.glob("step*") if p.is_dir()), reverse=True)
     pointer = root / "latest"

@@ -37,8 +37,8 @@ from tierflow.planner.core.world import shard_range
 
 
 class LaunchError(TierflowError, ValueError):
-    """A run launched with another number of processes than its plan's ranks, or a bad launch flag (exit
-    2)."""
+    """A run launched with another number of processes than its plan's ranks,
+    or a bad launch flag (exit 2)."""
 
     agreed = True  # every rank finds the same: rank 0 says it
 
@@ -140,8 +140,8 @@ def check_launch(plan_ranks: int, gpus: int, nodes: int, plan_source: str) -> No
 
 
 def rank_device(device: str, world_ranks: int) -> str:
-    """The --device of this rank: cuda:LOCAL_RANK for cuda; an explicit cuda:N is refused with several
-    ranks."""
+    """The --device of this rank: cuda:LOCAL_RANK for cuda;
+    an explicit cuda:N is refused with several ranks."""
     if world_ranks == 1:
         return device
     local = os.environ.get("LOCAL_RANK", "0")

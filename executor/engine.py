@@ -180,8 +180,8 @@ class Executor:
                 waited += 0.05 if rs.abort.is_set() else 0.0
 
     def _check_round(self, iterations: int) -> int:
-        """The number of ops in the plan's first `iterations` iterations, which must not depend on later
-        ones."""
+        """The number of ops in the plan's first `iterations` iterations,
+        which must not depend on later ones."""
         n = sum(1 for t in self.tasks if t.iteration < iterations)
         if any(t.iteration >= iterations for t in self.tasks[:n]):
             raise ExecutionError(f"{self.plan.source}: ops are not ordered by iteration; cannot "

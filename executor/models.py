@@ -131,8 +131,8 @@ class _SaveInputs(torch.autograd.Function):
 
 
 def save_inputs_only(fn, *inputs: torch.Tensor) -> torch.Tensor:
-    """fn(*inputs), keeping only `inputs` for the backward (see _SaveInputs); plain fn(*inputs) without
-    grad."""
+    """fn(*inputs), keeping only `inputs` for the backward (see _SaveInputs);
+    plain fn(*inputs) without grad."""
     if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
         return _SaveInputs.apply(fn, *inputs)
     return fn(*inputs)
@@ -159,8 +159,8 @@ class RMSNorm(nn.Module):
 
 
 class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: scales by ``1 + weight`` in float32 before casting back (the weight starts at
-    zero)."""
+    """Gemma's RMSNorm: scales by ``1 + weight`` in float32 before casting back
+    (the weight starts at zero)."""
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -245,8 +245,8 @@ def _merge_heads(y: torch.Tensor) -> torch.Tensor:
 
 
 class Embedding(nn.Module):
-    """Token embedding ``wte`` (+ learned positions ``wpe`` for GPT). tokens (B, T) -> hidden (B, T,
-    hidden)."""
+    """Token embedding ``wte`` (+ learned positions ``wpe`` for GPT). tokens (B, T) -> hidden (B,
+    T, hidden)."""
 
     def __init__(self, spec: ModelSpec, device=None, dtype=None) -> None:
         super().__init__()
@@ -312,8 +312,8 @@ class Head(nn.Module):
 
 
 def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy in float32; targets equal to -100 are ignored (transformers'
-    convention)."""
+    """Mean next-token cross entropy in float32;
+    targets equal to -100 are ignored (transformers' convention)."""
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
     )
@@ -538,8 +538,8 @@ class OPTBlock(nn.Module):
 
 
 class NeoXAttention(nn.Module):
-    """GPT-NeoX attention: ``query_key_value`` holds q, k, v interleaved per head ((heads, 3, head_dim)
-    rows)."""
+    """GPT-NeoX attention: ``query_key_value`` holds q, k, v interleaved per head ((heads, 3,
+    head_dim) rows)."""
 
     def __init__(self, spec: ModelSpec, *, rope_theta: float, device=None, dtype=None) -> None:
         super().__init__()
@@ -784,8 +784,8 @@ def hf_key_target(spec: ModelSpec, key: str) -> tuple[int, str, bool] | None | b
 
 def check_block_state_dicts(spec: ModelSpec, blocks: list[Mapping[str, torch.Tensor]],
                             only: list[int] | None = None) -> None:
-    """Names and shapes of per-block state dicts against the blocks we would build (meta device: no
-    memory)."""
+    """Names and shapes of per-block state dicts against the blocks we would build (meta device:
+    no memory)."""
     expected = _make_blocks(spec, "meta", None, None)
     for i, (block, got) in enumerate(zip(expected, blocks)):
         if only is not None and i not in only:

@@ -271,8 +271,8 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
 
 
 def _lock(cleanup: ExitStack, directory: Path, what: str, locked: set[Path], warn) -> None:
-    """Hold `directory`'s lock until `cleanup` closes (once, if the checkpoint and SSD directories are
-    one)."""
+    """Hold `directory`'s lock until `cleanup` closes (once,
+    if the checkpoint and SSD directories are one)."""
     key = directory.resolve()
     if key in locked:
         return
@@ -378,8 +378,8 @@ def _log_start(tr: _Training, dtype: torch.dtype, where: str, data: TokenData) -
 
 
 def _run_rounds(tr: _Training, ex: Executor) -> None:
-    """Rounds until --steps, under torch.profiler with --profile; RunStopped (with --out written) when
-    training stops early."""
+    """Rounds until --steps, under torch.profiler with --profile;
+    RunStopped (with --out written) when training stops early."""
     opts = tr.opts
     profiler = _profiler(tr.backend.device) if opts.profile and tr.lead else None
     if profiler is not None:
@@ -429,8 +429,8 @@ def _run_round(tr: _Training, ex: Executor, r: int) -> None:
 
 
 def _step_reporter(tr: _Training, step: int, local: list[float]) -> Callable[[int, float, float], None]:
-    """The round's on_step: the ranks' mean loss of iteration i (Diverged if not finite), recorded and
-    printed."""
+    """The round's on_step: the ranks' mean loss of iteration i (Diverged if not finite),
+    recorded and printed."""
     opts, log = tr.opts, tr.log
     prev = [0.0]
 
@@ -487,8 +487,8 @@ def _export_profile(tr: _Training, profiler: torch.profiler.profile) -> None:
 
 
 def _finish(tr: _Training) -> RunResult:
-    """After the last step: --out (rank 0), --export-hf, and the result (with collect_final, the final
-    state)."""
+    """After the last step: --out (rank 0), --export-hf, and the result (with collect_final,
+    the final state)."""
     opts, state, log = tr.opts, tr.state, tr.log
     if opts.out and tr.measured is not None and tr.lead:
         write_run_outputs(tr.measured, tr.records, opts.out, f"{tr.plan.model.name}: measured "
@@ -509,8 +509,8 @@ def _finish(tr: _Training) -> RunResult:
 
 
 def check_export_hf(directory: str, plan: Plan) -> None:
-    """Before training: the model has a Hugging Face layout and the directory is new or empty (never
-    overwritten)."""
+    """Before training: the model has a Hugging Face layout and the directory is new or empty
+    (never overwritten)."""
     try:
         hf_config(plan.model)
     except ValueError as e:
@@ -575,8 +575,8 @@ def _check_resume(ckpt: Path, manifest: dict, settings: dict, opts: RunOptions, 
 
 
 def write_run_outputs(measured: SimResult | None, records: list[StepRecord], out: str, name: str) -> None:
-    """steps.csv, and the measured trace (timeline.csv, trace.json, gantt.png) of the longest round when one
-    has finished."""
+    """steps.csv, and the measured trace (timeline.csv, trace.json,
+    gantt.png) of the longest round when one has finished."""
     from tierflow.planner.core.trace import write_outputs
 
     Path(out).mkdir(parents=True, exist_ok=True)

@@ -35,8 +35,8 @@ from tierflow.errors import DoesNotFit, TierflowError
 
 
 class TierOutOfMemory(DoesNotFit, RuntimeError):
-    """An allocation on a tier failed (the executor maps it to exit 3, naming the tier and the plan's
-    decision)."""
+    """An allocation on a tier failed (the executor maps it to exit 3,
+    naming the tier and the plan's decision)."""
 
     def __init__(self, tier: str, nbytes: int, detail: str = "") -> None:
         super().__init__(f"{tier}: cannot allocate {nbytes:,} bytes" + (f" ({detail})" if detail else ""))
@@ -76,8 +76,8 @@ class DeviceBackend:
         """Called first by every thread that uses the device (CUDA: set_device)."""
 
     def start_round(self, abort: threading.Event, on_error: Callable[[str, BaseException], None]) -> None:
-        """A round begins: waits poll `abort`; errors the backend catches itself are passed to on_error(op,
-        e)."""
+        """A round begins: waits poll `abort`;
+        errors the backend catches itself are passed to on_error(op, e)."""
 
     def new_stream(self, resource: str):
         return None
@@ -138,8 +138,8 @@ class DeviceBackend:
         return host_empty(nbytes, torch.uint8, False)
 
     def poison_host(self, t: torch.Tensor, stream) -> None:
-        """A transfer-area view handed to a new owner (the adversary fills it with NaN, in `stream`'s
-        order)."""
+        """A transfer-area view handed to a new owner (the adversary fills it with NaN,
+        in `stream`'s order)."""
 
     def _note_arena_use(self, *tensors: torch.Tensor) -> None:
         """After a copy_async on the current stream: its transfer-area views get that stream's event."""

@@ -37,8 +37,8 @@ class OwnerWeights:
 
 
 class WeightOps:
-    """Weights of the block a compute op runs: resident on the device, or fetched for it by a fetch_weights
-    op."""
+    """Weights of the block a compute op runs:
+    resident on the device, or fetched for it by a fetch_weights op."""
 
     def __init__(self, cx: OpContext) -> None:
         self.cx = cx

@@ -173,8 +173,8 @@ class _Range:
 
 
 class TransferArena:
-    """One host allocation of `size_bytes` (pinned where the backend pins), handed out as page-aligned
-    views."""
+    """One host allocation of `size_bytes` (pinned where the backend pins),
+    handed out as page-aligned views."""
 
     def __init__(self, backend, size_bytes: int, warn: Callable[[str], None] | None = None) -> None:
         self.backend = backend

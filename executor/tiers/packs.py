@@ -129,14 +129,14 @@ class Pack:
         self.out.data = torch.empty(0, dtype=self.out.dtype, device=self.out.device)
 
     def backward(self, grad_out: torch.Tensor) -> None:
-        """Backward from the (released) output: the engine checks grad_out against the node's recorded
-        shape."""
+        """Backward from the (released) output:
+        the engine checks grad_out against the node's recorded shape."""
         torch.autograd.Variable._execution_engine.run_backward(
             (self.out,), (grad_out,), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
     def saved_bytes(self) -> int:
-        """Bytes this pack moves: the byte ranges of the distinct storages autograd saved (without
-        padding)."""
+        """Bytes this pack moves: the byte ranges of the distinct storages autograd saved
+        (without padding)."""
         return sum(hi - lo for lo, hi in self._ranges()) if self.saved else 0
 
     def restore(self, flat: torch.Tensor) -> None:

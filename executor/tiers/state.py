@@ -168,8 +168,8 @@ class TrainState:
     # -- initialisation --------------------------------------------------------------------------------------
 
     def init_random(self, seed: int) -> None:
-        """GPT-2 style initialisation (tierflow.executor.models.build_blocks) under `seed`, one block at a
-        time."""
+        """GPT-2 style initialisation (tierflow.executor.models.build_blocks) under `seed`,
+        one block at a time."""
         torch.manual_seed(seed)
         for b, meta in enumerate(_make_blocks(self.spec, "meta", None, None)):
             block = meta.to_empty(device="cpu")
@@ -251,8 +251,8 @@ class TrainState:
         return [(o, 0, self.shard_numel[o]) for o, _lo, _hi in owners]
 
     def full(self, cls: str, b: int) -> torch.Tensor:
-        """This rank's vector of class `cls` of block b on the CPU (the whole block with one rank, else its
-        shard)."""
+        """This rank's vector of class `cls` of block b on the CPU (the whole block with one rank,
+        else its shard)."""
         return self.vec[cls][b].get_full(self.ssd)
 
     def gathered(self, cls: str, b: int) -> torch.Tensor:
