@@ -1,6 +1,18 @@
-"""Executor: replays a tierflow plan file with PyTorch on real hardware.
+"""Executor: replays a tierflow plan file with PyTorch on real hardware. Its rooms, each a package of one file
+per main class:
 
-Its commands (`run`, `calibrate`, `env`) are declared in tierflow.cli, which imports this package only when
-one of them runs, so that planning never imports torch. Calibration (measuring this machine for a hardware
-profile) is the `calibration` package.
+    ops/       the plan's ops: one handler per op kind (tierflow.planner.core.opkinds), the dispatch table
+               (ops/table.py) and what an op sees (ops/context.py: OpContext, RoundState)
+    tiers/     the training state on device / host / SSD and what moves it: TrainState, the SSD store, the
+               pinned transfer arena, saved-tensor packs, O_DIRECT probing, directory locks
+    device/    the device behind one interface (DeviceBackend): plain CPU, CUDA, the adversarial CPU emulation
+               of CUDA (tests), and the factory that picks one for `--device` (device/factory.py)
+
+and, beside them, the engine that runs a plan's rounds (engine.py), how ops bind to tensors (binding.py), the
+models (models.py), data (data.py), checkpoints (checkpoint.py), several ranks (dist.py), signals (signals.py)
+and `tierflow run` itself (run.py).
+
+Measuring a machine for a hardware profile is the `calibration` package. The commands that use the executor
+(`run`, `calibrate`, `env`) are declared in tierflow.cli, which imports this package only when one of them runs,
+so that planning never imports torch.
 """

@@ -6,11 +6,11 @@ Data flow
     The plan's ops name their tensors by (iteration, block, micro-batch); the executor keeps the tensors that
     wait between ops as entries (`Entry`, in RoundState.entries), keyed EntryKey(it, "x", b, m) = the input
     activation of block b, (it, "dx", b, m) = the gradient of that input, (it, "pack", b, m) = the saved
-    activations of a layer that is not recomputed (a `Pack`). An offload splits an entry's flat elements as the
-    placement says ([0, gpu_elems) kept on the device, then host memory, then SSD); a fetch puts them back
-    together on the device. A consumer that has a fetch among its dependencies reads the fetched copy, otherwise
-    the tensor still on the device. Weights are read per *owner*: a tied head computes with its own norm and the
-    embedding's wte.
+    activations of a layer that is not recomputed (a `Pack`). An offload splits an entry's flat elements as
+    the placement says ([0, gpu_elems) kept on the device, then host memory, then SSD); a fetch puts them back
+    together on the device. A consumer that has a fetch among its dependencies reads the fetched copy,
+    otherwise the tensor still on the device. Weights are read per *owner*: a tied head computes with its own
+    norm and the embedding's wte.
 
 Entry states (`EntryState`): an entry is produced ON_DEVICE; an offload makes it OFFLOADED (its SSD part
 staged in host memory), a write ON_SSD, a read READ_BACK, a fetch FETCHED (a later read may bring the SSD
@@ -29,17 +29,15 @@ from typing import NamedTuple
 import torch
 
 from tierflow.errors import TierflowError
-from tierflow.executor.packs import Pack
-from tierflow.executor.state import BlockLayout
+from tierflow.executor.tiers.packs import Pack
+from tierflow.executor.tiers.state import BlockLayout
+from tierflow.planner.core import opkinds as k
 from tierflow.planner.core.graph import Task
+from tierflow.planner.core.opkinds import COMPUTE_KINDS, ENTRY_KINDS
 from tierflow.planner.io.planfile import Plan
 
-COMPUTE_KINDS = frozenset({"fwd", "recompute", "bwd", "head"})
-ENTRY_TENSORS = ("checkpoint", "act", "act_grad")  # tensor classes moved as entries
-ENTRY_VERBS = ("offload", "fetch", "write", "read")
-ENTRY_KINDS = {verb: frozenset(f"{verb}_{x}" for x in ENTRY_TENSORS) for verb in ENTRY_VERBS}
 ACT_TENSORS = {"act": "x", "act_grad": "dx"}
-OPTIMIZER_PART = {"adam": 0, "adam_deferred": 1}  # CPU optimizer op kind -> part (main step, deferred alpha)
+OPTIMIZER_PART = {k.ADAM: 0, k.ADAM_DEFERRED: 1}  # CPU optimizer op kind -> part (main step, deferred alpha)
 
 
 class ExecutionError(TierflowError, RuntimeError):
@@ -49,7 +47,8 @@ class ExecutionError(TierflowError, RuntimeError):
 
 
 class EntryKey(NamedTuple):
-    """A waiting tensor: name "x" (input activation of `block`), "dx" (its gradient) or "pack" (saved tensors)."""
+    """A waiting tensor: name "x" (input activation of `block`),
+    "dx" (its gradient) or "pack" (saved tensors)."""
 
     iteration: int
     name: str
@@ -61,7 +60,8 @@ class EntryState(Enum):
     """Where an entry's bytes are on the offload -> fetch path (see the module docstring)."""
 
     ON_DEVICE = "on_device"  # produced: only the device tensor (or the pack's saved tensors) holds it
-    OFFLOADED = "offloaded"  # split: kept on the device / host_cpu / host_ssd (the SSD part, staged for the write)
+    # split: kept on the device / host_cpu / host_ssd (the SSD part, staged for the write)
+    OFFLOADED = "offloaded"
     ON_SSD = "on_ssd"  # the SSD part is in its file only (ssd_name)
     READ_BACK = "read_back"  # the SSD part is back in host memory (host_ssd)
     FETCHED = "fetched"  # a fetch joined the parts into a device copy (RoundState.fetched); host_ssd freed
@@ -131,8 +131,10 @@ class Binding:
         self.dep_of_kind: dict[int, dict[str, int]] = {}  # op -> {kind: its (last) dependency of that kind}
         self.part_of: dict[int, int] = {}  # read/write_opt_states, update_weights -> optimizer part
         self.grad_group: dict[tuple[int, int], int] = {}  # (compute op, owner) -> op that takes its gradients
-        self.grad_contributors: Counter = Counter()  # (taking op, owner) -> compute ops adding into its buffer
-        self.grad_range: dict[tuple[int, int], tuple[int, int]] = {}  # (taking op, owner) -> elements [lo, hi)
+        # (taking op, owner) -> compute ops adding into its buffer
+        self.grad_contributors: Counter = Counter()
+        # (taking op, owner) -> elements [lo, hi)
+        self.grad_range: dict[tuple[int, int], tuple[int, int]] = {}
         self._bind()
         self._bind_grad_groups()
 
@@ -151,11 +153,11 @@ class Binding:
     def inputs(self, t: Task) -> list[EntryKey]:
         """The entries a compute op consumes."""
         it, b, m = t.iteration, t.block, t.mb
-        if t.kind == "fwd":
+        if t.kind == k.FWD:
             return [EntryKey(it, "x", b, m)] if b >= 1 else []
-        if t.kind in ("head", "recompute"):
+        if t.kind in (k.HEAD, k.RECOMPUTE):
             return [EntryKey(it, "x", b, m)]
-        if t.kind == "bwd":
+        if t.kind == k.BWD:
             keys = [EntryKey(it, "dx", b + 1, m)]
             if 1 <= b <= self.num_layers and not self.rec(b):
                 keys.append(EntryKey(it, "pack", b, m))
@@ -180,74 +182,78 @@ class Binding:
                 self.direct_users[self.entry_key(t)] += 1
             if t.kind in OPTIMIZER_PART:
                 for d in t.deps:
-                    if tasks[d].kind == "read_opt_states":
+                    if tasks[d].kind == k.READ_OPT_STATES:
                         self.part_of[d] = OPTIMIZER_PART[t.kind]
         for t in tasks:
-            if t.kind in ("write_opt_states", "update_weights"):
-                self.part_of[t.id] = 0 if tasks[t.deps[0]].kind == "adam" else 1
+            if t.kind in (k.WRITE_OPT_STATES, k.UPDATE_WEIGHTS):
+                self.part_of[t.id] = 0 if tasks[t.deps[0]].kind == k.ADAM else 1
 
     def _bind_compute(self, t: Task) -> None:
-        """A compute op's inputs: through a fetch among its dependencies, or the device copy; its weight fetch."""
+        """A compute op's inputs: through a fetch among its dependencies, or the device copy;
+        its weight fetch."""
         tasks = self.tasks
         fetches = {self.entry_key(tasks[d]): d for d in t.deps if tasks[d].kind in ENTRY_KINDS["fetch"]}
-        if t.kind == "bwd":  # a recomputed layer's backward depends on its recompute, which waits for the fetch
+        # a recomputed layer's backward depends on its recompute, which waits for the fetch
+        if t.kind == k.BWD:
             mine = set(self.inputs(t))  # of the backward's input (the activation gradient)
             for r in t.deps:
-                if tasks[r].kind == "recompute":
-                    fetches.update({k: d for d in tasks[r].deps if tasks[d].kind in ENTRY_KINDS["fetch"]
-                                    for k in [self.entry_key(tasks[d])] if k in mine})
+                if tasks[r].kind == k.RECOMPUTE:
+                    fetches.update({key: d for d in tasks[r].deps if tasks[d].kind in ENTRY_KINDS["fetch"]
+                                    for key in [self.entry_key(tasks[d])] if key in mine})
         self.fetch_for[t.id] = fetches
         for key in self.inputs(t):
             self.consumers[key] += 1
             if key not in fetches:
                 self.direct_users[key] += 1
         # the op whose weight buffers it reads: with several ranks the all-gather that completed its fetch
-        wf = ([d for d in t.deps if tasks[d].kind == "all_gather_weights" and tasks[d].block == t.block]
-              or [d for d in t.deps if tasks[d].kind == "fetch_weights" and tasks[d].block == t.block])
+        wf = ([d for d in t.deps if tasks[d].kind == k.ALL_GATHER_WEIGHTS and tasks[d].block == t.block]
+              or [d for d in t.deps if tasks[d].kind == k.FETCH_WEIGHTS and tasks[d].block == t.block])
         self.wfetch[t.id] = wf[-1] if wf else None
         if wf:
             self.wfetch_users[wf[-1]] += 1
 
     def _bind_grad_groups(self) -> None:
-        """Which op takes each compute op's weight gradients: the first offload_grads of its block after it on the
-        GPU queue (or, for a GPU optimizer, the owner's adam_gpu). Gradients of different groups never share a
-        buffer, so a transfer never reads a buffer that a later backward is adding into. With several ranks the
-        reduce_scatter_grads ops take them instead (the first of its block after it; for a GPU optimizer the
-        first of the owner's), and hand each shard to the offload_grads or adam_gpu that depends on them."""
+        """Which op takes each compute op's weight gradients: the first offload_grads of its block after it on
+        the GPU queue (or, for a GPU optimizer, the owner's adam_gpu). Gradients of different groups never
+        share a buffer, so a transfer never reads a buffer that a later backward is adding into. With several
+        ranks the reduce_scatter_grads ops take them instead (the first of its block after it; for a GPU
+        optimizer the first of the owner's), and hand each shard to the offload_grads or adam_gpu that depends
+        on them."""
         tasks = self.tasks
         pos = {tid: i for i, tid in enumerate(self.plan.graph.resource_order()["gpu"])}
-        scatters = [t for t in tasks if t.kind == "reduce_scatter_grads"]
+        scatters = [t for t in tasks if t.kind == k.REDUCE_SCATTER_GRADS]
         if scatters:
             self._bind_scatters(scatters, pos)
             return
         offloads: dict[tuple[int, int], list[tuple[int, int]]] = {}
         adam_gpu: dict[tuple[int, int], int] = {}
         for t in tasks:
-            if t.kind == "offload_grads":
+            if t.kind == k.OFFLOAD_GRADS:
                 offloads.setdefault((t.iteration, t.block), []).append((pos[t.deps[0]], t.id))
-            elif t.kind == "adam_gpu":
+            elif t.kind == k.ADAM_GPU:
                 adam_gpu[(t.iteration, t.block)] = t.id
         for v in offloads.values():
             v.sort()
         for t in tasks:
-            if t.kind not in ("head", "bwd"):
+            if t.kind not in (k.HEAD, k.BWD):
                 continue
             for o, lo, hi in self.layout.owners(t.block):
                 if self.cfg.placement.gpu_optimizer:
                     group = adam_gpu.get((t.iteration, o))
                 else:
-                    group = next((oid for p, oid in offloads.get((t.iteration, t.block), []) if p >= pos[t.id]), None)
+                    queue = offloads.get((t.iteration, t.block), [])
+                    group = next((oid for p, oid in queue if p >= pos[t.id]), None)
                 if group is None:
-                    raise ExecutionError(f"{self.plan.source}: the gradients of op {t.id} ({t.label}) are never taken "
-                                         "by an offload_grads or adam_gpu op (inconsistent plan)")
+                    raise ExecutionError(f"{self.plan.source}: the gradients of op {t.id} ({t.label}) are "
+                                         "never taken by an offload_grads or adam_gpu op (inconsistent plan)")
                 self.grad_group[(t.id, o)] = group
                 self.grad_contributors[(group, o)] += 1
                 a, z = self.grad_range.get((group, o), (lo, hi))
                 self.grad_range[(group, o)] = (min(a, lo), max(z, hi))
 
     def _bind_scatters(self, scatters: list[Task], pos: dict[int, int]) -> None:
-        """Several ranks: the buffer of a reduce_scatter_grads op spans each owner's whole vector padded to W*S
-        elements (grad_range), and the shard it hands on starts at element 0 of this rank's shard."""
+        """Several ranks: the buffer of a reduce_scatter_grads op spans each owner's whole vector padded to
+        W*S elements (grad_range), and the shard it hands on starts at element 0 of this rank's shard."""
         tasks = self.tasks
         by_key: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for r in scatters:
@@ -260,7 +266,7 @@ class Binding:
             v.sort()
         for t in tasks:  # the taker of the same block (a tied embedding's adam_gpu also waits for the head's)
             for d in t.deps:
-                if tasks[d].kind == "reduce_scatter_grads" and t.kind in ("offload_grads", "adam_gpu") \
+                if tasks[d].kind == k.REDUCE_SCATTER_GRADS and t.kind in (k.OFFLOAD_GRADS, k.ADAM_GPU) \
                         and tasks[d].block == t.block:
                     self.scatter_to[d] = t.id
         missing = [r.id for r in scatters if r.id not in self.scatter_to]
@@ -270,16 +276,19 @@ class Binding:
         gpu_opt = self.cfg.placement.gpu_optimizer
         ranks = self.cfg.world.ranks
         for t in tasks:
-            if t.kind not in ("head", "bwd"):
+            if t.kind not in (k.HEAD, k.BWD):
                 continue
             for o, _lo, _hi in self.layout.owners(t.block):
                 key = (t.iteration, o if gpu_opt else t.block)
                 group = next((rid for p, rid in by_key.get(key, []) if p >= pos[t.id]), None)
                 if group is None:
-                    raise ExecutionError(f"{self.plan.source}: the gradients of op {t.id} ({t.label}) are never "
-                                         "reduce-scattered by a later reduce_scatter_grads op (inconsistent plan)")
+                    raise ExecutionError(f"{self.plan.source}: the gradients of op {t.id} ({t.label}) are "
+                                         "never reduce-scattered by a later reduce_scatter_grads op "
+                                         "(inconsistent plan)")
                 self.grad_group[(t.id, o)] = group
                 self.grad_contributors[(group, o)] += 1
                 slot = -(-self.layout.numel[o] // ranks)  # S = ceil(n / W): every rank's slot
-                self.grad_range[(group, o)] = (0, slot * ranks)  # the whole vector, padded for the reduce-scatter
-                self.grad_range[(self.scatter_to[group], o)] = (0, slot)  # the shard (the last rank's may be shorter)
+                # the whole vector, padded for the reduce-scatter
+                self.grad_range[(group, o)] = (0, slot * ranks)
+                # the shard (the last rank's may be shorter)
+                self.grad_range[(self.scatter_to[group], o)] = (0, slot)

@@ -11,15 +11,16 @@ On resume every block file's size and CRC32 are checked against the manifest bef
 truncated or unreadable file is named in one line, and `resume(..., fallback=True)` goes back to the
 previous checkpoint that verifies instead (renaming the bad one to ``corrupt-step...``, kept for inspection).
 
-With several data-parallel ranks (dist.py) a checkpoint is sharded: ``stepN/rank-<r>/`` holds rank r's shard of
-every block (the same block files, of its element range, and its own manifest.json with their sizes and CRC32s),
-and ``stepN/manifest.json`` (version 3) the world size and the size and CRC32 of every rank's manifest. All ranks
-write their shards into one temporary directory; rank 0 checks that every shard is there, renames it into place
-and moves ``latest`` only after all of them have been written (the ranks agree on each phase, so a failure on
-one rank is a failure on all and nothing half-written is named). The checkpoint directory must be one directory
-that every rank sees (on several boxes: a shared filesystem). On resume every rank verifies and loads its own
-shard, rank 0 also checks that every rank's shard is present, and the ranks agree on the checkpoint to use, so a
-kill -9 of one rank (torchrun then stops the others) resumes from the last complete checkpoint.
+With several data-parallel ranks (dist.py) a checkpoint is sharded: ``stepN/rank-<r>/`` holds rank r's shard
+of every block (the same block files, of its element range, and its own manifest.json with their sizes and
+CRC32s), and ``stepN/manifest.json`` (version 3) the world size and the size and CRC32 of every rank's
+manifest. All ranks write their shards into one temporary directory; rank 0 checks that every shard is there,
+renames it into place and moves ``latest`` only after all of them have been written (the ranks agree on each
+phase, so a failure on one rank is a failure on all and nothing half-written is named). The checkpoint
+directory must be one directory that every rank sees (on several boxes: a shared filesystem). On resume every
+rank verifies and loads its own shard, rank 0 also checks that every rank's shard is present, and the ranks
+agree on the checkpoint to use, so a kill -9 of one rank (torchrun then stops the others) resumes from the
+last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ import torch
 
 from tierflow.errors import TierflowError
 from tierflow.executor.dist import SINGLE, DistWorld
-from tierflow.executor.state import STATE_CLASSES, StateError, TrainState
+from tierflow.executor.tiers.state import STATE_CLASSES, StateError, TrainState
 
 CHECKPOINT_FORMAT = "tierflow-checkpoint"
 CHECKPOINT_VERSION = 2  # 2: per-file sizes and CRC32s in the manifest; version 1 (without them) is still read
-SHARDED_VERSION = 3  # the top manifest of a checkpoint of several ranks (rank-<r>/ shards, each a version 2 manifest)
+# the top manifest of a checkpoint of several ranks (rank-<r>/ shards, each a version 2 manifest)
+SHARDED_VERSION = 3
 READ_VERSIONS = (1, 2, SHARDED_VERSION)
 CHUNK_BYTES = 64 << 20
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -63,12 +65,12 @@ class NonFiniteState(TierflowError, ValueError):
 
     def __init__(self, step: int, block: int, classes: list[str], rank: int | None = None) -> None:
         where = "" if rank is None else f" (rank {rank}'s shard)"
-        super().__init__(f"non-finite values (NaN or inf) in {', '.join(classes)} of block {block}{where} after "
-                         f"step {step}")
+        super().__init__(f"non-finite values (NaN or inf) in {', '.join(classes)} of block {block}{where} "
+                         f"after step {step}")
         self.step, self.block, self.classes, self.rank = step, block, classes, rank
 
 
-# -- files ----------------------------------------------------------------------------------------------------
+# -- files ---------------------------------------------------------------------------------------------------
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
@@ -77,7 +79,8 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int
     header, offset = {}, 0
     for name, t in tensors.items():
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
@@ -142,11 +145,12 @@ def block_file(b: int) -> str:
     return f"block{b:04d}.safetensors"
 
 
-# -- saving ---------------------------------------------------------------------------------------------------
+# -- saving --------------------------------------------------------------------------------------------------
 
 
 def _write_blocks(state: TrainState, directory: Path, step: int) -> dict[str, dict]:
-    """One safetensors file per block of this rank's state (the whole blocks with one rank); {file: size, CRC32}."""
+    """One safetensors file per block of this rank's state (the whole blocks with one rank);
+    {file: size, CRC32}."""
     files = {}
     rank = None if state.world.single else state.world.rank
     for b in range(len(state.layout.numel)):
@@ -162,16 +166,17 @@ def _write_blocks(state: TrainState, directory: Path, step: int) -> dict[str, di
 def _write_error(root: Path, step: int, e: OSError) -> CheckpointWriteError:
     full = e.errno in (errno.ENOSPC, errno.EDQUOT)
     why = "the disk is full" if full else (e.strerror or str(e))
-    return CheckpointWriteError(f"--checkpoint-dir {root}: cannot write the checkpoint of step {step} ({why}); "
-                                f"nothing of it was left behind and the previous checkpoint is kept "
+    return CheckpointWriteError(f"--checkpoint-dir {root}: cannot write the checkpoint of step {step} "
+                                f"({why}); nothing of it was left behind and the previous checkpoint is kept "
                                 f"({'free space or ' if full else ''}pass another --checkpoint-dir)", full)
 
 
 def save_checkpoint(state: TrainState, directory: str | os.PathLike[str], step: int, meta: dict,
                     world: DistWorld = SINGLE) -> Path:
-    """Write a checkpoint of `state` after `step` steps atomically; returns its directory. Raises NonFiniteState
-    (nothing written) if the state holds NaN or inf, CheckpointWriteError (nothing left behind) if a write fails.
-    With several ranks every rank calls it and every rank gets the same outcome (the sharded layout above)."""
+    """Write a checkpoint of `state` after `step` steps atomically; returns its directory. Raises
+    NonFiniteState (nothing written) if the state holds NaN or inf, CheckpointWriteError (nothing left behind)
+    if a write fails. With several ranks every rank calls it and every rank gets the same outcome (the sharded
+    layout above)."""
     if not world.single:
         return _save_sharded(state, Path(directory), step, meta, world)
     root = Path(directory)
@@ -221,7 +226,8 @@ def _failure(e: BaseException) -> tuple | None:
 
 
 def _agree(world: DistWorld, failure: tuple | None, cleanup=None) -> None:
-    """Every rank's outcome of a phase; the first failure (lowest rank) is raised on every rank, after `cleanup`."""
+    """Every rank's outcome of a phase; the first failure (lowest rank) is raised on every rank,
+    after `cleanup`."""
     failures = [f for f in world.gather_objects(failure) if f is not None]
     if not failures:
         return
@@ -259,9 +265,9 @@ def _save_sharded(state: TrainState, root: Path, step: int, meta: dict, world: D
         d = tmp / f"rank-{world.rank}"
         d.mkdir()
         files = _write_blocks(state, d, step)
-        manifest = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step, "model": state.spec.name,
-                    "rank": world.rank, "ranks": world.ranks, "shards": [list(s) for s in state.shards],
-                    "files": files}
+        manifest = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step,
+                    "model": state.spec.name, "rank": world.rank, "ranks": world.ranks,
+                    "shards": [list(s) for s in state.shards], "files": files}
         _write_text(d / "manifest.json", json.dumps(manifest, indent=1))
         _fsync_dir(d)
 
@@ -272,13 +278,14 @@ def _save_sharded(state: TrainState, root: Path, step: int, meta: dict, world: D
         for k in range(world.ranks):
             m = tmp / f"rank-{k}" / "manifest.json"
             if not m.is_file():
-                raise CheckpointWriteError(f"--checkpoint-dir {root}: rank {k}'s shard is not in {tmp.name}: every "
-                                           "rank must see the same checkpoint directory (on several boxes, a shared "
-                                           "filesystem)", False)
+                raise CheckpointWriteError(f"--checkpoint-dir {root}: rank {k}'s shard is not in {tmp.name}: "
+                                           "every rank must see the same checkpoint directory (on several "
+                                           "boxes, a shared filesystem)", False)
             nbytes, crc = file_crc32(m)
             shards[f"rank-{k}"] = {"bytes": nbytes, "crc32": crc}
-        manifest = {"format": CHECKPOINT_FORMAT, "version": SHARDED_VERSION, "step": step, "model": state.spec.name,
-                    "numel": state.layout.numel, "world": {"ranks": world.ranks}, **meta, "shards": shards}
+        manifest = {"format": CHECKPOINT_FORMAT, "version": SHARDED_VERSION, "step": step,
+                    "model": state.spec.name, "numel": state.layout.numel, "world": {"ranks": world.ranks},
+                    **meta, "shards": shards}
         _write_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
         _fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)
@@ -315,7 +322,7 @@ def remove_temporaries(directory: str | os.PathLike[str]) -> list[Path]:
     return gone
 
 
-# -- resuming -------------------------------------------------------------------------------------------------
+# -- resuming ------------------------------------------------------------------------------------------------
 
 
 def read_manifest(ckpt: Path) -> dict:
@@ -345,25 +352,25 @@ def verify_file(ckpt: Path, name: str, manifest: dict) -> None:
     except OSError as e:
         raise CheckpointError(f"checkpoint {ckpt}: cannot read {name} ({e.strerror})") from None
     if nbytes != want.get("bytes"):
-        raise CheckpointError(f"checkpoint {ckpt}: {name} is truncated or overwritten ({nbytes:,} bytes, written "
-                              f"with {want.get('bytes'):,})")
+        raise CheckpointError(f"checkpoint {ckpt}: {name} is truncated or overwritten ({nbytes:,} bytes, "
+                              f"written with {want.get('bytes'):,})")
     if crc != want.get("crc32"):
-        raise CheckpointError(f"checkpoint {ckpt}: checksum mismatch in {name}: the file changed after it was "
-                              "written (disk error or another program)")
+        raise CheckpointError(f"checkpoint {ckpt}: checksum mismatch in {name}: the file changed after it "
+                              "was written (disk error or another program)")
 
 
 def check_world(ckpt: Path, manifest: dict, ranks: int) -> None:
     """StateError unless the checkpoint was written by `ranks` ranks (shards are not re-split)."""
     wrote = int((manifest.get("world") or {}).get("ranks", 1))
     if wrote != ranks:
-        raise StateError(f"checkpoint {ckpt}: written by {wrote} rank(s), this run has {ranks}; resume it with the "
-                         f"plan and world size it was written with ({wrote} rank(s)), or use another "
-                         "--checkpoint-dir")
+        raise StateError(f"checkpoint {ckpt}: written by {wrote} rank(s), this run has {ranks}; resume it "
+                         f"with the plan and world size it was written with ({wrote} rank(s)), or use "
+                         "another --checkpoint-dir")
 
 
 def load_checkpoint(state: TrainState, ckpt: Path, manifest: dict) -> None:
-    """Restore `state` from checkpoint directory `ckpt` (this rank's shard with several ranks), verifying every
-    block file first."""
+    """Restore `state` from checkpoint directory `ckpt` (this rank's shard with several ranks),
+    verifying every block file first."""
     if manifest.get("numel") != state.layout.numel or manifest.get("model") != state.spec.name:
         raise StateError(f"checkpoint {ckpt}: it is of model {manifest.get('model')!r}, the plan trains "
                          f"{state.spec.name!r} (use another --checkpoint-dir, or the plan it was made with)")
@@ -372,8 +379,8 @@ def load_checkpoint(state: TrainState, ckpt: Path, manifest: dict) -> None:
         return
     d, shard = _shard_manifest(ckpt, manifest, state.world.rank)
     if shard.get("shards") != [list(x) for x in state.shards]:
-        raise CheckpointError(f"checkpoint {ckpt}: rank-{state.world.rank}/ holds other element ranges than this "
-                              "rank's shard (written by another world size?)")
+        raise CheckpointError(f"checkpoint {ckpt}: rank-{state.world.rank}/ holds other element ranges than "
+                              "this rank's shard (written by another world size?)")
     _load_blocks(state, d, shard, state.shard_numel, state.set_shard)
 
 
@@ -381,9 +388,10 @@ def _shard_manifest(ckpt: Path, manifest: dict, rank: int) -> tuple[Path, dict]:
     """(directory, manifest) of rank `rank`'s shard, its manifest verified against the top manifest."""
     d = ckpt / f"rank-{rank}"
     if not (d / "manifest.json").is_file():
-        raise CheckpointError(f"checkpoint {ckpt}: rank {rank}'s shard (rank-{rank}/manifest.json) is missing")
-    verify_file(ckpt, f"rank-{rank}/manifest.json", {"files": {f"rank-{rank}/manifest.json":
-                                                               (manifest.get("shards") or {}).get(f"rank-{rank}")}})
+        raise CheckpointError(
+            f"checkpoint {ckpt}: rank {rank}'s shard (rank-{rank}/manifest.json) is missing")
+    entry = (manifest.get("shards") or {}).get(f"rank-{rank}")
+    verify_file(ckpt, f"rank-{rank}/manifest.json", {"files": {f"rank-{rank}/manifest.json": entry}})
     return d, read_manifest(d)
 
 
@@ -405,7 +413,8 @@ def _load_blocks(state: TrainState, d: Path, manifest: dict, numel: list[int], p
 
 
 def candidates(directory: str | os.PathLike[str]) -> tuple[Path | None, list[Path], str | None]:
-    """(the checkpoint 'latest' names or None, every step directory newest first, why 'latest' is unusable)."""
+    """(the checkpoint 'latest' names or None, every step directory newest first,
+    why 'latest' is unusable)."""
     root = Path(directory)
     steps = sorted((p for p in root.glob("step*") if p.is_dir()), reverse=True)
     pointer = root / "latest"
@@ -436,8 +445,8 @@ def resume(state: TrainState, directory: str | os.PathLike[str], *, fallback: bo
         return None
     order = ([latest] if latest is not None else []) + [p for p in steps if p != latest]
     if problem is not None and not fallback:
-        raise CheckpointError(f"--checkpoint-dir {root}: {problem}; pass --resume-fallback to resume from the "
-                              "newest checkpoint that verifies, or use another directory")
+        raise CheckpointError(f"--checkpoint-dir {root}: {problem}; pass --resume-fallback to resume from "
+                              "the newest checkpoint that verifies, or use another directory")
     for i, ckpt in enumerate(order):
         try:
             manifest = read_manifest(ckpt)
@@ -450,8 +459,8 @@ def resume(state: TrainState, directory: str | os.PathLike[str], *, fallback: bo
         if ckpt != latest:
             _point_latest(root, ckpt)
         return ckpt, manifest
-    raise CheckpointError(f"--checkpoint-dir {root}: none of its {len(order)} checkpoint(s) verifies; delete it to "
-                          "start over, or pass another --checkpoint-dir")
+    raise CheckpointError(f"--checkpoint-dir {root}: none of its {len(order)} checkpoint(s) verifies; delete "
+                          "it to start over, or pass another --checkpoint-dir")
 
 
 def _bad_checkpoint(e: CheckpointError | str, ckpt: Path, rest: list[Path], fallback: bool, log,
@@ -476,8 +485,9 @@ def _bad_checkpoint(e: CheckpointError | str, ckpt: Path, rest: list[Path], fall
 
 def _resume_sharded(state: TrainState, root: Path, *, fallback: bool, check: Callable[[Path, dict], None],
                     log: Callable[[str], None]) -> tuple[Path, dict] | None:
-    """resume() for several ranks: rank 0 lists the checkpoints; for each candidate every rank verifies and loads
-    its shard (rank 0 also checks that every shard is present) and all agree before it is used or skipped."""
+    """resume() for several ranks: rank 0 lists the checkpoints; for each candidate every rank verifies and
+    loads its shard (rank 0 also checks that every shard is present) and all agree before it is used or
+    skipped."""
     world = state.world
     lead = world.rank == 0
     listed = None
@@ -490,8 +500,8 @@ def _resume_sharded(state: TrainState, root: Path, *, fallback: bool, check: Cal
     latest = root / latest_name if latest_name is not None else None
     order = ([latest] if latest is not None else []) + [root / n for n in step_names if n != latest_name]
     if problem is not None and not fallback:
-        raise CheckpointError(f"--checkpoint-dir {root}: {problem}; pass --resume-fallback to resume from the "
-                              "newest checkpoint that verifies, or use another directory")
+        raise CheckpointError(f"--checkpoint-dir {root}: {problem}; pass --resume-fallback to resume from "
+                              "the newest checkpoint that verifies, or use another directory")
     for i, ckpt in enumerate(order):
         err = None
         try:
@@ -518,5 +528,5 @@ def _resume_sharded(state: TrainState, root: Path, *, fallback: bool, check: Cal
             _point_latest(root, ckpt)
         world.barrier()
         return ckpt, manifest
-    raise CheckpointError(f"--checkpoint-dir {root}: none of its {len(order)} checkpoint(s) verifies; delete it to "
-                          "start over, or pass another --checkpoint-dir")
+    raise CheckpointError(f"--checkpoint-dir {root}: none of its {len(order)} checkpoint(s) verifies; delete "
+                          "it to start over, or pass another --checkpoint-dir")

@@ -28,7 +28,8 @@ class TokenData:
     def load(cls, path: str | None, vocab_size: int, fmt: str = "auto", seed: int = 0) -> TokenData:
         if path is None:
             rng = np.random.default_rng(seed)
-            return cls(rng.integers(0, vocab_size, size=1 << 16, dtype=np.int64), "synthetic (seeded random tokens)")
+            tokens = rng.integers(0, vocab_size, size=1 << 16, dtype=np.int64)
+            return cls(tokens, "synthetic (seeded random tokens)")
         p = Path(path)
         if not p.is_file():
             raise DataError(f"--data {p}: no such file (pass a uint16 token file (.bin) or a text file)")
@@ -36,8 +37,8 @@ class TokenData:
             fmt = "uint16" if p.suffix in (".bin", ".u16") else "text"
         if fmt == "uint16":
             if p.stat().st_size % 2:
-                raise DataError(f"--data {p}: {p.stat().st_size} bytes is not a whole number of uint16 tokens "
-                                "(pass --data-format text for a text file)")
+                raise DataError(f"--data {p}: {p.stat().st_size} bytes is not a whole number of uint16 "
+                                "tokens (pass --data-format text for a text file)")
             tokens = np.memmap(p, dtype=np.uint16, mode="r")
         elif fmt == "text":
             tokens = np.memmap(p, dtype=np.uint8, mode="r")
@@ -47,8 +48,9 @@ class TokenData:
             raise DataError(f"--data {p}: only {len(tokens)} tokens; a batch needs at least seq + 1")
         top = int(tokens.max())
         if top >= vocab_size:
+            hint = "a text file needs a vocabulary of 256" if fmt == "text" else "wrong tokenizer?"
             raise DataError(f"--data {p}: token id {top} is outside the model's vocabulary of {vocab_size} "
-                            f"({'a text file needs a vocabulary of 256' if fmt == 'text' else 'wrong tokenizer?'})")
+                            f"({hint})")
         return cls(tokens, f"{p} ({fmt}, {len(tokens):,} tokens)")
 
     def check_batch(self, batch: int, seq: int) -> None:
@@ -57,12 +59,13 @@ class TokenData:
         need = batch * seq + 1
         if len(self.tokens) < need:
             where = self.source.split(" (")[0]
-            raise DataError(f"--data {where}: {len(self.tokens):,} tokens, shorter than one batch of {batch} x {seq} "
-                            f"tokens + 1 = {need:,} (pass a longer file, or a plan with a smaller batch)")
+            raise DataError(f"--data {where}: {len(self.tokens):,} tokens, shorter than one batch of "
+                            f"{batch} x {seq} tokens + 1 = {need:,} (pass a longer file, or a plan with a "
+                            "smaller batch)")
 
     def batch(self, step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of shape (batch, seq) for training step `step`: consecutive windows of seq+1 tokens,
-        wrapping around the file."""
+        """(inputs, targets) of shape (batch, seq) for training step `step`: consecutive windows of seq+1
+        tokens, wrapping around the file."""
         n = len(self.tokens)
         if n < seq + 1:
             raise DataError(f"data {self.source}: {n} tokens, a sequence needs {seq + 1}")

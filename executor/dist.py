@@ -1,22 +1,22 @@
-"""Data-parallel training on torch.distributed (issue 19): the world of one `tierflow run` process, its process
+"""Data-parallel training on torch.distributed: the world of one `tierflow run` process, its process
 groups, the collectives the executor needs outside the plan's ops, and the `--nproc` launch through torchrun.
 
-A plan made for W = gpus x nodes ranks runs as W processes started by torchrun (`torchrun --nproc-per-node N -m
-tierflow run plan.json ...`, or `tierflow run plan.json --nproc N`, which runs torch.distributed.run itself).
-Each process reads its rank from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) and:
+A plan made for W = gpus x nodes ranks runs as W processes started by torchrun (`torchrun --nproc-per-node N
+-m tierflow run plan.json ...`, or `tierflow run plan.json --nproc N`, which runs torch.distributed.run
+itself). Each process reads its rank from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) and:
 
 - computes on one device: cuda:LOCAL_RANK (NCCL) or the CPU (gloo);
 - owns a 1/W shard of every block's flat vector, elements [r*ceil(n/W), min(n, (r+1)*ceil(n/W))) (ZeRO-3
   partitioning, tierflow.planner.core.world): its compute weights, fp32 master, Adam moments and gradient
-  accumulators of that shard live on its tiers as the plan's placement splits them (state.py);
+  accumulators of that shard live on its tiers as the plan's placement splits them (tiers/state.py);
 - trains on sequences [r*B/W, (r+1)*B/W) of each global batch of B sequences (engine.py), scales its loss by
-  1/W so that the summed gradient shard equals one rank's gradient of the whole batch, and reports the mean loss
-  over the ranks;
+  1/W so that the summed gradient shard equals one rank's gradient of the whole batch, and reports the mean
+  loss over the ranks;
 - replays the same op list as every other rank; the plan's ops on resource `net` (all_gather_weights,
-  reduce_scatter_grads: ops_net.py) run on a worker of their own, in the plan's order, on the *net* process
+  reduce_scatter_grads: ops/net.py) run on a worker of their own, in the plan's order, on the *net* process
   group. Everything else collective (the loss, checkpoint agreement, gathering the final weights) runs on a
-  separate gloo group (*ctrl*) from the main or the reporter thread, never concurrently with itself, so the two
-  groups' collectives never interleave differently on different ranks.
+  separate gloo group (*ctrl*) from the main or the reporter thread, never concurrently with itself, so the
+  two groups' collectives never interleave differently on different ranks.
 
 One process (no torchrun) on a 1-rank plan is `SINGLE`: no process group, nothing changes.
 """
@@ -37,7 +37,8 @@ from tierflow.planner.core.world import shard_range
 
 
 class LaunchError(TierflowError, ValueError):
-    """A run launched with another number of processes than its plan's ranks, or a bad launch flag (exit 2)."""
+    """A run launched with another number of processes than its plan's ranks,
+    or a bad launch flag (exit 2)."""
 
     agreed = True  # every rank finds the same: rank 0 says it
 
@@ -106,7 +107,8 @@ class DistWorld:
         slot = torch.zeros(s, dtype=shard.dtype)
         slot[: shard.numel()].copy_(shard)
         out = torch.empty(s * self.ranks, dtype=shard.dtype)
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, slot, group=self.ctrl_group)
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        all_gather(out, slot, group=self.ctrl_group)
         return out[:n]
 
 
@@ -127,26 +129,27 @@ def check_launch(plan_ranks: int, gpus: int, nodes: int, plan_source: str) -> No
     have = launched_ranks()
     if have == plan_ranks:
         return
-    how = (f"tierflow run {plan_source} --nproc {gpus}" + (f" --nnodes {nodes} --rdzv-endpoint HOST:PORT" if nodes > 1
-                                                           else "")
+    how = (f"tierflow run {plan_source} --nproc {gpus}"
+           + (f" --nnodes {nodes} --rdzv-endpoint HOST:PORT" if nodes > 1 else "")
            + f", or torchrun --nnodes {nodes} --nproc-per-node {gpus} -m tierflow run {plan_source} ...")
     if plan_ranks == 1:
-        raise LaunchError(f"launched as {have} ranks, but plan {plan_source} is for one GPU (run it without torchrun, "
-                          "or plan again with --gpus/--nodes)")
-    raise LaunchError(f"plan {plan_source} is for {plan_ranks} ranks ({gpus} GPU(s) x {nodes} box(es)), but this run "
-                      f"has {have}: launch it with {how}")
+        raise LaunchError(f"launched as {have} ranks, but plan {plan_source} is for one GPU (run it without "
+                          "torchrun, or plan again with --gpus/--nodes)")
+    raise LaunchError(f"plan {plan_source} is for {plan_ranks} ranks ({gpus} GPU(s) x {nodes} box(es)), but "
+                      f"this run has {have}: launch it with {how}")
 
 
 def rank_device(device: str, world_ranks: int) -> str:
-    """The --device of this rank: cuda:LOCAL_RANK for cuda; an explicit cuda:N is refused with several ranks."""
+    """The --device of this rank: cuda:LOCAL_RANK for cuda;
+    an explicit cuda:N is refused with several ranks."""
     if world_ranks == 1:
         return device
     local = os.environ.get("LOCAL_RANK", "0")
     if device == "cuda":
         return f"cuda:{local}"
     if device.startswith("cuda:"):
-        raise LaunchError(f"--device {device}: with several ranks each rank computes on cuda:LOCAL_RANK; pass "
-                          "--device cuda")
+        raise LaunchError(f"--device {device}: with several ranks each rank computes on cuda:LOCAL_RANK; "
+                          "pass --device cuda")
     if device == "cpu-adversarial":  # the emulation of a CUDA device: one emulated device index per rank
         return f"cpu-adversarial:{local}"
     return device
@@ -154,8 +157,8 @@ def rank_device(device: str, world_ranks: int) -> str:
 
 def init_world(plan_ranks: int, device: torch.device) -> DistWorld:
     """The world of this process: SINGLE for a 1-rank plan, else the default process group (NCCL on CUDA,
-    gloo on CPU) for the plan's collectives and a gloo group for the rest. Made once per process (a test may run
-    several plans in one process group)."""
+    gloo on CPU) for the plan's collectives and a gloo group for the rest. Made once per process (a test may
+    run several plans in one process group)."""
     global _WORLD
     if plan_ranks == 1:
         return SINGLE
@@ -175,7 +178,7 @@ def init_world(plan_ranks: int, device: torch.device) -> DistWorld:
     return _WORLD
 
 
-# -- `tierflow run --nproc N`: torchrun, started from here ---------------------------------------------------------
+# -- `tierflow run --nproc N`: torchrun, started from here ---------------------------------------------------
 
 LAUNCH_FLAGS = ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-id")
 
@@ -195,11 +198,12 @@ def strip_launch_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def torchrun_args(nproc: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str, argv: list[str]) -> list[str]:
+def torchrun_args(nproc: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str,
+                  argv: list[str]) -> list[str]:
     """torch.distributed.run's arguments that start `nproc` ranks here of `nnodes` boxes running `argv`."""
     if nnodes > 1 and not rdzv_endpoint:
-        raise LaunchError(f"--nnodes {nnodes}: pass --rdzv-endpoint HOST:PORT, the address every box's launcher "
-                          "meets at (e.g. the first box's address and a free port)")
+        raise LaunchError(f"--nnodes {nnodes}: pass --rdzv-endpoint HOST:PORT, the address every box's "
+                          "launcher meets at (e.g. the first box's address and a free port)")
     if nnodes == 1 and not rdzv_endpoint:
         where = ["--standalone"]
     else:
@@ -233,7 +237,8 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str, arg
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - the launcher's own failure (rendezvous timeout, port in use, ...)
-        print(f"tierflow run: the torchrun launch failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}",
+        print(f"tierflow run: the torchrun launch failed: {type(e).__name__}: "
+              f"{' '.join(str(e).split())[:200]}",
               file=sys.stderr)
         return 1
     return 0

@@ -3,7 +3,7 @@ order, an op starting only when its dependencies have finished. Nothing is sched
 compute step and optimizer step is an op of the plan, and the executor only decides *how* to carry it out.
 
 Workers and streams
-    gpu, h2d and d2h each own a stream of the device backend (device.py: CUDA, or its adversarial CPU
+    gpu, h2d and d2h each own a stream of the device backend (executor/device: CUDA, or its adversarial CPU
     emulation; on a plain CPU there are no streams and every op runs in its worker). A stream worker enqueues
     its op's handler on its stream (`launch`) and marks the op done once enqueued; a dependency between two
     stream resources is the end event the waiting stream waits on, and a host worker (cpu, ssd_read,
@@ -12,8 +12,9 @@ Workers and streams
     synchronization is at the end of a round (the plan's iterations), to read the losses and the timings.
 
 The rest of the design lives with its code: how ops bind to tensors and the entries' states in binding.py,
-the op handlers and their dispatch table in ops.py (ops_entries.py, ops_compute.py, ops_state.py, with the
-numerics), what a round shares between its workers in context.py (RoundState), saved-tensor packs in packs.py.
+the op handlers and their dispatch table in ops/ (table.py; entries.py, compute.py, weights.py, grads.py,
+optimizer.py, with the numerics), what a round shares between its workers in ops/context.py (RoundState),
+saved-tensor packs in tiers/packs.py.
 """
 
 from __future__ import annotations
@@ -30,20 +31,23 @@ import numpy as np
 import torch
 
 from tierflow.errors import DoesNotFit, TierflowError
-from tierflow.executor.arena import TransferArena, arena_bytes_for
 from tierflow.executor.binding import Binding, ExecutionError
-from tierflow.executor.context import STREAM_RESOURCES, Hyper, OpContext, RoundState
 from tierflow.executor.data import TokenData
-from tierflow.executor.device import DeviceBackend, RoundAborted, TierOutOfMemory, as_backend
-from tierflow.executor.ops import KINDS, Ops
-from tierflow.executor.ops_state import HostGradAdds
-from tierflow.executor.state import TrainState
-from tierflow.executor.store import ChecksumError, SsdStore
+from tierflow.executor.device.base import DeviceBackend, RoundAborted, TierOutOfMemory
+from tierflow.executor.device.factory import as_backend
+from tierflow.executor.ops.context import STREAM_RESOURCES, Hyper, OpContext, RoundState
+from tierflow.executor.ops.grads import HostGradAdds
+from tierflow.executor.ops.table import Ops
+from tierflow.executor.tiers.arena import TransferArena, arena_bytes_for
+from tierflow.executor.tiers.ssd_store import ChecksumError, SsdStore
+from tierflow.executor.tiers.state import TrainState
 from tierflow.planner.core.graph import TIERS, Task, TaskGraph
+from tierflow.planner.core.opkinds import ENTRY_TENSORS, OP_KINDS
 from tierflow.planner.core.simulator import SimResult, summarize
 from tierflow.planner.io.planfile import Plan
 
-__all__ = ["ExecutionError", "Executor", "Hyper", "OutOfMemory", "RoundResult", "UnsupportedPlan", "measured_result"]
+__all__ = ["ExecutionError", "Executor", "Hyper", "OutOfMemory", "RoundResult", "UnsupportedPlan",
+           "measured_result"]
 
 
 class OutOfMemory(DoesNotFit, ExecutionError):
@@ -71,48 +75,51 @@ _Aborted = RoundAborted
 
 class Executor:
     """Runs rounds of a plan's ops on the training state: a worker thread per resource, a fresh RoundState per
-    round; the ops themselves are in ops.py."""
+    round; the ops themselves are in executor/ops."""
 
     def __init__(self, plan: Plan, state: TrainState, data: TokenData, device: torch.device | DeviceBackend,
                  hyper: Hyper, ssd: SsdStore | None, profile: bool = False) -> None:
         self.backend = state.backend if state is not None else as_backend(device)
         self.plan, self.state, self.data, self.hyper, self.ssd = plan, state, data, hyper, ssd
         self.device = self.backend.device
-        self.profile = profile  # each op under a torch.profiler record_function named after it (tierflow run --profile)
+        # each op under a torch.profiler record_function named after it (tierflow run --profile)
+        self.profile = profile
         self.cfg = plan.config
         self.tasks: list[Task] = plan.graph.tasks
-        unknown = sorted({t.kind for t in self.tasks} - KINDS)
+        unknown = sorted({t.kind for t in self.tasks} - OP_KINDS)
         if unknown:
-            raise UnsupportedPlan(f"{plan.source}: op kind {unknown[0]!r} is not implemented by this executor "
-                                 f"(it runs {', '.join(sorted(KINDS))}); upgrade tierflow")
+            raise UnsupportedPlan(f"{plan.source}: op kind {unknown[0]!r} is not implemented by this "
+                                  f"executor (it runs {', '.join(sorted(OP_KINDS))}); upgrade tierflow")
         if state is not None:
             try:
                 self.backend.check_compute_dtype(state.compute_dtype)
             except ValueError as e:
                 raise UnsupportedPlan(str(e)) from None
-        # the net worker (several ranks' collectives, ops_net.py) has a stream of its own where the device has streams
+        # the net worker (several ranks' collectives, ops/net.py) has a stream of its own where the device has
+        # streams
         has_net = any(t.resource == "net" for t in self.tasks)
         self.stream_resources = (*STREAM_RESOURCES, "net") if has_net else STREAM_RESOURCES
         self.world = state.world
         if has_net and self.world.single:
-            raise UnsupportedPlan(f"{plan.source}: the plan has collectives (ops on resource net) but this run has one "
-                                  "rank (launch it with torchrun or --nproc)")
+            raise UnsupportedPlan(f"{plan.source}: the plan has collectives (ops on resource net) but this "
+                                  "run has one rank (launch it with torchrun or --nproc)")
         self.binding = Binding(plan, state.layout)
         if self.backend.streams_async:  # the device memory the plan assumes, enforced by the allocator
             self.backend.cap_memory(float(plan.graph.capacity_bytes["gpu"]))
-        # the host buffers that cross PCIe: one area, allocated now, sized from the plan (arena.py)
+        # the host buffers that cross PCIe: one area, allocated now, sized from the plan (tiers/arena.py)
         area_bytes = arena_bytes_for(plan, self.binding, state, self.backend.streams_async)
         self.arena = TransferArena(self.backend, area_bytes, warn=lambda msg: print(msg, file=sys.stderr))
         self.backend.arena = self.arena
         self.ops = Ops(OpContext(self.binding, state, self.device, hyper, ssd, self.backend, self.arena))
 
-    # -- running a round ---------------------------------------------------------------------------------------
+    # -- running a round -------------------------------------------------------------------------------------
 
     def run_round(self, iterations: int, step0: int, on_step=None) -> RoundResult:
-        """Run the plan's ops of its first `iterations` iterations as training steps step0 .. step0+iterations-1.
-        `on_step(iteration, loss, end_s)` is called (from a reporter thread) as soon as an iteration's last GPU
-        op has finished, so that long rounds show progress; it waits on that op's event only. An exception it
-        raises stops the round's workers and is raised here (how `tierflow run` stops at a non-finite loss)."""
+        """Run the plan's ops of its first `iterations` iterations as training steps step0 ..
+        step0+iterations-1. `on_step(iteration, loss, end_s)` is called (from a reporter thread) as soon as an
+        iteration's last GPU op has finished, so that long rounds show progress; it waits on that op's event
+        only. An exception it raises stops the round's workers and is raised here (how `tierflow run` stops at
+        a non-finite loss)."""
         n = self._check_round(iterations)
         rs = self._new_round(iterations, step0, n)
         queues = {r: [i for i in ids if i < n] for r, ids in self.plan.graph.resource_order().items()}
@@ -125,7 +132,8 @@ class Executor:
             threads.append(threading.Thread(target=self._reporter, args=(rs, last, on_step), daemon=True,
                                             name="tierflow-reporter"))
         # threads that may wait in a collective of several ranks: the net worker, the reporter (the mean loss)
-        collective = [th for th in threads if not self.world.single and th.name in ("tierflow-net", "tierflow-reporter")]
+        collective = [th for th in threads
+                      if not self.world.single and th.name in ("tierflow-net", "tierflow-reporter")]
         try:
             for th in threads:
                 th.start()
@@ -136,7 +144,8 @@ class Executor:
             raise
         finally:
             try:
-                self.backend.synchronize()  # the workers have enqueued every op; the streams run the last ones
+                # the workers have enqueued every op; the streams run the last ones
+                self.backend.synchronize()
                 if rs.grad_adds is not None:
                     rs.grad_adds.close()  # after the streams: the last offload_grads submit their adds there
             finally:
@@ -158,9 +167,9 @@ class Executor:
     @staticmethod
     def _join(rs: RoundState, threads: list[threading.Thread], collective: list[threading.Thread],
               grace_s: float = 5.0) -> None:
-        """Join the round's threads. One blocked in a collective (`collective`) cannot see the abort: once the round
-        has failed it is given `grace_s` to finish, then left behind (a daemon thread; the run is ending with the
-        error, and torchrun stops the other ranks when this one exits)."""
+        """Join the round's threads. One blocked in a collective (`collective`) cannot see the abort: once the
+        round has failed it is given `grace_s` to finish, then left behind (a daemon thread; the run is ending
+        with the error, and torchrun stops the other ranks when this one exits)."""
         for th in threads:
             if th not in collective:
                 th.join()
@@ -171,15 +180,18 @@ class Executor:
                 waited += 0.05 if rs.abort.is_set() else 0.0
 
     def _check_round(self, iterations: int) -> int:
-        """The number of ops in the plan's first `iterations` iterations, which must not depend on later ones."""
+        """The number of ops in the plan's first `iterations` iterations,
+        which must not depend on later ones."""
         n = sum(1 for t in self.tasks if t.iteration < iterations)
         if any(t.iteration >= iterations for t in self.tasks[:n]):
-            raise ExecutionError(f"{self.plan.source}: ops are not ordered by iteration; cannot run "
-                                 f"{iterations} of its {self.plan.graph.num_iterations} iterations (use whole rounds)")
+            raise ExecutionError(f"{self.plan.source}: ops are not ordered by iteration; cannot "
+                                 f"run {iterations} of its {self.plan.graph.num_iterations} iterations "
+                                 "(use whole rounds)")
         for t in self.tasks[:n]:
             for d in t.deps:
                 if d >= n:
-                    raise ExecutionError(f"{self.plan.source}: op {t.id} depends on a later iteration's op {d}")
+                    raise ExecutionError(
+                        f"{self.plan.source}: op {t.id} depends on a later iteration's op {d}")
         return n
 
     def _new_round(self, iterations: int, step0: int, n: int) -> RoundState:
@@ -191,7 +203,7 @@ class Executor:
         loss_sum = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in range(iterations)]
         batches = []
         mb, num_mb = self.cfg.micro_batch, self.cfg.num_micro_batches
-        share = self.cfg.batch // self.world.ranks  # rank r trains on sequences [r*share, (r+1)*share) of each batch
+        share = self.cfg.world.rank_batch(self.cfg.batch)  # rank r trains on sequences [r*share, (r+1)*share)
         for it in range(iterations):
             x, y = self.data.batch(step0 + it, self.cfg.batch, self.cfg.seq)
             if not self.world.single:
@@ -243,7 +255,7 @@ class Executor:
                     return
         except _Aborted:
             return
-        except BaseException as e:  # noqa: BLE001 - the reporter's own failure, passed up with the op it reported
+        except BaseException as e:  # noqa: BLE001 - the reporter's own failure, passed up with its op
             self._fail(rs, self.tasks[tid] if tid is not None else None, e, "reporting the loss after ")
 
     def _wait(self, rs: RoundState, d: int) -> None:
@@ -254,8 +266,10 @@ class Executor:
 
     def _worker(self, rs: RoundState, resource: str, queue: list[int]) -> None:
         self.backend.thread_init()
-        stream = rs.streams[resource] if rs.streams is not None and resource in self.stream_resources else None
-        run_op = self._run_op_profiled if self.profile else self.ops.run  # chosen once: no cost when not profiling
+        has_stream = rs.streams is not None and resource in self.stream_resources
+        stream = rs.streams[resource] if has_stream else None
+        # chosen once: no cost when not profiling
+        run_op = self._run_op_profiled if self.profile else self.ops.run
         t = None
         try:
             for tid in queue:
@@ -323,7 +337,7 @@ class Executor:
                 rs.peak_bytes[tier] = max(rs.peak_bytes[tier], rs.mem_bytes[tier])
             rs.mem_trace.append((time.perf_counter() - rs.t0_s, *rs.mem_bytes))
 
-    # -- errors ------------------------------------------------------------------------------------------------
+    # -- errors ----------------------------------------------------------------------------------------------
 
     def _explain(self, t: Task | None, e: BaseException, prefix: str = "") -> BaseException:
         what = f"{prefix}op {t.id} ({t.label} on {t.resource})" if t is not None else f"{prefix}the round"
@@ -333,11 +347,12 @@ class Executor:
         if tier is not None:
             why = self._decision(t) if t is not None else "placement"
             return OutOfMemory(f"{tier} out of memory in {what}: caused by the plan's {why}; "
-                               f"plan again for this machine (tierflow calibrate, then tierflow plan --hw box.yaml)")
+                               "plan again for this machine (tierflow calibrate, then "
+                               "tierflow plan --hw box.yaml)")
         if is_cuda_error(e):
-            return ExecutionError(f"CUDA error surfaced in {what}: {' '.join(str(e).split())[:160]}; CUDA reports "
-                                  "errors asynchronously, so the failing kernel may belong to an earlier op on any "
-                                  "stream: rerun with CUDA_LAUNCH_BLOCKING=1 to name it")
+            return ExecutionError(f"CUDA error surfaced in {what}: {' '.join(str(e).split())[:160]}; CUDA "
+                                  "reports errors asynchronously, so the failing kernel may belong to an "
+                                  "earlier op on any stream: rerun with CUDA_LAUNCH_BLOCKING=1 to name it")
         return ExecutionError(f"{what} failed: {type(e).__name__}: {e}")
 
     def _decision(self, t: Task) -> str:
@@ -351,8 +366,9 @@ class Executor:
             return f"world of {self.world.ranks} ranks (the full-size {t.tensor} buffer of block {t.block})"
         if t.tensor == "weights":
             return f"{split('weights')} with prefetch_depth {cfg.prefetch_depth}"
-        if t.tensor in ("checkpoint", "act", "act_grad"):
-            return f"{split('checkpoints')} at micro_batch {cfg.micro_batch} with swap_layers {cfg.swap_layers}"
+        if t.tensor in ENTRY_TENSORS:
+            return (f"{split('checkpoints')} at micro_batch {cfg.micro_batch} with swap_layers "
+                    f"{cfg.swap_layers}")
         if t.tensor == "grads":
             return split("grads")
         if t.tensor == "opt_states":
@@ -365,8 +381,8 @@ _PINNED_OOM = ("CachingHostAllocator", "cudaHostAlloc", "pinned memory")
 
 
 def oom_tier(e: BaseException) -> str | None:
-    """The tier an allocation failure is of (torch raises RuntimeError / AcceleratorError, not MemoryError, for
-    host and pinned memory), or None if `e` is not an out-of-memory error."""
+    """The tier an allocation failure is of (torch raises RuntimeError / AcceleratorError, not MemoryError,
+    for host and pinned memory), or None if `e` is not an out-of-memory error."""
     if isinstance(e, TierOutOfMemory):
         return e.tier
     if isinstance(e, torch.OutOfMemoryError):
@@ -394,8 +410,10 @@ def measured_result(plan: Plan, rr: RoundResult) -> SimResult:
     every output of the simulator (CSV, Chrome trace, Gantt) works on measurements too."""
     g = plan.graph
     n = len(rr.start_s)
-    graph = TaskGraph(g.tasks[:n], g.static_bytes, g.capacity_bytes, rr.iterations, g.num_blocks, dict(g.meta))
+    graph = TaskGraph(g.tasks[:n], g.static_bytes, g.capacity_bytes, rr.iterations, g.num_blocks,
+                      dict(g.meta))
     res = summarize(graph, rr.start_s, rr.end_s, [rr.peak_bytes[t] for t in TIERS], rr.memory_trace)
-    if rr.extra.get("device_memory"):  # measured by the device's allocator (CUDA, the emulation), not the plan's
+    # measured by the device's allocator (CUDA, the emulation), not the plan's
+    if rr.extra.get("device_memory"):
         res.meta["device_memory"] = dict(rr.extra["device_memory"])
     return res

@@ -106,7 +106,7 @@ def _torch_info() -> tuple[str | None, str, str, list[GpuInfo]]:
 def ssd_dir_info(directory: str | os.PathLike[str]) -> SsdDirInfo:
     """Whether `directory` takes O_DIRECT (the SSD tier's probe), its free space and block device."""
     from tierflow.executor.calibration.ssd import block_device_name
-    from tierflow.executor.direct_io import probe_o_direct
+    from tierflow.executor.tiers.direct_io import probe_o_direct
 
     path = Path(directory).resolve()
     try:

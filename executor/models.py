@@ -1,4 +1,5 @@
-"""PyTorch model code for the executor, built from a :class:`tierflow.planner.core.models.ModelSpec`, one module per block.
+"""PyTorch model code for the executor, built from a :class:`tierflow.planner.core.models.ModelSpec`, one
+module per block.
 
 The executor runs a model *block by block* (embedding, each decoder layer, head) while it streams the weights
 between GPU memory, CPU memory and NVMe, so the model is not one monolithic ``nn.Module``:
@@ -9,12 +10,15 @@ between GPU memory, CPU memory and NVMe, so the model is not one monolithic ``nn
 * ``family`` in ``llama``, ``mistral``, ``qwen2``: :class:`LlamaBlock`, RMSNorm, SwiGLU, rotary positions,
   grouped-query attention, biases only where the spec says (``qkv_bias`` for Qwen2). Mistral's sliding window
   is not modelled: it equals plain causal attention while ``seq_len <= sliding_window`` (4096 for Mistral-7B).
-* ``qwen3``: :class:`LlamaBlock` with an RMSNorm over head_dim on every query and key head (``q_norm``, ``k_norm``).
+* ``qwen3``: :class:`LlamaBlock` with an RMSNorm over head_dim on every query and key head (``q_norm``,
+``k_norm``).
 * ``gemma``: :class:`LlamaBlock` with GeGLU (tanh GELU gate), RMSNorms that scale by ``1 + weight``
   (:class:`GemmaRMSNorm`) and the embedding scaled by sqrt(hidden).
-* ``phi3``: :class:`Phi3Block`, LLaMA with q, k, v fused in ``qkv_proj``, gate and up fused in ``gate_up_proj``, and
+* ``phi3``: :class:`Phi3Block`, LLaMA with q, k, v fused in ``qkv_proj``, gate and up fused in
+``gate_up_proj``, and
   partial rotary embeddings (``rotary_fraction``).
-* ``opt``: :class:`OPTBlock`, pre-LN (``do_layer_norm_before``) with a final LayerNorm, ReLU, learned positions
+* ``opt``: :class:`OPTBlock`, pre-LN (``do_layer_norm_before``) with a final LayerNorm, ReLU, learned
+positions
   offset by 2. Post-LN OPT (opt-350m) and ``project_in``/``project_out`` are refused.
 * ``gpt_neox``: :class:`NeoXBlock`, parallel (or sequential) residual, the per-head interleaved fused
   ``query_key_value``, partial rotary embeddings, exact GELU.
@@ -53,8 +57,8 @@ LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 SUPPORTED_FAMILIES = ("gpt", *LLAMA_LIKE, "phi3", "opt", "gpt_neox")
 
 _WHY_UNSUPPORTED = {
-    "gemma2": "Gemma2 soft-caps attention and final logits and scales queries by query_pre_attn_scalar; the model "
-              "spec does not carry those constants, so its logits could not match the checkpoint's",
+    "gemma2": "Gemma2 soft-caps attention and final logits and scales queries by query_pre_attn_scalar; the "
+              "model spec does not carry those constants, so its logits could not match the checkpoint's",
 }
 
 
@@ -62,7 +66,8 @@ def check_supported(spec: ModelSpec) -> None:
     """Raise :class:`NotImplementedError` (one line) if the executor cannot build ``spec``."""
 
     def no(what: str) -> NotImplementedError:
-        return NotImplementedError(f"tierflow.executor.models: model {spec.name!r} (family {spec.family!r}): {what}")
+        return NotImplementedError(
+            f"tierflow.executor.models: model {spec.name!r} (family {spec.family!r}): {what}")
 
     if spec.family not in SUPPORTED_FAMILIES:
         why = _WHY_UNSUPPORTED.get(spec.family, "unknown family")
@@ -80,8 +85,8 @@ def check_supported(spec: ModelSpec) -> None:
     if spec.family in ("opt", "gpt_neox") and spec.norm != "layernorm":
         raise no(f"{spec.family} blocks need layernorm, got {spec.norm}")
     if spec.family == "opt" and (spec.embed_proj_dim or not spec.final_norm or spec.position_offset != 2):
-        raise no("post-LN OPT (do_layer_norm_before=false, e.g. opt-350m), word_embed_proj_dim != hidden_size "
-                 "(project_in/out) and a removed final norm are not implemented; pre-LN OPT is")
+        raise no("post-LN OPT (do_layer_norm_before=false, e.g. opt-350m), word_embed_proj_dim != "
+                 "hidden_size (project_in/out) and a removed final norm are not implemented; pre-LN OPT is")
     if spec.family != "opt" and (spec.embed_proj_dim or spec.position_offset or not spec.final_norm):
         raise no("OPT-only features (embed_proj_dim, position_offset, no final norm) outside an OPT model")
     if not spec.norm_affine:
@@ -93,20 +98,20 @@ def check_supported(spec: ModelSpec) -> None:
     if spec.family == "gpt" and not spec.max_positions:
         raise no("GPT blocks need a learned position table (max_positions > 0)")
     if not spec.lm_head:
-        raise no("a model without an lm_head (a benchmark stand-in whose loss is on the hidden states) is simulated, "
-                 "not trained")
+        raise no("a model without an lm_head (a benchmark stand-in whose loss is on the hidden states) is "
+                 "simulated, not trained")
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Shared pieces
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 class _SaveInputs(torch.autograd.Function):
     """`fn(*inputs)` that saves only its inputs for backward and recomputes the rest there (as fused kernels
     such as Megatron's RMSNorm and SwiGLU do): the backward re-runs `fn` under autograd, so its gradients are
-    bit-identical to plain autograd's, while the forward keeps no intermediates (an fp32 copy of a norm's input,
-    the activation function's output) alive until the backward."""
+    bit-identical to plain autograd's, while the forward keeps no intermediates (an fp32 copy of a norm's
+    input, the activation function's output) alive until the backward."""
 
     @staticmethod
     def forward(ctx, fn, *inputs):
@@ -116,7 +121,8 @@ class _SaveInputs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        inputs = [x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad[1:])]
+        inputs = [x.detach().requires_grad_(need)
+                  for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad[1:])]
         with torch.enable_grad():
             out = ctx.fn(*inputs)
         want = [x for x in inputs if x.requires_grad]
@@ -125,7 +131,8 @@ class _SaveInputs(torch.autograd.Function):
 
 
 def save_inputs_only(fn, *inputs: torch.Tensor) -> torch.Tensor:
-    """fn(*inputs), keeping only `inputs` for the backward (see _SaveInputs); plain fn(*inputs) without grad."""
+    """fn(*inputs), keeping only `inputs` for the backward (see _SaveInputs);
+    plain fn(*inputs) without grad."""
     if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
         return _SaveInputs.apply(fn, *inputs)
     return fn(*inputs)
@@ -133,8 +140,9 @@ def save_inputs_only(fn, *inputs: torch.Tensor) -> torch.Tensor:
 
 class RMSNorm(nn.Module):
     """LLaMA RMSNorm, computed in float32 like transformers' ``LlamaRMSNorm``. Only its input (in the compute
-    dtype) is kept for the backward, as a fused RMSNorm kernel keeps it: autograd alone would keep the fp32 copy
-    of the input, its normalised bf16 cast and the fp32 statistics (2.5x the input's bytes in bf16 more)."""
+    dtype) is kept for the backward, as a fused RMSNorm kernel keeps it: autograd alone would keep the fp32
+    copy of the input, its normalised bf16 cast and the fp32 statistics (2.5x the input's bytes in bf16
+    more)."""
 
     def __init__(self, dim: int, eps: float = RMSNORM_EPS, device=None, dtype=None) -> None:
         super().__init__()
@@ -151,7 +159,8 @@ class RMSNorm(nn.Module):
 
 
 class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: scales by ``1 + weight`` in float32 before casting back (the weight starts at zero)."""
+    """Gemma's RMSNorm: scales by ``1 + weight`` in float32 before casting back
+    (the weight starts at zero)."""
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -165,9 +174,9 @@ def _rms_norm(spec: ModelSpec, dim: int, eps: float, device=None, dtype=None) ->
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA over (B, heads, T, head_dim); k and v may have fewer (grouped-query) heads: kv head j serves
-    query heads j*groups .. (j+1)*groups-1, as transformers' repeat_kv, but without repeating them (enable_gqa),
-    so that autograd saves K and V at their own size, not groups times it."""
+    """Causal SDPA over (B, heads, T, head_dim); k and v may have fewer (grouped-query) heads: kv head j
+    serves query heads j*groups .. (j+1)*groups-1, as transformers' repeat_kv, but without repeating them
+    (enable_gqa), so that autograd saves K and V at their own size, not groups times it."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1))
 
 
@@ -198,10 +207,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class _Rope(torch.autograd.Function):
-    """Rotary positions that keep only the tables for backward (a rotation's gradient is the inverse rotation),
-    not the un-rotated queries and keys autograd would keep beside the rotated ones attention saves. The
-    gradient is computed with the same bf16 operations autograd runs (g*cos + the halves of g*sin swapped, one
-    negated), so it is bit-identical."""
+    """Rotary positions that keep only the tables for backward (a rotation's gradient is the inverse
+    rotation), not the un-rotated queries and keys autograd would keep beside the rotated ones attention
+    saves. The gradient is computed with the same bf16 operations autograd runs (g*cos + the halves of g*sin
+    swapped, one negated), so it is bit-identical."""
 
     @staticmethod
     def forward(ctx, x, cos, sin):
@@ -230,13 +239,14 @@ def _merge_heads(y: torch.Tensor) -> torch.Tensor:
     return y.transpose(1, 2).reshape(B, T, H * D)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Embedding and head
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 class Embedding(nn.Module):
-    """Token embedding ``wte`` (+ learned positions ``wpe`` for GPT). tokens (B, T) -> hidden (B, T, hidden)."""
+    """Token embedding ``wte`` (+ learned positions ``wpe`` for GPT). tokens (B, T) -> hidden (B,
+    T, hidden)."""
 
     def __init__(self, spec: ModelSpec, device=None, dtype=None) -> None:
         super().__init__()
@@ -257,7 +267,8 @@ class Embedding(nn.Module):
             T = tokens.size(-1)
             if T > self.wpe.num_embeddings - self.offset:
                 raise ValueError(
-                    f"sequence of {T} tokens exceeds the {self.wpe.num_embeddings - self.offset} learned positions"
+                    f"sequence of {T} tokens exceeds the {self.wpe.num_embeddings - self.offset} learned "
+                    "positions"
                 )
             x = x + self.wpe(torch.arange(T, device=tokens.device) + self.offset)
         return x
@@ -277,7 +288,8 @@ class Head(nn.Module):
                 spec.hidden, eps=LAYERNORM_EPS if norm_eps is None else norm_eps, device=device, dtype=dtype
             )
         else:
-            self.norm = _rms_norm(spec, spec.hidden, RMSNORM_EPS if norm_eps is None else norm_eps, device, dtype)
+            eps = RMSNORM_EPS if norm_eps is None else norm_eps
+            self.norm = _rms_norm(spec, spec.hidden, eps, device, dtype)
         self.lm_head = (
             None
             if self.tied
@@ -300,15 +312,16 @@ class Head(nn.Module):
 
 
 def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy in float32; targets equal to -100 are ignored (transformers' convention)."""
+    """Mean next-token cross entropy in float32;
+    targets equal to -100 are ignored (transformers' convention)."""
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
     )
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # GPT-2 / GPT-3 block
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 class GPTAttention(nn.Module):
@@ -357,9 +370,9 @@ class GPTBlock(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # LLaMA / Mistral / Qwen2 block
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 class LlamaAttention(nn.Module):
@@ -403,8 +416,9 @@ class LlamaMLP(nn.Module):
 
 
 def _glu(gate: torch.Tensor, up: torch.Tensor, geglu: bool) -> torch.Tensor:
-    """SwiGLU's silu(gate) * up, or GeGLU's (Gemma's gelu_pytorch_tanh) tanh GELU(gate) * up, keeping only gate and up for the backward (as a fused SwiGLU kernel does): autograd
-    alone would also keep the gate's output, one more ffn-wide tensor per layer."""
+    """SwiGLU's silu(gate) * up, or GeGLU's (Gemma's gelu_pytorch_tanh) tanh GELU(gate) * up, keeping only
+    gate and up for the backward (as a fused SwiGLU kernel does): autograd alone would also keep the gate's
+    output, one more ffn-wide tensor per layer."""
     return save_inputs_only(_geglu if geglu else _swiglu, gate, up)
 
 
@@ -474,7 +488,8 @@ class Phi3MLP(nn.Module):
     def __init__(self, spec: ModelSpec, device=None, dtype=None) -> None:
         super().__init__()
         self.geglu = spec.activation == "geglu"
-        self.gate_up_proj = nn.Linear(spec.hidden, 2 * spec.ffn_hidden, bias=False, device=device, dtype=dtype)
+        self.gate_up_proj = nn.Linear(spec.hidden, 2 * spec.ffn_hidden, bias=False, device=device,
+                                      dtype=dtype)
         self.down_proj = nn.Linear(spec.ffn_hidden, spec.hidden, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -482,9 +497,9 @@ class Phi3MLP(nn.Module):
         return self.down_proj(_glu(gate, up, self.geglu))
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # OPT and GPT-NeoX blocks
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 class OPTAttention(nn.Module):
@@ -523,11 +538,13 @@ class OPTBlock(nn.Module):
 
 
 class NeoXAttention(nn.Module):
-    """GPT-NeoX attention: ``query_key_value`` holds q, k, v interleaved per head ((heads, 3, head_dim) rows)."""
+    """GPT-NeoX attention: ``query_key_value`` holds q, k, v interleaved per head ((heads, 3,
+    head_dim) rows)."""
 
     def __init__(self, spec: ModelSpec, *, rope_theta: float, device=None, dtype=None) -> None:
         super().__init__()
-        self.heads, self.head_dim, self.rope_theta, self.rot = spec.num_heads, spec.head_dim, rope_theta, rotary_dims(spec)
+        self.heads, self.head_dim = spec.num_heads, spec.head_dim
+        self.rope_theta, self.rot = rope_theta, rotary_dims(spec)
         kw = {"device": device, "dtype": dtype}
         self.query_key_value = nn.Linear(spec.hidden, 3 * spec.q_dim, bias=spec.qkv_bias, **kw)
         self.dense = nn.Linear(spec.q_dim, spec.hidden, bias=spec.out_bias, **kw)
@@ -545,12 +562,15 @@ class NeoXMLP(nn.Module):
     def __init__(self, spec: ModelSpec, device=None, dtype=None) -> None:
         super().__init__()
         self.relu = spec.activation == "relu"
-        self.dense_h_to_4h = nn.Linear(spec.hidden, spec.ffn_hidden, bias=spec.mlp_bias, device=device, dtype=dtype)
-        self.dense_4h_to_h = nn.Linear(spec.ffn_hidden, spec.hidden, bias=spec.mlp_bias, device=device, dtype=dtype)
+        self.dense_h_to_4h = nn.Linear(spec.hidden, spec.ffn_hidden, bias=spec.mlp_bias, device=device,
+                                       dtype=dtype)
+        self.dense_4h_to_h = nn.Linear(spec.ffn_hidden, spec.hidden, bias=spec.mlp_bias, device=device,
+                                       dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.dense_h_to_4h(x)
-        return self.dense_4h_to_h(F.relu(h) if self.relu else F.gelu(h))  # exact GELU: NeoX's hidden_act "gelu"
+        # exact GELU: NeoX's hidden_act "gelu"
+        return self.dense_4h_to_h(F.relu(h) if self.relu else F.gelu(h))
 
 
 class NeoXBlock(nn.Module):
@@ -564,7 +584,8 @@ class NeoXBlock(nn.Module):
         self.parallel_residual = spec.parallel_residual
         self.input_layernorm = nn.LayerNorm(spec.hidden, eps=eps, **kw)
         self.post_attention_layernorm = nn.LayerNorm(spec.hidden, eps=eps, **kw)
-        self.attention = NeoXAttention(spec, rope_theta=ROPE_THETA if rope_theta is None else rope_theta, **kw)
+        theta = ROPE_THETA if rope_theta is None else rope_theta
+        self.attention = NeoXAttention(spec, rope_theta=theta, **kw)
         self.mlp = NeoXMLP(spec, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -575,9 +596,9 @@ class NeoXBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Building blocks
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def _make_blocks(
@@ -688,9 +709,9 @@ class BlockModel(nn.Module):
             block.load_state_dict(sd)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Hugging Face checkpoints
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 _LAYER_KEY = re.compile(r"^(?:h|layers)\.(\d+)\.(.+)$")
 # Non-parameter buffers that older checkpoints saved: GPT-2's causal mask, LLaMA's rotary table.
@@ -728,12 +749,13 @@ def _outer_keys(spec: ModelSpec) -> dict[str, tuple[int, str]]:
 
 def _hf_prefix(spec: ModelSpec) -> str:
     """The prefix of the base model's tensors in a transformers checkpoint (optional when reading)."""
-    return {"gpt": "transformer.", "opt": "model.decoder.", "gpt_neox": "gpt_neox."}.get(spec.family, "model.")
+    prefixes = {"gpt": "transformer.", "opt": "model.decoder.", "gpt_neox": "gpt_neox."}
+    return prefixes.get(spec.family, "model.")
 
 
 def _hf_lm_head(spec: ModelSpec) -> str:
-    """The lm_head's name as written on export: GPT-NeoX checkpoints call it ``embed_out`` (transformers 5 renames
-    it to ``lm_head`` on load, and older releases know only ``embed_out``)."""
+    """The lm_head's name as written on export: GPT-NeoX checkpoints call it ``embed_out`` (transformers 5
+    renames it to ``lm_head`` on load, and older releases know only ``embed_out``)."""
     return "embed_out.weight" if spec.family == "gpt_neox" else "lm_head.weight"
 
 
@@ -762,7 +784,8 @@ def hf_key_target(spec: ModelSpec, key: str) -> tuple[int, str, bool] | None | b
 
 def check_block_state_dicts(spec: ModelSpec, blocks: list[Mapping[str, torch.Tensor]],
                             only: list[int] | None = None) -> None:
-    """Names and shapes of per-block state dicts against the blocks we would build (meta device: no memory)."""
+    """Names and shapes of per-block state dicts against the blocks we would build (meta device:
+    no memory)."""
     expected = _make_blocks(spec, "meta", None, None)
     for i, (block, got) in enumerate(zip(expected, blocks)):
         if only is not None and i not in only:
@@ -784,8 +807,8 @@ def hf_state_dict_to_blocks(
     """Split a transformers state dict into one state dict per block of :func:`build_blocks`.
 
     Accepts the ``*ForCausalLM`` of every family in :data:`SUPPORTED_FAMILIES` (``model.`` prefix optional;
-    OPT's ``model.decoder.``, GPT-NeoX's ``gpt_neox.``) and ``GPT2LMHeadModel`` (``transformer.`` prefix optional,
-    as in the original GPT-2 checkpoints). GPT-2 Conv1D
+    OPT's ``model.decoder.``, GPT-NeoX's ``gpt_neox.``) and ``GPT2LMHeadModel`` (``transformer.`` prefix
+    optional, as in the original GPT-2 checkpoints). GPT-2 Conv1D
     weights are transposed; a tied ``lm_head.weight`` is dropped (the head uses the embedding's). Each result
     loads with ``block.load_state_dict(sd)`` (strict); missing, unexpected or mis-shaped tensors raise
     :class:`ValueError`.
@@ -812,8 +835,8 @@ def blocks_to_hf_state_dict(
     spec: ModelSpec, blocks: list[Mapping[str, torch.Tensor]]
 ) -> dict[str, torch.Tensor]:
     """The inverse of :func:`hf_state_dict_to_blocks`: one transformers state dict with the full prefixes
-    (``model.``, ``transformer.``, ``model.decoder.``, ``gpt_neox.``); a tied lm_head is left out (transformers
-    ties it to the embedding on load), GPT-2 Conv1D weights are transposed back."""
+    (``model.``, ``transformer.``, ``model.decoder.``, ``gpt_neox.``); a tied lm_head is left out
+    (transformers ties it to the embedding on load), GPT-2 Conv1D weights are transposed back."""
     check_supported(spec)
     check_block_state_dicts(spec, blocks)
     prefix, last = _hf_prefix(spec), spec.num_layers + 1
@@ -867,27 +890,31 @@ def hf_config(spec: ModelSpec) -> dict:
     if spec.family == "gpt":
         if spec.parallel_residual or not (spec.qkv_bias and spec.out_bias and spec.mlp_bias):
             raise no("GPT-2 layers have every bias and a sequential residual")
-        cfg.update(n_embd=spec.hidden, n_layer=spec.num_layers, n_head=spec.num_heads, n_inner=spec.ffn_hidden,
-                   n_positions=spec.max_positions, layer_norm_epsilon=LAYERNORM_EPS,
+        cfg.update(n_embd=spec.hidden, n_layer=spec.num_layers, n_head=spec.num_heads,
+                   n_inner=spec.ffn_hidden, n_positions=spec.max_positions, layer_norm_epsilon=LAYERNORM_EPS,
                    activation_function="relu" if spec.activation == "relu" else "gelu_new",
                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return cfg
     if spec.family == "opt":
         if not (spec.qkv_bias == spec.out_bias == spec.mlp_bias):
             raise no("OPT's enable_bias switches every bias at once")
-        cfg.update(hidden_size=spec.hidden, num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-                   ffn_dim=spec.ffn_hidden, max_position_embeddings=spec.max_positions, do_layer_norm_before=True,
-                   word_embed_proj_dim=spec.hidden, enable_bias=spec.qkv_bias, layer_norm_elementwise_affine=True,
+        cfg.update(hidden_size=spec.hidden, num_hidden_layers=spec.num_layers,
+                   num_attention_heads=spec.num_heads, ffn_dim=spec.ffn_hidden,
+                   max_position_embeddings=spec.max_positions, do_layer_norm_before=True,
+                   word_embed_proj_dim=spec.hidden, enable_bias=spec.qkv_bias,
+                   layer_norm_elementwise_affine=True,
                    activation_function="relu" if spec.activation == "relu" else "gelu",
                    dropout=0.0, attention_dropout=0.0, layerdrop=0.0)
         return cfg
     rope = {"rope_type": "default", "rope_theta": ROPE_THETA}
     if spec.family == "gpt_neox":
         if spec.qkv_bias != spec.out_bias or not spec.mlp_bias:
-            raise no("GPT-NeoX's attention_bias covers query_key_value and dense together, and its MLP has biases")
+            raise no("GPT-NeoX's attention_bias covers query_key_value and dense together, and its MLP "
+                     "has biases")
         rope["partial_rotary_factor"] = spec.rotary_fraction
-        cfg.update(hidden_size=spec.hidden, num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-                   intermediate_size=spec.ffn_hidden, max_position_embeddings=spec.seq_len,
+        cfg.update(hidden_size=spec.hidden, num_hidden_layers=spec.num_layers,
+                   num_attention_heads=spec.num_heads, intermediate_size=spec.ffn_hidden,
+                   max_position_embeddings=spec.seq_len,
                    hidden_act="relu" if spec.activation == "relu" else "gelu", rope_parameters=rope,
                    rotary_pct=spec.rotary_fraction, rotary_emb_base=ROPE_THETA, layer_norm_eps=LAYERNORM_EPS,
                    use_parallel_residual=spec.parallel_residual, attention_bias=spec.qkv_bias,
@@ -905,7 +932,8 @@ def hf_config(spec: ModelSpec) -> dict:
     if spec.family != "llama" and spec.mlp_bias:
         raise no(f"{kind} has no MLP biases")
     cfg.update(hidden_size=spec.hidden, intermediate_size=spec.ffn_hidden, num_hidden_layers=spec.num_layers,
-               num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+               num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+               head_dim=spec.head_dim,
                max_position_embeddings=spec.seq_len, rms_norm_eps=RMSNORM_EPS, rope_parameters=rope,
                rope_theta=ROPE_THETA, attention_dropout=0.0,
                hidden_act="gelu_pytorch_tanh" if spec.activation == "geglu" else "silu")
@@ -924,10 +952,11 @@ def hf_config(spec: ModelSpec) -> dict:
     return cfg
 
 
-def export_hf(spec: ModelSpec, blocks: list[Mapping[str, torch.Tensor]], directory: str | os.PathLike[str]) -> Path:
+def export_hf(spec: ModelSpec, blocks: list[Mapping[str, torch.Tensor]],
+              directory: str | os.PathLike[str]) -> Path:
     """Write ``config.json`` and ``model.safetensors`` (the tensors as given, e.g. fp32 master weights) into
-    ``directory``, which ``transformers.AutoModelForCausalLM.from_pretrained`` loads. Each file is written under
-    a temporary name and renamed into place."""
+    ``directory``, which ``transformers.AutoModelForCausalLM.from_pretrained`` loads. Each file is written
+    under a temporary name and renamed into place."""
     from safetensors.torch import save_file
 
     config = hf_config(spec)

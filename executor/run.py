@@ -1,18 +1,18 @@
-"""`tierflow run`: train with a plan file. Builds the state on the plan's tiers, replays the plan's ops for the
-requested number of steps (a *round* runs the plan's iterations once; the last round of a run, or one that
+"""`tierflow run`: train with a plan file. Builds the state on the plan's tiers, replays the plan's ops for
+the requested number of steps (a *round* runs the plan's iterations once; the last round of a run, or one that
 ends at a checkpoint, runs only the first iterations of the plan), prints loss, tokens/s and TFLOPS per step,
 checkpoints atomically and resumes from the last checkpoint, and writes the measured trace in the simulator's
 format (timeline.csv, trace.json, gantt.png) plus steps.csv; with --profile also torch.profiler's Chrome trace
 (torch_trace.json), each op under a record_function named after its plan op.
 
 A run holds a lock on its checkpoint and SSD directories, removes what killed runs left there, and stops
-cleanly: at the first non-finite loss (exit 4), on SIGINT / SIGTERM (130 / 143), or when a checkpoint cannot be
-written, keeping the last good checkpoint and writing the results so far (`RunStopped`).
+cleanly: at the first non-finite loss (exit 4), on SIGINT / SIGTERM (130 / 143), or when a checkpoint cannot
+be written, keeping the last good checkpoint and writing the results so far (`RunStopped`).
 
-A plan for several ranks (gpus x nodes) runs as that many processes under torchrun (dist.py): `--nproc N` starts
-torchrun here; each rank trains its share of every batch on its shard of the state, with its SSD tier under
-`<ssd-dir>/rank-<r>/` and its checkpoint shard under `<checkpoint>/rank-<r>/` (checkpoint.py). Rank 0 prints
-the steps (the loss is the mean over the ranks) and writes --out and --export-hf.
+A plan for several ranks (gpus x nodes) runs as that many processes under torchrun (dist.py): `--nproc N`
+starts torchrun here; each rank trains its share of every batch on its shard of the state, with its SSD tier
+under `<ssd-dir>/rank-<r>/` and its checkpoint shard under `<checkpoint>/rank-<r>/` (checkpoint.py). Rank 0
+prints the steps (the loss is the mean over the ranks) and writes --out and --export-hf.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,7 +36,6 @@ from typing import Any
 import torch
 
 from tierflow.errors import TierflowError
-from tierflow.executor.arena import TransferAreaOutOfMemory
 from tierflow.executor.checkpoint import (
     CheckpointWriteError,
     NonFiniteState,
@@ -44,8 +44,8 @@ from tierflow.executor.checkpoint import (
     save_checkpoint,
 )
 from tierflow.executor.data import DataError, TokenData
-from tierflow.executor.device import DeviceBackend, TierOutOfMemory, make_backend
-from tierflow.executor.dirlock import DirLock, LockError, remove_stale_run_dirs
+from tierflow.executor.device.base import DeviceBackend, TierOutOfMemory
+from tierflow.executor.device.factory import make_backend
 from tierflow.executor.dist import DistWorld, LaunchError, check_launch, init_world, rank_device
 from tierflow.executor.engine import (
     ExecutionError,
@@ -57,8 +57,11 @@ from tierflow.executor.engine import (
 )
 from tierflow.executor.models import check_supported, export_hf, hf_config
 from tierflow.executor.signals import Interrupted, StopOnSignals
-from tierflow.executor.state import StateError, TrainState
-from tierflow.executor.store import ChecksumError, SsdError, SsdStore, check_ssd_dir
+from tierflow.executor.tiers.arena import TransferAreaOutOfMemory
+from tierflow.executor.tiers.dirlock import DirLock, LockError, remove_stale_run_dirs
+from tierflow.executor.tiers.ssd_store import ChecksumError, SsdError, SsdStore, check_ssd_dir
+from tierflow.executor.tiers.state import StateError, TrainState
+from tierflow.planner.core.opkinds import ENTRY_TENSORS
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.core.workload import COMPUTE_BYTES, model_flops_per_token
 from tierflow.planner.io.logs import QUIET, level_of
@@ -92,12 +95,16 @@ class RunOptions:
     hyper: Hyper = field(default_factory=Hyper)
     seed: int = 0
     quiet: bool = False
-    profile: bool = False  # torch.profiler around the run, its Chrome trace to out/torch_trace.json (needs out)
+    # torch.profiler around the run, its Chrome trace to out/torch_trace.json (needs out)
+    profile: bool = False
     resume_fallback: bool = False  # a corrupt latest checkpoint: resume from the previous one that verifies
-    allow_changed_hyper: bool = False  # resume although the seed / hyper-parameters / data differ from the checkpoint's
-    collect_final: bool = False  # return the final fp32 master weights and Adam m (RunResult.final_*), e.g. for tests
+    # resume although the seed / hyper-parameters / data differ from the checkpoint's
+    allow_changed_hyper: bool = False
+    # return the final fp32 master weights and Adam m (RunResult.final_*), e.g. for tests
+    collect_final: bool = False
     export_hf: str | None = None  # after the last step, write the fp32 master weights here in the HF layout
-    compute_dtype: str | None = None  # "bf16" | "fp32"; None: bf16 on CUDA, fp32 on a CPU (hidden --compute-dtype)
+    # "bf16" | "fp32"; None: bf16 on CUDA, fp32 on a CPU (hidden --compute-dtype)
+    compute_dtype: str | None = None
 
 
 @dataclass
@@ -129,9 +136,9 @@ class RunResult:
 
 
 class RunStopped(Exception):  # noqa: N818 - the run stopped; not necessarily an error
-    """Training stopped before --steps: diverged (exit 4), interrupted (130, 143), or a checkpoint could not be
-    written (3 when the disk is full, else 2). `result` holds the steps so far; the last good checkpoint is kept
-    and --out was written."""
+    """Training stopped before --steps: diverged (exit 4), interrupted (130, 143), or a checkpoint could not
+    be written (3 when the disk is full, else 2). `result` holds the steps so far; the last good checkpoint is
+    kept and --out was written."""
 
     def __init__(self, message: str, exit_code: int, result: RunResult) -> None:
         super().__init__(message)
@@ -150,15 +157,16 @@ def check_init_dir(directory: str) -> None:
 
     d = Path(directory)
     if not d.is_dir():
-        raise RunError(f"--init {d}: not a directory (pass a Hugging Face model directory with *.safetensors)")
+        raise RunError(f"--init {d}: not a directory (pass a Hugging Face model directory with "
+                       "*.safetensors)")
     for f in sorted(d.glob("*.safetensors")):
         try:
             with safe_open(f, framework="pt") as sf:
                 for key in sf.keys():
                     dtype = sf.get_slice(key).get_dtype()
                     if not dtype.startswith(("F", "BF")):
-                        raise RunError(f"--init {d}: {f.name}: tensor {key!r} has dtype {dtype}, not floating point "
-                                       "(convert the checkpoint to float32/bfloat16/float16)")
+                        raise RunError(f"--init {d}: {f.name}: tensor {key!r} has dtype {dtype}, not "
+                                       "floating point (convert the checkpoint to float32/bfloat16/float16)")
         except (SafetensorError, OSError, ValueError) as e:
             if isinstance(e, RunError):
                 raise
@@ -181,10 +189,9 @@ def _ssd_need_bytes(plan: Plan, state: TrainState) -> float:
     pred = plan.predicted or {}
     peak = (pred.get("peak_bytes") or {}).get("ssd")
     dynamic = max(0.0, (peak or 0.0) - plan.graph.static_bytes["ssd"])
-    if peak is None and any(t.resource == "ssd_write" and t.tensor in ("checkpoint", "act", "act_grad")
-                            for t in plan.graph.tasks):
-        dynamic = sum(t.work for t in plan.graph.tasks if t.resource == "ssd_write" and t.iteration == 0
-                      and t.tensor in ("checkpoint", "act", "act_grad"))
+    parked = [t for t in plan.graph.tasks if t.resource == "ssd_write" and t.tensor in ENTRY_TENSORS]
+    if peak is None and parked:
+        dynamic = sum(t.work for t in parked if t.iteration == 0)
     scale = torch.empty(0, dtype=state.compute_dtype).element_size() / COMPUTE_BYTES
     return static + dynamic * scale * 1.1 + (1 << 20)
 
@@ -210,7 +217,8 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
         check_export_hf(opts.export_hf, plan)
     check_hyper(opts.hyper)
     if opts.profile and not opts.out:
-        raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured trace.json")
+        raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured "
+                       "trace.json")
     cfg = plan.config
     check_launch(cfg.world.ranks, cfg.gpus, cfg.nodes, str(plan.source))
     backend = _device(rank_device(opts.device, cfg.world.ranks), opts.seed)
@@ -227,7 +235,8 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
         log(f"tierflow run{who}: {msg}", file=sys.stderr)
 
     ssd = None
-    with ExitStack() as cleanup:  # runs in reverse: SSD store closed, its run directory removed, locks released
+    # runs in reverse: SSD store closed, its run directory removed, locks released
+    with ExitStack() as cleanup:
         locked: set[Path] = set()
         if opts.checkpoint_dir:
             ck = Path(opts.checkpoint_dir)
@@ -240,8 +249,8 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
                 _lock(cleanup, ck, "--checkpoint-dir", locked, warn)
                 gone = remove_temporaries(ck)
                 if gone:
-                    warn(f"removed {len(gone)} half-written checkpoint file(s) under {ck} left by a run that was "
-                         "killed")
+                    warn(f"removed {len(gone)} half-written checkpoint file(s) under {ck} left by a run that "
+                         "was killed")
         if uses_ssd:
             # the ranks of a box share the directory: room for all of their tiers
             root = check_ssd_dir(opts.ssd_dir, need_ssd * world.local_ranks,
@@ -256,153 +265,243 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
             cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
             ssd = SsdStore(run_dir, backend=backend, warn=warn)
             cleanup.callback(ssd.close)
-        world.barrier()  # every rank has its directories (rank 0: the checkpoint directory cleaned) before resuming
+        # every rank has its directories (rank 0: the checkpoint directory cleaned) before resuming
+        world.barrier()
         return _train(plan, opts, backend, dtype, ssd, log, warn, world)
 
 
 def _lock(cleanup: ExitStack, directory: Path, what: str, locked: set[Path], warn) -> None:
-    """Hold `directory`'s lock until `cleanup` closes (once, if the checkpoint and SSD directories are one)."""
+    """Hold `directory`'s lock until `cleanup` closes (once,
+    if the checkpoint and SSD directories are one)."""
     key = directory.resolve()
     if key in locked:
         return
     lock = cleanup.enter_context(DirLock(directory, what))
     locked.add(key)
     if lock.previous_pid is not None:
-        warn(f"took over the lock of {what} {directory} from tierflow run pid {lock.previous_pid}, which is gone")
+        warn(f"took over the lock of {what} {directory} from tierflow run pid {lock.previous_pid}, which is "
+             "gone")
+
+
+@dataclass
+class _Training:
+    """One run under way (`_train`): what it trains and where, and the steps so far."""
+
+    plan: Plan
+    opts: RunOptions
+    backend: DeviceBackend
+    ssd: SsdStore | None
+    log: Callable[..., None]
+    world: DistWorld
+    state: TrainState
+    settings: dict  # what a checkpoint records and a resume checks (plan, seed, hyper-parameters, data)
+    tokens: int  # per step, over the ranks
+    flops_per_step: float
+    start_step: int = 0
+    step: int = 0
+    last_ckpt: Path | None = None  # the last checkpoint written or resumed from
+    records: list[StepRecord] = field(default_factory=list)
+    measured: SimResult | None = None  # the measured trace of the longest round so far
+    best_iters: int = 0
+
+    @property
+    def quiet(self) -> bool:
+        return self.opts.quiet or self.world.rank != 0  # rank 0 reports for all
+
+    @property
+    def lead(self) -> bool:
+        return self.world.rank == 0  # writes --out, --export-hf
+
+    def result(self) -> RunResult:
+        ssd = self.ssd
+        return RunResult(self.plan, self.start_step, self.records, self.state, self.measured,
+                         ssd.bytes_read if ssd else 0, ssd.bytes_written if ssd else 0,
+                         ssd.direct if ssd else None, checkpoint=self.last_ckpt)
 
 
 def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dtype, ssd: SsdStore | None,
            log, warn, world: DistWorld) -> RunResult:
     cfg, spec = plan.config, plan.model
-    device = backend.device
     state = TrainState(spec, cfg.placement, cfg.alpha, backend, dtype, ssd, world)
-    quiet = opts.quiet or world.rank != 0  # rank 0 reports for all
-    lead = world.rank == 0  # writes --out, --export-hf
     data = TokenData.load(opts.data, spec.vocab_size, opts.data_format, seed=opts.seed)
     if opts.data:
         data.check_batch(cfg.batch, cfg.seq)
-    settings = {"plan": plan_fingerprint(plan), "seed": opts.seed, "hyper": asdict(opts.hyper), "data": data.source}
-    start_step = 0
+    settings = {"plan": plan_fingerprint(plan), "seed": opts.seed, "hyper": asdict(opts.hyper),
+                "data": data.source}
+    tokens = cfg.batch * cfg.seq
+    tr = _Training(plan, opts, backend, ssd, log, world, state, settings, tokens,
+                   tokens * model_flops_per_token(spec, cfg.seq))
+    where = _start_state(tr, warn)
+    ex = Executor(plan, state, data, backend, opts.hyper, ssd, profile=opts.profile)
+    if not tr.quiet:
+        _log_start(tr, dtype, where, data)
+    _run_rounds(tr, ex)
+    return _finish(tr)
+
+
+def _start_state(tr: _Training, warn) -> str:
+    """The state to start from: the last checkpoint of --checkpoint-dir (which sets the first step), --init's
+    weights, or a random init; says which."""
+    opts, state = tr.opts, tr.state
 
     def check(ckpt: Path, manifest: dict) -> None:
-        _check_resume(ckpt, manifest, settings, opts, warn)
+        _check_resume(ckpt, manifest, tr.settings, opts, warn)
 
     found = resume(state, opts.checkpoint_dir, fallback=opts.resume_fallback, check=check,
                    log=warn) if opts.checkpoint_dir else None
-    last_ckpt = None
     if found is not None:
-        last_ckpt, manifest = found
-        start_step = int(manifest["step"])
-        where = f"resumed from {last_ckpt} (step {start_step})"
-    elif opts.init:
-        where = f"weights from {state.init_hf(opts.init)}"
-    else:
-        state.init_random(opts.seed)
-        where = f"random init (seed {opts.seed})"
-    ex = Executor(plan, state, data, backend, opts.hyper, ssd, profile=opts.profile)
-    per_round = plan.graph.num_iterations
-    tokens = cfg.batch * cfg.seq
-    flops_per_step = tokens * model_flops_per_token(spec, cfg.seq)
-    if not quiet:
-        log(f"tierflow run: {spec.describe()}")
-        log(f"  plan {plan.source}: {cfg.describe()}; {per_round} iteration(s) per round, {len(plan.graph.tasks)} ops")
-        log(f"  device {backend.name}, compute {str(dtype).removeprefix('torch.')}; {where}; data {data.source}")
-        if not world.single:
-            log(f"  {world.ranks} ranks ({world.backend}): rank r trains sequences [r*{cfg.batch // world.ranks}, "
-                f"(r+1)*{cfg.batch // world.ranks}) of each batch on its 1/{world.ranks} shard of the state; "
-                "the loss is their mean")
-        if ssd is not None:
-            log(f"  SSD tier: {ssd.root} ({'O_DIRECT' if ssd.direct else 'buffered I/O'})"
-                + ("" if world.single else ", one such directory per rank"))
-    records: list[StepRecord] = []
-    measured = None
-    best_iters = 0
-    step = start_step
-    every = opts.checkpoint_every
+        tr.last_ckpt, manifest = found
+        tr.start_step = tr.step = int(manifest["step"])
+        return f"resumed from {tr.last_ckpt} (step {tr.start_step})"
+    if opts.init:
+        return f"weights from {state.init_hf(opts.init)}"
+    state.init_random(opts.seed)
+    return f"random init (seed {opts.seed})"
 
-    def result() -> RunResult:
-        return RunResult(plan, start_step, records, state, measured, ssd.bytes_read if ssd else 0,
-                         ssd.bytes_written if ssd else 0, ssd.direct if ssd else None, checkpoint=last_ckpt)
 
-    profiler = _profiler(device) if opts.profile and lead else None
+def _log_start(tr: _Training, dtype: torch.dtype, where: str, data: TokenData) -> None:
+    """What the run trains, with which plan, on which device, from where."""
+    plan, cfg, world, log = tr.plan, tr.plan.config, tr.world, tr.log
+    log(f"tierflow run: {plan.model.describe()}")
+    log(f"  plan {plan.source}: {cfg.describe()}; {plan.graph.num_iterations} iteration(s) per round, "
+        f"{len(plan.graph.tasks)} ops")
+    log(f"  device {tr.backend.name}, compute {str(dtype).removeprefix('torch.')}; {where}; data "
+        f"{data.source}")
+    if not world.single:
+        share = cfg.world.rank_batch(cfg.batch)
+        log(f"  {world.ranks} ranks ({world.backend}): rank r trains sequences [r*{share}, "
+            f"(r+1)*{share}) of each batch on its 1/{world.ranks} shard of the state; "
+            "the loss is their mean")
+    if tr.ssd is not None:
+        log(f"  SSD tier: {tr.ssd.root} ({'O_DIRECT' if tr.ssd.direct else 'buffered I/O'})"
+            + ("" if world.single else ", one such directory per rank"))
+
+
+def _run_rounds(tr: _Training, ex: Executor) -> None:
+    """Rounds until --steps, under torch.profiler with --profile;
+    RunStopped (with --out written) when training stops early."""
+    opts = tr.opts
+    profiler = _profiler(tr.backend.device) if opts.profile and tr.lead else None
     if profiler is not None:
         profiler.start()  # stopped and exported when the rounds end, also when a run stops early
     try:
-        while step < opts.steps:
-            r = min(per_round, opts.steps - step)
-            if opts.checkpoint_dir and every:
-                r = min(r, every - step % every)
-            prev = [0.0]
-            local: list[float] = []  # this rank's own losses of the round (the reported ones are the ranks' mean)
-
-            def on_step(i: int, loss: float, end_s: float, step=step, prev=prev, local=local) -> None:
-                local.append(loss)
-                loss = world.mean(loss)  # on the reporter thread, in iteration order on every rank
-                if not math.isfinite(loss):
-                    raise Diverged(f"loss {loss} at step {step + i + 1}")
-                step_s = end_s - prev[0]
-                prev[0] = end_s
-                rec = StepRecord(step + i + 1, loss, step_s, tokens / step_s if step_s > 0 else 0.0,
-                                 flops_per_step / step_s / 1e12 if step_s > 0 else 0.0)
-                records.append(rec)
-                if not quiet:
-                    log(f"step {rec.step:>5}/{opts.steps} {bar(rec.step, opts.steps, fill=' ')} loss {rec.loss:.4f}  "
-                        f"{rec.step_s * 1e3:8.1f} ms  {rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS",
-                        flush=True)
-
-            rr = ex.run_round(r, step, on_step=on_step)
-            LOG.debug("round of %d iteration(s) from step %d: %.3f s wall; peak %s", r, step + 1, rr.wall_s,
-                      ", ".join(f"{t} {b / 1e6:,.1f} MB" for t, b in rr.peak_bytes.items()))
-            # the reporter's losses are the round's own (read after each iteration's last GPU op)
-            if local != rr.losses:
-                raise ExecutionError(f"internal: the reported losses {local} are not the round's {rr.losses}")
-            res = measured_result(plan, rr)
-            if r >= best_iters:
-                best_iters, measured = r, res
-            step += r
-            if opts.checkpoint_dir and every and step % every == 0:
-                try:
-                    last_ckpt = save_checkpoint(state, opts.checkpoint_dir, step, settings, world=world)
-                except NonFiniteState as e:
-                    raise Diverged(str(e)) from None
-                if not quiet:
-                    log(f"  checkpoint {last_ckpt}")
+        while tr.step < opts.steps:
+            _run_round(tr, ex, _round_iterations(tr))
     except (Diverged, CheckpointWriteError, Interrupted) as e:
-        kept = (f"the last good checkpoint {last_ckpt} is kept" if last_ckpt is not None
-                else "no checkpoint was written" if opts.checkpoint_dir else "no --checkpoint-dir")
-        done = f"{len(records)} step(s) done ({start_step + len(records)} of {opts.steps})"
-        if isinstance(e, Diverged):
-            code = 4
-            msg = (f"training diverged: {e}; stopped after {done}, {kept} (lower --lr, or check --init and "
-                   "--data)")
-        elif isinstance(e, Interrupted):
-            code = e.exit_code
-            msg = f"interrupted by {e.name}: workers stopped after {done}, {kept}; the SSD tier's files are removed"
-        else:
-            code = 3 if e.full else 2
-            msg = str(e)
-        if opts.out and lead:
-            write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({backend.name})")
+        code, msg = _stop_message(tr, e)
+        if opts.out and tr.lead:
+            write_run_outputs(tr.measured, tr.records, opts.out, f"{tr.plan.model.name}: measured "
+                                                                 f"({tr.backend.name})")
             msg += f"; the results so far are under {opts.out}"
-        raise RunStopped(msg, code, result()) from None
+        raise RunStopped(msg, code, tr.result()) from None
     finally:
         if profiler is not None:
-            profiler.stop()
-            Path(opts.out).mkdir(parents=True, exist_ok=True)
-            profiler.export_chrome_trace(str(Path(opts.out) / "torch_trace.json"))
-            if not quiet:
-                log(f"  wrote torch_trace.json (torch.profiler; each op under a record_function 'op ID KIND "
-                    f"bBLOCK ...') under {opts.out}")
-    if opts.out and measured is not None and lead:
-        write_run_outputs(measured, records, opts.out, f"{spec.name}: measured ({backend.name})")
-        if not quiet:
+            _export_profile(tr, profiler)
+
+
+def _round_iterations(tr: _Training) -> int:
+    """Iterations of the next round: the plan's, fewer for the last steps of the run or up to a checkpoint."""
+    opts, every = tr.opts, tr.opts.checkpoint_every
+    r = min(tr.plan.graph.num_iterations, opts.steps - tr.step)
+    if opts.checkpoint_dir and every:
+        r = min(r, every - tr.step % every)
+    return r
+
+
+def _run_round(tr: _Training, ex: Executor, r: int) -> None:
+    """One round of `r` iterations: its steps reported, its measured trace kept if it is the longest so far,
+    and a checkpoint at its end where --checkpoint-every falls."""
+    opts, step = tr.opts, tr.step
+    local: list[float] = []  # this rank's own losses of the round (the reported ones are the ranks' mean)
+    rr = ex.run_round(r, step, on_step=_step_reporter(tr, step, local))
+    LOG.debug("round of %d iteration(s) from step %d: %.3f s wall; peak %s", r, step + 1, rr.wall_s,
+              ", ".join(f"{t} {b / 1e6:,.1f} MB" for t, b in rr.peak_bytes.items()))
+    # the reporter's losses are the round's own (read after each iteration's last GPU op)
+    if local != rr.losses:
+        raise ExecutionError(f"internal: the reported losses {local} are not the round's {rr.losses}")
+    res = measured_result(tr.plan, rr)
+    if r >= tr.best_iters:
+        tr.best_iters, tr.measured = r, res
+    tr.step += r
+    every = opts.checkpoint_every
+    if opts.checkpoint_dir and every and tr.step % every == 0:
+        _save_checkpoint(tr)
+
+
+def _step_reporter(tr: _Training, step: int, local: list[float]) -> Callable[[int, float, float], None]:
+    """The round's on_step: the ranks' mean loss of iteration i (Diverged if not finite),
+    recorded and printed."""
+    opts, log = tr.opts, tr.log
+    prev = [0.0]
+
+    def on_step(i: int, loss: float, end_s: float) -> None:
+        local.append(loss)
+        loss = tr.world.mean(loss)  # on the reporter thread, in iteration order on every rank
+        if not math.isfinite(loss):
+            raise Diverged(f"loss {loss} at step {step + i + 1}")
+        step_s = end_s - prev[0]
+        prev[0] = end_s
+        rec = StepRecord(step + i + 1, loss, step_s, tr.tokens / step_s if step_s > 0 else 0.0,
+                         tr.flops_per_step / step_s / 1e12 if step_s > 0 else 0.0)
+        tr.records.append(rec)
+        if not tr.quiet:
+            log(f"step {rec.step:>5}/{opts.steps} {bar(rec.step, opts.steps, fill=' ')} loss {rec.loss:.4f}  "
+                f"{rec.step_s * 1e3:8.1f} ms  {rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS",
+                flush=True)
+
+    return on_step
+
+
+def _save_checkpoint(tr: _Training) -> None:
+    try:
+        tr.last_ckpt = save_checkpoint(tr.state, tr.opts.checkpoint_dir, tr.step, tr.settings, world=tr.world)
+    except NonFiniteState as e:
+        raise Diverged(str(e)) from None
+    if not tr.quiet:
+        tr.log(f"  checkpoint {tr.last_ckpt}")
+
+
+def _stop_message(tr: _Training, e: Diverged | CheckpointWriteError | Interrupted) -> tuple[int, str]:
+    """(exit code, message) of a run that stopped early."""
+    opts = tr.opts
+    kept = (f"the last good checkpoint {tr.last_ckpt} is kept" if tr.last_ckpt is not None
+            else "no checkpoint was written" if opts.checkpoint_dir else "no --checkpoint-dir")
+    done = f"{len(tr.records)} step(s) done ({tr.start_step + len(tr.records)} of {opts.steps})"
+    if isinstance(e, Diverged):
+        return 4, (f"training diverged: {e}; stopped after {done}, {kept} (lower --lr, or check --init and "
+                   "--data)")
+    if isinstance(e, Interrupted):
+        return e.exit_code, (f"interrupted by {e.name}: workers stopped after {done}, {kept}; the SSD tier's "
+                             "files are removed")
+    return 3 if e.full else 2, str(e)
+
+
+def _export_profile(tr: _Training, profiler: torch.profiler.profile) -> None:
+    profiler.stop()
+    out = tr.opts.out
+    Path(out).mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(Path(out) / "torch_trace.json"))
+    if not tr.quiet:
+        tr.log(f"  wrote torch_trace.json (torch.profiler; each op under a record_function 'op ID KIND "
+               f"bBLOCK ...') under {out}")
+
+
+def _finish(tr: _Training) -> RunResult:
+    """After the last step: --out (rank 0), --export-hf, and the result (with collect_final,
+    the final state)."""
+    opts, state, log = tr.opts, tr.state, tr.log
+    if opts.out and tr.measured is not None and tr.lead:
+        write_run_outputs(tr.measured, tr.records, opts.out, f"{tr.plan.model.name}: measured "
+                                                             f"({tr.backend.name})")
+        if not tr.quiet:
             log(f"  wrote timeline.csv, trace.json, gantt.png, steps.csv under {opts.out}"
-                + ("" if world.single else " (rank 0's ops)"))
+                + ("" if tr.world.single else " (rank 0's ops)"))
     if opts.export_hf:
         path = export_trained(state, opts.export_hf)  # a collective with several ranks; rank 0 writes
-        if not quiet:
-            log(f"  exported the fp32 weights after step {step} to {path} (config.json, model.safetensors)")
-    res = result()
+        if not tr.quiet:
+            log(f"  exported the fp32 weights after step {tr.step} to {path} (config.json, "
+                "model.safetensors)")
+    res = tr.result()
     if opts.collect_final:
         res.final_master = state.master_blocks()
         res.final_adam_m = [state.gathered("adam_m", b) for b in range(len(state.layout.numel))]
@@ -410,7 +509,8 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
 
 
 def check_export_hf(directory: str, plan: Plan) -> None:
-    """Before training: the model has a Hugging Face layout and the directory is new or empty (never overwritten)."""
+    """Before training: the model has a Hugging Face layout and the directory is new or empty
+    (never overwritten)."""
     try:
         hf_config(plan.model)
     except ValueError as e:
@@ -422,12 +522,14 @@ def check_export_hf(directory: str, plan: Plan) -> None:
     try:  # made now, so that an unwritable place fails before training rather than after it
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise RunError(f"--export-hf {d}: cannot create it ({e.strerror}); give a writable directory") from None
+        raise RunError(f"--export-hf {d}: cannot create it ({e.strerror}); give a writable "
+                       "directory") from None
 
 
 def export_trained(state: TrainState, directory: str) -> Path:
-    """The fp32 master weights of every block, written as config.json + model.safetensors (transformers' layout).
-    With several ranks every rank calls it (the weights are gathered from the shards) and rank 0 writes."""
+    """The fp32 master weights of every block, written as config.json + model.safetensors (transformers'
+    layout). With several ranks every rank calls it (the weights are gathered from the shards) and rank 0
+    writes."""
     blocks = [state.layout.params(b, state.gathered("master", b)) for b in range(len(state.layout.numel))]
     if state.world.rank != 0:
         return Path(directory)
@@ -435,17 +537,17 @@ def export_trained(state: TrainState, directory: str) -> Path:
 
 
 def _profiler(device: torch.device) -> torch.profiler.profile:
-    """torch.profiler over every thread (the executor runs its ops on one worker thread per resource; by default
-    the profiler records only the thread that started it)."""
+    """torch.profiler over every thread (the executor runs its ops on one worker thread per resource; by
+    default the profiler records only the thread that started it)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=activities,
-                                  experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    return torch.profiler.profile(activities=activities, experimental_config=every_thread)
 
 
-HYPER_NAMES = {"seed": "--seed", "lr": "--lr", "weight_decay": "--weight-decay", "beta1": "beta1", "beta2": "beta2",
-               "eps": "eps", "data": "--data"}
+HYPER_NAMES = {"seed": "--seed", "lr": "--lr", "weight_decay": "--weight-decay", "beta1": "beta1",
+               "beta2": "beta2", "eps": "eps", "data": "--data"}
 
 
 def changed_settings(manifest: dict, settings: dict) -> list[tuple[str, object, object]]:
@@ -458,8 +560,9 @@ def changed_settings(manifest: dict, settings: dict) -> list[tuple[str, object, 
 def _check_resume(ckpt: Path, manifest: dict, settings: dict, opts: RunOptions, warn) -> None:
     """A checkpoint of another plan is refused; one of other settings too, unless --allow-changed-hyper."""
     if manifest.get("plan") != settings["plan"]:
-        raise RunError(f"--checkpoint-dir {opts.checkpoint_dir}: its checkpoint was written with another plan "
-                       f"(model {manifest.get('model')!r}); resume with that plan or use another directory")
+        raise RunError(f"--checkpoint-dir {opts.checkpoint_dir}: its checkpoint was written with another "
+                       f"plan (model {manifest.get('model')!r}); resume with that plan or use another "
+                       "directory")
     diff = changed_settings(manifest, settings)
     if not diff:
         return
@@ -472,8 +575,8 @@ def _check_resume(ckpt: Path, manifest: dict, settings: dict, opts: RunOptions, 
 
 
 def write_run_outputs(measured: SimResult | None, records: list[StepRecord], out: str, name: str) -> None:
-    """steps.csv, and the measured trace (timeline.csv, trace.json, gantt.png) of the longest round when one
-    has finished."""
+    """steps.csv, and the measured trace (timeline.csv, trace.json,
+    gantt.png) of the longest round when one has finished."""
     from tierflow.planner.core.trace import write_outputs
 
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -486,7 +589,7 @@ def write_run_outputs(measured: SimResult | None, records: list[StepRecord], out
             w.writerow([r.step, repr(r.loss), r.step_s, r.tokens_per_s, r.tflops])
 
 
-# -- command line -----------------------------------------------------------------------------------------------
+# -- command line --------------------------------------------------------------------------------------------
 
 
 def launch_ranks(args: argparse.Namespace) -> int:
@@ -498,13 +601,14 @@ def launch_ranks(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     cfg = plan.config
     if args.nproc * args.nnodes != cfg.world.ranks:
-        raise LaunchError(f"--nproc {args.nproc} x --nnodes {args.nnodes} = {args.nproc * args.nnodes} ranks, but plan "
-                          f"{args.plan} is for {cfg.world.ranks} ({cfg.gpus} GPU(s) x {cfg.nodes} box(es)); pass --nproc "
-                          f"{cfg.gpus} --nnodes {cfg.nodes}, or plan again with --gpus {args.nproc} --nodes {args.nnodes}")
+        raise LaunchError(f"--nproc {args.nproc} x --nnodes {args.nnodes} = {args.nproc * args.nnodes} "
+                          f"ranks, but plan {args.plan} is for {cfg.world.ranks} ({cfg.gpus} GPU(s) x {cfg.nodes} "
+                          f"box(es)); pass --nproc {cfg.gpus} --nnodes {cfg.nodes}, or plan again with "
+                          f"--gpus {args.nproc} --nodes {args.nnodes}")
     argv = sys.argv[1:]  # the command line as typed: every rank runs it without the launch flags
     if "run" not in argv or str(args.plan) not in argv:
-        raise LaunchError("--nproc starts `tierflow run` from the command line only (call torchrun yourself to "
-                          "launch from a program)")
+        raise LaunchError("--nproc starts `tierflow run` from the command line only (call torchrun yourself "
+                          "to launch from a program)")
     return launch(args.nproc, args.nnodes, args.rdzv_endpoint, args.rdzv_id, strip_launch_flags(argv))
 
 
@@ -519,9 +623,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def leave_world(code: int) -> int:
-    """The end of a rank of several: a clean exit leaves the process groups; a failed one exits at once, so that
-    no collective the other ranks will never join (nor a process group's teardown) holds it, and torchrun stops
-    the others. With one rank: `code`."""
+    """The end of a rank of several: a clean exit leaves the process groups; a failed one exits at once, so
+    that no collective the other ranks will never join (nor a process group's teardown) holds it, and torchrun
+    stops the others. With one rank: `code`."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -553,13 +657,15 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
                       data_format=args.data_format, init=args.init, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every or 0, out=args.out, hyper=hyper, seed=args.seed,
                       quiet=args.json or level_of(args) >= QUIET, export_hf=args.export_hf,
-                      resume_fallback=args.resume_fallback, profile=args.profile, allow_changed_hyper=args.allow_changed_hyper,
+                      resume_fallback=args.resume_fallback, profile=args.profile,
+                      allow_changed_hyper=args.allow_changed_hyper,
                       compute_dtype=getattr(args, "compute_dtype", None))
     stopped = None
     try:
         with StopOnSignals():
             plan = load_plan(args.plan)
-            simulate_plan(plan)  # a plan that overflows a tier is refused as `tierflow simulate --plan` refuses it
+            # a plan that overflows a tier is refused as `tierflow simulate --plan` refuses it
+            simulate_plan(plan)
             if args.init:
                 check_init_dir(args.init)
             if args.checkpoint_dir and args.checkpoint_every is None:
@@ -572,8 +678,8 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
         res, stopped = e.result, e
     except Interrupted as e:
         if _says():
-            print(f"tierflow run: interrupted by {e.name} outside the training steps; stopped cleanly, the SSD "
-                  "tier's files removed", file=sys.stderr)
+            print(f"tierflow run: interrupted by {e.name} outside the training steps; stopped cleanly, the "
+                  "SSD tier's files removed", file=sys.stderr)
         return e.exit_code
     except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan, LockError,
             LaunchError) as e:
@@ -590,8 +696,8 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
         print(f"tierflow run: {e}", file=sys.stderr)
         return 3
     except TierOutOfMemory as e:  # building the state on its tiers, before any op
-        print(f"tierflow run: {e.tier} out of memory for the training state: {e}; plan again for this machine "
-              "(tierflow calibrate, then tierflow plan --hw box.yaml)", file=sys.stderr)
+        print(f"tierflow run: {e.tier} out of memory for the training state: {e}; plan again for this "
+              "machine (tierflow calibrate, then tierflow plan --hw box.yaml)", file=sys.stderr)
         return 3
     except ExecutionError as e:
         print(f"tierflow run: {e}", file=sys.stderr)
@@ -599,8 +705,8 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
     if args.json and _says():
         out: dict[str, Any] = {"plan": str(args.plan), "first_step": res.first_step,
                                "steps": [asdict(r) for r in res.records], "wall_s": time.perf_counter() - t0,
-                               "ssd_bytes_read": res.ssd_bytes_read, "ssd_bytes_written": res.ssd_bytes_written,
-                               "o_direct": res.o_direct,
+                               "ssd_bytes_read": res.ssd_bytes_read,
+                               "ssd_bytes_written": res.ssd_bytes_written, "o_direct": res.o_direct,
                                "checkpoint": str(res.checkpoint) if res.checkpoint is not None else None}
         if stopped is not None:
             out["stopped"] = {"exit_code": stopped.exit_code, "reason": str(stopped)}

@@ -1,7 +1,8 @@
-"""SIGINT and SIGTERM during `tierflow run`: the first one raises `Interrupted` in the main thread, which stops
-the round's workers (Executor.run_round joins every one of them before the exception goes on), removes the run's
-SSD directory and a half-written checkpoint, and ends the command with 128 + the signal's number (130, 143).
-Further signals while it cleans up are ignored, so that a second Ctrl-C cannot leave threads running at exit."""
+"""SIGINT and SIGTERM during `tierflow run`: the first one raises `Interrupted` in the main thread, which
+stops the round's workers (Executor.run_round joins every one of them before the exception goes on), removes
+the run's SSD directory and a half-written checkpoint, and ends the command with 128 + the signal's number
+(130, 143). Further signals while it cleans up are ignored, so that a second Ctrl-C cannot leave threads
+running at exit."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, which 
 
 
 class StopOnSignals:
-    """Context manager (main thread only; elsewhere it does nothing): SIGINT and SIGTERM raise Interrupted once;
-    the previous handlers are restored on exit."""
+    """Context manager (main thread only; elsewhere it does nothing): SIGINT and SIGTERM raise Interrupted
+    once; the previous handlers are restored on exit."""
 
     def __init__(self) -> None:
         self.signum: int | None = None

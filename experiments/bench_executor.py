@@ -71,8 +71,8 @@ class PlainTrainer:
     def __init__(self, model: ModelSpec, device: str) -> None:
         import torch
 
-        from tierflow.executor.context import Hyper
         from tierflow.executor.models import BlockModel
+        from tierflow.executor.ops.context import Hyper
 
         self.torch, self.device = torch, torch.device(device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32

@@ -11,22 +11,17 @@ import pytest
 import torch
 from test_executor import make_plan
 
-from tierflow.executor.arena import (
-    ENTRY_TENSORS,
-    TransferArena,
-    arena_bytes_for,
-    plan_peak_bytes,
-    planned_buffers,
-)
 from tierflow.executor.binding import Binding
 from tierflow.executor.data import TokenData
-from tierflow.executor.device import PlainCpuBackend
-from tierflow.executor.device_emulated import AdversarialCpuBackend, EmuEvent
-from tierflow.executor.direct_io import ALIGN
+from tierflow.executor.device.base import PlainCpuBackend
+from tierflow.executor.device.emulated import AdversarialCpuBackend, EmuEvent
 from tierflow.executor.engine import Executor, Hyper
-from tierflow.executor.state import TrainState
-from tierflow.executor.store import SsdStore
+from tierflow.executor.tiers.arena import TransferArena, arena_bytes_for, plan_peak_bytes, planned_buffers
+from tierflow.executor.tiers.direct_io import ALIGN
+from tierflow.executor.tiers.ssd_store import SsdStore
+from tierflow.executor.tiers.state import TrainState
 from tierflow.planner.core.graph import TIER_INDEX
+from tierflow.planner.core.opkinds import ENTRY_TENSORS
 
 CPU = TIER_INDEX["cpu"]
 TRANSFER_KINDS = {f"{op}_{t}" for op in ("offload", "write", "read", "fetch") for t in ENTRY_TENSORS}

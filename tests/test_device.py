@@ -15,19 +15,16 @@ from test_executor import make_plan, reference, rel_err, run
 
 from tierflow.cli import main
 from tierflow.executor import engine as engine_mod
-from tierflow.executor.arena import arena_bytes_for
-from tierflow.executor.context import RoundState
-from tierflow.executor.device import (
-    CudaBackend,
-    HiddenSyncError,
-    PageableCopyError,
-    RoundAborted,
-    make_backend,
-)
-from tierflow.executor.device_emulated import AdversarialCpuBackend
+from tierflow.executor.device.base import HiddenSyncError, PageableCopyError, RoundAborted
+from tierflow.executor.device.cuda import CudaBackend
+from tierflow.executor.device.emulated import AdversarialCpuBackend
+from tierflow.executor.device.factory import make_backend
 from tierflow.executor.engine import ExecutionError, Executor
-from tierflow.executor.ops_state import GradOps, WeightOps
-from tierflow.executor.state import TrainState
+from tierflow.executor.ops.context import RoundState
+from tierflow.executor.ops.grads import GradOps
+from tierflow.executor.ops.weights import WeightOps
+from tierflow.executor.tiers.arena import arena_bytes_for
+from tierflow.executor.tiers.state import TrainState
 from tierflow.planner.io.planfile import write_plan
 
 ADV = "cpu-adversarial"
@@ -130,7 +127,7 @@ def test_pageable_copies_and_hidden_syncs_are_errors(be):
 def test_devices_and_threads():
     """Emulated device 1: a thread that did not call thread_init (set_device) may not enqueue on its streams,
     and events of two devices cannot be timed against each other."""
-    from tierflow.executor.device_emulated import EmuEvent
+    from tierflow.executor.device.emulated import EmuEvent
 
     b = AdversarialCpuBackend(1, max_delay_s=0)
     b.start_round(threading.Event(), lambda label, e: None)
@@ -167,7 +164,7 @@ def test_devices_and_threads():
 
 def test_waiting_on_an_event_never_recorded_does_not_wait(be):
     """As cudaStreamWaitEvent: an event not yet recorded is no dependency (why the engine waits for `done`)."""
-    from tierflow.executor.device_emulated import EmuEvent
+    from tierflow.executor.device.emulated import EmuEvent
 
     gpu = be.new_stream("gpu")
     ev = EmuEvent(0)
@@ -238,7 +235,7 @@ def test_a_start_event_on_the_wrong_device_is_reported_with_the_op(tmp_path, mon
     real = Executor._new_round
 
     def new_round(self, *a):
-        from tierflow.executor.device_emulated import EmuEvent
+        from tierflow.executor.device.emulated import EmuEvent
 
         rs = real(self, *a)
         rs.ev0 = EmuEvent(0, enqueued=True)  # as torch.cuda.Event().record() on the current device, 0
@@ -396,7 +393,7 @@ def test_round_aborted_is_quiet(be):
     abort = threading.Event()
     be.start_round(abort, lambda label, e: None)
     s = be.new_stream("gpu")
-    from tierflow.executor.device_emulated import EmuEvent
+    from tierflow.executor.device.emulated import EmuEvent
 
     ev = EmuEvent(0, enqueued=True)  # never fires
     abort.set()
@@ -437,7 +434,7 @@ def test_the_plans_gpu_capacity_is_enforced(tmp_path):
 
 
 def test_expandable_segments(monkeypatch):
-    from tierflow.executor.device import enable_expandable_segments
+    from tierflow.executor.device.cuda import enable_expandable_segments
 
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
@@ -478,7 +475,7 @@ def test_only_what_crosses_pcie_is_pinned():
 
 def test_a_pinned_read_asks_for_its_size_only(tmp_path):
     """The pinned caching allocator rounds a request up to a power of two: 1 MiB + 4 KiB would pin 2 MiB."""
-    from tierflow.executor.store import SsdStore, aligned_empty
+    from tierflow.executor.tiers.ssd_store import SsdStore, aligned_empty
 
     asked = []
 
@@ -520,7 +517,7 @@ def test_a_device_without_bf16_is_refused_before_training(tmp_path, monkeypatch,
 @pytest.mark.parametrize("model_name", ["tiny-gpt", "tiny-llama"])
 def test_a_pack_releases_the_layer_output_and_backward_still_matches(model_name):
     from tierflow.executor.models import build_blocks
-    from tierflow.executor.packs import Pack
+    from tierflow.executor.tiers.packs import Pack
     from tierflow.planner.core.models import get_model
 
     torch.manual_seed(0)

@@ -123,10 +123,8 @@ def test_layout_names_no_missing_module():
 
 
 def build_parser():
-    try:
-        from tierflow.cli import build_parser as build
-    except ImportError:  # before the CLI package: the parser's old home
-        from tierflow.planner.io.cli import build_parser as build
+    from tierflow.cli import build_parser as build
+
     return build()
 
 

@@ -14,8 +14,8 @@ from importlib import metadata
 import pytest
 
 from tierflow import __version__
-from tierflow.executor.direct_io import probe_o_direct
 from tierflow.executor.env import collect, format_report, meminfo
+from tierflow.executor.tiers.direct_io import probe_o_direct
 
 TIERFLOW = [sys.executable, "-m", "tierflow"]
 
@@ -98,7 +98,7 @@ def test_bad_ssd_dir_is_one_line_rc_2(tmp_path):
 def test_o_direct_probe_refusal_and_errors(tmp_path, monkeypatch):
     import errno
 
-    from tierflow.executor import direct_io
+    from tierflow.executor.tiers import direct_io
 
     real_open = os.open
 

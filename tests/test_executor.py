@@ -23,9 +23,9 @@ from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.engine import Executor, Hyper
 from tierflow.executor.models import BlockModel, build_blocks
 from tierflow.executor.models import loss as lm_loss
-from tierflow.executor.ops_state import WeightOps
+from tierflow.executor.ops.weights import WeightOps
 from tierflow.executor.run import RunOptions, RunResult, run_plan
-from tierflow.executor.store import ChecksumError, SsdError, SsdStore, check_ssd_dir
+from tierflow.executor.tiers.ssd_store import ChecksumError, SsdError, SsdStore, check_ssd_dir
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement, Split

@@ -12,7 +12,8 @@ from test_executor import PLACEMENTS, make_plan, run
 
 from tierflow.executor.binding import ENTERED_FROM, Entry, EntryState
 from tierflow.executor.engine import Executor
-from tierflow.executor.ops import KINDS, Ops
+from tierflow.executor.ops.table import Ops
+from tierflow.planner.core.opkinds import OP_KINDS as KINDS
 
 
 def planner_kinds() -> set[str]:

@@ -14,12 +14,12 @@ from collections import defaultdict
 import pytest
 from test_executor import make_plan, run
 
-from tierflow.executor.binding import ENTRY_KINDS
-from tierflow.executor.context import RoundState
 from tierflow.executor.engine import Executor
-from tierflow.executor.ops import Ops
-from tierflow.executor.ops_state import GradBuffers
+from tierflow.executor.ops.context import RoundState
+from tierflow.executor.ops.grad_buffers import GradBuffers
+from tierflow.executor.ops.table import Ops
 from tierflow.planner.core.graph import topological_order
+from tierflow.planner.core.opkinds import ENTRY_KINDS
 
 _current = threading.local()
 LOGGED = ("entries", "fetched", "staged", "weight_bufs", "grad_acc", "graphs")

@@ -123,7 +123,7 @@ from tierflow.executor.engine import Hyper  # noqa: E402
 from tierflow.executor.models import BlockModel, build_blocks  # noqa: E402
 from tierflow.executor.models import loss as lm_loss  # noqa: E402
 from tierflow.executor.run import RunOptions, run_plan  # noqa: E402
-from tierflow.executor.state import BlockLayout  # noqa: E402
+from tierflow.executor.tiers.state import BlockLayout  # noqa: E402
 from tierflow.hwprofiles import load_profile  # noqa: E402
 from tierflow.planner.core.placement import Placement, Split  # noqa: E402
 from tierflow.planner.core.schedules import build_graph, make_schedule  # noqa: E402

@@ -22,10 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tierflow.executor.data import TokenData
-from tierflow.executor.device import PlainCpuBackend
+from tierflow.executor.device.base import PlainCpuBackend
 from tierflow.executor.engine import Executor, Hyper
-from tierflow.executor.state import TrainState
-from tierflow.executor.store import SsdStore
+from tierflow.executor.tiers.ssd_store import SsdStore
+from tierflow.executor.tiers.state import TrainState
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.graph import TIER_INDEX
 from tierflow.planner.core.models import get_model
@@ -271,7 +271,7 @@ def test_the_hidden_compute_dtype_option_trains_in_bf16_on_a_cpu(tmp_path, capsy
 def test_gradients_leave_the_compute_stream_in_the_compute_dtype(family, tmp_path, monkeypatch):
     """offload_grads only copies: the cast of fp32 accumulators happens on the compute stream after the last
     contribution (vertical: several micro-batches), or a single contribution is written in bf16 (horizontal)."""
-    from tierflow.executor.ops_state import GradBuffers
+    from tierflow.executor.ops.grad_buffers import GradBuffers
 
     seen = []
     real = GradBuffers.take

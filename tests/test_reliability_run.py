@@ -22,10 +22,10 @@ from test_executor import make_plan
 from tierflow.cli import main
 from tierflow.executor import checkpoint
 from tierflow.executor.checkpoint import file_crc32, read_manifest, verify_file, write_safetensors
-from tierflow.executor.dirlock import LOCK_NAME, DirLock
 from tierflow.executor.engine import Hyper
 from tierflow.executor.run import RunError, RunOptions, run_plan
-from tierflow.executor.state import TrainState
+from tierflow.executor.tiers.dirlock import LOCK_NAME, DirLock
+from tierflow.executor.tiers.state import TrainState
 from tierflow.planner.io.planfile import write_plan
 
 

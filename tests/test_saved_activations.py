@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tierflow.executor.models import RMSNorm, _glu, apply_rope, build_blocks, rope_cos_sin
-from tierflow.executor.packs import Pack
+from tierflow.executor.tiers.packs import Pack
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.workload import layer_cost
 

@@ -21,7 +21,7 @@ def measure_store(directory: str | os.PathLike[str], total_bytes: int, mixed_s: 
     them back, then read them again while writing a second set on another thread for about `mixed_s`
     seconds."""
     torch = import_torch()
-    from tierflow.executor.store import SsdStore
+    from tierflow.executor.tiers.ssd_store import SsdStore
 
     store = SsdStore(directory, warn=lambda msg: None)
     n = max(1, total_bytes // files // 4)
@@ -85,7 +85,7 @@ def measure_io_interference(directory: str | os.PathLike[str] | None, seconds: f
     store = None
     io: dict[str, Callable[[], int]] = {"copy": lambda: (dst.copy_(src), elems * 4)[1]}
     if directory is not None:
-        from tierflow.executor.store import SsdStore
+        from tierflow.executor.tiers.ssd_store import SsdStore
 
         store = SsdStore(directory, warn=lambda msg: None)
         store.write("interference-r", src)

@@ -21,7 +21,7 @@ SHARED_THRESHOLD = 1.3  # mixed read + write sum below 1.3x the faster solo rate
 def check_ssd_dir(directory: str | os.PathLike[str], need_bytes: int) -> Path:
     """The directory, checked by store.check_ssd_dir as `tierflow run` checks its own: a missing directory, a
     file or too little free space raises its one-line SsdError naming it and the fix."""
-    from tierflow.executor.store import check_ssd_dir as check  # imports torch: not at module level
+    from tierflow.executor.tiers.ssd_store import check_ssd_dir as check  # imports torch: not at module level
 
     return check(directory, need_bytes, "two test files", needed_by="the SSD test",
                  fix_space="free some space, use --quick or a smaller --ssd-file-mib, or give another "

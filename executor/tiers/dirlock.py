@@ -1,6 +1,6 @@
-"""Directories one run owns: a lock file per checkpoint directory and per SSD directory, so that two runs never
-write the same files, and the removal of SSD run directories (``tierflow-run-<pid>``) left by a run that died
-without cleaning up (SIGKILL, power loss).
+"""Directories one run owns: a lock file per checkpoint directory and per SSD directory, so that two runs
+never write the same files, and the removal of SSD run directories (``tierflow-run-<pid>``) left by a run that
+died without cleaning up (SIGKILL, power loss).
 
 The lock is ``flock`` on ``<dir>/.tierflow-lock`` (the holder's pid is written inside for the message): the
 kernel releases it when its process dies however it dies, so a lock file left by a killed run is simply taken
@@ -105,8 +105,8 @@ class DirLock:
 
     def _busy(self, pid: int | None) -> None:
         who = f"pid {pid}" if pid is not None else "another process"
-        raise LockError(f"{self.what} {self.dir} is in use by another tierflow run ({who}, lock {self.path}); "
-                        "wait for it to finish or pass another directory")
+        raise LockError(f"{self.what} {self.dir} is in use by another tierflow run ({who}, lock "
+                        f"{self.path}); wait for it to finish or pass another directory")
 
     def release(self) -> None:
         if self.fd is None:

@@ -10,15 +10,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tierflow.executor.arena import TransferArena
 from tierflow.executor.binding import Binding, Entry, EntryKey
-from tierflow.executor.device import DeviceBackend, PlainCpuBackend
-from tierflow.executor.state import BlockLayout, TrainState
-from tierflow.executor.store import SsdStore
+from tierflow.executor.device.base import DeviceBackend, PlainCpuBackend
+from tierflow.executor.tiers.arena import TransferArena
+from tierflow.executor.tiers.ssd_store import SsdStore, aligned_empty
+from tierflow.executor.tiers.state import BlockLayout, TrainState
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.schedules import ScheduleConfig
 
-STREAM_RESOURCES = ("gpu", "h2d", "d2h")  # resources with a stream each (device.py; none on a plain CPU)
+# resources with a stream each (executor/device; none on a plain CPU)
+STREAM_RESOURCES = ("gpu", "h2d", "d2h")
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class OpContext:
     hyper: Hyper
     ssd: SsdStore | None
     backend: DeviceBackend = field(default_factory=PlainCpuBackend)
-    arena: TransferArena | None = None  # the pinned transfer area (arena.py); None: the backend's pinned buffers
+    # the pinned transfer area (tiers/arena.py); None: the backend's pinned buffers
+    arena: TransferArena | None = None
 
     def transfer_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer that crosses PCIe: a view into the transfer area."""
@@ -51,8 +53,6 @@ class OpContext:
     def transfer_bytes(self, nbytes: int) -> torch.Tensor:
         """A page-aligned uint8 transfer buffer of at least `nbytes` (an SSD read's destination)."""
         if self.arena is None:
-            from tierflow.executor.store import aligned_empty
-
             return aligned_empty(nbytes, self.backend.pins, self.backend)
         return self.arena.take_bytes(nbytes)
 
@@ -113,9 +113,11 @@ class RoundState:
     entries: dict[EntryKey, Entry] = field(default_factory=dict)
     fetched: dict[int, torch.Tensor] = field(default_factory=dict)  # fetch op -> the device copy it made
     graphs: dict[tuple[int, int, int], tuple] = field(default_factory=dict)  # (it, b, m) -> recompute's graph
-    # (taking op, owner) -> weight gradients of the owner's range binding.grad_range (ops_state.GradBuffers)
+    # (taking op, owner) -> weight gradients of the owner's range binding.grad_range
+    # (grad_buffers.GradBuffers)
     grad_acc: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    grad_left: dict[tuple[int, int], int] = field(default_factory=dict)  # ... compute ops still to add into it
+    # ... compute ops still to add into it
+    grad_left: dict[tuple[int, int], int] = field(default_factory=dict)
     staged: dict[Staged, object] = field(default_factory=dict)
     # fetch_weights -> owner -> (first element, device buffer of the owner's elements from there on)
     weight_bufs: dict[int, dict[int, tuple[int, torch.Tensor]]] = field(default_factory=dict)
@@ -136,7 +138,7 @@ class RoundState:
     ev0: object | None = None
     ev_start: dict[int, object] = field(default_factory=dict)
     ev_end: dict[int, object] = field(default_factory=dict)
-    grad_adds: object | None = None  # ops_state.HostGradAdds: host fp32 accumulation of offloaded gradients
+    grad_adds: object | None = None  # grads.HostGradAdds: host fp32 accumulation of offloaded gradients
 
     def use_on(self, x: torch.Tensor | None, resource: str) -> None:
         """A device tensor made on one stream and used on another: tell the allocator (record_stream)."""

@@ -1,11 +1,12 @@
-"""The GPU compute ops: fwd, recompute, head, bwd, computing in the weights' dtype (bf16 on CUDA, fp32 on a CPU
-device) and adding the weight gradients into fp32 device buffers (ops_state.GradBuffers).
+"""The GPU compute ops: fwd, recompute, head, bwd, computing in the weights' dtype (bf16 on CUDA, fp32 on a
+CPU device) and adding the weight gradients into fp32 device buffers (grad_buffers.GradBuffers).
 
 A forward of a recomputed block keeps nothing; one of a block that is not recomputed captures autograd's saved
-tensors in a Pack that the plan's offload/fetch ops move (ops_entries.py); a recompute rebuilds the block's graph
-right before its backward. The loss of each micro-batch is its mean token cross entropy divided by the number of
-micro-batches, so the step equals plain PyTorch training of the whole batch; with W data-parallel ranks (dist.py)
-its gradient is divided by W too, so that the ranks' summed gradients equal one rank's of the global batch.
+tensors in a Pack that the plan's offload/fetch ops move (entries.py); a recompute rebuilds the block's graph
+right before its backward. The loss of each micro-batch is its mean token cross entropy divided by the number
+of micro-batches, so the step equals plain PyTorch training of the whole batch; with W data-parallel ranks
+(dist.py) its gradient is divided by W too, so that the ranks' summed gradients equal one rank's of the global
+batch.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import torch
 from torch.func import functional_call
 
 from tierflow.executor.binding import EntryKey
-from tierflow.executor.context import OpContext, RoundState
 from tierflow.executor.models import loss as lm_loss
-from tierflow.executor.ops_entries import EntryOps
-from tierflow.executor.ops_state import GradBuffers, OwnerWeights, WeightOps
-from tierflow.executor.packs import Pack
+from tierflow.executor.ops.context import OpContext, RoundState
+from tierflow.executor.ops.entries import EntryOps
+from tierflow.executor.ops.grad_buffers import GradBuffers
+from tierflow.executor.ops.weights import OwnerWeights, WeightOps
+from tierflow.executor.tiers.packs import Pack
 from tierflow.planner.core.graph import Task
 
 
@@ -28,21 +30,23 @@ class ComputeOps:
         self.rec = cx.binding.rec
         self.head_block = cx.spec.num_layers + 1
         self.num_mb = cx.cfg.num_micro_batches  # of this rank
-        # with W ranks each rank's gradient is 1/W of its mean, so that the reduce-scatter's sum is the whole batch's
+        # with W ranks each rank's gradient is 1/W of its mean, so that the reduce-scatter's sum is the whole
+        # batch's
         self.grad_scale = self.num_mb * cx.state.world.ranks
 
     def _leaves(self, b: int, vecs: list[OwnerWeights]) -> list[torch.Tensor]:
         """One autograd leaf per parameter of block b (a view of its owner's resident or fetched weights), in
         the order of layout.slots[b], then a tied head's embedding matrix. A single leaf per flat vector would
         make the backward of every parameter view scatter its gradient into a zero tensor of the whole vector
-        (one pass over the block's bytes per parameter); per-parameter leaves get each gradient written once, as
-        in plain PyTorch."""
+        (one pass over the block's bytes per parameter); per-parameter leaves get each gradient written once,
+        as in plain PyTorch."""
         own = vecs[0]
         leaves = [own.view(s.offset, s.offset + s.numel).view(s.shape).detach().requires_grad_()
                   for s in self.cx.layout.slots[b]]
         if len(vecs) > 1:  # a tied head: block 0's wte range
             wte = vecs[1]
-            leaves.append(wte.view(wte.lo, wte.hi).view(self.cx.spec.vocab_size, -1).detach().requires_grad_())
+            matrix = wte.view(wte.lo, wte.hi).view(self.cx.spec.vocab_size, -1)
+            leaves.append(matrix.detach().requires_grad_())
         return leaves
 
     def _repoint(self, b: int, leaves: list[torch.Tensor], vecs: list[OwnerWeights]) -> None:
@@ -74,7 +78,8 @@ class ComputeOps:
             x = self.entries.take(rs, t, x_key)
             leaves = self._leaves(b, vecs)
             pack = Pack(leaves, own=self.cx.backend.own)
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack.pack_hook, pack.unpack_hook):
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack.pack_hook, pack.unpack_hook)
+            with torch.enable_grad(), hooks:
                 pack.out = self._call(b, leaves, pack.input(x))
             pack.originals = []
             for leaf in leaves:  # the weight buffer is not kept: backward gets its own fetch
@@ -85,7 +90,8 @@ class ComputeOps:
             self.entries.done_with(rs, t, x_key)
         self.entries.put(rs, EntryKey(it, "x", b + 1, m), out.detach())
         if pack is not None:
-            pack.release_output()  # the plan frees it with the next layer's input, not at this layer's backward
+            # the plan frees it with the next layer's input, not at this layer's backward
+            pack.release_output()
         self.weights.release(rs, t)
 
     def recompute(self, rs: RoundState, t: Task) -> None:
@@ -138,7 +144,8 @@ class ComputeOps:
         hidden = self.cx.spec.hidden
         emb = self.cx.layout.templates[0]
         # Gemma scales the token embedding by sqrt(hidden) (rounded to the activations' dtype, as its forward)
-        gtok = gout if emb.scale is None else gout * torch.tensor(emb.scale, dtype=gout.dtype, device=gout.device)
+        gtok = (gout if emb.scale is None
+                else gout * torch.tensor(emb.scale, dtype=gout.dtype, device=gout.device))
         pieces = []
         for s in self.cx.layout.slots[0]:
             g = torch.zeros(s.shape, dtype=torch.float32, device=self.cx.device)

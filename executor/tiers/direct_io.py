@@ -1,4 +1,4 @@
-"""Whether a directory's filesystem takes O_DIRECT: the one probe of the SSD tier (store.SsdStore) and of
+"""Whether a directory's filesystem takes O_DIRECT: the one probe of the SSD tier (ssd_store.SsdStore) and of
 `tierflow env`. Standard library only, so `tierflow env` can answer without importing torch."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ import mmap
 import os
 from pathlib import Path
 
-ALIGN = 4096  # O_DIRECT alignment of buffer addresses, file offsets and lengths (the page size covers every SSD)
+# O_DIRECT alignment of buffer addresses, file offsets and lengths (the page size covers every SSD)
+ALIGN = 4096
 
 
 def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
-    """True when a page-aligned O_DIRECT write to a probe file in `directory` succeeds; False when the OS has no
-    O_DIRECT or the filesystem refuses it (EINVAL: tmpfs, some network filesystems). Any other OSError (no such
-    directory, not writable) is raised. The probe file is always removed."""
+    """True when a page-aligned O_DIRECT write to a probe file in `directory` succeeds; False when the OS has
+    no O_DIRECT or the filesystem refuses it (EINVAL: tmpfs, some network filesystems). Any other OSError (no
+    such directory, not writable) is raised. The probe file is always removed."""
     if not hasattr(os, "O_DIRECT"):
         return False
     probe = Path(directory) / f".tierflow-probe-{os.getpid()}"

@@ -4,7 +4,7 @@ reported by name instead of silently training on garbage.
 
 Where the filesystem refuses O_DIRECT (tmpfs, some network filesystems: EINVAL), the store falls back to
 buffered I/O and warns once. Reads that go to the device (weights, activations) land in a page-aligned buffer
-the caller hands in (`into`: the executor's transfer area, executor/arena.py); the others come from the device
+the caller hands in (`into`: the executor's transfer area, tiers/arena.py); the others come from the device
 backend's host allocator, pageable (optimizer states, gradients)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from tierflow.errors import TierflowError
-from tierflow.executor.direct_io import ALIGN, probe_o_direct
+from tierflow.executor.tiers.direct_io import ALIGN, probe_o_direct
 
 CHUNK_BYTES = 8 << 20  # one I/O request; several run at once on the pool so that an SSD array is kept busy
 
@@ -35,8 +35,9 @@ class SsdError(TierflowError, RuntimeError):
 
 
 def split_counts(n: int, gpu: float, ssd: float) -> tuple[int, int, int]:
-    """Elements of an n-element tensor on (gpu, cpu, ssd): [0, g) on the GPU, [g, g+c) in host memory, the rest
-    on the SSD. The planner's placement fractions are of bytes; rounding to elements is the executor's."""
+    """Elements of an n-element tensor on (gpu, cpu, ssd): [0, g) on the GPU, [g, g+c) in host memory, the
+    rest on the SSD. The planner's placement fractions are of bytes; rounding to elements is the
+    executor's."""
     g = min(n, int(round(n * gpu)))
     s = min(n - g, int(round(n * ssd)))
     return g, n - g - s, s
@@ -44,7 +45,8 @@ def split_counts(n: int, gpu: float, ssd: float) -> tuple[int, int, int]:
 
 def aligned_empty(nbytes: int, pinned: bool = False, backend=None) -> torch.Tensor:
     """A uint8 host tensor of `nbytes` (rounded up to ALIGN) whose address is ALIGN-aligned, from `backend`'s
-    host allocator (plain torch.empty without one). Pinned memory is page-aligned: no extra page is asked for."""
+    host allocator (plain torch.empty without one). Pinned memory is page-aligned: no extra page is asked
+    for."""
     padded = -(-max(nbytes, 1) // ALIGN) * ALIGN
 
     def alloc(n: int) -> torch.Tensor:
@@ -67,8 +69,9 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 
 class SsdStore:
-    """Named tensor files under `root`. `write(name, tensor)` stores a tensor's bytes; `read(name, dtype, numel)`
-    returns them as a new aligned host tensor (pinned if asked), after checking the CRC32 recorded at write."""
+    """Named tensor files under `root`. `write(name, tensor)` stores a tensor's bytes; `read(name, dtype,
+    numel)` returns them as a new aligned host tensor (pinned if asked), after checking the CRC32 recorded at
+    write."""
 
     def __init__(self, root: str | os.PathLike[str], *, backend=None, workers: int = 4,
                  warn: Callable[[str], None] | None = None, direct: bool | None = None) -> None:
@@ -83,7 +86,7 @@ class SsdStore:
         self.bytes_written = 0
         self.direct = self._probe() if direct is None else direct
 
-    # -- setup -------------------------------------------------------------------------------------------------
+    # -- setup -----------------------------------------------------------------------------------------------
 
     def _probe(self) -> bool:
         """Can this directory do O_DIRECT? (EINVAL on tmpfs and friends: fall back to buffered I/O, once.)"""
@@ -92,8 +95,8 @@ class SsdStore:
             return False
         if probe_o_direct(self.root):
             return True
-        self.warn(f"warning: {self.root} refuses O_DIRECT (tmpfs or similar?): the SSD tier uses buffered I/O "
-                  "there, so its reads may come from the page cache")
+        self.warn(f"warning: {self.root} refuses O_DIRECT (tmpfs or similar?): the SSD tier uses buffered "
+                  "I/O there, so its reads may come from the page cache")
         return False
 
     def close(self) -> None:
@@ -102,7 +105,7 @@ class SsdStore:
     def path(self, name: str) -> Path:
         return self.root / f"{name}.bin"
 
-    # -- I/O ---------------------------------------------------------------------------------------------------
+    # -- I/O -------------------------------------------------------------------------------------------------
 
     def _open(self, path: Path, write: bool) -> int:
         flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
@@ -150,16 +153,18 @@ class SsdStore:
 
     def read(self, name: str, dtype: torch.dtype, numel: int, pinned: bool = False,
              into: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
-        """`into(nbytes)`: the page-aligned uint8 buffer to read into (whole pages; the executor's transfer area)
-        instead of a new one."""
+        """`into(nbytes)`: the page-aligned uint8 buffer to read into (whole pages; the executor's transfer
+        area) instead of a new one."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         if self.nbytes.get(name) != nbytes:
-            raise ChecksumError(f"ssd tier: {name}: expected {nbytes} bytes, the store wrote {self.nbytes.get(name)}")
+            raise ChecksumError(f"ssd tier: {name}: expected {nbytes} bytes, the store wrote "
+                                f"{self.nbytes.get(name)}")
         if into is not None:
             buf = into(nbytes)
             buf = buf[: -(-max(nbytes, 1) // ALIGN) * ALIGN]
         else:
-            buf = aligned_empty(nbytes, pinned and self.backend is not None and self.backend.pins, self.backend)
+            pin = pinned and self.backend is not None and self.backend.pins
+            buf = aligned_empty(nbytes, pin, self.backend)
         path = self.path(name)
         try:
             fd = self._open(path, False)
@@ -167,15 +172,16 @@ class SsdStore:
             raise ChecksumError(f"ssd tier: tensor {name} is missing ({path} was deleted)") from None
         try:
             if os.fstat(fd).st_size < len(buf):
-                raise ChecksumError(f"ssd tier: tensor {name} is truncated ({path}: {os.fstat(fd).st_size} bytes, "
-                                    f"expected {len(buf)})")
+                raise ChecksumError(f"ssd tier: tensor {name} is truncated ({path}: {os.fstat(fd).st_size} "
+                                    f"bytes, expected {len(buf)})")
             self._chunks(fd, buf, False, name)
         finally:
             os.close(fd)
         crc = zlib.crc32(memoryview(buf[:nbytes].numpy()))
         if crc != self.crc[name]:
-            raise ChecksumError(f"ssd tier: checksum mismatch in tensor {name} ({path}): the file changed since "
-                                "tierflow wrote it (disk error or another process); resume from the last checkpoint")
+            raise ChecksumError(f"ssd tier: checksum mismatch in tensor {name} ({path}): the file changed "
+                                "since tierflow wrote it (disk error or another process); resume from the "
+                                "last checkpoint")
         with self.lock:
             self.bytes_read += nbytes
         return buf[:nbytes].view(dtype)
@@ -191,15 +197,17 @@ class SsdStore:
             return sum(self.nbytes.values())
 
 
+FIX_SPACE = "free space, pass a larger directory, or plan with fewer bytes on the SSD"
+
+
 def check_ssd_dir(path: str | os.PathLike[str] | None, need_bytes: float, what: str, *,
-                  needed_by: str = "the plan",
-                  fix_space: str = "free space, pass a larger directory, or plan with fewer bytes on the SSD") -> Path:
+                  needed_by: str = "the plan", fix_space: str = FIX_SPACE) -> Path:
     """The SSD directory, checked before it is used (by `tierflow run` for the plan's SSD tier, by `tierflow
     calibrate` for its test files): exists, is a directory, is writable, has room for `need_bytes` (`what`
     they hold, for `needed_by`). Raises SsdError with one line that names the directory and the fix."""
     if path is None:
-        raise SsdError(f"{needed_by} puts {need_bytes / 1e9:.3f} GB on the SSD tier ({what}) but no --ssd-dir was "
-                       "given (pass a directory on the SSD array)")
+        raise SsdError(f"{needed_by} puts {need_bytes / 1e9:.3f} GB on the SSD tier ({what}) but no "
+                       "--ssd-dir was given (pass a directory on the SSD array)")
     p = Path(path)
     if not p.exists():
         raise SsdError(f"--ssd-dir {p}: no such directory (create it, or pass a directory on the SSD array)")
@@ -211,12 +219,13 @@ def check_ssd_dir(path: str | os.PathLike[str] | None, need_bytes: float, what: 
     try:
         probe.write_bytes(b"x")
     except OSError as e:
-        raise SsdError(f"--ssd-dir {p}: cannot write there ({e.strerror}); pass a writable directory") from None
+        raise SsdError(f"--ssd-dir {p}: cannot write there ({e.strerror}); pass a writable "
+                       "directory") from None
     finally:
         probe.unlink(missing_ok=True)
     st = os.statvfs(p)
     free_bytes = st.f_bavail * st.f_frsize
     if free_bytes < need_bytes:
-        raise SsdError(f"--ssd-dir {p}: {free_bytes / 1e9:.3f} GB free, {needed_by} needs {need_bytes / 1e9:.3f} GB "
-                       f"there ({what}); {fix_space}")
+        raise SsdError(f"--ssd-dir {p}: {free_bytes / 1e9:.3f} GB free, {needed_by} needs "
+                       f"{need_bytes / 1e9:.3f} GB there ({what}); {fix_space}")
     return p

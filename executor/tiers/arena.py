@@ -1,6 +1,6 @@
-"""The pinned transfer area: every host buffer that crosses PCIe while training (weight-fetch staging, gradient
-wire buffers, activation / checkpoint staging, SSD reads that go to the device) is a view into ONE host
-allocation made at start, pinned on CUDA (pageable on a plain CPU), sized from the plan.
+"""The pinned transfer area: every host buffer that crosses PCIe while training (weight-fetch staging,
+gradient wire buffers, activation / checkpoint staging, SSD reads that go to the device) is a view into ONE
+host allocation made at start, pinned on CUDA (pageable on a plain CPU), sized from the plan.
 
 Size (`planned_buffers`, `plan_peak_bytes`): the transfer buffers of the plan's ops, each from the op that
 takes it to the op that gives it back, with the op's bytes (scaled from the plan's compute dtype to the run's)
@@ -14,12 +14,13 @@ rounded up to a page; replayed in the plan's queue order (key, id), the peak of 
     gradient wire          offload_grads (with streams; added on the host)  offload bytes
 
 These are the plan's memory effects on the cpu tier for the entry and weight ops, and the op bytes of the two
-wires (which the plan counts inside their ops). Handing out (`TransferArena.take`) is best fit over a free list
-by byte offset (neighbours coalesce), so no request is rounded beyond a page. A stream that reads or writes a
-view records an event (the backend's copy_async calls `note_use`); a freed range keeps those events, and the
-next owner waits for them: a host thread synchronizes on them, an op on a stream makes its stream wait. A
-request that does not fit (the run's order kept more buffers alive than the plan's order) is served outside the
-area from the backend's pinned allocator and counted (`ArenaStats.overflow_bytes`), never silently dropped.
+wires (which the plan counts inside their ops). Handing out (`TransferArena.take`) is best fit over a free
+list by byte offset (neighbours coalesce), so no request is rounded beyond a page. A stream that reads or
+writes a view records an event (the backend's copy_async calls `note_use`); a freed range keeps those events,
+and the next owner waits for them: a host thread synchronizes on them, an op on a stream makes its stream
+wait. A request that does not fit (the run's order kept more buffers alive than the plan's order) is served
+outside the area from the backend's pinned allocator and counted (`ArenaStats.overflow_bytes`), never silently
+dropped.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierflow.executor.device import TierOutOfMemory
-from tierflow.executor.direct_io import ALIGN
+from tierflow.executor.device.base import TierOutOfMemory
+from tierflow.executor.tiers.direct_io import ALIGN
+from tierflow.executor.tiers.ssd_store import aligned_empty
+from tierflow.planner.core import opkinds as k
 from tierflow.planner.core.graph import Task
+from tierflow.planner.core.opkinds import ENTRY_TENSORS
 from tierflow.planner.core.workload import COMPUTE_BYTES
-
-ENTRY_TENSORS = ("checkpoint", "act", "act_grad")
 
 
 def page_round(nbytes: float, page: int = ALIGN) -> int:
@@ -89,24 +91,25 @@ def planned_buffers(tasks: list[Task], binding, state, elem_bytes: int, grad_wir
             if users:
                 add(f"{tuple(key)} SSD read", r.id, users[0], r.work)
     for t in tasks:
-        if t.kind == "fetch_weights" and "read_weights" in binding.dep_of_kind[t.id]:
-            r = binding.dep_of_kind[t.id]["read_weights"]
+        if t.kind == k.FETCH_WEIGHTS and k.READ_WEIGHTS in binding.dep_of_kind[t.id]:
+            r = binding.dep_of_kind[t.id][k.READ_WEIGHTS]
             for o, n in _weight_reads(tasks[r], state):  # one buffer per owner (a tied head reads two)
                 add(f"weights b{t.block} it{t.iteration} owner {o} SSD read", r, t.id, n * COMPUTE_BYTES)
-        elif t.kind == "update_weights":
+        elif t.kind == k.UPDATE_WEIGHTS:
             lo, hi = state.parts[t.block][binding.part_of[t.id]]  # the part's range on the device
             n = max(min(hi, state.vec["weights"][t.block].g) - lo, 0)
             add(f"weights b{t.block} it{t.iteration} update wire", t.deps[0], t.id, n * COMPUTE_BYTES)
-        elif t.kind == "offload_grads" and grad_wire:
+        elif t.kind == k.OFFLOAD_GRADS and grad_wire:
             for (g, o), (lo, hi) in binding.grad_range.items():
                 if g == t.id:
-                    add(f"grads b{t.block} it{t.iteration} owner {o} wire", t.id, t.id, (hi - lo) * COMPUTE_BYTES)
+                    add(f"grads b{t.block} it{t.iteration} owner {o} "
+                        "wire", t.id, t.id, (hi - lo) * COMPUTE_BYTES)
     return out
 
 
 def _weight_reads(t: Task, state) -> list[tuple[int, int]]:
-    """(owner, elements) of what read_weights t reads: every owner's range past the start of its SSD part (with
-    several ranks: of this rank's shard, WeightOps.owners)."""
+    """(owner, elements) of what read_weights t reads: every owner's range past the start of its SSD part
+    (with several ranks: of this rank's shard, WeightOps.owners)."""
     out = []
     for o, lo, hi in state.owner_ranges(t.block):
         a = max(lo, state.vec["weights"][o].ssd_lo)
@@ -143,8 +146,9 @@ class TransferAreaOutOfMemory(TierOutOfMemory):
     def __init__(self, tier: str, nbytes: int, detail: str) -> None:
         super().__init__(tier, nbytes, detail)
         self.line = (f"{tier} out of memory: the plan's pinned transfer area needs {nbytes / 2**30:.3f} GiB "
-                     f"({nbytes:,} bytes) and the allocation failed ({detail}); raise the pinned-memory limit "
-                     "(ulimit -l, see tierflow env) or plan with fewer bytes in flight (tierflow plan --hw box.yaml)")
+                     f"({nbytes:,} bytes) and the allocation failed ({detail}); raise the pinned-memory "
+                     "limit (ulimit -l, see tierflow env) or plan with fewer bytes in flight (tierflow plan "
+                     "--hw box.yaml)")
 
     def __str__(self) -> str:
         return self.line
@@ -169,7 +173,8 @@ class _Range:
 
 
 class TransferArena:
-    """One host allocation of `size_bytes` (pinned where the backend pins), handed out as page-aligned views."""
+    """One host allocation of `size_bytes` (pinned where the backend pins),
+    handed out as page-aligned views."""
 
     def __init__(self, backend, size_bytes: int, warn: Callable[[str], None] | None = None) -> None:
         self.backend = backend
@@ -193,7 +198,7 @@ class TransferArena:
             self.base = None
         self.base_ptr = self.base.ctypes.data if self.base is not None else 0
 
-    # -- ownership ---------------------------------------------------------------------------------------------
+    # -- ownership -------------------------------------------------------------------------------------------
 
     def contains(self, ptr: int) -> bool:
         return self.base is not None and self.base_ptr <= ptr < self.base_ptr + self.size_bytes
@@ -210,7 +215,7 @@ class TransferArena:
             with self.lock:
                 r.events.append(event)
 
-    # -- handing out -------------------------------------------------------------------------------------------
+    # -- handing out -----------------------------------------------------------------------------------------
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
@@ -234,11 +239,9 @@ class TransferArena:
                 self.stats.max_used_bytes = max(self.stats.max_used_bytes, self.stats.used_bytes)
         if r is None:
             if first and self.warn is not None:
-                self.warn(f"warning: the pinned transfer area ({self.size_bytes:,} bytes, the plan's peak) is full; "
-                          f"{size:,} bytes pinned outside it (the run keeps more transfer buffers alive than the "
-                          "plan's order)")
-            from tierflow.executor.store import aligned_empty
-
+                self.warn(f"warning: the pinned transfer area ({self.size_bytes:,} bytes, the plan's peak) "
+                          f"is full; {size:,} bytes pinned outside it (the run keeps more transfer buffers "
+                          "alive than the plan's order)")
             return aligned_empty(size, self.backend.pins, self.backend)
         stream = self.backend.current_stream()
         pending = [ev for ev in r.events if not self.backend.query_event(ev)]

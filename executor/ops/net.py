@@ -2,15 +2,17 @@
 plan's order on the net worker, so the i-th collective of every rank is the same one.
 
     all_gather_weights    after this rank's fetch_weights put its shard of a block's compute weights into its
-                          slot of a full-size buffer (slot r = elements [r*S, r*S + shard) with S = ceil(n/W)),
-                          fill the other ranks' slots: `all_gather_single` (all_gather_into_tensor), in place. A block whose shard is
-                          wholly on the device has no fetch: the gather builds the buffer from the device shard.
+                          slot of a full-size buffer (slot r = elements [r*S, r*S + shard) with S =
+                          ceil(n/W)), fill the other ranks' slots: `all_gather_single`
+                          (all_gather_into_tensor), in place. A block whose shard is wholly on the device has
+                          no fetch: the gather builds the buffer from the device shard.
     reduce_scatter_grads  sum the ranks' fp32 gradient accumulators of a block (padded to W*S elements) and
-                          keep this rank's shard: `reduce_scatter_single` (reduce_scatter_tensor), which gloo (CPU) has in the PyTorch
-                          this project pins (2.13); where a backend lacks it (older gloo), all_reduce and take the
-                          shard, which moves more bytes but sums the same numbers. The shard goes to the op that
-                          takes it: to offload_grads cast to the compute dtype on the net stream (offload_grads
-                          only copies, as with one rank), to adam_gpu (a GPU optimizer) in fp32.
+                          keep this rank's shard: `reduce_scatter_single` (reduce_scatter_tensor), which gloo
+                          (CPU) has in the PyTorch this project pins (2.13); where a backend lacks it (older
+                          gloo), all_reduce and take the shard, which moves more bytes but sums the same
+                          numbers. The shard goes to the op that takes it: to offload_grads cast to the
+                          compute dtype on the net stream (offload_grads only copies, as with one rank), to
+                          adam_gpu (a GPU optimizer) in fp32.
 
 On a CUDA device the net worker has a stream of its own: NCCL's collectives are enqueued with it current, so
 `work.wait()` makes that stream (not the host) wait, and the ops after the collective wait on its end event as
@@ -24,9 +26,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tierflow.executor.context import OpContext, RoundState
-from tierflow.executor.ops_state import GradBuffers, WeightOps
+from tierflow.executor.ops.context import OpContext, RoundState
+from tierflow.executor.ops.grad_buffers import GradBuffers
+from tierflow.executor.ops.weights import WeightOps
 from tierflow.planner.core.graph import Task
+from tierflow.planner.core.opkinds import FETCH_WEIGHTS, OFFLOAD_GRADS
 
 _HAS_REDUCE_SCATTER: dict[str, bool] = {}  # backend name -> whether reduce_scatter works there
 # reduce_scatter_single is reduce_scatter_tensor's new name (the old one warns from PyTorch 2.13 on)
@@ -41,13 +45,13 @@ class NetOps:
 
     def _finish(self, rs: RoundState, work) -> None:
         """Wait for a collective: on CUDA the current (net) stream waits for it, not the host; on the CPU the
-        host. (Polling gloo's work.is_completed() is no way out of a collective another rank never joins: it stays
-        False for a completed reduce-scatter in PyTorch 2.13; the engine gives up on this worker instead, see
-        Executor.run_round.)"""
+        host. (Polling gloo's work.is_completed() is no way out of a collective another rank never joins: it
+        stays False for a completed reduce-scatter in PyTorch 2.13; the engine gives up on this worker
+        instead, see Executor.run_round.)"""
         work.wait()
 
     def all_gather_weights(self, rs: RoundState, t: Task) -> None:
-        fid = self.cx.binding.dep_of_kind[t.id].get("fetch_weights")
+        fid = self.cx.binding.dep_of_kind[t.id].get(FETCH_WEIGHTS)
         bufs = rs.weight_bufs.pop(fid) if fid is not None else self.weights.shard_buffers(rs, t, {})
         r = self.world.rank
         for o in sorted(bufs):
@@ -67,7 +71,7 @@ class NetOps:
             s, r = self.world.shard_size(n), self.world.rank
             lo, hi = self.world.shard(n)
             out = self._reduce_scatter(rs, acc, s, r)[: hi - lo]
-            if consumer.kind == "offload_grads" and out.dtype != self.cx.dtype:
+            if consumer.kind == OFFLOAD_GRADS and out.dtype != self.cx.dtype:
                 # offload_grads only copies (GradBuffers): the shard in the compute dtype, cast on this stream
                 wire = self.cx.backend.empty(hi - lo, self.cx.dtype)
                 wire.copy_(out)

@@ -9,8 +9,8 @@ and the ``alpha`` deferred step each cover a contiguous element range), so each 
 its own files.
 
 With several data-parallel ranks (dist.py) a TrainState holds this rank's shard of every block only: element
-range ``shards[b]`` of the block's flat vector, split over the tiers exactly as above (the ranges in TierVector
-and the optimizer parts are then relative to the shard).
+range ``shards[b]`` of the block's flat vector, split over the tiers exactly as above (the ranges in
+TierVector and the optimizer parts are then relative to the shard).
 
 Checkpoints of this state (writing, verifying, resuming) are in checkpoint.py.
 """
@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 from tierflow.errors import TierflowError
-from tierflow.executor.device import DeviceBackend, as_backend
+from tierflow.executor.device.base import DeviceBackend
+from tierflow.executor.device.factory import as_backend
 from tierflow.executor.dist import SINGLE, DistWorld
 from tierflow.executor.models import _make_blocks, check_block_state_dicts, hf_key_target, init_weights
-from tierflow.executor.store import SsdStore, split_counts
+from tierflow.executor.tiers.ssd_store import SsdStore, split_counts
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split
 
@@ -63,7 +64,8 @@ class BlockLayout:
         self.wte = (wte.offset, wte.offset + wte.numel)
 
     def owners(self, b: int) -> list[tuple[int, int, int]]:
-        """(owner block, lo, hi): the parameters block b computes with. A tied head also uses the embedding's wte."""
+        """(owner block, lo, hi): the parameters block b computes with. A tied head also uses the embedding's
+        wte."""
         out = [(b, 0, self.numel[b])]
         if b == self.head and self.spec.tied_embeddings:
             out.append((0, *self.wte))
@@ -137,11 +139,12 @@ STATE_CLASSES = ("weights", "master", "adam_m", "adam_v")
 
 
 class TrainState:
-    """Weights, master weights, Adam moments and host gradient accumulators of every block (of this rank's shard
-    of every block), on their tiers."""
+    """Weights, master weights, Adam moments and host gradient accumulators of every block (of this rank's
+    shard of every block), on their tiers."""
 
-    def __init__(self, spec: ModelSpec, placement: Placement, alpha: float, device: torch.device | DeviceBackend,
-                 compute_dtype: torch.dtype, ssd: SsdStore | None, world: DistWorld = SINGLE) -> None:
+    def __init__(self, spec: ModelSpec, placement: Placement, alpha: float,
+                 device: torch.device | DeviceBackend, compute_dtype: torch.dtype, ssd: SsdStore | None,
+                 world: DistWorld = SINGLE) -> None:
         self.backend = as_backend(device)
         self.spec, self.placement, self.device, self.compute_dtype, self.ssd = (
             spec, placement, self.backend.device, compute_dtype, ssd)
@@ -154,17 +157,19 @@ class TrainState:
         for cls in STATE_CLASSES:
             split = getattr(placement, cls)
             dtype = compute_dtype if cls == "weights" else torch.float32
-            self.vec[cls] = [TierVector(cls, b, n, split, dtype, self.backend, self.parts[b], cls == "weights")
+            pin = cls == "weights"
+            self.vec[cls] = [TierVector(cls, b, n, split, dtype, self.backend, self.parts[b], pin)
                              for b, n in enumerate(self.shard_numel)]
         # host fp32 gradient accumulators (a GPU optimizer keeps its gradients on the device instead)
         self.grads: list[torch.Tensor | None] = [None] * len(self.layout.numel)
         gs = placement.grads
         self.grad_split = [split_counts(n, 0.0, gs.ssd) for n in self.shard_numel]
 
-    # -- initialisation ----------------------------------------------------------------------------------------
+    # -- initialisation --------------------------------------------------------------------------------------
 
     def init_random(self, seed: int) -> None:
-        """GPT-2 style initialisation (tierflow.executor.models.build_blocks) under `seed`, one block at a time."""
+        """GPT-2 style initialisation (tierflow.executor.models.build_blocks) under `seed`,
+        one block at a time."""
         torch.manual_seed(seed)
         for b, meta in enumerate(_make_blocks(self.spec, "meta", None, None)):
             block = meta.to_empty(device="cpu")
@@ -188,8 +193,8 @@ class TrainState:
                     if target is None:
                         continue
                     if target is False:
-                        raise StateError(f"--init {d}: {f.name} holds {key!r}, which {self.spec.name} does not have "
-                                         "(a checkpoint of another model?)")
+                        raise StateError(f"--init {d}: {f.name} holds {key!r}, which {self.spec.name} does "
+                                         "not have (a checkpoint of another model?)")
                     b, name, transpose = target
                     where.setdefault(b, []).append((f, key, name, transpose))
         for b in range(len(self.layout.numel)):
@@ -208,16 +213,17 @@ class TrainState:
             self.set_block(b, flat)
         return f"{d} ({len(files)} safetensors file(s))"
 
-    def set_block(self, b: int, master: torch.Tensor, m: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                   weights: torch.Tensor | None = None) -> None:
+    def set_block(self, b: int, master: torch.Tensor, m: torch.Tensor | None = None,
+                  v: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
         """Block b's state from whole-block vectors (this rank keeps its shard of them)."""
         lo, hi = self.shards[b]
         if (lo, hi) != (0, self.layout.numel[b]):
-            master, m, v, weights = (x.reshape(-1)[lo:hi] if x is not None else None for x in (master, m, v, weights))
+            master, m, v, weights = (x.reshape(-1)[lo:hi] if x is not None else None
+                                     for x in (master, m, v, weights))
         self.set_shard(b, master, m, v, weights)
 
-    def set_shard(self, b: int, master: torch.Tensor, m: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                  weights: torch.Tensor | None = None) -> None:
+    def set_shard(self, b: int, master: torch.Tensor, m: torch.Tensor | None = None,
+                  v: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
         """This rank's shard of block b's state (vectors of shard_numel[b] elements)."""
         master = master.float()
         self.vec["master"][b].set_full(master, self.ssd)
@@ -233,19 +239,20 @@ class TrainState:
             # host-only (offload_grads sends the compute dtype through pinned buffers): pageable
             self.grads[b] = self.backend.host_buffer(self.shard_numel[b], torch.float32, pinned=False).zero_()
 
-    # -- inspection --------------------------------------------------------------------------------------------
+    # -- inspection ------------------------------------------------------------------------------------------
 
     def owner_ranges(self, b: int) -> list[tuple[int, int, int]]:
         """(owner, lo, hi): the range of each owner's vector held here that compute on block b needs from this
-        rank: layout.owners with one rank; with several, each owner's whole shard (ranges relative to it), which
-        the all-gather completes (a tied head gathers all of block 0, of which it reads wte)."""
+        rank: layout.owners with one rank; with several, each owner's whole shard (ranges relative to it),
+        which the all-gather completes (a tied head gathers all of block 0, of which it reads wte)."""
         owners = self.layout.owners(b)
         if self.world.single:
             return owners
         return [(o, 0, self.shard_numel[o]) for o, _lo, _hi in owners]
 
     def full(self, cls: str, b: int) -> torch.Tensor:
-        """This rank's vector of class `cls` of block b on the CPU (the whole block with one rank, else its shard)."""
+        """This rank's vector of class `cls` of block b on the CPU (the whole block with one rank,
+        else its shard)."""
         return self.vec[cls][b].get_full(self.ssd)
 
     def gathered(self, cls: str, b: int) -> torch.Tensor:

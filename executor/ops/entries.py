@@ -1,6 +1,6 @@
-"""Entries: the activations, their gradients and the saved-tensor packs that wait between ops (see binding.py),
-and the plan's ops that move them: offload (device -> kept / host / SSD staging), write and read (the SSD
-part), fetch (back together on the device, for the consumer that depends on the fetch)."""
+"""Entries: the activations, their gradients and the saved-tensor packs that wait between ops (see
+binding.py), and the plan's ops that move them: offload (device -> kept / host / SSD staging), write and read
+(the SSD part), fetch (back together on the device, for the consumer that depends on the fetch)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from tierflow.executor.binding import Entry, EntryKey, EntryState, ExecutionError
-from tierflow.executor.context import OpContext, RoundState
-from tierflow.executor.packs import Pack
-from tierflow.executor.store import split_counts
+from tierflow.executor.ops.context import OpContext, RoundState
+from tierflow.executor.tiers.packs import Pack
+from tierflow.executor.tiers.ssd_store import split_counts
 from tierflow.planner.core.graph import Task
 
 
@@ -19,9 +19,10 @@ class EntryOps:
         self.cx = cx
         self.binding = cx.binding
 
-    # -- producers and consumers (called by the compute ops) -----------------------------------------------------
+    # -- producers and consumers (called by the compute ops) -------------------------------------------------
 
-    def put(self, rs: RoundState, key: EntryKey, dev: torch.Tensor | None = None, pack: Pack | None = None) -> None:
+    def put(self, rs: RoundState, key: EntryKey, dev: torch.Tensor | None = None,
+            pack: Pack | None = None) -> None:
         """A compute op produced `key` on the device: keep it for its consumers (if it has any)."""
         users = self.binding.consumers[key]
         if users == 0:
@@ -49,16 +50,16 @@ class EntryOps:
             data = e.kept  # offloaded with every element kept on the device (by the d2h stream)
             rs.use_on(data, "gpu")
         else:
-            raise ExecutionError(f"op {t.id} ({t.label}): {tuple(key)} is neither on the device nor fetched by one "
-                                 "of its dependencies (inconsistent plan)")
+            raise ExecutionError(f"op {t.id} ({t.label}): {tuple(key)} is neither on the device nor fetched "
+                                 "by one of its dependencies (inconsistent plan)")
         if e.is_pack:
             e.pack.restore(data)
             return e.pack
         return data.view(e.shape)
 
     def done_with(self, rs: RoundState, t: Task, key: EntryKey) -> None:
-        """Consumer t has read `key`: release the device copy (for a direct reader) and, after the last consumer,
-        the entry and its SSD file."""
+        """Consumer t has read `key`: release the device copy (for a direct reader) and, after the last
+        consumer, the entry and its SSD file."""
         with rs.lock:
             e = rs.entries[key]
             if key not in self.binding.fetch_for[t.id]:
@@ -81,12 +82,13 @@ class EntryOps:
             if e.is_pack:
                 e.pack.saved = None
 
-    # -- the plan's ops ------------------------------------------------------------------------------------------
+    # -- the plan's ops --------------------------------------------------------------------------------------
 
     def offload(self, rs: RoundState, t: Task) -> None:
-        """Split the entry's flat elements over the tiers: [0, gpu) kept on the device, then the transfer area (host part),
-        then a transfer-area buffer staging the SSD part for the write. Each source (the tensor, or each tensor
-        of a pack, as bytes) is copied straight into its slices of those buffers: nothing is joined first."""
+        """Split the entry's flat elements over the tiers: [0, gpu) kept on the device, then the transfer area
+        (host part), then a transfer-area buffer staging the SSD part for the write. Each source (the tensor,
+        or each tensor of a pack, as bytes) is copied straight into its slices of those buffers: nothing is
+        joined first."""
         be = self.cx.backend
         e = rs.entries[self.binding.entry_key(t)]
         if e.is_pack:
@@ -137,9 +139,10 @@ class EntryOps:
 
     def fetch(self, rs: RoundState, t: Task) -> None:
         """Copy the kept, host and SSD parts into one device buffer for the consumer that depends on this op.
-        The SSD part read back is dropped at once; the last fetch of the entry also drops the kept and the host
-        parts (the plan frees them there: its consumer reads only the fetched copy). A dropped buffer that a
-        queued copy still reads is kept by record_stream (device) and by the transfer area's events (host)."""
+        The SSD part read back is dropped at once; the last fetch of the entry also drops the kept and the
+        host parts (the plan frees them there: its consumer reads only the fetched copy). A dropped buffer
+        that a queued copy still reads is kept by record_stream (device) and by the transfer area's events
+        (host)."""
         be = self.cx.backend
         e = rs.entries[self.binding.entry_key(t)]
         assert not e.ssd_elems or e.state in (EntryState.OFFLOADED, EntryState.READ_BACK), e.state
@@ -160,8 +163,8 @@ class EntryOps:
 
 
 def scatter(be, sources: list[tuple[int, torch.Tensor]], dests: list[tuple[int, torch.Tensor]]) -> None:
-    """Copy flat sources [(offset, tensor)] of one flat layout into the flat destinations [(offset, buffer)] that
-    tile it: each overlap is one copy_async, straight into the destination's slice."""
+    """Copy flat sources [(offset, tensor)] of one flat layout into the flat destinations [(offset, buffer)]
+    that tile it: each overlap is one copy_async, straight into the destination's slice."""
     for so, src in sources:
         for do, dst in dests:
             a, z = max(so, do), min(so + src.numel(), do + dst.numel())

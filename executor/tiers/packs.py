@@ -1,5 +1,5 @@
-"""Saved-tensor packs: the tensors autograd saves in the forward of a layer that is not recomputed, captured with
-saved_tensors_hooks so that the plan's offload/fetch ops can move them as one flat byte tensor."""
+"""Saved-tensor packs: the tensors autograd saves in the forward of a layer that is not recomputed, captured
+with saved_tensors_hooks so that the plan's offload/fetch ops can move them as one flat byte tensor."""
 
 from __future__ import annotations
 
@@ -28,21 +28,24 @@ class Pack:
     saved_tensors_hooks so that the plan's offload/fetch ops can move them. Views of the layer's weights are
     not captured: they are rebuilt from the weights fetched for the backward.
 
-    Saved tensors are kept per *storage*: several saved views of one storage (q, k and v of one fused projection;
-    the attention output and the output projection's input) are moved once, as the byte range of the storage
-    they cover, and rebuilt as views of it. The offload copies those byte ranges straight into the destination
-    buffers: nothing is made contiguous or joined first."""
+    Saved tensors are kept per *storage*: several saved views of one storage (q, k and v of one fused
+    projection; the attention output and the output projection's input) are moved once, as the byte range of
+    the storage they cover, and rebuilt as views of it. The offload copies those byte ranges straight into the
+    destination buffers: nothing is made contiguous or joined first."""
 
     def __init__(self, leaves: list[torch.Tensor], own=None) -> None:
         self.leaves = leaves
         self.own = own or (lambda t: t)  # DeviceBackend.own: saved tensors that the d2h stream will read
-        self.saved: list[torch.Tensor] | None = []  # per distinct storage: its bytes (uint8, the whole storage)
+        # per distinct storage: its bytes (uint8, the whole storage)
+        self.saved: list[torch.Tensor] | None = []
         self.index: dict[int, int] = {}  # data pointer of the original storage -> index in saved
         self.extent: list[list[int]] = []  # per storage: [lo, hi) bytes covered by its saved views
-        self.restored: list[torch.Tensor] | None = None  # per storage: its [lo, hi) bytes in the fetched flat tensor
+        # per storage: its [lo, hi) bytes in the fetched flat tensor
+        self.restored: list[torch.Tensor] | None = None
         self.desc: list[tuple[int, int, int]] = []  # per storage: (offset in the flat layout, lo, hi)
         self.out: torch.Tensor | None = None
-        self.originals: list[torch.Tensor] = []  # with a copying own(): the tensors the keys' addresses are of
+        # with a copying own(): the tensors the keys' addresses are of
+        self.originals: list[torch.Tensor] = []
         self.x_grad: list[torch.Tensor] = []  # the gradient of the layer input, after backward (see input())
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +60,8 @@ class Pack:
         for i, leaf in enumerate(self.leaves):
             if leaf.untyped_storage().data_ptr() == ptr:
                 return ("w", i, t.storage_offset() - leaf.storage_offset(), tuple(t.shape), tuple(t.stride()))
-        if t.device != self.leaves[0].device:  # e.g. a CPU scalar (RNG seed) saved by a CUDA kernel: kept as is
+        # e.g. a CPU scalar (RNG seed) saved by a CUDA kernel: kept as is
+        if t.device != self.leaves[0].device:
             return ("c", t)
         i = self.index.get(ptr)
         if i is None:
@@ -66,7 +70,8 @@ class Pack:
             owned = self.own(whole)
             self.saved.append(owned)
             self.extent.append([st.nbytes(), 0])
-            if owned is not whole:  # t stays alive until the forward ends, so no later tensor reuses its address
+            # t stays alive until the forward ends, so no later tensor reuses its address
+            if owned is not whole:
                 self.originals.append(t)
         size = t.element_size()
         lo = t.storage_offset() * size
@@ -103,10 +108,10 @@ class Pack:
         return out
 
     def segments(self) -> tuple[list[tuple[int, torch.Tensor]], int]:
-        """The saved storages' byte ranges as (byte offset, uint8 view of the device memory) in one flat layout
-        (each at a 256-byte aligned offset, as kernels such as fused attention expect of their inputs) and its
-        total bytes, without joining or copying them: the offload copies each straight into its slices of the
-        destination buffers. Remembers how to rebuild the views (restore)."""
+        """The saved storages' byte ranges as (byte offset, uint8 view of the device memory) in one flat
+        layout (each at a 256-byte aligned offset, as kernels such as fused attention expect of their inputs)
+        and its total bytes, without joining or copying them: the offload copies each straight into its slices
+        of the destination buffers. Remembers how to rebuild the views (restore)."""
         segs, self.desc, off_bytes = [], [], 0
         for whole, (lo, hi) in zip(self.saved, self._ranges()):
             self.desc.append((off_bytes, lo, hi))
@@ -116,20 +121,22 @@ class Pack:
         return segs, off_bytes
 
     def release_output(self) -> None:
-        """Drop the layer output's memory from the pack: its backward needs the output's autograd node, not its
-        values (the next layer's input entry holds them for as long as the plan keeps them). Kept if autograd
-        saved the output itself."""
+        """Drop the layer output's memory from the pack: its backward needs the output's autograd node, not
+        its values (the next layer's input entry holds them for as long as the plan keeps them). Kept if
+        autograd saved the output itself."""
         if self.out.untyped_storage().data_ptr() in self.index:
             return
         self.out.data = torch.empty(0, dtype=self.out.dtype, device=self.out.device)
 
     def backward(self, grad_out: torch.Tensor) -> None:
-        """Backward from the (released) output: the engine checks grad_out against the node's recorded shape."""
+        """Backward from the (released) output:
+        the engine checks grad_out against the node's recorded shape."""
         torch.autograd.Variable._execution_engine.run_backward(
             (self.out,), (grad_out,), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
     def saved_bytes(self) -> int:
-        """Bytes this pack moves: the byte ranges of the distinct storages autograd saved (without padding)."""
+        """Bytes this pack moves: the byte ranges of the distinct storages autograd saved
+        (without padding)."""
         return sum(hi - lo for lo, hi in self._ranges()) if self.saved else 0
 
     def restore(self, flat: torch.Tensor) -> None:

@@ -1,5 +1,5 @@
-"""An adversarial CPU emulation of a CUDA device (`--device cpu-adversarial[:N]`, for tests): the executor's CUDA
-logic runs on it unchanged, and what would be a race on a GPU becomes a NaN loss or an exception here.
+"""An adversarial CPU emulation of a CUDA device (`--device cpu-adversarial[:N]`, for tests): the executor's
+CUDA logic runs on it unchanged, and what would be a race on a GPU becomes a NaN loss or an exception here.
 
     streams      each stream is a thread running its queue in order, after a random delay per item; an op's
                  handler runs there, not in the worker that enqueued it (as a kernel runs after its launch)
@@ -8,12 +8,12 @@ logic runs on it unchanged, and what would be a race on a GPU becomes a NaN loss
     events       record/wait_event/synchronize_event as CUDA's: waiting on an event not yet recorded does not
                  wait; a host synchronization from inside a stream op is an error (HiddenSyncError)
     allocator    empty()/own() hand out blocks per stream; a block freed (its last tensor dropped) goes to the
-                 next request on its stream at once and is filled with NaN (0xFF bytes) when handed out, unless
-                 another stream recorded a use (record_stream): then only after that stream has run everything
-                 enqueued before the free. A read on another stream without a wait or a record sees NaN. As a
-                 handler's compute runs before it returns, a block that an op on another stream touched (every
-                 aten op on a stream thread is watched) and that is freed without record_stream for that stream
-                 is reported as an error, even where the NaN could not show.
+                 next request on its stream at once and is filled with NaN (0xFF bytes) when handed out,
+                 unless another stream recorded a use (record_stream): then only after that stream has run
+                 everything enqueued before the free. A read on another stream without a wait or a record sees
+                 NaN. As a handler's compute runs before it returns, a block that an op on another stream
+                 touched (every aten op on a stream thread is watched) and that is freed without record_stream
+                 for that stream is reported as an error, even where the NaN could not show.
     devices      N is an emulated device index: each thread has a current device (0 until thread_init), a
                  stream op enqueued from a thread on another device is an error, and events of two devices
                  cannot be timed against each other (as CUDA's elapsed_time)
@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tierflow.executor.device import (
+from tierflow.executor.device.base import (
     DeviceBackend,
     HiddenSyncError,
     PageableCopyError,
@@ -91,8 +91,8 @@ class Block:
 
 
 class EmuStream:
-    """A thread running its queue in order; sub-items an item issues (late copies, records, waits, markers from
-    its own thread) run right after it, before the next queued item."""
+    """A thread running its queue in order; sub-items an item issues (late copies, records, waits, markers
+    from its own thread) run right after it, before the next queued item."""
 
     def __init__(self, backend: AdversarialCpuBackend, name: str, device: int, seed: int) -> None:
         self.backend, self.name, self.device = backend, name, device
@@ -136,7 +136,7 @@ class EmuStream:
                 fn()
         except RoundAborted:
             pass
-        except BaseException as e:  # noqa: BLE001 - passed to the round, as an asynchronous CUDA error would be
+        except BaseException as e:  # noqa: BLE001 - passed to the round, as an asynchronous CUDA error is
             self.backend.report(self.label or self.name, e)
 
     def _loop(self) -> None:
@@ -160,8 +160,8 @@ class EmuStream:
 
 
 class _UseTracker(TorchDispatchMode):
-    """While a stream runs an item: every aten op's tensors that live in the allocator's blocks are noted as used
-    by that stream (the record_stream check in AdversarialCpuBackend._free)."""
+    """While a stream runs an item: every aten op's tensors that live in the allocator's blocks are noted as
+    used by that stream (the record_stream check in AdversarialCpuBackend._free)."""
 
     def __init__(self, stream: EmuStream) -> None:
         super().__init__()
@@ -205,7 +205,7 @@ class AdversarialCpuBackend(DeviceBackend):
         self._on_error: Callable[[str, BaseException], None] | None = None
         self._next_id = 0
 
-    # -- threads, streams, events ------------------------------------------------------------------------------
+    # -- threads, streams, events ----------------------------------------------------------------------------
 
     def thread_init(self) -> None:
         _tls.device = self.index
@@ -232,8 +232,9 @@ class AdversarialCpuBackend(DeviceBackend):
 
     def _check_device(self, stream: EmuStream, what: str) -> None:
         if _current_stream() is None and _current_device() != stream.device:
-            raise RuntimeError(f"{what} on a stream of device {stream.device} from a thread whose current device "
-                               f"is {_current_device()} (the worker did not call thread_init / set_device)")
+            raise RuntimeError(f"{what} on a stream of device {stream.device} from a thread whose "
+                               f"current device is {_current_device()} (the worker did not call "
+                               "thread_init / set_device)")
 
     def record(self, stream: EmuStream | None) -> EmuEvent:
         if stream is None:
@@ -266,8 +267,8 @@ class AdversarialCpuBackend(DeviceBackend):
 
     def elapsed_s(self, start: EmuEvent, end: EmuEvent) -> float:
         if start.device != end.device:
-            raise RuntimeError(f"elapsed time between events of device {start.device} and device {end.device} "
-                               "(CUDA: both events must be recorded on the same device)")
+            raise RuntimeError(f"elapsed time between events of device {start.device} and device "
+                               f"{end.device} (CUDA: both events must be recorded on the same device)")
         if not (start.done.is_set() and end.done.is_set()):
             raise RuntimeError("elapsed time of an event that has not completed")
         return end.t_s - start.t_s
@@ -289,7 +290,7 @@ class AdversarialCpuBackend(DeviceBackend):
             while not s.idle():
                 time.sleep(0.001)
 
-    # -- device memory -----------------------------------------------------------------------------------------
+    # -- device memory ---------------------------------------------------------------------------------------
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
@@ -298,8 +299,8 @@ class AdversarialCpuBackend(DeviceBackend):
         name = stream.name if stream is not None else None
         with self.lock:
             if self.cap_bytes is not None and self.allocated_bytes + want > self.cap_bytes:
-                raise torch.OutOfMemoryError(f"emulated device out of memory: tried to allocate {want} bytes with "
-                                             f"{self.allocated_bytes} of {self.cap_bytes:.0f} allocated")
+                raise torch.OutOfMemoryError(f"emulated device out of memory: tried to allocate {want} bytes "
+                                             f"with {self.allocated_bytes} of {self.cap_bytes:.0f} allocated")
             pool = self.free.setdefault(name, [])
             fits = [b for b in pool if want <= b.nbytes <= 2 * want]
             if fits:
@@ -344,8 +345,9 @@ class AdversarialCpuBackend(DeviceBackend):
         unrecorded = {s: op for s, op in block.users.items() if s != block.stream and s not in recorded}
         for s, op in unrecorded.items():
             self.report(op, RuntimeError(
-                f"a device block allocated on stream {block.stream} was used on stream {s} by op {op} and freed "
-                f"without record_stream({s}): on CUDA its memory can be reused while that use is still queued"))
+                f"a device block allocated on stream {block.stream} was used on stream {s} by op {op} "
+                f"and freed without record_stream({s}): on CUDA its memory can be reused while that use is "
+                "still queued"))
         with self.lock:
             block.live = False
             self.allocated_bytes -= block.nbytes
@@ -383,11 +385,12 @@ class AdversarialCpuBackend(DeviceBackend):
             with self.lock:
                 block.uses.add(stream)
 
-    # -- host memory and copies --------------------------------------------------------------------------------
+    # -- host memory and copies ------------------------------------------------------------------------------
 
     def host_buffer(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        if pinned and self.pinned_limit_bytes is not None and self.pinned_bytes + nbytes > self.pinned_limit_bytes:
+        limit = self.pinned_limit_bytes
+        if pinned and limit is not None and self.pinned_bytes + nbytes > limit:
             raise TierOutOfMemory("cpu (pinned)", nbytes, "emulated pinned-memory limit")
         arr = np.empty(max(nbytes, 1), dtype=np.uint8)
         arr.fill(NAN_BYTE)
@@ -447,7 +450,8 @@ class AdversarialCpuBackend(DeviceBackend):
                                         f"({tuple(t.shape)} {t.dtype}); allocate it pinned")
         if dst.shape != src.shape:
             raise RuntimeError(f"copy_async: shapes {tuple(dst.shape)} and {tuple(src.shape)} differ")
-        own = [b for b in (self._block_of(dst), self._block_of(src)) if b is not None and b.stream == stream.name]
+        own = [b for b in (self._block_of(dst), self._block_of(src))
+               if b is not None and b.stream == stream.name]
         with self.lock:
             for b in own:
                 b.own_copies += 1
@@ -469,7 +473,7 @@ class AdversarialCpuBackend(DeviceBackend):
                 if not b.own_copies and not b.live:
                     self._release(b)
 
-    # -- measurement -------------------------------------------------------------------------------------------
+    # -- measurement -----------------------------------------------------------------------------------------
 
     def memory_stats(self) -> dict[str, float]:
         return {"max_allocated_bytes": float(self.max_allocated_bytes),

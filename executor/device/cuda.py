@@ -1,0 +1,137 @@
+"""The CUDA device (`CudaBackend`, `--device cuda[:N]`): one stream per stream resource, CUDA events, pinned
+host memory, the caching allocator (expandable segments) and deterministic kernels where PyTorch has them. The
+rules it keeps are in device/base.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierflow.executor.device.base import DeviceBackend, PageableCopyError, TierOutOfMemory, host_empty
+
+STREAM_PRIORITY = {"gpu": 0, "h2d": -1, "d2h": -1}  # CUDA: lower is higher; copy streams ahead of the GEMMs
+
+
+class CudaBackend(DeviceBackend):
+    """One CUDA device: a stream per stream resource (copy streams at high priority), blocking events (a
+    waiting host thread sleeps instead of spinning on the cores CPU Adam needs), pinned host memory."""
+
+    streams_async = True
+    pins = True
+
+    def __init__(self, device: torch.device) -> None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        self.name = str(self.device)
+        enable_expandable_segments()
+        enable_determinism()
+
+    def thread_init(self) -> None:
+        torch.cuda.set_device(self.device)
+
+    def new_stream(self, resource: str):
+        return torch.cuda.Stream(self.device, priority=STREAM_PRIORITY.get(resource, 0))
+
+    def record(self, stream):
+        ev = torch.cuda.Event(enable_timing=True, blocking=True)
+        if stream is None:
+            with torch.cuda.device(self.device):
+                ev.record()
+        else:
+            ev.record(stream)
+        return ev
+
+    def wait_event(self, stream, event) -> None:
+        stream.wait_event(event)
+
+    def synchronize_event(self, event) -> None:
+        event.synchronize()
+
+    def elapsed_s(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3
+
+    def launch(self, stream, fn, label: str) -> None:
+        with torch.cuda.stream(stream):
+            fn()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def current_stream(self):
+        cur = torch.cuda.current_stream(self.device)
+        return None if cur == torch.cuda.default_stream(self.device) else cur
+
+    def query_event(self, event) -> bool:
+        return event.query()
+
+    def pinned_area(self, nbytes: int) -> torch.Tensor:
+        """Pageable memory, page-locked in place with cudaHostRegister (unregistered when it is freed): one
+        allocation of whole pages of its own, where the pinned caching allocator would round up to a power of
+        two. Not yet run on a GPU (see the README's "Known gaps")."""
+        import weakref
+
+        page = 4096
+        padded = -(-max(nbytes, 1) // page) * page
+        t = host_empty(padded + page, torch.uint8, False)
+        skip = (-t.data_ptr()) % page
+        ptr = t.data_ptr() + skip
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, padded, 0)
+        if int(rc) != 0:
+            raise TierOutOfMemory("cpu (pinned)", padded, f"cudaHostRegister returned {rc}")
+        arr = t.numpy()[skip: skip + nbytes]  # keeps t; every view of the returned tensor keeps arr
+        weakref.finalize(arr, torch.cuda.cudart().cudaHostUnregister, ptr)
+        return torch.from_numpy(arr)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        for t in (dst, src):
+            if t.device.type == "cpu" and not t.is_pinned():
+                raise PageableCopyError(f"copy_async with pageable host memory ({tuple(t.shape)} {t.dtype})")
+        dst.copy_(src, non_blocking=True)
+        self._note_arena_use(dst, src)
+
+    def record_stream(self, t: torch.Tensor | None, stream) -> None:
+        if t is not None and t.is_cuda:
+            t.record_stream(stream)
+
+    def memory_stats(self) -> dict[str, float]:
+        return {"max_allocated_bytes": float(torch.cuda.max_memory_allocated(self.device)),
+                "max_reserved_bytes": float(torch.cuda.max_memory_reserved(self.device))}
+
+    def reset_peaks(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def cap_memory(self, cap_bytes: float) -> None:
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), self.device)
+
+    def check_compute_dtype(self, dtype: torch.dtype) -> None:
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            name = torch.cuda.get_device_name(self.device)
+            raise ValueError(f"--device {self.device}: {name} has no bf16 support (compute capability < "
+                             "8.0); use an Ampere or newer GPU")
+
+
+def enable_expandable_segments() -> bool:
+    """The caching allocator maps growing segments instead of fixed blocks, so that the three streams' pools
+    do not fragment device memory (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before the first CUDA
+    allocation; a user's own setting is kept)."""
+    import os
+
+    if "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return False
+    try:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except (AttributeError, RuntimeError):  # an older torch, or a platform without it
+        return False
+    return True
+
+
+def enable_determinism() -> None:
+    """Deterministic CUDA kernels where PyTorch has them (index_add_ of the embedding gradient, cuBLAS with a
+    fixed workspace), so that a resumed run repeats an uninterrupted one's losses; kernels without a
+    deterministic version (the backward of fused attention) only warn, so bit-identical resume is not
+    guaranteed on a GPU."""
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS creates its handle
+    torch.use_deterministic_algorithms(True, warn_only=True)

@@ -1,0 +1,113 @@
+"""The optimizer ops (`OptimizerOps`): AdamW per optimizer part on the host (adam, adam_deferred, with the
+reads and writes of their SSD ranges: read_opt_states, write_opt_states), or per block on the device
+(adam_gpu).
+
+Numerics: AdamW runs in fp32 on the host with PyTorch's fused/foreach kernel (or on the device for a GPU
+optimizer) on the fp32 gradient accumulators; the compute copy of the weights is the updated fp32 master cast
+to the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.adamw import adamw as adamw_step
+
+from tierflow.executor.binding import OPTIMIZER_PART
+from tierflow.executor.ops.context import OpContext, RoundState, Staged
+from tierflow.executor.ops.grad_buffers import GradBuffers
+from tierflow.executor.ops.grads import HostGradAdds
+from tierflow.planner.core.graph import Task
+from tierflow.planner.core.opkinds import READ_OPT_STATES
+
+OPT_CLASSES = ("master", "adam_m", "adam_v")
+
+
+class OptimizerOps:
+    """AdamW steps: per optimizer part on the host (adam, adam_deferred, with their SSD reads and writes), or
+    per block on the device (adam_gpu)."""
+
+    def __init__(self, cx: OpContext, buffers: GradBuffers) -> None:
+        self.cx, self.buffers = cx, buffers
+
+    def _adamw(self, params, grads, ms, vs, step: int, fused: bool) -> None:
+        h = self.cx.hyper
+        # a fill kernel, not torch.tensor(..., device=cuda): that is a synchronizing copy from pageable memory
+        steps = [torch.full((), float(step - 1), dtype=torch.float32, device=p.device) for p in params]
+        adamw_step(params, grads, ms, vs, [], steps, foreach=False if fused else None, fused=fused,
+                   amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay,
+                   eps=h.eps, maximize=False)
+
+    def read_opt_states(self, rs: RoundState, t: Task) -> None:
+        j = self.cx.binding.part_of[t.id]
+        out = {}
+        for cls in OPT_CLASSES:
+            V = self.cx.state.vec[cls][t.block]
+            for name, pj, lo, hi in V.ssd_pieces():
+                if pj == j:
+                    out[cls] = (lo, hi, self.cx.ssd.read(name, torch.float32, hi - lo))  # host-only: pageable
+        rs.staged[Staged("opt_states_read", t.id)] = out
+
+    def adam(self, rs: RoundState, t: Task) -> None:
+        """One optimizer part of block t.block on the host (adam and adam_deferred)."""
+        b, state = t.block, self.cx.state
+        HostGradAdds.wait_for(rs, b)
+        j = OPTIMIZER_PART[t.kind]
+        lo, hi = state.parts[b][j]
+        rid = self.cx.binding.dep_of_kind[t.id].get(READ_OPT_STATES)
+        ssd_parts = rs.staged.pop(Staged("opt_states_read", rid)) if rid is not None else {}
+        vecs = {cls: state.vec[cls][b] for cls in OPT_CLASSES}
+        cuts = sorted({lo, hi, *(min(max(v.ssd_lo, lo), hi) for v in vecs.values())})
+
+        def view(cls: str, a: int, z: int) -> torch.Tensor:
+            V = vecs[cls]
+            if a >= V.ssd_lo:
+                plo, _phi, data = ssd_parts[cls]
+                return data[a - plo: z - plo]
+            return V.host[a - V.g: z - V.g]
+
+        params, grads, ms, vs = [], [], [], []
+        for a, z in zip(cuts, cuts[1:]):
+            if z <= a:
+                continue
+            params.append(view("master", a, z))
+            ms.append(view("adam_m", a, z))
+            vs.append(view("adam_v", a, z))
+            grads.append(state.grads[b][a:z])
+        self._adamw(params, grads, ms, vs, rs.step0 + t.iteration + 1, fused=True)
+        master = torch.cat(params) if len(params) > 1 else params[0]
+        state.grads[b][lo:hi].zero_()
+        self._stage_weights(rs, t, j, lo, hi, master.to(state.vec["weights"][b].dtype))
+        rs.staged[Staged("opt_states_out", t.id)] = ssd_parts
+
+    def _stage_weights(self, rs: RoundState, t: Task, j: int, lo: int, hi: int, new: torch.Tensor) -> None:
+        """The compute copy of the updated range [lo, hi), to wherever the weights live: host memory now, the
+        device range for update_weights, the SSD files for write_opt_states."""
+        W = self.cx.state.vec["weights"][t.block]
+        a, z = max(lo, W.g), min(hi, W.ssd_lo)
+        if z > a:
+            W.host[a - W.g: z - W.g].copy_(new[a - lo: z - lo])
+        a, z = lo, min(hi, W.g)
+        wire = self.cx.transfer_buffer(max(z - a, 0), new.dtype)  # update_weights copies it
+        wire.copy_(new[: max(z - a, 0)])
+        rs.staged[Staged("weights_gpu", t.id)] = (a, z, wire)
+        w_ssd = [(name, new[plo - lo: phi - lo]) for name, pj, plo, phi in W.ssd_pieces() if pj == j]
+        rs.staged[Staged("weights_ssd", t.id)] = w_ssd
+
+    def write_opt_states(self, rs: RoundState, t: Task) -> None:
+        a = t.deps[0]
+        for cls, (_lo, _hi, data) in rs.staged.pop(Staged("opt_states_out", a)).items():
+            j = self.cx.binding.part_of[t.id]
+            name = next(n for n, pj, _l, _h in self.cx.state.vec[cls][t.block].ssd_pieces() if pj == j)
+            self.cx.ssd.write(name, data)
+        for name, data in rs.staged.pop(Staged("weights_ssd", a)):
+            self.cx.ssd.write(name, data)
+
+    def adam_gpu(self, rs: RoundState, t: Task) -> None:
+        b = t.block
+        grad = None
+        for _o, _lo, g in self.buffers.take(rs, t.id):
+            grad = g if grad is None else grad + g
+        vecs = [self.cx.state.vec[cls][b].dev for cls in OPT_CLASSES]
+        self._adamw([vecs[0]], [grad], [vecs[1]], [vecs[2]], rs.step0 + t.iteration + 1,
+                    fused=self.cx.device.type == "cuda")
+        self.cx.state.vec["weights"][b].dev.copy_(vecs[0].to(self.cx.dtype))
