@@ -35,7 +35,7 @@ from tierflow.planner.search.capacity import largest
 BATCH, SEQ = (
     8,
     1024,
-)  # GPT-2 context length; the batch Gemini used is not published (it hardly matters: see README)
+)  # GPT-2 context length; the batch Gemini used is not published (it hardly matters: see docs/reproductions.md)
 SOURCE = "Colossal-AI blog figure, 2022 (REFERENCE.md section 1)"
 # box -> (paper params in billions, assumed CPU memory in GiB, why that memory)
 BOXES = {

@@ -1,4 +1,4 @@
-"""The pinned transfer area (executor/arena.py): its size is the plan's peak of transfer buffers, derived from
+"""The pinned transfer area (executor/tiers/arena.py): its size is the plan's peak of transfer buffers, derived from
 the plan's memory effects and op bytes; its allocator hands out page-aligned views, coalesces what comes back,
 and makes a new owner wait for the stream uses of the previous one."""
 

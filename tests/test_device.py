@@ -1,4 +1,4 @@
-"""The CUDA logic on a CPU (issue 20): the adversarial emulation of a CUDA device (executor/device_emulated.py)
+"""The CUDA logic on a CPU (issue 20): the adversarial emulation of a CUDA device (executor/device/emulated.py)
 turns each kind of missing synchronization into a failure, and the executor's CUDA paths run on it: every
 record_stream and stream wait the executor makes is needed (removing one fails the run), errors are passed up
 with the op named, out-of-memory errors of every tier exit 3, and no op on a stream synchronizes the host."""

@@ -34,7 +34,7 @@ CASES = {  # name: (family, placement, steps, device)
     "block-device": ("block", "device", 3, "cpu"),  # GPU optimizer: adam_gpu on the reduce-scattered shard
     "fuyou-mix": ("fuyou", "mix", 3, "cpu"),  # every tier, swapped layers, gradients on SSD
     # the CUDA logic (the net stream, its events and record_stream) on the adversarial emulation of a CUDA device
-    # (executor/device_emulated.py), which turns a missing wait or record_stream into an error or a wrong number
+    # (executor/device/emulated.py), which turns a missing wait or record_stream into an error or a wrong number
     "block-device-emulated": ("block", "device", 3, "cpu-adversarial"),
     "fuyou-mix-emulated": ("fuyou", "mix", 3, "cpu-adversarial"),
 }

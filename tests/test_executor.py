@@ -133,7 +133,7 @@ def test_matches_plain_pytorch_adamw(model_name, family, placement, alpha, tmp_p
 @pytest.mark.parametrize("model_name", ["tiny-gpt", "tiny-llama"])
 def test_matches_plain_pytorch_adamw_on_the_cuda_emulation(model_name, family, placement, tmp_path):
     """The same equivalence with the executor's CUDA logic (streams, events, copy_async, pinned buffers,
-    record_stream) on the adversarial emulation of a CUDA device (executor/device_emulated.py): a missing wait or
+    record_stream) on the adversarial emulation of a CUDA device (executor/device/emulated.py): a missing wait or
     record_stream there is a NaN, a wrong loss or an error (tests/test_device.py shows each one is). Three steps:
     two rounds (2 + 1 iterations), so the round boundary is crossed."""
     plan = make_plan(model_name, family, placement, 0.25)

@@ -159,7 +159,7 @@ def test_fidelity_quick(tmp_path):
 def test_closed_loop_quick(tmp_path):
     """calibrate -> plan -> run -> compare on this CPU: every run trains, its comparison is measured / predicted
     of the same plan, the caps push the optimizer states to the SSD tier, and the iteration time is predicted
-    within 25% (the issue's CI bound for a noisy machine; the full loop's target is 10%, README)."""
+    within 25% (the CI bound for a noisy machine; the full loop's target is 10%, docs/executor.md)."""
     before = _cpu_ticks()
     rows = closed_loop.run(quick=True, out_dir=tmp_path)
     others = _others_share(before, _cpu_ticks())
@@ -178,7 +178,7 @@ def test_closed_loop_quick(tmp_path):
         assert float(b["fwd_bwd_measured_s"]) > float(b["fwd_measured_s"]) > 0
         assert float(b["fwd_error"]) == pytest.approx(float(b["fwd_measured_s"]) / float(b["fwd_predicted_s"]) - 1,
                                                       abs=2e-3)
-    if others > 0.1:  # another process on a core slows the device's compute 4-10x (README, closed loop)
+    if others > 0.1:  # another process on a core slows the device's compute 4-10x (docs/executor.md, closed loop)
         pytest.skip(f"other processes used {others:.0%} of the machine's CPU time during the loop: the 25% bound "
                     "needs a machine to itself")
     for r in rows:

@@ -1,5 +1,7 @@
-"""Architecture rules: hwprofiles <- planner (core <- search <- io) <- executor, one public API module that nothing
-inside imports, the planner never imports torch, and every package folder is installed under `tierflow`."""
+"""Architecture rules: tierflow.errors <- hwprofiles <- planner (core <- search <- io) <- executor <- tierflow.cli,
+one public API module that nothing inside imports, no import cycles among tierflow's modules (lazy imports
+included), the rooms of the layout, the planner never imports torch, and every package folder is installed
+under `tierflow`."""
 
 from __future__ import annotations
 
@@ -11,17 +13,28 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# (folder, installed name, rank): a module may import only layers of lower or equal rank
+# (folder or file, installed name, rank): a module may import only layers of lower or equal rank
 LAYERS = [
-    ("hwprofiles", "tierflow.hwprofiles", 0),
-    ("planner/core", "tierflow.planner.core", 1),
-    ("planner/search", "tierflow.planner.search", 2),
-    ("planner/io", "tierflow.planner.io", 3),
-    ("executor", "tierflow.executor", 4),
+    ("tierflow/errors.py", "tierflow.errors", 0),
+    ("hwprofiles", "tierflow.hwprofiles", 1),
+    ("planner/core", "tierflow.planner.core", 2),
+    ("planner/search", "tierflow.planner.search", 3),
+    ("planner/io", "tierflow.planner.io", 4),
+    ("executor", "tierflow.executor", 5),
+    ("tierflow/cli", "tierflow.cli", 6),
 ]
+# installed package -> folder (pyproject's package-dir)
+FOLDERS = {"tierflow": "tierflow", "tierflow.hwprofiles": "hwprofiles", "tierflow.planner": "planner",
+           "tierflow.executor": "executor"}
+
+
+def files_of(path: str) -> list[Path]:
+    p = ROOT / path
+    return [p] if p.suffix == ".py" else sorted(p.rglob("*.py"))
 
 
 def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at the top, inside functions or under TYPE_CHECKING."""
     tree = ast.parse(path.read_text())
     names = set()
     for node in ast.walk(tree):
@@ -29,18 +42,87 @@ def imported_modules(path: Path) -> set[str]:
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
     return names
 
 
 def layer_of(module: str) -> int | None:
     ranks = [rank for _, name, rank in LAYERS if module == name or module.startswith(name + ".")]
-    return ranks[0] if ranks else None
+    return max(ranks) if ranks else None
+
+
+def module_name(path: Path) -> str:
+    """The installed name of a source file, e.g. executor/tiers/store.py -> tierflow.executor.tiers.store."""
+    rel = path.relative_to(ROOT)
+    for installed, folder in FOLDERS.items():
+        if rel.parts[0] == folder:
+            parts = [*installed.split("."), *rel.parts[1:]]
+            parts[-1] = parts[-1].removesuffix(".py")
+            if parts[-1] == "__init__":
+                parts.pop()
+            return ".".join(parts)
+    raise ValueError(path)
+
+
+def package_modules() -> dict[str, Path]:
+    return {module_name(f): f for folder in FOLDERS.values() for f in (ROOT / folder).rglob("*.py")}
+
+
+def imported_tierflow_modules(path: Path, mods: dict[str, Path]) -> set[str]:
+    """The package's modules a file imports: `from package import name` counts as the submodule
+    package.name where there is one, else as the package."""
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            names = [m if m in mods else node.module for m in subs]
+        else:
+            continue
+        for m in names:
+            while m and m not in mods:
+                m = m.rpartition(".")[0]
+            if m:
+                deps.add(m)
+    return deps
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package's modules it imports (at the top, inside functions or under TYPE_CHECKING)."""
+    mods = package_modules()
+    return {name: imported_tierflow_modules(path, mods) - {name} for name, path in mods.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph, or None (iterative depth-first search)."""
+    state: dict[str, int] = {}
+    for start in sorted(graph):
+        if state.get(start):
+            continue
+        stack = [(start, iter(sorted(graph.get(start, ()))))]
+        path = [start]
+        state[start] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                stack.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                path.append(nxt)
+    return None
 
 
 def test_imports_only_go_down_the_stack():
     bad = []
     for folder, _, rank in LAYERS:
-        for f in (ROOT / folder).rglob("*.py"):
+        for f in files_of(folder):
             for mod in imported_modules(f):
                 dep = layer_of(mod)
                 if dep is not None and dep > rank:
@@ -52,11 +134,60 @@ def test_the_layer_rule_can_fail():
     """layer_of ranks what the rule compares: an executor import inside the planner core would be caught."""
     assert layer_of("tierflow.executor.engine") > layer_of("tierflow.planner.core.graph")
     assert layer_of("tierflow.planner.search.loads") > layer_of("tierflow.planner.core.schedules")
+    assert layer_of("tierflow.cli.simulate") > layer_of("tierflow.executor.run")
+    assert layer_of("tierflow.errors") < layer_of("tierflow.hwprofiles")
     assert layer_of("numpy") is None
 
 
+def test_no_import_cycles():
+    graph = import_graph()
+    assert len(graph) > 50
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_check_can_fail():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_rooms_of_the_layout():
+    """The executor's rooms, one CLI module per command, and no flat stand-ins for a folder."""
+    for room in ("executor/ops", "executor/tiers", "executor/device", "tierflow/cli", "planner/search/slots"):
+        assert (ROOT / room / "__init__.py").is_file(), room
+    commands = {"simulate", "plan", "capacity", "fit", "compare", "models", "profiles", "run", "calibrate", "env"}
+    assert commands <= {f.stem for f in (ROOT / "tierflow/cli").glob("*.py")}
+    assert not list((ROOT / "executor").glob("ops_*.py"))
+    assert not (ROOT / "planner/io/cli.py").exists()
+
+
+BUILTIN_ERRORS = {"Exception", "BaseException", "ValueError", "RuntimeError", "OSError", "KeyError", "TypeError"}
+CONTROL_FLOW = {"Interrupted", "RunStopped", "RoundAborted", "_RowError"}  # signals that stop a run, not errors
+
+
+def exception_classes() -> tuple[dict[str, set[str]], set[str]]:
+    """Every class of the package whose bases name an exception: class name -> its bases' names."""
+    classes = {}
+    for path in package_modules().values():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = {b.id for b in node.bases if isinstance(b, ast.Name)}
+    derived = {"TierflowError"}
+    for _ in range(len(classes)):
+        derived |= {name for name, bases in classes.items() if bases & derived}
+    errors = {name for name, bases in classes.items() if bases & (BUILTIN_ERRORS | derived)}
+    return {name: classes[name] for name in errors}, derived
+
+
+def test_one_error_base():
+    """Every error class of the package derives from tierflow.errors.TierflowError (control flow aside)."""
+    errors, derived = exception_classes()
+    assert len(errors) > 30
+    bad = sorted(set(errors) - derived - CONTROL_FLOW)
+    assert not bad, f"derive these from tierflow.errors.TierflowError: {bad}"
+
+
 def test_nothing_inside_imports_the_public_api():
-    bad = [str(f.relative_to(ROOT)) for folder, _, _ in LAYERS for f in (ROOT / folder).rglob("*.py")
+    bad = [str(f.relative_to(ROOT)) for folder, _, _ in LAYERS for f in files_of(folder)
            if any(m == "tierflow.api" or m.startswith("tierflow.api.") for m in imported_modules(f))]
     assert not bad, bad
 
@@ -111,3 +242,27 @@ def test_version_and_module_entry_point():
     for cmd in ([sys.executable, "-m", "tierflow", "--version"],):
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
         assert out.stdout.strip() == f"tierflow {tierflow.__version__}"
+
+
+# strings equal to an op kind that are not op kinds: a DeepSpeed optimizer type, the head's block kind, the
+# `recompute` decision of a schedule (its plan-file key and its description)
+NOT_OP_KINDS = {("planner/io/dsconfig.py", "adam"), ("planner/core/workload.py", "head"),
+                ("planner/core/schedules.py", "recompute")}
+
+
+def test_op_kinds_are_spelled_once():
+    """The op vocabulary lives in planner/core/opkinds.py: no other module of the package spells an op kind
+    as a string (schedule builders, plan-file checks and the executor's dispatch table use its names)."""
+    from tierflow.planner.core.opkinds import OP_KINDS
+
+    bad = []
+    for folder in FOLDERS.values():
+        for f in (ROOT / folder).rglob("*.py"):
+            rel = str(f.relative_to(ROOT))
+            if rel == "planner/core/opkinds.py":
+                continue
+            for node in ast.walk(ast.parse(f.read_text())):
+                if (isinstance(node, ast.Constant) and node.value in OP_KINDS
+                        and (rel, node.value) not in NOT_OP_KINDS):
+                    bad.append(f"{rel}:{node.lineno} {node.value!r}")
+    assert not bad, f"use the names of tierflow.planner.core.opkinds: {bad}"

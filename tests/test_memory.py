@@ -92,7 +92,7 @@ def test_min_requirements_is_the_memory_model_of_the_frugal_plan():
             assert need["ssd"] == 0.0
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (README caveats): with GPU memory capped at the estimate, a "
+@pytest.mark.xfail(strict=True, reason="known bug (docs/reproductions.md, caveats): with GPU memory capped at the estimate, a "
                    "vertical group with checkpoints on the SSDs gets stuck 1 MiB short at the last layer's backward")
 def test_vertical_group_with_checkpoints_on_ssd_fits_in_its_estimate():
     """Found by the property test above (random search, 2026-11-23); present since before the host memory model.

@@ -203,7 +203,7 @@ def run_contract(model_name: str, family: str, placement: Placement, swap_layers
 def _straddle_bytes(state: TrainState) -> int:
     """Device bytes a weight use holds beyond the plan's fetch: the resident head of a parameter that the
     placement's device/host split cuts, copied into the fetched buffer so that the parameter is one tensor
-    (executor.ops_state.WeightOps.fetch_start), summed over the owners of a block; the two largest blocks' (the weight use in
+    (executor.ops.weights.WeightOps.fetch_start), summed over the owners of a block; the two largest blocks' (the weight use in
     progress and the one fetched ahead)."""
     per_block = []
     for b in range(len(state.layout.numel)):

@@ -70,7 +70,7 @@ def test_prediction_lies_between_the_roofline_and_the_simulation(name):
     at least the roofline and, up to the fluid model of shared links, at most the simulated time. How close it
     comes is the model's accuracy: these deliberately transfer-heavy placements are within 13% (12.1% for the
     swapped vertical case on the 3090 desktop, 10.6% of it before host memory was shared: the slot model's
-    windows take host memory contention only in part; the planner's chosen plans: README, planner
+    windows take host memory contention only in part; the planner's chosen plans: docs/planning.md, planner
     quality)."""
     model, hw, cfg = _case(name)
     rep = solve_slots(build_slot_model(model, hw, cfg), hw)

@@ -76,7 +76,7 @@ def old_window_topological(n: int, preds: list[list[int]]) -> list[int]:
 
 
 def old_slots_topological(n, preds, prev_in_queue, queue_order):
-    """planner/search/slots.py `_topological` (queue-order heap; on a cycle the rest in queue order)."""
+    """planner/search/slots/template.py `_topological` (queue-order heap; on a cycle the rest in queue order)."""
     rank = {i: r for r, i in enumerate(queue_order)}
     succ: list[list[int]] = [[] for _ in range(n)]
     indeg = [0] * n

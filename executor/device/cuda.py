@@ -67,7 +67,7 @@ class CudaBackend(DeviceBackend):
     def pinned_area(self, nbytes: int) -> torch.Tensor:
         """Pageable memory, page-locked in place with cudaHostRegister (unregistered when it is freed): one
         allocation of whole pages of its own, where the pinned caching allocator would round up to a power of
-        two. Not yet run on a GPU (see the README's "Known gaps")."""
+        two. Not yet run on a GPU (see docs/executor.md, "Known gaps")."""
         import weakref
 
         page = 4096

@@ -3,7 +3,7 @@
 A model is split into *blocks*: the embedding, one block per decoder layer, and the head (final norm + lm_head
 + loss). Every figure here is exact arithmetic on the model's shape; nothing depends on hardware.
 
-Conventions (see README, "FLOP conventions"):
+Conventions (see docs/planning.md, "FLOP conventions"):
 - model FLOPs per token = 6 * P_matmul + 12 * layers * q_dim * seq (attention, causal mask not discounted);
 - hardware FLOPs add the recompute forward pass (another 2 * P_matmul + 4 * layers * q_dim * seq per token).
 """

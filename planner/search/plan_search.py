@@ -1,7 +1,7 @@
 """The planner's search: schedule family and group size, micro-batch, placement of every tensor class,
 swap-vs-recompute and the deferred optimizer fraction, decided together for one Problem.
 
-Four layers (see README, "Planning"):
+Four layers (see docs/planning.md, "Planning"):
 1. candidates (group size k, micro-batch) are enumerated and pruned with the closed-form roofline bound;
 2. for each candidate the CP-SAT placement model (tierflow.planner.search.placement_model) chooses the
    placement fractions and the number of layers that swap their activations instead of recomputing;
