@@ -12,7 +12,7 @@ and, beside them, the engine that runs a plan's rounds (engine.py), how ops bind
 models (models.py), data (data.py), checkpoints (checkpoint.py), several ranks (dist.py), signals (signals.py)
 and `tierflow run` itself (run.py).
 
-Measuring a machine for a hardware profile is the `calibration` package. The commands that use the executor
-(`run`, `calibrate`, `env`) are declared in tierflow.cli, which imports this package only when one of them runs,
-so that planning never imports torch.
+Measuring a machine for a hardware profile is the `calibration` package. The commands that use the
+executor (`run`, `calibrate`, `env`) are declared in tierflow.cli, which imports this package only when one of
+them runs, so that planning never imports torch.
 """

@@ -600,9 +600,10 @@ def launch_ranks(args: argparse.Namespace) -> int:
         raise LaunchError("--nproc inside a torchrun launch: pass either --nproc or torchrun, not both")
     plan = load_plan(args.plan)
     cfg = plan.config
-    if args.nproc * args.nnodes != cfg.world.ranks:
+    ranks = cfg.world.ranks
+    if args.nproc * args.nnodes != ranks:
         raise LaunchError(f"--nproc {args.nproc} x --nnodes {args.nnodes} = {args.nproc * args.nnodes} "
-                          f"ranks, but plan {args.plan} is for {cfg.world.ranks} ({cfg.gpus} GPU(s) x {cfg.nodes} "
+                          f"ranks, but plan {args.plan} is for {ranks} ({cfg.gpus} GPU(s) x {cfg.nodes} "
                           f"box(es)); pass --nproc {cfg.gpus} --nnodes {cfg.nodes}, or plan again with "
                           f"--gpus {args.nproc} --nodes {args.nnodes}")
     argv = sys.argv[1:]  # the command line as typed: every rank runs it without the launch flags

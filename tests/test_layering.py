@@ -1,7 +1,7 @@
-"""Architecture rules: tierflow.errors <- hwprofiles <- planner (core <- search <- io) <- executor <- tierflow.cli,
-one public API module that nothing inside imports, no import cycles among tierflow's modules (lazy imports
-included), the rooms of the layout, the planner never imports torch, and every package folder is installed
-under `tierflow`."""
+"""Architecture rules: tierflow.errors <- hwprofiles <- planner (core <- search <- io) <- executor <-
+tierflow.cli, one public API module that nothing inside imports, no import cycles among tierflow's modules
+(lazy imports included), the rooms of the layout, one error base, op kinds spelled once, the planner never
+imports torch, and every package folder is installed under `tierflow`."""
 
 from __future__ import annotations
 
@@ -154,14 +154,17 @@ def test_the_rooms_of_the_layout():
     """The executor's rooms, one CLI module per command, and no flat stand-ins for a folder."""
     for room in ("executor/ops", "executor/tiers", "executor/device", "tierflow/cli", "planner/search/slots"):
         assert (ROOT / room / "__init__.py").is_file(), room
-    commands = {"simulate", "plan", "capacity", "fit", "compare", "models", "profiles", "run", "calibrate", "env"}
+    commands = {"simulate", "plan", "capacity", "fit", "compare", "models", "profiles", "run", "calibrate",
+                "env"}
     assert commands <= {f.stem for f in (ROOT / "tierflow/cli").glob("*.py")}
     assert not list((ROOT / "executor").glob("ops_*.py"))
     assert not (ROOT / "planner/io/cli.py").exists()
 
 
-BUILTIN_ERRORS = {"Exception", "BaseException", "ValueError", "RuntimeError", "OSError", "KeyError", "TypeError"}
-CONTROL_FLOW = {"Interrupted", "RunStopped", "RoundAborted", "_RowError"}  # signals that stop a run, not errors
+BUILTIN_ERRORS = {"Exception", "BaseException", "ValueError", "RuntimeError", "OSError", "KeyError",
+                  "TypeError"}
+# signals that stop a run, not errors
+CONTROL_FLOW = {"Interrupted", "RunStopped", "RoundAborted", "_RowError"}
 
 
 def exception_classes() -> tuple[dict[str, set[str]], set[str]]:
@@ -193,7 +196,8 @@ def test_nothing_inside_imports_the_public_api():
 
 
 def test_old_bare_package_names_are_gone():
-    """`planner`, `executor` and `hwprofiles` collide with other PyPI distributions: only tierflow.* is imported."""
+    """`planner`, `executor` and `hwprofiles` collide with other PyPI distributions: only tierflow.* is
+    imported."""
     bad = []
     for f in list(ROOT.glob("*/**/*.py")):
         if ".venv" in f.parts:
