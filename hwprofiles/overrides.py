@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .profile import HardwareProfile, ProfileError, load_profile
+from .profile import HardwareProfile, ProfileError, load_profile, parse_number
 
 SET_SYNTAX = "--set {item!r}: expected section.key=value, e.g. --set ssd.count=6"
 
@@ -43,12 +43,8 @@ def typed_value(text: str) -> Any:
     """An override's text as a value: an int, else a float, None for null / none, else the text."""
     if text.lower() in ("null", "none"):
         return None
-    for parse in (int, float):
-        try:
-            return parse(text)
-        except ValueError:
-            pass
-    return text
+    number = parse_number(text)
+    return text if number is None else number
 
 
 def load_hw(name: str, overrides: Iterable[str] | None) -> HardwareProfile:

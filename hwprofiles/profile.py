@@ -504,12 +504,18 @@ def _coerce_override(rule: _Rule, value: object) -> object:
     text = value.strip()
     if rule.kind == "optional_number" and text.lower() in ("null", "none", "~", ""):
         return None
+    number = parse_number(text)
+    return value if number is None else number
+
+
+def parse_number(text: str) -> int | float | None:
+    """The text as an int, else as a float; None when it is neither."""
     for parse in (int, float):
         try:
             return parse(text)
         except ValueError:
             pass
-    return value
+    return None
 
 
 class _Checker:

@@ -68,16 +68,26 @@ def package_modules() -> dict[str, Path]:
     return {module_name(f): f for folder in FOLDERS.values() for f in (ROOT / folder).rglob("*.py")}
 
 
+def absolute_module(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
+    """The absolute name of a `from ... import` (relative ones resolved against the importing module)."""
+    if node.level == 0:
+        return node.module
+    parts = importer.split(".") if is_package else importer.split(".")[:-1]
+    parts = parts[:len(parts) - (node.level - 1)]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
 def imported_tierflow_modules(path: Path, mods: dict[str, Path]) -> set[str]:
     """The package's modules a file imports: `from package import name` counts as the submodule
-    package.name where there is one, else as the package."""
-    deps = set()
+    package.name where there is one, else as the package; relative imports are resolved."""
+    importer, deps = module_name(path), set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            subs = [f"{node.module}.{a.name}" for a in node.names]
-            names = [m if m in mods else node.module for m in subs]
+        elif isinstance(node, ast.ImportFrom):
+            module = absolute_module(node, importer, path.name == "__init__.py")
+            subs = [f"{module}.{a.name}" for a in node.names]
+            names = [m if m in mods else module for m in subs]
         else:
             continue
         for m in names:
@@ -143,6 +153,12 @@ def test_no_import_cycles():
     graph = import_graph()
     assert len(graph) > 50
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_relative_imports_are_resolved():
+    graph = import_graph()
+    assert "tierflow.hwprofiles.profile" in graph["tierflow.hwprofiles.overrides"]
+    assert "tierflow.hwprofiles.inputs" in graph["tierflow.hwprofiles.profile"]
 
 
 def test_the_cycle_check_can_fail():
