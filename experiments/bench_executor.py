@@ -5,15 +5,15 @@ alternating.
 
 1. **On the device.** Plain PyTorch: the executor's own blocks (`executor.models.BlockModel`) trained with
    `torch.optim.AdamW` on the device, the batch in micro-batches with gradient accumulation, no offload, no
-   recompute. tierflow: a plan of the same batch and micro-batches with every tensor class on the device and no
-   recompute (`horizontal`, runtime ideal: the optimizer step is one `adam_gpu` op per block), run by the executor
-   (`run_plan`, the code behind `tierflow run`). The two alternate round by round, so that a noisy machine slows
-   both alike; each reports the median step time after its first (warm-up) round. Target: tierflow's tokens/s at
-   least 0.95x plain PyTorch's.
+   recompute. tierflow: a plan of the same batch and micro-batches with every tensor class on the device and
+   no recompute (`horizontal`, runtime ideal: the optimizer step is one `adam_gpu` op per block), run by the
+   executor (`run_plan`, the code behind `tierflow run`). The two alternate round by round, so that a noisy
+   machine slows both alike; each reports the median step time after its first (warm-up) round. Target:
+   tierflow's tokens/s at least 0.95x plain PyTorch's.
 2. **Optimizer states on the SSD tier.** The same plan with fp32 master weights and Adam moments on the SSD
-   tier (weights and gradients on the device and in host memory): the executor must overlap the SSD traffic with
-   compute as the plan says, so its step time should be max(compute, SSD time), with compute = the plain PyTorch
-   step above and SSD time = the bytes the run moved per step over the store's rates measured here
+   tier (weights and gradients on the device and in host memory): the executor must overlap the SSD traffic
+   with compute as the plan says, so its step time should be max(compute, SSD time), with compute = the plain
+   PyTorch step above and SSD time = the bytes the run moved per step over the store's rates measured here
    (`measure_store`, the executor's own SsdStore: O_DIRECT, checksums). Target: within 10%.
 
 Writes bench_executor.csv under --out. --quick: one small model, fewer rounds (a CI test runs it).
@@ -56,7 +56,8 @@ MODELS = {"small": gpt(4, 256), "medium": gpt(6, 384)}
 
 
 def make_plan(model: ModelSpec, placement: Placement, path: Path) -> Plan:
-    """A horizontal plan with no recompute (the prediction is not used here: any profile with room will do)."""
+    """A horizontal plan with no recompute (the prediction is not used here: any profile with room will
+    do)."""
     hw = load_profile("rtx3090-desktop").with_overrides({"gpu.memory_gib": 64, "cpu.memory_gib": 64})
     cfg = make_schedule("horizontal", model, hw, batch=BATCH, micro_batch=MICRO_BATCH, seq=SEQ,
                         placement=placement, iterations=STEPS_PER_ROUND, runtime="ideal", recompute=False)
@@ -113,7 +114,8 @@ def tierflow_steps(plan: Plan, device: str, ssd_dir: Path | None) -> tuple[list[
 
 def measure_store(ssd_dir: Path, nbytes: int, files: int = 3, repeats: int = 3) -> dict[str, float]:
     """GB/s of the executor's own SSD store, writing then reading `files` files of `nbytes` each, as a step's
-    optimizer-state ops do: calibrate's measurement (executor.calibrate.measure_store), the best of `repeats`."""
+    optimizer-state ops do: calibrate's measurement (executor.calibrate.measure_store), the best of
+    `repeats`."""
     from tierflow.executor.calibration import measure_store as store_rates
 
     runs = [store_rates(ssd_dir, files * nbytes, mixed_s=0.0, files=files) for _ in range(repeats)]
@@ -152,21 +154,25 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
             dev_s = statistics.median(times["on device"])
             rows.append({"model": name, "params_m": round(model.total_params() / 1e6, 2), "case": "on device",
                          "plain_step_s": round(plain_s, 4), "tierflow_step_s": round(dev_s, 4),
-                         "plain_tokens_per_s": round(tokens / plain_s), "tierflow_tokens_per_s": round(tokens / dev_s),
+                         "plain_tokens_per_s": round(tokens / plain_s),
+                         "tierflow_tokens_per_s": round(tokens / dev_s),
                          "ratio": round(plain_s / dev_s, 3), "target": ">= 0.95x plain",
                          "bound_s": "", "vs_bound": ""})
-            per_file = max(1 << 20, int(ssd_bytes_per_step / 6))  # read + write of master, m, v: ~6 files a step
+            # read + write of master, m, v: ~6 files a step
+            per_file = max(1 << 20, int(ssd_bytes_per_step / 6))
             rates = measure_store(ssd, per_file)
             ssd_s = ssd_bytes_per_step / 2 / (rates["read_gbps"] * 1e9) + ssd_bytes_per_step / 2 / (
                 rates["write_gbps"] * 1e9)
             bound_s = max(plain_s, ssd_s)
             st_s = statistics.median(times["states on SSD"])
-            rows.append({"model": name, "params_m": round(model.total_params() / 1e6, 2), "case": "states on SSD",
-                         "plain_step_s": round(plain_s, 4), "tierflow_step_s": round(st_s, 4),
-                         "plain_tokens_per_s": round(tokens / plain_s), "tierflow_tokens_per_s": round(tokens / st_s),
+            rows.append({"model": name, "params_m": round(model.total_params() / 1e6, 2),
+                         "case": "states on SSD", "plain_step_s": round(plain_s, 4),
+                         "tierflow_step_s": round(st_s, 4), "plain_tokens_per_s": round(tokens / plain_s),
+                         "tierflow_tokens_per_s": round(tokens / st_s),
                          "ratio": round(plain_s / st_s, 3),
                          "target": "within 10% of max(compute, SSD time)", "bound_s": round(bound_s, 4),
-                         "vs_bound": round(st_s / bound_s - 1, 4), "ssd_gb_per_step": round(ssd_bytes_per_step / 1e9, 4),
+                         "vs_bound": round(st_s / bound_s - 1, 4),
+                         "ssd_gb_per_step": round(ssd_bytes_per_step / 1e9, 4),
                          "store_read_gbps": round(rates["read_gbps"], 2),
                          "store_write_gbps": round(rates["write_gbps"], 2), "ssd_s": round(ssd_s, 4)})
         prog.finish()
@@ -178,7 +184,8 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
 def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__)
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    ap.add_argument("--ssd-dir", type=Path, default=None, help="directory for the SSD tier (default: a temp dir)")
+    ap.add_argument("--ssd-dir", type=Path, default=None,
+                    help="directory for the SSD tier (default: a temp dir)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     run(args.quick, args.out, args.device, args.ssd_dir)

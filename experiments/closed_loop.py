@@ -1,20 +1,21 @@
-"""Closed loop on this machine: calibrate -> plan -> run -> compare, predicted against measured, like for like.
+"""Closed loop on this machine: calibrate -> plan -> run -> compare, predicted vs measured, like for like.
 
     python experiments/closed_loop.py [--quick] [--device cpu|cuda] [--ssd-dir DIR] [--out DIR]
 
 1. `tierflow calibrate --device DEVICE` measures this box as the executor uses it (on a CPU: the CPU as the
-   device, its cores shared by compute, CPU Adam and the copies) with a device memory cap and a host memory cap,
-   so that the models below do not fit on the device and their optimizer states must go to the SSD tier.
-2. For two model sizes, three schedules (horizontal, vertical with the paper placement: weights in host memory,
-   optimizer states on the SSD; and `plan_search`'s plan): write the plan file, train it with the executor
-   (`run_plan`, the same code as `tierflow run`) twice and compare the faster run's measured trace with the
-   plan's prediction (`tierflow compare`): iteration error (measured / predicted - 1) and each resource's
-   busy-time error.
+   device, its cores shared by compute, CPU Adam and the copies) with a device memory cap and a host memory
+   cap, so that the models below do not fit on the device and their optimizer states must go to the SSD tier.
+2. For two model sizes, three schedules (horizontal, vertical with the paper placement: weights in host
+   memory, optimizer states on the SSD; and `plan_search`'s plan): write the plan file, train it with the
+   executor (`run_plan`, the same code as `tierflow run`) twice and compare the faster run's measured trace
+   with the plan's prediction (`tierflow compare`): iteration error (measured / predicted - 1) and each
+   resource's busy-time error.
 Writes closed_loop.csv (one row per run), closed_loop_resources.csv, closed_loop_blocks.csv (one decoder block
 timed alone with plain PyTorch against the cost model: the model's error without the executor's) and
 closed_loop.png (predicted and measured iteration times side by side; measured / predicted busy time per
-resource) under --out, plus the calibrated profile (plans and traces go to a temporary folder). --quick: one small model, two schedules, a shorter calibration (a CI test runs
-it). The GPU variant runs unchanged with --device cuda.
+resource) under --out, plus the calibrated profile (plans and traces go to a temporary folder). --quick: one
+small model, two schedules, a shorter calibration (a CI test runs it). The GPU variant runs unchanged with
+--device cuda.
 """
 
 from __future__ import annotations
@@ -86,9 +87,10 @@ def calibrate(device: str, ssd_dir: Path, quick: bool, out: Path, model: ModelSp
 
 
 def host_cap(hw: HardwareProfile, model: ModelSpec) -> HardwareProfile:
-    """Host memory capped above the weights, gradients and working buffers (10 B/param) with room for a third of
-    the 12 B/param of optimizer states: at least two thirds of them must go to the SSD tier. (A fixed 0.25 GiB of
-    headroom, as before, held all the states of the small model: a plan could leave the SSD tier idle.)"""
+    """Host memory capped above the weights, gradients and working buffers (10 B/param) with room for a third
+    of the 12 B/param of optimizer states: at least two thirds of them must go to the SSD tier. (A fixed 0.25
+    GiB of headroom, as before, held all the states of the small model: a plan could leave the SSD tier
+    idle.)"""
     P = model.total_params()
     usable_gib = 14 * P / 2**30
     return hw.with_overrides({"cpu.memory_gib": round(hw.cpu.reserved_gib + usable_gib, 3)})
@@ -103,8 +105,8 @@ def one_run(name: str, model: ModelSpec, hw: HardwareProfile, schedule: str, dev
         sr = plan_search(Problem(model, hw, BATCH, SEQ), time_limit_s=20)
         cfg, predicted = sr.best.config, sr.best.result
     else:
-        # runtime "ideal": the plan as tierflow's executor runs it (horizontal's default models DeepSpeed's runtime,
-        # its buffers and waits, which this executor does not have)
+        # runtime "ideal": the plan as tierflow's executor runs it (horizontal's default models DeepSpeed's
+        # runtime, its buffers and waits, which this executor does not have)
         cfg = make_schedule(schedule, model, hw, batch=BATCH, micro_batch=MICRO_BATCH, seq=SEQ,
                             placement=PAPER_PLACEMENT, iterations=3, runtime="ideal")
         predicted = simulate_config(model, hw, cfg)
@@ -112,7 +114,8 @@ def one_run(name: str, model: ModelSpec, hw: HardwareProfile, schedule: str, dev
     path = work / f"plan-{tag}.json"
     write_plan(plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg), predicted=predicted), path)
     # best of REPEATS runs, as calibrate keeps the best of its timings: on a shared machine a run is only ever
-    # slowed by others, so the fastest is the closest to what the box delivers, on both sides of the comparison
+    # slowed by others, so the fastest is the closest to what the box delivers, on both sides of the
+    # comparison
     best = None
     t0 = time.perf_counter()
     for k in range(REPEATS):
@@ -127,9 +130,11 @@ def one_run(name: str, model: ModelSpec, hw: HardwareProfile, schedule: str, dev
     peaks = run.measured.peak_bytes if run.measured is not None else {}
     row = {"model": name, "params_m": round(model.total_params() / 1e6, 2), "schedule": schedule,
            "decisions": cfg.describe() if hasattr(cfg, "describe") else cfg.family,
-           "predicted_s": round(d["predicted_iteration_s"], 4), "measured_s": round(d["measured_iteration_s"], 4),
+           "predicted_s": round(d["predicted_iteration_s"], 4),
+           "measured_s": round(d["measured_iteration_s"], 4),
            "iteration_error": round(d["iteration_error"], 4), "wall_s": round(wall_s, 1),
-           "ssd_gb_read": round(run.ssd_bytes_read / 1e9, 3), "ssd_gb_written": round(run.ssd_bytes_written / 1e9, 3)}
+           "ssd_gb_read": round(run.ssd_bytes_read / 1e9, 3),
+           "ssd_gb_written": round(run.ssd_bytes_written / 1e9, 3)}
     for tier in ("gpu", "cpu", "ssd"):
         row[f"peak_{tier}_gb"] = round(peaks.get(tier, 0.0) / 1e9, 3)
         row[f"cap_{tier}_gb"] = round(hw.tier_capacity_bytes[tier] / 1e9, 3)
@@ -144,8 +149,8 @@ def one_run(name: str, model: ModelSpec, hw: HardwareProfile, schedule: str, dev
 
 
 def isolated_blocks(models: dict[str, ModelSpec], hw: HardwareProfile, device: str) -> list[dict]:
-    """One decoder block of each model timed alone with plain PyTorch in the main thread (no executor), against
-    the cost model: separates the cost model's error from the executor's overhead."""
+    """One decoder block of each model timed alone with plain PyTorch in the main thread (no executor),
+    against the cost model: separates the cost model's error from the executor's overhead."""
     import torch
 
     from tierflow.executor.models import build_blocks
@@ -179,13 +184,16 @@ def isolated_blocks(models: dict[str, ModelSpec], hw: HardwareProfile, device: s
         cost = blocks_of(spec, MICRO_BATCH, SEQ)[1]
         pf, pb = cm.forward_s(cost), cm.backward_s(cost)
         out.append({"model": name, "fwd_measured_s": round(times["fwd"], 5), "fwd_predicted_s": round(pf, 5),
-                    "fwd_error": round(times["fwd"] / pf - 1, 4), "fwd_bwd_measured_s": round(times["fwd_bwd"], 5),
-                    "fwd_bwd_predicted_s": round(pf + pb, 5), "fwd_bwd_error": round(times["fwd_bwd"] / (pf + pb) - 1, 4)})
+                    "fwd_error": round(times["fwd"] / pf - 1, 4),
+                    "fwd_bwd_measured_s": round(times["fwd_bwd"], 5),
+                    "fwd_bwd_predicted_s": round(pf + pb, 5),
+                    "fwd_bwd_error": round(times["fwd_bwd"] / (pf + pb) - 1, 4)})
     return out
 
 
 def plot(rows: list[dict], res_rows: list[dict], path: Path) -> Path:
-    """Each run in its schedule's colour: predicted hatched and light, measured solid; model sizes side by side."""
+    """Each run in its schedule's colour: predicted hatched and light, measured solid; model sizes side by
+    side."""
     fig, (ax1, ax2) = new_figure(2, width_in=6.0, height_in=4.4)
     labels = [f"{r['model']}\n{r['schedule']}" for r in rows]
     xs = range(len(rows))
@@ -207,8 +215,9 @@ def plot(rows: list[dict], res_rows: list[dict], path: Path) -> Path:
     width = 0.8 / max(1, len(rows))
     models = list(dict.fromkeys(r["model"] for r in rows))
     for i, r in enumerate(rows):
-        vals = [next((x["measured_busy_s"] / x["predicted_busy_s"] for x in res_rows if x["model"] == r["model"]
-                      and x["schedule"] == r["schedule"] and x["resource"] == res and x["predicted_busy_s"] > 0),
+        vals = [next((x["measured_busy_s"] / x["predicted_busy_s"] for x in res_rows
+                      if x["model"] == r["model"] and x["schedule"] == r["schedule"] and x["resource"] == res
+                      and x["predicted_busy_s"] > 0),
                      float("nan")) for res in resources]
         ax2.bar([j + (i - (len(rows) - 1) / 2) * width for j in range(len(resources))], vals, width=width,
                 color=schedule_color(r["schedule"]), hatch="...." if models.index(r["model"]) else None,
@@ -234,7 +243,8 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
         rows, res_rows = [], []
         prog = Progress(len(models) * len(schedules), "closed loop")
         for name, model in models.items():
-            capped = hw0.with_overrides({"gpu.memory_gib": max(0.02, round(4 * model.total_params() / 2**30, 3))})
+            capped = hw0.with_overrides(
+                {"gpu.memory_gib": max(0.02, round(4 * model.total_params() / 2**30, 3))})
             hw = host_cap(capped, model)
             for schedule in schedules:
                 prog.step(f"{name} {schedule}")
@@ -250,8 +260,8 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
     write_csv(res_rows, out_dir / "closed_loop_resources.csv")
     plot(rows, res_rows, out_dir / "closed_loop.png")
     print_table([{**r, "iteration_error": f"{r['iteration_error']:+.1%}"} for r in rows],
-                ["model", "params_m", "schedule", "predicted_s", "measured_s", "iteration_error", "peak_gpu_gb",
-                 "cap_gpu_gb", "peak_cpu_gb", "cap_cpu_gb", "ssd_gb_written"])
+                ["model", "params_m", "schedule", "predicted_s", "measured_s", "iteration_error",
+                 "peak_gpu_gb", "cap_gpu_gb", "peak_cpu_gb", "cap_cpu_gb", "ssd_gb_written"])
     print_table([{**r, "busy_error": f"{r['busy_error']:+.1%}"} for r in res_rows],
                 ["model", "schedule", "resource", "predicted_busy_s", "measured_busy_s", "busy_error"])
     print("one block alone, plain PyTorch in the main thread (the cost model without the executor):")
@@ -262,8 +272,8 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
 def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__)
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    ap.add_argument("--ssd-dir", type=Path, default=None, help="directory for the SSD tier (default: a temp dir "
-                    "under --out)")
+    ap.add_argument("--ssd-dir", type=Path, default=None,
+                    help="directory for the SSD tier (default: a temp dir under --out)")
     args = ap.parse_args(argv)
     run(args.quick, args.out, args.device, args.ssd_dir)
     print(f"wrote {args.out / 'closed_loop.csv'} and {args.out / 'closed_loop.png'}", file=sys.stderr)

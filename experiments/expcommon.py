@@ -1,10 +1,10 @@
-"""Shared helpers for the paper-reproduction experiments (issue 5): progress on stderr, the placements the
-papers ran, best-micro-batch simulation, resource utilisation and the binding resource, and the ours-vs-paper
-table.
+"""Shared helpers for the paper-reproduction experiments: progress on stderr, the placements the papers ran,
+best-micro-batch simulation, resource utilisation and the binding resource, and the ours-vs-paper table.
 
 Every experiment script imports this module from its own folder (`python experiments/<script>.py` puts
 experiments/ on sys.path). Nothing here models hardware or schedules: all numbers come from the library
-(tierflow.api, tierflow.planner.search.plan_search, tierflow.planner.search.capacity); this file only runs it and formats what it returns.
+(tierflow.api, tierflow.planner.search.plan_search, tierflow.planner.search.capacity); this file only runs it
+and formats what it returns.
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ def utilisation(res: SimResult, hw: HardwareProfile) -> dict[str, float]:
         "pcie": pcie_time_s(h2d, d2h, rates) / t,
         "ssd": ssd_s / t,
     }
-    if rates.dram_bound:  # host memory: the links' bytes and CPU Adam's at its solo rate (cpu.memory_efficiency)
+    # host memory: the links' bytes and CPU Adam's at its solo rate (cpu.memory_efficiency)
+    if rates.dram_bound:
         it = max(res.graph.num_iterations - 2, 0)
         adam_s = (sum(x.work for x in res.graph.tasks if x.resource == "cpu" and x.iteration == it)
                   if res.graph.tasks else res.busy["cpu"] * t)
@@ -295,14 +296,16 @@ def schedule_color(family: str) -> str:
     return SCHEDULE_COLORS[name]
 
 
-def reference_line(ax, value: float, label: str, vertical: bool = False, ls: str = "--", left: bool = False) -> None:
+def reference_line(ax, value: float, label: str, vertical: bool = False, ls: str = "--",
+                   left: bool = False) -> None:
     """A grey reference line with its label written on the plot (at the right end of a horizontal line, or the
     left one with `left`; the top of a vertical one), so that it reads without the legend."""
     style = {"color": REFERENCE_COLOR, "lw": 0.9, "ls": ls, "zorder": 1}
     if vertical:
         ax.axvline(value, **style)
         ax.annotate(label, (value, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -3),
-                    textcoords="offset points", rotation=90, ha="left", va="top", fontsize=7, color=REFERENCE_COLOR)
+                    textcoords="offset points", rotation=90, ha="left", va="top", fontsize=7,
+                    color=REFERENCE_COLOR)
     else:
         ax.axhline(value, **style)
         ax.annotate(label, (0.0 if left else 1.0, value), xycoords=("axes fraction", "data"),
@@ -316,7 +319,8 @@ def paper_point(ax, x: float, y: float, family: str, label: str) -> None:
                zorder=6, label=label)
 
 
-def no_fit_markers(ax, xs: Sequence[float], family: str | None, label: str | None = None, level: int = 0) -> None:
+def no_fit_markers(ax, xs: Sequence[float], family: str | None, label: str | None = None,
+                   level: int = 0) -> None:
     """'x' markers on the x axis where a configuration does not fit in memory: in the schedule's colour, black
     for a box where no schedule fits (family None); `level` > 0 stacks them above another series' markers."""
     if not xs:

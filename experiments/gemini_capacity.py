@@ -32,10 +32,12 @@ from expcommon import (
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.search.capacity import largest
 
+# SEQ: GPT-2's context length; the batch Gemini used is not published (it hardly matters: see
+# docs/reproductions.md)
 BATCH, SEQ = (
     8,
     1024,
-)  # GPT-2 context length; the batch Gemini used is not published (it hardly matters: see docs/reproductions.md)
+)
 SOURCE = "Colossal-AI blog figure, 2022 (REFERENCE.md section 1)"
 # box -> (paper params in billions, assumed CPU memory in GiB, why that memory)
 BOXES = {

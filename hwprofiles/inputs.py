@@ -1,6 +1,6 @@
 """Bounded reading of input files, shared by every reader of user files (profiles, model configs, plans,
-placements, traces): the file is checked with stat before it is read (a regular file, at most a stated size, so
-that /dev/zero or a FIFO is refused instead of read without end), and parsed YAML/JSON is checked against a
+placements, traces): the file is checked with stat before it is read (a regular file, at most a stated size,
+so that /dev/zero or a FIFO is refused instead of read without end), and parsed YAML/JSON is checked against a
 nesting-depth limit (a document nested hundreds deep is refused with one line instead of a RecursionError).
 
 Every problem raises :class:`InputLimitError` (a ValueError) whose message says what is wrong without naming
@@ -36,8 +36,9 @@ def _size_text(n: int) -> str:
 
 
 def check_regular_file(path: str | os.PathLike[str], max_bytes: int) -> int:
-    """The size of `path` after checking, without reading it, that it is a regular file of at most `max_bytes`.
-    Raises FileNotFoundError / IsADirectoryError / PermissionError as os.stat does, InputLimitError otherwise."""
+    """The size of `path` after checking, without reading it, that it is a regular file of at most
+    `max_bytes`. Raises FileNotFoundError / IsADirectoryError / PermissionError as os.stat does,
+    InputLimitError otherwise."""
     st = os.stat(path)
     if stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(21, "Is a directory", os.fspath(path))

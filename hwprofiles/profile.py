@@ -59,9 +59,9 @@ def _error(source: str, key: str | None, problem: str, fix: str) -> ProfileError
     return ProfileError(f"{where}{problem} ({fix})")
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # The dataclasses
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,9 @@ class GpuSpec:
     # the "device" is this host's CPU (tierflow run --device cpu): its compute runs on this many of the host's
     # cores, which CPU Adam and the device<->host copies share (cpu.cores); None: an accelerator
     host_cores: float | None = None
-    # software cost per compute op (a block's forward, recompute or backward, the head, a device optimizer step)
-    # that its kernels do not hide: Python dispatch, autograd bookkeeping, kernel launches, the executor's thread
-    # hand-off; added to every compute op's roofline time. None: not modelled (0)
+    # software cost per compute op (a block's forward, recompute or backward, the head, a device optimizer
+    # step) that its kernels do not hide: Python dispatch, autograd bookkeeping, kernel launches, the
+    # executor's thread hand-off; added to every compute op's roofline time. None: not modelled (0)
     op_overhead_us: float | None = None
     # causal attention's rate as a fraction of a GEMM of its size on the fitted curve (None: 1, the same rate)
     attention_efficiency: float | None = None
@@ -127,14 +127,14 @@ class CpuSpec:
     cores: float | None = None
     # How the host's threads slow each other when the device is the host CPU (gpu.host_cores), as `tierflow
     # calibrate --device cpu` measures them (None: the proportional share of `cores` instead):
-    # device compute's time x (1 + (this - 1) x k) while k host I/O ops (copies, SSD ops) run beside it: an I/O
-    # thread takes time slices from one of compute's threads, and a parallel region runs at its slowest thread's
-    # pace, so one I/O thread costs compute far more than its share of the cores
+    # device compute's time x (1 + (this - 1) x k) while k host I/O ops (copies, SSD ops) run beside it: an
+    # I/O thread takes time slices from one of compute's threads, and a parallel region runs at its slowest
+    # thread's pace, so one I/O thread costs compute far more than its share of the cores
     compute_slowdown_per_io_op: float | None = None
     # a device<->host copy's time x this while device compute runs (a memcpy thread time-shares its core)
     copy_slowdown_beside_compute: float | None = None
-    # an SSD op's time x this while device compute runs (its thread sleeps on the device between requests, so the
-    # scheduler runs it promptly when it wakes)
+    # an SSD op's time x this while device compute runs (its thread sleeps on the device between requests, so
+    # the scheduler runs it promptly when it wakes)
     ssd_slowdown_beside_compute: float | None = None
 
     @property
@@ -161,7 +161,8 @@ class SsdSpec:
     array_write_gbps: float | None
     rw_sharing: str  # "shared": reads and writes time-share the array; "independent"
     # while reads and writes run at once, each gets this fraction of its solo rate (flash channels and the
-    # controller serve both): 0.5 = they time-share the drives, 1 = they do not interfere; None = from rw_sharing
+    # controller serve both): 0.5 = they time-share the drives, 1 = they do not interfere; None = from
+    # rw_sharing
     mixed_efficiency: float | None = None
     # fixed software cost per SSD op either way (opening the file, allocating aligned buffers, submitting the
     # requests, closing), before its bytes move at the array's rate. None: not modelled (0)
@@ -228,12 +229,13 @@ class PriceSpec:
 
 @dataclass(frozen=True)
 class TopologySpec:
-    """The GPUs of one box and how they reach each other and the host (issue 19)."""
+    """The GPUs of one box and how they reach each other and the host (for data-parallel plans)."""
 
     gpu_count: int  # GPUs in the box
     gpus_per_switch: int  # GPUs sharing one upstream PCIe link (a PCIe switch or a root port)
     switch_uplink_gbps: float | None  # that upstream link per direction; None: not a bottleneck
-    p2p: str  # GPU <-> GPU path: "nvlink", "pcie" (peer-to-peer through the PCIe fabric), "host" (staged in DRAM)
+    # GPU <-> GPU path: "nvlink", "pcie" (peer-to-peer through the PCIe fabric), "host" (staged in DRAM)
+    p2p: str
     p2p_gbps: float  # GPU <-> GPU bandwidth per GPU per direction
     p2p_latency_us: float  # fixed cost of one step of a ring collective between two GPUs of the box
 
@@ -294,8 +296,8 @@ class HardwareProfile:
     def with_overrides(self, overrides: Mapping[str, object]) -> HardwareProfile:
         """A copy with dotted keys replaced, e.g. ``{"ssd.count": 6, "cpu.memory_gib": 256}``; re-validated.
 
-        String values for numeric keys are parsed (``"6"`` -> 6, ``"null"`` -> None), so CLI ``--set k=v`` pairs
-        can be passed through unchanged. The name gets a suffix such as ``rtx4090-lohan[ssd.count=6]``.
+        String values for numeric keys are parsed (``"6"`` -> 6, ``"null"`` -> None), so CLI ``--set k=v``
+        pairs can be passed through unchanged. The name gets a suffix such as ``rtx4090-lohan[ssd.count=6]``.
         """
         if not overrides:
             return self
@@ -352,9 +354,9 @@ def format_value(value: object) -> str:
     return str(value)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # The schema: one rule per key
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -455,9 +457,10 @@ _RULES: dict[str, dict[str, _Rule]] = {
     },
 }
 # Keys that may be left out of the ssd section when ssd.count == 0.
-_SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency", "latency_us", "host_path_gbps")
-_OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op", "copy_slowdown_beside_compute",
-                     "ssd_slowdown_beside_compute"),
+_SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency", "latency_us",
+                        "host_path_gbps")
+_OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op",
+                     "copy_slowdown_beside_compute", "ssd_slowdown_beside_compute"),
              "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps"),
              "pcie": ("latency_us",)}  # keys a profile may leave out (older files), other than ssd's
 _SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec,
@@ -469,8 +472,8 @@ DEFAULT_LATENCY_US = 10.0
 
 def _default_section(section: str, profile: HardwareProfile) -> dict[str, Any]:
     """The values an override starts from when it sets a key of an optional section the profile lacks: one GPU
-    per box that reaches the others through host memory at the PCIe rate both directions get at once; a network
-    of the PCIe rate."""
+    per box that reaches the others through host memory at the PCIe rate both directions get at once; a
+    network of the PCIe rate."""
     p = profile.pcie
     if section == "topology":
         return {"gpu_count": 1, "gpus_per_switch": 1, "switch_uplink_gbps": None, "p2p": "host",
@@ -574,13 +577,15 @@ class _Checker:
         if rule.floor is not None and value != 0 and abs(value) < rule.floor:
             raise self.fail(
                 dotted,
-                f"absurd value {shown}: below the sanity floor {format_value(rule.floor)} {rule.unit}".rstrip(),
+                f"absurd value {shown}: below the sanity floor {format_value(rule.floor)} "
+                f"{rule.unit}".rstrip(),
                 f"check the unit: this key is in {rule.unit}" if rule.unit else self.fix,
             )
         if rule.high is not None and value > rule.high:
             raise self.fail(
                 dotted,
-                f"absurd value {shown}: above the sanity ceiling {format_value(rule.high)} {rule.unit}".rstrip(),
+                f"absurd value {shown}: above the sanity ceiling {format_value(rule.high)} "
+                f"{rule.unit}".rstrip(),
                 f"check the unit: this key is in {rule.unit}" if rule.unit else self.fix,
             )
         return int(value) if rule.kind == "int" else float(value)
@@ -594,9 +599,9 @@ def _looks_numeric(text: str) -> bool:
     return True
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Building a profile from a dict
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def profile_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> HardwareProfile:
@@ -720,9 +725,9 @@ def _check_relations(check: _Checker, section: str, v: dict[str, Any]) -> None:
                 )
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Files: loading, listing, saving
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 class _StrictLoader(yaml.SafeLoader):

@@ -39,8 +39,8 @@ def small_models(draw):
         m = replace(
             m, name=f"{name}-{layers}x{hidden}", num_layers=layers, hidden=hidden, num_heads=heads,
             num_kv_heads=heads if m.family == "gpt" else draw(st.sampled_from([1, heads])), head_dim=head_dim,
-            ffn_hidden=draw(st.sampled_from([2 * hidden, 4 * hidden])), vocab_size=draw(st.sampled_from([256, 1000])),
-            tied_embeddings=draw(st.booleans()),
+            ffn_hidden=draw(st.sampled_from([2 * hidden, 4 * hidden])),
+            vocab_size=draw(st.sampled_from([256, 1000])), tied_embeddings=draw(st.booleans()),
         )
     return m
 

@@ -81,7 +81,8 @@ def test_links_and_cpu_adam_use_profile_rates():
     shared = CostModel(hw.with_overrides({"ssd.mixed_efficiency": None, "ssd.rw_sharing": "shared"})).rates
     assert shared.ssd_read_mixed == pytest.approx(shared.ssd_read / 2)  # from rw_sharing when not set
     assert cm.rates.dram_bps == pytest.approx(hw.cpu.memory_gbps * hw.cpu.memory_efficiency * 1e9)
-    assert cm.rates.adam_dram_bps == pytest.approx(hw.cpu.adam_gparams_per_s * 1e9 * CPU_ADAM_DRAM_BYTES_PER_PARAM)
+    assert cm.rates.adam_dram_bps == pytest.approx(hw.cpu.adam_gparams_per_s * 1e9
+                                                   * CPU_ADAM_DRAM_BYTES_PER_PARAM)
     assert cm.cpu_adam_s(hw.cpu.adam_gparams_per_s * 1e9) == pytest.approx(1.0)
     no_ssd = CostModel(hw.with_overrides({"ssd.count": 0}))
     assert math.isinf(no_ssd.transfer_s("ssd_write", 1.0))
@@ -121,6 +122,7 @@ def test_measured_attention_and_activation_rates_slow_exactly_their_part_of_a_la
     act_base = block.fwd_activation_bytes / base.hbm_bps
     act_slow = block.fwd_activation_bytes / 100e9
     assert block.fwd_activation_bytes > 0
-    assert slow.forward_s(block) == pytest.approx(base.forward_s(block) + 3 * attn + act_slow - act_base, rel=1e-12)
-    assert slow.backward_s(block) == pytest.approx(base.backward_s(block) + 2 * (3 * attn + act_slow - act_base),
-                                                   rel=1e-12)
+    assert slow.forward_s(block) == pytest.approx(base.forward_s(block) + 3 * attn + act_slow - act_base,
+                                                  rel=1e-12)
+    assert slow.backward_s(block) == pytest.approx(base.backward_s(block)
+                                                   + 2 * (3 * attn + act_slow - act_base), rel=1e-12)

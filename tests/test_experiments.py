@@ -134,7 +134,8 @@ def test_fidelity_quick(tmp_path):
     published = [
         {"study": "fuyou_lohan", "metric": "inside", "ours": 150.0, "paper": 156.0, "unit": "TFLOPS"},
         {"study": "greedysnake_a100", "metric": "outside", "ours": 112.6, "paper": 45.0, "unit": "TFLOPS"},
-        {"study": "gemini_capacity", "metric": "not a number", "ours": "runs", "paper": "cannot run", "unit": ""},
+        {"study": "gemini_capacity", "metric": "not a number", "ours": "runs", "paper": "cannot run",
+         "unit": ""},
         # not a seed study (REFERENCE.md's headlines): left out of the count
         {"study": "multi_gpu", "metric": "elsewhere", "ours": 10.0, "paper": 40.0, "unit": "TFLOPS"},
     ]
@@ -157,9 +158,10 @@ def test_fidelity_quick(tmp_path):
 
 
 def test_closed_loop_quick(tmp_path):
-    """calibrate -> plan -> run -> compare on this CPU: every run trains, its comparison is measured / predicted
-    of the same plan, the caps push the optimizer states to the SSD tier, and the iteration time is predicted
-    within 25% (the CI bound for a noisy machine; the full loop's target is 10%, docs/executor.md)."""
+    """calibrate -> plan -> run -> compare on this CPU: every run trains, its comparison is measured /
+    predicted of the same plan, the caps push the optimizer states to the SSD tier, and the iteration time is
+    predicted within 25% (the CI bound for a noisy machine; the full loop's target is 10%,
+    docs/executor.md)."""
     before = _cpu_ticks()
     rows = closed_loop.run(quick=True, out_dir=tmp_path)
     others = _others_share(before, _cpu_ticks())
@@ -176,11 +178,12 @@ def test_closed_loop_quick(tmp_path):
     assert (tmp_path / "closed_loop.png").stat().st_size > 1000
     for b in read_csv(tmp_path / "closed_loop_blocks.csv"):  # the block alone, against the cost model
         assert float(b["fwd_bwd_measured_s"]) > float(b["fwd_measured_s"]) > 0
-        assert float(b["fwd_error"]) == pytest.approx(float(b["fwd_measured_s"]) / float(b["fwd_predicted_s"]) - 1,
-                                                      abs=2e-3)
-    if others > 0.1:  # another process on a core slows the device's compute 4-10x (docs/executor.md, closed loop)
-        pytest.skip(f"other processes used {others:.0%} of the machine's CPU time during the loop: the 25% bound "
-                    "needs a machine to itself")
+        assert float(b["fwd_error"]) == pytest.approx(float(b["fwd_measured_s"])
+                                                      / float(b["fwd_predicted_s"]) - 1, abs=2e-3)
+    # another process on a core slows the device's compute 4-10x (docs/executor.md, closed loop)
+    if others > 0.1:
+        pytest.skip(f"other processes used {others:.0%} of the machine's CPU time during the loop: the 25% "
+                    "bound needs a machine to itself")
     for r in rows:
         assert abs(r["iteration_error"]) <= 0.25, r
 

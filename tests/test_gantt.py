@@ -1,5 +1,5 @@
-"""gantt.png: compute and transfers in distinct palettes (transfers hatched), and a zoomed panel of two layers'
-worth of time inside the full iteration."""
+"""gantt.png: compute and transfers in distinct palettes (transfers hatched), and a zoomed panel of two
+layers' worth of time inside the full iteration."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def test_gantt_has_a_zoomed_panel_of_two_layers(res, tmp_path):
     z0, z1 = zoom_window(res)
     w0, w1 = res.window_s
     mid = (res.graph.num_blocks - 1) // 2
-    fwd = [t.id for t in res.graph.tasks if t.kind == "fwd" and t.block == mid and w0 <= res.start_s[t.id] < w1]
+    fwd = [t.id for t in res.graph.tasks if t.kind == "fwd" and t.block == mid
+           and w0 <= res.start_s[t.id] < w1]
     assert z0 == pytest.approx(min(res.start_s[i] for i in fwd))
     assert z1 - z0 == pytest.approx(min(2 * sum(res.end_s[i] - res.start_s[i] for i in fwd), w1 - z0))
     assert w0 <= z0 < z1 <= w1 and z1 - z0 < (w1 - w0) / 2
@@ -55,8 +56,8 @@ def test_gantt_into_an_axes_draws_only_the_window(res):
 
 
 def test_memory_panel_shows_a_small_run_on_a_big_box(res):
-    """tiny-llama uses a sliver of the 3090 box: the memory panel is scaled to the fullest tier (not 0-100%, where
-    every line lies on 0) and its legend gives each tier's peak and capacity."""
+    """tiny-llama uses a sliver of the 3090 box: the memory panel is scaled to the fullest tier (not 0-100%,
+    where every line lies on 0) and its legend gives each tier's peak and capacity."""
     fig = plot_gantt(res)
     mem = fig.axes[2]
     peak_pct = max(100 * res.peak_bytes[t] / res.graph.capacity_bytes[t] for t in ("gpu", "cpu", "ssd"))

@@ -54,7 +54,7 @@ def assert_one_line_error(exc: ProfileError, source: str, key: str | None, *frag
         assert fragment in message, message
 
 
-# ------------------------------------------------------------------------------------------------ bundled profiles
+# ------------------------------------------------------------------------------------------- bundled profiles
 
 
 def test_list_profiles_names_the_bundled_files_sorted():
@@ -123,12 +123,13 @@ def test_lohan_profile_has_the_paper_box_numbers():
     one = p.with_overrides({"ssd.count": "1"}).ssd
     assert one.total_read_gbps == pytest.approx(1 / (1 / 6.5 + 1 / h))  # and with one drive
     assert p.ssd.capacity_bytes == 12 * 3840 * 10**9
-    assert p.summary().startswith("RTX 4090 24 GiB (165 TFLOPS), PCIe 4.0 25/25 GB/s, 768 GiB DRAM, 12x D7-P5510")
+    assert p.summary().startswith("RTX 4090 24 GiB (165 TFLOPS), PCIe 4.0 25/25 GB/s, 768 GiB DRAM, 12x "
+                                  "D7-P5510")
 
 
 def test_lohan_profile_fitted_fields_name_their_data_and_reproduce_it():
-    """The fitted SSD fields say which data they were fitted on, and the bundled profile predicts that data within
-    the fit's residuals (the fit's own check, repeated on the shipped numbers)."""
+    """The fitted SSD fields say which data they were fitted on, and the bundled profile predicts that data
+    within the fit's residuals (the fit's own check, repeated on the shipped numbers)."""
     from tierflow.planner.search.fit import load_runs, predict
 
     text = (PACKAGE_DIR / "rtx4090-lohan.yaml").read_text(encoding="utf-8")
@@ -151,7 +152,7 @@ def test_profiles_differ_where_the_hardware_differs():
     assert laptop.cpu.adam_gparams_per_s < h100.cpu.adam_gparams_per_s
 
 
-# ------------------------------------------------------------------------------------------------ validation errors
+# ------------------------------------------------------------------------------------------ validation errors
 
 BAD_VALUES = [
     # (section, key, bad value, expected fragments)
@@ -307,7 +308,7 @@ def test_no_ssd_needs_only_count(tmp_path):
     assert profile_from_dict(p.to_dict()) == p
 
 
-# ------------------------------------------------------------------------------------------------ malformed files
+# -------------------------------------------------------------------------------------------- malformed files
 
 
 def test_malformed_yaml_names_the_file_and_line(tmp_path):
@@ -390,7 +391,8 @@ def test_overrides_change_values_and_name_and_leave_the_original_alone():
     base = load_profile("rtx4090-lohan")
     p = base.with_overrides({"ssd.count": 6, "cpu.memory_gib": 256, "pcie.h2d_gbps": 50})
     assert p.ssd.count == 6 and p.cpu.memory_gib == 256 and p.pcie.h2d_gbps == 50
-    assert p.ssd.total_read_gbps == pytest.approx(1 / (1 / (6 * 6.5) + 1 / p.ssd.host_path_gbps))  # fewer drives, same host path
+    # fewer drives, same host path
+    assert p.ssd.total_read_gbps == pytest.approx(1 / (1 / (6 * 6.5) + 1 / p.ssd.host_path_gbps))
     assert p.name == "rtx4090-lohan[cpu.memory_gib=256,pcie.h2d_gbps=50,ssd.count=6]"
     assert p.source == base.source
     assert base.ssd.count == 12 and base.name == "rtx4090-lohan"
@@ -400,8 +402,8 @@ def test_overrides_change_values_and_name_and_leave_the_original_alone():
 
 def test_overrides_accept_strings_from_a_command_line():
     p = load_profile("rtx4090-lohan").with_overrides(
-        {"ssd.count": "6", "gpu.peak_tflops": "150.5", "ssd.array_read_gbps": "null", "ssd.host_path_gbps": "null",
-         "ssd.model": "980 Pro"}
+        {"ssd.count": "6", "gpu.peak_tflops": "150.5", "ssd.array_read_gbps": "null",
+         "ssd.host_path_gbps": "null", "ssd.model": "980 Pro"}
     )
     assert p.ssd.count == 6 and isinstance(p.ssd.count, int)
     assert p.gpu.peak_tflops == 150.5

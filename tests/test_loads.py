@@ -1,4 +1,5 @@
-"""Per-iteration loads extrapolated from 1- and 2-layer graphs equal the full graph's, and bound the simulation."""
+"""Per-iteration loads extrapolated from 1- and 2-layer graphs equal the full graph's, and bound the
+simulation."""
 
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ def test_extrapolated_loads_equal_the_full_graph(family, micro_batch, swap):
 
 
 def test_ssd_mixed_efficiency_spans_time_sharing_to_independent_directions():
-    """ssd.mixed_efficiency: 0.5 = reads and writes time-share the drives (the time is the sum), 1 = they do not
-    interfere (the longer direction), in between as for PCIe's duplex rates; the simulator agrees in order."""
+    """ssd.mixed_efficiency: 0.5 = reads and writes time-share the drives (the time is the sum), 1 = they do
+    not interfere (the longer direction), in between as for PCIe's duplex rates; the simulator agrees in
+    order."""
     from tierflow.planner.search.loads import duplex_time_s
 
     R, W, rd, wr = 10.0, 5.0, 100.0, 40.0
@@ -49,6 +51,7 @@ def test_ssd_mixed_efficiency_spans_time_sharing_to_independent_directions():
     times = []
     for e in (0.5, 0.75, 1.0):
         hw = load_profile("rtx3090-desktop").with_overrides({"ssd.mixed_efficiency": e, "ssd.count": 1})
-        cfg = make_schedule("fuyou", model, hw, batch=4, micro_batch=2, seq=256, placement=Placement.uniform("ssd"))
+        cfg = make_schedule("fuyou", model, hw, batch=4, micro_batch=2, seq=256,
+                            placement=Placement.uniform("ssd"))
         times.append(simulate_config(model, hw, cfg).iteration_s)
     assert times[0] >= times[1] >= times[2] and times[0] > times[2]

@@ -3,10 +3,10 @@
 The simulator lets a transfer start as soon as its memory fits, so with more capacity than a schedule needs,
 reads run ahead (optimizer states of deferred Adam parts) and offloads queue up behind a slow link: the peak
 under a large box's capacity is not what the schedule needs. What the model promises:
-1. capped at the model's estimate, every tier suffices: the schedule runs to the end (no tier overflows) and is
-   not slowed by more than a few percent;
-2. the estimate is not loose: at most (1 + MARGIN) times the peak simulated with the box's full capacity (on the
-   CPU plus the staging of the blocks in flight, which the model sizes by the largest block).
+1. capped at the model's estimate, every tier suffices: the schedule runs to the end (no tier overflows) and
+   is not slowed by more than a few percent;
+2. the estimate is not loose: at most (1 + MARGIN) times the peak simulated with the box's full capacity (on
+   the CPU plus the staging of the blocks in flight, which the model sizes by the largest block).
 """
 
 from __future__ import annotations
@@ -42,16 +42,18 @@ def configs(draw):
     x["w_gpu"] = draw(st.sampled_from([0.0, 0.5])) if x["w_ssd"] <= 0.5 else 0.0
     x["c_gpu"] = draw(st.sampled_from([0.0, 0.5])) if x["c_ssd"] <= 0.5 else 0.0
     alpha = None if family == "horizontal" else draw(st.sampled_from([0.0, 0.25, 0.5]))
-    cfg = make_schedule(family, model, hw, batch=mb * M, micro_batch=mb, seq=draw(st.sampled_from([128, 256])),
+    cfg = make_schedule(family, model, hw, batch=mb * M, micro_batch=mb,
+                        seq=draw(st.sampled_from([128, 256])),
                         placement=placement_of(x), group=group, alpha=alpha,
                         swap_layers=draw(st.integers(0, model.num_layers)), iterations=2)
     return model, hw, cfg
 
 
 def estimate(model, cfg) -> dict[str, float]:
-    mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq, num_micro_batches=cfg.num_micro_batches,
-                          group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
-                          prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime)
+    mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq,
+                          num_micro_batches=cfg.num_micro_batches, group=cfg.group, alpha=cfg.alpha,
+                          optimizer_overlap=cfg.optimizer_overlap, prefetch_depth=cfg.prefetch_depth,
+                          act_prefetch=cfg.act_prefetch, runtime=cfg.runtime)
     return mem.tier_bytes(cfg.placement, cfg.swap_layers), mem.staging_bytes(cfg.placement, cfg.swap_layers)
 
 
@@ -83,7 +85,8 @@ def test_min_requirements_is_the_memory_model_of_the_frugal_plan():
         p = Problem(model, hw, 8, 1024, allow_ssd=allow_ssd)
         need = min_requirements(p)
         cfg = make_schedule("vertical", model, hw, batch=8, micro_batch=1, seq=1024, alpha=0.0,
-                            placement=__import__("tierflow.planner.search.explain", fromlist=["x"]).frugal_placement(p))
+                            placement=__import__("tierflow.planner.search.explain",
+                                                 fromlist=["x"]).frugal_placement(p))
         est, _ = estimate(model, cfg)
         assert need["ssd"] == pytest.approx(est["ssd"])
         assert need["gpu"] == pytest.approx(est["gpu"])
@@ -92,19 +95,21 @@ def test_min_requirements_is_the_memory_model_of_the_frugal_plan():
             assert need["ssd"] == 0.0
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (docs/reproductions.md, caveats): with GPU memory capped at the estimate, a "
-                   "vertical group with checkpoints on the SSDs gets stuck 1 MiB short at the last layer's backward")
+@pytest.mark.xfail(strict=True, reason="known bug (docs/reproductions.md, caveats): with GPU memory capped "
+                   "at the estimate, a vertical group with checkpoints on the SSDs gets stuck 1 MiB short at "
+                   "the last layer's backward")
 def test_vertical_group_with_checkpoints_on_ssd_fits_in_its_estimate():
-    """Found by the property test above (random search, 2026-11-23); present since before the host memory model.
-    Capping the GPU at the memory model's estimate leaves the head's backward of the third micro-batch 1 MiB short
-    and nothing can free it: a deadlock under memory pressure, not a missing byte (a larger estimate is taken up
-    the same way). When it is fixed, this test passes and strict xfail fails: move it into the suite."""
+    """Found by the property test above (random search, 2026-11-23); present since before the host memory
+    model. Capping the GPU at the memory model's estimate leaves the head's backward of the third micro-batch
+    1 MiB short and nothing can free it: a deadlock under memory pressure, not a missing byte (a larger
+    estimate is taken up the same way). When it is fixed, this test passes and strict xfail fails: move it
+    into the suite."""
     model = replace(get_model("llama2-7b"), num_layers=2)
     hw = load_profile("rtx3090-desktop")
     cpu, ssd = Split(), Split(cpu=0.0, ssd=1.0)
     placement = Placement(weights=cpu, master=cpu, adam_m=cpu, adam_v=cpu, grads=cpu, checkpoints=ssd)
-    cfg = make_schedule("vertical", model, hw, batch=4, micro_batch=1, seq=128, placement=placement, alpha=0.0,
-                        iterations=2)
+    cfg = make_schedule("vertical", model, hw, batch=4, micro_batch=1, seq=128, placement=placement,
+                        alpha=0.0, iterations=2)
     est, _ = estimate(model, cfg)
     g = build_graph(model, hw, cfg)
     g.capacity_bytes = {t: est[t] * (1 + 1e-9) + 1.0 for t in est}

@@ -1,5 +1,5 @@
-"""Tests for tierflow.planner.core.models: exact parameter counts against transformers (built on the meta device),
-config.json reading for every supported kind, and one-line errors."""
+"""Tests for tierflow.planner.core.models: exact parameter counts against transformers (built on the meta
+device), config.json reading for every supported kind, and one-line errors."""
 
 from __future__ import annotations
 
@@ -470,9 +470,9 @@ MINIMAL_CONFIGS = {
 }
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # transformers helpers
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -543,7 +543,8 @@ def _hf_parts(model, kind: str) -> dict:
         parts = lambda layer: (  # noqa: E731
             layer.self_attn,
             [layer.mlp],
-            [layer.input_layernorm, layer.post_attention_layernorm, *(getattr(layer, n) for n in extra if hasattr(layer, n))],
+            [layer.input_layernorm, layer.post_attention_layernorm,
+             *(getattr(layer, n) for n in extra if hasattr(layer, n))],
         )
     attn, mlps, norms = parts(layers[0])
     norm_ids = {id(p) for m in norms for p in m.parameters()}
@@ -583,9 +584,9 @@ def _assert_counts_match(spec: ModelSpec, hf_parts: dict) -> None:
     assert got == want, spec.name
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # The zoo against transformers
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def test_zoo_table_covers_every_model():
@@ -694,9 +695,9 @@ def test_models_module_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # config.json files against transformers
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("variant", list(HF_VARIANTS))
@@ -775,9 +776,9 @@ def test_minimal_config_defaults_spelled_out(tmp_path):
     assert load("min-mistral").seq_len == 4096  # 131072 advertised positions, capped for training
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Errors: ModelError, one line each
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def _one_line(exc_info) -> str:
@@ -858,9 +859,9 @@ def test_spec_validation():
         ModelSpec(**{**fields, "norm": "batchnorm"})
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Gemma, Gemma2, Qwen3, Phi-3: what each config says, and what is refused
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def _write(tmp_path, variant: str, **override) -> Path:
@@ -891,7 +892,8 @@ def test_newer_llama_like_details(tmp_path):
     assert (phi3.sliding_window, phi3.seq_len, phi3.rotary_fraction) == (2047, 2047, 0.5)
     assert not (phi3.qkv_bias or phi3.mlp_bias) and phi3.activation == "swiglu"
     # the same FLOPs basis as a LLaMA of these shapes: qk-norm and extra norms are not GEMMs
-    assert qwen3.layer_matmul_params() == 128 * (512 + 2 * 256) + 512 * 128 + 3 * 128 * 256  # q, k, v, o + gated MLP
+    # q, k, v, o + gated MLP
+    assert qwen3.layer_matmul_params() == 128 * (512 + 2 * 256) + 512 * 128 + 3 * 128 * 256
 
 
 def test_sliding_window_bounds_the_sequence(tmp_path):
@@ -920,8 +922,8 @@ def test_newer_kinds_refusals_say_why(tmp_path):
     assert "bidirectional" in refused("gemma-mqa", use_bidirectional_attention=True)
     assert "gated MLP with 'relu'" in refused("gemma-mqa", hidden_act="relu")
     path = tmp_path / "config.json"
-    for kind, why in (("mixtral", "mixture-of-experts"), ("qwen3_moe", "mixture-of-experts"), ("t5", "encoder"),
-                      ("phi", "one LayerNorm")):
+    for kind, why in (("mixtral", "mixture-of-experts"), ("qwen3_moe", "mixture-of-experts"),
+                      ("t5", "encoder"), ("phi", "one LayerNorm")):
         path.write_text(json.dumps({"model_type": kind}))
         with pytest.raises(ModelError) as exc_info:
             from_hf_config(path)

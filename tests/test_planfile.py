@@ -1,6 +1,6 @@
-"""Tests for tierflow.planner.io.planfile: plan files round-trip exactly (same tasks, same queues, same simulated time), every
-invalid plan is refused with a one-line PlanError naming the file, the key or op and the problem, writes are
-atomic, and the example in docs/plan-format.md is a valid plan."""
+"""Tests for tierflow.planner.io.planfile: plan files round-trip exactly (same tasks, same queues, same
+simulated time), every invalid plan is refused with a one-line PlanError naming the file, the key or op and
+the problem, writes are atomic, and the example in docs/plan-format.md is a valid plan."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def ops_on(d: dict, resource: str) -> list[dict]:
     return sorted((o for o in d["ops"] if o["resource"] == resource), key=lambda o: o["order"])
 
 
-# ---- round trip ---------------------------------------------------------------------------------------------
+# ---- round trip --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -155,7 +155,7 @@ def test_non_finite_predictions_become_null(tmp_path):
     assert load_plan(tmp_path / "p.json").solver == {"status": "FEASIBLE", "best_bound": None}
 
 
-# ---- atomic writes -------------------------------------------------------------------------------------------
+# ---- atomic writes -----------------------------------------------------------------------------------------
 
 
 def test_write_is_atomic_and_leaves_no_temp_file(tmp_path):
@@ -192,7 +192,7 @@ def test_an_invalid_plan_is_never_written(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-# ---- validation: the file and the top level ------------------------------------------------------------------
+# ---- validation: the file and the top level ----------------------------------------------------------------
 
 
 def test_not_json(tmp_path):
@@ -284,7 +284,7 @@ def test_bad_sections():
     refused(d, "num_blocks: 5 but the model has 4 layers")
 
 
-# ---- validation: model, hardware, decisions ------------------------------------------------------------------
+# ---- validation: model, hardware, decisions ----------------------------------------------------------------
 
 
 def test_model_that_does_not_rebuild():
@@ -354,10 +354,11 @@ def test_decisions_that_do_not_rebuild():
     refused(d, "decisions: unknown key 'grup'", "did you mean 'group'")
 
 
-# ---- validation: ops ------------------------------------------------------------------------------------------
+# ---- validation: ops ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field", ["kind", "resource", "tensor", "block", "mb", "iteration", "deps", "order", "mem"])
+@pytest.mark.parametrize("field", ["kind", "resource", "tensor", "block", "mb", "iteration", "deps", "order",
+                                   "mem"])
 def test_op_missing_field(field):
     d = valid()
     del op(d, 7)[field]
@@ -494,7 +495,8 @@ def test_order_before_a_same_resource_dependency():
 
 def test_orders_that_deadlock_across_resources():
     """h2d op `a` made to wait for an op `x` on another resource that itself waits for an h2d op queued after
-    `a`: no dependency cycle, no same-resource inversion, yet the resources would wait on each other forever."""
+    `a`: no dependency cycle, no same-resource inversion, yet the resources would wait on each other
+    forever."""
     d = valid()
     g = nx.DiGraph()
     g.add_edges_from((dep, o["id"]) for o in d["ops"] for dep in o["deps"])
@@ -544,7 +546,7 @@ def test_messages_stay_short_for_long_paths(tmp_path):
     assert len(str(e.value)) <= 200
 
 
-# ---- simulate_plan and the docs example ------------------------------------------------------------------------
+# ---- simulate_plan and the docs example --------------------------------------------------------------------
 
 
 def test_simulate_plan_fills_tokens_and_flops():

@@ -1,4 +1,5 @@
-"""The planner: exact linear loads, CP-SAT placement, verified search, infeasibility messages, capacity, CLI."""
+"""The planner: exact linear loads, CP-SAT placement, verified search, infeasibility messages, capacity,
+CLI."""
 
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def test_every_evaluated_candidate_is_verified_by_the_simulator():
     assert ev.result is not None, ev.error
     from tierflow.planner.search.loads import iteration_loads
 
-    assert ev.verified_s >= iteration_loads(MODEL, hw, ev.config).bound_s(hw) * (1 - 1e-9)  # never beats the roofline
+    # never beats the roofline
+    assert ev.verified_s >= iteration_loads(MODEL, hw, ev.config).bound_s(hw) * (1 - 1e-9)
     peak, cap = ev.result.peak_bytes, ev.result.graph.capacity_bytes
     assert all(peak[t] <= cap[t] + 1 for t in peak)
 
@@ -89,7 +91,8 @@ def test_plan_is_never_slower_than_the_fixed_schedules():
     for family in ("horizontal", "fuyou", "vertical"):
         for mb in (1, 2, 4, 8):
             try:
-                fixed.append(simulate_config(MODEL, hw, make_schedule(family, MODEL, hw, batch=8, micro_batch=mb, seq=SEQ)).iteration_s)
+                fixed.append(simulate_config(MODEL, hw, make_schedule(family, MODEL, hw, batch=8,
+                                                                      micro_batch=mb, seq=SEQ)).iteration_s)
             except Exception:  # noqa: BLE001 - a fixed schedule that does not fit is not a competitor
                 continue
     assert fixed
@@ -102,7 +105,8 @@ def test_a_search_cut_short_by_the_time_limit_says_so(capsys):
     says a faster plan may exist, and a search with time to finish skips none."""
     hw = small_box()
     cut = plan_search(Problem(MODEL, hw, 8, SEQ), time_limit_s=0, baselines=False)
-    assert cut.skipped_by_time_limit == sum(e.result is None and "time limit" in e.error for e in cut.evaluated) > 0
+    assert cut.skipped_by_time_limit == sum(e.result is None and "time limit" in e.error
+                                            for e in cut.evaluated) > 0
     full = plan_search(Problem(MODEL, hw, 8, SEQ), time_limit_s=60, baselines=False)
     assert full.skipped_by_time_limit == 0
     assert full.best.verified_s <= cut.best.verified_s
@@ -149,7 +153,8 @@ def test_cli_plan_writes_a_plan_that_replays_to_the_same_time(tmp_path, capsys):
 def test_problem_builds_candidate_configs_and_keeps_its_caches_apart():
     hw = small_box()
     p = Problem(MODEL, hw, 8, SEQ)
-    assert p.config(Candidate(2, 1, 0.0)).family == "fuyou"  # group 1, optimizer overlapped: never "horizontal"
+    # group 1, optimizer overlapped: never "horizontal"
+    assert p.config(Candidate(2, 1, 0.0)).family == "fuyou"
     assert Candidate(2, 1, 0.0).describe(8).startswith("fuyou, 4 x 2")
     assert Candidate(2, 1, 0.0, optimizer_overlap=False).describe(8).startswith("horizontal")
     assert p.config(Candidate(2, 4, 0.25)).family == "vertical"

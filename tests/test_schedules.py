@@ -1,6 +1,7 @@
-"""Tests for tierflow.planner.core.schedules (and the task graph it builds): family defaults, bad requests, the order of the
-GPU steps, the task graph's structure, and the bytes every link moves per iteration, checked against closed forms
-derived from tierflow.planner.core.workload (never against recorded simulator outputs)."""
+"""Tests for tierflow.planner.core.schedules (and the task graph it builds): family defaults, bad requests,
+the order of the GPU steps, the task graph's structure, and the bytes every link moves per iteration, checked
+against closed forms derived from tierflow.planner.core.workload (never against recorded simulator
+outputs)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def work_of(graph, kind: str, iteration: int) -> float:
 
 
 def param_sums(model, micro_batch: int, seq: int):
-    """(E, Lp, Hf, sum of fetch_params over all blocks, sum over blocks that own parameters), from workload."""
+    """(E, Lp, Hf, sum of fetch_params over all blocks, sum over blocks that own parameters), from
+    workload."""
     e = embed_cost(model, micro_batch, seq)
     lay = layer_cost(model, micro_batch, seq)
     h = head_cost(model, micro_batch, seq)
@@ -66,13 +68,13 @@ def weight_fetch_params(model, micro_batch: int, seq: int) -> int:
 def expected_link_bytes(model, cfg: ScheduleConfig) -> dict[str, float]:
     """Bytes each link moves in one iteration, derived from the schedule's definition:
 
-    - a group of g micro-batches visits F(embed), F(1..L), H(head), B(L..1), B(embed); each visit is one weight
-      use that fetches the block's off-GPU weights once (its SSD part is read first);
+    - a group of g micro-batches visits F(embed), F(1..L), H(head), B(L..1), B(embed); each visit is one
+      weight use that fetches the block's off-GPU weights once (its SSD part is read first);
     - a recomputed layer's input is a checkpoint offloaded once and fetched in backward; in a snake order only
       the micro-batch that turns at a visit hands its activation over on the GPU, so g - 1 of g layer inputs
       (forward), head inputs and activation gradients cross PCIe (and the SSD part of them the SSD);
-    - a layer that is not recomputed (recompute off, or one of the last `swap_layers`) offloads and fetches its
-      full activations once per micro-batch; its input crosses for g - 1 of g micro-batches;
+    - a layer that is not recomputed (recompute off, or one of the last `swap_layers`) offloads and fetches
+      its full activations once per micro-batch; its input crosses for g - 1 of g micro-batches;
     - gradients: bf16 over PCIe once per backward use (once per iteration when they accumulate on the GPU);
       fp32 spill to SSD written and read once per block per iteration;
     - optimizer states: their SSD part read and written once per iteration, plus the SSD part of the weights
@@ -88,9 +90,10 @@ def expected_link_bytes(model, cfg: ScheduleConfig) -> dict[str, float]:
     weights = groups * COMPUTE_BYTES * weight_fetch_params(model, cfg.micro_batch, cfg.seq)
     R = L - cfg.swap_layers if cfg.recompute else 0  # layers recomputed in backward
     S = L - R  # layers that keep (swap out) their full activations
-    # per group: checkpoints of recomputed layers (out once per micro-batch; in for the g - 1 forward hand-overs
-    # that are not on the GPU and once in backward), inputs of swapped layers and of the head (g - 1 hand-overs),
-    # activation gradients of the head and every layer (g - 1 hand-overs), full activations of swapped layers
+    # per group: checkpoints of recomputed layers (out once per micro-batch; in for the g - 1 forward
+    # hand-overs that are not on the GPU and once in backward), inputs of swapped layers and of the head
+    # (g - 1 hand-overs), activation gradients of the head and every layer (g - 1 hand-overs), full
+    # activations of swapped layers
     act_out = groups * (ckpt * (R * g + S * (g - 1) + (g - 1) + (L + 1) * (g - 1))
                         + lay.full_activation_bytes * S * g)
     act_in = groups * (ckpt * (R * (g - 1) + R * g + S * (g - 1) + (g - 1) + (L + 1) * (g - 1))
@@ -112,7 +115,7 @@ def expected_link_bytes(model, cfg: ScheduleConfig) -> dict[str, float]:
     }
 
 
-# ---- strategies ----------------------------------------------------------------------------------------------
+# ---- strategies --------------------------------------------------------------------------------------------
 
 
 
@@ -138,7 +141,8 @@ def schedules(draw):
     if family == "block" and M == 1:
         M = 2
     mb = draw(st.sampled_from([1, 2]))
-    kw = dict(batch=M * mb, micro_batch=mb, seq=draw(st.sampled_from([16, 32, 64])), placement=draw(placements()),
+    kw = dict(batch=M * mb, micro_batch=mb, seq=draw(st.sampled_from([16, 32, 64])),
+              placement=draw(placements()),
               recompute=draw(st.booleans()), swap_layers=draw(st.integers(0, model.num_layers)),
               prefetch_depth=draw(st.integers(1, 3)), act_prefetch=draw(st.integers(1, 3)), iterations=3)
     if family == "block":
@@ -148,7 +152,7 @@ def schedules(draw):
     return model, make_schedule(family, model, profile(), **kw)
 
 
-# ---- family defaults and bad requests ------------------------------------------------------------------------
+# ---- family defaults and bad requests ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("M", [1, 2, 4, 8])
@@ -168,8 +172,8 @@ def test_family_defaults(M):
 
 
 def test_schedule_config_round_trips_through_dict():
-    cfg = make_schedule("block", get_model("tiny-llama"), profile(), batch=8, micro_batch=1, group=4, alpha=0.5,
-                        prefetch_depth=2, recompute=True, swap_layers=2, act_prefetch=3,
+    cfg = make_schedule("block", get_model("tiny-llama"), profile(), batch=8, micro_batch=1, group=4,
+                        alpha=0.5, prefetch_depth=2, recompute=True, swap_layers=2, act_prefetch=3,
                         placement=placement(weights=Split(0.25, 0.5, 0.25)))
     assert ScheduleConfig.from_dict(cfg.to_dict()) == cfg
 
@@ -189,7 +193,8 @@ def test_schedule_config_round_trips_through_dict():
         (dict(family="horizontal", batch=8, micro_batch=1, prefetch_depth=0), ["prefetch"]),
         (dict(family="horizontal", batch=8, micro_batch=1, swap_layers=5), ["swap_layers 5", "4"]),
         (dict(family="horizontal", batch=8, micro_batch=1, swap_layers=-1), ["swap_layers -1"]),
-        (dict(family="horizontal", batch=8, micro_batch=1, seq=65), ["65", "64"]),  # tiny-gpt has 64 positions
+        # tiny-gpt has 64 positions
+        (dict(family="horizontal", batch=8, micro_batch=1, seq=65), ["65", "64"]),
     ],
 )
 def test_bad_requests_raise_schedule_error(kwargs, words):
@@ -227,10 +232,11 @@ def test_default_placement_is_valid_and_off_gpu(family, hw_name, overrides):
                 assert s.ssd == 0.0, f"{name} placed on a missing SSD"
 
 
-# ---- the order of GPU steps ----------------------------------------------------------------------------------
+# ---- the order of GPU steps --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("num_blocks, M, g", [(3, 1, 1), (4, 4, 1), (4, 4, 4), (6, 6, 2), (6, 6, 3), (5, 8, 4)])
+@pytest.mark.parametrize("num_blocks, M, g",
+                         [(3, 1, 1), (4, 4, 1), (4, 4, 4), (6, 6, 2), (6, 6, 3), (5, 8, 4)])
 def test_step_sequence_visits_every_step_once_in_snake_order(num_blocks, M, g):
     steps = step_sequence(num_blocks, M, g)
     head = num_blocks - 1
@@ -240,7 +246,8 @@ def test_step_sequence_visits_every_step_once_in_snake_order(num_blocks, M, g):
     for g0 in range(0, M, g):
         chunk = steps[g0 * visits:(g0 + g) * visits]
         runs = [chunk[i:i + g] for i in range(0, len(chunk), g)]
-        expected = [("F", b) for b in range(head)] + [("H", head)] + [("B", b) for b in range(head - 1, -1, -1)]
+        expected = ([("F", b) for b in range(head)] + [("H", head)]
+                    + [("B", b) for b in range(head - 1, -1, -1)])
         assert [(r[0].phase, r[0].block) for r in runs] == expected
         for r in runs:
             assert all((s.phase, s.block) == (r[0].phase, r[0].block) for s in r)
@@ -293,7 +300,7 @@ def test_horizontal_runs_each_micro_batch_through_all_blocks(family):
     assert [r[0][2] for r in runs] == [m for m in range(3) for _ in range(visits)]
 
 
-# ---- the task graph ------------------------------------------------------------------------------------------
+# ---- the task graph ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -334,10 +341,12 @@ def test_task_graph_structure(family, place, swap):
     # every block runs forward (or head) and backward for every micro-batch of every iteration
     for it in range(2):
         for m in range(cfg.num_micro_batches):
-            got = {(t.kind, t.block) for t in tasks if t.iteration == it and t.mb == m and t.resource == "gpu"}
+            got = {(t.kind, t.block) for t in tasks if t.iteration == it and t.mb == m
+                   and t.resource == "gpu"}
             want = {("fwd", b) for b in range(model.num_layers + 1)} | {("head", model.num_layers + 1)}
             want |= {("bwd", b) for b in range(model.num_layers + 1)}
-            want |= {("recompute", b) for b in range(1, model.num_layers - swap + 1)}  # the last `swap` keep theirs
+            # the last `swap` keep theirs
+            want |= {("recompute", b) for b in range(1, model.num_layers - swap + 1)}
             assert got == want
 
 
@@ -356,7 +365,7 @@ def test_graph_static_bytes_and_capacity_are_closed_form():
                                     "ssd": hw.ssd.capacity_bytes}
 
 
-# ---- bytes per link: closed forms ----------------------------------------------------------------------------
+# ---- bytes per link: closed forms --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("model", ["tiny-gpt", "tiny-llama", "gpt3-1.3b", "llama2-7b"])
@@ -365,8 +374,8 @@ def test_graph_static_bytes_and_capacity_are_closed_form():
 def test_weight_and_gradient_bytes_weights_on_cpu(model, family, M, group):
     m, hw = get_model(model), profile()
     mb, seq = 1, 64
-    cfg = make_schedule(family, m, hw, batch=M * mb, micro_batch=mb, seq=seq, placement=Placement.uniform("cpu"),
-                        group=group if family == "block" else None)
+    cfg = make_schedule(family, m, hw, batch=M * mb, micro_batch=mb, seq=seq,
+                        placement=Placement.uniform("cpu"), group=group if family == "block" else None)
     graph = build_graph(m, hw, cfg)
     E, Lp, Hf, sum_fetch, _ = param_sums(m, mb, seq)
     per_group = COMPUTE_BYTES * (2 * (E + m.num_layers * Lp) + Hf)
@@ -396,15 +405,16 @@ def test_optimizer_state_bytes_on_ssd(family, w_ssd, alpha):
     graph = build_graph(m, hw, cfg)
     for it in range(cfg.iterations):
         assert work_of(graph, "read_opt_states", it) == pytest.approx(12 * P, rel=1e-12)
-        assert work_of(graph, "write_opt_states", it) == pytest.approx(12 * P + COMPUTE_BYTES * P * w_ssd, rel=1e-12)
+        assert work_of(graph, "write_opt_states", it) == pytest.approx(12 * P + COMPUTE_BYTES * P * w_ssd,
+                                                                       rel=1e-12)
 
 
 def _zero_infinity_expectation(model):
     """Horizontal, one micro-batch, weights + optimizer states + fp32 grads on SSD, checkpoints on CPU.
 
-    REFERENCE: weights read 2P forward + 2P backward, grads written 4P and read 4P, states read 12P and written
-    12P, weights written 2P: 38P. Exact for this schedule: the head is one step (its weights are read once, not
-    twice) and a tied head reads the embedding matrix too and keeps its own fp32 gradient of it."""
+    REFERENCE: weights read 2P forward + 2P backward, grads written 4P and read 4P, states read 12P and
+    written 12P, weights written 2P: 38P. Exact for this schedule: the head is one step (its weights are read
+    once, not twice) and a tied head reads the embedding matrix too and keeps its own fp32 gradient of it."""
     P = model.total_params()
     tied = model.vocab_size * model.embed_dim if model.tied_embeddings else 0
     head_owned = model.final_norm_params() + model.head_params()
@@ -433,7 +443,8 @@ def test_zero_infinity_ssd_traffic_is_38P(model, within_1pct):
             assert total > 38 * P
 
 
-@pytest.mark.parametrize("model, within_1pct", [("llama2-7b", True), ("gpt3-175b", True), ("gpt3-1.3b", False)])
+@pytest.mark.parametrize("model, within_1pct",
+                         [("llama2-7b", True), ("gpt3-175b", True), ("gpt3-1.3b", False)])
 @pytest.mark.parametrize("family", ["horizontal", "fuyou"])
 def test_fuyou_style_ssd_traffic_is_16P_read_14P_write(model, within_1pct, family):
     m, hw = get_model(model), profile()
@@ -465,7 +476,7 @@ def test_link_bytes_per_iteration_match_closed_form(case):
         assert total[link] == pytest.approx(cfg.iterations * want, rel=1e-9, abs=1e-6)
 
 
-# ---- the family contract ---------------------------------------------------------------------------------------
+# ---- the family contract -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("M", [2, 4])
@@ -489,13 +500,14 @@ def test_group_is_refused_where_the_family_fixes_it(family):
 def test_recomputes_counts_swapped_layers_from_the_end():
     m = get_model("tiny-gpt")  # 4 layers
     cfg = make_schedule("vertical", m, profile(), batch=4, micro_batch=2, swap_layers=1)
-    assert [cfg.recomputes(b, m.num_layers) for b in range(m.num_layers + 2)] == [False, True, True, True, False, False]
+    assert [cfg.recomputes(b, m.num_layers) for b in range(m.num_layers + 2)] == [False, True, True, True,
+                                                                                  False, False]
     assert cfg.recomputed_fraction(m.num_layers) == 0.75
     off = make_schedule("vertical", m, profile(), batch=4, micro_batch=2, recompute=False)
     assert not any(off.recomputes(b, m.num_layers) for b in range(6)) and off.recomputed_fraction(4) == 0.0
 
 
-# ---- ZeRO-Infinity as DeepSpeed runs it ------------------------------------------------------------------------
+# ---- ZeRO-Infinity as DeepSpeed runs it --------------------------------------------------------------------
 
 
 def test_horizontal_runs_as_deepspeed_runs_it_unless_asked_for_the_ideal():
@@ -535,12 +547,13 @@ def test_deepspeed_fetches_nvme_weights_on_demand_and_swaps_sub_groups_serially(
     tasks = build_graph(m, hw, ds).tasks
     reads = [t for t in tasks if t.kind == "read_opt_states" and t.iteration == 0]
     writes = {t.id for t in tasks if t.kind == "write_opt_states" and t.iteration == 0}
-    assert sum(1 for r in reads if writes & set(r.deps)) == len(reads) - 1  # all but the first wait for a write
+    # all but the first wait for a write
+    assert sum(1 for r in reads if writes & set(r.deps)) == len(reads) - 1
     slow, fast = simulate_config(m, hw, ds), simulate_config(m, hw, ideal)
     assert slow.iteration_s > fast.iteration_s
 
 
-# ---- Fuyou as LoHan's code runs it ---------------------------------------------------------------------------------
+# ---- Fuyou as LoHan's code runs it -------------------------------------------------------------------------
 
 
 def _lohan_case(runtime: str):
@@ -551,8 +564,9 @@ def _lohan_case(runtime: str):
 
 
 def test_lohan_thread_serialises_the_optimizer_io_and_the_backward_weight_reads():
-    """LoHan's training thread reads a block's states and waits, writes back the block stepped before and waits,
-    then reads the next module's weights: in the simulated steady iteration none of these SSD ops overlap."""
+    """LoHan's training thread reads a block's states and waits, writes back the block stepped before and
+    waits, then reads the next module's weights: in the simulated steady iteration none of these SSD ops
+    overlap."""
     m, hw, cfg = _lohan_case("lohan")
     res = simulate_config(m, hw, cfg)
     tasks = res.graph.tasks
@@ -566,19 +580,22 @@ def test_lohan_thread_serialises_the_optimizer_io_and_the_backward_weight_reads(
     for (s0, e0, a), (s1, e1, b) in zip(spans, spans[1:]):
         assert s1 >= e0 - 1e-9, f"{a} [{s0:.4f}, {e0:.4f}] overlaps {b} [{s1:.4f}, {e1:.4f}]"
     # each block's states are read only once the thread has fetched the next block's weights for the backward
-    for r in (t for t in tasks if t.kind == "read_opt_states" and t.iteration == it and 1 <= t.block < m.num_layers):
+    for r in (t for t in tasks if t.kind == "read_opt_states" and t.iteration == it
+              and 1 <= t.block < m.num_layers):
         assert any(tasks[d].kind == "fetch_weights" and tasks[d].block == r.block - 1 for d in r.deps)
 
 
 def test_lohan_waits_for_its_optimizer_io_where_the_ideal_fuyou_overlaps_it():
-    """LoHan's 13B at batch 8 on its box (12 SSDs): the thread's optimizer reads and writes, one after the other,
-    take longer than the GPU's work, so the iteration is at least their sum; the ideal fuyou overlaps them."""
+    """LoHan's 13B at batch 8 on its box (12 SSDs): the thread's optimizer reads and writes, one after the
+    other, take longer than the GPU's work, so the iteration is at least their sum; the ideal fuyou overlaps
+    them."""
     m, hw = get_model("gpt3-13b-lohan").with_seq(1024), load_profile("rtx4090-lohan")
     on_ssd = {"gpu": 0, "cpu": 0, "ssd": 1}
     pl = Placement.from_dict({"weights": on_ssd, "master": on_ssd, "adam_m": on_ssd, "adam_v": on_ssd})
     out = {}
     for rt in ("lohan", "ideal"):
-        res = simulate_config(m, hw, make_schedule("fuyou", m, hw, batch=8, micro_batch=8, placement=pl, runtime=rt))
+        res = simulate_config(m, hw, make_schedule("fuyou", m, hw, batch=8, micro_batch=8, placement=pl,
+                                                   runtime=rt))
         io_s = sum(res.end_s[t.id] - res.start_s[t.id] for t in res.graph.tasks
                    if t.iteration == 1 and t.kind in ("read_opt_states", "write_opt_states"))
         out[rt] = (res.iteration_s, io_s, res.link_bytes)

@@ -1,7 +1,7 @@
-"""Tests for tierflow.planner.core.simulator and tierflow.api.simulate: invariants every simulated timeline must satisfy (property
-tests over random small configurations), the discrete-event engine on hand-built graphs with closed-form
-answers, capacity errors, the public result, and regressions of four bugs these tests found (each with its
-reproducer)."""
+"""Tests for tierflow.planner.core.simulator and tierflow.api.simulate: invariants every simulated timeline
+must satisfy (property tests over random small configurations), the discrete-event engine on hand-built graphs
+with closed-form answers, capacity errors, the public result, and regressions of four bugs these tests found
+(each with its reproducer)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ REL = 1e-9
 
 
 def solo_and_slowest_rates(hw) -> dict[str, tuple[float, float]]:
-    """(solo rate, slowest rate) of every fluid resource: a transfer runs at its solo rate, or at the shared rate
-    while the opposite direction of the same link is busy; the CPU at 1 (second of work per second) alone. While
-    host memory is oversubscribed everything also slows by B / demand, no lower than B / (every one at once)."""
+    """(solo rate, slowest rate) of every fluid resource: a transfer runs at its solo rate, or at the shared
+    rate while the opposite direction of the same link is busy; the CPU at 1 (second of work per second)
+    alone. While host memory is oversubscribed everything also slows by B / demand, no lower than B / (every
+    one at once)."""
     r = CostModel(hw).rates
     out = {"h2d": (r.h2d, r.h2d_duplex), "d2h": (r.d2h, r.d2h_duplex),
            "ssd_read": (r.ssd_read, r.ssd_read_mixed), "ssd_write": (r.ssd_write, r.ssd_write_mixed),
@@ -51,7 +52,8 @@ def solo_and_slowest_rates(hw) -> dict[str, tuple[float, float]]:
         demand = sum(u * out[k][0] for k, u in use.items())
         for k in use:
             scale[k] = min(scale[k], cap_s / demand)
-    if r.io_contention:  # measured interference: compute beside all four links at once, each link beside compute
+    # measured interference: compute beside all four links at once, each link beside compute
+    if r.io_contention:
         scale["gpu"] = min(scale["gpu"], 1.0 / (1.0 + r.compute_io_extra * len(HOST_LINKS)))
         for k in HOST_LINKS:
             scale[k] = min(scale[k], 1.0 / r.beside_compute(k))
@@ -62,12 +64,12 @@ def tol(x: float) -> float:
     return REL * abs(x) + 1e-15
 
 
-# ---- the invariants of a simulated timeline ------------------------------------------------------------------
+# ---- the invariants of a simulated timeline ----------------------------------------------------------------
 
 
 def replay_memory(res) -> dict[str, tuple[float, float]]:
-    """Replay every task's memory deltas (static bytes, + mem_start at its start, + mem_end at its end; at equal
-    times ends before starts). Returns tier -> (highest, final) bytes."""
+    """Replay every task's memory deltas (static bytes, + mem_start at its start, + mem_end at its end; at
+    equal times ends before starts). Returns tier -> (highest, final) bytes."""
     out = {}
     tasks = res.graph.tasks
     for ti, tier in enumerate(TIERS):
@@ -102,8 +104,8 @@ def check_timeline(res, hw, *, balanced: bool = True) -> None:
         for d in t.deps:
             assert start[t.id] >= end[d] - tol(end[d]), f"{t.label} started before {tasks[d].label} ended"
 
-    # durations: compute takes its work exactly; a transfer moves its bytes at a rate between the shared and the
-    # solo rate of its link
+    # durations: compute takes its work exactly; a transfer moves its bytes at a rate between the shared and
+    # the solo rate of its link
     rates = solo_and_slowest_rates(hw)
     for t in tasks:
         dur = end[t.id] - start[t.id]
@@ -131,7 +133,8 @@ def check_timeline(res, hw, *, balanced: bool = True) -> None:
         high, final = replay[tier]
         cap = graph.capacity_bytes[tier]
         assert high <= cap + 1.0, f"{tier}: {high} bytes in use > capacity {cap}"
-        assert res.peak_bytes[tier] <= cap + 1.0, f"{tier}: reported peak {res.peak_bytes[tier]} > capacity {cap}"
+        assert res.peak_bytes[tier] <= cap + 1.0, (f"{tier}: reported peak {res.peak_bytes[tier]} > "
+                                                   f"capacity {cap}")
         assert high <= res.peak_bytes[tier] + 1.0
         assert res.peak_bytes[tier] >= graph.static_bytes[tier]
         if balanced:  # every allocation is freed again: the run ends with only the resident tensors
@@ -169,7 +172,7 @@ def link_bound_s(res, hw) -> dict[str, float]:
     return out
 
 
-# ---- strategies ----------------------------------------------------------------------------------------------
+# ---- strategies --------------------------------------------------------------------------------------------
 
 
 
@@ -220,7 +223,8 @@ def cases(draw, placement_strategy=None, iterations=2):
     p = draw(placement_strategy if placement_strategy is not None else cpu_optimizer_placements())
     kw = dict(batch=M * mb, micro_batch=mb, seq=draw(st.sampled_from([16, 32, 64])), placement=p,
               recompute=draw(st.booleans()), swap_layers=draw(st.integers(0, model.num_layers)),
-              prefetch_depth=draw(st.integers(1, 3)), act_prefetch=draw(st.integers(1, 3)), iterations=iterations)
+              prefetch_depth=draw(st.integers(1, 3)), act_prefetch=draw(st.integers(1, 3)),
+              iterations=iterations)
     if family == "block":
         kw["group"] = draw(st.sampled_from([d for d in range(1, M + 1) if M % d == 0]))
     if family in ("vertical", "block"):
@@ -240,7 +244,7 @@ PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[Heal
                                                                            HealthCheck.filter_too_much])
 
 
-# ---- property tests ------------------------------------------------------------------------------------------
+# ---- property tests ----------------------------------------------------------------------------------------
 
 
 @PROPERTY
@@ -260,9 +264,9 @@ def test_simulated_timelines_are_consistent(case):
 @PROPERTY
 @given(case=cases(placement_strategy=cpu_optimizer_placements(states_on_ssd=False)))
 def test_iteration_time_covers_each_link_without_ssd_optimizer_states(case):
-    """The steady state cannot be shorter than any link needs for one iteration's bytes. Restricted to optimizer
-    states off the SSD: with them on the SSD a short run may not have settled yet (the regression tests at the end
-    of this file check that case over 8 iterations)."""
+    """The steady state cannot be shorter than any link needs for one iteration's bytes. Restricted to
+    optimizer states off the SSD: with them on the SSD a short run may not have settled yet (the regression
+    tests at the end of this file check that case over 8 iterations)."""
     res = run_case(case)
     assume(res is not None)
     hw = case[1]
@@ -281,7 +285,8 @@ def test_capacity_errors_are_a_minority_of_generated_cases():
 
     run()
     assert len(outcomes) >= 20
-    assert sum(outcomes) > 0.75 * len(outcomes), f"{len(outcomes) - sum(outcomes)} of {len(outcomes)} did not fit"
+    assert sum(outcomes) > 0.75 * len(outcomes), (f"{len(outcomes) - sum(outcomes)} of {len(outcomes)} did "
+                                                  "not fit")
 
 
 @PROPERTY
@@ -314,7 +319,7 @@ def test_tiny_gpt_all_on_gpu():
     assert res.busy["gpu"] == pytest.approx(1.0, rel=1e-9)
 
 
-# ---- the engine on hand-built graphs -------------------------------------------------------------------------
+# ---- the engine on hand-built graphs -----------------------------------------------------------------------
 
 
 def T(i, resource, work, deps=(), key=None, mem_start=(), mem_end=(), iteration=0, kind="k"):
@@ -349,8 +354,8 @@ def test_engine_runs_independent_resources_in_parallel_and_each_queue_in_key_ord
 
 @pytest.mark.parametrize("x, y", [(1.2e9, 4.8e9), (6e9, 1e9), (2e9, 2e9)])
 def test_engine_pcie_duplex_fluid_model(x, y):
-    """H2D of x bytes and D2H of y bytes start together: both run at the shared rates until the first ends, the
-    other finishes its remaining bytes at its solo rate."""
+    """H2D of x bytes and D2H of y bytes start together: both run at the shared rates until the first ends,
+    the other finishes its remaining bytes at its solo rate."""
     hw = profile()
     r = CostModel(hw).rates
     res = simulate_graph(graph_of([T(0, "gpu", 1e-3), T(1, "h2d", x), T(2, "d2h", y)]), hw)
@@ -365,8 +370,8 @@ def test_engine_pcie_duplex_fluid_model(x, y):
 
 def test_engine_pays_each_ops_fixed_cost_before_its_bytes_flow():
     """pcie.latency_us and ssd.latency_us: each op's fixed cost first, then its bytes at the link rate; a link
-    still in its fixed cost does not slow the opposite direction (no duplex sharing yet); gpu.op_overhead_us is
-    in every compute op's time."""
+    still in its fixed cost does not slow the opposite direction (no duplex sharing yet); gpu.op_overhead_us
+    is in every compute op's time."""
     lat_pcie, lat_ssd = 2e-3, 5e-3
     hw = profile().with_overrides({"pcie.latency_us": lat_pcie * 1e6, "ssd.latency_us": lat_ssd * 1e6})
     r = CostModel(hw).rates
@@ -388,8 +393,10 @@ def test_engine_pays_each_ops_fixed_cost_before_its_bytes_flow():
     # a D2H still in its fixed cost leaves a running H2D at its solo rate
     hw2 = profile().with_overrides({"pcie.latency_us": 0.25e6})
     r2 = CostModel(hw2).rates
-    res = simulate_graph(graph_of([T(0, "h2d", r2.h2d * 0.2), T(1, "gpu", 0.3), T(2, "d2h", 1e6, deps=[1])]), hw2)
-    assert res.end_s[0] == pytest.approx(0.25 + 0.2, rel=1e-12)  # the D2H is in its fixed cost from 0.3 to 0.55
+    res = simulate_graph(graph_of([T(0, "h2d", r2.h2d * 0.2), T(1, "gpu", 0.3), T(2, "d2h", 1e6, deps=[1])]),
+                         hw2)
+    # the D2H is in its fixed cost from 0.3 to 0.55
+    assert res.end_s[0] == pytest.approx(0.25 + 0.2, rel=1e-12)
     block = CostModel(hw).forward_s(layer_cost(get_model("tiny-gpt"), 1, 64))
     with_overhead = CostModel(hw.with_overrides({"gpu.op_overhead_us": 300.0}))
     assert with_overhead.forward_s(layer_cost(get_model("tiny-gpt"), 1, 64)) == pytest.approx(block + 300e-6)
@@ -411,7 +418,8 @@ def test_engine_ssd_read_write_sharing(sharing):
 @pytest.mark.parametrize("x_s, adam_s", [(2.0, 1.0), (1.0, 3.0)])
 def test_engine_host_memory_is_shared_in_proportion(x_s, adam_s):
     """An H2D copy and a CPU Adam step start together and together ask host memory for twice what it sustains:
-    both run at half speed until the first ends; the other then runs alone at full speed (its own demand fits)."""
+    both run at half speed until the first ends; the other then runs alone at full speed (its own demand
+    fits)."""
     base = profile()
     h2d = CostModel(base).rates.h2d
     # CPU Adam asks for as many DRAM bytes/s as the copy; host memory sustains one of them at full speed
@@ -443,8 +451,9 @@ def test_engine_cpu_adam_alone_keeps_its_solo_rate_however_scarce_host_memory_is
 
 
 def test_engine_host_device_shares_cores_between_compute_adam_and_copies():
-    """The CPU as the device (gpu.host_cores): compute and CPU Adam each use both cores, so running together each
-    gets half; a copy (one core) beside compute asks for 3 of 2 cores: both slow to 2/3. A real GPU shares nothing."""
+    """The CPU as the device (gpu.host_cores): compute and CPU Adam each use both cores, so running together
+    each gets half; a copy (one core) beside compute asks for 3 of 2 cores: both slow to 2/3. A real GPU
+    shares nothing."""
     hw = profile().with_overrides({"gpu.host_cores": 2, "cpu.cores": 2, "cpu.memory_efficiency": None})
     r = CostModel(hw).rates
     res = simulate_graph(graph_of([T(0, "gpu", 1.0), T(1, "cpu", 1.0)]), hw)
@@ -458,21 +467,23 @@ def test_engine_host_device_shares_cores_between_compute_adam_and_copies():
 
 
 def test_engine_host_device_measured_io_interference():
-    """With measured interference (cpu.compute_slowdown_per_io_op and the two beside-compute factors) compute runs
-    1 + (s - 1) x k times slower beside k copies or SSD ops, and each of them its own factor slower beside
-    compute; the copies no longer take a proportional share of the cores."""
+    """With measured interference (cpu.compute_slowdown_per_io_op and the two beside-compute factors) compute
+    runs 1 + (s - 1) x k times slower beside k copies or SSD ops, and each of them its own factor slower
+    beside compute; the copies no longer take a proportional share of the cores."""
     hw = profile().with_overrides({"gpu.host_cores": 2, "cpu.cores": 2, "cpu.memory_efficiency": None,
-                                   "cpu.compute_slowdown_per_io_op": 2.0, "cpu.copy_slowdown_beside_compute": 1.5,
+                                   "cpu.compute_slowdown_per_io_op": 2.0,
+                                   "cpu.copy_slowdown_beside_compute": 1.5,
                                    "cpu.ssd_slowdown_beside_compute": 1.25})
     r = CostModel(hw).rates
     assert r.io_contention and "h2d" not in dict((n, u) for n, _, u in r.pools())["cores"]
-    # compute (2 s of work) beside an SSD read (1 s alone): compute at 1/2, the read at 1/1.25, done at 1.25 s;
-    # compute has done 0.625 s of work by then and runs the rest alone
+    # compute (2 s of work) beside an SSD read (1 s alone): compute at 1/2, the read at 1/1.25, done at
+    # 1.25 s; compute has done 0.625 s of work by then and runs the rest alone
     res = simulate_graph(graph_of([T(0, "gpu", 2.0), T(1, "ssd_read", 1.0 * r.ssd_read)]), hw)
     assert list(res.end_s) == pytest.approx([1.25 + 1.375, 1.25], rel=1e-12)
     # beside a copy and an SSD read at once: compute at 1/3 until the read ends (1.25 s), 1/2 until the copy
     # ends (1.5 s), then alone
-    res = simulate_graph(graph_of([T(0, "gpu", 1.0), T(1, "h2d", 1.0 * r.h2d), T(2, "ssd_read", 1.0 * r.ssd_read)]), hw)
+    res = simulate_graph(graph_of([T(0, "gpu", 1.0), T(1, "h2d", 1.0 * r.h2d),
+                                   T(2, "ssd_read", 1.0 * r.ssd_read)]), hw)
     done = 1.25 / 3 + 0.25 / 2
     assert list(res.end_s) == pytest.approx([1.5 + (1.0 - done), 1.5, 1.25], rel=1e-12)
     # without compute beside them the links run at their solo rates
@@ -542,7 +553,7 @@ def test_engine_measures_the_last_iteration_window():
     assert res.busy["cpu"] == pytest.approx(4.0 / 8.0)  # clipped to the window
 
 
-# ---- the public result ---------------------------------------------------------------------------------------
+# ---- the public result -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -580,7 +591,7 @@ def test_more_iterations_do_not_change_bytes_or_steady_state_of_a_gpu_bound_run(
     assert len(b.graph.tasks) == 2 * len(a.graph.tasks)
 
 
-# ---- capacity errors through the public API ------------------------------------------------------------------
+# ---- capacity errors through the public API ----------------------------------------------------------------
 
 
 def test_model_that_fits_nowhere_names_the_tier():
@@ -607,10 +618,11 @@ def test_bad_schedule_is_refused_before_simulating():
         simulate("tiny-gpt", "rtx4090-lohan", "vertical", batch=10, micro_batch=4)
 
 
-# ---- regressions of fixed bugs ----------------------------------------------------------------------------------------------
+# ---- regressions of fixed bugs -----------------------------------------------------------------------------
 
-SSD_STATES_CASE = dict(model="tiny-llama", hw=("rtx3090-desktop", {"ssd.count": 1}), batch=6, micro_batch=2, seq=32,
-                       recompute=False, placement=placement(weights=CPU, states=SSD, grads=CPU, checkpoints=CPU))
+SSD_STATES_CASE = dict(model="tiny-llama", hw=("rtx3090-desktop", {"ssd.count": 1}), batch=6, micro_batch=2,
+                       seq=32, recompute=False,
+                       placement=placement(weights=CPU, states=SSD, grads=CPU, checkpoints=CPU))
 
 
 def _ssd_states_run(family, iterations):
@@ -652,7 +664,8 @@ def test_last_iteration_window_is_representative():
                    prefetch_depth=2, alpha=0.0, iterations=4)
     windows = np.diff(res.iteration_ends_s)
     assert res.iteration_s == pytest.approx(windows[-2], rel=1e-12)
-    assert windows[-1] >= 0.5 * windows[-2]  # the queue jump that stalled every iteration but the last is gone
+    # the queue jump that stalled every iteration but the last is gone
+    assert windows[-1] >= 0.5 * windows[-2]
     for link, seconds in link_bound_s(res, hw).items():
         assert res.iteration_s >= seconds, link
 

@@ -1,6 +1,7 @@
-"""The one topological sort (tierflow.planner.core.graph.topological_order): every edge respected, the tie-break
-honoured, a cycle reported with the cycle; and the exact orders of the sorts it replaces (window's first ready
-first out, slots' queue-order heap with its cycle fallback; planfile's cycle messages are in test_planfile)."""
+"""The one topological sort (tierflow.planner.core.graph.topological_order): every edge respected, the
+tie-break honoured, a cycle reported with the cycle; and the exact orders of the sorts it replaces (window's
+first ready first out, slots' queue-order heap with its cycle fallback; planfile's cycle messages are in
+test_planfile)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def respects_edges(order: list[int], preds: list[list[int]]) -> bool:
     return all(pos[p] < pos[i] for i in order for p in preds[i] if p in pos)
 
 
-# ---- the three sorts it replaced, frozen as they were --------------------------------------------------------
+# ---- the three sorts it replaced, frozen as they were ------------------------------------------------------
 
 
 def old_window_topological(n: int, preds: list[list[int]]) -> list[int]:
@@ -76,7 +77,8 @@ def old_window_topological(n: int, preds: list[list[int]]) -> list[int]:
 
 
 def old_slots_topological(n, preds, prev_in_queue, queue_order):
-    """planner/search/slots/template.py `_topological` (queue-order heap; on a cycle the rest in queue order)."""
+    """planner/search/slots/template.py `_topological` (queue-order heap; on a cycle the rest in queue
+    order)."""
     rank = {i: r for r, i in enumerate(queue_order)}
     succ: list[list[int]] = [[] for _ in range(n)]
     indeg = [0] * n
@@ -103,7 +105,7 @@ def old_slots_topological(n, preds, prev_in_queue, queue_order):
     return out
 
 
-# ---- properties ----------------------------------------------------------------------------------------------
+# ---- properties --------------------------------------------------------------------------------------------
 
 
 @PROPERTY

@@ -2,17 +2,18 @@
 
 A run is what was measured on a box: model, schedule family, batch, micro-batch (or "best": the fastest
 power-of-two divisor of the batch that fits), sequence length, placement (the library's default or JSON
-fractions as `tierflow simulate --placement` takes), profile overrides such as ``ssd.count=6``, and the measured
-iteration time or TFLOPS (hardware TFLOPS count the recompute forward, model TFLOPS do not).
+fractions as `tierflow simulate --placement` takes), profile overrides such as ``ssd.count=6``, and the
+measured iteration time or TFLOPS (hardware TFLOPS count the recompute forward, model TFLOPS do not).
 
 `fit` chooses values for a few profile fields, each within declared physical bounds, that minimise the sum of
 squared relative errors between the simulated and the measured values. It optimises the logarithms of the
-values (rates are scale quantities) with scipy's bounded Nelder-Mead (or Powell) method from the base value and
-from the geometric centre of the bounds (`restarts`), keeping the best. The simulator is piecewise smooth in the
-rates (a bottleneck moves from one resource to another), so the method does not use derivatives, and a cache
-keyed by (run, micro-batch, values) avoids simulating a point twice. A "best" micro-batch is chosen at the start point
-and kept fixed while the optimiser runs; it is then chosen again at the optimum and the fit repeats until the
-choice no longer changes, so the reported predictions use each run's fastest micro-batch at the fitted values.
+values (rates are scale quantities) with scipy's bounded Nelder-Mead (or Powell) method from the base value
+and from the geometric centre of the bounds (`restarts`), keeping the best. The simulator is piecewise smooth
+in the rates (a bottleneck moves from one resource to another), so the method does not use derivatives, and a
+cache keyed by (run, micro-batch, values) avoids simulating a point twice. A "best" micro-batch is chosen at
+the start point and kept fixed while the optimiser runs; it is then chosen again at the optimum and the fit
+repeats until the choice no longer changes, so the reported predictions use each run's fastest micro-batch at
+the fitted values.
 
 It reports each run's residual, the leave-one-out error (each run refitted without it, warm-started from the
 full fit, then predicted), and which fields the data cannot identify: no prediction moves by more than 1% when
@@ -20,8 +21,8 @@ the field goes to either bound, no prediction moves near the fitted value (the d
 side), or its sensitivities (d log prediction / d log field per run) are collinear with another field's
 (|cos| > 0.99: only a combination of the two is determined). Fitted values on a bound are reported too.
 
-`write_fitted_profile` writes a profile YAML (the base file's text, with each fitted line replaced and commented
-with the data it came from). Torch-free, like the rest of the planner.
+`write_fitted_profile` writes a profile YAML (the base file's text, with each fitted line replaced and
+commented with the data it came from). Torch-free, like the rest of the planner.
 """
 
 from __future__ import annotations
@@ -55,17 +56,20 @@ from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult, SimulationError
 
 MEASURES = ("hw_tflops", "model_tflops", "iteration_s")
-COLUMNS = ("model", "hw", "schedule", "batch", "micro_batch", "seq", "placement", "overrides", "measured", "measure")
-OPTIONAL_COLUMNS = ("seq", "placement", "overrides")  # blank or absent: the model's seq, the default placement, none
+COLUMNS = ("model", "hw", "schedule", "batch", "micro_batch", "seq", "placement", "overrides", "measured",
+           "measure")
+# blank or absent: the model's seq, the default placement, none
+OPTIONAL_COLUMNS = ("seq", "placement", "overrides")
 UNIDENTIFIED_CHANGE = 0.01  # a field whose bounds move no prediction by more than this is unidentified
 COLLINEAR_COS = 0.99  # sensitivity columns more aligned than this are not separable
-INSENSITIVE = 0.01  # |d log prediction / d log field| below this for every run (a 10% change moves no prediction
-# by more than 0.1%): locally insensitive
+# |d log prediction / d log field| below this for every run (a 10% change moves no prediction by more than
+# 0.1%): locally insensitive
+INSENSITIVE = 0.01
 JACOBIAN_STEP = 0.02  # log-space step of the finite differences (about 2%)
 PENALTY = 10.0  # relative residual charged for a run that does not fit (or an invalid profile) at some values
 # Added to the objective the optimiser sees: Powell's stopping rule is relative to the objective, which for an
-# exact fit (synthetic data) falls towards 0 without end; with this floor it stops once an iteration gains less
-# than ftol x floor (relative residuals of about 1e-4). Nelder-Mead's fatol is absolute and unaffected.
+# exact fit (synthetic data) falls towards 0 without end; with this floor it stops once an iteration gains
+# less than ftol x floor (relative residuals of about 1e-4). Nelder-Mead's fatol is absolute and unaffected.
 OBJECTIVE_FLOOR = 1e-4
 MAX_ROUNDS = 3  # re-choices of the "best" micro-batches
 
@@ -77,7 +81,7 @@ class FitError(TierflowError, ValueError):
         super().__init__(" ".join(str(message).split()))
 
 
-# ---- runs -------------------------------------------------------------------------------------------------------
+# ---- runs --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -96,8 +100,8 @@ class Run:
     measure: str = "hw_tflops"  # hw_tflops | model_tflops | iteration_s
     row: int = 0  # 1-based data row in its file (0: not from a file)
     source: str = ""  # the file it came from
-    # model fields the run changes, written in the overrides column as model.FIELD=VALUE (e.g. model.lm_head=false
-    # for a benchmark model without an LM head)
+    # model fields the run changes, written in the overrides column as model.FIELD=VALUE (e.g.
+    # model.lm_head=false for a benchmark model without an LM head)
     model_overrides: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -142,7 +146,8 @@ class FitField:
         except ValueError:
             raise FitError(f"--field {text!r}: bounds must be numbers ({fix})") from None
         if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo < hi):
-            raise FitError(f"--field {text!r}: bounds must satisfy 0 < LOW < HIGH (the fit works on logarithms)")
+            raise FitError(f"--field {text!r}: bounds must satisfy 0 < LOW < HIGH (the fit works on "
+                           "logarithms)")
         return cls(m.group(1), lo, hi)
 
     def describe(self) -> str:
@@ -180,7 +185,8 @@ def with_model_overrides(model: ModelSpec, overrides: tuple[tuple[str, str], ...
     values = {}
     for key, text in overrides:
         if key not in fields or key == "name":
-            raise FitError(f"model.{key}: not a model field (known: {', '.join(k for k in fields if k != 'name')})")
+            raise FitError(f"model.{key}: not a model field (known: "
+                           f"{', '.join(k for k in fields if k != 'name')})")
         current = getattr(model, key)
         if isinstance(current, bool):
             if text.lower() not in ("true", "false"):
@@ -210,7 +216,7 @@ def _num(x: float | None) -> str:
     return "null" if x is None else f"{x:.4g}"
 
 
-# ---- loading ----------------------------------------------------------------------------------------------------
+# ---- loading -----------------------------------------------------------------------------------------------
 
 
 class _RowError(Exception):
@@ -219,8 +225,9 @@ class _RowError(Exception):
 
 
 def load_runs(path: str | Path) -> list[Run]:
-    """Runs from a CSV (header: COLUMNS; lines starting with '#' are comments) or a YAML list of mappings with the
-    same keys. Any problem raises FitError: one line naming the file, the data row (1-based) and the column."""
+    """Runs from a CSV (header: COLUMNS; lines starting with '#' are comments) or a YAML list of mappings with
+    the same keys. Any problem raises FitError: one line naming the file, the data row (1-based) and the
+    column."""
     path = Path(path)
     src = str(path)
     try:
@@ -276,8 +283,9 @@ def _csv_records(text: str, src: str) -> tuple[list[dict[str, str]], list[int]]:
     for i, cells in enumerate(rows[1:], start=1):
         line = kept[i][0] if i < len(kept) else 0
         if len(cells) != len(header):
-            raise FitError(f"{src}: row {i} (line {line}), column {header[min(len(cells), len(header)) - 1]}: "
-                           f"{len(cells)} cells for {len(header)} columns (quote cells that contain commas, "
+            raise FitError(f"{src}: row {i} (line {line}), column "
+                           f"{header[min(len(cells), len(header)) - 1]}: {len(cells)} cells for "
+                           f"{len(header)} columns (quote cells that contain commas, "
                            f"such as JSON placements, with double quotes)")
         records.append({h: c.strip() for h, c in zip(header, cells)})
         lines.append(line)
@@ -300,7 +308,8 @@ def _yaml_records(text: str, src: str) -> tuple[list[dict[str, str]], list[int]]
         rec = {}
         for k, v in item.items():
             if isinstance(v, dict):
-                v = json.dumps(v) if _normalise(k) == "placement" else ";".join(f"{a}={b}" for a, b in v.items())
+                v = json.dumps(v) if _normalise(k) == "placement" else ";".join(f"{a}={b}"
+                                                                                for a, b in v.items())
             rec[_normalise(k)] = "" if v is None else str(v)
         _check_columns(list(rec), src, f"row {i}")
         records.append(rec)
@@ -312,7 +321,8 @@ def _positive_int(rec: dict[str, str], col: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise _RowError(col, f"expected a positive integer, got {text!r} (write a whole number such as 48)") from None
+        raise _RowError(col, f"expected a positive integer, got {text!r} (write a whole number such as "
+                        "48)") from None
     if value <= 0:
         raise _RowError(col, f"expected a positive integer, got {value} (write a whole number such as 48)")
     return value
@@ -337,7 +347,8 @@ def _make_run(rec: dict[str, str], row: int, src: str) -> Run:
     mb_text = rec["micro_batch"].lower()
     micro_batch: int | str = "best" if mb_text == "best" else _positive_int(rec, "micro_batch")
     if micro_batch != "best" and batch % micro_batch:
-        raise _RowError("micro_batch", f"{micro_batch} does not divide the batch {batch} (use a divisor, or best)")
+        raise _RowError("micro_batch", f"{micro_batch} does not divide the batch {batch} (use a divisor, or "
+                        "best)")
     seq = _positive_int(rec, "seq") if rec.get("seq") else None
     if seq:
         try:
@@ -351,7 +362,8 @@ def _make_run(rec: dict[str, str], row: int, src: str) -> Run:
         raise _RowError("placement", str(e)) from None
     try:
         overrides = run_overrides(rec.get("overrides", ""))
-        model_overrides = tuple((k.removeprefix("model."), v) for k, v in overrides.items() if k.startswith("model."))
+        model_overrides = tuple((k.removeprefix("model."), v) for k, v in overrides.items()
+                                if k.startswith("model."))
         overrides = {k: v for k, v in overrides.items() if not k.startswith("model.")}
         hw.with_overrides(overrides)
         if model_overrides:
@@ -361,19 +373,20 @@ def _make_run(rec: dict[str, str], row: int, src: str) -> Run:
     try:
         measured = float(rec["measured"])
     except ValueError:
-        raise _RowError("measured", f"expected a number, got {rec['measured']!r} (write e.g. 146.3)") from None
+        raise _RowError("measured", f"expected a number, got {rec['measured']!r} (write e.g. "
+                        "146.3)") from None
     if not (math.isfinite(measured) and measured > 0):
         raise _RowError("measured", f"must be a positive number, got {rec['measured']!r}")
     measure = rec["measure"].lower()
     if measure not in MEASURES:
-        raise _RowError("measure", f"unknown measure {rec['measure']!r} (use one of {', '.join(MEASURES)}: hardware "
-                        "TFLOPS count the recompute forward, model TFLOPS do not)")
-    return Run(model=rec["model"], hw=rec["hw"], schedule=schedule, batch=batch, micro_batch=micro_batch, seq=seq,
-               placement=placement, overrides=overrides, measured=measured, measure=measure, row=row, source=src,
-               model_overrides=model_overrides)
+        raise _RowError("measure", f"unknown measure {rec['measure']!r} (use one of {', '.join(MEASURES)}: "
+                        "hardware TFLOPS count the recompute forward, model TFLOPS do not)")
+    return Run(model=rec["model"], hw=rec["hw"], schedule=schedule, batch=batch, micro_batch=micro_batch,
+               seq=seq, placement=placement, overrides=overrides, measured=measured, measure=measure, row=row,
+               source=src, model_overrides=model_overrides)
 
 
-# ---- prediction -------------------------------------------------------------------------------------------------
+# ---- prediction --------------------------------------------------------------------------------------------
 
 
 def micro_batches(run: Run) -> list[int]:
@@ -408,8 +421,9 @@ class Prediction:
 
 
 def predict(run: Run, hw: HardwareProfile) -> Prediction:
-    """The simulated value of `run` on `hw` (the base profile: the run's overrides are applied here). For a "best"
-    micro-batch, the fastest power-of-two divisor of the batch that fits (CapacityError: does not fit)."""
+    """The simulated value of `run` on `hw` (the base profile: the run's overrides are applied here). For a
+    "best" micro-batch, the fastest power-of-two divisor of the batch that fits (CapacityError: does not
+    fit)."""
     hw_run = hw.with_overrides(run.overrides) if run.overrides else hw
     best: tuple[int, SimResult] | None = None
     errors = []
@@ -422,11 +436,12 @@ def predict(run: Run, hw: HardwareProfile) -> Prediction:
         if best is None or res.iteration_s < best[1].iteration_s:
             best = (mb, res)
     if best is None:
-        raise FitError(f"{run.where()}: {run.label()} does not fit on {hw_run.name} ({'; '.join(errors)[:300]})")
+        raise FitError(f"{run.where()}: {run.label()} does not fit on {hw_run.name} "
+                       f"({'; '.join(errors)[:300]})")
     return Prediction(measure_of(best[1], run.measure), best[0], best[1].iteration_s)
 
 
-# ---- the fit ----------------------------------------------------------------------------------------------------
+# ---- the fit -----------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -445,10 +460,10 @@ class RunFit:
     def to_dict(self) -> dict[str, Any]:
         r = self.run
         return {"row": r.row, "label": r.label(), "model": r.model, "hw": r.hw, "schedule": r.schedule,
-                "batch": r.batch, "micro_batch": r.micro_batch, "micro_batch_used": self.micro_batch, "seq": r.seq,
-                "placement": r.placement, "overrides": r.overrides, "measure": r.measure, "measured": r.measured,
-                "predicted": self.predicted, "residual": self.residual, "loo_predicted": self.loo_predicted,
-                "loo_residual": self.loo_residual}
+                "batch": r.batch, "micro_batch": r.micro_batch, "micro_batch_used": self.micro_batch,
+                "seq": r.seq, "placement": r.placement, "overrides": r.overrides, "measure": r.measure,
+                "measured": r.measured, "predicted": self.predicted, "residual": self.residual,
+                "loo_predicted": self.loo_predicted, "loo_residual": self.loo_residual}
 
 
 @dataclass
@@ -476,8 +491,8 @@ class FitResult:
         for k, side in self.at_bound.items():
             f = next(f for f in self.fields if f.key == k)
             bound = f.lower if side == "lower" else f.upper
-            out.append(f"{k}: at its {side} bound {_num(bound)} (the data would push it further; widen the bound "
-                       "only if that is physically possible)")
+            out.append(f"{k}: at its {side} bound {_num(bound)} (the data would push it further; widen the "
+                       "bound only if that is physically possible)")
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -496,7 +511,8 @@ Progress = Callable[[int, int, str], None]
 
 
 class _Problem:
-    """The runs, the base profile and the fields, with a cache of simulations keyed by (run, micro-batch, values)."""
+    """The runs, the base profile and the fields, with a cache of simulations keyed by (run, micro-batch,
+    values)."""
 
     def __init__(self, runs: list[Run], base_hw: HardwareProfile, fields: list[FitField]) -> None:
         self.runs, self.base, self.fields = runs, base_hw, fields
@@ -507,7 +523,8 @@ class _Problem:
         self.hw_cache: dict[tuple, HardwareProfile | None] = {}
         self.simulations = 0
         self.evaluations = 0
-        self.on_evaluation: Callable[[int, float], None] | None = None  # (evaluations, objective) for progress
+        # (evaluations, objective) for progress
+        self.on_evaluation: Callable[[int, float], None] | None = None
 
     @staticmethod
     def xkey(x: np.ndarray) -> tuple:
@@ -588,7 +605,8 @@ class _Problem:
 
     def optimise(self, subset: Sequence[int], starts: list[np.ndarray], mbs: dict[int, int], method: str,
                  max_evals: int, scale: float = 0.15) -> tuple[np.ndarray, dict[int, int]]:
-        """Minimise over `subset` from each start; re-choose "best" micro-batches at the optimum until stable."""
+        """Minimise over `subset` from each start; re-choose "best" micro-batches at the optimum until
+        stable."""
         bounds = list(zip(self.lo, self.hi))
         mbs = self.choose(subset, starts[0], mbs)
         x_best = starts[0]
@@ -653,8 +671,8 @@ def _check(runs: Sequence[Run], base_hw: HardwareProfile, fields: Sequence[FitFi
                            f"(fit one box at a time: split the file)")
         clash = sorted(set(r.overrides) & seen)
         if clash:
-            raise FitError(f"{r.where()}, column overrides: {clash[0]} is also a fitted field (drop it from the "
-                           "overrides or from the --field list)")
+            raise FitError(f"{r.where()}, column overrides: {clash[0]} is also a fitted field (drop it from "
+                           "the overrides or from the --field list)")
 
 
 def fit(runs: Sequence[Run], base_hw: HardwareProfile, fields: Sequence[FitField], *, loo: bool = True,
@@ -752,8 +770,9 @@ def _identify(p: _Problem, x: np.ndarray, mbs: dict[int, int]
                 v = p.value(i, mbs[i], xb)
                 change = max(change, PENALTY if v is None else abs(v / base[i] - 1))
         if change <= UNIDENTIFIED_CHANGE:
-            unidentified[key] = (f"no run is sensitive to it: moving it to either bound changes no prediction by more "
-                                 f"than {UNIDENTIFIED_CHANGE:.0%} (largest change {change:.2%})")
+            unidentified[key] = ("no run is sensitive to it: moving it to either bound changes no "
+                                 f"prediction by more than {UNIDENTIFIED_CHANGE:.0%} (largest change "
+                                 f"{change:.2%})")
         if x[j] - p.lo[j] < 1e-3:
             at_bound[key] = "lower"
         elif p.hi[j] - x[j] < 1e-3:
@@ -772,21 +791,21 @@ def _identify(p: _Problem, x: np.ndarray, mbs: dict[int, int]
     norms = np.linalg.norm(J, axis=0)
     for j, key in enumerate(p.keys):
         if key not in unidentified and np.max(np.abs(J[:, j])) < INSENSITIVE:
-            unidentified[key] = (f"no prediction changes near the fitted value (largest |d log prediction / d log "
-                                 f"field| {np.max(np.abs(J[:, j])):.4f}): the data bound it from one side only, any "
-                                 "value beyond the point where it stops binding fits as well")
+            unidentified[key] = ("no prediction changes near the fitted value (largest |d log prediction / "
+                                 f"d log field| {np.max(np.abs(J[:, j])):.4f}): the data bound it from one "
+                                 "side only, any value beyond the point where it stops binding fits as well")
     for j, key in enumerate(p.keys):
         for k, other in enumerate(p.keys):
             if k == j or norms[j] < INSENSITIVE or norms[k] < INSENSITIVE:
                 continue
             cos = float(J[:, j] @ J[:, k] / (norms[j] * norms[k]))
             if abs(cos) > COLLINEAR_COS and key not in unidentified:
-                unidentified[key] = (f"collinear with {other} (|cos| = {abs(cos):.3f} between their sensitivities): "
-                                     "the data determine only a combination of the two")
+                unidentified[key] = (f"collinear with {other} (|cos| = {abs(cos):.3f} between their "
+                                     "sensitivities): the data determine only a combination of the two")
     return unidentified, at_bound, sens
 
 
-# ---- writing the fitted profile ---------------------------------------------------------------------------------
+# ---- writing the fitted profile ----------------------------------------------------------------------------
 
 
 def _yaml_number(v: float) -> str:
@@ -799,7 +818,8 @@ def _yaml_number(v: float) -> str:
 
 def _base_text(hw: HardwareProfile) -> str | None:
     src = hw.source
-    stem = src[len("hwprofiles/"):-len(".yaml")] if src.startswith("hwprofiles/") and src.endswith(".yaml") else None
+    stem = (src[len("hwprofiles/"):-len(".yaml")] if src.startswith("hwprofiles/") and src.endswith(".yaml")
+            else None)
     if stem and stem in list_profiles():
         return resources.files("tierflow.hwprofiles").joinpath(f"{stem}.yaml").read_text(encoding="utf-8")
     path = Path(src)
@@ -812,7 +832,8 @@ def _base_text(hw: HardwareProfile) -> str | None:
 
 
 def _generated_text(hw: HardwareProfile) -> str:
-    return yaml.safe_dump(hw.to_dict(), sort_keys=False, default_flow_style=False, allow_unicode=True, width=10**6)
+    return yaml.safe_dump(hw.to_dict(), sort_keys=False, default_flow_style=False, allow_unicode=True,
+                          width=10**6)
 
 
 _TOP = re.compile(r"^([A-Za-z_]\w*):(.*)$")
@@ -820,8 +841,8 @@ _KEY = re.compile(r"^(\s+)([A-Za-z_]\w*):(.*)$")
 
 
 def _edit(text: str, name: str, changes: dict[str, tuple[str, str]]) -> str | None:
-    """Replace the lines of the dotted keys in `changes` ({key: (value text, comment)}) and the name line; None
-    when the layout is not the simple one the bundled files use."""
+    """Replace the lines of the dotted keys in `changes` ({key: (value text, comment)}) and the name line;
+    None when the layout is not the simple one the bundled files use."""
     lines = text.splitlines()
     section, ends, done, named = None, {}, set(), False
     for i, line in enumerate(lines):
