@@ -178,8 +178,10 @@ def test_closed_loop_quick(tmp_path):
     assert (tmp_path / "closed_loop.png").stat().st_size > 1000
     for b in read_csv(tmp_path / "closed_loop_blocks.csv"):  # the block alone, against the cost model
         assert float(b["fwd_bwd_measured_s"]) > float(b["fwd_measured_s"]) > 0
+        # the times are rounded to 5 decimals in the CSV: a 5x miss of a millisecond block moves the ratio
+        # of the rounded times by a few 1e-3
         assert float(b["fwd_error"]) == pytest.approx(float(b["fwd_measured_s"])
-                                                      / float(b["fwd_predicted_s"]) - 1, abs=2e-3)
+                                                      / float(b["fwd_predicted_s"]) - 1, rel=5e-3, abs=2e-3)
     # another process on a core slows the device's compute 4-10x (docs/executor.md, closed loop)
     if others > 0.1:
         pytest.skip(f"other processes used {others:.0%} of the machine's CPU time during the loop: the 25% "
