@@ -130,7 +130,7 @@ def test_cli_prints_progress_lines_into_a_pipe():
     assert "capacity [" not in p.stdout
 
 
-# ---- --quiet / --verbose (tierflow.planner.io.logs): one level on the `tierflow` logger ----------------------
+# ---- --quiet / --verbose (tierflow.planner.io.logs): one level on the `tierflow` logger --------------------
 
 CAPACITY = ["capacity", "--hw", "rtx3090-desktop"]
 SIMULATE = ["simulate", "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--batch", "8", "--micro-batch", "2"]
