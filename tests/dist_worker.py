@@ -1,13 +1,13 @@
-"""One rank of the data-parallel executor tests (tests/test_dist_executor.py, experiments/dist_executor.py): started
-by torchrun, it trains the cases of a JSON file one after the other in one process group and rank 0 saves each
-case's losses, final fp32 master weights and Adam m (gathered from the shards) to OUT/<name>.pt, or the error it
-raised.
+"""One rank of the data-parallel executor tests (tests/test_dist_executor.py, experiments/dist_executor.py):
+started by torchrun, it trains the cases of a JSON file one after the other in one process group and rank 0
+saves each case's losses, final fp32 master weights and Adam m (gathered from the shards) to OUT/<name>.pt, or
+the error it raised.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py cases.json OUT
 
 A case: {"name", "family", "placement", "steps", "model"?, "batch"?, "alpha"?, "device"?, "ssd_dir",
-"checkpoint_dir"?, "checkpoint_every"?, "resume_fallback"?, "remove_shard"?: the rank whose shard of the latest
-checkpoint rank 0 deletes first, "compute_dtype"?: "bf16" | "fp32"}.
+"checkpoint_dir"?, "checkpoint_every"?, "resume_fallback"?, "remove_shard"?: the rank whose shard of the
+latest checkpoint rank 0 deletes first, "compute_dtype"?: "bf16" | "fp32"}.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ PLACEMENTS = {
     "states_ssd": Placement(master=ALL, adam_m=ALL, adam_v=ALL),
     "ckpt_ssd": Placement(checkpoints=ALL),
     "mix": Placement(weights=Split(0.3, 0.4, 0.3), master=Split(0.0, 0.5, 0.5), adam_m=Split(0.0, 0.3, 0.7),
-                     adam_v=Split(0.0, 1.0, 0.0), grads=Split(0.0, 0.5, 0.5), checkpoints=Split(0.2, 0.3, 0.5)),
+                     adam_v=Split(0.0, 1.0, 0.0), grads=Split(0.0, 0.5, 0.5),
+                     checkpoints=Split(0.2, 0.3, 0.5)),
 }
 
 
@@ -51,13 +52,13 @@ def box(gpus: int, nodes: int = 1):
     return load_profile("rtx3090-desktop").with_overrides(over)
 
 
-def make_plan(model_name: str, family: str, placement: str, gpus: int = 1, nodes: int = 1, alpha: float = 0.25,
-              iterations: int = 2, batch: int = BATCH):
+def make_plan(model_name: str, family: str, placement: str, gpus: int = 1, nodes: int = 1,
+              alpha: float = 0.25, iterations: int = 2, batch: int = BATCH):
     model = get_model(model_name)
     hw = box(gpus, nodes)
-    cfg = make_schedule(family, model, hw, batch=batch, micro_batch=MICRO, seq=SEQ, placement=PLACEMENTS[placement],
-                        alpha=alpha, iterations=iterations, swap_layers=2 if placement == "mix" else 0, gpus=gpus,
-                        nodes=nodes)
+    cfg = make_schedule(family, model, hw, batch=batch, micro_batch=MICRO, seq=SEQ,
+                        placement=PLACEMENTS[placement], alpha=alpha, iterations=iterations,
+                        swap_layers=2 if placement == "mix" else 0, gpus=gpus, nodes=nodes)
     return plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg))
 
 
@@ -69,8 +70,8 @@ def run_case(case: dict, out: Path, ranks: int, rank: int) -> None:
         latest, _steps, _problem = candidates(ck)
         shutil.rmtree(latest / f"rank-{case['remove_shard']}")
     Path(case["ssd_dir"]).mkdir(parents=True, exist_ok=True)
-    opts = RunOptions(steps=case["steps"], ssd_dir=case["ssd_dir"], quiet=True, collect_final=True, hyper=HYPER,
-                      checkpoint_dir=ck, checkpoint_every=case.get("checkpoint_every", 0),
+    opts = RunOptions(steps=case["steps"], ssd_dir=case["ssd_dir"], quiet=True, collect_final=True,
+                      hyper=HYPER, checkpoint_dir=ck, checkpoint_every=case.get("checkpoint_every", 0),
                       resume_fallback=case.get("resume_fallback", False), device=case.get("device", "cpu"),
                       compute_dtype=case.get("compute_dtype"))
     try:
@@ -80,7 +81,8 @@ def run_case(case: dict, out: Path, ranks: int, rank: int) -> None:
             torch.save({"error": str(e), "type": type(e).__name__}, out / f"{case['name']}.pt")
         return
     if rank == 0:
-        torch.save({"losses": res.losses, "adam_m": res.final_adam_m, "first_step": res.first_step, "final": res.final_master,
+        torch.save({"losses": res.losses, "adam_m": res.final_adam_m, "first_step": res.first_step,
+                    "final": res.final_master,
                     "checkpoint": str(res.checkpoint) if res.checkpoint else None,
                     "ssd_bytes": res.ssd_bytes_read + res.ssd_bytes_written,
                     "kinds": sorted({t.kind for t in plan.graph.tasks})}, out / f"{case['name']}.pt")

@@ -1,6 +1,6 @@
-"""The pinned transfer area (executor/tiers/arena.py): its size is the plan's peak of transfer buffers, derived from
-the plan's memory effects and op bytes; its allocator hands out page-aligned views, coalesces what comes back,
-and makes a new owner wait for the stream uses of the previous one."""
+"""The pinned transfer area (executor/tiers/arena.py): its size is the plan's peak of transfer buffers,
+derived from the plan's memory effects and op bytes; its allocator hands out page-aligned views, coalesces
+what comes back, and makes a new owner wait for the stream uses of the previous one."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ TRANSFER_KINDS |= {"read_weights", "fetch_weights"}
 
 def effects_peak(plan) -> float:
     """Independently of planned_buffers: the plan's cpu-tier memory effects of the ops that stage transfers,
-    plus the bytes of update_weights (its wire lives from the adam step it depends on), replayed in (key, id)."""
+    plus the bytes of update_weights (its wire lives from the adam step it depends on), replayed in
+    (key, id)."""
     tasks = plan.graph.tasks
     wire_from = {t.deps[0]: t.work for t in tasks if t.kind == "update_weights"}
     live = peak = 0.0
@@ -76,7 +77,8 @@ def test_the_area_is_the_peak_of_the_plans_transfer_buffers(model, family, place
     assert exact <= paged <= exact + ALIGN * len(planned_buffers(tasks, binding, state, 2, False))
     assert plan_peak_bytes(tasks, planned_buffers(tasks, binding, state, 4, False)) >= 2 * exact
     assert paged % ALIGN == 0 and arena_bytes_for(plan, binding, state, False) == paged
-    ex = Executor(plan, state, TokenData.load(None, plan.model.vocab_size, seed=0), PlainCpuBackend(), Hyper(), ssd)
+    ex = Executor(plan, state, TokenData.load(None, plan.model.vocab_size, seed=0), PlainCpuBackend(),
+                  Hyper(), ssd)
     assert ex.arena.size_bytes == paged and ex.backend.arena is ex.arena
     ssd.close()
 
@@ -86,7 +88,8 @@ def test_gradient_wires_are_counted_only_where_copies_are_asynchronous(tmp_path)
     state, ssd = _state(plan, PlainCpuBackend(), tmp_path)
     binding = Binding(plan, state.layout)
     wires = [b for b in planned_buffers(plan.graph.tasks, binding, state, 2, True) if "wire" in b.what]
-    assert wires and not [b for b in planned_buffers(plan.graph.tasks, binding, state, 2, False) if "wire" in b.what]
+    assert wires and not [b for b in planned_buffers(plan.graph.tasks, binding, state, 2, False)
+                          if "wire" in b.what]
     offloads = {t.id: t.work for t in plan.graph.tasks if t.kind == "offload_grads"}
     assert {b.take_op for b in wires} == set(offloads)
     ssd.close()
@@ -103,7 +106,8 @@ def test_views_are_page_aligned_and_what_comes_back_coalesces():
     c = arena.take_bytes(4 * ALIGN)  # only possible once both ranges merged back into one
     assert c.numel() == 4 * ALIGN and arena.stats.overflows == 0
     d = arena.take_bytes(1)  # the area is full: served outside it, counted
-    assert arena.stats.overflows == 1 and arena.stats.overflow_bytes == ALIGN and not arena.contains(d.data_ptr())
+    assert arena.stats.overflows == 1 and arena.stats.overflow_bytes == ALIGN \
+        and not arena.contains(d.data_ptr())
 
 
 def test_a_range_is_handed_out_again_only_after_the_streams_that_used_it():

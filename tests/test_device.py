@@ -1,4 +1,4 @@
-"""The CUDA logic on a CPU (issue 20): the adversarial emulation of a CUDA device (executor/device/emulated.py)
+"""The CUDA logic on a CPU: the adversarial emulation of a CUDA device (executor/device/emulated.py)
 turns each kind of missing synchronization into a failure, and the executor's CUDA paths run on it: every
 record_stream and stream wait the executor makes is needed (removing one fails the run), errors are passed up
 with the op named, out-of-memory errors of every tier exit 3, and no op on a stream synchronizes the host."""
@@ -44,7 +44,7 @@ def _gate() -> threading.Event:
     return threading.Event()
 
 
-# -- the adversary itself ----------------------------------------------------------------------------------------
+# -- the adversary itself ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("wait", [True, False])
@@ -163,7 +163,8 @@ def test_devices_and_threads():
 
 
 def test_waiting_on_an_event_never_recorded_does_not_wait(be):
-    """As cudaStreamWaitEvent: an event not yet recorded is no dependency (why the engine waits for `done`)."""
+    """As cudaStreamWaitEvent: an event not yet recorded is no dependency (why the engine waits for
+    `done`)."""
     from tierflow.executor.device.emulated import EmuEvent
 
     gpu = be.new_stream("gpu")
@@ -175,7 +176,7 @@ def test_waiting_on_an_event_never_recorded_does_not_wait(be):
     assert ran == [1]
 
 
-# -- the executor on the adversary: every wait and record_stream it makes is needed --------------------------------
+# -- the executor on the adversary: every wait and record_stream it makes is needed --------------------------
 
 
 def _adv_fails(plan, tmp_path, **kw) -> str | None:
@@ -190,7 +191,8 @@ def _adv_fails(plan, tmp_path, **kw) -> str | None:
     return None if worst <= 1e-5 else f"differs from plain PyTorch by {worst:.1e}"
 
 
-USE_SITES = [("offload", "d2h"), ("fetch", "h2d"), ("take", "gpu"), ("weights", "gpu"), ("offload_grads", "d2h")]
+USE_SITES = [("offload", "d2h"), ("fetch", "h2d"), ("take", "gpu"), ("weights", "gpu"),
+             ("offload_grads", "d2h")]
 
 
 @pytest.mark.parametrize(("site", "resource"), USE_SITES)
@@ -219,7 +221,7 @@ def test_the_adversarial_run_is_the_plain_one(tmp_path):
     assert _adv_fails(make_plan("tiny-llama", "vertical", "mix", 0.25), tmp_path) is None
 
 
-# -- defect 4: another device index; errors of workers and the reporter name the op ------------------------------
+# -- defect 4: another device index; errors of workers and the reporter name the op --------------------------
 
 
 def test_a_run_on_device_index_1(tmp_path):
@@ -231,7 +233,8 @@ def test_a_run_on_device_index_1(tmp_path):
 
 def test_a_start_event_on_the_wrong_device_is_reported_with_the_op(tmp_path, monkeypatch):
     """The old start event (recorded on the current device, 0, not on the run's) cannot be timed against the
-    ops' events of device 1: the reporter's error reaches the caller naming the op, not an assert in run.py."""
+    ops' events of device 1: the reporter's error reaches the caller naming the op, not an assert in
+    run.py."""
     real = Executor._new_round
 
     def new_round(self, *a):
@@ -253,7 +256,7 @@ def test_workers_set_their_device(tmp_path, monkeypatch):
         run(make_plan("tiny-gpt", "vertical", "weights_cpu"), tmp_path, device=f"{ADV}:1", steps=1)
 
 
-# -- defect 5: out of memory on every tier exits 3 naming it; CUDA errors say they are asynchronous -------------------
+# -- defect 5: out of memory on every tier exits 3 naming it; CUDA errors say they are asynchronous ----------
 
 
 def _plan_file(tmp_path, placement="weights_cpu"):
@@ -288,7 +291,8 @@ def test_pinned_out_of_memory_exits_3_naming_the_tier(tmp_path, monkeypatch, cap
     monkeypatch.setattr(TrainState, "init_random", init)
     monkeypatch.setattr(AdversarialCpuBackend, "pinned_limit_bytes", None)
     sized = []
-    monkeypatch.setattr(engine_mod, "arena_bytes_for", lambda *a: sized.append(arena_bytes_for(*a)) or sized[-1])
+    monkeypatch.setattr(engine_mod, "arena_bytes_for",
+                        lambda *a: sized.append(arena_bytes_for(*a)) or sized[-1])
     assert main(base) == 3
     err = capsys.readouterr().err.strip()
     need = sized[0]
@@ -318,7 +322,7 @@ def test_cuda_errors(tmp_path, monkeypatch, capsys, message, code, want):
         assert "CUDA_LAUNCH_BLOCKING=1" in err
 
 
-# -- defect 6: no op on a stream synchronizes the host --------------------------------------------------------------
+# -- defect 6: no op on a stream synchronizes the host -------------------------------------------------------
 
 
 def test_a_synchronizing_d2h_op_is_refused(tmp_path, monkeypatch):
@@ -402,7 +406,7 @@ def test_round_aborted_is_quiet(be):
     be.close_streams([s])
 
 
-# -- defect 3: device memory measured per round, in the trace and in compare; the plan's capacity enforced --------
+# -- defect 3: device memory measured per round, in the trace and in compare; the plan's capacity enforced ---
 
 
 def test_measured_device_memory_reaches_the_trace_and_compare(tmp_path):
@@ -444,7 +448,7 @@ def test_expandable_segments(monkeypatch):
     assert not enable_expandable_segments() and len(calls) == 1
 
 
-# -- defect 1: only what crosses PCIe is pinned, at its size --------------------------------------------------------
+# -- defect 1: only what crosses PCIe is pinned, at its size -------------------------------------------------
 
 
 def test_only_what_crosses_pcie_is_pinned():
@@ -456,7 +460,8 @@ def test_only_what_crosses_pcie_is_pinned():
     p = PLACEMENTS["mix"]  # weights, master, Adam moments and gradients all partly in host memory
     st = TrainState(get_model("tiny-gpt"), p, 0.25, b, torch.float32, None)
     st.ssd = None
-    for cls in ("master", "adam_m", "adam_v", "weights"):  # no SSD store here: keep every host range in memory
+    # no SSD store here: keep every host range in memory
+    for cls in ("master", "adam_m", "adam_v", "weights"):
         for v in st.vec[cls]:
             v.c, v.s = v.c + v.s, 0
     st.init_random(0)
@@ -496,12 +501,13 @@ def test_a_pinned_read_asks_for_its_size_only(tmp_path):
     store.close()
 
 
-# -- defect 8: bf16 support is checked before training --------------------------------------------------------------
+# -- defect 8: bf16 support is checked before training -------------------------------------------------------
 
 
 def test_a_device_without_bf16_is_refused_before_training(tmp_path, monkeypatch, capsys):
     def no_bf16(self, dtype):
-        raise ValueError(f"--device {self.name}: emulated GPU without bf16 support; use an Ampere or newer GPU")
+        raise ValueError(f"--device {self.name}: emulated GPU without bf16 support; "
+                         "use an Ampere or newer GPU")
 
     monkeypatch.setattr(AdversarialCpuBackend, "check_compute_dtype", no_bf16)
     started = []
@@ -511,7 +517,7 @@ def test_a_device_without_bf16_is_refused_before_training(tmp_path, monkeypatch,
     assert "without bf16 support" in err and "\n" not in err and not started
 
 
-# -- defect 2: a kept layer does not hold its output until its backward ---------------------------------------------
+# -- defect 2: a kept layer does not hold its output until its backward --------------------------------------
 
 
 @pytest.mark.parametrize("model_name", ["tiny-gpt", "tiny-llama"])
@@ -534,7 +540,8 @@ def test_a_pack_releases_the_layer_output_and_backward_still_matches(model_name)
         pack.out = layer(pack.input(x.clone()))
     next_input = pack.out.detach()
     pack.release_output()
-    assert pack.out.numel() == 0 and next_input.numel() == x.numel()  # the next layer's input keeps the values
+    # the next layer's input keeps the values
+    assert pack.out.numel() == 0 and next_input.numel() == x.numel()
     pack.backward(g)
     got = [pack.x_grad[0], *(p.grad for p in layer.parameters())]
     assert all(torch.equal(a, b) for a, b in zip(got, want))

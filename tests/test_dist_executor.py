@@ -1,8 +1,8 @@
-"""The executor on torch.distributed (issue 19): 2 ranks with gloo on the CPU reproduce the losses and final fp32
-weights of 1 rank training the whole batch (relative error <= 1e-5) for tiny-gpt on every family (optimizer states
-on SSD in one case, the GPU optimizer in another; two also on the adversarial CUDA emulation); sharded checkpoints
-resume; a missing shard and a wrong world size are one line and exit 2; a run of 2 "boxes" meets through
-torchrun's c10d rendezvous on 127.0.0.1.
+"""The executor on torch.distributed: 2 ranks with gloo on the CPU reproduce the losses and final fp32 weights
+of 1 rank training the whole batch (relative error <= 1e-5) for tiny-gpt on every family (optimizer states on
+SSD in one case, the GPU optimizer in another; two also on the adversarial CUDA emulation); sharded
+checkpoints resume; a missing shard and a wrong world size are one line and exit 2; a run of 2 "boxes" meets
+through torchrun's c10d rendezvous on 127.0.0.1.
 
 The 2-rank cases run in ONE torchrun launch (tests/dist_worker.py, a process group reused case after case), so
 the whole file costs three launches."""
@@ -33,8 +33,9 @@ CASES = {  # name: (family, placement, steps, device)
     "horizontal-weights_cpu": ("horizontal", "weights_cpu", 3, "cpu"),
     "block-device": ("block", "device", 3, "cpu"),  # GPU optimizer: adam_gpu on the reduce-scattered shard
     "fuyou-mix": ("fuyou", "mix", 3, "cpu"),  # every tier, swapped layers, gradients on SSD
-    # the CUDA logic (the net stream, its events and record_stream) on the adversarial emulation of a CUDA device
-    # (executor/device/emulated.py), which turns a missing wait or record_stream into an error or a wrong number
+    # the CUDA logic (the net stream, its events and record_stream) on the adversarial emulation of a CUDA
+    # device (executor/device/emulated.py), which turns a missing wait or record_stream into an error or a
+    # wrong number
     "block-device-emulated": ("block", "device", 3, "cpu-adversarial"),
     "fuyou-mix-emulated": ("fuyou", "mix", 3, "cpu-adversarial"),
 }
@@ -51,8 +52,8 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], capture_output=True, text=True,
-                          timeout=timeout, env=_env())
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], capture_output=True,
+                          text=True, timeout=timeout, env=_env())
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +72,10 @@ def two_ranks(tmp_path_factory):
     cases += [
         {**ck_case, "name": "ck-first", "steps": 2},  # writes step 2
         {**ck_case, "name": "ck-resumed", "steps": 4},  # resumes at 2, writes step 4
-        {**ck_case, "name": "ck-shard-missing", "steps": 6, "remove_shard": 1},  # step 4 lacks rank 1's shard
-        {**ck_case, "name": "ck-fallback", "steps": 4, "resume_fallback": True},  # back to step 2, step 4 again
+        # step 4 lacks rank 1's shard
+        {**ck_case, "name": "ck-shard-missing", "steps": 6, "remove_shard": 1},
+        # back to step 2, step 4 again
+        {**ck_case, "name": "ck-fallback", "steps": 4, "resume_fallback": True},
     ]
     spec = tmp / "cases.json"
     spec.write_text(json.dumps(cases))
@@ -85,7 +88,8 @@ def one_rank(family: str, placement: str, steps: int, tmp_path: Path):
     ssd = tmp_path / "ssd1"
     ssd.mkdir(exist_ok=True)
     plan = make_plan("tiny-gpt", family, placement, gpus=1)
-    return run_plan(plan, RunOptions(steps=steps, ssd_dir=str(ssd), quiet=True, collect_final=True, hyper=HYPER))
+    return run_plan(plan, RunOptions(steps=steps, ssd_dir=str(ssd), quiet=True, collect_final=True,
+                                     hyper=HYPER))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -204,8 +208,8 @@ def _free_port() -> int:
 
 
 def test_two_boxes_on_the_loopback_address(tmp_path):
-    """Two launchers (`tierflow run --nproc 1 --nnodes 2`, i.e. torchrun with the c10d rendezvous) on 127.0.0.1,
-    one rank each, train the plan for 1 GPU x 2 boxes as 1 rank trains the whole batch."""
+    """Two launchers (`tierflow run --nproc 1 --nnodes 2`, i.e. torchrun with the c10d rendezvous) on
+    127.0.0.1, one rank each, train the plan for 1 GPU x 2 boxes as 1 rank trains the whole batch."""
     plan = tmp_path / "plan.json"
     write_plan(make_plan("tiny-gpt", "vertical", "weights_cpu", gpus=1, nodes=2), plan)
     endpoint = f"127.0.0.1:{_free_port()}"

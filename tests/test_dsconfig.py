@@ -1,5 +1,6 @@
-"""The DeepSpeed bridge: `tierflow simulate --ds-config` reads DeepSpeed configs as DeepSpeed documents them and
-simulates the run as DeepSpeed executes it; `tierflow plan --emit-ds-config` writes the nearest config back."""
+"""The DeepSpeed bridge: `tierflow simulate --ds-config` reads DeepSpeed configs as DeepSpeed documents them
+and simulates the run as DeepSpeed executes it; `tierflow plan --emit-ds-config` writes the nearest config
+back."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ ZERO_INFINITY = {
         "stage3_param_persistence_threshold": 1e5,
         "reduce_bucket_size": 1e7,
         "sub_group_size": 1e9,
-        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 4,
-                              "fast_init": False},
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True,
+                              "buffer_count": 4, "fast_init": False},
         "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 5,
                           "buffer_size": 1e8, "max_in_cpu": 1e9},
     },
@@ -42,17 +43,20 @@ CPU_OFFLOAD = {
     "train_micro_batch_size_per_gpu": 4,
     "gradient_accumulation_steps": 2,
     "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
-    "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.9, 0.999], "eps": 1e-8,
+                                              "weight_decay": 0.0}},
     "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
                           "offload_param": {"device": "cpu", "pin_memory": True}},
     "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True},
     "steps_per_print": 100,
 }
-# Hugging Face Trainer's ZeRO-3 template (transformers docs, "ZeRO-3 example"): "auto" everywhere the Trainer fills
+# Hugging Face Trainer's ZeRO-3 template (transformers docs, "ZeRO-3 example"): "auto" everywhere
+# the Trainer fills
 HF_TRAINER = {
     "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
              "hysteresis": 2, "min_loss_scale": 1},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                  "warmup_num_steps": "auto"}},
     "zero_optimization": {
@@ -91,7 +95,7 @@ def devices(pl) -> dict[str, str]:
     return {k: next(t for t, f in v.items() if f == 1.0) for k, v in d.items()}
 
 
-# ---- mapping -------------------------------------------------------------------------------------------------
+# ---- mapping -----------------------------------------------------------------------------------------------
 
 
 def test_zero_infinity_nvme_config_puts_weights_and_states_on_the_ssds():
@@ -151,7 +155,7 @@ def test_hf_trainer_auto_values_resolve_from_the_model_and_the_command_line():
     assert (ds1.batch, ds1.micro_batch, ds1.accumulation) == (6, 2, 3) and not ds1.from_command_line
 
 
-# ---- the command ---------------------------------------------------------------------------------------------
+# ---- the command -------------------------------------------------------------------------------------------
 
 
 def test_ds_config_simulation_equals_simulate_with_the_same_explicit_options(tmp_path, capsys):
@@ -180,7 +184,8 @@ def test_unmodelled_and_unknown_keys_are_named_in_one_warning_line(tmp_path, cap
     data["zero_optimization"]["aio"] = data.pop("aio")  # a common mistake: aio belongs at the top level
     data["fancy_new_feature"] = {"enabled": True}
     path = write(tmp_path, data, "zinf.json")
-    assert main(["simulate", "--ds-config", path, "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--no-plan"]) == 0
+    assert main(["simulate", "--ds-config", path, "--model", "tiny-gpt", "--hw", "rtx3090-desktop",
+                 "--no-plan"]) == 0
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
@@ -197,7 +202,8 @@ def test_side_by_side_with_tierflow_plan(tmp_path, capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["plan"]["iteration_s"] > 0 and d["deepspeed"]["iteration_s"] > 0
     assert d["plan"]["decisions"]["batch"] == 8  # the plan is for the config's batch
-    # the plan's search includes the fixed schedules with defaults, and here it beats DeepSpeed's on-demand NVMe
+    # the plan's search includes the fixed schedules with defaults, and here it beats DeepSpeed's
+    # on-demand NVMe
     assert d["plan"]["iteration_s"] < d["deepspeed"]["iteration_s"]
     assert main(["simulate", "--ds-config", path, "--model", "tiny-gpt", "--hw", "rtx3090-desktop",
                  "--plan-time-limit", "5"]) == 0
@@ -226,7 +232,8 @@ BAD = [
 @pytest.mark.parametrize("data,words", BAD)
 def test_bad_configs_are_refused_with_one_line_and_exit_2(tmp_path, capsys, data, words):
     path = write(tmp_path, data)
-    rc = main(["simulate", "--ds-config", path, "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--no-plan"])
+    rc = main(["simulate", "--ds-config", path, "--model", "tiny-gpt", "--hw", "rtx3090-desktop",
+               "--no-plan"])
     out, err = capsys.readouterr()
     assert rc == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -234,11 +241,13 @@ def test_bad_configs_are_refused_with_one_line_and_exit_2(tmp_path, capsys, data
 
 
 def test_missing_file_and_clashing_flags_are_one_line(tmp_path, capsys):
-    assert main(["simulate", "--ds-config", str(tmp_path / "nope.json"), "--model", "tiny-gpt", "--no-plan"]) == 2
+    assert main(["simulate", "--ds-config", str(tmp_path / "nope.json"), "--model", "tiny-gpt",
+                 "--no-plan"]) == 2
     err = capsys.readouterr().err
     assert "nope.json: cannot read" in err and len(err.strip().splitlines()) == 1
     path = write(tmp_path, ZERO_INFINITY)
-    assert main(["simulate", "--ds-config", path, "--model", "tiny-gpt", "--placement", "gpu", "--no-plan"]) == 2
+    assert main(["simulate", "--ds-config", path, "--model", "tiny-gpt", "--placement", "gpu",
+                 "--no-plan"]) == 2
     assert "drop --placement" in capsys.readouterr().err
 
 
@@ -246,12 +255,13 @@ def test_a_config_that_does_not_fit_exits_3(tmp_path, capsys):
     # everything on the GPU (stage 2, no offload): GPT-3 1.3B's 21 GB of states overflow a 6 GB RTX 2060
     path = write(tmp_path, {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1,
                             "zero_optimization": {"stage": 2}})
-    rc = main(["simulate", "--ds-config", path, "--model", "gpt3-1.3b", "--hw", "rtx2060-laptop", "--no-plan"])
+    rc = main(["simulate", "--ds-config", path, "--model", "gpt3-1.3b", "--hw", "rtx2060-laptop",
+               "--no-plan"])
     err = capsys.readouterr().err
     assert rc == 3 and "does not fit" in err and "gpu" in err
 
 
-# ---- writing the nearest config ------------------------------------------------------------------------------
+# ---- writing the nearest config ----------------------------------------------------------------------------
 
 
 def test_emitted_config_names_what_deepspeed_cannot_express():
@@ -268,7 +278,8 @@ def test_emitted_config_names_what_deepspeed_cannot_express():
 
 
 def test_round_trip_plan_emit_then_read_back(tmp_path, capsys):
-    """--emit-ds-config written by `tierflow plan`, read back by --ds-config: the same devices and batch split."""
+    """--emit-ds-config written by `tierflow plan`, read back by --ds-config: the same devices and batch
+    split."""
     small_box = ["--hw", "rtx3090-desktop", "--set", "gpu.memory_gib=0.02", "--set", "gpu.reserved_gib=0",
                  "--set", "cpu.memory_gib=0.02", "--set", "cpu.reserved_gib=0"]
     ds_path = str(tmp_path / "ds.json")
@@ -277,7 +288,8 @@ def test_round_trip_plan_emit_then_read_back(tmp_path, capsys):
     assert rc == 0
     out, err = capsys.readouterr()
     plan = json.loads(out)
-    assert f"wrote DeepSpeed config {ds_path}" in err and "DeepSpeed cannot express these decisions of the plan:\n  - " in err
+    assert (f"wrote DeepSpeed config {ds_path}" in err
+            and "DeepSpeed cannot express these decisions of the plan:\n  - " in err)
     decided = plan["decisions"]
     emitted = json.loads((tmp_path / "ds.json").read_text())
     zero = emitted["zero_optimization"]
@@ -290,14 +302,15 @@ def test_round_trip_plan_emit_then_read_back(tmp_path, capsys):
     assert zero.get("offload_optimizer", {}).get("device", "none") == device(pl["master"])
     assert device(pl["master"]) != "none"  # the small box forces the optimizer states off the GPU
     # read back (on the full box, where DeepSpeed's own GPU buffers fit)
-    assert main(["simulate", "--ds-config", ds_path, "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--no-plan",
-                 "--json"]) == 0
+    assert main(["simulate", "--ds-config", ds_path, "--model", "tiny-gpt", "--hw", "rtx3090-desktop",
+                 "--no-plan", "--json"]) == 0
     back = json.loads(capsys.readouterr().out)
     assert back["warning"] is None  # every key the bridge writes is one it models
     read = back["ds_config"]
     assert (read["offload_param"], read["offload_optimizer"]) == (device(pl["weights"]), device(pl["master"]))
     assert read["cpu_checkpointing"] == (pl["checkpoints"]["gpu"] < 1)
-    assert (read["train_batch_size"], read["train_micro_batch_size_per_gpu"], read["gradient_accumulation_steps"]) \
+    assert (read["train_batch_size"], read["train_micro_batch_size_per_gpu"],
+            read["gradient_accumulation_steps"]) \
         == (decided["batch"], decided["micro_batch"], decided["batch"] // decided["micro_batch"])
     assert back["deepspeed"]["schedule"]["prefetch_depth"] == (decided["prefetch_depth"]
                                                                if read["offload_param"] == "cpu" else 1)

@@ -1,6 +1,7 @@
-"""The executor replays plans exactly: after 5 steps its losses and fp32 weights equal plain PyTorch AdamW training
-of the same model on the same data (relative error <= 1e-5), for every schedule family x placement x alpha, with
-the SSD tier as real files. Plus checkpoint/resume across SIGKILL, real data and weights, bad input."""
+"""The executor replays plans exactly: after 5 steps its losses and fp32 weights equal plain PyTorch AdamW
+training of the same model on the same data (relative error <= 1e-5), for every schedule family x placement x
+alpha, with the SSD tier as real files. Plus checkpoint/resume across SIGKILL, real data and weights, bad
+input."""
 
 from __future__ import annotations
 
@@ -43,22 +44,25 @@ PLACEMENTS = {
     "states_ssd": Placement(master=ALL, adam_m=ALL, adam_v=ALL),
     "ckpt_ssd": Placement(checkpoints=ALL),
     "mix": Placement(weights=Split(0.3, 0.4, 0.3), master=Split(0.0, 0.5, 0.5), adam_m=Split(0.0, 0.3, 0.7),
-                     adam_v=Split(0.0, 1.0, 0.0), grads=Split(0.0, 0.5, 0.5), checkpoints=Split(0.2, 0.3, 0.5)),
+                     adam_v=Split(0.0, 1.0, 0.0), grads=Split(0.0, 0.5, 0.5),
+                     checkpoints=Split(0.2, 0.3, 0.5)),
 }
 
 
-def make_plan(model_name: str, family: str, placement: str = "weights_cpu", alpha: float = 0.0, iterations: int = 2,
-              swap_layers: int | None = None, batch: int = BATCH, micro: int = MICRO):
+def make_plan(model_name: str, family: str, placement: str = "weights_cpu", alpha: float = 0.0,
+              iterations: int = 2, swap_layers: int | None = None, batch: int = BATCH, micro: int = MICRO):
     model = get_model(model_name)
     swap = (2 if placement == "mix" else 0) if swap_layers is None else swap_layers
-    cfg = make_schedule(family, model, HW, batch=batch, micro_batch=micro, seq=SEQ, placement=PLACEMENTS[placement],
-                        alpha=alpha, iterations=iterations, swap_layers=swap)
+    cfg = make_schedule(family, model, HW, batch=batch, micro_batch=micro, seq=SEQ,
+                        placement=PLACEMENTS[placement], alpha=alpha, iterations=iterations,
+                        swap_layers=swap)
     return plan_from_graph(model, HW, cfg, build_graph(model, HW, cfg))
 
 
 @functools.cache
 def reference(model_name: str, steps: int = STEPS, batch: int = BATCH, micro: int = MICRO, seed: int = 0):
-    """Plain PyTorch: the same blocks chained, torch.optim.AdamW, gradient accumulation over the micro-batches."""
+    """Plain PyTorch: the same blocks chained, torch.optim.AdamW, gradient accumulation over the
+    micro-batches."""
     model = get_model(model_name)
     torch.manual_seed(seed)
     ref = BlockModel(model, build_blocks(model))
@@ -92,7 +96,7 @@ def run(plan, tmp_path: Path, **kw) -> RunResult:
     return run_plan(plan, opts)
 
 
-# -- correctness: every family x placement x alpha --------------------------------------------------------------
+# -- correctness: every family x placement x alpha -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.25])
@@ -122,7 +126,8 @@ def test_matches_plain_pytorch_adamw(model_name, family, placement, alpha, tmp_p
         assert rel_err(got, want) <= 1e-5, f"block {b}"
     # and training moved the weights (the comparison is not trivially between two initial states)
     torch.manual_seed(0)
-    init = [torch.cat([p.detach().reshape(-1) for p in b.parameters()]) for b in build_blocks(get_model(model_name))]
+    init = [torch.cat([p.detach().reshape(-1) for p in b.parameters()])
+            for b in build_blocks(get_model(model_name))]
     assert rel_err(res.final_master[1], init[1]) > 1e-4
     if "ssd" in placement or placement == "mix":
         assert res.ssd_bytes_read > 0 and res.ssd_bytes_written > 0
@@ -133,9 +138,9 @@ def test_matches_plain_pytorch_adamw(model_name, family, placement, alpha, tmp_p
 @pytest.mark.parametrize("model_name", ["tiny-gpt", "tiny-llama"])
 def test_matches_plain_pytorch_adamw_on_the_cuda_emulation(model_name, family, placement, tmp_path):
     """The same equivalence with the executor's CUDA logic (streams, events, copy_async, pinned buffers,
-    record_stream) on the adversarial emulation of a CUDA device (executor/device/emulated.py): a missing wait or
-    record_stream there is a NaN, a wrong loss or an error (tests/test_device.py shows each one is). Three steps:
-    two rounds (2 + 1 iterations), so the round boundary is crossed."""
+    record_stream) on the adversarial emulation of a CUDA device (executor/device/emulated.py): a missing wait
+    or record_stream there is a NaN, a wrong loss or an error (tests/test_device.py shows each one is). Three
+    steps: two rounds (2 + 1 iterations), so the round boundary is crossed."""
     plan = make_plan(model_name, family, placement, 0.25)
     res = run(plan, tmp_path, steps=3, device="cpu-adversarial")
     ref_losses, ref_weights = reference(model_name, steps=3)
@@ -144,7 +149,8 @@ def test_matches_plain_pytorch_adamw_on_the_cuda_emulation(model_name, family, p
 
 
 @pytest.mark.parametrize("device", ["cpu", "cpu-adversarial"])
-@pytest.mark.parametrize("placement", ["weights_cpu", "ckpt_ssd"])  # saved activations kept on the device / on SSD
+# saved activations kept on the device / on SSD
+@pytest.mark.parametrize("placement", ["weights_cpu", "ckpt_ssd"])
 def test_all_layers_swapped_without_recompute(placement, device, tmp_path):
     plan = make_plan("tiny-llama", "vertical", placement, 0.25, swap_layers=4)
     assert "recompute" not in {t.kind for t in plan.graph.tasks}
@@ -198,7 +204,7 @@ def test_queue_order_is_kept(tmp_path):
             assert m.end_s[a] <= m.start_s[b] + 1e-6
 
 
-# -- checkpoint and resume --------------------------------------------------------------------------------------
+# -- checkpoint and resume -----------------------------------------------------------------------------------
 
 
 def _cli_run(args: list[str], **kw) -> subprocess.Popen:
@@ -244,14 +250,15 @@ def test_checkpoint_of_another_plan_is_refused(tmp_path, capsys):
     write_plan(p1, f1)
     write_plan(p2, f2)
     ck = tmp_path / "ck"
-    assert main(["run", str(f1), "--steps", "1", "--device", "cpu", "--checkpoint-dir", str(ck), "--json"]) == 0
+    assert main(["run", str(f1), "--steps", "1", "--device", "cpu", "--checkpoint-dir", str(ck),
+                 "--json"]) == 0
     capsys.readouterr()
     assert main(["run", str(f2), "--steps", "2", "--device", "cpu", "--checkpoint-dir", str(ck)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "another plan" in err and "tiny-gpt" in err
 
 
-# -- real data and weights --------------------------------------------------------------------------------------
+# -- real data and weights -----------------------------------------------------------------------------------
 
 
 def test_token_files(tmp_path):
@@ -282,8 +289,9 @@ def test_text_data_trains_on_it(tmp_path):
 def test_init_from_hf_checkpoint_layer_by_layer(tmp_path):
     transformers = pytest.importorskip("transformers")
     spec = get_model("tiny-llama")
-    cfg = transformers.LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden, intermediate_size=spec.ffn_hidden,
-                                   num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+    cfg = transformers.LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden,
+                                   intermediate_size=spec.ffn_hidden, num_hidden_layers=spec.num_layers,
+                                   num_attention_heads=spec.num_heads,
                                    num_key_value_heads=spec.num_kv_heads, max_position_embeddings=SEQ,
                                    rms_norm_eps=1e-5, tie_word_embeddings=spec.tied_embeddings)
     torch.manual_seed(1)
@@ -312,7 +320,7 @@ def test_init_of_another_model_is_refused(tmp_path, capsys):
     assert err.startswith("tierflow run: error: --init") and "\n" not in err
 
 
-# -- the SSD tier -----------------------------------------------------------------------------------------------
+# -- the SSD tier --------------------------------------------------------------------------------------------
 
 
 def test_ssd_store_roundtrip_and_checksum(tmp_path):
@@ -329,8 +337,8 @@ def test_ssd_store_roundtrip_and_checksum(tmp_path):
 
 
 def test_o_direct_refused_falls_back_with_one_warning(tmp_path, monkeypatch):
-    """Filesystems that refuse O_DIRECT answer EINVAL at open (tmpfs before Linux 6.6, some network filesystems).
-    This machine's filesystems may all accept it, so the refusal is injected at os.open."""
+    """Filesystems that refuse O_DIRECT answer EINVAL at open (tmpfs before Linux 6.6, some network
+    filesystems). This machine's filesystems may all accept it, so the refusal is injected at os.open."""
     real_open = os.open
 
     def refusing_open(path, flags, *a):

@@ -1,4 +1,5 @@
-"""tierflow.executor.models: parameter counts equal the spec's, logits equal transformers' for the same weights."""
+"""tierflow.executor.models: parameter counts equal the spec's, logits equal transformers' for the same
+weights."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ TINY_LLAMA = get_model("tiny-llama")
 TINY_QWEN2 = dataclasses.replace(TINY_LLAMA, name="tiny-qwen2", family="qwen2", qkv_bias=True)
 TINY_LLAMA_TIED = dataclasses.replace(TINY_LLAMA, name="tiny-llama-tied", tied_embeddings=True)
 TINY_OPT = dataclasses.replace(TINY_GPT, name="tiny-opt", family="opt", activation="relu", position_offset=2)
-TINY_NEOX = dataclasses.replace(TINY_GPT, name="tiny-neox", family="gpt_neox", max_positions=0, tied_embeddings=False,
-                                parallel_residual=True, rotary_fraction=0.25)
+TINY_NEOX = dataclasses.replace(TINY_GPT, name="tiny-neox", family="gpt_neox", max_positions=0,
+                                tied_embeddings=False, parallel_residual=True, rotary_fraction=0.25)
 TINY_NEOX_SEQUENTIAL = dataclasses.replace(TINY_NEOX, name="tiny-neox-sequential", parallel_residual=False,
                                            qkv_bias=False, out_bias=False, rotary_fraction=0.5)
 TINY_QWEN3 = dataclasses.replace(TINY_LLAMA, name="tiny-qwen3", family="qwen3", qk_norm=True, head_dim=48)
@@ -108,15 +109,20 @@ def _hf_newer(spec):
     llama_like = dict(common, intermediate_size=spec.ffn_hidden, num_key_value_heads=spec.num_kv_heads,
                       rms_norm_eps=RMSNORM_EPS, max_position_embeddings=spec.seq_len)
     if spec.family == "opt":
-        config = transformers.OPTConfig(**common, ffn_dim=spec.ffn_hidden, max_position_embeddings=spec.max_positions,
-                                        do_layer_norm_before=True, word_embed_proj_dim=spec.hidden, dropout=0.0,
-                                        attention_dropout=0.0, activation_function="relu", enable_bias=True)
+        config = transformers.OPTConfig(**common, ffn_dim=spec.ffn_hidden,
+                                        max_position_embeddings=spec.max_positions,
+                                        do_layer_norm_before=True, word_embed_proj_dim=spec.hidden,
+                                        dropout=0.0, attention_dropout=0.0, activation_function="relu",
+                                        enable_bias=True)
     elif spec.family == "gpt_neox":
         config = transformers.GPTNeoXConfig(**common, intermediate_size=spec.ffn_hidden, hidden_act="gelu",
-                                            rope_parameters={**rope, "partial_rotary_factor": spec.rotary_fraction},
-                                            max_position_embeddings=spec.seq_len, layer_norm_eps=LAYERNORM_EPS,
+                                            rope_parameters={**rope,
+                                                             "partial_rotary_factor": spec.rotary_fraction},
+                                            max_position_embeddings=spec.seq_len,
+                                            layer_norm_eps=LAYERNORM_EPS,
                                             use_parallel_residual=spec.parallel_residual,
-                                            attention_bias=spec.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0)
+                                            attention_bias=spec.qkv_bias, hidden_dropout=0.0,
+                                            attention_dropout=0.0)
     elif spec.family == "qwen3":
         config = transformers.Qwen3Config(**llama_like, head_dim=spec.head_dim, rope_parameters=rope)
     elif spec.family == "gemma":
@@ -125,7 +131,8 @@ def _hf_newer(spec):
     else:
         assert spec.family == "phi3"
         config = transformers.Phi3Config(**llama_like,
-                                         rope_parameters={**rope, "partial_rotary_factor": spec.rotary_fraction})
+                                         rope_parameters={**rope,
+                                                          "partial_rotary_factor": spec.rotary_fraction})
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
@@ -227,7 +234,8 @@ def test_tied_head_needs_the_embedding_weight():
 
 def test_unsupported_family_raises_a_clear_error():
     spec = dataclasses.replace(TINY_GEMMA, name="tiny-gemma2", family="gemma2", sandwich_norm=True)
-    with pytest.raises(NotImplementedError, match="family 'gemma2'.*not supported.*soft-caps.*gpt, llama") as e:
+    with pytest.raises(NotImplementedError,
+                       match="family 'gemma2'.*not supported.*soft-caps.*gpt, llama") as e:
         build_blocks(spec)
     assert "\n" not in str(e.value)
     with pytest.raises(NotImplementedError, match="not supported"):

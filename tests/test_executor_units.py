@@ -1,5 +1,6 @@
-"""The executor's units: the op dispatch table covers exactly the op kinds the planner emits, and an entry that a
-plan offloads to the SSD goes through the states of binding.EntryState in order (real executor on a CPU)."""
+"""The executor's units: the op dispatch table covers exactly the op kinds the planner emits, and an entry
+that a plan offloads to the SSD goes through the states of binding.EntryState in order (real executor on a
+CPU)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def planner_kinds() -> set[str]:
                 for swap in (None, 4):
                     plan = make_plan("tiny-gpt", family, placement, alpha, iterations=1, swap_layers=swap)
                     kinds |= {t.kind for t in plan.graph.tasks}
-    for family in ("horizontal", "block"):  # several ranks add the collectives (tests/test_dist_executor.py runs them)
+    # several ranks add the collectives (tests/test_dist_executor.py runs them)
+    for family in ("horizontal", "block"):
         kinds |= {t.kind for t in dist_plan("tiny-gpt", family, "weights_cpu", gpus=2).graph.tasks}
     return kinds
 

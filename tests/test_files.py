@@ -51,7 +51,7 @@ def tiny_plan():
     return plan_from_graph(m, hw, cfg, g, predicted=simulate_config(m, hw, cfg, g))
 
 
-# ---- gzip ---------------------------------------------------------------------------------------------------
+# ---- gzip --------------------------------------------------------------------------------------------------
 
 
 def test_plan_gzip_round_trip_is_exact(tmp_path):
@@ -61,7 +61,8 @@ def test_plan_gzip_round_trip_is_exact(tmp_path):
     assert w_plain.path == plain and not w_plain.compressed and w_plain.file_bytes == plain.stat().st_size
     assert w_packed.path == packed and w_packed.compressed and packed.read_bytes()[:2] == GZIP_MAGIC
     assert w_packed.json_bytes == w_plain.json_bytes == plain.stat().st_size
-    assert packed.stat().st_size < plain.stat().st_size / 4  # one op per line of repetitive JSON compresses well
+    # one op per line of repetitive JSON compresses well
+    assert packed.stat().st_size < plain.stat().st_size / 4
     assert gzip.decompress(packed.read_bytes()) == plain.read_bytes()  # the same text inside
     back = load_plan(packed)
     assert plan_to_dict(back) == plan_to_dict(load_plan(plain))
@@ -90,8 +91,8 @@ def test_cli_compresses_a_large_plan_and_replays_it(tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(planfile, "LARGE_PLAN_BYTES", 1000)
     out = tmp_path / "plan.json"
-    argv = ["simulate", "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--schedule", "vertical", "--batch", "4",
-            "--micro-batch", "1", "--write-plan", str(out)]
+    argv = ["simulate", "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--schedule", "vertical",
+            "--batch", "4", "--micro-batch", "1", "--write-plan", str(out)]
     assert cli.main(argv) == 0
     captured = capsys.readouterr()
     err = [line for line in captured.err.splitlines() if not line.startswith("simulating [")]
@@ -150,7 +151,7 @@ def test_open_text_modes(tmp_path):
         read_json(tmp_path / "missing.json")
 
 
-# ---- JSON Schemas ---------------------------------------------------------------------------------------------
+# ---- JSON Schemas ------------------------------------------------------------------------------------------
 
 
 @cache
@@ -225,7 +226,8 @@ def test_plan_from_simulate_write_plan_validates_and_broken_ones_do_not(tmp_path
     out = tmp_path / "plan.json"
     p = subprocess.run([sys.executable, "-m", "tierflow.cli", "simulate", "--model", "tiny-gpt", "--hw",
                         "rtx3090-desktop", "--schedule", "vertical", "--batch", "4", "--micro-batch", "2",
-                        "--placement", '{"master": {"gpu": 0, "cpu": 0, "ssd": 1}}', "--write-plan", str(out)],
+                        "--placement", '{"master": {"gpu": 0, "cpu": 0, "ssd": 1}}',
+                        "--write-plan", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     d = json.loads(out.read_text())
@@ -246,8 +248,10 @@ def test_plan_from_simulate_write_plan_validates_and_broken_ones_do_not(tmp_path
     cases = {
         "unknown top-level key": lambda b: b.update(extra=1),
         "wrong version": lambda b: b.update(version=2),
-        "gpu op without seconds": lambda b: next(op for op in b["ops"] if op["resource"] == "gpu").pop("seconds"),
-        "link op with seconds": lambda b: next(op for op in b["ops"] if op["resource"] == "h2d").update(seconds=1.0),
+        "gpu op without seconds":
+            lambda b: next(op for op in b["ops"] if op["resource"] == "gpu").pop("seconds"),
+        "link op with seconds":
+            lambda b: next(op for op in b["ops"] if op["resource"] == "h2d").update(seconds=1.0),
         "unknown resource": lambda b: b["ops"][0].update(resource="nvlink"),
         "bad mem effect": lambda b: b["ops"][0].update(mem=[["start", "hbm", 1.0]]),
         "negative bytes": lambda b: b["static_bytes"].update(cpu=-1),

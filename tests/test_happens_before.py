@@ -1,10 +1,10 @@
 """A happens-before checker over a real run: every access an op makes to what ops hand each other (entries,
-fetched copies, staged buffers, weight buffers, gradient accumulators, recompute graphs) is logged with the op,
-and each two accesses to the same thing by different ops, one of them a write, must be ordered by the plan's
-dependencies and queue orders (the only orders the executor keeps on a GPU, where an op's worker does not wait
-for the ops of other streams to finish). Every read must also come after a write that happens before it. The
-complement on the allocator side (a block freed on one stream and reused on another without a recorded use) is
-checked by the emulation itself: tests/test_device.py."""
+fetched copies, staged buffers, weight buffers, gradient accumulators, recompute graphs) is logged with the
+op, and each two accesses to the same thing by different ops, one of them a write, must be ordered by the
+plan's dependencies and queue orders (the only orders the executor keeps on a GPU, where an op's worker does
+not wait for the ops of other streams to finish). Every read must also come after a write that happens before
+it. The complement on the allocator side (a block freed on one stream and reused on another without a recorded
+use) is checked by the emulation itself: tests/test_device.py."""
 
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ class AccessLog:
         with self.lock:
             self.accesses[(what, _freeze(key))].append((op, mode))
             if what == "entries" and getattr(_current, "moves", False):
-                # offload, write, read and fetch change the parts of the entry they look up (kept / host / SSD);
-                # its device tensor is read concurrently by its direct consumers (a lock-protected count)
+                # offload, write, read and fetch change the parts of the entry they look up (kept / host /
+                # SSD); its device tensor is read concurrently by its direct consumers (a lock-protected
+                # count)
                 self.accesses[("entry_parts", _freeze(key))].append((op, "w"))
 
 
@@ -147,8 +148,8 @@ def test_every_access_is_ordered_after_its_writer(model_name, family, placement,
 
 
 def test_the_checker_finds_the_races_of_missing_offload_fetch_waits(tmp_path, monkeypatch):
-    """With the fetches' dependencies on their offloads, writes and reads removed (what a worker would do without
-    those waits), the same accesses are unordered."""
+    """With the fetches' dependencies on their offloads, writes and reads removed (what a worker would do
+    without those waits), the same accesses are unordered."""
     plan = make_plan("tiny-llama", "vertical", "mix", 0.25)
     log = record_accesses(monkeypatch)
     run(plan, tmp_path, steps=2)

@@ -1,5 +1,5 @@
-"""Hugging Face intake and output: --model as a model directory or a hub id in the local cache (no network), and
-`tierflow run --export-hf` writing a directory transformers loads with the executor's own logits."""
+"""Hugging Face intake and output: --model as a model directory or a hub id in the local cache (no network),
+and `tierflow run --export-hf` writing a directory transformers loads with the executor's own logits."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ CONFIG = {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "n
 
 
 def make_cache(root: Path, repo_id: str, config: dict, *, with_ref: bool = True) -> Path:
-    """The hub cache layout huggingface_hub writes: blobs, a snapshot per revision whose files link to the blobs,
-    and refs/main naming the snapshot."""
+    """The hub cache layout huggingface_hub writes: blobs, a snapshot per revision whose files link to the
+    blobs, and refs/main naming the snapshot."""
     repo = root / f"models--{repo_id.replace('/', '--')}"
     rev = "0123456789abcdef0123456789abcdef01234567"
     (repo / "blobs").mkdir(parents=True)
@@ -110,9 +110,9 @@ def test_cli_simulate_takes_a_hub_id_and_refuses_an_uncached_one(cache):
     assert p.returncode == 0, p.stderr  # qwen3 without use_sliding_window: any --seq
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # tierflow run trains every family, and --export-hf writes what transformers loads
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 torch = pytest.importorskip("torch")
 
@@ -139,14 +139,15 @@ FAMILIES = {
     "gpt": GPT,
     "llama": LLAMA,
     "mistral": dataclasses.replace(LLAMA, name="tiny-mistral", family="mistral", sliding_window=64),
-    "qwen2": dataclasses.replace(LLAMA, name="tiny-qwen2", family="qwen2", qkv_bias=True, tied_embeddings=True),
+    "qwen2": dataclasses.replace(LLAMA, name="tiny-qwen2", family="qwen2", qkv_bias=True,
+                                 tied_embeddings=True),
     "qwen3": dataclasses.replace(LLAMA, name="tiny-qwen3", family="qwen3", qk_norm=True, head_dim=48),
-    "gemma": dataclasses.replace(LLAMA, name="tiny-gemma", family="gemma", activation="geglu", tied_embeddings=True,
-                                 head_dim=64),
+    "gemma": dataclasses.replace(LLAMA, name="tiny-gemma", family="gemma", activation="geglu",
+                                 tied_embeddings=True, head_dim=64),
     "phi3": dataclasses.replace(LLAMA, name="tiny-phi3", family="phi3", rotary_fraction=0.5),
     "opt": dataclasses.replace(GPT, name="tiny-opt", family="opt", activation="relu", position_offset=2),
-    "gpt_neox": dataclasses.replace(GPT, name="tiny-neox", family="gpt_neox", max_positions=0, tied_embeddings=False,
-                                    parallel_residual=True, rotary_fraction=0.25),
+    "gpt_neox": dataclasses.replace(GPT, name="tiny-neox", family="gpt_neox", max_positions=0,
+                                    tied_embeddings=False, parallel_residual=True, rotary_fraction=0.25),
 }
 
 
@@ -222,7 +223,8 @@ def test_cli_export_hf_refuses_a_used_directory_before_training(tmp_path, capsys
     # a model transformers' class cannot express is refused before any step, too
     sliding_qwen = dataclasses.replace(FAMILIES["qwen2"], name="tiny-qwen2-sliding", sliding_window=64)
     write_plan(make_plan(sliding_qwen), plan)
-    assert main(["run", str(plan), "--steps", "1", "--device", "cpu", "--export-hf", str(tmp_path / "new")]) == 2
+    assert main(["run", str(plan), "--steps", "1", "--device", "cpu",
+                 "--export-hf", str(tmp_path / "new")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "max_window_layers" in err and "step" not in capsys.readouterr().out
 
@@ -250,6 +252,7 @@ def test_plans_of_the_new_families_follow_the_plan_schema(tmp_path):
     for family in ("qwen3", "gemma", "phi3", "mistral"):
         path = tmp_path / f"{family}.json"
         write_plan(make_plan(FAMILIES[family]), path)
-        model_schema = {**schema["$defs"]["model"], "$defs": schema["$defs"]}  # the section these fields live in
+        # the section these fields live in
+        model_schema = {**schema["$defs"]["model"], "$defs": schema["$defs"]}
         jsonschema.validate(json.loads(path.read_text())["model"], model_schema)
         assert load_plan(path).model == FAMILIES[family]  # the new fields survive the round trip

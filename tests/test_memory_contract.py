@@ -46,7 +46,8 @@ def pinned_rounding(nbytes: int) -> int:
 
 
 class _Allocs(TorchDispatchMode):
-    """Notes the storage of every tensor an aten op returns as device memory (unless allocated as host memory)."""
+    """Notes the storage of every tensor an aten op returns as device memory (unless allocated as host
+    memory)."""
 
     def __init__(self, backend: TrackingCpuBackend) -> None:
         super().__init__()
@@ -161,7 +162,8 @@ def run_contract(model_name: str, family: str, placement: Placement, swap_layers
     g = plan.graph
     order = sorted(range(len(g.tasks)), key=lambda i: (g.tasks[i].key, i))
     pos = {tid: i for i, tid in enumerate(order)}
-    static = sum(v.dev.untyped_storage().nbytes() for vs in state.vec.values() for v in vs if v.dev is not None)
+    static = sum(v.dev.untyped_storage().nbytes()
+                 for vs in state.vec.values() for v in vs if v.dev is not None)
     out = Contract(static_device_bytes=static, straddle_bytes=_straddle_bytes(state),
                    static_pinned_bytes=be.pinned_bytes(), area_bytes=ex.arena.size_bytes)
     gpu, cpu = TIER_INDEX["gpu"], TIER_INDEX["cpu"]
@@ -184,8 +186,9 @@ def run_contract(model_name: str, family: str, placement: Placement, swap_layers
                 run(rs, t)
             for tier, idx in (("gpu", gpu), ("cpu", cpu)):
                 level[tier] += sum(d for i, d in t.mem_start + t.mem_end if i == idx)
-            out.samples.append(Sample(f"{t.id} {t.label}", t.resource, static + be.device_bytes(), level["gpu"],
-                                      be.pinned_bytes(), level["cpu"], ex.arena.used_bytes()))
+            out.samples.append(Sample(f"{t.id} {t.label}", t.resource, static + be.device_bytes(),
+                                      level["gpu"], be.pinned_bytes(), level["cpu"],
+                                      ex.arena.used_bytes()))
         finally:
             with cv:
                 turn[0] += 1
@@ -203,8 +206,8 @@ def run_contract(model_name: str, family: str, placement: Placement, swap_layers
 def _straddle_bytes(state: TrainState) -> int:
     """Device bytes a weight use holds beyond the plan's fetch: the resident head of a parameter that the
     placement's device/host split cuts, copied into the fetched buffer so that the parameter is one tensor
-    (executor.ops.weights.WeightOps.fetch_start), summed over the owners of a block; the two largest blocks' (the weight use in
-    progress and the one fetched ahead)."""
+    (executor.ops.weights.WeightOps.fetch_start), summed over the owners of a block; the two largest blocks'
+    (the weight use in progress and the one fetched ahead)."""
     per_block = []
     for b in range(len(state.layout.numel)):
         n = 0
@@ -218,10 +221,10 @@ def _straddle_bytes(state: TrainState) -> int:
 
 
 def slack_bytes(model_name: str, c: Contract) -> float:
-    """What the plan's memory effects leave out by design: an activation handed from one compute op straight to
-    the next (the plan counts it in the consumer's working memory, not between the two ops) and the activation
-    gradient handed on the same way, one layer checkpoint each; the split parameters' resident heads
-    (_straddle_bytes); 4 KiB for the round's token batches."""
+    """What the plan's memory effects leave out by design: an activation handed from one compute op straight
+    to the next (the plan counts it in the consumer's working memory, not between the two ops) and the
+    activation gradient handed on the same way, one layer checkpoint each; the split parameters' resident
+    heads (_straddle_bytes); 4 KiB for the round's token batches."""
     return 2 * layer_cost(get_model(model_name), MICRO, SEQ).checkpoint_bytes + c.straddle_bytes + 4096
 
 
@@ -243,11 +246,14 @@ def test_live_device_bytes_stay_within_the_plan_per_op(model_name, family, case,
     c = run_contract(model_name, family, CASES[case], 1, tmp_path)
     assert all(x == x for x in c.losses)
     slack = slack_bytes(model_name, c)
-    over = [(s.op, s.measured_bytes - s.plan_bytes) for s in c.samples if s.measured_bytes > s.plan_bytes + slack]
+    over = [(s.op, s.measured_bytes - s.plan_bytes)
+            for s in c.samples if s.measured_bytes > s.plan_bytes + slack]
     worst = max(c.samples, key=lambda s: s.measured_bytes - s.plan_bytes)
-    assert not over, (f"{len(over)} of {len(c.samples)} ops leave more device memory than the plan + {slack:,.0f}; "
+    assert not over, (f"{len(over)} of {len(c.samples)} ops leave more device memory than the plan "
+                      f"+ {slack:,.0f}; "
                       f"worst {worst.op}: {worst.measured_bytes:,} vs {worst.plan_bytes:,.0f}", over[:8])
-    # pinned host memory: the state's and the transfer area, allocated before the first op; nothing pinned after
+    # pinned host memory: the state's and the transfer area, allocated before the first op;
+    # nothing pinned after
     assert c.area_bytes > 0 and c.area_overflows == 0
     assert max(s.pinned_bytes for s in c.samples) <= c.static_pinned_bytes
     assert max(s.area_used_bytes for s in c.samples) <= c.area_max_used_bytes <= c.area_bytes
@@ -259,8 +265,8 @@ def test_the_hidden_compute_dtype_option_trains_in_bf16_on_a_cpu(tmp_path, capsy
     from tierflow.planner.io.planfile import write_plan
 
     model = get_model("tiny-gpt")
-    cfg = make_schedule("vertical", model, HW, batch=2, micro_batch=MICRO, seq=SEQ, placement=CASES["weights_cpu_swap"],
-                        swap_layers=1, iterations=1)
+    cfg = make_schedule("vertical", model, HW, batch=2, micro_batch=MICRO, seq=SEQ,
+                        placement=CASES["weights_cpu_swap"], swap_layers=1, iterations=1)
     path = tmp_path / "plan.json"
     write_plan(plan_from_graph(model, HW, cfg, build_graph(model, HW, cfg)), path)
     assert main(["run", str(path), "--steps", "1", "--device", "cpu", "--compute-dtype", "bf16"]) == 0
@@ -270,7 +276,8 @@ def test_the_hidden_compute_dtype_option_trains_in_bf16_on_a_cpu(tmp_path, capsy
 @pytest.mark.parametrize("family", ["horizontal", "vertical"])
 def test_gradients_leave_the_compute_stream_in_the_compute_dtype(family, tmp_path, monkeypatch):
     """offload_grads only copies: the cast of fp32 accumulators happens on the compute stream after the last
-    contribution (vertical: several micro-batches), or a single contribution is written in bf16 (horizontal)."""
+    contribution (vertical: several micro-batches), or a single contribution is written in bf16
+    (horizontal)."""
     from tierflow.executor.ops.grad_buffers import GradBuffers
 
     seen = []

@@ -1,5 +1,5 @@
-"""Several GPUs and boxes (issue 19): the schedule builder's collectives and sharded bytes, plan-file fields and
-their validation, `--gpus / --nodes` on the command line, and one rank (W = 1) exactly as before."""
+"""Several GPUs and boxes: the schedule builder's collectives and sharded bytes, plan-file fields and their
+validation, `--gpus / --nodes` on the command line, and one rank (W = 1) exactly as before."""
 
 from __future__ import annotations
 
@@ -114,7 +114,8 @@ def test_two_ranks_gather_weights_and_reduce_scatter_grads(family):
     assert all(any(a.id in t.deps for t in tasks if t.resource == "gpu") for a in gathers)
     # every gradient offload moves this rank's shard, after a reduce-scatter of the whole block's gradient
     offs = [t for t in tasks if t.kind == "offload_grads"]
-    assert len(offs) == by_kind["reduce_scatter_grads"] == sum(1 for t in g1.tasks if t.kind == "offload_grads")
+    assert len(offs) == by_kind["reduce_scatter_grads"] \
+        == sum(1 for t in g1.tasks if t.kind == "offload_grads")
     full_grads = {t.block: t.work for t in g1.tasks if t.kind == "offload_grads"}
     for o in offs:
         (rs,) = [tasks[d] for d in o.deps]
@@ -206,10 +207,12 @@ def test_old_plan_without_world_loads_as_one_rank():
 
 
 @pytest.mark.parametrize("edit, where", [
-    (lambda d: d["decisions"].update(gpus=8), "decisions.gpus: 8 GPUs per box, but the hardware section has 2"),
+    (lambda d: d["decisions"].update(gpus=8),
+     "decisions.gpus: 8 GPUs per box, but the hardware section has 2"),
     (lambda d: d["decisions"].update(gpus=0), "decisions.gpus: must be >= 1"),
     (lambda d: d["decisions"].update(gpus=1.5), "decisions.gpus: expected int"),
-    (lambda d: d["decisions"].update(nodes=2), "decisions.nodes: 2 boxes, but the hardware section has no network"),
+    (lambda d: d["decisions"].update(nodes=2),
+     "decisions.nodes: 2 boxes, but the hardware section has no network"),
     (lambda d: d["decisions"].update(batch=6), "decisions.batch: batch 6 is not divisible by 2 ranks"),
     (lambda d: d["decisions"].update(gpus=1, batch=4), "a collective (resource net) in a plan of one rank"),
 ])
@@ -228,8 +231,9 @@ def test_plan_world_validation(edit, where):
 
 def test_cli_simulate_gpus_writes_a_plan(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    rc = main(["simulate", "--model", "tiny-gpt", "--set", "topology.gpu_count=2", "--gpus", "2", "--schedule",
-               "fuyou", "--batch", "8", "--micro-batch", "2", "--json", "--write-plan", str(out)])
+    rc = main(["simulate", "--model", "tiny-gpt", "--set", "topology.gpu_count=2", "--gpus", "2",
+               "--schedule", "fuyou", "--batch", "8", "--micro-batch", "2", "--json",
+               "--write-plan", str(out)])
     assert rc == 0
     j = json.loads(capsys.readouterr().out)
     assert j["world"] == {"gpus": 2, "nodes": 1, "ranks": 2}
@@ -241,8 +245,8 @@ def test_cli_simulate_gpus_writes_a_plan(tmp_path, capsys):
 
 
 def test_cli_json_of_one_gpu_reports_the_world(capsys):
-    rc = main(["simulate", "--model", "tiny-gpt", "--schedule", "vertical", "--batch", "8", "--micro-batch", "2",
-               "--json"])
+    rc = main(["simulate", "--model", "tiny-gpt", "--schedule", "vertical", "--batch", "8",
+               "--micro-batch", "2", "--json"])
     assert rc == 0
     j = json.loads(capsys.readouterr().out)
     assert j["world"] == {"gpus": 1, "nodes": 1, "ranks": 1}
@@ -342,23 +346,24 @@ def test_more_gpus_never_give_a_rank_more_of_the_box(name, g1, extra, uplink, pe
     assert c2["gpu"] == c1["gpu"]  # a GPU's own memory is never divided
     assert c2["cpu"] < c1["cpu"] and c2["ssd"] < c1["ssd"]
     r1, r2 = link_rates(hw, World(g1)), link_rates(hw, World(g2))
-    for field in ("ssd_read", "ssd_write", "ssd_read_mixed", "ssd_write_mixed", "adam_params_per_s", "dram_bps",
-                  "adam_dram_bps", "h2d", "d2h", "h2d_duplex", "d2h_duplex"):
+    for field in ("ssd_read", "ssd_write", "ssd_read_mixed", "ssd_write_mixed", "adam_params_per_s",
+                  "dram_bps", "adam_dram_bps", "h2d", "d2h", "h2d_duplex", "d2h_duplex"):
         assert getattr(r2, field) <= getattr(r1, field), field
     for field in ("ssd_read", "ssd_write", "adam_params_per_s", "dram_bps"):
         assert getattr(r2, field) == pytest.approx(getattr(r1, field) * g1 / g2)
 
 
 @PROPERTY
-@given(model=small_models(), family=st.sampled_from(FAMILIES), mb=st.sampled_from([1, 2]), mbs=st.integers(1, 4),
-       weights=st.sampled_from([CPU, SSD]), states=st.sampled_from([CPU, SSD]))
+@given(model=small_models(), family=st.sampled_from(FAMILIES), mb=st.sampled_from([1, 2]),
+       mbs=st.integers(1, 4), weights=st.sampled_from([CPU, SSD]), states=st.sampled_from([CPU, SSD]))
 def test_one_gpu_of_a_multi_gpu_box_is_the_one_gpu_box(model, family, mb, mbs, weights, states):
     """W = 1 on a profile with a topology is exactly today's one-GPU simulation: no collective, same ops, same
     numbers."""
     p = placement(weights=weights, states=states)
     plain, multi = profile(), profile("rtx4090-lohan-4gpu")
     cfg = make_schedule(family, model, plain, batch=mb * mbs, micro_batch=mb, placement=p, iterations=2)
-    cfg4 = make_schedule(family, model, multi, batch=mb * mbs, micro_batch=mb, placement=p, iterations=2, gpus=1)
+    cfg4 = make_schedule(family, model, multi, batch=mb * mbs, micro_batch=mb, placement=p, iterations=2,
+                         gpus=1)
     assert cfg4 == cfg and cfg4.to_dict() == cfg.to_dict()
     g, g4 = build_graph(model, plain, cfg), build_graph(model, multi, cfg4)
     assert not g4.has_net()
@@ -387,8 +392,8 @@ def test_n_gpus_are_never_faster_than_n_times_one(model, family, gpus, p2p, mb, 
     one = profile()
     many = profile("rtx4090-lohan-4gpu").with_overrides({"topology.p2p": p2p})
     cfg1 = make_schedule(family, model, one, batch=mb * mbs, micro_batch=mb, placement=p, iterations=3)
-    cfgn = make_schedule(family, model, many, batch=mb * mbs * gpus, micro_batch=mb, placement=p, iterations=3,
-                         gpus=gpus)
+    cfgn = make_schedule(family, model, many, batch=mb * mbs * gpus, micro_batch=mb, placement=p,
+                         iterations=3, gpus=gpus)
     assert cfgn.num_micro_batches == cfg1.num_micro_batches
     try:
         r1 = simulate_config(model, one, cfg1)
@@ -432,9 +437,9 @@ def test_plan_search_for_two_gpus_is_verified_per_rank(tmp_path, capsys):
 
 
 def test_capacity_for_several_gpus(capsys):
-    """Each rank keeps its 1/N shard of the states in its 1/N share of the host: without SSDs a model that does
-    not fit one GPU's box does not fit N GPUs of that box either when host memory binds (shards and shares
-    shrink alike), and `tierflow capacity --gpus N` answers per rank."""
+    """Each rank keeps its 1/N shard of the states in its 1/N share of the host: without SSDs a model that
+    does not fit one GPU's box does not fit N GPUs of that box either when host memory binds (shards and
+    shares shrink alike), and `tierflow capacity --gpus N` answers per rank."""
     from tierflow.planner.search.capacity import fits
 
     hw = profile("rtx4090-lohan-4gpu")
@@ -469,8 +474,8 @@ def test_multi_gpu_experiment_quick(tmp_path):
     assert [int(r["batch"]) for r in lohan] == [16, 64]
     for r in lohan:  # the check data, as published, and the error against it
         assert float(r["measured_hw_tflops"]) == multi_gpu.LOHAN_2GPU[int(r["batch"])]
-        assert float(r["error"]) == pytest.approx(float(r["ours_hw_tflops"]) / float(r["measured_hw_tflops"]) - 1,
-                                                  abs=2e-3)
+        assert float(r["error"]) == pytest.approx(
+            float(r["ours_hw_tflops"]) / float(r["measured_hw_tflops"]) - 1, abs=2e-3)
     # every miss of more than 15% names its missing mechanism
     for h in heads:
         if h["differs_over_15pct"]:

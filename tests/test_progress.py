@@ -1,5 +1,5 @@
-"""The one progress helper (tierflow.planner.io.progress): a bar on a terminal; off one, lines at a bounded rate
-with the first and the last step always printed, so a long command is never silent in a pipe."""
+"""The one progress helper (tierflow.planner.io.progress): a bar on a terminal; off one, lines at a bounded
+rate with the first and the last step always printed, so a long command is never silent in a pipe."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def test_pipe_is_never_silent_for_more_than_the_interval():
     gaps = [b - a for a, b in zip(printed_at, printed_at[1:])]
     assert gaps and all(5.0 <= g < 5.0 + 0.3 + 1e-9 for g in gaps)
     p.finish()  # the held-back step 999/1000 comes out at the end
-    assert out.getvalue().splitlines()[-1].startswith("long [") and " 999/1000 " in out.getvalue().splitlines()[-1]
+    assert out.getvalue().splitlines()[-1].startswith("long [") \
+        and " 999/1000 " in out.getvalue().splitlines()[-1]
 
 
 def test_finish_with_a_message_and_clear():
@@ -108,7 +109,8 @@ def test_terminal_bar_is_rewritten_in_place():
     q.clear()
     text = out2.getvalue()
     last = "calibrate [####################] 2/2 CPU AdamW 0s"
-    assert "\rwarn\n" in text and text.endswith("\r" + last + "\r" + " " * len(last) + "\r")  # erased at the end
+    # erased at the end
+    assert "\rwarn\n" in text and text.endswith("\r" + last + "\r" + " " * len(last) + "\r")
 
 
 def test_disabled_shows_no_progress_but_messages():
@@ -130,12 +132,13 @@ def test_cli_prints_progress_lines_into_a_pipe():
     assert "capacity [" not in p.stdout
 
 
-# ---- --quiet / --verbose (tierflow.planner.io.logs): one level on the `tierflow` logger ----------------------
+# ---- --quiet / --verbose (tierflow.planner.io.logs): one level on the `tierflow` logger --------------------
 
 CAPACITY = ["capacity", "--hw", "rtx3090-desktop"]
-SIMULATE = ["simulate", "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--batch", "8", "--micro-batch", "2"]
-PLAN = ["plan", "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--batch", "4", "--time-limit", "5", "--no-window",
-        "--no-baselines"]
+SIMULATE = ["simulate", "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--batch", "8",
+            "--micro-batch", "2"]
+PLAN = ["plan", "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--batch", "4", "--time-limit", "5",
+        "--no-window", "--no-baselines"]
 
 
 @pytest.fixture
@@ -163,7 +166,8 @@ def test_quiet_suppresses_progress_but_not_the_result(capsys, tierflow_level):
         rc, out, err = _main(capsys, *argv)
         assert rc == 0 and err == "", argv
         assert out == normal_out and "tokens/s" in out
-    rc, out, err = _main(capsys, *CAPACITY, "--quiet")  # its progress lines: test_cli_prints_progress_lines_into_a_pipe
+    # its progress lines: test_cli_prints_progress_lines_into_a_pipe
+    rc, out, err = _main(capsys, *CAPACITY, "--quiet")
     assert rc == 0 and err == "" and "largest model" in out
 
 
@@ -183,7 +187,8 @@ def test_verbose_shows_the_solver_status_of_every_candidate(capsys, tierflow_lev
 
 def test_quiet_and_verbose_together_are_refused(capsys, tierflow_level):
     rc, out, err = _main(capsys, "-q", *PLAN, "-v")
-    assert rc == 2 and out == "" and err.splitlines() == ["tierflow: error: --quiet and --verbose: give one of them"]
+    assert rc == 2 and out == "" \
+        and err.splitlines() == ["tierflow: error: --quiet and --verbose: give one of them"]
     with pytest.raises(SystemExit) as e:  # both before the subcommand: argparse's own refusal
         _main(capsys, "-q", "-v", "models")
     assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """experiments/race_deepspeed.py: tierflow against DeepSpeed ZeRO-Infinity on this machine.
 
-The race itself runs only where DeepSpeed (`pip install -e '.[baseline]'`) and libaio are installed; CI does not
-install the baseline extra, so there it is skipped with the reason. The config and skip checks always run.
+The race itself runs only where DeepSpeed (`pip install -e '.[baseline]'`) and libaio are installed; CI does
+not install the baseline extra, so there it is skipped with the reason. The config and skip checks always run.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def test_every_deepspeed_config_is_one_the_bridge_reads_as_run(variant):
 def test_the_tuned_buffers_hold_the_largest_parameter():
     """DeepSpeed refuses a parameter swap buffer smaller than the largest parameter (the embedding)."""
     for p in race_deepspeed.SWEEP + [race_deepspeed.QUICK_POINT]:
-        buf = race_deepspeed.ds_config(p, "nvme", "ds-tuned")["zero_optimization"]["offload_param"]["buffer_size"]
+        buf = (race_deepspeed.ds_config(p, "nvme", "ds-tuned")
+               ["zero_optimization"]["offload_param"]["buffer_size"])
         spec = p.spec()
         assert buf >= spec.vocab_size * spec.hidden
 
@@ -66,8 +67,8 @@ MISSING = race_deepspeed.deepspeed_missing()
 
 @pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 def test_quick_race_runs_both_on_the_same_point(tmp_path):
-    """One small point, DeepSpeed (everything on NVMe) against tierflow's horizontal and vertical plans, each in
-    its own process: both train, both move bytes through the SSD directory, both are predicted."""
+    """One small point, DeepSpeed (everything on NVMe) against tierflow's horizontal and vertical plans, each
+    in its own process: both train, both move bytes through the SSD directory, both are predicted."""
     heads = race_deepspeed.run(True, tmp_path)
     with open(tmp_path / "race.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -87,8 +88,8 @@ def test_quick_race_runs_both_on_the_same_point(tmp_path):
 
 def test_hostweights_keeps_weights_and_grads_in_host_memory_and_only_the_optimizer_on_the_ssd(tmp_path):
     """tf-hostweights is DeepSpeed's NVMe offload as it runs (parameters in host memory under max_in_cpu,
-    fp32 gradients there, master and Adam states on NVMe): its plan reads from the SSD only the optimizer states,
-    less than the all-on-SSD plans."""
+    fp32 gradients there, master and Adam states on NVMe): its plan reads from the SSD only the optimizer
+    states, less than the all-on-SSD plans."""
     from tierflow.hwprofiles import load_profile
     from tierflow.planner.io.planfile import load_plan
 

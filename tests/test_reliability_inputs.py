@@ -1,5 +1,6 @@
-"""Issue 17, classes 3, 5, 6 and 7: bad inputs get one line on stderr and exit code 2 (3 for a plan that does not
-fit), never a traceback. Each test reproduces a failure of the issue through the real command line."""
+"""Reliability of the command line on bad inputs: they get one line on stderr and exit code 2 (3 for a plan
+that does not fit), never a traceback. Each test reproduces a reported failure through the real command
+line."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def run_cli(capsys, argv: list[str], code: int, *needles: str) -> str:
 
 @pytest.fixture(scope="module")
 def plan_text(tmp_path_factory) -> str:
-    """The issue's `tiny` plan: tierflow simulate ... --write-plan p.json."""
+    """The `tiny` plan the failures were reported with: tierflow simulate ... --write-plan p.json."""
     f = tmp_path_factory.mktemp("plan") / "p.json"
     assert main(["simulate", *TINY, "--write-plan", str(f)]) == 0
     return f.read_text()
@@ -62,7 +63,7 @@ def edited(tmp_path: Path, plan_text: str, path: list, value, drop_digest: bool 
     return "edited.json"  # relative, as typed: the messages name it
 
 
-# ---- class 3: plan fields checked against the ops ------------------------------------------------------------
+# ---- class 3: plan fields checked against the ops ----------------------------------------------------------
 
 
 def test_unedited_plan_loads_and_replays(tmp_path, plan_text, capsys):
@@ -73,9 +74,11 @@ def test_unedited_plan_loads_and_replays(tmp_path, plan_text, capsys):
 
 @pytest.mark.parametrize("drop_digest", [False, True])
 def test_edited_batch_is_refused(tmp_path, plan_text, capsys, drop_digest):
-    """batch 8 -> 16 trained with the loss halved and tokens/s doubled; with or without a digest it is refused."""
+    """batch 8 -> 16 trained with the loss halved and tokens/s doubled; with or without a digest it is
+    refused."""
     f = edited(tmp_path, plan_text, ["decisions", "batch"], 16, drop_digest)
-    run_cli(capsys, ["simulate", "--plan", f], 2, "decisions.batch", "16 / micro_batch 2 = 8 micro-batches, the ops compute 4")
+    run_cli(capsys, ["simulate", "--plan", f], 2, "decisions.batch",
+            "16 / micro_batch 2 = 8 micro-batches, the ops compute 4")
 
 
 @pytest.mark.parametrize(("path", "value"), [(["model", "hidden"], 256), (["decisions", "seq"], 32),
@@ -87,8 +90,9 @@ def test_edited_field_is_named_by_the_digest(tmp_path, plan_text, capsys, path, 
 
 
 def test_a_plan_written_before_a_nullable_field_existed_still_loads(tmp_path, plan_text, capsys):
-    """An older tierflow wrote neither the key nor its digest field (cpu.ssd_slowdown_beside_compute, null in the
-    profile): the plan loads. The same field absent from the digest but set in the hardware section is refused."""
+    """An older tierflow wrote neither the key nor its digest field (cpu.ssd_slowdown_beside_compute, null in
+    the profile): the plan loads. The same field absent from the digest but set in the hardware section is
+    refused."""
     from tierflow.planner.io.planfile import _digest_ops
 
     key = "hardware.cpu.ssd_slowdown_beside_compute"
@@ -129,7 +133,7 @@ def test_run_refuses_an_overflowing_plan_as_simulate_does(tmp_path, capsys):
     assert sim.split("does not fit: ")[1] == run.split("does not fit: ")[1]
 
 
-# ---- class 5: unbounded inputs -------------------------------------------------------------------------------
+# ---- class 5: unbounded inputs -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("value", "needle"), [("1000000", "num_layers: 1000000 is above the limit of 4096"),
@@ -141,7 +145,8 @@ def test_model_shape_limits(tmp_path, capsys, value, needle):
 
 
 def test_seq_shape_limit(capsys):
-    run_cli(capsys, ["simulate", "--model", "tiny-llama", "--seq", str(1 << 23)], 2, "seq_len", "above the limit")
+    run_cli(capsys, ["simulate", "--model", "tiny-llama", "--seq", str(1 << 23)], 2, "seq_len",
+            "above the limit")
 
 
 @pytest.mark.parametrize("argv", [["simulate", "--hw", "/dev/zero"], ["simulate", "--plan", "/dev/zero"],
@@ -197,12 +202,13 @@ def test_every_numeric_profile_field_has_a_floor():
 
 def test_bundled_and_calibrated_profiles_pass_the_floors():
     root = Path(__file__).resolve().parents[1]
-    for name in ("rtx4090-lohan", "a100-80g-nvme", "rtx3090-desktop", "rtx2060-laptop", "v100-32g", "h100-80g"):
+    for name in ("rtx4090-lohan", "a100-80g-nvme", "rtx3090-desktop", "rtx2060-laptop", "v100-32g",
+                 "h100-80g"):
         load_profile(name)
     load_profile(str(root / "experiments" / "results" / "closed_loop_cpu.yaml"))  # gpu.memory_gib 0.036
 
 
-# ---- class 6: command-line edges ------------------------------------------------------------------------------
+# ---- class 6: command-line edges ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
@@ -213,7 +219,8 @@ def test_bundled_and_calibrated_profiles_pass_the_floors():
     (["simulate", "--model", "tiny-gpt", "--batch", "-8"], "argument --batch: must be >= 1"),
     (["simulate", "--model", "tiny-gpt", "--swap-layers", "-1"], "argument --swap-layers: must be >= 0"),
     (["plan", "--model", "tiny-gpt", "--time-limit", "-5"], "argument --time-limit: must be > 0, got -5"),
-    (["plan", "--model", "tiny-gpt", "--time-limit", "inf"], "argument --time-limit: expected a finite number"),
+    (["plan", "--model", "tiny-gpt", "--time-limit", "inf"],
+     "argument --time-limit: expected a finite number"),
     (["capacity", "--seq", "0"], "argument --seq: must be >= 1"),
     (["run", "p.json", "--checkpoint-every", "-1"], "argument --checkpoint-every: must be >= 1, got -1"),
     (["run", "p.json", "--checkpoint-every", "0"], "argument --checkpoint-every: must be >= 1, got 0"),
@@ -235,7 +242,8 @@ def test_every_numeric_flag_uses_a_checked_type():
     checked = 0
     for name, p in sub.choices.items():
         for action in p._actions:
-            assert action.type not in (int, float), f"tierflow {name} {action.option_strings}: bare {action.type}"
+            assert action.type not in (int, float), \
+                f"tierflow {name} {action.option_strings}: bare {action.type}"
             checked += action.type is not None and action.type is not str
     assert checked >= 20
 
@@ -251,10 +259,11 @@ def test_long_inline_placement_is_json_not_a_path(tmp_path, capsys):
     assert load_plan(out).config.placement.weights.ssd == 0.5
 
 
-@pytest.mark.parametrize(("text", "needle"), [("[1,2]", "not gpu|cpu|ssd or JSON starting with '{'"),
-                                              ('"gpu"', "not gpu|cpu|ssd or JSON starting with '{'"),
-                                              ('{"weights": 5}', "weights: expected an object of gpu/cpu/ssd"),
-                                              ('{"weights": {"gpu": "x"}}', "weights: expected an object")])
+@pytest.mark.parametrize(("text", "needle"), [
+    ("[1,2]", "not gpu|cpu|ssd or JSON starting with '{'"),
+    ('"gpu"', "not gpu|cpu|ssd or JSON starting with '{'"),
+    ('{"weights": 5}', "weights: expected an object of gpu/cpu/ssd"),
+    ('{"weights": {"gpu": "x"}}', "weights: expected an object")])
 def test_bad_placements(capsys, text, needle):
     run_cli(capsys, ["simulate", *TINY, "--placement", text], 2, needle)
 
@@ -265,7 +274,7 @@ def test_placement_file_holding_a_list(tmp_path, capsys):
     run_cli(capsys, ["simulate", *TINY, "--placement", str(f)], 2, "expected a JSON object of tensor classes")
 
 
-# ---- class 7: other -------------------------------------------------------------------------------------------
+# ---- class 7: other ----------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +298,8 @@ def test_init_with_an_int32_weight_names_the_tensor(tmp_path, capsys, plan_file)
 
     d = tmp_path / "init"
     d.mkdir()
-    save_file({"transformer.wte.weight": torch.zeros(256, 128, dtype=torch.int32)}, str(d / "model.safetensors"))
+    save_file({"transformer.wte.weight": torch.zeros(256, 128, dtype=torch.int32)},
+              str(d / "model.safetensors"))
     run_cli(capsys, ["run", plan_file, "--device", "cpu", "--steps", "1", "--init", str(d)], 2,
             "tensor 'transformer.wte.weight' has dtype I32, not floating point")
 
@@ -315,7 +325,8 @@ def _trace(plan, tmp_path: Path, dur_of_op: dict[int, float] | None = None) -> s
 
 def test_compare_refuses_negative_durations(tmp_path, capsys, plan_file):
     plan = load_plan(plan_file)
-    assert main(["compare", plan_file, _trace(plan, tmp_path)]) == 0  # the same trace with sane times compares
+    # the same trace with sane times compares
+    assert main(["compare", plan_file, _trace(plan, tmp_path)]) == 0
     assert "ratio" in capsys.readouterr().out
     run_cli(capsys, ["compare", plan_file, _trace(plan, tmp_path, {7: -5.0})], 2,
             "traceEvents[7] (op 7", "dur -5.0 is not a non-negative number")

@@ -1,7 +1,7 @@
-"""Issue 17, the run-time side of `tierflow run`: divergence stops with exit 4 and keeps the last good checkpoint
-and the results so far; checkpoints carry checksums, settings and locks, resume falls back when asked, a full
-disk leaves nothing behind; SIGINT / SIGTERM stop every worker and remove the SSD directory, and a later run
-removes what a killed one left. Real runs of tiny-gpt on the CPU with real files."""
+"""Reliability of `tierflow run`, the run-time side: divergence stops with exit 4 and keeps the last good
+checkpoint and the results so far; checkpoints carry checksums, settings and locks, resume falls back when
+asked, a full disk leaves nothing behind; SIGINT / SIGTERM stop every worker and remove the SSD directory, and
+a later run removes what a killed one left. Real runs of tiny-gpt on the CPU with real files."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ from tierflow.planner.io.planfile import write_plan
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory) -> dict[str, Path]:
-    """one: a step per round, optimizer states on the SSD; three: three steps per round (the brief's `tiny`)."""
+    """one: a step per round, optimizer states on the SSD; three: three steps per round (the brief's
+    `tiny`)."""
     d = tmp_path_factory.mktemp("plans")
     out = {"one": d / "one.json", "three": d / "three.json"}
     write_plan(make_plan("tiny-gpt", "vertical", "states_ssd", 0.25, iterations=1), out["one"])
@@ -62,11 +63,12 @@ def leftovers(tmp_path: Path) -> list[str]:
 
 
 def dead_pid() -> int:
-    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                       capture_output=True, text=True)
     return int(p.stdout)
 
 
-# -- 1. divergence ----------------------------------------------------------------------------------------------
+# -- 1. divergence -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("flag,hyper", [("--lr", Hyper(lr=0.0)), ("--lr", Hyper(lr=-1e-3)),
@@ -76,10 +78,12 @@ def dead_pid() -> int:
 def test_bad_lr_or_weight_decay_is_refused_up_front(plans, tmp_path, flag, hyper):
     """The command line refuses them in argparse (tests/test_reliability_inputs.py); run_plan itself too."""
     (tmp_path / "ssd").mkdir()
-    opts = RunOptions(steps=2, ssd_dir=str(tmp_path / "ssd"), checkpoint_dir=str(tmp_path / "ck"), hyper=hyper)
+    opts = RunOptions(steps=2, ssd_dir=str(tmp_path / "ssd"), checkpoint_dir=str(tmp_path / "ck"),
+                      hyper=hyper)
     with pytest.raises(RunError, match=f"^{flag} .*: must be a finite number"):
         run_plan(plan_from(plans["one"]), opts)
-    assert not (tmp_path / "ck").exists() and not list((tmp_path / "ssd").iterdir())  # refused before anything
+    # refused before anything
+    assert not (tmp_path / "ck").exists() and not list((tmp_path / "ssd").iterdir())
 
 
 def test_divergence_mid_round_stops_at_the_first_nonfinite_loss(plans, tmp_path, capsys):
@@ -101,7 +105,8 @@ def test_divergence_keeps_the_last_good_checkpoint(plans, tmp_path, capsys):
     """After step 2 at lr 1000 the weights are NaN: that state is not saved over step 1's checkpoint."""
     ck = tmp_path / "ck"
     rc, out, err = tierflow_run(capsys, plans["one"], tmp_path, "--steps", "6", "--lr", "1000", "--json",
-                                "--checkpoint-dir", str(ck), "--checkpoint-every", "1", "--out", str(tmp_path / "o"))
+                                "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
+                                "--out", str(tmp_path / "o"))
     assert rc == 4
     line = one_line(err)
     assert "training diverged" in line and "after step 2" in line and f"{ck / 'step00000001'} is kept" in line
@@ -114,7 +119,8 @@ def test_divergence_keeps_the_last_good_checkpoint(plans, tmp_path, capsys):
         verify_file(ck / "step00000001", name, manifest)
     from safetensors.torch import load_file
 
-    assert all(bool(torch.isfinite(t).all()) for t in load_file(ck / "step00000001" / "block0001.safetensors").values())
+    assert all(bool(torch.isfinite(t).all())
+               for t in load_file(ck / "step00000001" / "block0001.safetensors").values())
     assert (tmp_path / "o" / "steps.csv").is_file() and leftovers(tmp_path) == []
 
 
@@ -134,7 +140,7 @@ def test_nan_in_the_initial_weights_stops_at_step_1(plans, tmp_path, capsys, mon
     assert json.loads(out)["steps"] == []
 
 
-# -- 2. checkpoints ---------------------------------------------------------------------------------------------
+# -- 2. checkpoints ------------------------------------------------------------------------------------------
 
 
 def train_with_checkpoints(capsys, plan: Path, tmp_path: Path, steps: int = 3) -> dict[int, float]:
@@ -169,9 +175,11 @@ def test_a_corrupted_checkpoint_is_named_and_resume_falls_back_when_asked(plans,
     assert "skipping a bad checkpoint" in err and "corrupt-step00000004" in err
     res = json.loads(out)
     assert res["first_step"] == 3
-    assert [s["loss"] for s in res["steps"]][:1] == [want[4]]  # step 4 again, bit-identical to the first run's
+    # step 4 again, bit-identical to the first run's
+    assert [s["loss"] for s in res["steps"]][:1] == [want[4]]
     assert (ck / "latest").read_text().strip() == "step00000005"
-    assert sorted(p.name for p in ck.iterdir()) == ["corrupt-step00000004", "latest", "step00000004", "step00000005"]
+    assert sorted(p.name for p in ck.iterdir()) == ["corrupt-step00000004", "latest", "step00000004",
+                                                    "step00000005"]
 
 
 def test_truncated_or_unreadable_checkpoint_gives_one_line(plans, tmp_path, capsys):
@@ -222,7 +230,8 @@ def test_a_full_disk_while_checkpointing_leaves_nothing_behind(plans, tmp_path, 
                                 "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
     assert rc == 3
     line = one_line(err)
-    assert "cannot write the checkpoint of step 2 (the disk is full)" in line and "previous checkpoint is kept" in line
+    assert ("cannot write the checkpoint of step 2 (the disk is full)" in line
+            and "previous checkpoint is kept" in line)
     res = json.loads(out)
     assert [s["step"] for s in res["steps"]] == [1, 2] and res["stopped"]["exit_code"] == 3
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step00000001"]
@@ -236,7 +245,8 @@ def test_a_second_run_on_a_locked_directory_is_refused(plans, tmp_path, capsys, 
     ck.mkdir()
     ssd.mkdir()
     with DirLock(ck if which == "--checkpoint-dir" else ssd, which):  # another run holds it
-        rc, out, err = tierflow_run(capsys, plans["one"], tmp_path, "--steps", "1", "--checkpoint-dir", str(ck))
+        rc, out, err = tierflow_run(capsys, plans["one"], tmp_path, "--steps", "1",
+                                    "--checkpoint-dir", str(ck))
     assert rc == 2
     line = one_line(err)
     assert f"error: {which} " in line and f"in use by another tierflow run (pid {os.getpid()}" in line
@@ -259,7 +269,8 @@ def test_what_a_dead_run_left_is_taken_over_and_removed(plans, tmp_path, capsys)
     assert rc == 0, err
     assert f"took over the lock of --checkpoint-dir {ck} from tierflow run pid {pid}, which is gone" in err
     assert f"took over the lock of --ssd-dir {ssd} from tierflow run pid {pid}" in err
-    assert f"removed {ssd / f'tierflow-run-{pid}'} (0.000 GB), left by tierflow run pid {pid}, which is gone" in err
+    assert (f"removed {ssd / f'tierflow-run-{pid}'} (0.000 GB), "
+            f"left by tierflow run pid {pid}, which is gone") in err
     assert "removed 1 half-written checkpoint file(s)" in err
     assert leftovers(tmp_path) == []
 
@@ -269,7 +280,8 @@ def test_resume_with_other_settings_is_refused_unless_allowed(plans, tmp_path, c
     train_with_checkpoints(capsys, plans["one"], tmp_path, steps=1)
     for args, names in [(["--seed", "1"], "--seed 0 -> 1"), (["--lr", "0.002"], "--lr 0.001 -> 0.002"),
                         (["--weight-decay", "0"], "--weight-decay 0.1 -> 0.0")]:
-        rc, out, err = tierflow_run(capsys, plans["one"], tmp_path, "--steps", "2", "--checkpoint-dir", str(ck), *args)
+        rc, out, err = tierflow_run(capsys, plans["one"], tmp_path, "--steps", "2",
+                                    "--checkpoint-dir", str(ck), *args)
         assert rc == 2, args
         line = one_line(err)
         assert "step00000001 was written with other settings" in line and names in line
@@ -284,22 +296,23 @@ def test_resume_with_other_settings_is_refused_unless_allowed(plans, tmp_path, c
 def test_checkpoint_files_are_standard_safetensors_with_their_crc(tmp_path):
     from safetensors.torch import load_file
 
-    tensors = {"master": torch.randn(3000), "weights": torch.randn(3000).bfloat16(), "adam_v": torch.rand(17, 5)}
+    tensors = {"master": torch.randn(3000), "weights": torch.randn(3000).bfloat16(),
+               "adam_v": torch.rand(17, 5)}
     nbytes, crc = write_safetensors(tmp_path / "b.safetensors", tensors)
-    assert (nbytes, crc) == file_crc32(tmp_path / "b.safetensors") == (os.path.getsize(tmp_path / "b.safetensors"),
-                                                                     crc)
+    assert (nbytes, crc) == file_crc32(tmp_path / "b.safetensors") == (
+        os.path.getsize(tmp_path / "b.safetensors"), crc)
     back = load_file(tmp_path / "b.safetensors")
     assert set(back) == set(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
 
 
-# -- 4. signals -------------------------------------------------------------------------------------------------
+# -- 4. signals ----------------------------------------------------------------------------------------------
 
 
 def start_run(plan: Path, tmp_path: Path, *args: str) -> tuple[subprocess.Popen, list[str]]:
     """`python -m tierflow run` for many steps; returns once its first step line has appeared."""
     (tmp_path / "ssd").mkdir(exist_ok=True)
-    p = subprocess.Popen([sys.executable, "-m", "tierflow", "run", str(plan), "--steps", "100000", "--device", "cpu",
-                          "--ssd-dir", str(tmp_path / "ssd"), *args],
+    p = subprocess.Popen([sys.executable, "-m", "tierflow", "run", str(plan), "--steps", "100000",
+                          "--device", "cpu", "--ssd-dir", str(tmp_path / "ssd"), *args],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
     for line in p.stdout:
@@ -356,7 +369,8 @@ def test_an_exception_in_the_main_thread_joins_every_worker_first(plans, tmp_pat
     (tmp_path / "ssd").mkdir()
     try:
         with pytest.raises(Stop):
-            run_plan(plan_from(plans["three"]), RunOptions(steps=1000, ssd_dir=str(tmp_path / "ssd")), log=log)
+            run_plan(plan_from(plans["three"]), RunOptions(steps=1000, ssd_dir=str(tmp_path / "ssd")),
+                     log=log)
     finally:
         signal.signal(signal.SIGUSR1, old)
     alive = [t.name for t in threading.enumerate() if t.name.startswith("tierflow")]

@@ -1,6 +1,6 @@
-"""The planner's activation bytes of a layer that keeps its activations (BlockCost.full_activation_bytes) equal
-what the executor's layers really save for their backward, in bf16, and the layers that save less than plain
-autograd would (RMSNorm, rotary positions, SwiGLU) compute bit-identical gradients."""
+"""The planner's activation bytes of a layer that keeps its activations (BlockCost.full_activation_bytes)
+equal what the executor's layers really save for their backward, in bf16, and the layers that save less than
+plain autograd would (RMSNorm, rotary positions, SwiGLU) compute bit-identical gradients."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from tierflow.planner.core.models import get_model
 from tierflow.planner.core.workload import layer_cost
 
 MICRO, SEQ = 2, 64
-# The planner counts LayerNorm's mean and rstd in fp32 (a CUDA kernel's); PyTorch's CPU kernel keeps them in the
-# input's dtype, so on CPU a GPT layer saves 1,024 bytes (0.2%) less than the plan. Nothing else may differ.
+# The planner counts LayerNorm's mean and rstd in fp32 (a CUDA kernel's); PyTorch's CPU kernel keeps them in
+# the input's dtype, so on CPU a GPT layer saves 1,024 bytes (0.2%) less than the plan. Nothing else may
+# differ.
 TOLERANCE = 0.01
 
 
