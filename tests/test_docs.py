@@ -169,6 +169,16 @@ def test_no_issue_numbers(page):
     assert not hits, f"{page_id(page)} cites issue numbers (say what the thing is instead): {hits}"
 
 
+def test_no_issue_numbers_in_code():
+    """Code, tests, experiments and profiles say what a thing is, not which issue asked for it."""
+    files = [f for folder in ("tierflow", "hwprofiles", "planner", "executor", "tests", "experiments")
+             for f in (ROOT / folder).rglob("*") if f.suffix in (".py", ".yaml")]
+    hits = [f"{f.relative_to(ROOT)}:{i}" for f in files
+            for i, line in enumerate(f.read_text().splitlines(), 1) if re.search(r"\bissues? #?\d+", line, re.IGNORECASE)]
+    assert len(files) > 100
+    assert not hits, f"issue numbers in the code (say what the thing is instead): {hits}"
+
+
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading."""
     s = re.sub(r"[^\w\- ]", "", heading.strip().lower())
