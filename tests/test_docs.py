@@ -174,7 +174,8 @@ def test_no_issue_numbers_in_code():
     files = [f for folder in ("tierflow", "hwprofiles", "planner", "executor", "tests", "experiments")
              for f in (ROOT / folder).rglob("*") if f.suffix in (".py", ".yaml")]
     hits = [f"{f.relative_to(ROOT)}:{i}" for f in files
-            for i, line in enumerate(f.read_text().splitlines(), 1) if re.search(r"\bissues? #?\d+", line, re.IGNORECASE)]
+            for i, line in enumerate(f.read_text().splitlines(), 1)
+            if re.search(r"\bissues? #?\d+", line, re.IGNORECASE)]
     assert len(files) > 100
     assert not hits, f"issue numbers in the code (say what the thing is instead): {hits}"
 
