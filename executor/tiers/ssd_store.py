@@ -42,7 +42,7 @@ from tierflow.errors import TierflowError
 from tierflow.executor.tiers.direct_io import ALIGN, probe_o_direct
 
 CHUNK_BYTES = 8 << 20  # one I/O request (and one CRC); several run at once on the pool to keep an array busy
-DEFAULT_WORKERS = 4  # requests in flight per store; each 8 MiB request is split into many by the block layer
+DEFAULT_WORKERS = 8  # requests in flight per store; the block layer splits each 8 MiB one into many
 FD_CACHE = 64  # open file descriptors kept per store (least recently used ones are closed beyond it)
 
 
