@@ -195,8 +195,8 @@ class ChunkIo:
         if hi > body:
             n = _padded(hi - body)
             stage = self._stage(n)
-            stage[: hi - body].copy_(buf[body:hi])
-            stage[hi - body: n].zero_()
+            ctypes.memmove(stage.data_ptr(), base + body, hi - body)  # a plain memcpy, without the GIL
+            ctypes.memset(stage.data_ptr() + hi - body, 0, n - (hi - body))
             _full(os.pwritev, fd, memoryview(stage.numpy())[:n], body, name, "write")
         return crc
 
