@@ -6,7 +6,8 @@ The hot path (the executor's transfer area, tiers/arena.py, is page-aligned): a 
 own memory (only an unaligned tail, or an unaligned tensor, is copied through a small per-thread staging
 buffer); a read lands in the buffer the caller hands in (`into`). Each file is preallocated once
 (posix_fallocate) and its descriptor kept open in a small cache, so an op is a few pread/pwrite calls. Each
-chunk (CHUNK_BYTES) is one request on the pool, several in flight at once; the worker that moves a chunk also
+chunk (MIN_CHUNK_BYTES to CHUNK_BYTES: a tensor is split over the pool's workers) is one request on the pool,
+several in flight at once; the worker that moves a chunk also
 computes its CRC32C (hardware-accelerated, from the google-crc32c package's C library, which runs without the
 GIL; zlib's CRC32 with one warning where that is missing), so the integrity check is off the serial path. A
 file's checksum is the tuple of its chunks' CRCs, kept in memory for the life of the run (the files are
@@ -41,7 +42,8 @@ import torch
 from tierflow.errors import TierflowError
 from tierflow.executor.tiers.direct_io import ALIGN, probe_o_direct
 
-CHUNK_BYTES = 8 << 20  # one I/O request (and one CRC); several run at once on the pool to keep an array busy
+CHUNK_BYTES = 8 << 20  # the largest I/O request (and CRC); several run at once to keep an array busy
+MIN_CHUNK_BYTES = 1 << 20  # the smallest: a smaller tensor is one request
 DEFAULT_WORKERS = 8  # requests in flight per store; the block layer splits each 8 MiB one into many
 FD_CACHE = 64  # open file descriptors kept per store (least recently used ones are closed beyond it)
 
@@ -142,14 +144,14 @@ def chunk_checksum(warn: Callable[[str], None]) -> tuple[str, Callable[[int, int
 
 
 class ChunkIo:
-    """Moves a host buffer to or from an open file in CHUNK_BYTES requests on a thread pool (os.pwritev /
+    """Moves a host buffer to or from an open file in chunks, one request each, on a thread pool (os.pwritev /
     os.preadv release the GIL), each worker computing the CRC of the chunk it moves. With O_DIRECT, memory
     that is not page-aligned (an unaligned tensor, or the last partial page of one) goes through a per-thread
     aligned staging buffer."""
 
     def __init__(self, workers: int, direct: bool, crc: Callable[[int, int], int]) -> None:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierflow-ssd")
-        self.direct, self.crc = direct, crc
+        self.workers, self.direct, self.crc = workers, direct, crc
         self.local = threading.local()
 
     def close(self) -> None:
@@ -161,25 +163,31 @@ class ChunkIo:
             st = self.local.stage = aligned_empty(max(nbytes, ALIGN))
         return st
 
-    def write(self, fd: int, data: torch.Tensor, name: str) -> tuple[int, ...]:
-        """Write `data` (uint8, contiguous) at offset 0, zero-padded to whole pages; the chunks' CRCs."""
-        return self._run(fd, data, data.numel(), True, name)
+    def chunk_bytes(self, nbytes: int) -> int:
+        """The chunk size for a tensor of `nbytes`: spread over the workers, whole pages, within
+        [MIN_CHUNK_BYTES, CHUNK_BYTES]."""
+        return min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, _padded(-(-nbytes // self.workers))))
 
-    def read(self, fd: int, buf: torch.Tensor, nbytes: int, name: str) -> tuple[int, ...]:
+    def write(self, fd: int, data: torch.Tensor, chunk: int, name: str) -> tuple[int, ...]:
+        """Write `data` (uint8, contiguous) at offset 0 in `chunk`-byte requests, zero-padded to whole pages;
+        the chunks' CRCs."""
+        return self._run(fd, data, data.numel(), chunk, True, name)
+
+    def read(self, fd: int, buf: torch.Tensor, nbytes: int, chunk: int, name: str) -> tuple[int, ...]:
         """Read the file's first `nbytes` (padded to whole pages) into `buf` (uint8, page-aligned, whole
-        pages); the chunks' CRCs over the `nbytes` bytes."""
-        return self._run(fd, buf, nbytes, False, name)
+        pages) in `chunk`-byte requests; the chunks' CRCs over the `nbytes` bytes."""
+        return self._run(fd, buf, nbytes, chunk, False, name)
 
-    def _run(self, fd: int, buf: torch.Tensor, nbytes: int, write: bool, name: str) -> tuple[int, ...]:
+    def _run(self, fd: int, buf: torch.Tensor, nbytes: int, chunk: int, write: bool,
+             name: str) -> tuple[int, ...]:
         if nbytes == 0:
             return ()
         mv = memoryview(buf.numpy())
         one = self._write_chunk if write else self._read_chunk
-        starts = range(0, nbytes, CHUNK_BYTES)
+        starts = range(0, nbytes, chunk)
         if len(starts) == 1:  # one request: on the caller's thread
             return (one(fd, buf, mv, 0, nbytes, name),)
-        futures = [self.pool.submit(one, fd, buf, mv, lo, min(nbytes, lo + CHUNK_BYTES), name)
-                   for lo in starts]
+        futures = [self.pool.submit(one, fd, buf, mv, lo, min(nbytes, lo + chunk), name) for lo in starts]
         return tuple(f.result() for f in futures)
 
     def _write_chunk(self, fd: int, buf: torch.Tensor, mv: memoryview, lo: int, hi: int, name: str) -> int:
@@ -222,9 +230,10 @@ def _full(call, fd: int, view: memoryview, pos: int, name: str, what: str) -> No
 @dataclass
 class FileRecord:
     """What the store wrote to one file: its size in bytes (the file holds them padded to whole pages) and
-    the checksum of each CHUNK_BYTES chunk, in order."""
+    the checksum of each `chunk_bytes` chunk, in order."""
 
     nbytes: int
+    chunk_bytes: int
     chunk_crcs: tuple[int, ...]
 
 
@@ -346,13 +355,14 @@ class SsdStore:
         f = self._acquire(name, create=True)
         try:
             self._allocate(f, _padded(nbytes))
-            crcs = self.io.write(f.fd, data, name)
+            chunk = self.io.chunk_bytes(nbytes)
+            crcs = self.io.write(f.fd, data, chunk, name)
             if not self.direct:
                 os.fsync(f.fd)
         finally:
             self._release(f)
         with self.lock:
-            self.records[name] = FileRecord(nbytes, crcs)
+            self.records[name] = FileRecord(nbytes, chunk, crcs)
             self.bytes_written += nbytes
 
     def read(self, name: str, dtype: torch.dtype, numel: int, pinned: bool = False,
@@ -379,15 +389,16 @@ class SsdStore:
             if size < _padded(nbytes):
                 raise ChecksumError(f"ssd tier: tensor {name} is truncated ({path}: {size} bytes, expected "
                                     f"{_padded(nbytes)})")
-            crcs = self.io.read(f.fd, buf, nbytes, name)
+            crcs = self.io.read(f.fd, buf, nbytes, rec.chunk_bytes, name)
         finally:
             self._release(f)
         bad = [i for i, (got, want) in enumerate(zip(crcs, rec.chunk_crcs)) if got != want]
         if bad or len(crcs) != len(rec.chunk_crcs):
-            lo = bad[0] * CHUNK_BYTES if bad else 0
-            raise ChecksumError(f"ssd tier: checksum mismatch in tensor {name} ({path}, bytes {lo}-"
-                                f"{min(nbytes, lo + CHUNK_BYTES)}): the file changed since tierflow wrote it "
-                                "(disk error or another process); resume from the last checkpoint")
+            lo = bad[0] * rec.chunk_bytes if bad else 0
+            hi = min(nbytes, lo + rec.chunk_bytes)
+            raise ChecksumError(f"ssd tier: checksum mismatch in tensor {name} ({path}, bytes {lo}-{hi}): "
+                                "the file changed since tierflow wrote it (disk error or another process); "
+                                "resume from the last checkpoint")
         with self.lock:
             self.bytes_read += nbytes
         return buf[:nbytes].view(dtype)
