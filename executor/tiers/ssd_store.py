@@ -5,13 +5,13 @@ so that a corrupted file is reported by name instead of silently training on gar
 The hot path (the executor's transfer area, tiers/arena.py, is page-aligned): a write goes from the tensor's
 own memory (only an unaligned tail, or an unaligned tensor, is copied through a small per-thread staging
 buffer); a read lands in the buffer the caller hands in (`into`). Each file is preallocated once
-(posix_fallocate) and its descriptor kept open in a small cache, so an op is a few pread/pwrite calls. Each
-chunk (MIN_CHUNK_BYTES to CHUNK_BYTES: a tensor is split over the pool's workers) is one request on the pool,
-several in flight at once; the worker that moves a chunk also
-computes its CRC32C (hardware-accelerated, from the google-crc32c package's C library, which runs without the
-GIL; zlib's CRC32 with one warning where that is missing), so the integrity check is off the serial path. A
-file's checksum is the tuple of its chunks' CRCs, kept in memory for the life of the run (the files are
-scratch: checkpoints are written by checkpoint.py with their own CRC32s).
+(posix_fallocate) and its descriptor kept open in a small cache, so an op is a few pread/pwrite calls. A
+tensor is split into about CHUNKS_PER_WORKER chunks per worker of the pool (MIN_CHUNK_BYTES to CHUNK_BYTES
+each), one request each; the worker that moves a chunk also computes its CRC32C (hardware-accelerated, from
+the google-crc32c package's C library, which runs without the GIL; zlib's CRC32 with one warning where that is
+missing), so the integrity check is off the serial path: some workers checksum while the others' requests keep
+the drives busy. A file's checksum is the tuple of its chunks' CRCs, kept in memory for the life of the run
+(the files are scratch: checkpoints are written by checkpoint.py with their own CRC32s).
 
 `ChunkIo` is the part that moves bytes between host memory and an open file; another backend (GPUDirect
 Storage, io_uring) would replace it and keep SsdStore's interface (`write`, `read(..., into=...)`, `delete`,
@@ -44,6 +44,7 @@ from tierflow.executor.tiers.direct_io import ALIGN, probe_o_direct
 
 CHUNK_BYTES = 8 << 20  # the largest I/O request (and CRC); several run at once to keep an array busy
 MIN_CHUNK_BYTES = 1 << 20  # the smallest: a smaller tensor is one request
+CHUNKS_PER_WORKER = 4  # a worker checksums one chunk while the others' requests keep the drives busy
 DEFAULT_WORKERS = 8  # requests in flight per store; the block layer splits each 8 MiB one into many
 FD_CACHE = 64  # open file descriptors kept per store (least recently used ones are closed beyond it)
 
@@ -164,9 +165,10 @@ class ChunkIo:
         return st
 
     def chunk_bytes(self, nbytes: int) -> int:
-        """The chunk size for a tensor of `nbytes`: spread over the workers, whole pages, within
+        """The chunk size for a tensor of `nbytes`: CHUNKS_PER_WORKER per worker, whole pages, within
         [MIN_CHUNK_BYTES, CHUNK_BYTES]."""
-        return min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, _padded(-(-nbytes // self.workers))))
+        even = _padded(-(-nbytes // (self.workers * CHUNKS_PER_WORKER)))
+        return min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, even))
 
     def write(self, fd: int, data: torch.Tensor, chunk: int, name: str) -> tuple[int, ...]:
         """Write `data` (uint8, contiguous) at offset 0 in `chunk`-byte requests, zero-padded to whole pages;
