@@ -12,6 +12,8 @@ bytes through:
 - **reference**: `fio` (libaio, queue depth 16, 1 MiB blocks, O_DIRECT) when installed; else a raw O_DIRECT
   loop of 1 MiB blocks with 16 requests in flight from 16 threads (os.preadv / os.pwritev release the GIL), no
   checksums;
+- **store-nocrc** (a diagnostic, not a mode of the executor): the same store with its checksum replaced by a
+  no-op, to show what the CRC costs;
 - **deepspeed**: DeepSpeed's `aio_handle` (libaio, 1 MiB blocks, queue depth 16) when importable (the
   `baseline` extra and the system's libaio); otherwise one line says it is skipped.
 
@@ -110,8 +112,8 @@ class StoreCase:
         from tierflow.executor.tiers.ssd_store import SsdStore, aligned_empty
 
         self.torch, self.size, self.count = torch, size, count
-        (directory / "store").mkdir()
-        self.store = SsdStore(directory / "store", warn=lambda m: print(m, file=sys.stderr))
+        (directory / self.name).mkdir()
+        self.store = SsdStore(directory / self.name, warn=lambda m: print(m, file=sys.stderr))
         self.src = aligned_empty(size)
         self.src.random_(0, 256)
         self.dst = aligned_empty(size)
@@ -138,6 +140,17 @@ class StoreCase:
 
     def close(self) -> None:
         self.store.close()
+
+
+class NoCrcStoreCase(StoreCase):
+    """Diagnostic only: the same store with its chunk checksum replaced by a no-op, which separates the CRC's
+    cost from the rest of the store's path. The executor never runs without the checksums."""
+
+    name = "store-nocrc"
+
+    def __init__(self, directory: Path, size: int, count: int) -> None:
+        super().__init__(directory, size, count)
+        self.store.io.crc = lambda address, nbytes: 0
 
 
 # -- the raw O_DIRECT reference ------------------------------------------------------------------------------
@@ -360,7 +373,8 @@ def run_size(directory: Path, size: int, total: int, reps: int, factories: list,
 def figure(rows: list[dict], path: Path) -> Path:
     fig, axes = new_figure(len(MODES) + 1, width_in=4.2)
     systems = list(dict.fromkeys(r["system"] for r in rows))
-    styles = {"store": ("#1f77b4", "o"), "reference": ("#7f7f7f", "s"), "deepspeed": ("#d62728", "^")}
+    styles = {"store": ("#1f77b4", "o"), "reference": ("#7f7f7f", "s"), "store-nocrc": ("#9ecae1", "v"),
+              "deepspeed": ("#d62728", "^")}
     for ax, mode in zip(axes, MODES):
         for system in systems:
             rs = [r for r in rows if r["mode"] == mode and r["system"] == system]
@@ -394,7 +408,7 @@ def run(quick: bool, out_dir: Path, directory: Path | None = None, reps: int | N
     sizes = QUICK_SIZES_MIB if quick else SIZES_MIB
     total = QUICK_TOTAL_BYTES if quick else TOTAL_BYTES
     reps = reps or (3 if quick else 5)
-    factories: list = [StoreCase, FioCase if shutil.which("fio") else RawCase]
+    factories: list = [StoreCase, FioCase if shutil.which("fio") else RawCase, NoCrcStoreCase]
     print(f"reference: {'fio (libaio, iodepth 16, 1 MiB, O_DIRECT)' if shutil.which('fio') else ''}"
           f"{'' if shutil.which('fio') else 'fio is not installed: a raw O_DIRECT loop, 1 MiB x 16 threads'}",
           file=sys.stderr)
