@@ -243,7 +243,7 @@ class FileRecord:
 class _OpenFile:
     fd: int
     inode: tuple[int, int]
-    allocated: int = -1  # bytes preallocated by this store (-1: not yet)
+    allocated: int = -1  # the file's size, preallocated (-1: not yet)
     users: int = 0
     dropped: bool = False  # out of the cache: closed when its last user is done
 
@@ -313,7 +313,7 @@ class SsdStore:
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
         fd = os.open(path, flags if create else flags & ~os.O_CREAT, 0o600)
         st = os.fstat(fd)
-        f = _OpenFile(fd, (st.st_dev, st.st_ino), users=1)
+        f = _OpenFile(fd, (st.st_dev, st.st_ino), allocated=st.st_size, users=1)  # reopened: not again
         with self.lock:
             old = self.fds.pop(name, None)
             if old is not None:
