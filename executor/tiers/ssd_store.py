@@ -1,21 +1,40 @@
 """The SSD tier: one file per tensor segment in a directory on the SSD (array), read and written with O_DIRECT
-from page-aligned host buffers, in chunks on a thread pool, with a CRC32 per file so that a corrupted file is
-reported by name instead of silently training on garbage.
+straight from and into the callers' page-aligned host memory, in chunks on a thread pool, with a CRC per chunk
+so that a corrupted file is reported by name instead of silently training on garbage.
+
+The hot path (the executor's transfer area, tiers/arena.py, is page-aligned): a write goes from the tensor's
+own memory (only an unaligned tail, or an unaligned tensor, is copied through a small per-thread staging
+buffer); a read lands in the buffer the caller hands in (`into`). Each file is preallocated once
+(posix_fallocate) and its descriptor kept open in a small cache, so an op is a few pread/pwrite calls. A
+tensor is split into about CHUNKS_PER_WORKER chunks per worker of the pool (MIN_CHUNK_BYTES to CHUNK_BYTES
+each), one request each; the worker that moves a chunk also computes its CRC32C (hardware-accelerated, from
+the google-crc32c package's C library, which runs without the GIL; zlib's CRC32 with one warning where that is
+missing), so the integrity check is off the serial path: some workers checksum while the others' requests keep
+the drives busy. A file's checksum is the tuple of its chunks' CRCs, kept in memory for the life of the run
+(the files are scratch: checkpoints are written by checkpoint.py with their own CRC32s).
+
+`ChunkIo` is the part that moves bytes between host memory and an open file; another backend (GPUDirect
+Storage, io_uring) would replace it and keep SsdStore's interface (`write`, `read(..., into=...)`, `delete`,
+`used_bytes`, `close`, `path`).
 
 Where the filesystem refuses O_DIRECT (tmpfs, some network filesystems: EINVAL), the store falls back to
-buffered I/O and warns once. Reads that go to the device (weights, activations) land in a page-aligned buffer
-the caller hands in (`into`: the executor's transfer area, tiers/arena.py); the others come from the device
-backend's host allocator, pageable (optimizer states, gradients)."""
+buffered I/O and warns once. Reads without `into` come from the device backend's host allocator, pageable
+(optimizer states, gradients) or pinned."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
+import glob
 import os
 import sys
 import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +42,11 @@ import torch
 from tierflow.errors import TierflowError
 from tierflow.executor.tiers.direct_io import ALIGN, probe_o_direct
 
-CHUNK_BYTES = 8 << 20  # one I/O request; several run at once on the pool so that an SSD array is kept busy
+CHUNK_BYTES = 8 << 20  # the largest I/O request (and CRC); several run at once to keep an array busy
+MIN_CHUNK_BYTES = 1 << 20  # the smallest: a smaller tensor is one request
+CHUNKS_PER_WORKER = 4  # a worker checksums one chunk while the others' requests keep the drives busy
+DEFAULT_WORKERS = 8  # requests in flight per store; the block layer splits each 8 MiB one into many
+FD_CACHE = 64  # open file descriptors kept per store (least recently used ones are closed beyond it)
 
 
 class ChecksumError(TierflowError, RuntimeError):
@@ -47,7 +70,7 @@ def aligned_empty(nbytes: int, pinned: bool = False, backend=None) -> torch.Tens
     """A uint8 host tensor of `nbytes` (rounded up to ALIGN) whose address is ALIGN-aligned, from `backend`'s
     host allocator (plain torch.empty without one). Pinned memory is page-aligned: no extra page is asked
     for."""
-    padded = -(-max(nbytes, 1) // ALIGN) * ALIGN
+    padded = _padded(max(nbytes, 1))
 
     def alloc(n: int) -> torch.Tensor:
         if backend is None:
@@ -64,27 +87,185 @@ def aligned_empty(nbytes: int, pinned: bool = False, backend=None) -> torch.Tens
     return raw[off: off + padded]
 
 
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+# -- checksums -----------------------------------------------------------------------------------------------
+
+
+def _load_crc32c() -> Callable[[int, int], int] | None:
+    """crc32c(address, nbytes) from the C library that the google-crc32c package ships (its Python binding
+    takes only `bytes`, which would copy every chunk; through ctypes the call takes the tensor's memory and
+    releases the GIL). None when the package or its library is missing."""
+    try:
+        import google_crc32c
+    except ImportError:
+        return None
+    pkg = Path(google_crc32c.__file__).parent
+    found = glob.glob(str(pkg.parent / "google_crc32c.libs" / "libcrc32c*.so*"))
+    found += glob.glob(str(pkg / "libcrc32c*.so*"))
+    system = ctypes.util.find_library("crc32c")
+    for name in [*found, *([system] if system else [])]:
+        try:
+            fn = ctypes.CDLL(name).crc32c_value
+        except (OSError, AttributeError):
+            continue
+        fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t]
+        return lambda address, nbytes: fn(address, nbytes)
+    return None
+
+
+def _zlib_crc32(address: int, nbytes: int) -> int:
+    return zlib.crc32((ctypes.c_ubyte * nbytes).from_address(address)) if nbytes else 0
+
+
+_CRC32C = _load_crc32c()
+_warned_crc = False
+
+
+def chunk_checksum(warn: Callable[[str], None]) -> tuple[str, Callable[[int, int], int]]:
+    """(name, crc(address, nbytes)): CRC32C in hardware where google-crc32c is installed, else zlib's CRC32
+    (with one warning per process: it is 2-3x slower and holds a core longer per GB)."""
+    global _warned_crc
+    if _CRC32C is not None:
+        return "crc32c", _CRC32C
+    if not _warned_crc:
+        _warned_crc = True
+        warn("warning: google-crc32c is not installed: the SSD tier checks its chunks with zlib's CRC32, "
+             "which costs more CPU per GB (pip install google-crc32c)")
+    return "crc32", _zlib_crc32
+
+
+# -- moving bytes --------------------------------------------------------------------------------------------
+
+
+class ChunkIo:
+    """Moves a host buffer to or from an open file in chunks, one request each, on a thread pool (os.pwritev /
+    os.preadv release the GIL), each worker computing the CRC of the chunk it moves. With O_DIRECT, memory
+    that is not page-aligned (an unaligned tensor, or the last partial page of one) goes through a per-thread
+    aligned staging buffer."""
+
+    def __init__(self, workers: int, direct: bool, crc: Callable[[int, int], int]) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierflow-ssd")
+        self.workers, self.direct, self.crc = workers, direct, crc
+        self.local = threading.local()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def _stage(self, nbytes: int) -> torch.Tensor:
+        st = getattr(self.local, "stage", None)
+        if st is None or st.numel() < nbytes:
+            st = self.local.stage = aligned_empty(max(nbytes, ALIGN))
+        return st
+
+    def chunk_bytes(self, nbytes: int) -> int:
+        """The chunk size for a tensor of `nbytes`: CHUNKS_PER_WORKER per worker, whole pages, within
+        [MIN_CHUNK_BYTES, CHUNK_BYTES]."""
+        even = _padded(-(-nbytes // (self.workers * CHUNKS_PER_WORKER)))
+        return min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, even))
+
+    def write(self, fd: int, data: torch.Tensor, chunk: int, name: str) -> tuple[int, ...]:
+        """Write `data` (uint8, contiguous) at offset 0 in `chunk`-byte requests, zero-padded to whole pages;
+        the chunks' CRCs."""
+        return self._run(fd, data, data.numel(), chunk, True, name)
+
+    def read(self, fd: int, buf: torch.Tensor, nbytes: int, chunk: int, name: str) -> tuple[int, ...]:
+        """Read the file's first `nbytes` (padded to whole pages) into `buf` (uint8, page-aligned, whole
+        pages) in `chunk`-byte requests; the chunks' CRCs over the `nbytes` bytes."""
+        return self._run(fd, buf, nbytes, chunk, False, name)
+
+    def _run(self, fd: int, buf: torch.Tensor, nbytes: int, chunk: int, write: bool,
+             name: str) -> tuple[int, ...]:
+        if nbytes == 0:
+            return ()
+        mv = memoryview(buf.numpy())
+        one = self._write_chunk if write else self._read_chunk
+        starts = range(0, nbytes, chunk)
+        if len(starts) == 1:  # one request: on the caller's thread
+            return (one(fd, buf, mv, 0, nbytes, name),)
+        futures = [self.pool.submit(one, fd, buf, mv, lo, min(nbytes, lo + chunk), name) for lo in starts]
+        return tuple(f.result() for f in futures)
+
+    def _write_chunk(self, fd: int, buf: torch.Tensor, mv: memoryview, lo: int, hi: int, name: str) -> int:
+        base = buf.data_ptr()
+        crc = self.crc(base + lo, hi - lo)
+        if not self.direct:
+            _full(os.pwritev, fd, mv[lo:hi], lo, name, "write")
+            return crc
+        body = hi if (base + lo) % ALIGN == 0 else lo  # unaligned memory: all of it goes through the stage
+        body = lo + (body - lo) // ALIGN * ALIGN
+        if body > lo:
+            _full(os.pwritev, fd, mv[lo:body], lo, name, "write")
+        if hi > body:
+            n = _padded(hi - body)
+            stage = self._stage(n)
+            ctypes.memmove(stage.data_ptr(), base + body, hi - body)  # a plain memcpy, without the GIL
+            ctypes.memset(stage.data_ptr() + hi - body, 0, n - (hi - body))
+            _full(os.pwritev, fd, memoryview(stage.numpy())[:n], body, name, "write")
+        return crc
+
+    def _read_chunk(self, fd: int, buf: torch.Tensor, mv: memoryview, lo: int, hi: int, name: str) -> int:
+        _full(os.preadv, fd, mv[lo: lo + _padded(hi - lo)], lo, name, "read")
+        return self.crc(buf.data_ptr() + lo, hi - lo)
+
+
+def _full(call, fd: int, view: memoryview, pos: int, name: str, what: str) -> None:
+    """pwritev/preadv `view` at `pos` until all of it moved (an I/O error or end of file: EIO naming the
+    tensor)."""
+    done, n = 0, len(view)
+    while done < n:
+        got = call(fd, [view[done:]], pos + done)
+        if got <= 0:
+            raise OSError(errno.EIO, f"short {what} of {name} at byte {pos + done}")
+        done += got
+
+
+# -- the store -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FileRecord:
+    """What the store wrote to one file: its size in bytes (the file holds them padded to whole pages) and
+    the checksum of each `chunk_bytes` chunk, in order."""
+
+    nbytes: int
+    chunk_bytes: int
+    chunk_crcs: tuple[int, ...]
+
+
+@dataclass
+class _OpenFile:
+    fd: int
+    inode: tuple[int, int]
+    allocated: int = -1  # the file's size, preallocated (-1: not yet)
+    users: int = 0
+    dropped: bool = False  # out of the cache: closed when its last user is done
+
+
 class SsdStore:
     """Named tensor files under `root`. `write(name, tensor)` stores a tensor's bytes; `read(name, dtype,
-    numel)` returns them as a new aligned host tensor (pinned if asked), after checking the CRC32 recorded at
-    write."""
+    numel)` returns them as a new aligned host tensor (pinned if asked) or in the caller's buffer (`into`),
+    after checking each chunk's CRC recorded at write."""
 
-    def __init__(self, root: str | os.PathLike[str], *, backend=None, workers: int = 4,
+    def __init__(self, root: str | os.PathLike[str], *, backend=None, workers: int = DEFAULT_WORKERS,
                  warn: Callable[[str], None] | None = None, direct: bool | None = None) -> None:
         self.root = Path(root)
         self.backend = backend  # DeviceBackend: its host_buffer allocates the read buffers
         self.warn = warn or (lambda msg: print(msg, file=sys.stderr))
-        self.crc: dict[str, int] = {}
-        self.nbytes: dict[str, int] = {}
+        self.records: dict[str, FileRecord] = {}
         self.lock = threading.Lock()
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierflow-ssd")
+        self.fds: OrderedDict[str, _OpenFile] = OrderedDict()
         self.bytes_read = 0
         self.bytes_written = 0
         self.direct = self._probe() if direct is None else direct
+        self.checksum, crc = chunk_checksum(self.warn)
+        self.io = ChunkIo(workers, self.direct, crc)
 
     # -- setup -----------------------------------------------------------------------------------------------
 
@@ -100,55 +281,90 @@ class SsdStore:
         return False
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        self.io.close()
+        with self.lock:
+            for f in self.fds.values():
+                os.close(f.fd)
+            self.fds.clear()
 
     def path(self, name: str) -> Path:
         return self.root / f"{name}.bin"
 
+    # -- the descriptor cache --------------------------------------------------------------------------------
+
+    def _acquire(self, name: str, create: bool) -> _OpenFile:
+        """The open file of `name`, from the cache if its path still names the same file (a file deleted or
+        replaced behind the store's back is opened again; a missing one raises FileNotFoundError unless
+        `create`)."""
+        path = self.path(name)
+        try:
+            st = os.stat(path)
+            inode = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            if not create:
+                raise
+            inode = None
+        with self.lock:
+            f = self.fds.get(name)
+            if f is not None and f.inode == inode:
+                self.fds.move_to_end(name)
+                f.users += 1
+                return f
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
+        fd = os.open(path, flags if create else flags & ~os.O_CREAT, 0o600)
+        st = os.fstat(fd)
+        f = _OpenFile(fd, (st.st_dev, st.st_ino), allocated=st.st_size, users=1)  # reopened: not again
+        with self.lock:
+            old = self.fds.pop(name, None)
+            if old is not None:
+                self._drop(old)
+            self.fds[name] = f
+            while len(self.fds) > FD_CACHE:
+                self._drop(self.fds.popitem(last=False)[1])
+        return f
+
+    def _release(self, f: _OpenFile) -> None:
+        with self.lock:
+            f.users -= 1
+            if f.dropped and f.users == 0:
+                os.close(f.fd)
+
+    @staticmethod
+    def _drop(f: _OpenFile) -> None:
+        """Out of the cache (under the lock): closed now if unused, else by its last user."""
+        f.dropped = True
+        if f.users == 0:
+            os.close(f.fd)
+
+    def _allocate(self, f: _OpenFile, size: int) -> None:
+        """The file is `size` bytes, its blocks allocated (once per size, not per write)."""
+        if f.allocated == size:
+            return
+        os.ftruncate(f.fd, size)
+        if size and hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(f.fd, 0, size)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+        f.allocated = size
+
     # -- I/O -------------------------------------------------------------------------------------------------
-
-    def _open(self, path: Path, write: bool) -> int:
-        flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
-        if self.direct:
-            flags |= os.O_DIRECT
-        return os.open(path, flags, 0o600)
-
-    def _chunks(self, fd: int, buf: torch.Tensor, write: bool, name: str) -> None:
-        mv = memoryview(buf.numpy())
-        n = len(mv)
-
-        def one(lo: int) -> None:
-            hi = min(n, lo + CHUNK_BYTES)
-            pos = lo
-            while pos < hi:
-                done = os.pwrite(fd, mv[pos:hi], pos) if write else os.preadv(fd, [mv[pos:hi]], pos)
-                if done <= 0:
-                    raise OSError(errno.EIO, f"short {'write' if write else 'read'} of {name} at byte {pos}")
-                pos += done
-
-        futures = [self.pool.submit(one, lo) for lo in range(0, n, CHUNK_BYTES)]
-        for f in futures:
-            f.result()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         data = _bytes_of(tensor.cpu() if tensor.device.type != "cpu" else tensor)
         nbytes = data.numel()
-        buf = aligned_empty(nbytes)
-        buf[:nbytes].copy_(data)
-        if len(buf) > nbytes:
-            buf[nbytes:].zero_()
-        crc = zlib.crc32(memoryview(buf[:nbytes].numpy()))
-        path = self.path(name)
-        fd = self._open(path, True)
+        f = self._acquire(name, create=True)
         try:
-            self._chunks(fd, buf, True, name)
+            self._allocate(f, _padded(nbytes))
+            chunk = self.io.chunk_bytes(nbytes)
+            crcs = self.io.write(f.fd, data, chunk, name)
             if not self.direct:
-                os.fsync(fd)
+                os.fsync(f.fd)
         finally:
-            os.close(fd)
+            self._release(f)
         with self.lock:
-            self.crc[name] = crc
-            self.nbytes[name] = nbytes
+            self.records[name] = FileRecord(nbytes, chunk, crcs)
             self.bytes_written += nbytes
 
     def read(self, name: str, dtype: torch.dtype, numel: int, pinned: bool = False,
@@ -156,45 +372,50 @@ class SsdStore:
         """`into(nbytes)`: the page-aligned uint8 buffer to read into (whole pages; the executor's transfer
         area) instead of a new one."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        if self.nbytes.get(name) != nbytes:
+        rec = self.records.get(name)
+        if rec is None or rec.nbytes != nbytes:
             raise ChecksumError(f"ssd tier: {name}: expected {nbytes} bytes, the store wrote "
-                                f"{self.nbytes.get(name)}")
+                                f"{rec.nbytes if rec else None}")
         if into is not None:
-            buf = into(nbytes)
-            buf = buf[: -(-max(nbytes, 1) // ALIGN) * ALIGN]
+            buf = into(nbytes)[: _padded(max(nbytes, 1))]
         else:
             pin = pinned and self.backend is not None and self.backend.pins
             buf = aligned_empty(nbytes, pin, self.backend)
         path = self.path(name)
         try:
-            fd = self._open(path, False)
+            f = self._acquire(name, create=False)
         except FileNotFoundError:
             raise ChecksumError(f"ssd tier: tensor {name} is missing ({path} was deleted)") from None
         try:
-            if os.fstat(fd).st_size < len(buf):
-                raise ChecksumError(f"ssd tier: tensor {name} is truncated ({path}: {os.fstat(fd).st_size} "
-                                    f"bytes, expected {len(buf)})")
-            self._chunks(fd, buf, False, name)
+            size = os.fstat(f.fd).st_size
+            if size < _padded(nbytes):
+                raise ChecksumError(f"ssd tier: tensor {name} is truncated ({path}: {size} bytes, expected "
+                                    f"{_padded(nbytes)})")
+            crcs = self.io.read(f.fd, buf, nbytes, rec.chunk_bytes, name)
         finally:
-            os.close(fd)
-        crc = zlib.crc32(memoryview(buf[:nbytes].numpy()))
-        if crc != self.crc[name]:
-            raise ChecksumError(f"ssd tier: checksum mismatch in tensor {name} ({path}): the file changed "
-                                "since tierflow wrote it (disk error or another process); resume from the "
-                                "last checkpoint")
+            self._release(f)
+        bad = [i for i, (got, want) in enumerate(zip(crcs, rec.chunk_crcs)) if got != want]
+        if bad or len(crcs) != len(rec.chunk_crcs):
+            lo = bad[0] * rec.chunk_bytes if bad else 0
+            hi = min(nbytes, lo + rec.chunk_bytes)
+            raise ChecksumError(f"ssd tier: checksum mismatch in tensor {name} ({path}, bytes {lo}-{hi}): "
+                                "the file changed since tierflow wrote it (disk error or another process); "
+                                "resume from the last checkpoint")
         with self.lock:
             self.bytes_read += nbytes
         return buf[:nbytes].view(dtype)
 
     def delete(self, name: str) -> None:
-        self.path(name).unlink(missing_ok=True)
         with self.lock:
-            self.crc.pop(name, None)
-            self.nbytes.pop(name, None)
+            f = self.fds.pop(name, None)
+            if f is not None:
+                self._drop(f)
+            self.records.pop(name, None)
+        self.path(name).unlink(missing_ok=True)
 
     def used_bytes(self) -> int:
         with self.lock:
-            return sum(self.nbytes.values())
+            return sum(r.nbytes for r in self.records.values())
 
 
 FIX_SPACE = "free space, pass a larger directory, or plan with fewer bytes on the SSD"

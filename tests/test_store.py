@@ -1,0 +1,147 @@
+"""The SSD tier's store (executor/tiers/ssd_store.py): a CRC per chunk computed by the I/O workers, corruption
+and truncation caught by name, the cache of open descriptors, unaligned tensors and tails, reads into the
+caller's buffer, and the zlib fallback when google-crc32c is missing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tierflow.executor.tiers.ssd_store as ss
+from tierflow.executor.tiers.direct_io import ALIGN
+from tierflow.executor.tiers.ssd_store import ChecksumError, SsdStore, aligned_empty
+
+CHUNK = 16 * 1024  # small chunks: several per tensor without big tensors
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setattr(ss, "CHUNK_BYTES", CHUNK)
+    s = SsdStore(tmp_path, warn=lambda m: None)
+    yield s
+    s.close()
+
+
+def _bytes(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, ALIGN - 1, ALIGN, ALIGN + 5, CHUNK, 3 * CHUNK + 7])
+def test_roundtrip_of_aligned_and_unaligned_tensors(store, nbytes):
+    data = _bytes(nbytes)
+    aligned = aligned_empty(nbytes)[:nbytes]
+    aligned.copy_(data)
+    unaligned = torch.empty(nbytes + 1, dtype=torch.uint8)[1:]
+    unaligned.copy_(data)
+    for name, t in (("aligned", aligned), ("unaligned", unaligned)):
+        store.write(name, t)
+        assert torch.equal(store.read(name, torch.uint8, nbytes), data)
+        assert os.path.getsize(store.path(name)) == -(-nbytes // ALIGN) * ALIGN  # padded to whole pages
+    assert store.used_bytes() == 2 * nbytes
+
+
+def test_one_crc_per_chunk(store):
+    store.write("t", _bytes(3 * CHUNK + 7))
+    rec = store.records["t"]
+    assert rec.nbytes == 3 * CHUNK + 7 and len(rec.chunk_crcs) == 4
+    assert store.checksum in ("crc32c", "crc32")
+
+
+def test_aligned_memory_is_written_without_a_copy_but_its_tail(store, monkeypatch):
+    staged = []
+    real = ss.ChunkIo._stage
+
+    def stage(self, nbytes):
+        staged.append(nbytes)
+        return real(self, nbytes)
+
+    monkeypatch.setattr(ss.ChunkIo, "_stage", stage)
+    whole = aligned_empty(2 * CHUNK)
+    store.write("whole", whole)
+    assert staged == []
+    store.write("tail", aligned_empty(CHUNK + 10)[: CHUNK + 10])
+    assert staged == [ALIGN]  # only the last partial page
+
+
+def test_read_lands_in_the_callers_buffer(store):
+    data = _bytes(2 * CHUNK + 100).view(torch.uint8)
+    store.write("t", data)
+    buf = aligned_empty(4 * CHUNK)
+    out = store.read("t", torch.uint8, data.numel(), into=lambda n: buf)
+    assert out.data_ptr() == buf.data_ptr() and torch.equal(out, data)
+
+
+@pytest.mark.parametrize("where", [10, 2 * CHUNK + 3])
+def test_a_corrupted_chunk_is_named(store, where):
+    data = _bytes(3 * CHUNK)
+    store.write("adam_m_b1_p0", data)
+    with open(store.path("adam_m_b1_p0"), "r+b") as f:
+        f.seek(where)
+        f.write(bytes([data[where].item() ^ 0xFF]))
+    lo = where // CHUNK * CHUNK
+    with pytest.raises(ChecksumError, match=rf"checksum mismatch in tensor adam_m_b1_p0 .*bytes {lo}-"):
+        store.read("adam_m_b1_p0", torch.uint8, data.numel())
+
+
+def test_truncated_deleted_and_replaced_files(store):
+    data = _bytes(2 * CHUNK)
+    store.write("t", data)
+    os.truncate(store.path("t"), CHUNK)
+    with pytest.raises(ChecksumError, match="tensor t is truncated"):
+        store.read("t", torch.uint8, data.numel())
+    store.write("t", data)
+    store.path("t").unlink()  # behind the store's back, with its descriptor still open
+    with pytest.raises(ChecksumError, match="tensor t is missing"):
+        store.read("t", torch.uint8, data.numel())
+    store.write("t", data)  # written again: a new file, not the deleted one's descriptor
+    assert torch.equal(store.read("t", torch.uint8, data.numel()), data)
+    store.path("t").unlink()
+    store.path("t").write_bytes(bytes(data.numpy()))  # replaced by the same bytes: opened again, verified
+    assert torch.equal(store.read("t", torch.uint8, data.numel()), data)
+
+
+def test_descriptors_are_cached_reused_and_bounded(store, monkeypatch):
+    monkeypatch.setattr(ss, "FD_CACHE", 3)
+    opened = []
+    real_open = os.open
+
+    def counting_open(path, flags, *a):
+        opened.append(str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", counting_open)
+    data = _bytes(CHUNK)
+    for _ in range(3):
+        store.write("a", data)
+        store.read("a", torch.uint8, CHUNK)
+    assert len(opened) == 1  # one open for three writes and three reads
+    for i in range(5):
+        store.write(f"b{i}", data)
+    assert len(store.fds) == 3 and "a" not in store.fds
+    assert torch.equal(store.read("a", torch.uint8, CHUNK), data)  # evicted: opened again
+    fd = store.fds["a"].fd
+    store.delete("a")
+    assert "a" not in store.fds and not store.path("a").exists()
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed by delete
+    assert "a" not in store.records
+
+
+def test_zlib_fallback_warns_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(ss, "_CRC32C", None)
+    monkeypatch.setattr(ss, "_warned_crc", False)
+    warnings: list[str] = []
+    stores = [SsdStore(tmp_path, warn=warnings.append) for _ in range(2)]
+    assert [s.checksum for s in stores] == ["crc32", "crc32"]
+    assert len(warnings) == 1 and "pip install google-crc32c" in warnings[0]
+    data = _bytes(ALIGN + 3)
+    stores[0].write("t", data)
+    assert torch.equal(stores[0].read("t", torch.uint8, data.numel()), data)
+    with open(stores[0].path("t"), "r+b") as f:
+        f.write(b"\0\0\0")
+    with pytest.raises(ChecksumError, match="checksum mismatch in tensor t"):
+        stores[0].read("t", torch.uint8, data.numel())
+    for s in stores:
+        s.close()
