@@ -16,8 +16,8 @@ from tierflow.hwprofiles import HardwareProfile
 
 def measure_store(directory: str | os.PathLike[str], total_bytes: int, mixed_s: float = 1.0,
                   files: int = 4) -> dict[str, float]:
-    """GB/s of the SSD tier as the executor uses it (executor.store.SsdStore: O_DIRECT from aligned buffers, 8
-    MiB requests on its thread pool, a CRC32 per file): write `files` files of `total_bytes` together, read
+    """GB/s of the SSD tier as the executor uses it (executor.tiers.ssd_store.SsdStore: O_DIRECT from aligned
+    memory, 1-8 MiB requests on its thread pool, a CRC32C per request): write `files` files of `total_bytes` together, read
     them back, then read them again while writing a second set on another thread for about `mixed_s`
     seconds."""
     torch = import_torch()
