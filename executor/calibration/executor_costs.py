@@ -1,6 +1,6 @@
 """Measuring the executor itself on this machine: the SSD tier through its own store
-(executor.store.SsdStore), how device compute and the host's I/O threads slow each other on a CPU device, and
-the executor's fixed cost per op on a tiny plan."""
+(executor.tiers.ssd_store.SsdStore), how device compute and the host's I/O threads slow each other on a CPU
+device, and the executor's fixed cost per op on a tiny plan."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from tierflow.hwprofiles import HardwareProfile
 def measure_store(directory: str | os.PathLike[str], total_bytes: int, mixed_s: float = 1.0,
                   files: int = 4) -> dict[str, float]:
     """GB/s of the SSD tier as the executor uses it (executor.tiers.ssd_store.SsdStore: O_DIRECT from aligned
-    memory, 1-8 MiB requests on its thread pool, a CRC32C per request): write `files` files of `total_bytes` together, read
-    them back, then read them again while writing a second set on another thread for about `mixed_s`
-    seconds."""
+    memory, 1-8 MiB requests on its thread pool, a CRC32C per request): write `files` files of `total_bytes`
+    together, read them back, then read them again while writing a second set on another thread for about
+    `mixed_s` seconds."""
     torch = import_torch()
     from tierflow.executor.tiers.ssd_store import SsdStore
 
