@@ -101,7 +101,20 @@ def both(read: Callable[[], int], write: Callable[[], int]) -> int:
 # -- the store -----------------------------------------------------------------------------------------------
 
 
-class StoreCase:
+class TwoSets:
+    """A case over two sets of files (a: read, b: written while a is read): mixed and prepare in terms of
+    its own read and write(prefix)."""
+
+    def mixed(self) -> int:
+        return both(self.read, lambda: self.write("b"))
+
+    def prepare(self) -> None:
+        """Both sets written once (files created and allocated)."""
+        self.write()
+        self.write("b")
+
+
+class StoreCase(TwoSets):
     """SsdStore on `count` tensors of `size` bytes per set (a: read, b: written while a is read)."""
 
     name = "store"
@@ -130,13 +143,6 @@ class StoreCase:
             self.store.read(f"a{i}", self.torch.float32, self.numel, into=lambda n: self.dst)
         return self.size * self.count
 
-    def mixed(self) -> int:
-        return both(self.read, lambda: self.write("b"))
-
-    def prepare(self) -> None:
-        """Both sets written once (files created and allocated)."""
-        self.write()
-        self.write("b")
 
     def close(self) -> None:
         self.store.close()
@@ -258,7 +264,7 @@ class FioCase:
         pass
 
 
-class DeepSpeedCase:
+class DeepSpeedCase(TwoSets):
     """DeepSpeed's aio_handle (libaio) reading into and writing from a page-aligned tensor."""
 
     name = "deepspeed"
@@ -289,13 +295,6 @@ class DeepSpeedCase:
             self.handle.sync_pread(self.dst, self._path("a", i))
         return self.size * self.count
 
-    def mixed(self) -> int:
-        return both(self.read, lambda: self.write("b"))
-
-    def prepare(self) -> None:
-        """Both sets written once (files created and allocated)."""
-        self.write()
-        self.write("b")
 
     def close(self) -> None:
         pass
