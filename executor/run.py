@@ -682,27 +682,26 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
             print(f"tierflow run: interrupted by {e.name} outside the training steps; stopped cleanly, the "
                   "SSD tier's files removed", file=sys.stderr)
         return e.exit_code
+    # the exit codes are the errors' own (tierflow.errors): 2 bad input, 3 does not fit, 1 the executor failed
     except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan, LockError,
             LaunchError) as e:
         if _says(e):
             print(f"tierflow run: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except CapacityError as e:
         print(f"tierflow run: does not fit: {e}", file=sys.stderr)
-        return 3
-    except OutOfMemory as e:
+        return e.exit_code
+    # an op out of memory, or the pinned transfer area allocated at start
+    except (OutOfMemory, TransferAreaOutOfMemory) as e:
         print(f"tierflow run: {e}", file=sys.stderr)
-        return 3
-    except TransferAreaOutOfMemory as e:  # the pinned transfer area, allocated at start
-        print(f"tierflow run: {e}", file=sys.stderr)
-        return 3
+        return e.exit_code
     except TierOutOfMemory as e:  # building the state on its tiers, before any op
         print(f"tierflow run: {e.tier} out of memory for the training state: {e}; plan again for this "
               "machine (tierflow calibrate, then tierflow plan --hw box.yaml)", file=sys.stderr)
-        return 3
+        return e.exit_code
     except ExecutionError as e:
         print(f"tierflow run: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     if args.json and _says():
         out: dict[str, Any] = {"plan": str(args.plan), "first_step": res.first_step,
                                "steps": [asdict(r) for r in res.records], "wall_s": time.perf_counter() - t0,
