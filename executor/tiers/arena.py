@@ -25,7 +25,6 @@ dropped.
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from collections import deque
@@ -35,16 +34,11 @@ from dataclasses import dataclass, field
 import torch
 
 from tierflow.executor.device.base import TierOutOfMemory
-from tierflow.executor.tiers.direct_io import ALIGN
+from tierflow.executor.tiers.direct_io import ALIGN, page_round
 from tierflow.executor.tiers.ssd_store import aligned_empty
 from tierflow.planner.core import opkinds as k
 from tierflow.planner.core.graph import Task
-from tierflow.planner.core.opkinds import ENTRY_TENSORS
 from tierflow.planner.core.workload import COMPUTE_BYTES
-
-
-def page_round(nbytes: float, page: int = ALIGN) -> int:
-    return -(-int(math.ceil(nbytes)) // page) * page if nbytes > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -72,7 +66,7 @@ def planned_buffers(tasks: list[Task], binding, state, elem_bytes: int, grad_wir
 
     entries: dict = {}
     for t in tasks:
-        if t.tensor in ENTRY_TENSORS:
+        if t.tensor in k.ENTRY_TENSORS:
             entries.setdefault(binding.entry_key(t), []).append(t)
     for key, ops in entries.items():
         kind = {t.kind.split("_", 1)[0]: t for t in ops}  # offload, write (one each)

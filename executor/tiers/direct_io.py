@@ -4,12 +4,18 @@
 from __future__ import annotations
 
 import errno
+import math
 import mmap
 import os
 from pathlib import Path
 
 # O_DIRECT alignment of buffer addresses, file offsets and lengths (the page size covers every SSD)
 ALIGN = 4096
+
+
+def page_round(nbytes: float, page: int = ALIGN) -> int:
+    """`nbytes` rounded up to whole pages (0 for nothing): what an O_DIRECT buffer or request of it spans."""
+    return -(-int(math.ceil(nbytes)) // page) * page if nbytes > 0 else 0
 
 
 def probe_o_direct(directory: str | os.PathLike[str]) -> bool:

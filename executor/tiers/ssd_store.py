@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from tierflow.errors import TierflowError
-from tierflow.executor.tiers.direct_io import ALIGN, probe_o_direct
+from tierflow.executor.tiers.direct_io import ALIGN, page_round, probe_o_direct
 
 CHUNK_BYTES = 8 << 20  # the largest I/O request (and CRC); several run at once to keep an array busy
 MIN_CHUNK_BYTES = 1 << 20  # the smallest: a smaller tensor is one request
@@ -70,7 +70,7 @@ def aligned_empty(nbytes: int, pinned: bool = False, backend=None) -> torch.Tens
     """A uint8 host tensor of `nbytes` (rounded up to ALIGN) whose address is ALIGN-aligned, from `backend`'s
     host allocator (plain torch.empty without one). Pinned memory is page-aligned: no extra page is asked
     for."""
-    padded = _padded(max(nbytes, 1))
+    padded = page_round(max(nbytes, 1))
 
     def alloc(n: int) -> torch.Tensor:
         if backend is None:
@@ -85,10 +85,6 @@ def aligned_empty(nbytes: int, pinned: bool = False, backend=None) -> torch.Tens
     raw = alloc(padded + ALIGN)
     off = (-raw.data_ptr()) % ALIGN
     return raw[off: off + padded]
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -167,7 +163,7 @@ class ChunkIo:
     def chunk_bytes(self, nbytes: int) -> int:
         """The chunk size for a tensor of `nbytes`: CHUNKS_PER_WORKER per worker, whole pages, within
         [MIN_CHUNK_BYTES, CHUNK_BYTES]."""
-        even = _padded(-(-nbytes // (self.workers * CHUNKS_PER_WORKER)))
+        even = page_round(-(-nbytes // (self.workers * CHUNKS_PER_WORKER)))
         return min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, even))
 
     def write(self, fd: int, data: torch.Tensor, chunk: int, name: str) -> tuple[int, ...]:
@@ -203,7 +199,7 @@ class ChunkIo:
         if body > lo:
             _full(os.pwritev, fd, mv[lo:body], lo, name, "write")
         if hi > body:
-            n = _padded(hi - body)
+            n = page_round(hi - body)
             stage = self._stage(n)
             ctypes.memmove(stage.data_ptr(), base + body, hi - body)  # a plain memcpy, without the GIL
             ctypes.memset(stage.data_ptr() + hi - body, 0, n - (hi - body))
@@ -211,7 +207,7 @@ class ChunkIo:
         return crc
 
     def _read_chunk(self, fd: int, buf: torch.Tensor, mv: memoryview, lo: int, hi: int, name: str) -> int:
-        _full(os.preadv, fd, mv[lo: lo + _padded(hi - lo)], lo, name, "read")
+        _full(os.preadv, fd, mv[lo: lo + page_round(hi - lo)], lo, name, "read")
         return self.crc(buf.data_ptr() + lo, hi - lo)
 
 
@@ -356,7 +352,7 @@ class SsdStore:
         nbytes = data.numel()
         f = self._acquire(name, create=True)
         try:
-            self._allocate(f, _padded(nbytes))
+            self._allocate(f, page_round(nbytes))
             chunk = self.io.chunk_bytes(nbytes)
             crcs = self.io.write(f.fd, data, chunk, name)
             if not self.direct:
@@ -377,7 +373,7 @@ class SsdStore:
             raise ChecksumError(f"ssd tier: {name}: expected {nbytes} bytes, the store wrote "
                                 f"{rec.nbytes if rec else None}")
         if into is not None:
-            buf = into(nbytes)[: _padded(max(nbytes, 1))]
+            buf = into(nbytes)[: page_round(max(nbytes, 1))]
         else:
             pin = pinned and self.backend is not None and self.backend.pins
             buf = aligned_empty(nbytes, pin, self.backend)
@@ -388,9 +384,9 @@ class SsdStore:
             raise ChecksumError(f"ssd tier: tensor {name} is missing ({path} was deleted)") from None
         try:
             size = os.fstat(f.fd).st_size
-            if size < _padded(nbytes):
+            if size < page_round(nbytes):
                 raise ChecksumError(f"ssd tier: tensor {name} is truncated ({path}: {size} bytes, expected "
-                                    f"{_padded(nbytes)})")
+                                    f"{page_round(nbytes)})")
             crcs = self.io.read(f.fd, buf, nbytes, rec.chunk_bytes, name)
         finally:
             self._release(f)
