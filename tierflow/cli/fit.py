@@ -21,8 +21,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "measure) by minimising the relative error of the simulated values; report "
                         "residuals, leave-one-out errors and unidentified fields, and write the fitted "
                         "profile.")
-    fi.add_argument("runs", help="CSV or YAML file of measured runs")
-    add_hw_arg(fi, None, "base profile name or YAML path (default: the runs' hw column)")
+    fi.add_argument("runs", nargs="?", default=None, help="CSV or YAML file of measured runs (or --trace)")
+    fi.add_argument("--trace", default=None, metavar="TRACE", help="instead of runs: the trace.json that "
+                    "`tierflow run --out` wrote; fits the fields its op kinds measure (needs --plan)")
+    fi.add_argument("--plan", default=None, metavar="PLAN", help="the plan file the --trace was measured "
+                    "with (its hardware is the base profile unless --hw is given)")
+    add_hw_arg(fi, None, "base profile name or YAML path (default: the runs' hw column, or the plan's)")
     add_set_arg(fi, "override a base profile field first")
     fi.add_argument("--field", action="append", metavar="KEY=LOW:HIGH", help="a field to fit within bounds, "
                     "e.g. ssd.read_gbps=0.5:8 (repeatable)")
@@ -34,21 +38,47 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tierflow.planner.search.fit import FitField, fit, load_runs, write_fitted_profile
+    from tierflow.planner.search.fit import FitError, FitField, fit, load_runs, write_fitted_profile
 
     fields = [FitField.parse(f) for f in args.field or []]
+    if (args.trace is None) == (args.runs is None) or (args.trace is None) != (args.plan is None):
+        raise FitError("give either a runs file, or --trace TRACE with --plan PLAN (the plan it was measured "
+                       "with)")
+    if args.trace:
+        return _run_trace(args, fields)
     runs = load_runs(args.runs)
     hw = load_hw(args.hw or runs[0].hw, args.set)
     prog = Progress(1, "fitting")
     res = fit(runs, hw, fields, loo=args.loo, progress=lambda i, n, what: prog.update(i, n, what))
     prog.finish()
     fitted = write_fitted_profile(hw, res, args.out, Path(args.runs).name) if args.out else None
+    return _report(args, hw, res, fitted, f"{len(runs)} runs from {args.runs}")
+
+
+def _run_trace(args: argparse.Namespace, fields: list) -> int:
+    from tierflow.hwprofiles import parse_overrides
+    from tierflow.planner.io.planfile import load_plan
+    from tierflow.planner.search.fit import write_fitted_profile
+    from tierflow.planner.search.trace_fit import fit_trace, with_tied
+
+    plan = load_plan(args.plan)
+    hw = load_hw(args.hw, args.set) if args.hw else plan.hardware.with_overrides(parse_overrides(args.set))
+    prog = Progress(1, "fitting")
+    res = fit_trace(plan, args.trace, hw, fields or None,
+                    progress=lambda i, n, what: prog.update(i, n, what))
+    prog.finish()
+    fitted = (write_fitted_profile(hw, with_tied(res, hw), args.out, Path(args.trace).name) if args.out
+              else None)
+    return _report(args, hw, res, fitted, f"{len(res.runs)} op groups of {args.trace} (plan {args.plan})")
+
+
+def _report(args: argparse.Namespace, hw: Any, res: Any, fitted: Any, what: str) -> int:
     if args.json:
-        print(json.dumps({**res.to_dict(), "runs_file": str(args.runs), "profile_file": args.out}, indent=2))
+        print(json.dumps({**res.to_dict(), "runs_file": args.runs, "trace_file": args.trace,
+                          "plan_file": args.plan, "profile_file": args.out}, indent=2))
         return 0
     print(f"base: {hw.name}: {hw.summary()}")
-    print(f"{len(runs)} runs from {args.runs}; {res.evaluations} evaluations, {res.simulations} simulations, "
-          f"{res.wall_s:.1f} s\n")
+    print(f"{what}; {res.evaluations} evaluations, {res.simulations} simulations, {res.wall_s:.1f} s\n")
     print(fmt_table([[f.key, f"{f.lower:g} .. {f.upper:g}", f"{res.initial[f.key]}",
                       f"{res.values[f.key]:.4g}",
                       "unidentified" if f.key in res.unidentified else res.at_bound.get(f.key, "ok")]
