@@ -21,6 +21,11 @@ directory must be one directory that every rank sees (on several boxes: a shared
 rank verifies and loads its own shard, rank 0 also checks that every rank's shard is present, and the ranks
 agree on the checkpoint to use, so a kill -9 of one rank (torchrun then stops the others) resumes from the
 last complete checkpoint.
+
+The state is stored per block, whatever the plan put where, so a checkpoint resumes under another plan of the
+same training (`training_digest`: the model, the global batch and the sequence length; another schedule,
+placement, micro-batch or alpha is fine): loading puts every tensor class on the tiers the new plan names.
+`check_same_training` refuses, in one line, a checkpoint of another model or batch.
 """
 
 from __future__ import annotations
@@ -45,6 +50,39 @@ CHECKPOINT_VERSION = 2  # 2: per-file sizes and CRC32s in the manifest; version 
 SHARDED_VERSION = 3
 READ_VERSIONS = (1, 2, SHARDED_VERSION)
 CHUNK_BYTES = 64 << 20
+
+
+class OtherTraining(StateError):
+    """A checkpoint of another model, batch or sequence length than the plan's (cannot be resumed)."""
+
+
+def training_digest(model: object, batch: int, seq: int) -> str:
+    """What a checkpoint can be resumed under: the model's every field (a dataclass), the global batch and the
+    sequence length, hashed; the schedule, placement and micro-batch are not part of it."""
+    import dataclasses
+    import hashlib
+
+    d = {"model": dataclasses.asdict(model), "batch": batch, "seq": seq}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_same_training(ckpt: Path, manifest: dict, settings: dict, where: str) -> bool:
+    """Whether the checkpoint was written under another plan (True: resumed across plans, the state moves to
+    this plan's tiers). OtherTraining, one line, when its model, batch or sequence length differ (a checkpoint
+    written before the training digest existed must come from the same plan)."""
+    if manifest.get("plan") == settings["plan"]:
+        return False
+    if manifest.get("training") is not None and manifest.get("training") == settings.get("training"):
+        return True
+    was = manifest.get("shape") or {}
+    now = settings.get("shape") or {}
+    raise OtherTraining(f"{where}: its checkpoint {ckpt.name} was written with another plan of another "
+                        f"training (model {manifest.get('model')!r}, batch {was.get('batch', '?')} x seq "
+                        f"{was.get('seq', '?')}; this plan: model {now.get('model')!r}, batch "
+                        f"{now.get('batch', '?')} x seq {now.get('seq', '?')}): resume with a plan of the "
+                        "same model, batch and sequence length, or use another directory")
+
+
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 

@@ -39,9 +39,11 @@ from tierflow.errors import TierflowError
 from tierflow.executor.checkpoint import (
     CheckpointWriteError,
     NonFiniteState,
+    check_same_training,
     remove_temporaries,
     resume,
     save_checkpoint,
+    training_digest,
 )
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device.base import DeviceBackend, TierOutOfMemory
@@ -327,7 +329,8 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
     if opts.data:
         data.check_batch(cfg.batch, cfg.seq)
     settings = {"plan": plan_fingerprint(plan), "seed": opts.seed, "hyper": asdict(opts.hyper),
-                "data": data.source}
+                "data": data.source, "training": training_digest(spec, cfg.batch, cfg.seq),
+                "shape": {"model": spec.name, "batch": cfg.batch, "seq": cfg.seq}}
     tokens = cfg.batch * cfg.seq
     tr = _Training(plan, opts, backend, ssd, log, world, state, settings, tokens,
                    tokens * model_flops_per_token(spec, cfg.seq))
@@ -559,10 +562,9 @@ def changed_settings(manifest: dict, settings: dict) -> list[tuple[str, object, 
 
 def _check_resume(ckpt: Path, manifest: dict, settings: dict, opts: RunOptions, warn) -> None:
     """A checkpoint of another plan is refused; one of other settings too, unless --allow-changed-hyper."""
-    if manifest.get("plan") != settings["plan"]:
-        raise RunError(f"--checkpoint-dir {opts.checkpoint_dir}: its checkpoint was written with another "
-                       f"plan (model {manifest.get('model')!r}); resume with that plan or use another "
-                       "directory")
+    if check_same_training(ckpt, manifest, settings, f"--checkpoint-dir {opts.checkpoint_dir}"):
+        warn(f"resuming {ckpt.name}, written under another plan of the same model and batch: its state moves "
+             "to this plan's tiers")
     diff = changed_settings(manifest, settings)
     if not diff:
         return

@@ -258,17 +258,15 @@ def default_fields(plan, hw: HardwareProfile) -> list[FitField]:
     return out
 
 
-def fit_trace(plan, trace_path: str, base_hw: HardwareProfile, fields: Sequence[FitField] | None = None, *,
-              method: str = "Powell", restarts: int = 0, max_evals: int = 1500,
-              progress: Progress | None = None) -> FitResult:
-    """Fit `fields` (default: `default_fields`) of `base_hw` to the op durations of the trace at
-    `trace_path`, measured running `plan`. The result reads like `fit`'s (no leave-one-out: the groups of
-    one trace are not independent runs)."""
-    from tierflow.planner.io.compare import load_measured  # the trace reader (planner.io, torch-free)
-
+def fit_trace(plan, start_s: np.ndarray, end_s: np.ndarray, base_hw: HardwareProfile,
+              fields: Sequence[FitField] | None = None, *, source: str = "trace", method: str = "Powell",
+              restarts: int = 0, max_evals: int = 1500, progress: Progress | None = None) -> FitResult:
+    """Fit `fields` (default: `default_fields`) of `base_hw` to the op durations measured running `plan`
+    (start and end seconds per op id, NaN where not measured: tierflow.planner.io.compare.load_measured reads
+    them from a trace file, `source`). The result reads like `fit`'s (no leave-one-out: the groups of one
+    trace are not independent runs)."""
     t0 = time.perf_counter()
-    start, end = load_measured(trace_path, len(plan.graph.tasks))
-    obs, ref = observations(plan, start, end, str(trace_path))
+    obs, ref = observations(plan, start_s, end_s, source)
     fields = list(fields) if fields else default_fields(plan, base_hw)
     _check_fields(base_hw, fields)
     p = _TraceProblem(obs, ref, base_hw, fields)
@@ -277,7 +275,7 @@ def fit_trace(plan, trace_path: str, base_hw: HardwareProfile, fields: Sequence[
     x0 = np.clip(np.array([math.log(v) if v else (lo + hi) / 2
                            for v, lo, hi in zip(initial.values(), p.lo, p.hi)]), p.lo, p.hi)
     if p.value(0, 0, x0) is None:
-        raise FitError(f"{trace_path}: the plan does not simulate on {base_hw.name} (a base profile whose "
+        raise FitError(f"{source}: the plan does not simulate on {base_hw.name} (a base profile whose "
                        "memory holds the plan is needed)")
     rng = np.random.default_rng(0)
     starts = [x0] + [rng.uniform(p.lo, p.hi) for _ in range(restarts)]

@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_trace(args: argparse.Namespace, fields: list) -> int:
     from tierflow.hwprofiles import parse_overrides
+    from tierflow.planner.io.compare import load_measured
     from tierflow.planner.io.planfile import load_plan
     from tierflow.planner.search.fit import write_fitted_profile
     from tierflow.planner.search.trace_fit import fit_trace, with_tied
@@ -64,7 +65,8 @@ def _run_trace(args: argparse.Namespace, fields: list) -> int:
     plan = load_plan(args.plan)
     hw = load_hw(args.hw, args.set) if args.hw else plan.hardware.with_overrides(parse_overrides(args.set))
     prog = Progress(1, "fitting")
-    res = fit_trace(plan, args.trace, hw, fields or None,
+    start_s, end_s = load_measured(args.trace, len(plan.graph.tasks))
+    res = fit_trace(plan, start_s, end_s, hw, fields or None, source=args.trace,
                     progress=lambda i, n, what: prog.update(i, n, what))
     prog.finish()
     fitted = (write_fitted_profile(hw, with_tied(res, hw), args.out, Path(args.trace).name) if args.out

@@ -1,0 +1,169 @@
+"""Self-correcting runs: the profile fitted from one measured trace (`tierflow fit --trace --plan`), and a
+checkpoint resumed under another plan of the same training (the state moved bit for bit; another model or
+batch refused in one line)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tierflow.cli import main
+from tierflow.hwprofiles import load_profile
+from tierflow.planner.core.models import get_model
+from tierflow.planner.core.placement import Placement, Split
+from tierflow.planner.core.schedules import build_graph, make_schedule
+from tierflow.planner.core.simulator import simulate_graph
+from tierflow.planner.core.trace import write_chrome_trace
+from tierflow.planner.io.compare import load_measured
+from tierflow.planner.io.planfile import plan_from_graph, write_plan
+from tierflow.planner.search.fit import FitError, FitField
+from tierflow.planner.search.trace_fit import default_fields, fit_trace
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_executor import make_plan  # noqa: E402
+from test_executor import run as _run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SSD = Split(0.0, 0.0, 1.0)
+# the CPU profile `tierflow calibrate --device cpu` wrote on the project's test machine
+CPU_HW = load_profile(ROOT / "experiments" / "results" / "closed_loop_cpu.yaml").with_overrides(
+    {"gpu.memory_gib": 1.0})
+TRUTH = {"ssd.read_gbps": 0.5, "gpu.op_overhead_us": 600.0, "cpu.adam_gparams_per_s": 1.0,
+         "pcie.latency_us": 100.0}
+
+
+def run(plan, d: Path, **kw):
+    d.mkdir(parents=True, exist_ok=True)
+    return _run(plan, d, **kw)
+
+
+def _cpu_plan(iterations: int = 2):
+    model = get_model("tiny-gpt")
+    cfg = make_schedule("vertical", model, CPU_HW, batch=4, micro_batch=1, seq=64, alpha=0.25,
+                        iterations=iterations, placement=Placement(master=SSD, adam_m=SSD, adam_v=SSD,
+                                                                   checkpoints=Split(0.0, 0.5, 0.5)))
+    return plan_from_graph(model, CPU_HW, cfg, build_graph(model, CPU_HW, cfg))
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    """A plan on the calibrated profile and the trace of the same plan on a box that differs in four fields
+    (simulated: the fields' true values are known)."""
+    d = tmp_path_factory.mktemp("trace")
+    plan = _cpu_plan()
+    truth = CPU_HW.with_overrides(TRUTH)
+    res = simulate_graph(build_graph(plan.model, truth, plan.config), truth, plan.config.world)
+    write_chrome_trace(res, d / "trace.json")
+    write_plan(plan, d / "plan.json")
+    return plan, d
+
+
+def test_trace_fit_recovers_the_fields_each_op_kind_measures(synthetic):
+    plan, d = synthetic
+    fields = [FitField(k, v / 4, v * 4) for k, v in
+              {"ssd.read_gbps": 1.047, "gpu.op_overhead_us": 1115.0, "cpu.adam_gparams_per_s": 1.947,
+               "pcie.latency_us": 225.2}.items()]
+    res = fit_trace(plan, *load_measured(d / "trace.json", len(plan.graph.tasks)), CPU_HW, fields)
+    for key, want in TRUTH.items():
+        assert res.values[key] == pytest.approx(want, rel=0.05), key
+    assert res.rms < 0.02
+    groups = {r.run.label() for r in res.runs}
+    assert {"fetch_weights h2d", "read_opt_states ssd_read", "adam cpu (opt_states)", "iteration"} <= groups
+    # at the base profile the SSD reads were predicted 2x too fast: the fit moved them onto the measurement
+    read = next(r for r in res.runs if r.run.label() == "read_opt_states ssd_read")
+    assert abs(read.residual) < 0.03
+
+
+def test_default_fields_follow_the_plans_op_kinds():
+    keys = {f.key for f in default_fields(_cpu_plan(), CPU_HW)}
+    assert {"ssd.read_gbps", "ssd.write_gbps", "ssd.latency_us", "ssd.mixed_efficiency", "pcie.h2d_gbps",
+            "pcie.latency_us", "cpu.adam_gparams_per_s", "gpu.gemm_efficiency",
+            "cpu.compute_slowdown_per_io_op"} <= keys
+    gpu_only = make_plan("tiny-gpt", "vertical", "device")
+    keys = {f.key for f in default_fields(gpu_only, gpu_only.hardware)}
+    assert not any(k.startswith("ssd.") for k in keys) and "gpu.gemm_efficiency" in keys
+
+
+def test_fit_trace_cli_writes_a_commented_profile(synthetic, tmp_path, capsys):
+    plan, d = synthetic
+    out = tmp_path / "fitted.yaml"
+    assert main(["fit", "--trace", str(d / "trace.json"), "--plan", str(d / "plan.json"),
+                 "--field", "ssd.read_gbps=0.2:4", "--field", "pcie.h2d_gbps=1:40", "-o", str(out),
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    # two of the four fields that differ: the SSD rate moves towards the box's slower one
+    assert got["trace_file"].endswith("trace.json") and got["values"]["ssd.read_gbps"] < CPU_HW.ssd.read_gbps
+    fitted = load_profile(out)
+    assert fitted.ssd.read_gbps == pytest.approx(got["values"]["ssd.read_gbps"], rel=1e-3)
+    # the duplex rate moved with the solo rate it is tied to, so the profile stays valid
+    ratio = fitted.pcie.h2d_gbps / CPU_HW.pcie.h2d_gbps
+    assert fitted.pcie.duplex_h2d_gbps == pytest.approx(CPU_HW.pcie.duplex_h2d_gbps * ratio, rel=1e-3)
+    text = out.read_text()
+    assert "read_gbps: " in text and "fit: trace.json" in text
+    assert yaml.safe_load(text)["ssd"]["read_gbps"] == fitted.ssd.read_gbps
+
+
+def test_fit_trace_bad_input_is_one_line(synthetic, capsys):
+    plan, d = synthetic
+    assert main(["fit", "--trace", str(d / "trace.json")]) == 2
+    assert "--plan" in capsys.readouterr().err
+    assert main(["fit", "--trace", str(d / "trace.json"), "--plan", str(d / "plan.json"),
+                 "--field", "ssd.mixed_efficiency=0.1:1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "ssd.mixed_efficiency" in err
+    with pytest.raises(FitError, match="not a field"):
+        fit_trace(plan, *load_measured(d / "trace.json", len(plan.graph.tasks)), CPU_HW,
+                  [FitField("gpu.warp_gbps", 1, 2)])
+
+
+# -- resuming under another plan -----------------------------------------------------------------------------
+
+
+def test_resume_under_another_placement_continues_bit_identically(tmp_path):
+    """Weights on the host, then on a mix of all three tiers from step 2: the losses and the final fp32
+    weights are those of the run that never switched, bit for bit."""
+    a = make_plan("tiny-gpt", "vertical", "weights_cpu", iterations=1)
+    b = make_plan("tiny-gpt", "vertical", "mix", iterations=1)
+    never = run(a, tmp_path / "never", steps=4)
+    ck = str(tmp_path / "ck")
+    first = run(a, tmp_path / "a", steps=2, checkpoint_dir=ck, checkpoint_every=2)
+    then = run(b, tmp_path / "b", steps=4, checkpoint_dir=ck)
+    assert then.first_step == 2
+    assert first.losses + then.losses == never.losses
+    assert all(torch.equal(x, y) for x, y in zip(then.final_master, never.final_master))
+
+
+def test_resume_under_another_schedule_and_micro_batch_moves_the_state(tmp_path):
+    """A vertical plan's checkpoint resumed by a block plan of micro-batch 2 with the states on the SSD: the
+    state it starts from is the checkpoint's bit for bit; training continues (the schedule's accumulation
+    order changes the last bits of the sums: within 1e-5 of the run that never switched)."""
+    a = make_plan("tiny-gpt", "vertical", "weights_cpu", iterations=1)
+    b = make_plan("tiny-gpt", "block", "states_ssd", iterations=1, micro=2)
+    ck = str(tmp_path / "ck")
+    first = run(a, tmp_path / "a", steps=2, checkpoint_dir=ck, checkpoint_every=2)
+    loaded = run(b, tmp_path / "b", steps=2, checkpoint_dir=ck)  # resumed at step 2: nothing left to train
+    assert loaded.records == [] and loaded.first_step == 2
+    assert all(torch.equal(x, y) for x, y in zip(loaded.final_master, first.final_master))
+    assert all(torch.equal(x, y) for x, y in zip(loaded.final_adam_m, first.final_adam_m))
+    never = run(a, tmp_path / "never", steps=4)
+    then = run(b, tmp_path / "b2", steps=4, checkpoint_dir=ck)
+    assert then.losses == pytest.approx(never.losses[2:], rel=1e-5)
+
+
+def test_resume_of_another_batch_is_refused_in_one_line(tmp_path, capsys):
+    a = make_plan("tiny-gpt", "vertical", "weights_cpu", iterations=1)
+    b = make_plan("tiny-gpt", "horizontal", "weights_cpu", iterations=1, batch=8, micro=2)
+    fa, fb = tmp_path / "a.json", tmp_path / "b.json"
+    write_plan(a, fa)
+    write_plan(b, fb)
+    ck = str(tmp_path / "ck")
+    assert main(["run", str(fa), "--steps", "1", "--device", "cpu", "--checkpoint-dir", ck, "--json"]) == 0
+    capsys.readouterr()
+    assert main(["run", str(fb), "--steps", "2", "--device", "cpu", "--checkpoint-dir", ck]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "batch 4 x seq 64" in err and "batch 8 x seq 64" in err
