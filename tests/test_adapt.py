@@ -82,11 +82,11 @@ def test_trace_fit_recovers_the_fields_each_op_kind_measures(synthetic):
 def test_default_fields_follow_the_plans_op_kinds():
     keys = {f.key for f in default_fields(_cpu_plan(), CPU_HW)}
     assert {"ssd.read_gbps", "ssd.write_gbps", "ssd.latency_us", "ssd.mixed_efficiency", "pcie.h2d_gbps",
-            "pcie.latency_us", "cpu.adam_gparams_per_s", "gpu.gemm_efficiency",
+            "pcie.latency_us", "cpu.adam_gparams_per_s", "gpu.peak_tflops",
             "cpu.compute_slowdown_per_io_op"} <= keys
     gpu_only = make_plan("tiny-gpt", "vertical", "device")
     keys = {f.key for f in default_fields(gpu_only, gpu_only.hardware)}
-    assert not any(k.startswith("ssd.") for k in keys) and "gpu.gemm_efficiency" in keys
+    assert not any(k.startswith("ssd.") for k in keys) and "gpu.peak_tflops" in keys
 
 
 def test_fit_trace_cli_writes_a_commented_profile(synthetic, tmp_path, capsys):
@@ -167,3 +167,83 @@ def test_resume_of_another_batch_is_refused_in_one_line(tmp_path, capsys):
     assert main(["run", str(fb), "--steps", "2", "--device", "cpu", "--checkpoint-dir", ck]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "batch 4 x seq 64" in err and "batch 8 x seq 64" in err
+
+
+# -- --adapt -------------------------------------------------------------------------------------------------
+
+
+def _lohan_on_this_box():
+    """The bundled rtx4090-lohan profile capped to the calibrated CPU box's device memory and a small host
+    memory (so that the optimizer states spill to the SSD tier), and the calibrated profile with the same
+    caps: the box as it is."""
+    caps = {"cpu.memory_gib": 0.02, "cpu.reserved_gib": 0}
+    truth = load_profile(ROOT / "experiments" / "results" / "closed_loop_cpu.yaml").with_overrides(caps)
+    wrong = load_profile("rtx4090-lohan").with_overrides({**caps, "gpu.memory_gib": truth.gpu.memory_gib,
+                                                           "gpu.reserved_gib": 0, "ssd.count": 1})
+    return wrong, truth
+
+
+def test_decide_refits_replans_and_switches_on_a_wrong_profile(tmp_path):
+    """Measured = the plan simulated on the box as it is (deterministic): the links are several times slower
+    than the wrong profile says, so the decision refits them, plans again and switches to a plan predicted
+    faster by more than the margin; the switch itself is a cross-plan resume at the step boundary."""
+    from types import SimpleNamespace
+
+    from tierflow.executor.adapt import AdaptOptions, decide
+
+    wrong, truth = _lohan_on_this_box()
+    model = get_model("tiny-gpt")
+    # the plan `tierflow plan` makes on the wrong profile
+    cfg = make_schedule("vertical", model, wrong, batch=8, micro_batch=2, seq=64, alpha=0.25,
+                        placement=Placement(master=Split(0.0, 0.35, 0.65), adam_m=Split(0.0, 0.35, 0.65),
+                                            adam_v=Split(0.0, 0.35, 0.65)))
+    plan = plan_from_graph(model, wrong, cfg, build_graph(model, wrong, cfg))
+    measured = simulate_graph(build_graph(model, truth, plan.config), truth, plan.config.world)
+    d, new = decide(plan, SimpleNamespace(measured=measured), 2,
+                    AdaptOptions(time_limit_s=2.0, fit_evaluations=200))
+    assert d.error > 0.10 and d.resources["ssd_read"] > 1.5
+    assert d.refit["ssd.read_gbps"][1] < d.refit["ssd.read_gbps"][0]
+    assert d.switched and new is not None and new.config != plan.config and d.gain > 0.05
+    line = d.line()
+    assert line.count("\n") == 0 and "switching at step 2" in line and "ssd.read_gbps" in line
+    # the switch: the old plan's checkpoint at step 2 resumed under the new plan
+    never = run(plan, tmp_path / "never", steps=4)
+    ck = str(tmp_path / "ck")
+    first = run(plan, tmp_path / "a", steps=2, checkpoint_dir=ck, checkpoint_every=2)
+    then = run(new, tmp_path / "b", steps=4, checkpoint_dir=ck)
+    assert first.losses == never.losses[:2]
+    assert then.losses == pytest.approx(never.losses[2:], rel=1e-5)
+
+
+def test_adapt_cli_records_its_decision_and_continues(tmp_path, capsys):
+    """Within the threshold the run keeps its plan: one decision line, recorded in --json and --out, and the
+    losses are those of the run without --adapt, bit for bit."""
+    plan = make_plan("tiny-gpt", "vertical", "states_ssd", iterations=2)
+    path = tmp_path / "plan.json"
+    write_plan(plan, path)
+    (tmp_path / "ssd").mkdir()
+    common = [str(path), "--device", "cpu", "--ssd-dir", str(tmp_path / "ssd"), "--steps", "4", "--json"]
+    assert main(["run", *common]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    out = tmp_path / "out"
+    assert main(["run", *common, "--adapt", "--adapt-warmup", "2", "--adapt-threshold", "1000",
+                 "--out", str(out)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [s["loss"] for s in got["steps"]] == [s["loss"] for s in plain["steps"]]
+    assert [s["step"] for s in got["steps"]] == [1, 2, 3, 4]
+    (d,) = got["adapt"]
+    assert d["step"] == 2 and not d["switched"] and "keeping the plan" in d["line"]
+    assert d["measured_iteration_s"] > 0 and d["predicted_iteration_s"] > 0 and d["resources"]
+    assert json.loads((out / "adapt.json").read_text()) == got["adapt"]
+    assert (out / "trace.json").is_file() and (out / "steps.csv").read_text().count("\n") == 5
+
+
+def test_adapt_refuses_several_ranks(tmp_path, capsys):
+    hw, model = load_profile("rtx4090-lohan-4gpu"), get_model("tiny-gpt")
+    cfg = make_schedule("vertical", model, hw, batch=4, micro_batch=1, seq=64, gpus=2)
+    two = plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg))
+    path = tmp_path / "two.json"
+    write_plan(two, path)
+    assert main(["run", str(path), "--device", "cpu", "--adapt"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "one rank" in err

@@ -10,8 +10,9 @@ simulated durations, which include what the simulator models of contention (dupl
 host memory and cores, the measured interference factors). So the groups identify the fields they exercise:
 
 - compute ops (fwd, recompute, bwd, head on gpu; their sizes differ, embedding and head against decoder
-  layers): `gpu.gemm_efficiency`, `gpu.gemm_half_gflop` (GEMM efficiency by size), `gpu.hbm_efficiency`,
-  `gpu.attention_efficiency`, `gpu.activation_gbps`, `gpu.op_overhead_us`;
+  layers): the large-GEMM rate (`gpu.peak_tflops` at the profile's `gpu.gemm_efficiency`: only their
+  product is measured, and a fraction cannot exceed 1), `gpu.gemm_half_gflop` (GEMM efficiency by size),
+  `gpu.hbm_efficiency`, `gpu.attention_efficiency`, `gpu.activation_gbps`, `gpu.op_overhead_us`;
 - transfers (h2d, d2h, ssd_read, ssd_write; tensor classes of different sizes): each link's rate and fixed
   cost (`pcie.h2d_gbps`, `pcie.d2h_gbps`, `pcie.latency_us`, `ssd.read_gbps`, `ssd.write_gbps`,
   `ssd.latency_us`), `ssd.mixed_efficiency` where reads and writes overlap;
@@ -111,12 +112,12 @@ def observations(plan, start_s: np.ndarray, end_s: np.ndarray, source: str) -> t
         if measured > 0:
             out.append(Observation(**base, measured=measured, row=row, group=name, ops=tuple(ids)))
     ref = PlanRef(plan, its, tuple(full))
-    out.append(Observation(**base, measured=_iteration_s(ref, plan.graph.tasks, end_s), row=len(groups) + 1,
-                           group=ITERATION, ops=()))
+    out.append(Observation(**base, measured=iteration_seconds(ref, plan.graph.tasks, end_s),
+                           row=len(groups) + 1, group=ITERATION, ops=()))
     return out, ref
 
 
-def _iteration_s(ref: PlanRef, tasks, end_s: np.ndarray) -> float:
+def iteration_seconds(ref: PlanRef, tasks, end_s: np.ndarray) -> float:
     """Seconds per iteration: between the last GPU op of the first and the last full iteration (or the
     first's end when there is one)."""
     ends = [max(float(end_s[t.id]) for t in tasks if t.iteration == i and t.resource == "gpu")
@@ -135,7 +136,7 @@ def _predict(ref: PlanRef, hw: HardwareProfile) -> dict[str, float] | None:
         return None
     if len(graph.tasks) != len(plan.graph.tasks):
         return None
-    return {"dur": res.end_s - res.start_s, ITERATION: _iteration_s(ref, graph.tasks, res.end_s)}
+    return {"dur": res.end_s - res.start_s, ITERATION: iteration_seconds(ref, graph.tasks, res.end_s)}
 
 
 class _TraceProblem(_Problem):
@@ -219,7 +220,7 @@ def default_fields(plan, hw: HardwareProfile) -> list[FitField]:
     res = {t.resource for t in plan.graph.tasks}
     keys: list[str] = []
     if kinds & COMPUTE_KINDS:
-        keys += ["gpu.gemm_efficiency", "gpu.gemm_half_gflop", "gpu.attention_efficiency",
+        keys += ["gpu.peak_tflops", "gpu.gemm_half_gflop", "gpu.attention_efficiency",
                  "gpu.activation_gbps", "gpu.op_overhead_us"]
     if kinds & COMPUTE_KINDS or ADAM_GPU in kinds:
         keys.append("gpu.hbm_efficiency")

@@ -72,6 +72,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    "> 1")
     g.add_argument("--rdzv-id", default="tierflow", metavar="ID",
                    help="the run's rendezvous id (default tierflow)")
+    a = p.add_argument_group("adapting the plan (docs/adapting.md)")
+    a.add_argument("--adapt", action="store_true",
+                   help="after --adapt-warmup steps compare measured and predicted times per resource; "
+                   "beyond --adapt-threshold refit the profile from the trace, plan again and switch to the "
+                   "new plan if it is predicted faster by more than --adapt-margin (one line per decision)")
+    a.add_argument("--adapt-warmup", type=positive_int(MAX_STEPS), default=3, metavar="K",
+                   help="steps before the comparison (default 3)")
+    a.add_argument("--adapt-threshold", type=positive_float(), default=0.10, metavar="F",
+                   help="relative difference that triggers a refit (default 0.10)")
+    a.add_argument("--adapt-margin", type=non_negative_float(), default=0.05, metavar="F",
+                   help="predicted gain the new plan needs to be switched to (default 0.05)")
+    a.add_argument("--adapt-time-limit", type=positive_float(3600), default=30.0, metavar="S",
+                   help="seconds for the re-plan's search (default 30)")
     p.add_argument("--json", action="store_true", help="print the steps and the measured summary as JSON")
     # hidden (tests): compute in bf16 on a CPU device too, as on CUDA (bf16 is the default there, fp32 on a
     # CPU)
@@ -80,6 +93,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.adapt:
+        from tierflow.executor.adapt import cmd_adapt
+
+        return cmd_adapt(args)
     from tierflow.executor.run import cmd_run  # torch is imported here, when the command runs
 
     return cmd_run(args)

@@ -1,0 +1,262 @@
+"""`tierflow run --adapt`: a run that corrects its own plan.
+
+After `warmup` steps under the given plan (ended by a checkpoint), the measured op times are compared with
+the plan's prediction per resource (each resource's busy time, and the iteration). Where a resource or the
+iteration is off by more than `threshold`, the fields of the profile those resources exercise are fitted
+from the measured trace (tierflow.planner.search.trace_fit), the planner searches again on the refit profile
+(same model, batch and sequence length; the memory caps are the profile's, which the fit leaves alone), and
+the old plan is simulated on the refit profile too. If the new plan is predicted faster by more than
+`margin`, the run switches at that step boundary: the checkpoint is resumed under the new plan, which moves
+every tensor class to its new tier (tierflow.executor.checkpoint), and training continues to `--steps`.
+Otherwise it continues under the old plan from the same checkpoint. One line per decision; the decisions are
+in `--json` and in `DIR/adapt.json` with `--out`.
+
+One rank only: a plan of several ranks is refused with one line (the decision would have to be made on rank 0
+and broadcast so that every rank switches at the same step; not built yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierflow.executor.engine import Hyper
+from tierflow.executor.run import RunError, RunOptions, RunResult, RunStopped, run_plan, write_run_outputs
+from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.schedules import build_graph
+from tierflow.planner.core.simulate import simulate_config
+from tierflow.planner.io.planfile import Plan, load_plan, plan_from_graph, simulate_plan, write_plan
+from tierflow.planner.search.trace_fit import (
+    ITERATION,
+    default_fields,
+    fit_trace,
+    iteration_seconds,
+    observations,
+    with_tied,
+)
+
+# which fields each resource's ops measure (trace_fit.default_fields keeps those the plan exercises)
+RESOURCE_FIELDS = {
+    "gpu": ("gpu.",), "h2d": ("pcie.h2d", "pcie.latency"), "d2h": ("pcie.d2h", "pcie.latency"),
+    "ssd_read": ("ssd.read", "ssd.latency", "ssd.mixed"),
+    "ssd_write": ("ssd.write", "ssd.latency", "ssd.mixed"),
+    "cpu": ("cpu.adam",),
+}
+SLOWDOWN_PREFIX = "cpu."  # the interference factors: refit whenever compute and a host link are both off
+
+
+@dataclass
+class AdaptOptions:
+    warmup: int = 3  # steps before the comparison
+    threshold: float = 0.10  # measured vs predicted beyond this: refit and re-plan
+    margin: float = 0.05  # the new plan must be predicted faster by more than this
+    time_limit_s: float = 30.0  # the re-plan's search
+    fit_evaluations: int = 800  # the refit's budget of objective evaluations (one simulation each)
+
+
+@dataclass
+class Decision:
+    step: int
+    measured_iteration_s: float
+    predicted_iteration_s: float
+    resources: dict[str, float]  # measured / predicted busy time per resource
+    refit: dict[str, list[float | None]] = field(default_factory=dict)  # field -> [base, fitted]
+    old_plan: str = ""
+    new_plan: str = ""
+    old_predicted_s: float | None = None  # the old plan on the refit profile
+    new_predicted_s: float | None = None
+    switched: bool = False
+    reason: str = ""
+    switch_s: float | None = None  # wall time from the last step before the switch to the first after
+
+    def line(self) -> str:
+        res = ", ".join(f"{r} {v - 1:+.0%}" for r, v in self.resources.items())
+        head = (f"adapt at step {self.step}: measured {self.measured_iteration_s * 1e3:,.1f} ms/iteration vs "
+                f"predicted {self.predicted_iteration_s * 1e3:,.1f} ms ({self.error:+.0%}; {res})")
+        if not self.refit:
+            return f"{head}; {self.reason}"
+        fit = ", ".join(f"{k} {_g(a)} -> {_g(b)}" for k, (a, b) in self.refit.items())
+        gain = (f"old plan {self.old_plan} predicted {self.old_predicted_s * 1e3:,.1f} ms on the refit "
+                f"profile, new plan {self.new_plan} {self.new_predicted_s * 1e3:,.1f} ms "
+                f"({self.gain:+.0%})") if self.new_predicted_s else ""
+        return f"{head}; refit {fit}; {gain}; {self.reason}"
+
+    @property
+    def error(self) -> float:
+        return self.measured_iteration_s / self.predicted_iteration_s - 1.0
+
+    @property
+    def gain(self) -> float:
+        """Predicted fraction of the old plan's iteration time the new plan saves (on the refit profile)."""
+        if not self.new_predicted_s or not self.old_predicted_s:
+            return 0.0
+        return 1.0 - self.new_predicted_s / self.old_predicted_s
+
+
+def _g(v: float | None) -> str:
+    return "unset" if v is None else f"{v:.4g}"
+
+
+def compare_resources(plan: Plan, start_s: np.ndarray, end_s: np.ndarray) -> tuple[float, float,
+                                                                                   dict[str, float]]:
+    """(measured, predicted iteration seconds, {resource: measured / predicted busy seconds}) over the
+    iterations the trace holds (the first one left out when there are more)."""
+    obs, ref = observations(plan, start_s, end_s, "the run")
+    pred = simulate_plan(plan)
+    pdur = pred.end_s - pred.start_s
+    tasks = plan.graph.tasks
+    busy: dict[str, list[float]] = {}
+    measured_it = next(o.measured for o in obs if o.group == ITERATION)
+    for o in obs:
+        if o.group == ITERATION:
+            continue
+        r = busy.setdefault(tasks[o.ops[0]].resource, [0.0, 0.0])
+        r[0] += o.measured
+        r[1] += float(np.sum(pdur[list(o.ops)]))
+    predicted_it = iteration_seconds(ref, tasks, pred.end_s)
+    return measured_it, predicted_it, {r: m / p for r, (m, p) in sorted(busy.items()) if p > 0}
+
+
+def fields_for(plan: Plan, hw: HardwareProfile, off: list[str]) -> list:
+    """The default fields of the resources in `off` (and the interference factors when compute and a link
+    are both off on a host device)."""
+    prefixes = tuple(p for r in off for p in RESOURCE_FIELDS.get(r, ()))
+    links = any(r in off for r in ("h2d", "d2h", "ssd_read", "ssd_write"))
+    out = []
+    for f in default_fields(plan, hw):
+        slowdown = "slowdown" in f.key
+        if (slowdown and links and "gpu" in off) or (not slowdown and f.key.startswith(prefixes)):
+            out.append(f)
+    return out
+
+
+def replan(plan: Plan, hw: HardwareProfile, time_limit_s: float) -> Plan:
+    """The planner's best plan for the same model, batch and sequence length on `hw`."""
+    from tierflow.planner.search.plan_search import plan_search
+    from tierflow.planner.search.problem import Problem
+
+    cfg = plan.config
+    problem = Problem(plan.model, hw, cfg.batch, cfg.seq, gpus=cfg.gpus, nodes=cfg.nodes)
+    best = plan_search(problem, time_limit_s=time_limit_s).best
+    return plan_from_graph(plan.model, hw, best.config, build_graph(plan.model, hw, best.config),
+                           predicted=best.result)
+
+
+def decide(plan: Plan, first: RunResult, step: int, opts: AdaptOptions) -> tuple[Decision, Plan | None]:
+    """The decision after the warm-up: (what was decided, the plan to switch to or None)."""
+    m = first.measured
+    measured_it, predicted_it, ratios = compare_resources(plan, m.start_s, m.end_s)
+    d = Decision(step, measured_it, predicted_it, ratios, old_plan=plan.config.describe())
+    off = [r for r, v in ratios.items() if abs(v - 1) > opts.threshold]
+    if abs(d.error) <= opts.threshold and not off:
+        d.reason = f"within {opts.threshold:.0%}: keeping the plan"
+        return d, None
+    hw = plan.hardware
+    fields = fields_for(plan, hw, off or list(ratios))
+    if not fields:
+        d.reason = "no profile field to refit for the resources that are off: keeping the plan"
+        return d, None
+    fit = fit_trace(plan, m.start_s, m.end_s, hw, fields, source="the run's warm-up",
+                    max_evals=opts.fit_evaluations)
+    refit = hw.with_overrides(with_tied(fit, hw).values)
+    d.refit = {k: [fit.initial[k], v] for k, v in fit.values.items()}
+    new = replan(plan, refit, opts.time_limit_s)
+    d.old_predicted_s = simulate_config(plan.model, refit, plan.config).iteration_s
+    d.new_predicted_s = float(new.predicted["iteration_s"])
+    d.new_plan = new.config.describe()
+    if d.gain > opts.margin and new.config != plan.config:
+        d.switched, d.reason = True, f"switching at step {step}"
+        return d, new
+    d.reason = f"predicted gain {d.gain:+.0%} within the margin {opts.margin:.0%}: keeping the plan"
+    return d, None
+
+
+def _run_options(args: argparse.Namespace, steps: int, checkpoint_dir: str, out: str | None) -> RunOptions:
+    return RunOptions(steps=steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
+                      data_format=args.data_format, init=args.init, checkpoint_dir=checkpoint_dir,
+                      checkpoint_every=0, out=out, hyper=Hyper(lr=args.lr, weight_decay=args.weight_decay),
+                      seed=args.seed, quiet=args.json, resume_fallback=args.resume_fallback,
+                      allow_changed_hyper=args.allow_changed_hyper,
+                      compute_dtype=getattr(args, "compute_dtype", None))
+
+
+def adapt_run(plan: Plan, args: argparse.Namespace, opts: AdaptOptions, log=print) -> dict[str, Any]:
+    """Warm up, decide, continue (under the new plan if switching). Returns what --json prints."""
+    if plan.config.world.ranks > 1:
+        raise RunError("--adapt: one rank only for now (a plan of several ranks would need the decision "
+                       "broadcast from rank 0); run without --adapt")
+    tmp = None if args.checkpoint_dir else tempfile.mkdtemp(prefix="tierflow-adapt-")
+    ck = args.checkpoint_dir or tmp
+    try:
+        warm = min(opts.warmup, args.steps)
+        o1 = _run_options(args, warm, ck, None)
+        o1.checkpoint_every = warm
+        first = run_plan(plan, o1)
+        decisions, chosen = [], plan
+        if first.measured is not None and args.steps > warm:
+            t0 = time.perf_counter()
+            d, new = decide(plan, first, warm, opts)
+            decisions.append(d)
+            if not args.json:
+                log(f"tierflow run: {d.line()}", flush=True)
+            chosen = new or plan
+            if new is not None and args.out:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                write_plan(new, Path(args.out) / "adapted_plan.json")
+            second = run_plan(chosen, _run_options(args, args.steps, ck, None))
+            d.switch_s = time.perf_counter() - t0 - sum(r.step_s for r in second.records[:1])
+        else:
+            second = None
+        return _results(args, first, second, decisions, chosen)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _results(args: argparse.Namespace, first: RunResult, second: RunResult | None, decisions: list[Decision],
+             chosen: Plan) -> dict[str, Any]:
+    records = first.records + (second.records if second else [])
+    measured = (second or first).measured
+    out = {"plan": str(args.plan), "first_step": first.first_step, "steps": [asdict(r) for r in records],
+           "adapt": [{**asdict(d), "line": d.line()} for d in decisions],
+           "final_plan": chosen.config.to_dict(),
+           "measured": measured.to_dict() if measured is not None else None}
+    if args.out:
+        write_run_outputs(measured, records, args.out, f"{chosen.model.name}: measured (adapt)")
+        (Path(args.out) / "adapt.json").write_text(json.dumps(out["adapt"], indent=1))
+    return out
+
+
+def cmd_adapt(args: argparse.Namespace) -> int:
+    """`tierflow run PLAN --adapt`: errors as `tierflow run` reports them (one line, the error's exit
+    code)."""
+    import torch
+
+    from tierflow.errors import TierflowError
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    opts = AdaptOptions(warmup=args.adapt_warmup, threshold=args.adapt_threshold, margin=args.adapt_margin,
+                        time_limit_s=args.adapt_time_limit)
+    try:
+        plan = load_plan(args.plan)
+        simulate_plan(plan)
+        out = adapt_run(plan, args, opts)
+    except TierflowError as e:
+        print(f"tierflow run: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except RunStopped as e:
+        print(f"tierflow run: {e}", file=sys.stderr)
+        return e.exit_code
+    if args.json:
+        print(json.dumps(out, indent=2))
+    return 0
