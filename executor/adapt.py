@@ -76,7 +76,10 @@ class Decision:
     new_predicted_s: float | None = None
     switched: bool = False
     reason: str = ""
-    switch_s: float | None = None  # wall time from the last step before the switch to the first after
+    decide_s: float | None = None  # the comparison, the refit and the re-plan
+    # decide_s and the restart under the chosen plan: the time between the warm-up's last step and the next
+    # step, and the end of the run (an upper bound of the switch's cost)
+    switch_s: float | None = None
 
     def line(self) -> str:
         res = ", ".join(f"{r} {v - 1:+.0%}" for r, v in self.resources.items())
@@ -151,10 +154,20 @@ def replan(plan: Plan, hw: HardwareProfile, time_limit_s: float) -> Plan:
                            predicted=best.result)
 
 
+def _per_op(plan: Plan, measured) -> tuple[np.ndarray, np.ndarray]:
+    """The measured start and end seconds per op id of the plan, NaN for the ops of iterations the measured
+    round did not run (it covers the plan's first ops)."""
+    n = len(plan.graph.tasks)
+    start, end = np.full(n, np.nan), np.full(n, np.nan)
+    k = len(measured.start_s)
+    start[:k], end[:k] = measured.start_s, measured.end_s
+    return start, end
+
+
 def decide(plan: Plan, first: RunResult, step: int, opts: AdaptOptions) -> tuple[Decision, Plan | None]:
     """The decision after the warm-up: (what was decided, the plan to switch to or None)."""
-    m = first.measured
-    measured_it, predicted_it, ratios = compare_resources(plan, m.start_s, m.end_s)
+    start_s, end_s = _per_op(plan, first.measured)
+    measured_it, predicted_it, ratios = compare_resources(plan, start_s, end_s)
     d = Decision(step, measured_it, predicted_it, ratios, old_plan=plan.config.describe())
     off = [r for r, v in ratios.items() if abs(v - 1) > opts.threshold]
     if abs(d.error) <= opts.threshold and not off:
@@ -165,7 +178,7 @@ def decide(plan: Plan, first: RunResult, step: int, opts: AdaptOptions) -> tuple
     if not fields:
         d.reason = "no profile field to refit for the resources that are off: keeping the plan"
         return d, None
-    fit = fit_trace(plan, m.start_s, m.end_s, hw, fields, source="the run's warm-up",
+    fit = fit_trace(plan, start_s, end_s, hw, fields, source="the run's warm-up",
                     max_evals=opts.fit_evaluations)
     refit = hw.with_overrides(with_tied(fit, hw).values)
     d.refit = {k: [fit.initial[k], v] for k, v in fit.values.items()}
@@ -212,8 +225,12 @@ def adapt_run(plan: Plan, args: argparse.Namespace, opts: AdaptOptions, log=prin
             if new is not None and args.out:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 write_plan(new, Path(args.out) / "adapted_plan.json")
+            t1 = time.perf_counter()
             second = run_plan(chosen, _run_options(args, args.steps, ck, None))
-            d.switch_s = time.perf_counter() - t0 - sum(r.step_s for r in second.records[:1])
+            # the decision (fit, re-plan) and the second run's time outside its steps: building the state,
+            # loading the checkpoint onto the new plan's tiers, starting the workers, and the end of the run
+            d.decide_s = t1 - t0
+            d.switch_s = time.perf_counter() - t0 - sum(r.step_s for r in second.records)
         else:
             second = None
         return _results(args, first, second, decisions, chosen)
@@ -246,7 +263,7 @@ def cmd_adapt(args: argparse.Namespace) -> int:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     opts = AdaptOptions(warmup=args.adapt_warmup, threshold=args.adapt_threshold, margin=args.adapt_margin,
-                        time_limit_s=args.adapt_time_limit)
+                        time_limit_s=args.adapt_time_limit, fit_evaluations=args.adapt_fit_evaluations)
     try:
         plan = load_plan(args.plan)
         simulate_plan(plan)

@@ -21,7 +21,8 @@ host memory and cores, the measured interference factors). So the groups identif
   `cpu.copy_slowdown_beside_compute`, `cpu.ssd_slowdown_beside_compute`.
 
 `default_fields` picks the fields the plan's op kinds exercise (optional fields only where the base
-profile sets them), each within [value / 10, value x 10] (fractions up to 1, slowdowns from 1). A fitted
+profile sets them, and the fixed costs op_overhead_us and latency_us also where it leaves them unset), each
+within [value / 1000, value x 1000] (fractions up to 1, slowdowns from 1). A fitted
 solo PCIe rate carries its duplex rate along in proportion (the profile requires duplex <= solo) unless the
 duplex rate is fitted itself. The optimiser, the identifiability checks (unidentified, collinear, at a
 bound) and the written profile are those of tierflow.planner.search.fit: the report has the same form, with
@@ -53,10 +54,18 @@ from tierflow.planner.search.fit import (
     _Problem,
 )
 
-SPAN = 10.0  # default bounds: [value / SPAN, value x SPAN]
+# default bounds: [value / SPAN, value x SPAN]; a bundled profile of another box is off by up to ~1000x on a
+# host device (rtx4090-lohan's 165 TFLOPS against a 2-core CPU's 0.19)
+SPAN = 1000.0
+# fixed costs a profile may leave unset (0): fitted from the middle of these bounds (microseconds)
+UNSET_FIXED_COSTS = {"gpu.op_overhead_us": (1.0, 1e5), "pcie.latency_us": (1.0, 1e5),
+                     "ssd.latency_us": (1.0, 1e5)}
 ITERATION = "iteration"  # the observation of the whole iteration's time
 # tied fields: fitting the first moves the second by the same factor (unless the second is fitted too)
 TIED = {"pcie.h2d_gbps": "pcie.duplex_h2d_gbps", "pcie.d2h_gbps": "pcie.duplex_d2h_gbps"}
+# the rate fields whose resource's busy time scales inversely with them (the fit's scaled start)
+FIELD_RESOURCE = {"gpu.peak_tflops": "gpu", "cpu.adam_gparams_per_s": "cpu", "pcie.h2d_gbps": "h2d",
+                  "pcie.d2h_gbps": "d2h", "ssd.read_gbps": "ssd_read", "ssd.write_gbps": "ssd_write"}
 FRACTIONS = {"gpu.gemm_efficiency", "gpu.hbm_efficiency", "gpu.attention_efficiency", "ssd.mixed_efficiency"}
 SLOWDOWNS = {"cpu.compute_slowdown_per_io_op", "cpu.copy_slowdown_beside_compute",
              "cpu.ssd_slowdown_beside_compute"}
@@ -245,18 +254,42 @@ def default_fields(plan, hw: HardwareProfile) -> list[FitField]:
     data = hw.to_dict()
     out = []
     for key in keys:
-        v = _get(data, key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            continue  # not set in the base profile: name it with --field to fit it
-        lo, hi = v / SPAN, v * SPAN
-        if key in FRACTIONS:
-            lo, hi = min(lo, 0.5 if key == "ssd.mixed_efficiency" else lo), 1.0
-            lo = max(lo, 0.5) if key == "ssd.mixed_efficiency" else lo
-        if key in SLOWDOWNS:
-            lo, hi = 1.0, max(v * 4, 2.0)
-        if lo < hi:
-            out.append(FitField(key, float(lo), float(hi)))
+        bounds = _default_bounds(key, _get(data, key))
+        if bounds is not None:
+            lo, hi = (_valid_bound(hw, key, b, _get(data, key)) for b in bounds)
+            if lo < hi:
+                out.append(FitField(key, lo, hi))
     return out
+
+
+def _valid_bound(hw: HardwareProfile, key: str, bound: float, v: object) -> float:
+    """`bound`, or the value nearest to it towards the profile's own (geometrically) that the profile's
+    validation accepts (its sanity ceilings, a tied duplex rate moved along)."""
+    data = hw.to_dict()
+    start = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else bound
+    for _ in range(20):
+        over = {key: bound}
+        if key in TIED:
+            over[TIED[key]] = _get(data, TIED[key]) * bound / start
+        try:
+            hw.with_overrides(over)
+            return bound
+        except ProfileError:
+            bound = math.sqrt(bound * start)
+    return start
+
+
+def _default_bounds(key: str, v: object) -> tuple[float, float] | None:
+    """[v / SPAN, v x SPAN], fractions up to 1 (SSD mixing from 0.5), slowdowns from 1 to 4 v; an unset fixed
+    cost within UNSET_FIXED_COSTS; None for another unset field (name it with --field to fit it)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        return UNSET_FIXED_COSTS.get(key)
+    lo, hi = v / SPAN, v * SPAN
+    if key in FRACTIONS:
+        lo, hi = (0.5 if key == "ssd.mixed_efficiency" else lo), 1.0
+    if key in SLOWDOWNS:
+        lo, hi = 1.0, max(v * 4, 2.0)
+    return (float(lo), float(hi)) if lo < hi else None
 
 
 def fit_trace(plan, start_s: np.ndarray, end_s: np.ndarray, base_hw: HardwareProfile,
@@ -278,6 +311,10 @@ def fit_trace(plan, start_s: np.ndarray, end_s: np.ndarray, base_hw: HardwarePro
     if p.value(0, 0, x0) is None:
         raise FitError(f"{source}: the plan does not simulate on {base_hw.name} (a base profile whose "
                        "memory holds the plan is needed)")
+    scaled = _scaled_start(p, x0)
+    if p.objective(scaled, range(len(obs)), {i: 0 for i in range(len(obs))}) < \
+            p.objective(x0, range(len(obs)), {i: 0 for i in range(len(obs))}):
+        x0 = scaled
     rng = np.random.default_rng(0)
     starts = [x0] + [rng.uniform(p.lo, p.hi) for _ in range(restarts)]
     mbs = {i: 0 for i in range(len(obs))}
@@ -297,6 +334,28 @@ def fit_trace(plan, start_s: np.ndarray, end_s: np.ndarray, base_hw: HardwarePro
                      loo_max_abs=None, unidentified=unidentified, at_bound=at_bound, sensitivity=sens,
                      evaluations=p.evaluations, simulations=p.simulations, wall_s=time.perf_counter() - t0,
                      base_hw=base_hw.name, base_source=base_hw.source, method=method)
+
+
+def _scaled_start(p: _TraceProblem, x0: np.ndarray) -> np.ndarray:
+    """x0 with each rate field scaled by its resource's predicted / measured busy time at x0 (a rate that
+    alone explained the resource's time would move by that much): a start near the optimum when whole
+    resources are off by large factors (a profile of another box)."""
+    sim = p.sims.get(p.xkey(x0))
+    x = x0.copy()
+    if sim is None:
+        return x
+    tasks = p.ref.plan.graph.tasks
+    busy: dict[str, list[float]] = {}
+    for ob in p.runs:
+        if ob.group != ITERATION:
+            b = busy.setdefault(tasks[ob.ops[0]].resource, [0.0, 0.0])
+            b[0] += ob.measured
+            b[1] += float(np.sum(sim["dur"][list(ob.ops)]))
+    for j, key in enumerate(p.keys):
+        r = FIELD_RESOURCE.get(key)
+        if r in busy and busy[r][0] > 0 and busy[r][1] > 0:
+            x[j] = np.clip(x0[j] + math.log(busy[r][1] / busy[r][0]), p.lo[j], p.hi[j])
+    return x
 
 
 def with_tied(result: FitResult, base_hw: HardwareProfile) -> FitResult:

@@ -85,6 +85,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="predicted gain the new plan needs to be switched to (default 0.05)")
     a.add_argument("--adapt-time-limit", type=positive_float(3600), default=30.0, metavar="S",
                    help="seconds for the re-plan's search (default 30)")
+    a.add_argument("--adapt-fit-evaluations", type=positive_int(100000), default=800, metavar="N",
+                   help="the refit's budget of simulations (default 800)")
     p.add_argument("--json", action="store_true", help="print the steps and the measured summary as JSON")
     # hidden (tests): compute in bf16 on a CPU device too, as on CUDA (bf16 is the default there, fp32 on a
     # CPU)

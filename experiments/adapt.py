@@ -1,0 +1,176 @@
+"""Self-correcting runs on this machine: plan on a wrong profile, run with --adapt, compare with the plan of
+the calibrated profile.
+
+    python experiments/adapt.py [--quick] [--ssd-dir DIR] [--out DIR]
+
+The box is this CPU as the executor's device, as `tierflow calibrate --device cpu` measured it
+(experiments/results/closed_loop_cpu.yaml, written by experiments/closed_loop.py), with a host memory cap
+(CAPS) so that the optimizer states spill to the SSD tier. Two wrong profiles of it:
+
+- `ssd5x-compute2x`: the calibrated profile with the SSD tier claimed 5x faster and compute 2x slower;
+- `lohan-capped`: the bundled rtx4090-lohan profile capped to this machine's memory (device, host, one SSD).
+
+For each: `tierflow plan` on the wrong profile, then `tierflow run PLAN --adapt` (warm-up, refit from the
+trace, re-plan, switch) for STEPS steps; and `tierflow run` of the plan made on the calibrated profile, the
+reference. The targets (docs/adapting.md): after adapting, throughput within 10% of the reference's measured
+throughput; the refit profile predicts the final plan's iteration within 10%; the switch costs less than two
+steps. Writes adapt.csv (one row per scenario), adapt_steps.csv (every step of every run) and adapt.png (step
+time over steps, the switch marked) under --out. --quick: the lohan scenario only, fewer steps, a shorter
+re-plan (a CI test runs it).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from expcommon import Progress, arg_parser, headline, new_figure, print_table, save_figure, write_csv
+
+from tierflow.hwprofiles import HardwareProfile, load_profile
+from tierflow.planner.core.models import get_model
+from tierflow.planner.core.schedules import build_graph
+from tierflow.planner.io.planfile import plan_from_graph, write_plan
+from tierflow.planner.search.plan_search import plan_search
+from tierflow.planner.search.problem import Problem
+
+ROOT = Path(__file__).resolve().parents[1]
+CALIBRATED = ROOT / "experiments" / "results" / "closed_loop_cpu.yaml"
+MODEL, BATCH, SEQ = "tiny-gpt", 8, 64
+CAPS = {"cpu.memory_gib": 0.02, "cpu.reserved_gib": 0}  # the optimizer states do not fit in host memory
+TARGET = 0.10
+
+
+def profiles() -> dict[str, HardwareProfile]:
+    """The box as calibrated (capped) and the two wrong profiles of it."""
+    right = load_profile(CALIBRATED).with_overrides(CAPS)
+    g, s = right.gpu, right.ssd
+    return {
+        "calibrated": right,
+        "ssd5x-compute2x": right.with_overrides({"ssd.read_gbps": 5 * s.read_gbps, "ssd.write_gbps":
+                                                 5 * s.write_gbps, "gpu.peak_tflops": g.peak_tflops / 2}),
+        "lohan-capped": load_profile("rtx4090-lohan").with_overrides(
+            {**CAPS, "gpu.memory_gib": g.memory_gib, "gpu.reserved_gib": 0, "ssd.count": 1}),
+    }
+
+
+def settings(quick: bool) -> dict:
+    return {"scenarios": ["lohan-capped"] if quick else ["ssd5x-compute2x", "lohan-capped"],
+            "steps": 6 if quick else 12, "warmup": 2 if quick else 3, "time_limit_s": 3 if quick else 20,
+            "fit_evaluations": 200 if quick else 800}
+
+
+def make_plan(hw: HardwareProfile, path: Path, time_limit_s: float) -> Path:
+    """`tierflow plan`'s best plan for the model on `hw`, written to `path`."""
+    model = get_model(MODEL)
+    best = plan_search(Problem(model, hw, BATCH, SEQ), time_limit_s=time_limit_s).best
+    write_plan(plan_from_graph(model, hw, best.config, build_graph(model, hw, best.config),
+                               predicted=best.result), path)
+    return path
+
+
+def tierflow_run(plan: Path, steps: int, ssd_dir: Path, extra: list[str]) -> dict:
+    """`tierflow run PLAN --json` in a process of its own (as a user runs it); its JSON."""
+    cmd = [sys.executable, "-m", "tierflow", "run", str(plan), "--device", "cpu", "--ssd-dir", str(ssd_dir),
+           "--steps", str(steps), "--json", *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()[-500:]}")
+    return json.loads(p.stdout)
+
+
+def steady_step_s(steps: list[dict], after: int) -> float:
+    """Median step time of the steps after step `after + 1` (the first step of a run pays its start-up)."""
+    times = [s["step_s"] for s in steps if s["step"] > after + 1]
+    return statistics.median(times) if times else float("nan")
+
+
+def scenario(name: str, hws: dict, s: dict, work: Path, ssd_dir: Path, ref_s: float) -> tuple[dict, list]:
+    """Plan on the wrong profile, run with --adapt; one row of results and the run's steps."""
+    plan = make_plan(hws[name], work / f"{name}.json", s["time_limit_s"])
+    got = tierflow_run(plan, s["steps"], ssd_dir, [
+        "--adapt", "--adapt-warmup", str(s["warmup"]), "--adapt-time-limit", str(s["time_limit_s"]),
+        "--adapt-fit-evaluations", str(s["fit_evaluations"]), "--checkpoint-dir", str(work / f"ck-{name}")])
+    (d,) = got["adapt"]
+    steps = got["steps"]
+    after_s = steady_step_s(steps, s["warmup"])
+    before = [x["step_s"] for x in steps if 1 < x["step"] <= s["warmup"]] or [steps[0]["step_s"]]
+    # the refit profile's prediction of the plan that runs after the decision
+    predicted = d["new_predicted_s"] if d["switched"] else d["old_predicted_s"]
+    row = {"scenario": name, "start_plan": d["old_plan"], "final_plan": d["new_plan"] if d["switched"]
+           else d["old_plan"], "switched": d["switched"],
+           "error_at_warmup": round(d["measured_iteration_s"] / d["predicted_iteration_s"] - 1, 3),
+           "fields_refit": len(d["refit"]), "step_s_before": round(statistics.median(before), 4),
+           "step_s_after": round(after_s, 4), "reference_step_s": round(ref_s, 4),
+           "throughput_vs_reference": round(ref_s / after_s - 1, 3),
+           "refit_predicts_final": round(after_s / predicted - 1, 3) if predicted else "",
+           "switch_s": round(d["switch_s"], 3) if d["switch_s"] is not None else "",
+           "switch_steps": round(d["switch_s"] / after_s, 2) if d["switch_s"] is not None else "",
+           "decision": d["line"]}
+    return row, [{"run": name, "step": x["step"], "step_s": x["step_s"], "loss": x["loss"]} for x in steps]
+
+
+def plot(step_rows: list[dict], rows: list[dict], warmup: int, path: Path) -> Path:
+    fig, (ax,) = new_figure(1, width_in=8.0)
+    for run in dict.fromkeys(r["run"] for r in step_rows):
+        pts = [(r["step"], r["step_s"] * 1e3) for r in step_rows if r["run"] == run]
+        ax.plot(*zip(*pts), marker="o", ms=3, label=run, ls="--" if run == "calibrated" else "-")
+    switched = [r for r in rows if r["switched"]]
+    if switched:
+        ax.axvline(warmup + 0.5, color="0.35", ls=":", label=f"switch (after step {warmup})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(f"{MODEL}, batch {BATCH} x {SEQ}, CPU device, optimizer states on the SSD tier", loc="left",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def run(quick: bool, out_dir: Path, ssd_dir: Path | None = None) -> list[dict]:
+    s = settings(quick)
+    hws = profiles()
+    prog = Progress(1 + len(s["scenarios"]), "adapt")
+    with tempfile.TemporaryDirectory(prefix="tierflow-adapt-exp-") as tmp:
+        work = Path(tmp)
+        ssd = ssd_dir or work / "ssd"
+        ssd.mkdir(parents=True, exist_ok=True)
+        prog.step("the calibrated profile's plan")
+        ref_plan = make_plan(hws["calibrated"], work / "calibrated.json", s["time_limit_s"])
+        ref = tierflow_run(ref_plan, s["steps"], ssd, [])
+        ref_s = steady_step_s(ref["steps"], 0)
+        step_rows = [{"run": "calibrated", "step": x["step"], "step_s": x["step_s"], "loss": x["loss"]}
+                     for x in ref["steps"]]
+        rows = []
+        for name in s["scenarios"]:
+            prog.step(name)
+            row, steps = scenario(name, hws, s, work, ssd, ref_s)
+            rows.append(row)
+            step_rows += steps
+    prog.finish()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, out_dir / "adapt.csv")
+    write_csv(step_rows, out_dir / "adapt_steps.csv")
+    plot(step_rows, rows, s["warmup"], out_dir / "adapt.png")
+    print(f"Adapting: {MODEL}, batch {BATCH} x {SEQ} on this CPU (caps {CAPS}); reference: the calibrated "
+          f"profile's plan at {ref_s * 1e3:.1f} ms/step")
+    print_table(rows, ["scenario", "switched", "error_at_warmup", "step_s_before", "step_s_after",
+                       "reference_step_s", "throughput_vs_reference", "refit_predicts_final", "switch_steps"])
+    for r in rows:
+        print(f"  {r['scenario']}: {r['decision']}")
+    return [headline("adapt", f"{r['scenario']}: step time after adapting / calibrated plan's",
+                     r["step_s_after"] / r["reference_step_s"], None, "x") for r in rows]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = arg_parser(__doc__)
+    ap.add_argument("--ssd-dir", type=Path, default=None, help="directory for the SSD tier (default: a "
+                    "temporary folder)")
+    args = ap.parse_args(argv)
+    run(args.quick, args.out, args.ssd_dir)
+
+
+if __name__ == "__main__":
+    main()
