@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import adapt
 import fidelity
 import fuyou_lohan
 import gemini_capacity
@@ -35,6 +36,7 @@ STUDIES = {
     # tierflow against DeepSpeed ZeRO-Infinity on this machine: only where DeepSpeed (the baseline extra) and
     # libaio are installed; otherwise it prints one line and adds no headline
     "race_deepspeed": race_deepspeed,
+    "adapt": adapt,  # plan on a wrong profile, run --adapt on this CPU, against the calibrated profile's plan
     "fidelity": fidelity,  # last: it compares every earlier study's headline numbers with the papers'
 }
 

@@ -247,3 +247,27 @@ def test_adapt_refuses_several_ranks(tmp_path, capsys):
     assert main(["run", str(path), "--device", "cpu", "--adapt"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "one rank" in err
+
+
+def test_adapt_experiment_quick(tmp_path):
+    """experiments/adapt.py --quick: the lohan profile capped to this machine, planned, run with --adapt, and
+    the calibrated profile's plan run beside it. The decision is measured, so only its form is checked here;
+    the targets are the full run's (docs/adapting.md)."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import adapt as experiment
+
+    heads = experiment.run(quick=True, out_dir=tmp_path)
+    (row,) = [r for r in _csv(tmp_path / "adapt.csv")]
+    assert row["scenario"] == "lohan-capped" and float(row["error_at_warmup"]) > 0.10  # the profile is wrong
+    assert int(row["fields_refit"]) > 0 and float(row["step_s_after"]) > 0 and "adapt at step 2" in row[
+        "decision"]
+    steps = _csv(tmp_path / "adapt_steps.csv")
+    assert [int(r["step"]) for r in steps if r["run"] == "lohan-capped"] == [1, 2, 3, 4, 5]
+    assert (tmp_path / "adapt.png").stat().st_size > 1000 and heads and heads[0]["study"] == "adapt"
+
+
+def _csv(path: Path) -> list[dict]:
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
