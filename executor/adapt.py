@@ -11,14 +11,16 @@ every tensor class to its new tier (tierflow.executor.checkpoint), and training 
 Otherwise it continues under the old plan from the same checkpoint. One line per decision; the decisions are
 in `--json` and in `DIR/adapt.json` with `--out`.
 
-One rank only: a plan of several ranks is refused with one line (the decision would have to be made on rank 0
-and broadcast so that every rank switches at the same step; not built yet).
+Several ranks (`--nproc N`, or torchrun): every rank warms up, rank 0 decides from its own trace and
+broadcasts the decision and the new plan, and every rank resumes the sharded checkpoint under it at the same
+step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -28,9 +30,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from tierflow.executor.device.factory import make_backend
+from tierflow.executor.dist import init_world, rank_device
 from tierflow.executor.engine import Hyper
-from tierflow.executor.run import RunError, RunOptions, RunResult, RunStopped, run_plan, write_run_outputs
+from tierflow.executor.run import (
+    RunOptions,
+    RunResult,
+    RunStopped,
+    cmd_run,
+    leave_world,
+    run_plan,
+    write_run_outputs,
+)
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.core.simulate import simulate_config
@@ -203,26 +216,28 @@ def _run_options(args: argparse.Namespace, steps: int, checkpoint_dir: str, out:
 
 
 def adapt_run(plan: Plan, args: argparse.Namespace, opts: AdaptOptions, log=print) -> dict[str, Any]:
-    """Warm up, decide, continue (under the new plan if switching). Returns what --json prints."""
-    if plan.config.world.ranks > 1:
-        raise RunError("--adapt: one rank only for now (a plan of several ranks would need the decision "
-                       "broadcast from rank 0); run without --adapt")
-    tmp = None if args.checkpoint_dir else tempfile.mkdtemp(prefix="tierflow-adapt-")
-    ck = args.checkpoint_dir or tmp
+    """Warm up, decide, continue (under the new plan if switching). Returns what --json prints. With several
+    ranks every rank runs this: rank 0 decides and broadcasts the decision and the plan, so that every rank
+    switches (or not) at the same step; the checkpoint directory is rank 0's."""
+    ranks = plan.config.world.ranks
+    # the world run_plan joins (made once per process): rank 0's checkpoint directory is every rank's
+    world = init_world(ranks, make_backend(rank_device(args.device, ranks), args.seed).device)
+    tmp = None if args.checkpoint_dir or world.rank else tempfile.mkdtemp(prefix="tierflow-adapt-")
+    ck = world.broadcast(args.checkpoint_dir or tmp)
     try:
         warm = min(opts.warmup, args.steps)
         o1 = _run_options(args, warm, ck, None)
         o1.checkpoint_every = warm
         first = run_plan(plan, o1)
-        decisions, chosen = [], plan
+        decisions, chosen, second = [], plan, None
         if first.measured is not None and args.steps > warm:
             t0 = time.perf_counter()
-            d, new = decide(plan, first, warm, opts)
+            d, new = world.broadcast(decide(plan, first, warm, opts) if world.rank == 0 else None)
             decisions.append(d)
-            if not args.json:
+            if not args.json and world.rank == 0:
                 log(f"tierflow run: {d.line()}", flush=True)
             chosen = new or plan
-            if new is not None and args.out:
+            if new is not None and args.out and world.rank == 0:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 write_plan(new, Path(args.out) / "adapted_plan.json")
             t1 = time.perf_counter()
@@ -231,23 +246,22 @@ def adapt_run(plan: Plan, args: argparse.Namespace, opts: AdaptOptions, log=prin
             # loading the checkpoint onto the new plan's tiers, starting the workers, and the end of the run
             d.decide_s = t1 - t0
             d.switch_s = time.perf_counter() - t0 - sum(r.step_s for r in second.records)
-        else:
-            second = None
-        return _results(args, first, second, decisions, chosen)
+        return _results(args, first, second, decisions, chosen, lead=world.rank == 0)
     finally:
+        world.barrier()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _results(args: argparse.Namespace, first: RunResult, second: RunResult | None, decisions: list[Decision],
-             chosen: Plan) -> dict[str, Any]:
+             chosen: Plan, lead: bool = True) -> dict[str, Any]:
     records = first.records + (second.records if second else [])
     measured = (second or first).measured
     out = {"plan": str(args.plan), "first_step": first.first_step, "steps": [asdict(r) for r in records],
            "adapt": [{**asdict(d), "line": d.line()} for d in decisions],
            "final_plan": chosen.config.to_dict(),
            "measured": measured.to_dict() if measured is not None else None}
-    if args.out:
+    if args.out and lead:
         write_run_outputs(measured, records, args.out, f"{chosen.model.name}: measured (adapt)")
         (Path(args.out) / "adapt.json").write_text(json.dumps(out["adapt"], indent=1))
     return out
@@ -256,10 +270,10 @@ def _results(args: argparse.Namespace, first: RunResult, second: RunResult | Non
 def cmd_adapt(args: argparse.Namespace) -> int:
     """`tierflow run PLAN --adapt`: errors as `tierflow run` reports them (one line, the error's exit
     code)."""
-    import torch
-
     from tierflow.errors import TierflowError
 
+    if getattr(args, "nproc", None) is not None:  # torchrun starts the ranks; each comes back here
+        return cmd_run(args)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     opts = AdaptOptions(warmup=args.adapt_warmup, threshold=args.adapt_threshold, margin=args.adapt_margin,
@@ -270,10 +284,10 @@ def cmd_adapt(args: argparse.Namespace) -> int:
         out = adapt_run(plan, args, opts)
     except TierflowError as e:
         print(f"tierflow run: error: {e}", file=sys.stderr)
-        return e.exit_code
+        return leave_world(e.exit_code)
     except RunStopped as e:
         print(f"tierflow run: {e}", file=sys.stderr)
-        return e.exit_code
-    if args.json:
+        return leave_world(e.exit_code)
+    if args.json and int(os.environ.get("RANK", "0") or 0) == 0:
         print(json.dumps(out, indent=2))
-    return 0
+    return leave_world(0)

@@ -59,8 +59,8 @@ def profiles() -> dict[str, HardwareProfile]:
 
 def settings(quick: bool) -> dict:
     return {"scenarios": ["lohan-capped"] if quick else ["ssd5x-compute2x", "lohan-capped"],
-            "steps": 5 if quick else 12, "warmup": 2 if quick else 3, "time_limit_s": 2 if quick else 20,
-            "fit_evaluations": 120 if quick else 800}
+            "steps": 4 if quick else 12, "warmup": 2 if quick else 3, "time_limit_s": 1 if quick else 20,
+            "fit_evaluations": 60 if quick else 800}
 
 
 def make_plan(hw: HardwareProfile, path: Path, time_limit_s: float) -> Path:
