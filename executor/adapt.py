@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierflow.executor.checkpoint import candidates, read_manifest
 from tierflow.executor.device.factory import make_backend
 from tierflow.executor.dist import init_world, rank_device
 from tierflow.executor.engine import Hyper
@@ -44,6 +45,7 @@ from tierflow.executor.run import (
     run_plan,
     write_run_outputs,
 )
+from tierflow.executor.tiers.state import StateError
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.core.simulate import simulate_config
@@ -206,13 +208,27 @@ def decide(plan: Plan, first: RunResult, step: int, opts: AdaptOptions) -> tuple
     return d, None
 
 
-def _run_options(args: argparse.Namespace, steps: int, checkpoint_dir: str, out: str | None) -> RunOptions:
+def _run_options(args: argparse.Namespace, steps: int, checkpoint_dir: str, plan: Plan) -> RunOptions:
+    """`tierflow run`'s options for one part of the run: checkpoints every --checkpoint-every steps (default
+    the plan's iterations) when the user gave --checkpoint-dir; --out is written once, at the end."""
+    every = (args.checkpoint_every or plan.graph.num_iterations) if args.checkpoint_dir else 0
     return RunOptions(steps=steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
                       data_format=args.data_format, init=args.init, checkpoint_dir=checkpoint_dir,
-                      checkpoint_every=0, out=out, hyper=Hyper(lr=args.lr, weight_decay=args.weight_decay),
-                      seed=args.seed, quiet=args.json, resume_fallback=args.resume_fallback,
+                      checkpoint_every=every, out=None,
+                      hyper=Hyper(lr=args.lr, weight_decay=args.weight_decay), seed=args.seed,
+                      quiet=args.json, resume_fallback=args.resume_fallback,
                       allow_changed_hyper=args.allow_changed_hyper,
                       compute_dtype=getattr(args, "compute_dtype", None))
+
+
+def _resumed_step(directory: str) -> int:
+    """The step of the checkpoint a run in `directory` resumes from (0: none, or unreadable: the run itself
+    then says why)."""
+    latest, _, _ = candidates(directory)
+    try:
+        return int(read_manifest(latest)["step"]) if latest is not None else 0
+    except (StateError, KeyError, TypeError, ValueError):
+        return 0
 
 
 def adapt_run(plan: Plan, args: argparse.Namespace, opts: AdaptOptions, log=print) -> dict[str, Any]:
@@ -225,12 +241,14 @@ def adapt_run(plan: Plan, args: argparse.Namespace, opts: AdaptOptions, log=prin
     tmp = None if args.checkpoint_dir or world.rank else tempfile.mkdtemp(prefix="tierflow-adapt-")
     ck = world.broadcast(args.checkpoint_dir or tmp)
     try:
-        warm = min(opts.warmup, args.steps)
-        o1 = _run_options(args, warm, ck, None)
-        o1.checkpoint_every = warm
+        warm = min(_resumed_step(ck) + opts.warmup, args.steps)  # the warm-up counts from a resumed step
+        o1 = _run_options(args, warm, ck, plan)
+        o1.checkpoint_every = warm  # the warm-up ends with a checkpoint: the switch resumes it
         first = run_plan(plan, o1)
         decisions, chosen, second = [], plan, None
-        if first.measured is not None and args.steps > warm:
+        if first.measured is None and args.steps > warm:  # nothing measured (resumed at the end of it)
+            second = run_plan(plan, _run_options(args, args.steps, ck, plan))
+        elif args.steps > warm:
             t0 = time.perf_counter()
             d, new = world.broadcast(decide(plan, first, warm, opts) if world.rank == 0 else None)
             decisions.append(d)
@@ -241,7 +259,7 @@ def adapt_run(plan: Plan, args: argparse.Namespace, opts: AdaptOptions, log=prin
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 write_plan(new, Path(args.out) / "adapted_plan.json")
             t1 = time.perf_counter()
-            second = run_plan(chosen, _run_options(args, args.steps, ck, None))
+            second = run_plan(chosen, _run_options(args, args.steps, ck, chosen))
             # the decision (fit, re-plan) and the second run's time outside its steps: building the state,
             # loading the checkpoint onto the new plan's tiers, starting the workers, and the end of the run
             d.decide_s = t1 - t0

@@ -202,7 +202,7 @@ def test_decide_refits_replans_and_switches_on_a_wrong_profile(tmp_path):
     plan = plan_from_graph(model, wrong, cfg, build_graph(model, wrong, cfg))
     measured = simulate_graph(build_graph(model, truth, plan.config), truth, plan.config.world)
     d, new = decide(plan, SimpleNamespace(measured=measured), 2,
-                    AdaptOptions(time_limit_s=2.0, fit_evaluations=200))
+                    AdaptOptions(time_limit_s=2.0, fit_evaluations=100))
     assert d.error > 0.10 and d.resources["ssd_read"] > 1.5
     assert d.refit["ssd.read_gbps"][1] < d.refit["ssd.read_gbps"][0]
     assert d.switched and new is not None and new.config != plan.config and d.gain > 0.05
@@ -219,25 +219,30 @@ def test_decide_refits_replans_and_switches_on_a_wrong_profile(tmp_path):
 
 def test_adapt_cli_records_its_decision_and_continues(tmp_path, capsys):
     """Within the threshold the run keeps its plan: one decision line, recorded in --json and --out, and the
-    losses are those of the run without --adapt, bit for bit."""
+    losses are those of the run without --adapt, bit for bit; a second --adapt run resumes the first's
+    checkpoint and counts its warm-up from there."""
     plan = make_plan("tiny-gpt", "vertical", "states_ssd", iterations=2)
     path = tmp_path / "plan.json"
     write_plan(plan, path)
     (tmp_path / "ssd").mkdir()
-    common = [str(path), "--device", "cpu", "--ssd-dir", str(tmp_path / "ssd"), "--steps", "4", "--json"]
-    assert main(["run", *common]) == 0
-    plain = json.loads(capsys.readouterr().out)
-    out = tmp_path / "out"
-    assert main(["run", *common, "--adapt", "--adapt-warmup", "2", "--adapt-threshold", "1000",
-                 "--out", str(out)]) == 0
+    common = [str(path), "--device", "cpu", "--ssd-dir", str(tmp_path / "ssd"), "--json"]
+    assert main(["run", *common, "--steps", "6"]) == 0
+    plain = [s["loss"] for s in json.loads(capsys.readouterr().out)["steps"]]
+    out, ck = tmp_path / "out", str(tmp_path / "ck")
+    adapt = ["--adapt", "--adapt-warmup", "2", "--adapt-threshold", "1000", "--checkpoint-dir", ck]
+    assert main(["run", *common, *adapt, "--steps", "4", "--out", str(out)]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert [s["loss"] for s in got["steps"]] == [s["loss"] for s in plain["steps"]]
+    assert [s["loss"] for s in got["steps"]] == plain[:4]
     assert [s["step"] for s in got["steps"]] == [1, 2, 3, 4]
     (d,) = got["adapt"]
     assert d["step"] == 2 and not d["switched"] and "keeping the plan" in d["line"]
     assert d["measured_iteration_s"] > 0 and d["predicted_iteration_s"] > 0 and d["resources"]
     assert json.loads((out / "adapt.json").read_text()) == got["adapt"]
     assert (out / "trace.json").is_file() and (out / "steps.csv").read_text().count("\n") == 5
+    assert main(["run", *common, *adapt, "--steps", "6"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["first_step"] == 4 and again["adapt"] == []  # its warm-up reached --steps: nothing to decide
+    assert [s["loss"] for s in again["steps"]] == plain[4:]
 
 
 def test_adapt_on_two_ranks_switches_every_rank_at_the_same_step(tmp_path):
