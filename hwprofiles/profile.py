@@ -86,6 +86,12 @@ class GpuSpec:
     # bytes/s (read + written) of the MLP's activation function (GELU, SiLU): a transcendental per element
     # (None: as any elementwise kernel, hbm_gbps x hbm_efficiency)
     activation_gbps: float | None = None
+    # dense GEMM peaks of the other precisions (tierflow.planner.core.workload.PRECISIONS), TFLOPS, from the
+    # datasheet: fp32 on the CUDA cores (PyTorch's default for fp32 matmuls: allow_tf32 is off), and TF32 on
+    # the tensor cores (fp32 tensors with allow_tf32 on). None: not known, or the GPU has no such unit (a
+    # plan in that precision then stops with a one-line error naming the field)
+    fp32_tflops: float | None = None
+    tf32_tflops: float | None = None
 
     @property
     def op_overhead_s(self) -> float:
@@ -403,6 +409,8 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "op_overhead_us": _optional(0, True, 1e6, "microseconds per compute op", 1e-3),
         "attention_efficiency": _optional(0, False, 1.0, "of a GEMM's rate", 1e-3),
         "activation_gbps": _optional(0, False, 100000, "GB/s", 1e-3),
+        "fp32_tflops": _optional(0, False, 20000, "TFLOPS", 1e-4),
+        "tf32_tflops": _optional(0, False, 20000, "TFLOPS", 1e-4),
     },
     "pcie": {
         "generation": _Rule("int", 1, True, 7),
@@ -461,7 +469,8 @@ _SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency
                         "host_path_gbps")
 _OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op",
                      "copy_slowdown_beside_compute", "ssd_slowdown_beside_compute"),
-             "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps"),
+             "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps", "fp32_tflops",
+                     "tf32_tflops"),
              "pcie": ("latency_us",)}  # keys a profile may leave out (older files), other than ssd's
 _SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec,
                  "topology": TopologySpec, "network": NetworkSpec}
