@@ -254,7 +254,7 @@ def head_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
     logits = 4 * t * vocab
     elementwise = cb * t * model.hidden * (2 if vocab else 5) + 3 * logits
     # held while the head's forward and backward run (one task): the normalised hidden states, the loss's
-    # working bytes, the norm's backward (the input gradient and one temporary) and the weight gradient
+    # working bytes, the final norm's backward and the weight gradient
     hidden = cb * t * max(model.hidden, model.embed_dim)
     work = hidden + loss_working_bytes(model, micro_batch, seq)
     return BlockCost(
@@ -268,10 +268,21 @@ def head_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
         checkpoint_bytes=cb * t * model.hidden,
         full_activation_bytes=cb * t * model.hidden * 2,
         fwd_working_bytes=work,
-        bwd_working_bytes=work + 2 * hidden + pr.grad_wire_bytes * (owned + tied),
+        bwd_working_bytes=work + norm_backward_bytes(model, t) + pr.grad_wire_bytes * (owned + tied),
         tokens=t,
         precision=pr,
     )
+
+
+def norm_backward_bytes(model: ModelSpec, tokens: int) -> int:
+    """Transient bytes of one norm's backward over `tokens` tokens as the executor runs it: a LayerNorm kernel
+    writes the input gradient beside one temporary (2 x compute dtype per element); the executor's RMSNorm
+    recomputes its fp32 forward under autograd in the backward (executor.models.RMSNorm), which holds up to
+    six fp32 copies of the input at once plus one in the compute dtype (tests/test_loss_memory.py measures
+    both)."""
+    cb = precision_of(model).compute_bytes
+    per_element = 2 * cb if model.norm == "layernorm" else 6 * 4 + cb
+    return per_element * tokens * model.hidden
 
 
 def model_flops_per_token(model: ModelSpec, seq: int) -> float:
