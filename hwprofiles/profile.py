@@ -142,6 +142,9 @@ class CpuSpec:
     # an SSD op's time x this while device compute runs (its thread sleeps on the device between requests, so
     # the scheduler runs it promptly when it wakes)
     ssd_slowdown_beside_compute: float | None = None
+    # DeepSpeedCPUAdam's update rate alone (1e9 parameters per second, `tierflow calibrate` where DeepSpeed is
+    # installed), beside torch's AdamW in adam_gparams_per_s; None: not measured
+    deepspeed_adam_gparams_per_s: float | None = None
 
     @property
     def sustained_memory_bps(self) -> float:
@@ -431,6 +434,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "compute_slowdown_per_io_op": _optional(1, True, 100, "x compute time per I/O op beside it", 1e-3),
         "copy_slowdown_beside_compute": _optional(1, True, 100, "x copy time beside compute", 1e-3),
         "ssd_slowdown_beside_compute": _optional(1, True, 100, "x SSD op time beside compute", 1e-3),
+        "deepspeed_adam_gparams_per_s": _optional(0, False, 100, "billion parameters/s", 1e-5),
     },
     "ssd": {
         "count": _Rule("int", 0, True, 64, "drives"),
@@ -468,7 +472,8 @@ _RULES: dict[str, dict[str, _Rule]] = {
 _SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency", "latency_us",
                         "host_path_gbps")
 _OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op",
-                     "copy_slowdown_beside_compute", "ssd_slowdown_beside_compute"),
+                     "copy_slowdown_beside_compute", "ssd_slowdown_beside_compute",
+                     "deepspeed_adam_gparams_per_s"),
              "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps", "fp32_tflops",
                      "tf32_tflops"),
              "pcie": ("latency_us",)}  # keys a profile may leave out (older files), other than ssd's
@@ -477,6 +482,14 @@ _SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpe
 # a fixed cost per ring step when an override adds a section the profile lacks (assumption: the order of
 # NCCL's per-step latency over PCIe or a network, a few to tens of microseconds)
 DEFAULT_LATENCY_US = 10.0
+
+
+def nullable(key: str) -> bool:
+    """Whether profile field `key` ("section.name") may be null (an optional number: not modelled, or not
+    measured)."""
+    section, _, name = key.partition(".")
+    rule = _RULES.get(section, {}).get(name)
+    return rule is not None and rule.kind == "optional_number"
 
 
 def _default_section(section: str, profile: HardwareProfile) -> dict[str, Any]:

@@ -29,7 +29,8 @@ DEFAULT_PLAN_TIME_LIMIT_S = 20.0
 def simulate_ds(model: ModelSpec, hw: HardwareProfile, ds: DsConfig,
                 iterations: int) -> tuple[ScheduleConfig, SimResult | CapacityError]:
     """The schedule the DeepSpeed config runs on `hw` and its simulated result (its CapacityError when it does
-    not fit)."""
+    not fit), `model` trained in the config's precision."""
+    model = ds.trained(model)
     cfg = ds.schedule(model, hw, seq=model.seq_len, iterations=iterations)
     try:
         return cfg, simulate_config(model, hw, cfg)
