@@ -295,6 +295,7 @@ class ModelSpec:
             f"{self.name}: {self.num_layers} layers x {self.hidden} ({heads}), "
             f"{_human_count(self.total_params())} params, seq {self.seq_len}"
             + ("" if self.lm_head else ", no LM head")
+            + ("" if self.precision is None else f", {self.precision}")
         )
 
 
