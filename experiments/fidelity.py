@@ -227,7 +227,8 @@ def rms(errors: list[float]) -> float:
 
 
 def plot(points: list[dict], curve_rows: list[dict], path: Path) -> Path:
-    fig, (ax1, ax2) = new_figure(2, width_in=6.0, height_in=4.6)
+    fig, (ax1, ax2, ax3) = new_figure(3, width_in=6.0, height_in=4.6)
+    _plot_checks(ax3, points)
     # every published run here is Fuyou's (LoHan's code), in the fuyou schedule's colour;
     # the kinds differ by marker
     fuyou = schedule_color("fuyou")
@@ -273,6 +274,23 @@ def plot(points: list[dict], curve_rows: list[dict], path: Path) -> Path:
     ax2.set_title("LoHan GPT-3 13B on the 4090 box (Fig. 10(b))")
     ax2.legend(fontsize=7, loc="lower right")
     return save_figure(fig, path)
+
+
+def _plot_checks(ax, points: list[dict]) -> None:
+    """Every check's error by kind: hits and misses filled and hollow, consistency checks grey."""
+    kinds = [k for k in KIND_LABELS if any(p["kind"] == k for p in points)]
+    for i, kind in enumerate(kinds):
+        pts = [p for p in points if p["kind"] == kind]
+        for check, face, edge in (("hit", "C0", "C0"), ("miss", "none", "C3"), ("consistency", "0.7", "0.5")):
+            ys = [100 * float(p["error"]) for p in pts if p["check"].startswith(check)]
+            ax.scatter([i] * len(ys), ys, facecolors=face, edgecolors=edge, s=22, zorder=3,
+                       label=(check if check != "consistency" else "consistency check") if i == 0 else None)
+    ax.axhspan(-100 * BAND, 100 * BAND, color="grey", alpha=0.2)
+    ax.axhline(0, color="black", lw=1)
+    ax.set_xticks(range(len(kinds)), [k.replace("_", " ") for k in kinds], rotation=20, fontsize=7)
+    ax.set_ylabel("predicted / measured - 1 (%)")
+    ax.set_title(f"Every check (band +-{BAND:.0%})")
+    ax.legend(fontsize=7, loc="upper left")
 
 
 def read_summary(out_dir: Path) -> list[dict]:
