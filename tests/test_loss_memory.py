@@ -18,8 +18,8 @@ from tierflow.executor import models as exec_models
 from tierflow.planner.core import workload
 from tierflow.planner.core.models import get_model
 
-MICRO, SEQ, VOCAB = 4, 128, 4096
-CHUNK_LOGIT_BYTES = 256 * 1024  # 16 tokens of fp32 logits a chunk: 32 chunks per micro-batch
+MICRO, SEQ, VOCAB = 2, 128, 4096
+CHUNK_LOGIT_BYTES = 256 * 1024  # 16 tokens of fp32 logits a chunk: 16 chunks per micro-batch
 
 
 class PeakLiveBytes(TorchDispatchMode):
@@ -87,7 +87,7 @@ def test_head_peak_is_what_the_planner_counts(name, precision, monkeypatch):
     full_logits = _peak(lambda: exec_models.loss(head(x, tied_weight=tied), y))
     # the plan holds what the executor's head keeps at its peak, with little to spare; the whole fp32 logits
     # (the loss before chunking) would not fit in it
-    assert 0.75 * plan <= chunked <= plan, (chunked, plan)
+    assert 0.9 * plan <= chunked <= plan, (chunked, plan)
     assert full_logits > plan + 4 * MICRO * SEQ * VOCAB - CHUNK_LOGIT_BYTES, (full_logits, plan)
 
 

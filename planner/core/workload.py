@@ -253,10 +253,13 @@ def head_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
     # HBM traffic of the loss: logits in fp32 written, read by softmax, gradient written
     logits = 4 * t * vocab
     elementwise = cb * t * model.hidden * (2 if vocab else 5) + 3 * logits
-    # held while the head's forward and backward run (one task): the normalised hidden states, the loss's
-    # working bytes, the final norm's backward and the weight gradient
+    # held while the head's forward and backward run (one task): the weight gradient throughout; first the
+    # normalised hidden states and the loss's working bytes (their gradient and one chunk), then that gradient
+    # and the final norm's backward
     hidden = cb * t * max(model.hidden, model.embed_dim)
-    work = hidden + loss_working_bytes(model, micro_batch, seq)
+    loss = loss_working_bytes(model, micro_batch, seq)
+    work = hidden + loss
+    dx_loss = cb * t * model.embed_dim if vocab else 0
     return BlockCost(
         name="head",
         kind="head",
@@ -268,7 +271,8 @@ def head_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
         checkpoint_bytes=cb * t * model.hidden,
         full_activation_bytes=cb * t * model.hidden * 2,
         fwd_working_bytes=work,
-        bwd_working_bytes=work + norm_backward_bytes(model, t) + pr.grad_wire_bytes * (owned + tied),
+        bwd_working_bytes=(max(work, dx_loss + norm_backward_bytes(model, t))
+                           + pr.grad_wire_bytes * (owned + tied)),
         tokens=t,
         precision=pr,
     )
@@ -278,11 +282,12 @@ def norm_backward_bytes(model: ModelSpec, tokens: int) -> int:
     """Transient bytes of one norm's backward over `tokens` tokens as the executor runs it: a LayerNorm kernel
     writes the input gradient beside one temporary (2 x compute dtype per element); the executor's RMSNorm
     recomputes its fp32 forward under autograd in the backward (executor.models.RMSNorm), which holds up to
-    six fp32 copies of the input at once plus one in the compute dtype (tests/test_loss_memory.py measures
-    both)."""
+    six fp32 copies of the input at once plus one in the compute dtype; both keep two fp32 statistics per
+    token (mean and rstd, or the mean square and its rsqrt), and the loss a few scalars
+    (tests/test_loss_memory.py measures both)."""
     cb = precision_of(model).compute_bytes
     per_element = 2 * cb if model.norm == "layernorm" else 6 * 4 + cb
-    return per_element * tokens * model.hidden
+    return per_element * tokens * model.hidden + 2 * 4 * tokens + 64
 
 
 def model_flops_per_token(model: ModelSpec, seq: int) -> float:
