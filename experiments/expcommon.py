@@ -349,3 +349,38 @@ def save_figure(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# ---- tables in the docs, generated from the results files ----------------------------------------------
+
+REPO_DIR = Path(__file__).resolve().parent.parent
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
+    """A Markdown table of `rows` (cells as given, already formatted)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- generated: {name} -->", f"<!-- end generated: {name} -->"
+
+
+def generated_block(doc: Path, name: str) -> str:
+    """The text of generated block `name` in `doc` (between its two markers)."""
+    text = doc.read_text()
+    start, end = _markers(name)
+    if start not in text or end not in text:
+        raise ValueError(f"{doc}: no generated block {name!r} (markers {start} ... {end})")
+    return text.split(start, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def write_generated_block(doc: Path, name: str, body: str) -> None:
+    """Replace generated block `name` of `doc` with `body` (the scripts' tables; tests/test_docs_tables.py
+    checks that each block equals what its script makes of its results file)."""
+    text = doc.read_text()
+    start, end = _markers(name)
+    before, rest = text.split(start, 1)
+    after = rest.split(end, 1)[1]
+    doc.write_text(f"{before}{start}\n{body}\n{end}{after}")

@@ -17,9 +17,11 @@ import sys
 from pathlib import Path
 
 from expcommon import (
+    REPO_DIR,
     Progress,
     arg_parser,
     headline,
+    markdown_table,
     new_figure,
     print_headlines,
     print_table,
@@ -27,6 +29,7 @@ from expcommon import (
     save_figure,
     schedule_color,
     write_csv,
+    write_generated_block,
 )
 
 from tierflow.hwprofiles import load_profile
@@ -194,6 +197,28 @@ def plot(rows: list[dict], path: Path) -> Path:
     return save_figure(fig, path)
 
 
+DOC = REPO_DIR / "docs" / "planning.md"
+DOC_TABLE = "gemini capacity (experiments/gemini_capacity.py from experiments/results/gemini_capacity.csv)"
+
+
+def capacity_table(rows: list[dict]) -> str:
+    """docs/planning.md's table of Gemini's capacity claims, from this study's rows (as written to or read
+    from gemini_capacity.csv)."""
+    out = []
+    for head in (r for r in rows if r["part"] == "headline"):
+        hw, gib = head["hw"], int(float(head["cpu_memory_gib"]))
+        sweep = sorted((r for r in rows if r["hw"] == hw and r["part"] == "sweep"),
+                       key=lambda r: float(r["cpu_memory_gib"]))
+        others = ", ".join(f"{float(r['largest_params_b']):.1f}B with {int(float(r['cpu_memory_gib']))} GiB"
+                           for r in sweep if int(float(r["cpu_memory_gib"])) != gib)
+        ours = (f"{float(head['largest_params_b']):.1f}B ({float(head['ratio']) - 1:+.0%}); the paper's "
+                f"{float(head['paper_params_b']):g}B needs {head['cpu_gib_needed_for_paper']} GiB; {others}")
+        out.append((f"Gemini: {float(head['paper_params_b']):g}B on {hw} ({gib} GiB assumed)",
+                    f"`tierflow capacity --hw {hw} --seq {SEQ} --batch {BATCH} --set cpu.memory_gib={gib}`",
+                    ours))
+    return markdown_table(["claim", "command", "ours"], out)
+
+
 def run(quick: bool = False, out_dir: Path | None = None, progress: Progress | None = None) -> list[dict]:
     from expcommon import RESULTS_DIR
 
@@ -205,6 +230,8 @@ def run(quick: bool = False, out_dir: Path | None = None, progress: Progress | N
     write_csv(rows, out_dir / "gemini_capacity.csv")
     plot(rows, out_dir / "gemini_capacity.png")
     heads = make_headlines(rows)
+    if out_dir.resolve() == Path(RESULTS_DIR).resolve():  # the docs show what the results files hold
+        write_generated_block(DOC, DOC_TABLE, capacity_table(rows))
     print(f"Gemini capacity (no SSD; batch {BATCH} x seq {SEQ}; tierflow.planner.search.capacity.largest):")
     print_table(
         [r for r in rows if r["part"] == "headline"],

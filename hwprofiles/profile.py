@@ -86,6 +86,12 @@ class GpuSpec:
     # bytes/s (read + written) of the MLP's activation function (GELU, SiLU): a transcendental per element
     # (None: as any elementwise kernel, hbm_gbps x hbm_efficiency)
     activation_gbps: float | None = None
+    # dense GEMM peaks of the other precisions (tierflow.planner.core.workload.PRECISIONS), TFLOPS, from the
+    # datasheet: fp32 on the CUDA cores (PyTorch's default for fp32 matmuls: allow_tf32 is off), and TF32 on
+    # the tensor cores (fp32 tensors with allow_tf32 on). None: not known, or the GPU has no such unit (a
+    # plan in that precision then stops with a one-line error naming the field)
+    fp32_tflops: float | None = None
+    tf32_tflops: float | None = None
 
     @property
     def op_overhead_s(self) -> float:
@@ -136,6 +142,9 @@ class CpuSpec:
     # an SSD op's time x this while device compute runs (its thread sleeps on the device between requests, so
     # the scheduler runs it promptly when it wakes)
     ssd_slowdown_beside_compute: float | None = None
+    # DeepSpeedCPUAdam's update rate alone (1e9 parameters per second, `tierflow calibrate` where DeepSpeed is
+    # installed), beside torch's AdamW in adam_gparams_per_s; None: not measured
+    deepspeed_adam_gparams_per_s: float | None = None
 
     @property
     def sustained_memory_bps(self) -> float:
@@ -403,6 +412,8 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "op_overhead_us": _optional(0, True, 1e6, "microseconds per compute op", 1e-3),
         "attention_efficiency": _optional(0, False, 1.0, "of a GEMM's rate", 1e-3),
         "activation_gbps": _optional(0, False, 100000, "GB/s", 1e-3),
+        "fp32_tflops": _optional(0, False, 20000, "TFLOPS", 1e-4),
+        "tf32_tflops": _optional(0, False, 20000, "TFLOPS", 1e-4),
     },
     "pcie": {
         "generation": _Rule("int", 1, True, 7),
@@ -423,6 +434,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "compute_slowdown_per_io_op": _optional(1, True, 100, "x compute time per I/O op beside it", 1e-3),
         "copy_slowdown_beside_compute": _optional(1, True, 100, "x copy time beside compute", 1e-3),
         "ssd_slowdown_beside_compute": _optional(1, True, 100, "x SSD op time beside compute", 1e-3),
+        "deepspeed_adam_gparams_per_s": _optional(0, False, 100, "billion parameters/s", 1e-5),
     },
     "ssd": {
         "count": _Rule("int", 0, True, 64, "drives"),
@@ -460,14 +472,24 @@ _RULES: dict[str, dict[str, _Rule]] = {
 _SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency", "latency_us",
                         "host_path_gbps")
 _OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op",
-                     "copy_slowdown_beside_compute", "ssd_slowdown_beside_compute"),
-             "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps"),
+                     "copy_slowdown_beside_compute", "ssd_slowdown_beside_compute",
+                     "deepspeed_adam_gparams_per_s"),
+             "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps", "fp32_tflops",
+                     "tf32_tflops"),
              "pcie": ("latency_us",)}  # keys a profile may leave out (older files), other than ssd's
 _SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec,
                  "topology": TopologySpec, "network": NetworkSpec}
 # a fixed cost per ring step when an override adds a section the profile lacks (assumption: the order of
 # NCCL's per-step latency over PCIe or a network, a few to tens of microseconds)
 DEFAULT_LATENCY_US = 10.0
+
+
+def nullable(key: str) -> bool:
+    """Whether profile field `key` ("section.name") may be null (an optional number: not modelled, or not
+    measured)."""
+    section, _, name = key.partition(".")
+    rule = _RULES.get(section, {}).get(name)
+    return rule is not None and rule.kind == "optional_number"
 
 
 def _default_section(section: str, profile: HardwareProfile) -> dict[str, Any]:

@@ -266,3 +266,32 @@ def test_gpu_measurements_are_positive():
     r = cal_gpu.measure_pcie(64 * 2**20)
     assert all(v > 0 for v in r.values())
     assert r["duplex_h2d_gbps"] <= r["h2d_gbps"] and r["duplex_d2h_gbps"] <= r["d2h_gbps"]
+
+
+def test_unmeasured_box_specific_fields_are_null_with_their_reason():
+    """A field calibrate does not measure is never the base's value (the base's box was measured or fitted,
+    not this one): null, with why; the datasheet peaks of an explicit --base stay."""
+    m = fake_measurements()
+    m["ssd"] = {"dir": "x", "direct": True, "model": "vda", "capacity_gb": 50.0, "block_bytes": 2**20,
+                "read_gbps": 1.2, "write_gbps": 0.4, "mixed_read_gbps": 0.8, "mixed_write_gbps": 0.3,
+                "rw_sharing": "shared"}
+    base = load_profile("rtx4090-lohan")
+    assert base.ssd.host_path_gbps is not None and base.gpu.fp32_tflops is not None
+    for explicit in (None, base):
+        c = cal_profile.build_profile(m, explicit)
+        info = {f.key: f for f in c.fields}
+        p = c.profile
+        assert p.ssd.host_path_gbps is None and "fitted" in info["ssd.host_path_gbps"].note
+        assert p.gpu.op_overhead_us is None and p.pcie.latency_us is None
+        assert p.cpu.deepspeed_adam_gparams_per_s is None and info["cpu.deepspeed_adam_gparams_per_s"].note
+        assert "ssd.host_path_gbps" in c.not_measured
+        # datasheet peaks: from an explicit base only
+        assert p.gpu.fp32_tflops == (base.gpu.fp32_tflops if explicit else None)
+    m["cpu"].update(deepspeed_adam_gparams_per_s=1.5)
+    assert cal_profile.build_profile(m).profile.cpu.deepspeed_adam_gparams_per_s == 1.5
+
+
+def test_deepspeed_adam_without_deepspeed_says_why(monkeypatch):
+    monkeypatch.setattr(cal_cpu.importlib.util, "find_spec", lambda name: None)
+    assert cal_cpu.measure_deepspeed_adam(100_000, steps=1) == (
+        None, "DeepSpeed is not installed (the [baseline] extra)")

@@ -148,7 +148,17 @@ def test_fidelity_quick(tmp_path):
         assert float(r["error"]) == pytest.approx(float(r["predicted"]) / float(r["measured"]) - 1, abs=1e-3)
     fitted = [r for r in rows if r["kind"] == "fitted on"]
     assert {int(r["batch"]) for r in fitted} == {48}
-    assert {int(r["batch"]) for r in rows if r["kind"] == "held out"} <= {32, 64}
+    # the held-out SSD sweeps' ends and middle, and every run of the held-out batch sweeps
+    held = [r for r in rows if r["kind"] == "held out"]
+    assert {32, 64} <= {int(r["batch"]) for r in held}
+    assert {r["data"] for r in held} == {f.name for f in fidelity.HELD_OUT}
+    assert len([r for r in held if r["data"] == fidelity.HELD_OUT[-1].name]) == 7
+    # a check some model value was set from is never a hit; every other one is a hit or a miss by the band
+    assert all(r["check"].startswith("consistency check") for r in fitted)
+    for r in rows:
+        if not r["check"].startswith("consistency"):
+            assert r["check"] == ("hit" if abs(float(r["error"])) <= fidelity.BAND else "miss")
+        assert r["kind"] == "seed headline" or r["mechanism"]
     # more SSDs never predict less throughput along one batch
     by_count = sorted((int(r["ssd_count"]), float(r["predicted"])) for r in fitted)
     assert [p for _, p in by_count] == sorted(p for _, p in by_count)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import platform
@@ -42,18 +43,43 @@ def measure_cpu_adam(params: int, steps: int = 3, chunk: int = 4 * 2**20) -> flo
     """CPU AdamW update rate in parameters per second on ``params`` fp32 parameters (in tensors of
     ``chunk``)."""
     torch = import_torch()
+    opt = torch.optim.AdamW(_adam_params(params, chunk), lr=1e-4, weight_decay=0.01, **{adam_impl(): True})
+    return _update_rate(opt, params, steps)
+
+
+def _adam_params(params: int, chunk: int) -> list:
+    """fp32 parameters with gradients, ``params`` in all, in tensors of ``chunk``."""
+    torch = import_torch()
     sizes = [chunk] * (params // chunk) + ([params % chunk] if params % chunk else [])
     ps = []
     for s in sizes:
         p = torch.nn.Parameter(torch.full((s,), 0.01))
         p.grad = torch.full((s,), 1e-3)
         ps.append(p)
-    opt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, **{adam_impl(): True})
-    opt.step()  # warm-up: allocates exp_avg / exp_avg_sq
+    return ps
+
+
+def _update_rate(opt, params: int, steps: int) -> float:
+    """Parameters per second of ``opt.step()`` after a warm-up step (which allocates the moments)."""
+    opt.step()
     t0 = time.perf_counter()
     for _ in range(max(1, steps)):
         opt.step()
     return params * max(1, steps) / (time.perf_counter() - t0)
+
+
+def measure_deepspeed_adam(params: int, steps: int = 3, chunk: int = 4 * 2**20) -> tuple[float | None, str]:
+    """DeepSpeedCPUAdam's update rate (adamw_mode, as ZeRO-Offload runs it) in parameters per second, and ""
+    or, when it cannot run here (DeepSpeed not installed, its C++ op not buildable), None and why."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return None, "DeepSpeed is not installed (the [baseline] extra)"
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam(_adam_params(params, chunk), lr=1e-4, weight_decay=0.01, adamw_mode=True)
+        return _update_rate(opt, params, steps), ""
+    except Exception as exc:  # noqa: BLE001 - any failure of a third-party op build means "not measured"
+        return None, f"DeepSpeedCPUAdam failed here: {type(exc).__name__}: {str(exc)[:120]}"
 
 
 def cpu_memory_gib() -> float:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from typing import Any
@@ -13,6 +14,7 @@ from tierflow.executor.calibration.cpu import (
     cpu_memory_gib,
     cpu_model,
     measure_cpu_adam,
+    measure_deepspeed_adam,
     measure_dram_gbps,
 )
 from tierflow.executor.calibration.executor_costs import (
@@ -39,6 +41,8 @@ def measurement_plan(device: str, sizes: Sizes = FULL, ssd: bool = False) -> lis
         steps += ["CPU elementwise bandwidth", "CPU activation function and attention",
                   "device <-> host copies"]
     steps += ["CPU memory bandwidth", f"CPU AdamW ({sizes.adam_params / 1e6:g}M params)"]
+    if importlib.util.find_spec("deepspeed") is not None:
+        steps += [f"DeepSpeedCPUAdam ({sizes.adam_params / 1e6:g}M params)"]
     if ssd:
         mib = sizes.ssd_file_bytes / MIB
         steps += [f"SSD write ({mib:.0f} MiB)", f"SSD read ({mib:.0f} MiB)",
@@ -73,6 +77,11 @@ def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | Non
     adam_params = int(min(sizes.adam_params, cpu["memory_gib"] * GIB / 16 / 4))
     cpu["adam_impl"] = adam_impl()
     cpu["adam_gparams_per_s"] = measure_cpu_adam(adam_params, sizes.adam_steps) / 1e9
+    if importlib.util.find_spec("deepspeed") is not None:
+        progress.step(f"DeepSpeedCPUAdam ({sizes.adam_params / 1e6:g}M params)")
+    rate, why = measure_deepspeed_adam(adam_params, sizes.adam_steps)
+    cpu["deepspeed_adam_gparams_per_s"] = None if rate is None else rate / 1e9
+    cpu["deepspeed_adam_error"] = why
     m["cpu"] = cpu
     if ssd_dir is not None:
         m["ssd"] = measure_ssd(ssd_dir, sizes.ssd_file_bytes, sizes.ssd_block_bytes, sizes.ssd_min_s,

@@ -14,7 +14,7 @@ from typing import Any
 from tierflow.executor.calibration.common import MIB, CalibrationError
 from tierflow.executor.calibration.executor_costs import INTERFERENCE_GEMM
 from tierflow.executor.calibration.gpu import fit_gemm_half_gflop, pcie_generation_from_rate
-from tierflow.hwprofiles import HardwareProfile, load_profile, profile_from_dict
+from tierflow.hwprofiles import HardwareProfile, load_profile, nullable, profile_from_dict
 
 FALLBACK_BASE = "rtx4090-lohan"
 # plans count activations, weights and their copies in the compute dtype's bytes, bf16
@@ -134,6 +134,10 @@ def _put_host_device(b: _Builder, g: dict[str, Any], device_gib: float | None) -
     b.put("gpu.peak_tflops", g["peak_tflops"], "measured",
         f"fit of fp32 GEMM rates at {len(g['gemms'])} sizes: rate = peak x f / (f + half)")
     b.put("gpu.gemm_efficiency", 1.0, "derived", "the fitted peak is what large GEMMs reach")
+    b.put("gpu.fp32_tflops", None, "not measured",
+          "a CPU device's rates are in 2-byte plan bytes: plan it in the default precision (its GEMMs are "
+          "fp32, measured as peak_tflops)")
+    b.put("gpu.tf32_tflops", None, "not measured", "a CPU has no TF32 tensor cores")
     b.put("gpu.gemm_half_gflop", g["half_gflop"], "measured", "same fit")
     per_plan_byte = PLAN_BYTES_PER_ELEMENT / HOST_DEVICE_BYTES_PER_ELEMENT
     plan_bytes = (f"in plan bytes: plans count {PLAN_BYTES_PER_ELEMENT} per element, the CPU device computes "
@@ -277,6 +281,12 @@ def _put_cpu(b: _Builder, host_device: bool) -> None:
                 "the executor's store reading, then writing, beside the GEMM loop, against alone")
     b.put("cpu.adam_gparams_per_s", c["adam_gparams_per_s"], "measured",
         f"torch AdamW ({c.get('adam_impl', '?')}) on {b.m.get('cpu_threads', '?')} threads")
+    if c.get("deepspeed_adam_gparams_per_s"):
+        b.put("cpu.deepspeed_adam_gparams_per_s", c["deepspeed_adam_gparams_per_s"], "measured",
+              f"DeepSpeedCPUAdam (adamw_mode) on {b.m.get('cpu_threads', '?')} threads")
+    else:
+        b.put("cpu.deepspeed_adam_gparams_per_s", None, "not measured",
+              c.get("deepspeed_adam_error") or "DeepSpeed is not installed (the [baseline] extra)")
 
 
 def _put_ssd(b: _Builder, host_device: bool) -> None:
@@ -343,9 +353,38 @@ def _put_overrides(b: _Builder, overrides: dict[str, Any] | None, device_gib: fl
         b.put("gpu.memory_gib", device_gib, "given", "--set")
 
 
+# Why a field calibrate does not measure is left null rather than taken from the base (a base's value of it
+# belongs to the base's box: fitted to its runs, or measured there)
+NOT_MEASURED_REASONS = {
+    "gpu.op_overhead_us": "measured only for a CPU device (the executor's ops on a tiny plan)",
+    "gpu.attention_efficiency": "measured only for a CPU device",
+    "gpu.activation_gbps": "measured only for a CPU device",
+    "pcie.latency_us": "measured only for a CPU device (the executor's transfer ops on a tiny plan)",
+    "ssd.latency_us": "measured only for a CPU device with --ssd-dir",
+    "ssd.host_path_gbps": "the host path of a multi-drive array is fitted to its own runs (tierflow fit)",
+}
+# datasheet fields an explicit --base of the same GPU gives (as gpu.peak_tflops)
+DATASHEET_FIELDS = ("gpu.fp32_tflops", "gpu.tf32_tflops")
+
+
+def _null_unmeasured(b: _Builder) -> None:
+    """Every nullable field that was not measured: null with its reason, never the base's value (except the
+    datasheet peaks of an explicit --base)."""
+    for section in ("gpu", "pcie", "cpu", "ssd"):
+        for k in list(b.data[section]):
+            key = f"{section}.{k}"
+            if key in b.info or not nullable(key) or (key in DATASHEET_FIELDS and b.explicit_base):
+                continue
+            if section == "ssd" and b.data["ssd"].get("count", 0) == 0:
+                continue
+            b.put(key, None, "not measured", NOT_MEASURED_REASONS.get(key, f"tierflow calibrate does not "
+                                                                      f"measure {key}"))
+
+
 def _finish(b: _Builder, name: str | None) -> Calibration:
     """The rest from the base, the notes of what was not measured, the name and description; the profile."""
     g, p, s = b.m.get("gpu"), b.m.get("pcie"), b.m.get("ssd")
+    _null_unmeasured(b)
     for section in ("gpu", "pcie", "cpu", "ssd", "price"):
         for k, v in b.data[section].items():
             key = f"{section}.{k}"

@@ -15,7 +15,6 @@ import torch
 from torch.func import functional_call
 
 from tierflow.executor.binding import EntryKey
-from tierflow.executor.models import loss as lm_loss
 from tierflow.executor.ops.context import OpContext, RoundState
 from tierflow.executor.ops.entries import EntryOps
 from tierflow.executor.ops.grad_buffers import GradBuffers
@@ -54,13 +53,13 @@ class ComputeOps:
         for leaf, view in zip(leaves, self._leaves(b, vecs)):
             leaf.data = view.data
 
-    def _call(self, b: int, leaves: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def _call(self, b: int, leaves: list[torch.Tensor], x: torch.Tensor, **kwargs) -> torch.Tensor:
         slots = self.cx.layout.slots[b]
         params = {s.name: leaf for s, leaf in zip(slots, leaves)}
         module = self.cx.layout.templates[b]
         if len(leaves) > len(slots):
-            return functional_call(module, params, (x,), {"tied_weight": leaves[-1]})
-        return functional_call(module, params, (x,))
+            kwargs["tied_weight"] = leaves[-1]
+        return functional_call(module, params, (x,), kwargs)
 
     def fwd(self, rs: RoundState, t: Task) -> None:
         it, b, m = t.iteration, t.block, t.mb
@@ -109,8 +108,8 @@ class ComputeOps:
         x = self.entries.take(rs, t, EntryKey(it, "x", b, m)).detach().requires_grad_()
         leaves = self._leaves(b, self.weights.weights(rs, t))
         with torch.enable_grad():
-            logits = self._call(b, leaves, x)
-            loss = lm_loss(logits, rs.batches[it][m][1])
+            # the head's chunked loss (executor.models.chunked_lm_loss): never the whole fp32 logits
+            loss = self._call(b, leaves, x, targets=rs.batches[it][m][1])
             (loss / self.grad_scale).backward()
         rs.loss_sum[it] += loss.detach() / self.num_mb
         self.entries.done_with(rs, t, EntryKey(it, "x", b, m))

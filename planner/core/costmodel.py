@@ -2,6 +2,9 @@
 
 - A GEMM takes max(FLOPs / (peak x eff(FLOPs)), bytes / (HBM x hbm_eff)); eff(f) = gemm_efficiency x f / (f +
   f_half) so that small GEMMs do not reach peak (f_half = the profile's gemm_half_gflop).
+- The peak is the one of the block's precision (workload.Precision.gemm_peak: gpu.peak_tflops for 16-bit,
+  gpu.fp32_tflops, gpu.tf32_tflops); a GEMM's fixed cost in seconds stays the same, so f_half scales with that
+  peak.
 - Attention (flash-style, causal) does half of the convention's FLOPs and runs at the same size-dependent
   efficiency as one GEMM of that size.
 - Elementwise kernels are bound by HBM bandwidth; the MLP's activation function by gpu.activation_gbps where
@@ -33,8 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tierflow.hwprofiles import HardwareProfile
-from tierflow.planner.core.workload import BlockCost, Gemm
+from tierflow.hwprofiles import HardwareProfile, ProfileError
+from tierflow.planner.core.workload import BlockCost, Gemm, Precision
 from tierflow.planner.core.world import SINGLE, World
 
 CAUSAL_ATTENTION_WORK = 0.5  # a causal flash-attention kernel skips the masked half of the score matrix
@@ -262,27 +265,42 @@ class CostModel:
 
     # ---- GPU compute ---------------------------------------------------------------------------------------
 
-    def efficiency(self, flops: float) -> float:
-        """Achieved fraction of peak for one GEMM of `flops` FLOPs."""
-        return self.gemm_eff * flops / (flops + self.half_flops)
+    def peak_flops_for(self, precision: Precision) -> float:
+        """FLOP/s of the GEMM peak that `precision` runs at (its profile field)."""
+        tflops = getattr(self.hw.gpu, precision.gemm_peak)
+        if tflops is None:
+            field = f"gpu.{precision.gemm_peak}"
+            raise ProfileError(f"profile {self.hw.name}: {field} is not set, so {precision.name} training "
+                               f"cannot be simulated on it (add it from the GPU's datasheet, e.g. --set "
+                               f"{field}=N, or use another --precision)")
+        return tflops * 1e12
 
-    def gemm_s(self, g: Gemm) -> float:
-        one = Gemm(g.m, g.n, g.k)
-        t = max(one.flops / (self.peak_flops * self.efficiency(one.flops)), one.bytes / self.hbm_bps)
+    def efficiency(self, flops: float, peak_flops: float | None = None) -> float:
+        """Achieved fraction of peak for one GEMM of `flops` FLOPs (at `peak_flops`, default the 16-bit
+        peak: the GEMM's fixed cost in seconds is the same at every peak)."""
+        half = self.half_flops * (peak_flops or self.peak_flops) / self.peak_flops
+        return self.gemm_eff * flops / (flops + half)
+
+    def gemm_s(self, g: Gemm, peak_flops: float | None = None) -> float:
+        peak = peak_flops or self.peak_flops
+        one = Gemm(g.m, g.n, g.k, elem_bytes=g.elem_bytes)
+        t = max(one.flops / (peak * self.efficiency(one.flops, peak)), one.bytes / self.hbm_bps)
         return t * g.count
 
-    def attention_s(self, flops: float) -> float:
+    def attention_s(self, flops: float, peak_flops: float | None = None) -> float:
+        peak = peak_flops or self.peak_flops
         work = flops * CAUSAL_ATTENTION_WORK
-        return 0.0 if work <= 0 else work / (self.peak_flops * self.efficiency(work) * self.attention_eff)
+        return 0.0 if work <= 0 else work / (peak * self.efficiency(work, peak) * self.attention_eff)
 
     def elementwise_s(self, nbytes: float, activation_bytes: float = 0.0) -> float:
         """Non-GEMM kernels moving `nbytes`, of which `activation_bytes` through the activation function."""
         return (nbytes - activation_bytes) / self.hbm_bps + activation_bytes / self.activation_bps
 
     def forward_s(self, block: BlockCost) -> float:
+        peak = self.peak_flops_for(block.precision)
         return (
-            sum(self.gemm_s(g) for g in block.fwd_gemms)
-            + self.attention_s(block.attn_fwd_flops)
+            sum(self.gemm_s(g, peak) for g in block.fwd_gemms)
+            + self.attention_s(block.attn_fwd_flops, peak)
             + self.elementwise_s(block.fwd_elementwise_bytes, block.fwd_activation_bytes)
             + self.op_overhead_s
         )
@@ -290,9 +308,10 @@ class CostModel:
     def backward_s(self, block: BlockCost) -> float:
         """Backward = two GEMMs per forward GEMM (data and weight gradient), 2x the attention, 2x
         elementwise."""
+        peak = self.peak_flops_for(block.precision)
         return (
-            2 * sum(self.gemm_s(g) for g in block.fwd_gemms)
-            + 2 * self.attention_s(block.attn_fwd_flops)
+            2 * sum(self.gemm_s(g, peak) for g in block.fwd_gemms)
+            + 2 * self.attention_s(block.attn_fwd_flops, peak)
             + 2 * self.elementwise_s(block.fwd_elementwise_bytes, block.fwd_activation_bytes)
             + self.op_overhead_s
         )

@@ -22,17 +22,19 @@ from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement
 from tierflow.planner.core.workload import (
     ADAM_STATE_BYTES,
-    COMPUTE_BYTES,
-    GRAD_ACCUM_BYTES,
+    DEFAULT_PRECISION,
     MASTER_BYTES,
+    PRECISIONS,
     BlockCost,
+    Precision,
     embed_cost,
     head_cost,
     layer_cost,
+    precision_of,
 )
 from tierflow.planner.core.world import shard_elems
 
-STATE_BYTES = MASTER_BYTES + 2 * ADAM_STATE_BYTES  # fp32 master + Adam m + v, per parameter
+STATE_BYTES = MASTER_BYTES + 2 * ADAM_STATE_BYTES  # fp32 master + Adam m + v, per parameter (every precision)
 # Host memory the planner leaves free on every box, for what no model counts: the runtime's own allocations,
 # page cache of the SSD files, the allocator's rounding. One constant, used wherever host memory is budgeted.
 HOST_RESERVE_FRACTION = 0.02
@@ -54,7 +56,8 @@ DS_MAX_REUSE_DISTANCE_ELEMS = 1e9
 def deepspeed_gpu_buffers_bytes(model: ModelSpec) -> float:
     """GPU bytes DeepSpeed's ZeRO-3 holds besides what the schedule's tasks allocate: its gradient bucket and
     the parameters its reuse distance keeps resident where the forward turns into the backward."""
-    return COMPUTE_BYTES * (DS_REDUCE_BUCKET_ELEMS + min(model.total_params(), DS_MAX_REUSE_DISTANCE_ELEMS))
+    return precision_of(model).compute_bytes * (DS_REDUCE_BUCKET_ELEMS
+                                                + min(model.total_params(), DS_MAX_REUSE_DISTANCE_ELEMS))
 
 
 
@@ -68,17 +71,18 @@ def blocks_of(model: ModelSpec, micro_batch: int, seq: int) -> list[BlockCost]:
 def placed_bytes(model: ModelSpec, placement: Placement, ranks: int = 1) -> dict[str, float]:
     """Bytes resident on each tier for the whole run: weights and optimizer states where the placement puts
     them, plus the SSD space reserved for spilled gradients; with several ranks, one rank's shard of them."""
-    return placed_bytes_of(shard_elems(model.total_params(), ranks), placement)
+    return placed_bytes_of(shard_elems(model.total_params(), ranks), placement, precision_of(model))
 
 
-def placed_bytes_of(params: int, placement: Placement) -> dict[str, float]:
-    p = placement
+def placed_bytes_of(params: int, placement: Placement,
+                    precision: Precision = PRECISIONS[DEFAULT_PRECISION]) -> dict[str, float]:
+    p, pr = placement, precision
     out = {}
     for tier in ("gpu", "cpu", "ssd"):
-        out[tier] = params * (COMPUTE_BYTES * getattr(p.weights, tier)
-                              + MASTER_BYTES * getattr(p.master, tier)
-                              + ADAM_STATE_BYTES * (getattr(p.adam_m, tier) + getattr(p.adam_v, tier)))
-    out["ssd"] += GRAD_ACCUM_BYTES * params * p.grads.ssd
+        out[tier] = params * (pr.compute_bytes * getattr(p.weights, tier)
+                              + pr.master_bytes * getattr(p.master, tier)
+                              + pr.adam_state_bytes * (getattr(p.adam_m, tier) + getattr(p.adam_v, tier)))
+    out["ssd"] += pr.grad_accum_bytes * params * p.grads.ssd
     return out
 
 
@@ -125,6 +129,7 @@ class ScheduleMemory:
     gpu_working_bytes: float
     gpu_working_swap_bytes: float  # ... when layers keep their activations (their prefetched activations)
     runtime_gpu_bytes: float = 0.0  # GPU buffers the runtime holds while states are offloaded (DeepSpeed's)
+    precision: Precision = PRECISIONS[DEFAULT_PRECISION]  # the bytes of the placed tensors
 
     @property
     def host_staging_bytes(self) -> float:
@@ -147,7 +152,7 @@ class ScheduleMemory:
                    gpu_working_bytes: float | None = None) -> dict[str, float]:
         """The estimate of each tier's peak for this placement and swap count (plus the host reserve of a box
         with `cpu_capacity_bytes`); `gpu_working_bytes` replaces the closed form with a measured value."""
-        placed = placed_bytes_of(self.params, placement)
+        placed = placed_bytes_of(self.params, placement, self.precision)
         ck = self.checkpoint_bytes(swap_layers)
         c = placement.checkpoints
         if gpu_working_bytes is None:
@@ -170,6 +175,7 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
     several ranks (`ranks` > 1, `num_micro_batches` per rank), one rank's: its shard of the gradients, states
     and weights on the host and the SSDs; full blocks on the GPU (gathered weights, full gradients)."""
     blocks = blocks_of(model, micro_batch, seq)
+    pr = precision_of(model)
     layer = blocks[1] if model.num_layers else blocks[0]
     params = shard_elems(model.total_params(), ranks)
     L = max(model.num_layers, 1)
@@ -183,17 +189,17 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
         return float(sum(sizes[:n]))
 
     if holds_every_gradient(num_micro_batches, group, optimizer_overlap):
-        grads = GRAD_ACCUM_BYTES * sum(b.fetch_params for b in blocks)
+        grads = pr.grad_accum_bytes * sum(b.fetch_params for b in blocks)
     else:
         # the block whose Adam runs, the next ones whose backward finished meanwhile, and alpha of every block
         # (a CPU Adam slower than the backward lets more wait: the simulator then delays offloads or
         # overflows)
-        grads = GRAD_ACCUM_BYTES * (largest(fetched, 3) + alpha * model.total_params())
+        grads = pr.grad_accum_bytes * (largest(fetched, 3) + alpha * model.total_params())
     # in flight at once: weights read from the SSD ahead of their fetch (prefetch_depth + 2 uses), optimizer
     # states of three blocks (read next, updated now, written back), a spilled gradient read back
-    weight_staging = COMPUTE_BYTES * largest(fetched, prefetch_depth + 2)
-    state_staging = STATE_BYTES * largest(owned, 3)
-    grad_staging = GRAD_ACCUM_BYTES * largest(fetched, 2)
+    weight_staging = pr.compute_bytes * largest(fetched, prefetch_depth + 2)
+    state_staging = pr.state_bytes * largest(owned, 3)
+    grad_staging = pr.grad_accum_bytes * largest(fetched, 2)
     if ranks > 1:  # the host and the SSDs hold and stream one rank's shard of every block
         grads, weight_staging, state_staging, grad_staging = (
             x / ranks for x in (grads, weight_staging, state_staging, grad_staging))
@@ -210,7 +216,7 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
     # step's own input and the activation gradient it hands on, and the activations fetched ahead for the next
     # act_prefetch steps (a checkpoint each, or a swapped layer's saved
     # activations)
-    gpu = max(b.bwd_working_bytes + b.weight_bytes + GRAD_ACCUM_BYTES * b.fetch_params for b in blocks) \
+    gpu = max(b.bwd_working_bytes + b.weight_bytes + pr.grad_accum_bytes * b.fetch_params for b in blocks) \
         + prefetch_depth * max(b.weight_bytes for b in blocks) + 2 * layer.checkpoint_bytes
     gpu_recompute = gpu + act_prefetch * layer.checkpoint_bytes
     gpu_swap = gpu + act_prefetch * layer.full_activation_bytes
@@ -221,4 +227,4 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
                           ckpt_per_layer_bytes=ckpt, swap_extra_bytes=swap_extra,
                           gpu_working_bytes=gpu_recompute, gpu_working_swap_bytes=gpu_swap,
                           runtime_gpu_bytes=(deepspeed_gpu_buffers_bytes(model) if runtime == "deepspeed"
-                                             else 0.0))
+                                             else 0.0), precision=pr)

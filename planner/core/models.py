@@ -35,6 +35,8 @@ from tierflow.hwprofiles.inputs import MIB, InputLimitError, loads_json_limited,
 FAMILIES = ("gpt", "llama", "mistral", "qwen2", "opt", "gpt_neox", "qwen3", "gemma", "gemma2", "phi3")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu")  # swiglu / geglu: gated MLPs (silu / tanh-GELU gate)
+# training precisions (tierflow.planner.core.workload.PRECISIONS: the bytes and GEMM peak of each)
+PRECISION_NAMES = ("bf16", "fp16", "fp32", "tf32")
 SUPPORTED_HF_KINDS = (
     "gemma", "gemma2", "gpt2", "gpt_neox", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3",
 )
@@ -112,6 +114,9 @@ class ModelSpec:
     # the FLOPs and cost model count (attention over a window shorter than the sequence is not modelled).
     sliding_window: int = 0
     rotary_fraction: float = 1.0  # share of each head's dims rotary positions rotate (GPT-NeoX rotary_pct)
+    # The precision the model is trained in (PRECISION_NAMES; `tierflow simulate --precision`); None: the
+    # default, bf16 (so that plans written before the field existed load unchanged)
+    precision: str | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, problem: str) -> ModelError:
@@ -156,9 +161,15 @@ class ModelSpec:
             raise bad("seq_len", f"{self.seq_len} exceeds the sliding attention window of "
                       f"{self.sliding_window} tokens (attention over a window shorter than the sequence is "
                       "not modelled)")
+        if self.precision is not None and self.precision not in PRECISION_NAMES:
+            raise bad("precision", f"{self.precision!r} is not one of {', '.join(PRECISION_NAMES)}")
         fraction = self.rotary_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise bad("rotary_fraction", f"must be in (0, 1], got {self.rotary_fraction!r}")
+
+    def with_precision(self, precision: str | None) -> ModelSpec:
+        """This model trained in `precision` (None or "bf16": the default)."""
+        return replace(self, precision=None if precision in (None, "bf16") else precision)
 
     # ---- derived sizes -------------------------------------------------------------------------------------
 
@@ -284,6 +295,7 @@ class ModelSpec:
             f"{self.name}: {self.num_layers} layers x {self.hidden} ({heads}), "
             f"{_human_count(self.total_params())} params, seq {self.seq_len}"
             + ("" if self.lm_head else ", no LM head")
+            + ("" if self.precision is None else f", {self.precision}")
         )
 
 

@@ -53,13 +53,7 @@ from tierflow.planner.core.opkinds import (
     entry_kind,
 )
 from tierflow.planner.core.placement import Placement, Split, fill_split
-from tierflow.planner.core.workload import (
-    ADAM_STATE_BYTES,
-    COMPUTE_BYTES,
-    GRAD_ACCUM_BYTES,
-    GRAD_WIRE_BYTES,
-    MASTER_BYTES,
-)
+from tierflow.planner.core.workload import precision_of
 from tierflow.planner.core.world import World, rank_capacity_bytes, shard_elems
 
 FAMILIES = ("horizontal", "vertical", "fuyou", "block")
@@ -189,8 +183,8 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     if cfg.family == "fuyou" and ssd:
         weights = states = Split(cpu=0.0, ssd=1.0)
     else:
-        weights, budget = fill_split(COMPUTE_BYTES * params, budget)
-        states, budget = fill_split((MASTER_BYTES + 2 * ADAM_STATE_BYTES) * params, budget)
+        weights, budget = fill_split(precision_of(model).compute_bytes * params, budget)
+        states, budget = fill_split(precision_of(model).state_bytes * params, budget)
     if not ssd:  # no SSD tier: everything on the CPU, the simulator reports any overflow
         weights = states = ckpt = grads = Split()
     if cfg.family == "horizontal" and states.ssd == 0:
@@ -421,6 +415,7 @@ class _Builder:
         self.cost = CostModel(hw, cfg.world)
         self.g = GraphBuilder()
         self.blocks = blocks_of(model, cfg.micro_batch, cfg.seq)
+        self.pr = precision_of(model)  # the bytes of each tensor class
         self.nb = len(self.blocks)
         self.L = model.num_layers
         self.head = self.nb - 1
@@ -504,7 +499,7 @@ class _Builder:
         w = self.p.weights
         deps = list(self.resident_update.get(b, []))
         # this rank's shard of the block (the whole block with one rank) crosses its links
-        mine = blk.weight_bytes if self.W == 1 else COMPUTE_BYTES * self.shard(blk.fetch_params)
+        mine = blk.weight_bytes if self.W == 1 else self.pr.compute_bytes * self.shard(blk.fetch_params)
         off = mine * w.off_gpu
         if off <= 0 and self.W == 1:
             return deps
@@ -745,7 +740,7 @@ class _Builder:
         g, p = self.g, self.p
         blk = self.blocks[b]
         accum = len(use.steps) > 1 or p.grads.gpu == 1.0
-        grad_gpu_bytes = (GRAD_ACCUM_BYTES if accum else GRAD_WIRE_BYTES) * blk.fetch_params
+        grad_gpu_bytes = (self.pr.grad_accum_bytes if accum else self.pr.grad_wire_bytes) * blk.fetch_params
         if b not in grad_first_b:
             grad_first_b[b] = t.id
             g.alloc(t, "gpu", grad_gpu_bytes)  # the accumulation buffer lives until it is offloaded
@@ -762,18 +757,18 @@ class _Builder:
         if p.grads.gpu == 1.0 and k != self.cur_last_step[b]:
             return
         src = t if self.W == 1 else self._reduce_scatter(t, b, it)
-        d2h = g.add(OFFLOAD_GRADS, "d2h", GRAD_WIRE_BYTES * self.shard(blk.fetch_params), tensor="grads",
-                    block=b, mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[src.id])
+        d2h = g.add(OFFLOAD_GRADS, "d2h", self.pr.grad_wire_bytes * self.shard(blk.fetch_params),
+                    tensor="grads", block=b, mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[src.id])
         g.free(d2h, "gpu", grad_gpu_bytes)
         if b not in host_grad_alloc:
             host_grad_alloc.add(b)
-            g.alloc(d2h, "cpu", GRAD_ACCUM_BYTES * self.shard(blk.fetch_params))
+            g.alloc(d2h, "cpu", self.pr.grad_accum_bytes * self.shard(blk.fetch_params))
         grad_last[b] = [d2h.id]
 
     def _reduce_scatter(self, t: Task, b: int, it: int) -> Task:
         """The ranks' gradients of block b summed, this rank's shard kept (a ring reduce-scatter after
         `t`)."""
-        wire = GRAD_WIRE_BYTES * self.blocks[b].fetch_params
+        wire = self.pr.grad_wire_bytes * self.blocks[b].fetch_params
         return self.g.add(REDUCE_SCATTER_GRADS, "net", self.collective_bytes(wire), tensor="grads", block=b,
                           mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[t.id])
 
@@ -800,7 +795,7 @@ class _Builder:
                 t = g.add(ADAM_GPU, "gpu", self.cost.gpu_adam_s(owned), tensor="opt_states", block=b, mb=-1,
                           iteration=it, key=key + Offset.ADAM_GPU, deps=grads_ready + barrier)
                 # the step consumes the (full) gradient buffer
-                g.free(t, "gpu", GRAD_ACCUM_BYTES * blk.fetch_params)
+                g.free(t, "gpu", self.pr.grad_accum_bytes * blk.fetch_params)
                 self.resident_update[b] = [t.id]
                 self.weights_ready[b] = [t.id]
                 continue
@@ -814,10 +809,12 @@ class _Builder:
         written back to the SSD, and its GPU-resident weights updated."""
         g, p, cfg = self.g, self.p, self.cfg
         b, it, owned, fetch_params = step.block, step.it, step.owned, step.fetch_params
-        states_ssd = owned * (MASTER_BYTES * p.master.ssd + ADAM_STATE_BYTES * (p.adam_m.ssd + p.adam_v.ssd))
-        grads_ssd = GRAD_ACCUM_BYTES * fetch_params * p.grads.ssd
-        w_ssd = COMPUTE_BYTES * owned * p.weights.ssd
-        w_gpu = COMPUTE_BYTES * owned * p.weights.gpu
+        pr = self.pr
+        states_ssd = owned * (pr.master_bytes * p.master.ssd
+                              + pr.adam_state_bytes * (p.adam_m.ssd + p.adam_v.ssd))
+        grads_ssd = self.pr.grad_accum_bytes * fetch_params * p.grads.ssd
+        w_ssd = self.pr.compute_bytes * owned * p.weights.ssd
+        w_gpu = self.pr.compute_bytes * owned * p.weights.gpu
         pre: list[int] = []
         if grads_ssd > 0:
             wr = g.add(WRITE_GRADS, "ssd_write", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
@@ -844,7 +841,7 @@ class _Builder:
             if kind == ADAM:
                 chain.prev_main = a.id
             # each part is done with its slice of the fp32 gradient
-            g.free(a, "cpu", frac * (GRAD_ACCUM_BYTES * fetch_params * (1 - p.grads.ssd) + grads_ssd))
+            g.free(a, "cpu", frac * (self.pr.grad_accum_bytes * fetch_params * (1 - p.grads.ssd) + grads_ssd))
             prev_part = a.id
             if states_ssd + w_ssd > 0:
                 wb = g.add(WRITE_OPT_STATES, "ssd_write", (states_ssd + w_ssd) * frac, tensor="opt_states",

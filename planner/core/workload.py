@@ -14,11 +14,56 @@ from dataclasses import dataclass, field
 
 from tierflow.planner.core.models import ModelSpec
 
-COMPUTE_BYTES = 2  # bf16/fp16 weights, activations and gradients on the GPU
+COMPUTE_BYTES = 2  # bf16/fp16 weights, activations and gradients on the GPU (the default precision's)
 MASTER_BYTES = 4  # fp32 master copy of the weights
 ADAM_STATE_BYTES = 4  # each of Adam m and v, fp32
 GRAD_ACCUM_BYTES = 4  # fp32 gradient accumulation buffer (on whichever side accumulates)
 GRAD_WIRE_BYTES = 2  # gradients cross PCIe in the compute dtype
+# The executor's cross-entropy runs over chunks of tokens whose fp32 logits fit in this many bytes
+# (executor.models.chunked_lm_loss; loss_chunk_tokens): the loss's memory is one chunk's logits, not the
+# micro-batch's. 64 MiB keeps a chunk's logits GEMM large (GPT-2's vocabulary: 333 tokens x 50,257 x hidden)
+LOSS_CHUNK_LOGIT_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The training precision: the bytes of each tensor class and which GEMM peak of the profile applies
+    (`gemm_peak`: the profile field, tierflow.planner.core.costmodel). 16-bit mixed precision computes, stores
+    activations and moves weights and gradients in 2 bytes; fp32 (and tf32: fp32 tensors, TF32 tensor-core
+    GEMMs, PyTorch's `allow_tf32`) in 4. Every precision keeps an fp32 master copy beside the weights, as
+    DeepSpeed's optimizers do (stage 1/2 `single_partition_of_fp32_groups`, stage 3 `_create_fp32_partitions`
+    clone the model's partitions even when they are fp32), and fp32 Adam moments and gradient accumulation."""
+
+    name: str
+    compute_bytes: int  # weights, activations, gradients on the GPU and on the wire
+    gemm_peak: str  # the profile's gpu field with this precision's GEMM peak
+    master_bytes: int = MASTER_BYTES
+    adam_state_bytes: int = ADAM_STATE_BYTES
+    grad_accum_bytes: int = GRAD_ACCUM_BYTES
+
+    @property
+    def grad_wire_bytes(self) -> int:
+        """Gradients leave the GPU in the compute dtype."""
+        return self.compute_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """Master copy + Adam m + v, per parameter."""
+        return self.master_bytes + 2 * self.adam_state_bytes
+
+
+PRECISIONS = {
+    "bf16": Precision("bf16", COMPUTE_BYTES, "peak_tflops"),
+    "fp16": Precision("fp16", COMPUTE_BYTES, "peak_tflops"),
+    "fp32": Precision("fp32", 4, "fp32_tflops"),
+    "tf32": Precision("tf32", 4, "tf32_tflops"),
+}
+DEFAULT_PRECISION = "bf16"
+
+
+def precision_of(model: ModelSpec) -> Precision:
+    """The precision `model` is trained in (ModelSpec.precision; None: the default, bf16)."""
+    return PRECISIONS[model.precision or DEFAULT_PRECISION]
 
 
 @dataclass(frozen=True)
@@ -29,6 +74,7 @@ class Gemm:
     n: int
     k: int
     count: int = 1  # how many identical GEMMs (e.g. batched attention heads)
+    elem_bytes: int = COMPUTE_BYTES  # bytes of one operand element (the precision's compute dtype)
 
     @property
     def flops(self) -> float:
@@ -36,7 +82,7 @@ class Gemm:
 
     @property
     def bytes(self) -> float:
-        return float(COMPUTE_BYTES * (self.m * self.k + self.k * self.n + self.m * self.n) * self.count)
+        return float(self.elem_bytes * (self.m * self.k + self.k * self.n + self.m * self.n) * self.count)
 
 
 @dataclass(frozen=True)
@@ -60,6 +106,7 @@ class BlockCost:
     # writes: a transcendental per element, which a CPU computes far below its memory bandwidth
     # (gpu.activation_gbps)
     fwd_activation_bytes: float = 0.0
+    precision: Precision = PRECISIONS[DEFAULT_PRECISION]
 
     @property
     def fwd_flops(self) -> float:
@@ -71,28 +118,30 @@ class BlockCost:
 
     @property
     def weight_bytes(self) -> int:
-        return COMPUTE_BYTES * self.fetch_params
+        return self.precision.compute_bytes * self.fetch_params
 
 
 def layer_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
     """One decoder layer for a micro-batch of `micro_batch` sequences of length `seq`."""
+    pr = precision_of(model)
+    cb = pr.compute_bytes
     t = micro_batch * seq
     h, f, q, kv = model.hidden, model.ffn_hidden, model.q_dim, model.kv_dim
-    gemms = [Gemm(t, q + 2 * kv, h), Gemm(t, h, q)]
-    gemms += [Gemm(t, 2 * f, h), Gemm(t, h, f)] if model.gated_mlp else [Gemm(t, f, h), Gemm(t, h, f)]
+    gemms = [Gemm(t, q + 2 * kv, h, elem_bytes=cb), Gemm(t, h, q, elem_bytes=cb)]
+    gemms += ([Gemm(t, 2 * f, h, elem_bytes=cb), Gemm(t, h, f, elem_bytes=cb)] if model.gated_mlp
+              else [Gemm(t, f, h, elem_bytes=cb), Gemm(t, h, f, elem_bytes=cb)])
     attn = 4.0 * micro_batch * seq * seq * q
     # non-GEMM kernels, in elements read + written per token: 2 norms (r+w of h each), 2 residual adds (2r+w),
     # bias/rotary on q,k (r+w), activation (gelu: r+w of f; swiglu: 2r+w of f), attention output r+w.
     act_elems = 3 * f if model.gated_mlp else 2 * f
-    elementwise = COMPUTE_BYTES * t * (4 * h + 6 * h + 2 * (q + kv) + act_elems + 2 * q)
-    ckpt = COMPUTE_BYTES * t * h
-    full_act = (COMPUTE_BYTES * t * saved_elements_per_token(model)
-                + saved_stats_bytes(model, micro_batch, seq))
-    fwd_work = COMPUTE_BYTES * t * (3 * h + q + 2 * kv + (2 * f if model.gated_mlp else f))
+    elementwise = cb * t * (4 * h + 6 * h + 2 * (q + kv) + act_elems + 2 * q)
+    ckpt = cb * t * h
+    full_act = cb * t * saved_elements_per_token(model) + saved_stats_bytes(model, micro_batch, seq)
+    fwd_work = cb * t * (3 * h + q + 2 * kv + (2 * f if model.gated_mlp else f))
     # backward: the recomputed activations + gradient temporaries (dX, d of the widest intermediate)
-    # + the layer's bf16 weight gradient before it is accumulated.
-    bwd_work = (full_act + COMPUTE_BYTES * t * (2 * h + (2 * f if model.gated_mlp else f))
-                + COMPUTE_BYTES * model.layer_params())
+    # + the layer's weight gradient (compute dtype) before it is accumulated.
+    bwd_work = (full_act + cb * t * (2 * h + (2 * f if model.gated_mlp else f))
+                + cb * model.layer_params())
     return BlockCost(
         name="layer",
         kind="layer",
@@ -101,12 +150,13 @@ def layer_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
         fwd_gemms=tuple(gemms),
         attn_fwd_flops=attn,
         fwd_elementwise_bytes=float(elementwise),
-        fwd_activation_bytes=float(COMPUTE_BYTES * t * act_elems),
+        fwd_activation_bytes=float(cb * t * act_elems),
         checkpoint_bytes=ckpt,
         full_activation_bytes=full_act,
         fwd_working_bytes=fwd_work,
         bwd_working_bytes=bwd_work,
         tokens=t,
+        precision=pr,
     )
 
 
@@ -137,16 +187,18 @@ def saved_stats_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int:
     if model.norm == "layernorm":
         out += 2 * 2 * 4 * t
     if not model.max_positions:  # rotary positions
-        out += 2 * COMPUTE_BYTES * seq * int(model.head_dim * model.rotary_fraction)
+        out += 2 * precision_of(model).compute_bytes * seq * int(model.head_dim * model.rotary_fraction)
     return out
 
 
 def embed_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
+    pr = precision_of(model)
+    cb = pr.compute_bytes
     t = micro_batch * seq
-    gemms = (Gemm(t, model.hidden, model.embed_proj_dim),) if model.embed_proj_dim else ()
+    gemms = (Gemm(t, model.hidden, model.embed_proj_dim, elem_bytes=cb),) if model.embed_proj_dim else ()
     # a gather of t rows (+ position rows) and the sum
-    elementwise = COMPUTE_BYTES * t * model.hidden * 4
-    out = COMPUTE_BYTES * t * model.hidden
+    elementwise = cb * t * model.hidden * 4
+    out = cb * t * model.hidden
     return BlockCost(
         name="embed",
         kind="embed",
@@ -158,24 +210,56 @@ def embed_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
         checkpoint_bytes=0,
         full_activation_bytes=0,
         fwd_working_bytes=2 * out,
-        bwd_working_bytes=2 * out + GRAD_WIRE_BYTES * model.embedding_params(),
+        bwd_working_bytes=2 * out + pr.grad_wire_bytes * model.embedding_params(),
         tokens=t,
+        precision=pr,
     )
+
+
+def loss_chunk_tokens(vocab: int, tokens: int) -> int:
+    """Tokens per chunk of the chunked cross-entropy (executor.models.chunked_lm_loss): as many as keep one
+    chunk's fp32 logits within LOSS_CHUNK_LOGIT_BYTES, at least one, at most the micro-batch's tokens."""
+    return max(1, min(tokens, LOSS_CHUNK_LOGIT_BYTES // (4 * max(vocab, 1))))
+
+
+def loss_working_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int:
+    """Peak bytes of the head's loss as the executor computes it (executor.models.chunked_lm_loss): the
+    gradient of the normalised hidden states (tokens x hidden, compute dtype) and, for one chunk of c tokens,
+    its logits in the compute dtype, in fp32 and their softmax gradient (fp32, then in the compute dtype: at
+    most three of the four at once, counted as fp32 + fp32 + compute dtype). The weight gradient is counted
+    with the block's gradient buffer."""
+    cb = precision_of(model).compute_bytes
+    t = micro_batch * seq
+    vocab = model.vocab_size if model.lm_head else 0
+    if not vocab:
+        return 0
+    c = loss_chunk_tokens(vocab, t)
+    return cb * t * model.embed_dim + c * vocab * (4 + 4 + cb)
 
 
 def head_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
     """Final norm + lm_head + softmax cross-entropy. A tied head also needs the embedding matrix. Without an
-    lm_head (`model.lm_head` False) only the final norm and a loss on the hidden states remain."""
+    lm_head (`model.lm_head` False) only the final norm and a loss on the hidden states remain. The loss is
+    the executor's chunked cross-entropy (loss_working_bytes): the full logits never exist at once."""
+    pr = precision_of(model)
+    cb = pr.compute_bytes
     t = micro_batch * seq
     vocab = model.vocab_size if model.lm_head else 0
     tied = vocab * model.embed_dim if model.tied_embeddings else 0
-    gemms = [Gemm(t, vocab, model.embed_dim)] if vocab else []
+    gemms = [Gemm(t, vocab, model.embed_dim, elem_bytes=cb)] if vocab else []
     if model.embed_proj_dim:
-        gemms.append(Gemm(t, model.embed_proj_dim, model.hidden))
+        gemms.append(Gemm(t, model.embed_proj_dim, model.hidden, elem_bytes=cb))
     owned = model.final_norm_params() + model.head_params()
-    # logits in fp32 for the loss: written, read by softmax, gradient written
+    # HBM traffic of the loss: logits in fp32 written, read by softmax, gradient written
     logits = 4 * t * vocab
-    elementwise = COMPUTE_BYTES * t * model.hidden * (2 if vocab else 5) + 3 * logits
+    elementwise = cb * t * model.hidden * (2 if vocab else 5) + 3 * logits
+    # held while the head's forward and backward run (one task): the weight gradient throughout; first the
+    # normalised hidden states and the loss's working bytes (their gradient and one chunk), then that gradient
+    # and the final norm's backward
+    hidden = cb * t * max(model.hidden, model.embed_dim)
+    loss = loss_working_bytes(model, micro_batch, seq)
+    work = hidden + loss
+    dx_loss = cb * t * model.embed_dim if vocab else 0
     return BlockCost(
         name="head",
         kind="head",
@@ -184,13 +268,26 @@ def head_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
         fwd_gemms=tuple(gemms),
         attn_fwd_flops=0.0,
         fwd_elementwise_bytes=float(elementwise),
-        checkpoint_bytes=COMPUTE_BYTES * t * model.hidden,
-        full_activation_bytes=COMPUTE_BYTES * t * model.hidden * 2,
-        fwd_working_bytes=logits + COMPUTE_BYTES * t * max(vocab, model.hidden),
-        bwd_working_bytes=(2 * logits + COMPUTE_BYTES * t * max(vocab, 2 * model.hidden)
-                           + GRAD_WIRE_BYTES * (owned + tied)),
+        checkpoint_bytes=cb * t * model.hidden,
+        full_activation_bytes=cb * t * model.hidden * 2,
+        fwd_working_bytes=work,
+        bwd_working_bytes=(max(work, dx_loss + norm_backward_bytes(model, t))
+                           + pr.grad_wire_bytes * (owned + tied)),
         tokens=t,
+        precision=pr,
     )
+
+
+def norm_backward_bytes(model: ModelSpec, tokens: int) -> int:
+    """Transient bytes of one norm's backward over `tokens` tokens as the executor runs it: a LayerNorm kernel
+    writes the input gradient beside one temporary (2 x compute dtype per element); the executor's RMSNorm
+    recomputes its fp32 forward under autograd in the backward (executor.models.RMSNorm), which holds up to
+    six fp32 copies of the input at once plus one in the compute dtype; both keep two fp32 statistics per
+    token (mean and rstd, or the mean square and its rsqrt), and the loss a few scalars
+    (tests/test_loss_memory.py measures both)."""
+    cb = precision_of(model).compute_bytes
+    per_element = 2 * cb if model.norm == "layernorm" else 6 * 4 + cb
+    return per_element * tokens * model.hidden + 2 * 4 * tokens + 64
 
 
 def model_flops_per_token(model: ModelSpec, seq: int) -> float:
@@ -207,12 +304,12 @@ def recompute_flops_per_token(model: ModelSpec, seq: int) -> float:
     return 2.0 * model.num_layers * model.layer_matmul_params() + 4.0 * model.num_layers * model.q_dim * seq
 
 
-def state_bytes_per_param() -> dict[str, int]:
-    """Bytes per parameter of each tensor class of mixed-precision Adam."""
+def state_bytes_per_param(precision: Precision = PRECISIONS[DEFAULT_PRECISION]) -> dict[str, int]:
+    """Bytes per parameter of each tensor class of Adam in `precision`."""
     return {
-        "weights": COMPUTE_BYTES,
-        "master": MASTER_BYTES,
-        "adam_m": ADAM_STATE_BYTES,
-        "adam_v": ADAM_STATE_BYTES,
-        "grads": GRAD_ACCUM_BYTES,
+        "weights": precision.compute_bytes,
+        "master": precision.master_bytes,
+        "adam_m": precision.adam_state_bytes,
+        "adam_v": precision.adam_state_bytes,
+        "grads": precision.grad_accum_bytes,
     }

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierflow.errors import TierflowError
-from tierflow.planner.core.models import ModelSpec
+from tierflow.planner.core.models import PRECISION_NAMES, ModelSpec
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleConfig
 
@@ -209,6 +209,11 @@ class DsConfig:
                              placement=self.placement(), prefetch_depth=self.prefetch_depth(model),
                              runtime="deepspeed", iterations=iterations)
 
+    def trained(self, model: ModelSpec) -> ModelSpec:
+        """`model` in the precision this config trains it in (bf16.enabled / fp16.enabled, else fp32; "auto":
+        16-bit, simulated as bf16, whose bytes and peak are fp16's)."""
+        return model.with_precision(self.precision if self.precision in PRECISION_NAMES else "bf16")
+
     def describe(self) -> str:
         ck = "in CPU memory" if self.cpu_checkpointing else "on the GPU"
         return (f"{self.source}: ZeRO stage {self.stage}, offload_param {self.param_device}, "
@@ -341,8 +346,7 @@ def parse_ds_config(data: object, source: str, model: ModelSpec, *, batch_hint: 
     elif AUTO in (bf16, fp16):
         precision = "16-bit (auto)"
     else:
-        precision = "fp32"
-        not_modelled.append("fp32 training (bf16/fp16 not enabled; simulated in 16-bit)")
+        precision = "fp32"  # simulated as fp32 (DsConfig.trained): 4-byte tensors, the fp32 GEMM peak
     opt_type = leaves.get("optimizer.type")
     if opt_type is not None and str(opt_type).lower() not in ADAM_TYPES:
         not_modelled.append(f"optimizer.type={opt_type} (simulated as Adam)")

@@ -22,7 +22,6 @@ from tierflow.planner.core.memory import STATE_BYTES, ScheduleMemory, host_reser
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleConfig, build_graph
 from tierflow.planner.core.simulator import CapacityError, simulate_graph
-from tierflow.planner.core.workload import COMPUTE_BYTES
 from tierflow.planner.core.world import rank_capacity_bytes
 from tierflow.planner.search.loads import duplex_coefficient, iteration_loads
 from tierflow.planner.search.problem import Problem
@@ -151,7 +150,7 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
     tighten_bytes = tighten_bytes or {}
     cap_mib = {t: max(0, int((c - tighten_bytes.get(t, 0.0)) / MIB))
                for t, c in problem.capacity_bytes.items()}
-    weight_mib = _mib(COMPUTE_BYTES * sm.params / STEPS)  # per step of a fraction
+    weight_mib = _mib(sm.precision.compute_bytes * sm.params / STEPS)  # per step of a fraction
     state_mib = _mib(STATE_BYTES * sm.params / STEPS)
     ckpt_recompute_mib = _mib(sm.ckpt_per_layer_bytes * L / STEPS)  # all layers' checkpoints, per step of c_*
     ckpt_swap_mib = _mib(sm.swap_extra_bytes / STEPS)  # per swapped layer and step of c_*

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from tierflow.planner.core.models import PRECISION_NAMES, ModelSpec
 from tierflow.planner.core.world import World
 from tierflow.planner.io.argtypes import MAX_BATCH, positive_int
 
@@ -46,6 +47,20 @@ def add_micro_batch_arg(p: argparse.ArgumentParser, default: int | None, help: s
 def add_seq_arg(p: argparse.ArgumentParser, help: str = "sequence length (default: the model's)") -> None:
     """--seq: the sequence length."""
     p.add_argument("--seq", type=positive_int(), default=None, help=help)
+
+
+def add_precision_arg(p: argparse.ArgumentParser) -> None:
+    """--precision: the training precision (tierflow.planner.core.workload.PRECISIONS)."""
+    p.add_argument("--precision", choices=PRECISION_NAMES, default=None,
+                   help="training precision: bf16 (default) or fp16 (2-byte weights, activations and "
+                   "gradients, the 16-bit tensor-core peak), fp32 (4 bytes, the fp32 peak: PyTorch's default "
+                   "for fp32 matmuls), tf32 (4 bytes, the TF32 tensor-core peak)")
+
+
+def in_precision(model: ModelSpec, args: argparse.Namespace) -> ModelSpec:
+    """`model` trained in --precision (unchanged without it)."""
+    precision = getattr(args, "precision", None)
+    return model if precision is None else model.with_precision(precision)
 
 
 def add_world_args(p: argparse.ArgumentParser) -> None:

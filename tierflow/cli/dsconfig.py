@@ -75,7 +75,8 @@ def _refuse_schedule_flags(args: argparse.Namespace) -> None:
     flags = (("--schedule", args.schedule != "all"), ("--placement", args.placement),
              ("--group", args.group is not None), ("--alpha", args.alpha is not None),
              ("--runtime", args.runtime), ("--no-recompute", args.no_recompute),
-             ("--swap-layers", args.swap_layers), ("--write-plan", args.write_plan), ("--out", args.out))
+             ("--swap-layers", args.swap_layers), ("--write-plan", args.write_plan), ("--out", args.out),
+             ("--precision", args.precision))  # the config's bf16 / fp16 keys set the precision
     clash = [flag for flag, given in flags if given]
     if clash:
         raise DsConfigError(f"--ds-config sets the schedule and placement itself: drop {', '.join(clash)} "

@@ -8,7 +8,15 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from tierflow.cli.args import add_batch_arg, add_box_args, add_micro_batch_arg, add_seq_arg, add_world_args
+from tierflow.cli.args import (
+    add_batch_arg,
+    add_box_args,
+    add_micro_batch_arg,
+    add_precision_arg,
+    add_seq_arg,
+    add_world_args,
+    in_precision,
+)
 from tierflow.cli.planfiles import write_plan_file
 from tierflow.cli.tables import fmt_table
 from tierflow.hwprofiles import load_hw
@@ -45,6 +53,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                     help="also write the nearest DeepSpeed config for the chosen plan (and say what it "
                     "cannot express)")
     add_world_args(pl)
+    add_precision_arg(pl)
     return pl
 
 
@@ -54,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from tierflow.planner.search.explain import explain
     from tierflow.planner.search.problem import Problem
 
-    model = get_model(args.model)
+    model = in_precision(get_model(args.model), args)
     if args.seq is not None:
         model = model.with_seq(args.seq)
     hw = load_hw(args.hw, args.set)

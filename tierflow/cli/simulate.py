@@ -13,8 +13,10 @@ from tierflow.cli.args import (
     add_batch_arg,
     add_box_args,
     add_micro_batch_arg,
+    add_precision_arg,
     add_seq_arg,
     add_world_args,
+    in_precision,
     world_of,
 )
 from tierflow.cli.planfiles import write_plan_file
@@ -72,6 +74,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--write-plan", default=None, metavar="FILE",
                    help="also write this schedule as a plan file (one --schedule), e.g. for `tierflow run`")
     add_world_args(s)
+    add_precision_arg(s)
     dsconfig.add_ds_config_args(s)
     return s
 
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         return simulate_plan_file(args)
     if args.ds_config:
         return dsconfig.simulate_ds_config(args)
-    model = get_model(args.model)
+    model = in_precision(get_model(args.model), args)
     if args.seq is not None:
         model = model.with_seq(args.seq)
     hw = load_hw(args.hw, args.set)
