@@ -52,7 +52,8 @@ def gpt(layers: int, hidden: int) -> ModelSpec:
                    num_kv_heads=heads, ffn_hidden=4 * hidden, vocab_size=2048, seq_len=SEQ, max_positions=SEQ)
 
 
-MODELS = {"small": gpt(4, 256), "medium": gpt(6, 384)}
+MODELS = {"small": gpt(4, 256), "medium": gpt(6, 384), "large": gpt(8, 768), "tiny": gpt(2, 128)}
+DEFAULT_MODELS = ("small", "medium")  # --quick: small; large and tiny (smoke tests) with --models
 
 
 def make_plan(model: ModelSpec, placement: Placement, path: Path) -> Plan:
@@ -75,7 +76,8 @@ class PlainTrainer:
         from tierflow.executor.models import BlockModel
         from tierflow.executor.ops.context import Hyper
 
-        self.torch, self.device = torch, torch.device(device)
+        # the emulation of a CUDA device (cpu-adversarial) is the CPU to plain PyTorch
+        self.torch, self.device = torch, torch.device("cpu" if device.startswith("cpu") else device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         torch.manual_seed(0)
         self.model = BlockModel(model, dtype=dtype, device=self.device)
@@ -122,10 +124,12 @@ def measure_store(ssd_dir: Path, nbytes: int, files: int = 3, repeats: int = 3) 
     return {"write_gbps": max(r["write_gbps"] for r in runs), "read_gbps": max(r["read_gbps"] for r in runs)}
 
 
-def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = None) -> list[dict]:
+def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = None,
+        rounds: int | None = None, names: list[str] | None = None) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    models = {"small": MODELS["small"]} if quick else MODELS
-    rounds = 3 if quick else 6
+    names = names or (["small"] if quick else list(DEFAULT_MODELS))
+    models = {n: MODELS[n] for n in names}
+    rounds = rounds or (3 if quick else 6)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tierflow-bench-executor-") as tmp:
         work = Path(tmp)
@@ -183,12 +187,21 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
 
 def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__)
-    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (default), cuda, or cpu-adversarial (the emulation of a CUDA device: plain "
+                    "PyTorch then runs on the CPU)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="alternating rounds, the first a warm-up (default 6; --quick 3); at least 2")
     ap.add_argument("--ssd-dir", type=Path, default=None,
                     help="directory for the SSD tier (default: a temp dir)")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
+                    help="model sizes (default small medium; --quick small): " + ", ".join(
+                        f"{k} = {m.num_layers} x {m.hidden}" for k, m in MODELS.items()))
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    run(args.quick, args.out, args.device, args.ssd_dir)
+    if args.rounds is not None and args.rounds < 2:
+        ap.error("--rounds must be at least 2 (the first is a warm-up)")
+    run(args.quick, args.out, args.device, args.ssd_dir, args.rounds, args.models)
     print(f"wrote {args.out / 'bench_executor.csv'} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
 
 
