@@ -21,6 +21,7 @@ Writes bench_executor.csv under --out. --quick: one small model, fewer rounds (a
 
 from __future__ import annotations
 
+import resource
 import statistics
 import sys
 import tempfile
@@ -185,6 +186,53 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
     return rows
 
 
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def cpu_work(out_dir: Path, names: list[str], rounds: int) -> list[dict]:
+    """The work each side does per step, in CPU seconds of the whole process (all threads): plain PyTorch's
+    over STEPS_PER_ROUND steps; tierflow's as a run of two rounds minus a run of one (which cancels the run's
+    setup). Unlike wall time, this barely moves on a busy machine when torch computes on one thread
+    (OMP_NUM_THREADS=1): it shows what the executor adds to the work, not how the box schedules it."""
+    from tierflow.executor.run import RunOptions, run_plan
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tierflow-bench-executor-") as tmp:
+        for name in names:
+            model = MODELS[name]
+            plan = make_plan(model, ALL_ON_DEVICE, Path(tmp) / f"{name}.json")
+            plain = PlainTrainer(model, "cpu")
+            plain.steps(1)
+            run_plan(plan, RunOptions(steps=STEPS_PER_ROUND, device="cpu", quiet=True))  # warm-up
+            got: dict[str, list[float]] = {"plain": [], "tierflow": []}
+            for _ in range(rounds):  # alternating
+                c0 = _cpu_s()
+                plain.steps(STEPS_PER_ROUND)
+                got["plain"].append((_cpu_s() - c0) / STEPS_PER_ROUND)
+                spent = []
+                for steps in (STEPS_PER_ROUND, 2 * STEPS_PER_ROUND):
+                    c0 = _cpu_s()
+                    run_plan(plan, RunOptions(steps=steps, device="cpu", quiet=True))
+                    spent.append(_cpu_s() - c0)
+                got["tierflow"].append((spent[1] - spent[0]) / STEPS_PER_ROUND)
+            p, t = (statistics.median(got[k]) for k in ("plain", "tierflow"))
+            rows.append({"model": name, "threads": _threads(), "rounds": rounds, "plain_cpu_s": round(p, 4),
+                         "plain_min": round(min(got["plain"]), 4), "plain_max": round(max(got["plain"]), 4),
+                         "tierflow_cpu_s": round(t, 4), "tierflow_min": round(min(got["tierflow"]), 4),
+                         "tierflow_max": round(max(got["tierflow"]), 4), "ratio": round(p / t, 3)})
+    write_csv(rows, out_dir / "bench_executor_cpu.csv")
+    print_table(rows, ["model", "threads", "plain_cpu_s", "tierflow_cpu_s", "ratio"])
+    return rows
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__)
     ap.add_argument("--device", default="cpu",
@@ -197,10 +245,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
                     help="model sizes (default small medium; --quick small): " + ", ".join(
                         f"{k} = {m.num_layers} x {m.hidden}" for k, m in MODELS.items()))
+    ap.add_argument("--cpu-work", action="store_true",
+                    help="instead: CPU seconds per step of each side on the CPU (bench_executor_cpu.csv); "
+                    "run with OMP_NUM_THREADS=1 on a shared machine")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if args.rounds is not None and args.rounds < 2:
         ap.error("--rounds must be at least 2 (the first is a warm-up)")
+    if args.cpu_work:
+        cpu_work(args.out, args.models or list(DEFAULT_MODELS), args.rounds or 3)
+        return
     run(args.quick, args.out, args.device, args.ssd_dir, args.rounds, args.models)
     print(f"wrote {args.out / 'bench_executor.csv'} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -54,6 +55,7 @@ GIB = 2**30
 GPU_BYTES_PER_PARAM = 1.5  # the device cap: below the bf16 weights (2 B/param), so they cannot all stay there
 HOST_BYTES_PER_PARAM = 6.0  # fp32 grads (4) + part of the weights: neither states nor all weights fit
 STEP_TIMEOUT_S = 3600
+LOAD_AT_START = os.getloadavg()  # how busy the box was: other processes slow every timing of the check
 STEPS = ("env", "calibrate", "plan", "run", "compare", "bench_store", "bench_executor")
 
 
@@ -317,7 +319,8 @@ def write_summary(steps: list[Step], out: Path, device: str, shapes: Shapes) -> 
     head = [f"# GPU check ({'emulated: ' if emulated else ''}--device {device})", "",
             f"`python experiments/gpu_check.py{' --quick' if shapes.quick else ''} --device {device}`, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on {platform.node()}. "
-            f"{sum(s.ok for s in steps)} of {len(steps)} steps succeeded.", ""]
+            f"{sum(s.ok for s in steps)} of {len(steps)} steps succeeded; load average (1 min) "
+            f"{LOAD_AT_START[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.", ""]
     if emulated:
         head += ["On the adversarial CPU emulation of a CUDA device: this checks the check (every step runs "
                  "and every figure is collected); its timings say nothing about a GPU.", ""]
