@@ -347,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="steps to leave out: " + ", ".join(STEPS[1:]))
     ap.set_defaults(out=None)
     args = ap.parse_args(argv)
+    hw = str(Path(args.hw).resolve()) if args.hw and Path(args.hw).is_file() else args.hw  # steps run in REPO
     shapes = QUICK if args.quick else FULL
     if args.model:
         shapes = Shapes(args.model, **{k: v for k, v in vars(shapes).items() if k != "model"})
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     ssd = (args.ssd_dir or Path(tempfile.mkdtemp(prefix=".gpu-check-ssd-", dir=REPO))).resolve()
     ssd.mkdir(parents=True, exist_ok=True)
     try:
-        steps = run_check(shapes, args.device, ssd, out, args.hw, tuple(args.skip))
+        steps = run_check(shapes, args.device, ssd, out, hw, tuple(args.skip))
     finally:
         if args.ssd_dir is None:
             shutil.rmtree(ssd, ignore_errors=True)
