@@ -191,39 +191,62 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def cpu_work(out_dir: Path, names: list[str], rounds: int) -> list[dict]:
-    """The work each side does per step, in CPU seconds of the whole process (all threads): plain PyTorch's
-    over STEPS_PER_ROUND steps; tierflow's as a run of two rounds minus a run of one (which cancels the run's
-    setup). Unlike wall time, this barely moves on a busy machine when torch computes on one thread
-    (OMP_NUM_THREADS=1): it shows what the executor adds to the work, not how the box schedules it."""
+def _run_cpu_s(plan: Plan, ssd: Path | None) -> tuple[float, int]:
+    """CPU seconds and SSD bytes of STEPS_PER_ROUND steps of `plan`: a run of two rounds minus a run of one,
+    which cancels the run's setup (state init, files, threads)."""
     from tierflow.executor.run import RunOptions, run_plan
 
+    spent, moved = [], []
+    for steps in (STEPS_PER_ROUND, 2 * STEPS_PER_ROUND):
+        c0 = _cpu_s()
+        opts = RunOptions(steps=steps, device="cpu", quiet=True, ssd_dir=str(ssd) if ssd else None)
+        res = run_plan(plan, opts)
+        spent.append(_cpu_s() - c0)
+        moved.append(res.ssd_bytes_read + res.ssd_bytes_written)
+    return spent[1] - spent[0], moved[1] - moved[0]
+
+
+def _spread(name: str, xs: list[float]) -> dict:
+    return {name: round(statistics.median(xs), 4), f"{name}_min": round(min(xs), 4),
+            f"{name}_max": round(max(xs), 4)}
+
+
+def cpu_work(out_dir: Path, names: list[str], rounds: int) -> list[dict]:
+    """The work each side does per step, in CPU seconds of the whole process (all threads): plain PyTorch's
+    over STEPS_PER_ROUND steps; tierflow's (the on-device plan, and the plan with the states on the SSD tier)
+    from _run_cpu_s. Unlike wall time, this barely moves on a busy machine when torch computes on one thread
+    (OMP_NUM_THREADS=1): it shows what the executor and its SSD tier add to the work, not how the box
+    schedules it; on a 2-core box the SSD tier's CPU seconds come out of the compute's cores."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="tierflow-bench-executor-") as tmp:
+        ssd = Path(tmp) / "ssd"
+        ssd.mkdir()
         for name in names:
             model = MODELS[name]
-            plan = make_plan(model, ALL_ON_DEVICE, Path(tmp) / f"{name}.json")
+            plans = {"device": make_plan(model, ALL_ON_DEVICE, Path(tmp) / f"{name}.json"),
+                     "ssd": make_plan(model, STATES_ON_SSD, Path(tmp) / f"{name}-ssd.json")}
             plain = PlainTrainer(model, "cpu")
             plain.steps(1)
-            run_plan(plan, RunOptions(steps=STEPS_PER_ROUND, device="cpu", quiet=True))  # warm-up
-            got: dict[str, list[float]] = {"plain": [], "tierflow": []}
+            for case, plan in plans.items():  # warm-up
+                _run_cpu_s(plan, ssd if case == "ssd" else None)
+            got: dict[str, list[float]] = {"plain": [], "device": [], "ssd": []}
+            moved = 0
             for _ in range(rounds):  # alternating
                 c0 = _cpu_s()
                 plain.steps(STEPS_PER_ROUND)
                 got["plain"].append((_cpu_s() - c0) / STEPS_PER_ROUND)
-                spent = []
-                for steps in (STEPS_PER_ROUND, 2 * STEPS_PER_ROUND):
-                    c0 = _cpu_s()
-                    run_plan(plan, RunOptions(steps=steps, device="cpu", quiet=True))
-                    spent.append(_cpu_s() - c0)
-                got["tierflow"].append((spent[1] - spent[0]) / STEPS_PER_ROUND)
-            p, t = (statistics.median(got[k]) for k in ("plain", "tierflow"))
-            rows.append({"model": name, "threads": _threads(), "rounds": rounds, "plain_cpu_s": round(p, 4),
-                         "plain_min": round(min(got["plain"]), 4), "plain_max": round(max(got["plain"]), 4),
-                         "tierflow_cpu_s": round(t, 4), "tierflow_min": round(min(got["tierflow"]), 4),
-                         "tierflow_max": round(max(got["tierflow"]), 4), "ratio": round(p / t, 3)})
+                for case, plan in plans.items():
+                    cpu_s, moved = _run_cpu_s(plan, ssd if case == "ssd" else None)
+                    got[case].append(cpu_s / STEPS_PER_ROUND)
+            p, d = statistics.median(got["plain"]), statistics.median(got["device"])
+            ssd_gb = moved / STEPS_PER_ROUND / 1e9
+            rows.append({"model": name, "threads": _threads(), "rounds": rounds,
+                         **_spread("plain_cpu_s", got["plain"]),
+                         **_spread("tierflow_cpu_s", got["device"]), "ratio": round(p / d, 3),
+                         **_spread("states_on_ssd_cpu_s", got["ssd"]), "ssd_gb_per_step": round(ssd_gb, 4)})
     write_csv(rows, out_dir / "bench_executor_cpu.csv")
-    print_table(rows, ["model", "threads", "plain_cpu_s", "tierflow_cpu_s", "ratio"])
+    print_table(rows, ["model", "threads", "plain_cpu_s", "tierflow_cpu_s", "ratio", "states_on_ssd_cpu_s",
+                       "ssd_gb_per_step"])
     return rows
 
 
