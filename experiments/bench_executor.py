@@ -21,6 +21,7 @@ Writes bench_executor.csv under --out. --quick: one small model, fewer rounds (a
 
 from __future__ import annotations
 
+import resource
 import statistics
 import sys
 import tempfile
@@ -52,7 +53,8 @@ def gpt(layers: int, hidden: int) -> ModelSpec:
                    num_kv_heads=heads, ffn_hidden=4 * hidden, vocab_size=2048, seq_len=SEQ, max_positions=SEQ)
 
 
-MODELS = {"small": gpt(4, 256), "medium": gpt(6, 384)}
+MODELS = {"small": gpt(4, 256), "medium": gpt(6, 384), "large": gpt(8, 768), "tiny": gpt(2, 128)}
+DEFAULT_MODELS = ("small", "medium")  # --quick: small; large and tiny (smoke tests) with --models
 
 
 def make_plan(model: ModelSpec, placement: Placement, path: Path) -> Plan:
@@ -75,7 +77,8 @@ class PlainTrainer:
         from tierflow.executor.models import BlockModel
         from tierflow.executor.ops.context import Hyper
 
-        self.torch, self.device = torch, torch.device(device)
+        # the emulation of a CUDA device (cpu-adversarial) is the CPU to plain PyTorch
+        self.torch, self.device = torch, torch.device("cpu" if device.startswith("cpu") else device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         torch.manual_seed(0)
         self.model = BlockModel(model, dtype=dtype, device=self.device)
@@ -122,10 +125,12 @@ def measure_store(ssd_dir: Path, nbytes: int, files: int = 3, repeats: int = 3) 
     return {"write_gbps": max(r["write_gbps"] for r in runs), "read_gbps": max(r["read_gbps"] for r in runs)}
 
 
-def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = None) -> list[dict]:
+def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = None,
+        rounds: int | None = None, names: list[str] | None = None) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    models = {"small": MODELS["small"]} if quick else MODELS
-    rounds = 3 if quick else 6
+    names = names or (["small"] if quick else list(DEFAULT_MODELS))
+    models = {n: MODELS[n] for n in names}
+    rounds = rounds or (3 if quick else 6)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tierflow-bench-executor-") as tmp:
         work = Path(tmp)
@@ -181,14 +186,99 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
     return rows
 
 
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _run_cpu_s(plan: Plan, ssd: Path | None) -> tuple[float, int]:
+    """CPU seconds and SSD bytes of STEPS_PER_ROUND steps of `plan`: a run of two rounds minus a run of one,
+    which cancels the run's setup (state init, files, threads)."""
+    from tierflow.executor.run import RunOptions, run_plan
+
+    spent, moved = [], []
+    for steps in (STEPS_PER_ROUND, 2 * STEPS_PER_ROUND):
+        c0 = _cpu_s()
+        opts = RunOptions(steps=steps, device="cpu", quiet=True, ssd_dir=str(ssd) if ssd else None)
+        res = run_plan(plan, opts)
+        spent.append(_cpu_s() - c0)
+        moved.append(res.ssd_bytes_read + res.ssd_bytes_written)
+    return spent[1] - spent[0], moved[1] - moved[0]
+
+
+def _spread(name: str, xs: list[float]) -> dict:
+    return {name: round(statistics.median(xs), 4), f"{name}_min": round(min(xs), 4),
+            f"{name}_max": round(max(xs), 4)}
+
+
+def cpu_work(out_dir: Path, names: list[str], rounds: int) -> list[dict]:
+    """The work each side does per step, in CPU seconds of the whole process (all threads): plain PyTorch's
+    over STEPS_PER_ROUND steps; tierflow's (the on-device plan, and the plan with the states on the SSD tier)
+    from _run_cpu_s. Unlike wall time, this barely moves on a busy machine when torch computes on one thread
+    (OMP_NUM_THREADS=1): it shows what the executor and its SSD tier add to the work, not how the box
+    schedules it; on a 2-core box the SSD tier's CPU seconds come out of the compute's cores."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tierflow-bench-executor-") as tmp:
+        ssd = Path(tmp) / "ssd"
+        ssd.mkdir()
+        for name in names:
+            model = MODELS[name]
+            plans = {"device": make_plan(model, ALL_ON_DEVICE, Path(tmp) / f"{name}.json"),
+                     "ssd": make_plan(model, STATES_ON_SSD, Path(tmp) / f"{name}-ssd.json")}
+            plain = PlainTrainer(model, "cpu")
+            plain.steps(1)
+            for case, plan in plans.items():  # warm-up
+                _run_cpu_s(plan, ssd if case == "ssd" else None)
+            got: dict[str, list[float]] = {"plain": [], "device": [], "ssd": []}
+            moved = 0
+            for _ in range(rounds):  # alternating
+                c0 = _cpu_s()
+                plain.steps(STEPS_PER_ROUND)
+                got["plain"].append((_cpu_s() - c0) / STEPS_PER_ROUND)
+                for case, plan in plans.items():
+                    cpu_s, moved = _run_cpu_s(plan, ssd if case == "ssd" else None)
+                    got[case].append(cpu_s / STEPS_PER_ROUND)
+            p, d = statistics.median(got["plain"]), statistics.median(got["device"])
+            ssd_gb = moved / STEPS_PER_ROUND / 1e9
+            rows.append({"model": name, "threads": _threads(), "rounds": rounds,
+                         **_spread("plain_cpu_s", got["plain"]),
+                         **_spread("tierflow_cpu_s", got["device"]), "ratio": round(p / d, 3),
+                         **_spread("states_on_ssd_cpu_s", got["ssd"]), "ssd_gb_per_step": round(ssd_gb, 4)})
+    write_csv(rows, out_dir / "bench_executor_cpu.csv")
+    print_table(rows, ["model", "threads", "plain_cpu_s", "tierflow_cpu_s", "ratio", "states_on_ssd_cpu_s",
+                       "ssd_gb_per_step"])
+    return rows
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__)
-    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (default), cuda, or cpu-adversarial (the emulation of a CUDA device: plain "
+                    "PyTorch then runs on the CPU)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="alternating rounds, the first a warm-up (default 6; --quick 3); at least 2")
     ap.add_argument("--ssd-dir", type=Path, default=None,
                     help="directory for the SSD tier (default: a temp dir)")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
+                    help="model sizes (default small medium; --quick small): " + ", ".join(
+                        f"{k} = {m.num_layers} x {m.hidden}" for k, m in MODELS.items()))
+    ap.add_argument("--cpu-work", action="store_true",
+                    help="instead: CPU seconds per step of each side on the CPU (bench_executor_cpu.csv); "
+                    "run with OMP_NUM_THREADS=1 on a shared machine")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    run(args.quick, args.out, args.device, args.ssd_dir)
+    if args.rounds is not None and args.rounds < 2:
+        ap.error("--rounds must be at least 2 (the first is a warm-up)")
+    if args.cpu_work:
+        cpu_work(args.out, args.models or list(DEFAULT_MODELS), args.rounds or 3)
+        return
+    run(args.quick, args.out, args.device, args.ssd_dir, args.rounds, args.models)
     print(f"wrote {args.out / 'bench_executor.csv'} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
 
 

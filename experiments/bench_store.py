@@ -1,14 +1,16 @@
 """The SSD tier's store against the raw device: the executor's SsdStore and a native reference, in the same
 run, on the same directory, alternating.
 
-    python experiments/bench_store.py [--quick] [--dir DIR] [--reps N] [--out DIR]
+    python experiments/bench_store.py [--quick] [--dir DIR] [--reps N] [--device DEVICE] [--out DIR]
 
 For each tensor size (16 MiB to 1 GiB; --quick: 16 and 64 MiB with small totals) and each mode (read, write,
 and both at once: one thread reads a set of tensors while another writes a second set), it moves the same
 bytes through:
 
 - **store**: `SsdStore` as the executor uses it: `write(name, tensor)` from a page-aligned tensor (as the
-  transfer area's), `read(..., into=...)` into one, CRC32C per chunk included;
+  transfer area's), `read(..., into=...)` into one, CRC32C per chunk included; with --device cuda (or the
+  emulation, cpu-adversarial) those tensors come from the device backend's `pinned_area`, the transfer area's
+  own allocation (page-locked with cudaHostRegister on a GPU);
 - **reference**: `fio` (libaio, queue depth 16, 1 MiB blocks, O_DIRECT) when installed; else a raw O_DIRECT
   loop of 1 MiB blocks with 16 requests in flight from 16 threads (os.preadv / os.pwritev release the GIL), no
   checksums;
@@ -114,6 +116,19 @@ class TwoSets:
         self.write("b")
 
 
+BACKEND: list = []  # --device: the device backend whose pinned_area the store's buffers come from
+
+
+def host_buffer(size: int):
+    """A page-aligned uint8 view of `size` bytes of the backend's pinned_area (as the transfer area takes
+    its memory: one allocation, aligned by skipping into it)."""
+    from tierflow.executor.tiers.direct_io import ALIGN
+
+    raw = BACKEND[0].pinned_area(size + ALIGN)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip: skip + size]
+
+
 class StoreCase(TwoSets):
     """SsdStore on `count` tensors of `size` bytes per set (a: read, b: written while a is read)."""
 
@@ -127,9 +142,9 @@ class StoreCase(TwoSets):
         self.torch, self.size, self.count = torch, size, count
         (directory / self.name).mkdir()
         self.store = SsdStore(directory / self.name, warn=lambda m: print(m, file=sys.stderr))
-        self.src = aligned_empty(size)
+        self.src = host_buffer(size) if BACKEND else aligned_empty(size)
         self.src.random_(0, 256)
-        self.dst = aligned_empty(size)
+        self.dst = host_buffer(size) if BACKEND else aligned_empty(size)
         self.numel = size // 4
 
     def write(self, prefix: str = "a") -> int:
@@ -403,7 +418,13 @@ def figure(rows: list[dict], path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def run(quick: bool, out_dir: Path, directory: Path | None = None, reps: int | None = None) -> list[dict]:
+def run(quick: bool, out_dir: Path, directory: Path | None = None, reps: int | None = None,
+        device: str | None = None) -> list[dict]:
+    if device:
+        from tierflow.executor.device.factory import make_backend
+
+        BACKEND[:] = [make_backend(device)]
+        print(f"store buffers: {device}'s pinned_area (the transfer area's allocation)", file=sys.stderr)
     sizes = QUICK_SIZES_MIB if quick else SIZES_MIB
     total = QUICK_TOTAL_BYTES if quick else TOTAL_BYTES
     reps = reps or (3 if quick else 5)
@@ -439,9 +460,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="directory under test (default: a temp dir in the repository's folder, so on the "
                     "disk that holds the checkout)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions per point (default 5; --quick 3)")
+    ap.add_argument("--device", default=None,
+                    help="take the store's buffers from this device backend's pinned_area (cuda, cuda:N, or "
+                    "cpu-adversarial; default: plain page-aligned host memory)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    run(args.quick, args.out, args.dir, args.reps)
+    run(args.quick, args.out, args.dir, args.reps, args.device)
     print(f"wrote {args.out / 'bench_store.csv'} and bench_store.png ({time.perf_counter() - t0:.0f} s)",
           file=sys.stderr)
 
