@@ -1,0 +1,116 @@
+"""The AdamW update of the optimizer ops (executor/ops/optimizer.py calls `adamw_update`) with the run's
+settings (`TrainHyper`): the learning rate of the step's schedule (schedule.py), weight decay on the decayed
+group only (decay.py), gradients clipped by norm (clipping.py).
+
+Numerics as torch.optim.AdamW with two parameter groups (decayed / not) after clip_grad_norm_ and with a
+LambdaLR schedule: PyTorch's own functional adamw on each group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.optim.adamw import adamw as adamw_step
+
+from tierflow.executor.clipping import CLIP_MODES, GradNorms, global_waits
+from tierflow.executor.device.base import RoundAborted
+from tierflow.executor.ops.context import Hyper, OpContext, RoundState
+from tierflow.executor.ops.grads import HostGradAdds
+from tierflow.executor.schedule import SCHEDULES, USES_TOTAL, lr_factor
+from tierflow.planner.core.graph import Task
+
+
+@dataclass(frozen=True)
+class TrainHyper(Hyper):
+    """Hyper plus the learning-rate schedule and clipping. A checkpoint records its fields
+    (`dataclasses.asdict`); the step norms live in `norms` (not a field)."""
+
+    schedule: str = "constant"  # one of schedule.SCHEDULES
+    warmup_steps: int = 0
+    total_steps: int = 0  # the run's --steps for linear / cosine (0 for the others, which do not use it)
+    clip_grad_norm: float = 0.0  # 0: no clipping
+    clip: str = "global"  # one of clipping.CLIP_MODES
+
+    def __post_init__(self) -> None:
+        assert self.schedule in SCHEDULES and self.clip in CLIP_MODES, (self.schedule, self.clip)
+        object.__setattr__(self, "norms", GradNorms(self.clip_grad_norm, self.clip))
+
+    def lr_at(self, step: int) -> float:
+        total = self.total_steps if self.schedule in USES_TOTAL else 0
+        return self.lr * lr_factor(self.schedule, step, self.warmup_steps, total)
+
+
+def norms_of(h: Hyper) -> GradNorms | None:
+    return getattr(h, "norms", None)
+
+
+def adamw_update(cx: OpContext, rs: RoundState, t: Task, tensors: list[list[torch.Tensor]], step: int,
+                 fused: bool, decay: list[bool] | None = None) -> None:
+    """AdamW of step `step` (1-based) on tensors = [params, grads, ms, vs] (lists of matching pieces), the
+    pieces with decay[i] False without weight decay; the gradients are clipped first when the run clips."""
+    h = cx.hyper
+    params, grads, ms, vs = tensors
+    norms = norms_of(h)
+    coef = 1.0
+    if norms is not None:
+        if norms.max_norm > 0 and norms.mode == "global":
+            coef = _global_coef(cx, rs, t, step, norms)
+        elif norms.max_norm > 0:
+            coef = norms.delayed_coef(step)
+        norms.observe(step, grads)
+    if coef != 1.0:
+        for g in grads:
+            g.mul_(coef)
+    lr = h.lr_at(step) if isinstance(h, TrainHyper) else h.lr
+    flags = decay if decay is not None else [True] * len(params)
+    for on in (True, False):
+        idx = [i for i, f in enumerate(flags) if f == on]
+        if not idx:
+            continue
+        pick = [[x[i] for i in idx] for x in (params, grads, ms, vs)]
+        # a fill kernel, not torch.tensor(..., device=cuda): that is a synchronizing copy from pageable memory
+        steps = [torch.full((), float(step - 1), dtype=torch.float32, device=p.device) for p in pick[0]]
+        adamw_step(*pick, [], steps, foreach=False if fused else None, fused=fused, amsgrad=False,
+                   beta1=h.beta1, beta2=h.beta2, lr=lr, weight_decay=h.weight_decay if on else 0.0, eps=h.eps,
+                   maximize=False)
+
+
+def _global_coef(cx: OpContext, rs: RoundState, t: Task, step: int, norms: GradNorms) -> float:
+    """The clipping factor of `step`: at the step's first optimizer op, after every gradient op of the step,
+    from the norm of all of the step's gradients (the optimizer ops run on one worker, in order)."""
+    with norms.lock:
+        if step in norms.coefs:
+            return norms.coefs[step]
+    for d in global_waits(cx.binding.plan.graph, t.iteration):
+        if d < rs.num_ops:
+            while not rs.done[d].wait(0.05):
+                if rs.abort.is_set():
+                    raise RoundAborted()
+    state = cx.state
+    if state.placement.gpu_optimizer:
+        taken: dict[int, torch.Tensor] = {}
+        with rs.lock:
+            for (group, _owner), buf in rs.grad_acc.items():
+                if cx.binding.plan.graph.tasks[group].iteration == t.iteration:
+                    taken[group] = buf.float() if group not in taken else taken[group] + buf.float()
+        sumsq = sum(float(torch.linalg.vector_norm(g)) ** 2 for g in taken.values())
+    else:
+        for b in range(len(state.grads)):
+            HostGradAdds.wait_for(rs, b)
+        sumsq = sum(float(torch.linalg.vector_norm(g)) ** 2 for g in state.grads)
+    return norms.set_global(step, sumsq ** 0.5)
+
+
+def check_hyper_extra(h: TrainHyper) -> list[str]:
+    """What is wrong with the schedule and clipping settings (flag: problem), for run's check_hyper."""
+    bad = []
+    if h.warmup_steps < 0:
+        bad.append(f"--warmup-steps {h.warmup_steps}: must be >= 0")
+    if not (h.clip_grad_norm >= 0 and h.clip_grad_norm < float("inf")):
+        bad.append(f"--clip-grad-norm {h.clip_grad_norm}: must be a finite number >= 0 (0: no clipping)")
+    if not (0 <= h.beta1 < 1 and 0 <= h.beta2 < 1):
+        bad.append(f"--adam-betas {h.beta1},{h.beta2}: each must be in [0, 1) (e.g. 0.9,0.95)")
+    if not (h.eps > 0 and h.eps < float("inf")):
+        bad.append(f"--adam-eps {h.eps}: must be a finite number > 0 (e.g. 1e-8)")
+    return bad

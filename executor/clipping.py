@@ -1,0 +1,117 @@
+"""Gradient clipping by norm, and the gradient norm of every step.
+
+Two modes, chosen at plan time (`--clip`, recorded in the plan file) and honoured by the executor:
+
+- `global`: exact global-norm clipping, as torch.nn.utils.clip_grad_norm_ (and so Hugging Face's Trainer)
+  does it: every gradient is scaled by min(1, max_norm / (norm + 1e-6)) where norm is the L2 norm of all of
+  the step's gradients. The first optimizer op of a step waits until every gradient op of the step (backward,
+  offload, SSD write and read back, reduce-scatter) has finished, then computes the norm; a plan whose
+  optimizer ops run before the step's last gradient on some resource (Fuyou's overlap, the vertical
+  schedule's) cannot do that and is refused (`check_global_clip`), naming the alternative.
+- `delayed`: the previous step's global norm clips this step's gradients (as a one-step-delayed update does);
+  the first step of a run is not clipped. No op waits, so every schedule runs as planned; a checkpoint keeps
+  the last norm so that a resumed run clips as an uninterrupted one.
+
+Either way every optimizer op adds the squares of the gradients it steps to its step's sum (`observe`), which
+gives the step's gradient norm for the logs (steps.csv), clipping or not.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from tierflow.errors import TierflowError
+from tierflow.planner.core import opkinds as k
+from tierflow.planner.core.graph import CycleError, TaskGraph, topological_order
+
+CLIP_MODES = ("global", "delayed")
+OPTIMIZER_KINDS = frozenset({k.ADAM, k.ADAM_DEFERRED, k.ADAM_GPU})
+# the ops that make a step's weight gradients final
+GRAD_KINDS = frozenset({k.BWD, k.HEAD, k.OFFLOAD_GRADS, k.WRITE_GRADS, k.READ_GRADS, k.REDUCE_SCATTER_GRADS})
+EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+
+
+class ClipError(TierflowError, ValueError):
+    """A clipping request this plan cannot honour."""
+
+
+def clip_coef(max_norm: float, norm: float) -> float:
+    """The factor torch.nn.utils.clip_grad_norm_ scales the gradients by."""
+    return min(1.0, max_norm / (norm + EPS))
+
+
+def global_waits(graph: TaskGraph, iteration: int) -> list[int]:
+    """The gradient ops of `iteration` that global clipping waits for before the step's first optimizer op."""
+    return [t.id for t in graph.tasks if t.iteration == iteration and t.kind in GRAD_KINDS]
+
+
+def check_global_clip(graph: TaskGraph, source: str) -> None:
+    """Refuse (ClipError) a plan in which the step's optimizer ops cannot wait for all of the step's
+    gradients: with every resource running its ops in the plan's order, the extra waits would close a
+    cycle."""
+    order = graph.resource_order()
+    preds: list[list[int]] = [list(t.deps) for t in graph.tasks]
+    for ids in order.values():
+        for a, b in zip(ids, ids[1:]):
+            preds[b].append(a)
+    waits: dict[int, list[int]] = {}
+    for t in graph.tasks:
+        if t.kind in OPTIMIZER_KINDS:
+            if t.iteration not in waits:
+                waits[t.iteration] = global_waits(graph, t.iteration)
+            preds[t.id].extend(waits[t.iteration])
+    try:
+        topological_order(len(graph.tasks), preds)
+    except CycleError:
+        raise ClipError(f"plan {source}: its optimizer steps overlap the backward, so exact global-norm "
+                        "clipping would wait for the step's last gradient behind ops that wait for the "
+                        "optimizer; pass --clip delayed (the previous step's norm), or use a plan whose "
+                        "optimizer follows the backward (tierflow plan --schedule horizontal)") from None
+
+
+@dataclass
+class GradNorms:
+    """The run's clipping settings and the squared gradient norms of its steps (one per run: a resumed run
+    gets the last norm back from its checkpoint, `norms`)."""
+
+    max_norm: float = 0.0  # 0: no clipping
+    mode: str = "global"
+    parts_per_step: int = 0  # optimizer ops per step (their squares make a step's norm)
+    sumsq: dict[int, float] = field(default_factory=dict)  # step -> squares added so far
+    seen: dict[int, int] = field(default_factory=dict)  # step -> optimizer ops that added theirs
+    norms: dict[int, float] = field(default_factory=dict)  # step -> its gradient norm, once known
+    coefs: dict[int, float] = field(default_factory=dict)  # step -> the clipping factor applied
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def observe(self, step: int, grads: list[torch.Tensor]) -> None:
+        """An optimizer op of `step` adds the squares of the (unclipped) gradients it steps."""
+        s = sum(float(torch.linalg.vector_norm(g.float())) ** 2 for g in grads)
+        with self.lock:
+            self.sumsq[step] = self.sumsq.get(step, 0.0) + s
+            self.seen[step] = self.seen.get(step, 0) + 1
+            if self.seen[step] == self.parts_per_step:
+                self.norms.setdefault(step, math.sqrt(self.sumsq.pop(step)))
+                self.seen.pop(step)
+
+    def delayed_coef(self, step: int) -> float:
+        """The factor of `step` in delayed mode: from the previous step's norm (1 for a run's first step)."""
+        prev = self.norms.get(step - 1)
+        return 1.0 if prev is None else clip_coef(self.max_norm, prev)
+
+    def set_global(self, step: int, norm: float) -> float:
+        """The global norm of `step`, computed before its first optimizer op; its factor."""
+        with self.lock:
+            self.norms[step] = norm
+            self.coefs[step] = c = clip_coef(self.max_norm, norm)
+        return c
+
+    def forget_before(self, step: int) -> None:
+        """Drop what steps before `step` - 1 left (the previous step's norm is kept for delayed mode)."""
+        with self.lock:
+            for d in (self.norms, self.coefs):
+                for s in [s for s in d if s < step - 1]:
+                    del d[s]
