@@ -55,7 +55,7 @@ def adamw_update(cx: OpContext, rs: RoundState, t: Task, tensors: list[list[torc
     coef = 1.0
     if norms is not None:
         if norms.max_norm > 0 and norms.mode == "global":
-            coef = _global_coef(cx, rs, t, step, norms)
+            coef = _global_coef(cx, rs, t, step, norms, grads)
         elif norms.max_norm > 0:
             coef = norms.delayed_coef(step)
         norms.observe(step, grads)
@@ -76,9 +76,11 @@ def adamw_update(cx: OpContext, rs: RoundState, t: Task, tensors: list[list[torc
                    maximize=False)
 
 
-def _global_coef(cx: OpContext, rs: RoundState, t: Task, step: int, norms: GradNorms) -> float:
+def _global_coef(cx: OpContext, rs: RoundState, t: Task, step: int, norms: GradNorms,
+                 grads: list[torch.Tensor]) -> float:
     """The clipping factor of `step`: at the step's first optimizer op, after every gradient op of the step,
-    from the norm of all of the step's gradients (the optimizer ops run on one worker, in order)."""
+    from the norm of all of the step's gradients (the optimizer ops run on one worker, in order). A GPU
+    optimizer op has taken its own gradients (`grads`) out of the buffers already."""
     with norms.lock:
         if step in norms.coefs:
             return norms.coefs[step]
@@ -92,9 +94,9 @@ def _global_coef(cx: OpContext, rs: RoundState, t: Task, step: int, norms: GradN
         taken: dict[int, torch.Tensor] = {}
         with rs.lock:
             for (group, _owner), buf in rs.grad_acc.items():
-                if cx.binding.plan.graph.tasks[group].iteration == t.iteration:
+                if group != t.id and cx.binding.plan.graph.tasks[group].iteration == t.iteration:
                     taken[group] = buf.float() if group not in taken else taken[group] + buf.float()
-        sumsq = sum(float(torch.linalg.vector_norm(g)) ** 2 for g in taken.values())
+        sumsq = sum(float(torch.linalg.vector_norm(g)) ** 2 for g in [*taken.values(), *grads])
     else:
         for b in range(len(state.grads)):
             HostGradAdds.wait_for(rs, b)

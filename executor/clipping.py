@@ -27,8 +27,9 @@ import torch
 from tierflow.errors import TierflowError
 from tierflow.planner.core import opkinds as k
 from tierflow.planner.core.graph import CycleError, TaskGraph, topological_order
+from tierflow.planner.core.trainopts import CLIP_MODES
 
-CLIP_MODES = ("global", "delayed")
+__all__ = ["CLIP_MODES", "ClipError", "GradNorms", "check_global_clip", "clip_coef", "global_waits"]
 OPTIMIZER_KINDS = frozenset({k.ADAM, k.ADAM_DEFERRED, k.ADAM_GPU})
 # the ops that make a step's weight gradients final
 GRAD_KINDS = frozenset({k.BWD, k.HEAD, k.OFFLOAD_GRADS, k.WRITE_GRADS, k.READ_GRADS, k.REDUCE_SCATTER_GRADS})

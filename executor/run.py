@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from tierflow.errors import TierflowError
+from tierflow.executor.adamw import TrainHyper, check_hyper_extra, norms_of
 from tierflow.executor.checkpoint import (
     CheckpointWriteError,
     NonFiniteState,
@@ -43,6 +44,7 @@ from tierflow.executor.checkpoint import (
     resume,
     save_checkpoint,
 )
+from tierflow.executor.clipping import OPTIMIZER_KINDS, ClipError, GradNorms, check_global_clip
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device.base import DeviceBackend, TierOutOfMemory
 from tierflow.executor.device.factory import make_backend
@@ -114,6 +116,8 @@ class StepRecord:
     step_s: float
     tokens_per_s: float
     tflops: float
+    lr: float = 0.0  # the step's learning rate (its schedule's)
+    grad_norm: float | None = None  # the L2 norm of the step's gradients before clipping
 
 
 @dataclass
@@ -202,6 +206,26 @@ def check_hyper(h: Hyper) -> None:
         raise RunError(f"--lr {h.lr}: must be a finite number > 0 (e.g. 1e-3)")
     if not math.isfinite(h.weight_decay) or h.weight_decay < 0:
         raise RunError(f"--weight-decay {h.weight_decay}: must be a finite number >= 0 (e.g. 0.1)")
+    if isinstance(h, TrainHyper) and check_hyper_extra(h):
+        raise RunError(check_hyper_extra(h)[0])
+
+
+def prepare_norms(plan: Plan, h: Hyper) -> None:
+    """Fresh step norms for this run; a clipping mode the plan cannot honour is refused (RunError)."""
+    if not isinstance(h, TrainHyper):
+        return
+    parts = sum(1 for t in plan.graph.tasks if t.kind in OPTIMIZER_KINDS and t.iteration == 0)
+    object.__setattr__(h, "norms", GradNorms(h.clip_grad_norm, h.clip, parts))
+    if h.clip_grad_norm <= 0:
+        return
+    if plan.config.world.ranks > 1:
+        raise RunError(f"--clip-grad-norm: plan {plan.source} has {plan.config.world.ranks} ranks; clipping "
+                       "runs on one rank only for now (drop --clip-grad-norm or plan for one GPU)")
+    if h.clip == "global":
+        try:
+            check_global_clip(plan.graph, str(plan.source))
+        except ClipError as e:
+            raise RunError(str(e)) from None
 
 
 def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
@@ -216,6 +240,7 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
     if opts.export_hf:
         check_export_hf(opts.export_hf, plan)
     check_hyper(opts.hyper)
+    prepare_norms(plan, opts.hyper)
     if opts.profile and not opts.out:
         raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured "
                        "trace.json")
@@ -352,6 +377,9 @@ def _start_state(tr: _Training, warn) -> str:
     if found is not None:
         tr.last_ckpt, manifest = found
         tr.start_step = tr.step = int(manifest["step"])
+        norms = norms_of(opts.hyper)
+        if norms is not None and manifest.get("grad_norm") is not None:  # delayed clipping goes on from it
+            norms.norms[tr.start_step] = float(manifest["grad_norm"])
         return f"resumed from {tr.last_ckpt} (step {tr.start_step})"
     if opts.init:
         return f"weights from {state.init_hf(opts.init)}"
@@ -419,6 +447,7 @@ def _run_round(tr: _Training, ex: Executor, r: int) -> None:
     # the reporter's losses are the round's own (read after each iteration's last GPU op)
     if local != rr.losses:
         raise ExecutionError(f"internal: the reported losses {local} are not the round's {rr.losses}")
+    _note_norms(tr, step, r)
     res = measured_result(tr.plan, rr)
     if r >= tr.best_iters:
         tr.best_iters, tr.measured = r, res
@@ -426,6 +455,18 @@ def _run_round(tr: _Training, ex: Executor, r: int) -> None:
     every = opts.checkpoint_every
     if opts.checkpoint_dir and every and tr.step % every == 0:
         _save_checkpoint(tr)
+
+
+def _note_norms(tr: _Training, step: int, r: int) -> None:
+    """The learning rate and gradient norm of the round's steps `step`+1 .. `step`+r, into their records."""
+    h = tr.opts.hyper
+    norms = norms_of(h)
+    for rec in tr.records[-r:]:
+        rec.lr = h.lr_at(rec.step) if isinstance(h, TrainHyper) else h.lr
+        if norms is not None:
+            rec.grad_norm = norms.norms.get(rec.step)
+    if norms is not None:
+        norms.forget_before(step + r)
 
 
 def _step_reporter(tr: _Training, step: int, local: list[float]) -> Callable[[int, float, float], None]:
@@ -453,6 +494,9 @@ def _step_reporter(tr: _Training, step: int, local: list[float]) -> Callable[[in
 
 
 def _save_checkpoint(tr: _Training) -> None:
+    norms = norms_of(tr.opts.hyper)
+    if norms is not None:  # the last step's gradient norm: delayed clipping of a resumed run goes on from it
+        tr.settings["grad_norm"] = norms.norms.get(tr.step)
     try:
         tr.last_ckpt = save_checkpoint(tr.state, tr.opts.checkpoint_dir, tr.step, tr.settings, world=tr.world)
     except NonFiniteState as e:
@@ -546,8 +590,10 @@ def _profiler(device: torch.device) -> torch.profiler.profile:
     return torch.profiler.profile(activities=activities, experimental_config=every_thread)
 
 
-HYPER_NAMES = {"seed": "--seed", "lr": "--lr", "weight_decay": "--weight-decay", "beta1": "beta1",
-               "beta2": "beta2", "eps": "eps", "data": "--data"}
+HYPER_NAMES = {"seed": "--seed", "lr": "--lr", "weight_decay": "--weight-decay", "beta1": "--adam-betas",
+               "beta2": "--adam-betas", "eps": "--adam-eps", "data": "--data", "schedule": "--lr-schedule",
+               "warmup_steps": "--warmup-steps", "total_steps": "--steps (of the schedule)",
+               "clip_grad_norm": "--clip-grad-norm", "clip": "--clip"}
 
 
 def changed_settings(manifest: dict, settings: dict) -> list[tuple[str, object, object]]:
@@ -650,10 +696,33 @@ def _says(e: BaseException | None = None) -> bool:
     return not (e is None or getattr(e, "agreed", False))
 
 
+def train_hyper(args: argparse.Namespace) -> TrainHyper:
+    """The optimizer settings of the command line: a flag given > --ds-config's sections > the defaults."""
+    from tierflow.planner.io.dstrain import ds_training_settings
+    given: dict[str, Any] = {}
+    if getattr(args, "ds_config", None):
+        given, notes = ds_training_settings(args.ds_config)
+        for n in notes:
+            print(f"tierflow run: note: {n}", file=sys.stderr)
+    flags = {"lr": args.lr, "weight_decay": args.weight_decay, "eps": args.adam_eps,
+             "schedule": args.lr_schedule, "warmup_steps": args.warmup_steps,
+             "clip_grad_norm": args.clip_grad_norm, "clip": args.clip}
+    if args.adam_betas is not None:
+        flags["beta1"], flags["beta2"] = args.adam_betas
+    given.update({k: v for k, v in flags.items() if v is not None})
+    schedule = given.get("schedule", "constant")
+    total = args.steps if schedule in ("linear", "cosine") else 0
+    return TrainHyper(**given, total_steps=total)
+
+
 def _cmd_run_here(args: argparse.Namespace) -> int:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    hyper = Hyper(lr=args.lr, weight_decay=args.weight_decay)
+    try:
+        hyper = train_hyper(args)
+    except (TierflowError, TypeError) as e:
+        print(f"tierflow run: error: {e}", file=sys.stderr)
+        return 2
     opts = RunOptions(steps=args.steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
                       data_format=args.data_format, init=args.init, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every or 0, out=args.out, hyper=hyper, seed=args.seed,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 
-SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
-# the schedules whose factor depends on the run's total number of steps
-USES_TOTAL = frozenset({"linear", "cosine"})
+from tierflow.planner.core.trainopts import SCHEDULES, USES_TOTAL
+
+__all__ = ["SCHEDULES", "USES_TOTAL", "lr_factor"]
 
 
 def lr_factor(name: str, step: int, warmup_steps: int, total_steps: int) -> float:
