@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adamw import adamw as adamw_step
 
-from tierflow.executor.clipping import CLIP_MODES, GradNorms, global_waits
-from tierflow.executor.device.base import RoundAborted
+from tierflow.executor.clipping import CLIP_MODES, GradNorms
 from tierflow.executor.ops.context import Hyper, OpContext, RoundState
 from tierflow.executor.ops.grads import HostGradAdds
 from tierflow.executor.schedule import SCHEDULES, USES_TOTAL, lr_factor
@@ -78,17 +77,13 @@ def adamw_update(cx: OpContext, rs: RoundState, t: Task, tensors: list[list[torc
 
 def _global_coef(cx: OpContext, rs: RoundState, t: Task, step: int, norms: GradNorms,
                  grads: list[torch.Tensor]) -> float:
-    """The clipping factor of `step`: at the step's first optimizer op, after every gradient op of the step,
-    from the norm of all of the step's gradients (the optimizer ops run on one worker, in order). A GPU
-    optimizer op has taken its own gradients (`grads`) out of the buffers already."""
+    """The clipping factor of `step`: at the step's first optimizer op, after every gradient op of the step
+    (the plan's dependencies, planner/core/clipwait.py), from the norm of all of the step's gradients (the
+    optimizer ops run on one worker, in order). A GPU optimizer op has taken its own gradients (`grads`) out
+    of the buffers already."""
     with norms.lock:
         if step in norms.coefs:
             return norms.coefs[step]
-    for d in global_waits(cx.binding.plan.graph, t.iteration):
-        if d < rs.num_ops:
-            while not rs.done[d].wait(0.05):
-                if rs.abort.is_set():
-                    raise RoundAborted()
     state = cx.state
     if state.placement.gpu_optimizer:
         taken: dict[int, torch.Tensor] = {}
@@ -96,12 +91,27 @@ def _global_coef(cx: OpContext, rs: RoundState, t: Task, step: int, norms: GradN
             for (group, _owner), buf in rs.grad_acc.items():
                 if group != t.id and cx.binding.plan.graph.tasks[group].iteration == t.iteration:
                     taken[group] = buf.float() if group not in taken else taken[group] + buf.float()
-        sumsq = sum(float(torch.linalg.vector_norm(g)) ** 2 for g in [*taken.values(), *grads])
+        sumsq = sum(_sq(g) for g in [*taken.values(), *grads])
     else:
-        for b in range(len(state.grads)):
-            HostGradAdds.wait_for(rs, b)
-        sumsq = sum(float(torch.linalg.vector_norm(g)) ** 2 for g in state.grads)
+        sumsq = sum(_host_sq(cx, rs, b) for b in range(len(state.grads)))
     return norms.set_global(step, sumsq ** 0.5)
+
+
+def _sq(x: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(x.float())) ** 2
+
+
+def _host_sq(cx: OpContext, rs: RoundState, b: int) -> float:
+    """Squares of block b's fp32 gradient accumulator: its host range, and its SSD range from the SSD tier's
+    file (where the step's last write_grads left it; read back once more here)."""
+    HostGradAdds.wait_for(rs, b)
+    state = cx.state
+    _g, _c, ssd_elems = state.grad_split[b]
+    n = state.shard_numel[b]
+    host = _sq(state.grads[b][: n - ssd_elems])
+    if ssd_elems == 0:
+        return host
+    return host + _sq(cx.ssd.read(f"grads_b{b}", torch.float32, ssd_elems))
 
 
 def check_hyper_extra(h: TrainHyper) -> list[str]:

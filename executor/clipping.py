@@ -4,10 +4,9 @@ Two modes, chosen at plan time (`--clip`, recorded in the plan file) and honoure
 
 - `global`: exact global-norm clipping, as torch.nn.utils.clip_grad_norm_ (and so Hugging Face's Trainer)
   does it: every gradient is scaled by min(1, max_norm / (norm + 1e-6)) where norm is the L2 norm of all of
-  the step's gradients. The first optimizer op of a step waits until every gradient op of the step (backward,
-  offload, SSD write and read back, reduce-scatter) has finished, then computes the norm; a plan whose
-  optimizer ops run before the step's last gradient on some resource (Fuyou's overlap, the vertical
-  schedule's) cannot do that and is refused (`check_global_clip`), naming the alternative.
+  the step's gradients. Every optimizer op of a step waits for every gradient op of the step (the plan's
+  graph as planner/core/clipwait.py makes it: `tierflow plan --clip-grad-norm`, or run re-orders a plan that
+  does not wait yet); the first computes the norm (adamw.py).
 - `delayed`: the previous step's global norm clips this step's gradients (as a one-step-delayed update does);
   the first step of a run is not clipped. No op waits, so every schedule runs as planned; a checkpoint keeps
   the last norm so that a resumed run clips as an uninterrupted one.
@@ -24,54 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierflow.errors import TierflowError
-from tierflow.planner.core import opkinds as k
-from tierflow.planner.core.graph import CycleError, TaskGraph, topological_order
 from tierflow.planner.core.trainopts import CLIP_MODES
 
-__all__ = ["CLIP_MODES", "ClipError", "GradNorms", "check_global_clip", "clip_coef", "global_waits"]
-OPTIMIZER_KINDS = frozenset({k.ADAM, k.ADAM_DEFERRED, k.ADAM_GPU})
-# the ops that make a step's weight gradients final
-GRAD_KINDS = frozenset({k.BWD, k.HEAD, k.OFFLOAD_GRADS, k.WRITE_GRADS, k.READ_GRADS, k.REDUCE_SCATTER_GRADS})
+__all__ = ["CLIP_MODES", "GradNorms", "clip_coef"]
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
-
-
-class ClipError(TierflowError, ValueError):
-    """A clipping request this plan cannot honour."""
 
 
 def clip_coef(max_norm: float, norm: float) -> float:
     """The factor torch.nn.utils.clip_grad_norm_ scales the gradients by."""
     return min(1.0, max_norm / (norm + EPS))
-
-
-def global_waits(graph: TaskGraph, iteration: int) -> list[int]:
-    """The gradient ops of `iteration` that global clipping waits for before the step's first optimizer op."""
-    return [t.id for t in graph.tasks if t.iteration == iteration and t.kind in GRAD_KINDS]
-
-
-def check_global_clip(graph: TaskGraph, source: str) -> None:
-    """Refuse (ClipError) a plan in which the step's optimizer ops cannot wait for all of the step's
-    gradients: with every resource running its ops in the plan's order, the extra waits would close a
-    cycle."""
-    order = graph.resource_order()
-    preds: list[list[int]] = [list(t.deps) for t in graph.tasks]
-    for ids in order.values():
-        for a, b in zip(ids, ids[1:]):
-            preds[b].append(a)
-    waits: dict[int, list[int]] = {}
-    for t in graph.tasks:
-        if t.kind in OPTIMIZER_KINDS:
-            if t.iteration not in waits:
-                waits[t.iteration] = global_waits(graph, t.iteration)
-            preds[t.id].extend(waits[t.iteration])
-    try:
-        topological_order(len(graph.tasks), preds)
-    except CycleError:
-        raise ClipError(f"plan {source}: its optimizer steps overlap the backward, so exact global-norm "
-                        "clipping would wait for the step's last gradient behind ops that wait for the "
-                        "optimizer; pass --clip delayed (the previous step's norm), or use a plan whose "
-                        "optimizer follows the backward (tierflow plan --schedule horizontal)") from None
 
 
 @dataclass

@@ -53,6 +53,18 @@ class TokenData:
                             f"({hint})")
         return cls(tokens, f"{p} ({fmt}, {len(tokens):,} tokens)")
 
+    def split(self, fraction: float) -> tuple[TokenData, TokenData]:
+        """(training, held-out) tokens: the last `fraction` of the stream held out (--val-fraction)."""
+        n = len(self.tokens)
+        cut = n - int(round(n * fraction))
+        where = self.source.split(" (")[0]
+        if cut < 2 or n - cut < 2:
+            raise DataError(f"--val-fraction {fraction}: leaves {cut:,} training and {n - cut:,} held-out "
+                            f"tokens of {where}; each needs at least 2 (pass more data or another fraction)")
+        pct = f"{fraction:.0%}"
+        return (TokenData(self.tokens[:cut], f"{self.source}, all but the last {pct}"),
+                TokenData(self.tokens[cut:], f"{where}: its last {pct} ({n - cut:,} tokens)"))
+
     def check_batch(self, batch: int, seq: int) -> None:
         """Refuse data shorter than one batch (batch windows of seq tokens plus the last target), which would
         otherwise train on the same tokens repeated within a batch without a word."""

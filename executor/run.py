@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import hashlib
 import json
 import logging
@@ -44,7 +45,7 @@ from tierflow.executor.checkpoint import (
     resume,
     save_checkpoint,
 )
-from tierflow.executor.clipping import OPTIMIZER_KINDS, ClipError, GradNorms, check_global_clip
+from tierflow.executor.clipping import GradNorms
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device.base import DeviceBackend, TierOutOfMemory
 from tierflow.executor.device.factory import make_backend
@@ -57,12 +58,16 @@ from tierflow.executor.engine import (
     UnsupportedPlan,
     measured_result,
 )
+from tierflow.executor.evaluate import evaluate
 from tierflow.executor.models import check_supported, export_hf, hf_config
 from tierflow.executor.signals import Interrupted, StopOnSignals
+from tierflow.executor.tblog import LogDirError, TbLog
 from tierflow.executor.tiers.arena import TransferAreaOutOfMemory
 from tierflow.executor.tiers.dirlock import DirLock, LockError, remove_stale_run_dirs
 from tierflow.executor.tiers.ssd_store import ChecksumError, SsdError, SsdStore, check_ssd_dir
 from tierflow.executor.tiers.state import StateError, TrainState
+from tierflow.planner.core.clipwait import OPTIMIZER_KINDS, wait_for_norm, waits_for_norm
+from tierflow.planner.core.graph import CycleError
 from tierflow.planner.core.opkinds import ENTRY_TENSORS
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.core.workload import COMPUTE_BYTES, model_flops_per_token
@@ -107,6 +112,11 @@ class RunOptions:
     export_hf: str | None = None  # after the last step, write the fp32 master weights here in the HF layout
     # "bf16" | "fp32"; None: bf16 on CUDA, fp32 on a CPU (hidden --compute-dtype)
     compute_dtype: str | None = None
+    eval_every: int = 0  # validation loss every N steps (and after the last), 0: never
+    val_fraction: float = 0.0  # hold out the last fraction of --data for validation
+    val_data: str | None = None  # or a file of held-out tokens
+    eval_batches: int = 4  # batches of the plan's batch size per evaluation
+    log_dir: str | None = None  # TensorBoard event files
 
 
 @dataclass
@@ -118,6 +128,12 @@ class StepRecord:
     tflops: float
     lr: float = 0.0  # the step's learning rate (its schedule's)
     grad_norm: float | None = None  # the L2 norm of the step's gradients before clipping
+    val_loss: float | None = None  # after this step, with --eval-every
+    val_ppl: float | None = None
+    # peak bytes of the round this step ran in, per tier, by the plan's memory effects
+    gpu_bytes: float = 0.0
+    cpu_bytes: float = 0.0
+    ssd_bytes: float = 0.0
 
 
 @dataclass
@@ -210,22 +226,27 @@ def check_hyper(h: Hyper) -> None:
         raise RunError(check_hyper_extra(h)[0])
 
 
-def prepare_norms(plan: Plan, h: Hyper) -> None:
-    """Fresh step norms for this run; a clipping mode the plan cannot honour is refused (RunError)."""
+def prepare_norms(plan: Plan, h: Hyper) -> Plan:
+    """Fresh step norms for this run, and the plan to run. With global clipping the plan's optimizer ops must
+    wait for the step's gradients: a plan that does not yet is returned with the waits, its queues
+    re-ordered (planner/core/clipwait.py), or refused (RunError) if that cannot be done."""
     if not isinstance(h, TrainHyper):
-        return
+        return plan
     parts = sum(1 for t in plan.graph.tasks if t.kind in OPTIMIZER_KINDS and t.iteration == 0)
     object.__setattr__(h, "norms", GradNorms(h.clip_grad_norm, h.clip, parts))
     if h.clip_grad_norm <= 0:
-        return
+        return plan
     if plan.config.world.ranks > 1:
         raise RunError(f"--clip-grad-norm: plan {plan.source} has {plan.config.world.ranks} ranks; clipping "
                        "runs on one rank only for now (drop --clip-grad-norm or plan for one GPU)")
-    if h.clip == "global":
+    if h.clip == "global" and not waits_for_norm(plan.graph):
         try:
-            check_global_clip(plan.graph, str(plan.source))
-        except ClipError as e:
-            raise RunError(str(e)) from None
+            return dataclasses.replace(plan, graph=wait_for_norm(plan.graph))
+        except CycleError:
+            raise RunError(f"--clip-grad-norm: plan {plan.source} cannot wait for the step's last gradient "
+                           "before its optimizer steps (exact global clipping); pass --clip delayed (the "
+                           "previous step's norm)") from None
+    return plan
 
 
 def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
@@ -240,7 +261,13 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
     if opts.export_hf:
         check_export_hf(opts.export_hf, plan)
     check_hyper(opts.hyper)
-    prepare_norms(plan, opts.hyper)
+    waiting = prepare_norms(plan, opts.hyper)
+    if waiting is not plan and not opts.quiet:
+        log("tierflow run: --clip global: the plan's optimizer steps now wait for the step's last gradient "
+            "(its queues re-ordered; tierflow plan --clip-grad-norm shows the cost)", file=sys.stderr)
+    if waiting is not plan:
+        simulate_plan(waiting)  # gradients held until the norm: the re-ordered plan must still fit its tiers
+    plan = waiting
     if opts.profile and not opts.out:
         raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured "
                        "trace.json")
@@ -328,6 +355,8 @@ class _Training:
     records: list[StepRecord] = field(default_factory=list)
     measured: SimResult | None = None  # the measured trace of the longest round so far
     best_iters: int = 0
+    val: TokenData | None = None  # held-out tokens (--val-fraction, --val-data)
+    tb: TbLog | None = None  # --log-dir
 
     @property
     def quiet(self) -> bool:
@@ -349,19 +378,60 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
     cfg, spec = plan.config, plan.model
     state = TrainState(spec, cfg.placement, cfg.alpha, backend, dtype, ssd, world)
     data = TokenData.load(opts.data, spec.vocab_size, opts.data_format, seed=opts.seed)
+    data, val = _held_out(data, opts, spec.vocab_size)
     if opts.data:
         data.check_batch(cfg.batch, cfg.seq)
     settings = {"plan": plan_fingerprint(plan), "seed": opts.seed, "hyper": asdict(opts.hyper),
                 "data": data.source}
     tokens = cfg.batch * cfg.seq
     tr = _Training(plan, opts, backend, ssd, log, world, state, settings, tokens,
-                   tokens * model_flops_per_token(spec, cfg.seq))
+                   tokens * model_flops_per_token(spec, cfg.seq), val=val)
+    if opts.log_dir and tr.lead:
+        tr.tb = TbLog(opts.log_dir)
     where = _start_state(tr, warn)
     ex = Executor(plan, state, data, backend, opts.hyper, ssd, profile=opts.profile)
     if not tr.quiet:
         _log_start(tr, dtype, where, data)
-    _run_rounds(tr, ex)
+    try:
+        _run_rounds(tr, ex)
+    finally:
+        if tr.tb is not None:
+            tr.tb.close()
     return _finish(tr)
+
+
+def _held_out(data: TokenData, opts: RunOptions, vocab_size: int) -> tuple[TokenData, TokenData | None]:
+    """(training data, held-out data or None) of --val-fraction / --val-data; --eval-every needs one."""
+    if opts.val_fraction and opts.val_data:
+        raise RunError("--val-fraction and --val-data: pass one of them")
+    val = None
+    if opts.val_data:
+        val = TokenData.load(opts.val_data, vocab_size, opts.data_format)
+    elif opts.val_fraction:
+        data, val = data.split(opts.val_fraction)
+    if opts.eval_every and val is None:
+        raise RunError(f"--eval-every {opts.eval_every}: needs held-out tokens (--val-fraction 0.05, or "
+                       "--val-data FILE)")
+    return data, val
+
+
+def _eval_due(tr: _Training) -> bool:
+    every = tr.opts.eval_every
+    return bool(every) and tr.val is not None and (tr.step % every == 0 or tr.step == tr.opts.steps)
+
+
+def _run_eval(tr: _Training) -> None:
+    """Validation loss and perplexity after step tr.step (evaluate.py), into its record, the log and
+    TensorBoard."""
+    cfg = tr.plan.config
+    res = evaluate(tr.state, tr.val, tr.step, cfg.batch, cfg.seq, cfg.micro_batch, tr.opts.eval_batches)
+    if tr.records and tr.records[-1].step == tr.step:
+        tr.records[-1].val_loss, tr.records[-1].val_ppl = res.val_loss, res.val_ppl
+    if tr.tb is not None:
+        tr.tb.step(tr.step, {"val/loss": res.val_loss, "val/perplexity": res.val_ppl})
+    if not tr.quiet:
+        tr.log(f"  eval after step {tr.step}: validation loss {res.val_loss:.4f}, perplexity "
+               f"{res.val_ppl:,.2f} ({res.tokens:,} held-out tokens)", flush=True)
 
 
 def _start_state(tr: _Training, warn) -> str:
@@ -433,6 +503,8 @@ def _round_iterations(tr: _Training) -> int:
     r = min(tr.plan.graph.num_iterations, opts.steps - tr.step)
     if opts.checkpoint_dir and every:
         r = min(r, every - tr.step % every)
+    if opts.eval_every:  # an evaluation sees the weights after exactly its step
+        r = min(r, opts.eval_every - tr.step % opts.eval_every)
     return r
 
 
@@ -447,24 +519,31 @@ def _run_round(tr: _Training, ex: Executor, r: int) -> None:
     # the reporter's losses are the round's own (read after each iteration's last GPU op)
     if local != rr.losses:
         raise ExecutionError(f"internal: the reported losses {local} are not the round's {rr.losses}")
-    _note_norms(tr, step, r)
+    _note_norms(tr, step, r, rr.peak_bytes)
     res = measured_result(tr.plan, rr)
     if r >= tr.best_iters:
         tr.best_iters, tr.measured = r, res
     tr.step += r
+    if _eval_due(tr):
+        _run_eval(tr)
     every = opts.checkpoint_every
     if opts.checkpoint_dir and every and tr.step % every == 0:
         _save_checkpoint(tr)
 
 
-def _note_norms(tr: _Training, step: int, r: int) -> None:
-    """The learning rate and gradient norm of the round's steps `step`+1 .. `step`+r, into their records."""
+def _note_norms(tr: _Training, step: int, r: int, peak: dict[str, float]) -> None:
+    """The learning rate, gradient norm and the round's peak tier bytes of the round's steps `step`+1 ..
+    `step`+r, into their records and TensorBoard."""
     h = tr.opts.hyper
     norms = norms_of(h)
     for rec in tr.records[-r:]:
         rec.lr = h.lr_at(rec.step) if isinstance(h, TrainHyper) else h.lr
         if norms is not None:
             rec.grad_norm = norms.norms.get(rec.step)
+        rec.gpu_bytes, rec.cpu_bytes, rec.ssd_bytes = (peak.get(t, 0.0) for t in ("gpu", "cpu", "ssd"))
+        if tr.tb is not None:
+            tr.tb.step(rec.step, {"train/loss": rec.loss, "train/lr": rec.lr,
+                                  "train/grad_norm": rec.grad_norm, "train/tokens_per_s": rec.tokens_per_s})
     if norms is not None:
         norms.forget_before(step + r)
 
@@ -630,9 +709,11 @@ def write_run_outputs(measured: SimResult | None, records: list[StepRecord], out
         write_outputs(measured, out, name=name)
     with open(Path(out) / "steps.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["step", "loss", "step_s", "tokens_per_s", "tflops"])
+        names = [f.name for f in dataclasses.fields(StepRecord)]  # step, loss, ..., lr, grad_norm, val_loss
+        w.writerow(names)
         for r in records:
-            w.writerow([r.step, repr(r.loss), r.step_s, r.tokens_per_s, r.tflops])
+            w.writerow(["" if v is None else repr(v) if k == "loss" else v
+                        for k, v in ((k, getattr(r, k)) for k in names)])
 
 
 # -- command line --------------------------------------------------------------------------------------------
@@ -729,7 +810,9 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
                       quiet=args.json or level_of(args) >= QUIET, export_hf=args.export_hf,
                       resume_fallback=args.resume_fallback, profile=args.profile,
                       allow_changed_hyper=args.allow_changed_hyper,
-                      compute_dtype=getattr(args, "compute_dtype", None))
+                      compute_dtype=getattr(args, "compute_dtype", None),
+                      eval_every=args.eval_every, val_fraction=args.val_fraction, val_data=args.val_data,
+                      eval_batches=args.eval_batches, log_dir=args.log_dir)
     stopped = None
     try:
         with StopOnSignals():
@@ -753,7 +836,7 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
         return e.exit_code
     # the exit codes are the errors' own (tierflow.errors): 2 bad input, 3 does not fit, 1 the executor failed
     except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan, LockError,
-            LaunchError) as e:
+            LaunchError, LogDirError) as e:
         if _says(e):
             print(f"tierflow run: error: {e}", file=sys.stderr)
         return e.exit_code

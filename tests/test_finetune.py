@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from test_executor import BATCH, MICRO, SEQ, decay_groups, make_plan, rel_err, run
+from test_executor import BATCH, HW, MICRO, SEQ, decay_groups, make_plan, rel_err, run
 from transformers import get_scheduler
 
 from tierflow.cli import main
@@ -21,7 +21,9 @@ from tierflow.executor.models import BlockModel, build_blocks
 from tierflow.executor.models import loss as lm_loss
 from tierflow.executor.run import RunError
 from tierflow.executor.schedule import lr_factor
+from tierflow.planner.core.clipwait import wait_for_norm, waits_for_norm
 from tierflow.planner.core.models import get_model
+from tierflow.planner.core.simulator import simulate_graph
 from tierflow.planner.io.dstrain import DsTrainError, ds_training_settings
 from tierflow.planner.io.planfile import write_plan
 
@@ -89,6 +91,8 @@ CASES = [
     ("tiny-llama", "fuyou", "states_ssd", 0.0, TrainHyper(lr=3e-3, schedule="cosine", warmup_steps=4,
                                                          total_steps=STEPS, clip_grad_norm=1.0,
                                                          clip="delayed")),
+    ("tiny-llama", "vertical", "mix", 0.25, TrainHyper(lr=3e-3, schedule="cosine", warmup_steps=4,
+                                                      total_steps=STEPS, clip_grad_norm=1.0)),
     ("tiny-gpt", "vertical", "mix", 0.25, TrainHyper(lr=3e-3, schedule="constant_with_warmup", warmup_steps=5,
                                                     clip_grad_norm=1.0, clip="delayed", weight_decay=0.3)),
     ("tiny-gpt", "block", "weights_cpu", 0.25, TrainHyper(lr=3e-3, schedule="linear", warmup_steps=2,
@@ -110,8 +114,24 @@ def test_matches_plain_pytorch_with_schedule_clipping_and_decay_groups(model_nam
         assert any(r.grad_norm > h.clip_grad_norm for r in res.records)
 
 
-def test_global_clipping_is_refused_where_the_optimizer_overlaps_the_backward(tmp_path):
+def test_global_clipping_waits_in_an_overlapped_plan_and_matches(tmp_path):
+    """Fuyou overlaps the optimizer with the backward: with global clipping its optimizer steps wait for the
+    step's last gradient (the simulator charges it) and the run equals plain PyTorch's clip_grad_norm_."""
     plan = make_plan("tiny-gpt", "fuyou", "states_ssd")
+    assert not waits_for_norm(plan.graph)
+    waiting = wait_for_norm(plan.graph)
+    assert waits_for_norm(waiting)
+    assert simulate_graph(waiting, HW).iteration_s > simulate_graph(plan.graph, HW).iteration_s
+    h = TrainHyper(lr=3e-3, schedule="linear", warmup_steps=2, total_steps=8, clip_grad_norm=1.0)
+    res = run(plan, tmp_path, hyper=h, steps=8)
+    check_equal(res, reference("tiny-gpt", h, steps=8))
+    assert any(r.grad_norm > 1.0 for r in res.records)
+
+
+def test_global_clipping_is_refused_where_the_plan_cannot_wait(tmp_path):
+    """Fuyou as LoHan's code runs it waits for the optimizer's SSD writes before the next layer's weights are
+    read for the backward: the step's gradients cannot all come before its first optimizer step."""
+    plan = make_plan("tiny-gpt", "fuyou", "mix")
     with pytest.raises(RunError, match="--clip delayed"):
         run(plan, tmp_path, hyper=TrainHyper(clip_grad_norm=1.0), steps=2)
 
@@ -157,9 +177,9 @@ def test_cli_flags_reach_the_run(tmp_path, capsys):
     plan = tmp_path / "p.json"
     write_plan(make_plan("tiny-gpt", "fuyou", "weights_cpu"), plan)
     code = main(["run", str(plan), "--steps", "3", "--device", "cpu", "--lr-schedule", "linear",
-                 "--warmup-steps", "1", "--clip-grad-norm", "0.5", "--json"])
+                 "--warmup-steps", "1", "--clip-grad-norm", "0.5", "--adam-betas", "1.5,0.9"])
     assert code == 2
-    assert "--clip delayed" in capsys.readouterr().err
+    assert "--adam-betas" in capsys.readouterr().err
     code = main(["run", str(plan), "--steps", "3", "--device", "cpu", "--lr-schedule", "linear",
                  "--warmup-steps", "1", "--clip-grad-norm", "0.5", "--clip", "delayed", "--adam-betas",
                  "0.9,0.99", "--json"])

@@ -22,6 +22,8 @@ class DsTrainError(TierflowError, ValueError):
     """A DeepSpeed config's training section that tierflow run cannot honour (one line)."""
 
 
+# DeepSpeed's optimizer types tierflow runs, lower-cased (its Adam is AdamW unless adam_w_mode is false)
+DS_ADAM, DS_ADAMW = "adam", "adamw"
 SCHEDULER_NAMES = {"WarmupLR": "constant_with_warmup", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 
 
@@ -57,11 +59,11 @@ def _optimizer(opt: object, p: Path, out: dict) -> None:
     if opt is None:
         return
     kind = opt.get("type") if isinstance(opt, dict) else None
-    if not isinstance(kind, str) or kind.lower() not in ("adam", "adamw"):
+    if not isinstance(kind, str) or kind.lower() not in (DS_ADAM, DS_ADAMW):
         raise DsTrainError(f"--ds-config {p}: optimizer type {kind!r}: tierflow runs AdamW only (use "
                            "\"type\": \"AdamW\")")
     params = opt.get("params") or {}
-    if kind.lower() == "adam" and not params.get("adam_w_mode", True):
+    if kind.lower() == DS_ADAM and not params.get("adam_w_mode", True):
         raise DsTrainError(f"--ds-config {p}: optimizer Adam with adam_w_mode false (L2 regularization): "
                            "tierflow runs AdamW's decoupled weight decay only")
     if "lr" in params:

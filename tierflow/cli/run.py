@@ -70,6 +70,21 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="read AdamW's lr/betas/eps/weight_decay, the scheduler (WarmupLR, WarmupDecayLR, "
                    "WarmupCosineLR with linear warmup) and gradient_clipping from a DeepSpeed config; the "
                    "flags above override it")
+    e = p.add_argument_group("evaluation and logs (docs/finetuning.md)")
+    e.add_argument("--eval-every", type=positive_int(MAX_STEPS), default=0, metavar="N",
+                   help="validation loss and perplexity every N steps and after the last (needs "
+                   "--val-fraction or --val-data); the forward reads each block's weights from its tier, as "
+                   "training does")
+    e.add_argument("--val-fraction", type=_fraction, default=0.0, metavar="F",
+                   help="hold out the last fraction F of --data's tokens for validation (e.g. 0.05)")
+    e.add_argument("--val-data", default=None, metavar="FILE",
+                   help="held-out tokens for validation, read as --data is")
+    e.add_argument("--eval-batches", type=positive_int(1 << 20), default=4, metavar="K",
+                   help="batches of the plan's batch size per evaluation, the same ones each time "
+                   "(default 4)")
+    e.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="TensorBoard event files here: train/loss, lr, grad_norm, tokens_per_s, val/loss, "
+                   "perplexity (needs the tensorboard package; steps.csv under --out has the same numbers)")
     p.add_argument("--seed", type=int_in(0, 2**63 - 1, "a non-negative integer"), default=0,
                    help="seed of the random init and synthetic data (default 0)")
     p.add_argument("--profile", action="store_true",
@@ -101,6 +116,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     # CPU)
     p.add_argument("--compute-dtype", choices=["bf16", "fp32"], default=None, help=argparse.SUPPRESS)
     return p
+
+
+def _fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        f = -1.0
+    if not 0 <= f < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a fraction in [0, 1), e.g. 0.05")
+    return f
 
 
 def _betas(text: str) -> tuple[float, float]:
