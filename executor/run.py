@@ -46,6 +46,7 @@ from tierflow.executor.checkpoint import (
     save_checkpoint,
 )
 from tierflow.executor.clipping import GradNorms
+from tierflow.executor.corpus import TEXT_SUFFIXES, Fields, has_tokenizer, is_corpus, tokenize
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device.base import DeviceBackend, TierOutOfMemory
 from tierflow.executor.device.factory import make_backend
@@ -117,6 +118,8 @@ class RunOptions:
     val_data: str | None = None  # or a file of held-out tokens
     eval_batches: int = 4  # batches of the plan's batch size per evaluation
     log_dir: str | None = None  # TensorBoard event files
+    tokenizer: str | None = None  # Hugging Face tokenizer directory (default: --init's, when it has one)
+    fields: Fields = field(default_factory=Fields)  # JSON Lines / Parquet fields trained on
 
 
 @dataclass
@@ -377,7 +380,7 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
            log, warn, world: DistWorld) -> RunResult:
     cfg, spec = plan.config, plan.model
     state = TrainState(spec, cfg.placement, cfg.alpha, backend, dtype, ssd, world)
-    data = TokenData.load(opts.data, spec.vocab_size, opts.data_format, seed=opts.seed)
+    data = load_data(opts.data, opts, spec.vocab_size)
     data, val = _held_out(data, opts, spec.vocab_size)
     if opts.data:
         data.check_batch(cfg.batch, cfg.seq)
@@ -400,13 +403,31 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
     return _finish(tr)
 
 
+def load_data(path: str | None, opts: RunOptions, vocab_size: int) -> TokenData:
+    """--data (or --val-data): tokenized with the model's tokenizer (corpus.py) when it is JSON Lines,
+    Parquet or a directory, or text and a tokenizer is given (--tokenizer, or an --init directory that has
+    one); else as data.py reads it (uint16 tokens, byte-level text, synthetic)."""
+    tok = opts.tokenizer or (opts.init if opts.init and has_tokenizer(opts.init) else None)
+    fmt = opts.data_format
+    text = fmt == "auto" and tok is not None and Path(path or "").suffix in TEXT_SUFFIXES
+    if path is not None and fmt != "text" and (is_corpus(path, fmt) or text):
+        tokens, mask, what = tokenize(path, tok, opts.fields, vocab_size)
+        data = TokenData(tokens, what, mask)
+        top = int(tokens.max())
+        if top >= vocab_size:
+            raise DataError(f"--data {path}: token id {top} is outside the model's vocabulary of "
+                            f"{vocab_size} (is --tokenizer the model's own?)")
+        return data
+    return TokenData.load(path, vocab_size, fmt, seed=opts.seed)
+
+
 def _held_out(data: TokenData, opts: RunOptions, vocab_size: int) -> tuple[TokenData, TokenData | None]:
     """(training data, held-out data or None) of --val-fraction / --val-data; --eval-every needs one."""
     if opts.val_fraction and opts.val_data:
         raise RunError("--val-fraction and --val-data: pass one of them")
     val = None
     if opts.val_data:
-        val = TokenData.load(opts.val_data, vocab_size, opts.data_format)
+        val = load_data(opts.val_data, opts, vocab_size)
     elif opts.val_fraction:
         data, val = data.split(opts.val_fraction)
     if opts.eval_every and val is None:
@@ -812,7 +833,8 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
                       allow_changed_hyper=args.allow_changed_hyper,
                       compute_dtype=getattr(args, "compute_dtype", None),
                       eval_every=args.eval_every, val_fraction=args.val_fraction, val_data=args.val_data,
-                      eval_batches=args.eval_batches, log_dir=args.log_dir)
+                      eval_batches=args.eval_batches, log_dir=args.log_dir, tokenizer=args.tokenizer,
+                      fields=Fields(args.text_field, args.prompt_field, args.response_field))
     stopped = None
     try:
         with StopOnSignals():

@@ -26,11 +26,22 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    "SSD tier is real file I/O")
     p.add_argument("--ssd-dir", default=None, metavar="DIR",
                    help="directory on the SSD (array) for the SSD tier")
-    p.add_argument("--data", default=None, metavar="FILE",
-                   help="nanoGPT-style uint16 token file (.bin) or a text file (byte tokens); default: "
-                   "seeded random tokens")
-    p.add_argument("--data-format", default="auto", choices=["auto", "uint16", "text"],
-                   help="how to read --data (default: .bin/.u16 = uint16, else text)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="training data: text, JSON Lines (.jsonl) or Parquet files or a directory of them, "
+                   "tokenized with the model's tokenizer and cached beside them; or a nanoGPT-style uint16 "
+                   "token file (.bin), or text as byte tokens; default: seeded random tokens")
+    p.add_argument("--data-format", default="auto", choices=["auto", "uint16", "text", "tokenize"],
+                   help="how to read --data: uint16 token ids, text as bytes, or tokenize (with the model's "
+                   "tokenizer); default auto: .bin/.u16 = uint16; a directory, .jsonl or .parquet = "
+                   "tokenize; other text = tokenize when a tokenizer is given (--tokenizer, or --init with "
+                   "one), else bytes")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="Hugging Face tokenizer directory for --data (default: --init's, when it has one)")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the field of a JSON Lines / Parquet record that is trained on (default text)")
+    p.add_argument("--prompt-field", default=None, metavar="NAME",
+                   help="with --response-field: train on prompt + response, the loss masked on the prompt")
+    p.add_argument("--response-field", default=None, metavar="NAME", help="see --prompt-field")
     p.add_argument("--init", default=None, metavar="DIR",
                    help="Hugging Face model directory (*.safetensors) to start from, loaded block by block")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
