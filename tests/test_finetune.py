@@ -7,6 +7,8 @@ checked on resume; a DeepSpeed config's sections are read."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +188,17 @@ def test_cli_flags_reach_the_run(tmp_path, capsys):
     assert code == 0
     steps = json.loads(capsys.readouterr().out)["steps"]
     assert [s["lr"] for s in steps] == pytest.approx([0.0, 1e-3, 5e-4])
+
+
+def test_finetune_experiment_quick(tmp_path):
+    """experiments/finetune.py --quick: stdlib sources, warmup + cosine + clipping; tierflow's losses equal
+    plain PyTorch's and the validation loss is reported."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import finetune
+
+    rows = finetune.run(quick=True, out_dir=tmp_path)
+    assert (tmp_path / "finetune.csv").is_file() and (tmp_path / "finetune.png").is_file()
+    for r in rows:
+        assert abs(r["tierflow_loss"] - r["plain_loss"]) <= 1e-5 * r["plain_loss"]
+    assert rows[-1]["tierflow_val"] == pytest.approx(rows[-1]["plain_val"], rel=1e-5)
+    assert rows[-1]["tierflow_loss"] < rows[0]["tierflow_loss"]
