@@ -257,3 +257,26 @@ def test_trainer_gives_the_same_losses():
     want, _ = reference("tiny-llama", h)
     for i, (a, b) in enumerate(zip(got, want)):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {i + 1}: Trainer {a} vs plain {b}"
+
+
+def test_evaluation_steps_csv_and_tensorboard(tmp_path):
+    """--eval-every: the validation loss after step 4 is the plain forward's on the final weights over the
+    same held-out batches; steps.csv has the new columns; --log-dir writes TensorBoard event files."""
+    pytest.importorskip("tensorboard")
+    plan = make_plan("tiny-gpt", "vertical", "mix", 0.25, batch=BATCH, micro=MICRO)
+    with pytest.raises(RunError, match="--val-fraction"):
+        run(plan, tmp_path, hyper=TrainHyper(), steps=2, eval_every=2)
+    res = run(plan, tmp_path, hyper=TrainHyper(), steps=4, eval_every=2, val_fraction=0.25, eval_batches=2,
+              out=str(tmp_path / "out"), log_dir=str(tmp_path / "tb"))
+    assert [r.val_loss is not None for r in res.records] == [False, True, False, True]
+    model = get_model("tiny-gpt")
+    ref = BlockModel(model, build_blocks(model))
+    for block, w in zip(ref.blocks, res.final_master):
+        torch.nn.utils.vector_to_parameters(w, block.parameters())
+    _, val = TokenData.load(None, model.vocab_size, seed=0).split(0.25)
+    with torch.no_grad():
+        want = sum(float(lm_loss(ref(x), y)) for x, y in (val.batch(i, BATCH, SEQ) for i in range(2))) / 2
+    assert res.records[-1].val_loss == pytest.approx(want, rel=1e-6)
+    head = (tmp_path / "out" / "steps.csv").read_text().splitlines()[0].split(",")
+    assert {"lr", "grad_norm", "val_loss", "val_ppl", "ssd_bytes"} <= set(head)
+    assert any(f.name.startswith("events.out.tfevents") for f in (tmp_path / "tb").iterdir())
