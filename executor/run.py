@@ -229,6 +229,19 @@ def check_hyper(h: Hyper) -> None:
         raise RunError(check_hyper_extra(h)[0])
 
 
+def _clipping_plan(plan: Plan, opts: RunOptions, log) -> Plan:
+    """The plan to run: with --clip global, one whose optimizer steps wait for the step's last gradient
+    (prepare_norms), checked to still fit its tiers and said."""
+    waiting = prepare_norms(plan, opts.hyper)
+    if waiting is plan:
+        return plan
+    if not opts.quiet:
+        log("tierflow run: --clip global: the plan's optimizer steps now wait for the step's last gradient "
+            "(its queues re-ordered; tierflow plan --clip-grad-norm shows the cost)", file=sys.stderr)
+    simulate_plan(waiting)  # gradients held until the norm: the re-ordered plan must still fit its tiers
+    return waiting
+
+
 def prepare_norms(plan: Plan, h: Hyper) -> Plan:
     """Fresh step norms for this run, and the plan to run. With global clipping the plan's optimizer ops must
     wait for the step's gradients: a plan that does not yet is returned with the waits, its queues
@@ -264,13 +277,7 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
     if opts.export_hf:
         check_export_hf(opts.export_hf, plan)
     check_hyper(opts.hyper)
-    waiting = prepare_norms(plan, opts.hyper)
-    if waiting is not plan and not opts.quiet:
-        log("tierflow run: --clip global: the plan's optimizer steps now wait for the step's last gradient "
-            "(its queues re-ordered; tierflow plan --clip-grad-norm shows the cost)", file=sys.stderr)
-    if waiting is not plan:
-        simulate_plan(waiting)  # gradients held until the norm: the re-ordered plan must still fit its tiers
-    plan = waiting
+    plan = _clipping_plan(plan, opts, log)
     if opts.profile and not opts.out:
         raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured "
                        "trace.json")
@@ -817,15 +824,9 @@ def train_hyper(args: argparse.Namespace) -> TrainHyper:
     return TrainHyper(**given, total_steps=total)
 
 
-def _cmd_run_here(args: argparse.Namespace) -> int:
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        hyper = train_hyper(args)
-    except (TierflowError, TypeError) as e:
-        print(f"tierflow run: error: {e}", file=sys.stderr)
-        return 2
-    opts = RunOptions(steps=args.steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
+def run_options(args: argparse.Namespace, hyper: TrainHyper) -> RunOptions:
+    """RunOptions of the command line."""
+    return RunOptions(steps=args.steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
                       data_format=args.data_format, init=args.init, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every or 0, out=args.out, hyper=hyper, seed=args.seed,
                       quiet=args.json or level_of(args) >= QUIET, export_hf=args.export_hf,
@@ -835,6 +836,17 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
                       eval_every=args.eval_every, val_fraction=args.val_fraction, val_data=args.val_data,
                       eval_batches=args.eval_batches, log_dir=args.log_dir, tokenizer=args.tokenizer,
                       fields=Fields(args.text_field, args.prompt_field, args.response_field))
+
+
+def _cmd_run_here(args: argparse.Namespace) -> int:
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        hyper = train_hyper(args)
+    except (TierflowError, TypeError) as e:
+        print(f"tierflow run: error: {e}", file=sys.stderr)
+        return 2
+    opts = run_options(args, hyper)
     stopped = None
     try:
         with StopOnSignals():

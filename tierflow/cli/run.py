@@ -35,13 +35,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    "tokenizer); default auto: .bin/.u16 = uint16; a directory, .jsonl or .parquet = "
                    "tokenize; other text = tokenize when a tokenizer is given (--tokenizer, or --init with "
                    "one), else bytes")
-    p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="Hugging Face tokenizer directory for --data (default: --init's, when it has one)")
-    p.add_argument("--text-field", default="text", metavar="NAME",
-                   help="the field of a JSON Lines / Parquet record that is trained on (default text)")
-    p.add_argument("--prompt-field", default=None, metavar="NAME",
-                   help="with --response-field: train on prompt + response, the loss masked on the prompt")
-    p.add_argument("--response-field", default=None, metavar="NAME", help="see --prompt-field")
+    _add_data_args(p)
     p.add_argument("--init", default=None, metavar="DIR",
                    help="Hugging Face model directory (*.safetensors) to start from, loaded block by block")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
@@ -55,47 +49,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="after the last step, write the trained fp32 weights as a Hugging Face model "
                    "directory (config.json + model.safetensors) that transformers' from_pretrained loads; "
                    "DIR must be new or empty")
-    o = p.add_argument_group("optimizer and schedule (AdamW; docs/finetuning.md)")
-    o.add_argument("--lr", type=positive_float(), default=None,
-                   help="AdamW peak learning rate (default 1e-3)")
-    o.add_argument("--weight-decay", type=non_negative_float(), default=None,
-                   help="AdamW decoupled weight decay (default 0.1); biases and the weights of norm layers "
-                   "(LayerNorm, RMSNorm) are never decayed, as in Hugging Face's Trainer")
-    o.add_argument("--adam-betas", type=_betas, default=None, metavar="B1,B2",
-                   help="AdamW betas (default 0.9,0.95)")
-    o.add_argument("--adam-eps", type=positive_float(), default=None, help="AdamW eps (default 1e-8)")
-    o.add_argument("--lr-schedule", choices=SCHEDULES, default=None,
-                   help="learning-rate schedule, Hugging Face's names and formulas (transformers."
-                   "get_scheduler) over --steps: constant (ignores warmup), constant_with_warmup, linear, "
-                   "cosine (default constant)")
-    o.add_argument("--warmup-steps", type=int_in(0, MAX_STEPS, "an integer >= 0"), default=None, metavar="N",
-                   help="linear warmup from 0 over the first N steps (default 0)")
-    o.add_argument("--clip-grad-norm", type=non_negative_float(), default=None, metavar="X",
-                   help="clip the gradients to global L2 norm X, as torch.nn.utils.clip_grad_norm_ (default "
-                   "0: no clipping)")
-    o.add_argument("--clip", choices=CLIP_MODES, default=None,
-                   help="global (default): exact, the optimizer waits for the step's last gradient (a plan "
-                   "that overlaps the optimizer with the backward is refused); delayed: the previous step's "
-                   "norm clips this step (any plan; the first step is not clipped)")
-    o.add_argument("--ds-config", default=None, metavar="FILE",
-                   help="read AdamW's lr/betas/eps/weight_decay, the scheduler (WarmupLR, WarmupDecayLR, "
-                   "WarmupCosineLR with linear warmup) and gradient_clipping from a DeepSpeed config; the "
-                   "flags above override it")
-    e = p.add_argument_group("evaluation and logs (docs/finetuning.md)")
-    e.add_argument("--eval-every", type=positive_int(MAX_STEPS), default=0, metavar="N",
-                   help="validation loss and perplexity every N steps and after the last (needs "
-                   "--val-fraction or --val-data); the forward reads each block's weights from its tier, as "
-                   "training does")
-    e.add_argument("--val-fraction", type=_fraction, default=0.0, metavar="F",
-                   help="hold out the last fraction F of --data's tokens for validation (e.g. 0.05)")
-    e.add_argument("--val-data", default=None, metavar="FILE",
-                   help="held-out tokens for validation, read as --data is")
-    e.add_argument("--eval-batches", type=positive_int(1 << 20), default=4, metavar="K",
-                   help="batches of the plan's batch size per evaluation, the same ones each time "
-                   "(default 4)")
-    e.add_argument("--log-dir", default=None, metavar="DIR",
-                   help="TensorBoard event files here: train/loss, lr, grad_norm, tokens_per_s, val/loss, "
-                   "perplexity (needs the tensorboard package; steps.csv under --out has the same numbers)")
+    _add_optimizer_args(p)
+    _add_eval_args(p)
     p.add_argument("--seed", type=int_in(0, 2**63 - 1, "a non-negative integer"), default=0,
                    help="seed of the random init and synthetic data (default 0)")
     p.add_argument("--profile", action="store_true",
@@ -127,6 +82,64 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     # CPU)
     p.add_argument("--compute-dtype", choices=["bf16", "fp32"], default=None, help=argparse.SUPPRESS)
     return p
+
+
+def _add_optimizer_args(p: argparse.ArgumentParser) -> None:
+    o = p.add_argument_group("optimizer and schedule (AdamW; docs/finetuning.md)")
+    o.add_argument("--lr", type=positive_float(), default=None,
+                   help="AdamW peak learning rate (default 1e-3)")
+    o.add_argument("--weight-decay", type=non_negative_float(), default=None,
+                   help="AdamW decoupled weight decay (default 0.1); biases and the weights of norm layers "
+                   "(LayerNorm, RMSNorm) are never decayed, as in Hugging Face's Trainer")
+    o.add_argument("--adam-betas", type=_betas, default=None, metavar="B1,B2",
+                   help="AdamW betas (default 0.9,0.95)")
+    o.add_argument("--adam-eps", type=positive_float(), default=None, help="AdamW eps (default 1e-8)")
+    o.add_argument("--lr-schedule", choices=SCHEDULES, default=None,
+                   help="learning-rate schedule, Hugging Face's names and formulas (transformers."
+                   "get_scheduler) over --steps: constant (ignores warmup), constant_with_warmup, linear, "
+                   "cosine (default constant)")
+    o.add_argument("--warmup-steps", type=int_in(0, MAX_STEPS, "an integer >= 0"), default=None, metavar="N",
+                   help="linear warmup from 0 over the first N steps (default 0)")
+    o.add_argument("--clip-grad-norm", type=non_negative_float(), default=None, metavar="X",
+                   help="clip the gradients to global L2 norm X, as torch.nn.utils.clip_grad_norm_ (default "
+                   "0: no clipping)")
+    o.add_argument("--clip", choices=CLIP_MODES, default=None,
+                   help="global (default): exact, the optimizer waits for the step's last gradient (a plan "
+                   "that overlaps the optimizer with the backward is refused); delayed: the previous step's "
+                   "norm clips this step (any plan; the first step is not clipped)")
+    o.add_argument("--ds-config", default=None, metavar="FILE",
+                   help="read AdamW's lr/betas/eps/weight_decay, the scheduler (WarmupLR, WarmupDecayLR, "
+                   "WarmupCosineLR with linear warmup) and gradient_clipping from a DeepSpeed config; the "
+                   "flags above override it")
+
+
+def _add_eval_args(p: argparse.ArgumentParser) -> None:
+    e = p.add_argument_group("evaluation and logs (docs/finetuning.md)")
+    e.add_argument("--eval-every", type=positive_int(MAX_STEPS), default=0, metavar="N",
+                   help="validation loss and perplexity every N steps and after the last (needs "
+                   "--val-fraction or --val-data); the forward reads each block's weights from its tier, as "
+                   "training does")
+    e.add_argument("--val-fraction", type=_fraction, default=0.0, metavar="F",
+                   help="hold out the last fraction F of --data's tokens for validation (e.g. 0.05)")
+    e.add_argument("--val-data", default=None, metavar="FILE",
+                   help="held-out tokens for validation, read as --data is")
+    e.add_argument("--eval-batches", type=positive_int(1 << 20), default=4, metavar="K",
+                   help="batches of the plan's batch size per evaluation, the same ones each time "
+                   "(default 4)")
+    e.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="TensorBoard event files here: train/loss, lr, grad_norm, tokens_per_s, val/loss, "
+                   "perplexity (needs the tensorboard package; steps.csv under --out has the same numbers)")
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    """How --data's text is tokenized (executor/corpus.py)."""
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="Hugging Face tokenizer directory for --data (default: --init's, when it has one)")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the field of a JSON Lines / Parquet record that is trained on (default text)")
+    p.add_argument("--prompt-field", default=None, metavar="NAME",
+                   help="with --response-field: train on prompt + response, the loss masked on the prompt")
+    p.add_argument("--response-field", default=None, metavar="NAME", help="see --prompt-field")
 
 
 def _fraction(text: str) -> float:
