@@ -27,7 +27,9 @@ from tierflow.executor.run import RunError
 from tierflow.executor.schedule import lr_factor
 from tierflow.planner.core.clipwait import wait_for_norm, waits_for_norm
 from tierflow.planner.core.models import get_model
+from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import simulate_graph
+from tierflow.planner.io.clipreport import clip_cost
 from tierflow.planner.io.dstrain import DsTrainError, ds_training_settings
 from tierflow.planner.io.planfile import write_plan
 
@@ -280,3 +282,18 @@ def test_evaluation_steps_csv_and_tensorboard(tmp_path):
     head = (tmp_path / "out" / "steps.csv").read_text().splitlines()[0].split(",")
     assert {"lr", "grad_norm", "val_loss", "val_ppl", "ssd_bytes"} <= set(head)
     assert any(f.name.startswith("events.out.tfevents") for f in (tmp_path / "tb").iterdir())
+
+
+def test_plan_reports_what_clipping_costs():
+    """tierflow plan --clip-grad-norm's report (clip_cost): the waiting graph simulated against the plan's, or
+    the plan cannot wait and the line names --clip delayed."""
+    for placement, can in (("states_ssd", True), ("mix", False)):
+        plan = make_plan("tiny-gpt", "fuyou", placement)
+        without = simulate_config(plan.model, HW, plan.config, plan.graph)
+        cost = clip_cost(plan.model, HW, plan.config, plan.graph, without)
+        assert cost.to_dict()["global_possible"] is can
+        if can:
+            assert waits_for_norm(cost.graph) and cost.result.iteration_s > without.iteration_s
+            assert "s without (+" in cost.line()
+        else:
+            assert cost.graph is plan.graph and "--clip delayed" in cost.line()
