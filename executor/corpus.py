@@ -215,12 +215,17 @@ def _write_cache(root: Path, files: list[Path], tok, fields: Fields, manifest: d
     dtype = np.dtype(np.uint16 if max(vocab_size, len(tok)) <= 1 << 16 else np.uint32)
     root.mkdir(parents=True, exist_ok=True)
     (root / "manifest.json").unlink(missing_ok=True)
-    tokens.astype(dtype).tofile(root / f"tokens.{dtype.str[1:]}")
     masked = bool(len(mask)) and not bool(mask.all())
-    if masked:
-        mask.tofile(root / "mask.u8")
     out = {**manifest, "tokens": int(len(tokens)), "dtype": dtype.str, "masked": masked}
-    tmp = root / f"manifest.json.{os.getpid()}"
-    tmp.write_text(json.dumps(out, indent=1))
-    os.replace(tmp, root / "manifest.json")
+    # each file written whole under a temporary name, then renamed: a reader never maps a half-written one
+    _replace(root / f"tokens.{dtype.str[1:]}", tokens.astype(dtype).tobytes())
+    if masked:
+        _replace(root / "mask.u8", mask.tobytes())
+    _replace(root / "manifest.json", json.dumps(out, indent=1).encode())
     return out
+
+
+def _replace(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
