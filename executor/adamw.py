@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adamw import adamw as adamw_step
 
-from tierflow.executor.clipping import CLIP_MODES, GradNorms
+from tierflow.executor.clipping import CLIP_MODES, GradNorms, sum_of_squares
 from tierflow.executor.ops.context import Hyper, OpContext, RoundState
 from tierflow.executor.ops.grads import HostGradAdds
 from tierflow.executor.schedule import SCHEDULES, USES_TOTAL, lr_factor
@@ -51,16 +51,15 @@ def adamw_update(cx: OpContext, rs: RoundState, t: Task, tensors: list[list[torc
     h = cx.hyper
     params, grads, ms, vs = tensors
     norms = norms_of(h)
-    coef = 1.0
     if norms is not None:
+        coef = None
         if norms.max_norm > 0 and norms.mode == "global":
             coef = _global_coef(cx, rs, t, step, norms, grads)
         elif norms.max_norm > 0:
             coef = norms.delayed_coef(step)
         norms.observe(step, grads)
-    if coef != 1.0:
-        for g in grads:
-            g.mul_(coef)
+        if coef is not None:  # as clip_grad_norm_: always multiplied, a factor of 1 included
+            torch._foreach_mul_(grads, coef.to(grads[0].device) if isinstance(coef, torch.Tensor) else coef)
     lr = h.lr_at(step) if isinstance(h, TrainHyper) else h.lr
     flags = decay if decay is not None else [True] * len(params)
     for on in (True, False):
@@ -76,7 +75,7 @@ def adamw_update(cx: OpContext, rs: RoundState, t: Task, tensors: list[list[torc
 
 
 def _global_coef(cx: OpContext, rs: RoundState, t: Task, step: int, norms: GradNorms,
-                 grads: list[torch.Tensor]) -> float:
+                 grads: list[torch.Tensor]) -> torch.Tensor:
     """The clipping factor of `step`: at the step's first optimizer op, after every gradient op of the step
     (the plan's dependencies, planner/core/clipwait.py), from the norm of all of the step's gradients (the
     optimizer ops run on one worker, in order). A GPU optimizer op has taken its own gradients (`grads`) out
@@ -91,27 +90,23 @@ def _global_coef(cx: OpContext, rs: RoundState, t: Task, step: int, norms: GradN
             for (group, _owner), buf in rs.grad_acc.items():
                 if group != t.id and cx.binding.plan.graph.tasks[group].iteration == t.iteration:
                     taken[group] = buf.float() if group not in taken else taken[group] + buf.float()
-        sumsq = sum(_sq(g) for g in [*taken.values(), *grads])
+        sumsq = sum_of_squares([*taken.values(), *grads])
     else:
-        sumsq = sum(_host_sq(cx, rs, b) for b in range(len(state.grads)))
-    return norms.set_global(step, sumsq ** 0.5)
+        sumsq = torch.stack([_host_sq(cx, rs, b) for b in range(len(state.grads))]).sum()
+    return norms.set_global(step, sumsq.sqrt())
 
 
-def _sq(x: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(x.float())) ** 2
-
-
-def _host_sq(cx: OpContext, rs: RoundState, b: int) -> float:
+def _host_sq(cx: OpContext, rs: RoundState, b: int) -> torch.Tensor:
     """Squares of block b's fp32 gradient accumulator: its host range, and its SSD range from the SSD tier's
     file (where the step's last write_grads left it; read back once more here)."""
     HostGradAdds.wait_for(rs, b)
     state = cx.state
     _g, _c, ssd_elems = state.grad_split[b]
     n = state.shard_numel[b]
-    host = _sq(state.grads[b][: n - ssd_elems])
+    host = sum_of_squares([state.grads[b][: n - ssd_elems]])
     if ssd_elems == 0:
         return host
-    return host + _sq(cx.ssd.read(f"grads_b{b}", torch.float32, ssd_elems))
+    return host + sum_of_squares([cx.ssd.read(f"grads_b{b}", torch.float32, ssd_elems)])
 
 
 def check_hyper_extra(h: TrainHyper) -> list[str]:

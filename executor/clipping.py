@@ -17,7 +17,6 @@ gives the step's gradient norm for the logs (steps.csv), clipping or not.
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, field
 
@@ -25,45 +24,62 @@ import torch
 
 from tierflow.planner.core.trainopts import CLIP_MODES
 
-__all__ = ["CLIP_MODES", "GradNorms", "clip_coef"]
+__all__ = ["CLIP_MODES", "GradNorms", "clip_coef", "sum_of_squares"]
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
 
-def clip_coef(max_norm: float, norm: float) -> float:
-    """The factor torch.nn.utils.clip_grad_norm_ scales the gradients by."""
+def clip_coef(max_norm: float, norm: torch.Tensor | float) -> torch.Tensor | float:
+    """The factor torch.nn.utils.clip_grad_norm_ scales the gradients by (a tensor for a tensor norm: no host
+    synchronization)."""
+    if isinstance(norm, torch.Tensor):
+        return torch.clamp(max_norm / (norm + EPS), max=1.0)
     return min(1.0, max_norm / (norm + EPS))
+
+
+def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The squared L2 norm of `grads` as a 0-d float32 tensor on their device (no host synchronization)."""
+    return torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).square().sum()
 
 
 @dataclass
 class GradNorms:
-    """The run's clipping settings and the squared gradient norms of its steps (one per run: a resumed run
-    gets the last norm back from its checkpoint, `norms`)."""
+    """The run's clipping settings and the gradient norms of its steps, kept as 0-d tensors on the
+    optimizer's device until read (`value`), so that a GPU optimizer never waits for the host (one per run: a
+    resumed run gets the last norm back from its checkpoint, `norms`)."""
 
     max_norm: float = 0.0  # 0: no clipping
     mode: str = "global"
-    parts_per_step: int = 0  # optimizer ops per step (their squares make a step's norm)
-    sumsq: dict[int, float] = field(default_factory=dict)  # step -> squares added so far
+    parts_per_step: int = 0  # optimizer ops per step (their squares make a step's norm); 0: no norms
+    sumsq: dict[int, torch.Tensor] = field(default_factory=dict)  # step -> squares added so far
     seen: dict[int, int] = field(default_factory=dict)  # step -> optimizer ops that added theirs
-    norms: dict[int, float] = field(default_factory=dict)  # step -> its gradient norm, once known
-    coefs: dict[int, float] = field(default_factory=dict)  # step -> the clipping factor applied
+    norms: dict[int, torch.Tensor | float] = field(default_factory=dict)  # step -> its norm, once known
+    coefs: dict[int, torch.Tensor] = field(default_factory=dict)  # step -> the global factor applied
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def observe(self, step: int, grads: list[torch.Tensor]) -> None:
-        """An optimizer op of `step` adds the squares of the (unclipped) gradients it steps."""
-        s = sum(float(torch.linalg.vector_norm(g.float())) ** 2 for g in grads)
+        """An optimizer op of `step` adds the squares of the (unclipped) gradients it steps (not with several
+        ranks, parts_per_step 0: each holds a shard)."""
+        if not self.parts_per_step:
+            return
+        s = sum_of_squares(grads)
         with self.lock:
-            self.sumsq[step] = self.sumsq.get(step, 0.0) + s
+            self.sumsq[step] = s if step not in self.sumsq else self.sumsq[step] + s
             self.seen[step] = self.seen.get(step, 0) + 1
             if self.seen[step] == self.parts_per_step:
-                self.norms.setdefault(step, math.sqrt(self.sumsq.pop(step)))
+                self.norms.setdefault(step, self.sumsq.pop(step).sqrt())
                 self.seen.pop(step)
 
-    def delayed_coef(self, step: int) -> float:
+    def value(self, step: int) -> float | None:
+        """The gradient norm of `step` as a number (None if not known)."""
+        n = self.norms.get(step)
+        return None if n is None else float(n)
+
+    def delayed_coef(self, step: int) -> torch.Tensor | float:
         """The factor of `step` in delayed mode: from the previous step's norm (1 for a run's first step)."""
         prev = self.norms.get(step - 1)
         return 1.0 if prev is None else clip_coef(self.max_norm, prev)
 
-    def set_global(self, step: int, norm: float) -> float:
+    def set_global(self, step: int, norm: torch.Tensor) -> torch.Tensor:
         """The global norm of `step`, computed before its first optimizer op; its factor."""
         with self.lock:
             self.norms[step] = norm

@@ -249,6 +249,8 @@ def prepare_norms(plan: Plan, h: Hyper) -> Plan:
     if not isinstance(h, TrainHyper):
         return plan
     parts = sum(1 for t in plan.graph.tasks if t.kind in OPTIMIZER_KINDS and t.iteration == 0)
+    if plan.config.world.ranks > 1:
+        parts = 0  # each rank steps its shard: no whole-model gradient norm (steps.csv leaves it empty)
     object.__setattr__(h, "norms", GradNorms(h.clip_grad_norm, h.clip, parts))
     if h.clip_grad_norm <= 0:
         return plan
@@ -567,7 +569,7 @@ def _note_norms(tr: _Training, step: int, r: int, peak: dict[str, float]) -> Non
     for rec in tr.records[-r:]:
         rec.lr = h.lr_at(rec.step) if isinstance(h, TrainHyper) else h.lr
         if norms is not None:
-            rec.grad_norm = norms.norms.get(rec.step)
+            rec.grad_norm = norms.value(rec.step)
         rec.gpu_bytes, rec.cpu_bytes, rec.ssd_bytes = (peak.get(t, 0.0) for t in ("gpu", "cpu", "ssd"))
         if tr.tb is not None:
             tr.tb.step(rec.step, {"train/loss": rec.loss, "train/lr": rec.lr,
@@ -603,7 +605,7 @@ def _step_reporter(tr: _Training, step: int, local: list[float]) -> Callable[[in
 def _save_checkpoint(tr: _Training) -> None:
     norms = norms_of(tr.opts.hyper)
     if norms is not None:  # the last step's gradient norm: delayed clipping of a resumed run goes on from it
-        tr.settings["grad_norm"] = norms.norms.get(tr.step)
+        tr.settings["grad_norm"] = norms.value(tr.step)
     try:
         tr.last_ckpt = save_checkpoint(tr.state, tr.opts.checkpoint_dir, tr.step, tr.settings, world=tr.world)
     except NonFiniteState as e:
