@@ -101,8 +101,8 @@ CASES = [
                                                          clip="delayed")),
     ("tiny-llama", "vertical", "mix", 0.25, TrainHyper(lr=3e-3, schedule="cosine", warmup_steps=4,
                                                       total_steps=STEPS, clip_grad_norm=1.0)),
-    ("tiny-gpt", "block", "weights_cpu", 0.25, TrainHyper(lr=3e-3, schedule="constant_with_warmup",
-                                                         warmup_steps=5, weight_decay=0.3)),
+    ("tiny-gpt", "block", "weights_cpu", 0.25, TrainHyper(lr=2e-3, schedule="constant_with_warmup",
+                                                         warmup_steps=5)),
 ]
 
 
