@@ -1,5 +1,7 @@
 """Training tokens: a nanoGPT-style file of uint16 token ids, a plain-text file (byte-level tokens, vocabulary
-256), or, with no file, a fixed pseudo-random stream (for smoke runs and tests).
+256), text / JSON Lines / Parquet tokenized with the model's tokenizer (corpus.py, which hands its cached
+tokens and prompt mask here), or, with no file, a fixed pseudo-random stream (for smoke runs and tests).
+A target whose mask is 0 (a prompt's token) is -100, which the loss ignores.
 
 Batches are a pure function of the step number, so the data position is just the step: a run resumed from a
 checkpoint at step s reads exactly the batches an uninterrupted run would have read from step s on.
@@ -20,9 +22,10 @@ class DataError(TierflowError, ValueError):
 
 
 class TokenData:
-    def __init__(self, tokens: np.ndarray, source: str) -> None:
+    def __init__(self, tokens: np.ndarray, source: str, mask: np.ndarray | None = None) -> None:
         self.tokens = tokens
         self.source = source
+        self.mask = mask  # 1: train on this token as a target; None: every token
 
     @classmethod
     def load(cls, path: str | None, vocab_size: int, fmt: str = "auto", seed: int = 0) -> TokenData:
@@ -33,6 +36,8 @@ class TokenData:
         p = Path(path)
         if not p.is_file():
             raise DataError(f"--data {p}: no such file (pass a uint16 token file (.bin) or a text file)")
+        if p.stat().st_size == 0:
+            raise DataError(f"--data {p}: empty file (give it tokens or text)")
         if fmt == "auto":
             fmt = "uint16" if p.suffix in (".bin", ".u16") else "text"
         if fmt == "uint16":
@@ -43,7 +48,7 @@ class TokenData:
         elif fmt == "text":
             tokens = np.memmap(p, dtype=np.uint8, mode="r")
         else:
-            raise DataError(f"--data-format {fmt!r}: use auto, uint16 or text")
+            raise DataError(f"--data-format {fmt!r}: use auto, uint16, text or tokenize")
         if len(tokens) < 2:
             raise DataError(f"--data {p}: only {len(tokens)} tokens; a batch needs at least seq + 1")
         top = int(tokens.max())
@@ -52,6 +57,21 @@ class TokenData:
             raise DataError(f"--data {p}: token id {top} is outside the model's vocabulary of {vocab_size} "
                             f"({hint})")
         return cls(tokens, f"{p} ({fmt}, {len(tokens):,} tokens)")
+
+    def split(self, fraction: float) -> tuple[TokenData, TokenData]:
+        """(training, held-out) tokens: the last `fraction` of the stream held out (--val-fraction)."""
+        n = len(self.tokens)
+        cut = n - int(round(n * fraction))
+        where = self.source.split(" (")[0]
+        if cut < 2 or n - cut < 2:
+            raise DataError(f"--val-fraction {fraction}: leaves {cut:,} training and {n - cut:,} held-out "
+                            f"tokens of {where}; each needs at least 2 (pass more data or another fraction)")
+        pct = f"{fraction:.0%}"
+        m = self.mask
+        return (TokenData(self.tokens[:cut], f"{self.source}, all but the last {pct}",
+                          None if m is None else m[:cut]),
+                TokenData(self.tokens[cut:], f"{where}: its last {pct} ({n - cut:,} tokens)",
+                          None if m is None else m[cut:]))
 
     def check_batch(self, batch: int, seq: int) -> None:
         """Refuse data shorter than one batch (batch windows of seq tokens plus the last target), which would
@@ -70,9 +90,16 @@ class TokenData:
         if n < seq + 1:
             raise DataError(f"data {self.source}: {n} tokens, a sequence needs {seq + 1}")
         span = n - seq - 1 + 1
-        rows = []
+        rows, masked = [], []
         for i in range(batch):
             start = ((step * batch + i) * seq) % span
-            rows.append(np.asarray(self.tokens[start: start + seq + 1], dtype=np.int64))
+            row = np.asarray(self.tokens[start: start + seq + 1], dtype=np.int64)
+            rows.append(row)
+            if self.mask is not None:
+                keep = np.asarray(self.mask[start + 1: start + seq + 1], dtype=bool)
+                masked.append((i, np.flatnonzero(~keep)))
         x = torch.from_numpy(np.stack(rows))
-        return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+        y = x[:, 1:].clone()
+        for i, cols in masked:
+            y[i, torch.from_numpy(cols)] = -100  # a prompt token: not a target (the loss ignores -100)
+        return x[:, :-1].contiguous(), y

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import hashlib
 import json
 import logging
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from tierflow.errors import TierflowError
+from tierflow.executor.adamw import TrainHyper, check_hyper_extra, norms_of
 from tierflow.executor.checkpoint import (
     CheckpointWriteError,
     NonFiniteState,
@@ -45,6 +47,8 @@ from tierflow.executor.checkpoint import (
     save_checkpoint,
     training_digest,
 )
+from tierflow.executor.clipping import GradNorms
+from tierflow.executor.corpus import TEXT_SUFFIXES, Fields, has_tokenizer, is_corpus, tokenize
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device.base import DeviceBackend, TierOutOfMemory
 from tierflow.executor.device.factory import make_backend
@@ -57,12 +61,16 @@ from tierflow.executor.engine import (
     UnsupportedPlan,
     measured_result,
 )
+from tierflow.executor.evaluate import evaluate
 from tierflow.executor.models import check_supported, export_hf, hf_config
 from tierflow.executor.signals import Interrupted, StopOnSignals
+from tierflow.executor.tblog import LogDirError, TbLog
 from tierflow.executor.tiers.arena import TransferAreaOutOfMemory
 from tierflow.executor.tiers.dirlock import DirLock, LockError, remove_stale_run_dirs
 from tierflow.executor.tiers.ssd_store import ChecksumError, SsdError, SsdStore, check_ssd_dir
 from tierflow.executor.tiers.state import StateError, TrainState
+from tierflow.planner.core.clipwait import OPTIMIZER_KINDS, wait_for_norm, waits_for_norm
+from tierflow.planner.core.graph import CycleError
 from tierflow.planner.core.opkinds import ENTRY_TENSORS
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.core.workload import COMPUTE_BYTES, model_flops_per_token
@@ -107,6 +115,13 @@ class RunOptions:
     export_hf: str | None = None  # after the last step, write the fp32 master weights here in the HF layout
     # "bf16" | "fp32"; None: bf16 on CUDA, fp32 on a CPU (hidden --compute-dtype)
     compute_dtype: str | None = None
+    eval_every: int = 0  # validation loss every N steps (and after the last), 0: never
+    val_fraction: float = 0.0  # hold out the last fraction of --data for validation
+    val_data: str | None = None  # or a file of held-out tokens
+    eval_batches: int = 4  # batches of the plan's batch size per evaluation
+    log_dir: str | None = None  # TensorBoard event files
+    tokenizer: str | None = None  # Hugging Face tokenizer directory (default: --init's, when it has one)
+    fields: Fields = field(default_factory=Fields)  # JSON Lines / Parquet fields trained on
 
 
 @dataclass
@@ -116,6 +131,14 @@ class StepRecord:
     step_s: float
     tokens_per_s: float
     tflops: float
+    lr: float = 0.0  # the step's learning rate (its schedule's)
+    grad_norm: float | None = None  # the L2 norm of the step's gradients before clipping
+    val_loss: float | None = None  # after this step, with --eval-every
+    val_ppl: float | None = None
+    # peak bytes of the round this step ran in, per tier, by the plan's memory effects
+    gpu_bytes: float = 0.0
+    cpu_bytes: float = 0.0
+    ssd_bytes: float = 0.0
 
 
 @dataclass
@@ -204,6 +227,46 @@ def check_hyper(h: Hyper) -> None:
         raise RunError(f"--lr {h.lr}: must be a finite number > 0 (e.g. 1e-3)")
     if not math.isfinite(h.weight_decay) or h.weight_decay < 0:
         raise RunError(f"--weight-decay {h.weight_decay}: must be a finite number >= 0 (e.g. 0.1)")
+    if isinstance(h, TrainHyper) and check_hyper_extra(h):
+        raise RunError(check_hyper_extra(h)[0])
+
+
+def _clipping_plan(plan: Plan, opts: RunOptions, log) -> Plan:
+    """The plan to run: with --clip global, one whose optimizer steps wait for the step's last gradient
+    (prepare_norms), checked to still fit its tiers and said."""
+    waiting = prepare_norms(plan, opts.hyper)
+    if waiting is plan:
+        return plan
+    if not opts.quiet:
+        log("tierflow run: --clip global: the plan's optimizer steps now wait for the step's last gradient "
+            "(its queues re-ordered; tierflow plan --clip-grad-norm shows the cost)", file=sys.stderr)
+    simulate_plan(waiting)  # gradients held until the norm: the re-ordered plan must still fit its tiers
+    return waiting
+
+
+def prepare_norms(plan: Plan, h: Hyper) -> Plan:
+    """Fresh step norms for this run, and the plan to run. With global clipping the plan's optimizer ops must
+    wait for the step's gradients: a plan that does not yet is returned with the waits, its queues
+    re-ordered (planner/core/clipwait.py), or refused (RunError) if that cannot be done."""
+    if not isinstance(h, TrainHyper):
+        return plan
+    parts = sum(1 for t in plan.graph.tasks if t.kind in OPTIMIZER_KINDS and t.iteration == 0)
+    if plan.config.world.ranks > 1:
+        parts = 0  # each rank steps its shard: no whole-model gradient norm (steps.csv leaves it empty)
+    object.__setattr__(h, "norms", GradNorms(h.clip_grad_norm, h.clip, parts))
+    if h.clip_grad_norm <= 0:
+        return plan
+    if plan.config.world.ranks > 1:
+        raise RunError(f"--clip-grad-norm: plan {plan.source} has {plan.config.world.ranks} ranks; clipping "
+                       "runs on one rank only for now (drop --clip-grad-norm or plan for one GPU)")
+    if h.clip == "global" and not waits_for_norm(plan.graph):
+        try:
+            return dataclasses.replace(plan, graph=wait_for_norm(plan.graph))
+        except CycleError:
+            raise RunError(f"--clip-grad-norm: plan {plan.source} cannot wait for the step's last gradient "
+                           "before its optimizer steps (exact global clipping); pass --clip delayed (the "
+                           "previous step's norm)") from None
+    return plan
 
 
 def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
@@ -218,6 +281,7 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
     if opts.export_hf:
         check_export_hf(opts.export_hf, plan)
     check_hyper(opts.hyper)
+    plan = _clipping_plan(plan, opts, log)
     if opts.profile and not opts.out:
         raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured "
                        "trace.json")
@@ -305,6 +369,8 @@ class _Training:
     records: list[StepRecord] = field(default_factory=list)
     measured: SimResult | None = None  # the measured trace of the longest round so far
     best_iters: int = 0
+    val: TokenData | None = None  # held-out tokens (--val-fraction, --val-data)
+    tb: TbLog | None = None  # --log-dir
 
     @property
     def quiet(self) -> bool:
@@ -325,7 +391,8 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
            log, warn, world: DistWorld) -> RunResult:
     cfg, spec = plan.config, plan.model
     state = TrainState(spec, cfg.placement, cfg.alpha, backend, dtype, ssd, world)
-    data = TokenData.load(opts.data, spec.vocab_size, opts.data_format, seed=opts.seed)
+    data = load_data(opts.data, opts, spec.vocab_size)
+    data, val = _held_out(data, opts, spec.vocab_size)
     if opts.data:
         data.check_batch(cfg.batch, cfg.seq)
     settings = {"plan": plan_fingerprint(plan), "seed": opts.seed, "hyper": asdict(opts.hyper),
@@ -333,13 +400,71 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
                 "shape": {"model": spec.name, "batch": cfg.batch, "seq": cfg.seq}}
     tokens = cfg.batch * cfg.seq
     tr = _Training(plan, opts, backend, ssd, log, world, state, settings, tokens,
-                   tokens * model_flops_per_token(spec, cfg.seq))
+                   tokens * model_flops_per_token(spec, cfg.seq), val=val)
+    if opts.log_dir and tr.lead:
+        tr.tb = TbLog(opts.log_dir)
     where = _start_state(tr, warn)
     ex = Executor(plan, state, data, backend, opts.hyper, ssd, profile=opts.profile)
     if not tr.quiet:
         _log_start(tr, dtype, where, data)
-    _run_rounds(tr, ex)
+    try:
+        _run_rounds(tr, ex)
+    finally:
+        if tr.tb is not None:
+            tr.tb.close()
     return _finish(tr)
+
+
+def load_data(path: str | None, opts: RunOptions, vocab_size: int) -> TokenData:
+    """--data (or --val-data): tokenized with the model's tokenizer (corpus.py) when it is JSON Lines,
+    Parquet or a directory, or text and a tokenizer is given (--tokenizer, or an --init directory that has
+    one); else as data.py reads it (uint16 tokens, byte-level text, synthetic)."""
+    tok = opts.tokenizer or (opts.init if opts.init and has_tokenizer(opts.init) else None)
+    fmt = opts.data_format
+    text = fmt == "auto" and tok is not None and Path(path or "").suffix in TEXT_SUFFIXES
+    if path is not None and fmt != "text" and (is_corpus(path, fmt) or text):
+        tokens, mask, what = tokenize(path, tok, opts.fields, vocab_size)
+        data = TokenData(tokens, what, mask)
+        top = int(tokens.max())
+        if top >= vocab_size:
+            raise DataError(f"--data {path}: token id {top} is outside the model's vocabulary of "
+                            f"{vocab_size} (is --tokenizer the model's own?)")
+        return data
+    return TokenData.load(path, vocab_size, fmt, seed=opts.seed)
+
+
+def _held_out(data: TokenData, opts: RunOptions, vocab_size: int) -> tuple[TokenData, TokenData | None]:
+    """(training data, held-out data or None) of --val-fraction / --val-data; --eval-every needs one."""
+    if opts.val_fraction and opts.val_data:
+        raise RunError("--val-fraction and --val-data: pass one of them")
+    val = None
+    if opts.val_data:
+        val = load_data(opts.val_data, opts, vocab_size)
+    elif opts.val_fraction:
+        data, val = data.split(opts.val_fraction)
+    if opts.eval_every and val is None:
+        raise RunError(f"--eval-every {opts.eval_every}: needs held-out tokens (--val-fraction 0.05, or "
+                       "--val-data FILE)")
+    return data, val
+
+
+def _eval_due(tr: _Training) -> bool:
+    every = tr.opts.eval_every
+    return bool(every) and tr.val is not None and (tr.step % every == 0 or tr.step == tr.opts.steps)
+
+
+def _run_eval(tr: _Training) -> None:
+    """Validation loss and perplexity after step tr.step (evaluate.py), into its record, the log and
+    TensorBoard."""
+    cfg = tr.plan.config
+    res = evaluate(tr.state, tr.val, tr.step, cfg.batch, cfg.seq, cfg.micro_batch, tr.opts.eval_batches)
+    if tr.records and tr.records[-1].step == tr.step:
+        tr.records[-1].val_loss, tr.records[-1].val_ppl = res.val_loss, res.val_ppl
+    if tr.tb is not None:
+        tr.tb.step(tr.step, {"val/loss": res.val_loss, "val/perplexity": res.val_ppl})
+    if not tr.quiet:
+        tr.log(f"  eval after step {tr.step}: validation loss {res.val_loss:.4f}, perplexity "
+               f"{res.val_ppl:,.2f} ({res.tokens:,} held-out tokens)", flush=True)
 
 
 def _start_state(tr: _Training, warn) -> str:
@@ -355,6 +480,9 @@ def _start_state(tr: _Training, warn) -> str:
     if found is not None:
         tr.last_ckpt, manifest = found
         tr.start_step = tr.step = int(manifest["step"])
+        norms = norms_of(opts.hyper)
+        if norms is not None and manifest.get("grad_norm") is not None:  # delayed clipping goes on from it
+            norms.norms[tr.start_step] = float(manifest["grad_norm"])
         return f"resumed from {tr.last_ckpt} (step {tr.start_step})"
     if opts.init:
         return f"weights from {state.init_hf(opts.init)}"
@@ -408,6 +536,8 @@ def _round_iterations(tr: _Training) -> int:
     r = min(tr.plan.graph.num_iterations, opts.steps - tr.step)
     if opts.checkpoint_dir and every:
         r = min(r, every - tr.step % every)
+    if opts.eval_every:  # an evaluation sees the weights after exactly its step
+        r = min(r, opts.eval_every - tr.step % opts.eval_every)
     return r
 
 
@@ -422,13 +552,33 @@ def _run_round(tr: _Training, ex: Executor, r: int) -> None:
     # the reporter's losses are the round's own (read after each iteration's last GPU op)
     if local != rr.losses:
         raise ExecutionError(f"internal: the reported losses {local} are not the round's {rr.losses}")
+    _note_norms(tr, step, r, rr.peak_bytes)
     res = measured_result(tr.plan, rr)
     if r >= tr.best_iters:
         tr.best_iters, tr.measured = r, res
     tr.step += r
+    if _eval_due(tr):
+        _run_eval(tr)
     every = opts.checkpoint_every
     if opts.checkpoint_dir and every and tr.step % every == 0:
         _save_checkpoint(tr)
+
+
+def _note_norms(tr: _Training, step: int, r: int, peak: dict[str, float]) -> None:
+    """The learning rate, gradient norm and the round's peak tier bytes of the round's steps `step`+1 ..
+    `step`+r, into their records and TensorBoard."""
+    h = tr.opts.hyper
+    norms = norms_of(h)
+    for rec in tr.records[-r:]:
+        rec.lr = h.lr_at(rec.step) if isinstance(h, TrainHyper) else h.lr
+        if norms is not None:
+            rec.grad_norm = norms.value(rec.step)
+        rec.gpu_bytes, rec.cpu_bytes, rec.ssd_bytes = (peak.get(t, 0.0) for t in ("gpu", "cpu", "ssd"))
+        if tr.tb is not None:
+            tr.tb.step(rec.step, {"train/loss": rec.loss, "train/lr": rec.lr,
+                                  "train/grad_norm": rec.grad_norm, "train/tokens_per_s": rec.tokens_per_s})
+    if norms is not None:
+        norms.forget_before(step + r)
 
 
 def _step_reporter(tr: _Training, step: int, local: list[float]) -> Callable[[int, float, float], None]:
@@ -456,6 +606,9 @@ def _step_reporter(tr: _Training, step: int, local: list[float]) -> Callable[[in
 
 
 def _save_checkpoint(tr: _Training) -> None:
+    norms = norms_of(tr.opts.hyper)
+    if norms is not None:  # the last step's gradient norm: delayed clipping of a resumed run goes on from it
+        tr.settings["grad_norm"] = norms.value(tr.step)
     try:
         tr.last_ckpt = save_checkpoint(tr.state, tr.opts.checkpoint_dir, tr.step, tr.settings, world=tr.world)
     except NonFiniteState as e:
@@ -549,8 +702,10 @@ def _profiler(device: torch.device) -> torch.profiler.profile:
     return torch.profiler.profile(activities=activities, experimental_config=every_thread)
 
 
-HYPER_NAMES = {"seed": "--seed", "lr": "--lr", "weight_decay": "--weight-decay", "beta1": "beta1",
-               "beta2": "beta2", "eps": "eps", "data": "--data"}
+HYPER_NAMES = {"seed": "--seed", "lr": "--lr", "weight_decay": "--weight-decay", "beta1": "--adam-betas",
+               "beta2": "--adam-betas", "eps": "--adam-eps", "data": "--data", "schedule": "--lr-schedule",
+               "warmup_steps": "--warmup-steps", "total_steps": "--steps (of the schedule)",
+               "clip_grad_norm": "--clip-grad-norm", "clip": "--clip"}
 
 
 def changed_settings(manifest: dict, settings: dict) -> list[tuple[str, object, object]]:
@@ -586,9 +741,11 @@ def write_run_outputs(measured: SimResult | None, records: list[StepRecord], out
         write_outputs(measured, out, name=name)
     with open(Path(out) / "steps.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["step", "loss", "step_s", "tokens_per_s", "tflops"])
+        names = [f.name for f in dataclasses.fields(StepRecord)]  # step, loss, ..., lr, grad_norm, val_loss
+        w.writerow(names)
         for r in records:
-            w.writerow([r.step, repr(r.loss), r.step_s, r.tokens_per_s, r.tflops])
+            w.writerow(["" if v is None else repr(v) if k == "loss" else v
+                        for k, v in ((k, getattr(r, k)) for k in names)])
 
 
 # -- command line --------------------------------------------------------------------------------------------
@@ -652,17 +809,48 @@ def _says(e: BaseException | None = None) -> bool:
     return not (e is None or getattr(e, "agreed", False))
 
 
-def _cmd_run_here(args: argparse.Namespace) -> int:
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    hyper = Hyper(lr=args.lr, weight_decay=args.weight_decay)
-    opts = RunOptions(steps=args.steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
+def train_hyper(args: argparse.Namespace) -> TrainHyper:
+    """The optimizer settings of the command line: a flag given > --ds-config's sections > the defaults."""
+    from tierflow.planner.io.dstrain import ds_training_settings
+    given: dict[str, Any] = {}
+    if getattr(args, "ds_config", None):
+        given, notes = ds_training_settings(args.ds_config)
+        for n in notes:
+            print(f"tierflow run: note: {n}", file=sys.stderr)
+    flags = {"lr": args.lr, "weight_decay": args.weight_decay, "eps": args.adam_eps,
+             "schedule": args.lr_schedule, "warmup_steps": args.warmup_steps,
+             "clip_grad_norm": args.clip_grad_norm, "clip": args.clip}
+    if args.adam_betas is not None:
+        flags["beta1"], flags["beta2"] = args.adam_betas
+    given.update({k: v for k, v in flags.items() if v is not None})
+    schedule = given.get("schedule", "constant")
+    total = args.steps if schedule in ("linear", "cosine") else 0
+    return TrainHyper(**given, total_steps=total)
+
+
+def run_options(args: argparse.Namespace, hyper: TrainHyper) -> RunOptions:
+    """RunOptions of the command line."""
+    return RunOptions(steps=args.steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
                       data_format=args.data_format, init=args.init, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every or 0, out=args.out, hyper=hyper, seed=args.seed,
                       quiet=args.json or level_of(args) >= QUIET, export_hf=args.export_hf,
                       resume_fallback=args.resume_fallback, profile=args.profile,
                       allow_changed_hyper=args.allow_changed_hyper,
-                      compute_dtype=getattr(args, "compute_dtype", None))
+                      compute_dtype=getattr(args, "compute_dtype", None),
+                      eval_every=args.eval_every, val_fraction=args.val_fraction, val_data=args.val_data,
+                      eval_batches=args.eval_batches, log_dir=args.log_dir, tokenizer=args.tokenizer,
+                      fields=Fields(args.text_field, args.prompt_field, args.response_field))
+
+
+def _cmd_run_here(args: argparse.Namespace) -> int:
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        hyper = train_hyper(args)
+    except (TierflowError, TypeError) as e:
+        print(f"tierflow run: error: {e}", file=sys.stderr)
+        return 2
+    opts = run_options(args, hyper)
     stopped = None
     try:
         with StopOnSignals():
@@ -686,7 +874,7 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
         return e.exit_code
     # the exit codes are the errors' own (tierflow.errors): 2 bad input, 3 does not fit, 1 the executor failed
     except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan, LockError,
-            LaunchError) as e:
+            LaunchError, LogDirError) as e:
         if _says(e):
             print(f"tierflow run: error: {e}", file=sys.stderr)
         return e.exit_code

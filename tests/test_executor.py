@@ -21,6 +21,7 @@ import torch
 
 from tierflow.cli import main
 from tierflow.executor.data import DataError, TokenData
+from tierflow.executor.decay import decayed
 from tierflow.executor.engine import Executor, Hyper
 from tierflow.executor.models import BlockModel, build_blocks
 from tierflow.executor.models import loss as lm_loss
@@ -66,8 +67,8 @@ def reference(model_name: str, steps: int = STEPS, batch: int = BATCH, micro: in
     model = get_model(model_name)
     torch.manual_seed(seed)
     ref = BlockModel(model, build_blocks(model))
-    opt = torch.optim.AdamW(ref.parameters(), lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
-                            weight_decay=HYPER.weight_decay)
+    opt = torch.optim.AdamW(decay_groups(ref, HYPER.weight_decay), lr=HYPER.lr,
+                            betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps)
     data = TokenData.load(None, model.vocab_size, seed=seed)
     losses = []
     M = batch // micro
@@ -82,6 +83,13 @@ def reference(model_name: str, steps: int = STEPS, batch: int = BATCH, micro: in
         opt.step()
         losses.append(total)
     return losses, [torch.cat([p.detach().reshape(-1) for p in b.parameters()]) for b in ref.blocks]
+
+
+def decay_groups(ref: BlockModel, weight_decay: float) -> list[dict]:
+    """torch.optim.AdamW's two parameter groups: biases and norm weights without weight decay."""
+    named = [(n, p) for b in ref.blocks for n, p in b.named_parameters()]
+    return [{"params": [p for n, p in named if decayed(n)], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if not decayed(n)], "weight_decay": 0.0}]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -119,6 +119,7 @@ torch = pytest.importorskip("torch")
 import dataclasses  # noqa: E402
 
 from tierflow.executor.data import TokenData  # noqa: E402
+from tierflow.executor.decay import decayed  # noqa: E402
 from tierflow.executor.engine import Hyper  # noqa: E402
 from tierflow.executor.models import BlockModel, build_blocks  # noqa: E402
 from tierflow.executor.models import loss as lm_loss  # noqa: E402
@@ -157,12 +158,19 @@ def make_plan(spec):
     return plan_from_graph(spec, HW, cfg, build_graph(spec, HW, cfg))
 
 
+def decay_groups(ref: BlockModel, weight_decay: float) -> list[dict]:
+    named = [(n, p) for b in ref.blocks for n, p in b.named_parameters()]
+    return [{"params": [p for n, p in named if decayed(n)], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if not decayed(n)], "weight_decay": 0.0}]
+
+
 def reference_losses(spec):
     """Plain PyTorch AdamW on the same blocks and data, with gradient accumulation over the micro-batches."""
     torch.manual_seed(0)
     ref = BlockModel(spec, build_blocks(spec))
-    opt = torch.optim.AdamW(ref.parameters(), lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
-                            weight_decay=HYPER.weight_decay)
+    # biases and norm weights not decayed, as the executor
+    opt = torch.optim.AdamW(decay_groups(ref, HYPER.weight_decay), lr=HYPER.lr,
+                            betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps)
     data = TokenData.load(None, spec.vocab_size, seed=0)
     losses, M = [], BATCH // MICRO
     for s in range(STEPS):

@@ -10,9 +10,10 @@ to the compute dtype.
 from __future__ import annotations
 
 import torch
-from torch.optim.adamw import adamw as adamw_step
 
+from tierflow.executor.adamw import adamw_update
 from tierflow.executor.binding import OPTIMIZER_PART
+from tierflow.executor.decay import decay_pieces
 from tierflow.executor.ops.context import OpContext, RoundState, Staged
 from tierflow.executor.ops.grad_buffers import GradBuffers
 from tierflow.executor.ops.grads import HostGradAdds
@@ -29,13 +30,9 @@ class OptimizerOps:
     def __init__(self, cx: OpContext, buffers: GradBuffers) -> None:
         self.cx, self.buffers = cx, buffers
 
-    def _adamw(self, params, grads, ms, vs, step: int, fused: bool) -> None:
-        h = self.cx.hyper
-        # a fill kernel, not torch.tensor(..., device=cuda): that is a synchronizing copy from pageable memory
-        steps = [torch.full((), float(step - 1), dtype=torch.float32, device=p.device) for p in params]
-        adamw_step(params, grads, ms, vs, [], steps, foreach=False if fused else None, fused=fused,
-                   amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay,
-                   eps=h.eps, maximize=False)
+    def _adamw(self, rs, t, params, grads, ms, vs, step: int, fused: bool, decay=None) -> None:
+        # schedule, weight-decay groups and clipping: executor/adamw.py
+        adamw_update(self.cx, rs, t, [params, grads, ms, vs], step, fused, decay)
 
     def read_opt_states(self, rs: RoundState, t: Task) -> None:
         j = self.cx.binding.part_of[t.id]
@@ -56,7 +53,9 @@ class OptimizerOps:
         rid = self.cx.binding.dep_of_kind[t.id].get(READ_OPT_STATES)
         ssd_parts = rs.staged.pop(Staged("opt_states_read", rid)) if rid is not None else {}
         vecs = {cls: state.vec[cls][b] for cls in OPT_CLASSES}
-        cuts = sorted({lo, hi, *(min(max(v.ssd_lo, lo), hi) for v in vecs.values())})
+        groups = decay_pieces(state.layout, b, state.shards[b][0], lo, hi)  # weight decay or not
+        cuts = sorted({lo, hi, *(min(max(v.ssd_lo, lo), hi) for v in vecs.values()),
+                       *(a for a, _z, _d in groups)})
 
         def view(cls: str, a: int, z: int) -> torch.Tensor:
             V = vecs[cls]
@@ -65,15 +64,16 @@ class OptimizerOps:
                 return data[a - plo: z - plo]
             return V.host[a - V.g: z - V.g]
 
-        params, grads, ms, vs = [], [], [], []
+        params, grads, ms, vs, decay = [], [], [], [], []
         for a, z in zip(cuts, cuts[1:]):
             if z <= a:
                 continue
+            decay.append(next(d for ga, gz, d in groups if ga <= a < gz))
             params.append(view("master", a, z))
             ms.append(view("adam_m", a, z))
             vs.append(view("adam_v", a, z))
             grads.append(state.grads[b][a:z])
-        self._adamw(params, grads, ms, vs, rs.step0 + t.iteration + 1, fused=True)
+        self._adamw(rs, t, params, grads, ms, vs, rs.step0 + t.iteration + 1, fused=True, decay=decay)
         master = torch.cat(params) if len(params) > 1 else params[0]
         state.grads[b][lo:hi].zero_()
         self._stage_weights(rs, t, j, lo, hi, master.to(state.vec["weights"][b].dtype))
@@ -108,6 +108,9 @@ class OptimizerOps:
         for _o, _lo, g in self.buffers.take(rs, t.id):
             grad = g if grad is None else grad + g
         vecs = [self.cx.state.vec[cls][b].dev for cls in OPT_CLASSES]
-        self._adamw([vecs[0]], [grad], [vecs[1]], [vecs[2]], rs.step0 + t.iteration + 1,
-                    fused=self.cx.device.type == "cuda")
+        state = self.cx.state
+        groups = decay_pieces(state.layout, b, state.shards[b][0], 0, state.shard_numel[b])  # decay or not
+        p, g, m, v = ([x[a:z] for a, z, _d in groups] for x in (vecs[0], grad, vecs[1], vecs[2]))
+        self._adamw(rs, t, p, g, m, v, rs.step0 + t.iteration + 1, fused=self.cx.device.type == "cuda",
+                    decay=[d for _a, _z, d in groups])
         self.cx.state.vec["weights"][b].dev.copy_(vecs[0].to(self.cx.dtype))

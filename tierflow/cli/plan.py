@@ -52,6 +52,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     pl.add_argument("--emit-ds-config", default=None, metavar="JSON",
                     help="also write the nearest DeepSpeed config for the chosen plan (and say what it "
                     "cannot express)")
+    pl.add_argument("--clip-grad-norm", type=positive_float(), default=None, metavar="X",
+                    help="the run will clip gradients by global norm (tierflow run --clip-grad-norm X): "
+                    "report what the optimizer's wait for the norm costs and write the plan with it "
+                    "(docs/finetuning.md)")
     add_world_args(pl)
     add_precision_arg(pl)
     return pl
@@ -59,6 +63,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from tierflow.planner.core.schedules import build_graph
+    from tierflow.planner.io.clipreport import clip_cost
     from tierflow.planner.io.planfile import plan_from_graph
     from tierflow.planner.search.explain import explain
     from tierflow.planner.search.problem import Problem
@@ -74,18 +79,25 @@ def run(args: argparse.Namespace) -> int:
     cfg = best.config
     graph = build_graph(model, hw, cfg)
     solver = _solver_report(args, problem, sr)
+    clip = clip_cost(model, hw, cfg, graph, best.result) if args.clip_grad_norm else None  # finetuning.md
+    if clip is not None:
+        graph = clip.graph
     written = None
     if args.out:
-        plan = plan_from_graph(model, hw, cfg, graph, predicted=best.result, solver=solver)
+        predicted = clip.result if clip is not None and clip.result is not None else best.result
+        plan = plan_from_graph(model, hw, cfg, graph, predicted=predicted, solver=solver)
         written = write_plan_file(plan, args.out)
     lines = explain(sr) if args.explain else []
     if args.json:
         if args.emit_ds_config:
             emit_ds_config(args.emit_ds_config, model, cfg, stream=sys.stderr)
-        print(json.dumps(_to_json(problem, sr, solver, written, lines), indent=2))
+        out = _to_json(problem, sr, solver, written, lines)
+        if clip is not None:
+            out["clip"] = clip.to_dict()
+        print(json.dumps(out, indent=2))
         return 0
     _print_text(args, problem, sr, solver)
-    for line in lines:
+    for line in lines + ([clip.line()] if clip is not None else []):
         print(line)
     if written:
         print(f"wrote {written.path} ({len(graph.tasks):,} ops); replay it with: tierflow simulate --plan "

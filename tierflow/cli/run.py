@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from tierflow.planner.core.trainopts import CLIP_MODES, SCHEDULES
 from tierflow.planner.io.argtypes import MAX_STEPS, int_in, non_negative_float, positive_float, positive_int
 
 
@@ -25,11 +26,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    "SSD tier is real file I/O")
     p.add_argument("--ssd-dir", default=None, metavar="DIR",
                    help="directory on the SSD (array) for the SSD tier")
-    p.add_argument("--data", default=None, metavar="FILE",
-                   help="nanoGPT-style uint16 token file (.bin) or a text file (byte tokens); default: "
-                   "seeded random tokens")
-    p.add_argument("--data-format", default="auto", choices=["auto", "uint16", "text"],
-                   help="how to read --data (default: .bin/.u16 = uint16, else text)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="training data: text, JSON Lines (.jsonl) or Parquet files or a directory of them, "
+                   "tokenized with the model's tokenizer and cached beside them; or a nanoGPT-style uint16 "
+                   "token file (.bin), or text as byte tokens; default: seeded random tokens")
+    p.add_argument("--data-format", default="auto", choices=["auto", "uint16", "text", "tokenize"],
+                   help="how to read --data: uint16 token ids, text as bytes, or tokenize (with the model's "
+                   "tokenizer); default auto: .bin/.u16 = uint16; a directory, .jsonl or .parquet = "
+                   "tokenize; other text = tokenize when a tokenizer is given (--tokenizer, or --init with "
+                   "one), else bytes")
+    _add_data_args(p)
     p.add_argument("--init", default=None, metavar="DIR",
                    help="Hugging Face model directory (*.safetensors) to start from, loaded block by block")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
@@ -43,9 +49,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="after the last step, write the trained fp32 weights as a Hugging Face model "
                    "directory (config.json + model.safetensors) that transformers' from_pretrained loads; "
                    "DIR must be new or empty")
-    p.add_argument("--lr", type=positive_float(), default=1e-3, help="AdamW learning rate (default 1e-3)")
-    p.add_argument("--weight-decay", type=non_negative_float(), default=0.1,
-                   help="AdamW weight decay (default 0.1)")
+    _add_optimizer_args(p)
+    _add_eval_args(p)
     p.add_argument("--seed", type=int_in(0, 2**63 - 1, "a non-negative integer"), default=0,
                    help="seed of the random init and synthetic data (default 0)")
     p.add_argument("--profile", action="store_true",
@@ -56,8 +61,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="if the latest checkpoint is corrupt, truncated or unreadable, resume from the "
                    "previous one that verifies (default: refuse with one line)")
     p.add_argument("--allow-changed-hyper", action="store_true",
-                   help="resume although --seed, --lr, --weight-decay or --data differ from the checkpoint's "
-                   "(default: refuse, naming what differs)")
+                   help="resume although --seed, --data or the optimizer's settings differ from the "
+                   "checkpoint's (default: refuse, naming what differs)")
     g = p.add_argument_group("several GPUs (a plan made with --gpus/--nodes; or launch with torchrun "
                              "yourself)")
     g.add_argument("--nproc", type=positive_int(1024), default=None, metavar="N",
@@ -92,6 +97,84 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     # CPU)
     p.add_argument("--compute-dtype", choices=["bf16", "fp32"], default=None, help=argparse.SUPPRESS)
     return p
+
+
+def _add_optimizer_args(p: argparse.ArgumentParser) -> None:
+    o = p.add_argument_group("optimizer and schedule (AdamW; docs/finetuning.md)")
+    o.add_argument("--lr", type=positive_float(), default=None,
+                   help="AdamW peak learning rate (default 1e-3)")
+    o.add_argument("--weight-decay", type=non_negative_float(), default=None,
+                   help="AdamW decoupled weight decay (default 0.1); biases and the weights of norm layers "
+                   "(LayerNorm, RMSNorm) are never decayed, as in Hugging Face's Trainer")
+    o.add_argument("--adam-betas", type=_betas, default=None, metavar="B1,B2",
+                   help="AdamW betas (default 0.9,0.95)")
+    o.add_argument("--adam-eps", type=positive_float(), default=None, help="AdamW eps (default 1e-8)")
+    o.add_argument("--lr-schedule", choices=SCHEDULES, default=None,
+                   help="learning-rate schedule, Hugging Face's names and formulas (transformers."
+                   "get_scheduler) over --steps: constant (ignores warmup), constant_with_warmup, linear, "
+                   "cosine (default constant)")
+    o.add_argument("--warmup-steps", type=int_in(0, MAX_STEPS, "an integer >= 0"), default=None, metavar="N",
+                   help="linear warmup from 0 over the first N steps (default 0)")
+    o.add_argument("--clip-grad-norm", type=non_negative_float(), default=None, metavar="X",
+                   help="clip the gradients to global L2 norm X, as torch.nn.utils.clip_grad_norm_ (default "
+                   "0: no clipping)")
+    o.add_argument("--clip", choices=CLIP_MODES, default=None,
+                   help="global (default): exact, the optimizer waits for the step's last gradient (a plan "
+                   "that overlaps the optimizer with the backward is refused); delayed: the previous step's "
+                   "norm clips this step (any plan; the first step is not clipped)")
+    o.add_argument("--ds-config", default=None, metavar="FILE",
+                   help="read AdamW's lr/betas/eps/weight_decay, the scheduler (WarmupLR, WarmupDecayLR, "
+                   "WarmupCosineLR with linear warmup) and gradient_clipping from a DeepSpeed config; the "
+                   "flags above override it")
+
+
+def _add_eval_args(p: argparse.ArgumentParser) -> None:
+    e = p.add_argument_group("evaluation and logs (docs/finetuning.md)")
+    e.add_argument("--eval-every", type=positive_int(MAX_STEPS), default=0, metavar="N",
+                   help="validation loss and perplexity every N steps and after the last (needs "
+                   "--val-fraction or --val-data); the forward reads each block's weights from its tier, as "
+                   "training does")
+    e.add_argument("--val-fraction", type=_fraction, default=0.0, metavar="F",
+                   help="hold out the last fraction F of --data's tokens for validation (e.g. 0.05)")
+    e.add_argument("--val-data", default=None, metavar="FILE",
+                   help="held-out tokens for validation, read as --data is")
+    e.add_argument("--eval-batches", type=positive_int(1 << 20), default=4, metavar="K",
+                   help="batches of the plan's batch size per evaluation, the same ones each time "
+                   "(default 4)")
+    e.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="TensorBoard event files here: train/loss, lr, grad_norm, tokens_per_s, val/loss, "
+                   "perplexity (needs the tensorboard package; steps.csv under --out has the same numbers)")
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    """How --data's text is tokenized (executor/corpus.py)."""
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="Hugging Face tokenizer directory for --data (default: --init's, when it has one)")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the field of a JSON Lines / Parquet record that is trained on (default text)")
+    p.add_argument("--prompt-field", default=None, metavar="NAME",
+                   help="with --response-field: train on prompt + response, the loss masked on the prompt")
+    p.add_argument("--response-field", default=None, metavar="NAME", help="see --prompt-field")
+
+
+def _fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        f = -1.0
+    if not 0 <= f < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a fraction in [0, 1), e.g. 0.05")
+    return f
+
+
+def _betas(text: str) -> tuple[float, float]:
+    try:
+        b1, b2 = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give two numbers B1,B2, e.g. 0.9,0.95") from None
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: each beta must be in [0, 1), e.g. 0.9,0.95")
+    return b1, b2
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,231 @@
+"""Training text as tokens: `--data` as text, JSON Lines or Parquet files, or a directory of them, tokenized
+with the model's own tokenizer and cached.
+
+- Sources: a `.txt`/`.md`/`.py`/... text file is one document; each line of a `.jsonl`/`.json` file (the
+  standard library's json) and each row of a `.parquet` file (pyarrow, the `finetune` extra) is one: its
+  `--text-field` (default `text`), or `--prompt-field` + `--response-field`, whose prompt tokens are not
+  trained on (their targets are -100, ignored by the loss, as transformers' convention). A directory is every
+  such file under it, in sorted order.
+- Tokenizer: the Hugging Face tokenizer of `--tokenizer DIR` or else `--init DIR`
+  (transformers.AutoTokenizer, which reads tokenizer.json through the `tokenizers` library); documents are
+  packed back to back, each followed by the tokenizer's end-of-text token.
+- Cache: the tokens as a memory-mapped file (`tokens.u16` or `tokens.u32`, plus `mask.u8` with masked
+  prompts) in `<data>.tierflow-tokens/` (a directory's: `<dir>/.tierflow-tokens/`) beside `manifest.json`
+  naming every source (path, size, mtime), the tokenizer (directory and the SHA-256 of its files) and the
+  fields; a run whose sources or tokenizer differ tokenizes again. A progress bar shows on a terminal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tierflow.executor.data import DataError
+from tierflow.planner.io.progress import Progress
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "special_tokens_map.json")
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Which fields of a JSON Lines / Parquet record are trained on."""
+
+    text: str = "text"
+    prompt: str | None = None  # with response: the prompt's tokens are masked out of the loss
+    response: str | None = None
+
+
+def is_corpus(path: str, fmt: str) -> bool:
+    """Whether --data needs the tokenizer: a directory, JSON Lines or Parquet, or text with --data-format
+    tokenize."""
+    p = Path(path)
+    structured = p.is_dir() or p.suffix in JSONL_SUFFIXES + PARQUET_SUFFIXES
+    return fmt == "tokenize" or (fmt == "auto" and structured)
+
+
+def sources(path: str) -> list[Path]:
+    """The files of --data (a file, or every readable file under a directory)."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if not p.is_dir():
+        raise DataError(f"--data {p}: no such file or directory")
+    found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES
+                   + PARQUET_SUFFIXES and ".tierflow-tokens" not in f.parts)
+    if not found:
+        raise DataError(f"--data {p}: no text ({', '.join(TEXT_SUFFIXES)}), JSON Lines or Parquet file "
+                        "under it")
+    return found
+
+
+def has_tokenizer(directory: str) -> bool:
+    return any((Path(directory) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def load_tokenizer(directory: str | None, data: str):
+    """transformers.AutoTokenizer of `directory`; one line (DataError) when there is none."""
+    if directory is None:
+        raise DataError(f"--data {data}: tokenizing it needs the model's tokenizer: pass --tokenizer DIR (or "
+                        "--init DIR) with a Hugging Face tokenizer (tokenizer.json, or vocab.json + "
+                        "merges.txt)")
+    d = Path(directory)
+    if not has_tokenizer(directory):
+        raise DataError(f"--tokenizer {d}: no tokenizer there ({', '.join(TOKENIZER_FILES[:2])}, ...); pass "
+                        "the Hugging Face model directory that has one")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(d))
+    except (OSError, ValueError) as e:
+        raise DataError(f"--tokenizer {d}: cannot load it ({' '.join(str(e).split())[:100]})") from None
+    if tok.eos_token_id is None:
+        raise DataError(f"--tokenizer {d}: it has no end-of-text token to separate documents")
+    return tok
+
+
+def _documents(f: Path, fields: Fields):
+    """(prompt text, trained text) of every document of source f."""
+    if f.suffix in TEXT_SUFFIXES:
+        yield "", f.read_text(errors="replace")
+        return
+    if f.suffix in PARQUET_SUFFIXES:
+        rows = _parquet_rows(f)
+    else:
+        rows = _jsonl_rows(f)
+    for where, row in rows:
+        yield _fields_of(row, fields, f, where)
+
+
+def _jsonl_rows(f: Path):
+    with open(f, encoding="utf-8", errors="replace") as fh:
+        for i, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    yield f"line {i}", json.loads(line)
+                except ValueError as e:
+                    raise DataError(f"--data {f}: line {i} is not JSON ({e.msg}); one JSON object per line") \
+                        from None
+
+
+def _parquet_rows(f: Path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"--data {f}: reading Parquet needs pyarrow (pip install pyarrow, or pip install "
+                        "'tierflow[finetune]')") from None
+    try:
+        table = pq.read_table(f)
+    except (OSError, ValueError) as e:
+        why = " ".join(str(e).split())[:80]
+        raise DataError(f"--data {f}: not a readable Parquet file ({why})") from None
+    for i, row in enumerate(table.to_pylist()):
+        yield f"row {i}", row
+
+
+def _fields_of(row: object, fields: Fields, f: Path, where: str) -> tuple[str, str]:
+    if not isinstance(row, dict):
+        raise DataError(f"--data {f}: {where} is not an object with fields")
+    names = [fields.prompt, fields.response] if fields.prompt else [fields.text]
+    for n in names:
+        if not isinstance(row.get(n), str):
+            have = ", ".join(sorted(row)[:6])
+            flag = "--prompt-field/--response-field" if fields.prompt else "--text-field"
+            raise DataError(f"--data {f}: {where} has no text field {n!r} (it has: {have}); pass {flag}")
+    if fields.prompt:
+        return row[fields.prompt], row[fields.response]
+    return "", row[fields.text]
+
+
+def _tokenizer_id(directory: str) -> dict:
+    d = Path(directory)
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if (d / name).is_file():
+            h.update(name.encode() + (d / name).read_bytes())
+    return {"dir": str(d.resolve()), "sha256": h.hexdigest()[:16]}
+
+
+def _manifest(files: list[Path], tokenizer_dir: str, fields: Fields) -> dict:
+    src = [{"path": str(f.resolve()), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
+           for f in files]
+    return {"version": CACHE_VERSION, "sources": src, "tokenizer": _tokenizer_id(tokenizer_dir),
+            "fields": asdict(fields)}
+
+
+def cache_dir(path: str) -> Path:
+    p = Path(path)
+    return p / ".tierflow-tokens" if p.is_dir() else p.with_name(p.name + ".tierflow-tokens")
+
+
+def tokenize(path: str, tokenizer_dir: str | None, fields: Fields, vocab_size: int):
+    """(tokens, mask or None, description) of --data, from the cache when its manifest matches."""
+    files = sources(path)
+    for f in files:
+        if f.stat().st_size == 0:
+            raise DataError(f"--data {f}: empty file (remove it or give it text)")
+    tok = load_tokenizer(tokenizer_dir, path)
+    want = _manifest(files, tokenizer_dir, fields)
+    root = cache_dir(path)
+    have = _read_manifest(root)
+    if have is None or {k: v for k, v in have.items() if k not in ("tokens", "dtype", "masked")} != want:
+        have = _write_cache(root, files, tok, fields, want, vocab_size)
+    dtype = np.dtype(have["dtype"])
+    if have["tokens"] < 2:
+        raise DataError(f"--data {path}: only {have['tokens']} tokens after tokenizing")
+    tokens = np.memmap(root / f"tokens.{dtype.str[1:]}", dtype=dtype, mode="r")
+    mask = np.memmap(root / "mask.u8", dtype=np.uint8, mode="r") if have["masked"] else None
+    what = f"{path} ({len(files)} file(s) tokenized with {Path(tokenizer_dir).name}, {len(tokens):,} tokens"
+    return tokens, mask, what + (", prompts masked)" if mask is not None else ")")
+
+
+def _read_manifest(root: Path) -> dict | None:
+    try:
+        return json.loads((root / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_cache(root: Path, files: list[Path], tok, fields: Fields, manifest: dict, vocab_size: int) -> dict:
+    """Tokenize every document, pack them with end-of-text, write the token (and mask) files and, last, the
+    manifest (a killed run leaves no manifest, so the next one tokenizes again)."""
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    eos = tok.eos_token_id
+    prog = Progress(len(files), "tokenizing")
+    for f in files:
+        for prompt, text in _documents(f, fields):
+            p = tok(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+            r = tok(text, add_special_tokens=False)["input_ids"]
+            ids.append(np.asarray([*p, *r, eos], dtype=np.int64))
+            masks.append(np.asarray([0] * len(p) + [1] * (len(r) + 1), dtype=np.uint8))
+        prog.step(f.name)
+    prog.finish()
+    tokens = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    mask = np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
+    dtype = np.dtype(np.uint16 if max(vocab_size, len(tok)) <= 1 << 16 else np.uint32)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "manifest.json").unlink(missing_ok=True)
+    masked = bool(len(mask)) and not bool(mask.all())
+    out = {**manifest, "tokens": int(len(tokens)), "dtype": dtype.str, "masked": masked}
+    # each file written whole under a temporary name, then renamed: a reader never maps a half-written one
+    _replace(root / f"tokens.{dtype.str[1:]}", tokens.astype(dtype).tobytes())
+    if masked:
+        _replace(root / "mask.u8", mask.tobytes())
+    _replace(root / "manifest.json", json.dumps(out, indent=1).encode())
+    return out
+
+
+def _replace(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
