@@ -54,8 +54,7 @@ class OptimizerOps:
         ssd_parts = rs.staged.pop(Staged("opt_states_read", rid)) if rid is not None else {}
         vecs = {cls: state.vec[cls][b] for cls in OPT_CLASSES}
         groups = decay_pieces(state.layout, b, state.shards[b][0], lo, hi)  # weight decay or not
-        cuts = sorted({lo, hi, *(min(max(v.ssd_lo, lo), hi) for v in vecs.values()),
-                       *(a for a, _z, _d in groups)})
+        ssd_cuts = {min(max(v.ssd_lo, lo), hi) for v in vecs.values()}
 
         def view(cls: str, a: int, z: int) -> torch.Tensor:
             V = vecs[cls]
@@ -64,16 +63,24 @@ class OptimizerOps:
                 return data[a - plo: z - plo]
             return V.host[a - V.g: z - V.g]
 
-        params, grads, ms, vs, decay = [], [], [], [], []
-        for a, z in zip(cuts, cuts[1:]):
-            if z <= a:
-                continue
-            decay.append(next(d for ga, gz, d in groups if ga <= a < gz))
-            params.append(view("master", a, z))
-            ms.append(view("adam_m", a, z))
-            vs.append(view("adam_v", a, z))
-            grads.append(state.grads[b][a:z])
+        # One tensor per decay group, whatever the placement: a group that the host/SSD boundary splits is
+        # updated in a contiguous copy, so that the fused kernel's vector/tail split of every element (and so
+        # its last bit) does not depend on where the states live (a checkpoint resumes bit for bit under
+        # another placement).
+        params, grads, ms, vs, decay, back = [], [], [], [], [], []
+        for ga, gz, d in groups:
+            cuts = sorted({ga, gz, *(c for c in ssd_cuts if ga < c < gz)})
+            spans = list(zip(cuts, cuts[1:]))
+            for out, cls in ((params, "master"), (ms, "adam_m"), (vs, "adam_v")):
+                pieces = [view(cls, a, z) for a, z in spans]
+                out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+                if len(pieces) > 1:
+                    back.append((pieces, out[-1]))
+            grads.append(state.grads[b][ga:gz])
+            decay.append(d)
         self._adamw(rs, t, params, grads, ms, vs, rs.step0 + t.iteration + 1, fused=True, decay=decay)
+        for pieces, whole in back:
+            _scatter(whole, pieces)
         master = torch.cat(params) if len(params) > 1 else params[0]
         state.grads[b][lo:hi].zero_()
         self._stage_weights(rs, t, j, lo, hi, master.to(state.vec["weights"][b].dtype))
@@ -114,3 +121,11 @@ class OptimizerOps:
         self._adamw(rs, t, p, g, m, v, rs.step0 + t.iteration + 1, fused=self.cx.device.type == "cuda",
                     decay=[d for _a, _z, d in groups])
         self.cx.state.vec["weights"][b].dev.copy_(vecs[0].to(self.cx.dtype))
+
+
+def _scatter(whole: torch.Tensor, pieces: list[torch.Tensor]) -> None:
+    """Copy the contiguous `whole` back into the views it was concatenated from."""
+    at = 0
+    for p in pieces:
+        p.copy_(whole[at: at + p.numel()])
+        at += p.numel()
