@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tierflow.hwprofiles import HardwareProfile, load_profile
+from tierflow.planner.core.costmodel import CAUSAL_ATTENTION_WORK
 from tierflow.planner.core.graph import TaskGraph
 from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.schedules import FAMILIES, ScheduleConfig, build_graph, make_schedule
@@ -29,11 +30,24 @@ def simulate_config(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
     tokens = cfg.batch * cfg.seq
     res.tokens_per_iteration = tokens
     res.model_flops_per_iteration = tokens * model_flops_per_token(model, cfg.seq)
-    extra = recompute_flops_per_token(model, cfg.seq) * cfg.recomputed_fraction(model.num_layers)
-    res.hw_flops_per_iteration = res.model_flops_per_iteration + tokens * extra
+    res.hw_flops_per_iteration = tokens * hardware_flops_per_token(model, cfg.seq,
+                                                                   cfg.recomputed_fraction(model.num_layers))
     res.meta.update({"model": model.name, "params": model.total_params(), "hw": hw.name,
                      "schedule": cfg.to_dict()})
     return res
+
+
+def hardware_flops_per_token(model: ModelSpec, seq: int, recomputed: float) -> float:
+    """FLOPs per token the GPU executes: the model FLOPs plus the recompute forward of the `recomputed` fraction
+    of layers, with attention counted as the kernel the cost model times runs it, the causal part only
+    (costmodel.CAUSAL_ATTENTION_WORK of the score and value products). Model FLOPs keep the convention of
+    counting the whole score matrix, so hardware TFLOPS, unlike model TFLOPS, can never pass the GPU's peak."""
+    attention = 12.0 * model.num_layers * model.q_dim * seq  # the attention part of model_flops_per_token
+    recompute_attention = 4.0 * model.num_layers * model.q_dim * seq  # ... and of recompute_flops_per_token
+    dense = model_flops_per_token(model, seq) - attention
+    recompute_dense = recompute_flops_per_token(model, seq) - recompute_attention
+    causal = CAUSAL_ATTENTION_WORK * (attention + recomputed * recompute_attention)
+    return dense + recomputed * recompute_dense + causal
 
 
 def simulate(model: ModelSpec | str = "gpt3-175b", hw: HardwareProfile | str = "rtx4090-lohan",
@@ -54,4 +68,4 @@ def compare(model: ModelSpec | str, hw: HardwareProfile | str, families=DEFAULT_
     return {f: simulate(model, hw, f, **kw) for f in families}
 
 
-__all__ = ["simulate", "simulate_config", "compare", "resolve", "FAMILIES", "DEFAULT_FAMILIES"]
+__all__ = ["simulate", "simulate_config", "hardware_flops_per_token", "compare", "resolve", "FAMILIES", "DEFAULT_FAMILIES"]

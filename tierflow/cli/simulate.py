@@ -191,7 +191,7 @@ def _print_text(args: argparse.Namespace, model: ModelSpec, hw: HardwareProfile,
         worst = min(ok, key=lambda f: ok[f].tokens_per_s)
         print(f"\nfastest: {best} ({ok[best].tokens_per_s / ok[worst].tokens_per_s:.2f}x {worst})")
     print("model TFLOPS = tokens x (6 x matmul params + 12 x layers x q_dim x seq) / time; "
-          "hardware TFLOPS adds the recompute forward")
+          "hardware TFLOPS adds the recompute forward, attention's causal half only")
     if args.out:
         where = (f"{args.out}/<schedule>/ for each of {', '.join(ok)}" if len(results) > 1 else args.out)
         print(f"wrote timeline.csv, trace.json, gantt.png under {where}")
