@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tierflow.outputs import atomic_path
 from tierflow.planner.core.graph import TIERS
 from tierflow.planner.core.jsonio import write_json
 from tierflow.planner.core.opkinds import ADAM, ADAM_DEFERRED, ADAM_GPU, BWD, FWD, HEAD, RECOMPUTE
@@ -36,7 +37,9 @@ def _is_compute(resource: str) -> bool:
 
 
 def write_timeline_csv(res: SimResult, path: str | Path) -> None:
-    res.timeline().to_csv(path, index=False)
+    """The timeline as CSV, written atomically (tierflow.outputs)."""
+    with atomic_path(path) as tmp:
+        res.timeline().to_csv(tmp, index=False)
 
 
 def chrome_trace(res: SimResult, name: str = "tierflow") -> dict:
@@ -214,7 +217,8 @@ def plot_gantt(res: SimResult, path: str | Path | None = None, title: str = "",
     axm.legend(loc="upper right", fontsize=7)
     if path is not None:
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110)
         plt.close(fig)
     return fig
 

@@ -32,6 +32,7 @@ from typing import Any
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile, ProfileError, profile_from_dict, type_name
 from tierflow.hwprofiles.inputs import GIB, InputLimitError, loads_json_limited
+from tierflow.outputs import atomic_write_bytes
 from tierflow.planner.core.graph import (
     LINKS,
     NET,
@@ -266,20 +267,7 @@ def write_plan(plan: Plan, path: str | os.PathLike[str], *,
     if compress_over_bytes is not None and len(data) > compress_over_bytes:
         path = gz_name(requested)
     payload = gzip_bytes(text) if is_gzip_name(path) else data
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write_bytes(path, payload)
     return WrittenPlan(path, len(data), len(payload), requested)
 
 
