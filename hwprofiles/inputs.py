@@ -46,7 +46,8 @@ def check_regular_file(path: str | os.PathLike[str], max_bytes: int) -> int:
     if stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(21, "Is a directory", os.fspath(path))
     if not stat.S_ISREG(st.st_mode):
-        raise InputLimitError("is not a regular file nor a pipe (a device or socket cannot be read to its end)")
+        raise InputLimitError("is not a regular file nor a pipe (a device or a socket cannot be read to its "
+                              "end)")
     if st.st_size > max_bytes:
         raise InputLimitError(f"is {_size_text(st.st_size)}, above the limit of {_size_text(max_bytes)}")
     return st.st_size

@@ -495,9 +495,9 @@ def _batch_split(leaves: dict, source: str, batch_hint: int | None, micro_hint: 
         raise DsConfigError(f"{source}: neither train_batch_size nor train_micro_batch_size_per_gpu is set; "
                             "DeepSpeed needs one of them")
     if mb * ga * WORLD_SIZE > MAX_BATCH:
-        raise DsConfigError(f"{source}: train_micro_batch_size_per_gpu {mb} x gradient_accumulation_steps {ga} "
-                            f"= {mb * ga * WORLD_SIZE:,} sequences, above the limit of {MAX_BATCH:,} (as "
-                            "--batch's); lower them")
+        raise DsConfigError(f"{source}: train_micro_batch_size_per_gpu {mb} x gradient_accumulation_steps "
+                            f"{ga} = {mb * ga * WORLD_SIZE:,} sequences, above the limit of {MAX_BATCH:,} "
+                            "(as --batch's); lower them")
     if tb != mb * ga * WORLD_SIZE:
         raise DsConfigError(f"{source}: train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} x "
                             f"gradient_accumulation_steps {ga} x {WORLD_SIZE} GPU "

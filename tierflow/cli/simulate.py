@@ -20,8 +20,8 @@ from tierflow.cli.args import (
 from tierflow.cli.planfiles import write_plan_file
 from tierflow.cli.tables import summary_table
 from tierflow.errors import UsageError
-from tierflow.outputs import check_output_dir, check_output_file
 from tierflow.hwprofiles import HardwareProfile, load_hw
+from tierflow.outputs import check_output_dir, check_output_file
 from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.placement import Placement, parse_placement
 from tierflow.planner.core.schedules import FAMILIES, RUNTIMES, ScheduleConfig, make_schedule
