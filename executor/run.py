@@ -61,11 +61,12 @@ from tierflow.executor.tiers.arena import TransferAreaOutOfMemory
 from tierflow.executor.tiers.dirlock import DirLock, LockError, remove_stale_run_dirs
 from tierflow.executor.tiers.ssd_store import ChecksumError, SsdError, SsdStore, check_ssd_dir
 from tierflow.executor.tiers.state import StateError, TrainState
+from tierflow.outputs import OutputError, atomic_path, check_output_dir
 from tierflow.planner.core.opkinds import ENTRY_TENSORS
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.core.workload import COMPUTE_BYTES, model_flops_per_token
 from tierflow.planner.io.logs import QUIET, level_of
-from tierflow.planner.io.planfile import Plan, PlanError, load_plan, simulate_plan
+from tierflow.planner.io.planfile import Plan, PlanError, check_ops_match_decisions, load_plan, simulate_plan
 from tierflow.planner.io.progress import bar
 
 LOG = logging.getLogger(__name__)  # debug: each round's wall time and peak bytes per tier (tierflow -v run)
@@ -480,7 +481,8 @@ def _export_profile(tr: _Training, profiler: torch.profiler.profile) -> None:
     profiler.stop()
     out = tr.opts.out
     Path(out).mkdir(parents=True, exist_ok=True)
-    profiler.export_chrome_trace(str(Path(out) / "torch_trace.json"))
+    with atomic_path(Path(out) / "torch_trace.json") as tmp:
+        profiler.export_chrome_trace(str(tmp))
     if not tr.quiet:
         tr.log(f"  wrote torch_trace.json (torch.profiler; each op under a record_function 'op ID KIND "
                f"bBLOCK ...') under {out}")
@@ -582,7 +584,7 @@ def write_run_outputs(measured: SimResult | None, records: list[StepRecord], out
     Path(out).mkdir(parents=True, exist_ok=True)
     if measured is not None:
         write_outputs(measured, out, name=name)
-    with open(Path(out) / "steps.csv", "w", newline="") as f:
+    with atomic_path(Path(out) / "steps.csv") as tmp, open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step", "loss", "step_s", "tokens_per_s", "tflops"])
         for r in records:
@@ -650,6 +652,19 @@ def _says(e: BaseException | None = None) -> bool:
     return not (e is None or getattr(e, "agreed", False))
 
 
+def check_run_outputs(args: argparse.Namespace) -> None:
+    """--out, --export-hf and --checkpoint-dir, checked before the plan is loaded and any step runs
+    (tierflow.outputs): an unwritable place or a user's non-empty --out (unless --overwrite) or --export-hf
+    is refused with one line, exit 2."""
+    overwrite = getattr(args, "overwrite", False)
+    if args.out:
+        check_output_dir(args.out, "--out", overwrite=overwrite)
+    if args.export_hf:
+        check_output_dir(args.export_hf, "--export-hf", overwrite_flag="a new directory (never overwritten)")
+    if args.checkpoint_dir:  # resumed from: may hold checkpoints, must be writable
+        check_output_dir(args.checkpoint_dir, "--checkpoint-dir", overwrite=True)
+
+
 def _cmd_run_here(args: argparse.Namespace) -> int:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -664,7 +679,9 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
     stopped = None
     try:
         with StopOnSignals():
+            check_run_outputs(args)
             plan = load_plan(args.plan)
+            check_ops_match_decisions(plan)  # every decision the ops depend on, before op 1
             # a plan that overflows a tier is refused as `tierflow simulate --plan` refuses it
             simulate_plan(plan)
             if args.init:
@@ -684,7 +701,7 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
         return e.exit_code
     # the exit codes are the errors' own (tierflow.errors): 2 bad input, 3 does not fit, 1 the executor failed
     except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan, LockError,
-            LaunchError) as e:
+            LaunchError, OutputError) as e:
         if _says(e):
             print(f"tierflow run: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -86,9 +86,11 @@ def check_output_dir(path: str | os.PathLike[str], flag: str, *, overwrite: bool
             raise _fail(flag, p, f"cannot be listed ({e.strerror})", fix) from None
         if entries:
             shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
-            raise _fail(flag, p, f"exists and is not empty ({len(entries)} entries: {shown})",
+            count = f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}"
+            raise _fail(flag, p, f"exists and is not empty ({count}: {shown})",
                         f"give a new or empty directory, or pass {overwrite_flag} to write into it "
-                        "(files of the same names are replaced)")
+                        "(files of the same names are replaced)" if overwrite_flag.startswith("--")
+                        else f"give {overwrite_flag}")
     why = _probe_writable(p)
     if why is not None:
         raise _fail(flag, p, f"is not writable ({why})", fix)

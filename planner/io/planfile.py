@@ -25,6 +25,7 @@ import math
 import os
 import reprlib
 import typing
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -431,6 +432,12 @@ def _decisions(source: str, d: object, model: ModelSpec, hw: HardwareProfile) ->
                   "use a divisor of batch / micro_batch")
     if not 0.0 <= cfg.alpha < 1.0:
         raise bad("alpha", f"must be within [0, 1), got {cfg.alpha}", "write a fraction below 1")
+    if cfg.seq != model.seq_len:
+        raise bad("seq", f"{cfg.seq}, but the model section's seq_len is {model.seq_len} (a plan is written "
+                  "with both equal): edited after writing?", _REWRITE)
+    if model.max_positions and cfg.seq > model.max_positions:
+        raise bad("seq", f"{cfg.seq} tokens exceed the model's {model.max_positions} learned positions",
+                  f"write seq <= {model.max_positions}, or " + _REWRITE)
     if not 0 <= cfg.swap_layers <= model.num_layers:
         raise bad("swap_layers", f"must be within [0, {model.num_layers}], got {cfg.swap_layers}",
                   "write a number of layers the model has")
@@ -813,6 +820,39 @@ def validate_plan_dict(d: dict, source: str) -> None:
     plan_from_dict(d, source)
 
 
+def _op_signature(tasks: list[Task]) -> Counter:
+    """What the ops do, independent of their order and of the GPU's seconds (which the hardware section sets):
+    each op's kind, resource, tensor, block, micro-batch, iteration, bytes moved and memory effects."""
+    sig: Counter = Counter()
+    for t in tasks:
+        moved = 0.0 if t.resource == "gpu" else round(t.work, 3)
+        mem = (tuple(sorted((tier, round(b, 3)) for tier, b in t.mem_start)),
+               tuple(sorted((tier, round(b, 3)) for tier, b in t.mem_end)))
+        sig[(t.kind, t.resource, t.tensor, t.block, t.mb, t.iteration, moved, mem)] += 1
+    return sig
+
+
+def check_ops_match_decisions(plan: Plan) -> None:
+    """Before training (`tierflow run`): the ops must be the ones the model and the decisions build (the
+    executor sizes its tensors from the model and the decisions, the ops from the file), with or without a
+    digest: an edited decisions.seq, micro_batch, batch, gpus / nodes or model shape is refused here (exit 2)
+    instead of failing at op 1. The queues' order may be edited; what the ops move may not."""
+    from tierflow.planner.core.schedules import build_graph
+
+    cfg = plan.config
+    source = str(plan.source)
+    built = _op_signature(build_graph(plan.model, plan.hardware, cfg).tasks)
+    found = _op_signature(plan.graph.tasks)
+    if built == found:
+        return
+    extra, missing = found - built, built - found
+    k = next(iter(extra or missing))
+    what = (f"{k[0]} op of block {k[3]} mb {k[4]} iteration {k[5]} is not what batch {cfg.batch}, "
+            f"micro_batch {cfg.micro_batch}, seq {cfg.seq}, {cfg.world.ranks} rank(s) and the model build: "
+            "edited after writing?")
+    raise _err(source, "ops", what, _REWRITE)
+
+
 def load_plan(path: str | os.PathLike[str]) -> Plan:
     """Read and validate a plan file; raises PlanError."""
     source = os.fspath(path)
@@ -872,5 +912,5 @@ __all__ = [
     "PLAN_FORMAT", "PLAN_VERSION", "SUPPORTED_VERSIONS", "LARGE_PLAN_BYTES", "Plan", "PlanError",
     "WrittenPlan", "plan_from_graph", "plan_to_dict",
     "plan_from_dict", "write_plan", "load_plan", "validate_plan_dict", "simulate_plan", "dumps_plan_dict",
-    "plan_digest", "MAX_PLAN_BYTES",
+    "plan_digest", "MAX_PLAN_BYTES", "check_ops_match_decisions",
 ]
