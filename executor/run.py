@@ -46,7 +46,16 @@ from tierflow.executor.checkpoint import (
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device.base import DeviceBackend, TierOutOfMemory
 from tierflow.executor.device.factory import make_backend
-from tierflow.executor.dist import DistWorld, LaunchError, check_launch, init_world, rank_device
+from tierflow.executor.dist import (
+    DistWorld,
+    LaunchError,
+    RankLost,
+    check_launch,
+    current_world,
+    init_world,
+    lost_ranks,
+    rank_device,
+)
 from tierflow.executor.engine import (
     ExecutionError,
     Executor,
@@ -652,6 +661,39 @@ def _says(e: BaseException | None = None) -> bool:
     return not (e is None or getattr(e, "agreed", False))
 
 
+def _rank_lost(args: argparse.Namespace, res: RunResult | None, error: BaseException | None = None) -> int:
+    """Another rank died (or a collective broke): remove the SSD-tier directories of this box's dead ranks
+    (this rank's own went with run_plan's cleanup), say in one line which rank, the steps done, the checkpoint
+    kept and any SSD files left (named, never claimed removed), and exit RankLost's code."""
+    world = current_world()
+    me = world.rank if world is not None else 0
+    lost = lost_ranks()
+    who = (", ".join(f"rank {r} (pid {pid})" for r, pid in lost) + " died"
+           if lost else f"a collective failed ({' '.join(str(error).split())[:80]}): another rank stopped")
+    left = []
+    if args.ssd_dir:
+        root = Path(args.ssd_dir)
+        # the dead ranks' and this one's (whose I/O workers may still have been writing when the run's own
+        # cleanup removed it): a few tries while the last writes land
+        runs = [root / f"rank-{r}" / f"tierflow-run-{pid}" for r, pid in [*lost, (me, os.getpid())]]
+        for _ in range(20):
+            for d in runs:
+                shutil.rmtree(d, ignore_errors=True)
+            if not any(d.exists() for d in runs):
+                break
+            time.sleep(0.1)
+        left = [str(d) for d in runs if d.exists()]
+    files = (f"SSD-tier files left under {', '.join(left)} (remove them)" if left
+             else "the SSD tier's files of every rank on this box removed" if args.ssd_dir else "")
+    done = f" after {len(res.records)} step(s)" if res is not None else ""
+    ck = Path(args.checkpoint_dir) / "latest" if args.checkpoint_dir else None
+    kept = (f"checkpoint {ck.parent / ck.read_text().strip()} kept" if ck is not None and ck.is_file()
+            else "no checkpoint written")
+    print(f"tierflow run [rank {me}]: {who}; this rank stopped{done}, {kept}"
+          + (f", {files}" if files else "") + "; run again to resume", file=sys.stderr)
+    return RankLost.exit_code
+
+
 def check_run_outputs(args: argparse.Namespace) -> None:
     """--out, --export-hf and --checkpoint-dir, checked before the plan is loaded and any step runs
     (tierflow.outputs): an unwritable place or a user's non-empty --out (unless --overwrite) or --export-hf
@@ -691,10 +733,14 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             res = run_plan(plan, opts)
     except RunStopped as e:
+        if lost_ranks():
+            return _rank_lost(args, e.result)
         if _says():
             print(f"tierflow run: {e}", file=sys.stderr)
         res, stopped = e.result, e
     except Interrupted as e:
+        if lost_ranks():
+            return _rank_lost(args, None)
         if _says():
             print(f"tierflow run: interrupted by {e.name} outside the training steps; stopped cleanly, the "
                   "SSD tier's files removed", file=sys.stderr)
@@ -717,8 +763,14 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
               "machine (tierflow calibrate, then tierflow plan --hw box.yaml)", file=sys.stderr)
         return e.exit_code
     except ExecutionError as e:
+        if lost_ranks():
+            return _rank_lost(args, None)
         print(f"tierflow run: {e}", file=sys.stderr)
         return e.exit_code
+    except RuntimeError as e:  # a collective of several ranks whose peer is gone (gloo: connection reset)
+        if current_world() is None:
+            raise
+        return _rank_lost(args, None, e)
     if args.json and _says():
         out: dict[str, Any] = {"plan": str(args.plan), "first_step": res.first_step,
                                "steps": [asdict(r) for r in res.records], "wall_s": time.perf_counter() - t0,
