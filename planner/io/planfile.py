@@ -432,12 +432,6 @@ def _decisions(source: str, d: object, model: ModelSpec, hw: HardwareProfile) ->
                   "use a divisor of batch / micro_batch")
     if not 0.0 <= cfg.alpha < 1.0:
         raise bad("alpha", f"must be within [0, 1), got {cfg.alpha}", "write a fraction below 1")
-    if cfg.seq != model.seq_len:
-        raise bad("seq", f"{cfg.seq}, but the model section's seq_len is {model.seq_len} (a plan is written "
-                  "with both equal): edited after writing?", _REWRITE)
-    if model.max_positions and cfg.seq > model.max_positions:
-        raise bad("seq", f"{cfg.seq} tokens exceed the model's {model.max_positions} learned positions",
-                  f"write seq <= {model.max_positions}, or " + _REWRITE)
     if not 0 <= cfg.swap_layers <= model.num_layers:
         raise bad("swap_layers", f"must be within [0, {model.num_layers}], got {cfg.swap_layers}",
                   "write a number of layers the model has")
@@ -806,6 +800,9 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
                        "write decisions.gpus / nodes for the world it was built for, or " + _REWRITE)
     if d.get("digest") is not None:
         _check_digest(source, d, model, hardware, config)
+    if config.seq != model.seq_len:  # after the digest, which names the edited one when there is one
+        raise _err(source, "decisions.seq", f"{config.seq}, but the model section's seq_len is "
+                   f"{model.seq_len} (a plan is written with both equal): edited after writing?", _REWRITE)
     _check_kinds(source, tasks)
     _check_derived_bytes(source, model, hardware, config, static, capacity)
     graph = TaskGraph(tasks, static, capacity, num_iterations, num_blocks,
