@@ -466,7 +466,7 @@ def _batch_split(leaves: dict, source: str, batch_hint: int | None, micro_hint: 
                                     "resolved; set it, or pass --micro-batch")
             mb = micro_hint
             from_cli.append(f"train_micro_batch_size_per_gpu={mb}")
-        if tb == AUTO and isinstance(ga, int):
+        if tb == AUTO and isinstance(ga, int) and isinstance(mb, int):
             tb = mb * ga * WORLD_SIZE
             resolved.append(f"train_batch_size={tb} (from the other batch keys)")
         elif tb == AUTO:
@@ -476,6 +476,10 @@ def _batch_split(leaves: dict, source: str, batch_hint: int | None, micro_hint: 
             tb = batch_hint
             from_cli.append(f"train_batch_size={tb}")
         if ga == AUTO:
+            if tb is None or mb is None:
+                unset = "train_batch_size" if tb is None else "train_micro_batch_size_per_gpu"
+                raise DsConfigError(f"{source}: gradient_accumulation_steps is \"auto\" but {unset} is not "
+                                    "set, so it cannot be resolved; set both batch keys or a number")
             ga = _exact(tb, mb * WORLD_SIZE, source, "gradient_accumulation_steps")
             resolved.append(f"gradient_accumulation_steps={ga} (train_batch_size / micro-batch)")
     # DeepSpeed's rules for keys that are absent
