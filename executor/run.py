@@ -696,13 +696,13 @@ def _rank_lost(args: argparse.Namespace, res: RunResult | None, error: BaseExcep
 
 def check_run_outputs(args: argparse.Namespace) -> None:
     """--out, --export-hf and --checkpoint-dir, checked before the plan is loaded and any step runs
-    (tierflow.outputs): an unwritable place or a user's non-empty --out (unless --overwrite) or --export-hf
-    is refused with one line, exit 2."""
+    (tierflow.outputs): an unwritable place or a user's non-empty --out (unless --overwrite) is refused with
+    one line, exit 2 (a non-empty --export-hf too, by check_export_hf)."""
     overwrite = getattr(args, "overwrite", False)
     if args.out:
         check_output_dir(args.out, "--out", overwrite=overwrite)
     if args.export_hf:
-        check_output_dir(args.export_hf, "--export-hf", overwrite_flag="a new directory (never overwritten)")
+        check_output_dir(args.export_hf, "--export-hf", overwrite=True)  # writable; new or empty: run_plan
     if args.checkpoint_dir:  # resumed from: may hold checkpoints, must be writable
         check_output_dir(args.checkpoint_dir, "--checkpoint-dir", overwrite=True)
 

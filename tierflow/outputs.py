@@ -89,8 +89,7 @@ def check_output_dir(path: str | os.PathLike[str], flag: str, *, overwrite: bool
             count = f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}"
             raise _fail(flag, p, f"exists and is not empty ({count}: {shown})",
                         f"give a new or empty directory, or pass {overwrite_flag} to write into it "
-                        "(files of the same names are replaced)" if overwrite_flag.startswith("--")
-                        else f"give {overwrite_flag}")
+                        "(files of the same names are replaced)")
     why = _probe_writable(p)
     if why is not None:
         raise _fail(flag, p, f"is not writable ({why})", fix)

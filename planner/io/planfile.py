@@ -800,9 +800,9 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
                        "write decisions.gpus / nodes for the world it was built for, or " + _REWRITE)
     if d.get("digest") is not None:
         _check_digest(source, d, model, hardware, config)
-    if config.seq != model.seq_len:  # after the digest, which names the edited one when there is one
-        raise _err(source, "decisions.seq", f"{config.seq}, but the model section's seq_len is "
-                   f"{model.seq_len} (a plan is written with both equal): edited after writing?", _REWRITE)
+    if model.max_positions and config.seq > model.max_positions:  # after the digest, which names an edit
+        raise _err(source, "decisions.seq", f"{config.seq} tokens exceed the model's {model.max_positions} "
+                   "learned positions", f"write seq <= {model.max_positions}, or " + _REWRITE)
     _check_kinds(source, tasks)
     _check_derived_bytes(source, model, hardware, config, static, capacity)
     graph = TaskGraph(tasks, static, capacity, num_iterations, num_blocks,
