@@ -43,7 +43,8 @@ def bytes_text(n: float) -> str:
     that a small amount never reads 0.0 GB."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= scale:
-            return f"{n / scale:,.3g} {unit}" if abs(n) < 1000 * scale else f"{n / scale:,.0f} {unit}"
+            v = n / scale
+            return f"{v:,.{2 if abs(v) < 10 else 1 if abs(v) < 100 else 0}f} {unit}"
     return f"{n:.0f} B"
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from tierflow.cli.args import add_hw_arg, add_set_arg
 from tierflow.cli.tables import fmt_table
 from tierflow.hwprofiles import load_hw
+from tierflow.outputs import check_output_file
 from tierflow.planner.io.progress import Progress
 
 
@@ -37,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
     from tierflow.planner.search.fit import FitField, fit, load_runs, write_fitted_profile
 
     fields = [FitField.parse(f) for f in args.field or []]
+    if args.out:  # before the fit (tierflow.outputs)
+        check_output_file(args.out, "-o")
     runs = load_runs(args.runs)
     hw = load_hw(args.hw or runs[0].hw, args.set)
     prog = Progress(1, "fitting")
