@@ -748,6 +748,8 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
     # the exit codes are the errors' own (tierflow.errors): 2 bad input, 3 does not fit, 1 the executor failed
     except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan, LockError,
             LaunchError, OutputError) as e:
+        if lost_ranks():  # e.g. a checkpoint the ranks could not agree on because one of them died
+            return _rank_lost(args, None)
         if _says(e):
             print(f"tierflow run: error: {e}", file=sys.stderr)
         return e.exit_code
