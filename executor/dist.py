@@ -202,15 +202,45 @@ def _process_gone(pid: int) -> bool:
         return False
 
 
+EXIT_KEY = "tierflow/exit/{rank}"  # in the launch's store: set by a rank that stops on an error of its own
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store (not launched by torchrun, or torn down): nothing recorded
+        return None
+
+
+def note_exit(code: int) -> None:
+    """Record in the launch's store that this rank stops on its own error (exit `code`), so that the ranks
+    left do not take its end for a death (lost_ranks)."""
+    store = _store()
+    if store is not None and _WORLD is not None:
+        try:
+            store.set(EXIT_KEY.format(rank=_WORLD.rank), str(code))
+        except Exception:  # noqa: BLE001 - the store's server (rank 0's launcher) may be gone
+            pass
+
+
+def _noted_exit(rank: int) -> bool:
+    store = _store()
+    try:
+        return store is not None and store.check([EXIT_KEY.format(rank=rank)])
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def lost_ranks() -> list[tuple[int, int]]:
-    """(rank, pid) of every other rank of this process's world that ran on this host and has ended; empty
-    with one rank, or when every rank of this host is alive (a rank on another box cannot be checked)."""
+    """(rank, pid) of every other rank of this process's world that ran on this host and has died (ended
+    without noting an error of its own, note_exit); empty with one rank, or when every rank of this host is
+    alive (a rank on another box cannot be checked)."""
     world = _WORLD
     if world is None or world.single or not world.peers:
         return []
     host = socket.gethostname()
     return [(r, pid) for r, (h, pid) in enumerate(world.peers)
-            if r != world.rank and h == host and _process_gone(pid)]
+            if r != world.rank and h == host and _process_gone(pid) and not _noted_exit(r)]
 
 
 def current_world() -> DistWorld | None:

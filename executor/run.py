@@ -54,6 +54,7 @@ from tierflow.executor.dist import (
     current_world,
     init_world,
     lost_ranks,
+    note_exit,
     rank_device,
 )
 from tierflow.executor.engine import (
@@ -645,6 +646,7 @@ def leave_world(code: int) -> int:
     if code == 0:
         dist.destroy_process_group()
         return 0
+    note_exit(code)  # an end of its own, not a death, for the ranks left (dist.lost_ranks)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -733,7 +735,7 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             res = run_plan(plan, opts)
     except RunStopped as e:
-        if lost_ranks():
+        if e.exit_code in (130, 143) and lost_ranks():  # torchrun's SIGTERM after another rank died
             return _rank_lost(args, e.result)
         if _says():
             print(f"tierflow run: {e}", file=sys.stderr)
@@ -748,7 +750,8 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
     # the exit codes are the errors' own (tierflow.errors): 2 bad input, 3 does not fit, 1 the executor failed
     except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan, LockError,
             LaunchError, OutputError) as e:
-        if lost_ranks():  # e.g. a checkpoint the ranks could not agree on because one of them died
+        # a failure the ranks agreed on is this run's own (the first rank to exit may be gone already)
+        if not getattr(e, "agreed", False) and lost_ranks():
             return _rank_lost(args, None)
         if _says(e):
             print(f"tierflow run: error: {e}", file=sys.stderr)
