@@ -33,6 +33,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import zlib
 from collections.abc import Callable
@@ -43,6 +44,7 @@ import torch
 from tierflow.errors import TierflowError
 from tierflow.executor.dist import SINGLE, DistWorld
 from tierflow.executor.tiers.state import STATE_CLASSES, StateError, TrainState
+from tierflow.hwprofiles.inputs import MIB, loads_json_limited, read_limited_text
 
 CHECKPOINT_FORMAT = "tierflow-checkpoint"
 CHECKPOINT_VERSION = 2  # 2: per-file sizes and CRC32s in the manifest; version 1 (without them) is still read
@@ -50,6 +52,7 @@ CHECKPOINT_VERSION = 2  # 2: per-file sizes and CRC32s in the manifest; version 
 SHARDED_VERSION = 3
 READ_VERSIONS = (1, 2, SHARDED_VERSION)
 CHUNK_BYTES = 64 << 20
+MAX_MANIFEST_BYTES = 64 * MIB  # a manifest lists a few files per block and rank
 
 
 class OtherTraining(StateError):
@@ -364,16 +367,33 @@ def remove_temporaries(directory: str | os.PathLike[str]) -> list[Path]:
 
 
 def read_manifest(ckpt: Path) -> dict:
+    """The manifest of checkpoint (or shard) directory `ckpt`, read bounded (hwprofiles.inputs), of this
+    format, and of the step its directory is named after."""
     try:
-        manifest = json.loads((ckpt / "manifest.json").read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+        manifest = loads_json_limited(read_limited_text(ckpt / "manifest.json", MAX_MANIFEST_BYTES))
+    except (OSError, ValueError) as e:  # InputLimitError and UnicodeDecodeError are ValueErrors
         why = e.strerror if isinstance(e, OSError) else str(e)
         raise CheckpointError(f"checkpoint {ckpt}: unreadable manifest.json ({why})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT \
             or manifest.get("version") not in READ_VERSIONS:
         raise CheckpointError(f"checkpoint {ckpt}: not a tierflow checkpoint of version "
                               f"{' or '.join(map(str, READ_VERSIONS))}")
+    _check_manifest_step(ckpt, manifest)
     return manifest
+
+
+def _check_manifest_step(ckpt: Path, manifest: dict) -> None:
+    """The manifest's step is the one in its directory's name (stepNNNNNNNN, or its rank-K shard): a manifest
+    edited to another step would resume at a step its files were not written at (or train 0 steps)."""
+    shard = re.fullmatch(r"rank-\d+", ckpt.name) is not None
+    named = re.fullmatch(r"step(\d+)", ckpt.parent.name if shard else ckpt.name)
+    step = manifest.get("step")
+    if named is None or (shard and step is None):
+        return
+    if isinstance(step, bool) or not isinstance(step, int) or step != int(named.group(1)):
+        raise CheckpointError(f"checkpoint {ckpt}: its manifest.json says step {str(step)[:20]}, but its "
+                              f"files are those of step {int(named.group(1))} (manifest edited after "
+                              "writing?)")
 
 
 def verify_file(ckpt: Path, name: str, manifest: dict) -> None:
@@ -510,15 +530,24 @@ def _bad_checkpoint(e: CheckpointError | str, ckpt: Path, rest: list[Path], fall
                 else "no earlier checkpoint is left: delete the directory to start over")
         raise CheckpointError(f"{e}; {hint}") from None
     # renamed out of the way, so that keeping the last two checkpoints keeps good ones
-    aside = ckpt.with_name(f"corrupt-{ckpt.name}")
-    moved = f"moved it to {aside.name} (delete it when done)"
     if move:
         try:
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(ckpt, aside)
+            aside = _move_aside(ckpt)
+            moved = f"moved it to {aside.name} (delete it when done)"
         except OSError as err:
-            moved = f"could not move it aside ({err.strerror})"
+            moved = f"could not move it aside ({err.strerror}); it is left as {ckpt.name}"
         log(f"skipping a bad checkpoint: {e}; {moved}")
+
+
+def _move_aside(ckpt: Path) -> Path:
+    """Rename `ckpt` to the first free corrupt-<name>-N (N = 1, 2, ...): a bad checkpoint kept for inspection
+    is never replaced by a later one of the same step."""
+    for n in range(1, 1_000_000):
+        aside = ckpt.with_name(f"corrupt-{ckpt.name}-{n}")
+        if not os.path.lexists(aside):
+            os.rename(ckpt, aside)
+            return aside
+    raise OSError(errno.EEXIST, f"corrupt-{ckpt.name}-N: every number is taken")
 
 
 def _resume_sharded(state: TrainState, root: Path, *, fallback: bool, check: Callable[[Path, dict], None],

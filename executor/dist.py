@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +44,12 @@ class LaunchError(TierflowError, ValueError):
     agreed = True  # every rank finds the same: rank 0 says it
 
 
+class RankLost(TierflowError):
+    """Another rank of the run died or left it: this rank stops too (exit code 5, one line naming it)."""
+
+    exit_code = 5
+
+
 @dataclass
 class DistWorld:
     """The data-parallel world as this process sees it."""
@@ -54,6 +61,7 @@ class DistWorld:
     net_group: Any = None  # the plan's collectives (NCCL on CUDA, gloo on CPU)
     ctrl_group: Any = None  # losses, checkpoint agreement, final weights (gloo, CPU tensors)
     backend: str = "none"
+    peers: list = field(default_factory=list)  # (host name, pid) of every rank, in rank order
 
     @property
     def single(self) -> bool:
@@ -175,6 +183,68 @@ def init_world(plan_ranks: int, device: torch.device) -> DistWorld:
                        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                        net_group=None, ctrl_group=ctrl, backend=backend)
+    _WORLD.peers = _WORLD.gather_objects((socket.gethostname(), os.getpid()))
+    return _WORLD
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether process `pid` of this host has ended (a zombie that its launcher has not reaped yet counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+EXIT_KEY = "tierflow/exit/{rank}"  # in the launch's store: set by a rank that stops on an error of its own
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store (not launched by torchrun, or torn down): nothing recorded
+        return None
+
+
+def note_exit(code: int) -> None:
+    """Record in the launch's store that this rank stops on its own error (exit `code`), so that the ranks
+    left do not take its end for a death (lost_ranks)."""
+    store = _store()
+    if store is not None and _WORLD is not None:
+        try:
+            store.set(EXIT_KEY.format(rank=_WORLD.rank), str(code))
+        except Exception:  # noqa: BLE001 - the store's server (rank 0's launcher) may be gone
+            pass
+
+
+def _noted_exit(rank: int) -> bool:
+    store = _store()
+    try:
+        return store is not None and store.check([EXIT_KEY.format(rank=rank)])
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def lost_ranks() -> list[tuple[int, int]]:
+    """(rank, pid) of every other rank of this process's world that ran on this host and has died (ended
+    without noting an error of its own, note_exit); empty with one rank, or when every rank of this host is
+    alive (a rank on another box cannot be checked)."""
+    world = _WORLD
+    if world is None or world.single or not world.peers:
+        return []
+    host = socket.gethostname()
+    return [(r, pid) for r, (h, pid) in enumerate(world.peers)
+            if r != world.rank and h == host and _process_gone(pid) and not _noted_exit(r)]
+
+
+def current_world() -> DistWorld | None:
+    """This process's world of several ranks, None before it is made (or with one rank)."""
     return _WORLD
 
 
@@ -229,8 +299,9 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str, arg
     try:
         run(args)
     except ChildFailedError as e:
-        failure = e.get_first_failure()[1]
-        code = failure.exitcode
+        # the root cause: a rank killed by a signal (the others stop because of it, exit 5), else the first
+        killed = [f for f in e.failures.values() if f.exitcode < 0]
+        code = (killed[0] if killed else e.get_first_failure()[1]).exitcode
         return 128 - code if code < 0 else code  # a rank killed by signal S: 128 + S, as a shell reports it
     except SignalException as e:  # SIGINT / SIGTERM: torchrun passed it on to the ranks, which stop cleanly
         return 128 + int(e.sigval)

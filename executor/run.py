@@ -52,7 +52,17 @@ from tierflow.executor.corpus import TEXT_SUFFIXES, Fields, has_tokenizer, is_co
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device.base import DeviceBackend, TierOutOfMemory
 from tierflow.executor.device.factory import make_backend
-from tierflow.executor.dist import DistWorld, LaunchError, check_launch, init_world, rank_device
+from tierflow.executor.dist import (
+    DistWorld,
+    LaunchError,
+    RankLost,
+    check_launch,
+    current_world,
+    init_world,
+    lost_ranks,
+    note_exit,
+    rank_device,
+)
 from tierflow.executor.engine import (
     ExecutionError,
     Executor,
@@ -69,13 +79,14 @@ from tierflow.executor.tiers.arena import TransferAreaOutOfMemory
 from tierflow.executor.tiers.dirlock import DirLock, LockError, remove_stale_run_dirs
 from tierflow.executor.tiers.ssd_store import ChecksumError, SsdError, SsdStore, check_ssd_dir
 from tierflow.executor.tiers.state import StateError, TrainState
+from tierflow.outputs import OutputError, atomic_path, check_output_dir
 from tierflow.planner.core.clipwait import OPTIMIZER_KINDS, wait_for_norm, waits_for_norm
 from tierflow.planner.core.graph import CycleError
 from tierflow.planner.core.opkinds import ENTRY_TENSORS
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.core.workload import COMPUTE_BYTES, model_flops_per_token
 from tierflow.planner.io.logs import QUIET, level_of
-from tierflow.planner.io.planfile import Plan, PlanError, load_plan, simulate_plan
+from tierflow.planner.io.planfile import Plan, PlanError, check_ops_match_decisions, load_plan, simulate_plan
 from tierflow.planner.io.progress import bar
 
 LOG = logging.getLogger(__name__)  # debug: each round's wall time and peak bytes per tier (tierflow -v run)
@@ -636,7 +647,8 @@ def _export_profile(tr: _Training, profiler: torch.profiler.profile) -> None:
     profiler.stop()
     out = tr.opts.out
     Path(out).mkdir(parents=True, exist_ok=True)
-    profiler.export_chrome_trace(str(Path(out) / "torch_trace.json"))
+    with atomic_path(Path(out) / "torch_trace.json") as tmp:
+        profiler.export_chrome_trace(str(tmp))
     if not tr.quiet:
         tr.log(f"  wrote torch_trace.json (torch.profiler; each op under a record_function 'op ID KIND "
                f"bBLOCK ...') under {out}")
@@ -739,7 +751,7 @@ def write_run_outputs(measured: SimResult | None, records: list[StepRecord], out
     Path(out).mkdir(parents=True, exist_ok=True)
     if measured is not None:
         write_outputs(measured, out, name=name)
-    with open(Path(out) / "steps.csv", "w", newline="") as f:
+    with atomic_path(Path(out) / "steps.csv") as tmp, open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         names = [f.name for f in dataclasses.fields(StepRecord)]  # step, loss, ..., lr, grad_norm, val_loss
         w.writerow(names)
@@ -793,6 +805,7 @@ def leave_world(code: int) -> int:
     if code == 0:
         dist.destroy_process_group()
         return 0
+    note_exit(code)  # an end of its own, not a death, for the ranks left (dist.lost_ranks)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -807,6 +820,52 @@ def _says(e: BaseException | None = None) -> bool:
     if rank == 0:
         return True
     return not (e is None or getattr(e, "agreed", False))
+
+
+def _rank_lost(args: argparse.Namespace, res: RunResult | None, error: BaseException | None = None) -> int:
+    """Another rank died (or a collective broke): remove the SSD-tier directories of this box's dead ranks
+    (this rank's own went with run_plan's cleanup), say in one line which rank, the steps done, the checkpoint
+    kept and any SSD files left (named, never claimed removed), and exit RankLost's code."""
+    world = current_world()
+    me = world.rank if world is not None else 0
+    lost = lost_ranks()
+    who = (", ".join(f"rank {r} (pid {pid})" for r, pid in lost) + " died"
+           if lost else f"a collective failed ({' '.join(str(error).split())[:80]}): another rank stopped")
+    left = []
+    if args.ssd_dir:
+        root = Path(args.ssd_dir)
+        # the dead ranks' and this one's (whose I/O workers may still have been writing when the run's own
+        # cleanup removed it): a few tries while the last writes land
+        runs = [root / f"rank-{r}" / f"tierflow-run-{pid}" for r, pid in [*lost, (me, os.getpid())]]
+        for _ in range(20):
+            for d in runs:
+                shutil.rmtree(d, ignore_errors=True)
+            if not any(d.exists() for d in runs):
+                break
+            time.sleep(0.1)
+        left = [str(d) for d in runs if d.exists()]
+    files = (f"SSD-tier files left under {', '.join(left)} (remove them)" if left
+             else "the SSD tier's files of every rank on this box removed" if args.ssd_dir else "")
+    done = f" after {len(res.records)} step(s)" if res is not None else ""
+    ck = Path(args.checkpoint_dir) / "latest" if args.checkpoint_dir else None
+    kept = (f"checkpoint {ck.parent / ck.read_text().strip()} kept" if ck is not None and ck.is_file()
+            else "no checkpoint written")
+    print(f"tierflow run [rank {me}]: {who}; this rank stopped{done}, {kept}"
+          + (f", {files}" if files else "") + "; run again to resume", file=sys.stderr)
+    return RankLost.exit_code
+
+
+def check_run_outputs(args: argparse.Namespace) -> None:
+    """--out, --export-hf and --checkpoint-dir, checked before the plan is loaded and any step runs
+    (tierflow.outputs): an unwritable place or a user's non-empty --out (unless --overwrite) is refused with
+    one line, exit 2 (a non-empty --export-hf too, by check_export_hf)."""
+    overwrite = getattr(args, "overwrite", False)
+    if args.out:
+        check_output_dir(args.out, "--out", overwrite=overwrite)
+    if args.export_hf:
+        check_output_dir(args.export_hf, "--export-hf", overwrite=True)  # writable; new or empty: run_plan
+    if args.checkpoint_dir:  # resumed from: may hold checkpoints, must be writable
+        check_output_dir(args.checkpoint_dir, "--checkpoint-dir", overwrite=True)
 
 
 def train_hyper(args: argparse.Namespace) -> TrainHyper:
@@ -854,7 +913,9 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
     stopped = None
     try:
         with StopOnSignals():
+            check_run_outputs(args)
             plan = load_plan(args.plan)
+            check_ops_match_decisions(plan)  # every decision the ops depend on, before op 1
             # a plan that overflows a tier is refused as `tierflow simulate --plan` refuses it
             simulate_plan(plan)
             if args.init:
@@ -864,17 +925,24 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             res = run_plan(plan, opts)
     except RunStopped as e:
+        if e.exit_code in (130, 143) and lost_ranks():  # torchrun's SIGTERM after another rank died
+            return _rank_lost(args, e.result)
         if _says():
             print(f"tierflow run: {e}", file=sys.stderr)
         res, stopped = e.result, e
     except Interrupted as e:
+        if lost_ranks():
+            return _rank_lost(args, None)
         if _says():
             print(f"tierflow run: interrupted by {e.name} outside the training steps; stopped cleanly, the "
                   "SSD tier's files removed", file=sys.stderr)
         return e.exit_code
     # the exit codes are the errors' own (tierflow.errors): 2 bad input, 3 does not fit, 1 the executor failed
     except (PlanError, RunError, DataError, StateError, SsdError, ChecksumError, UnsupportedPlan, LockError,
-            LaunchError, LogDirError) as e:
+            LaunchError, LogDirError, OutputError) as e:
+        # a failure the ranks agreed on is this run's own (the first rank to exit may be gone already)
+        if not getattr(e, "agreed", False) and lost_ranks():
+            return _rank_lost(args, None)
         if _says(e):
             print(f"tierflow run: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -890,8 +958,14 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
               "machine (tierflow calibrate, then tierflow plan --hw box.yaml)", file=sys.stderr)
         return e.exit_code
     except ExecutionError as e:
+        if lost_ranks():
+            return _rank_lost(args, None)
         print(f"tierflow run: {e}", file=sys.stderr)
         return e.exit_code
+    except RuntimeError as e:  # a collective of several ranks whose peer is gone (gloo: connection reset)
+        if current_world() is None:
+            raise
+        return _rank_lost(args, None, e)
     if args.json and _says():
         out: dict[str, Any] = {"plan": str(args.plan), "first_step": res.first_step,
                                "steps": [asdict(r) for r in res.records], "wall_s": time.perf_counter() - t0,

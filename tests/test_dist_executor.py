@@ -157,7 +157,8 @@ def test_sharded_checkpoints_resume_like_an_uninterrupted_run(two_ranks):
     assert fb["first_step"] == 2 and fb["losses"] == straight[2:4]
     ck = two_ranks["_ck"]
     assert (ck / "latest").read_text().strip() == "step00000004"
-    assert (ck / "corrupt-step00000004").is_dir() and not (ck / "corrupt-step00000004" / "rank-1").exists()
+    aside = ck / "corrupt-step00000004-1"
+    assert aside.is_dir() and not (aside / "rank-1").exists()
     top = json.loads((ck / "step00000004" / "manifest.json").read_text())
     assert top["version"] == 3 and top["world"] == {"ranks": 2} and set(top["shards"]) == {"rank-0", "rank-1"}
     for r in (0, 1):

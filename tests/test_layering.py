@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (folder or file, installed name, rank): a module may import only layers of lower or equal rank
 LAYERS = [
     ("tierflow/errors.py", "tierflow.errors", 0),
+    ("tierflow/outputs.py", "tierflow.outputs", 0),  # output checks and atomic writes, for every layer
     ("hwprofiles", "tierflow.hwprofiles", 1),
     ("planner/core", "tierflow.planner.core", 2),
     ("planner/search", "tierflow.planner.search", 3),

@@ -172,13 +172,13 @@ def test_a_corrupted_checkpoint_is_named_and_resume_falls_back_when_asked(plans,
     rc, out, err = tierflow_run(capsys, plans["one"], tmp_path, "--steps", "5", "--checkpoint-dir", str(ck),
                                 "--resume-fallback", "--json")
     assert rc == 0, err
-    assert "skipping a bad checkpoint" in err and "corrupt-step00000004" in err
+    assert "skipping a bad checkpoint" in err and "corrupt-step00000004-1" in err
     res = json.loads(out)
     assert res["first_step"] == 3
     # step 4 again, bit-identical to the first run's
     assert [s["loss"] for s in res["steps"]][:1] == [want[4]]
     assert (ck / "latest").read_text().strip() == "step00000005"
-    assert sorted(p.name for p in ck.iterdir()) == ["corrupt-step00000004", "latest", "step00000004",
+    assert sorted(p.name for p in ck.iterdir()) == ["corrupt-step00000004-1", "latest", "step00000004",
                                                     "step00000005"]
 
 

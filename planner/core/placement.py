@@ -4,6 +4,7 @@ placement column of a runs file)."""
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass, field
 
@@ -32,6 +33,24 @@ class Split:
         if abs(self.gpu + self.cpu + self.ssd - 1.0) > 1e-6:
             raise PlacementError(f"placement fractions gpu={self.gpu} cpu={self.cpu} ssd={self.ssd} must sum "
                                  "to 1")
+
+    @classmethod
+    def from_dict(cls, data: object, where: str = "") -> Split:
+        """A split from {gpu, cpu, ssd} fractions (`where` names it in a message); a tier outside those or a
+        value that is not an object is one line (PlacementError), not a TypeError of the constructor."""
+        if not isinstance(data, dict):
+            raise PlacementError(f"{where}: expected an object of gpu/cpu/ssd fractions, got "
+                                 f"{json.dumps(data)[:40]}")
+        for k, v in data.items():
+            if k not in TIERS:
+                close = difflib.get_close_matches(str(k), TIERS, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise PlacementError(f"{where}: unknown tier {str(k)[:40]!r} ({hint}the tiers are "
+                                     f"{', '.join(TIERS)})")
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise PlacementError(f"{where}.{k}: expected a fraction within [0, 1], got "
+                                     f"{json.dumps(v)[:40]}")
+        return cls(**data)
 
     @property
     def off_gpu(self) -> float:
@@ -86,7 +105,7 @@ class Placement:
         if unknown:
             raise PlacementError(f"unknown tensor class {sorted(unknown)[0]!r} (known: "
                                  f"{', '.join(TENSOR_CLASSES)})")
-        return cls(**{k: Split(**v) for k, v in data.items()})
+        return cls(**{k: Split.from_dict(v, k) for k, v in data.items()})
 
     @classmethod
     def uniform(cls, tier: str) -> Placement:
@@ -133,6 +152,8 @@ def parse_placement(text: str | None, flag: str = "--placement", files: bool = T
     fractions = _completed(_read_json(text, inline, lead), lead)
     try:
         return Placement.from_dict(fractions)
+    except PlacementError as e:
+        raise PlacementError(f"{lead}{e}") from None
     except TypeError as e:
         if flag:
             raise PlacementError(f"{flag}: {e}") from None

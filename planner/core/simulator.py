@@ -38,12 +38,22 @@ class SimulationError(TierflowError, RuntimeError):
     """A schedule the simulator cannot play."""
 
 
+def bytes_text(n: float) -> str:
+    """Bytes with a unit that shows them (decimal units, 3 significant digits): 512 B, 3.1 MB, 24.6 GB, so
+    that a small amount never reads 0.0 GB."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            v = n / scale
+            return f"{v:,.{2 if abs(v) < 10 else 1 if abs(v) < 100 else 0}f} {unit}"
+    return f"{n:.0f} B"
+
+
 class CapacityError(DoesNotFit, SimulationError):
     """A tier's memory overflows: the tier, the simulated time and the bytes over."""
 
     def __init__(self, tier: str, time_s: float, over_bytes: float, what: str):
         self.tier, self.time_s, self.over_bytes = tier, time_s, over_bytes
-        super().__init__(f"{tier} memory exceeded by {over_bytes / 1e9:.2f} GB at t={time_s:.3f} s ({what})")
+        super().__init__(f"{tier} memory exceeded by {bytes_text(over_bytes)} at t={time_s:.3f} s ({what})")
 
 
 @dataclass
@@ -451,7 +461,7 @@ def _raise_stuck(graph, queues, ptr, ndeps, mem, cap, now, mem_blocked, resource
         others = sorted({TIERS[j] for j, _, _ in blocked if j != i})
         tail = f"; {', '.join(others)} waiting on it" if others else ""
         raise CapacityError(TIERS[i], now, mem[i] + need - cap[i],
-                            f"{t.label} on {t.resource} needs {need / 1e9:.2f} GB more{tail}")
+                            f"{t.label} on {t.resource} needs {bytes_text(need)} more{tail}")
     heads = []
     for r, q in enumerate(queues):
         if ptr[r] < len(q):

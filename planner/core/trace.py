@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tierflow.outputs import atomic_path
 from tierflow.planner.core.graph import TIERS
 from tierflow.planner.core.jsonio import write_json
 from tierflow.planner.core.opkinds import ADAM, ADAM_DEFERRED, ADAM_GPU, BWD, FWD, HEAD, RECOMPUTE
-from tierflow.planner.core.simulator import SimResult
+from tierflow.planner.core.simulator import SimResult, bytes_text
 
 # Compute (gpu and cpu rows) in saturated colours, transfers (links) in a separate family of light tints drawn
 # hatched, so that no op kind shares a colour with the tensor its transfers carry (forward vs weight fetch,
@@ -36,7 +37,9 @@ def _is_compute(resource: str) -> bool:
 
 
 def write_timeline_csv(res: SimResult, path: str | Path) -> None:
-    res.timeline().to_csv(path, index=False)
+    """The timeline as CSV, written atomically (tierflow.outputs)."""
+    with atomic_path(path) as tmp:
+        res.timeline().to_csv(tmp, index=False)
 
 
 def chrome_trace(res: SimResult, name: str = "tierflow") -> dict:
@@ -155,14 +158,6 @@ def _legend(ax) -> None:
               borderaxespad=0.2)
 
 
-def _bytes_text(n: float) -> str:
-    """Bytes with a unit a reader takes in at a glance: 512 B, 3.1 MB, 24 GB (decimal units)."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
 def plot_gantt(res: SimResult, path: str | Path | None = None, title: str = "",
                window: tuple[float, float] | None = None, ax=None, zoom: tuple[float, float] | None = None):
     """Gantt chart of every resource over `window` (default: the steady-state iteration); compute in saturated
@@ -203,8 +198,8 @@ def plot_gantt(res: SimResult, path: str | Path | None = None, title: str = "",
         pct = 100 * tr[:, i + 1] / cap if cap else 0 * tr[:, 0]
         top = max(top, float(pct.max(initial=0.0)))
         axm.step(tr[:, 0] - w0, pct, where="post",
-                 label=f"{tier}: peak {_bytes_text(float(tr[:, i + 1].max(initial=0.0)))} of "
-                       f"{_bytes_text(cap)}")
+                 label=f"{tier}: peak {bytes_text(float(tr[:, i + 1].max(initial=0.0)))} of "
+                       f"{bytes_text(cap)}")
     axm.set_ylabel("% of tier")
     axm.set_xlabel("seconds into the iteration")
     # scaled to the fullest tier, so that a run using a sliver of a big box (a tiny model on a CPU "device")
@@ -214,7 +209,8 @@ def plot_gantt(res: SimResult, path: str | Path | None = None, title: str = "",
     axm.legend(loc="upper right", fontsize=7)
     if path is not None:
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110)
         plt.close(fig)
     return fig
 

@@ -44,13 +44,17 @@ bf16 and fp16 may not both be enabled).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierflow.errors import TierflowError
+from tierflow.hwprofiles.inputs import MIB, InputLimitError, loads_json_limited, read_limited_text
+from tierflow.outputs import atomic_write_text
 from tierflow.planner.core.models import PRECISION_NAMES, ModelSpec
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleConfig
+from tierflow.planner.io.argtypes import MAX_BATCH
 
 WORLD_SIZE = 1  # tierflow simulates one GPU
 AUTO = "auto"
@@ -60,6 +64,10 @@ DS_STAGE = 0
 DS_PREFETCH_BUCKET_ELEMS = 50_000_000  # zero/config.py prefetch_bucket_size
                                        # (alias stage3_prefetch_bucket_size)
 DS_MAX_LIVE_ELEMS = 1_000_000_000  # zero/config.py max_live_parameters
+# bounds of what a config may say: the file's size, and the element counts of the ZeRO-3 keys (2^53: above
+# it a JSON number is no longer an exact integer; the keys only cap prefetch, so any larger value means "all")
+MAX_DS_CONFIG_BYTES = 4 * MIB
+MAX_ELEMS = 1 << 53
 DS_OFFLOAD_DEVICE = "none"  # offload_config.py OffloadDeviceEnum default
 DS_DEVICES = ("none", "cpu", "nvme")
 DEVICE_TIER = {"none": "gpu", "cpu": "cpu", "nvme": "ssd"}
@@ -256,16 +264,25 @@ def read_ds_config(path: str | Path, model: ModelSpec, *, batch_hint: int | None
     itself cannot resolve (the Trainer fills them from its arguments; here the command line's
     --batch / --micro-batch)."""
     name = Path(path).name
-    try:
-        text = Path(path).read_text()
+    try:  # bounded (hwprofiles.inputs): a regular file or a pipe of at most MAX_DS_CONFIG_BYTES
+        text = read_limited_text(path, MAX_DS_CONFIG_BYTES)
+    except InputLimitError as e:
+        raise DsConfigError(f"{name}: {e}; a DeepSpeed config is a small JSON file") from None
+    except UnicodeDecodeError:
+        raise DsConfigError(f"{name}: not UTF-8 text; a DeepSpeed config is a JSON file") from None
     except OSError as e:
         raise DsConfigError(f"{name}: cannot read the DeepSpeed config ({e.strerror or e}); "
                             "check the path") from None
     try:
-        data = json.loads(text)
+        data = loads_json_limited(text)
+    except InputLimitError as e:
+        raise DsConfigError(f"{name}: {e}; a DeepSpeed config nests a few levels") from None
     except json.JSONDecodeError as e:
         raise DsConfigError(f"{name}: not JSON ({e.msg} at line {e.lineno} column {e.colno}); a DeepSpeed "
                             "config is one JSON object") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise DsConfigError(f"{name}: not JSON that can be read ({e}); a DeepSpeed config is one JSON "
+                            "object") from None
     return parse_ds_config(data, name, model, batch_hint=batch_hint, micro_batch_hint=micro_batch_hint)
 
 
@@ -308,7 +325,7 @@ def parse_ds_config(data: object, source: str, model: ModelSpec, *, batch_hint: 
         else:
             unknown.append(key)
 
-    stage = _int(leaves, "zero_optimization.stage", DS_STAGE, source, lo=0)
+    stage = _int(leaves, "zero_optimization.stage", DS_STAGE, source, lo=0, hi=3)
     if stage > 3:
         raise DsConfigError(f"{source}: zero_optimization.stage {stage}: "
                             "DeepSpeed's ZeRO stages are 0, 1, 2 and 3")
@@ -401,10 +418,17 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
-def _int(leaves: dict, key: str, default: int, source: str, *, lo: int) -> int:
-    v = leaves.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < lo:
-        raise DsConfigError(f"{source}: {key} {_show(v)}: expected an integer >= {lo}")
+def _int(leaves: dict, key: str, default: int, source: str, *, lo: int, hi: int = MAX_ELEMS) -> int:
+    return _checked_int(leaves.get(key, default), key, source, lo, hi)
+
+
+def _checked_int(v: object, key: str, source: str, lo: int, hi: int, also: str = "") -> int:
+    """`v` as an integer within [lo, hi] (the bounds of the matching flag), else one line naming the file and
+    the key (NaN, infinity and numbers past the bound included)."""
+    ok = (not isinstance(v, bool) and isinstance(v, (int, float))
+          and (not isinstance(v, float) or math.isfinite(v)) and lo <= v <= hi and v == int(v))
+    if not ok:
+        raise DsConfigError(f"{source}: {key} {_show(v)}: expected an integer from {lo} to {hi:,}{also}")
     return int(v)
 
 
@@ -423,11 +447,8 @@ def _batch_split(leaves: dict, source: str, batch_hint: int | None, micro_hint: 
     (runtime/config.py `_set_batch_related_parameters`, then `_batch_assertion`), on one GPU, after resolving
     "auto" from the other two keys or, failing that, from the command line's batch and micro-batch."""
     tb, mb, ga = (leaves.get(k) for k in BATCH_KEYS)
-    for key, v in zip(BATCH_KEYS, (tb, mb, ga)):
-        if v is not None and v != AUTO and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                            or v != int(v) or v <= 0):
-            raise DsConfigError(f"{source}: {key} {_show(v)}: expected a positive integer or \"auto\"")
-    tb, mb, ga = (int(v) if isinstance(v, (int, float)) else v for v in (tb, mb, ga))
+    tb, mb, ga = (v if v is None or v == AUTO else _checked_int(v, key, source, 1, MAX_BATCH, ' or "auto"')
+                  for key, v in zip(BATCH_KEYS, (tb, mb, ga)))
     autos = [k for k, v in zip(BATCH_KEYS, (tb, mb, ga)) if v == AUTO]
     from_cli: list[str] = []
     if (len(autos) == 1 and all(isinstance(v, int) for v in (tb, mb, ga) if v != AUTO)
@@ -449,7 +470,7 @@ def _batch_split(leaves: dict, source: str, batch_hint: int | None, micro_hint: 
                                     "resolved; set it, or pass --micro-batch")
             mb = micro_hint
             from_cli.append(f"train_micro_batch_size_per_gpu={mb}")
-        if tb == AUTO and isinstance(ga, int):
+        if tb == AUTO and isinstance(ga, int) and isinstance(mb, int):
             tb = mb * ga * WORLD_SIZE
             resolved.append(f"train_batch_size={tb} (from the other batch keys)")
         elif tb == AUTO:
@@ -459,6 +480,10 @@ def _batch_split(leaves: dict, source: str, batch_hint: int | None, micro_hint: 
             tb = batch_hint
             from_cli.append(f"train_batch_size={tb}")
         if ga == AUTO:
+            if tb is None or mb is None:
+                unset = "train_batch_size" if tb is None else "train_micro_batch_size_per_gpu"
+                raise DsConfigError(f"{source}: gradient_accumulation_steps is \"auto\" but {unset} is not "
+                                    "set, so it cannot be resolved; set both batch keys or a number")
             ga = _exact(tb, mb * WORLD_SIZE, source, "gradient_accumulation_steps")
             resolved.append(f"gradient_accumulation_steps={ga} (train_batch_size / micro-batch)")
     # DeepSpeed's rules for keys that are absent
@@ -477,6 +502,10 @@ def _batch_split(leaves: dict, source: str, batch_hint: int | None, micro_hint: 
     else:
         raise DsConfigError(f"{source}: neither train_batch_size nor train_micro_batch_size_per_gpu is set; "
                             "DeepSpeed needs one of them")
+    if mb * ga * WORLD_SIZE > MAX_BATCH:
+        raise DsConfigError(f"{source}: train_micro_batch_size_per_gpu {mb} x gradient_accumulation_steps "
+                            f"{ga} = {mb * ga * WORLD_SIZE:,} sequences, above the limit of {MAX_BATCH:,} "
+                            "(as --batch's); lower them")
     if tb != mb * ga * WORLD_SIZE:
         raise DsConfigError(f"{source}: train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} x "
                             f"gradient_accumulation_steps {ga} x {WORLD_SIZE} GPU "
@@ -588,4 +617,5 @@ def ds_config_for_plan(model: ModelSpec, cfg: ScheduleConfig) -> EmittedDsConfig
 
 
 def write_ds_config(path: str | Path, emitted: EmittedDsConfig) -> None:
-    Path(path).write_text(json.dumps(emitted.config, indent=2) + "\n")
+    """The config as JSON, written atomically (tierflow.outputs)."""
+    atomic_write_text(path, json.dumps(emitted.config, indent=2) + "\n")

@@ -25,6 +25,7 @@ import math
 import os
 import reprlib
 import typing
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile, ProfileError, profile_from_dict, type_name
 from tierflow.hwprofiles.inputs import GIB, InputLimitError, loads_json_limited
+from tierflow.outputs import atomic_write_bytes
 from tierflow.planner.core.graph import (
     LINKS,
     NET,
@@ -266,20 +268,7 @@ def write_plan(plan: Plan, path: str | os.PathLike[str], *,
     if compress_over_bytes is not None and len(data) > compress_over_bytes:
         path = gz_name(requested)
     payload = gzip_bytes(text) if is_gzip_name(path) else data
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write_bytes(path, payload)
     return WrittenPlan(path, len(data), len(payload), requested)
 
 
@@ -811,6 +800,9 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
                        "write decisions.gpus / nodes for the world it was built for, or " + _REWRITE)
     if d.get("digest") is not None:
         _check_digest(source, d, model, hardware, config)
+    if model.max_positions and config.seq > model.max_positions:  # after the digest, which names an edit
+        raise _err(source, "decisions.seq", f"{config.seq} tokens exceed the model's {model.max_positions} "
+                   "learned positions", f"write seq <= {model.max_positions}, or " + _REWRITE)
     _check_kinds(source, tasks)
     _check_derived_bytes(source, model, hardware, config, static, capacity)
     graph = TaskGraph(tasks, static, capacity, num_iterations, num_blocks,
@@ -823,6 +815,39 @@ def validate_plan_dict(d: dict, source: str) -> None:
     """Raise PlanError (one line naming `source`, the key or op id, the problem and a fix) unless `d` is a
     valid plan."""
     plan_from_dict(d, source)
+
+
+def _op_signature(tasks: list[Task]) -> Counter:
+    """What the ops do, independent of their order and of the GPU's seconds (which the hardware section sets):
+    each op's kind, resource, tensor, block, micro-batch, iteration, bytes moved and memory effects."""
+    sig: Counter = Counter()
+    for t in tasks:
+        moved = 0.0 if t.resource == "gpu" else round(t.work, 3)
+        mem = (tuple(sorted((tier, round(b, 3)) for tier, b in t.mem_start)),
+               tuple(sorted((tier, round(b, 3)) for tier, b in t.mem_end)))
+        sig[(t.kind, t.resource, t.tensor, t.block, t.mb, t.iteration, moved, mem)] += 1
+    return sig
+
+
+def check_ops_match_decisions(plan: Plan) -> None:
+    """Before training (`tierflow run`): the ops must be the ones the model and the decisions build (the
+    executor sizes its tensors from the model and the decisions, the ops from the file), with or without a
+    digest: an edited decisions.seq, micro_batch, batch, gpus / nodes or model shape is refused here (exit 2)
+    instead of failing at op 1. The queues' order may be edited; what the ops move may not."""
+    from tierflow.planner.core.schedules import build_graph
+
+    cfg = plan.config
+    source = str(plan.source)
+    built = _op_signature(build_graph(plan.model, plan.hardware, cfg).tasks)
+    found = _op_signature(plan.graph.tasks)
+    if built == found:
+        return
+    extra, missing = found - built, built - found
+    k = next(iter(extra or missing))
+    what = (f"{k[0]} op of block {k[3]} mb {k[4]} iteration {k[5]} is not what batch {cfg.batch}, "
+            f"micro_batch {cfg.micro_batch}, seq {cfg.seq}, {cfg.world.ranks} rank(s) and the model build: "
+            "edited after writing?")
+    raise _err(source, "ops", what, _REWRITE)
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
@@ -884,5 +909,5 @@ __all__ = [
     "PLAN_FORMAT", "PLAN_VERSION", "SUPPORTED_VERSIONS", "LARGE_PLAN_BYTES", "Plan", "PlanError",
     "WrittenPlan", "plan_from_graph", "plan_to_dict",
     "plan_from_dict", "write_plan", "load_plan", "validate_plan_dict", "simulate_plan", "dumps_plan_dict",
-    "plan_digest", "MAX_PLAN_BYTES",
+    "plan_digest", "MAX_PLAN_BYTES", "check_ops_match_decisions",
 ]

@@ -1,22 +1,24 @@
 """Progress of a long command on stderr, the one helper of the CLI, `tierflow calibrate` and the experiments.
 
 On a terminal it is one line rewritten in place, `label [#####-----] 5/10 what  12s`. Anywhere else (a pipe,
-a log file, CI) the same text is printed as whole lines at a bounded rate: the first step at once, then at
-most one line every `interval_s` (5 s) with the step reached by then, and always the last step, so a long
-command is never silent in a pipe and a short one does not flood it. Only stderr is written, so what a command
-prints on stdout (tables, JSON) stays clean. `--quiet` (the `tierflow` logger above INFO, logs.py) turns it
-off; messages still print. Torch-free, like the rest of the planner.
+a log file, CI) a command shows no progress unless `--verbose` asks for it (or tierflow is used as a library
+whose logger nobody configured, or `enabled=True`): then the same text is printed as whole lines at a bounded
+rate: the first step at once, then at most one line every `interval_s` (5 s) with the step reached by then,
+and always the last step, so that a long command is not silent and a short one does not flood the log. Only
+stderr is written, so what a command prints on stdout (tables, JSON) stays clean. `--quiet` (the `tierflow`
+logger above INFO, logs.py) turns it off; messages still print. Torch-free, like the rest of the planner.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 from collections.abc import Callable
 from typing import TextIO
 
-from tierflow.planner.io.logs import progress_enabled
+from tierflow.planner.io.logs import VERBOSE, logger, progress_enabled
 
 BAR_WIDTH = 20  # characters of the bar
 LINE_INTERVAL_S = 5.0  # off a terminal: at most one progress line per this many seconds (plus the last)
@@ -28,6 +30,14 @@ def bar(count: int, total: int, fill: str = "-") -> str:
     per-step lines, which keep a line per step as a training log)."""
     filled = min(BAR_WIDTH, BAR_WIDTH * count // max(1, total))
     return "[" + "#" * filled + fill * (BAR_WIDTH - filled) + "]"
+
+
+def _lines_off_terminal() -> bool:
+    """Whether progress lines go to a stderr that is not a terminal: only with --verbose, or when nobody
+    configured the `tierflow` logger (tierflow used as a library); a command's plain run keeps a redirected
+    stderr for its messages."""
+    level = logger().level
+    return level == logging.NOTSET or level <= VERBOSE
 
 
 class Progress:
@@ -42,11 +52,13 @@ class Progress:
         self.label = label
         self.count = 0  # steps reported so far
         self.stream = sys.stderr if stream is None else stream
+        pipe_lines = enabled
         if enabled is None:
             enabled = progress_enabled()
+            pipe_lines = _lines_off_terminal()
         isatty = getattr(self.stream, "isatty", None)
         self.tty = enabled and bool(isatty and isatty())
-        self.lines = enabled and not self.tty  # whole lines at a bounded rate
+        self.lines = enabled and not self.tty and bool(pipe_lines)  # whole lines at a bounded rate
         self.interval_s = interval_s
         self.clock = clock
         self.t0_s = clock()

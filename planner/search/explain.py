@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from tierflow.planner.core.memory import schedule_memory
 from tierflow.planner.core.placement import Placement, Split
-from tierflow.planner.core.simulator import SimResult
+from tierflow.planner.core.simulator import SimResult, bytes_text
 from tierflow.planner.core.world import rank_capacity_bytes
 from tierflow.planner.search.loads import IterationLoads
 from tierflow.planner.search.placement_model import linear_loads, placement_memory, solve_placement
@@ -58,8 +58,8 @@ def infeasible_message(problem: Problem) -> str:
                    f", or {max(1, math.ceil(b / ssd_gb))} SSD(s) to hold states"
                    if hw.ssd.count == 0 else ""),
                "ssd": f"{math.ceil(b / (ssd_gb or 3.84e12))} more SSD(s) of {hw.ssd.capacity_gb:g} GB"}[tier]
-        parts.append(f"{tier} overflows by {b / 1e9:,.1f} GB (needs {need[tier] / 1e9:,.1f} of "
-                     f"{caps[tier] / 1e9:,.1f}; fix: {fix})")
+        parts.append(f"{tier} overflows by {bytes_text(b)} (needs {bytes_text(need[tier])} of "
+                     f"{bytes_text(caps[tier])}; fix: {fix})")
     return f"{model.name} does not fit on {hw.name}: " + "; ".join(parts)
 
 

@@ -27,10 +27,8 @@ commented with the data it came from). Torch-free, like the rest of the planner.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import difflib
-import io
 import json
 import math
 import re
@@ -48,6 +46,13 @@ from scipy.optimize import minimize
 
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile, ProfileError, list_profiles, load_profile, parse_overrides
+from tierflow.hwprofiles.inputs import (
+    MIB,
+    InputLimitError,
+    check_yaml_depth,
+    csv_rows_limited,
+    read_limited_text,
+)
 from tierflow.hwprofiles.profile import profile_from_dict
 from tierflow.planner.core.models import ModelError, ModelSpec, get_model
 from tierflow.planner.core.placement import Placement, PlacementError, parse_placement
@@ -60,6 +65,7 @@ COLUMNS = ("model", "hw", "schedule", "batch", "micro_batch", "seq", "placement"
            "measure")
 # blank or absent: the model's seq, the default placement, none
 OPTIONAL_COLUMNS = ("seq", "placement", "overrides")
+MAX_RUNS_BYTES = 16 * MIB  # a file of measured runs: a few hundred rows (hwprofiles.inputs bounds reading)
 UNIDENTIFIED_CHANGE = 0.01  # a field whose bounds move no prediction by more than this is unidentified
 COLLINEAR_COS = 0.99  # sensitivity columns more aligned than this are not separable
 # |d log prediction / d log field| below this for every run (a 10% change moves no prediction by more than
@@ -230,8 +236,10 @@ def load_runs(path: str | Path) -> list[Run]:
     column."""
     path = Path(path)
     src = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
+    try:  # bounded (hwprofiles.inputs): a regular file or a pipe, at most MAX_RUNS_BYTES
+        text = read_limited_text(path, MAX_RUNS_BYTES)
+    except InputLimitError as e:
+        raise FitError(f"{src}: {e} (a file of measured runs is a small CSV or YAML file)") from None
     except FileNotFoundError:
         raise FitError(f"{src}: file not found (give the path of a CSV or YAML file of runs)") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -273,7 +281,10 @@ def _csv_records(text: str, src: str) -> tuple[list[dict[str, str]], list[int]]:
             if line.strip() and not line.lstrip().startswith("#")]
     if not kept:
         return [], []
-    rows = list(csv.reader(io.StringIO("\n".join(line for _, line in kept))))
+    try:
+        rows = csv_rows_limited("\n".join(line for _, line in kept))
+    except ValueError as e:  # a field past the limit (InputLimitError), a CSV syntax error
+        raise FitError(f"{src}: {e}") from None
     header = [_normalise(c) for c in rows[0]]
     _check_columns(header, src, f"header (line {kept[0][0]})")
     dup = [c for c in header if header.count(c) > 1]
@@ -294,7 +305,10 @@ def _csv_records(text: str, src: str) -> tuple[list[dict[str, str]], list[int]]:
 
 def _yaml_records(text: str, src: str) -> tuple[list[dict[str, str]], list[int]]:
     try:
+        check_yaml_depth(text)
         data = yaml.safe_load(text)
+    except InputLimitError as e:
+        raise FitError(f"{src}: {e}") from None
     except yaml.YAMLError as e:
         raise FitError(f"{src}: malformed YAML ({' '.join(str(e).split())})") from None
     if data is None:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierflow.cli.args import add_set_arg
 from tierflow.errors import UsageError
 from tierflow.hwprofiles import parse_overrides
+from tierflow.outputs import check_output_file
 from tierflow.planner.io.argtypes import positive_int
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         sizes = Sizes(**{**sizes.__dict__, "ssd_file_bytes": args.ssd_file_mib * MIB,
                          "ssd_block_bytes": min(sizes.ssd_block_bytes, args.ssd_file_mib * MIB)})
     out = Path(args.out)
-    _check_out(out)
+    check_output_file(out, "-o")  # before any measurement (tierflow.outputs)
     base = load_profile(args.base) if args.base else None
     ssd_dir = _ssd_dir(args, sizes)
     gpu = torch.cuda.is_available()
@@ -103,17 +103,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out}: {cal.profile.summary()}")
     print(f"use it with: tierflow simulate --hw {out}")
     return 0
-
-
-def _check_out(out: Path) -> None:
-    """-o FILE: a file name in an existing, writable directory."""
-    if out.is_dir():
-        raise UsageError(f"-o {out}: is a directory (give a file name such as {out / 'box.yaml'})")
-    if not out.parent.is_dir():
-        raise UsageError(f"-o {out}: directory {out.parent} does not exist (create it or choose another "
-                         "path)")
-    if not os.access(out.parent, os.W_OK):
-        raise UsageError(f"-o {out}: directory {out.parent} is not writable (choose another path)")
 
 
 def _ssd_dir(args: argparse.Namespace, sizes: Sizes) -> Path | None:

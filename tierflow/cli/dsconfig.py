@@ -49,11 +49,11 @@ def simulate_ds_config(args: argparse.Namespace) -> int:
     hw = load_hw(args.hw, args.set)
     ds = read_ds_config(args.ds_config, model, batch_hint=args.batch, micro_batch_hint=args.micro_batch)
     warning = ds.warning_line()
-    if warning:
-        print(warning, file=sys.stderr)
     cfg, ds_result = simulate_ds(model, hw, ds, args.iterations)
     if not isinstance(ds_result, SimResult) and args.no_plan and not args.json:
-        raise ds_result
+        raise ds_result  # one line: the config's notes would only bury it
+    if warning:
+        print(warning, file=sys.stderr)
     best = None
     if not args.no_plan:
         best = plan_beside(model, hw, ds.batch, args.plan_time_limit, allow_ssd=hw.ssd.count > 0)

@@ -11,6 +11,7 @@ from typing import Any
 from tierflow.cli.args import add_hw_arg, add_set_arg
 from tierflow.cli.tables import fmt_table
 from tierflow.hwprofiles import load_hw
+from tierflow.outputs import check_output_file
 from tierflow.planner.io.progress import Progress
 
 
@@ -44,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     if (args.trace is None) == (args.runs is None) or (args.trace is None) != (args.plan is None):
         raise FitError("give either a runs file, or --trace TRACE with --plan PLAN (the plan it was measured "
                        "with)")
+    if args.out:  # before the fit (tierflow.outputs)
+        check_output_file(args.out, "-o")
     if args.trace:
         return _run_trace(args, fields)
     runs = load_runs(args.runs)

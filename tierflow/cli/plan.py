@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierflow.cli.args import (
@@ -19,7 +20,9 @@ from tierflow.cli.args import (
 )
 from tierflow.cli.planfiles import write_plan_file
 from tierflow.cli.tables import fmt_table
+from tierflow.errors import UsageError
 from tierflow.hwprofiles import load_hw
+from tierflow.outputs import check_output_file
 from tierflow.planner.core.models import get_model
 from tierflow.planner.io.argtypes import positive_float
 from tierflow.planner.io.dsbridge import emit_ds_config
@@ -68,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from tierflow.planner.search.explain import explain
     from tierflow.planner.search.problem import Problem
 
+    _check_outputs(args)
     model = in_precision(get_model(args.model), args)
     if args.seq is not None:
         model = model.with_seq(args.seq)
@@ -105,6 +109,16 @@ def run(args: argparse.Namespace) -> int:
     if args.emit_ds_config:
         emit_ds_config(args.emit_ds_config, model, cfg)
     return 0
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """-o and --emit-ds-config, checked before the search (tierflow.outputs): two different writable files."""
+    if args.out:
+        check_output_file(args.out, "-o")
+    if args.emit_ds_config:
+        check_output_file(args.emit_ds_config, "--emit-ds-config")
+    if args.out and args.emit_ds_config and Path(args.out).resolve() == Path(args.emit_ds_config).resolve():
+        raise UsageError(f"-o and --emit-ds-config name the same file {args.out}: give two file names")
 
 
 def _search(args: argparse.Namespace, problem: Problem) -> SearchResult:

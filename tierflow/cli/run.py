@@ -45,6 +45,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write the measured timeline.csv, trace.json (Perfetto), gantt.png and steps.csv "
                    "here")
+    p.add_argument("--overwrite", action="store_true", help="let --out write into a non-empty directory")
     p.add_argument("--export-hf", default=None, metavar="DIR",
                    help="after the last step, write the trained fp32 weights as a Hugging Face model "
                    "directory (config.json + model.safetensors) that transformers' from_pretrained loads; "

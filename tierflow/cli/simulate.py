@@ -23,6 +23,7 @@ from tierflow.cli.planfiles import write_plan_file
 from tierflow.cli.tables import summary_table
 from tierflow.errors import UsageError
 from tierflow.hwprofiles import HardwareProfile, load_hw
+from tierflow.outputs import check_output_dir, check_output_file
 from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.placement import Placement, parse_placement
 from tierflow.planner.core.schedules import FAMILIES, RUNTIMES, ScheduleConfig, make_schedule
@@ -67,7 +68,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--iterations", type=positive_int(MAX_ITERATIONS), default=3,
                    help="iterations simulated (default 3; the one before the last is reported)")
     s.add_argument("--json", action="store_true", help="print the results as JSON")
-    s.add_argument("--out", default=None, help="write timeline.csv, trace.json (Perfetto) and gantt.png here")
+    s.add_argument("--out", default=None, help="write timeline.csv, trace.json (Perfetto) and gantt.png here "
+                   "(a new or empty directory, or pass --overwrite)")
+    s.add_argument("--overwrite", action="store_true",
+                   help="let --out write into a directory that is not empty (its files of the same names are "
+                   "replaced)")
     s.add_argument("--plan", default=None, help="replay a plan file written by `tierflow plan` instead")
     s.add_argument("--swap-layers", type=non_negative_int(), default=0,
                    help="the last N layers keep (and swap out) their activations instead of recomputing")
@@ -79,11 +84,20 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return s
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """--out and --write-plan, checked before anything is simulated (tierflow.outputs)."""
+    if args.out:
+        check_output_dir(args.out, "--out", overwrite=args.overwrite)
+    if args.write_plan:
+        check_output_file(args.write_plan, "--write-plan")
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.plan:
-        return simulate_plan_file(args)
     if args.ds_config:
         return dsconfig.simulate_ds_config(args)
+    check_outputs(args)
+    if args.plan:
+        return simulate_plan_file(args)
     model = in_precision(get_model(args.model), args)
     if args.seq is not None:
         model = model.with_seq(args.seq)
@@ -194,7 +208,7 @@ def _print_text(args: argparse.Namespace, model: ModelSpec, hw: HardwareProfile,
         worst = min(ok, key=lambda f: ok[f].tokens_per_s)
         print(f"\nfastest: {best} ({ok[best].tokens_per_s / ok[worst].tokens_per_s:.2f}x {worst})")
     print("model TFLOPS = tokens x (6 x matmul params + 12 x layers x q_dim x seq) / time; "
-          "hardware TFLOPS adds the recompute forward")
+          "hardware TFLOPS adds the recompute forward, attention's causal half only")
     if args.out:
         where = (f"{args.out}/<schedule>/ for each of {', '.join(ok)}" if len(results) > 1 else args.out)
         print(f"wrote timeline.csv, trace.json, gantt.png under {where}")
