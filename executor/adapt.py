@@ -19,6 +19,7 @@ step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -35,14 +36,16 @@ import torch
 from tierflow.executor.checkpoint import candidates, read_manifest
 from tierflow.executor.device.factory import make_backend
 from tierflow.executor.dist import init_world, rank_device
-from tierflow.executor.engine import Hyper
 from tierflow.executor.run import (
     RunOptions,
     RunResult,
     RunStopped,
+    check_run_outputs,
     cmd_run,
     leave_world,
+    run_options,
     run_plan,
+    train_hyper,
     write_run_outputs,
 )
 from tierflow.executor.tiers.state import StateError
@@ -212,13 +215,10 @@ def _run_options(args: argparse.Namespace, steps: int, checkpoint_dir: str, plan
     """`tierflow run`'s options for one part of the run: checkpoints every --checkpoint-every steps (default
     the plan's iterations) when the user gave --checkpoint-dir; --out is written once, at the end."""
     every = (args.checkpoint_every or plan.graph.num_iterations) if args.checkpoint_dir else 0
-    return RunOptions(steps=steps, device=args.device, ssd_dir=args.ssd_dir, data=args.data,
-                      data_format=args.data_format, init=args.init, checkpoint_dir=checkpoint_dir,
-                      checkpoint_every=every, out=None,
-                      hyper=Hyper(lr=args.lr, weight_decay=args.weight_decay), seed=args.seed,
-                      quiet=args.json, resume_fallback=args.resume_fallback,
-                      allow_changed_hyper=args.allow_changed_hyper,
-                      compute_dtype=getattr(args, "compute_dtype", None))
+    # the optimizer, schedule (over the whole run's --steps), data and evaluation settings of `tierflow run`
+    whole = run_options(args, train_hyper(args))
+    return dataclasses.replace(whole, steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=every,
+                               out=None, export_hf=None, profile=False, quiet=args.json)
 
 
 def _resumed_step(directory: str) -> int:
@@ -297,6 +297,7 @@ def cmd_adapt(args: argparse.Namespace) -> int:
     opts = AdaptOptions(warmup=args.adapt_warmup, threshold=args.adapt_threshold, margin=args.adapt_margin,
                         time_limit_s=args.adapt_time_limit, fit_evaluations=args.adapt_fit_evaluations)
     try:
+        check_run_outputs(args)  # before any step, as tierflow run does
         plan = load_plan(args.plan)
         simulate_plan(plan)
         out = adapt_run(plan, args, opts)
