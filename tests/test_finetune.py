@@ -248,15 +248,16 @@ def trainer_losses(model_name: str, h: TrainHyper, steps: int) -> tuple[list[flo
     return [sum(micro[k * M:(k + 1) * M]) / M for k in range(steps)], decays
 
 
-def test_trainer_gives_the_same_losses():
+@pytest.mark.parametrize("name", ["tiny-gpt", "tiny-llama"])
+def test_trainer_gives_the_same_losses(name):
     """A Hugging Face Trainer run (accelerate) of the same training: its decay groups are tierflow's and its
     per-step losses equal the plain loop's (which equal tierflow's, above) within 1e-5 relative."""
     h = TrainHyper(lr=3e-3, schedule="cosine", warmup_steps=4, total_steps=STEPS, clip_grad_norm=1.0)
-    got, decays = trainer_losses("tiny-llama", h, STEPS)
-    model = get_model("tiny-llama")
+    got, decays = trainer_losses(name, h, STEPS)
+    model = get_model(name)
     ref = BlockModel(model, build_blocks(model))
     assert decays == {n for n, _p in ref.named_parameters() if decayed(n.split(".", 2)[2])}
-    want, _ = reference("tiny-llama", h)
+    want, _ = reference(name, h)
     for i, (a, b) in enumerate(zip(got, want)):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {i + 1}: Trainer {a} vs plain {b}"
 
