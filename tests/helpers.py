@@ -51,3 +51,17 @@ def splits(draw, gpu: bool = True):
     g = draw(st.integers(0, 4)) if gpu else 0
     c = draw(st.integers(0, 4 - g))
     return Split(g / 4, c / 4, (4 - g - c) / 4)
+
+
+def accumulate_gradients(ref, x, y, micro: int) -> float:
+    """One step's forward and backward of a plain PyTorch model over the micro-batches of `micro` rows of
+    (x, y), the gradients averaged as the executor accumulates them; returns the step's mean loss."""
+    from tierflow.executor.models import loss as lm_loss
+
+    M = len(x) // micro
+    total = 0.0
+    for m in range(M):
+        loss = lm_loss(ref(x[m * micro:(m + 1) * micro]), y[m * micro:(m + 1) * micro])
+        (loss / M).backward()
+        total += loss.item() / M
+    return total

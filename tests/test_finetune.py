@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import accumulate_gradients
 from test_executor import HW, SEQ, decay_groups, make_plan, rel_err, run
 from transformers import get_scheduler
 
@@ -47,15 +48,10 @@ def reference(model_name: str, h: TrainHyper, steps: int = STEPS):
     sched = get_scheduler(h.schedule, opt, num_warmup_steps=h.warmup_steps, num_training_steps=steps)
     data = TokenData.load(None, model.vocab_size, seed=0)
     losses, prev_norm = [], None
-    M = BATCH // MICRO
     for s in range(steps):
         x, y = data.batch(s, BATCH, SEQ)
         opt.zero_grad()
-        total = 0.0
-        for m in range(M):
-            loss = lm_loss(ref(x[m * MICRO:(m + 1) * MICRO]), y[m * MICRO:(m + 1) * MICRO])
-            (loss / M).backward()
-            total += loss.item() / M
+        total = accumulate_gradients(ref, x, y, MICRO)
         if h.clip_grad_norm and h.clip == "global":
             torch.nn.utils.clip_grad_norm_(ref.parameters(), h.clip_grad_norm)
         elif h.clip_grad_norm:  # delayed: the previous step's norm

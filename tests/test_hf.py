@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import accumulate_gradients
 
 from tierflow.planner.core.models import ModelError, find_cached_config, get_model, hf_cache_dir
 
@@ -122,7 +123,6 @@ from tierflow.executor.data import TokenData  # noqa: E402
 from tierflow.executor.decay import decayed  # noqa: E402
 from tierflow.executor.engine import Hyper  # noqa: E402
 from tierflow.executor.models import BlockModel, build_blocks  # noqa: E402
-from tierflow.executor.models import loss as lm_loss  # noqa: E402
 from tierflow.executor.run import RunOptions, run_plan  # noqa: E402
 from tierflow.executor.tiers.state import BlockLayout  # noqa: E402
 from tierflow.hwprofiles import load_profile  # noqa: E402
@@ -172,15 +172,11 @@ def reference_losses(spec):
     opt = torch.optim.AdamW(decay_groups(ref, HYPER.weight_decay), lr=HYPER.lr,
                             betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps)
     data = TokenData.load(None, spec.vocab_size, seed=0)
-    losses, M = [], BATCH // MICRO
+    losses = []
     for s in range(STEPS):
         x, y = data.batch(s, BATCH, SEQ)
         opt.zero_grad()
-        total = 0.0
-        for m in range(M):
-            loss = lm_loss(ref(x[m * MICRO:(m + 1) * MICRO]), y[m * MICRO:(m + 1) * MICRO])
-            (loss / M).backward()
-            total += loss.item() / M
+        total = accumulate_gradients(ref, x, y, MICRO)
         opt.step()
         losses.append(total)
     return losses
