@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -70,6 +71,17 @@ def sources(path: str) -> list[Path]:
 
 def has_tokenizer(directory: str) -> bool:
     return any((Path(directory) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def copy_tokenizer(directory: str, to: str | Path) -> list[str]:
+    """The tokenizer files of `directory` copied beside an exported model (so that transformers loads model
+    and tokenizer from one folder); returns the names copied."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(directory) / name).is_file():
+            shutil.copyfile(Path(directory) / name, Path(to) / name)
+            copied.append(name)
+    return copied
 
 
 def load_tokenizer(directory: str | None, data: str):

@@ -48,7 +48,7 @@ from tierflow.executor.checkpoint import (
     training_digest,
 )
 from tierflow.executor.clipping import GradNorms
-from tierflow.executor.corpus import TEXT_SUFFIXES, Fields, has_tokenizer, is_corpus, tokenize
+from tierflow.executor.corpus import TEXT_SUFFIXES, Fields, copy_tokenizer, has_tokenizer, is_corpus, tokenize
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device.base import DeviceBackend, TierOutOfMemory
 from tierflow.executor.device.factory import make_backend
@@ -666,9 +666,11 @@ def _finish(tr: _Training) -> RunResult:
                 + ("" if tr.world.single else " (rank 0's ops)"))
     if opts.export_hf:
         path = export_trained(state, opts.export_hf)  # a collective with several ranks; rank 0 writes
+        tok = opts.tokenizer or (opts.init if opts.init and has_tokenizer(opts.init) else None)
+        names = copy_tokenizer(tok, path) if tok and tr.lead else []  # the model's tokenizer beside it
         if not tr.quiet:
             log(f"  exported the fp32 weights after step {tr.step} to {path} (config.json, "
-                "model.safetensors)")
+                f"model.safetensors{''.join(', ' + n for n in names)})")
     res = tr.result()
     if opts.collect_final:
         res.final_master = state.master_blocks()

@@ -239,13 +239,29 @@ def test_cli_export_hf_writes_after_the_last_step(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     write_plan(make_plan(FAMILIES["opt"]), plan)
     (tmp_path / "ssd").mkdir()
+    tok = tmp_path / "tok"  # the model's tokenizer (--tokenizer, or --init's): exported beside the weights
+    _tiny_tokenizer(tok)
     rc = main(["run", str(plan), "--steps", "2", "--device", "cpu", "--ssd-dir", str(tmp_path / "ssd"),
-               "--export-hf", str(tmp_path / "out")])
+               "--export-hf", str(tmp_path / "out"), "--tokenizer", str(tok)])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "exported the fp32 weights after step 2" in text
+    assert "exported the fp32 weights after step 2" in text and "tokenizer.json" in text
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["model_type"] == "opt" and config["do_layer_norm_before"] is True
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).encode("x = 1") == \
+        AutoTokenizer.from_pretrained(str(tok)).encode("x = 1")
+
+
+def _tiny_tokenizer(directory: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([Path(json.__file__).read_text()], trainers.BpeTrainer(vocab_size=120))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(directory)
 
 
 def test_plans_of_the_new_families_follow_the_plan_schema(tmp_path):
