@@ -206,7 +206,7 @@ def test_finetune_experiment_quick(tmp_path):
     assert rows[-1]["tierflow_loss"] < rows[0]["tierflow_loss"]
 
 
-def trainer_losses(model_name: str, h: TrainHyper, steps: int) -> tuple[list[float], set[str]]:
+def trainer_losses(model_name: str, h: TrainHyper, steps: int, out_dir: Path) -> tuple[list[float], set[str]]:
     """Hugging Face's Trainer on the same blocks, data order (a sequential sampler over the steps' sequences),
     schedule, clipping and AdamW settings: its per-step losses (unrounded) and the parameters it decays."""
     from transformers import Trainer, TrainingArguments
@@ -230,7 +230,7 @@ def trainer_losses(model_name: str, h: TrainHyper, steps: int) -> tuple[list[flo
             micro.append(loss.item())
             return loss
 
-    args = TrainingArguments(output_dir="/tmp/tierflow-trainer-test", per_device_train_batch_size=MICRO,
+    args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=MICRO,
                              gradient_accumulation_steps=BATCH // MICRO, max_steps=steps, learning_rate=h.lr,
                              adam_beta1=h.beta1, adam_beta2=h.beta2, adam_epsilon=h.eps,
                              weight_decay=h.weight_decay, lr_scheduler_type=h.schedule,
@@ -245,11 +245,11 @@ def trainer_losses(model_name: str, h: TrainHyper, steps: int) -> tuple[list[flo
 
 
 @pytest.mark.parametrize("name", ["tiny-gpt", "tiny-llama"])
-def test_trainer_gives_the_same_losses(name):
+def test_trainer_gives_the_same_losses(name, tmp_path):
     """A Hugging Face Trainer run (accelerate) of the same training: its decay groups are tierflow's and its
     per-step losses equal the plain loop's (which equal tierflow's, above) within 1e-5 relative."""
     h = TrainHyper(lr=3e-3, schedule="cosine", warmup_steps=4, total_steps=STEPS, clip_grad_norm=1.0)
-    got, decays = trainer_losses(name, h, STEPS)
+    got, decays = trainer_losses(name, h, STEPS, tmp_path)
     model = get_model(name)
     ref = BlockModel(model, build_blocks(model))
     assert decays == {n for n, _p in ref.named_parameters() if decayed(n.split(".", 2)[2])}
