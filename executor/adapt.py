@@ -211,12 +211,11 @@ def decide(plan: Plan, first: RunResult, step: int, opts: AdaptOptions) -> tuple
     return d, None
 
 
-def _run_options(args: argparse.Namespace, steps: int, checkpoint_dir: str, plan: Plan) -> RunOptions:
-    """`tierflow run`'s options for one part of the run: checkpoints every --checkpoint-every steps (default
-    the plan's iterations) when the user gave --checkpoint-dir; --out is written once, at the end."""
+def _run_options(whole: RunOptions, args: argparse.Namespace, steps: int, checkpoint_dir: str,
+                 plan: Plan) -> RunOptions:
+    """`tierflow run`'s options (`whole`) for one part of the run: checkpoints every --checkpoint-every steps
+    (default the plan's iterations) when the user gave --checkpoint-dir; --out is written once, at the end."""
     every = (args.checkpoint_every or plan.graph.num_iterations) if args.checkpoint_dir else 0
-    # the optimizer, schedule (over the whole run's --steps), data and evaluation settings of `tierflow run`
-    whole = run_options(args, train_hyper(args))
     return dataclasses.replace(whole, steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=every,
                                out=None, export_hf=None, profile=False, quiet=args.json)
 
@@ -240,14 +239,17 @@ def adapt_run(plan: Plan, args: argparse.Namespace, opts: AdaptOptions, log=prin
     world = init_world(ranks, make_backend(rank_device(args.device, ranks), args.seed).device)
     tmp = None if args.checkpoint_dir or world.rank else tempfile.mkdtemp(prefix="tierflow-adapt-")
     ck = world.broadcast(args.checkpoint_dir or tmp)
+    # the optimizer, schedule (over the whole run's --steps), data and evaluation settings of `tierflow run`,
+    # read once (a --ds-config's notes printed once)
+    whole = run_options(args, train_hyper(args))
     try:
         warm = min(_resumed_step(ck) + opts.warmup, args.steps)  # the warm-up counts from a resumed step
-        o1 = _run_options(args, warm, ck, plan)
+        o1 = _run_options(whole, args, warm, ck, plan)
         o1.checkpoint_every = warm  # the warm-up ends with a checkpoint: the switch resumes it
         first = run_plan(plan, o1)
         decisions, chosen, second = [], plan, None
         if first.measured is None and args.steps > warm:  # nothing measured (resumed at the end of it)
-            second = run_plan(plan, _run_options(args, args.steps, ck, plan))
+            second = run_plan(plan, _run_options(whole, args, args.steps, ck, plan))
         elif args.steps > warm:
             t0 = time.perf_counter()
             d, new = world.broadcast(decide(plan, first, warm, opts) if world.rank == 0 else None)
@@ -259,7 +261,7 @@ def adapt_run(plan: Plan, args: argparse.Namespace, opts: AdaptOptions, log=prin
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 write_plan(new, Path(args.out) / "adapted_plan.json")
             t1 = time.perf_counter()
-            second = run_plan(chosen, _run_options(args, args.steps, ck, chosen))
+            second = run_plan(chosen, _run_options(whole, args, args.steps, ck, chosen))
             # the decision (fit, re-plan) and the second run's time outside its steps: building the state,
             # loading the checkpoint onto the new plan's tiers, starting the workers, and the end of the run
             d.decide_s = t1 - t0

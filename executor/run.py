@@ -426,11 +426,16 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
     return _finish(tr)
 
 
+def tokenizer_dir(opts: RunOptions) -> str | None:
+    """The model's tokenizer: --tokenizer, else the --init directory when it has one."""
+    return opts.tokenizer or (opts.init if opts.init and has_tokenizer(opts.init) else None)
+
+
 def load_data(path: str | None, opts: RunOptions, vocab_size: int) -> TokenData:
     """--data (or --val-data): tokenized with the model's tokenizer (corpus.py) when it is JSON Lines,
     Parquet or a directory, or text and a tokenizer is given (--tokenizer, or an --init directory that has
     one); else as data.py reads it (uint16 tokens, byte-level text, synthetic)."""
-    tok = opts.tokenizer or (opts.init if opts.init and has_tokenizer(opts.init) else None)
+    tok = tokenizer_dir(opts)
     fmt = opts.data_format
     text = fmt == "auto" and tok is not None and Path(path or "").suffix in TEXT_SUFFIXES
     if path is not None and fmt != "text" and (is_corpus(path, fmt) or text):
@@ -666,7 +671,7 @@ def _finish(tr: _Training) -> RunResult:
                 + ("" if tr.world.single else " (rank 0's ops)"))
     if opts.export_hf:
         path = export_trained(state, opts.export_hf)  # a collective with several ranks; rank 0 writes
-        tok = opts.tokenizer or (opts.init if opts.init and has_tokenizer(opts.init) else None)
+        tok = tokenizer_dir(opts)
         names = copy_tokenizer(tok, path) if tok and tr.lead else []  # the model's tokenizer beside it
         if not tr.quiet:
             log(f"  exported the fp32 weights after step {tr.step} to {path} (config.json, "
