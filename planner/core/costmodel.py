@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 
 from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.compute import delivered_compute, kernels
 from tierflow.planner.core.workload import BlockCost, Gemm
 from tierflow.planner.core.world import SINGLE, World
 
@@ -259,6 +260,8 @@ class CostModel:
         self.attention_eff = g.attention_efficiency if g.attention_efficiency is not None else 1.0
         self.activation_bps = g.activation_gbps * 1e9 if g.activation_gbps is not None else self.hbm_bps
         self.rates = link_rates(hw, world)
+        # the GPU kernel by kernel where the profile has a compute section (tierflow.planner.core.compute)
+        self.delivered = delivered_compute(hw.compute, self.peak_flops, self.gemm_eff, self.hbm_bps)
 
     # ---- GPU compute ---------------------------------------------------------------------------------------
 
@@ -267,35 +270,50 @@ class CostModel:
         return self.gemm_eff * flops / (flops + self.half_flops)
 
     def gemm_s(self, g: Gemm) -> float:
+        if self.delivered is not None:
+            return self.delivered.gemm_s(g)
         one = Gemm(g.m, g.n, g.k)
         t = max(one.flops / (self.peak_flops * self.efficiency(one.flops)), one.bytes / self.hbm_bps)
         return t * g.count
 
-    def attention_s(self, flops: float) -> float:
+    def attention_s(self, flops: float, backward: bool = False) -> float:
+        """Causal attention of `flops` (the convention's forward FLOPs; the backward does twice the work)."""
         work = flops * CAUSAL_ATTENTION_WORK
-        return 0.0 if work <= 0 else work / (self.peak_flops * self.efficiency(work) * self.attention_eff)
+        passes = 2 if backward else 1
+        delivered = None if self.delivered is None else self.delivered.attention_s(passes * work, backward)
+        if delivered is not None:
+            return delivered
+        if work <= 0:
+            return 0.0
+        return passes * work / (self.peak_flops * self.efficiency(work) * self.attention_eff)
 
     def elementwise_s(self, nbytes: float, activation_bytes: float = 0.0) -> float:
         """Non-GEMM kernels moving `nbytes`, of which `activation_bytes` through the activation function."""
         return (nbytes - activation_bytes) / self.hbm_bps + activation_bytes / self.activation_bps
 
     def forward_s(self, block: BlockCost) -> float:
-        return (
+        device = (
             sum(self.gemm_s(g) for g in block.fwd_gemms)
             + self.attention_s(block.attn_fwd_flops)
             + self.elementwise_s(block.fwd_elementwise_bytes, block.fwd_activation_bytes)
-            + self.op_overhead_s
         )
+        return self._launched(device, block, False) + self.op_overhead_s
 
     def backward_s(self, block: BlockCost) -> float:
         """Backward = two GEMMs per forward GEMM (data and weight gradient), 2x the attention, 2x
         elementwise."""
-        return (
+        device = (
             2 * sum(self.gemm_s(g) for g in block.fwd_gemms)
-            + 2 * self.attention_s(block.attn_fwd_flops)
+            + self.attention_s(block.attn_fwd_flops, backward=True)
             + 2 * self.elementwise_s(block.fwd_elementwise_bytes, block.fwd_activation_bytes)
-            + self.op_overhead_s
         )
+        return self._launched(device, block, True) + self.op_overhead_s
+
+    def _launched(self, device_s: float, block: BlockCost, backward: bool) -> float:
+        """A pass's device time, or its kernels' launches where modelled and longer."""
+        if self.delivered is None:
+            return device_s
+        return self.delivered.launch_bound_s(device_s, kernels(block, backward))
 
     def gpu_adam_s(self, params: float) -> float:
         return params * GPU_ADAM_BYTES_PER_PARAM / self.hbm_bps + self.op_overhead_s
