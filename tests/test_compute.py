@@ -87,3 +87,13 @@ def test_never_faster_than_the_large_gemm_rate_or_the_bytes(m, n, k):
     assert t >= g.bytes / cm.hbm_bps * (1 - 1e-9)
     # more rows never take less time (tiles only add)
     assert cm.gemm_s(Gemm(m + 1, n, k)) >= t * (1 - 1e-9)
+
+
+def test_the_launch_probe_measures_a_per_op_cost_that_grows_with_the_ops():
+    from tierflow.executor.calibration.compute_ops import measure_kernel_launch
+
+    out = measure_kernel_launch("cpu", ops=400, repeats=3)
+    lo, hi = out["spread_us"]
+    assert 0 < lo <= out["kernel_launch_us"] <= hi < 1000  # torch's CPU dispatch: about a microsecond or more
+    with pytest.raises(ValueError):
+        measure_kernel_launch("cpu", ops=0)

@@ -513,4 +513,5 @@ def test_to_dict_is_a_deep_copy_safe_structure():
     d["gpu"]["memory_gib"] = 1
     assert p.gpu.memory_gib == 24
     assert profile_from_dict(d2) == p
-    assert list(d) == ["schema_version", "name", "description", "gpu", "pcie", "cpu", "ssd", "price", "compute"]
+    assert list(d) == ["schema_version", "name", "description", "gpu", "pcie", "cpu", "ssd", "price",
+                       "compute"]
