@@ -26,6 +26,7 @@ from tierflow.planner.core.clock import Clock, Offset
 from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused, topological_order
 from tierflow.planner.core.memory import (
+    DS_REDUCE_BUCKET_ELEMS,
     blocks_of,
     host_reserve_bytes,
     schedule_memory,
@@ -414,6 +415,18 @@ class _OptChain:
     thread_last: Task | None = None  # LoHan: the thread's last wait
 
 
+@dataclass
+class _DsGrad:
+    """A block's gradient waiting in DeepSpeed's IPG bucket (_Builder._ds_grad_bucket)."""
+
+    src: Task  # the task that produced it
+    block: int
+    wire_bytes_per_param: float  # bytes per parameter its copy to the host moves
+    gpu_bytes: float  # its GPU buffer, freed by the copy
+    grad_last: dict  # the iteration's block -> final-gradient tasks
+    host_grad_alloc: set  # the iteration's blocks whose host gradient buffer is allocated
+
+
 class _Builder:
     def __init__(self, model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig):
         self.model, self.hw, self.cfg = model, hw, cfg
@@ -436,6 +449,10 @@ class _Builder:
         # block -> tasks that refresh its GPU-resident weights
         self.resident_update: dict[int, list[int]] = {}
         self.states_written: dict[tuple[int, str], list[int]] = {}  # (block, part) -> SSD write of its states
+        # runtime deepspeed: the open gradient bucket (its blocks' offloads, not yet issued) and the offloads
+        # of the last backward, which the host waits for before the next forward (_ds_grad_bucket)
+        self.ds_bucket: list[_DsGrad] = []
+        self.ds_epilogue: list[int] = []
 
     # -- helpers ---------------------------------------------------------------------------------------------
 
@@ -620,6 +637,9 @@ class _Builder:
                 deps += self.fetch_weights(st.use, it)
             elif use.ready_task is not None:
                 deps.append(use.ready_task.id)
+            if st.phase == "F" and st.block == 0 and self.ds_epilogue:
+                deps += self.ds_epilogue  # DeepSpeed's host waited for the last backward's gradient stream
+                self.ds_epilogue = []
             if st.phase == "F":
                 last = self._forward_step(s, i, st, deps)
             elif st.phase == "H":
@@ -762,13 +782,57 @@ class _Builder:
         if p.grads.gpu == 1.0 and k != self.cur_last_step[b]:
             return
         src = t if self.W == 1 else self._reduce_scatter(t, b, it)
-        d2h = g.add(OFFLOAD_GRADS, "d2h", GRAD_WIRE_BYTES * self.shard(blk.fetch_params), tensor="grads",
+        if self.cfg.runtime == "deepspeed":
+            self._ds_grad_bucket(t, src, b, k, grad_gpu_bytes, grad_last, host_grad_alloc)
+            return
+        self._offload_grads(t, src, b, it, GRAD_WIRE_BYTES, grad_gpu_bytes, grad_last, host_grad_alloc)
+
+    def _offload_grads(self, t: Task, src: Task, b: int, it: int, bytes_per_param: float,
+                       grad_gpu_bytes: float, grad_last: dict, host_grad_alloc: set) -> Task:
+        """Block b's gradient to the host after `src` (keyed after `t`), its GPU buffer freed."""
+        g, blk = self.g, self.blocks[b]
+        d2h = g.add(OFFLOAD_GRADS, "d2h", bytes_per_param * self.shard(blk.fetch_params), tensor="grads",
                     block=b, mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[src.id])
         g.free(d2h, "gpu", grad_gpu_bytes)
         if b not in host_grad_alloc:
             host_grad_alloc.add(b)
             g.alloc(d2h, "cpu", GRAD_ACCUM_BYTES * self.shard(blk.fetch_params))
         grad_last[b] = [d2h.id]
+        return d2h
+
+    def _ds_grad_bucket(self, t: Task, src: Task, b: int, k: int, grad_gpu_bytes: float, grad_last: dict,
+                        host_grad_alloc: set) -> None:
+        """DeepSpeed ZeRO-3 with the optimizer offloaded, as its code runs: a gradient joins the IPG bucket
+        (reduce_bucket_size elements, 5e8 by default); when the next one would overflow it, the bucket's
+        partitions are copied to the host on the reduce-and-partition stream, and at the end of every
+        backward (the epilogue) the rest are, and the host waits for that stream before it goes on
+        (stage3.py: reduce_independent_p_g_buckets_and_remove_grads, __reduce_and_partition_ipg_grads,
+        independent_gradient_partition_epilogue). At the accumulation boundary (the iteration's last
+        micro-batch) each partition is also copied to the optimizer's fp32 gradient: 4 B more per parameter
+        (partition_grads -> _offload_grad_partition_at_boundary). Not modelled: the copy back of the 16-bit
+        partition to the GPU after each copy out (partition_grads: grad_buffer.to(device)), an H2D of 2 B per
+        parameter and micro-batch."""
+        elems = self.blocks[b].fetch_params
+        open_elems = sum(self.blocks[x.block].fetch_params for x in self.ds_bucket)
+        if self.ds_bucket and open_elems + elems > DS_REDUCE_BUCKET_ELEMS:
+            self._ds_flush(t)  # the full bucket leaves once this gradient is ready
+        boundary = k == self.cur_last_step[b]  # the block's last micro-batch of the iteration
+        wire = GRAD_WIRE_BYTES + (GRAD_ACCUM_BYTES if boundary else 0)
+        self.ds_bucket.append(_DsGrad(src, b, wire, grad_gpu_bytes, grad_last, host_grad_alloc))
+        if b == 0:  # the backward's last block: the epilogue flushes the rest and the host waits
+            self.ds_epilogue = self._ds_flush(t)
+
+    def _ds_flush(self, t: Task) -> list[int]:
+        """Issue the open bucket's offloads after `t` (one after the other on the copy stream)."""
+        out = []
+        for x in self.ds_bucket:
+            d2h = self._offload_grads(t, x.src, x.block, t.iteration, x.wire_bytes_per_param, x.gpu_bytes,
+                                      x.grad_last, x.host_grad_alloc)
+            if t.id != x.src.id:
+                d2h.deps.append(t.id)
+            out.append(d2h.id)
+        self.ds_bucket = []
+        return out
 
     def _reduce_scatter(self, t: Task, b: int, it: int) -> Task:
         """The ranks' gradients of block b summed, this rank's shard kept (a ring reduce-scatter after

@@ -1,0 +1,70 @@
+"""DeepSpeed's gradient path as its ZeRO-3 code runs it (runtime deepspeed): gradients leave in buckets of
+reduce_bucket_size elements, the last at the end of each backward, and the host waits for them before the
+next micro-batch's forward; the final gradient is also copied to the optimizer's fp32 one."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierflow.hwprofiles import load_profile
+from tierflow.planner.core import schedules
+from tierflow.planner.core.models import get_model
+from tierflow.planner.core.opkinds import BWD, FWD, OFFLOAD_GRADS
+from tierflow.planner.core.placement import Placement
+from tierflow.planner.core.schedules import build_graph, make_schedule
+
+
+def _graph(runtime: str, batch: int = 4):
+    m, hw = get_model("tiny-gpt"), load_profile("rtx4090-lohan")
+    cfg = make_schedule("horizontal", m, hw, batch=batch, micro_batch=1, seq=32,
+                        placement=Placement.uniform("cpu"), runtime=runtime, iterations=1)
+    return build_graph(m, hw, cfg).tasks
+
+
+def _ancestors(tasks, tid: int) -> set[int]:
+    seen, todo = set(), [tid]
+    while todo:
+        for d in tasks[todo.pop()].deps:
+            if d >= 0 and d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return seen
+
+
+def test_the_next_forward_waits_for_the_last_backward_s_gradients():
+    tasks = _graph("deepspeed")
+    for mb in range(1, 4):
+        first_fwd = next(t for t in tasks if t.kind == FWD and t.mb == mb and t.block == 0)
+        before = _ancestors(tasks, first_fwd.id)
+        offloads = [t.id for t in tasks if t.kind == OFFLOAD_GRADS and
+                    any(tasks[d].mb == mb - 1 for d in t.deps if d >= 0)]
+        assert offloads and set(offloads) <= before
+    # the ideal runtime lets the next forward start while the gradients still cross
+    ideal = _graph("ideal")
+    first_fwd = next(t for t in ideal if t.kind == FWD and t.mb == 1 and t.block == 0)
+    assert not any(ideal[d].kind == OFFLOAD_GRADS for d in _ancestors(ideal, first_fwd.id))
+
+
+def test_a_small_model_s_gradients_leave_in_the_epilogue():
+    tasks = _graph("deepspeed")
+    for t in tasks:
+        if t.kind == OFFLOAD_GRADS:
+            # every block's offload waits for the micro-batch's last backward step: the embedding's
+            waits = [tasks[d] for d in t.deps if d >= 0]
+            assert any(w.kind == BWD and w.block == 0 for w in waits), t.label
+
+
+def test_a_full_bucket_leaves_during_the_backward(monkeypatch):
+    layer = get_model("tiny-gpt").layer_params()
+    monkeypatch.setattr(schedules, "DS_REDUCE_BUCKET_ELEMS", 2 * layer)  # two layers a bucket
+    tasks = _graph("deepspeed")
+    early = [t for t in tasks if t.kind == OFFLOAD_GRADS and t.mb == -1
+             and not any(tasks[d].kind == BWD and tasks[d].block == 0 for d in t.deps if d >= 0)]
+    assert early  # some buckets close before the backward reaches the embedding
+
+
+def test_the_boundary_adds_the_fp32_copy():
+    d2h = sum(t.work for t in _graph("deepspeed", batch=2) if t.kind == OFFLOAD_GRADS)
+    ideal = sum(t.work for t in _graph("ideal", batch=2) if t.kind == OFFLOAD_GRADS)
+    fetch = ideal / 2 / 2  # 2 micro-batches x 2 B per parameter
+    assert d2h == pytest.approx(ideal + 4 * fetch)
