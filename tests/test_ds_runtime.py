@@ -68,3 +68,47 @@ def test_the_boundary_adds_the_fp32_copy():
     ideal = sum(t.work for t in _graph("ideal", batch=2) if t.kind == OFFLOAD_GRADS)
     fetch = ideal / 2 / 2  # 2 micro-batches x 2 B per parameter
     assert d2h == pytest.approx(ideal + 4 * fetch)
+
+
+def _ds_nvme(pipeline: dict):
+    from tierflow.planner.io.dsconfig import parse_ds_config
+
+    m, hw = get_model("tiny-gpt"), load_profile("rtx4090-lohan")
+    cfg = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", **pipeline}}}
+    ds = parse_ds_config(cfg, "ds.json", m)
+    return m, hw, ds, ds.schedule(m, hw, seq=32)
+
+
+@pytest.mark.parametrize("pipeline", [{}, {"pipeline_read": True}, {"pipeline_write": True},
+                                      {"pipeline_read": True, "pipeline_write": True}])
+def test_the_optimizer_swapper_pipelines_as_configured(pipeline):
+    from tierflow.planner.core.opkinds import ADAM, READ_OPT_STATES, WRITE_OPT_STATES
+
+    m, hw, ds, sched = _ds_nvme(pipeline)
+    assert not any("pipeline" in x for x in ds.not_modelled)
+    assert (sched.ds_pipeline_read, sched.ds_pipeline_write) == (bool(pipeline.get("pipeline_read")),
+                                                                  bool(pipeline.get("pipeline_write")))
+    tasks = build_graph(m, hw, sched).tasks
+    reads = [t for t in tasks if t.kind == READ_OPT_STATES and t.iteration == 1]
+    assert len(reads) >= 3
+    for r in reads[1:]:
+        waits = {tasks[d].kind for d in r.deps if d >= 0
+                 and (tasks[d].kind != WRITE_OPT_STATES or tasks[d].iteration == r.iteration)}
+        # without pipeline_read a sub-group's states are read after the previous sub-group's step
+        assert (ADAM in waits) != sched.ds_pipeline_read
+        assert (READ_OPT_STATES in waits) == sched.ds_pipeline_read
+        # without pipeline_write, after the previous sub-group's states were written back (this iteration)
+        assert (WRITE_OPT_STATES in waits) != sched.ds_pipeline_write
+    assert sched.to_dict().get("ds_pipeline_read", False) == sched.ds_pipeline_read
+
+
+def test_pipelining_never_slows_the_step():
+    from tierflow.planner.core.simulate import simulate_config
+
+    times = []
+    for pipeline in ({}, {"pipeline_read": True, "pipeline_write": True}):
+        m, hw, _, sched = _ds_nvme(pipeline)
+        times.append(simulate_config(m, hw, sched).iteration_s)
+    assert times[1] <= times[0] * (1 + 1e-9)

@@ -113,6 +113,10 @@ class ScheduleConfig:
     runtime: str = "ideal"  # how transfers overlap: RUNTIMES
     gpus: int = 1  # data-parallel ranks per box (tierflow.planner.core.world)
     nodes: int = 1  # boxes
+    # runtime deepspeed, offload_optimizer.pipeline_read / pipeline_write: the next sub-group's states are
+    # read while this one steps / this one's are written while the next steps (_Builder._read_states)
+    ds_pipeline_read: bool = False
+    ds_pipeline_write: bool = False
 
     @property
     def world(self) -> World:
@@ -153,6 +157,8 @@ class ScheduleConfig:
             "iterations": self.iterations, "runtime": self.runtime, "placement": self.placement.as_dict(),
             # one rank: left out, so that one-GPU plans and their digests stay as they were
             **({"gpus": self.gpus, "nodes": self.nodes} if self.world.ranks != 1 else {}),
+            # DeepSpeed's optimizer pipelining: only when set, so that other plans' digests stay as they were
+            **{k: True for k in ("ds_pipeline_read", "ds_pipeline_write") if getattr(self, k)},
         }
 
     @classmethod
@@ -411,6 +417,7 @@ class _OptChain:
 
     prev_main: int = -1  # the previous block's main CPU Adam step
     prev_write: int = -1  # DeepSpeed: a sub-group's states are read only after the previous one's are written
+    prev_read: int = -1  # DeepSpeed with pipeline_read: the previous sub-group's read
     unwaited_write: Task | None = None  # LoHan: the write-back the thread issues at the next boundary
     thread_last: Task | None = None  # LoHan: the thread's last wait
 
@@ -934,13 +941,22 @@ class _Builder:
         optimizer swapper (pipeline_read/write off) reads, steps and writes one sub-group after the other
         (partitioned_optimizer_swapper.py:100-191; offload_config.py:84-94); LoHan's training thread waits for
         the read (_lohan_trigger, _lohan_thread)."""
-        lohan_main = self.cfg.runtime == "lohan" and kind == ADAM
+        cfg = self.cfg
+        lohan_main = cfg.runtime == "lohan" and kind == ADAM
+        ds = cfg.runtime == "deepspeed"
+        # DeepSpeed's pipeline_read issues the next sub-group's read when this one's step starts (after this
+        # one's read), pipeline_write lets the read go before the previous write has finished
+        # (pipelined_optimizer_swapper.py: swap_in_optimizer_state / swap_out_optimizer_state)
+        after = chain.prev_read if ds and cfg.ds_pipeline_read and kind == ADAM else (
+            chain.prev_main if kind == ADAM else prev_part)
         rs = self.g.add(READ_OPT_STATES, "ssd_read", nbytes, tensor="opt_states", block=step.block, mb=-1,
                         iteration=step.it, key=pkey + Offset.READ_STATES,
-                        deps=[chain.prev_main if kind == ADAM else prev_part,
+                        deps=[after,
                               *self.states_written.get((step.block, kind), []),
-                              chain.prev_write if self.cfg.runtime == "deepspeed" else -1,
+                              chain.prev_write if ds and not cfg.ds_pipeline_write else -1,
                               *(self._lohan_trigger(step.k_last, chain.thread_last) if lohan_main else [])])
+        if kind == ADAM:
+            chain.prev_read = rs.id
         self.g.alloc(rs, "cpu", nbytes)
         if lohan_main:
             chain.thread_last = self._lohan_thread(rs, chain.unwaited_write, step.k_last, step.end)
