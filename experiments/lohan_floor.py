@@ -59,10 +59,8 @@ def handoff(sizes_mib: list[int], repeats: int) -> list[dict]:
                     q_out.get()
                     times.append(time.perf_counter() - t0)
                 times = times[1:]  # the first pays the child's start-up
-                med = statistics.median(times)
-                rows.append({"measure": f"handoff {label}", "size_mib": size, "median_s": round(med, 6),
-                             "min_s": round(min(times), 6), "max_s": round(max(times), 6),
-                             "gbps": round(size * MIB / med / 1e9, 3)})
+                rows.append(_row(f"handoff {label}", size, [x * 1e3 for x in times], "ms per hand-off"))
+                rows.append(_row(f"handoff {label}", size, [size * MIB / x / 1e9 for x in times], "GB/s"))
     finally:
         q_in.put(None)
         child.join(timeout=30)
@@ -106,10 +104,7 @@ def adam_rates(n: int, steps: int, repeats: int) -> list[dict]:
                 _memcpy_loop(2.0, 64 * MIB)
             out[label].append(q.get(timeout=120))
             child.join(timeout=30)
-    return [{"measure": f"cpu adam {k}", "size_mib": n * 4 // MIB, "median_s": float("nan"),
-             "min_s": float("nan"), "max_s": float("nan"),
-             "gbps": round(statistics.median(v) / 1e9, 4), "spread": f"{min(v) / 1e9:.4f}-{max(v) / 1e9:.4f}"}
-            for k, v in out.items()]
+    return [_row(f"cpu adam {k}", n * 4 // MIB, [x / 1e9 for x in v], "Gparams/s") for k, v in out.items()]
 
 
 def _ssd_worker(path: str, nbytes: int, q_out) -> None:
@@ -149,11 +144,15 @@ def ssd_sharing(nbytes: int, repeats: int, folder: Path) -> list[dict]:
             writes.append(sum(w for w, _ in res))
             reads.append(sum(r for _, r in res))
         for label, v in (("write", writes), ("read", reads)):
-            rows.append({"measure": f"ssd {label}, {ranks} process{'es' if ranks > 1 else ''} together",
-                         "size_mib": nbytes // MIB, "median_s": float("nan"), "min_s": float("nan"),
-                         "max_s": float("nan"), "gbps": round(statistics.median(v), 3),
-                         "spread": f"{min(v):.3f}-{max(v):.3f}"})
+            rows.append(_row(f"ssd {label}, {ranks} process{'es' if ranks > 1 else ''} together",
+                             nbytes // MIB, v, "GB/s (sum)"))
     return rows
+
+
+def _row(measure: str, size_mib: int, values: list[float], unit: str) -> dict:
+    """One table row: the median and spread of `values` in `unit`."""
+    return {"measure": measure, "size_mib": size_mib, "median": f"{statistics.median(values):.4g}",
+            "min": f"{min(values):.4g}", "max": f"{max(values):.4g}", "unit": unit, "runs": len(values)}
 
 
 def run(quick: bool, out_dir: Path) -> list[dict]:
@@ -162,10 +161,8 @@ def run(quick: bool, out_dir: Path) -> list[dict]:
     rows += adam_rates(2**20 if quick else 2**23, 3 if quick else 5, 2 if quick else 3)
     with tempfile.TemporaryDirectory(prefix="tierflow-lohan-floor-", dir=out_dir) as d:
         rows += ssd_sharing((32 if quick else 256) * MIB, 2 if quick else 3, Path(d))
-    for r in rows:
-        r.setdefault("spread", "")
     write_csv(rows, out_dir / "lohan_floor.csv")
-    print_table(rows, ["measure", "size_mib", "median_s", "min_s", "max_s", "gbps", "spread"])
+    print_table(rows, ["measure", "size_mib", "median", "min", "max", "unit", "runs"])
     return rows
 
 

@@ -70,13 +70,17 @@ def test_the_boundary_adds_the_fp32_copy():
     assert d2h == pytest.approx(ideal + 4 * fetch)
 
 
-def _ds_nvme(pipeline: dict):
+def _ds_nvme(pipeline: dict, sub_group_size: int | None = 1):
+    """A ZeRO-Infinity config with the optimizer on NVMe; sub_group_size 1 (default here): one sub-group per
+    block, None: DeepSpeed's default."""
     from tierflow.planner.io.dsconfig import parse_ds_config
 
     m, hw = get_model("tiny-gpt"), load_profile("rtx4090-lohan")
-    cfg = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
-           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
-                                 "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", **pipeline}}}
+    zero = {"stage": 3, "offload_param": {"device": "cpu"},
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", **pipeline}}
+    if sub_group_size is not None:
+        zero["sub_group_size"] = sub_group_size
+    cfg = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}
     ds = parse_ds_config(cfg, "ds.json", m)
     return m, hw, ds, ds.schedule(m, hw, seq=32)
 
@@ -86,7 +90,7 @@ def _ds_nvme(pipeline: dict):
 def test_the_optimizer_swapper_pipelines_as_configured(pipeline):
     from tierflow.planner.core.opkinds import ADAM, READ_OPT_STATES, WRITE_OPT_STATES
 
-    m, hw, ds, sched = _ds_nvme(pipeline)
+    m, hw, ds, sched = _ds_nvme(pipeline)  # every block its own sub-group
     assert not any("pipeline" in x for x in ds.not_modelled)
     assert (sched.ds_pipeline_read, sched.ds_pipeline_write) == (bool(pipeline.get("pipeline_read")),
                                                                   bool(pipeline.get("pipeline_write")))
@@ -112,3 +116,22 @@ def test_pipelining_never_slows_the_step():
         m, hw, _, sched = _ds_nvme(pipeline)
         times.append(simulate_config(m, hw, sched).iteration_s)
     assert times[1] <= times[0] * (1 + 1e-9)
+
+
+def test_sub_groups_pack_blocks_in_model_order():
+    assert schedules.ds_sub_groups([5, 5, 5, 5], 10) == [0, 0, 1, 1]
+    assert schedules.ds_sub_groups([5, 20, 1, 1], 10) == [0, 0, 1, 1]
+    assert schedules.ds_sub_groups([3, 3, 3], 100) == [0, 0, 0]
+
+
+def test_one_sub_group_leaves_nothing_to_pipeline():
+    from tierflow.planner.core.simulate import simulate_config
+
+    m = get_model("tiny-gpt")
+    times = {}
+    for name, pipeline in (("serial", {}), ("pipelined", {"pipeline_read": True, "pipeline_write": True})):
+        _, hw, ds, sched = _ds_nvme(pipeline, sub_group_size=m.total_params() + 1)
+        assert sched.ds_sub_group_elems == m.total_params() + 1
+        assert "zero_optimization.sub_group_size" not in " ".join(ds.not_modelled)
+        times[name] = simulate_config(m, hw, sched).iteration_s
+    assert times["pipelined"] == pytest.approx(times["serial"])

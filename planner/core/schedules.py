@@ -71,6 +71,7 @@ FAMILIES = ("horizontal", "vertical", "fuyou", "block")
 # (docs/baselines-as-coded.md B2, B3): no weight prefetch in the backward, and the optimizer's NVMe reads and
 # writes are waited for on the training thread, between one layer's backward and the next.
 RUNTIMES = ("ideal", "deepspeed", "lohan")
+DS_SUB_GROUP_ELEMS = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default (zero/config.py)
 # the runtime each family runs as unless asked otherwise: the system whose code the family models
 DEFAULT_RUNTIME = {"horizontal": "deepspeed", "fuyou": "lohan", "vertical": "ideal", "block": "ideal"}
 # LoHan: how far behind the I/O it waits for a training-thread op is queued (a key offset, in steps)
@@ -117,6 +118,8 @@ class ScheduleConfig:
     # read while this one steps / this one's are written while the next steps (_Builder._read_states)
     ds_pipeline_read: bool = False
     ds_pipeline_write: bool = False
+    # its sub_group_size: the optimizer steps (and pipelines) whole sub-groups of this many elements
+    ds_sub_group_elems: int = DS_SUB_GROUP_ELEMS
 
     @property
     def world(self) -> World:
@@ -159,6 +162,8 @@ class ScheduleConfig:
             **({"gpus": self.gpus, "nodes": self.nodes} if self.world.ranks != 1 else {}),
             # DeepSpeed's optimizer pipelining: only when set, so that other plans' digests stay as they were
             **{k: True for k in ("ds_pipeline_read", "ds_pipeline_write") if getattr(self, k)},
+            **({"ds_sub_group_elems": self.ds_sub_group_elems}
+               if self.ds_sub_group_elems != DS_SUB_GROUP_ELEMS else {}),
         }
 
     @classmethod
@@ -418,6 +423,7 @@ class _OptChain:
     prev_main: int = -1  # the previous block's main CPU Adam step
     prev_write: int = -1  # DeepSpeed: a sub-group's states are read only after the previous one's are written
     prev_read: int = -1  # DeepSpeed with pipeline_read: the previous sub-group's read
+    prev_block: int = -1  # the block stepped before (DeepSpeed: is this one in a new sub-group?)
     unwaited_write: Task | None = None  # LoHan: the write-back the thread issues at the next boundary
     thread_last: Task | None = None  # LoHan: the thread's last wait
 
@@ -460,6 +466,7 @@ class _Builder:
         # of the last backward, which the host waits for before the next forward (_ds_grad_bucket)
         self.ds_bucket: list[_DsGrad] = []
         self.ds_epilogue: list[int] = []
+        self.ds_groups = ds_sub_groups([x.owned_params for x in b], cfg.ds_sub_group_elems)
 
     # -- helpers ---------------------------------------------------------------------------------------------
 
@@ -947,21 +954,27 @@ class _Builder:
         # DeepSpeed's pipeline_read issues the next sub-group's read when this one's step starts (after this
         # one's read), pipeline_write lets the read go before the previous write has finished
         # (pipelined_optimizer_swapper.py: swap_in_optimizer_state / swap_out_optimizer_state)
-        after = chain.prev_read if ds and cfg.ds_pipeline_read and kind == ADAM else (
+        # only between sub-groups: within one, DeepSpeed reads, steps and writes the whole sub-group at once
+        new_group = ds and self._ds_sub_group(step.block) != self._ds_sub_group(chain.prev_block)
+        after = chain.prev_read if new_group and cfg.ds_pipeline_read and kind == ADAM else (
             chain.prev_main if kind == ADAM else prev_part)
         rs = self.g.add(READ_OPT_STATES, "ssd_read", nbytes, tensor="opt_states", block=step.block, mb=-1,
                         iteration=step.it, key=pkey + Offset.READ_STATES,
                         deps=[after,
                               *self.states_written.get((step.block, kind), []),
-                              chain.prev_write if ds and not cfg.ds_pipeline_write else -1,
+                              chain.prev_write if ds and not (new_group and cfg.ds_pipeline_write) else -1,
                               *(self._lohan_trigger(step.k_last, chain.thread_last) if lohan_main else [])])
         if kind == ADAM:
-            chain.prev_read = rs.id
+            chain.prev_read, chain.prev_block = rs.id, step.block
         self.g.alloc(rs, "cpu", nbytes)
         if lohan_main:
             chain.thread_last = self._lohan_thread(rs, chain.unwaited_write, step.k_last, step.end)
             chain.unwaited_write = None
         return rs
+
+    def _ds_sub_group(self, block: int) -> int:
+        """DeepSpeed's optimizer sub-group of `block` (-1 for none)."""
+        return self.ds_groups[block] if block >= 0 else -1
 
     def _lohan_trigger(self, k_last: int, thread_last: Task | None) -> list[int]:
         """LoHan: the tasks after which its training thread reaches the gradient hook that steps the block
@@ -988,6 +1001,18 @@ class _Builder:
             rd.deps.append(last.id)
             rd.key = max(rd.key, last.key + THREAD_KEY_STEP)  # behind it in its resource's queue
         return last
+
+
+def ds_sub_groups(owned_params: list[int], sub_group_elems: int) -> list[int]:
+    """DeepSpeed's optimizer sub-group of each block: parameters are packed in model order until a sub-group
+    holds `sub_group_elems` or more (stage3.py _create_fp16_sub_groups), at block granularity here."""
+    out, filled, group = [], 0, 0
+    for n in owned_params:
+        out.append(group)
+        filled += n
+        if filled >= sub_group_elems:
+            group, filled = group + 1, 0
+    return out
 
 
 def _renumber(tasks: list[Task]) -> None:

@@ -50,7 +50,7 @@ from pathlib import Path
 from tierflow.errors import TierflowError
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split
-from tierflow.planner.core.schedules import ScheduleConfig
+from tierflow.planner.core.schedules import DS_SUB_GROUP_ELEMS, ScheduleConfig
 
 WORLD_SIZE = 1  # tierflow simulates one GPU
 AUTO = "auto"
@@ -88,6 +88,7 @@ MODELLED = {
     "optimizer.type",
     # the optimizer swapper's overlap of sub-groups (ScheduleConfig.ds_pipeline_read / ds_pipeline_write)
     "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.offload_optimizer.pipeline_write",
+    "zero_optimization.sub_group_size",  # the optimizer's unit of swapping and pipelining
 }
 # Documented keys that do not change the time of a training step (learning rate, logging, saving, paths).
 NO_EFFECT = {
@@ -112,7 +113,7 @@ NOT_MODELLED = {
     "communication_data_type", "seq_parallel_communication_data_type", "data_types", "compile", "pipeline",
     "sparse_attention", "disable_allgather", "compression_training", "data_efficiency", "curriculum_learning",
     "tensor_parallel", "expert_parallel", "torch_autocast", "weight_quantization", "hybrid_engine",
-    "zero_optimization.sub_group_size", "zero_optimization.contiguous_gradients",
+    "zero_optimization.contiguous_gradients",
     "zero_optimization.reduce_scatter",
     "zero_optimization.allgather_partitions", "zero_optimization.allgather_bucket_size",
     "zero_optimization.stage3_param_persistence_threshold",
@@ -180,6 +181,7 @@ class DsConfig:
     not_modelled: tuple[str, ...] = ()
     pipeline_read: bool = False  # offload_optimizer.pipeline_read (NVMe optimizer offload)
     pipeline_write: bool = False  # offload_optimizer.pipeline_write
+    sub_group_elems: int = DS_SUB_GROUP_ELEMS  # zero_optimization.sub_group_size
     no_effect: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
     resolved: tuple[str, ...] = ()  # "auto" keys and what they became
@@ -212,7 +214,8 @@ class DsConfig:
                             runtime="deepspeed", iterations=iterations)
         nvme = self.optimizer_device == "nvme"  # DeepSpeed pipelines the swapper only for NVMe states
         return replace(cfg, ds_pipeline_read=nvme and self.pipeline_read,
-                       ds_pipeline_write=nvme and self.pipeline_write)
+                       ds_pipeline_write=nvme and self.pipeline_write,
+                       ds_sub_group_elems=self.sub_group_elems)
 
     def describe(self) -> str:
         ck = "in CPU memory" if self.cpu_checkpointing else "on the GPU"
@@ -239,6 +242,7 @@ class DsConfig:
                 "gradient_accumulation_steps": self.accumulation, "precision": self.precision,
                 "prefetch_bucket_elems": self.prefetch_bucket_elems, "max_live_elems": self.max_live_elems,
                 "pipeline_read": self.pipeline_read, "pipeline_write": self.pipeline_write,
+                "sub_group_size": self.sub_group_elems,
                 "not_modelled": list(self.not_modelled), "no_effect": list(self.no_effect),
                 "unknown": list(self.unknown), "resolved_auto": list(self.resolved),
                 "from_command_line": list(self.from_command_line)}
@@ -366,8 +370,9 @@ def parse_ds_config(data: object, source: str, model: ModelSpec, *, batch_hint: 
     batch, micro, accum, from_cli = _batch_split(leaves, source, batch_hint, micro_batch_hint, resolved)
     pipeline = {k: _flag(leaves, f"zero_optimization.offload_optimizer.{k}", source)
                 for k in ("pipeline_read", "pipeline_write")}
+    sub_group = _int(leaves, "zero_optimization.sub_group_size", DS_SUB_GROUP_ELEMS, source, lo=1)
     return DsConfig(source=source, stage=stage, param_device=param_device, optimizer_device=optimizer_device,
-                    **pipeline,
+                    **pipeline, sub_group_elems=sub_group,
                     cpu_checkpointing=cpu_ckpt, batch=batch, micro_batch=micro, accumulation=accum,
                     precision=precision, prefetch_bucket_elems=bucket, max_live_elems=max_live,
                     not_modelled=tuple(not_modelled), no_effect=tuple(no_effect), unknown=tuple(unknown),
