@@ -135,3 +135,20 @@ def test_one_sub_group_leaves_nothing_to_pipeline():
         assert "zero_optimization.sub_group_size" not in " ".join(ds.not_modelled)
         times[name] = simulate_config(m, hw, sched).iteration_s
     assert times["pipelined"] == pytest.approx(times["serial"])
+
+
+def test_deepspeed_s_own_host_buffers_are_counted():
+    from tierflow.planner.core.dsruntime import deepspeed_host_buffers_bytes
+
+    # 16-bit gradient partitions for every parameter; 4 fp32 sub-group swap buffers; 5 x 1e8 16-bit params
+    assert deepspeed_host_buffers_bytes(10**9, 10**8, False, False) == 2e9
+    assert deepspeed_host_buffers_bytes(10**9, 10**8, False, True) == 2e9 + 4 * 4 * 1e8
+    assert deepspeed_host_buffers_bytes(10**7, 10**9, True, True) == 2e7 + 4 * 4 * 1e7 + 5 * 1e8 * 2
+    m, hw = get_model("tiny-gpt"), load_profile("rtx4090-lohan")
+    graphs = {}
+    for runtime in ("deepspeed", "ideal"):
+        cfg = make_schedule("horizontal", m, hw, batch=2, micro_batch=1, seq=32,
+                            placement=Placement.uniform("ssd"), runtime=runtime, iterations=1)
+        graphs[runtime] = build_graph(m, hw, cfg)
+    extra = graphs["deepspeed"].static_bytes["cpu"] - graphs["ideal"].static_bytes["cpu"]
+    assert extra == deepspeed_host_buffers_bytes(m.total_params(), 10**9, True, True)

@@ -24,6 +24,7 @@ from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock, Offset
 from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.dsruntime import deepspeed_host_buffers_bytes
 from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused, topological_order
 from tierflow.planner.core.memory import (
     DS_REDUCE_BUCKET_ELEMS,
@@ -627,6 +628,11 @@ class _Builder:
         if cfg.runtime == "lohan":
             _renumber(self.g.tasks)
         static = static_bytes(self.model, self.p, cfg.runtime, self.W)
+        if cfg.runtime == "deepspeed" and not self.p.gpu_optimizer:
+            # what DeepSpeed allocates on the host for itself (tierflow.planner.core.dsruntime)
+            static["cpu"] += deepspeed_host_buffers_bytes(
+                self.shard(self.model.total_params()), cfg.ds_sub_group_elems, self.p.weights.ssd > 0,
+                self.p.master.ssd > 0)
         cap = rank_capacity_bytes(self.hw, cfg.gpus)
         meta = {"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations}
         if self.W > 1:
