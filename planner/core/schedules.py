@@ -193,6 +193,8 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     cpu_cap = rank_capacity_bytes(hw, cfg.gpus)["cpu"]
     budget = float(cpu_cap) - staging - host_reserve_bytes(cpu_cap)
     ssd = hw.ssd.count > 0
+    if cfg.runtime == "deepspeed":  # what DeepSpeed allocates on the host for itself (with its swappers)
+        budget -= deepspeed_host_buffers_bytes(params, cfg.ds_sub_group_elems, ssd, ssd)
     if cfg.family == "horizontal" and ssd:
         # ZeRO-Infinity puts the fp32 gradients on NVMe with the optimizer when the optimizer is there
         grads, budget = fill_split(mem.host_grad_bytes, budget)
