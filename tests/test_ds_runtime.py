@@ -152,3 +152,20 @@ def test_deepspeed_s_own_host_buffers_are_counted():
         graphs[runtime] = build_graph(m, hw, cfg)
     extra = graphs["deepspeed"].static_bytes["cpu"] - graphs["ideal"].static_bytes["cpu"]
     assert extra == deepspeed_host_buffers_bytes(m.total_params(), 10**9, True, True)
+
+
+def test_several_ranks_reduce_each_bucket_then_copy_it():
+    from tierflow.planner.core.opkinds import REDUCE_SCATTER_GRADS
+
+    m = get_model("tiny-gpt")
+    hw = load_profile("rtx4090-lohan-4gpu")
+    cfg = make_schedule("horizontal", m, hw, batch=4, micro_batch=1, seq=32,
+                        placement=Placement.uniform("cpu"), gpus=2, iterations=1)
+    tasks = build_graph(m, hw, cfg).tasks
+    offs = [t for t in tasks if t.kind == OFFLOAD_GRADS]
+    assert offs
+    for o in offs:
+        (rs,) = [tasks[d] for d in o.deps]
+        assert rs.kind == REDUCE_SCATTER_GRADS and rs.block == o.block
+        # the bucket is reduced at the epilogue: after the embedding's backward of the micro-batch
+        assert any(tasks[d].kind == BWD and tasks[d].block == 0 for d in rs.deps)

@@ -803,10 +803,10 @@ class _Builder:
             return
         if p.grads.gpu == 1.0 and k != self.cur_last_step[b]:
             return
-        src = t if self.W == 1 else self._reduce_scatter(t, b, it)
-        if self.cfg.runtime == "deepspeed":
-            self._ds_grad_bucket(t, src, b, k, grad_gpu_bytes, grad_last, host_grad_alloc)
+        if self.cfg.runtime == "deepspeed":  # reduced and copied with its bucket
+            self._ds_grad_bucket(t, t, b, k, grad_gpu_bytes, grad_last, host_grad_alloc)
             return
+        src = t if self.W == 1 else self._reduce_scatter(t, b, it)
         self._offload_grads(t, src, b, it, GRAD_WIRE_BYTES, grad_gpu_bytes, grad_last, host_grad_alloc)
 
     def _offload_grads(self, t: Task, src: Task, b: int, it: int, bytes_per_param: float,
@@ -845,12 +845,18 @@ class _Builder:
             self.ds_epilogue = self._ds_flush(t)
 
     def _ds_flush(self, t: Task) -> list[int]:
-        """Issue the open bucket's offloads after `t` (one after the other on the copy stream)."""
+        """Issue the open bucket after `t`: with several ranks each gradient reduce-scattered, then every
+        partition copied to the host (__reduce_and_partition_ipg_grads)."""
         out = []
         for x in self.ds_bucket:
-            d2h = self._offload_grads(t, x.src, x.block, t.iteration, x.wire_bytes_per_param, x.gpu_bytes,
+            src = x.src
+            if self.W > 1:
+                src = self._reduce_scatter(t, x.block, t.iteration)
+                if t.id != x.src.id:
+                    src.deps.append(x.src.id)
+            d2h = self._offload_grads(t, src, x.block, t.iteration, x.wire_bytes_per_param, x.gpu_bytes,
                                       x.grad_last, x.host_grad_alloc)
-            if t.id != x.src.id:
+            if t.id != src.id and t.id not in src.deps:
                 d2h.deps.append(t.id)
             out.append(d2h.id)
         self.ds_bucket = []
