@@ -89,7 +89,7 @@ def test_never_faster_than_the_large_gemm_rate_or_the_bytes(m, n, k):
     assert cm.gemm_s(Gemm(m + 1, n, k)) >= t * (1 - 1e-9)
 
 
-def test_the_launch_probe_measures_a_per_op_cost_that_grows_with_the_ops():
+def test_the_launch_probe_measures_a_positive_bounded_per_op_cost():
     from tierflow.executor.calibration.compute_ops import measure_kernel_launch
 
     out = measure_kernel_launch("cpu", ops=400, repeats=3)
