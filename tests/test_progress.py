@@ -9,7 +9,19 @@ import sys
 
 import pytest
 
+from tierflow.planner.io.logs import logger
 from tierflow.planner.io.progress import Progress
+
+
+@pytest.fixture(autouse=True)
+def library_level():
+    """As a library uses tierflow (no command set the logger's level): a command run by an earlier test
+    leaves its level behind, which would silence the pipe lines."""
+    log = logger()
+    level = log.level
+    log.setLevel(0)
+    yield
+    log.setLevel(level)
 
 
 class FakeClock:

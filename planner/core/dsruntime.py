@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from tierflow.planner.core.workload import COMPUTE_BYTES, MASTER_BYTES
 
+DS_SUB_GROUP_ELEMS = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default (zero/config.py)
 DS_OPT_BUFFER_COUNT = 4  # offload_optimizer.buffer_count
 DS_PARAM_BUFFER_COUNT = 5  # offload_param.buffer_count
 DS_PARAM_BUFFER_ELEMS = 100_000_000  # offload_param.buffer_size

@@ -24,7 +24,7 @@ from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock, Offset
 from tierflow.planner.core.costmodel import CostModel
-from tierflow.planner.core.dsruntime import deepspeed_host_buffers_bytes
+from tierflow.planner.core.dsruntime import DS_SUB_GROUP_ELEMS, deepspeed_host_buffers_bytes
 from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused, topological_order
 from tierflow.planner.core.memory import (
     DS_REDUCE_BUCKET_ELEMS,
@@ -66,7 +66,6 @@ FAMILIES = ("horizontal", "vertical", "fuyou", "block")
 # (docs/baselines-as-coded.md B2, B3): no weight prefetch in the backward, and the optimizer's NVMe reads and
 # writes are waited for on the training thread, between one layer's backward and the next.
 RUNTIMES = ("ideal", "deepspeed", "lohan")
-DS_SUB_GROUP_ELEMS = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default (zero/config.py)
 # the runtime each family runs as unless asked otherwise: the system whose code the family models
 DEFAULT_RUNTIME = {"horizontal": "deepspeed", "fuyou": "lohan", "vertical": "ideal", "block": "ideal"}
 # LoHan: how far behind the I/O it waits for a training-thread op is queued (a key offset, in steps)
@@ -624,12 +623,7 @@ class _Builder:
             self.build_iteration(it, base, seq_steps)
         if cfg.runtime == "lohan":
             _renumber(self.g.tasks)
-        static = static_bytes(self.model, self.p, cfg.runtime, self.W)
-        if cfg.runtime == "deepspeed" and not self.p.gpu_optimizer:
-            # what DeepSpeed allocates on the host for itself (tierflow.planner.core.dsruntime)
-            static["cpu"] += deepspeed_host_buffers_bytes(
-                self.shard(self.model.total_params()), cfg.ds_sub_group_elems, self.p.weights.ssd > 0,
-                self.p.master.ssd > 0)
+        static = static_bytes(self.model, self.p, cfg.runtime, self.W, cfg.ds_sub_group_elems)
         cap = rank_capacity_bytes(self.hw, cfg.gpus)
         meta = {"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations}
         if self.W > 1:

@@ -51,9 +51,10 @@ from pathlib import Path
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles.inputs import MIB, InputLimitError, loads_json_limited, read_limited_text
 from tierflow.outputs import atomic_write_text
+from tierflow.planner.core.dsruntime import DS_SUB_GROUP_ELEMS
 from tierflow.planner.core.models import PRECISION_NAMES, ModelSpec
 from tierflow.planner.core.placement import Placement, Split
-from tierflow.planner.core.schedules import DS_SUB_GROUP_ELEMS, ScheduleConfig
+from tierflow.planner.core.schedules import ScheduleConfig
 from tierflow.planner.io.argtypes import MAX_BATCH
 
 WORLD_SIZE = 1  # tierflow simulates one GPU
