@@ -1,6 +1,7 @@
 """Closed loop on this machine: calibrate -> plan -> run -> compare, predicted vs measured, like for like.
 
     python experiments/closed_loop.py [--quick] [--device cpu|cuda] [--ssd-dir DIR] [--out DIR]
+    python experiments/closed_loop.py --sweep 12 [--seed 29] [--quick] [--device cpu|cuda] [--out DIR]
 
 1. `tierflow calibrate --device DEVICE` measures this box as the executor uses it (on a CPU: the CPU as the
    device, its cores shared by compute, CPU Adam and the copies) with a device memory cap and a host memory
@@ -16,11 +17,19 @@ closed_loop.png (predicted and measured iteration times side by side; measured /
 resource) under --out, plus the calibrated profile (plans and traces go to a temporary folder). --quick: one
 small model, two schedules, a shorter calibration (a CI test runs it). The GPU variant runs unchanged with
 --device cuda.
+
+--sweep N: out of sample. N configurations drawn at random with --seed (layers, width, vocabulary, batch and
+micro-batch, sequence, device and host caps, schedule or the planner's plan; `draw_configs`), each calibrated
+box capped, planned, run and compared like the hand-picked runs. Writes closed_loop_sweep.csv (one row per
+configuration: iteration error and the op kind whose time misses most, `worst_kind`) and prints the median and
+max |iteration error|.
 """
 
 from __future__ import annotations
 
+import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -54,11 +63,13 @@ STEPS = 6  # training steps per run: two rounds of the plan's three iterations
 REPEATS = 2  # runs of each plan; the fastest is compared (calibrate likewise keeps the best of its timings)
 
 
-def gpt(layers: int, hidden: int, heads: int) -> ModelSpec:
-    """A small GPT the executor trains (the zoo's tiny-gpt scaled): 2048-token vocabulary, seq 256."""
+def gpt(layers: int, hidden: int, heads: int, vocab: int = 2048, seq: int = SEQ) -> ModelSpec:
+    """A small GPT the executor trains (the zoo's tiny-gpt scaled): by default a 2048-token vocabulary, seq
+    256."""
     base = get_model("tiny-gpt")
     return replace(base, name=f"gpt-{layers}x{hidden}", num_layers=layers, hidden=hidden, num_heads=heads,
-                   num_kv_heads=heads, ffn_hidden=4 * hidden, vocab_size=2048, seq_len=SEQ, max_positions=SEQ)
+                   num_kv_heads=heads, ffn_hidden=4 * hidden, vocab_size=vocab, seq_len=seq,
+                   max_positions=seq)
 
 
 MODELS = {"small": gpt(4, 256, 4), "medium": gpt(6, 384, 6)}
@@ -97,17 +108,19 @@ def host_cap(hw: HardwareProfile, model: ModelSpec) -> HardwareProfile:
 
 
 def one_run(name: str, model: ModelSpec, hw: HardwareProfile, schedule: str, device: str, ssd_dir: Path,
-            work: Path) -> tuple[dict, list[dict]]:
-    """Plan (or build) one schedule, train it, compare: a row of errors and per-resource rows."""
+            work: Path, shape: tuple[int, int, int] = (BATCH, MICRO_BATCH, SEQ)) -> tuple[dict, list[dict]]:
+    """Plan (or build) one schedule for `shape` (batch, micro-batch, sequence), train it, compare: a row of
+    errors and per-resource rows (the row's "by_kind" holds compare's per-op-kind rows)."""
     from tierflow.executor.run import RunOptions, run_plan
 
+    batch, micro_batch, seq = shape
     if schedule == "plan":
-        sr = plan_search(Problem(model, hw, BATCH, SEQ), time_limit_s=20)
+        sr = plan_search(Problem(model, hw, batch, seq), time_limit_s=20)
         cfg, predicted = sr.best.config, sr.best.result
     else:
         # runtime "ideal": the plan as tierflow's executor runs it (horizontal's default models DeepSpeed's
         # runtime, its buffers and waits, which this executor does not have)
-        cfg = make_schedule(schedule, model, hw, batch=BATCH, micro_batch=MICRO_BATCH, seq=SEQ,
+        cfg = make_schedule(schedule, model, hw, batch=batch, micro_batch=micro_batch, seq=seq,
                             placement=PAPER_PLACEMENT, iterations=3, runtime="ideal")
         predicted = simulate_config(model, hw, cfg)
     tag = f"{name}-{schedule}"
@@ -145,6 +158,7 @@ def one_run(name: str, model: ModelSpec, hw: HardwareProfile, schedule: str, dev
                          "predicted_busy_s": round(r["predicted_busy_s"], 4),
                          "measured_busy_s": round(r["measured_busy_s"], 4), "busy_error": round(err, 4)})
         row[f"busy_error_{r['resource']}"] = round(err, 4)
+    row["by_kind"] = d["by_kind"]
     return row, res_rows
 
 
@@ -249,6 +263,7 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
             for schedule in schedules:
                 prog.step(f"{name} {schedule}")
                 row, rr = one_run(name, model, hw, schedule, device, ssd_dir, work)
+                row.pop("by_kind")
                 rows.append(row)
                 res_rows += rr
         prog.finish()
@@ -269,12 +284,118 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
     return rows
 
 
+# ---- the out-of-sample sweep ------------------------------------------------------------------------------
+
+SWEEP_LAYERS = (2, 3, 4, 5, 6)
+SWEEP_WIDTHS = {128: 2, 192: 3, 256: 4, 320: 5, 384: 6}  # hidden: heads (head dim 64)
+SWEEP_VOCABS = (1024, 2048, 4096, 8192)
+SWEEP_SEQS = (64, 128, 256)
+SWEEP_SCHEDULES = ("horizontal", "vertical", "plan")
+
+
+def draw_configs(n: int, seed: int) -> list[dict]:
+    """`n` small training configurations drawn with `seed`: a GPT's layers, width, vocabulary and sequence, a
+    batch of 4-16 split into micro-batches that divide it, the device cap as 2-6 x the 16-bit weights plus
+    room to work, the host cap as 12-20 B/param (the optimizer states partly on the SSD tier), a schedule."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        hidden = rng.choice(sorted(SWEEP_WIDTHS))
+        batch = rng.choice((4, 8, 16))
+        out.append({"name": f"s{seed}-{i}", "layers": rng.choice(SWEEP_LAYERS), "hidden": hidden,
+                    "heads": SWEEP_WIDTHS[hidden], "vocab": rng.choice(SWEEP_VOCABS),
+                    "seq": rng.choice(SWEEP_SEQS), "batch": batch,
+                    "micro_batch": rng.choice([m for m in (1, 2, 4) if batch % m == 0]),
+                    "device_weights_x": round(rng.uniform(2.0, 6.0), 2),
+                    "host_bytes_per_param": round(rng.uniform(12.0, 20.0), 1),
+                    "schedule": rng.choice(SWEEP_SCHEDULES)})
+    return out
+
+
+def sweep_box(hw0: HardwareProfile, c: dict, model: ModelSpec) -> HardwareProfile:
+    """The calibrated box capped as configuration `c` draws it (device: weights x factor + 16 MiB to work)."""
+    P = model.total_params()
+    device_gib = round(c["device_weights_x"] * 2 * P / 2**30 + 1 / 64, 4)
+    host_gib = round(hw0.cpu.reserved_gib + c["host_bytes_per_param"] * P / 2**30, 4)
+    return hw0.with_overrides({"gpu.memory_gib": device_gib, "cpu.memory_gib": host_gib})
+
+
+def worst_kind(by_kind: list[dict]) -> tuple[str, float]:
+    """The op kind whose measured time misses its prediction by the most seconds, and its measured /
+    predicted ratio."""
+    r = max(by_kind, key=lambda k: abs(k["measured_s"] - k["predicted_s"]))
+    return r["kind"], (r["measured_s"] / r["predicted_s"] if r["predicted_s"] > 0 else float("nan"))
+
+
+def sweep_one(c: dict, hw0: HardwareProfile, device: str, ssd_dir: Path, work: Path) -> dict:
+    """One drawn configuration: capped, planned, run and compared; a row (an error message if it failed)."""
+    from tierflow.errors import TierflowError
+
+    model = gpt(c["layers"], c["hidden"], c["heads"], c["vocab"], c["seq"])
+    hw = sweep_box(hw0, c, model)
+    base = {**c, "params_m": round(model.total_params() / 1e6, 2)}
+    try:
+        row, _ = one_run(c["name"], model, hw, c["schedule"], device, ssd_dir, work,
+                         (c["batch"], c["micro_batch"], c["seq"]))
+    except (TierflowError, ValueError) as exc:
+        return {**base, "error": str(exc).splitlines()[0][:160]}
+    kind, ratio = worst_kind(row["by_kind"])
+    return {**base, "decisions": row["decisions"], "predicted_s": row["predicted_s"],
+            "measured_s": row["measured_s"], "iteration_error": row["iteration_error"], "worst_kind": kind,
+            "worst_kind_ratio": round(ratio, 3), "wall_s": row["wall_s"], "error": ""}
+
+
+def run_sweep(n: int, seed: int, quick: bool, out_dir: Path, device: str = "cpu",
+              ssd_dir: Path | None = None) -> list[dict]:
+    """Calibrate once, then run `n` drawn configurations; writes closed_loop_sweep.csv, prints the summary."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tierflow-closed-loop-sweep-"))
+    ssd_dir = ssd_dir or work / "ssd"
+    ssd_dir.mkdir(parents=True, exist_ok=True)
+    configs = draw_configs(n, seed)
+    try:
+        hw0 = calibrate(device, ssd_dir, quick, work, MODELS["small"])
+        prog = Progress(n, "sweep")
+        rows = []
+        for c in configs:
+            prog.step(c["name"])
+            rows.append(sweep_one(c, hw0, device, ssd_dir, work))
+        prog.finish()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    write_csv(rows, out_dir / "closed_loop_sweep.csv")
+    print_table([{**r, "iteration_error": f"{r['iteration_error']:+.1%}" if not r["error"] else r["error"]}
+                 for r in rows],
+                ["name", "layers", "hidden", "vocab", "batch", "micro_batch", "seq", "schedule",
+                 "predicted_s", "measured_s", "iteration_error", "worst_kind", "worst_kind_ratio"])
+    print(sweep_summary(rows))
+    return rows
+
+
+def sweep_summary(rows: list[dict]) -> str:
+    """One line: median and max |iteration error| over the runs that ran, and the op kinds of the misses."""
+    ran = [r for r in rows if not r["error"]]
+    if not ran:
+        return f"sweep: none of {len(rows)} configurations ran"
+    errs = [abs(r["iteration_error"]) for r in ran]
+    misses = sorted({r["worst_kind"] for r in ran if abs(r["iteration_error"]) > 0.10})
+    return (f"sweep: {len(ran)} of {len(rows)} ran; |iteration error| median {statistics.median(errs):.1%}, "
+            f"max {max(errs):.1%}; op kinds missing most in runs off by > 10%: {', '.join(misses) or 'none'}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__)
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--ssd-dir", type=Path, default=None,
                     help="directory for the SSD tier (default: a temp dir under --out)")
+    ap.add_argument("--sweep", type=int, default=0, metavar="N",
+                    help="run N randomly drawn configurations instead of the hand-picked ones")
+    ap.add_argument("--seed", type=int, default=29, help="the sweep's random seed (default 29)")
     args = ap.parse_args(argv)
+    if args.sweep > 0:
+        run_sweep(args.sweep, args.seed, args.quick, args.out, args.device, args.ssd_dir)
+        print(f"wrote {args.out / 'closed_loop_sweep.csv'}", file=sys.stderr)
+        return
     run(args.quick, args.out, args.device, args.ssd_dir)
     print(f"wrote {args.out / 'closed_loop.csv'} and {args.out / 'closed_loop.png'}", file=sys.stderr)
 

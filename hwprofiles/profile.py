@@ -28,6 +28,8 @@ import yaml
 
 from tierflow.errors import TierflowError
 
+from . import compute_spec
+from .compute_spec import ComputeSpec
 from .inputs import MIB, InputLimitError, check_yaml_depth, read_limited_text
 
 SCHEMA_VERSION = 1
@@ -36,7 +38,7 @@ P2P_CHOICES = ("nvlink", "pcie", "host")  # how GPUs of one box exchange data (t
 _SECTIONS = ("gpu", "pcie", "cpu", "ssd", "price")
 # optional sections (absent: a box with one GPU, no network); to_dict writes them only when present, so a
 # profile without them reads, writes and hashes (plan digests) exactly as before they existed
-_OPTIONAL_SECTIONS = ("topology", "network")
+_OPTIONAL_SECTIONS = ("topology", "network", "compute")
 _TOP_LEVEL_KEYS = ("schema_version", "name", "description", *_SECTIONS, *_OPTIONAL_SECTIONS)
 _REQUIRED_TOP_LEVEL = ("schema_version", "name", "description", *_SECTIONS)
 _FIX_FILE = "fix the value in the file"
@@ -277,6 +279,7 @@ class HardwareProfile:
     source: str = field(default="<dict>", compare=False)  # the file it was loaded from, or "<dict>"
     topology: TopologySpec | None = None  # None: one GPU
     network: NetworkSpec | None = None  # None: no network described (one box)
+    compute: ComputeSpec | None = None  # None: GEMMs on the gpu section's size curve (compute_spec)
 
     @property
     def gpu_count(self) -> int:
@@ -461,6 +464,14 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "gbps": _pos(100000, "GB/s per box per direction", 1e-4),
         "latency_us": _nonneg(1e6, "microseconds", 1e-3),
     },
+    "compute": {
+        "sm_count": _Rule("int", 1, True, 100000, "SMs"),
+        "gemm_tile_m": _Rule("int", 1, True, 4096, "rows"),
+        "gemm_tile_n": _Rule("int", 1, True, 4096, "columns"),
+        "attention_fwd_fraction": _optional(0, False, 1.0, "of peak", 1e-3),
+        "attention_bwd_fraction": _optional(0, False, 1.0, "of peak", 1e-3),
+        "kernel_launch_us": _optional(0, True, 1e6, "microseconds per kernel", 1e-3),
+    },
     "price": {
         "gpu_usd": _pos(1e6, "USD", 1e-2),
         "cpu_memory_usd_per_gib": _pos(1000, "USD per GiB", 1e-4),
@@ -476,9 +487,10 @@ _OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op",
                      "deepspeed_adam_gparams_per_s"),
              "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps", "fp32_tflops",
                      "tf32_tflops"),
-             "pcie": ("latency_us",)}  # keys a profile may leave out (older files), other than ssd's
+             "pcie": ("latency_us",),
+             "compute": compute_spec.OPTIONAL_KEYS}  # keys a profile may leave out (older files), not ssd's
 _SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec,
-                 "topology": TopologySpec, "network": NetworkSpec}
+                 "topology": TopologySpec, "network": NetworkSpec, "compute": ComputeSpec}
 # a fixed cost per ring step when an override adds a section the profile lacks (assumption: the order of
 # NCCL's per-step latency over PCIe or a network, a few to tens of microseconds)
 DEFAULT_LATENCY_US = 10.0
@@ -497,6 +509,8 @@ def _default_section(section: str, profile: HardwareProfile) -> dict[str, Any]:
     per box that reaches the others through host memory at the PCIe rate both directions get at once; a
     network of the PCIe rate."""
     p = profile.pcie
+    if section == "compute":
+        return compute_spec.default_section()
     if section == "topology":
         return {"gpu_count": 1, "gpus_per_switch": 1, "switch_uplink_gbps": None, "p2p": "host",
                 "p2p_gbps": min(p.duplex_h2d_gbps, p.duplex_d2h_gbps), "p2p_latency_us": DEFAULT_LATENCY_US}

@@ -108,12 +108,14 @@ def test_zero_infinity_nvme_config_puts_weights_and_states_on_the_ssds():
     assert (cfg.family, cfg.runtime, cfg.batch, cfg.micro_batch, cfg.num_micro_batches) == \
         ("horizontal", "deepspeed", 8, 2, 4)
     line = ds.warning_line()
-    for key in ("aio.thread_count", "aio.queue_depth", "zero_optimization.sub_group_size",
+    for key in ("aio.thread_count", "aio.queue_depth",
                 "zero_optimization.offload_param.buffer_count", "zero_optimization.offload_param.buffer_size",
                 "zero_optimization.reduce_bucket_size=10000000"):
         assert key in line, key
     # what the simulation models is not named as left out; paths have no effect on the step time
+    assert cfg.ds_sub_group_elems == ZERO_INFINITY["zero_optimization"]["sub_group_size"]  # modelled now
     for key in ("zero_optimization.stage,", "offload_param.device", "nvme_path", "train_batch_size",
+                "sub_group_size",
                 "stage3_max_reuse_distance", "stage3_prefetch_bucket_size"):
         assert key not in line, key
     assert "zero_optimization.offload_param.nvme_path" in ds.no_effect
@@ -190,7 +192,7 @@ def test_unmodelled_and_unknown_keys_are_named_in_one_warning_line(tmp_path, cap
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith("zinf.json: not modelled: ")
-    assert "zero_optimization.sub_group_size" in lines[0]
+    assert "zero_optimization.offload_param.max_in_cpu" in lines[0]
     assert "unknown to DeepSpeed (ignored): zero_optimization.aio, fancy_new_feature" in lines[0]
     assert "iteration time" in out and "deepspeed" in out
 

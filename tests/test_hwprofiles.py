@@ -97,8 +97,10 @@ def test_every_number_in_a_bundled_file_has_a_source_comment(name):
         for key, value in values.items()
         if value is None or isinstance(value, (int, float))
     ]
-    # every numeric key of the schema, including the nullable ones (+5 with a topology, +2 with a network)
-    assert len(numeric) == 43 + 5 * (profile.topology is not None) + 2 * (profile.network is not None)
+    # every numeric key of the schema, including the nullable ones (+5 with a topology, +2 with a network, +6
+    # with a compute section)
+    assert len(numeric) == (43 + 5 * (profile.topology is not None) + 2 * (profile.network is not None)
+                            + 6 * (profile.compute is not None))
     missing = [f"{sec}.{key}" for sec, key in numeric if (sec, key) not in commented]
     assert not missing, f"{name}: numbers without a source comment: {missing}"
 
@@ -511,4 +513,5 @@ def test_to_dict_is_a_deep_copy_safe_structure():
     d["gpu"]["memory_gib"] = 1
     assert p.gpu.memory_gib == 24
     assert profile_from_dict(d2) == p
-    assert list(d) == ["schema_version", "name", "description", "gpu", "pcie", "cpu", "ssd", "price"]
+    assert list(d) == ["schema_version", "name", "description", "gpu", "pcie", "cpu", "ssd", "price",
+                       "compute"]

@@ -33,10 +33,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from tierflow.hwprofiles import HardwareProfile, ProfileError
+from tierflow.planner.core.compute import DeliveredCompute, delivered_compute, kernels
 from tierflow.planner.core.workload import BlockCost, Gemm, Precision
 from tierflow.planner.core.world import SINGLE, World
 
@@ -262,6 +264,9 @@ class CostModel:
         self.attention_eff = g.attention_efficiency if g.attention_efficiency is not None else 1.0
         self.activation_bps = g.activation_gbps * 1e9 if g.activation_gbps is not None else self.hbm_bps
         self.rates = link_rates(hw, world)
+        # the GPU kernel by kernel where the profile has a compute section (tierflow.planner.core.compute)
+        self.delivered = delivered_compute(hw.compute, self.peak_flops, self.gemm_eff, self.hbm_bps)
+        self._delivered_by_peak: dict[float, DeliveredCompute] = {}
 
     # ---- GPU compute ---------------------------------------------------------------------------------------
 
@@ -281,16 +286,38 @@ class CostModel:
         half = self.half_flops * (peak_flops or self.peak_flops) / self.peak_flops
         return self.gemm_eff * flops / (flops + half)
 
+    def _delivered_at(self, peak_flops: float) -> DeliveredCompute | None:
+        """The kernel-by-kernel model at the peak a precision runs at (the profile's compute section)."""
+        if self.delivered is None or peak_flops == self.peak_flops:
+            return self.delivered
+        d = self._delivered_by_peak.get(peak_flops)
+        if d is None:
+            d = dataclasses.replace(self.delivered, peak_flops=peak_flops,
+                                    gemm_rate_flops=peak_flops * self.gemm_eff)
+            self._delivered_by_peak[peak_flops] = d
+        return d
+
     def gemm_s(self, g: Gemm, peak_flops: float | None = None) -> float:
         peak = peak_flops or self.peak_flops
+        delivered = self._delivered_at(peak)
+        if delivered is not None:
+            return delivered.gemm_s(g)
         one = Gemm(g.m, g.n, g.k, elem_bytes=g.elem_bytes)
         t = max(one.flops / (peak * self.efficiency(one.flops, peak)), one.bytes / self.hbm_bps)
         return t * g.count
 
-    def attention_s(self, flops: float, peak_flops: float | None = None) -> float:
+    def attention_s(self, flops: float, backward: bool = False, peak_flops: float | None = None) -> float:
+        """Causal attention of `flops` (the convention's forward FLOPs; the backward does twice the work)."""
         peak = peak_flops or self.peak_flops
         work = flops * CAUSAL_ATTENTION_WORK
-        return 0.0 if work <= 0 else work / (peak * self.efficiency(work, peak) * self.attention_eff)
+        passes = 2 if backward else 1
+        d = self._delivered_at(peak)
+        delivered = None if d is None else d.attention_s(passes * work, backward)
+        if delivered is not None:
+            return delivered
+        if work <= 0:
+            return 0.0
+        return passes * work / (peak * self.efficiency(work, peak) * self.attention_eff)
 
     def elementwise_s(self, nbytes: float, activation_bytes: float = 0.0) -> float:
         """Non-GEMM kernels moving `nbytes`, of which `activation_bytes` through the activation function."""
@@ -298,23 +325,29 @@ class CostModel:
 
     def forward_s(self, block: BlockCost) -> float:
         peak = self.peak_flops_for(block.precision)
-        return (
+        device = (
             sum(self.gemm_s(g, peak) for g in block.fwd_gemms)
-            + self.attention_s(block.attn_fwd_flops, peak)
+            + self.attention_s(block.attn_fwd_flops, peak_flops=peak)
             + self.elementwise_s(block.fwd_elementwise_bytes, block.fwd_activation_bytes)
-            + self.op_overhead_s
         )
+        return self._launched(device, block, False) + self.op_overhead_s
 
     def backward_s(self, block: BlockCost) -> float:
         """Backward = two GEMMs per forward GEMM (data and weight gradient), 2x the attention, 2x
         elementwise."""
         peak = self.peak_flops_for(block.precision)
-        return (
+        device = (
             2 * sum(self.gemm_s(g, peak) for g in block.fwd_gemms)
-            + 2 * self.attention_s(block.attn_fwd_flops, peak)
+            + self.attention_s(block.attn_fwd_flops, backward=True, peak_flops=peak)
             + 2 * self.elementwise_s(block.fwd_elementwise_bytes, block.fwd_activation_bytes)
-            + self.op_overhead_s
         )
+        return self._launched(device, block, True) + self.op_overhead_s
+
+    def _launched(self, device_s: float, block: BlockCost, backward: bool) -> float:
+        """A pass's device time, or its kernels' launches where modelled and longer."""
+        if self.delivered is None:
+            return device_s
+        return self.delivered.launch_bound_s(device_s, kernels(block, backward))
 
     def gpu_adam_s(self, params: float) -> float:
         return params * GPU_ADAM_BYTES_PER_PARAM / self.hbm_bps + self.op_overhead_s

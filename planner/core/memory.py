@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tierflow.planner.core.dsruntime import DS_SUB_GROUP_ELEMS, deepspeed_host_buffers_bytes
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement
 from tierflow.planner.core.workload import (
@@ -87,12 +88,16 @@ def placed_bytes_of(params: int, placement: Placement,
 
 
 def static_bytes(model: ModelSpec, placement: Placement, runtime: str = "ideal",
-                 ranks: int = 1) -> dict[str, float]:
+                 ranks: int = 1, ds_sub_group_elems: int = DS_SUB_GROUP_ELEMS) -> dict[str, float]:
     """Bytes resident on each tier for the whole run: the placed tensors (one rank's shard of them), plus the
-    GPU buffers DeepSpeed's runtime holds while the optimizer states are offloaded."""
+    GPU and host buffers DeepSpeed's runtime holds while the optimizer states are offloaded
+    (tierflow.planner.core.dsruntime)."""
     out = placed_bytes(model, placement, ranks)
     if runtime == "deepspeed" and not placement.gpu_optimizer:
         out["gpu"] += deepspeed_gpu_buffers_bytes(model)
+        partition = shard_elems(model.total_params(), ranks)
+        out["cpu"] += deepspeed_host_buffers_bytes(partition, ds_sub_group_elems, placement.weights.ssd > 0,
+                                                   placement.master.ssd > 0)
     return out
 
 
@@ -129,6 +134,7 @@ class ScheduleMemory:
     gpu_working_bytes: float
     gpu_working_swap_bytes: float  # ... when layers keep their activations (their prefetched activations)
     runtime_gpu_bytes: float = 0.0  # GPU buffers the runtime holds while states are offloaded (DeepSpeed's)
+    deepspeed_host: bool = False  # DeepSpeed's own host buffers (tierflow.planner.core.dsruntime) are counted
     precision: Precision = PRECISIONS[DEFAULT_PRECISION]  # the bytes of the placed tensors
 
     @property
@@ -160,6 +166,9 @@ class ScheduleMemory:
         gpu_work = gpu_working_bytes + (0.0 if placement.gpu_optimizer else self.runtime_gpu_bytes)
         grads_on_host = (self.host_grad_bytes * (1.0 - placement.grads.ssd) if not placement.gpu_optimizer
                          else 0.0)
+        if self.deepspeed_host and not placement.gpu_optimizer:  # as static_bytes counts them
+            grads_on_host += deepspeed_host_buffers_bytes(self.params, DS_SUB_GROUP_ELEMS,
+                                                          placement.weights.ssd > 0, placement.master.ssd > 0)
         return {
             "gpu": placed["gpu"] + gpu_work + ck * c.gpu,
             "cpu": placed["cpu"] + grads_on_host + self.staging_bytes(placement, swap_layers) + ck * c.cpu
@@ -227,4 +236,4 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
                           ckpt_per_layer_bytes=ckpt, swap_extra_bytes=swap_extra,
                           gpu_working_bytes=gpu_recompute, gpu_working_swap_bytes=gpu_swap,
                           runtime_gpu_bytes=(deepspeed_gpu_buffers_bytes(model) if runtime == "deepspeed"
-                                             else 0.0), precision=pr)
+                                             else 0.0), precision=pr, deepspeed_host=runtime == "deepspeed")

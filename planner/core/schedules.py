@@ -24,8 +24,10 @@ from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock, Offset
 from tierflow.planner.core.costmodel import CostModel
+from tierflow.planner.core.dsruntime import DS_SUB_GROUP_ELEMS, deepspeed_host_buffers_bytes
 from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused, topological_order
 from tierflow.planner.core.memory import (
+    DS_REDUCE_BUCKET_ELEMS,
     blocks_of,
     host_reserve_bytes,
     schedule_memory,
@@ -106,6 +108,12 @@ class ScheduleConfig:
     runtime: str = "ideal"  # how transfers overlap: RUNTIMES
     gpus: int = 1  # data-parallel ranks per box (tierflow.planner.core.world)
     nodes: int = 1  # boxes
+    # runtime deepspeed, offload_optimizer.pipeline_read / pipeline_write: the next sub-group's states are
+    # read while this one steps / this one's are written while the next steps (_Builder._read_states)
+    ds_pipeline_read: bool = False
+    ds_pipeline_write: bool = False
+    # its sub_group_size: the optimizer steps (and pipelines) whole sub-groups of this many elements
+    ds_sub_group_elems: int = DS_SUB_GROUP_ELEMS
 
     @property
     def world(self) -> World:
@@ -146,6 +154,10 @@ class ScheduleConfig:
             "iterations": self.iterations, "runtime": self.runtime, "placement": self.placement.as_dict(),
             # one rank: left out, so that one-GPU plans and their digests stay as they were
             **({"gpus": self.gpus, "nodes": self.nodes} if self.world.ranks != 1 else {}),
+            # DeepSpeed's optimizer pipelining: only when set, so that other plans' digests stay as they were
+            **{k: True for k in ("ds_pipeline_read", "ds_pipeline_write") if getattr(self, k)},
+            **({"ds_sub_group_elems": self.ds_sub_group_elems}
+               if self.ds_sub_group_elems != DS_SUB_GROUP_ELEMS else {}),
         }
 
     @classmethod
@@ -174,6 +186,8 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     cpu_cap = rank_capacity_bytes(hw, cfg.gpus)["cpu"]
     budget = float(cpu_cap) - staging - host_reserve_bytes(cpu_cap)
     ssd = hw.ssd.count > 0
+    if cfg.runtime == "deepspeed":  # what DeepSpeed allocates on the host for itself (with its swappers)
+        budget -= deepspeed_host_buffers_bytes(params, cfg.ds_sub_group_elems, ssd, ssd)
     if cfg.family == "horizontal" and ssd:
         # ZeRO-Infinity puts the fp32 gradients on NVMe with the optimizer when the optimizer is there
         grads, budget = fill_split(mem.host_grad_bytes, budget)
@@ -404,8 +418,22 @@ class _OptChain:
 
     prev_main: int = -1  # the previous block's main CPU Adam step
     prev_write: int = -1  # DeepSpeed: a sub-group's states are read only after the previous one's are written
+    prev_read: int = -1  # DeepSpeed with pipeline_read: the previous sub-group's read
+    prev_block: int = -1  # the block stepped before (DeepSpeed: is this one in a new sub-group?)
     unwaited_write: Task | None = None  # LoHan: the write-back the thread issues at the next boundary
     thread_last: Task | None = None  # LoHan: the thread's last wait
+
+
+@dataclass
+class _DsGrad:
+    """A block's gradient waiting in DeepSpeed's IPG bucket (_Builder._ds_grad_bucket)."""
+
+    src: Task  # the task that produced it
+    block: int
+    wire_bytes_per_param: float  # bytes per parameter its copy to the host moves
+    gpu_bytes: float  # its GPU buffer, freed by the copy
+    grad_last: dict  # the iteration's block -> final-gradient tasks
+    host_grad_alloc: set  # the iteration's blocks whose host gradient buffer is allocated
 
 
 class _Builder:
@@ -431,6 +459,11 @@ class _Builder:
         # block -> tasks that refresh its GPU-resident weights
         self.resident_update: dict[int, list[int]] = {}
         self.states_written: dict[tuple[int, str], list[int]] = {}  # (block, part) -> SSD write of its states
+        # runtime deepspeed: the open gradient bucket (its blocks' offloads, not yet issued) and the offloads
+        # of the last backward, which the host waits for before the next forward (_ds_grad_bucket)
+        self.ds_bucket: list[_DsGrad] = []
+        self.ds_epilogue: list[int] = []
+        self.ds_groups = ds_sub_groups([x.owned_params for x in b], cfg.ds_sub_group_elems)
 
     # -- helpers ---------------------------------------------------------------------------------------------
 
@@ -590,7 +623,7 @@ class _Builder:
             self.build_iteration(it, base, seq_steps)
         if cfg.runtime == "lohan":
             _renumber(self.g.tasks)
-        static = static_bytes(self.model, self.p, cfg.runtime, self.W)
+        static = static_bytes(self.model, self.p, cfg.runtime, self.W, cfg.ds_sub_group_elems)
         cap = rank_capacity_bytes(self.hw, cfg.gpus)
         meta = {"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations}
         if self.W > 1:
@@ -615,6 +648,9 @@ class _Builder:
                 deps += self.fetch_weights(st.use, it)
             elif use.ready_task is not None:
                 deps.append(use.ready_task.id)
+            if st.phase == "F" and st.block == 0 and self.ds_epilogue:
+                deps += self.ds_epilogue  # DeepSpeed's host waited for the last backward's gradient stream
+                self.ds_epilogue = []
             if st.phase == "F":
                 last = self._forward_step(s, i, st, deps)
             elif st.phase == "H":
@@ -756,14 +792,65 @@ class _Builder:
             return
         if p.grads.gpu == 1.0 and k != self.cur_last_step[b]:
             return
+        if self.cfg.runtime == "deepspeed":  # reduced and copied with its bucket
+            self._ds_grad_bucket(t, t, b, k, grad_gpu_bytes, grad_last, host_grad_alloc)
+            return
         src = t if self.W == 1 else self._reduce_scatter(t, b, it)
-        d2h = g.add(OFFLOAD_GRADS, "d2h", self.pr.grad_wire_bytes * self.shard(blk.fetch_params),
-                    tensor="grads", block=b, mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[src.id])
+        self._offload_grads(t, src, b, it, self.pr.grad_wire_bytes, grad_gpu_bytes, grad_last,
+                            host_grad_alloc)
+
+    def _offload_grads(self, t: Task, src: Task, b: int, it: int, bytes_per_param: float,
+                       grad_gpu_bytes: float, grad_last: dict, host_grad_alloc: set) -> Task:
+        """Block b's gradient to the host after `src` (keyed after `t`), its GPU buffer freed."""
+        g, blk = self.g, self.blocks[b]
+        d2h = g.add(OFFLOAD_GRADS, "d2h", bytes_per_param * self.shard(blk.fetch_params), tensor="grads",
+                    block=b, mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[src.id])
         g.free(d2h, "gpu", grad_gpu_bytes)
         if b not in host_grad_alloc:
             host_grad_alloc.add(b)
             g.alloc(d2h, "cpu", self.pr.grad_accum_bytes * self.shard(blk.fetch_params))
         grad_last[b] = [d2h.id]
+        return d2h
+
+    def _ds_grad_bucket(self, t: Task, src: Task, b: int, k: int, grad_gpu_bytes: float, grad_last: dict,
+                        host_grad_alloc: set) -> None:
+        """DeepSpeed ZeRO-3 with the optimizer offloaded, as its code runs: a gradient joins the IPG bucket
+        (reduce_bucket_size elements, 5e8 by default); when the next one would overflow it, the bucket's
+        partitions are copied to the host on the reduce-and-partition stream, and at the end of every
+        backward (the epilogue) the rest are, and the host waits for that stream before it goes on
+        (stage3.py: reduce_independent_p_g_buckets_and_remove_grads, __reduce_and_partition_ipg_grads,
+        independent_gradient_partition_epilogue). At the accumulation boundary (the iteration's last
+        micro-batch) each partition is also copied to the optimizer's fp32 gradient: 4 B more per parameter
+        (partition_grads -> _offload_grad_partition_at_boundary). Not modelled: the copy back of the 16-bit
+        partition to the GPU after each copy out (partition_grads: grad_buffer.to(device)), an H2D of 2 B per
+        parameter and micro-batch."""
+        elems = self.blocks[b].fetch_params
+        open_elems = sum(self.blocks[x.block].fetch_params for x in self.ds_bucket)
+        if self.ds_bucket and open_elems + elems > DS_REDUCE_BUCKET_ELEMS:
+            self._ds_flush(t)  # the full bucket leaves once this gradient is ready
+        boundary = k == self.cur_last_step[b]  # the block's last micro-batch of the iteration
+        wire = self.pr.grad_wire_bytes + (self.pr.grad_accum_bytes if boundary else 0)
+        self.ds_bucket.append(_DsGrad(src, b, wire, grad_gpu_bytes, grad_last, host_grad_alloc))
+        if b == 0:  # the backward's last block: the epilogue flushes the rest and the host waits
+            self.ds_epilogue = self._ds_flush(t)
+
+    def _ds_flush(self, t: Task) -> list[int]:
+        """Issue the open bucket after `t`: with several ranks each gradient reduce-scattered, then every
+        partition copied to the host (__reduce_and_partition_ipg_grads)."""
+        out = []
+        for x in self.ds_bucket:
+            src = x.src
+            if self.W > 1:
+                src = self._reduce_scatter(t, x.block, t.iteration)
+                if t.id != x.src.id:
+                    src.deps.append(x.src.id)
+            d2h = self._offload_grads(t, src, x.block, t.iteration, x.wire_bytes_per_param, x.gpu_bytes,
+                                      x.grad_last, x.host_grad_alloc)
+            if t.id != src.id and t.id not in src.deps:
+                d2h.deps.append(t.id)
+            out.append(d2h.id)
+        self.ds_bucket = []
+        return out
 
     def _reduce_scatter(self, t: Task, b: int, it: int) -> Task:
         """The ranks' gradients of block b summed, this rank's shard kept (a ring reduce-scatter after
@@ -867,18 +954,33 @@ class _Builder:
         optimizer swapper (pipeline_read/write off) reads, steps and writes one sub-group after the other
         (partitioned_optimizer_swapper.py:100-191; offload_config.py:84-94); LoHan's training thread waits for
         the read (_lohan_trigger, _lohan_thread)."""
-        lohan_main = self.cfg.runtime == "lohan" and kind == ADAM
+        cfg = self.cfg
+        lohan_main = cfg.runtime == "lohan" and kind == ADAM
+        ds = cfg.runtime == "deepspeed"
+        # DeepSpeed's pipeline_read issues the next sub-group's read when this one's step starts (after this
+        # one's read), pipeline_write lets the read go before the previous write has finished
+        # (pipelined_optimizer_swapper.py: swap_in_optimizer_state / swap_out_optimizer_state)
+        # only between sub-groups: within one, DeepSpeed reads, steps and writes the whole sub-group at once
+        new_group = ds and self._ds_sub_group(step.block) != self._ds_sub_group(chain.prev_block)
+        after = chain.prev_read if new_group and cfg.ds_pipeline_read and kind == ADAM else (
+            chain.prev_main if kind == ADAM else prev_part)
         rs = self.g.add(READ_OPT_STATES, "ssd_read", nbytes, tensor="opt_states", block=step.block, mb=-1,
                         iteration=step.it, key=pkey + Offset.READ_STATES,
-                        deps=[chain.prev_main if kind == ADAM else prev_part,
+                        deps=[after,
                               *self.states_written.get((step.block, kind), []),
-                              chain.prev_write if self.cfg.runtime == "deepspeed" else -1,
+                              chain.prev_write if ds and not (new_group and cfg.ds_pipeline_write) else -1,
                               *(self._lohan_trigger(step.k_last, chain.thread_last) if lohan_main else [])])
+        if kind == ADAM:
+            chain.prev_read, chain.prev_block = rs.id, step.block
         self.g.alloc(rs, "cpu", nbytes)
         if lohan_main:
             chain.thread_last = self._lohan_thread(rs, chain.unwaited_write, step.k_last, step.end)
             chain.unwaited_write = None
         return rs
+
+    def _ds_sub_group(self, block: int) -> int:
+        """DeepSpeed's optimizer sub-group of `block` (-1 for none)."""
+        return self.ds_groups[block] if block >= 0 else -1
 
     def _lohan_trigger(self, k_last: int, thread_last: Task | None) -> list[int]:
         """LoHan: the tasks after which its training thread reaches the gradient hook that steps the block
@@ -905,6 +1007,18 @@ class _Builder:
             rd.deps.append(last.id)
             rd.key = max(rd.key, last.key + THREAD_KEY_STEP)  # behind it in its resource's queue
         return last
+
+
+def ds_sub_groups(owned_params: list[int], sub_group_elems: int) -> list[int]:
+    """DeepSpeed's optimizer sub-group of each block: parameters are packed in model order until a sub-group
+    holds `sub_group_elems` or more (stage3.py _create_fp16_sub_groups), at block granularity here."""
+    out, filled, group = [], 0, 0
+    for n in owned_params:
+        out.append(group)
+        filled += n
+        if filled >= sub_group_elems:
+            group, filled = group + 1, 0
+    return out
 
 
 def _renumber(tasks: list[Task]) -> None:

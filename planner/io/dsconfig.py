@@ -45,12 +45,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles.inputs import MIB, InputLimitError, loads_json_limited, read_limited_text
 from tierflow.outputs import atomic_write_text
+from tierflow.planner.core.dsruntime import DS_SUB_GROUP_ELEMS
 from tierflow.planner.core.models import PRECISION_NAMES, ModelSpec
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleConfig
@@ -81,8 +82,6 @@ ASSUMED_DEFAULTS: dict[str, object] = {
     "zero_optimization.reduce_bucket_size": 500_000_000,  # memory.DS_REDUCE_BUCKET_ELEMS
     "zero_optimization.stage3_max_reuse_distance": 1_000_000_000,  # memory.DS_MAX_REUSE_DISTANCE_ELEMS
     "zero_optimization.overlap_comm": True,  # async copies on their own stream
-    "zero_optimization.offload_optimizer.pipeline_read": False,  # sub-groups read, stepped, written in turn
-    "zero_optimization.offload_optimizer.pipeline_write": False,
     "zero_optimization.offload_optimizer.ratio": 1.0,  # every optimizer state offloaded
     "zero_optimization.offload_param.pin_memory": True,  # link rates are those of pinned buffers
     "zero_optimization.offload_optimizer.pin_memory": True,
@@ -96,6 +95,9 @@ MODELLED = {
     "zero_optimization.cpu_offload", "zero_optimization.cpu_offload_param",
     "activation_checkpointing.cpu_checkpointing", "bf16.enabled", "bfloat16.enabled", "fp16.enabled",
     "optimizer.type",
+    # the optimizer swapper's overlap of sub-groups (ScheduleConfig.ds_pipeline_read / ds_pipeline_write)
+    "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.offload_optimizer.pipeline_write",
+    "zero_optimization.sub_group_size",  # the optimizer's unit of swapping and pipelining
 }
 # Documented keys that do not change the time of a training step (learning rate, logging, saving, paths).
 NO_EFFECT = {
@@ -120,7 +122,7 @@ NOT_MODELLED = {
     "communication_data_type", "seq_parallel_communication_data_type", "data_types", "compile", "pipeline",
     "sparse_attention", "disable_allgather", "compression_training", "data_efficiency", "curriculum_learning",
     "tensor_parallel", "expert_parallel", "torch_autocast", "weight_quantization", "hybrid_engine",
-    "zero_optimization.sub_group_size", "zero_optimization.contiguous_gradients",
+    "zero_optimization.contiguous_gradients",
     "zero_optimization.reduce_scatter",
     "zero_optimization.allgather_partitions", "zero_optimization.allgather_bucket_size",
     "zero_optimization.stage3_param_persistence_threshold",
@@ -186,6 +188,9 @@ class DsConfig:
     prefetch_bucket_elems: int
     max_live_elems: int
     not_modelled: tuple[str, ...] = ()
+    pipeline_read: bool = False  # offload_optimizer.pipeline_read (NVMe optimizer offload)
+    pipeline_write: bool = False  # offload_optimizer.pipeline_write
+    sub_group_elems: int = DS_SUB_GROUP_ELEMS  # zero_optimization.sub_group_size
     no_effect: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
     resolved: tuple[str, ...] = ()  # "auto" keys and what they became
@@ -213,9 +218,13 @@ class DsConfig:
         """The schedule DeepSpeed runs for this config: horizontal, as DeepSpeed's ZeRO-3 code runs it."""
         from tierflow.planner.core.schedules import make_schedule
 
-        return make_schedule("horizontal", model, hw, batch=self.batch, micro_batch=self.micro_batch, seq=seq,
-                             placement=self.placement(), prefetch_depth=self.prefetch_depth(model),
-                             runtime="deepspeed", iterations=iterations)
+        cfg = make_schedule("horizontal", model, hw, batch=self.batch, micro_batch=self.micro_batch, seq=seq,
+                            placement=self.placement(), prefetch_depth=self.prefetch_depth(model),
+                            runtime="deepspeed", iterations=iterations)
+        nvme = self.optimizer_device == "nvme"  # DeepSpeed pipelines the swapper only for NVMe states
+        return replace(cfg, ds_pipeline_read=nvme and self.pipeline_read,
+                       ds_pipeline_write=nvme and self.pipeline_write,
+                       ds_sub_group_elems=self.sub_group_elems)
 
     def trained(self, model: ModelSpec) -> ModelSpec:
         """`model` in the precision this config trains it in (bf16.enabled / fp16.enabled, else fp32; "auto":
@@ -246,6 +255,8 @@ class DsConfig:
                 "train_batch_size": self.batch, "train_micro_batch_size_per_gpu": self.micro_batch,
                 "gradient_accumulation_steps": self.accumulation, "precision": self.precision,
                 "prefetch_bucket_elems": self.prefetch_bucket_elems, "max_live_elems": self.max_live_elems,
+                "pipeline_read": self.pipeline_read, "pipeline_write": self.pipeline_write,
+                "sub_group_size": self.sub_group_elems,
                 "not_modelled": list(self.not_modelled), "no_effect": list(self.no_effect),
                 "unknown": list(self.unknown), "resolved_auto": list(self.resolved),
                 "from_command_line": list(self.from_command_line)}
@@ -379,11 +390,23 @@ def parse_ds_config(data: object, source: str, model: ModelSpec, *, batch_hint: 
         not_modelled.append("no parameter prefetch "
                             "(stage3_prefetch_bucket_size 0: simulated one layer ahead)")
     batch, micro, accum, from_cli = _batch_split(leaves, source, batch_hint, micro_batch_hint, resolved)
+    pipeline = {k: _flag(leaves, f"zero_optimization.offload_optimizer.{k}", source)
+                for k in ("pipeline_read", "pipeline_write")}
+    sub_group = _int(leaves, "zero_optimization.sub_group_size", DS_SUB_GROUP_ELEMS, source, lo=1)
     return DsConfig(source=source, stage=stage, param_device=param_device, optimizer_device=optimizer_device,
+                    **pipeline, sub_group_elems=sub_group,
                     cpu_checkpointing=cpu_ckpt, batch=batch, micro_batch=micro, accumulation=accum,
                     precision=precision, prefetch_bucket_elems=bucket, max_live_elems=max_live,
                     not_modelled=tuple(not_modelled), no_effect=tuple(no_effect), unknown=tuple(unknown),
                     resolved=tuple(resolved), from_command_line=tuple(from_cli))
+
+
+def _flag(leaves: dict, key: str, source: str) -> bool:
+    """A boolean key (False when absent, DeepSpeed's default); DsConfigError for anything else."""
+    value = leaves.get(key, False)
+    if not isinstance(value, bool):
+        raise DsConfigError(f"{source}: {key} {_show(value)}: expected true or false")
+    return value
 
 
 def _flatten(data: dict, prefix: str) -> dict[str, object]:

@@ -153,5 +153,6 @@ def iteration_loads(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
         s = ws[k] - c  # one swapped layer
         work[k] = c + (L - n) * r + n * s
     return IterationLoads(work=work,
-                          static_bytes=static_bytes(model, cfg.placement, cfg.runtime, cfg.world.ranks),
+                          static_bytes=static_bytes(model, cfg.placement, cfg.runtime, cfg.world.ranks,
+                                                    cfg.ds_sub_group_elems),
                           world=cfg.world)

@@ -1,0 +1,36 @@
+"""Host memory DeepSpeed's ZeRO-3 allocates for itself when it offloads (runtime deepspeed), beyond the
+tensors a placement puts in host memory: read in DeepSpeed 0.19.8's code (docs/baselines-as-coded.md A5, A6).
+
+- The gradient partitions: `grad_partitions_flat_buffer`, one element of the gradient accumulation dtype (the
+  model's 16-bit dtype by default) per parameter of this rank's partition, on the host whenever the optimizer
+  is offloaded (stage3.py: `self.device` is cpu with offload_optimizer; the buffer is allocated at set-up,
+  pinned with `pin_memory`), for the whole run.
+- The optimizer swapper's pinned buffers (optimizer states on NVMe): `buffer_count` (4) buffers of the largest
+  sub-group's elements in fp32 (swap_tensor/optimizer_utils.py: SwapBufferManager(num_elems=largest_numel,
+  count=swap_config.buffer_count)).
+- The parameter swapper's pinned buffers (parameters on NVMe): `buffer_count` (5) x `buffer_size` (1e8)
+  elements of the 16-bit dtype (swap_tensor/partitioned_param_swapper.py: self.buffers).
+Defaults are offload_config.py's. Not measured here: the CPU accelerator cannot build the NVMe swapper in this
+sandbox's time (its async_io op compiles for minutes); the sizes are the code's.
+"""
+
+from __future__ import annotations
+
+from tierflow.planner.core.workload import COMPUTE_BYTES, MASTER_BYTES
+
+DS_SUB_GROUP_ELEMS = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default (zero/config.py)
+DS_OPT_BUFFER_COUNT = 4  # offload_optimizer.buffer_count
+DS_PARAM_BUFFER_COUNT = 5  # offload_param.buffer_count
+DS_PARAM_BUFFER_ELEMS = 100_000_000  # offload_param.buffer_size
+
+
+def deepspeed_host_buffers_bytes(partition_params: int, sub_group_elems: int, params_on_nvme: bool,
+                                 states_on_nvme: bool) -> float:
+    """Host bytes DeepSpeed holds for the whole run with the optimizer offloaded, for a rank whose partition
+    has `partition_params` parameters."""
+    out = float(COMPUTE_BYTES * partition_params)  # grad_partitions_flat_buffer
+    if states_on_nvme:
+        out += DS_OPT_BUFFER_COUNT * MASTER_BYTES * min(sub_group_elems, partition_params)
+    if params_on_nvme:
+        out += DS_PARAM_BUFFER_COUNT * DS_PARAM_BUFFER_ELEMS * COMPUTE_BYTES
+    return out
