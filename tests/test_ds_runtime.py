@@ -4,21 +4,25 @@ next micro-batch's forward; the final gradient is also copied to the optimizer's
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core import schedules
+from tierflow.planner.core.memory import schedule_memory
 from tierflow.planner.core.models import get_model
-from tierflow.planner.core.opkinds import BWD, FWD, OFFLOAD_GRADS
+from tierflow.planner.core.opkinds import BWD, FWD, OFFLOAD_GRADS, RECOMPUTE
 from tierflow.planner.core.placement import Placement
 from tierflow.planner.core.schedules import build_graph, make_schedule
+from tierflow.planner.core.simulate import simulate_config
 
 
-def _graph(runtime: str, batch: int = 4):
+def _graph(runtime: str, batch: int = 4, **settings):
     m, hw = get_model("tiny-gpt"), load_profile("rtx4090-lohan")
     cfg = make_schedule("horizontal", m, hw, batch=batch, micro_batch=1, seq=32,
                         placement=Placement.uniform("cpu"), runtime=runtime, iterations=1)
-    return build_graph(m, hw, cfg).tasks
+    return build_graph(m, hw, replace(cfg, **settings)).tasks
 
 
 def _ancestors(tasks, tid: int) -> set[int]:
@@ -54,10 +58,9 @@ def test_a_small_model_s_gradients_leave_in_the_epilogue():
             assert any(w.kind == BWD and w.block == 0 for w in waits), t.label
 
 
-def test_a_full_bucket_leaves_during_the_backward(monkeypatch):
+def test_a_full_bucket_leaves_during_the_backward():
     layer = get_model("tiny-gpt").layer_params()
-    monkeypatch.setattr(schedules, "DS_REDUCE_BUCKET_ELEMS", 2 * layer)  # two layers a bucket
-    tasks = _graph("deepspeed")
+    tasks = _graph("deepspeed", ds_reduce_bucket_elems=2 * layer)  # two layers a bucket
     early = [t for t in tasks if t.kind == OFFLOAD_GRADS and t.mb == -1
              and not any(tasks[d].kind == BWD and tasks[d].block == 0 for d in t.deps if d >= 0)]
     assert early  # some buckets close before the backward reaches the embedding
@@ -140,10 +143,12 @@ def test_one_sub_group_leaves_nothing_to_pipeline():
 def test_deepspeed_s_own_host_buffers_are_counted():
     from tierflow.planner.core.dsruntime import deepspeed_host_buffers_bytes
 
-    # 16-bit gradient partitions for every parameter; 4 fp32 sub-group swap buffers; 5 x 1e8 16-bit params
-    assert deepspeed_host_buffers_bytes(10**9, 10**8, False, False) == 2e9
-    assert deepspeed_host_buffers_bytes(10**9, 10**8, False, True) == 2e9 + 4 * 4 * 1e8
-    assert deepspeed_host_buffers_bytes(10**7, 10**9, True, True) == 2e7 + 4 * 4 * 1e7 + 5 * 1e8 * 2
+    # 16-bit gradient partitions for every parameter; the fp32 gradient (every sub-group's with the states in
+    # host memory, the largest sub-group's with them swapped); 4 fp32 sub-group swap buffers; 5 x 1e8 16-bit
+    # params
+    assert deepspeed_host_buffers_bytes(10**9, 10**8, False, False) == 2e9 + 4e9
+    assert deepspeed_host_buffers_bytes(10**9, 10**8, False, True) == 2e9 + 4 * 1e8 + 4 * 4 * 1e8
+    assert deepspeed_host_buffers_bytes(10**7, 10**9, True, True) == 2e7 + 4 * 1e7 + 4 * 4 * 1e7 + 5 * 1e8 * 2
     m, hw = get_model("tiny-gpt"), load_profile("rtx4090-lohan")
     graphs = {}
     for runtime in ("deepspeed", "ideal"):
@@ -169,3 +174,53 @@ def test_several_ranks_reduce_each_bucket_then_copy_it():
         assert rs.kind == REDUCE_SCATTER_GRADS and rs.block == o.block
         # the bucket is reduced at the epilogue: after the embedding's backward of the micro-batch
         assert any(tasks[d].kind == BWD and tasks[d].block == 0 for d in rs.deps)
+
+
+def test_under_deepspeed_the_schedule_s_gradients_take_no_host_memory_of_their_own():
+    """DeepSpeed's own buffers (counted as static) hold every gradient on the host: the graph's gradient
+    offloads, spills and steps allocate and free none there, as they do under the ideal runtime."""
+    m, hw = get_model("tiny-gpt"), load_profile("rtx4090-lohan")
+    place = Placement.from_dict({"grads": {"cpu": 0.5, "ssd": 0.5}, "master": {"cpu": 0, "ssd": 1},
+                                 "adam_m": {"cpu": 0, "ssd": 1}, "adam_v": {"cpu": 0, "ssd": 1}})
+    for runtime, expect in (("deepspeed", False), ("ideal", True)):
+        cfg = make_schedule("horizontal", m, hw, batch=2, micro_batch=1, seq=32, placement=place,
+                            runtime=runtime, iterations=1)
+        grad_tasks = [t for t in build_graph(m, hw, cfg).tasks if t.tensor == "grads"]
+        touches_host = any(tier == 1 for t in grad_tasks for tier, _ in t.mem_start + t.mem_end)
+        assert touches_host is expect, runtime
+
+
+def test_the_default_zero_infinity_placement_fits_the_host_it_was_made_for():
+    """gpt3-13b on LoHan's box with 128 GiB of host memory: the memory model's host estimate for the default
+    placement covers the simulated peak, so the run does not overflow (it did when the estimate counted the
+    spilled gradients as gone while the graph held them on the host)."""
+    m = get_model("gpt3-13b")
+    hw = load_profile("rtx4090-lohan")
+    hw = replace(hw, cpu=replace(hw.cpu, memory_gib=128))
+    cfg = make_schedule("horizontal", m, hw, batch=64, micro_batch=2, iterations=2)
+    res = simulate_config(m, hw, cfg)  # raises CapacityError on an overflow
+    mem = schedule_memory(m, micro_batch=2, seq=cfg.seq, num_micro_batches=cfg.num_micro_batches,
+                          group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
+                          prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch,
+                          runtime=cfg.runtime)
+    est = mem.tier_bytes(cfg.placement, cfg.swap_layers, res.graph.capacity_bytes["cpu"])
+    for tier in ("gpu", "cpu"):
+        assert res.peak_bytes[tier] <= est[tier] <= res.graph.capacity_bytes[tier], tier
+
+
+def test_deepspeed_s_host_waits_for_its_oldest_gradient_bucket():
+    """With more than max_param_reduce_events (2) buckets in flight, the next backward step waits for the
+    oldest bucket's last copy to the host (stage3.py param_reduce_events)."""
+    m = replace(get_model("gpt3-13b"), num_layers=6)
+    hw = load_profile("rtx4090-lohan")
+    cfg = make_schedule("horizontal", m, hw, batch=1, micro_batch=1, seq=128, iterations=1,
+                        placement=Placement.uniform("cpu"))
+    tasks = build_graph(m, hw, cfg).tasks
+    waits = [t for t in tasks if t.kind in (BWD, RECOMPUTE) and t.block < 7
+             and any(tasks[d].kind == OFFLOAD_GRADS for d in t.deps)]
+    # one block per bucket (a 13B layer is more than half a bucket); block b's gradient flushes block b+1's
+    # bucket, the third in flight, so the host waits for block b+2's copy before the next step, block b-1's
+    assert [t.block for t in waits] == [3, 2, 1, 0]
+    for t in waits:
+        (off,) = [tasks[d] for d in t.deps if tasks[d].kind == OFFLOAD_GRADS]
+        assert off.block == t.block + 4

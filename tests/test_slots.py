@@ -71,15 +71,15 @@ def test_prediction_lies_between_the_roofline_and_the_simulation(name):
     comes is the model's accuracy: these deliberately transfer-heavy placements are within 13% (12.1% for the
     swapped vertical case on the 3090 desktop, 10.6% of it before host memory was shared: the slot model's
     windows take host memory contention only in part; the planner's chosen plans: docs/planning.md, planner
-    quality). The upper side allows 2%: the windows are whole slots, so where a slot's GPU work and its
-    transfers do not divide evenly the LP can come out above the event simulation (horizontal on the 3090
-    with its compute section, flash attention's backward at its own rate: +1.4%)."""
+    quality). Runtime deepspeed's gradient buckets leave where the model's parameter count puts them: the
+    template scales its bucket to its share of the parameters (with the full bucket all its layers' copies
+    waited for the epilogue and the LP came out 1.4% above the simulation)."""
     model, hw, cfg = _case(name)
     rep = solve_slots(build_slot_model(model, hw, cfg), hw)
     assert rep.status == "OPTIMAL" and rep.gap == 0.0
     sim = simulate_config(model, hw, cfg).iteration_s
     roof = iteration_loads(model, hw, cfg).bound_s(hw)
-    assert roof * (1 - 1e-9) <= rep.objective_s <= sim * 1.02
+    assert roof * (1 - 1e-9) <= rep.objective_s <= sim * 1.005
     assert sim <= rep.objective_s * 1.13
 
 

@@ -5,6 +5,13 @@ tensors a placement puts in host memory: read in DeepSpeed 0.19.8's code (docs/b
   model's 16-bit dtype by default) per parameter of this rank's partition, on the host whenever the optimizer
   is offloaded (stage3.py: `self.device` is cpu with offload_optimizer; the buffer is allocated at set-up,
   pinned with `pin_memory`), for the whole run.
+- The optimizer's fp32 gradient (stage3.py initialize_optimizer_states): with the states in host memory
+  one pinned buffer per sub-group, 4 B for every parameter of the partition, for the whole run; with the
+  states on NVMe one buffer of the largest sub-group's elements, through which every sub-group's fp32
+  gradient is swapped out at the accumulation boundary (_offload_grad_partition_at_boundary ->
+  swap_out_gradients) and back in for its step. The 16-bit partitions accumulate the micro-batches'
+  gradients; no other host buffer holds a gradient, so the schedule's fp32 gradients take no host memory of
+  their own under this runtime.
 - The optimizer swapper's pinned buffers (optimizer states on NVMe): `buffer_count` (4) buffers of the largest
   sub-group's elements in fp32 (swap_tensor/optimizer_utils.py: SwapBufferManager(num_elems=largest_numel,
   count=swap_config.buffer_count)).
@@ -29,8 +36,11 @@ def deepspeed_host_buffers_bytes(partition_params: int, sub_group_elems: int, pa
     """Host bytes DeepSpeed holds for the whole run with the optimizer offloaded, for a rank whose partition
     has `partition_params` parameters."""
     out = float(COMPUTE_BYTES * partition_params)  # grad_partitions_flat_buffer
+    largest_sub_group = min(sub_group_elems, partition_params)
+    # the fp32 gradient: one buffer per sub-group in host memory, one shared buffer when they are swapped
+    out += MASTER_BYTES * (largest_sub_group if states_on_nvme else partition_params)
     if states_on_nvme:
-        out += DS_OPT_BUFFER_COUNT * MASTER_BYTES * min(sub_group_elems, partition_params)
+        out += DS_OPT_BUFFER_COUNT * MASTER_BYTES * largest_sub_group
     if params_on_nvme:
         out += DS_PARAM_BUFFER_COUNT * DS_PARAM_BUFFER_ELEMS * COMPUTE_BYTES
     return out

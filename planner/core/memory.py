@@ -50,6 +50,9 @@ MARGIN = 1.5
 
 # DeepSpeed ZeRO-3 defaults that hold GPU memory for the whole step (docs/baselines-as-coded.md, A2 and A4):
 DS_REDUCE_BUCKET_ELEMS = 5e8  # reduce_bucket_size: the gradient bucket, model dtype (zero/config.py:113)
+# gradient buckets whose reduce and copy may be in flight before the host waits for the oldest (stage3.py:
+# max_param_reduce_events)
+DS_MAX_PARAM_REDUCE_EVENTS = 2
 # parameters kept on the GPU at the forward/backward turn (zero/config.py:244)
 DS_MAX_REUSE_DISTANCE_ELEMS = 1e9
 
@@ -60,6 +63,15 @@ def deepspeed_gpu_buffers_bytes(model: ModelSpec) -> float:
     return precision_of(model).compute_bytes * (DS_REDUCE_BUCKET_ELEMS
                                                 + min(model.total_params(), DS_MAX_REUSE_DISTANCE_ELEMS))
 
+
+
+def deepspeed_inflight_grads_bytes(model: ModelSpec, blocks: list[BlockCost]) -> float:
+    """GPU bytes of the gradients that wait for DeepSpeed's reduce-and-copy stream: those of the buckets in
+    flight (DS_MAX_PARAM_REDUCE_EVENTS of them, then the one filling; a bucket holds one block when a block
+    exceeds reduce_bucket_size), at most every block's."""
+    largest = max(b.fetch_params for b in blocks)
+    bound = (DS_MAX_PARAM_REDUCE_EVENTS + 1) * max(DS_REDUCE_BUCKET_ELEMS, largest) + largest
+    return precision_of(model).grad_accum_bytes * min(bound, sum(b.fetch_params for b in blocks))
 
 
 def blocks_of(model: ModelSpec, micro_batch: int, seq: int) -> list[BlockCost]:
@@ -135,6 +147,10 @@ class ScheduleMemory:
     gpu_working_swap_bytes: float  # ... when layers keep their activations (their prefetched activations)
     runtime_gpu_bytes: float = 0.0  # GPU buffers the runtime holds while states are offloaded (DeepSpeed's)
     deepspeed_host: bool = False  # DeepSpeed's own host buffers (tierflow.planner.core.dsruntime) are counted
+    # every block's fp32 gradient is offloaded more than once per iteration (group < micro-batches): its host
+    # buffer lives from the first offload to its step, so spilling it to the SSD (after its last micro-batch)
+    # does not lower the host's peak
+    accumulates_on_host: bool = False
     precision: Precision = PRECISIONS[DEFAULT_PRECISION]  # the bytes of the placed tensors
 
     @property
@@ -151,6 +167,14 @@ class ScheduleMemory:
                 + self.state_staging_bytes * (p.master.ssd > 0)
                 + self.grad_staging_bytes * (p.grads.ssd > 0) + ckpt * (p.checkpoints.ssd > 0))
 
+    def host_grads_bytes(self, placement: Placement) -> float:
+        """Host bytes the schedule's fp32 gradients take at their peak (the graph's offload, spill and step
+        tasks): none under DeepSpeed, whose own buffers hold them (dsruntime), nor with the optimizer on the
+        GPU; all of them while they accumulate over micro-batches; else what the placement does not spill."""
+        if placement.gpu_optimizer or self.deepspeed_host:
+            return 0.0
+        return self.host_grad_bytes * (1.0 if self.accumulates_on_host else 1.0 - placement.grads.ssd)
+
     def checkpoint_bytes(self, swap_layers: int) -> float:
         return self.ckpt_per_layer_bytes * self.layers + self.swap_extra_bytes * swap_layers
 
@@ -164,8 +188,7 @@ class ScheduleMemory:
         if gpu_working_bytes is None:
             gpu_working_bytes = self.gpu_working_swap_bytes if swap_layers else self.gpu_working_bytes
         gpu_work = gpu_working_bytes + (0.0 if placement.gpu_optimizer else self.runtime_gpu_bytes)
-        grads_on_host = (self.host_grad_bytes * (1.0 - placement.grads.ssd) if not placement.gpu_optimizer
-                         else 0.0)
+        grads_on_host = self.host_grads_bytes(placement)
         if self.deepspeed_host and not placement.gpu_optimizer:  # as static_bytes counts them
             grads_on_host += deepspeed_host_buffers_bytes(self.params, DS_SUB_GROUP_ELEMS,
                                                           placement.weights.ssd > 0, placement.master.ssd > 0)
@@ -235,5 +258,8 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
                           ckpt_staging_swap_bytes=ckpt_staging_swap,
                           ckpt_per_layer_bytes=ckpt, swap_extra_bytes=swap_extra,
                           gpu_working_bytes=gpu_recompute, gpu_working_swap_bytes=gpu_swap,
-                          runtime_gpu_bytes=(deepspeed_gpu_buffers_bytes(model) if runtime == "deepspeed"
-                                             else 0.0), precision=pr, deepspeed_host=runtime == "deepspeed")
+                          runtime_gpu_bytes=(deepspeed_gpu_buffers_bytes(model)
+                                             + deepspeed_inflight_grads_bytes(model, blocks)
+                                             if runtime == "deepspeed" else 0.0),
+                          precision=pr, deepspeed_host=runtime == "deepspeed",
+                          accumulates_on_host=group < num_micro_batches)

@@ -18,6 +18,7 @@ starts the next and its activation stays on the GPU).
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from tierflow.errors import TierflowError
@@ -27,6 +28,7 @@ from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.dsruntime import DS_SUB_GROUP_ELEMS, deepspeed_host_buffers_bytes
 from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused, topological_order
 from tierflow.planner.core.memory import (
+    DS_MAX_PARAM_REDUCE_EVENTS,
     DS_REDUCE_BUCKET_ELEMS,
     blocks_of,
     host_reserve_bytes,
@@ -114,6 +116,8 @@ class ScheduleConfig:
     ds_pipeline_write: bool = False
     # its sub_group_size: the optimizer steps (and pipelines) whole sub-groups of this many elements
     ds_sub_group_elems: int = DS_SUB_GROUP_ELEMS
+    # its reduce_bucket_size: gradients leave for the host in buckets of this many elements (_ds_grad_bucket)
+    ds_reduce_bucket_elems: int = int(DS_REDUCE_BUCKET_ELEMS)
 
     @property
     def world(self) -> World:
@@ -158,6 +162,8 @@ class ScheduleConfig:
             **{k: True for k in ("ds_pipeline_read", "ds_pipeline_write") if getattr(self, k)},
             **({"ds_sub_group_elems": self.ds_sub_group_elems}
                if self.ds_sub_group_elems != DS_SUB_GROUP_ELEMS else {}),
+            **({"ds_reduce_bucket_elems": self.ds_reduce_bucket_elems}
+               if self.ds_reduce_bucket_elems != DS_REDUCE_BUCKET_ELEMS else {}),
         }
 
     @classmethod
@@ -188,21 +194,31 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     ssd = hw.ssd.count > 0
     if cfg.runtime == "deepspeed":  # what DeepSpeed allocates on the host for itself (with its swappers)
         budget -= deepspeed_host_buffers_bytes(params, cfg.ds_sub_group_elems, ssd, ssd)
-    if cfg.family == "horizontal" and ssd:
-        # ZeRO-Infinity puts the fp32 gradients on NVMe with the optimizer when the optimizer is there
+    if cfg.family == "horizontal" and ssd and not (mem.deepspeed_host or mem.accumulates_on_host):
+        # spilled fp32 gradients leave host memory (the memory model's host_grads_bytes)
         grads, budget = fill_split(mem.host_grad_bytes, budget)
     else:
-        grads, budget = Split(), budget - mem.host_grad_bytes
+        grads, budget = Split(), budget - mem.host_grads_bytes(Placement())
     ckpt, budget = fill_split(mem.checkpoint_bytes(cfg.swap_layers), budget)
     if cfg.family == "fuyou" and ssd:
         weights = states = Split(cpu=0.0, ssd=1.0)
     else:
         weights, budget = fill_split(precision_of(model).compute_bytes * params, budget)
-        states, budget = fill_split(precision_of(model).state_bytes * params, budget)
+        state_bytes = precision_of(model).state_bytes * params
+        if cfg.runtime == "deepspeed" and ssd:
+            # states wholly in host memory make DeepSpeed keep an fp32 gradient buffer per sub-group instead
+            # of the swapper's (dsruntime): they stay there only if that fits too
+            state_bytes += max(0.0, deepspeed_host_buffers_bytes(params, cfg.ds_sub_group_elems, ssd, False)
+                               - deepspeed_host_buffers_bytes(params, cfg.ds_sub_group_elems, ssd, True))
+        states, budget = fill_split(state_bytes, budget)
     if not ssd:  # no SSD tier: everything on the CPU, the simulator reports any overflow
         weights = states = ckpt = grads = Split()
     if cfg.family == "horizontal" and states.ssd == 0:
         grads = Split()
+    elif cfg.runtime == "deepspeed" and ssd and states.ssd > 0:
+        # ZeRO-Infinity swaps the fp32 gradients out to NVMe with the optimizer states (stage3.py
+        # _offload_grad_partition_at_boundary); in host memory only through its own buffer (dsruntime)
+        grads = Split(cpu=0.0, ssd=1.0)
     return Placement(weights=weights, master=states, adam_m=states, adam_v=states, grads=grads,
                      checkpoints=ckpt)
 
@@ -463,6 +479,9 @@ class _Builder:
         # of the last backward, which the host waits for before the next forward (_ds_grad_bucket)
         self.ds_bucket: list[_DsGrad] = []
         self.ds_epilogue: list[int] = []
+        # the last copy of each bucket still in flight, and what the next step waits for (_ds_flush)
+        self.ds_events: deque[int] = deque()
+        self.ds_wait: list[int] = []
         self.ds_groups = ds_sub_groups([x.owned_params for x in b], cfg.ds_sub_group_elems)
 
     # -- helpers ---------------------------------------------------------------------------------------------
@@ -648,6 +667,9 @@ class _Builder:
                 deps += self.fetch_weights(st.use, it)
             elif use.ready_task is not None:
                 deps.append(use.ready_task.id)
+            if self.ds_wait:  # DeepSpeed's host synchronized on its oldest gradient bucket's stream event
+                deps += self.ds_wait
+                self.ds_wait = []
             if st.phase == "F" and st.block == 0 and self.ds_epilogue:
                 deps += self.ds_epilogue  # DeepSpeed's host waited for the last backward's gradient stream
                 self.ds_epilogue = []
@@ -808,7 +830,7 @@ class _Builder:
         g.free(d2h, "gpu", grad_gpu_bytes)
         if b not in host_grad_alloc:
             host_grad_alloc.add(b)
-            g.alloc(d2h, "cpu", self.pr.grad_accum_bytes * self.shard(blk.fetch_params))
+            self._host_grads(d2h, self.pr.grad_accum_bytes * self.shard(blk.fetch_params))
         grad_last[b] = [d2h.id]
         return d2h
 
@@ -826,17 +848,23 @@ class _Builder:
         parameter and micro-batch."""
         elems = self.blocks[b].fetch_params
         open_elems = sum(self.blocks[x.block].fetch_params for x in self.ds_bucket)
-        if self.ds_bucket and open_elems + elems > DS_REDUCE_BUCKET_ELEMS:
+        if self.ds_bucket and open_elems + elems > self.cfg.ds_reduce_bucket_elems:
             self._ds_flush(t)  # the full bucket leaves once this gradient is ready
         boundary = k == self.cur_last_step[b]  # the block's last micro-batch of the iteration
         wire = self.pr.grad_wire_bytes + (self.pr.grad_accum_bytes if boundary else 0)
         self.ds_bucket.append(_DsGrad(src, b, wire, grad_gpu_bytes, grad_last, host_grad_alloc))
         if b == 0:  # the backward's last block: the epilogue flushes the rest and the host waits
             self.ds_epilogue = self._ds_flush(t)
+            self.ds_events.clear()
 
     def _ds_flush(self, t: Task) -> list[int]:
         """Issue the open bucket after `t`: with several ranks each gradient reduce-scattered, then every
-        partition copied to the host (__reduce_and_partition_ipg_grads)."""
+        partition copied to the host (__reduce_and_partition_ipg_grads). With more than
+        DS_MAX_PARAM_REDUCE_EVENTS buckets in flight the host synchronizes on the oldest one's event before it
+        issues this one, so the next step waits for that bucket's copies (stage3.py: param_reduce_events,
+        max_param_reduce_events = 2); it bounds the gradients waiting on the GPU."""
+        if len(self.ds_events) >= DS_MAX_PARAM_REDUCE_EVENTS:
+            self.ds_wait.append(self.ds_events.popleft())
         out = []
         for x in self.ds_bucket:
             src = x.src
@@ -850,6 +878,8 @@ class _Builder:
                 d2h.deps.append(t.id)
             out.append(d2h.id)
         self.ds_bucket = []
+        if out:
+            self.ds_events.append(out[-1])
         return out
 
     def _reduce_scatter(self, t: Task, b: int, it: int) -> Task:
@@ -906,10 +936,10 @@ class _Builder:
         if grads_ssd > 0:
             wr = g.add(WRITE_GRADS, "ssd_write", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
                        key=step.key + Offset.WRITE_GRADS, deps=grads_ready)
-            g.free(wr, "cpu", grads_ssd)
+            self._host_grads(wr, -grads_ssd)
             rd = g.add(READ_GRADS, "ssd_read", grads_ssd, tensor="grads", block=b, mb=-1, iteration=it,
                        key=step.key + Offset.READ_GRADS, deps=[wr.id, chain.prev_main] + barrier)
-            g.alloc(rd, "cpu", grads_ssd)
+            self._host_grads(rd, grads_ssd)
             pre.append(rd.id)
         parts = [(1.0 - cfg.alpha, step.key + Offset.ADAM, ADAM)]
         if cfg.alpha > 0:
@@ -928,7 +958,7 @@ class _Builder:
             if kind == ADAM:
                 chain.prev_main = a.id
             # each part is done with its slice of the fp32 gradient
-            g.free(a, "cpu", frac * (self.pr.grad_accum_bytes * fetch_params * (1 - p.grads.ssd) + grads_ssd))
+            self._host_grads(a, -frac * (pr.grad_accum_bytes * fetch_params * (1 - p.grads.ssd) + grads_ssd))
             prev_part = a.id
             if states_ssd + w_ssd > 0:
                 wb = g.add(WRITE_OPT_STATES, "ssd_write", (states_ssd + w_ssd) * frac, tensor="opt_states",
@@ -977,6 +1007,17 @@ class _Builder:
             chain.thread_last = self._lohan_thread(rs, chain.unwaited_write, step.k_last, step.end)
             chain.unwaited_write = None
         return rs
+
+    def _host_grads(self, t: Task, nbytes: float) -> None:
+        """Host memory of fp32 gradients allocated (nbytes > 0) or freed by task t. Under runtime deepspeed
+        none: DeepSpeed's own buffers hold them for the whole run (tierflow.planner.core.dsruntime, counted
+        in memory.static_bytes)."""
+        if self.cfg.runtime == "deepspeed" and not self.p.gpu_optimizer:
+            return
+        if nbytes > 0:
+            self.g.alloc(t, "cpu", nbytes)
+        else:
+            self.g.free(t, "cpu", -nbytes)
 
     def _ds_sub_group(self, block: int) -> int:
         """DeepSpeed's optimizer sub-group of `block` (-1 for none)."""

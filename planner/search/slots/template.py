@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -356,10 +357,22 @@ class TemplateGraph(NamedTuple):
     index_of: dict  # TaskSignature -> task id
 
 
+def _template_buckets(mt: ModelSpec, ct: ScheduleConfig, lay: _Layout) -> ScheduleConfig:
+    """Runtime deepspeed sends gradients to the host in buckets of reduce_bucket_size elements, so where a
+    bucket leaves depends on how many layers the model has: the template's few layers would all fall into
+    the backward's last bucket (every copy waiting for the epilogue) where the full model's leave spread over
+    the backward. Its bucket is scaled by the template's share of the full model's parameters, so that both
+    send about as many buckets, at the same fraction of the backward."""
+    if ct.runtime != "deepspeed":
+        return ct
+    share = mt.total_params() / replace(mt, num_layers=lay.L).total_params()
+    return replace(ct, ds_reduce_bucket_elems=max(1, round(ct.ds_reduce_bucket_elems * share)))
+
+
 def _template_graphs(mt: ModelSpec, hw: HardwareProfile, ct: ScheduleConfig, lay: _Layout) -> TemplateGraph:
     """The template's task graph, every task's work, and how many tasks of the full model each task stands
     for."""
-    g = build_graph(mt, hw, ct)
+    g = build_graph(mt, hw, _template_buckets(mt, ct, lay))
     work = np.array([[t.work] for t in g.tasks]).reshape(len(g.tasks), 1)
     r = link_rates(hw)
     sec = {"h2d": 1 / r.h2d, "d2h": 1 / r.d2h, "ssd_read": 1 / r.ssd_read if r.ssd_read else 0.0,
