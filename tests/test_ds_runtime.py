@@ -149,6 +149,8 @@ def test_deepspeed_s_own_host_buffers_are_counted():
     assert deepspeed_host_buffers_bytes(10**9, 10**8, False, False) == 2e9 + 4e9
     assert deepspeed_host_buffers_bytes(10**9, 10**8, False, True) == 2e9 + 4 * 1e8 + 4 * 4 * 1e8
     assert deepspeed_host_buffers_bytes(10**7, 10**9, True, True) == 2e7 + 4 * 1e7 + 4 * 4 * 1e7 + 5 * 1e8 * 2
+    # trained in fp32: the gradient partitions and the parameter swapper's buffers in fp32 too
+    assert deepspeed_host_buffers_bytes(10**7, 10**9, True, True, 4) == 4e7 + 4e7 + 4 * 4e7 + 5 * 1e8 * 4
     m, hw = get_model("tiny-gpt"), load_profile("rtx4090-lohan")
     graphs = {}
     for runtime in ("deepspeed", "ideal"):

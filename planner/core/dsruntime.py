@@ -32,15 +32,16 @@ DS_PARAM_BUFFER_ELEMS = 100_000_000  # offload_param.buffer_size
 
 
 def deepspeed_host_buffers_bytes(partition_params: int, sub_group_elems: int, params_on_nvme: bool,
-                                 states_on_nvme: bool) -> float:
+                                 states_on_nvme: bool, compute_bytes: int = COMPUTE_BYTES) -> float:
     """Host bytes DeepSpeed holds for the whole run with the optimizer offloaded, for a rank whose partition
-    has `partition_params` parameters."""
-    out = float(COMPUTE_BYTES * partition_params)  # grad_partitions_flat_buffer
+    has `partition_params` parameters of a model trained in `compute_bytes` per element (its dtype: the
+    gradient partitions' and the parameter swapper's, 4 B when it trains in fp32)."""
+    out = float(compute_bytes * partition_params)  # grad_partitions_flat_buffer
     largest_sub_group = min(sub_group_elems, partition_params)
     # the fp32 gradient: one buffer per sub-group in host memory, one shared buffer when they are swapped
     out += MASTER_BYTES * (largest_sub_group if states_on_nvme else partition_params)
     if states_on_nvme:
         out += DS_OPT_BUFFER_COUNT * MASTER_BYTES * largest_sub_group
     if params_on_nvme:
-        out += DS_PARAM_BUFFER_COUNT * DS_PARAM_BUFFER_ELEMS * COMPUTE_BYTES
+        out += DS_PARAM_BUFFER_COUNT * DS_PARAM_BUFFER_ELEMS * compute_bytes
     return out

@@ -109,7 +109,8 @@ def static_bytes(model: ModelSpec, placement: Placement, runtime: str = "ideal",
         out["gpu"] += deepspeed_gpu_buffers_bytes(model)
         partition = shard_elems(model.total_params(), ranks)
         out["cpu"] += deepspeed_host_buffers_bytes(partition, ds_sub_group_elems, placement.weights.ssd > 0,
-                                                   placement.master.ssd > 0)
+                                                   placement.master.ssd > 0,
+                                                   precision_of(model).compute_bytes)
     return out
 
 
@@ -191,7 +192,8 @@ class ScheduleMemory:
         grads_on_host = self.host_grads_bytes(placement)
         if self.deepspeed_host and not placement.gpu_optimizer:  # as static_bytes counts them
             grads_on_host += deepspeed_host_buffers_bytes(self.params, DS_SUB_GROUP_ELEMS,
-                                                          placement.weights.ssd > 0, placement.master.ssd > 0)
+                                                          placement.weights.ssd > 0, placement.master.ssd > 0,
+                                                          self.precision.compute_bytes)
         return {
             "gpu": placed["gpu"] + gpu_work + ck * c.gpu,
             "cpu": placed["cpu"] + grads_on_host + self.staging_bytes(placement, swap_layers) + ck * c.cpu

@@ -192,8 +192,9 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     cpu_cap = rank_capacity_bytes(hw, cfg.gpus)["cpu"]
     budget = float(cpu_cap) - staging - host_reserve_bytes(cpu_cap)
     ssd = hw.ssd.count > 0
+    pr_bytes = precision_of(model).compute_bytes
     if cfg.runtime == "deepspeed":  # what DeepSpeed allocates on the host for itself (with its swappers)
-        budget -= deepspeed_host_buffers_bytes(params, cfg.ds_sub_group_elems, ssd, ssd)
+        budget -= deepspeed_host_buffers_bytes(params, cfg.ds_sub_group_elems, ssd, ssd, pr_bytes)
     if cfg.family == "horizontal" and ssd and not (mem.deepspeed_host or mem.accumulates_on_host):
         # spilled fp32 gradients leave host memory (the memory model's host_grads_bytes)
         grads, budget = fill_split(mem.host_grad_bytes, budget)
@@ -208,8 +209,10 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
         if cfg.runtime == "deepspeed" and ssd:
             # states wholly in host memory make DeepSpeed keep an fp32 gradient buffer per sub-group instead
             # of the swapper's (dsruntime): they stay there only if that fits too
-            state_bytes += max(0.0, deepspeed_host_buffers_bytes(params, cfg.ds_sub_group_elems, ssd, False)
-                               - deepspeed_host_buffers_bytes(params, cfg.ds_sub_group_elems, ssd, True))
+            on_host, swapped = (
+                deepspeed_host_buffers_bytes(params, cfg.ds_sub_group_elems, ssd, nvme, pr_bytes)
+                for nvme in (False, True))
+            state_bytes += max(0.0, on_host - swapped)
         states, budget = fill_split(state_bytes, budget)
     if not ssd:  # no SSD tier: everything on the CPU, the simulator reports any overflow
         weights = states = ckpt = grads = Split()
