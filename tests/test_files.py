@@ -239,7 +239,8 @@ def test_plan_from_simulate_write_plan_validates_and_broken_ones_do_not(tmp_path
     assert set(plan_schema["$defs"]["model"]["properties"]) == {f.name for f in dataclasses.fields(ModelSpec)}
     # (gpus and nodes: written for several ranks only)
     assert set(plan_schema["$defs"]["decisions"]["properties"]) == set(d["decisions"]) | {
-        "gpus", "nodes", "ds_pipeline_read", "ds_pipeline_write", "ds_sub_group_elems"}  # (and DeepSpeed's)
+        "gpus", "nodes", "ds_pipeline_read", "ds_pipeline_write", "ds_sub_group_elems",
+        "ds_reduce_bucket_elems"}  # (and DeepSpeed's)
 
     def broken(edit) -> dict:
         b = copy.deepcopy(d)
