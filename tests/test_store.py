@@ -62,6 +62,15 @@ def test_chunk_crcs_are_the_crc32_of_each_chunk(store):
     assert store.records["t"].chunk_crcs == want
 
 
+def test_cpu_seconds_of_the_io_are_counted(store):
+    assert store.cpu_s == 0.0
+    data = _bytes(64 * CHUNK)
+    store.write("t", data)
+    after_write = store.cpu_s
+    store.read("t", torch.uint8, data.numel())
+    assert 0.0 < after_write < store.cpu_s
+
+
 def test_crc32c_when_zlib_ng_is_missing(tmp_path, monkeypatch):
     if ss._CRC32C is None:
         pytest.skip("google-crc32c is not installed")

@@ -27,10 +27,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import glob
 import os
 import sys
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
@@ -170,6 +172,8 @@ class ChunkIo:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierflow-ssd")
         self.workers, self.direct, self.crc = workers, direct, crc
         self.local = threading.local()
+        self.cpu_s = 0.0  # CPU seconds of the threads that moved and checksummed chunks, summed
+        self.cpu_lock = threading.Lock()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -201,12 +205,22 @@ class ChunkIo:
         if nbytes == 0:
             return ()
         mv = memoryview(buf.numpy())
-        one = self._write_chunk if write else self._read_chunk
+        one = functools.partial(self._timed, self._write_chunk if write else self._read_chunk)
         starts = range(0, nbytes, chunk)
         if len(starts) == 1:  # one request: on the caller's thread
             return (one(fd, buf, mv, 0, nbytes, name),)
         futures = [self.pool.submit(one, fd, buf, mv, lo, min(nbytes, lo + chunk), name) for lo in starts]
         return tuple(f.result() for f in futures)
+
+    def _timed(self, move: Callable[..., int], *args) -> int:
+        """`move(*args)`, its thread's CPU seconds added to `cpu_s`."""
+        c0 = time.thread_time()
+        try:
+            return move(*args)
+        finally:
+            spent = time.thread_time() - c0
+            with self.cpu_lock:
+                self.cpu_s += spent
 
     def _write_chunk(self, fd: int, buf: torch.Tensor, mv: memoryview, lo: int, hi: int, name: str) -> int:
         base = buf.data_ptr()
@@ -305,6 +319,11 @@ class SsdStore:
 
     def path(self, name: str) -> Path:
         return self.root / f"{name}.bin"
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds the store's I/O has taken so far: its requests and checksums, on whichever thread."""
+        return self.io.cpu_s
 
     # -- the descriptor cache --------------------------------------------------------------------------------
 
