@@ -165,6 +165,7 @@ class RunResult:
     final_master: list[torch.Tensor] | None = None
     final_adam_m: list[torch.Tensor] | None = None  # with collect_final: Adam's first moments (whole blocks)
     checkpoint: Path | None = None  # the last checkpoint written or resumed from
+    ssd_cpu_s: float = 0.0  # CPU seconds of the SSD tier's requests and checksums (SsdStore.cpu_s)
 
     @property
     def losses(self) -> list[float]:
@@ -395,7 +396,8 @@ class _Training:
         ssd = self.ssd
         return RunResult(self.plan, self.start_step, self.records, self.state, self.measured,
                          ssd.bytes_read if ssd else 0, ssd.bytes_written if ssd else 0,
-                         ssd.direct if ssd else None, checkpoint=self.last_ckpt)
+                         ssd.direct if ssd else None, checkpoint=self.last_ckpt,
+                         ssd_cpu_s=ssd.cpu_s if ssd else 0.0)
 
 
 def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dtype, ssd: SsdStore | None,

@@ -9,12 +9,16 @@ alternating.
    no recompute (`horizontal`, runtime ideal: the optimizer step is one `adam_gpu` op per block), run by the
    executor (`run_plan`, the code behind `tierflow run`). The two alternate round by round, so that a noisy
    machine slows both alike; each reports the median step time after its first (warm-up) round. Target:
-   tierflow's tokens/s at least 0.95x plain PyTorch's.
+   tierflow's tokens/s at least 0.95x plain PyTorch's (0.98x for the large model, 8 x 768, where per-op costs
+   matter less).
 2. **Optimizer states on the SSD tier.** The same plan with fp32 master weights and Adam moments on the SSD
    tier (weights and gradients on the device and in host memory): the executor must overlap the SSD traffic
    with compute as the plan says, so its step time should be max(compute, SSD time), with compute = the plain
    PyTorch step above and SSD time = the bytes the run moved per step over the store's rates measured here
-   (`measure_store`, the executor's own SsdStore: O_DIRECT, checksums). Target: within 10%.
+   (`measure_store`, the executor's own SsdStore: O_DIRECT, checksums). Target: within 15%. Beside it, what
+   the SSD tier costs the compute on the same cores: the CPU seconds per step of the run's SSD I/O (requests
+   and checksums, `SsdStore.cpu_s`), and plain PyTorch's step while another thread keeps the store busy
+   writing and reading (`plain_beside_store_s`, with the GB/s the store moved meanwhile).
 
 Writes bench_executor.csv under --out. --quick: one small model, fewer rounds (a CI test runs it).
 """
@@ -54,7 +58,9 @@ def gpt(layers: int, hidden: int) -> ModelSpec:
 
 
 MODELS = {"small": gpt(4, 256), "medium": gpt(6, 384), "large": gpt(8, 768), "tiny": gpt(2, 128)}
-DEFAULT_MODELS = ("small", "medium")  # --quick: small; large and tiny (smoke tests) with --models
+DEFAULT_MODELS = ("small", "medium")  # --quick: small; large (slow on 2 cores), tiny: --models
+TARGET_RATIO = {"large": 0.98}  # tierflow over plain tokens/s, on the device; 0.95 for the others
+TARGET_VS_BOUND = 0.15  # states on the SSD tier: step within 15% of max(compute, SSD time)
 
 
 def make_plan(model: ModelSpec, placement: Placement, path: Path) -> Plan:
@@ -106,13 +112,54 @@ class PlainTrainer:
         return out
 
 
-def tierflow_steps(plan: Plan, device: str, ssd_dir: Path | None) -> tuple[list[float], int]:
-    """One round of the plan (its three iterations) through `run_plan`: step times and SSD bytes moved."""
+def tierflow_steps(plan: Plan, device: str, ssd_dir: Path | None) -> tuple[list[float], int, float]:
+    """One round of the plan (its three iterations) through `run_plan`: step times, SSD bytes moved and the
+    CPU seconds of the SSD tier's I/O (requests and checksums, all threads)."""
     from tierflow.executor.run import RunOptions, run_plan
 
     res = run_plan(plan, RunOptions(steps=STEPS_PER_ROUND, device=device, quiet=True,
                                     ssd_dir=str(ssd_dir) if ssd_dir else None))
-    return [r.step_s for r in res.records], res.ssd_bytes_read + res.ssd_bytes_written
+    return [r.step_s for r in res.records], res.ssd_bytes_read + res.ssd_bytes_written, res.ssd_cpu_s
+
+
+def beside_store(plain: PlainTrainer, ssd_dir: Path, nbytes: int, steps: int) -> tuple[float, float]:
+    """Plain PyTorch's median step time while another thread keeps the executor's SsdStore busy writing and
+    reading back a tensor of `nbytes` (the interference of the SSD tier with compute on the same cores), and
+    the GB/s the store moved meanwhile."""
+    import threading
+
+    import torch
+
+    from tierflow.executor.tiers.ssd_store import SsdStore, aligned_empty
+
+    root = ssd_dir / "beside"
+    root.mkdir(exist_ok=True)
+    store = SsdStore(root, warn=lambda m: None)
+    data, out = aligned_empty(nbytes), aligned_empty(nbytes)  # whole pages
+    nbytes = data.numel()
+    stop, moved, errors = threading.Event(), [0], []
+
+    def churn() -> None:
+        try:
+            while not stop.is_set():
+                store.write("t", data)
+                store.read("t", torch.uint8, nbytes, into=lambda n: out)
+                moved[0] += 2 * nbytes
+        except BaseException as e:  # raised in the main thread
+            errors.append(e)
+
+    th = threading.Thread(target=churn, daemon=True)
+    t0 = time.perf_counter()
+    th.start()
+    try:
+        times = plain.steps(steps)
+    finally:
+        stop.set()
+        th.join()
+        store.close()
+    if errors:
+        raise errors[0]
+    return statistics.median(times), moved[0] / (time.perf_counter() - t0) / 1e9
 
 
 def measure_store(ssd_dir: Path, nbytes: int, files: int = 3, repeats: int = 3) -> dict[str, float]:
@@ -143,17 +190,21 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
             plain = PlainTrainer(model, device)
             times: dict[str, list[float]] = {"plain": [], **{k: [] for k in plans}}
             ssd_bytes_per_step = 0.0
+            ssd_cpu_s: list[float] = []
             for r in range(rounds):  # alternating; round 0 warms every path up and is not counted
                 prog.step(f"{name} round {r + 1}")
                 t = plain.steps(STEPS_PER_ROUND)
                 if r:
                     times["plain"] += t
                 for case, plan in plans.items():
-                    t, moved = tierflow_steps(plan, device, ssd if case == "states on SSD" else None)
+                    on_ssd = ssd if case == "states on SSD" else None
+                    t, moved, io_cpu_s = tierflow_steps(plan, device, on_ssd)
                     if r:
                         times[case] += t[1:]  # a round's first step also waits for the round's setup
                     if case == "states on SSD":
                         ssd_bytes_per_step = moved / STEPS_PER_ROUND
+                        if r:
+                            ssd_cpu_s.append(io_cpu_s / STEPS_PER_ROUND)
             plain_s = statistics.median(times["plain"])
             tokens = BATCH * SEQ
             dev_s = statistics.median(times["on device"])
@@ -161,29 +212,39 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
                          "plain_step_s": round(plain_s, 4), "tierflow_step_s": round(dev_s, 4),
                          "plain_tokens_per_s": round(tokens / plain_s),
                          "tierflow_tokens_per_s": round(tokens / dev_s),
-                         "ratio": round(plain_s / dev_s, 3), "target": ">= 0.95x plain",
+                         "ratio": round(plain_s / dev_s, 3),
+                         "target": f">= {TARGET_RATIO.get(name, 0.95)}x plain",
                          "bound_s": "", "vs_bound": ""})
-            # read + write of master, m, v: ~6 files a step
-            per_file = max(1 << 20, int(ssd_bytes_per_step / 6))
-            rates = measure_store(ssd, per_file)
-            ssd_s = ssd_bytes_per_step / 2 / (rates["read_gbps"] * 1e9) + ssd_bytes_per_step / 2 / (
-                rates["write_gbps"] * 1e9)
-            bound_s = max(plain_s, ssd_s)
-            st_s = statistics.median(times["states on SSD"])
-            rows.append({"model": name, "params_m": round(model.total_params() / 1e6, 2),
-                         "case": "states on SSD", "plain_step_s": round(plain_s, 4),
-                         "tierflow_step_s": round(st_s, 4), "plain_tokens_per_s": round(tokens / plain_s),
-                         "tierflow_tokens_per_s": round(tokens / st_s),
-                         "ratio": round(plain_s / st_s, 3),
-                         "target": "within 10% of max(compute, SSD time)", "bound_s": round(bound_s, 4),
-                         "vs_bound": round(st_s / bound_s - 1, 4),
-                         "ssd_gb_per_step": round(ssd_bytes_per_step / 1e9, 4),
-                         "store_read_gbps": round(rates["read_gbps"], 2),
-                         "store_write_gbps": round(rates["write_gbps"], 2), "ssd_s": round(ssd_s, 4)})
+            rows.append(ssd_row(name, plain, ssd, plain_s, times["states on SSD"], ssd_bytes_per_step,
+                                ssd_cpu_s))
         prog.finish()
     write_csv(rows, out_dir / "bench_executor.csv")
     print_table(rows, ["model", "case", "plain_step_s", "tierflow_step_s", "ratio", "bound_s", "vs_bound"])
     return rows
+
+
+def ssd_row(name: str, plain: PlainTrainer, ssd: Path, plain_s: float, times: list[float],
+            ssd_bytes_per_step: float, ssd_cpu_s: list[float]) -> dict:
+    """The states-on-SSD row: the step against max(compute, SSD time) at the store's rates measured now, the
+    SSD I/O's CPU per step, and plain PyTorch's step beside a busy store."""
+    per_file = max(1 << 20, int(ssd_bytes_per_step / 6))  # read + write of master, m, v: ~6 files a step
+    rates = measure_store(ssd, per_file)
+    ssd_s = ssd_bytes_per_step / 2 / (rates["read_gbps"] * 1e9) + ssd_bytes_per_step / 2 / (
+        rates["write_gbps"] * 1e9)
+    bound_s = max(plain_s, ssd_s)
+    busy_s, busy_gbps = beside_store(plain, ssd, per_file, STEPS_PER_ROUND)
+    st_s = statistics.median(times)
+    tokens = BATCH * SEQ
+    return {"model": name, "params_m": round(MODELS[name].total_params() / 1e6, 2),
+            "case": "states on SSD", "plain_step_s": round(plain_s, 4),
+            "tierflow_step_s": round(st_s, 4), "plain_tokens_per_s": round(tokens / plain_s),
+            "tierflow_tokens_per_s": round(tokens / st_s), "ratio": round(plain_s / st_s, 3),
+            "target": f"within {TARGET_VS_BOUND:.0%} of max(compute, SSD time)", "bound_s": round(bound_s, 4),
+            "vs_bound": round(st_s / bound_s - 1, 4), "ssd_gb_per_step": round(ssd_bytes_per_step / 1e9, 4),
+            "store_read_gbps": round(rates["read_gbps"], 2),
+            "store_write_gbps": round(rates["write_gbps"], 2), "ssd_s": round(ssd_s, 4),
+            "ssd_io_cpu_s": round(statistics.median(ssd_cpu_s), 4),
+            "plain_beside_store_s": round(busy_s, 4), "store_beside_gbps": round(busy_gbps, 2)}
 
 
 def _cpu_s() -> float:
@@ -250,6 +311,64 @@ def cpu_work(out_dir: Path, names: list[str], rounds: int) -> list[dict]:
     return rows
 
 
+def _op_cpu_s(fn) -> tuple[dict[str, float], dict[str, int]]:
+    """Self CPU seconds and calls of each torch op while `fn` runs, on every thread (torch.profiler with
+    profile_all_threads: the executor computes in its workers, not in the main thread)."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU],
+                 experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+        fn()
+    cpu: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for e in prof.key_averages():
+        cpu[e.key] = cpu.get(e.key, 0.0) + e.self_cpu_time_total / 1e6
+        calls[e.key] = calls.get(e.key, 0) + e.count
+    return cpu, calls
+
+
+def op_work(out_dir: Path, names: list[str], top: int = 12) -> list[dict]:
+    """Where each side's step goes, op by op: self CPU seconds per step of every torch op, plain PyTorch's
+    STEPS_PER_ROUND steps against one round of the on-device plan (after a warm-up of each), the `top` ops
+    whose time differs most, then the totals (bench_executor_ops.csv)."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tierflow-bench-executor-") as tmp:
+        for name in names:
+            rows += _op_rows(name, make_plan(MODELS[name], ALL_ON_DEVICE, Path(tmp) / f"{name}.json"), top)
+    write_csv(rows, out_dir / "bench_executor_ops.csv")
+    print_table(rows, ["model", "op", "plain_cpu_s_per_step", "tierflow_cpu_s_per_step",
+                       "plain_calls_per_step", "tierflow_calls_per_step"])
+    return rows
+
+
+def _op_rows(name: str, plan: Plan, top: int) -> list[dict]:
+    plain = PlainTrainer(MODELS[name], "cpu")
+    plain.steps(1)
+    tierflow_steps(plan, "cpu", None)
+    walls: dict[str, list[float]] = {}
+
+    def plain_round() -> None:
+        walls["plain"] = plain.steps(STEPS_PER_ROUND)
+
+    def tierflow_round() -> None:
+        walls["tierflow"] = tierflow_steps(plan, "cpu", None)[0]
+
+    (p_cpu, p_n), (t_cpu, t_n) = _op_cpu_s(plain_round), _op_cpu_s(tierflow_round)
+    keys = sorted(set(p_cpu) | set(t_cpu), key=lambda k: -abs(t_cpu.get(k, 0) - p_cpu.get(k, 0)))
+    p_cpu["total"], t_cpu["total"] = sum(p_cpu.values()), sum(t_cpu.values())
+    p_n["total"], t_n["total"] = sum(p_n.values()), sum(t_n.values())
+    per = float(STEPS_PER_ROUND)
+    return [{"model": name, "threads": _threads(), "op": k,
+             "plain_cpu_s_per_step": round(p_cpu.get(k, 0.0) / per, 4),
+             "tierflow_cpu_s_per_step": round(t_cpu.get(k, 0.0) / per, 4),
+             "plain_calls_per_step": round(p_n.get(k, 0) / per),
+             "tierflow_calls_per_step": round(t_n.get(k, 0) / per),
+             "plain_step_s": round(statistics.median(walls["plain"]), 4),
+             "tierflow_step_s": round(statistics.median(walls["tierflow"]), 4)}
+            for k in [*keys[:top], "total"]]
+
+
 def _threads() -> int:
     import torch
 
@@ -271,12 +390,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cpu-work", action="store_true",
                     help="instead: CPU seconds per step of each side on the CPU (bench_executor_cpu.csv); "
                     "run with OMP_NUM_THREADS=1 on a shared machine")
+    ap.add_argument("--ops", action="store_true",
+                    help="instead: self CPU seconds per step of every torch op, plain PyTorch against the "
+                    "on-device plan, under torch.profiler on all threads (bench_executor_ops.csv)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if args.rounds is not None and args.rounds < 2:
         ap.error("--rounds must be at least 2 (the first is a warm-up)")
     if args.cpu_work:
         cpu_work(args.out, args.models or list(DEFAULT_MODELS), args.rounds or 3)
+        return
+    if args.ops:
+        op_work(args.out, args.models or list(DEFAULT_MODELS))
         return
     run(args.quick, args.out, args.device, args.ssd_dir, args.rounds, args.models)
     print(f"wrote {args.out / 'bench_executor.csv'} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)

@@ -16,6 +16,7 @@ bytes through:
   checksums;
 - **store-nocrc** (a diagnostic, not a mode of the executor): the same store with its checksum replaced by a
   no-op, to show what the CRC costs;
+- **store-crc32c** (a diagnostic): the same store with google-crc32c's CRC32C instead of zlib-ng's CRC32;
 - **deepspeed**: DeepSpeed's `aio_handle` (libaio, 1 MiB blocks, queue depth 16) when importable (the
   `baseline` extra and the system's libaio); otherwise one line says it is skipped.
 
@@ -25,6 +26,11 @@ each repetition, so a noisy shared machine slows them alike; the CSV has the med
 over the repetitions. Targets (tensors >= 64 MiB): the store's read and write >= 0.9x the reference, mixed >=
 0.8x, <= 0.1 CPU seconds per GB moved; the `met` column says which hold. Writes bench_store.csv and
 bench_store.png under --out and prints the table.
+
+Then where a chunk's time goes (bench_store_chunks.csv): 256 MiB tensors written and read through the store
+with each checksum it can use (and none), timing in the I/O worker, per chunk, the checksum and the rest of
+the chunk's work (its pwritev/preadv requests) in wall seconds and in the thread's own CPU seconds
+(time.thread_time), summed per GB moved.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ REF_DEPTH = 16
 TARGET_MIN_MIB = 64  # targets apply to tensors of this size and larger
 TARGET_RATIO = {"read": 0.9, "write": 0.9, "mixed": 0.8}
 TARGET_CPU_S_PER_GB = 0.1
+PROFILE_MIB, PROFILE_COUNT = 256, 2  # the chunk profile: 2 tensors of 256 MiB per pass
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -171,7 +178,82 @@ class NoCrcStoreCase(StoreCase):
 
     def __init__(self, directory: Path, size: int, count: int) -> None:
         super().__init__(directory, size, count)
-        self.store.io.crc = lambda address, nbytes: 0
+        self.store.io.crc = lambda view, address: 0
+
+
+class Crc32cStoreCase(StoreCase):
+    """Diagnostic only: the same store with google-crc32c's CRC32C as its chunk checksum (the store's
+    choice where zlib-ng is missing, and its only checksum before), to compare the checksums' cost in the same
+    run."""
+
+    name = "store-crc32c"
+
+    def __init__(self, directory: Path, size: int, count: int) -> None:
+        from tierflow.executor.tiers.ssd_store import _CRC32C
+
+        super().__init__(directory, size, count)
+        self.store.io.crc = _CRC32C
+
+
+# -- where a chunk's time and CPU go -------------------------------------------------------------------------
+
+
+def chunk_profile(directory: Path, size: int, count: int, rounds: int) -> list[dict]:
+    """Per chunk, in the I/O worker that moves it: wall and thread CPU seconds of the checksum and of the
+    rest (the pwritev/preadv requests), for each checksum the store can use; summed per GB moved."""
+    from tierflow.executor.tiers import ssd_store as ss
+
+    checksums = {"zlib-ng crc32": ss._ZLIB_NG, "google-crc32c": ss._CRC32C, "none": lambda view, address: 0}
+    acc: dict[tuple[str, str], list[float]] = {}
+    directory = directory / "chunks"
+    directory.mkdir()
+    case = StoreCase(directory, size, count)
+    io = case.store.io
+    moves = {"write": (io._write_chunk, case.write), "read": (io._read_chunk, case.read)}
+    try:
+        case.prepare()
+        for _ in range(rounds):
+            for label, crc in checksums.items():
+                if crc is None:
+                    continue
+                for mode, (inner, op) in moves.items():
+                    sums = acc.setdefault((label, mode), [0.0] * 5)
+                    io.crc = _timed_crc(crc, sums)
+                    setattr(io, f"_{mode}_chunk", _timed_chunk(inner, sums))
+                    sums[4] += op()
+                    setattr(io, f"_{mode}_chunk", inner)
+    finally:
+        case.close()
+        shutil.rmtree(directory, ignore_errors=True)
+    rows = []
+    for (label, mode), (crc_wall, crc_cpu, all_wall, all_cpu, nbytes) in acc.items():
+        gb = nbytes / 1e9
+        rows.append({"checksum": label, "mode": mode, "size_mib": size // MIB,
+                     "crc_cpu_s_per_gb": round(crc_cpu / gb, 4),
+                     "io_cpu_s_per_gb": round((all_cpu - crc_cpu) / gb, 4),
+                     "crc_wall_s_per_gb": round(crc_wall / gb, 4),
+                     "io_wall_s_per_gb": round((all_wall - crc_wall) / gb, 4)})
+    return rows
+
+
+def _timed_crc(crc, sums: list[float]):
+    def timed_crc(view, address):
+        w0, c0 = time.perf_counter(), time.thread_time()
+        out = crc(view, address)
+        sums[0] += time.perf_counter() - w0
+        sums[1] += time.thread_time() - c0
+        return out
+    return timed_crc
+
+
+def _timed_chunk(inner, sums: list[float]):
+    def timed_chunk(*args):
+        w0, c0 = time.perf_counter(), time.thread_time()
+        out = inner(*args)
+        sums[2] += time.perf_counter() - w0
+        sums[3] += time.thread_time() - c0
+        return out
+    return timed_chunk
 
 
 # -- the raw O_DIRECT reference ------------------------------------------------------------------------------
@@ -429,6 +511,10 @@ def run(quick: bool, out_dir: Path, directory: Path | None = None, reps: int | N
     total = QUICK_TOTAL_BYTES if quick else TOTAL_BYTES
     reps = reps or (3 if quick else 5)
     factories: list = [StoreCase, FioCase if shutil.which("fio") else RawCase, NoCrcStoreCase]
+    from tierflow.executor.tiers.ssd_store import _CRC32C, _ZLIB_NG
+
+    if _CRC32C is not None and _ZLIB_NG is not None:
+        factories.append(Crc32cStoreCase)
     print(f"reference: {'fio (libaio, iodepth 16, 1 MiB, O_DIRECT)' if shutil.which('fio') else ''}"
           f"{'' if shutil.which('fio') else 'fio is not installed: a raw O_DIRECT loop, 1 MiB x 16 threads'}",
           file=sys.stderr)
@@ -445,9 +531,13 @@ def run(quick: bool, out_dir: Path, directory: Path | None = None, reps: int | N
         for size_mib in sizes:
             rows += run_size(work, size_mib * MIB, total, reps, factories, prog)
         prog.finish()
+        chunk_rows = chunk_profile(work, sizes[-1] * MIB if quick else PROFILE_MIB * MIB,
+                                   1 if quick else PROFILE_COUNT, 1 if quick else reps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     write_csv(rows, out_dir / "bench_store.csv")
+    write_csv(chunk_rows, out_dir / "bench_store_chunks.csv")
+    print_table(chunk_rows, list(chunk_rows[0]))
     figure(rows, out_dir / "bench_store.png")
     print_table(rows, ["size_mib", "mode", "system", "gbps", "gbps_min", "gbps_max", "cpu_s_per_gb",
                        "vs_reference", "met"])

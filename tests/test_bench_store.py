@@ -26,7 +26,7 @@ def test_bench_store_quick(tmp_path):
     assert COLUMNS <= set(rows[0])
     systems = {r["system"] for r in rows}
     always = {"store", "reference", "store-nocrc"}
-    assert always <= systems <= always | {"deepspeed"}
+    assert always <= systems <= always | {"deepspeed", "store-crc32c"}
     assert {(int(r["size_mib"]), r["mode"]) for r in rows} == {
         (s, m) for s in (16, 64) for m in ("read", "write", "mixed")}
     assert len(rows) == 6 * len(systems)
@@ -39,5 +39,13 @@ def test_bench_store_quick(tmp_path):
             assert r["met"] in ("", "yes", "no")
             assert (r["met"] != "") == (int(r["size_mib"]) >= 64)
     assert (tmp_path / "out" / "bench_store.png").stat().st_size > 0
+    with open(tmp_path / "out" / "bench_store_chunks.csv", newline="") as f:
+        chunks = list(csv.DictReader(f))
+    assert {(r["checksum"], r["mode"]) for r in chunks} >= {("none", "write"), ("none", "read")}
+    for r in chunks:
+        assert float(r["io_wall_s_per_gb"]) > 0 and float(r["crc_cpu_s_per_gb"]) >= 0
+        if r["checksum"] != "none":
+            assert float(r["crc_wall_s_per_gb"]) > float(next(
+                c["crc_wall_s_per_gb"] for c in chunks if c["checksum"] == "none" and c["mode"] == r["mode"]))
     assert "size_mib" in out.stdout and "vs_reference" in out.stdout
     assert not list(under_test.iterdir())  # its files are removed

@@ -1,10 +1,12 @@
 """The SSD tier's store (executor/tiers/ssd_store.py): a CRC per chunk computed by the I/O workers, corruption
 and truncation caught by name, the cache of open descriptors, unaligned tensors and tails, reads into the
-caller's buffer, and the zlib fallback when google-crc32c is missing."""
+caller's buffer, the checksum choice (zlib-ng's CRC32, else google-crc32c's CRC32C, else zlib's CRC32 with a
+warning)."""
 
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -47,6 +49,44 @@ def test_one_crc_per_chunk(store):
     rec = store.records["t"]
     assert rec.nbytes == 3 * CHUNK + 7 and len(rec.chunk_crcs) == 4
     assert store.checksum in ("crc32c", "crc32")
+
+
+def test_chunk_crcs_are_the_crc32_of_each_chunk(store):
+    if ss._ZLIB_NG is None:
+        pytest.skip("zlib-ng is not installed")
+    data = _bytes(3 * CHUNK + 7)
+    store.write("t", data)
+    raw = data.numpy().tobytes()
+    assert store.checksum == "crc32"
+    want = tuple(zlib.crc32(raw[lo: lo + CHUNK]) for lo in range(0, len(raw), CHUNK))
+    assert store.records["t"].chunk_crcs == want
+
+
+def test_cpu_seconds_of_the_io_are_counted(store):
+    assert store.cpu_s == 0.0
+    data = _bytes(64 * CHUNK)
+    store.write("t", data)
+    after_write = store.cpu_s
+    store.read("t", torch.uint8, data.numel())
+    assert 0.0 < after_write < store.cpu_s
+
+
+def test_crc32c_when_zlib_ng_is_missing(tmp_path, monkeypatch):
+    if ss._CRC32C is None:
+        pytest.skip("google-crc32c is not installed")
+    monkeypatch.setattr(ss, "_ZLIB_NG", None)
+    monkeypatch.setattr(ss, "CHUNK_BYTES", CHUNK)
+    st = SsdStore(tmp_path, warn=pytest.fail)
+    assert st.checksum == "crc32c"
+    data = _bytes(2 * CHUNK + 5)
+    st.write("t", data)
+    assert torch.equal(st.read("t", torch.uint8, data.numel()), data)
+    with open(st.path("t"), "r+b") as f:
+        f.seek(CHUNK + 1)
+        f.write(b"\xff")
+    with pytest.raises(ChecksumError, match=rf"checksum mismatch in tensor t .*bytes {CHUNK}-"):
+        st.read("t", torch.uint8, data.numel())
+    st.close()
 
 
 def test_aligned_memory_is_written_without_a_copy_but_its_tail(store, monkeypatch):
@@ -130,12 +170,13 @@ def test_descriptors_are_cached_reused_and_bounded(store, monkeypatch):
 
 
 def test_zlib_fallback_warns_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(ss, "_ZLIB_NG", None)
     monkeypatch.setattr(ss, "_CRC32C", None)
     monkeypatch.setattr(ss, "_warned_crc", False)
     warnings: list[str] = []
     stores = [SsdStore(tmp_path, warn=warnings.append) for _ in range(2)]
     assert [s.checksum for s in stores] == ["crc32", "crc32"]
-    assert len(warnings) == 1 and "pip install google-crc32c" in warnings[0]
+    assert len(warnings) == 1 and "pip install zlib-ng" in warnings[0]
     data = _bytes(ALIGN + 3)
     stores[0].write("t", data)
     assert torch.equal(stores[0].read("t", torch.uint8, data.numel()), data)

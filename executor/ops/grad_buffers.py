@@ -45,15 +45,19 @@ class GradBuffers:
             acc = rs.grad_acc.get(key)
             left = rs.grad_left.setdefault(key, bind.grad_contributors[key]) - 1
             rs.grad_left[key] = left
-        if acc is None:
+        first = acc is None
+        if first:
             # with several ranks [base, end) is the owner's whole vector padded to W*S elements (binding)
-            acc = self.cx.backend.empty(end - base, self.cx.dtype if single else torch.float32).zero_()
+            acc = self.cx.backend.empty(end - base, self.cx.dtype if single else torch.float32)
+            if not _covers(pieces, base, end):
+                acc.zero_()
+                first = False  # then added into, as every later contribution
             with rs.lock:
                 rs.grad_acc[key] = acc
         for lo, hi, grad in pieces:
             if grad is None:
                 continue
-            if single:
+            if single or first:  # the first of several: taken as is (0 + g is g), no zeroing pass
                 acc[lo - base: hi - base].copy_(grad.reshape(-1))
             else:
                 acc[lo - base: hi - base] += grad.reshape(-1)
@@ -70,3 +74,14 @@ class GradBuffers:
             for k in keys:
                 rs.grad_left.pop(k, None)
             return [(k[1], self.cx.binding.grad_range[k][0], rs.grad_acc.pop(k)) for k in keys]
+
+
+def _covers(pieces: list[tuple[int, int, torch.Tensor | None]], base: int, end: int) -> bool:
+    """Do the pieces' gradients fill [base, end) exactly, without a gap or an overlap? (Then the first
+    contribution can be copied into a new buffer instead of added into a zeroed one.)"""
+    at = base
+    for lo, hi, grad in sorted(pieces, key=lambda p: p[0]):
+        if grad is None or lo != at:
+            return False
+        at = hi
+    return at == end

@@ -7,11 +7,12 @@ own memory (only an unaligned tail, or an unaligned tensor, is copied through a 
 buffer); a read lands in the buffer the caller hands in (`into`). Each file is preallocated once
 (posix_fallocate) and its descriptor kept open in a small cache, so an op is a few pread/pwrite calls. A
 tensor is split into about CHUNKS_PER_WORKER chunks per worker of the pool (MIN_CHUNK_BYTES to CHUNK_BYTES
-each), one request each; the worker that moves a chunk also computes its CRC32C (hardware-accelerated, from
-the google-crc32c package's C library, which runs without the GIL; zlib's CRC32 with one warning where that is
-missing), so the integrity check is off the serial path: some workers checksum while the others' requests keep
-the drives busy. A file's checksum is the tuple of its chunks' CRCs, kept in memory for the life of the run
-(the files are scratch: checkpoints are written by checkpoint.py with their own CRC32s).
+each), one request each; the worker that moves a chunk also computes its checksum (zlib-ng's CRC32, folded
+with carry-less multiplies; else google-crc32c's CRC32C from its C library; else zlib's CRC32 with one
+warning; all three run without the GIL), so the integrity check is off the serial path: some workers
+checksum while the others' requests keep the drives busy. A file's checksum is the tuple of its chunks'
+CRCs, kept in memory for the life of the run (the files are scratch: checkpoints are written by
+checkpoint.py with their own CRC32s).
 
 `ChunkIo` is the part that moves bytes between host memory and an open file; another backend (GPUDirect
 Storage, io_uring) would replace it and keep SsdStore's interface (`write`, `read(..., into=...)`, `delete`,
@@ -26,10 +27,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import glob
 import os
 import sys
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
@@ -94,7 +97,22 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 # -- checksums -----------------------------------------------------------------------------------------------
 
 
-def _load_crc32c() -> Callable[[int, int], int] | None:
+Checksum = Callable[[memoryview, int], int]  # crc(chunk, its address): the chunk's checksum
+
+
+def _load_zlib_ng() -> Checksum | None:
+    """zlib-ng's CRC32 (the zlib-ng package): folding with carry-less multiplies (VPCLMULQDQ on AVX-512
+    machines), which keeps up with memory: 0.035-0.05 CPU s/GB on cold data on the dev machine (AMD EPYC,
+    AVX-512), where google-crc32c's CRC32C costs 0.084 (docs/executor.md). Takes the chunk's memory
+    (buffer protocol, no copy) and releases the GIL. None when the package is missing."""
+    try:
+        from zlib_ng import zlib_ng
+    except ImportError:
+        return None
+    return lambda view, address: zlib_ng.crc32(view)
+
+
+def _load_crc32c() -> Checksum | None:
     """crc32c(address, nbytes) from the C library that the google-crc32c package ships (its Python binding
     takes only `bytes`, which would copy every chunk; through ctypes the call takes the tensor's memory and
     releases the GIL). None when the package or its library is missing."""
@@ -112,28 +130,32 @@ def _load_crc32c() -> Callable[[int, int], int] | None:
         except (OSError, AttributeError):
             continue
         fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t]
-        return lambda address, nbytes: fn(address, nbytes)
+        return lambda view, address: fn(address, len(view))
     return None
 
 
-def _zlib_crc32(address: int, nbytes: int) -> int:
-    return zlib.crc32((ctypes.c_ubyte * nbytes).from_address(address)) if nbytes else 0
+def _zlib_crc32(view: memoryview, address: int) -> int:
+    return zlib.crc32(view)  # CPython's zlib releases the GIL for large buffers
 
 
+_ZLIB_NG = _load_zlib_ng()
 _CRC32C = _load_crc32c()
 _warned_crc = False
 
 
-def chunk_checksum(warn: Callable[[str], None]) -> tuple[str, Callable[[int, int], int]]:
-    """(name, crc(address, nbytes)): CRC32C in hardware where google-crc32c is installed, else zlib's CRC32
-    (with one warning per process: it is 2-3x slower and holds a core longer per GB)."""
+def chunk_checksum(warn: Callable[[str], None]) -> tuple[str, Checksum]:
+    """(name, crc(chunk, address)), the fastest installed: zlib-ng's CRC32, else google-crc32c's CRC32C (in
+    hardware, but about twice the CPU per GB on cold memory), else zlib's CRC32 (with one warning per process:
+    0.23 CPU s per GB)."""
     global _warned_crc
+    if _ZLIB_NG is not None:
+        return "crc32", _ZLIB_NG
     if _CRC32C is not None:
         return "crc32c", _CRC32C
     if not _warned_crc:
         _warned_crc = True
-        warn("warning: google-crc32c is not installed: the SSD tier checks its chunks with zlib's CRC32, "
-             "which costs more CPU per GB (pip install google-crc32c)")
+        warn("warning: neither zlib-ng nor google-crc32c is installed: the SSD tier checks its chunks with "
+             "zlib's CRC32, which costs more CPU per GB (pip install zlib-ng)")
     return "crc32", _zlib_crc32
 
 
@@ -146,10 +168,12 @@ class ChunkIo:
     that is not page-aligned (an unaligned tensor, or the last partial page of one) goes through a per-thread
     aligned staging buffer."""
 
-    def __init__(self, workers: int, direct: bool, crc: Callable[[int, int], int]) -> None:
+    def __init__(self, workers: int, direct: bool, crc: Checksum) -> None:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierflow-ssd")
         self.workers, self.direct, self.crc = workers, direct, crc
         self.local = threading.local()
+        self.cpu_s = 0.0  # CPU seconds of the threads that moved and checksummed chunks, summed
+        self.cpu_lock = threading.Lock()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -181,16 +205,26 @@ class ChunkIo:
         if nbytes == 0:
             return ()
         mv = memoryview(buf.numpy())
-        one = self._write_chunk if write else self._read_chunk
+        one = functools.partial(self._timed, self._write_chunk if write else self._read_chunk)
         starts = range(0, nbytes, chunk)
         if len(starts) == 1:  # one request: on the caller's thread
             return (one(fd, buf, mv, 0, nbytes, name),)
         futures = [self.pool.submit(one, fd, buf, mv, lo, min(nbytes, lo + chunk), name) for lo in starts]
         return tuple(f.result() for f in futures)
 
+    def _timed(self, move: Callable[..., int], *args) -> int:
+        """`move(*args)`, its thread's CPU seconds added to `cpu_s`."""
+        c0 = time.thread_time()
+        try:
+            return move(*args)
+        finally:
+            spent = time.thread_time() - c0
+            with self.cpu_lock:
+                self.cpu_s += spent
+
     def _write_chunk(self, fd: int, buf: torch.Tensor, mv: memoryview, lo: int, hi: int, name: str) -> int:
         base = buf.data_ptr()
-        crc = self.crc(base + lo, hi - lo)
+        crc = self.crc(mv[lo:hi], base + lo)
         if not self.direct:
             _full(os.pwritev, fd, mv[lo:hi], lo, name, "write")
             return crc
@@ -208,7 +242,7 @@ class ChunkIo:
 
     def _read_chunk(self, fd: int, buf: torch.Tensor, mv: memoryview, lo: int, hi: int, name: str) -> int:
         _full(os.preadv, fd, mv[lo: lo + page_round(hi - lo)], lo, name, "read")
-        return self.crc(buf.data_ptr() + lo, hi - lo)
+        return self.crc(mv[lo:hi], buf.data_ptr() + lo)
 
 
 def _full(call, fd: int, view: memoryview, pos: int, name: str, what: str) -> None:
@@ -285,6 +319,11 @@ class SsdStore:
 
     def path(self, name: str) -> Path:
         return self.root / f"{name}.bin"
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds the store's I/O has taken so far: its requests and checksums, on whichever thread."""
+        return self.io.cpu_s
 
     # -- the descriptor cache --------------------------------------------------------------------------------
 
