@@ -189,8 +189,6 @@ def test_decide_refits_replans_and_switches_on_a_wrong_profile(tmp_path):
     """Measured = the plan simulated on the box as it is (deterministic): the links are several times slower
     than the wrong profile says, so the decision refits them, plans again and switches to a plan predicted
     faster by more than the margin; the switch itself is a cross-plan resume at the step boundary."""
-    from types import SimpleNamespace
-
     from tierflow.executor.adapt import AdaptOptions, decide
 
     wrong, truth = _lohan_on_this_box()
@@ -201,11 +199,12 @@ def test_decide_refits_replans_and_switches_on_a_wrong_profile(tmp_path):
                                             adam_v=Split(0.0, 0.35, 0.65)))
     plan = plan_from_graph(model, wrong, cfg, build_graph(model, wrong, cfg))
     measured = simulate_graph(build_graph(model, truth, plan.config), truth, plan.config.world)
-    d, new = decide(plan, SimpleNamespace(measured=measured), 2,
+    d, new = decide(plan, measured, 2,
                     AdaptOptions(time_limit_s=2.0, fit_evaluations=100))
     assert d.error > 0.10 and d.resources["ssd_read"] > 1.5
     assert d.refit["ssd.read_gbps"][1] < d.refit["ssd.read_gbps"][0]
     assert d.switched and new is not None and new.config != plan.config and d.gain > 0.05
+    d.effective_step = 2
     line = d.line()
     assert line.count("\n") == 0 and "switching at step 2" in line and "ssd.read_gbps" in line
     # the switch: the old plan's checkpoint at step 2 resumed under the new plan
@@ -263,7 +262,7 @@ def test_adapt_on_two_ranks_switches_every_rank_at_the_same_step(tmp_path):
     p = subprocess.run([sys.executable, "-m", "tierflow", "run", str(path), "--nproc", "2", "--device", "cpu",
                         "--ssd-dir", str(tmp_path / "ssd"), "--steps", "4", "--json", "--adapt",
                         "--adapt-warmup", "2", "--adapt-threshold", "1e-9", "--adapt-margin", "0",
-                        "--adapt-time-limit", "2", "--adapt-fit-evaluations", "60"],
+                        "--adapt-time-limit", "2", "--adapt-fit-evaluations", "60", "--adapt-wait"],
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     got = json.loads(p.stdout)
