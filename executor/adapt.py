@@ -6,9 +6,9 @@ the re-plan run in a child process (niced) while training goes on under the old 
 boundary after the decision arrived the run switches if the new plan is predicted faster by more than the
 margin: a checkpoint at that step, resumed under the new plan, which moves every tensor class to its new
 tier (tierflow.executor.checkpoint), and training continues to `--steps`. Otherwise it never stops. With
-`wait` the run waits for the decision at the warm-up's end instead (the switch then takes effect at that
-step). One line per decision (the step it was taken at and the step it took effect); the decisions are in
-`--json` and in `DIR/adapt.json` with `--out`.
+`decide_within` K the run waits for the decision at the latest K steps after the warm-up's end (0: at the
+warm-up's end, where the switch then takes effect). One line per decision (the step it was taken at and
+the step it took effect); the decisions are in `--json` and in `DIR/adapt.json` with `--out`.
 
 Several ranks (`--nproc N`, or torchrun): rank 0 compares and decides from its own trace; at every step
 boundary while the decision is under way it broadcasts whether it arrived (and the decision and new plan when
@@ -102,14 +102,15 @@ class Deciding:
             self.started = True
             if self.world.rank == 0:
                 self._start(tr.measured, tr.step)
-        got = self.world.broadcast(self._ready() if self.world.rank == 0 else None)
+        late = self.opts.decide_within is not None and tr.step >= self.warm + self.opts.decide_within
+        got = self.world.broadcast(self._ready(block=late) if self.world.rank == 0 else None)
         return got is not None and self._arrived(tr, got)
 
     def _start(self, measured, step: int) -> None:
         d, off = compare(self.plan, measured, step, self.opts)
         if not off:
             self.pending = ("ok", (d, None))
-        elif self.opts.wait:
+        elif self.opts.decide_within == 0:
             self.pending = ("ok", refit_replan(self.plan, measured, d, off, self.opts))
         else:
             ctx = multiprocessing.get_context("spawn")  # the child imports no torch and shares no threads
@@ -120,10 +121,10 @@ class Deciding:
             send.close()
             self.child, self.first = (proc, recv), d
 
-    def _ready(self) -> tuple | None:
+    def _ready(self, block: bool) -> tuple | None:
         if self.pending is None and self.child is not None:
             proc, recv = self.child
-            if recv.poll():
+            if recv.poll(None if block else 0):
                 try:
                     self.pending = recv.recv()
                 except EOFError:
@@ -240,7 +241,7 @@ def cmd_adapt(args: argparse.Namespace) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     opts = AdaptOptions(warmup=args.adapt_warmup, threshold=args.adapt_threshold, margin=args.adapt_margin,
                         time_limit_s=args.adapt_time_limit, fit_evaluations=args.adapt_fit_evaluations,
-                        wait=args.adapt_wait)
+                        decide_within=args.adapt_decide_within)
     try:
         check_run_outputs(args)  # before any step, as tierflow run does
         plan = load_plan(args.plan)

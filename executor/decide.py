@@ -49,9 +49,10 @@ class AdaptOptions:
     margin: float = 0.05  # the new plan must be predicted faster by more than this
     time_limit_s: float = 30.0  # the re-plan's search
     fit_evaluations: int = 800  # the refit's budget of objective evaluations (one simulation each)
-    # wait for the decision at the warm-up's end (nothing trains meanwhile) instead of deciding in a child
-    # process while training goes on under the old plan
-    wait: bool = False
+    # None: decide in a child process while training goes on under the old plan, and switch at the first step
+    # boundary after the decision arrived (never, if the run ends first); K: wait for it at the latest at the
+    # first boundary K steps after the warm-up's end (0: wait there, nothing trains meanwhile)
+    decide_within: int | None = None
 
 
 @dataclass
