@@ -192,8 +192,9 @@ def refit_replan(plan: Plan, measured: SimResult, d: Decision, off: list[str],
     start_s, end_s = _per_op(plan, measured)
     fit = fit_trace(plan, start_s, end_s, hw, fields, source="the run's warm-up",
                     max_evals=opts.fit_evaluations)
-    refit = hw.with_overrides(with_tied(fit, hw).values)
-    d.refit = {k: [fit.initial[k], v] for k, v in fit.values.items()}
+    tied = with_tied(fit, hw)  # the duplex rates moved with their solo rates: the refit profile is valid
+    refit = hw.with_overrides(tied.values)
+    d.refit = {k: [tied.initial[k], v] for k, v in tied.values.items()}
     new = replan(plan, refit, opts.time_limit_s)
     d.old_predicted_s = simulate_config(plan.model, refit, plan.config).iteration_s
     d.new_predicted_s = float(new.predicted["iteration_s"])

@@ -319,10 +319,13 @@ def test_adapt_experiment_quick(tmp_path):
     heads = experiment.run(quick=True, out_dir=tmp_path)
     (row,) = [r for r in _csv(tmp_path / "adapt.csv")]
     assert row["scenario"] == "lohan-capped" and float(row["error_at_warmup"]) > 0.10  # the profile is wrong
-    assert int(row["fields_refit"]) > 0 and float(row["step_s_after"]) > 0 and "adapt at step 2" in row[
-        "decision"]
+    # the warm-up (2 steps) ends at the plan's first round boundary, step 3; --quick waits for the decision
+    assert int(row["fields_refit"]) > 0 and float(row["step_s_after"]) > 0 and "adapt at step 3" in row[
+        "decision"] and row["effective_step"] == "3"
     steps = _csv(tmp_path / "adapt_steps.csv")
-    assert [int(r["step"]) for r in steps if r["run"] == "lohan-capped"] == [1, 2, 3, 4]
+    assert [int(r["step"]) for r in steps if r["run"] == "lohan-capped"] == [1, 2, 3, 4, 5, 6]
+    groups = _csv(tmp_path / "adapt_groups.csv")  # the final plan's op groups on the refit profile
+    assert {g["group"] for g in groups} >= {"iteration"} and all(float(g["measured_ms"]) > 0 for g in groups)
     assert (tmp_path / "adapt.png").stat().st_size > 1000 and heads and heads[0]["study"] == "adapt"
 
 
