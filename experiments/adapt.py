@@ -173,7 +173,8 @@ def plot(step_rows: list[dict], rows: list[dict], warmup: int, path: Path) -> Pa
                        label=f"{r['scenario']}: decided after step {r['decided_at_step']}, switched after "
                              f"step {r['effective_step']}")
     ax.set_xlabel("step")
-    ax.set_ylabel("step time (ms)")
+    ax.set_ylabel("step time (ms, log scale)")
+    ax.set_yscale("log")
     ax.set_title(f"{MODEL}, batch {BATCH} x {SEQ}, CPU device, optimizer states on the SSD tier", loc="left",
                  fontsize=9)
     ax.legend(fontsize=7)
