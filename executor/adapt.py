@@ -189,8 +189,10 @@ def adapt_run(plan: Plan, args: argparse.Namespace, opts: AdaptOptions, log=prin
         second = None
         if deciding.new is not None:
             t1 = time.perf_counter()
-            second = run_plan(deciding.new, _run_options(whole, args, args.steps, ck, deciding.new))
-            _switch_cost(deciding, t1, second)
+            o2 = _run_options(whole, args, args.steps, ck, deciding.new)
+            o2.on_round = started = _FirstRound()
+            second = run_plan(deciding.new, o2)
+            _switch_cost(deciding, t1, started)
         d = deciding.close()
         if d is not None and world.rank == 0 and d.effective_step is None and not args.json:
             log(f"tierflow run: {d.line()}", flush=True)
@@ -205,13 +207,27 @@ def adapt_run(plan: Plan, args: argparse.Namespace, opts: AdaptOptions, log=prin
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _switch_cost(deciding: Deciding, t1: float, second: RunResult) -> None:
+class _FirstRound:
+    """The new run's on_round: when its first round ended and what its steps took, so that the switch's cost
+    ends where the new plan's first step starts."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+        self.steps_s = 0.0
+
+    def __call__(self, tr) -> bool:
+        if self.at is None:
+            self.at, self.steps_s = time.perf_counter(), sum(r.step_s for r in tr.records)
+        return False
+
+
+def _switch_cost(deciding: Deciding, t1: float, started: _FirstRound) -> None:
     """The switch's cost and parts: the checkpoint at the switch, the old run's end (its workers and SSD tier
-    closed), the new run's time outside its steps (its state and workers built, the checkpoint resumed onto
-    the new tiers; and its end)."""
+    closed), the new run's start (its state, SSD tier and workers built, the checkpoint read onto the new
+    tiers) up to its first step."""
     d, parts = deciding.decision, deciding.parts
     parts["old_run_end_s"] = t1 - deciding.stop_t - parts["checkpoint_write_s"]
-    parts["new_run_outside_steps_s"] = time.perf_counter() - t1 - sum(r.step_s for r in second.records)
+    parts["new_run_start_s"] = (started.at or time.perf_counter()) - t1 - started.steps_s
     d.switch_parts = {k: round(v, 4) for k, v in parts.items()}
     d.switch_s = sum(parts.values())
 
