@@ -18,7 +18,7 @@ steps. The decision runs beside training (the run switches at the first step bou
 calibrated plan runs before and after each scenario (the two averaged). Writes adapt.csv (one row per
 scenario), adapt_steps.csv (every step of every run), adapt_groups.csv (the final plan's op groups, measured
 vs predicted on the refit profile) and adapt.png (step time over steps, the decision and the switch marked)
-under --out; about 4 minutes on the 2-core dev machine. --quick: the lohan scenario only, 6 steps, a shorter
+under --out; 3 to 5 minutes on the 2-core dev machine. --quick: the lohan scenario only, 6 steps, a shorter
 refit and re-plan waited for at the warm-up's end (a CI test runs it).
 """
 
