@@ -133,6 +133,9 @@ class RunOptions:
     log_dir: str | None = None  # TensorBoard event files
     tokenizer: str | None = None  # Hugging Face tokenizer directory (default: --init's, when it has one)
     fields: Fields = field(default_factory=Fields)  # JSON Lines / Parquet fields trained on
+    # called at each round's end with the run under way (`_Training`); True ends the run at that step
+    # boundary (`tierflow run --adapt`'s switch)
+    on_round: Callable[[Any], bool] | None = None
 
 
 @dataclass
@@ -536,6 +539,8 @@ def _run_rounds(tr: _Training, ex: Executor) -> None:
     try:
         while tr.step < opts.steps:
             _run_round(tr, ex, _round_iterations(tr))
+            if opts.on_round is not None and opts.on_round(tr):
+                break
     except (Diverged, CheckpointWriteError, Interrupted) as e:
         code, msg = _stop_message(tr, e)
         if opts.out and tr.lead:

@@ -14,9 +14,12 @@ For each: `tierflow plan` on the wrong profile, then `tierflow run PLAN --adapt`
 trace, re-plan, switch) for STEPS steps; and `tierflow run` of the plan made on the calibrated profile, the
 reference. The targets (docs/adapting.md): after adapting, throughput within 10% of the reference's measured
 throughput; the refit profile predicts the final plan's iteration within 10%; the switch costs less than two
-steps. Writes adapt.csv (one row per scenario), adapt_steps.csv (every step of every run) and adapt.png (step
-time over steps, the switch marked) under --out. --quick: the lohan scenario only, fewer steps, a shorter
-re-plan (a CI test runs it).
+steps. The decision runs beside training (the run switches at the first step boundary after it arrived); the
+calibrated plan runs before and after each scenario (the two averaged). Writes adapt.csv (one row per
+scenario), adapt_steps.csv (every step of every run), adapt_groups.csv (the final plan's op groups, measured
+vs predicted on the refit profile) and adapt.png (step time over steps, the decision and the switch marked)
+under --out; 3 to 5 minutes on the 2-core dev machine. --quick: the lohan scenario only, 6 steps, a shorter
+refit and re-plan waited for at the warm-up's end (a CI test runs it).
 """
 
 from __future__ import annotations
@@ -28,14 +31,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 from expcommon import Progress, arg_parser, headline, new_figure, print_table, save_figure, write_csv
 
 from tierflow.hwprofiles import HardwareProfile, load_profile
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.schedules import build_graph
-from tierflow.planner.io.planfile import plan_from_graph, write_plan
+from tierflow.planner.io.compare import load_measured
+from tierflow.planner.io.planfile import load_plan, plan_from_graph, simulate_plan, write_plan
 from tierflow.planner.search.plan_search import plan_search
 from tierflow.planner.search.problem import Problem
+from tierflow.planner.search.trace_fit import ITERATION, iteration_seconds, observations
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIBRATED = ROOT / "experiments" / "results" / "closed_loop_cpu.yaml"
@@ -58,9 +64,11 @@ def profiles() -> dict[str, HardwareProfile]:
 
 
 def settings(quick: bool) -> dict:
+    """--quick waits for the decision at the warm-up's end (--adapt-decide-within 0): 6 steps would end
+    before a decision taken beside training arrives."""
     return {"scenarios": ["lohan-capped"] if quick else ["ssd5x-compute2x", "lohan-capped"],
-            "steps": 4 if quick else 12, "warmup": 2 if quick else 3, "time_limit_s": 1 if quick else 20,
-            "fit_evaluations": 60 if quick else 800}
+            "steps": 6 if quick else 150, "warmup": 2 if quick else 3, "time_limit_s": 1 if quick else 10,
+            "fit_evaluations": 60 if quick else 400, "decide_within": 0 if quick else None}
 
 
 def make_plan(hw: HardwareProfile, path: Path, time_limit_s: float) -> Path:
@@ -88,15 +96,21 @@ def steady_step_s(steps: list[dict], after: int) -> float:
     return statistics.median(times) if times else float("nan")
 
 
-def scenario(name: str, hws: dict, s: dict, work: Path, ssd_dir: Path, ref_s: float) -> tuple[dict, list]:
-    """Plan on the wrong profile, run with --adapt; one row of results and the run's steps."""
+def scenario(name: str, hws: dict, s: dict, work: Path, ssd_dir: Path, ref_s: float) -> tuple[dict, list,
+                                                                                         list]:
+    """Plan on the wrong profile, run with --adapt; one row of results, the run's steps and the final plan's
+    op groups measured vs predicted on the refit profile."""
     plan = make_plan(hws[name], work / f"{name}.json", s["time_limit_s"])
+    out = work / f"out-{name}"
+    wait = [] if s["decide_within"] is None else ["--adapt-decide-within", str(s["decide_within"])]
     got = tierflow_run(plan, s["steps"], ssd_dir, [
         "--adapt", "--adapt-warmup", str(s["warmup"]), "--adapt-time-limit", str(s["time_limit_s"]),
-        "--adapt-fit-evaluations", str(s["fit_evaluations"]), "--checkpoint-dir", str(work / f"ck-{name}")])
+        "--adapt-fit-evaluations", str(s["fit_evaluations"]), "--out", str(out), *wait])
     (d,) = got["adapt"]
     steps = got["steps"]
-    after_s = steady_step_s(steps, s["warmup"])
+    # the final plan's steady steps: after the switch (its first step pays the new run's start), or after the
+    # warm-up when the plan was kept
+    after_s = steady_step_s(steps, d["effective_step"] if d["switched"] else s["warmup"])
     before = [x["step_s"] for x in steps if 1 < x["step"] <= s["warmup"]] or [steps[0]["step_s"]]
     # the refit profile's prediction of the plan that runs after the decision
     predicted = d["new_predicted_s"] if d["switched"] else d["old_predicted_s"]
@@ -107,11 +121,44 @@ def scenario(name: str, hws: dict, s: dict, work: Path, ssd_dir: Path, ref_s: fl
            "step_s_after": round(after_s, 4), "reference_step_s": round(ref_s, 4),
            "throughput_vs_reference": round(ref_s / after_s - 1, 3),
            "refit_predicts_final": round(after_s / predicted - 1, 3) if predicted else "",
-           "decide_s": round(d["decide_s"], 2), "restart_s": round(d["switch_s"] - d["decide_s"], 2),
+           "decide_s": round(d["decide_s"], 2) if d["decide_s"] is not None else "",
+           "decided_at_step": d["step"], "effective_step": d["effective_step"] if d["effective_step"] else "",
+           "steps_while_deciding": d["steps_while_deciding"],
            "switch_s": round(d["switch_s"], 3) if d["switch_s"] is not None else "",
+           **{k: round(v, 3) for k, v in d["switch_parts"].items()},
            "switch_steps": round(d["switch_s"] / after_s, 2) if d["switch_s"] is not None else "",
            "decision": d["line"]}
-    return row, [{"run": name, "step": x["step"], "step_s": x["step_s"], "loss": x["loss"]} for x in steps]
+    groups = final_groups(name, plan, d, out) if d["refit"] else []
+    # the same prediction against the final plan's measured trace (its last round's steady iterations: the
+    # simulator's quantity), beside the median step time above
+    it = [g for g in groups if g["group"] == ITERATION]
+    if it and predicted:
+        row["final_trace_iteration_s"] = round(it[0]["measured_ms"] / 1e3, 4)
+        row["refit_predicts_final_trace"] = round(it[0]["measured_ms"] / 1e3 / predicted - 1, 3)
+    return row, [{"run": name, "step": x["step"], "step_s": x["step_s"], "loss": x["loss"]} for x in steps], \
+        groups
+
+
+def final_groups(name: str, start_plan: Path, d: dict, out: Path) -> list[dict]:
+    """The final plan's op groups (its measured trace, the run's last round) against their prediction on the
+    refit profile: which op kinds carry the refit's error on the plan it chose."""
+    final = load_plan(out / "adapted_plan.json" if d["switched"] else start_plan)
+    refit = load_plan(start_plan).hardware.with_overrides({k: v for k, (_, v) in d["refit"].items()
+                                                           if v is not None})
+    cfg = final.config
+    on_refit = plan_from_graph(final.model, refit, cfg, build_graph(final.model, refit, cfg))
+    start_s, end_s = load_measured(out / "trace.json", len(on_refit.graph.tasks))
+    obs, ref = observations(on_refit, start_s, end_s, "the final plan's trace")
+    pred = simulate_plan(on_refit)
+    pdur = pred.end_s - pred.start_s
+    rows = []
+    for o in obs:
+        p = iteration_seconds(ref, on_refit.graph.tasks, pred.end_s) if o.group == ITERATION else \
+            float(np.sum(pdur[list(o.ops)]))
+        rows.append({"scenario": name, "plan": final.config.describe(), "group": str(o.group),
+                     "measured_ms": round(o.measured * 1e3, 3), "predicted_ms": round(p * 1e3, 3),
+                     "predicted_vs_measured": round(p / o.measured - 1, 3) if o.measured > 0 else ""})
+    return rows
 
 
 def plot(step_rows: list[dict], rows: list[dict], warmup: int, path: Path) -> Path:
@@ -119,11 +166,15 @@ def plot(step_rows: list[dict], rows: list[dict], warmup: int, path: Path) -> Pa
     for run in dict.fromkeys(r["run"] for r in step_rows):
         pts = [(r["step"], r["step_s"] * 1e3) for r in step_rows if r["run"] == run]
         ax.plot(*zip(*pts), marker="o", ms=3, label=run, ls="--" if run == "calibrated" else "-")
-    switched = [r for r in rows if r["switched"]]
-    if switched:
-        ax.axvline(warmup + 0.5, color="0.35", ls=":", label=f"switch (after step {warmup})")
+    for r in rows:
+        ax.axvline(r["decided_at_step"] + 0.5, color="0.6", ls=":", lw=0.8)
+        if r["switched"] and r["effective_step"]:
+            ax.axvline(r["effective_step"] + 0.5, color="0.25", ls="-.", lw=0.8,
+                       label=f"{r['scenario']}: decided after step {r['decided_at_step']}, switched after "
+                             f"step {r['effective_step']}")
     ax.set_xlabel("step")
-    ax.set_ylabel("step time (ms)")
+    ax.set_ylabel("step time (ms, log scale)")
+    ax.set_yscale("log")
     ax.set_title(f"{MODEL}, batch {BATCH} x {SEQ}, CPU device, optimizer states on the SSD tier", loc="left",
                  fontsize=9)
     ax.legend(fontsize=7)
@@ -143,29 +194,36 @@ def run(quick: bool, out_dir: Path, ssd_dir: Path | None = None) -> list[dict]:
         ref = tierflow_run(ref_plan, s["steps"], ssd, [])
         step_rows = [{"run": "calibrated", "step": x["step"], "step_s": x["step_s"], "loss": x["loss"]}
                      for x in ref["steps"]]
-        rows = []
+        rows, groups = [], []
         for name in s["scenarios"]:
             prog.step(name)
-            # the reference run just before: a shared machine's load drifts over minutes
+            # the reference runs just before and just after: a shared machine's load drifts over minutes
             ref_s = steady_step_s(ref["steps"], 0)
-            row, steps = scenario(name, hws, s, work, ssd, ref_s)
+            row, steps, g = scenario(name, hws, s, work, ssd, ref_s)
             rows.append(row)
             step_rows += steps
+            groups += g
             if not quick:
                 ref = tierflow_run(ref_plan, s["steps"], ssd, [])
-                ref_s = min(ref_s, steady_step_s(ref["steps"], 0))
+                step_rows += [{"run": f"calibrated after {name}", "step": x["step"], "step_s": x["step_s"],
+                               "loss": x["loss"]} for x in ref["steps"]]
+                row["reference_after_step_s"] = round(steady_step_s(ref["steps"], 0), 4)
+                ref_s = statistics.mean([ref_s, row["reference_after_step_s"]])
                 row["reference_step_s"] = round(ref_s, 4)
                 row["throughput_vs_reference"] = round(ref_s / row["step_s_after"] - 1, 3)
     prog.finish()
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out_dir / "adapt.csv")
     write_csv(step_rows, out_dir / "adapt_steps.csv")
+    if groups:
+        write_csv(groups, out_dir / "adapt_groups.csv")
     plot(step_rows, rows, s["warmup"], out_dir / "adapt.png")
     print(f"Adapting: {MODEL}, batch {BATCH} x {SEQ} on this CPU (caps {CAPS}); reference: the calibrated "
           f"profile's plan at {min(r['reference_step_s'] for r in rows) * 1e3:.1f} ms/step (best run)")
     print_table(rows, ["scenario", "switched", "error_at_warmup", "step_s_before", "step_s_after",
-                       "reference_step_s", "throughput_vs_reference", "refit_predicts_final", "decide_s",
-                       "restart_s", "switch_steps"])
+                       "reference_step_s", "throughput_vs_reference", "refit_predicts_final",
+                       "refit_predicts_final_trace", "decide_s",
+                       "decided_at_step", "effective_step", "switch_s", "switch_steps"])
     for r in rows:
         print(f"  {r['scenario']}: {r['decision']}")
     return [headline("adapt", f"{r['scenario']}: step time after adapting / calibrated plan's",

@@ -189,8 +189,6 @@ def test_decide_refits_replans_and_switches_on_a_wrong_profile(tmp_path):
     """Measured = the plan simulated on the box as it is (deterministic): the links are several times slower
     than the wrong profile says, so the decision refits them, plans again and switches to a plan predicted
     faster by more than the margin; the switch itself is a cross-plan resume at the step boundary."""
-    from types import SimpleNamespace
-
     from tierflow.executor.adapt import AdaptOptions, decide
 
     wrong, truth = _lohan_on_this_box()
@@ -201,11 +199,12 @@ def test_decide_refits_replans_and_switches_on_a_wrong_profile(tmp_path):
                                             adam_v=Split(0.0, 0.35, 0.65)))
     plan = plan_from_graph(model, wrong, cfg, build_graph(model, wrong, cfg))
     measured = simulate_graph(build_graph(model, truth, plan.config), truth, plan.config.world)
-    d, new = decide(plan, SimpleNamespace(measured=measured), 2,
+    d, new = decide(plan, measured, 2,
                     AdaptOptions(time_limit_s=2.0, fit_evaluations=100))
     assert d.error > 0.10 and d.resources["ssd_read"] > 1.5
     assert d.refit["ssd.read_gbps"][1] < d.refit["ssd.read_gbps"][0]
     assert d.switched and new is not None and new.config != plan.config and d.gain > 0.05
+    d.effective_step = 2
     line = d.line()
     assert line.count("\n") == 0 and "switching at step 2" in line and "ssd.read_gbps" in line
     # the switch: the old plan's checkpoint at step 2 resumed under the new plan
@@ -245,11 +244,41 @@ def test_adapt_cli_records_its_decision_and_continues(tmp_path, capsys):
     assert [s["loss"] for s in again["steps"]] == plain[4:]
 
 
+def test_adapt_decides_beside_training_and_switches_at_a_later_step(tmp_path, capsys):
+    """Without --adapt-wait the refit and re-plan run in a child process while training goes on under the old
+    plan: the decision taken at step 2 takes effect at a later step boundary (by step 8: --adapt-decide-within
+    6 waits there at the latest), every step is trained once, and
+    the switch's cost is recorded in its parts. The losses after the switch stay within 1e-5 of the run
+    without --adapt (another schedule: the sums' order changes)."""
+    plan = make_plan("tiny-gpt", "vertical", "states_ssd", iterations=2)
+    path = tmp_path / "plan.json"
+    write_plan(plan, path)
+    (tmp_path / "ssd").mkdir()
+    common = [str(path), "--device", "cpu", "--ssd-dir", str(tmp_path / "ssd"), "--json", "--steps", "10"]
+    assert main(["run", *common, "--adapt", "--adapt-warmup", "2", "--adapt-threshold", "1e-9",
+                 "--adapt-margin", "0", "--adapt-time-limit", "1", "--adapt-fit-evaluations", "40",
+                 "--adapt-decide-within", "6"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    (d,) = got["adapt"]
+    assert d["step"] == 2 and d["switched"], d["line"]
+    # the child starts (a new interpreter) after the boundary of step 2 polled it: it arrives later, by step 8
+    assert 2 < d["effective_step"] <= 8 and d["steps_while_deciding"] == d["effective_step"] - 2
+    assert f"took effect at step {d['effective_step']}" in d["line"]
+    assert [s["step"] for s in got["steps"]] == list(range(1, 11))
+    assert set(d["switch_parts"]) == {"checkpoint_write_s", "old_run_end_s", "new_run_start_s"}
+    assert d["switch_s"] == pytest.approx(sum(d["switch_parts"].values()), rel=1e-3)
+    assert main(["run", *common]) == 0
+    plain = [s["loss"] for s in json.loads(capsys.readouterr().out)["steps"]]
+    assert [s["loss"] for s in got["steps"]] == pytest.approx(plain, rel=1e-5)
+
+
 def test_adapt_on_two_ranks_switches_every_rank_at_the_same_step(tmp_path):
-    """`tierflow run --nproc 2 --adapt` with a refit forced (threshold 0, margin 0): rank 0 decides and
-    broadcasts; every rank resumes the sharded checkpoint under the plan decided at step 2 and trains steps 3
-    and 4 (a hang or a rank on another plan would fail the run). The losses stay those of one rank training
-    the whole batch without --adapt (within 1e-5: 2 ranks and a switch change the order of the sums)."""
+    """`tierflow run --nproc 2 --adapt` with a refit forced (threshold 0, margin 0): rank 0 decides beside
+    training and broadcasts at each step boundary whether the decision arrived; every rank resumes the sharded
+    checkpoint under the plan decided at step 2 at the same step (4 at the latest: --adapt-decide-within 2)
+    and trains to step 6 (a hang or a rank on another plan would fail the run). The losses stay those of one
+    rank training the whole batch without --adapt (within 1e-5: 2 ranks and a switch change the order of the
+    sums)."""
     from dist_worker import HYPER
     from dist_worker import make_plan as rank_plan
 
@@ -261,19 +290,22 @@ def test_adapt_on_two_ranks_switches_every_rank_at_the_same_step(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     p = subprocess.run([sys.executable, "-m", "tierflow", "run", str(path), "--nproc", "2", "--device", "cpu",
-                        "--ssd-dir", str(tmp_path / "ssd"), "--steps", "4", "--json", "--adapt",
+                        "--ssd-dir", str(tmp_path / "ssd"), "--steps", "6", "--json", "--adapt",
                         "--adapt-warmup", "2", "--adapt-threshold", "1e-9", "--adapt-margin", "0",
-                        "--adapt-time-limit", "2", "--adapt-fit-evaluations", "60"],
+                        "--adapt-time-limit", "2", "--adapt-fit-evaluations", "60",
+                        "--adapt-decide-within", "2"],
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     got = json.loads(p.stdout)
     # one rank training the whole batch: what 2 ranks reproduce within 1e-5 (tests/test_dist_executor.py)
     one = run_plan(rank_plan("tiny-gpt", "vertical", "states_ssd", gpus=1),
-                   RunOptions(steps=4, ssd_dir=str(tmp_path / "ssd"), quiet=True, hyper=HYPER))
+                   RunOptions(steps=6, ssd_dir=str(tmp_path / "ssd"), quiet=True, hyper=HYPER))
     want = {"steps": [{"loss": x} for x in one.losses]}
     (d,) = got["adapt"]
-    assert d["step"] == 2 and d["refit"] and ("switching at step 2" in d["line"]) == d["switched"]
-    assert [s["step"] for s in got["steps"]] == [1, 2, 3, 4]
+    # decided beside training from step 2 (every rank polls rank 0 at each boundary), waited for by step 4
+    assert d["step"] == 2 and d["refit"] and d["effective_step"] in (2, 4)
+    assert (f"switching at step {d['effective_step']}" in d["line"]) == d["switched"]
+    assert [s["step"] for s in got["steps"]] == [1, 2, 3, 4, 5, 6]
     assert [s["loss"] for s in got["steps"]] == pytest.approx([s["loss"] for s in want["steps"]], rel=1e-5)
 
 
@@ -287,10 +319,13 @@ def test_adapt_experiment_quick(tmp_path):
     heads = experiment.run(quick=True, out_dir=tmp_path)
     (row,) = [r for r in _csv(tmp_path / "adapt.csv")]
     assert row["scenario"] == "lohan-capped" and float(row["error_at_warmup"]) > 0.10  # the profile is wrong
-    assert int(row["fields_refit"]) > 0 and float(row["step_s_after"]) > 0 and "adapt at step 2" in row[
-        "decision"]
+    # the warm-up (2 steps) ends at the plan's first round boundary, step 3; --quick waits for the decision
+    assert int(row["fields_refit"]) > 0 and float(row["step_s_after"]) > 0 and "adapt at step 3" in row[
+        "decision"] and row["effective_step"] == "3"
     steps = _csv(tmp_path / "adapt_steps.csv")
-    assert [int(r["step"]) for r in steps if r["run"] == "lohan-capped"] == [1, 2, 3, 4]
+    assert [int(r["step"]) for r in steps if r["run"] == "lohan-capped"] == [1, 2, 3, 4, 5, 6]
+    groups = _csv(tmp_path / "adapt_groups.csv")  # the final plan's op groups on the refit profile
+    assert {g["group"] for g in groups} >= {"iteration"} and all(float(g["measured_ms"]) > 0 for g in groups)
     assert (tmp_path / "adapt.png").stat().st_size > 1000 and heads and heads[0]["study"] == "adapt"
 
 

@@ -91,8 +91,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="predicted gain the new plan needs to be switched to (default 0.05)")
     a.add_argument("--adapt-time-limit", type=positive_float(3600), default=30.0, metavar="S",
                    help="seconds for the re-plan's search (default 30)")
-    a.add_argument("--adapt-fit-evaluations", type=positive_int(100000), default=800, metavar="N",
-                   help="the refit's budget of simulations (default 800)")
+    a.add_argument("--adapt-fit-evaluations", type=positive_int(100000), default=400, metavar="N",
+                   help="the refit's budget of simulations (default 400)")
+    a.add_argument("--adapt-decide-within", type=int_in(0, MAX_STEPS), default=None, metavar="K",
+                   help="wait for the refit and re-plan at the latest K steps after the warm-up (0: at its "
+                   "end, nothing trains meanwhile; default: never wait, training goes on under the old plan "
+                   "and a decision that arrives after the last step is not applied)")
     p.add_argument("--json", action="store_true", help="print the steps and the measured summary as JSON")
     # hidden (tests): compute in bf16 on a CPU device too, as on CUDA (bf16 is the default there, fp32 on a
     # CPU)
