@@ -1,7 +1,7 @@
 """Where each side's step goes, per resource, at the race's points where tierflow lost (the race against
 DeepSpeed ZeRO-Infinity, docs/deepspeed.md).
 
-    python experiments/race_profile.py [--steps N] [--profile race_box.yaml] [--out DIR]
+    python experiments/race_profile.py [--steps N] [--profile race_box.yaml] [--points I ...] [--out DIR]
 
 DeepSpeed (race_deepspeed.py's configs, same model, data, threads and SSD directory): the step's wall time
 split into forward / backward / optimizer step (timed around engine(x), engine.backward, engine.step), and
@@ -15,7 +15,8 @@ per-op times): busy time per resource over the last measured step, and the criti
 back from its last compute op through each op's latest-ending dependency or resource predecessor, summed per
 resource; the gaps on the path are time no op ran (dispatch, Python, waits the plan does not show).
 
-Writes race_profile.md and race_profile.json under --out. Timing on a shared 2-core machine is noisy.
+Writes race_profile.md and race_profile.json under --out (--points: those points of race_deepspeed.SWEEP,
+merged into the race_profile.json already there). Timing on a shared 2-core machine is noisy.
 """
 
 from __future__ import annotations
@@ -262,6 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=2, help="measured steps per run after one warm-up step")
     ap.add_argument("--profile", type=Path, default=None,
                     help="calibrated profile of this box (default: OUT/race_box.yaml from the race)")
+    ap.add_argument("--points", nargs="+", type=int, choices=range(len(race.SWEEP)), default=None,
+                    help="these points of race_deepspeed.SWEEP (0-based) instead of the two where tierflow "
+                         "lost, merged into the race_profile.json under --out")
     args = ap.parse_args(argv)
     missing = race.deepspeed_missing()
     if missing:
@@ -274,8 +278,9 @@ def main(argv: list[str] | None = None) -> None:
     ssd = work / "ssd"
     ssd.mkdir()
     script = Path(__file__).resolve()
-    results: dict[str, dict] = {}
-    for p in POINTS:
+    old = args.out / "race_profile.json"
+    results: dict[str, dict] = json.loads(old.read_text()) if args.points and old.exists() else {}
+    for p in [race.SWEEP[i] for i in args.points] if args.points else POINTS:
         plans = race.tf_plans(p, hw, None, work, TF_VARIANTS)
         res: dict[str, dict] = {}
         for v in (*DS_VARIANTS, *TF_VARIANTS):
