@@ -38,7 +38,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from expcommon import Progress, arg_parser, headline, new_figure, print_table, save_figure, write_csv
+from expcommon import (
+    REPO_DIR,
+    RESULTS_DIR,
+    Progress,
+    arg_parser,
+    headline,
+    new_figure,
+    print_table,
+    save_figure,
+    write_csv,
+    write_generated_block,
+)
 
 from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.placement import Placement, Split
@@ -513,6 +524,7 @@ def point_rows(record: dict, hw) -> list[dict]:
             "error": round(med / pred_s - 1, 3) if (ok and pred_s) else float("nan"),
             "decisions": decisions, "failed": "; ".join(errs)[:300],
         })
+        rows[-1]["ssd_share"] = round(ssd_share(rows[-1], hw), 2)
     return rows
 
 
@@ -527,9 +539,9 @@ def ssd_share(row: dict, hw) -> float:
     return need_s / row["step_s"]
 
 
-def summarise(rows: list[dict], hw) -> list[dict]:
+def summarise(rows: list[dict]) -> list[dict]:
     """Per point: DeepSpeed's best variant against tierflow's best plan, and the SSD share of DeepSpeed's
-    step."""
+    step (its row's ssd_share)."""
     out = []
     for point in dict.fromkeys(r["point"] for r in rows):
         mine = [r for r in rows if r["point"] == point and r["runs"]]
@@ -542,7 +554,7 @@ def summarise(rows: list[dict], hw) -> list[dict]:
         out.append({"point": point, "ds_best": best_ds["variant"], "ds_tokens_per_s": best_ds["tokens_per_s"],
                     "tf_best": best_tf["variant"], "tf_tokens_per_s": best_tf["tokens_per_s"],
                     "speedup": round(best_tf["tokens_per_s"] / best_ds["tokens_per_s"], 2),
-                    "ds_ssd_share": round(ssd_share(best_ds, hw), 2)})
+                    "ds_ssd_share": best_ds["ssd_share"]})
     return out
 
 
@@ -579,25 +591,36 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def markdown(rows: list[dict], summary: list[dict], commands: list[str], versions: str) -> str:
-    lines = ["Measured by " + ", ".join(f"`{c}`" for c in commands) + "; predicted by `python "
-             f"experiments/race_deepspeed.py --predict-only` ({versions}).", "",
-             "| point | params | variant | step s (median) | spread s | tokens/s | peak RSS GB | "
-             "SSD read GB/step | SSD write GB/step | predicted s | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+_NUMBERS = ("params_m", "step_s", "min_s", "max_s", "tokens_per_s", "peak_rss_gb", "ssd_read_gb_per_step",
+            "ssd_write_gb_per_step", "predicted_s", "error", "ssd_share")
+
+
+def race_tables(rows: list[dict]) -> str:
+    """The race's two tables (every run; best against best per point) from its rows, as point_rows gives them
+    or as race.csv holds them (strings): the generated block of docs/deepspeed.md."""
+    rows = [{**r, "runs": int(r["runs"]), **{k: float(r[k]) for k in _NUMBERS}} for r in rows]
+    lines = ["| point | params | variant | step s (median) | spread s | tokens/s | peak RSS GB | "
+             "SSD read GB/step | SSD write GB/step | SSD share | predicted s | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = f"{r['error']:+.0%}" if r["error"] == r["error"] else "-"
+        share = f"{r['ssd_share']:.0%}" if r["ssd_share"] == r["ssd_share"] else "-"
         lines.append(f"| {r['point']} | {r['params_m']}M | {r['variant']} | {r['step_s']} | "
                      f"{r['min_s']}-{r['max_s']} | {r['tokens_per_s']:,.0f} | {r['peak_rss_gb']} | "
-                     f"{r['ssd_read_gb_per_step']} | {r['ssd_write_gb_per_step']} | "
+                     f"{r['ssd_read_gb_per_step']} | {r['ssd_write_gb_per_step']} | {share} | "
                      f"{r['predicted_s']} | {err} |")
     lines += ["", "| point | DeepSpeed best | tokens/s | tierflow best | tokens/s | speedup | "
               "SSD share of DS step |",
               "|---|---|---|---|---|---|---|"]
-    for s in summary:
+    for s in summarise(rows):
         lines.append(f"| {s['point']} | {s['ds_best']} | {s['ds_tokens_per_s']:,.0f} | {s['tf_best']} | "
                      f"{s['tf_tokens_per_s']:,.0f} | {s['speedup']}x | {s['ds_ssd_share']:.0%} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
+
+
+def markdown(rows: list[dict], commands: list[str], versions: str) -> str:
+    return ("Measured by " + ", ".join(f"`{c}`" for c in commands) + "; predicted by `python "
+            f"experiments/race_deepspeed.py --predict-only` ({versions}).\n\n" + race_tables(rows) + "\n")
 
 
 def versions() -> str:
@@ -616,6 +639,8 @@ def versions() -> str:
 # weights and gradients (2.1 GB) and its activations there
 DEVICE_GIB = 8.0
 RUNS_FILE = "race_runs.json"  # the measurements behind race.csv: calibration, runs, plans' decisions
+DOC = REPO_DIR / "docs" / "deepspeed.md"  # its race tables are generated (race_tables)
+DOC_TABLE = "race (experiments/race_deepspeed.py from experiments/results/race.csv)"
 
 
 def run(quick: bool, out_dir: Path, reps: int | None = None, steps: int | None = None,
@@ -683,10 +708,11 @@ def report(data: dict, out_dir: Path) -> list[dict]:
     predictions made now: the profile rebuilt from the calibration's raw measurements by this tierflow."""
     hw = box_profile(data["calibration"], out_dir)
     rows = [row for rec in data["points"] for row in point_rows(rec, hw)]
-    summary = summarise(rows, hw)
+    summary = summarise(rows)
     write_csv(rows, out_dir / "race.csv")
-    (out_dir / "race.md").write_text(markdown(rows, summary, data["commands"],
-                                                       data.get("versions") or versions()))
+    (out_dir / "race.md").write_text(markdown(rows, data["commands"], data.get("versions") or versions()))
+    if out_dir.resolve() == RESULTS_DIR.resolve():
+        write_generated_block(DOC, DOC_TABLE, race_tables(rows))
     plot(rows, summary, out_dir / "race.png")
     print_table([{**r, "error": f"{r['error']:+.1%}" if r["error"] == r["error"] else "-"} for r in rows],
                 ["point", "variant", "step_s", "min_s", "max_s", "tokens_per_s", "peak_rss_gb",
