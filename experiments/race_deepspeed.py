@@ -66,10 +66,6 @@ ON_HOST = Split(gpu=0.0, cpu=1.0, ssd=0.0)
 # like-for-like with DeepSpeed's NVMe offload as it runs: its parameters stay in host memory (max_in_cpu) and
 # its fp32 gradients are accumulated there; only the fp32 master and Adam m, v live on the SSD
 HOST_WEIGHTS = replace(ALL_ON_SSD, weights=ON_HOST, grads=ON_HOST)
-# ds-tuned's optimizer sub-group: the whole model up to 1e8 elements (DeepSpeed's default is 1e9; a
-# sub-group's fp32 states sit in pinned swap buffers, 4 of them with buffer_count 4: 1.6 GB at 1e8), so a
-# larger model is swapped in several sub-groups that pipeline_read / pipeline_write overlap with CPU Adam
-SUB_GROUP_MAX_ELEMS = 10**8
 HYPER = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}  # executor.context.Hyper
 
 
@@ -121,8 +117,10 @@ def ds_config(p: Point, nvme_dir: str, variant: str) -> dict:
     total = p.spec().total_params()
     tuned_param = {"buffer_count": 4, "buffer_size": int(largest), "pin_memory": True}
     tuned_opt = {"buffer_count": 4, "pin_memory": True, "pipeline_read": True, "pipeline_write": True}
-    zero.update({"sub_group_size": min(int(total) + 1, SUB_GROUP_MAX_ELEMS),
-                 "stage3_prefetch_bucket_size": int(total),
+    # one optimizer sub-group for the whole model: with several, DeepSpeed 0.19.8's pipelined optimizer
+    # swapper runs out of its 4 swap buffers at the first step (AssertionError in _swap_out_optimizer_state,
+    # seen at 24 x 1024 with sub_group_size 1e8)
+    zero.update({"sub_group_size": int(total) + 1, "stage3_prefetch_bucket_size": int(total),
                  "stage3_param_persistence_threshold": 0, "overlap_comm": True, "contiguous_gradients": True})
     cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 16, "intra_op_parallelism": 2, "single_submit": False,
                   "overlap_events": True}
@@ -696,10 +694,14 @@ def _command(quick: bool, reps: int, steps: int, points: list[Point]) -> str:
 
 
 def _merge_point(data: dict, rec: dict) -> None:
-    """Put one point's record into `data`, replacing an earlier record of the same point, in sweep order."""
+    """Put one point's record into `data`, in sweep order: the variants it measured replace those of an
+    earlier record of the same point, the others are kept (--variants measures some again)."""
     p = Point(**rec["point"])
     order = {q: i for i, q in enumerate(SWEEP)}
     kept = [r for r in data["points"] if Point(**r["point"]) != p]
+    for old in (r for r in data["points"] if Point(**r["point"]) == p):
+        rec = {**old, "runs": {**old["runs"], **rec["runs"]}, "plans": {**old["plans"], **rec["plans"]},
+               "budget_bytes": rec["budget_bytes"] if "tf-plan" in rec["plans"] else old.get("budget_bytes")}
     data["points"] = sorted([*kept, rec], key=lambda r: order.get(Point(**r["point"]), len(SWEEP)))
 
 
