@@ -230,6 +230,7 @@ def ds_worker(job: dict) -> dict:
         losses.append(float(loss.detach()))
     io1 = _io_bytes()
     return {"step_s": times[job["warmup"]:], "losses": losses, "peak_rss_bytes": _peak_rss_bytes(),
+            "load_1min": os.getloadavg()[0],
             "ssd_read_bytes": (io1[0] - io0[0]) / job["steps"],
             "ssd_write_bytes": (io1[1] - io0[1]) / job["steps"]}
 
@@ -251,7 +252,8 @@ def tf_worker(job: dict) -> dict:
                                                       ssd_dir=job["ssd_dir"]), log=log)
     io1 = _io_bytes()
     return {"step_s": [r.step_s for r in run.records[warmup:]], "losses": run.losses,
-            "peak_rss_bytes": _peak_rss_bytes(), "ssd_read_bytes": (io1[0] - io0[0][0]) / job["steps"],
+            "peak_rss_bytes": _peak_rss_bytes(), "load_1min": os.getloadavg()[0],
+            "ssd_read_bytes": (io1[0] - io0[0][0]) / job["steps"],
             "ssd_write_bytes": (io1[1] - io0[0][1]) / job["steps"]}
 
 
@@ -521,6 +523,8 @@ def point_rows(record: dict, hw) -> list[dict]:
             "predicted_s": round(pred_s, 3) if pred_s else float("nan"),
             "error": round(med / pred_s - 1, 3) if (ok and pred_s) else float("nan"),
             "decisions": decisions, "failed": "; ".join(errs)[:300],
+            # the machine's 1-minute load average as each run ended (2 cores: above 2, others ran beside it)
+            "load": round(_median([r["load_1min"] for r in ok if "load_1min" in r]), 1),
         })
         rows[-1]["ssd_share"] = round(ssd_share(rows[-1], hw), 2)
     return rows
@@ -590,7 +594,7 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> Path:
 
 
 _NUMBERS = ("params_m", "step_s", "min_s", "max_s", "tokens_per_s", "peak_rss_gb", "ssd_read_gb_per_step",
-            "ssd_write_gb_per_step", "predicted_s", "error", "ssd_share")
+            "ssd_write_gb_per_step", "predicted_s", "error", "ssd_share", "load")
 
 
 def race_tables(rows: list[dict]) -> str:
@@ -598,15 +602,15 @@ def race_tables(rows: list[dict]) -> str:
     or as race.csv holds them (strings): the generated block of docs/deepspeed.md."""
     rows = [{**r, "runs": int(r["runs"]), **{k: float(r[k]) for k in _NUMBERS}} for r in rows]
     lines = ["| point | params | variant | step s (median) | spread s | tokens/s | peak RSS GB | "
-             "SSD read GB/step | SSD write GB/step | SSD share | predicted s | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "SSD read GB/step | SSD write GB/step | SSD share | predicted s | error | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = f"{r['error']:+.0%}" if r["error"] == r["error"] else "-"
         share = f"{r['ssd_share']:.0%}" if r["ssd_share"] == r["ssd_share"] else "-"
         lines.append(f"| {r['point']} | {r['params_m']}M | {r['variant']} | {r['step_s']} | "
                      f"{r['min_s']}-{r['max_s']} | {r['tokens_per_s']:,.0f} | {r['peak_rss_gb']} | "
                      f"{r['ssd_read_gb_per_step']} | {r['ssd_write_gb_per_step']} | {share} | "
-                     f"{r['predicted_s']} | {err} |")
+                     f"{r['predicted_s']} | {err} | {'-' if r['load'] != r['load'] else r['load']} |")
     lines += ["", "| point | DeepSpeed best | tokens/s | tierflow best | tokens/s | speedup | "
               "SSD share of DS step |",
               "|---|---|---|---|---|---|---|"]
