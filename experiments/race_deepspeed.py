@@ -673,7 +673,8 @@ def run(quick: bool, out_dir: Path, reps: int | None = None, steps: int | None =
                   f"({built['error']})")
             return []
         data = {"calibration": old["calibration"] if old else calibrate_box(ssd_dir, quick),
-                "commands": [*(old["commands"] if old else []), _command(quick, reps, steps, points)],
+                "commands": [*(old["commands"] if old else []),
+                             _command(quick, reps, steps, points, variants)],
                 "versions": versions(),
                 "points": old["points"] if old else []}
         hw = box_profile(data["calibration"], out_dir)
@@ -690,9 +691,11 @@ def run(quick: bool, out_dir: Path, reps: int | None = None, steps: int | None =
     return report(data, out_dir)
 
 
-def _command(quick: bool, reps: int, steps: int, points: list[Point]) -> str:
-    """The command line that measures `points` as this run does."""
+def _command(quick: bool, reps: int, steps: int, points: list[Point], variants: tuple[str, ...]) -> str:
+    """The command line that measures `points` and `variants` as this run does."""
     pick = "" if quick or points == SWEEP else " --points " + " ".join(str(SWEEP.index(p)) for p in points)
+    if not quick and set(variants) != {*DS_VARIANTS, *TF_VARIANTS}:
+        pick += " --variants " + " ".join(variants)
     quick_flag = " --quick" if quick else ""
     return f"python experiments/race_deepspeed.py{quick_flag} --reps {reps} --steps {steps}{pick}"
 
