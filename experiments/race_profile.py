@@ -301,23 +301,26 @@ def main(argv: list[str] | None = None) -> None:
     script = Path(__file__).resolve()
     old = args.out / "race_profile.json"
     results: dict[str, dict] = json.loads(old.read_text()) if args.points and old.exists() else {}
-    for p in [race.SWEEP[i] for i in args.points] if args.points else POINTS:
-        recorded = recorded_plans(args.out, p, hw, work)
-        plans = {**race.tf_plans(p, hw, None, work, TF_VARIANTS),
-                 **{v: f for v, f in recorded.items() if v in (*TF_VARIANTS, "tf-plan")}}
-        res: dict[str, dict] = {}
-        for v in (*DS_VARIANTS, *plans):
-            print(f"race_profile: {p.name} {v}", file=sys.stderr)
-            job = {"point": asdict(p), "threads": race.THREADS, "steps": args.steps, "warmup": 1}
-            if v.startswith("ds-"):
-                nvme = ssd / "deepspeed"
-                shutil.rmtree(nvme, ignore_errors=True)
-                nvme.mkdir()
-                job.update(kind="ds", ds_config=race.ds_config(p, str(nvme), v))
-            else:
-                job.update(kind="tf", plan=str(plans[v][0]), ssd_dir=str(ssd))
-            res[v] = race.run_worker(job, work, script=script)
-        results[p.name] = res
+    try:
+        for p in [race.SWEEP[i] for i in args.points] if args.points else POINTS:
+            recorded = recorded_plans(args.out, p, hw, work)
+            plans = {**race.tf_plans(p, hw, None, work, TF_VARIANTS),
+                     **{v: f for v, f in recorded.items() if v in (*TF_VARIANTS, "tf-plan")}}
+            res: dict[str, dict] = {}
+            for v in (*DS_VARIANTS, *plans):
+                print(f"race_profile: {p.name} {v}", file=sys.stderr)
+                job = {"point": asdict(p), "threads": race.THREADS, "steps": args.steps, "warmup": 1}
+                if v.startswith("ds-"):
+                    nvme = ssd / "deepspeed"
+                    shutil.rmtree(nvme, ignore_errors=True)
+                    nvme.mkdir()
+                    job.update(kind="ds", ds_config=race.ds_config(p, str(nvme), v))
+                else:
+                    job.update(kind="tf", plan=str(plans[v][0]), ssd_dir=str(ssd))
+                res[v] = race.run_worker(job, work, script=script)
+            results[p.name] = res
+    finally:  # the SSD tier's files and the plans: gigabytes at the largest point
+        shutil.rmtree(work, ignore_errors=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "race_profile.json").write_text(json.dumps(results, indent=1))
     (args.out / "race_profile.md").write_text(markdown(results, race.versions()))
