@@ -84,7 +84,7 @@ from tierflow.planner.core.clipwait import OPTIMIZER_KINDS, wait_for_norm, waits
 from tierflow.planner.core.graph import CycleError
 from tierflow.planner.core.opkinds import ENTRY_TENSORS
 from tierflow.planner.core.simulator import CapacityError, SimResult
-from tierflow.planner.core.workload import COMPUTE_BYTES, model_flops_per_token
+from tierflow.planner.core.workload import model_flops_per_token, precision_of
 from tierflow.planner.io.logs import QUIET, level_of
 from tierflow.planner.io.planfile import Plan, PlanError, check_ops_match_decisions, load_plan, simulate_plan
 from tierflow.planner.io.progress import bar
@@ -224,7 +224,7 @@ def _device(name: str, seed: int = 0) -> DeviceBackend:
 
 def _ssd_need_bytes(plan: Plan, state: TrainState) -> float:
     """SSD bytes this run writes at most: the state's SSD ranges plus the plan's peak of parked activations,
-    scaled from the plan's bf16 bytes to the executor's compute dtype."""
+    scaled from the plan's compute dtype (its precision) to the executor's."""
     static = state.ssd_static_bytes()
     pred = plan.predicted or {}
     peak = (pred.get("peak_bytes") or {}).get("ssd")
@@ -232,7 +232,8 @@ def _ssd_need_bytes(plan: Plan, state: TrainState) -> float:
     parked = [t for t in plan.graph.tasks if t.resource == "ssd_write" and t.tensor in ENTRY_TENSORS]
     if peak is None and parked:
         dynamic = sum(t.work for t in parked if t.iteration == 0)
-    scale = torch.empty(0, dtype=state.compute_dtype).element_size() / COMPUTE_BYTES
+    scale = (torch.empty(0, dtype=state.compute_dtype).element_size()
+             / precision_of(plan.model).compute_bytes)
     return static + dynamic * scale * 1.1 + (1 << 20)
 
 

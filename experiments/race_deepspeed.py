@@ -38,7 +38,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from expcommon import Progress, arg_parser, headline, new_figure, print_table, save_figure, write_csv
+from expcommon import (
+    REPO_DIR,
+    RESULTS_DIR,
+    Progress,
+    arg_parser,
+    headline,
+    new_figure,
+    print_table,
+    save_figure,
+    write_csv,
+    write_generated_block,
+)
 
 from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.placement import Placement, Split
@@ -78,11 +89,13 @@ class Point:
         return replace(base, name=f"gpt-{self.layers}x{self.hidden}", num_layers=self.layers,
                        hidden=self.hidden, num_heads=self.heads, num_kv_heads=self.heads,
                        ffn_hidden=4 * self.hidden, vocab_size=self.vocab, seq_len=self.seq,
-                       max_positions=self.seq)
+                       max_positions=self.seq, precision="fp32")
 
 
 # From compute-bound (many tokens per weight byte) to offload-bound (few): model size x batch.
-SWEEP = [Point(6, 512, 8, 8, 256), Point(6, 512, 8, 1, 128), Point(12, 768, 12, 2, 128)]
+# The last point is where offload binds most: 261M parameters, 4.2 GB of fp32 weights and optimizer states.
+SWEEP = [Point(6, 512, 8, 8, 256), Point(6, 512, 8, 1, 128), Point(12, 768, 12, 2, 128),
+         Point(24, 1024, 16, 2, 256)]
 QUICK_POINT = Point(2, 256, 4, 2, 64, vocab=2048)
 
 
@@ -104,6 +117,9 @@ def ds_config(p: Point, nvme_dir: str, variant: str) -> dict:
     total = p.spec().total_params()
     tuned_param = {"buffer_count": 4, "buffer_size": int(largest), "pin_memory": True}
     tuned_opt = {"buffer_count": 4, "pin_memory": True, "pipeline_read": True, "pipeline_write": True}
+    # one optimizer sub-group for the whole model: with several, DeepSpeed 0.19.8's pipelined optimizer
+    # swapper runs out of its 4 swap buffers at the first step (AssertionError in _swap_out_optimizer_state,
+    # seen at 24 x 1024 with sub_group_size 1e8)
     zero.update({"sub_group_size": int(total) + 1, "stage3_prefetch_bucket_size": int(total),
                  "stage3_param_persistence_threshold": 0, "overlap_comm": True, "contiguous_gradients": True})
     cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 16, "intra_op_parallelism": 2, "single_submit": False,
@@ -214,6 +230,7 @@ def ds_worker(job: dict) -> dict:
         losses.append(float(loss.detach()))
     io1 = _io_bytes()
     return {"step_s": times[job["warmup"]:], "losses": losses, "peak_rss_bytes": _peak_rss_bytes(),
+            "load_1min": os.getloadavg()[0],
             "ssd_read_bytes": (io1[0] - io0[0]) / job["steps"],
             "ssd_write_bytes": (io1[1] - io0[1]) / job["steps"]}
 
@@ -235,7 +252,8 @@ def tf_worker(job: dict) -> dict:
                                                       ssd_dir=job["ssd_dir"]), log=log)
     io1 = _io_bytes()
     return {"step_s": [r.step_s for r in run.records[warmup:]], "losses": run.losses,
-            "peak_rss_bytes": _peak_rss_bytes(), "ssd_read_bytes": (io1[0] - io0[0][0]) / job["steps"],
+            "peak_rss_bytes": _peak_rss_bytes(), "load_1min": os.getloadavg()[0],
+            "ssd_read_bytes": (io1[0] - io0[0][0]) / job["steps"],
             "ssd_write_bytes": (io1[1] - io0[0][1]) / job["steps"]}
 
 
@@ -308,17 +326,25 @@ def deepspeed_missing() -> str | None:
     return None
 
 
-def calibrate_box(ssd_dir: Path, quick: bool, out: Path):
-    """This box as the executor uses it (experiments/closed_loop.py's calibration)."""
-    from tierflow.executor.calibration import FULL, QUICK, build_profile, run_measurements, write_profile
+def calibrate_box(ssd_dir: Path, quick: bool) -> dict:
+    """This box as the executor uses it (experiments/closed_loop.py's calibration): the raw measurements
+    (kept in race_runs.json, so that the profile can be rebuilt by a later tierflow: --predict-only)."""
+    from tierflow.executor.calibration import FULL, QUICK, run_measurements
 
     prog = Progress(12, "calibrate")
     m = run_measurements(QUICK if quick else FULL, ssd_dir, prog, device="cpu")
     prog.finish()
     if m.get("ssd"):
         m["ssd"]["dir"] = "the race's SSD directory"
-    # the device is this host's memory: give it what DeepSpeed's and tierflow's fixed schedules hold there
-    cal = build_profile(m, None, name="race-cpu", device_gib=4.0)
+    return m
+
+
+def box_profile(measurements: dict, out: Path):
+    """The profile of the calibrated box (written as race_box.yaml): the device is this host's memory, given
+    what DeepSpeed's and tierflow's fixed schedules hold there; rates in real bytes, the runs in fp32."""
+    from tierflow.executor.calibration import build_profile, write_profile
+
+    cal = build_profile(measurements, None, name="race-cpu", device_gib=DEVICE_GIB)
     write_profile(cal, out / "race_box.yaml")
     return cal.profile
 
@@ -346,9 +372,9 @@ def ds_budget(hw, spec: ModelSpec, budget_bytes: float):
 
 
 def tf_plans(p: Point, hw, hw_capped, work: Path,
-             variants: tuple[str, ...] = TF_VARIANTS) -> dict[str, tuple[Path, float, str]]:
-    """tierflow's plans for a point: {variant: (plan file, predicted step s, decisions)}. The fixed schedules
-    (no recompute: all activations stay on the device) on the calibrated box: everything on the SSD
+             variants: tuple[str, ...] = TF_VARIANTS) -> dict[str, tuple[Path, dict]]:
+    """tierflow's plans for a point: {variant: (plan file, its decisions: ScheduleConfig.to_dict)}. The fixed
+    schedules (no recompute: all activations stay on the device) on the calibrated box: everything on the SSD
     (horizontal, vertical), or like-for-like with DeepSpeed (hostweights: weights and gradients in host
     memory, the optimizer states on the SSD; the faster predicted of horizontal and vertical); the planner's
     plan on the capped box, where only the SSD tier holds the optimizer states."""
@@ -381,8 +407,22 @@ def tf_plans(p: Point, hw, hw_capped, work: Path,
             pred = simulate_config(spec, hw, cfg)
         path = work / f"plan-{p.layers}x{p.hidden}-b{p.batch}-{variant}.json"
         write_plan(plan_from_graph(spec, hw, cfg, build_graph(spec, hw, cfg), predicted=pred), path)
-        out[variant] = (path, pred.iteration_s, cfg.describe())
+        out[variant] = (path, cfg.to_dict())
     return out
+
+
+def predict_tf(p: Point, hw, decisions: dict) -> tuple[float | None, str]:
+    """A tierflow plan's step predicted on `hw` from the decisions it ran with (the plan as it ran: a
+    re-plan on another profile could choose differently)."""
+    from tierflow.planner.core.schedules import ScheduleConfig
+    from tierflow.planner.core.simulate import simulate_config
+    from tierflow.planner.core.simulator import CapacityError
+
+    cfg = ScheduleConfig.from_dict(decisions)
+    try:
+        return simulate_config(p.spec(), hw, cfg).iteration_s, cfg.describe()
+    except CapacityError as e:
+        return None, f"does not fit: {e}"
 
 
 def predict_ds(p: Point, hw, cfg: dict, variant: str) -> tuple[float | None, str]:
@@ -392,8 +432,8 @@ def predict_ds(p: Point, hw, cfg: dict, variant: str) -> tuple[float | None, str
     from tierflow.planner.core.simulator import CapacityError
     from tierflow.planner.io.dsconfig import parse_ds_config
 
-    spec = p.spec()
-    ds = parse_ds_config(cfg, f"{variant}.json", spec)
+    ds = parse_ds_config(cfg, f"{variant}.json", p.spec())
+    spec = ds.trained(p.spec())  # no fp16 / bf16 section: fp32, as it runs
     sched = replace(ds.schedule(spec, hw, seq=p.seq), recompute=False)
     try:
         return simulate_config(spec, hw, sched).iteration_s, sched.describe()
@@ -409,10 +449,11 @@ def _median(xs: list[float]) -> float:
 
 
 def race_point(p: Point, hw, reps: int, steps: int, warmup: int, ssd_dir: Path, work: Path,
-               variants: tuple[str, ...], prog: Progress, bare_rss_bytes: float = 0.0) -> list[dict]:
-    """Every variant of one point, `reps` times, alternating. tf-plan is planned after DeepSpeed's first runs:
-    its box gets DeepSpeed's memory (the smallest peak RSS of its variants less a bare process's, ds_budget);
-    without a DeepSpeed run, closed_loop.py's caps (capped)."""
+               variants: tuple[str, ...], prog: Progress, bare_rss_bytes: float = 0.0) -> dict:
+    """Every variant of one point, `reps` times, alternating: the point's record for race_runs.json (its
+    runs and each tierflow plan's decisions). tf-plan is planned after DeepSpeed's first runs: its box gets
+    DeepSpeed's memory (the smallest peak RSS of its variants less a bare process's, ds_budget); without a
+    DeepSpeed run, closed_loop.py's caps (capped)."""
     spec = p.spec()
     fixed = tuple(v for v in variants if v.startswith("tf-") and v != "tf-plan")
     plans = tf_plans(p, hw, None, work, fixed) if fixed else {}
@@ -443,20 +484,30 @@ def race_point(p: Point, hw, reps: int, steps: int, warmup: int, ssd_dir: Path, 
                 job.update(kind="tf", plan=str(plans[v][0]), ssd_dir=str(ssd_dir))
             else:
                 continue
-            runs[v].append(run_worker(job, work))
+            runs[v].append(run_worker(job, work, timeout_s=1800))
     shutil.rmtree(nvme, ignore_errors=True)
+    return {"point": asdict(p), "runs": runs, "plans": {v: d for v, (_, d) in plans.items()},
+            "budget_bytes": budget.get("bytes")}
+
+
+def point_rows(record: dict, hw) -> list[dict]:
+    """The table rows of one point's record: each variant's measured step (median over repetitions of each
+    run's median step) and its prediction on `hw`, DeepSpeed's from its config through the bridge, tierflow's
+    from the decisions its plan ran with."""
+    p = Point(**record["point"])
+    spec = p.spec()
     tokens = p.batch * p.seq
     rows = []
-    for v in variants:
-        ok = [r for r in runs[v] if "error" not in r]
-        errs = [r["error"] for r in runs[v] if "error" in r]
+    for v, runs in record["runs"].items():
+        ok = [r for r in runs if "error" not in r]
+        errs = [r["error"] for r in runs if "error" in r]
         if v.startswith("ds-"):
             pred_s, decisions = predict_ds(p, hw, ds_config(p, "/nvme", v), v)
-        elif v in plans:
-            _, pred_s, decisions = plans[v]
-            if v == "tf-plan" and budget:
-                decisions += (f"; planned with DeepSpeed's memory ({budget['bytes'] / 1e9:.2f} GB above a "
-                              "bare process)")
+        elif v in record["plans"]:
+            pred_s, decisions = predict_tf(p, hw, record["plans"][v])
+            if v == "tf-plan" and record.get("budget_bytes"):
+                decisions += (f"; planned with DeepSpeed's memory ({record['budget_bytes'] / 1e9:.2f} GB "
+                              "above a bare process)")
         else:
             continue
         per_rep = [_median(r["step_s"]) for r in ok]
@@ -472,7 +523,10 @@ def race_point(p: Point, hw, reps: int, steps: int, warmup: int, ssd_dir: Path, 
             "predicted_s": round(pred_s, 3) if pred_s else float("nan"),
             "error": round(med / pred_s - 1, 3) if (ok and pred_s) else float("nan"),
             "decisions": decisions, "failed": "; ".join(errs)[:300],
+            # the machine's 1-minute load average as each run ended (2 cores: above 2, others ran beside it)
+            "load": round(_median([r["load_1min"] for r in ok if "load_1min" in r]), 1),
         })
+        rows[-1]["ssd_share"] = round(ssd_share(rows[-1], hw), 2)
     return rows
 
 
@@ -487,9 +541,9 @@ def ssd_share(row: dict, hw) -> float:
     return need_s / row["step_s"]
 
 
-def summarise(rows: list[dict], hw) -> list[dict]:
+def summarise(rows: list[dict]) -> list[dict]:
     """Per point: DeepSpeed's best variant against tierflow's best plan, and the SSD share of DeepSpeed's
-    step."""
+    step (its row's ssd_share)."""
     out = []
     for point in dict.fromkeys(r["point"] for r in rows):
         mine = [r for r in rows if r["point"] == point and r["runs"]]
@@ -502,7 +556,7 @@ def summarise(rows: list[dict], hw) -> list[dict]:
         out.append({"point": point, "ds_best": best_ds["variant"], "ds_tokens_per_s": best_ds["tokens_per_s"],
                     "tf_best": best_tf["variant"], "tf_tokens_per_s": best_tf["tokens_per_s"],
                     "speedup": round(best_tf["tokens_per_s"] / best_ds["tokens_per_s"], 2),
-                    "ds_ssd_share": round(ssd_share(best_ds, hw), 2)})
+                    "ds_ssd_share": best_ds["ssd_share"]})
     return out
 
 
@@ -539,46 +593,74 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def markdown(rows: list[dict], summary: list[dict], command: str, versions: str) -> str:
-    lines = [f"Produced by `{command}` ({versions}).", "",
-             "| point | params | variant | step s (median) | spread s | tokens/s | peak RSS GB | "
-             "SSD read GB/step | SSD write GB/step | predicted s | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+_NUMBERS = ("params_m", "step_s", "min_s", "max_s", "tokens_per_s", "peak_rss_gb", "ssd_read_gb_per_step",
+            "ssd_write_gb_per_step", "predicted_s", "error", "ssd_share", "load")
+
+
+def race_tables(rows: list[dict]) -> str:
+    """The race's two tables (every run; best against best per point) from its rows, as point_rows gives them
+    or as race.csv holds them (strings): the generated block of docs/deepspeed.md."""
+    rows = [{**r, "runs": int(r["runs"]), **{k: float(r[k]) for k in _NUMBERS}} for r in rows]
+    lines = ["| point | params | variant | step s (median) | spread s | tokens/s | peak RSS GB | "
+             "SSD read GB/step | SSD write GB/step | SSD share | predicted s | error | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = f"{r['error']:+.0%}" if r["error"] == r["error"] else "-"
+        share = f"{r['ssd_share']:.0%}" if r["ssd_share"] == r["ssd_share"] else "-"
         lines.append(f"| {r['point']} | {r['params_m']}M | {r['variant']} | {r['step_s']} | "
                      f"{r['min_s']}-{r['max_s']} | {r['tokens_per_s']:,.0f} | {r['peak_rss_gb']} | "
-                     f"{r['ssd_read_gb_per_step']} | {r['ssd_write_gb_per_step']} | "
-                     f"{r['predicted_s']} | {err} |")
+                     f"{r['ssd_read_gb_per_step']} | {r['ssd_write_gb_per_step']} | {share} | "
+                     f"{r['predicted_s']} | {err} | {'-' if r['load'] != r['load'] else r['load']} |")
     lines += ["", "| point | DeepSpeed best | tokens/s | tierflow best | tokens/s | speedup | "
               "SSD share of DS step |",
               "|---|---|---|---|---|---|---|"]
-    for s in summary:
+    for s in summarise(rows):
         lines.append(f"| {s['point']} | {s['ds_best']} | {s['ds_tokens_per_s']:,.0f} | {s['tf_best']} | "
                      f"{s['tf_tokens_per_s']:,.0f} | {s['speedup']}x | {s['ds_ssd_share']:.0%} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
+
+
+def markdown(rows: list[dict], commands: list[str], versions: str) -> str:
+    return ("Measured by " + ", ".join(f"`{c}`" for c in commands) + "; predicted by `python "
+            f"experiments/race_deepspeed.py --predict-only` ({versions}).\n\n" + race_tables(rows) + "\n")
 
 
 def versions() -> str:
     import importlib.metadata as md
     import platform
 
-    return (f"deepspeed {md.version('deepspeed')}, torch {md.version('torch')}, "
+    try:
+        ds = f"deepspeed {md.version('deepspeed')}"
+    except md.PackageNotFoundError:
+        ds = "deepspeed not installed"
+    return (f"{ds}, torch {md.version('torch')}, "
             f"tierflow {md.version('tierflow')}, Python {platform.python_version()}, {os.cpu_count()} cores")
 
 
+# the CPU device's memory cap in the race's profile: DeepSpeed's ds-opt-nvme keeps the largest point's fp32
+# weights and gradients (2.1 GB) and its activations there
+DEVICE_GIB = 8.0
+RUNS_FILE = "race_runs.json"  # the measurements behind race.csv: calibration, runs, plans' decisions
+DOC = REPO_DIR / "docs" / "deepspeed.md"  # its race tables are generated (race_tables)
+DOC_TABLE = "race (experiments/race_deepspeed.py from experiments/results/race.csv)"
+
+
 def run(quick: bool, out_dir: Path, reps: int | None = None, steps: int | None = None,
-        ssd_dir: Path | None = None, variants: tuple[str, ...] | None = None) -> list[dict]:
+        ssd_dir: Path | None = None, variants: tuple[str, ...] | None = None,
+        points: list[Point] | None = None, merge: bool = False) -> list[dict]:
+    """Measure `points` (default: the sweep, --quick: one small point) and write the results. `merge`: keep
+    the other points (and the calibration) of the race_runs.json already under `out_dir`."""
     missing = deepspeed_missing()
     if missing:
         print(missing)
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
-    points = [QUICK_POINT] if quick else SWEEP
+    points = points or ([QUICK_POINT] if quick else SWEEP)
     reps = reps or (1 if quick else 2)
     steps = steps or 2
     variants = variants or (("ds-default", "tf-horizontal", "tf-vertical") if quick
                             else (*DS_VARIANTS, *TF_VARIANTS))
+    old = json.loads((out_dir / RUNS_FILE).read_text()) if merge and (out_dir / RUNS_FILE).exists() else None
     work = Path(tempfile.mkdtemp(prefix="tierflow-race-"))
     ssd_dir = ssd_dir or work / "ssd"
     ssd_dir.mkdir(parents=True, exist_ok=True)
@@ -590,20 +672,56 @@ def run(quick: bool, out_dir: Path, reps: int | None = None, steps: int | None =
             print("race_deepspeed: skipped: DeepSpeed's async_io / cpu_adam ops do not build "
                   f"({built['error']})")
             return []
-        hw = calibrate_box(ssd_dir, quick, out_dir)
+        data = {"calibration": old["calibration"] if old else calibrate_box(ssd_dir, quick),
+                "commands": [*(old["commands"] if old else []),
+                             _command(quick, reps, steps, points, variants)],
+                "versions": versions(),
+                "points": old["points"] if old else []}
+        hw = box_profile(data["calibration"], out_dir)
         bare = run_worker({"kind": "bare", "threads": THREADS}, work)
         prog = Progress(len(points) * reps * len(variants), "race")
-        rows = []
         for p in points:
-            rows += race_point(p, hw, reps, steps, 1, ssd_dir, work, variants, prog,
-                               bare_rss_bytes=bare.get("peak_rss_bytes", 0.0))
+            rec = race_point(p, hw, reps, steps, 1, ssd_dir, work, variants, prog,
+                             bare_rss_bytes=bare.get("peak_rss_bytes", 0.0))
+            _merge_point(data, rec)
+            (out_dir / RUNS_FILE).write_text(json.dumps(data, indent=1) + "\n")  # each point as it ends
         prog.finish(f"done in {time.perf_counter() - t0:.0f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    summary = summarise(rows, hw)
-    command = "python experiments/race_deepspeed.py" + (" --quick" if quick else "")
+    return report(data, out_dir)
+
+
+def _command(quick: bool, reps: int, steps: int, points: list[Point], variants: tuple[str, ...]) -> str:
+    """The command line that measures `points` and `variants` as this run does."""
+    pick = "" if quick or points == SWEEP else " --points " + " ".join(str(SWEEP.index(p)) for p in points)
+    if not quick and set(variants) != {*DS_VARIANTS, *TF_VARIANTS}:
+        pick += " --variants " + " ".join(variants)
+    quick_flag = " --quick" if quick else ""
+    return f"python experiments/race_deepspeed.py{quick_flag} --reps {reps} --steps {steps}{pick}"
+
+
+def _merge_point(data: dict, rec: dict) -> None:
+    """Put one point's record into `data`, in sweep order: the variants it measured replace those of an
+    earlier record of the same point, the others are kept (--variants measures some again)."""
+    p = Point(**rec["point"])
+    order = {q: i for i, q in enumerate(SWEEP)}
+    kept = [r for r in data["points"] if Point(**r["point"]) != p]
+    for old in (r for r in data["points"] if Point(**r["point"]) == p):
+        rec = {**old, "runs": {**old["runs"], **rec["runs"]}, "plans": {**old["plans"], **rec["plans"]},
+               "budget_bytes": rec["budget_bytes"] if "tf-plan" in rec["plans"] else old.get("budget_bytes")}
+    data["points"] = sorted([*kept, rec], key=lambda r: order.get(Point(**r["point"]), len(SWEEP)))
+
+
+def report(data: dict, out_dir: Path) -> list[dict]:
+    """race.csv, race.md, race.png and race_box.yaml from the measurements in `data` (race_runs.json), the
+    predictions made now: the profile rebuilt from the calibration's raw measurements by this tierflow."""
+    hw = box_profile(data["calibration"], out_dir)
+    rows = [row for rec in data["points"] for row in point_rows(rec, hw)]
+    summary = summarise(rows)
     write_csv(rows, out_dir / "race.csv")
-    (out_dir / "race.md").write_text(markdown(rows, summary, command, versions()))
+    (out_dir / "race.md").write_text(markdown(rows, data["commands"], data.get("versions") or versions()))
+    if out_dir.resolve() == RESULTS_DIR.resolve():
+        write_generated_block(DOC, DOC_TABLE, race_tables(rows))
     plot(rows, summary, out_dir / "race.png")
     print_table([{**r, "error": f"{r['error']:+.1%}" if r["error"] == r["error"] else "-"} for r in rows],
                 ["point", "variant", "step_s", "min_s", "max_s", "tokens_per_s", "peak_rss_gb",
@@ -611,6 +729,16 @@ def run(quick: bool, out_dir: Path, reps: int | None = None, steps: int | None =
     if summary:
         print_table(summary, list(summary[0]))
     return headlines(rows, summary)
+
+
+def predict_only(out_dir: Path) -> list[dict]:
+    """Re-predict the race from its measurements (race_runs.json under `out_dir`) without running anything:
+    after a change to the planner or to the calibration's profile builder."""
+    path = out_dir / RUNS_FILE
+    if not path.exists():
+        print(f"race_deepspeed: --predict-only: no {path} (run the race first)", file=sys.stderr)
+        return []
+    return report(json.loads(path.read_text()), out_dir)
 
 
 def headlines(rows: list[dict], summary: list[dict]) -> list[dict]:
@@ -634,9 +762,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ssd-dir", type=Path, default=None,
                     help="directory for both SSD tiers (default: a temp dir)")
     ap.add_argument("--variants", nargs="+", choices=[*DS_VARIANTS, *TF_VARIANTS], default=None)
+    ap.add_argument("--points", nargs="+", type=int, choices=range(len(SWEEP)), default=None,
+                    help="only these points of the sweep (0-based), merged into race_runs.json under --out")
+    ap.add_argument("--predict-only", action="store_true",
+                    help="run nothing: re-predict the measured race (race_runs.json under --out) and rewrite "
+                         "race.csv, race.md, race.png and race_box.yaml")
     args = ap.parse_args(argv)
-    run(args.quick, args.out, args.reps, args.steps, args.ssd_dir,
-        tuple(args.variants) if args.variants else None)
+    if args.predict_only:
+        predict_only(args.out)
+    else:
+        run(args.quick, args.out, args.reps, args.steps, args.ssd_dir,
+            tuple(args.variants) if args.variants else None,
+            [SWEEP[i] for i in args.points] if args.points else None, merge=args.points is not None)
     print(f"wrote {args.out / 'race.csv'}, race.md and race.png", file=sys.stderr)
 
 

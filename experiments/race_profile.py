@@ -1,7 +1,7 @@
 """Where each side's step goes, per resource, at the race's points where tierflow lost (the race against
 DeepSpeed ZeRO-Infinity, docs/deepspeed.md).
 
-    python experiments/race_profile.py [--steps N] [--profile race_box.yaml] [--out DIR]
+    python experiments/race_profile.py [--steps N] [--profile race_box.yaml] [--points I ...] [--out DIR]
 
 DeepSpeed (race_deepspeed.py's configs, same model, data, threads and SSD directory): the step's wall time
 split into forward / backward / optimizer step (timed around engine(x), engine.backward, engine.step), and
@@ -10,12 +10,14 @@ optimizer-state swap in / out, inclusive of their waits), the time blocked in it
 and write handles apart), and its CPU Adam kernel. The rest of a phase is its compute, DeepSpeed's module
 hooks and casts.
 
-tierflow (race_deepspeed.py's plans): the measured trace of `run_plan` (RunResult.measured, the executor's own
-per-op times): busy time per resource over the last measured step, and the critical path of that step, walked
-back from its last compute op through each op's latest-ending dependency or resource predecessor, summed per
-resource; the gaps on the path are time no op ran (dispatch, Python, waits the plan does not show).
+tierflow (race_deepspeed.py's plans, and tf-plan as the race ran it): the measured trace of `run_plan`
+(RunResult.measured, the executor's own per-op times): busy time per resource over the last measured step, and
+the critical path of that step, walked back from its last compute op through each op's latest-ending
+dependency or resource predecessor, summed per resource; the gaps on the path are time no op ran (dispatch,
+Python, waits the plan does not show).
 
-Writes race_profile.md and race_profile.json under --out. Timing on a shared 2-core machine is noisy.
+Writes race_profile.md and race_profile.json under --out (--points: those points of race_deepspeed.SWEEP,
+merged into the race_profile.json already there). Timing on a shared 2-core machine is noisy.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from expcommon import arg_parser
 
 POINTS = [race.SWEEP[0], race.SWEEP[1]]  # where tierflow lost in the first sweep
 DS_VARIANTS = ("ds-default", "ds-tuned")
+# and tf-plan as the race ran it, where race_runs.json has it
 TF_VARIANTS = ("tf-horizontal", "tf-hostweights")
 RESOURCES = ("gpu", "cpu", "ssd_read", "ssd_write", "h2d", "d2h")
 
@@ -235,7 +238,7 @@ def markdown(results: dict, versions: str) -> str:
         lines += ["", "tierflow (the executor's measured trace, last step: busy per resource and the "
                   "critical path per resource; gap = time on the path when no op ran):", "",
                   "| variant | step s | resource | busy s | on critical path s |", "|---|---|---|---|---|"]
-        for v in TF_VARIANTS:
+        for v in [v for v in res if v.startswith("tf-")]:
             r = res.get(v)
             if not r or "error" in r:
                 lines.append(f"| {v} | failed | {r.get('error') if r else 'not run'} | | |")
@@ -252,6 +255,25 @@ def markdown(results: dict, versions: str) -> str:
     return "\n".join(lines)
 
 
+def recorded_plans(out: Path, p, hw, work: Path) -> dict[str, tuple[Path, dict]]:
+    """The plans the race ran at point `p` (their decisions in race_runs.json under `out`, tf-plan
+    included), rebuilt as plan files under `work`: the profile times the plans the race timed."""
+    from tierflow.planner.core.schedules import ScheduleConfig, build_graph
+    from tierflow.planner.io.planfile import plan_from_graph, write_plan
+
+    path = out / race.RUNS_FILE
+    recs = json.loads(path.read_text())["points"] if path.exists() else []
+    plans = {}
+    for rec in (r for r in recs if race.Point(**r["point"]) == p):
+        spec = p.spec()
+        for v, d in rec["plans"].items():
+            cfg = ScheduleConfig.from_dict(d)
+            f = work / f"recorded-{p.layers}x{p.hidden}-b{p.batch}-{v}.json"
+            write_plan(plan_from_graph(spec, hw, cfg, build_graph(spec, hw, cfg)), f)
+            plans[v] = (f, d)
+    return plans
+
+
 def main(argv: list[str] | None = None) -> None:
     if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--worker":
         job = json.loads(Path(sys.argv[2]).read_text())
@@ -262,6 +284,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=2, help="measured steps per run after one warm-up step")
     ap.add_argument("--profile", type=Path, default=None,
                     help="calibrated profile of this box (default: OUT/race_box.yaml from the race)")
+    ap.add_argument("--points", nargs="+", type=int, choices=range(len(race.SWEEP)), default=None,
+                    help="these points of race_deepspeed.SWEEP (0-based) instead of the two where tierflow "
+                         "lost, merged into the race_profile.json under --out")
     args = ap.parse_args(argv)
     missing = race.deepspeed_missing()
     if missing:
@@ -274,22 +299,28 @@ def main(argv: list[str] | None = None) -> None:
     ssd = work / "ssd"
     ssd.mkdir()
     script = Path(__file__).resolve()
-    results: dict[str, dict] = {}
-    for p in POINTS:
-        plans = race.tf_plans(p, hw, None, work, TF_VARIANTS)
-        res: dict[str, dict] = {}
-        for v in (*DS_VARIANTS, *TF_VARIANTS):
-            print(f"race_profile: {p.name} {v}", file=sys.stderr)
-            job = {"point": asdict(p), "threads": race.THREADS, "steps": args.steps, "warmup": 1}
-            if v.startswith("ds-"):
-                nvme = ssd / "deepspeed"
-                shutil.rmtree(nvme, ignore_errors=True)
-                nvme.mkdir()
-                job.update(kind="ds", ds_config=race.ds_config(p, str(nvme), v))
-            else:
-                job.update(kind="tf", plan=str(plans[v][0]), ssd_dir=str(ssd))
-            res[v] = race.run_worker(job, work, script=script)
-        results[p.name] = res
+    old = args.out / "race_profile.json"
+    results: dict[str, dict] = json.loads(old.read_text()) if args.points and old.exists() else {}
+    try:
+        for p in [race.SWEEP[i] for i in args.points] if args.points else POINTS:
+            recorded = recorded_plans(args.out, p, hw, work)
+            plans = {**race.tf_plans(p, hw, None, work, TF_VARIANTS),
+                     **{v: f for v, f in recorded.items() if v in (*TF_VARIANTS, "tf-plan")}}
+            res: dict[str, dict] = {}
+            for v in (*DS_VARIANTS, *plans):
+                print(f"race_profile: {p.name} {v}", file=sys.stderr)
+                job = {"point": asdict(p), "threads": race.THREADS, "steps": args.steps, "warmup": 1}
+                if v.startswith("ds-"):
+                    nvme = ssd / "deepspeed"
+                    shutil.rmtree(nvme, ignore_errors=True)
+                    nvme.mkdir()
+                    job.update(kind="ds", ds_config=race.ds_config(p, str(nvme), v))
+                else:
+                    job.update(kind="tf", plan=str(plans[v][0]), ssd_dir=str(ssd))
+                res[v] = race.run_worker(job, work, script=script)
+            results[p.name] = res
+    finally:  # the SSD tier's files and the plans: gigabytes at the largest point
+        shutil.rmtree(work, ignore_errors=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "race_profile.json").write_text(json.dumps(results, indent=1))
     (args.out / "race_profile.md").write_text(markdown(results, race.versions()))

@@ -124,3 +124,31 @@ def test_a_range_is_handed_out_again_only_after_the_streams_that_used_it():
     b = arena.take_bytes(ALIGN)  # a host thread: synchronizes on the pending use
     assert time.perf_counter() - t0 >= 0.25 and arena.stats.waits == 1
     assert (b == 0xFF).all()  # the adversary hands it over as garbage (NaN bytes)
+
+
+def test_an_fp32_plan_counts_its_own_bytes_and_sizes_the_same_area_as_a_bf16_plan(tmp_path):
+    """A plan in fp32 (--precision fp32, as a CPU device's plans are) already counts 4 bytes per element: its
+    buffers replay its own memory effects unscaled, and an fp32 run of it needs the same area as an fp32 run
+    of the same schedule planned in bf16 (2-byte plan bytes, scaled by 2)."""
+    from test_executor import BATCH, HW, MICRO, PLACEMENTS, SEQ
+
+    from tierflow.planner.core.models import get_model
+    from tierflow.planner.core.schedules import build_graph, make_schedule
+    from tierflow.planner.io.planfile import plan_from_graph
+
+    model = get_model("tiny-gpt").with_precision("fp32")
+    cfg = make_schedule("horizontal", model, HW, batch=BATCH, micro_batch=MICRO, seq=SEQ,
+                        placement=PLACEMENTS["states_ssd"], iterations=2)
+    plan = plan_from_graph(model, HW, cfg, build_graph(model, HW, cfg))
+    state, ssd = _state(plan, PlainCpuBackend(), tmp_path, dtype=torch.float32)
+    binding = Binding(plan, state.layout)
+    tasks = plan.graph.tasks
+    exact = plan_peak_bytes(tasks, planned_buffers(tasks, binding, state, 4, False, page=1,
+                                                   plan_elem_bytes=4))
+    assert exact > 0 and abs(exact - effects_peak(plan)) <= 4 * 8, (exact, effects_peak(plan))
+    ssd.close()
+    bf16 = make_plan("tiny-gpt", "horizontal", "states_ssd")
+    state16, ssd16 = _state(bf16, PlainCpuBackend(), tmp_path, dtype=torch.float32)
+    area16 = arena_bytes_for(bf16, Binding(bf16, state16.layout), state16, False)
+    assert abs(arena_bytes_for(plan, binding, state, False) - area16) <= 4 * ALIGN
+    ssd16.close()

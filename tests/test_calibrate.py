@@ -150,9 +150,10 @@ def test_build_profile_for_a_cpu_device():
     g, p, cpu = c.profile.gpu, c.profile.pcie, c.profile.cpu
     assert (g.memory_gib, g.reserved_gib, g.peak_tflops, g.gemm_efficiency, g.gemm_half_gflop) == (
         0.5, 0, 0.15, 1, 0.01)
-    # in plan bytes: plans count 2 bytes per element, the CPU device moves 4 (fp32)
-    assert (g.hbm_gbps, g.hbm_efficiency, g.host_cores, cpu.cores) == (15, 1, 2, 2)
-    assert (p.generation, p.h2d_gbps, p.duplex_d2h_gbps) == (1, 5, 3)
+    # real bytes per second: a CPU device's plans are fp32 (--precision fp32), its GEMMs fp32 too
+    assert (g.hbm_gbps, g.hbm_efficiency, g.host_cores, cpu.cores) == (30, 1, 2, 2)
+    assert (p.generation, p.h2d_gbps, p.duplex_d2h_gbps) == (1, 10, 6)
+    assert g.fp32_tflops == g.peak_tflops == 0.15
     assert cpu.memory_gib == 8  # --set wins
     with pytest.raises(CalibrationError, match="unknown profile key"):
         cal_profile.build_profile(m, overrides={"cpu.nonsense": 1})
@@ -179,7 +180,7 @@ def test_build_profile_for_a_cpu_device_takes_the_executors_store_and_fixed_cost
     c = cal_profile.build_profile(m)
     g, p, s = c.profile.gpu, c.profile.pcie, c.profile.ssd
     assert (g.op_overhead_us, p.latency_us, s.latency_us) == (250, 80, 2000)
-    assert (g.activation_gbps, g.attention_efficiency) == (4, 0.25)  # activation in plan bytes, like hbm_gbps
+    assert (g.activation_gbps, g.attention_efficiency) == (8, 0.25)  # real bytes per second, like hbm_gbps
     # the store's, not the raw device's
     assert (s.read_gbps, s.write_gbps, s.mixed_efficiency) == (0.5, 0.25, 0.8)
     m["executor"] = {}

@@ -16,6 +16,7 @@ pytest.importorskip("matplotlib")
 import expcommon  # noqa: E402
 import fidelity  # noqa: E402
 import gemini_capacity  # noqa: E402
+import race_deepspeed  # noqa: E402
 
 
 def _rows(name: str) -> list[dict]:
@@ -26,6 +27,7 @@ def _rows(name: str) -> list[dict]:
 @pytest.mark.parametrize("module,results,render", [
     (gemini_capacity, "gemini_capacity.csv", gemini_capacity.capacity_table),
     (fidelity, "fidelity.csv", fidelity.checks_table),
+    (race_deepspeed, "race.csv", race_deepspeed.race_tables),
 ])
 def test_generated_doc_tables_equal_their_results_files(module, results, render):
     assert expcommon.generated_block(module.DOC, module.DOC_TABLE) == render(_rows(results))

@@ -141,3 +141,66 @@ def test_trace_profile_walks_a_critical_path_that_covers_the_step():
     assert all(0 <= b <= w * (1 + 1e-9) for b in prof["busy_s"].values())
     assert prof["busy_s"]["ssd_read"] > 0 and prof["critical_s"]["gpu"] > 0
     assert abs(sum(prof["critical_s"].values()) + prof["critical_gap_s"] - w) < 1e-6 * max(1.0, w)
+
+
+def _cpu_box_measurements() -> dict:
+    """Raw calibration measurements of a CPU device with an SSD directory (the shape run_measurements
+    gives)."""
+    return {
+        "host": "testbox", "cpu_threads": 2, "device": "cpu", "errors": [],
+        "gpu": {"model": "test CPU via torch (2 threads)", "host_cores": 2, "gemms": [{}, {}],
+                "peak_tflops": 0.12, "half_gflop": 0.002, "elementwise_gbps": 24.0, "activation_gbps": 3.0},
+        "pcie": {"h2d_gbps": 12.0, "d2h_gbps": 12.0, "duplex_h2d_gbps": 6.0, "duplex_d2h_gbps": 6.0},
+        "cpu": {"model": "test CPU", "memory_gib": 16.0, "memory_gbps": 20.0, "adam_gparams_per_s": 1.2,
+                "adam_impl": "fused"},
+        "ssd": {"dir": "x", "direct": True, "model": "vda", "capacity_gb": 50.0, "block_bytes": 2**20,
+                "read_gbps": 2.0, "write_gbps": 1.5, "mixed_read_gbps": 1.0, "mixed_write_gbps": 0.8,
+                "rw_sharing": "shared",
+                "store": {"read_gbps": 1.0, "write_gbps": 0.8, "file_bytes": 2**25, "mixed_read_gbps": 0.8,
+                          "mixed_write_gbps": 0.6, "direct": True}},
+    }
+
+
+def test_predict_only_re_predicts_the_measured_race_in_fp32_without_running_it(tmp_path):
+    """--predict-only rebuilds the box from the calibration's raw measurements (real bytes per second) and
+    predicts each run from what it ran, both sides in fp32 as they train: tierflow's plan from its decisions,
+    DeepSpeed's config (no fp16 / bf16 section) through the bridge; no DeepSpeed, no run."""
+    import json
+    from dataclasses import asdict, replace
+
+    from tierflow.hwprofiles import load_profile
+    from tierflow.planner.core.schedules import ScheduleConfig
+    from tierflow.planner.core.simulate import simulate_config
+
+    m = _cpu_box_measurements()
+    hw = race_deepspeed.box_profile(m, tmp_path)
+    p = race_deepspeed.QUICK_POINT
+    spec = p.spec()
+    assert spec.precision == "fp32" and hw.gpu.fp32_tflops == hw.gpu.peak_tflops == 0.12
+    assert hw.gpu.hbm_gbps == 24.0 and hw.pcie.h2d_gbps == 12.0  # real bytes, not 2-byte plan bytes
+    plans = race_deepspeed.tf_plans(p, hw, None, tmp_path, ("tf-horizontal",))
+
+    def measured(step_s: float) -> dict:
+        return {"step_s": [step_s, step_s], "losses": [7.0], "peak_rss_bytes": 1e9, "ssd_read_bytes": 1e8,
+                "ssd_write_bytes": 1e8}
+
+    record = {"point": asdict(p), "runs": {"ds-default": [measured(2.0)],
+                                           "tf-horizontal": [measured(1.0), measured(1.5)]},
+              "plans": {v: d for v, (_, d) in plans.items()}, "budget_bytes": None}
+    (tmp_path / race_deepspeed.RUNS_FILE).write_text(json.dumps({"calibration": m, "commands": ["c"],
+                                                                 "points": [record]}))
+    (tmp_path / "race_box.yaml").unlink()
+    race_deepspeed.predict_only(tmp_path)
+    with open(tmp_path / "race.csv", newline="") as f:
+        rows = {r["variant"]: r for r in csv.DictReader(f)}
+    assert load_profile(str(tmp_path / "race_box.yaml")).gpu.fp32_tflops == 0.12
+    tf = rows["tf-horizontal"]
+    assert float(tf["step_s"]) == 1.25 and int(tf["runs"]) == 2  # the median of the runs' medians
+    cfg = ScheduleConfig.from_dict(plans["tf-horizontal"][1])
+    assert float(tf["predicted_s"]) == pytest.approx(simulate_config(spec, hw, cfg).iteration_s, abs=1e-3)
+    ds = parse_ds_config(race_deepspeed.ds_config(p, "nvme", "ds-default"), "ds.json", spec)
+    bf16 = spec.with_precision(None)
+    as_bf16 = simulate_config(bf16, hw, replace(ds.schedule(bf16, hw, seq=p.seq), recompute=False))
+    assert float(rows["ds-default"]["predicted_s"]) > as_bf16.iteration_s  # 4-byte weights and gradients
+    ds_row = rows["ds-default"]
+    assert float(ds_row["error"]) == pytest.approx(2.0 / float(ds_row["predicted_s"]) - 1, rel=2e-2)

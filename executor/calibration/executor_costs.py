@@ -174,7 +174,8 @@ def measure_executor_costs(profile: HardwareProfile, device: str,
     from tierflow.planner.io.planfile import load_plan, plan_from_graph, write_plan
 
     tiny = replace(get_model("tiny-gpt"), name="calibrate-tiny", num_layers=2, hidden=64, num_heads=2,
-                   num_kv_heads=2, head_dim=32, ffn_hidden=256, vocab_size=256, seq_len=32, max_positions=32)
+                   num_kv_heads=2, head_dim=32, ffn_hidden=256, vocab_size=256, seq_len=32, max_positions=32,
+                   precision="fp32" if device == "cpu" else None)  # a CPU device's profile is in fp32 bytes
     host, ssd = Split(0.0, 1.0, 0.0), Split(0.0, 0.0, 1.0)
     states = ssd if ssd_dir is not None else host
     placement = Placement(weights=host, master=states, adam_m=states, adam_v=states, grads=host,

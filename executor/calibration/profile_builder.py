@@ -17,11 +17,9 @@ from tierflow.executor.calibration.gpu import fit_gemm_half_gflop, pcie_generati
 from tierflow.hwprofiles import HardwareProfile, load_profile, nullable, profile_from_dict
 
 FALLBACK_BASE = "rtx4090-lohan"
-# plans count activations, weights and their copies in the compute dtype's bytes, bf16
-# (workload.COMPUTE_BYTES); the executor computes in fp32 on a CPU device, so that device's measured rates are
-# converted to plan bytes
-PLAN_BYTES_PER_ELEMENT = 2
-HOST_DEVICE_BYTES_PER_ELEMENT = 4
+# a CPU device computes and moves fp32 (4 bytes per element) whatever the plan's precision: its rates are
+# real bytes moved per second, and its plans say `--precision fp32` (workload.PRECISIONS)
+HOST_DEVICE_PRECISION = "fp32"
 # Without a datasheet (--base), the best measured GEMM rate is taken to be this fraction of the peak.
 NO_BASE_GEMM_EFFICIENCY = 0.9
 # Without a datasheet, measured HBM copy bandwidth is taken to be this fraction of the peak (the bundled
@@ -125,7 +123,7 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
 
 def _put_host_device(b: _Builder, g: dict[str, Any], device_gib: float | None) -> None:
     """The gpu section of a CPU device (tierflow run --device cpu): this CPU's fitted GEMM curve and
-    bandwidths, in plan bytes, and the device memory cap."""
+    bandwidths in real (fp32) bytes per second, and the device memory cap."""
     cap = device_gib if device_gib is not None else DEFAULT_HOST_DEVICE_GIB
     b.put("gpu.model", g["model"], "measured", "the device is this CPU (tierflow run --device cpu)")
     b.put("gpu.memory_gib", cap, "given" if device_gib is not None else "default",
@@ -134,21 +132,17 @@ def _put_host_device(b: _Builder, g: dict[str, Any], device_gib: float | None) -
     b.put("gpu.peak_tflops", g["peak_tflops"], "measured",
         f"fit of fp32 GEMM rates at {len(g['gemms'])} sizes: rate = peak x f / (f + half)")
     b.put("gpu.gemm_efficiency", 1.0, "derived", "the fitted peak is what large GEMMs reach")
-    b.put("gpu.fp32_tflops", None, "not measured",
-          "a CPU device's rates are in 2-byte plan bytes: plan it in the default precision (its GEMMs are "
-          "fp32, measured as peak_tflops)")
+    b.put("gpu.fp32_tflops", g["peak_tflops"], "measured",
+          f"the same fit: a CPU device computes in fp32 (plan it with --precision {HOST_DEVICE_PRECISION})")
     b.put("gpu.tf32_tflops", None, "not measured", "a CPU has no TF32 tensor cores")
     b.put("gpu.gemm_half_gflop", g["half_gflop"], "measured", "same fit")
-    per_plan_byte = PLAN_BYTES_PER_ELEMENT / HOST_DEVICE_BYTES_PER_ELEMENT
-    plan_bytes = (f"in plan bytes: plans count {PLAN_BYTES_PER_ELEMENT} per element, the CPU device computes "
-                  f"in fp32 ({HOST_DEVICE_BYTES_PER_ELEMENT}), so the measured GB/s x {per_plan_byte:g}")
-    b.put("gpu.hbm_gbps", g["elementwise_gbps"] * per_plan_byte, "measured",
-        f"torch add of large fp32 tensors ({g['elementwise_gbps']:.3g} GB/s), {plan_bytes}")
+    b.put("gpu.hbm_gbps", g["elementwise_gbps"], "measured",
+        "torch add of large fp32 tensors, bytes read + written per second")
     b.put("gpu.hbm_efficiency", 1.0, "derived", "hbm_gbps above is measured")
     b.put("gpu.host_cores", g["host_cores"], "measured", "torch intra-op threads: compute shares these cores")
     if g.get("activation_gbps"):
-        b.put("gpu.activation_gbps", g["activation_gbps"] * per_plan_byte, "measured",
-            f"tanh GELU of large fp32 tensors ({g['activation_gbps']:.3g} GB/s read + written), {plan_bytes}")
+        b.put("gpu.activation_gbps", g["activation_gbps"], "measured",
+            "tanh GELU of large fp32 tensors, bytes read + written per second")
     if g.get("attention"):
         b.put("gpu.attention_efficiency", min(1.0, g["attention_efficiency"]), "measured",
             "causal scaled_dot_product_attention at " + ", ".join(
@@ -220,7 +214,7 @@ def _put_hbm(b: _Builder, g: dict[str, Any]) -> None:
 
 
 def _put_pcie(b: _Builder, p: dict[str, Any], host_device: bool) -> None:
-    """The pcie section: the measured copies (within host memory for a CPU device, in plan bytes)."""
+    """The pcie section: the measured copies (within host memory for a CPU device)."""
     h2d = p["h2d_gbps"]
     d2h = p["d2h_gbps"]
     what = "copy within host memory (a CPU device)" if host_device else "pinned copy"
@@ -228,18 +222,14 @@ def _put_pcie(b: _Builder, p: dict[str, Any], host_device: bool) -> None:
         b.put("pcie.generation", 1, "derived", "no PCIe link: device <-> host copies stay in host memory")
     else:
         b.put("pcie.generation", pcie_generation_from_rate(h2d), "derived", "from the H2D rate, assuming x16")
-    scale = PLAN_BYTES_PER_ELEMENT / HOST_DEVICE_BYTES_PER_ELEMENT if host_device else 1.0
-    if host_device:  # what crosses this "link" (weights, activations, gradients) is in the compute dtype
-        what += (f", in plan bytes (plans count {PLAN_BYTES_PER_ELEMENT} per element, the CPU device moves "
-                 f"fp32: the measured GB/s x {scale:g})")
-    b.put("pcie.h2d_gbps", h2d * scale, "measured", what)
-    b.put("pcie.d2h_gbps", d2h * scale, "measured", what)
+    b.put("pcie.h2d_gbps", h2d, "measured", what)
+    b.put("pcie.d2h_gbps", d2h, "measured", what)
     # rounding must not make a duplex rate exceed its solo rate
-    b.put("pcie.duplex_h2d_gbps", min(_sig(p["duplex_h2d_gbps"] * scale), b.data["pcie"]["h2d_gbps"]),
+    b.put("pcie.duplex_h2d_gbps", min(_sig(p["duplex_h2d_gbps"]), b.data["pcie"]["h2d_gbps"]),
           "measured",
         "H2D while D2H runs (two streams)" if not host_device
         else "two copies at once on two threads, likewise")
-    b.put("pcie.duplex_d2h_gbps", min(_sig(p["duplex_d2h_gbps"] * scale), b.data["pcie"]["d2h_gbps"]),
+    b.put("pcie.duplex_d2h_gbps", min(_sig(p["duplex_d2h_gbps"]), b.data["pcie"]["d2h_gbps"]),
           "measured",
         "D2H while H2D runs (two streams)" if not host_device
         else "two copies at once on two threads, likewise")

@@ -38,7 +38,7 @@ from tierflow.executor.tiers.direct_io import ALIGN, page_round
 from tierflow.executor.tiers.ssd_store import aligned_empty
 from tierflow.planner.core import opkinds as k
 from tierflow.planner.core.graph import Task
-from tierflow.planner.core.workload import COMPUTE_BYTES
+from tierflow.planner.core.workload import COMPUTE_BYTES, precision_of
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,14 @@ class PlannedBuffer:
 
 
 def planned_buffers(tasks: list[Task], binding, state, elem_bytes: int, grad_wire: bool,
-                    page: int = ALIGN) -> list[PlannedBuffer]:
+                    page: int = ALIGN, plan_elem_bytes: int = COMPUTE_BYTES) -> list[PlannedBuffer]:
     """The plan's transfer buffers (see the module docstring); `elem_bytes` of the run's compute dtype, the
     gradient wire only where offload_grads copies asynchronously (`grad_wire`); each rounded up to `page`.
     The weight and gradient buffers are one per owner block and the placement's element ranges (`state`):
     the plan's op bytes of those ops split proportionally over the optimizer parts and join a tied head's
-    owners, where the executor moves whole element ranges per owner."""
-    scale = elem_bytes / COMPUTE_BYTES
+    owners, where the executor moves whole element ranges per owner. The plan's op bytes count
+    `plan_elem_bytes` per element (its precision's compute dtype)."""
+    scale = elem_bytes / plan_elem_bytes
     out: list[PlannedBuffer] = []
 
     def add(what: str, take: int, give: int, nbytes: float) -> None:
@@ -88,16 +89,16 @@ def planned_buffers(tasks: list[Task], binding, state, elem_bytes: int, grad_wir
         if t.kind == k.FETCH_WEIGHTS and k.READ_WEIGHTS in binding.dep_of_kind[t.id]:
             r = binding.dep_of_kind[t.id][k.READ_WEIGHTS]
             for o, n in _weight_reads(tasks[r], state):  # one buffer per owner (a tied head reads two)
-                add(f"weights b{t.block} it{t.iteration} owner {o} SSD read", r, t.id, n * COMPUTE_BYTES)
+                add(f"weights b{t.block} it{t.iteration} owner {o} SSD read", r, t.id, n * plan_elem_bytes)
         elif t.kind == k.UPDATE_WEIGHTS:
             lo, hi = state.parts[t.block][binding.part_of[t.id]]  # the part's range on the device
             n = max(min(hi, state.vec["weights"][t.block].g) - lo, 0)
-            add(f"weights b{t.block} it{t.iteration} update wire", t.deps[0], t.id, n * COMPUTE_BYTES)
+            add(f"weights b{t.block} it{t.iteration} update wire", t.deps[0], t.id, n * plan_elem_bytes)
         elif t.kind == k.OFFLOAD_GRADS and grad_wire:
             for (g, o), (lo, hi) in binding.grad_range.items():
                 if g == t.id:
                     add(f"grads b{t.block} it{t.iteration} owner {o} "
-                        "wire", t.id, t.id, (hi - lo) * COMPUTE_BYTES)
+                        "wire", t.id, t.id, (hi - lo) * plan_elem_bytes)
     return out
 
 
@@ -131,7 +132,9 @@ def arena_bytes_for(plan, binding, state, streams_async: bool) -> int:
     """The transfer area a run of `plan` on `state` (its compute dtype and element ranges) needs."""
     elem = torch.empty(0, dtype=state.compute_dtype).element_size()
     tasks = plan.graph.tasks
-    return plan_peak_bytes(tasks, planned_buffers(tasks, binding, state, elem, streams_async))
+    plan_elem = precision_of(plan.model).compute_bytes
+    return plan_peak_bytes(tasks, planned_buffers(tasks, binding, state, elem, streams_async,
+                                                  plan_elem_bytes=plan_elem))
 
 
 class TransferAreaOutOfMemory(TierOutOfMemory):

@@ -30,9 +30,7 @@ def simulate_ds(model: ModelSpec, hw: HardwareProfile, ds: DsConfig,
                 iterations: int) -> tuple[ScheduleConfig, SimResult | CapacityError]:
     """The schedule the DeepSpeed config runs on `hw` and its simulated result (its CapacityError when it does
     not fit), `model` trained in the config's precision."""
-    # a CPU device's profile (tierflow calibrate --device cpu) already counts its fp32 work in 2-byte plan
-    # bytes: its runs stay in the default precision
-    model = ds.trained(model) if hw.gpu.host_cores is None else model
+    model = ds.trained(model)  # a CPU device's profile is in real bytes too (tierflow calibrate --device cpu)
     cfg = ds.schedule(model, hw, seq=model.seq_len, iterations=iterations)
     try:
         return cfg, simulate_config(model, hw, cfg)
