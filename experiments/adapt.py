@@ -73,7 +73,7 @@ def settings(quick: bool) -> dict:
 
 def make_plan(hw: HardwareProfile, path: Path, time_limit_s: float) -> Path:
     """`tierflow plan`'s best plan for the model on `hw`, written to `path`."""
-    model = get_model(MODEL)
+    model = get_model(MODEL).with_precision("fp32")  # the CPU device trains in fp32, calibrated in real bytes
     best = plan_search(Problem(model, hw, BATCH, SEQ), time_limit_s=time_limit_s).best
     write_plan(plan_from_graph(model, hw, best.config, build_graph(model, hw, best.config),
                                predicted=best.result), path)

@@ -60,6 +60,9 @@ from tierflow.planner.search.problem import Problem
 SEQ = 256
 BATCH, MICRO_BATCH = 8, 2
 STEPS = 6  # training steps per run: two rounds of the plan's three iterations
+# the CPU device trains in fp32, and calibrate --device cpu reports its rates in the bytes it really moves
+PRECISION = "fp32"
+WEIGHT_BYTES = 4  # bytes per weight in PRECISION
 REPEATS = 2  # runs of each plan; the fastest is compared (calibrate likewise keeps the best of its timings)
 
 
@@ -69,7 +72,7 @@ def gpt(layers: int, hidden: int, heads: int, vocab: int = 2048, seq: int = SEQ)
     base = get_model("tiny-gpt")
     return replace(base, name=f"gpt-{layers}x{hidden}", num_layers=layers, hidden=hidden, num_heads=heads,
                    num_kv_heads=heads, ffn_hidden=4 * hidden, vocab_size=vocab, seq_len=seq,
-                   max_positions=seq)
+                   max_positions=seq).with_precision(PRECISION)
 
 
 MODELS = {"small": gpt(4, 256, 4), "medium": gpt(6, 384, 6)}
@@ -90,7 +93,8 @@ def calibrate(device: str, ssd_dir: Path, quick: bool, out: Path, model: ModelSp
     if m.get("ssd"):
         m["ssd"]["dir"] = "the loop's SSD directory"  # a temporary path: keep it out of the committed profile
     P = model.total_params()
-    device_gib = max(0.02, round(4 * P / 2**30, 3))  # room for the weights and working memory, not the states
+    # room for the weights and working memory, not the states
+    device_gib = max(0.02, round(2 * WEIGHT_BYTES * P / 2**30, 3))
     cal = build_profile(m, None, name=f"closed-loop-{device}", device_gib=device_gib)
     path = out / f"closed_loop_{device}.yaml"
     write_profile(cal, path)
@@ -258,7 +262,7 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
         prog = Progress(len(models) * len(schedules), "closed loop")
         for name, model in models.items():
             capped = hw0.with_overrides(
-                {"gpu.memory_gib": max(0.02, round(4 * model.total_params() / 2**30, 3))})
+                {"gpu.memory_gib": max(0.02, round(2 * WEIGHT_BYTES * model.total_params() / 2**30, 3))})
             hw = host_cap(capped, model)
             for schedule in schedules:
                 prog.step(f"{name} {schedule}")
@@ -315,7 +319,7 @@ def draw_configs(n: int, seed: int) -> list[dict]:
 def sweep_box(hw0: HardwareProfile, c: dict, model: ModelSpec) -> HardwareProfile:
     """The calibrated box capped as configuration `c` draws it (device: weights x factor + 16 MiB to work)."""
     P = model.total_params()
-    device_gib = round(c["device_weights_x"] * 2 * P / 2**30 + 1 / 64, 4)
+    device_gib = round(c["device_weights_x"] * WEIGHT_BYTES * P / 2**30 + 1 / 64, 4)
     host_gib = round(hw0.cpu.reserved_gib + c["host_bytes_per_param"] * P / 2**30, 4)
     return hw0.with_overrides({"gpu.memory_gib": device_gib, "cpu.memory_gib": host_gib})
 

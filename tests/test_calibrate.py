@@ -101,6 +101,7 @@ def test_build_profile_with_a_gpu_and_a_datasheet_base():
     assert p.generation == 5 and p.duplex_h2d_gbps <= p.h2d_gbps  # noisy duplex clamped to the solo rate
     assert c.profile.ssd == load_profile("h100-80g").ssd  # no --ssd-dir: the base's SSDs
     assert "gpu.peak_tflops" in c.not_measured and "gpu.gemm_efficiency" not in c.not_measured
+    assert c.profile.compute == load_profile("h100-80g").compute  # the same GPU: its SMs and tiles kept
 
 
 def test_build_profile_without_base_derives_the_peak_and_has_no_ssd():
@@ -109,6 +110,7 @@ def test_build_profile_without_base_derives_the_peak_and_has_no_ssd():
     assert c.profile.gpu.gemm_efficiency == pytest.approx(0.9)
     assert any("no --base" in n for n in c.notes)
     assert c.profile.ssd.count == 0 and "ssd.count" in c.not_measured
+    assert c.profile.compute is None  # the default base's GPU (an RTX 4090) is not the one measured
 
 
 def test_cli_writes_a_profile_the_planner_loads(tmp_path, capsys):
@@ -154,6 +156,7 @@ def test_build_profile_for_a_cpu_device():
     assert (g.hbm_gbps, g.hbm_efficiency, g.host_cores, cpu.cores) == (30, 1, 2, 2)
     assert (p.generation, p.h2d_gbps, p.duplex_d2h_gbps) == (1, 10, 6)
     assert g.fp32_tflops == g.peak_tflops == 0.15
+    assert c.profile.compute is None  # a CPU's GEMMs on the fitted size curve, not a GPU's SMs and tiles
     assert cpu.memory_gib == 8  # --set wins
     with pytest.raises(CalibrationError, match="unknown profile key"):
         cal_profile.build_profile(m, overrides={"cpu.nonsense": 1})

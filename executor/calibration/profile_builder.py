@@ -118,7 +118,18 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
     _put_cpu(b, host_device)
     _put_ssd(b, host_device)
     _put_overrides(b, overrides, device_gib, host_device)
+    _keep_compute_of_same_gpu(b, g, host_device)
     return _finish(b, name)
+
+
+def _keep_compute_of_same_gpu(b: _Builder, g: dict[str, Any] | None, host_device: bool) -> None:
+    """The base's compute section (SMs, GEMM tiles, launch floor) describes the base's GPU: kept only for
+    an explicit --base of the GPU measured (or when none was measured), never for a CPU device or the default
+    base, whose GEMMs then run on the fitted size curve."""
+    same_gpu = b.explicit_base and not host_device and (not g or _gpu_matches(b.base.gpu.model, g["model"]))
+    if not same_gpu and b.data.pop("compute", None) is not None:
+        b.notes.append(f"the {b.base_name} profile's compute section (its GPU's SMs and tiles) left out: "
+                       "GEMMs run on the measured size curve")
 
 
 def _put_host_device(b: _Builder, g: dict[str, Any], device_gib: float | None) -> None:
