@@ -52,6 +52,7 @@ from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.core.simulate import simulate_config
+from tierflow.planner.core.workload import PRECISIONS
 from tierflow.planner.io.compare import compare
 from tierflow.planner.io.planfile import load_plan, plan_from_graph, write_plan
 from tierflow.planner.search.plan_search import plan_search
@@ -62,7 +63,7 @@ BATCH, MICRO_BATCH = 8, 2
 STEPS = 6  # training steps per run: two rounds of the plan's three iterations
 # the CPU device trains in fp32, and calibrate --device cpu reports its rates in the bytes it really moves
 PRECISION = "fp32"
-WEIGHT_BYTES = 4  # bytes per weight in PRECISION
+WEIGHT_BYTES = PRECISIONS[PRECISION].compute_bytes  # bytes per weight in PRECISION
 REPEATS = 2  # runs of each plan; the fastest is compared (calibrate likewise keeps the best of its timings)
 
 
