@@ -13,17 +13,37 @@ import platform
 import time
 from pathlib import Path
 
+from expcommon import REPO_DIR, markdown_table, write_generated_block
+
 from tierflow.api import resolve
 from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.core.simulator import simulate_graph
 
 TARGET_S = 2.0
+RESULTS = Path(__file__).parent / "results" / "bench_simulator.csv"
+DOC = REPO_DIR / "docs" / "planning.md"
+DOC_TABLE = ("simulator benchmark (experiments/bench_simulator.py from "
+             "experiments/results/bench_simulator.csv)")
+
+
+def bench_table(rows: list[dict]) -> str:
+    """docs/planning.md's benchmark table, from the rows as written to or read from bench_simulator.csv: per
+    schedule, one iteration's tasks and time, and the default 3 iterations' total and per-iteration time."""
+    out = []
+    for family in dict.fromkeys(r["schedule"] for r in rows):
+        one = next(r for r in rows if r["schedule"] == family and int(r["iterations"]) == 1)
+        three = next(r for r in rows if r["schedule"] == family and int(r["iterations"]) == 3)
+        total_s = float(three["build_s"]) + float(three["simulate_s"])
+        out.append((family, f"{int(one['tasks']):,}", f"{float(one['per_iteration_s']):.2f} s",
+                    f"{total_s:.2f} s, {float(three['per_iteration_s']):.2f} s"))
+    return markdown_table(["schedule", "tasks per iteration", "build + simulate, 1 iteration",
+                           "3 iterations (the default): total, per iteration"], out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3, help="best of N runs (default 3)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_simulator.csv"))
+    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     model, hw = resolve("gpt3-175b", "rtx4090-lohan")
     rows = []
@@ -52,6 +72,9 @@ def main() -> None:
         for r in rows:
             w.writerow({**r, "machine": f"{platform.processor() or platform.machine()} "
                                         f"({__import__('os').cpu_count()} cores)"})
+    if Path(args.out).resolve() == RESULTS.resolve():  # the docs show what the results file holds
+        with open(args.out, newline="") as f:
+            write_generated_block(DOC, DOC_TABLE, bench_table(list(csv.DictReader(f))))
     print(f"wrote {args.out}")
 
 

@@ -363,6 +363,28 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
     return "\n".join(lines)
 
 
+def parse_cell(text):
+    """A results-file cell as the script wrote it: int, float, bool, None for an empty cell, else the text
+    (values that are not text pass through, so a render function takes live rows and CSV rows alike)."""
+    if not isinstance(text, str):
+        return text
+    if text in ("", "None"):
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parsed_rows(rows: Iterable[dict]) -> list[dict]:
+    """`rows` with every cell parsed (parse_cell)."""
+    return [{k: parse_cell(v) for k, v in r.items()} for r in rows]
+
+
 def _markers(name: str) -> tuple[str, str]:
     return f"<!-- generated: {name} -->", f"<!-- end generated: {name} -->"
 

@@ -25,16 +25,19 @@ from pathlib import Path
 
 from expcommon import (
     PAPER_PLACEMENTS,
+    REPO_DIR,
     Progress,
     arg_parser,
     divisors_up_to,
     headline,
     new_figure,
+    parsed_rows,
     print_headlines,
     print_table,
     save_figure,
     schedule_color,
     write_csv,
+    write_generated_block,
 )
 
 from tierflow.api import resolve
@@ -250,10 +253,17 @@ def make_headlines(rows: list[dict]) -> list[dict]:
 # ---- outputs -----------------------------------------------------------------------------------------------
 
 
+DOC = REPO_DIR / "docs" / "multi-gpu.md"
+DOC_TABLE = "multi-GPU checks (experiments/multi_gpu.py from experiments/results/multi_gpu.csv)"
+
+
 def markdown(rows: list[dict]) -> str:
+    """docs/multi-gpu.md's two tables (the checks; per GPU, 2 GPUs against 1), from this study's rows as
+    written to or read from multi_gpu.csv."""
+    rows = parsed_rows(rows)
     lines = ["| check | ours | measured / paper | error | within target |", "|---|---|---|---|---|"]
     for r in rows:
-        if r["part"] == "lohan_2gpu" and "ours_hw_tflops" in r:
+        if r["part"] == "lohan_2gpu" and r.get("ours_hw_tflops") is not None:
             lines.append(f"| (a) LoHan 2x RTX 4090, GPT-3 13B, global batch {r['batch']} (hw TFLOPS; "
                          f"micro-batch {r['micro_batch']}) | {r['ours_hw_tflops']} | "
                          f"{r['measured_hw_tflops']} | {r['error']:+.0%} | "
@@ -282,7 +292,7 @@ def markdown(rows: list[dict]) -> str:
                          f"{r['measured_hw_tflops'] / 2:.1f} | {r['measured_scaling_per_gpu']:.0%} | "
                          f"{r.get('ours_1gpu_hw_tflops', '-')} | {r['ours_hw_tflops'] / 2:.1f} | "
                          f"{r['ours_scaling_per_gpu']:.0%} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> Path:
@@ -326,7 +336,9 @@ def run(quick: bool = False, out_dir: Path | None = None, progress: Progress | N
     rows += gs + [greedysnake_summary(gs), cost_row(s, progress)]
     progress.finish()
     write_csv(rows, out_dir / "multi_gpu.csv")
-    (out_dir / "multi_gpu.md").write_text(markdown(rows))
+    (out_dir / "multi_gpu.md").write_text(markdown(rows) + "\n")
+    if out_dir.resolve() == Path(RESULTS_DIR).resolve():  # the docs show what the results files hold
+        write_generated_block(DOC, DOC_TABLE, markdown(rows))
     plot(rows, out_dir / "multi_gpu.png")
     print("Several GPUs: LoHan 2x RTX 4090 (check data, not fitted), GreedySnake 4x A100, simulation cost")
     print_table([r for r in rows if r["part"] == "lohan_2gpu"],

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from expcommon import REPO_DIR, markdown_table, write_generated_block
+
 from tierflow.api import resolve
 from tierflow.planner.search.loads import iteration_loads
 from tierflow.planner.search.plan_search import PlanningError, plan_search
@@ -34,6 +36,29 @@ CASES = [
     ("gpt-65b", "h100-80g", 32, 2048), ("llama2-70b", "h100-80g", 32, 4096),
     ("gpt3-175b", "h100-80g", 32, 2048), ("gpt3-2.7b", "h100-80g", 64, 2048),
 ]
+
+DOC = REPO_DIR / "docs" / "planning.md"
+DOC_TABLE = "planner quality (experiments/planner_quality.py from experiments/results/planner_quality.csv)"
+
+
+def quality_table(rows: list[dict]) -> str:
+    """docs/planning.md's table of the planner's cases, from the rows as written to or read from
+    planner_quality.csv (a case the planner could not plan shows its error)."""
+    out = []
+    for r in rows:
+        case = (r["model"], r["hw"], f"{r['batch']} x {r['seq']}")
+        if r.get("error"):
+            out.append((*case, f"error: {r['error']}", "-", "-", "-", "-", "-"))
+            continue
+        verified = float(r["verified_s"])
+        placement = (f"{verified / float(r['placement_model_s']) - 1:+.1%}"
+                     if r["placement_model_s"] not in ("", None) else "-")
+        out.append((*case, f"{r['plan']}, {r['swap_layers']} layers swapped", f"{verified:.1f}",
+                    f"{float(r['speedup_vs_fixed']):.2f}x ({r['best_fixed']})",
+                    f"{float(r['prediction_error']):+.1%}", placement,
+                    f"{float(r['fraction_of_roofline']):.1%}"))
+    return markdown_table(["model", "box", "batch x seq", "plan", "simulated s/it", "vs best fixed schedule",
+                           "prediction error (slot model)", "placement model error", "% of roofline"], out)
 
 
 def main() -> None:
@@ -79,6 +104,8 @@ def main() -> None:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
+    if not args.only:  # the docs show what the results file holds
+        write_generated_block(DOC, DOC_TABLE, quality_table(_csv_rows(out)))
     ok = [r for r in rows if not r.get("error")]
     print(f"{'model':<11} {'hw':<16} {'batch':>5} {'plan':<42} {'sim s':>9} {'pred err':>8} "
           f"{'roofline':>8} {'vs fixed':>8}")
@@ -93,6 +120,11 @@ def main() -> None:
     print(f"{len(ok)} cases planned; slower than the best fixed schedule: {len(slower)}; "
           f"within 2% of the solver's prediction: {sum(abs(r['prediction_error']) <= 0.02 for r in ok)}; "
           f"wrote {out}")
+
+
+def _csv_rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 if __name__ == "__main__":

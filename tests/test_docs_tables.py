@@ -13,9 +13,12 @@ EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 
 pytest.importorskip("matplotlib")
+import bench_simulator  # noqa: E402
 import expcommon  # noqa: E402
 import fidelity  # noqa: E402
 import gemini_capacity  # noqa: E402
+import multi_gpu  # noqa: E402
+import planner_quality  # noqa: E402
 import race_deepspeed  # noqa: E402
 
 
@@ -24,13 +27,16 @@ def _rows(name: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-@pytest.mark.parametrize("module,results,render", [
-    (gemini_capacity, "gemini_capacity.csv", gemini_capacity.capacity_table),
-    (fidelity, "fidelity.csv", fidelity.checks_table),
-    (race_deepspeed, "race.csv", race_deepspeed.race_tables),
-])
-def test_generated_doc_tables_equal_their_results_files(module, results, render):
-    assert expcommon.generated_block(module.DOC, module.DOC_TABLE) == render(_rows(results))
+@pytest.mark.parametrize("doc,block,results,render", [
+    (gemini_capacity.DOC, gemini_capacity.DOC_TABLE, "gemini_capacity.csv", gemini_capacity.capacity_table),
+    (fidelity.DOC, fidelity.DOC_TABLE, "fidelity.csv", fidelity.checks_table),
+    (race_deepspeed.DOC, race_deepspeed.DOC_TABLE, "race.csv", race_deepspeed.race_tables),
+    (planner_quality.DOC, planner_quality.DOC_TABLE, "planner_quality.csv", planner_quality.quality_table),
+    (bench_simulator.DOC, bench_simulator.DOC_TABLE, "bench_simulator.csv", bench_simulator.bench_table),
+    (multi_gpu.DOC, multi_gpu.DOC_TABLE, "multi_gpu.csv", multi_gpu.markdown),
+], ids=lambda v: v if isinstance(v, str) and v.endswith(".csv") else "")
+def test_generated_doc_tables_equal_their_results_files(doc, block, results, render):
+    assert expcommon.generated_block(doc, block) == render(_rows(results))
 
 
 def test_a_generated_block_is_replaced_in_place(tmp_path):
