@@ -25,6 +25,7 @@ refit and re-plan waited for at the warm-up's end (a CI test runs it).
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -32,7 +33,19 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from expcommon import Progress, arg_parser, headline, new_figure, print_table, save_figure, write_csv
+from expcommon import (
+    REPO_DIR,
+    RESULTS_DIR,
+    Progress,
+    arg_parser,
+    headline,
+    markdown_table,
+    new_figure,
+    print_table,
+    save_figure,
+    write_csv,
+    write_generated_block,
+)
 
 from tierflow.hwprofiles import HardwareProfile, load_profile
 from tierflow.planner.core.models import get_model
@@ -218,6 +231,8 @@ def run(quick: bool, out_dir: Path, ssd_dir: Path | None = None) -> list[dict]:
     if groups:
         write_csv(groups, out_dir / "adapt_groups.csv")
     plot(step_rows, rows, s["warmup"], out_dir / "adapt.png")
+    if out_dir.resolve() == RESULTS_DIR.resolve() and not quick:  # the docs show what the results files hold
+        write_generated_block(DOC, DOC_TABLE, adapt_table(rows))
     print(f"Adapting: {MODEL}, batch {BATCH} x {SEQ} on this CPU (caps {CAPS}); reference: the calibrated "
           f"profile's plan at {min(r['reference_step_s'] for r in rows) * 1e3:.1f} ms/step (best run)")
     print_table(rows, ["scenario", "switched", "error_at_warmup", "step_s_before", "step_s_after",
@@ -228,6 +243,53 @@ def run(quick: bool, out_dir: Path, ssd_dir: Path | None = None) -> list[dict]:
         print(f"  {r['scenario']}: {r['decision']}")
     return [headline("adapt", f"{r['scenario']}: step time after adapting / calibrated plan's",
                      r["step_s_after"] / r["reference_step_s"], None, "x") for r in rows]
+
+
+DOC = REPO_DIR / "docs" / "adapting.md"
+DOC_TABLE = "adapting (experiments/adapt.py from experiments/results/adapt.csv)"
+
+
+def plan_change(start: str, final: str) -> str:
+    """`start` -> `final` shown by the parts of the plans' descriptions that differ."""
+    a, b = start.split(", "), final.split(", ")
+    same = [x for x in a if x in b]
+    family = f"{a[0].split(':')[0]}: " if a[0] == b[0] else ""  # the schedule, named once when it stays
+    return f"{family}{', '.join(x for x in a if x not in same)} -> {', '.join(x for x in b if x not in same)}"
+
+
+def _decision(r: dict) -> str:
+    gain = re.search(r" ms \(([+-]\d+%)\)", r["decision"])
+    gain_s = gain.group(1) if gain else "?"
+    if str(r["switched"]) != "True":
+        return f"{r['effective_step'] or '-'}: kept (predicted {gain_s})"
+    return f"{r['effective_step']}: {plan_change(r['start_plan'], r['final_plan'])} ({gain_s})"
+
+
+def _switch(r: dict) -> str:
+    if r["switch_s"] in ("", None):
+        return "-"
+    keys = ("checkpoint_write_s", "old_run_end_s", "new_run_start_s")
+    parts = " + ".join(f"{float(r[k]):.2f}" for k in keys)
+    return f"{float(r['switch_s']):.2f} s ({float(r['switch_steps']):.1f}): {parts}"
+
+
+def adapt_table(rows: list[dict]) -> str:
+    """docs/adapting.md's table of the scenarios, from the rows as written to or read from adapt.csv."""
+    out = []
+    for r in rows:
+        trace = (f"{float(r['refit_predicts_final_trace']):+.0%}"
+                 if r.get("refit_predicts_final_trace") not in (None, "") else "-")
+        out.append((r["scenario"], _decision(r),
+                    f"{float(r['decide_s']):.1f} s ({r['steps_while_deciding']})",
+                    f"{float(r['step_s_after']):.3f} / {float(r['reference_step_s']):.3f} s "
+                    f"({float(r['throughput_vs_reference']):+.1%})",
+                    f"{float(r['refit_predicts_final']):+.0%} / {trace}", _switch(r)))
+    taken = "/".join(dict.fromkeys(str(r["decided_at_step"]) for r in rows))
+    return markdown_table(["scenario", f"decision: taken at step {taken}, took effect at",
+                           "refit + re-plan (steps trained meanwhile)",
+                           "step after / calibrated plan's (throughput)",
+                           "refit predicts the final plan: median step / last round's trace",
+                           "switch (steps): checkpoint + old run's end + new run's start"], out)
 
 
 def main(argv: list[str] | None = None) -> None:

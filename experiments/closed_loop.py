@@ -37,14 +37,18 @@ from dataclasses import replace
 from pathlib import Path
 
 from expcommon import (
+    REPO_DIR,
+    RESULTS_DIR,
     Progress,
     arg_parser,
+    markdown_table,
     new_figure,
     print_table,
     reference_line,
     save_figure,
     schedule_color,
     write_csv,
+    write_generated_block,
 )
 
 from tierflow.hwprofiles import HardwareProfile
@@ -279,6 +283,8 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
     write_csv(rows, out_dir / "closed_loop.csv")
     write_csv(res_rows, out_dir / "closed_loop_resources.csv")
     plot(rows, res_rows, out_dir / "closed_loop.png")
+    if out_dir.resolve() == RESULTS_DIR.resolve() and not quick:  # the docs show what the results files hold
+        write_generated_block(DOC, DOC_TABLE, loop_table(rows))
     print_table([{**r, "iteration_error": f"{r['iteration_error']:+.1%}"} for r in rows],
                 ["model", "params_m", "schedule", "predicted_s", "measured_s", "iteration_error",
                  "peak_gpu_gb", "cap_gpu_gb", "peak_cpu_gb", "cap_cpu_gb", "ssd_gb_written"])
@@ -287,6 +293,22 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
     print("one block alone, plain PyTorch in the main thread (the cost model without the executor):")
     print_table(blocks, list(blocks[0]))
     return rows
+
+
+DOC = REPO_DIR / "docs" / "executor.md"
+DOC_TABLE = "closed loop (experiments/closed_loop.py from experiments/results/closed_loop.csv)"
+
+
+def loop_table(rows: list[dict]) -> str:
+    """docs/executor.md's closed-loop table, from the rows as written to or read from closed_loop.csv: per
+    model and schedule, the decisions run, the predicted and measured step and the error."""
+    out = []
+    for r in rows:
+        schedule = "tierflow plan" if r["schedule"] == "plan" else r["schedule"]
+        out.append((f"{r['model']} ({float(r['params_m']):.1f}M params)", schedule, r["decisions"],
+                    f"{float(r['predicted_s']):.3f} / {float(r['measured_s']):.3f}",
+                    f"**{float(r['iteration_error']):+.1%}**"))
+    return markdown_table(["model", "schedule", "decisions", "predicted / measured s/it", "error"], out)
 
 
 # ---- the out-of-sample sweep ------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 
 pytest.importorskip("matplotlib")
+import adapt  # noqa: E402
 import bench_simulator  # noqa: E402
+import closed_loop  # noqa: E402
 import expcommon  # noqa: E402
 import fidelity  # noqa: E402
 import gemini_capacity  # noqa: E402
@@ -34,6 +36,8 @@ def _rows(name: str) -> list[dict]:
     (planner_quality.DOC, planner_quality.DOC_TABLE, "planner_quality.csv", planner_quality.quality_table),
     (bench_simulator.DOC, bench_simulator.DOC_TABLE, "bench_simulator.csv", bench_simulator.bench_table),
     (multi_gpu.DOC, multi_gpu.DOC_TABLE, "multi_gpu.csv", multi_gpu.markdown),
+    (closed_loop.DOC, closed_loop.DOC_TABLE, "closed_loop.csv", closed_loop.loop_table),
+    (adapt.DOC, adapt.DOC_TABLE, "adapt.csv", adapt.adapt_table),
 ], ids=lambda v: v if isinstance(v, str) and v.endswith(".csv") else "")
 def test_generated_doc_tables_equal_their_results_files(doc, block, results, render):
     assert expcommon.generated_block(doc, block) == render(_rows(results))
