@@ -318,6 +318,7 @@ def run(quick: bool, out_dir: Path, published: list[dict] | None = None) -> list
                 ["kind", "run", "measured", "predicted", "error", "mechanism", "check"])
     if out_dir.resolve() == Path(RESULTS_DIR).resolve():  # the docs show what the results files hold
         write_generated_block(DOC, DOC_TABLE, checks_table(points))
+        write_generated_block(FIT_DOC, FIT_TABLE, heldout_table(points))
     heads = _sweep_headlines(points, hw.name)
     heads += _check_headlines(points)
     print_headlines(heads, "fidelity")
@@ -353,12 +354,45 @@ def checks_table(points: list[dict]) -> str:
                           "worst"], rows)
 
 
+FIT_DOC = REPO_DIR / "docs" / "hardware-profiles.md"
+FIT_TABLE = "held-out LoHan data (experiments/fidelity.py from experiments/results/fidelity.csv)"
+FIT_LABELS = {
+    HELD_OUT[0].name: "SSD sweep at batch 32 and 64 (Figure 10(b))",
+    HELD_OUT[1].name: "batch sweeps at 12 SSDs, 13B batch 8-128 and 175B batch 8, 16 (Figures 5(a), 7(b))",
+}
+
+
+def heldout_table(points: list[dict]) -> str:
+    """docs/hardware-profiles.md's table of the LoHan data the fit never saw: per file, the runs, the RMS
+    error with the bundled fit and with each of the fit's near-optimal answers, the worst run (from the rows
+    as written to or read from fidelity.csv)."""
+    rows = []
+    for data, label in FIT_LABELS.items():
+        pts = [p for p in points if p["data"] == data and p["hw"] == HW]
+        if not pts:
+            continue
+        worst = max(pts, key=lambda p: abs(float(p["error"])))
+        rows.append((label, len(pts), f"{rms([float(p['error']) for p in pts]):.1%}", _rms_band(pts),
+                     f"{float(worst['error']):+.1%} ({worst['model']}, batch {worst['batch']}, "
+                     f"{worst['ssd_count']} SSDs)"))
+    return markdown_table(["held-out data (LoHan's evaluation_data.md)", "runs", "RMS error",
+                           "RMS over the fit's near-optima", "worst"], rows)
+
+
 def _rms_band(pts: list[dict]) -> str:
-    """The RMS error at each end of the fit's near-optimal answers ("-" for points that do not depend on
-    the fit)."""
+    """The RMS error with each of the fit's near-optimal answers, lowest .. highest ("-" for points that do
+    not depend on the fit). A row keeps its error with the bundled answer (`error`) and the lower and higher
+    of its errors over all of them; with the one other answer of NEAR_OPTIMA, that answer's error is the end
+    that is not `error` (low + high - error). The RMS of the rows' low ends is no answer's RMS: it mixes the
+    answers wherever the errors change sign."""
     if not all(p.get("error_low") not in (None, "") for p in pts):
         return "-"
-    ends = [rms([float(p[k]) for p in pts]) for k in ("error_low", "error_high")]
+    if len(NEAR_OPTIMA) != 1:
+        raise ValueError(f"_rms_band reads one other near-optimal answer per row, NEAR_OPTIMA has "
+                         f"{len(NEAR_OPTIMA)}: add a column per answer to predict_runs' rows")
+    bundled = [float(p["error"]) for p in pts]
+    other = [float(p["error_low"]) + float(p["error_high"]) - float(p["error"]) for p in pts]
+    ends = [rms(bundled), rms(other)]
     return f"{min(ends):.1%} .. {max(ends):.1%}"
 
 

@@ -22,7 +22,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from expcommon import arg_parser, new_figure, print_table, save_figure, write_csv
+from expcommon import (
+    REPO_DIR,
+    RESULTS_DIR,
+    arg_parser,
+    markdown_table,
+    new_figure,
+    print_table,
+    save_figure,
+    write_csv,
+    write_generated_block,
+)
 
 from tierflow.executor.adamw import TrainHyper
 from tierflow.executor.corpus import Fields
@@ -168,6 +178,8 @@ def run(quick: bool, out_dir: Path) -> list[dict]:
             for r, p in zip(records, plain)]
     write_csv(rows, out_dir / "finetune.csv")
     plot(rows, out_dir / "finetune.png")
+    if out_dir.resolve() == RESULTS_DIR.resolve() and not quick:  # the docs show what the results files hold
+        write_generated_block(DOC, DOC_TABLE, finetune_table(rows))
     worst = max(abs(r["tierflow_loss"] - r["plain_loss"]) / abs(r["plain_loss"]) for r in rows)
     last = rows[-1]
     summary = [{"run": name, "params_m": round(model.total_params() / 1e6, 2), "steps": s["steps"],
@@ -179,6 +191,23 @@ def run(quick: bool, out_dir: Path) -> list[dict]:
                                        ("plain PyTorch", "plain", plain_s))]
     print_table(summary, list(summary[0]))
     return rows
+
+
+DOC = REPO_DIR / "docs" / "finetuning.md"
+DOC_TABLE = "fine-tuning (experiments/finetune.py from experiments/results/finetune.csv)"
+
+
+def finetune_table(rows: list[dict]) -> str:
+    """docs/finetuning.md's table, from the per-step rows as written to or read from finetune.csv: per run,
+    the steps, first and last training loss, last validation loss and median tokens/s."""
+    out = []
+    for name, key in (("tierflow (states on the SSD tier)", "tierflow"), ("plain PyTorch", "plain")):
+        val = [float(r[f"{key}_val"]) for r in rows if r[f"{key}_val"] not in (None, "")]
+        first, last = float(rows[0][f"{key}_loss"]), float(rows[-1][f"{key}_loss"])
+        out.append((name, len(rows), f"{first:.2f}", f"{last:.2f}", f"{val[-1]:.2f}" if val else "-",
+                    f"{statistics.median(float(r[f'{key}_tokens_per_s']) for r in rows):,.0f}"))
+    return markdown_table(["run", "steps", "first loss", "last loss", "last validation loss",
+                           "median tokens/s"], out)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,7 +23,17 @@ import multi_gpu
 import own_plans
 import race_deepspeed
 import what_if
-from expcommon import Progress, arg_parser, print_headlines, write_csv
+from expcommon import (
+    REPO_DIR,
+    RESULTS_DIR,
+    Progress,
+    arg_parser,
+    markdown_table,
+    parsed_rows,
+    print_headlines,
+    write_csv,
+    write_generated_block,
+)
 
 STUDIES = {
     "fuyou_lohan": fuyou_lohan,
@@ -77,6 +87,24 @@ def summary_markdown(heads: list[dict], wall_s: dict[str, float], command: str) 
     return "\n".join(lines) + "\n"
 
 
+DOC = REPO_DIR / "docs" / "reproductions.md"
+DOC_TABLE = "ours vs the papers (experiments/run_all.py from experiments/results/summary.csv)"
+PAPER_STUDIES = ("fuyou_lohan", "greedysnake_a100", "gemini_capacity", "what_if")  # headlines with a paper's
+
+
+def papers_table(heads: list[dict]) -> str:
+    """docs/reproductions.md's table of the seed papers' headline numbers against ours, from the headline rows
+    as written to or read from summary.csv (their full notes are in summary.md)."""
+    out = []
+    for h in parsed_rows(heads):
+        if h["study"] not in PAPER_STUDIES or h["paper"] is None:
+            continue
+        ratio = f"{h['ratio']:.2f}" if isinstance(h["ratio"], float) else "-"
+        out.append((h["study"], h["metric"], _md(h["ours"]), _md(h["paper"]), h["unit"] or "-", ratio,
+                     "**no**" if h["differs_over_15pct"] else "yes"))
+    return markdown_table(["study", "metric", "ours", "paper", "unit", "ratio", "agrees (within 15%)"], out)
+
+
 def _md(x) -> str:
     if isinstance(x, float):
         return f"{x:,.2f}" if abs(x) < 10 else f"{x:,.1f}"
@@ -96,6 +124,8 @@ def main(argv=None) -> None:
     )
     write_csv([{**h, "ratio": h["ratio"]} for h in heads], args.out / "summary.csv")
     (args.out / "summary.md").write_text(summary_markdown(heads, wall_s, command))
+    if args.out.resolve() == RESULTS_DIR.resolve() and not (args.quick or args.only):
+        write_generated_block(DOC, DOC_TABLE, papers_table(heads))  # the docs show what the results hold
     print_headlines(heads, f"SUMMARY: every headline number, ours vs the paper ({command})")
     print(
         f"\nwall time: {sum(wall_s.values()):.0f} s ("

@@ -18,10 +18,12 @@ import bench_simulator  # noqa: E402
 import closed_loop  # noqa: E402
 import expcommon  # noqa: E402
 import fidelity  # noqa: E402
+import finetune  # noqa: E402
 import gemini_capacity  # noqa: E402
 import multi_gpu  # noqa: E402
 import planner_quality  # noqa: E402
 import race_deepspeed  # noqa: E402
+import run_all  # noqa: E402
 
 
 def _rows(name: str) -> list[dict]:
@@ -32,12 +34,15 @@ def _rows(name: str) -> list[dict]:
 @pytest.mark.parametrize("doc,block,results,render", [
     (gemini_capacity.DOC, gemini_capacity.DOC_TABLE, "gemini_capacity.csv", gemini_capacity.capacity_table),
     (fidelity.DOC, fidelity.DOC_TABLE, "fidelity.csv", fidelity.checks_table),
+    (fidelity.FIT_DOC, fidelity.FIT_TABLE, "fidelity.csv", fidelity.heldout_table),
     (race_deepspeed.DOC, race_deepspeed.DOC_TABLE, "race.csv", race_deepspeed.race_tables),
     (planner_quality.DOC, planner_quality.DOC_TABLE, "planner_quality.csv", planner_quality.quality_table),
     (bench_simulator.DOC, bench_simulator.DOC_TABLE, "bench_simulator.csv", bench_simulator.bench_table),
     (multi_gpu.DOC, multi_gpu.DOC_TABLE, "multi_gpu.csv", multi_gpu.markdown),
     (closed_loop.DOC, closed_loop.DOC_TABLE, "closed_loop.csv", closed_loop.loop_table),
     (adapt.DOC, adapt.DOC_TABLE, "adapt.csv", adapt.adapt_table),
+    (finetune.DOC, finetune.DOC_TABLE, "finetune.csv", finetune.finetune_table),
+    (run_all.DOC, run_all.DOC_TABLE, "summary.csv", run_all.papers_table),
 ], ids=lambda v: v if isinstance(v, str) and v.endswith(".csv") else "")
 def test_generated_doc_tables_equal_their_results_files(doc, block, results, render):
     assert expcommon.generated_block(doc, block) == render(_rows(results))
@@ -50,3 +55,13 @@ def test_a_generated_block_is_replaced_in_place(tmp_path):
     want = "before\n<!-- generated: t -->\n| a |\n|---|\n| 1 |\n<!-- end generated: t -->\nafter\n"
     assert doc.read_text() == want
     assert expcommon.generated_block(doc, "t") == "| a |\n|---|\n| 1 |"
+
+
+def test_the_fit_band_is_the_rms_with_each_near_optimal_answer():
+    # two runs whose errors change sign between the fit's two answers: the bundled one's errors +10% and -10%
+    # (RMS 10%), the other's -20% and +30% (RMS 25.5%); the rows keep each run's lower and higher error
+    rows = [{"error": "0.1", "error_low": "-0.2", "error_high": "0.1"},
+            {"error": "-0.1", "error_low": "-0.1", "error_high": "0.3"}]
+    assert len(fidelity.NEAR_OPTIMA) == 1
+    assert fidelity._rms_band(rows) == "10.0% .. 25.5%"
+    assert fidelity._rms_band([{"error": "0.1", "error_low": "", "error_high": ""}]) == "-"
