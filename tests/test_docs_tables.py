@@ -4,12 +4,14 @@ today (experiments/expcommon.write_generated_block): no stale number in the docs
 from __future__ import annotations
 
 import csv
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
-EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
+REPO = Path(__file__).resolve().parent.parent
+EXPERIMENTS = REPO / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 
 pytest.importorskip("matplotlib")
@@ -31,7 +33,8 @@ def _rows(name: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-@pytest.mark.parametrize("doc,block,results,render", [
+# every generated table: (doc, block name, results file, the script's render function)
+GENERATED = [
     (gemini_capacity.DOC, gemini_capacity.DOC_TABLE, "gemini_capacity.csv", gemini_capacity.capacity_table),
     (fidelity.DOC, fidelity.DOC_TABLE, "fidelity.csv", fidelity.checks_table),
     (fidelity.FIT_DOC, fidelity.FIT_TABLE, "fidelity.csv", fidelity.heldout_table),
@@ -43,9 +46,20 @@ def _rows(name: str) -> list[dict]:
     (adapt.DOC, adapt.DOC_TABLE, "adapt.csv", adapt.adapt_table),
     (finetune.DOC, finetune.DOC_TABLE, "finetune.csv", finetune.finetune_table),
     (run_all.DOC, run_all.DOC_TABLE, "summary.csv", run_all.papers_table),
-], ids=lambda v: v if isinstance(v, str) and v.endswith(".csv") else "")
+]
+
+
+@pytest.mark.parametrize("doc,block,results,render", GENERATED,
+                         ids=lambda v: v if isinstance(v, str) and v.endswith(".csv") else "")
 def test_generated_doc_tables_equal_their_results_files(doc, block, results, render):
     assert expcommon.generated_block(doc, block) == render(_rows(results))
+
+
+def test_every_generated_block_in_the_docs_is_checked():
+    """A block with markers that no entry of GENERATED names would never be compared with its file."""
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    found = {(doc.name, m) for doc in docs for m in re.findall(r"<!-- generated: (.+?) -->", doc.read_text())}
+    assert found == {(doc.name, block) for doc, block, _, _ in GENERATED}
 
 
 def test_a_generated_block_is_replaced_in_place(tmp_path):
