@@ -391,12 +391,40 @@ def run_sweep(n: int, seed: int, quick: bool, out_dir: Path, device: str = "cpu"
     finally:
         shutil.rmtree(work, ignore_errors=True)
     write_csv(rows, out_dir / "closed_loop_sweep.csv")
+    if out_dir.resolve() == RESULTS_DIR.resolve() and not quick:  # the docs show what the results files hold
+        write_generated_block(DOC, SWEEP_TABLE, sweep_table(rows))
     print_table([{**r, "iteration_error": f"{r['iteration_error']:+.1%}" if not r["error"] else r["error"]}
                  for r in rows],
                 ["name", "layers", "hidden", "vocab", "batch", "micro_batch", "seq", "schedule",
                  "predicted_s", "measured_s", "iteration_error", "worst_kind", "worst_kind_ratio"])
     print(sweep_summary(rows))
     return rows
+
+
+SWEEP_TABLE = ("closed-loop sweep (experiments/closed_loop.py --sweep from "
+               "experiments/results/closed_loop_sweep.csv)")
+
+
+def _sweep_row(r: dict) -> tuple:
+    shape = f"{r['layers']} x {r['hidden']}, {r['vocab']}, {r['batch']} x {r['seq']} ({r['micro_batch']})"
+    if r["error"]:
+        return r["name"], shape, r["schedule"], "-", f"did not run: {r['error']}", "-"
+    return (r["name"], shape, r["schedule"], f"{float(r['predicted_s']):.3f} / {float(r['measured_s']):.3f}",
+            f"{float(r['iteration_error']):+.1%}", f"{r['worst_kind']} ({float(r['worst_kind_ratio']):.2f}x)")
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """docs/executor.md's table of the out-of-sample sweep, from the rows as written to or read from
+    closed_loop_sweep.csv: one row per drawn configuration, then the median and max |iteration error|."""
+    out = [_sweep_row(r) for r in rows]
+    errs = [abs(float(r["iteration_error"])) for r in rows if not r["error"]]
+    if errs:
+        out.append(("all", f"{len(errs)} of {len(rows)} ran", "-", "-",
+                    f"median {statistics.median(errs):.1%}, max {max(errs):.1%}; within 10%: "
+                    f"{sum(e <= 0.10 for e in errs)}, within 15%: {sum(e <= 0.15 for e in errs)}", "-"))
+    return markdown_table(["configuration", "layers x hidden, vocabulary, batch x seq (micro-batch)",
+                           "schedule", "predicted / measured s/it", "error",
+                           "op kind missing most (measured / predicted)"], out)
 
 
 def sweep_summary(rows: list[dict]) -> str:

@@ -43,6 +43,7 @@ GENERATED = [
     (bench_simulator.DOC, bench_simulator.DOC_TABLE, "bench_simulator.csv", bench_simulator.bench_table),
     (multi_gpu.DOC, multi_gpu.DOC_TABLE, "multi_gpu.csv", multi_gpu.markdown),
     (closed_loop.DOC, closed_loop.DOC_TABLE, "closed_loop.csv", closed_loop.loop_table),
+    (closed_loop.DOC, closed_loop.SWEEP_TABLE, "closed_loop_sweep.csv", closed_loop.sweep_table),
     (adapt.DOC, adapt.DOC_TABLE, "adapt.csv", adapt.adapt_table),
     (finetune.DOC, finetune.DOC_TABLE, "finetune.csv", finetune.finetune_table),
     (run_all.DOC, run_all.DOC_TABLE, "summary.csv", run_all.papers_table),
