@@ -231,7 +231,7 @@ def run(quick: bool, out_dir: Path, ssd_dir: Path | None = None) -> list[dict]:
     if groups:
         write_csv(groups, out_dir / "adapt_groups.csv")
     plot(step_rows, rows, s["warmup"], out_dir / "adapt.png")
-    if out_dir.resolve() == RESULTS_DIR.resolve() and not quick:  # the docs show what the results files hold
+    if out_dir.resolve() == RESULTS_DIR.resolve():  # the docs show what the results files hold
         write_generated_block(DOC, DOC_TABLE, adapt_table(rows))
     print(f"Adapting: {MODEL}, batch {BATCH} x {SEQ} on this CPU (caps {CAPS}); reference: the calibrated "
           f"profile's plan at {min(r['reference_step_s'] for r in rows) * 1e3:.1f} ms/step (best run)")
