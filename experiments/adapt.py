@@ -258,10 +258,12 @@ def plan_change(start: str, final: str) -> str:
 
 
 def _decision(r: dict) -> str:
+    """Where the decision took effect and what it did, with the gain the refit profile predicted (from the
+    decision's line)."""
     gain = re.search(r" ms \(([+-]\d+%)\)", r["decision"])
-    gain_s = gain.group(1) if gain else "?"
+    gain_s = f"predicted {gain.group(1)}" if gain else "no refit"
     if str(r["switched"]) != "True":
-        return f"{r['effective_step'] or '-'}: kept (predicted {gain_s})"
+        return f"{r['effective_step'] or '-'}: kept ({gain_s})"
     return f"{r['effective_step']}: {plan_change(r['start_plan'], r['final_plan'])} ({gain_s})"
 
 
@@ -273,17 +275,21 @@ def _switch(r: dict) -> str:
     return f"{float(r['switch_s']):.2f} s ({float(r['switch_steps']):.1f}): {parts}"
 
 
+def _fmt(x, spec: str) -> str:
+    """`x` (a number, or its text as read from the CSV) in format `spec`; "-" for an empty cell."""
+    return "-" if x in (None, "") else format(float(x), spec)
+
+
 def adapt_table(rows: list[dict]) -> str:
     """docs/adapting.md's table of the scenarios, from the rows as written to or read from adapt.csv."""
     out = []
     for r in rows:
-        trace = (f"{float(r['refit_predicts_final_trace']):+.0%}"
-                 if r.get("refit_predicts_final_trace") not in (None, "") else "-")
         out.append((r["scenario"], _decision(r),
-                    f"{float(r['decide_s']):.1f} s ({r['steps_while_deciding']})",
-                    f"{float(r['step_s_after']):.3f} / {float(r['reference_step_s']):.3f} s "
-                    f"({float(r['throughput_vs_reference']):+.1%})",
-                    f"{float(r['refit_predicts_final']):+.0%} / {trace}", _switch(r)))
+                    f"{_fmt(r['decide_s'], '.1f')} s ({r['steps_while_deciding']})",
+                    f"{_fmt(r['step_s_after'], '.3f')} / {_fmt(r['reference_step_s'], '.3f')} s "
+                    f"({_fmt(r['throughput_vs_reference'], '+.1%')})",
+                    f"{_fmt(r['refit_predicts_final'], '+.0%')} / "
+                    f"{_fmt(r.get('refit_predicts_final_trace'), '+.0%')}", _switch(r)))
     taken = "/".join(dict.fromkeys(str(r["decided_at_step"]) for r in rows))
     return markdown_table(["scenario", f"decision: taken at step {taken}, took effect at",
                            "refit + re-plan (steps trained meanwhile)",

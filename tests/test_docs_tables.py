@@ -56,6 +56,14 @@ def test_generated_doc_tables_equal_their_results_files(doc, block, results, ren
     assert expcommon.generated_block(doc, block) == render(_rows(results))
 
 
+@pytest.mark.parametrize("doc,block,results,render", GENERATED,
+                         ids=lambda v: v if isinstance(v, str) and v.endswith(".csv") else "")
+def test_a_render_gives_the_same_table_from_the_scripts_typed_rows(doc, block, results, render):
+    """The scripts render their rows as they made them (numbers, booleans, None), the test from the file's
+    text: both must give the same table."""
+    assert render(expcommon.parsed_rows(_rows(results))) == render(_rows(results))
+
+
 def test_every_generated_block_in_the_docs_is_checked():
     """A block with markers that no entry of GENERATED names would never be compared with its file."""
     docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
