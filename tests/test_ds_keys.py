@@ -1,6 +1,6 @@
 """DeepSpeed config keys as DeepSpeed's code runs them (planner/io/dskeys.py): each modelled key moves the
-simulation the way its mechanism says, by the amount its own inputs give; the key table of docs/deepspeed.md is
-the code's; every classified key is sorted by the bridge as the table says."""
+simulation the way its mechanism says, by the amount its own inputs give; the key table of docs/deepspeed.md
+is the code's; every classified key is sorted by the bridge as the table says."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _owned() -> list[int]:
     return [b.owned_params for b in blocks_of(TINY, 1, SEQ)]
 
 
-# ---- max_in_cpu ---------------------------------------------------------------------------------------------
+# ---- max_in_cpu --------------------------------------------------------------------------------------------
 
 
 def test_max_in_cpu_keeps_the_leading_whole_sub_groups_in_host_memory():
@@ -68,7 +68,9 @@ def test_max_in_cpu_keeps_the_leading_whole_sub_groups_in_host_memory():
 
 def test_default_max_in_cpu_holds_a_small_model_whole_and_skips_every_nvme_weight_read():
     # tiny-gpt (a few million parameters) fits DeepSpeed's default max_in_cpu of 1e9 with its one sub-group
-    ds, cfg, g = _graph({**_nvme(), "zero_optimization": {**_nvme()["zero_optimization"], "sub_group_size": 1e9}})
+    data = _nvme()
+    data["zero_optimization"]["sub_group_size"] = 1e9
+    ds, cfg, g = _graph(data)
     assert ds.placement().weights.cpu == 1.0 and cfg.ds_param_swapper
     assert not [t for t in g.tasks if t.kind == READ_WEIGHTS]
     _, _, none_cached = _graph(_nvme(max_in_cpu=0))
@@ -85,7 +87,7 @@ def test_caching_parameters_in_host_memory_never_slows_the_step():
     assert t[10**9] <= t[0]
 
 
-# ---- buffers and buckets ------------------------------------------------------------------------------------
+# ---- buffers and buckets -----------------------------------------------------------------------------------
 
 
 def test_the_parameter_swapper_s_buffers_are_counted_in_host_memory():
@@ -140,7 +142,7 @@ def test_configs_deepspeed_stops_on_are_refused_with_one_line():
         assert parse_ds_config(data, "ds.json", TINY).opt_buffer_count == need
 
 
-# ---- the classification and its table -----------------------------------------------------------------------
+# ---- the classification and its table ----------------------------------------------------------------------
 
 
 def _with_key(key: str, value: object) -> dict:
