@@ -190,3 +190,23 @@ def test_the_warning_line_names_one_gpu_keys_only_for_several_gpus(tmp_path, cap
                  "--no-plan", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["ds_config"]["no_effect_on_one_gpu"] == ["zero_optimization.reduce_scatter"]
+
+
+def test_an_emitted_nvme_config_is_one_deepspeed_runs_and_reads_back_with_the_plan_s_weights():
+    from tierflow.planner.core.placement import Placement, Split
+    from tierflow.planner.core.schedules import make_schedule
+    from tierflow.planner.io.dsconfig import ds_config_for_plan
+
+    gpt = get_model("gpt3-1.3b")
+    for cpu_share in (0.0, 0.5):
+        weights = Split(gpu=0.0, cpu=cpu_share, ssd=1.0 - cpu_share)
+        placement = Placement(weights=weights, **{k: Split(gpu=0.0, cpu=0.0, ssd=1.0)
+                                                  for k in ("master", "adam_m", "adam_v", "grads")},
+                              checkpoints=Split(gpu=1.0, cpu=0.0, ssd=0.0))
+        cfg = make_schedule("horizontal", gpt, HW, batch=2, micro_batch=1, placement=placement)
+        emitted = ds_config_for_plan(gpt, cfg).config
+        assert emitted["zero_optimization"]["offload_param"]["buffer_size"] >= largest_param_elems(gpt)
+        back = parse_ds_config(emitted, "emitted.json", gpt)  # not refused
+        # DeepSpeed keeps whole leading sub-groups: at most the plan's share, less than one sub-group below it
+        owned = [b.owned_params for b in blocks_of(gpt, 1, gpt.seq_len)]
+        assert cpu_share - max(owned) / sum(owned) <= back.placement().weights.cpu <= cpu_share

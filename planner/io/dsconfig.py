@@ -654,7 +654,13 @@ def ds_config_for_plan(model: ModelSpec, cfg: ScheduleConfig) -> EmittedDsConfig
     if param_dev != "none":
         zero["offload_param"] = {"device": param_dev, "pin_memory": True}
         if param_dev == "nvme":
-            zero["offload_param"]["nvme_path"] = EMIT_NVME_PATH
+            # a swap buffer must hold the largest parameter (DeepSpeed stops otherwise), and max_in_cpu keeps
+            # the plan's CPU share of the weights in host memory (DeepSpeed's default 1e9 would keep more)
+            zero["offload_param"].update(nvme_path=EMIT_NVME_PATH,
+                                         buffer_size=max(DS_PARAM_BUFFER_ELEMS, largest_param_elems(model)),
+                                         max_in_cpu=int(p.weights.cpu * model.total_params()))
+            if p.weights.cpu > 0:  # sub-groups of one layer, so that max_in_cpu can hold whole layers
+                zero["sub_group_size"] = model.layer_params()
         else:  # prefetch as many layers ahead as the plan does
             zero["stage3_prefetch_bucket_size"] = cfg.prefetch_depth * model.layer_params()
     if opt_dev != "none":
