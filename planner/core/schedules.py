@@ -133,6 +133,10 @@ class ScheduleConfig:
     ds_param_buffer_elems: int = DS_PARAM_BUFFER_ELEMS
     ds_contiguous_gradients: bool = True
     ds_param_swapper: bool = False  # offload_param nvme with every parameter kept in host memory (max_in_cpu)
+    # offload_param.max_in_cpu with parameters on NVMe: the elements of the leading whole blocks DeepSpeed
+    # keeps in host memory (dsruntime.ds_cached_elems; the placement's weights cpu fraction says the same);
+    # 0: the placement's split holds for every block
+    ds_cached_elems: int = 0
 
     @property
     def ds_knobs(self) -> DsKnobs:
@@ -205,7 +209,7 @@ _IN_CPU, _ON_SSD = Split(gpu=0.0, cpu=1.0, ssd=0.0), Split(gpu=0.0, cpu=0.0, ssd
 _DS_BUFFER_DEFAULTS = {"ds_opt_buffer_count": DS_OPT_BUFFER_COUNT,
                        "ds_param_buffer_count": DS_PARAM_BUFFER_COUNT,
                        "ds_param_buffer_elems": DS_PARAM_BUFFER_ELEMS, "ds_contiguous_gradients": True,
-                       "ds_param_swapper": False}
+                       "ds_param_swapper": False, "ds_cached_elems": 0}
 
 
 def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> Placement:
@@ -642,15 +646,15 @@ class _Builder:
         return deps + [a.id]
 
     def _ds_cached_blocks(self) -> frozenset[int] | None:
-        """Runtime deepspeed with parameters on NVMe and part of them in host memory (the placement's
-        weights cpu fraction: offload_param.max_in_cpu, dsruntime.ds_cached_elems): the leading blocks, in
-        model order, that fraction holds whole. DeepSpeed keeps whole sub-groups in host memory and fetches
+        """Runtime deepspeed with parameters on NVMe and part of them in host memory (ds_cached_elems:
+        offload_param.max_in_cpu, dsruntime.ds_cached_elems): the leading blocks, in model order, that many
+        elements hold whole. DeepSpeed keeps whole sub-groups in host memory and fetches
         them like CPU-offloaded parameters; the others are read from NVMe on demand. None where the
         placement's split holds for every block."""
         w = self.p.weights
-        if self.cfg.runtime != "deepspeed" or w.ssd <= 0 or w.cpu <= 0 or w.gpu > 0:
+        if self.cfg.runtime != "deepspeed" or self.cfg.ds_cached_elems <= 0 or w.ssd <= 0 or w.gpu > 0:
             return None
-        room = w.cpu * sum(x.owned_params for x in self.blocks) * (1 + 1e-9)
+        room = self.cfg.ds_cached_elems
         out, total = set(), 0
         for b, x in enumerate(self.blocks):
             if total + x.owned_params > room:

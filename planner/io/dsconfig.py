@@ -170,6 +170,7 @@ class DsConfig:
     opt_buffer_count: int = DS_OPT_BUFFER_COUNT  # offload_optimizer.buffer_count
     # parameters on NVMe: the share of them max_in_cpu keeps in host memory (whole leading sub-groups)
     cached_fraction: float = 0.0
+    cached_elems: int = 0
     one_gpu_only: tuple[str, ...] = ()  # keys with no effect on one GPU (dskeys.ONE_GPU_NO_EFFECT)
     no_effect: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
@@ -213,7 +214,8 @@ class DsConfig:
                        ds_opt_buffer_count=self.opt_buffer_count,
                        ds_param_buffer_count=self.param_buffer_count,
                        ds_param_buffer_elems=self.param_buffer_elems,
-                       ds_param_swapper=self.param_device == "nvme" and self.cached_fraction >= 1.0)
+                       ds_param_swapper=self.param_device == "nvme" and self.cached_fraction >= 1.0,
+                       ds_cached_elems=self.cached_elems if 0 < self.cached_fraction < 1 else 0)
 
     def trained(self, model: ModelSpec) -> ModelSpec:
         """`model` in the precision this config trains it in (bf16.enabled / fp16.enabled, else fp32; "auto":
@@ -419,8 +421,8 @@ def _buffer_keys(leaves: dict, source: str, model: ModelSpec, param_device: str,
                 f"parameter ({largest:,} elements): DeepSpeed stops at start-up "
                 "(partitioned_param_swapper.py get_buffer: 'More elements ... than buffer size'); "
                 f"set buffer_size to {largest:,} or more")
-        cached = ds_cached_elems(owned, groups, out["max_in_cpu_elems"])
-        out["cached_fraction"] = cached / sum(owned)
+        out["cached_elems"] = ds_cached_elems(owned, groups, out["max_in_cpu_elems"])
+        out["cached_fraction"] = out["cached_elems"] / sum(owned)
     if optimizer_device == "nvme":
         # with several sub-groups, pipeline_read holds the next one's buffers, pipeline_write the previous
         # one's until this one's swap-out (pipelined_optimizer_swapper.py swap_in/swap_out_optimizer_state)
