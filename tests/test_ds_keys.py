@@ -176,7 +176,8 @@ def test_every_classified_key_is_sorted_by_the_bridge_as_the_table_says():
 
 def test_the_docs_page_holds_the_generated_key_table():
     page = (ROOT / "docs" / "deepspeed.md").read_text()
-    assert dskeys.key_table() in page
+    assert dskeys.key_table() in page, ("docs/deepspeed.md's key table is not planner/io/dskeys.py's: paste "
+                                        "the output of dskeys.key_table() over it")
 
 
 def test_the_warning_line_names_one_gpu_keys_only_for_several_gpus(tmp_path, capsys):

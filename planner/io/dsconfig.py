@@ -33,7 +33,7 @@ Defaults are DeepSpeed's, read in deepspeedai/DeepSpeed:
 `deepspeed/runtime/zero/config.py` (stage 0, sub_group_size 1e9, stage3_prefetch_bucket_size 5e7,
 stage3_max_live_parameters 1e9, stage3_max_reuse_distance 1e9, reduce_bucket_size 5e8, overlap_comm True on
 stage 3), `deepspeed/runtime/zero/offload_config.py` (device none; offload_param buffer_count 5, buffer_size
-1e8, max_in_cpu 1e9, pin_memory False; offload_optimizer buffer_count 4, pipeline_read/pipeline_write False,
+1e8, max_in_cpu 1e9, pin_memory True; offload_optimizer buffer_count 4, pipeline_read/pipeline_write False,
 ratio 1.0), `deepspeed/runtime/swap_tensor/aio_config.py` with `swap_tensor/constants.py` (block_size 1048576,
 queue_depth 8, thread_count / intra_op_parallelism 1, single_submit False, overlap_events True),
 `deepspeed/runtime/activation_checkpointing/config.py` (cpu_checkpointing False, partition_activations False),

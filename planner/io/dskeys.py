@@ -25,7 +25,7 @@ OO = Z + "offload_optimizer."
 MODELLED_KEYS: dict[str, str] = {
     Z + "reduce_bucket_size": (
         "gradients leave for the host in buckets of this many elements, the last after the backward, and the "
-        "host waits on the oldest of 3 buckets in flight (__reduce_and_partition_ipg_grads, "
+        "host waits on the oldest bucket when too many are in flight (__reduce_and_partition_ipg_grads, "
         "max_param_reduce_events); with contiguous_gradients the GPU holds a bucket of this size"),
     Z + "contiguous_gradients": (
         "the GPU bucket buffer of reduce_bucket_size elements exists only with it "
