@@ -156,8 +156,9 @@ NOT_MODELLED: dict[str, str] = {
     Z + "stage3_param_persistence_threshold": (
         "parameters below it stay on the GPU (parameter_offload.py mark_persistent_parameters): in a "
         "decoder layer its biases and norm weights, about 13 h of its 12 h^2 elements (0.02% at h = 5120), "
-        "below what the simulation resolves; a threshold above a layer's matrices would keep whole layers on "
-        "the GPU. Settles: per-tensor sizes in the model description"),
+        "below what the simulation resolves; a threshold above a layer's matrices keeps whole layers on the "
+        "GPU (at the default 1e5, every layer of a model of hidden size up to about 150, as tiny-gpt's). "
+        "Settles: per-tensor sizes in the model description, so that the persistent share is exact"),
     Z + "stage3_model_persistence_threshold": "the cap on all persistent parameters: as "
                                               "stage3_param_persistence_threshold",
     Z + "stage3_module_granularity_threshold": (
