@@ -17,11 +17,14 @@ prefetch bucket. `DsConfig.schedule` turns it into the `horizontal` schedule wit
   than the bucket whole) become the schedule's prefetch depth. Parameters on NVMe are fetched on demand
   whatever the bucket (the deepspeed runtime).
 
-Every other key is sorted into one of: no effect on the step time (learning rate, scheduler, logging, saving),
-not modelled (named in one warning line, `DsConfig.warning_line`), or unknown to DeepSpeed (named in the same
-line). "auto" values, as Hugging Face's Trainer writes them, are resolved as the Trainer resolves them where
-the config and the model allow (the batch keys from each other or from the command line's batch and
-micro-batch, `reduce_bucket_size` = hidden^2, `stage3_prefetch_bucket_size` = 0.9 hidden^2,
+The keys that size DeepSpeed's own buffers (reduce_bucket_size, contiguous_gradients, the swappers' buffer
+sizes and counts, max_in_cpu) are read into `DsConfig` and refused where DeepSpeed itself would stop. Every
+other key is sorted by dskeys.py's classes: no effect on the step time (learning rate, scheduler, logging,
+saving, and the keys whose value changes no step's work), no effect on one GPU (named in the warning line for
+several GPUs), not modelled (named in one warning line, `DsConfig.warning_line`), or unknown to DeepSpeed
+(named in the same line). "auto" values, as Hugging Face's Trainer writes them, are resolved as the Trainer
+resolves them where the config and the model allow (the batch keys from each other or from the command
+line's batch and micro-batch, `reduce_bucket_size` = hidden^2, `stage3_prefetch_bucket_size` = 0.9 hidden^2,
 `stage3_param_persistence_threshold` = 10 hidden: transformers `integrations/deepspeed.py`,
 `HfTrainerDeepSpeedConfig`), else refused with one line.
 
