@@ -80,7 +80,7 @@ def _ds_nvme(pipeline: dict, sub_group_size: int | None = 1):
 
     m, hw = get_model("tiny-gpt"), load_profile("rtx4090-lohan")
     zero = {"stage": 3, "offload_param": {"device": "cpu"},
-            "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", **pipeline}}
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 12, **pipeline}}
     if sub_group_size is not None:
         zero["sub_group_size"] = sub_group_size
     cfg = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}

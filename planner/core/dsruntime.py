@@ -17,11 +17,18 @@ tensors a placement puts in host memory: read in DeepSpeed 0.19.8's code (docs/b
   count=swap_config.buffer_count)).
 - The parameter swapper's pinned buffers (parameters on NVMe): `buffer_count` (5) x `buffer_size` (1e8)
   elements of the 16-bit dtype (swap_tensor/partitioned_param_swapper.py: self.buffers).
+- The parameters `offload_param.max_in_cpu` keeps in host memory with parameters on NVMe: whole sub-groups, in
+  model order, while their running total stays within max_in_cpu elements (stage3.py
+  _create_param_groups_fp16_flat_cpu_memory, _create_fp16_partitions_with_defragmentation: a sub-group that
+  fits the pinned flat buffer is swapped in once, permanently, `final_location = 'not-nvme'`); they are
+  fetched and prefetched like CPU-offloaded parameters and never read from NVMe (`ds_cached_blocks`).
 Defaults are offload_config.py's. Not measured here: the CPU accelerator cannot build the NVMe swapper in this
 sandbox's time (its async_io op compiles for minutes); the sizes are the code's.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from tierflow.planner.core.workload import COMPUTE_BYTES, MASTER_BYTES
 
@@ -29,19 +36,59 @@ DS_SUB_GROUP_ELEMS = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_si
 DS_OPT_BUFFER_COUNT = 4  # offload_optimizer.buffer_count
 DS_PARAM_BUFFER_COUNT = 5  # offload_param.buffer_count
 DS_PARAM_BUFFER_ELEMS = 100_000_000  # offload_param.buffer_size
+DS_MAX_IN_CPU_ELEMS = 1_000_000_000  # offload_param.max_in_cpu
+DS_REDUCE_BUCKET_ELEMS = 500_000_000  # zero_optimization.reduce_bucket_size (zero/config.py)
 
 
-def deepspeed_host_buffers_bytes(partition_params: int, sub_group_elems: int, params_on_nvme: bool,
+@dataclass(frozen=True)
+class DsKnobs:
+    """The DeepSpeed config keys that size DeepSpeed's own buffers (ScheduleConfig.ds_knobs)."""
+
+    sub_group_elems: int = DS_SUB_GROUP_ELEMS
+    opt_buffer_count: int = DS_OPT_BUFFER_COUNT
+    param_buffer_count: int = DS_PARAM_BUFFER_COUNT
+    param_buffer_elems: int = DS_PARAM_BUFFER_ELEMS
+    # the GPU's gradient bucket: reduce_bucket_size elements, allocated only with contiguous_gradients
+    # (stage3.py __init__: `if self.contiguous_gradients: bucket.buffer = torch.empty(reduce_bucket_size)`)
+    reduce_bucket_elems: int = DS_REDUCE_BUCKET_ELEMS
+    contiguous_gradients: bool = True
+    # offload_param.device nvme: the parameter swapper's buffers exist even when max_in_cpu keeps every
+    # parameter in host memory (no weights on the SSDs)
+    param_swapper: bool = False
+
+    @property
+    def gpu_bucket_elems(self) -> int:
+        return self.reduce_bucket_elems if self.contiguous_gradients else 0
+
+
+def deepspeed_host_buffers_bytes(partition_params: int, knobs: DsKnobs | int, params_on_nvme: bool,
                                  states_on_nvme: bool, compute_bytes: int = COMPUTE_BYTES) -> float:
     """Host bytes DeepSpeed holds for the whole run with the optimizer offloaded, for a rank whose partition
     has `partition_params` parameters of a model trained in `compute_bytes` per element (its dtype: the
-    gradient partitions' and the parameter swapper's, 4 B when it trains in fp32)."""
+    gradient partitions' and the parameter swapper's, 4 B when it trains in fp32). `knobs`: the config's
+    buffer keys (an int: the sub-group size, the other keys at their defaults)."""
+    k = knobs if isinstance(knobs, DsKnobs) else DsKnobs(sub_group_elems=knobs)
     out = float(compute_bytes * partition_params)  # grad_partitions_flat_buffer
-    largest_sub_group = min(sub_group_elems, partition_params)
+    largest_sub_group = min(k.sub_group_elems, partition_params)
     # the fp32 gradient: one buffer per sub-group in host memory, one shared buffer when they are swapped
     out += MASTER_BYTES * (largest_sub_group if states_on_nvme else partition_params)
     if states_on_nvme:
-        out += DS_OPT_BUFFER_COUNT * MASTER_BYTES * largest_sub_group
-    if params_on_nvme:
-        out += DS_PARAM_BUFFER_COUNT * DS_PARAM_BUFFER_ELEMS * compute_bytes
+        out += k.opt_buffer_count * MASTER_BYTES * largest_sub_group
+    if params_on_nvme or k.param_swapper:
+        out += k.param_buffer_count * k.param_buffer_elems * compute_bytes
     return out
+
+
+def ds_cached_elems(owned_params: list[int], sub_groups: list[int], max_in_cpu_elems: float) -> int:
+    """Parameters `offload_param.max_in_cpu` keeps in host memory with parameters on NVMe: the leading whole
+    sub-groups (`sub_groups[i]`: block i's, ds_sub_groups) whose running total stays within max_in_cpu
+    (stage3.py _create_fp16_partitions_with_defragmentation: `flat_offset + total_elements <= buffer`)."""
+    per_group: dict[int, int] = {}
+    for n, g in zip(owned_params, sub_groups):
+        per_group[g] = per_group.get(g, 0) + n
+    total = 0
+    for g in sorted(per_group):
+        if total + per_group[g] > max_in_cpu_elems:
+            break
+        total += per_group[g]
+    return total

@@ -18,7 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tierflow.planner.core.dsruntime import DS_SUB_GROUP_ELEMS, deepspeed_host_buffers_bytes
+from tierflow.planner.core.dsruntime import (  # noqa: F401 (DS_REDUCE_BUCKET_ELEMS: imported from here too)
+    DS_REDUCE_BUCKET_ELEMS,
+    DS_SUB_GROUP_ELEMS,
+    DsKnobs,
+    deepspeed_host_buffers_bytes,
+)
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement
 from tierflow.planner.core.workload import (
@@ -49,7 +54,6 @@ MARGIN = 1.5
 
 
 # DeepSpeed ZeRO-3 defaults that hold GPU memory for the whole step (docs/baselines-as-coded.md, A2 and A4):
-DS_REDUCE_BUCKET_ELEMS = 5e8  # reduce_bucket_size: the gradient bucket, model dtype (zero/config.py:113)
 # gradient buckets whose reduce and copy may be in flight before the host waits for the oldest (stage3.py:
 # max_param_reduce_events)
 DS_MAX_PARAM_REDUCE_EVENTS = 2
@@ -57,11 +61,13 @@ DS_MAX_PARAM_REDUCE_EVENTS = 2
 DS_MAX_REUSE_DISTANCE_ELEMS = 1e9
 
 
-def deepspeed_gpu_buffers_bytes(model: ModelSpec) -> float:
-    """GPU bytes DeepSpeed's ZeRO-3 holds besides what the schedule's tasks allocate: its gradient bucket and
-    the parameters its reuse distance keeps resident where the forward turns into the backward."""
-    return precision_of(model).compute_bytes * (DS_REDUCE_BUCKET_ELEMS
-                                                + min(model.total_params(), DS_MAX_REUSE_DISTANCE_ELEMS))
+def deepspeed_gpu_buffers_bytes(model: ModelSpec, knobs: DsKnobs | None = None) -> float:
+    """GPU bytes DeepSpeed's ZeRO-3 holds besides what the schedule's tasks allocate: its gradient bucket
+    (with contiguous_gradients, of the config's reduce_bucket_size: DsKnobs) and the parameters its reuse
+    distance keeps resident where the forward turns into the backward."""
+    bucket = (knobs or DsKnobs()).gpu_bucket_elems
+    resident = min(model.total_params(), DS_MAX_REUSE_DISTANCE_ELEMS)
+    return precision_of(model).compute_bytes * (bucket + resident)
 
 
 
@@ -100,15 +106,17 @@ def placed_bytes_of(params: int, placement: Placement,
 
 
 def static_bytes(model: ModelSpec, placement: Placement, runtime: str = "ideal",
-                 ranks: int = 1, ds_sub_group_elems: int = DS_SUB_GROUP_ELEMS) -> dict[str, float]:
+                 ranks: int = 1, ds: DsKnobs | int = DS_SUB_GROUP_ELEMS) -> dict[str, float]:
     """Bytes resident on each tier for the whole run: the placed tensors (one rank's shard of them), plus the
     GPU and host buffers DeepSpeed's runtime holds while the optimizer states are offloaded
-    (tierflow.planner.core.dsruntime)."""
+    (tierflow.planner.core.dsruntime; `ds`: its config's buffer keys, ScheduleConfig.ds_knobs, or only the
+    sub-group size)."""
     out = placed_bytes(model, placement, ranks)
     if runtime == "deepspeed" and not placement.gpu_optimizer:
-        out["gpu"] += deepspeed_gpu_buffers_bytes(model)
+        knobs = ds if isinstance(ds, DsKnobs) else DsKnobs(sub_group_elems=ds)
+        out["gpu"] += deepspeed_gpu_buffers_bytes(model, knobs)
         partition = shard_elems(model.total_params(), ranks)
-        out["cpu"] += deepspeed_host_buffers_bytes(partition, ds_sub_group_elems, placement.weights.ssd > 0,
+        out["cpu"] += deepspeed_host_buffers_bytes(partition, knobs, placement.weights.ssd > 0,
                                                    placement.master.ssd > 0,
                                                    precision_of(model).compute_bytes)
     return out

@@ -25,7 +25,14 @@ from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock, Offset
 from tierflow.planner.core.costmodel import CostModel
-from tierflow.planner.core.dsruntime import DS_SUB_GROUP_ELEMS, deepspeed_host_buffers_bytes
+from tierflow.planner.core.dsruntime import (
+    DS_OPT_BUFFER_COUNT,
+    DS_PARAM_BUFFER_COUNT,
+    DS_PARAM_BUFFER_ELEMS,
+    DS_SUB_GROUP_ELEMS,
+    DsKnobs,
+    deepspeed_host_buffers_bytes,
+)
 from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused, topological_order
 from tierflow.planner.core.memory import (
     DS_MAX_PARAM_REDUCE_EVENTS,
@@ -118,6 +125,28 @@ class ScheduleConfig:
     ds_sub_group_elems: int = DS_SUB_GROUP_ELEMS
     # its reduce_bucket_size: gradients leave for the host in buckets of this many elements (_ds_grad_bucket)
     ds_reduce_bucket_elems: int = int(DS_REDUCE_BUCKET_ELEMS)
+    # its swappers' pinned host buffers (dsruntime): offload_optimizer.buffer_count,
+    # offload_param.buffer_count and buffer_size; and contiguous_gradients (the GPU bucket of
+    # reduce_bucket_size elements)
+    ds_opt_buffer_count: int = DS_OPT_BUFFER_COUNT
+    ds_param_buffer_count: int = DS_PARAM_BUFFER_COUNT
+    ds_param_buffer_elems: int = DS_PARAM_BUFFER_ELEMS
+    ds_contiguous_gradients: bool = True
+    ds_param_swapper: bool = False  # offload_param nvme with every parameter kept in host memory (max_in_cpu)
+    # offload_param.max_in_cpu with parameters on NVMe: the elements of the leading whole blocks DeepSpeed
+    # keeps in host memory (dsruntime.ds_cached_elems; the placement's weights cpu fraction says the same);
+    # 0: the placement's split holds for every block
+    ds_cached_elems: int = 0
+
+    @property
+    def ds_knobs(self) -> DsKnobs:
+        """The DeepSpeed keys that size DeepSpeed's own buffers (runtime deepspeed)."""
+        return DsKnobs(sub_group_elems=self.ds_sub_group_elems, opt_buffer_count=self.ds_opt_buffer_count,
+                       param_buffer_count=self.ds_param_buffer_count,
+                       param_buffer_elems=self.ds_param_buffer_elems,
+                       reduce_bucket_elems=self.ds_reduce_bucket_elems,
+                       contiguous_gradients=self.ds_contiguous_gradients,
+                       param_swapper=self.ds_param_swapper)
 
     @property
     def world(self) -> World:
@@ -164,6 +193,7 @@ class ScheduleConfig:
                if self.ds_sub_group_elems != DS_SUB_GROUP_ELEMS else {}),
             **({"ds_reduce_bucket_elems": self.ds_reduce_bucket_elems}
                if self.ds_reduce_bucket_elems != DS_REDUCE_BUCKET_ELEMS else {}),
+            **{k: getattr(self, k) for k, dflt in _DS_BUFFER_DEFAULTS.items() if getattr(self, k) != dflt},
         }
 
     @classmethod
@@ -171,6 +201,15 @@ class ScheduleConfig:
         d = dict(d)
         d["placement"] = Placement.from_dict(d["placement"])
         return cls(**d)
+
+
+_IN_CPU, _ON_SSD = Split(gpu=0.0, cpu=1.0, ssd=0.0), Split(gpu=0.0, cpu=0.0, ssd=1.0)
+# DeepSpeed's buffer keys: written to a plan only when set away from DeepSpeed's default, so that other plans'
+# digests stay as they were
+_DS_BUFFER_DEFAULTS = {"ds_opt_buffer_count": DS_OPT_BUFFER_COUNT,
+                       "ds_param_buffer_count": DS_PARAM_BUFFER_COUNT,
+                       "ds_param_buffer_elems": DS_PARAM_BUFFER_ELEMS, "ds_contiguous_gradients": True,
+                       "ds_param_swapper": False, "ds_cached_elems": 0}
 
 
 def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> Placement:
@@ -194,7 +233,7 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     ssd = hw.ssd.count > 0
     pr_bytes = precision_of(model).compute_bytes
     if cfg.runtime == "deepspeed":  # what DeepSpeed allocates on the host for itself (with its swappers)
-        budget -= deepspeed_host_buffers_bytes(params, cfg.ds_sub_group_elems, ssd, ssd, pr_bytes)
+        budget -= deepspeed_host_buffers_bytes(params, cfg.ds_knobs, ssd, ssd, pr_bytes)
     if cfg.family == "horizontal" and ssd and not (mem.deepspeed_host or mem.accumulates_on_host):
         # spilled fp32 gradients leave host memory (the memory model's host_grads_bytes)
         grads, budget = fill_split(mem.host_grad_bytes, budget)
@@ -210,7 +249,7 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
             # states wholly in host memory make DeepSpeed keep an fp32 gradient buffer per sub-group instead
             # of the swapper's (dsruntime): they stay there only if that fits too
             on_host, swapped = (
-                deepspeed_host_buffers_bytes(params, cfg.ds_sub_group_elems, ssd, nvme, pr_bytes)
+                deepspeed_host_buffers_bytes(params, cfg.ds_knobs, ssd, nvme, pr_bytes)
                 for nvme in (False, True))
             state_bytes += max(0.0, on_host - swapped)
         states, budget = fill_split(state_bytes, budget)
@@ -486,6 +525,7 @@ class _Builder:
         self.ds_events: deque[int] = deque()
         self.ds_wait: list[int] = []
         self.ds_groups = ds_sub_groups([x.owned_params for x in b], cfg.ds_sub_group_elems)
+        self.ds_cached = self._ds_cached_blocks()
 
     # -- helpers ---------------------------------------------------------------------------------------------
 
@@ -551,7 +591,7 @@ class _Builder:
         use = self.uses[u]
         b = use.block
         blk = self.blocks[b]
-        w = self.p.weights
+        w = self.weights_of(b)
         deps = list(self.resident_update.get(b, []))
         # this rank's shard of the block (the whole block with one rank) crosses its links
         mine = blk.weight_bytes if self.W == 1 else self.pr.compute_bytes * self.shard(blk.fetch_params)
@@ -605,10 +645,35 @@ class _Builder:
         use.gather = a
         return deps + [a.id]
 
+    def _ds_cached_blocks(self) -> frozenset[int] | None:
+        """Runtime deepspeed with parameters on NVMe and part of them in host memory (ds_cached_elems:
+        offload_param.max_in_cpu, dsruntime.ds_cached_elems): the leading blocks, in model order, that many
+        elements hold whole. DeepSpeed keeps whole sub-groups in host memory and fetches
+        them like CPU-offloaded parameters; the others are read from NVMe on demand. None where the
+        placement's split holds for every block."""
+        w = self.p.weights
+        if self.cfg.runtime != "deepspeed" or self.cfg.ds_cached_elems <= 0 or w.ssd <= 0 or w.gpu > 0:
+            return None
+        room = self.cfg.ds_cached_elems
+        out, total = set(), 0
+        for b, x in enumerate(self.blocks):
+            if total + x.owned_params > room:
+                break
+            total += x.owned_params
+            out.add(b)
+        return frozenset(out)
+
+    def weights_of(self, b: int) -> Split:
+        """Where block b's weights live: the placement's split, or under runtime deepspeed whole blocks in
+        host memory or on NVMe (_ds_cached_blocks)."""
+        if self.ds_cached is None:
+            return self.p.weights
+        return _IN_CPU if b in self.ds_cached else _ON_SSD
+
     def _weight_prefetch_depth(self, use: _Use) -> int:
         """Weight uses ahead the fetch of `use` may start: the schedule's prefetch depth, but none where the
         modelled runtime fetches SSD-resident weights on demand."""
-        if self.cfg.runtime == "deepspeed" and self.p.weights.ssd > 0:
+        if self.cfg.runtime == "deepspeed" and self.weights_of(use.block).ssd > 0:
             # DeepSpeed's parameter prefetch stops at the first parameter still on NVMe; its NVMe read-ahead
             # starts when the previous module's hook runs, its copy to the GPU when this module's hook does
             # (partitioned_param_coordinator.py:460-463, 667-690; partition_parameters.py:1689-1692)
@@ -645,7 +710,7 @@ class _Builder:
             self.build_iteration(it, base, seq_steps)
         if cfg.runtime == "lohan":
             _renumber(self.g.tasks)
-        static = static_bytes(self.model, self.p, cfg.runtime, self.W, cfg.ds_sub_group_elems)
+        static = static_bytes(self.model, self.p, cfg.runtime, self.W, cfg.ds_knobs)
         cap = rank_capacity_bytes(self.hw, cfg.gpus)
         meta = {"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations}
         if self.W > 1:
@@ -933,7 +998,7 @@ class _Builder:
         states_ssd = owned * (pr.master_bytes * p.master.ssd
                               + pr.adam_state_bytes * (p.adam_m.ssd + p.adam_v.ssd))
         grads_ssd = self.pr.grad_accum_bytes * fetch_params * p.grads.ssd
-        w_ssd = self.pr.compute_bytes * owned * p.weights.ssd
+        w_ssd = self.pr.compute_bytes * owned * self.weights_of(b).ssd
         w_gpu = self.pr.compute_bytes * owned * p.weights.gpu
         pre: list[int] = []
         if grads_ssd > 0:

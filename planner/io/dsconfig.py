@@ -17,11 +17,14 @@ prefetch bucket. `DsConfig.schedule` turns it into the `horizontal` schedule wit
   than the bucket whole) become the schedule's prefetch depth. Parameters on NVMe are fetched on demand
   whatever the bucket (the deepspeed runtime).
 
-Every other key is sorted into one of: no effect on the step time (learning rate, scheduler, logging, saving),
-not modelled (named in one warning line, `DsConfig.warning_line`), or unknown to DeepSpeed (named in the same
-line). "auto" values, as Hugging Face's Trainer writes them, are resolved as the Trainer resolves them where
-the config and the model allow (the batch keys from each other or from the command line's batch and
-micro-batch, `reduce_bucket_size` = hidden^2, `stage3_prefetch_bucket_size` = 0.9 hidden^2,
+The keys that size DeepSpeed's own buffers (reduce_bucket_size, contiguous_gradients, the swappers' buffer
+sizes and counts, max_in_cpu) are read into `DsConfig` and refused where DeepSpeed itself would stop. Every
+other key is sorted by dskeys.py's classes: no effect on the step time (learning rate, scheduler, logging,
+saving, and the keys whose value changes no step's work), no effect on one GPU (named in the warning line for
+several GPUs), not modelled (named in one warning line, `DsConfig.warning_line`), or unknown to DeepSpeed
+(named in the same line). "auto" values, as Hugging Face's Trainer writes them, are resolved as the Trainer
+resolves them where the config and the model allow (the batch keys from each other or from the command
+line's batch and micro-batch, `reduce_bucket_size` = hidden^2, `stage3_prefetch_bucket_size` = 0.9 hidden^2,
 `stage3_param_persistence_threshold` = 10 hidden: transformers `integrations/deepspeed.py`,
 `HfTrainerDeepSpeedConfig`), else refused with one line.
 
@@ -33,7 +36,7 @@ Defaults are DeepSpeed's, read in deepspeedai/DeepSpeed:
 `deepspeed/runtime/zero/config.py` (stage 0, sub_group_size 1e9, stage3_prefetch_bucket_size 5e7,
 stage3_max_live_parameters 1e9, stage3_max_reuse_distance 1e9, reduce_bucket_size 5e8, overlap_comm True on
 stage 3), `deepspeed/runtime/zero/offload_config.py` (device none; offload_param buffer_count 5, buffer_size
-1e8, max_in_cpu 1e9, pin_memory False; offload_optimizer buffer_count 4, pipeline_read/pipeline_write False,
+1e8, max_in_cpu 1e9, pin_memory True; offload_optimizer buffer_count 4, pipeline_read/pipeline_write False,
 ratio 1.0), `deepspeed/runtime/swap_tensor/aio_config.py` with `swap_tensor/constants.py` (block_size 1048576,
 queue_depth 8, thread_count / intra_op_parallelism 1, single_submit False, overlap_events True),
 `deepspeed/runtime/activation_checkpointing/config.py` (cpu_checkpointing False, partition_activations False),
@@ -51,13 +54,33 @@ from pathlib import Path
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles.inputs import MIB, InputLimitError, loads_json_limited, read_limited_text
 from tierflow.outputs import atomic_write_text
-from tierflow.planner.core.dsruntime import DS_SUB_GROUP_ELEMS
+from tierflow.planner.core.dsruntime import (
+    DS_MAX_IN_CPU_ELEMS,
+    DS_OPT_BUFFER_COUNT,
+    DS_PARAM_BUFFER_COUNT,
+    DS_PARAM_BUFFER_ELEMS,
+    DS_REDUCE_BUCKET_ELEMS,
+    DS_SUB_GROUP_ELEMS,
+    ds_cached_elems,
+)
+from tierflow.planner.core.memory import blocks_of
 from tierflow.planner.core.models import PRECISION_NAMES, ModelSpec
 from tierflow.planner.core.placement import Placement, Split
-from tierflow.planner.core.schedules import ScheduleConfig
+from tierflow.planner.core.schedules import ScheduleConfig, ds_sub_groups
 from tierflow.planner.io.argtypes import MAX_BATCH
+from tierflow.planner.io.dskeys import (
+    ASSUMED_DEFAULTS,
+    MODELLED_KEYS,
+    NO_STEP_EFFECT,
+    NOT_MODELLED,
+    ONE_GPU_NO_EFFECT,
+)
 
 WORLD_SIZE = 1  # tierflow simulates one GPU
+Z, OP, OO = "zero_optimization.", "zero_optimization.offload_param.", "zero_optimization.offload_optimizer."
+DS_AIO_BLOCK_BYTES = 1_048_576  # aio.block_size (swap_tensor/constants.py)
+DS_MIN_AIO_BYTES = 1024**2  # swap_tensor/utils.py MIN_AIO_BYTES: smaller parameters are not swapped to NVMe
+DS_OPT_SWAP_TENSORS = 4  # swap buffers per sub-group in flight: master, m, v and the gradient
 AUTO = "auto"
 
 # DeepSpeed's defaults the simulation depends on (see the module docstring for the files)
@@ -77,16 +100,7 @@ ADAM_TYPES = ("adam", "adamw", "cpuadam", "fusedadam", "deepspeedcpuadam")
 # an nvme_path for configs tierflow writes: DeepSpeed's own docs use this mount point
 EMIT_NVME_PATH = "/local_nvme"
 
-# Keys whose DeepSpeed default the simulation assumes: at that value they are modelled, at another not.
-ASSUMED_DEFAULTS: dict[str, object] = {
-    "zero_optimization.reduce_bucket_size": 500_000_000,  # memory.DS_REDUCE_BUCKET_ELEMS
-    "zero_optimization.stage3_max_reuse_distance": 1_000_000_000,  # memory.DS_MAX_REUSE_DISTANCE_ELEMS
-    "zero_optimization.overlap_comm": True,  # async copies on their own stream
-    "zero_optimization.offload_optimizer.ratio": 1.0,  # every optimizer state offloaded
-    "zero_optimization.offload_param.pin_memory": True,  # link rates are those of pinned buffers
-    "zero_optimization.offload_optimizer.pin_memory": True,
-}
-# Keys the simulation reads (handled one by one below).
+# Keys the simulation reads (handled one by one below; dskeys.MODELLED_KEYS: the buffer and bucket keys).
 MODELLED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "zero_optimization.stage", "zero_optimization.offload_param.device",
@@ -98,7 +112,7 @@ MODELLED = {
     # the optimizer swapper's overlap of sub-groups (ScheduleConfig.ds_pipeline_read / ds_pipeline_write)
     "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.offload_optimizer.pipeline_write",
     "zero_optimization.sub_group_size",  # the optimizer's unit of swapping and pipelining
-}
+} | set(MODELLED_KEYS)
 # Documented keys that do not change the time of a training step (learning rate, logging, saving, paths).
 NO_EFFECT = {
     "optimizer.params", "scheduler", "steps_per_print", "wall_clock_breakdown", "dump_state",
@@ -115,47 +129,7 @@ NO_EFFECT = {
     "zero_optimization.log_trace_cache_warnings", "zero_optimization.enable_sanity_checks",
     "zero_optimization.ignore_unused_parameters", "zero_optimization.pipeline_loading_checkpoint",
     "zero_optimization.offload_optimizer.fast_init", "zero_optimization.cpu_offload_use_pin_memory",
-}
-# Documented keys the simulation does not represent: named in the warning line whenever present.
-NOT_MODELLED = {
-    "gradient_clipping", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "amp",
-    "communication_data_type", "seq_parallel_communication_data_type", "data_types", "compile", "pipeline",
-    "sparse_attention", "disable_allgather", "compression_training", "data_efficiency", "curriculum_learning",
-    "tensor_parallel", "expert_parallel", "torch_autocast", "weight_quantization", "hybrid_engine",
-    "zero_optimization.contiguous_gradients",
-    "zero_optimization.reduce_scatter",
-    "zero_optimization.allgather_partitions", "zero_optimization.allgather_bucket_size",
-    "zero_optimization.stage3_param_persistence_threshold",
-    "zero_optimization.stage3_model_persistence_threshold",
-    "zero_optimization.round_robin_gradients", "zero_optimization.zero_hpz_partition_size",
-    "zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_nontrainable_weights",
-    "zero_optimization.zero_quantized_gradients", "zero_optimization.stage3_module_granularity_threshold",
-    "zero_optimization.memory_efficient_linear", "zero_optimization.use_multi_rank_bucket_allreduce",
-    "zero_optimization.stage3_use_all_reduce_for_fetch_params",
-    "zero_optimization.stage3_allgather_sequential",
-    "zero_optimization.stage3_partition_stream_chunk_size", "zero_optimization.mics_shard_size",
-    "zero_optimization.mics_hierarchical_params_gather", "zero_optimization.zenflow",
-    "zero_optimization.leaf_module",
-    "zero_optimization.zeropp_loco_param", "zero_optimization.legacy_stage1",
-    "zero_optimization.override_module_apply",
-    "zero_optimization.save_muon_momentum_buffer_in_memory",
-    "zero_optimization.offload_param.buffer_count", "zero_optimization.offload_param.buffer_size",
-    "zero_optimization.offload_param.max_in_cpu",
-    "zero_optimization.offload_optimizer.buffer_count", "zero_optimization.offload_optimizer.super_offload",
-    "zero_optimization.offload_optimizer.convert_grad_on_cpu",
-    "zero_optimization.offload_optimizer.cpuadam_cores_perc",
-    "aio.block_size", "aio.queue_depth", "aio.thread_count", "aio.intra_op_parallelism", "aio.single_submit",
-    "aio.overlap_events", "aio.use_gds",
-    "activation_checkpointing.partition_activations",
-    "activation_checkpointing.contiguous_memory_optimization",
-    "activation_checkpointing.number_checkpoints", "activation_checkpointing.synchronize_checkpoint_boundary",
-    "activation_checkpointing.profile",
-    "fp16.loss_scale", "fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis",
-    "fp16.consecutive_hysteresis", "fp16.min_loss_scale", "fp16.auto_cast",
-    "fp16.fp16_master_weights_and_grads",
-    "bf16.immediate_grad_update", "bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states",
-    "bf16.check_grad_overflow", "bfloat16.immediate_grad_update",
-}
+} | set(NO_STEP_EFFECT)
 # Sections whose keys are classified one by one (every other value is one leaf, whatever it holds).
 SECTIONS = {"zero_optimization", "zero_optimization.offload_param", "zero_optimization.offload_optimizer",
             "aio", "activation_checkpointing", "bf16", "bfloat16", "fp16", "optimizer"}
@@ -191,6 +165,16 @@ class DsConfig:
     pipeline_read: bool = False  # offload_optimizer.pipeline_read (NVMe optimizer offload)
     pipeline_write: bool = False  # offload_optimizer.pipeline_write
     sub_group_elems: int = DS_SUB_GROUP_ELEMS  # zero_optimization.sub_group_size
+    reduce_bucket_elems: int = DS_REDUCE_BUCKET_ELEMS  # zero_optimization.reduce_bucket_size
+    contiguous_gradients: bool = True
+    param_buffer_count: int = DS_PARAM_BUFFER_COUNT  # offload_param.buffer_count
+    param_buffer_elems: int = DS_PARAM_BUFFER_ELEMS  # offload_param.buffer_size
+    max_in_cpu_elems: int = DS_MAX_IN_CPU_ELEMS  # offload_param.max_in_cpu
+    opt_buffer_count: int = DS_OPT_BUFFER_COUNT  # offload_optimizer.buffer_count
+    # parameters on NVMe: the share of them max_in_cpu keeps in host memory (whole leading sub-groups)
+    cached_fraction: float = 0.0
+    cached_elems: int = 0
+    one_gpu_only: tuple[str, ...] = ()  # keys with no effect on one GPU (dskeys.ONE_GPU_NO_EFFECT)
     no_effect: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
     resolved: tuple[str, ...] = ()  # "auto" keys and what they became
@@ -198,6 +182,9 @@ class DsConfig:
 
     def placement(self) -> Placement:
         w = _one(DEVICE_TIER[self.param_device])
+        if self.param_device == "nvme" and self.cached_fraction > 0:  # max_in_cpu (dsruntime.ds_cached_elems)
+            f = min(1.0, self.cached_fraction)
+            w = Split(gpu=0.0, cpu=f, ssd=1.0 - f)
         states = _one(DEVICE_TIER[self.optimizer_device])
         grads = states  # fp32 gradients wait where the optimizer runs: GPU, host memory, or NVMe (A4)
         ckpt = _one("cpu" if self.cpu_checkpointing else "gpu")
@@ -208,8 +195,8 @@ class DsConfig:
         """Decoder layers fetched ahead of the one in use: DeepSpeed prefetches parameters up to
         min(prefetch bucket, max live parameters) elements ahead, one parameter at least
         (partitioned_param_coordinator.py, docs/baselines-as-coded.md A2). It matters only for parameters in
-        CPU memory; on NVMe they are fetched on demand, on the GPU not at all."""
-        if self.param_device != "cpu":
+        CPU memory (max_in_cpu's too); on NVMe they are fetched on demand, on the GPU not at all."""
+        if self.param_device == "none" or (self.param_device == "nvme" and self.cached_fraction == 0):
             return 1
         ahead = min(self.prefetch_bucket_elems, self.max_live_elems)
         return max(1, min(model.num_layers, ahead // max(1, model.layer_params())))
@@ -224,7 +211,14 @@ class DsConfig:
         nvme = self.optimizer_device == "nvme"  # DeepSpeed pipelines the swapper only for NVMe states
         return replace(cfg, ds_pipeline_read=nvme and self.pipeline_read,
                        ds_pipeline_write=nvme and self.pipeline_write,
-                       ds_sub_group_elems=self.sub_group_elems)
+                       ds_sub_group_elems=self.sub_group_elems,
+                       ds_reduce_bucket_elems=self.reduce_bucket_elems,
+                       ds_contiguous_gradients=self.contiguous_gradients,
+                       ds_opt_buffer_count=self.opt_buffer_count,
+                       ds_param_buffer_count=self.param_buffer_count,
+                       ds_param_buffer_elems=self.param_buffer_elems,
+                       ds_param_swapper=self.param_device == "nvme" and self.cached_fraction >= 1.0,
+                       ds_cached_elems=self.cached_elems if 0 < self.cached_fraction < 1 else 0)
 
     def trained(self, model: ModelSpec) -> ModelSpec:
         """`model` in the precision this config trains it in (bf16.enabled / fp16.enabled, else fp32; "auto":
@@ -238,11 +232,14 @@ class DsConfig:
                 f"batch {self.batch} = {self.accumulation} micro-batches of {self.micro_batch} "
                 f"on {WORLD_SIZE} GPU")
 
-    def warning_line(self) -> str | None:
-        """The one line naming what the simulation leaves out, or None when it models every key."""
+    def warning_line(self, gpus: int = WORLD_SIZE) -> str | None:
+        """The one line naming what the simulation leaves out, or None when it models every key; with
+        several `gpus`, also the keys that have no effect on one GPU only (dskeys.ONE_GPU_NO_EFFECT)."""
         parts = []
         if self.not_modelled:
             parts.append(f"not modelled: {', '.join(self.not_modelled)}")
+        if gpus > 1 and self.one_gpu_only:
+            parts.append(f"not modelled on {gpus} GPUs (no effect on one): {', '.join(self.one_gpu_only)}")
         if self.unknown:
             parts.append(f"unknown to DeepSpeed (ignored): {', '.join(self.unknown)}")
         if not parts:
@@ -256,7 +253,12 @@ class DsConfig:
                 "gradient_accumulation_steps": self.accumulation, "precision": self.precision,
                 "prefetch_bucket_elems": self.prefetch_bucket_elems, "max_live_elems": self.max_live_elems,
                 "pipeline_read": self.pipeline_read, "pipeline_write": self.pipeline_write,
-                "sub_group_size": self.sub_group_elems,
+                "sub_group_size": self.sub_group_elems, "reduce_bucket_size": self.reduce_bucket_elems,
+                "contiguous_gradients": self.contiguous_gradients,
+                "offload_param_buffers": [self.param_buffer_count, self.param_buffer_elems],
+                "max_in_cpu": self.max_in_cpu_elems, "params_in_cpu_fraction": self.cached_fraction,
+                "offload_optimizer_buffer_count": self.opt_buffer_count,
+                "no_effect_on_one_gpu": list(self.one_gpu_only),
                 "not_modelled": list(self.not_modelled), "no_effect": list(self.no_effect),
                 "unknown": list(self.unknown), "resolved_auto": list(self.resolved),
                 "from_command_line": list(self.from_command_line)}
@@ -322,19 +324,7 @@ def parse_ds_config(data: object, source: str, model: ModelSpec, *, batch_hint: 
             raise DsConfigError(f"{source}: {key} is \"auto\", which only the batch keys, bf16/fp16.enabled "
                                 "and the hidden-size keys can be (as Hugging Face's Trainer fills them); "
                                 "set a value")
-    not_modelled, no_effect, unknown = [], [], []
-    for key, value in leaves.items():
-        if key in ASSUMED_DEFAULTS:
-            if not _same(value, ASSUMED_DEFAULTS[key]):
-                not_modelled.append(f"{key}={_show(value)}")
-        elif key in MODELLED:
-            continue
-        elif key in NO_EFFECT or any(key.startswith(k + ".") for k in NO_EFFECT):
-            no_effect.append(key)
-        elif key in NOT_MODELLED:
-            not_modelled.append(key)
-        else:
-            unknown.append(key)
+    not_modelled, no_effect, one_gpu, unknown = _classify(leaves)
 
     stage = _int(leaves, "zero_optimization.stage", DS_STAGE, source, lo=0, hi=3)
     if stage > 3:
@@ -393,17 +383,95 @@ def parse_ds_config(data: object, source: str, model: ModelSpec, *, batch_hint: 
     pipeline = {k: _flag(leaves, f"zero_optimization.offload_optimizer.{k}", source)
                 for k in ("pipeline_read", "pipeline_write")}
     sub_group = _int(leaves, "zero_optimization.sub_group_size", DS_SUB_GROUP_ELEMS, source, lo=1)
+    if (leaves.get("gradient_clipping", 0) not in (0, None) and stage == 0 and precision == "fp32"
+            and "gradient_clipping" in no_effect):  # the engine clips on its own (dskeys.NO_STEP_EFFECT)
+        no_effect.remove("gradient_clipping")
+        not_modelled.append("gradient_clipping (without ZeRO in fp32: engine.py clip_fp32_gradients)")
+    buffers = _buffer_keys(leaves, source, model, param_device, optimizer_device,
+                           (pipeline["pipeline_read"], pipeline["pipeline_write"]), sub_group, precision)
     return DsConfig(source=source, stage=stage, param_device=param_device, optimizer_device=optimizer_device,
-                    **pipeline, sub_group_elems=sub_group,
+                    **pipeline, sub_group_elems=sub_group, **buffers, one_gpu_only=tuple(one_gpu),
                     cpu_checkpointing=cpu_ckpt, batch=batch, micro_batch=micro, accumulation=accum,
                     precision=precision, prefetch_bucket_elems=bucket, max_live_elems=max_live,
                     not_modelled=tuple(not_modelled), no_effect=tuple(no_effect), unknown=tuple(unknown),
                     resolved=tuple(resolved), from_command_line=tuple(from_cli))
 
 
-def _flag(leaves: dict, key: str, source: str) -> bool:
-    """A boolean key (False when absent, DeepSpeed's default); DsConfigError for anything else."""
-    value = leaves.get(key, False)
+def _buffer_keys(leaves: dict, source: str, model: ModelSpec, param_device: str, optimizer_device: str,
+                 pipelined: tuple[bool, bool], sub_group: int, precision: str) -> dict:
+    """The keys that size DeepSpeed's own buffers (dskeys.MODELLED_KEYS) as DsConfig fields, refused where
+    DeepSpeed itself stops; with parameters on NVMe, the share max_in_cpu keeps in host memory."""
+    bucket = _int(leaves, Z + "reduce_bucket_size", DS_REDUCE_BUCKET_ELEMS, source, lo=0)
+    out = {"reduce_bucket_elems": bucket,
+           "contiguous_gradients": _flag(leaves, Z + "contiguous_gradients", source, default=True),
+           "param_buffer_count": _int(leaves, OP + "buffer_count", DS_PARAM_BUFFER_COUNT, source, lo=0),
+           "param_buffer_elems": _int(leaves, OP + "buffer_size", DS_PARAM_BUFFER_ELEMS, source, lo=0),
+           "max_in_cpu_elems": _int(leaves, OP + "max_in_cpu", DS_MAX_IN_CPU_ELEMS, source, lo=0),
+           "opt_buffer_count": _int(leaves, OO + "buffer_count", DS_OPT_BUFFER_COUNT, source, lo=0)}
+    owned = [b.owned_params for b in blocks_of(model, 1, model.seq_len)]
+    groups = ds_sub_groups(owned, sub_group)
+    if param_device == "nvme":
+        elem_bytes = 4 if precision == "fp32" else 2
+        block = _int(leaves, "aio.block_size", DS_AIO_BLOCK_BYTES, source, lo=0)
+        largest = largest_param_elems(model)
+        if out["param_buffer_count"] < 1:
+            raise DsConfigError(f"{source}: {OP}buffer_count 0 with parameters on NVMe: DeepSpeed has no "
+                                "buffer to swap a parameter into (partitioned_param_swapper.py get_buffer); "
+                                "set 1 or more")
+        if largest * elem_bytes >= max(DS_MIN_AIO_BYTES, block) and largest > out["param_buffer_elems"]:
+            raise DsConfigError(
+                f"{source}: {OP}buffer_size {out['param_buffer_elems']:,} is below {model.name}'s largest "
+                f"parameter ({largest:,} elements): DeepSpeed stops at start-up "
+                "(partitioned_param_swapper.py get_buffer: 'More elements ... than buffer size'); "
+                f"set buffer_size to {largest:,} or more")
+        out["cached_elems"] = ds_cached_elems(owned, groups, out["max_in_cpu_elems"])
+        out["cached_fraction"] = out["cached_elems"] / sum(owned)
+    if optimizer_device == "nvme":
+        # with several sub-groups, pipeline_read holds the next one's buffers, pipeline_write the previous
+        # one's until this one's swap-out (pipelined_optimizer_swapper.py swap_in/swap_out_optimizer_state)
+        ahead = sum(pipelined) if max(groups) > 0 else 0
+        need = DS_OPT_SWAP_TENSORS * (1 + ahead)
+        if out["opt_buffer_count"] < need:
+            why = " with pipeline_read/write and several sub-groups" if ahead else ""
+            raise DsConfigError(
+                f"{source}: {OO}buffer_count {out['opt_buffer_count']} is below the {need} swap buffers "
+                f"DeepSpeed's optimizer swapper takes{why} (master, m, v and the gradient of each sub-group "
+                "in flight: partitioned/pipelined_optimizer_swapper.py); it stops at the first step; "
+                f"set {need} or more")
+    return out
+
+
+def largest_param_elems(model: ModelSpec) -> int:
+    """The elements of the model's largest parameter tensor: the token embedding (or an untied head of its
+    size), the position table, or an MLP matrix."""
+    return max(model.vocab_size * (model.embed_proj_dim or model.hidden), model.max_positions * model.hidden,
+               model.hidden * model.ffn_hidden)
+
+
+def _classify(leaves: dict) -> tuple[list[str], list[str], list[str], list[str]]:
+    """The config's keys as not modelled, without effect on a step, without effect on one GPU, and unknown to
+    DeepSpeed (dskeys)."""
+    not_modelled, no_effect, one_gpu, unknown = [], [], [], []
+    for key, value in leaves.items():
+        if key in ASSUMED_DEFAULTS:
+            if not _same(value, ASSUMED_DEFAULTS[key][0]):
+                not_modelled.append(f"{key}={_show(value)}")
+        elif key in MODELLED:
+            continue
+        elif key in NO_EFFECT or any(key.startswith(k + ".") for k in NO_EFFECT):
+            no_effect.append(key)
+        elif key in ONE_GPU_NO_EFFECT:
+            one_gpu.append(key)
+        elif key in NOT_MODELLED:
+            not_modelled.append(key)
+        else:
+            unknown.append(key)
+    return not_modelled, no_effect, one_gpu, unknown
+
+
+def _flag(leaves: dict, key: str, source: str, default: bool = False) -> bool:
+    """A boolean key (`default` when absent, DeepSpeed's); DsConfigError for anything else."""
+    value = leaves.get(key, default)
     if not isinstance(value, bool):
         raise DsConfigError(f"{source}: {key} {_show(value)}: expected true or false")
     return value
@@ -591,7 +659,13 @@ def ds_config_for_plan(model: ModelSpec, cfg: ScheduleConfig) -> EmittedDsConfig
     if param_dev != "none":
         zero["offload_param"] = {"device": param_dev, "pin_memory": True}
         if param_dev == "nvme":
-            zero["offload_param"]["nvme_path"] = EMIT_NVME_PATH
+            # a swap buffer must hold the largest parameter (DeepSpeed stops otherwise), and max_in_cpu keeps
+            # the plan's CPU share of the weights in host memory (DeepSpeed's default 1e9 would keep more)
+            zero["offload_param"].update(nvme_path=EMIT_NVME_PATH,
+                                         buffer_size=max(DS_PARAM_BUFFER_ELEMS, largest_param_elems(model)),
+                                         max_in_cpu=int(p.weights.cpu * model.total_params()))
+            if p.weights.cpu > 0:  # sub-groups of one layer, so that max_in_cpu can hold whole layers
+                zero["sub_group_size"] = model.layer_params()
         else:  # prefetch as many layers ahead as the plan does
             zero["stage3_prefetch_bucket_size"] = cfg.prefetch_depth * model.layer_params()
     if opt_dev != "none":

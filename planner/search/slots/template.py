@@ -56,7 +56,7 @@ def _memory_edges(model: ModelSpec, mt: ModelSpec, hw: HardwareProfile,
     with each tier's capacity less the full model's resident tensors beyond the template's, so its buffers
     compete for the same headroom as the full model's. Returns (freeing task, waiting task) signatures."""
     g = build_graph(mt, hw, ct)
-    full = static_bytes(model, ct.placement, ct.runtime, ct.world.ranks, ct.ds_sub_group_elems)
+    full = static_bytes(model, ct.placement, ct.runtime, ct.world.ranks, ct.ds_knobs)
     g.capacity_bytes = {t: c - (full[t] - g.static_bytes[t]) for t, c in g.capacity_bytes.items()}
     g.static_bytes = dict(g.static_bytes)
     try:
