@@ -53,6 +53,7 @@ from expcommon import (
 
 from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.placement import Placement, Split
+from tierflow.planner.io.dsconfig import largest_param_elems
 
 DS_VERSION = "0.19.8"
 RESULT_TAG = "RACE-RESULT "
@@ -113,7 +114,7 @@ def ds_config(p: Point, nvme_dir: str, variant: str) -> dict:
                  "zero_optimization": zero, "steps_per_print": 10**9, "wall_clock_breakdown": False}
     if variant == "ds-default":  # as a new user writes it: DeepSpeed's defaults for everything else
         return cfg
-    largest = max(p.vocab, p.seq) * p.hidden  # the largest parameter (the embedding) in elements
+    largest = largest_param_elems(p.spec())  # DeepSpeed stops on a swap buffer smaller than this
     total = p.spec().total_params()
     tuned_param = {"buffer_count": 4, "buffer_size": int(largest), "pin_memory": True}
     tuned_opt = {"buffer_count": 4, "pin_memory": True, "pipeline_read": True, "pipeline_write": True}
