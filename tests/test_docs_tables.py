@@ -13,6 +13,7 @@ EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 
 pytest.importorskip("matplotlib")
+import bench_store  # noqa: E402
 import expcommon  # noqa: E402
 import fidelity  # noqa: E402
 import gemini_capacity  # noqa: E402
@@ -28,6 +29,7 @@ def _rows(name: str) -> list[dict]:
     (gemini_capacity, "gemini_capacity.csv", gemini_capacity.capacity_table),
     (fidelity, "fidelity.csv", fidelity.checks_table),
     (race_deepspeed, "race.csv", race_deepspeed.race_tables),
+    (bench_store, "bench_store.csv", bench_store.store_table),
 ])
 def test_generated_doc_tables_equal_their_results_files(module, results, render):
     assert expcommon.generated_block(module.DOC, module.DOC_TABLE) == render(_rows(results))

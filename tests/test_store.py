@@ -186,3 +186,73 @@ def test_zlib_fallback_warns_once(tmp_path, monkeypatch):
         stores[0].read("t", torch.uint8, data.numel())
     for s in stores:
         s.close()
+
+
+def test_an_asynchronous_write_is_complete_before_anything_claims_it(store):
+    data = [_bytes(3 * CHUNK + 7, seed=i) for i in range(3)]
+    pending = [store.write(f"t{i}", d, wait=False) for i, d in enumerate(data)]
+    assert all(p is not None and p.nbytes == d.numel() for p, d in zip(pending, data))
+    assert store.used_bytes() == sum(d.numel() for d in data)  # counted while queued
+    assert torch.equal(store.read("t1", torch.uint8, data[1].numel()), data[1])  # the read waits for it
+    assert "t1" not in store.pending and pending[1].tensor is None  # its tensor is let go once it is down
+    store.flush()
+    assert not store.pending and all(p.done() for p in pending)
+    assert store.bytes_written == sum(d.numel() for d in data)
+    for i, d in enumerate(data):
+        assert store.records[f"t{i}"].chunk_crcs == _sync_crcs(store, d)
+        assert torch.equal(store.read(f"t{i}", torch.uint8, d.numel()), d)
+
+
+def _sync_crcs(store, data):
+    """The CRCs the store records for `data` written synchronously under another name."""
+    store.write("sync-copy", data)
+    return store.records["sync-copy"].chunk_crcs
+
+
+def test_asynchronous_writes_are_bounded_and_a_rewrite_waits_for_the_first(store, monkeypatch):
+    monkeypatch.setattr(ss, "MAX_PENDING_WRITES", 2)
+    data = [_bytes(2 * CHUNK, seed=i) for i in range(4)]
+    for i, d in enumerate(data):
+        store.write(f"t{i}", d, wait=False)
+        assert len(store.pending) <= 2
+    store.write("t3", data[0], wait=False)  # the same name again: the first write of it is waited for
+    assert torch.equal(store.read("t3", torch.uint8, 2 * CHUNK), data[0])
+    store.delete("t2")  # waits for it, then removes the file
+    assert not store.path("t2").exists() and "t2" not in store.records and "t2" not in store.pending
+
+
+def test_a_failed_asynchronous_write_is_raised_and_leaves_no_record(store, monkeypatch):
+    data = _bytes(3 * CHUNK)
+    store.write("t", data)
+    real = store.io._write_chunk
+
+    def failing(fd, buf, mv, lo, hi, name):
+        if lo == CHUNK:
+            raise OSError(5, f"short write of {name} at byte {lo}")
+        return real(fd, buf, mv, lo, hi, name)
+
+    monkeypatch.setattr(store.io, "_write_chunk", failing)
+    p = store.write("t", data, wait=False)
+    with pytest.raises(OSError, match="short write of t at byte"):
+        store.flush()
+    with pytest.raises(OSError, match="short write of t"):
+        p.wait()  # the same error again to whoever waits
+    assert "t" not in store.records and not store.pending and store.fds["t"].users == 0
+    with pytest.raises(ChecksumError, match="expected 49152 bytes, the store wrote None"):
+        store.read("t", torch.uint8, data.numel())
+
+
+def test_a_corrupted_asynchronous_write_is_named_and_close_waits(tmp_path, monkeypatch):
+    monkeypatch.setattr(ss, "CHUNK_BYTES", CHUNK)
+    st = SsdStore(tmp_path, warn=lambda m: None)
+    data = _bytes(3 * CHUNK)
+    st.write("a", data, wait=False)
+    st.write("b", data, wait=False)
+    st.read("a", torch.uint8, data.numel())
+    with open(st.path("a"), "r+b") as f:
+        f.seek(2 * CHUNK + 1)
+        f.write(bytes([data[2 * CHUNK + 1].item() ^ 0xFF]))
+    with pytest.raises(ChecksumError, match=rf"checksum mismatch in tensor a .*bytes {2 * CHUNK}-"):
+        st.read("a", torch.uint8, data.numel())
+    st.close()  # waits for b
+    assert not st.pending and "b" in st.records and os.path.getsize(st.path("b")) == data.numel()
