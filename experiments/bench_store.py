@@ -15,13 +15,14 @@ bytes through:
 - **store-async**: the same store writing with `write(..., wait=False)`: each write returns once its chunks
   are queued, the set's writes are waited for at the end (`flush`), so the requests of the next tensor queue
   behind those of the last; reads as the store's;
-- **reference**: `fio` (libaio, queue depth 16, 1 MiB blocks, O_DIRECT) when installed; else the raw loop;
-- **raw-loop** (the reference where fio is missing, else a diagnostic): 1 MiB O_DIRECT requests, 16 in
-  flight from 16 threads (os.preadv / os.pwritev release the GIL), each thread from or into its own 1 MiB
-  buffer, as fio's jobs do; no checksums;
-- **raw-tensor** (a diagnostic): the same loop moving the tensor's own memory (block i of a file from or into
-  bytes i MiB on of the same tensor-sized buffers as the store's), to separate what the reference gains from
-  re-using a small buffer;
+- **reference**: `fio` (libaio, queue depth 16, 1 MiB blocks, O_DIRECT) when installed, its own time and
+  CPU; else a raw loop of 1 MiB O_DIRECT requests, 16 in flight from 16 threads (os.preadv / os.pwritev
+  release the GIL), each thread from or into its own 1 MiB buffer, as fio's jobs do; no checksums;
+- **raw-tensor** (a diagnostic): that loop moving the tensor's own memory (block i of a file from or into
+  bytes i MiB on of the same tensor-sized buffers as the store's), to separate the store's path from what
+  the memory it moves costs;
+- **store-locked** (a diagnostic): the store on buffers of its own page-locked with mlock (as a GPU box's
+  transfer area is, by cudaHostRegister), where mlock is allowed;
 - **store-nocrc** (a diagnostic, not a mode of the executor): the same store with its checksum replaced by a
   no-op, to show what the CRC costs;
 - **deepspeed**: DeepSpeed's `aio_handle` (libaio, 1 MiB blocks, queue depth 16, overlapped events, one I/O
@@ -30,18 +31,20 @@ bytes through:
   `baseline` extra and the system's libaio); otherwise one line says it is skipped.
 
 Each measurement reports GB/s (bytes moved over wall time) and CPU seconds per GB moved (user + sys of this
-process from resource.getrusage, all threads; fio's own from RUSAGE_CHILDREN). The systems alternate within
-each repetition, so a noisy shared machine slows them alike; the CSV has the median and the spread (min, max)
-over the repetitions. Targets (tensors >= 64 MiB): the store's read and write >= 0.9x the reference, mixed >=
-0.8x, <= 0.1 CPU seconds per GB moved; the `met` column says which hold (for store and store-async). Writes
-bench_store.csv and bench_store.png under --out and prints the table; a full run into the results folder also
-regenerates the table of docs/executor.md.
+process from resource.getrusage, all threads; fio's own time and CPU from its report). The systems alternate
+within each repetition, so a noisy shared machine slows them alike; the CSV has the median and the spread
+(min, max) over the repetitions. Targets (tensors >= 64 MiB): the store's read and write >= 0.9x the
+reference, mixed >= 0.8x, <= 0.1 CPU seconds per GB moved; the `met` column says which hold (for store and
+store-async). Writes bench_store.csv and bench_store.png under --out and prints the table; a full run into the
+results folder also regenerates the table of docs/executor.md.
 
 Then where a write's time goes (bench_store_timeline.csv): 1 GiB of 64 MiB, 256 MiB and 1 GiB tensors
-written through the store one at a time, with wait=False, and into new files (created and preallocated by each
-write, as the executor's activation files are), each chunk's request timed in its I/O worker: GB/s, the
-requests in flight on average and the share of the time with fewer than the store's workers busy, the gap at
-each tensor boundary (from the last chunk's start to the next tensor's first), the preallocation per tensor.
+written through the store: rewriting its files one at a time (store) and with wait=False (store-async), into
+new names whose files are deleted after (store-newfiles: the store renames a deleted file of the same size,
+as the executor's activation files come and go) and into new files without that (store-fresh: created and
+preallocated by each write); each chunk's request timed in its I/O worker: GB/s, the requests in flight on
+average and the share of the time with fewer than the store's workers busy, the gap at each tensor boundary
+(from the last chunk's start to the next tensor's first), the preallocation per tensor.
 And where a chunk's time goes (bench_store_chunks.csv): 256 MiB tensors written and read through the store
 with each checksum it can use (and none), timing in the I/O worker, per chunk, the checksum and the rest of
 the chunk's work (its pwritev/preadv requests) in wall seconds and in the thread's own CPU seconds
@@ -50,6 +53,7 @@ the chunk's work (its pwritev/preadv requests) in wall seconds and in the thread
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -85,6 +89,7 @@ QUICK_TOTAL_BYTES = 64 * MIB
 MODES = ("read", "write", "mixed")
 REF_BLOCK = MIB  # the reference's request size and queue depth, as fio --bs=1M --iodepth=16
 REF_DEPTH = 16
+ALIGN_PAGE = 4096
 DS_SETTINGS = {"block_size": REF_BLOCK, "queue_depth": REF_DEPTH, "single_submit": False,
                "overlap_events": True, "intra_op_parallelism": 1}  # aio_handle's arguments, in order
 TARGET_MIN_MIB = 64  # targets apply to tensors of this size and larger
@@ -107,15 +112,15 @@ class Sample:
     cpu_s: float
 
 
-def _cpu_s(who: int = resource.RUSAGE_SELF) -> float:
-    r = resource.getrusage(who)
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
 
-def timed(fn: Callable[[], int], who: int = resource.RUSAGE_SELF) -> Sample:
-    c0, t0 = _cpu_s(who), time.perf_counter()
+def timed(fn: Callable[[], int]) -> Sample:
+    c0, t0 = _cpu_s(), time.perf_counter()
     n = fn()
-    return Sample(n, time.perf_counter() - t0, _cpu_s(who) - c0)
+    return Sample(n, time.perf_counter() - t0, _cpu_s() - c0)
 
 
 def both(read: Callable[[], int], write: Callable[[], int]) -> int:
@@ -183,6 +188,16 @@ class Buffers:
         src.random_(0, 256)
         return cls(src, host_buffer(size) if BACKEND else aligned_empty(size))
 
+    @classmethod
+    def locked(cls, size: int) -> Buffers:
+        """New buffers of `size`, page-locked with mlock (as pinned memory is; OSError where refused)."""
+        bufs = cls.of(size)
+        libc = ctypes.CDLL(None, use_errno=True)
+        for t in (bufs.src, bufs.dst):
+            if libc.mlock(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(size)) != 0:
+                raise OSError(ctypes.get_errno(), f"mlock of {size} bytes: {os.strerror(ctypes.get_errno())}")
+        return bufs
+
 
 class StoreCase(TwoSets):
     """SsdStore on `count` tensors of `size` bytes per set (a: read, b: written while a is read), one write
@@ -223,6 +238,16 @@ class AsyncStoreCase(StoreCase):
 
     name = "store-async"
     wait = False
+
+
+class LockedStoreCase(StoreCase):
+    """Diagnostic: the same store on buffers of its own, page-locked with mlock (as a GPU box's transfer
+    area is, by cudaHostRegister; on this CPU backend it is pageable), to show what pageable memory costs."""
+
+    name = "store-locked"
+
+    def __init__(self, directory: Path, size: int, count: int, bufs: Buffers) -> None:
+        super().__init__(directory, size, count, Buffers.locked(size))
 
 
 class NoCrcStoreCase(StoreCase):
@@ -299,7 +324,7 @@ def _timed_chunk(inner, sums: list[float]):
 
 # -- where a write's time goes: the requests in flight across tensor boundaries ------------------------------
 
-TIMELINE_VARIANTS = ("store", "store-async", "store-newfiles")
+TIMELINE_VARIANTS = ("store", "store-async", "store-newfiles", "store-fresh")
 
 
 def write_timeline(directory: Path, sizes_mib: tuple[int, ...], total: int, rounds: int) -> list[dict]:
@@ -314,8 +339,10 @@ def write_timeline(directory: Path, sizes_mib: tuple[int, ...], total: int, roun
             count = max(1, total // size)
             case = StoreCase(directory, size, count, Buffers.of(size))
             try:
-                for i in range(count):  # the files the store and store-async variants rewrite
+                for i in range(count):  # the files the store and store-async variants rewrite, and spares
                     case.store.write(f"a_{i}", case.src)
+                    case.store.write(f"s_{i}", case.src)
+                    case.store.delete(f"s_{i}")
                 got: dict[str, list[dict]] = {v: [] for v in TIMELINE_VARIANTS}
                 for r in range(rounds):
                     for variant in TIMELINE_VARIANTS if r % 2 == 0 else TIMELINE_VARIANTS[::-1]:
@@ -349,7 +376,9 @@ def _timeline_pass(case: StoreCase, variant: str, rnd: int) -> dict:
         allocs.append(time.perf_counter() - t0)
 
     io._write_chunk, store._allocate = chunk, alloc
-    prefix = f"n{rnd}_" if variant == "store-newfiles" else "a_"
+    new = variant in ("store-newfiles", "store-fresh")
+    prefix = f"{variant[6]}{rnd}_" if new else "a_"
+    store.recycle = variant != "store-fresh"
     data = case.src.view(case.torch.float32)
     try:
         t0 = time.perf_counter()
@@ -359,9 +388,10 @@ def _timeline_pass(case: StoreCase, variant: str, rnd: int) -> dict:
         t1 = time.perf_counter()
     finally:
         io._write_chunk, store._allocate = inner, allocate
-    if variant == "store-newfiles":
+    if new:
         for i in range(case.count):
             store.delete(f"{prefix}{i}")
+    store.recycle = True
     return {"spans": spans, "t0": t0, "t1": t1, "allocs": allocs, "nbytes": case.size * case.count,
             "chunk": io.chunk_bytes(case.size)}
 
@@ -498,11 +528,12 @@ class RawTensorCase(RawCase):
 
 
 class FioCase:
-    """fio with libaio, queue depth 16, 1 MiB blocks, O_DIRECT, on `count` files of `size` per set; its CPU
-    time is the child's (RUSAGE_CHILDREN)."""
+    """fio with libaio, queue depth 16, 1 MiB blocks, O_DIRECT, on `count` files of `size` per set. Its time
+    and CPU are fio's own for the I/O (the JSON's runtime of the slower direction, and usr + sys CPU over the
+    jobs' runtime), not the process's start, its file checks and its report, which took 0.2-0.4 s a run here
+    and would halve its GB/s at 1 GiB."""
 
     name = "reference"
-    who = resource.RUSAGE_CHILDREN
 
     def __init__(self, directory: Path, size: int, count: int, bufs: Buffers | None = None) -> None:
         self.root, self.size, self.count = directory / "fio", size, count
@@ -517,7 +548,11 @@ class FioCase:
                      f"--rw={rw}", f"--iodepth={REF_DEPTH // len(jobs)}"]
         out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
         job = json.loads(out[out.index("{"):])["jobs"][0]
-        return int(job["read"]["io_bytes"]) + int(job["write"]["io_bytes"])
+        nbytes = int(job["read"]["io_bytes"]) + int(job["write"]["io_bytes"])
+        wall_s = max(job["read"]["runtime"], job["write"]["runtime"]) / 1e3
+        cpu_s = (job["usr_cpu"] + job["sys_cpu"]) / 100 * job["job_runtime"] / 1e3
+        self.last = Sample(nbytes, wall_s, cpu_s)
+        return nbytes
 
     def write(self) -> int:
         return self._run([("a", "write")])
@@ -590,7 +625,9 @@ def deepspeed_available() -> str | None:
 
 
 def measure(case, mode: str) -> Sample:
-    return timed(getattr(case, mode), getattr(case, "who", resource.RUSAGE_SELF))
+    """One run of `mode`: timed here, or the case's own measurement (fio's)."""
+    sample = timed(getattr(case, mode))
+    return case.last if isinstance(case, FioCase) else sample
 
 
 def summarize(size_mib: int, mode: str, system: str, samples: list[Sample], ref_gbps: float | None) -> dict:
@@ -681,10 +718,15 @@ def systems() -> list:
     """The cases of this run: the store's two write paths, the reference (fio, else the raw loop), the
     diagnostics, DeepSpeed's aio_handle where it loads (else one line says why not)."""
     fio = shutil.which("fio") is not None
-    factories: list = [StoreCase, AsyncStoreCase, FioCase if fio else RawReferenceCase,
-                       *([RawCase] if fio else []), RawTensorCase, NoCrcStoreCase]
+    factories: list = [StoreCase, AsyncStoreCase, FioCase if fio else RawReferenceCase, RawTensorCase,
+                       NoCrcStoreCase]
     print("reference: " + ("fio (libaio, iodepth 16, 1 MiB, O_DIRECT)" if fio else
                            "fio is not installed: a raw O_DIRECT loop, 1 MiB x 16 threads"), file=sys.stderr)
+    try:
+        Buffers.locked(ALIGN_PAGE)
+        factories.insert(4, LockedStoreCase)
+    except OSError as e:
+        print(f"store-locked: skipped (cannot page-lock memory here: {e.strerror})", file=sys.stderr)
     why_not = deepspeed_available()
     if why_not is None:
         factories.append(DeepSpeedCase)

@@ -26,7 +26,7 @@ def test_bench_store_quick(tmp_path):
     assert COLUMNS <= set(rows[0])
     systems = {r["system"] for r in rows}
     always = {"store", "store-async", "reference", "raw-tensor", "store-nocrc"}
-    assert always <= systems <= always | {"deepspeed", "raw-loop"}
+    assert always <= systems <= always | {"deepspeed", "store-locked"}
     assert {(int(r["size_mib"]), r["mode"]) for r in rows} == {
         (s, m) for s in (16, 64) for m in ("read", "write", "mixed")}
     assert len(rows) == 6 * len(systems)
@@ -52,15 +52,15 @@ def test_bench_store_quick(tmp_path):
     with open(tmp_path / "out" / "bench_store_timeline.csv", newline="") as f:
         timeline = list(csv.DictReader(f))
     assert {(int(r["size_mib"]), r["variant"]) for r in timeline} == {
-        (s, v) for s in (16, 64) for v in ("store", "store-async", "store-newfiles")}
+        (s, v) for s in (16, 64) for v in ("store", "store-async", "store-newfiles", "store-fresh")}
     for r in timeline:
         workers = int(r["workers"])
         assert float(r["gbps"]) > 0 and 0 < float(r["in_flight_mean"]) <= workers
         assert 0 <= float(r["below_full_share"]) <= 1 and float(r["alloc_ms_per_tensor"]) >= 0
         assert (r["boundary_gap_ms"] == "") == (int(r["tensors"]) == 1)
-    newfiles = [r for r in timeline if r["variant"] == "store-newfiles"]
-    rewrites = [r for r in timeline if r["variant"] == "store"]
+    fresh = [r for r in timeline if r["variant"] == "store-fresh"]
+    recycled = [r for r in timeline if r["variant"] == "store-newfiles"]
     assert all(float(n["alloc_ms_per_tensor"]) > float(w["alloc_ms_per_tensor"])
-               for n, w in zip(newfiles, rewrites))  # only new files are preallocated
+               for n, w in zip(fresh, recycled))  # only new files are preallocated, not recycled ones
     assert "size_mib" in out.stdout and "vs_reference" in out.stdout
     assert not list(under_test.iterdir())  # its files are removed

@@ -256,3 +256,50 @@ def test_a_corrupted_asynchronous_write_is_named_and_close_waits(tmp_path, monke
         st.read("a", torch.uint8, data.numel())
     st.close()  # waits for b
     assert not st.pending and "b" in st.records and os.path.getsize(st.path("b")) == data.numel()
+
+
+def test_a_deleted_file_is_recycled_for_the_next_new_file_of_its_size(store, monkeypatch):
+    allocated = []
+    real = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (allocated.append(n), real(fd, off, n)))
+    old, new = _bytes(2 * CHUNK, seed=1), _bytes(2 * CHUNK, seed=2)
+    store.write("step1", old)
+    inode = os.stat(store.path("step1")).st_ino
+    store.delete("step1")
+    assert not store.path("step1").exists() and "step1" not in store.records and len(store.spares) == 1
+    store.write("step2", new)  # the spare renamed: its blocks are written already, no preallocation
+    assert os.stat(store.path("step2")).st_ino == inode and allocated == [2 * CHUNK] and not store.spares
+    assert torch.equal(store.read("step2", torch.uint8, new.numel()), new)
+    with open(store.path("step2"), "r+b") as f:  # a recycled file is checked like any other
+        f.seek(CHUNK + 3)
+        f.write(bytes([new[CHUNK + 3].item() ^ 0xFF]))
+    with pytest.raises(ChecksumError, match=rf"checksum mismatch in tensor step2 .*bytes {CHUNK}-"):
+        store.read("step2", torch.uint8, new.numel())
+    store.write("odd", _bytes(CHUNK + 5))  # no spare of its size: a new file
+    assert allocated == [2 * CHUNK, CHUNK + ALIGN]
+
+
+def test_spares_stay_within_the_most_bytes_the_tensors_held_and_close_removes_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(ss, "CHUNK_BYTES", CHUNK)
+    st = SsdStore(tmp_path, warn=lambda m: None)
+    for i in range(3):
+        st.write(f"a{i}", _bytes(CHUNK, seed=i))
+    for i in range(3):
+        st.delete(f"a{i}")
+    assert sorted(st.spares.values()) == [CHUNK] * 3 and st.peak_bytes == 3 * CHUNK
+    st.write("big", _bytes(2 * CHUNK))  # no spare of its size: spares go until the files fit the peak
+    on_disk = sum(os.path.getsize(p) for p in tmp_path.iterdir())
+    assert on_disk == 3 * CHUNK and list(st.spares.values()) == [CHUNK]
+    st.write("c", _bytes(CHUNK))  # takes the last spare
+    assert not st.spares and st.peak_bytes == 3 * CHUNK
+    st.delete("c")
+    st.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["big.bin"]  # spares are scratch: removed at close
+
+
+def test_without_recycling_a_deleted_file_is_removed(tmp_path):
+    st = SsdStore(tmp_path, warn=lambda m: None, recycle=False)
+    st.write("t", _bytes(ALIGN))
+    st.delete("t")
+    assert not st.spares and not list(tmp_path.iterdir())
+    st.close()
