@@ -303,3 +303,15 @@ def test_without_recycling_a_deleted_file_is_removed(tmp_path):
     st.delete("t")
     assert not st.spares and not list(tmp_path.iterdir())
     st.close()
+
+
+def test_a_file_deleted_while_read_is_not_recycled(store):
+    data = _bytes(2 * CHUNK)
+    store.write("t", data)
+    f = store._acquire("t", create=False)  # a read in progress on another thread holds it
+    store.delete("t")
+    assert not store.spares and not store.path("t").exists()
+    store.write("u", _bytes(2 * CHUNK, seed=5))  # a new file, not the one being read
+    buf = aligned_empty(2 * CHUNK)
+    assert os.preadv(f.fd, [memoryview(buf.numpy())], 0) == 2 * CHUNK and torch.equal(buf, data)
+    store._release(f)
