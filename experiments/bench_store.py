@@ -74,6 +74,7 @@ from expcommon import (
     Progress,
     arg_parser,
     generated_block,
+    headline,
     new_figure,
     print_table,
     save_figure,
@@ -761,7 +762,22 @@ def run(quick: bool, out_dir: Path, directory: Path | None = None, reps: int | N
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(rows, timeline_rows, chunk_rows, out_dir, quick)
-    return rows
+    return headlines(rows)
+
+
+def headlines(rows: list[dict]) -> list[dict]:
+    """run_all's headline numbers: per mode the store's lowest GB/s ratio to the reference, and its highest
+    CPU seconds per GB, at tensors >= TARGET_MIN_MIB."""
+    big = [r for r in rows
+           if r["system"] == "store" and r["size_mib"] >= TARGET_MIN_MIB and r["vs_reference"]]
+    if not big:
+        return []
+    at = f"tensors >= {TARGET_MIN_MIB} MiB"
+    out = [headline("bench_store", f"store / reference GB/s, {mode}, {at} (lowest)",
+                    min(r["vs_reference"] for r in big if r["mode"] == mode), None, "x") for mode in MODES]
+    out.append(headline("bench_store", f"store CPU s per GB moved, {at} (highest)",
+                        max(r["cpu_s_per_gb"] for r in big), None, "s/GB"))
+    return out
 
 
 def report(rows: list[dict], timeline_rows: list[dict], chunk_rows: list[dict], out_dir: Path,
