@@ -7,7 +7,7 @@ own memory (only an unaligned tail, or an unaligned tensor, is copied through a 
 buffer); a read lands in the buffer the caller hands in (`into`). Each file is preallocated once
 (posix_fallocate) and its descriptor kept open in a small cache, so an op is a few pread/pwrite calls; a
 deleted file is kept as a spare and renamed to the next new file of its size (writes into a new file's
-unwritten extents ran at 0.6-0.8x the speed of overwrites: ext4 converts them as they complete). A
+unwritten extents ran at 0.7-0.8x the speed of overwrites: ext4 converts them as they complete). A
 tensor is split into about CHUNKS_PER_WORKER chunks per worker of the pool (MIN_CHUNK_BYTES to CHUNK_BYTES
 each), one request each; the worker that moves a chunk also computes its checksum (zlib-ng's CRC32, folded
 with carry-less multiplies; else google-crc32c's CRC32C from its C library; else zlib's CRC32 with one
@@ -524,7 +524,7 @@ class SsdStore:
     def _take_spare(self, name: str, size: int) -> None:
         """Before a write creates `name`'s file (`size` bytes): a spare file of that size is renamed to it, so
         the write overwrites blocks already allocated and written (a new preallocated file's extents are
-        unwritten: ext4 converts them as the writes complete, which made new files 0.6-0.7x as fast to write,
+        unwritten: ext4 converts them as the writes complete, which made new files 0.7-0.8x as fast to write,
         bench_store_timeline.csv). With no spare of that size, spares are removed until the files on disk
         are within the most bytes the tensors' files held at once."""
         if not self.recycle or size == 0 or self.path(name).exists():
