@@ -1,7 +1,8 @@
 """Regenerate every paper-reproduction experiment and the summary of headline numbers (ours, paper, ratio).
 
 Runs fuyou_lohan, greedysnake_a100, gemini_capacity, own_plans, what_if, multi_gpu, race_deepspeed (only where
-DeepSpeed is importable: the race against ZeRO-Infinity on this machine) and fidelity (last: predicted against
+DeepSpeed is importable: the race against ZeRO-Infinity on this machine), adapt, bench_store (the SSD store
+against fio and DeepSpeed's aio_handle on this disk) and fidelity (last: predicted against
 published for every headline and LoHan's SSD sweep) in this process (each writes its CSV and PNG under the
 output folder and prints its own tables), then writes summary.csv and summary.md there
 with every headline number, the paper's value, the ratio and the note explaining any difference over 15%.
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import adapt
+import bench_store
 import fidelity
 import fuyou_lohan
 import gemini_capacity
@@ -47,6 +49,8 @@ STUDIES = {
     # libaio are installed; otherwise it prints one line and adds no headline
     "race_deepspeed": race_deepspeed,
     "adapt": adapt,  # plan on a wrong profile, run --adapt on this CPU, against the calibrated profile's plan
+    # the SSD tier's store against fio and DeepSpeed's aio_handle on the disk that holds the checkout
+    "bench_store": bench_store,
     "fidelity": fidelity,  # last: it compares every earlier study's headline numbers with the papers'
 }
 

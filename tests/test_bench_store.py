@@ -1,6 +1,6 @@
 """experiments/bench_store.py --quick: the store against the raw device, into a temporary folder, on a
-temporary directory; checks the CSV's rows and columns and that the figure is written. No timing assertions:
-the targets live in the script."""
+temporary directory; checks the CSVs' rows and columns (the systems, the write timeline, the chunk profile)
+and that the figure is written. No timing assertions: the targets live in the script."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def test_bench_store_quick(tmp_path):
         rows = list(csv.DictReader(f))
     assert COLUMNS <= set(rows[0])
     systems = {r["system"] for r in rows}
-    always = {"store", "reference", "store-nocrc"}
-    assert always <= systems <= always | {"deepspeed", "store-crc32c"}
+    always = {"store", "store-async", "reference", "raw-tensor", "store-nocrc"}
+    assert always <= systems <= always | {"deepspeed", "store-locked"}
     assert {(int(r["size_mib"]), r["mode"]) for r in rows} == {
         (s, m) for s in (16, 64) for m in ("read", "write", "mixed")}
     assert len(rows) == 6 * len(systems)
@@ -35,9 +35,11 @@ def test_bench_store_quick(tmp_path):
         assert float(r["gbps_min"]) <= float(r["gbps"]) <= float(r["gbps_max"])
         if r["system"] == "reference":
             assert float(r["vs_reference"]) == 1.0
-        if r["system"] == "store":
+        if r["system"] in ("store", "store-async"):
             assert r["met"] in ("", "yes", "no")
             assert (r["met"] != "") == (int(r["size_mib"]) >= 64)
+        else:
+            assert r["met"] == ""
     assert (tmp_path / "out" / "bench_store.png").stat().st_size > 0
     with open(tmp_path / "out" / "bench_store_chunks.csv", newline="") as f:
         chunks = list(csv.DictReader(f))
@@ -47,5 +49,18 @@ def test_bench_store_quick(tmp_path):
         if r["checksum"] != "none":
             assert float(r["crc_wall_s_per_gb"]) > float(next(
                 c["crc_wall_s_per_gb"] for c in chunks if c["checksum"] == "none" and c["mode"] == r["mode"]))
+    with open(tmp_path / "out" / "bench_store_timeline.csv", newline="") as f:
+        timeline = list(csv.DictReader(f))
+    assert {(int(r["size_mib"]), r["variant"]) for r in timeline} == {
+        (s, v) for s in (16, 64) for v in ("store", "store-async", "store-newfiles", "store-fresh")}
+    for r in timeline:
+        workers = int(r["workers"])
+        assert float(r["gbps"]) > 0 and 0 < float(r["in_flight_mean"]) <= workers
+        assert 0 <= float(r["below_full_share"]) <= 1 and float(r["alloc_ms_per_tensor"]) >= 0
+        assert (r["boundary_gap_ms"] == "") == (int(r["tensors"]) == 1)
+    fresh = [r for r in timeline if r["variant"] == "store-fresh"]
+    recycled = [r for r in timeline if r["variant"] == "store-newfiles"]
+    assert all(float(n["alloc_ms_per_tensor"]) > float(w["alloc_ms_per_tensor"])
+               for n, w in zip(fresh, recycled))  # only new files are preallocated, not recycled ones
     assert "size_mib" in out.stdout and "vs_reference" in out.stdout
     assert not list(under_test.iterdir())  # its files are removed

@@ -17,6 +17,7 @@ sys.path.insert(0, str(EXPERIMENTS))
 pytest.importorskip("matplotlib")
 import adapt  # noqa: E402
 import bench_simulator  # noqa: E402
+import bench_store  # noqa: E402
 import closed_loop  # noqa: E402
 import expcommon  # noqa: E402
 import fidelity  # noqa: E402
@@ -47,6 +48,7 @@ GENERATED = [
     (adapt.DOC, adapt.DOC_TABLE, "adapt.csv", adapt.adapt_table),
     (finetune.DOC, finetune.DOC_TABLE, "finetune.csv", finetune.finetune_table),
     (run_all.DOC, run_all.DOC_TABLE, "summary.csv", run_all.papers_table),
+    (bench_store.DOC, bench_store.DOC_TABLE, "bench_store.csv", bench_store.store_table),
 ]
 
 

@@ -186,3 +186,132 @@ def test_zlib_fallback_warns_once(tmp_path, monkeypatch):
         stores[0].read("t", torch.uint8, data.numel())
     for s in stores:
         s.close()
+
+
+def test_an_asynchronous_write_is_complete_before_anything_claims_it(store):
+    data = [_bytes(3 * CHUNK + 7, seed=i) for i in range(3)]
+    pending = [store.write(f"t{i}", d, wait=False) for i, d in enumerate(data)]
+    assert all(p is not None and p.nbytes == d.numel() for p, d in zip(pending, data))
+    assert store.used_bytes() == sum(d.numel() for d in data)  # counted while queued
+    assert torch.equal(store.read("t1", torch.uint8, data[1].numel()), data[1])  # the read waits for it
+    assert "t1" not in store.pending and pending[1].tensor is None  # its tensor is let go once it is down
+    store.flush()
+    assert not store.pending and all(p.done() for p in pending)
+    assert store.bytes_written == sum(d.numel() for d in data)
+    for i, d in enumerate(data):
+        assert store.records[f"t{i}"].chunk_crcs == _sync_crcs(store, d)
+        assert torch.equal(store.read(f"t{i}", torch.uint8, d.numel()), d)
+
+
+def _sync_crcs(store, data):
+    """The CRCs the store records for `data` written synchronously under another name."""
+    store.write("sync-copy", data)
+    return store.records["sync-copy"].chunk_crcs
+
+
+def test_asynchronous_writes_are_bounded_and_a_rewrite_waits_for_the_first(store, monkeypatch):
+    monkeypatch.setattr(ss, "MAX_PENDING_WRITES", 2)
+    data = [_bytes(2 * CHUNK, seed=i) for i in range(4)]
+    for i, d in enumerate(data):
+        store.write(f"t{i}", d, wait=False)
+        assert len(store.pending) <= 2
+    store.write("t3", data[0], wait=False)  # the same name again: the first write of it is waited for
+    assert torch.equal(store.read("t3", torch.uint8, 2 * CHUNK), data[0])
+    store.delete("t2")  # waits for it, then removes the file
+    assert not store.path("t2").exists() and "t2" not in store.records and "t2" not in store.pending
+
+
+def test_a_failed_asynchronous_write_is_raised_and_leaves_no_record(store, monkeypatch):
+    data = _bytes(3 * CHUNK)
+    store.write("t", data)
+    real = store.io._write_chunk
+
+    def failing(fd, buf, mv, lo, hi, name):
+        if lo == CHUNK:
+            raise OSError(5, f"short write of {name} at byte {lo}")
+        return real(fd, buf, mv, lo, hi, name)
+
+    monkeypatch.setattr(store.io, "_write_chunk", failing)
+    p = store.write("t", data, wait=False)
+    with pytest.raises(OSError, match="short write of t at byte"):
+        store.flush()
+    with pytest.raises(OSError, match="short write of t"):
+        p.wait()  # the same error again to whoever waits
+    assert "t" not in store.records and not store.pending and store.fds["t"].users == 0
+    with pytest.raises(ChecksumError, match="expected 49152 bytes, the store wrote None"):
+        store.read("t", torch.uint8, data.numel())
+
+
+def test_a_corrupted_asynchronous_write_is_named_and_close_waits(tmp_path, monkeypatch):
+    monkeypatch.setattr(ss, "CHUNK_BYTES", CHUNK)
+    st = SsdStore(tmp_path, warn=lambda m: None)
+    data = _bytes(3 * CHUNK)
+    st.write("a", data, wait=False)
+    st.write("b", data, wait=False)
+    st.read("a", torch.uint8, data.numel())
+    with open(st.path("a"), "r+b") as f:
+        f.seek(2 * CHUNK + 1)
+        f.write(bytes([data[2 * CHUNK + 1].item() ^ 0xFF]))
+    with pytest.raises(ChecksumError, match=rf"checksum mismatch in tensor a .*bytes {2 * CHUNK}-"):
+        st.read("a", torch.uint8, data.numel())
+    st.close()  # waits for b
+    assert not st.pending and "b" in st.records and os.path.getsize(st.path("b")) == data.numel()
+
+
+def test_a_deleted_file_is_recycled_for_the_next_new_file_of_its_size(store, monkeypatch):
+    allocated = []
+    real = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (allocated.append(n), real(fd, off, n)))
+    old, new = _bytes(2 * CHUNK, seed=1), _bytes(2 * CHUNK, seed=2)
+    store.write("step1", old)
+    inode = os.stat(store.path("step1")).st_ino
+    store.delete("step1")
+    assert not store.path("step1").exists() and "step1" not in store.records and len(store.spares) == 1
+    store.write("step2", new)  # the spare renamed: its blocks are written already, no preallocation
+    assert os.stat(store.path("step2")).st_ino == inode and allocated == [2 * CHUNK] and not store.spares
+    assert torch.equal(store.read("step2", torch.uint8, new.numel()), new)
+    with open(store.path("step2"), "r+b") as f:  # a recycled file is checked like any other
+        f.seek(CHUNK + 3)
+        f.write(bytes([new[CHUNK + 3].item() ^ 0xFF]))
+    with pytest.raises(ChecksumError, match=rf"checksum mismatch in tensor step2 .*bytes {CHUNK}-"):
+        store.read("step2", torch.uint8, new.numel())
+    store.write("odd", _bytes(CHUNK + 5))  # no spare of its size: a new file
+    assert allocated == [2 * CHUNK, CHUNK + ALIGN]
+
+
+def test_spares_stay_within_the_most_bytes_the_tensors_held_and_close_removes_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(ss, "CHUNK_BYTES", CHUNK)
+    st = SsdStore(tmp_path, warn=lambda m: None)
+    for i in range(3):
+        st.write(f"a{i}", _bytes(CHUNK, seed=i))
+    for i in range(3):
+        st.delete(f"a{i}")
+    assert sorted(st.spares.values()) == [CHUNK] * 3 and st.peak_bytes == 3 * CHUNK
+    st.write("big", _bytes(2 * CHUNK))  # no spare of its size: spares go until the files fit the peak
+    on_disk = sum(os.path.getsize(p) for p in tmp_path.iterdir())
+    assert on_disk == 3 * CHUNK and list(st.spares.values()) == [CHUNK]
+    st.write("c", _bytes(CHUNK))  # takes the last spare
+    assert not st.spares and st.peak_bytes == 3 * CHUNK
+    st.delete("c")
+    st.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["big.bin"]  # spares are scratch: removed at close
+
+
+def test_without_recycling_a_deleted_file_is_removed(tmp_path):
+    st = SsdStore(tmp_path, warn=lambda m: None, recycle=False)
+    st.write("t", _bytes(ALIGN))
+    st.delete("t")
+    assert not st.spares and not list(tmp_path.iterdir())
+    st.close()
+
+
+def test_a_file_deleted_while_read_is_not_recycled(store):
+    data = _bytes(2 * CHUNK)
+    store.write("t", data)
+    f = store._acquire("t", create=False)  # a read in progress on another thread holds it
+    store.delete("t")
+    assert not store.spares and not store.path("t").exists()
+    store.write("u", _bytes(2 * CHUNK, seed=5))  # a new file, not the one being read
+    buf = aligned_empty(2 * CHUNK)
+    assert os.preadv(f.fd, [memoryview(buf.numpy())], 0) == 2 * CHUNK and torch.equal(buf, data)
+    store._release(f)
