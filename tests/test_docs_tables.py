@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +14,7 @@ EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 
 pytest.importorskip("matplotlib")
+import bench_executor  # noqa: E402
 import expcommon  # noqa: E402
 import fidelity  # noqa: E402
 import gemini_capacity  # noqa: E402
@@ -28,6 +30,9 @@ def _rows(name: str) -> list[dict]:
     (gemini_capacity, "gemini_capacity.csv", gemini_capacity.capacity_table),
     (fidelity, "fidelity.csv", fidelity.checks_table),
     (race_deepspeed, "race.csv", race_deepspeed.race_tables),
+    (bench_executor, "bench_executor.csv", bench_executor.executor_table),
+    (SimpleNamespace(DOC=bench_executor.DOC, DOC_TABLE=bench_executor.CPU_TABLE), "bench_executor_cpu.csv",
+     bench_executor.cpu_work_table),
 ])
 def test_generated_doc_tables_equal_their_results_files(module, results, render):
     assert expcommon.generated_block(module.DOC, module.DOC_TABLE) == render(_rows(results))
