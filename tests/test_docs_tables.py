@@ -33,8 +33,8 @@ def _rows(name: str) -> list[dict]:
     (bench_executor, "bench_executor.csv", bench_executor.executor_table),
     (SimpleNamespace(DOC=bench_executor.DOC, DOC_TABLE=bench_executor.CPU_TABLE), "bench_executor_cpu.csv",
      bench_executor.cpu_work_table),
-    (SimpleNamespace(DOC=bench_executor.DOC, DOC_TABLE=bench_executor.KINDS_TABLE), "bench_executor_kinds.csv",
-     bench_executor.kinds_table),
+    (SimpleNamespace(DOC=bench_executor.DOC, DOC_TABLE=bench_executor.KINDS_TABLE),
+     "bench_executor_kinds.csv", bench_executor.kinds_table),
 ])
 def test_generated_doc_tables_equal_their_results_files(module, results, render):
     assert expcommon.generated_block(module.DOC, module.DOC_TABLE) == render(_rows(results))
