@@ -20,7 +20,15 @@ alternating.
    and checksums, `SsdStore.cpu_s`), and plain PyTorch's step while another thread keeps the store busy
    writing and reading (`plain_beside_store_s`, with the GB/s the store moved meanwhile).
 
-Writes bench_executor.csv under --out. --quick: one small model, fewer rounds (a CI test runs it).
+3. **The simulator's prediction.** Both plans are made on a profile of this box (`--hw`, or calibrated at the
+   start of the run at calibrate's --quick sizes, with the run's threads: bench_executor_box.yaml), and the
+   last round of each is compared with the prediction as `tierflow compare` does: the step against the
+   predicted step, and each op kind's busy time (bench_executor_kinds.csv; `kinds_off` names the kinds off by
+   more than 15% that take at least 5% of the ops' time).
+
+Writes bench_executor.csv under --out (a run replaces the rows of its models and keeps the others; with the
+default --out also the generated tables of docs/executor.md). --quick: one small model, fewer rounds, no
+calibration and no prediction (a CI test runs it).
 """
 
 from __future__ import annotations
