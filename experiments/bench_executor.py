@@ -416,7 +416,10 @@ def executor_table(rows: list[dict]) -> str:
             beside = (f"{_f(r['plain_beside_store_s'])} s ({slower:+.0%}) at "
                       f"{_f(r['store_beside_gbps'], '.2f')} GB/s")
         load = f"{_f(r.get('load_1m_start'), '.1f')}-{_f(r.get('load_1m_end'), '.1f')}"
-        out.append([f"{m.num_layers} x {m.hidden}", "on the device" if not ssd else "states on the SSD tier",
+        case = "states on the SSD tier" if ssd else "on the device"
+        if r.get("schedule"):
+            case += f" ({r['schedule']})"
+        out.append([f"{m.num_layers} x {m.hidden}", case,
                     _f(r["plain_step_s"]), _f(r["tierflow_step_s"]), _result(r),
                     r["target"].replace("max(compute, SSD time)", "max(compute, SSD)"), _predicted(r),
                     r.get("kinds_off", "") or "",
