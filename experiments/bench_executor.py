@@ -1,7 +1,8 @@
 """Executor efficiency: `tierflow run` against plain PyTorch training of the same blocks, in one process,
 alternating.
 
-    python experiments/bench_executor.py [--quick] [--device cpu|cuda] [--ssd-dir DIR] [--out DIR]
+    python experiments/bench_executor.py [--quick] [--device cpu|cuda] [--ssd-dir DIR] [--hw PROFILE]
+        [--ssd-schedule S] [--out DIR]
 
 1. **On the device.** Plain PyTorch: the executor's own blocks (`executor.models.BlockModel`) trained with
    `torch.optim.AdamW` on the device, the batch in micro-batches with gradient accumulation, no offload, no
@@ -11,8 +12,9 @@ alternating.
    machine slows both alike; each reports the median step time after its first (warm-up) round. Target:
    tierflow's tokens/s at least 0.95x plain PyTorch's (0.98x for the large model, 8 x 768, where per-op costs
    matter less).
-2. **Optimizer states on the SSD tier.** The same plan with fp32 master weights and Adam moments on the SSD
-   tier (weights and gradients on the device and in host memory): the executor must overlap the SSD traffic
+2. **Optimizer states on the SSD tier.** A plan of the same batch (vertical, --ssd-schedule for another) with
+   fp32 master weights and Adam moments on the SSD tier (weights and gradients on the device and in host
+   memory): the executor must overlap the SSD traffic
    with compute as the plan says, so its step time should be max(compute, SSD time), with compute = the plain
    PyTorch step above and SSD time = the bytes the run moved per step over the store's rates measured here
    (`measure_store`, the executor's own SsdStore: O_DIRECT, checksums). Target: within 15%. Beside it, what
