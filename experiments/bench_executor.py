@@ -1,7 +1,8 @@
 """Executor efficiency: `tierflow run` against plain PyTorch training of the same blocks, in one process,
 alternating.
 
-    python experiments/bench_executor.py [--quick] [--device cpu|cuda] [--ssd-dir DIR] [--out DIR]
+    python experiments/bench_executor.py [--quick] [--device cpu|cuda] [--ssd-dir DIR] [--hw PROFILE]
+        [--ssd-schedule S] [--out DIR]
 
 1. **On the device.** Plain PyTorch: the executor's own blocks (`executor.models.BlockModel`) trained with
    `torch.optim.AdamW` on the device, the batch in micro-batches with gradient accumulation, no offload, no
@@ -11,8 +12,9 @@ alternating.
    machine slows both alike; each reports the median step time after its first (warm-up) round. Target:
    tierflow's tokens/s at least 0.95x plain PyTorch's (0.98x for the large model, 8 x 768, where per-op costs
    matter less).
-2. **Optimizer states on the SSD tier.** The same plan with fp32 master weights and Adam moments on the SSD
-   tier (weights and gradients on the device and in host memory): the executor must overlap the SSD traffic
+2. **Optimizer states on the SSD tier.** A plan of the same batch (vertical, --ssd-schedule for another) with
+   fp32 master weights and Adam moments on the SSD tier (weights and gradients on the device and in host
+   memory): the executor must overlap the SSD traffic
    with compute as the plan says, so its step time should be max(compute, SSD time), with compute = the plain
    PyTorch step above and SSD time = the bytes the run moved per step over the store's rates measured here
    (`measure_store`, the executor's own SsdStore: O_DIRECT, checksums). Target: within 15%. Beside it, what
@@ -20,11 +22,21 @@ alternating.
    and checksums, `SsdStore.cpu_s`), and plain PyTorch's step while another thread keeps the store busy
    writing and reading (`plain_beside_store_s`, with the GB/s the store moved meanwhile).
 
-Writes bench_executor.csv under --out. --quick: one small model, fewer rounds (a CI test runs it).
+3. **The simulator's prediction.** Both plans are made on a profile of this box (`--hw`, or calibrated at the
+   start of the run at calibrate's --quick sizes, with the run's threads: bench_executor_box.yaml), and the
+   last round of each is compared with the prediction as `tierflow compare` does: the step against the
+   predicted step, and each op kind's busy time (bench_executor_kinds.csv; `kinds_off` names the kinds off by
+   more than 15% that take at least 5% of the ops' time).
+
+Writes bench_executor.csv under --out (a run replaces the rows of its models and keeps the others; with the
+default --out also the generated tables of docs/executor.md). --quick: one small model, fewer rounds, no
+calibration and no prediction (a CI test runs it).
 """
 
 from __future__ import annotations
 
+import csv
+import os
 import resource
 import statistics
 import sys
@@ -33,12 +45,22 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from expcommon import Progress, arg_parser, print_table, write_csv
+from expcommon import (
+    REPO_DIR,
+    RESULTS_DIR,
+    Progress,
+    arg_parser,
+    markdown_table,
+    print_table,
+    write_csv,
+    write_generated_block,
+)
 
-from tierflow.hwprofiles import load_profile
+from tierflow.hwprofiles import HardwareProfile, load_profile
 from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import build_graph, make_schedule
+from tierflow.planner.io.compare import compare
 from tierflow.planner.io.planfile import Plan, load_plan, plan_from_graph, write_plan
 
 SEQ, BATCH, MICRO_BATCH = 256, 8, 2
@@ -60,17 +82,46 @@ def gpt(layers: int, hidden: int) -> ModelSpec:
 MODELS = {"small": gpt(4, 256), "medium": gpt(6, 384), "large": gpt(8, 768), "tiny": gpt(2, 128)}
 DEFAULT_MODELS = ("small", "medium")  # --quick: small; large (slow on 2 cores), tiny: --models
 TARGET_RATIO = {"large": 0.98}  # tierflow over plain tokens/s, on the device; 0.95 for the others
+# the plan with the states on the SSD tier: vertical (GreedySnake's order, with its deferred optimizer part),
+# which the simulator predicts within 2% of the on-device plan on this box calibrated; horizontal's optimizer
+# chain (each block's states read, updated and written back before its next forward) is predicted at +5-8%
+SSD_SCHEDULE = "vertical"
 TARGET_VS_BOUND = 0.15  # states on the SSD tier: step within 15% of max(compute, SSD time)
 
 
-def make_plan(model: ModelSpec, placement: Placement, path: Path) -> Plan:
-    """A horizontal plan with no recompute (the prediction is not used here: any profile with room will
-    do)."""
-    hw = load_profile("rtx3090-desktop").with_overrides({"gpu.memory_gib": 64, "cpu.memory_gib": 64})
-    cfg = make_schedule("horizontal", model, hw, batch=BATCH, micro_batch=MICRO_BATCH, seq=SEQ,
+def make_plan(model: ModelSpec, placement: Placement, path: Path, hw: HardwareProfile | None = None,
+              schedule: str = "horizontal") -> Plan:
+    """A plan of `schedule` (default horizontal) with no recompute on `hw` (this box calibrated: its
+    prediction is compared with the run; default a stock profile, for --quick, which predicts nothing), with
+    room for every placement."""
+    hw = (hw or load_profile("rtx3090-desktop")).with_overrides({"gpu.memory_gib": 64, "cpu.memory_gib": 64})
+    cfg = make_schedule(schedule, model, hw, batch=BATCH, micro_batch=MICRO_BATCH, seq=SEQ,
                         placement=placement, iterations=STEPS_PER_ROUND, runtime="ideal", recompute=False)
     write_plan(plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg)), path)
     return load_plan(path)
+
+
+def box_profile(device: str, ssd_dir: Path, out_dir: Path, hw_path: Path | None) -> HardwareProfile:
+    """The profile the plans are predicted on: --hw, or this box calibrated now (`tierflow calibrate`'s
+    measurements at its --quick sizes, on the device and with the torch threads of this run), written to
+    out_dir/bench_executor_box.yaml so that a later run (--models large) can reuse it with --hw."""
+    if hw_path is not None:
+        return load_profile(str(hw_path))
+    from tierflow.executor.calibration import QUICK, build_profile, run_measurements, write_profile
+
+    prog = Progress(12, "calibrate")
+    m = run_measurements(QUICK, ssd_dir, prog, device="cpu" if device.startswith("cpu") else "cuda")
+    prog.finish()
+    if m.get("ssd"):
+        m["ssd"]["dir"] = "the benchmark's SSD directory"  # a temporary path: kept out of the results
+    cal = build_profile(m, None, name="bench-executor-box", device_gib=64)
+    write_profile(cal, out_dir / "bench_executor_box.yaml")
+    return cal.profile
+
+
+def plan_model(model: ModelSpec, device: str) -> ModelSpec:
+    """The model as the run trains it: fp32 on a CPU device (calibrate reports the bytes it really moves)."""
+    return model.with_precision("fp32") if device.startswith("cpu") else model
 
 
 class PlainTrainer:
@@ -112,14 +163,41 @@ class PlainTrainer:
         return out
 
 
-def tierflow_steps(plan: Plan, device: str, ssd_dir: Path | None) -> tuple[list[float], int, float]:
+def tierflow_steps(plan: Plan, device: str, ssd_dir: Path | None,
+                   trace_dir: Path | None = None) -> tuple[list[float], int, float]:
     """One round of the plan (its three iterations) through `run_plan`: step times, SSD bytes moved and the
-    CPU seconds of the SSD tier's I/O (requests and checksums, all threads)."""
+    CPU seconds of the SSD tier's I/O (requests and checksums, all threads); with `trace_dir`, the measured
+    trace written there (trace.json, for `compare`)."""
     from tierflow.executor.run import RunOptions, run_plan
 
     res = run_plan(plan, RunOptions(steps=STEPS_PER_ROUND, device=device, quiet=True,
-                                    ssd_dir=str(ssd_dir) if ssd_dir else None))
+                                    ssd_dir=str(ssd_dir) if ssd_dir else None,
+                                    out=str(trace_dir) if trace_dir else None))
     return [r.step_s for r in res.records], res.ssd_bytes_read + res.ssd_bytes_written, res.ssd_cpu_s
+
+
+KIND_MISS = 0.15  # an op kind "misses" when its measured busy time is off its prediction by more than this
+KIND_SHARE = 0.05  # ... and its measured time is at least this share of all the ops' measured time
+
+
+def prediction(plan: Plan, trace: Path, name: str, case: str, step_s: float) -> tuple[dict, list[dict]]:
+    """The simulator against the measured round (`tierflow compare`): the predicted step, the measured
+    median step's error against it, and the op kinds that miss (busy time off by > KIND_MISS, at least
+    KIND_SHARE of the ops' time), largest miss in seconds first; and one row per op kind."""
+    d = compare(plan, trace).to_dict()
+    pred_s = d["predicted_iteration_s"]
+    total_s = sum(k["measured_s"] for k in d["by_kind"]) or 1.0
+    misses = sorted((k for k in d["by_kind"] if k["predicted_s"] > 0 and abs(k["ratio"] - 1) > KIND_MISS
+                     and k["measured_s"] >= KIND_SHARE * total_s),
+                    key=lambda k: -abs(k["measured_s"] - k["predicted_s"]))
+    row = {"predicted_s": round(pred_s, 4), "vs_predicted": round(step_s / pred_s - 1, 4),
+           "kinds_off": "; ".join(f"{k['kind']} {k['ratio']:.2f}x" for k in misses)}
+    its = d["iterations"]
+    kinds = [{"model": name, "case": case, "kind": k["kind"], "resource": k["resource"],
+              "ops_per_step": round(k["ops"] / its), "predicted_s_per_step": round(k["predicted_s"] / its, 4),
+              "measured_s_per_step": round(k["measured_s"] / its, 4),
+              "ratio": round(k["ratio"], 3) if k["predicted_s"] > 0 else ""} for k in d["by_kind"]]
+    return row, kinds
 
 
 def beside_store(plain: PlainTrainer, ssd_dir: Path, nbytes: int, steps: int) -> tuple[float, float]:
@@ -173,54 +251,102 @@ def measure_store(ssd_dir: Path, nbytes: int, files: int = 3, repeats: int = 3) 
 
 
 def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = None,
-        rounds: int | None = None, names: list[str] | None = None) -> list[dict]:
+        rounds: int | None = None, names: list[str] | None = None, hw_path: Path | None = None,
+        ssd_schedule: str = SSD_SCHEDULE) -> list[dict]:
+    """The alternating rounds of every model; the rows replace those of the same models in
+    bench_executor.csv (and bench_executor_kinds.csv), whose other models' rows are kept."""
     out_dir.mkdir(parents=True, exist_ok=True)
     names = names or (["small"] if quick else list(DEFAULT_MODELS))
-    models = {n: MODELS[n] for n in names}
     rounds = rounds or (3 if quick else 6)
-    rows = []
+    rows, kinds = [], []
     with tempfile.TemporaryDirectory(prefix="tierflow-bench-executor-") as tmp:
         work = Path(tmp)
         ssd = ssd_dir or work / "ssd"
         ssd.mkdir(parents=True, exist_ok=True)
-        prog = Progress(len(models) * rounds, "bench executor")
-        for name, model in models.items():
-            plans = {"on device": make_plan(model, ALL_ON_DEVICE, work / f"{name}-dev.json"),
-                     "states on SSD": make_plan(model, STATES_ON_SSD, work / f"{name}-ssd.json")}
-            plain = PlainTrainer(model, device)
-            times: dict[str, list[float]] = {"plain": [], **{k: [] for k in plans}}
-            ssd_bytes_per_step = 0.0
-            ssd_cpu_s: list[float] = []
-            for r in range(rounds):  # alternating; round 0 warms every path up and is not counted
-                prog.step(f"{name} round {r + 1}")
-                t = plain.steps(STEPS_PER_ROUND)
-                if r:
-                    times["plain"] += t
-                for case, plan in plans.items():
-                    on_ssd = ssd if case == "states on SSD" else None
-                    t, moved, io_cpu_s = tierflow_steps(plan, device, on_ssd)
-                    if r:
-                        times[case] += t[1:]  # a round's first step also waits for the round's setup
-                    if case == "states on SSD":
-                        ssd_bytes_per_step = moved / STEPS_PER_ROUND
-                        if r:
-                            ssd_cpu_s.append(io_cpu_s / STEPS_PER_ROUND)
-            plain_s = statistics.median(times["plain"])
-            tokens = BATCH * SEQ
-            dev_s = statistics.median(times["on device"])
-            rows.append({"model": name, "params_m": round(model.total_params() / 1e6, 2), "case": "on device",
-                         "plain_step_s": round(plain_s, 4), "tierflow_step_s": round(dev_s, 4),
-                         "plain_tokens_per_s": round(tokens / plain_s),
-                         "tierflow_tokens_per_s": round(tokens / dev_s),
-                         "ratio": round(plain_s / dev_s, 3),
-                         "target": f">= {TARGET_RATIO.get(name, 0.95)}x plain",
-                         "bound_s": "", "vs_bound": ""})
-            rows.append(ssd_row(name, plain, ssd, plain_s, times["states on SSD"], ssd_bytes_per_step,
-                                ssd_cpu_s))
+        hw = None if quick and hw_path is None else box_profile(device, ssd, out_dir, hw_path)
+        prog = Progress(len(names) * rounds, "bench executor")
+        for name in names:
+            got, got_kinds = one_model(name, device, ssd, work, hw, rounds, prog, ssd_schedule)
+            rows += got
+            kinds += got_kinds
         prog.finish()
+    rows = merged(out_dir / "bench_executor.csv", rows, names)
     write_csv(rows, out_dir / "bench_executor.csv")
-    print_table(rows, ["model", "case", "plain_step_s", "tierflow_step_s", "ratio", "bound_s", "vs_bound"])
+    kinds_csv = out_dir / "bench_executor_kinds.csv"
+    if kinds:
+        write_csv(merged(kinds_csv, kinds, names), kinds_csv)
+    if out_dir.resolve() == RESULTS_DIR.resolve():
+        write_generated_block(DOC, DOC_TABLE, executor_table(rows))
+        if kinds:
+            write_generated_block(DOC, KINDS_TABLE, kinds_table(read_rows(kinds_csv)))
+    print_table(rows, ["model", "case", "plain_step_s", "tierflow_step_s", "ratio", "bound_s", "vs_bound",
+                       "predicted_s", "vs_predicted", "kinds_off"])
     return rows
+
+
+def one_model(name: str, device: str, ssd: Path, work: Path, hw: HardwareProfile | None, rounds: int,
+              prog: Progress, ssd_schedule: str = SSD_SCHEDULE) -> tuple[list[dict], list[dict]]:
+    """Plain PyTorch and the two plans of model `name`, alternating round by round; the two rows, and the
+    per-op-kind rows of the prediction (none without a profile of this box)."""
+    model = plan_model(MODELS[name], device)
+    plans = {"on device": make_plan(model, ALL_ON_DEVICE, work / f"{name}-dev.json", hw),
+             "states on SSD": make_plan(model, STATES_ON_SSD, work / f"{name}-ssd.json", hw, ssd_schedule)}
+    load_start = os.getloadavg()[0]
+    plain = PlainTrainer(model, device)
+    times: dict[str, list[float]] = {"plain": [], **{k: [] for k in plans}}
+    ssd_bytes_per_step = 0.0
+    ssd_cpu_s: list[float] = []
+    traces = {case: work / f"{name}-{i}-trace" for i, case in enumerate(plans)}
+    for r in range(rounds):  # alternating; round 0 warms every path up and is not counted
+        prog.step(f"{name} round {r + 1}")
+        t = plain.steps(STEPS_PER_ROUND)
+        if r:
+            times["plain"] += t
+        for case, plan in plans.items():
+            on_ssd = ssd if case == "states on SSD" else None
+            last = r == rounds - 1 and hw is not None  # the last round's trace goes to compare
+            t, moved, io_cpu_s = tierflow_steps(plan, device, on_ssd, traces[case] if last else None)
+            if r:
+                times[case] += t[1:]  # a round's first step also waits for the round's setup
+            if case == "states on SSD":
+                ssd_bytes_per_step = moved / STEPS_PER_ROUND
+                if r:
+                    ssd_cpu_s.append(io_cpu_s / STEPS_PER_ROUND)
+    plain_s = statistics.median(times["plain"])
+    tokens = BATCH * SEQ
+    dev_s = statistics.median(times["on device"])
+    rows = [{"model": name, "params_m": round(model.total_params() / 1e6, 2), "case": "on device",
+             "plain_step_s": round(plain_s, 4), "tierflow_step_s": round(dev_s, 4),
+             "plain_tokens_per_s": round(tokens / plain_s), "tierflow_tokens_per_s": round(tokens / dev_s),
+             "ratio": round(plain_s / dev_s, 3), "target": f">= {TARGET_RATIO.get(name, 0.95)}x plain",
+             "bound_s": "", "vs_bound": ""},
+            ssd_row(name, plain, ssd, plain_s, times["states on SSD"], ssd_bytes_per_step, ssd_cpu_s)]
+    kinds = []
+    for row, (case, plan) in zip(rows, plans.items()):
+        if hw is not None:
+            pred, k = prediction(plan, traces[case] / "trace.json", name, case, row["tierflow_step_s"])
+            row.update(pred)
+            kinds += k
+        row.update({"schedule": plans[case].config.family,
+                    "rounds": rounds - 1, "threads": _threads(), "load_1m_start": round(load_start, 2),
+                    "load_1m_end": round(os.getloadavg()[0], 2),
+                    "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
+    return rows, kinds
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def merged(path: Path, rows: list[dict], names: list[str]) -> list[dict]:
+    """`rows` in place of the rows of the same models in the CSV at `path` (the others kept), in MODELS'
+    order."""
+    keep = [r for r in read_rows(path) if r["model"] not in names]
+    order = list(MODELS)
+    return sorted(keep + rows, key=lambda r: order.index(r["model"]) if r["model"] in order else len(order))
 
 
 def ssd_row(name: str, plain: PlainTrainer, ssd: Path, plain_s: float, times: list[float],
@@ -245,6 +371,91 @@ def ssd_row(name: str, plain: PlainTrainer, ssd: Path, plain_s: float, times: li
             "store_write_gbps": round(rates["write_gbps"], 2), "ssd_s": round(ssd_s, 4),
             "ssd_io_cpu_s": round(statistics.median(ssd_cpu_s), 4),
             "plain_beside_store_s": round(busy_s, 4), "store_beside_gbps": round(busy_gbps, 2)}
+
+
+DOC = REPO_DIR / "docs" / "executor.md"
+DOC_TABLE = "executor efficiency (experiments/bench_executor.py from experiments/results/bench_executor.csv)"
+CPU_TABLE = ("the work per step (experiments/bench_executor.py --cpu-work from "
+             "experiments/results/bench_executor_cpu.csv)")
+KINDS_TABLE = ("states on the SSD tier by op kind (experiments/bench_executor.py from "
+               "experiments/results/bench_executor_kinds.csv)")
+
+
+def _f(x, fmt: str = ".3f") -> str:
+    return "" if x in ("", None) else format(float(x), fmt)
+
+
+def _result(r: dict) -> str:
+    """The row's figure against its target, in bold when it misses."""
+    if r["case"] == "on device":
+        want = float(r["target"].split()[1].rstrip("x"))
+        got = float(r["ratio"])
+        return f"**{got:.2f}x**" if got < want else f"{got:.2f}x"
+    got = float(r["vs_bound"])
+    txt = f"{got:+.0%} over max(compute, SSD)"
+    return f"**{txt}**" if got > TARGET_VS_BOUND else txt
+
+
+def _predicted(r: dict) -> str:
+    if r.get("predicted_s") in ("", None):
+        return ""
+    err = float(r["vs_predicted"])
+    txt = f"{float(r['predicted_s']):.3f} ({err:+.0%})"
+    return f"**{txt}**" if abs(err) > TARGET_VS_BOUND else txt
+
+
+def executor_table(rows: list[dict]) -> str:
+    """docs/executor.md's table of bench_executor.csv: per model and case the steps, the result against its
+    target, the simulator's prediction on this box calibrated and the op kinds that miss theirs, the SSD
+    figures, and the load and time of the run."""
+    out = []
+    for r in rows:
+        m = MODELS[r["model"]]
+        ssd = r["case"] == "states on SSD"
+        beside = ""
+        if ssd:
+            slower = float(r["plain_beside_store_s"]) / float(r["plain_step_s"]) - 1
+            beside = (f"{_f(r['plain_beside_store_s'])} s ({slower:+.0%}) at "
+                      f"{_f(r['store_beside_gbps'], '.2f')} GB/s")
+        load = f"{_f(r.get('load_1m_start'), '.1f')}-{_f(r.get('load_1m_end'), '.1f')}"
+        case = "states on the SSD tier" if ssd else "on the device"
+        if r.get("schedule"):
+            case += f" ({r['schedule']})"
+        out.append([f"{m.num_layers} x {m.hidden}", case,
+                    _f(r["plain_step_s"]), _f(r["tierflow_step_s"]), _result(r),
+                    r["target"].replace("max(compute, SSD time)", "max(compute, SSD)"), _predicted(r),
+                    r.get("kinds_off", "") or "",
+                    f"{_f(r['ssd_gb_per_step'])}, {_f(r['ssd_s'])} s" if ssd else "",
+                    _f(r["ssd_io_cpu_s"]) if ssd else "", beside,
+                    f"{r['utc']}, {load}" if r.get("utc") else ""])
+    head = ["model", "case", "plain s/step", "tierflow s/step", "result", "target",
+            "predicted s/step (error)", "op kinds off their prediction", "SSD GB/step, SSD s",
+            "SSD I/O CPU s/step", "plain beside a busy store", "run (UTC), load"]
+    return markdown_table(head, out)
+
+
+def kinds_table(rows: list[dict]) -> str:
+    """docs/executor.md's table of bench_executor_kinds.csv: the states-on-SSD plan's op kinds, predicted
+    against measured busy time per step."""
+    out = [[f"{MODELS[r['model']].num_layers} x {MODELS[r['model']].hidden}", r["kind"], r["resource"],
+            r["ops_per_step"], _f(r["predicted_s_per_step"], ".4f"), _f(r["measured_s_per_step"], ".4f"),
+            (f"**{float(r['ratio']):.2f}x**" if abs(float(r["ratio"]) - 1) > KIND_MISS else
+             f"{float(r['ratio']):.2f}x") if r["ratio"] not in ("", None) else ""]
+           for r in rows if r["case"] == "states on SSD"]
+    return markdown_table(["model", "op kind", "resource", "ops/step", "predicted s/step", "measured s/step",
+                           "measured / predicted"], out)
+
+
+def cpu_work_table(rows: list[dict]) -> str:
+    """docs/executor.md's table of bench_executor_cpu.csv: CPU seconds per step, median (min-max)."""
+    def spread(r: dict, k: str) -> str:
+        return f"{_f(r[k])} ({_f(r[k + '_min'])}-{_f(r[k + '_max'])})"
+
+    out = [[f"{MODELS[r['model']].num_layers} x {MODELS[r['model']].hidden}", spread(r, "plain_cpu_s"),
+            spread(r, "tierflow_cpu_s"), f"{_f(r['ratio'], '.2f')}x",
+            f"{spread(r, 'states_on_ssd_cpu_s')}, {_f(r['ssd_gb_per_step'])} GB"] for r in rows]
+    return markdown_table(["model", "plain PyTorch CPU s/step", "tierflow on device", "plain / tierflow",
+                           "tierflow, states on SSD (SSD GB/step)"], out)
 
 
 def _cpu_s() -> float:
@@ -306,6 +517,8 @@ def cpu_work(out_dir: Path, names: list[str], rounds: int) -> list[dict]:
                          **_spread("tierflow_cpu_s", got["device"]), "ratio": round(p / d, 3),
                          **_spread("states_on_ssd_cpu_s", got["ssd"]), "ssd_gb_per_step": round(ssd_gb, 4)})
     write_csv(rows, out_dir / "bench_executor_cpu.csv")
+    if out_dir.resolve() == RESULTS_DIR.resolve():
+        write_generated_block(DOC, CPU_TABLE, cpu_work_table(rows))
     print_table(rows, ["model", "threads", "plain_cpu_s", "tierflow_cpu_s", "ratio", "states_on_ssd_cpu_s",
                        "ssd_gb_per_step"])
     return rows
@@ -384,6 +597,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="alternating rounds, the first a warm-up (default 6; --quick 3); at least 2")
     ap.add_argument("--ssd-dir", type=Path, default=None,
                     help="directory for the SSD tier (default: a temp dir)")
+    ap.add_argument("--ssd-schedule", default=SSD_SCHEDULE,
+                    choices=["horizontal", "fuyou", "vertical", "block"],
+                    help=f"the schedule of the plan with the states on the SSD tier (default {SSD_SCHEDULE})")
+    ap.add_argument("--hw", type=Path, default=None,
+                    help="the profile of this box to predict with (default: calibrate it now, at calibrate's "
+                    "--quick sizes, and write bench_executor_box.yaml under --out; --quick: no prediction)")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
                     help="model sizes (default small medium; --quick small): " + ", ".join(
                         f"{k} = {m.num_layers} x {m.hidden}" for k, m in MODELS.items()))
@@ -403,7 +622,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.ops:
         op_work(args.out, args.models or list(DEFAULT_MODELS))
         return
-    run(args.quick, args.out, args.device, args.ssd_dir, args.rounds, args.models)
+    run(args.quick, args.out, args.device, args.ssd_dir, args.rounds, args.models, args.hw, args.ssd_schedule)
     print(f"wrote {args.out / 'bench_executor.csv'} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
 
 

@@ -90,3 +90,21 @@ def test_an_illegal_entry_transition_is_caught():
     e = Entry(shape=(4,), dtype=None, users=1, dev_users=1)
     with pytest.raises(AssertionError, match="ON_DEVICE -> ON_SSD"):
         e.move(EntryState.ON_SSD)
+
+
+@pytest.mark.parametrize("placement,dtype,aliased", [("device", torch.float32, True),
+                                                      ("device", torch.bfloat16, False),
+                                                      ("weights_cpu", torch.float32, False)])
+def test_compute_weights_alias_the_master_only_when_both_are_fp32_on_the_device(placement, dtype, aliased):
+    """One tensor for the compute weights and the fp32 master where the optimizer's copy from one to the other
+    would be an exact copy (fp32 on the device); a separate copy otherwise. The run's numerics with the alias
+    are checked against plain PyTorch by test_executor's equivalence tests (placement "device")."""
+    from tierflow.executor.tiers.state import TrainState
+    from tierflow.planner.core.models import get_model
+
+    st = TrainState(get_model("tiny-gpt"), PLACEMENTS[placement], 0.0, torch.device("cpu"), dtype, None)
+    st.init_random(0)
+    for b in range(len(st.layout.numel)):
+        W, M = st.vec["weights"][b], st.vec["master"][b]
+        assert (W.dev is not None and W.dev is M.dev) == aliased
+        assert torch.equal(st.full("weights", b).float(), st.full("master", b).to(dtype).float())

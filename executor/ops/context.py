@@ -115,7 +115,9 @@ class RoundState:
     graphs: dict[tuple[int, int, int], tuple] = field(default_factory=dict)  # (it, b, m) -> recompute's graph
     # (taking op, owner) -> weight gradients of the owner's range binding.grad_range
     # (grad_buffers.GradBuffers)
-    grad_acc: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # (a single contribution without streams: its [(first element, gradient)], not copied)
+    grad_acc: dict[tuple[int, int], torch.Tensor | list[tuple[int, torch.Tensor]]] = field(
+        default_factory=dict)
     # ... compute ops still to add into it
     grad_left: dict[tuple[int, int], int] = field(default_factory=dict)
     staged: dict[Staged, object] = field(default_factory=dict)

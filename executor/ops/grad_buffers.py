@@ -19,7 +19,9 @@ class GradBuffers:
     (GRAD_ACCUM_BYTES vs GRAD_WIRE_BYTES): a single contribution is written straight into a compute-dtype
     buffer (the same values an fp32 buffer would round to on the wire), several are added in fp32 and, after
     the last, cast into a compute-dtype buffer on the compute stream, the fp32 one freed. Either way the
-    offload_grads op only copies what it takes (no cast on the D2H queue). A GPU optimizer keeps fp32.
+    offload_grads op only copies what it takes (no cast on the D2H queue). A GPU optimizer keeps fp32. Without
+streams (a plain CPU device) a single contribution already in the compute dtype is not copied at all: its
+gradients are kept as they are until offload_grads adds them to the host accumulators.
 
     With several ranks every buffer is fp32 (whatever the number of contributions) and spans the owner's whole
     vector padded to W*S elements: the reduce-scatter sums in fp32, and reduce_scatter_grads casts this rank's
@@ -45,6 +47,13 @@ class GradBuffers:
             acc = rs.grad_acc.get(key)
             left = rs.grad_left.setdefault(key, bind.grad_contributors[key]) - 1
             rs.grad_left[key] = left
+        if single and not self.cx.asynchronous and all(g is None or g.dtype == self.cx.dtype
+                                                        for _lo, _hi, g in pieces):
+            # no streams and no cast: offload_grads adds the one contribution's gradients to the host
+            # accumulators as they are, at once; a buffer would only be one more copy of them
+            with rs.lock:
+                rs.grad_acc[key] = [(lo, grad.reshape(-1)) for lo, _hi, grad in pieces if grad is not None]
+            return
         first = acc is None
         if first:
             # with several ranks [base, end) is the owner's whole vector padded to W*S elements (binding)
@@ -68,12 +77,19 @@ class GradBuffers:
                 rs.grad_acc[key] = wire
 
     def take(self, rs: RoundState, group: int) -> list[tuple[int, int, torch.Tensor]]:
-        """(owner, first element, buffer) of every buffer the op `group` takes."""
+        """(owner, first element, buffer) of every buffer the op `group` takes (of every gradient, where a
+        single contribution was kept as its pieces)."""
+        out = []
         with rs.lock:
             keys = [k for k in rs.grad_acc if k[0] == group]
             for k in keys:
                 rs.grad_left.pop(k, None)
-            return [(k[1], self.cx.binding.grad_range[k][0], rs.grad_acc.pop(k)) for k in keys]
+                acc = rs.grad_acc.pop(k)
+                if isinstance(acc, list):
+                    out += [(k[1], lo, g) for lo, g in acc]
+                else:
+                    out.append((k[1], self.cx.binding.grad_range[k][0], acc))
+        return out
 
 
 def _covers(pieces: list[tuple[int, int, torch.Tensor | None]], base: int, end: int) -> bool:

@@ -120,7 +120,9 @@ class OptimizerOps:
         p, g, m, v = ([x[a:z] for a, z, _d in groups] for x in (vecs[0], grad, vecs[1], vecs[2]))
         self._adamw(rs, t, p, g, m, v, rs.step0 + t.iteration + 1, fused=self.cx.device.type == "cuda",
                     decay=[d for _a, _z, d in groups])
-        self.cx.state.vec["weights"][b].dev.copy_(vecs[0].to(self.cx.dtype))
+        W = self.cx.state.vec["weights"][b].dev
+        if W is not vecs[0]:  # aliased when both are fp32 on the device (TrainState.weights_alias_master)
+            W.copy_(vecs[0])  # the cast to the compute dtype, in one pass (no temporary)
 
 
 def _scatter(whole: torch.Tensor, pieces: list[torch.Tensor]) -> None:

@@ -229,8 +229,21 @@ class TrainState:
         self.vec["master"][b].set_full(master, self.ssd)
         self.vec["adam_m"][b].set_full(torch.zeros_like(master) if m is None else m, self.ssd)
         self.vec["adam_v"][b].set_full(torch.zeros_like(master) if v is None else v, self.ssd)
-        self.vec["weights"][b].set_full(master if weights is None else weights, self.ssd)
+        W, M = self.vec["weights"][b], self.vec["master"][b]
+        if self.weights_alias_master(b) and (
+                weights is None or torch.equal(weights.to(master.device, master.dtype), master)):
+            W.dev = M.dev  # the compute weights ARE the fp32 master: no copy after each step (adam_gpu)
+        else:
+            W.set_full(master if weights is None else weights, self.ssd)
         self.reset_grads(b)
+
+    def weights_alias_master(self, b: int) -> bool:
+        """Are block b's compute weights the fp32 master itself? When both lie wholly on the device in the
+        same dtype (fp32 compute: a CPU device, or a CUDA run in fp32), the compute copy would equal the
+        master bit for bit after every step, as in plain PyTorch, whose parameters are what its optimizer
+        updates; one tensor then serves both and the optimizer's copy into the compute weights disappears."""
+        W, M = self.vec["weights"][b], self.vec["master"][b]
+        return W.dtype == M.dtype and W.g == W.n and M.g == M.n and W.n > 0
 
     def reset_grads(self, b: int) -> None:
         if self.placement.gpu_optimizer:
