@@ -151,13 +151,17 @@ def plan_argv(shapes: Shapes, profile: Path | str, plan: Path) -> list[str]:
                     "--json", "-q")
 
 
-def bench_argv(shapes: Shapes, device: str, ssd: Path, out: Path) -> tuple[list[str], list[str]]:
+def bench_argv(shapes: Shapes, device: str, ssd: Path, out: Path,
+               profile: Path | str | None = None) -> tuple[list[str], list[str]]:
+    """bench_store's and bench_executor's command lines; a full bench_executor predicts its plans on `profile`
+    (the box calibrated a step before) instead of calibrating the box again."""
     quick = ["--quick"] if shapes.quick else []
+    hw = ["--hw", str(profile)] if profile and not shapes.quick and Path(profile).exists() else []
     store = script("bench_store.py", "--device", device, "--dir", str(ssd), "--out", str(out / "bench_store"),
                    *quick, *(["--reps", "1"] if shapes.quick else []))
     executor = script("bench_executor.py", "--device", device, "--ssd-dir", str(ssd / "bench_executor"),
                       "--out", str(out / "bench_executor"), *quick,
-                      *(["--rounds", "2", "--models", "tiny"] if shapes.quick else []))
+                      *(["--rounds", "2", "--models", "tiny"] if shapes.quick else []), *hw)
     return store, executor
 
 
@@ -189,7 +193,7 @@ def run_check(shapes: Shapes, device: str, ssd: Path, out: Path, hw: str | None,
                                       "--plot", str(out / "compare.png"), "--json"),
                   needs=[plan, run_dir / "trace.json"])]
     later += [Step(name, argv) for name, argv in zip(("bench_store", "bench_executor"),
-                                                      bench_argv(shapes, device, ssd, out))]
+                                                      bench_argv(shapes, device, ssd, out, profile))]
     for s in later:
         if s.name in skip:
             s.why_skipped = "--skip"

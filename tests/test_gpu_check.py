@@ -71,3 +71,18 @@ def test_gpu_check_refuses_cuda_without_a_gpu(tmp_path):
     res = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 2 and "--device cpu-adversarial" in res.stderr
+
+
+def test_a_full_bench_executor_predicts_on_the_calibrated_box(tmp_path, monkeypatch):
+    """The full check's bench_executor takes the profile calibrate wrote (no second calibration); without that
+    file, or in the quick check, it gets no --hw."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_check as check
+    profile = tmp_path / "box.yaml"
+    _store, executor = check.bench_argv(check.FULL, "cuda", tmp_path, tmp_path, profile)
+    assert "--hw" not in executor
+    profile.write_text("name: box\n")
+    _store, executor = check.bench_argv(check.FULL, "cuda", tmp_path, tmp_path, profile)
+    assert executor[executor.index("--hw") + 1] == str(profile)
+    _store, executor = check.bench_argv(check.QUICK, "cuda", tmp_path, tmp_path, profile)
+    assert "--hw" not in executor
