@@ -735,11 +735,7 @@ def report(data: dict, out_dir: Path) -> list[dict]:
 def predict_only(out_dir: Path) -> list[dict]:
     """Re-predict the race from its measurements (race_runs.json under `out_dir`) without running anything:
     after a change to the planner or to the calibration's profile builder."""
-    path = out_dir / RUNS_FILE
-    if not path.exists():
-        print(f"race_deepspeed: --predict-only: no {path} (run the race first)", file=sys.stderr)
-        return []
-    return report(json.loads(path.read_text()), out_dir)
+    return report(json.loads((out_dir / RUNS_FILE).read_text()), out_dir)
 
 
 def headlines(rows: list[dict], summary: list[dict]) -> list[dict]:
@@ -770,12 +766,17 @@ def main(argv: list[str] | None = None) -> None:
                          "race.csv, race.md, race.png and race_box.yaml")
     args = ap.parse_args(argv)
     if args.predict_only:
-        predict_only(args.out)
+        if not (args.out / RUNS_FILE).exists():  # nothing measured to re-predict: bad input, nothing written
+            print(f"race_deepspeed: --predict-only: no {args.out / RUNS_FILE}; run the race first or pass "
+                  "the --out folder that holds it", file=sys.stderr)
+            sys.exit(2)
+        rows = predict_only(args.out)
     else:
-        run(args.quick, args.out, args.reps, args.steps, args.ssd_dir,
-            tuple(args.variants) if args.variants else None,
-            [SWEEP[i] for i in args.points] if args.points else None, merge=args.points is not None)
-    print(f"wrote {args.out / 'race.csv'}, race.md and race.png", file=sys.stderr)
+        rows = run(args.quick, args.out, args.reps, args.steps, args.ssd_dir,
+                   tuple(args.variants) if args.variants else None,
+                   [SWEEP[i] for i in args.points] if args.points else None, merge=args.points is not None)
+    if rows:  # a skipped race (no DeepSpeed, no libaio) has said so in one line and wrote nothing
+        print(f"wrote {args.out / 'race.csv'}, race.md and race.png", file=sys.stderr)
 
 
 if __name__ == "__main__":

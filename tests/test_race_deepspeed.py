@@ -207,3 +207,14 @@ def test_predict_only_re_predicts_the_measured_race_in_fp32_without_running_it(t
     assert float(rows["ds-default"]["predicted_s"]) > as_bf16.iteration_s  # 4-byte weights and gradients
     ds_row = rows["ds-default"]
     assert float(ds_row["error"]) == pytest.approx(2.0 / float(ds_row["predicted_s"]) - 1, rel=2e-2)
+
+
+def test_predict_only_without_a_measured_race_is_one_line_and_exit_2(tmp_path, capsys):
+    """Nothing measured under --out: one line that says where to look, exit code 2, nothing written."""
+    out = tmp_path / "empty"
+    with pytest.raises(SystemExit) as e:
+        race_deepspeed.main(["--predict-only", "--out", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "race_runs.json" in err[0] and "wrote" not in err[0]
+    assert not (out / "race.csv").exists()

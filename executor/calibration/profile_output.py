@@ -43,7 +43,8 @@ def write_profile(cal: Calibration, path: str | os.PathLike[str]) -> None:
             comment = printable(notes[f"{section}.{m.group(1)}"])
             text = f"{text}  # {comment}"
         out.append(text)
-    header = [f"# not measured (taken from {cal.base_name}): {', '.join(cal.not_measured) or 'none'}"]
+    header = [f"# not measured (null with its reason, or a default or price of {cal.base_name}; see each "
+              f"field): {', '.join(cal.not_measured) or 'none'}"]
     header += [f"# note: {printable(n)}" for n in cal.notes]
     annotated = "\n".join([*out[:2], *header, *out[2:]]) + "\n"
     Path(path).write_text(annotated, encoding="utf-8")

@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     for n in cal.notes:
         print(f"note: {n}")
-    print(f"not measured (taken from {cal.base_name}): {', '.join(cal.not_measured) or 'none'}")
+    print(f"not measured (null with its reason, or a default or price of {cal.base_name}): "
+          f"{', '.join(cal.not_measured) or 'none'}")
     print(f"wrote {out}: {cal.profile.summary()}")
     # a CPU device computes fp32 and its rates are real bytes: its plans are fp32
     print(f"use it with: tierflow simulate --hw {out}{' --precision fp32' if device == 'cpu' else ''}")
