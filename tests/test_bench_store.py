@@ -58,9 +58,7 @@ def test_bench_store_quick(tmp_path):
         assert float(r["gbps"]) > 0 and 0 < float(r["in_flight_mean"]) <= workers
         assert 0 <= float(r["below_full_share"]) <= 1 and float(r["alloc_ms_per_tensor"]) >= 0
         assert (r["boundary_gap_ms"] == "") == (int(r["tensors"]) == 1)
-    fresh = [r for r in timeline if r["variant"] == "store-fresh"]
-    recycled = [r for r in timeline if r["variant"] == "store-newfiles"]
-    assert all(float(n["alloc_ms_per_tensor"]) > float(w["alloc_ms_per_tensor"])
-               for n, w in zip(fresh, recycled))  # only new files are preallocated, not recycled ones
+    # (that recycled files are not preallocated again is test_store's, counted, not timed here: two timings
+    # of a fallocate on a loaded runner compared in a test failed one clean-clone run in two)
     assert "size_mib" in out.stdout and "vs_reference" in out.stdout
     assert not list(under_test.iterdir())  # its files are removed
