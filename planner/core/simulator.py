@@ -210,7 +210,10 @@ def _resident_memory(graph: TaskGraph) -> tuple[list[float], list[float]]:
     mem = [graph.static_bytes[t] for t in TIERS]
     for i, tier in enumerate(TIERS):
         if mem[i] > cap[i] + _EPS_BYTES:
-            raise CapacityError(tier, 0.0, mem[i] - cap[i], "resident tensors alone do not fit")
+            raise CapacityError(tier, 0.0, mem[i] - cap[i],
+                                f"what stays resident on it for the whole run ({bytes_text(mem[i])}: placed "
+                                f"tensors and runtime buffers) alone does not fit its {bytes_text(cap[i])}; "
+                                f"fix: place fewer tensors on the {tier}, or a {tier} with more memory")
     return cap, mem
 
 
@@ -461,7 +464,8 @@ def _raise_stuck(graph, queues, ptr, ndeps, mem, cap, now, mem_blocked, resource
         others = sorted({TIERS[j] for j, _, _ in blocked if j != i})
         tail = f"; {', '.join(others)} waiting on it" if others else ""
         raise CapacityError(TIERS[i], now, mem[i] + need - cap[i],
-                            f"{t.label} on {t.resource} needs {bytes_text(need)} more{tail}")
+                            f"{t.label} on {t.resource} needs {bytes_text(need)} more{tail}; fix: a smaller "
+                            f"micro-batch or seq, or fewer tensors placed on the {TIERS[i]}")
     heads = []
     for r, q in enumerate(queues):
         if ptr[r] < len(q):

@@ -143,7 +143,7 @@ class Problem:
             self.model, micro_batch=cfg.micro_batch, seq=self.seq, num_micro_batches=cfg.num_micro_batches,
             group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
             prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime,
-            ranks=self.world.ranks))
+            ranks=self.world.ranks, hw=self.hw))
 
     def gpu_floor_s(self, micro_batch: int) -> float:
         """GPU compute of one iteration without any recompute: no plan with this micro-batch can beat it."""
