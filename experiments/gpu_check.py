@@ -133,11 +133,15 @@ def run_step(step: Step, out: Path) -> Step:
 def caps(shapes: Shapes, profile: Path | str) -> dict[str, float]:
     """The plan's `--set` caps (GiB, reserved parts included) for the shapes' model on `profile`."""
     from tierflow.hwprofiles import load_profile
+    from tierflow.planner.core.devicemem import runtime_gpu_reserve_bytes
     from tierflow.planner.core.models import get_model
 
     hw = load_profile(profile)
     params = get_model(shapes.model).total_params()
-    gpu = max(shapes.min_gpu_gib, GPU_BYTES_PER_PARAM * params / GIB)
+    # plus what the executor's CUDA runtime maps under the cap (cuBLAS workspaces, the allocator's pages) on
+    # a GPU: a cap below it cannot be met (the issue's quick check at 0.02 GiB, out of memory in op 7)
+    gpu = (max(shapes.min_gpu_gib, GPU_BYTES_PER_PARAM * params / GIB)
+           + runtime_gpu_reserve_bytes("ideal", 1, hw) / GIB)
     host = max(shapes.min_host_gib, HOST_BYTES_PER_PARAM * params / GIB)
     return {"gpu.memory_gib": round(hw.gpu.reserved_gib + gpu, 3),
             "cpu.memory_gib": round(hw.cpu.reserved_gib + host, 3)}
