@@ -283,7 +283,8 @@ def loss_chunk_tokens(vocab: int, tokens: int) -> int:
 def loss_working_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int:
     """Peak bytes of the head's loss as the executor computes it (executor.models.chunked_lm_loss): the
     gradient of the normalised hidden states (tokens x hidden, compute dtype), the chunks' logits
-    (loss_chunk_logits_bytes) and each chunk's per-token vectors (loss_chunk_vector_bytes). The weight
+    (loss_chunk_logits_bytes), each chunk's per-token vectors (LOSS_CHUNK_VECTOR_BYTES) and the mask of the
+    targets that count. The weight
     gradient is counted with the head's working bytes (head_cost)."""
     cb = precision_of(model).compute_bytes
     t = micro_batch * seq
@@ -291,7 +292,9 @@ def loss_working_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int:
     if not vocab:
         return 0
     c = loss_chunk_tokens(vocab, t)
-    return cb * t * model.embed_dim + loss_chunk_logits_bytes(vocab, t, cb) + LOSS_CHUNK_VECTOR_BYTES * c
+    counted = t  # the mask of the targets that count (bool per token), for their number
+    return (cb * t * model.embed_dim + loss_chunk_logits_bytes(vocab, t, cb) + LOSS_CHUNK_VECTOR_BYTES * c
+            + counted)
 
 
 # a chunk's per-token vectors in chunked_lm_loss: log-sum-exp (fp32), the row indices and the clamped targets
@@ -363,8 +366,8 @@ def head_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
     elementwise = cb * t * model.hidden * (2 if vocab else 5) + 3 * logits
     # held while the head's forward and backward run (one task): the weight gradient throughout; first the
     # normalised hidden states and the loss's working bytes (their gradient and one chunk), then that gradient
-    # and the final norm's backward
-    hidden = cb * t * max(model.hidden, model.embed_dim)
+    # and the final norm's backward; a LayerNorm's mean and rstd (fp32 per token on CUDA) with its output
+    hidden = cb * t * max(model.hidden, model.embed_dim) + (2 * 4 * t if model.norm == "layernorm" else 0)
     loss = loss_working_bytes(model, micro_batch, seq)
     work = hidden + loss
     dx_loss = cb * t * model.embed_dim if vocab else 0
