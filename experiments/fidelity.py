@@ -46,6 +46,7 @@ from expcommon import (
     reference_line,
     save_figure,
     schedule_color,
+    script_main,
     write_csv,
     write_generated_block,
 )
@@ -469,4 +470,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

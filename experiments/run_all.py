@@ -33,6 +33,7 @@ from expcommon import (
     markdown_table,
     parsed_rows,
     print_headlines,
+    script_main,
     write_csv,
     write_generated_block,
 )
@@ -140,4 +141,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))
