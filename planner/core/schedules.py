@@ -32,6 +32,8 @@ from tierflow.planner.core.dsruntime import (
     DS_SUB_GROUP_ELEMS,
     DsKnobs,
     deepspeed_host_buffers_bytes,
+    ds_fp32_grad_copy_s,
+    ds_weights_copy_s,
 )
 from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused, topological_order
 from tierflow.planner.core.memory import (
@@ -492,6 +494,9 @@ class _DsGrad:
     gpu_bytes: float  # its GPU buffer, freed by the copy
     grad_last: dict  # the iteration's block -> final-gradient tasks
     host_grad_alloc: set  # the iteration's blocks whose host gradient buffer is allocated
+    # the accumulation boundary's copy into the fp32 gradient, when the host waits for it (seconds; None: a
+    # pinned copy counted in wire_bytes_per_param)
+    fp32_copy_s: float | None = None
 
 
 class _Builder:
@@ -911,16 +916,20 @@ class _Builder:
         (stage3.py: reduce_independent_p_g_buckets_and_remove_grads, __reduce_and_partition_ipg_grads,
         independent_gradient_partition_epilogue). At the accumulation boundary (the iteration's last
         micro-batch) each partition is also copied to the optimizer's fp32 gradient: 4 B more per parameter
-        (partition_grads -> _offload_grad_partition_at_boundary). Not modelled: the copy back of the 16-bit
-        partition to the GPU after each copy out (partition_grads: grad_buffer.to(device)), an H2D of 2 B per
-        parameter and micro-batch."""
+        (partition_grads -> _offload_grad_partition_at_boundary). On a GPU box that copy is a blocking copy_
+        with a dtype change: where the profile has pcie.pageable_d2h_gbps it is the host's wait of
+        dsruntime.ds_fp32_grad_copy_s, and the backward's next kernels wait for it (_ds_after_copy_out). Not
+        modelled: the copy back of the 16-bit partition to the GPU after each copy out (partition_grads:
+        grad_buffer.to(device)), an H2D of 2 B per parameter and micro-batch."""
         elems = self.blocks[b].fetch_params
         open_elems = sum(self.blocks[x.block].fetch_params for x in self.ds_bucket)
         if self.ds_bucket and open_elems + elems > self.cfg.ds_reduce_bucket_elems:
             self._ds_flush(t)  # the full bucket leaves once this gradient is ready
         boundary = k == self.cur_last_step[b]  # the block's last micro-batch of the iteration
-        wire = self.pr.grad_wire_bytes + (self.pr.grad_accum_bytes if boundary else 0)
-        self.ds_bucket.append(_DsGrad(src, b, wire, grad_gpu_bytes, grad_last, host_grad_alloc))
+        fp32_copy_s = ds_fp32_grad_copy_s(self.hw, self.shard(elems), self.pr.grad_wire_bytes) if boundary \
+            else None
+        wire = self.pr.grad_wire_bytes + (self.pr.grad_accum_bytes if boundary and fp32_copy_s is None else 0)
+        self.ds_bucket.append(_DsGrad(src, b, wire, grad_gpu_bytes, grad_last, host_grad_alloc, fp32_copy_s))
         if b == 0:  # the backward's last block: the epilogue flushes the rest and the host waits
             self.ds_epilogue = self._ds_flush(t)
             self.ds_events.clear()
@@ -944,11 +953,26 @@ class _Builder:
                                       x.grad_last, x.host_grad_alloc)
             if t.id != src.id and t.id not in src.deps:
                 d2h.deps.append(t.id)
-            out.append(d2h.id)
+            out.append(self._ds_after_copy_out(d2h, x).id)
         self.ds_bucket = []
         if out:
             self.ds_events.append(out[-1])
         return out
+
+    def _ds_after_copy_out(self, d2h: Task, x: _DsGrad) -> Task:
+        """At the accumulation boundary on a GPU box whose profile models pageable copies: the blocking copy
+        of the 16-bit partition into the fp32 gradient (x.fp32_copy_s) after its copy to the host, on the
+        host's queue; the host waits for it before it launches the backward's next kernels (ds_wait), and the
+        optimizer's step waits for it (grad_last). Returns the bucket's last copy. Not modelled: the 16-bit
+        partition's copy back to the GPU after each copy out (partition_grads: `grad_buffer.to(device)`), an
+        H2D of 2 B per parameter and micro-batch on the reduce stream, hidden behind the backward here."""
+        if x.fp32_copy_s is None:
+            return d2h
+        last = self.g.add(OFFLOAD_GRADS, "cpu", x.fp32_copy_s, tensor="grads", block=x.block, mb=-1,
+                          iteration=d2h.iteration, key=d2h.key, deps=[d2h.id])
+        self.ds_wait.append(last.id)
+        x.grad_last[x.block] = [last.id]
+        return last
 
     def _reduce_scatter(self, t: Task, b: int, it: int) -> Task:
         """The ranks' gradients of block b summed, this rank's shard kept (a ring reduce-scatter after
@@ -1039,12 +1063,24 @@ class _Builder:
                 if w_ssd > 0:
                     ready.append(wb.id)
             if w_gpu > 0:
-                up = g.add(UPDATE_WEIGHTS, "h2d", w_gpu * frac, tensor="weights", block=b, mb=-1,
-                           iteration=it, key=pkey + Offset.AFTER_ADAM, deps=[a.id])
+                up = self._update_resident(w_gpu * frac, owned * frac, b, it, pkey, a)
                 self.resident_update.setdefault(b, []).append(up.id)
         if w_gpu > 0:
             self.resident_update[b] = self.resident_update[b][-len(parts):]
         self.weights_ready[b] = ready
+
+    def _update_resident(self, nbytes: float, params: float, b: int, it: int, pkey: float,
+                         adam: Task) -> Task:
+        """The stepped block's new 16-bit weights copied to the GPU: a pinned H2D, or under runtime deepspeed
+        where the profile models pageable copies the host's blocking convert-and-copy
+        (dsruntime.ds_weights_copy_s) on the CPU's queue, before the next sub-group's step."""
+        host_s = ds_weights_copy_s(self.hw, params, self.pr.compute_bytes) \
+            if self.cfg.runtime == "deepspeed" else None
+        if host_s is None:
+            return self.g.add(UPDATE_WEIGHTS, "h2d", nbytes, tensor="weights", block=b, mb=-1, iteration=it,
+                              key=pkey + Offset.AFTER_ADAM, deps=[adam.id])
+        return self.g.add(UPDATE_WEIGHTS, "cpu", host_s, tensor="weights", block=b, mb=-1, iteration=it,
+                          key=pkey + Offset.AFTER_ADAM, deps=[adam.id])
 
     def _read_states(self, step: _AdamBlock, nbytes: float, pkey: float, kind: str, prev_part: int,
                      chain: _OptChain) -> Task:
