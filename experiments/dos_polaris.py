@@ -29,7 +29,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from expcommon import arg_parser, headline, print_headlines, print_table, write_csv
+from expcommon import (
+    REPO_DIR,
+    RESULTS_DIR,
+    arg_parser,
+    headline,
+    markdown_table,
+    print_headlines,
+    print_table,
+    write_csv,
+    write_generated_block,
+)
 
 from tierflow.hwprofiles import HardwareProfile, load_profile
 from tierflow.planner.core.models import ModelSpec, get_model
@@ -188,6 +198,8 @@ def run(quick: bool, out_dir: Path) -> list[dict]:
                          "error_loo": round(ph_loo[phase] / m - 1, 4),
                          "loo_values": "; ".join(f"{k}={v}" for k, v in loo[p.batch].items())})
     write_csv(rows, out_dir / "dos_polaris.csv")
+    if out_dir.resolve() == Path(RESULTS_DIR).resolve():  # the docs show what the results file holds
+        write_generated_block(DOC, DOC_TABLE, sweep_table(rows))
     print_table([{**r, **{k: f"{r[k]:+.1%}" for k in ("error_before", "error_after", "error_loo")}}
                  for r in rows], ["batch", "phase", "measured_s", "before_s", "after_s", "loo_s",
                                   "error_before", "error_after", "error_loo"])
@@ -202,6 +214,27 @@ def run(quick: bool, out_dir: Path) -> list[dict]:
                       + ", ".join(f"{k} {v}" for k, v in fitted.items()), source=SOURCE)]
     print_headlines(heads, "dos_polaris")
     return heads
+
+
+DOC = REPO_DIR / "docs" / "reproductions.md"
+DOC_TABLE = "the given A100 sweep (experiments/dos_polaris.py from experiments/results/dos_polaris.csv)"
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """docs/reproductions.md's table: per point, the iteration measured, before, after and with the point left
+    out of the fit (error: predicted / measured - 1), and each phase measured / after."""
+    out = []
+    for batch in sorted({int(r["batch"]) for r in rows}):
+        ph = {r["phase"]: r for r in rows if int(r["batch"]) == batch}
+        it = ph["iteration"]
+        cells = [f"{float(it[col]):.2f} ({float(it[err]):+.1%})"
+                 for col, err in (("before_s", "error_before"), ("after_s", "error_after"),
+                                  ("loo_s", "error_loo"))]
+        phases_ = [f"{float(ph[p]['measured_s']):.2f} / {float(ph[p]['after_s']):.2f}" for p in PHASES]
+        out.append((batch, int(it["micro_batches"]), f"{float(it['measured_s']):.2f}", *cells, *phases_))
+    return markdown_table(["global batch", "micro-batches", "measured s/it", "before", "after",
+                           "leave-one-out", "fwd measured / after", "bwd measured / after",
+                           "step measured / after"], out)
 
 
 def _profile_value(hw: HardwareProfile, key: str) -> object:
