@@ -1,4 +1,4 @@
-"""The given A100 sweep (issue 40): Deep Optimizer States' DeepSpeed ZeRO-3 runs on one ALCF Polaris GPU,
+"""The given A100 sweep: Deep Optimizer States' DeepSpeed ZeRO-3 runs on one ALCF Polaris GPU,
 reproduced phase by phase (forward, backward, optimizer step) from the DeepSpeed config the logs print.
 
     python experiments/dos_polaris.py [--quick] [--out DIR]

@@ -53,7 +53,7 @@ STUDIES = {
     "adapt": adapt,  # plan on a wrong profile, run --adapt on this CPU, against the calibrated profile's plan
     # the SSD tier's store against fio and DeepSpeed's aio_handle on the disk that holds the checkout
     "bench_store": bench_store,
-    # the given A100 sweep (issue 40): Deep Optimizer States' DeepSpeed ZeRO-3 runs on one Polaris GPU, phase
+    # the given A100 sweep: Deep Optimizer States' DeepSpeed ZeRO-3 runs on one Polaris GPU, phase
     # by phase, with its two fitted values checked leaving each point out (fidelity reads dos_polaris.csv)
     "dos_polaris": dos_polaris,
     "fidelity": fidelity,  # last: it compares every earlier study's headline numbers with the papers'

@@ -1,4 +1,4 @@
-"""The given A100 sweep's mechanisms (issue 40): DeepSpeed's blocking dtype-changing copies,
+"""The given A100 sweep's mechanisms: DeepSpeed's blocking dtype-changing copies,
 DeepSpeedCPUAdam's own rate under the DeepSpeed bridge, Megatron's unfused layer ops; and
 experiments/dos_polaris.py's quick run."""
 

@@ -139,6 +139,14 @@ class ScheduleConfig:
     # keeps in host memory (dsruntime.ds_cached_elems; the placement's weights cpu fraction says the same);
     # 0: the placement's split holds for every block
     ds_cached_elems: int = 0
+    # the ZeRO stage of the DeepSpeed config this schedule was read from (`--ds-config`: dsconfig.DsConfig
+    # .schedule; None: not from a config). Stage 3 with the optimizer's states in host memory makes the
+    # accumulation boundary's dtype-changing blocking copy of each 16-bit gradient partition into the fp32
+    # gradient (stage3.py partition_grads), a host wait where the profile models pageable copies
+    # (_ds_grad_bucket); not with the states on NVMe (their fp32 gradient is made on the GPU,
+    # grad_buffer.float(), and swapped out through pinned buffers) nor in ZeRO-2 (stage_1_and_2.py copies
+    # with non_blocking=True, converting on the GPU)
+    ds_stage: int | None = None
 
     @property
     def ds_knobs(self) -> DsKnobs:
@@ -191,6 +199,7 @@ class ScheduleConfig:
             **({"gpus": self.gpus, "nodes": self.nodes} if self.world.ranks != 1 else {}),
             # DeepSpeed's optimizer pipelining: only when set, so that other plans' digests stay as they were
             **{k: True for k in ("ds_pipeline_read", "ds_pipeline_write") if getattr(self, k)},
+            **({"ds_stage": self.ds_stage} if self.ds_stage is not None else {}),
             **({"ds_sub_group_elems": self.ds_sub_group_elems}
                if self.ds_sub_group_elems != DS_SUB_GROUP_ELEMS else {}),
             **({"ds_reduce_bucket_elems": self.ds_reduce_bucket_elems}
@@ -926,8 +935,8 @@ class _Builder:
         if self.ds_bucket and open_elems + elems > self.cfg.ds_reduce_bucket_elems:
             self._ds_flush(t)  # the full bucket leaves once this gradient is ready
         boundary = k == self.cur_last_step[b]  # the block's last micro-batch of the iteration
-        fp32_copy_s = ds_fp32_grad_copy_s(self.hw, self.shard(elems), self.pr.grad_wire_bytes) if boundary \
-            else None
+        fp32_copy_s = ds_fp32_grad_copy_s(self.hw, self.shard(elems), self.pr.grad_wire_bytes) \
+            if boundary and self._ds_blocking_grad_copy() else None
         wire = self.pr.grad_wire_bytes + (self.pr.grad_accum_bytes if boundary and fp32_copy_s is None else 0)
         self.ds_bucket.append(_DsGrad(src, b, wire, grad_gpu_bytes, grad_last, host_grad_alloc, fp32_copy_s))
         if b == 0:  # the backward's last block: the epilogue flushes the rest and the host waits
@@ -958,6 +967,11 @@ class _Builder:
         if out:
             self.ds_events.append(out[-1])
         return out
+
+    def _ds_blocking_grad_copy(self) -> bool:
+        """ZeRO-3 with the optimizer's states in host memory (ScheduleConfig.ds_stage)."""
+        p = self.p
+        return self.cfg.ds_stage == 3 and not p.gpu_optimizer and p.master.ssd == 0 and p.grads.ssd == 0
 
     def _ds_after_copy_out(self, d2h: Task, x: _DsGrad) -> Task:
         """At the accumulation boundary on a GPU box whose profile models pageable copies: the blocking copy
