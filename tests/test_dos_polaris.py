@@ -116,3 +116,31 @@ def test_dos_polaris_quick(tmp_path):
         # leave-one-out fits on the other point only: its values are named and differ from the full fit
         assert "pcie.pageable_d2h_gbps=" in mine["iteration"]["loo_values"]
     assert heads and heads[0]["study"] == "dos_polaris"
+
+
+def test_deepspeed_s_pipelined_optimizer_reads_stay_about_one_write_ahead():
+    """offload_optimizer pipeline_read / pipeline_write: the read of sub-group g is issued in g-1's swap-in,
+    after g-2's swap-out completed g-3's write (pipelined_optimizer_swapper.py): at most three sub-groups'
+    states are read and not yet written back at any time, whatever the SSD's read and write rates."""
+    from tierflow.planner.core.opkinds import READ_OPT_STATES, WRITE_OPT_STATES
+
+    m = replace(get_model("gpt3-13b"), num_layers=12, seq_len=256)
+    hw = load_profile("rtx4090-lohan").with_overrides({"ssd.write_gbps": 0.5})  # writes far slower than reads
+    cfg = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
+           "zero_optimization": {"stage": 3, "sub_group_size": 100_000_000,
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": "/x",
+                                                       "pipeline_read": True, "pipeline_write": True,
+                                                       "buffer_count": 12}},
+           "bf16": {"enabled": True}}
+    _, res = simulate_ds(m, hw, parse_ds_config(cfg, "test", m), 3)
+    tasks = [t for t in res.graph.tasks if t.iteration == 1]
+    reads = {t.block: t for t in tasks if t.kind == READ_OPT_STATES}
+    writes = {t.block: t for t in tasks if t.kind == WRITE_OPT_STATES}
+    assert len(reads) >= 10
+    worst = 0
+    for r in reads.values():
+        t0 = res.start_s[r.id]
+        open_groups = [b for b, x in reads.items()
+                       if res.start_s[x.id] <= t0 and res.end_s[writes[b].id] > t0]
+        worst = max(worst, len(open_groups))
+    assert 2 <= worst <= 3

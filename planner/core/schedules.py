@@ -489,6 +489,10 @@ class _OptChain:
     prev_write: int = -1  # DeepSpeed: a sub-group's states are read only after the previous one's are written
     prev_read: int = -1  # DeepSpeed with pipeline_read: the previous sub-group's read
     prev_block: int = -1  # the block stepped before (DeepSpeed: is this one in a new sub-group?)
+    # DeepSpeed with pipeline_read: each sub-group's last CPU Adam step and last write, in the order they were
+    # stepped, which bound how far the reads run ahead (_Builder._ds_read_bound)
+    group_adam: dict = field(default_factory=dict)
+    group_write: dict = field(default_factory=dict)
     unwaited_write: Task | None = None  # LoHan: the write-back the thread issues at the next boundary
     thread_last: Task | None = None  # LoHan: the thread's last wait
 
@@ -1063,6 +1067,7 @@ class _Builder:
             ready.append(a.id)
             if kind == ADAM:
                 chain.prev_main = a.id
+                chain.group_adam[self._ds_sub_group(b)] = a.id
             # each part is done with its slice of the fp32 gradient
             self._host_grads(a, -frac * (pr.grad_accum_bytes * fetch_params * (1 - p.grads.ssd) + grads_ssd))
             prev_part = a.id
@@ -1072,6 +1077,8 @@ class _Builder:
                 g.free(wb, "cpu", states_ssd * frac)
                 self.states_written[(b, kind)] = [wb.id]
                 chain.prev_write = wb.id
+                if kind == ADAM:
+                    chain.group_write[self._ds_sub_group(b)] = wb.id
                 if cfg.runtime == "lohan" and kind == ADAM:
                     chain.unwaited_write = wb
                 if w_ssd > 0:
@@ -1112,9 +1119,11 @@ class _Builder:
         new_group = ds and self._ds_sub_group(step.block) != self._ds_sub_group(chain.prev_block)
         after = chain.prev_read if new_group and cfg.ds_pipeline_read and kind == ADAM else (
             chain.prev_main if kind == ADAM else prev_part)
+        pipelined = new_group and (cfg.ds_pipeline_read or cfg.ds_pipeline_write) and kind == ADAM
+        bound = self._ds_read_bound(step.block, chain) if pipelined else []
         rs = self.g.add(READ_OPT_STATES, "ssd_read", nbytes, tensor="opt_states", block=step.block, mb=-1,
                         iteration=step.it, key=pkey + Offset.READ_STATES,
-                        deps=[after,
+                        deps=[after, *bound,
                               *self.states_written.get((step.block, kind), []),
                               chain.prev_write if ds and not (new_group and cfg.ds_pipeline_write) else -1,
                               *(self._lohan_trigger(step.k_last, chain.thread_last) if lohan_main else [])])
@@ -1125,6 +1134,21 @@ class _Builder:
             chain.thread_last = self._lohan_thread(rs, chain.unwaited_write, step.k_last, step.end)
             chain.unwaited_write = None
         return rs
+
+    def _ds_read_bound(self, block: int, chain: _OptChain) -> list[int]:
+        """How far DeepSpeed's pipelined optimizer swapper lets the read of sub-group g run ahead: it is
+        issued inside swap_in_optimizer_state of sub-group g-1 (`async_parameter`), which the host reaches
+        after swap_out_optimizer_state of g-2, and that first completes the previous asynchronous write,
+        g-3's (pipelined_optimizer_swapper.py: swap_out_optimizer_state `if self.swap_ops[ASYNC_SWAP_OUT]:
+        self._complete_swap_out(ASYNC_SWAP_OUT)`): so after g-2's CPU step and g-3's write. About one write
+        in flight and one read ahead, never the whole optimizer in host memory. With pipeline_write alone the
+        read of g is g's own swap-in, after g-1's swap-out completed g-2's write."""
+        g = self._ds_sub_group(block)
+        adams = [a for k, a in chain.group_adam.items() if k != g]  # in the order the sub-groups stepped
+        writes = [w for k, w in chain.group_write.items() if k != g]
+        if not self.cfg.ds_pipeline_read:
+            return [writes[-2] if len(writes) >= 2 else -1]
+        return [adams[-2] if len(adams) >= 2 else -1, writes[-3] if len(writes) >= 3 else -1]
 
     def _host_grads(self, t: Task, nbytes: float) -> None:
         """Host memory of fp32 gradients allocated (nbytes > 0) or freed by task t. Under runtime deepspeed
