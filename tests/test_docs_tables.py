@@ -20,6 +20,7 @@ import bench_executor  # noqa: E402
 import bench_simulator  # noqa: E402
 import bench_store  # noqa: E402
 import closed_loop  # noqa: E402
+import dos_polaris  # noqa: E402
 import expcommon  # noqa: E402
 import fidelity  # noqa: E402
 import finetune  # noqa: E402
@@ -53,6 +54,7 @@ GENERATED = [
     (bench_executor.DOC, bench_executor.DOC_TABLE, "bench_executor.csv", bench_executor.executor_table),
     (bench_executor.DOC, bench_executor.CPU_TABLE, "bench_executor_cpu.csv", bench_executor.cpu_work_table),
     (bench_executor.DOC, bench_executor.KINDS_TABLE, "bench_executor_kinds.csv", bench_executor.kinds_table),
+    (dos_polaris.DOC, dos_polaris.DOC_TABLE, "dos_polaris.csv", dos_polaris.sweep_table),
 ]
 
 

@@ -100,14 +100,24 @@ def test_the_optimizer_swapper_pipelines_as_configured(pipeline):
     tasks = build_graph(m, hw, sched).tasks
     reads = [t for t in tasks if t.kind == READ_OPT_STATES and t.iteration == 1]
     assert len(reads) >= 3
-    for r in reads[1:]:
-        waits = {tasks[d].kind for d in r.deps if d >= 0
-                 and (tasks[d].kind != WRITE_OPT_STATES or tasks[d].iteration == r.iteration)}
-        # without pipeline_read a sub-group's states are read after the previous sub-group's step
-        assert (ADAM in waits) != sched.ds_pipeline_read
-        assert (READ_OPT_STATES in waits) == sched.ds_pipeline_read
-        # without pipeline_write, after the previous sub-group's states were written back (this iteration)
-        assert (WRITE_OPT_STATES in waits) != sched.ds_pipeline_write
+    adams = [t for t in tasks if t.kind == ADAM and t.iteration == 1]
+    writes = [t for t in tasks if t.kind == WRITE_OPT_STATES and t.iteration == 1]
+    for i, r in enumerate(reads[1:], start=1):
+        waits = {d for d in r.deps if d >= 0}
+        kinds = {tasks[d].kind for d in waits}
+        # without pipeline_read a sub-group's states are read after the previous sub-group's step; with it
+        # after the previous read, and the step two sub-groups back (pipelined_optimizer_swapper.py: the read
+        # is issued in the previous sub-group's swap-in, after the swap-out before it)
+        assert (adams[i - 1].id in waits) != sched.ds_pipeline_read
+        assert (READ_OPT_STATES in kinds) == sched.ds_pipeline_read
+        if sched.ds_pipeline_read and i >= 2:
+            assert adams[i - 2].id in waits
+        # without pipeline_write, after the previous sub-group's states were written back (this iteration);
+        # with it, after an older one's: about one write in flight
+        assert (writes[i - 1].id in waits) != sched.ds_pipeline_write
+        back = 3 if sched.ds_pipeline_read else 2
+        if sched.ds_pipeline_write and i >= back:
+            assert writes[i - back].id in waits
     assert sched.to_dict().get("ds_pipeline_read", False) == sched.ds_pipeline_read
 
 

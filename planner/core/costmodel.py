@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 
 from tierflow.hwprofiles import HardwareProfile, ProfileError
-from tierflow.planner.core.compute import DeliveredCompute, delivered_compute, kernels
+from tierflow.planner.core.compute import DeliveredCompute, delivered_compute, kernels, unfused_extra_bytes
 from tierflow.planner.core.workload import BlockCost, Gemm, Precision
 from tierflow.planner.core.world import SINGLE, World
 
@@ -323,12 +323,24 @@ class CostModel:
         """Non-GEMM kernels moving `nbytes`, of which `activation_bytes` through the activation function."""
         return (nbytes - activation_bytes) / self.hbm_bps + activation_bytes / self.activation_bps
 
+    def unfused_s(self, block: BlockCost) -> float:
+        """One forward pass's extra elementwise time where the profile's framework runs a layer's norms,
+        rotary positions, gated activation and GQA repeat as separate ops (compute.layer_ops unfused)."""
+        if self.hw.compute is None or self.hw.compute.layer_ops != "unfused" or "norm" not in block.extras:
+            return 0.0
+        x = block.extras
+        per_token = unfused_extra_bytes(x["norm"], x["rmsnorm_elems"], x["rotary_elems"],
+                                        x["kv_repeat_elems"], x["gated_ffn_elems"],
+                                        block.precision.compute_bytes)
+        return per_token * block.tokens / self.hbm_bps
+
     def forward_s(self, block: BlockCost) -> float:
         peak = self.peak_flops_for(block.precision)
         device = (
             sum(self.gemm_s(g, peak) for g in block.fwd_gemms)
             + self.attention_s(block.attn_fwd_flops, peak_flops=peak)
             + self.elementwise_s(block.fwd_elementwise_bytes, block.fwd_activation_bytes)
+            + self.unfused_s(block)
         )
         return self._launched(device, block, False) + self.op_overhead_s
 
@@ -340,6 +352,7 @@ class CostModel:
             2 * sum(self.gemm_s(g, peak) for g in block.fwd_gemms)
             + self.attention_s(block.attn_fwd_flops, backward=True, peak_flops=peak)
             + 2 * self.elementwise_s(block.fwd_elementwise_bytes, block.fwd_activation_bytes)
+            + 2 * self.unfused_s(block)
         )
         return self._launched(device, block, True) + self.op_overhead_s
 

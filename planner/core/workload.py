@@ -157,6 +157,11 @@ def layer_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
         bwd_working_bytes=bwd_work,
         tokens=t,
         precision=pr,
+        # per token, what an unfused framework runs as separate ops (compute.unfused_extra_bytes)
+        extras={"norm": model.norm, "rmsnorm_elems": (h if model.parallel_residual else 2 * h),
+                "rotary_elems": 0 if model.max_positions else q + kv,
+                "kv_repeat_elems": q + kv if kv < q else 0,
+                "gated_ffn_elems": f if model.gated_mlp else 0},
     )
 
 

@@ -218,7 +218,8 @@ class DsConfig:
                        ds_param_buffer_count=self.param_buffer_count,
                        ds_param_buffer_elems=self.param_buffer_elems,
                        ds_param_swapper=self.param_device == "nvme" and self.cached_fraction >= 1.0,
-                       ds_cached_elems=self.cached_elems if 0 < self.cached_fraction < 1 else 0)
+                       ds_cached_elems=self.cached_elems if 0 < self.cached_fraction < 1 else 0,
+                       ds_stage=3 if self.stage >= 3 else self.stage)
 
     def trained(self, model: ModelSpec) -> ModelSpec:
         """`model` in the precision this config trains it in (bf16.enabled / fp16.enabled, else fp32; "auto":
