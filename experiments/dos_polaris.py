@@ -37,6 +37,7 @@ from expcommon import (
     markdown_table,
     print_headlines,
     print_table,
+    script_main,
     write_csv,
     write_generated_block,
 )
@@ -250,4 +251,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))
