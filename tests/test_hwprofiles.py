@@ -23,6 +23,7 @@ BUNDLED = [
     "a100-80g-nvme",
     "dgx-a100-8gpu",
     "h100-80g",
+    "h200-lent",
     "polaris-a100-40g",
     "rtx2060-laptop",
     "rtx3090-desktop",
