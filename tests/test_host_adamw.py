@@ -10,7 +10,14 @@ import torch
 from torch.optim.adamw import adamw as functional_adamw
 
 from tierflow.executor.adamw import TrainHyper
-from tierflow.executor.host_adamw import CHUNK_ALIGN, chunk_elems, chunks, host_adamw
+from tierflow.executor.host_adamw import (
+    CHUNK_ALIGN,
+    CHUNK_ELEMS,
+    WHOLE_ELEMS,
+    chunk_elems,
+    chunks,
+    host_adamw,
+)
 
 # adjacent decay groups of odd lengths (biases and norms between matrices), none a multiple of a vector
 GROUPS = [(0, 1001, True), (1001, 1038, False), (1038, 5021, True), (5021, 5024, False), (5024, 9000, True)]
@@ -32,8 +39,8 @@ def _reference(s: dict[str, torch.Tensor], h: TrainHyper, step: int, coef: float
         pick = [[s[k][a:z] for a, z, d in GROUPS if d == on] for k in ("master", "grads", "adam_m", "adam_v")]
         steps = [torch.full((), float(step - 1)) for _ in pick[0]]
         functional_adamw(*pick, [], steps, foreach=False, fused=True, amsgrad=False, beta1=h.beta1,
-                         beta2=h.beta2, lr=h.lr_at(step), weight_decay=h.weight_decay if on else 0.0, eps=h.eps,
-                         maximize=False)
+                         beta2=h.beta2, lr=h.lr_at(step), weight_decay=h.weight_decay if on else 0.0,
+                         eps=h.eps, maximize=False)
     s["grads"].zero_()
     return s["master"].to(dtype)
 
@@ -46,8 +53,8 @@ def _stretches(t: torch.Tensor, cut: int | None) -> list[tuple[int, int, torch.T
     return [(0, cut, t[:cut]), (cut, N, t[cut:].clone())]
 
 
-@pytest.mark.parametrize("chunk,threads,cut", [(64, 1, None), (128, 2, 3333), (1024, 1, 1037), (4096, 2, None),
-                                               (None, 1, 5022)])
+@pytest.mark.parametrize("chunk,threads,cut", [(64, 1, None), (128, 2, 3333), (1024, 1, 1037),
+                                               (4096, 2, None), (None, 1, 5022)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_chunked_update_is_bit_identical_to_whole_groups(chunk, threads, cut, dtype):
     h = TrainHyper(lr=3e-3, weight_decay=0.1, schedule="cosine", warmup_steps=2, total_steps=10)
@@ -83,6 +90,8 @@ def test_chunks_cover_the_groups_in_order_aligned_to_each_groups_start():
     assert all(sum(z - a for a, z, _d in c) <= 128 for c in got)
 
 
-def test_chunk_size_grows_with_the_threads_and_stays_aligned():
-    assert chunk_elems(64) > chunk_elems(1)
-    assert all(chunk_elems(t) % CHUNK_ALIGN == 0 for t in (1, 3, 16, 64))
+def test_chunks_on_one_thread_only_and_for_large_ranges_only():
+    big = 100 * CHUNK_ELEMS + 5
+    assert chunk_elems(big, 1) == CHUNK_ELEMS  # one thread, a large range: cache-sized chunks
+    assert chunk_elems(big, 2) >= big and chunk_elems(WHOLE_ELEMS, 1) >= WHOLE_ELEMS  # else one pass
+    assert all(chunk_elems(n, t) % CHUNK_ALIGN == 0 for n in (1, 1000, big) for t in (1, 3))

@@ -4,8 +4,8 @@ CPU AdamW rate (cpu.measure_cpu_adam) and experiments/bench_optimizer.py sets ag
 
 The block's master weights and Adam moments live in host memory, its fp32 gradient accumulator too, and its
 compute weights in host memory in the compute dtype (pinned where the backend pins, as a run keeps them), so
-one op does all that a run's `adam` op does: the fused AdamW update, the zeroing of the gradient range and
-the compute copy of the updated weights.
+one op does all that a run's `adam` op does: the squares of the gradients for the step's norm (steps.csv),
+the fused AdamW update, the zeroing of the gradient range and the compute copy of the updated weights.
 """
 
 from __future__ import annotations
@@ -32,11 +32,14 @@ class HostAdamOp:
 
     def __init__(self, n: int, compute_dtype=None, backend=None, seed: int = 0) -> None:
         torch = import_torch()
+        from tierflow.executor.adamw import TrainHyper
+        from tierflow.executor.clipping import GradNorms
         from tierflow.executor.device.factory import as_backend
-        from tierflow.executor.ops.context import Hyper, OpContext
+        from tierflow.executor.ops.context import OpContext
         from tierflow.executor.ops.optimizer import OptimizerOps
         from tierflow.executor.tiers.state import TierVector
         from tierflow.planner.core.graph import Task
+        from tierflow.planner.core.opkinds import ADAM
         from tierflow.planner.core.placement import Split
 
         be = backend if backend is not None else as_backend(torch.device("cpu"))
@@ -60,9 +63,11 @@ class HostAdamOp:
                                      layout=_FlatLayout(n), placement=SimpleNamespace(gpu_optimizer=False),
                                      shard_numel=[n], grad_split=[(0, n, 0)])
         binding = SimpleNamespace(dep_of_kind={0: {}}, part_of={}, plan=None)
-        self.cx = OpContext(binding, self.state, be.device, Hyper(), None, be, None)
+        hyper = TrainHyper()  # as `tierflow run` makes it: no clipping, the step's gradient norm for the log
+        object.__setattr__(hyper, "norms", GradNorms(hyper.clip_grad_norm, hyper.clip, parts_per_step=1))
+        self.cx = OpContext(binding, self.state, be.device, hyper, None, be, None)
         self.ops = OptimizerOps(self.cx, None)
-        self.task = Task(0, "adam", "cpu", 0.0, "opt_states", 0, -1, 0, [], 0.0)
+        self.task = Task(0, ADAM, "cpu", 0.0, "opt_states", 0, -1, 0, [], 0.0)
         self.n, self.steps = n, 0
         self.master, self.grads = vec["master"][0].host, grads
         self.m, self.v, self.weights = vec["adam_m"][0].host, vec["adam_v"][0].host, W.host
