@@ -26,7 +26,6 @@ from tierflow.executor.calibration.gpu import GEMM_SHAPES, measure_gpu
 from tierflow.executor.calibration.host_device import HOST_GEMM_SHAPES, measure_host_device
 from tierflow.executor.calibration.profile_builder import build_profile
 from tierflow.executor.calibration.ssd import measure_ssd
-from tierflow.executor.host_threads import optimizer_threads
 from tierflow.planner.io.progress import Progress
 
 
@@ -78,6 +77,8 @@ def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | Non
     adam_params = int(min(sizes.adam_params, cpu["memory_gib"] * GIB / 16 / 4))
     cpu["adam_impl"] = adam_impl()
     # the executor's own op, on the threads its optimizer worker will use on this device (host_threads.py)
+    from tierflow.executor.host_threads import optimizer_threads  # imports torch: here, not at module level
+
     cpu["adam_threads"] = optimizer_threads(device, True) or torch.get_num_threads()
     cpu["adam_gparams_per_s"] = measure_cpu_adam(adam_params, sizes.adam_steps,
                                                  threads=cpu["adam_threads"]) / 1e9
