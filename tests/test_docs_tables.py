@@ -17,6 +17,7 @@ sys.path.insert(0, str(EXPERIMENTS))
 pytest.importorskip("matplotlib")
 import adapt  # noqa: E402
 import bench_executor  # noqa: E402
+import bench_optimizer  # noqa: E402
 import bench_simulator  # noqa: E402
 import bench_store  # noqa: E402
 import closed_loop  # noqa: E402
@@ -51,6 +52,7 @@ GENERATED = [
     (finetune.DOC, finetune.DOC_TABLE, "finetune.csv", finetune.finetune_table),
     (run_all.DOC, run_all.DOC_TABLE, "summary.csv", run_all.papers_table),
     (bench_store.DOC, bench_store.DOC_TABLE, "bench_store.csv", bench_store.store_table),
+    (bench_optimizer.DOC, bench_optimizer.DOC_TABLE, "bench_optimizer.csv", bench_optimizer.optimizer_table),
     (bench_executor.DOC, bench_executor.DOC_TABLE, "bench_executor.csv", bench_executor.executor_table),
     (bench_executor.DOC, bench_executor.CPU_TABLE, "bench_executor_cpu.csv", bench_executor.cpu_work_table),
     (bench_executor.DOC, bench_executor.KINDS_TABLE, "bench_executor_kinds.csv", bench_executor.kinds_table),
