@@ -3,9 +3,10 @@
 Runs fuyou_lohan, greedysnake_a100, gemini_capacity, own_plans, what_if, multi_gpu, race_deepspeed (only where
 DeepSpeed is importable: the race against ZeRO-Infinity on this machine), adapt, bench_store (the SSD store
 against fio and DeepSpeed's aio_handle on this disk), bench_optimizer (the executor's host AdamW op against
-torch's fused AdamW), dos_polaris (the given A100 DeepSpeed sweep) and fidelity (last: predicted against
-published for every headline and LoHan's SSD sweep) in this process (each writes its CSV and PNG under the
-output folder and prints its own tables), then writes summary.csv and summary.md there
+torch's fused AdamW), dos_polaris (the given A100 DeepSpeed sweep), h200_run (the first GPU run) and
+fidelity (last: predicted against published for every headline and LoHan's SSD sweep) in this process (each
+writes its CSV and PNG under the output folder and prints its own tables), then writes summary.csv and
+summary.md there
 with every headline number, the paper's value, the ratio and the note explaining any difference over 15%.
 Progress goes to stderr. The full run takes several minutes on a 2-core machine; --quick a minute or two.
 """
@@ -24,6 +25,7 @@ import fidelity
 import fuyou_lohan
 import gemini_capacity
 import greedysnake_a100
+import h200_run
 import multi_gpu
 import own_plans
 import race_deepspeed
@@ -60,6 +62,8 @@ STUDIES = {
     # the given A100 sweep: Deep Optimizer States' DeepSpeed ZeRO-3 runs on one Polaris GPU, phase
     # by phase, with its two fitted values checked leaving each point out (fidelity reads dos_polaris.csv)
     "dos_polaris": dos_polaris,
+    # the first GPU run (H200) simulated on its calibrated profile, then with what it measured
+    "h200_run": h200_run,
     "fidelity": fidelity,  # last: it compares every earlier study's headline numbers with the papers'
 }
 
