@@ -2,7 +2,7 @@
 
 On a CUDA run whose plan steps the optimizer on the host, the optimizer would otherwise take every core
 torch uses while the thread that launches the GPU's work (the gpu worker) also needs one: its launches then
-wait for a core and the GPU idles (issue 39: every GPU op kind 2.6-10.8x its prediction beside the host
+wait for a core and the GPU idles (the first H200 run: every GPU op 2.6-10.8x its prediction beside the host
 optimizer). So the host optimizer runs on one thread fewer than torch's setting, and the launching thread
 keeps a core. Elsewhere (a CPU device, the CUDA emulation, a GPU optimizer) nothing changes.
 

@@ -26,6 +26,7 @@ import expcommon  # noqa: E402
 import fidelity  # noqa: E402
 import finetune  # noqa: E402
 import gemini_capacity  # noqa: E402
+import h200_run  # noqa: E402
 import multi_gpu  # noqa: E402
 import planner_quality  # noqa: E402
 import race_deepspeed  # noqa: E402
@@ -57,6 +58,7 @@ GENERATED = [
     (bench_executor.DOC, bench_executor.CPU_TABLE, "bench_executor_cpu.csv", bench_executor.cpu_work_table),
     (bench_executor.DOC, bench_executor.KINDS_TABLE, "bench_executor_kinds.csv", bench_executor.kinds_table),
     (dos_polaris.DOC, dos_polaris.DOC_TABLE, "dos_polaris.csv", dos_polaris.sweep_table),
+    (h200_run.DOC, h200_run.DOC_TABLE, "h200_run.csv", h200_run.doc_table),
 ]
 
 
