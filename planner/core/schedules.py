@@ -1019,8 +1019,10 @@ class _Builder:
             if owned == 0:
                 continue
             if p.gpu_optimizer:
-                t = g.add(ADAM_GPU, "gpu", self.cost.gpu_adam_s(owned), tensor="opt_states", block=b, mb=-1,
-                          iteration=it, key=key + Offset.ADAM_GPU, deps=grads_ready + barrier)
+                # an in-place precision steps the weights themselves: no write of a compute copy
+                saved = self.pr.compute_bytes if self.pr.in_place else 0
+                t = g.add(ADAM_GPU, "gpu", self.cost.gpu_adam_s(owned, saved), tensor="opt_states", block=b,
+                          mb=-1, iteration=it, key=key + Offset.ADAM_GPU, deps=grads_ready + barrier)
                 # the step consumes the (full) gradient buffer
                 g.free(t, "gpu", self.pr.grad_accum_bytes * blk.fetch_params)
                 self.resident_update[b] = [t.id]
