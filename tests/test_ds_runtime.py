@@ -238,11 +238,12 @@ def test_deepspeed_s_host_waits_for_its_oldest_gradient_bucket():
         assert off.block == t.block + 4
 
 
-def _ds_param_cpu_graph(bucket: int, hw_name: str = "a100-80g-nvme"):
+def _ds_param_cpu_graph(bucket: int, hw_name: str = "a100-80g-nvme", accumulation: int = 1):
     from tierflow.planner.io.dsconfig import parse_ds_config
 
     m = get_model("gpt3-125m")
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
+           "bf16": {"enabled": True},
            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                                  "offload_optimizer": {"device": "cpu"},
                                  "stage3_prefetch_bucket_size": bucket}}
@@ -292,3 +293,17 @@ def test_no_drain_on_a_host_device_whose_accelerator_resolves_dependencies_itsel
     for b in range(2, 8):
         assert not {fetch[c].id for c in fetch if c > b} & set(fwd[b].deps)
     assert depth >= 3
+
+
+def test_no_compute_waits_for_a_fetch_across_the_start_of_a_forward():
+    """Each forward starts DeepSpeed's trace anew (reset_step waits for what is in flight): the drain holds
+    compute only within one micro-batch's forward and backward."""
+    from tierflow.planner.core.opkinds import FETCH_WEIGHTS
+
+    _, g, *_ = _ds_param_cpu_graph(3 * get_model("gpt3-125m").layer_params(), accumulation=2)
+    starts = [t.id for t in g.tasks if t.kind == FWD and t.block == 0]
+    ahead = [(c, d) for c in g.tasks if c.resource == "gpu" for d in c.deps
+             if d > c.id and g.tasks[d].kind == FETCH_WEIGHTS]
+    assert ahead  # the drain is there
+    for c, d in ahead:
+        assert not any(c.id < s < d for s in starts), (c.kind, c.block, c.mb)

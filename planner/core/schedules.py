@@ -678,11 +678,16 @@ class _Builder:
         partitioned_param_coordinator.py:380-413, issued after that wait) lands before the next module runs.
         With a depth of one use nothing changes; deeper buckets do not run ahead of the compute, they hold it.
         Not on a host device (gpu.host_cores: the CPU accelerator resolves data dependencies itself, no
-        stream to wait for) nor with several ranks (their all-gather handles wait on their own)."""
+        stream to wait for) nor with several ranks (their all-gather handles wait on their own). Only within
+        one forward and backward: each forward starts a new trace (parameter_offload.py:243-245,
+        `_start_of_forward_hook` -> reset_step, which waits for what is in flight and restarts the queue), so
+        no compute waits for a fetch across the start of a forward."""
         if d < 2 or self.cfg.runtime != "deepspeed" or self.W > 1 or self.hw.gpu.host_cores is not None:
             return
         j = u - d + 1
         if j < 0 or j >= len(self.uses):
+            return
+        if any(x.block == 0 and x.phase == "F" for x in self.uses[j + 1:u + 1]):
             return
         c = self.uses[j].first_compute
         if c is not None and h.key <= c.key and h.id not in c.deps:
