@@ -239,6 +239,18 @@ def _ssd_need_bytes(plan: Plan, state: TrainState) -> float:
     return static + dynamic * scale * 1.1 + (1 << 20)
 
 
+def check_in_place(plan: Plan, dtype: torch.dtype, device: str) -> None:
+    """A plan in an in-place precision (workload.Precision.in_place) counts no fp32 master beside weights that
+    lie with the optimizer on the GPU. The executor matches it when it computes in fp32: the compute weights
+    and the master are then one tensor (TrainState.weights_alias_master), and an offloaded optimizer keeps
+    its master on the host as the plan counts. In 16-bit compute it keeps a master the plan does not count."""
+    pr = precision_of(plan.model)
+    if pr.in_place and dtype != torch.float32:
+        raise RunError(f"{plan.source}: precision {pr.name}: on {device} the executor computes in bf16 and "
+                       "keeps an fp32 master the plan does not count (it does not yet compute in the plan's "
+                       "fp32 on CUDA); run it with --device cpu, or plan with --precision fp32")
+
+
 def check_hyper(h: Hyper) -> None:
     """The optimizer's settings, refused up front (RunError) rather than diverging at step 1."""
     if not math.isfinite(h.lr) or h.lr <= 0:
@@ -310,6 +322,7 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
     dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
     if opts.compute_dtype is not None:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[opts.compute_dtype]
+    check_in_place(plan, dtype, backend.device.type)
     probe = TrainState(plan.model, cfg.placement, cfg.alpha, backend, dtype, None, world)
     need_ssd = _ssd_need_bytes(plan, probe)
     uses_ssd = need_ssd > (1 << 20) or any(t.resource in ("ssd_read", "ssd_write") for t in plan.graph.tasks)

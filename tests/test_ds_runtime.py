@@ -236,3 +236,74 @@ def test_deepspeed_s_host_waits_for_its_oldest_gradient_bucket():
     for t in waits:
         (off,) = [tasks[d] for d in t.deps if tasks[d].kind == OFFLOAD_GRADS]
         assert off.block == t.block + 4
+
+
+def _ds_param_cpu_graph(bucket: int, hw_name: str = "a100-80g-nvme", accumulation: int = 1):
+    from tierflow.planner.io.dsconfig import parse_ds_config
+
+    m = get_model("gpt3-125m")
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
+           "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                 "offload_optimizer": {"device": "cpu"},
+                                 "stage3_prefetch_bucket_size": bucket}}
+    ds = parse_ds_config(cfg, "ds.json", m)
+    hw = load_profile(hw_name)
+    sc = ds.schedule(m, hw, seq=256, iterations=2)
+    return ds.prefetch_depth(m), build_graph(m, hw, sc), hw, sc, m
+
+
+def _forward_fetch_and_compute(g, it: int) -> tuple[dict, dict]:
+    from tierflow.planner.core.opkinds import FETCH_WEIGHTS
+
+    fetch, fwd = {}, {}
+    for t in g.tasks:
+        if t.iteration != it:
+            continue
+        if t.kind == FETCH_WEIGHTS:
+            fetch.setdefault(t.block, t)  # the first fetch of a block in an iteration is its forward's
+        elif t.kind == FWD and t.mb == 0:
+            fwd.setdefault(t.block, t)
+    return fetch, fwd
+
+
+def test_deepspeed_holds_the_next_module_until_the_prefetched_bucket_has_landed():
+    """One GPU, parameters in host memory, a prefetch bucket of d layers: the host synchronizes the
+    all-gather stream at every module's wait, so the forward of layer b waits for the fetch of layer
+    b + d - 1, issued with the bucket at the previous hook (schedules._ds_drained_at_next_hook)."""
+    layer = get_model("gpt3-125m").layer_params()
+    depth, g, *_ = _ds_param_cpu_graph(3 * layer)
+    assert depth == 3
+    fetch, fwd = _forward_fetch_and_compute(g, 1)
+    for b in range(2, 8):
+        assert fetch[b + depth - 1].id in fwd[b].deps, b
+    # one layer ahead: the fetch the forward needs anyway, no other
+    depth1, g1, *_ = _ds_param_cpu_graph(1_000_000)
+    assert depth1 == 1
+    fetch1, fwd1 = _forward_fetch_and_compute(g1, 1)
+    for b in range(2, 8):
+        assert not {fetch1[c].id for c in fetch1 if c > b} & set(fwd1[b].deps)
+
+
+def test_no_drain_on_a_host_device_whose_accelerator_resolves_dependencies_itself():
+    depth, _, _, sc, m = _ds_param_cpu_graph(3 * get_model("gpt3-125m").layer_params())
+    hw = load_profile("a100-80g-nvme").with_overrides({"gpu.host_cores": 2.0})
+    g_host = build_graph(m, hw, sc)
+    fetch, fwd = _forward_fetch_and_compute(g_host, 1)
+    for b in range(2, 8):
+        assert not {fetch[c].id for c in fetch if c > b} & set(fwd[b].deps)
+    assert depth >= 3
+
+
+def test_no_compute_waits_for_a_fetch_across_the_start_of_a_forward():
+    """Each forward starts DeepSpeed's trace anew (reset_step waits for what is in flight): the drain holds
+    compute only within one micro-batch's forward and backward."""
+    from tierflow.planner.core.opkinds import FETCH_WEIGHTS
+
+    _, g, *_ = _ds_param_cpu_graph(3 * get_model("gpt3-125m").layer_params(), accumulation=2)
+    starts = [t.id for t in g.tasks if t.kind == FWD and t.block == 0]
+    ahead = [(c, d) for c in g.tasks if c.resource == "gpu" for d in c.deps
+             if d > c.id and g.tasks[d].kind == FETCH_WEIGHTS]
+    assert ahead  # the drain is there
+    for c, d in ahead:
+        assert not any(c.id < s < d for s in starts), (c.kind, c.block, c.mb)

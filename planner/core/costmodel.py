@@ -362,8 +362,11 @@ class CostModel:
             return device_s
         return self.delivered.launch_bound_s(device_s, kernels(block, backward))
 
-    def gpu_adam_s(self, params: float) -> float:
-        return params * GPU_ADAM_BYTES_PER_PARAM / self.hbm_bps + self.op_overhead_s
+    def gpu_adam_s(self, params: float, weight_copy_bytes: int = 0) -> float:
+        """GPU Adam over `params`; `weight_copy_bytes`: per parameter, less the write of the compute weights
+        that an in-place precision's step does not make (Precision.in_place: its compute bytes; 36 - 4 = 32 B,
+        reads grad, weight, m, v and writes weight, m, v and the zeroed grad)."""
+        return params * (GPU_ADAM_BYTES_PER_PARAM - weight_copy_bytes) / self.hbm_bps + self.op_overhead_s
 
     # ---- CPU and links -------------------------------------------------------------------------------------
 

@@ -437,6 +437,7 @@ class _Use:
     read: Task | None = None  # the SSD read of the use's weights, if any
     gather: Task | None = None  # all_gather_weights of the use (several ranks)
     gpu_bytes: float = 0.0
+    first_compute: Task | None = None  # the use's first GPU task (its forward, head or recompute/backward)
 
     @property
     def ready_task(self) -> Task | None:
@@ -651,6 +652,7 @@ class _Builder:
             g.alloc(h, "gpu", buffer)
             g.free(h, "cpu", to_ssd)
             use.fetch_h2d = h
+            self._ds_drained_at_next_hook(u, h, d)
         use.gpu_bytes = buffer
         if self.W == 1:
             return deps + [h.id]
@@ -662,6 +664,34 @@ class _Builder:
             g.alloc(a, "gpu", buffer)
         use.gather = a
         return deps + [a.id]
+
+    def _ds_drained_at_next_hook(self, u: int, h: Task, d: int) -> None:
+        """Runtime deepspeed on one GPU: the fetch of use u, issued with the prefetch bucket at the hook of
+        use u - d, is waited for by the host at the next hook, before the compute of use u - d + 1 is
+        launched.
+        DeepSpeed's one-rank fetch is an async copy of the pinned partition on the all-gather stream
+        (partition_parameters.py:76-77, NoGatherCoalescedHandle: `ds_tensor.data.to(device,
+        non_blocking=True)`; the partitions live in the pinned flat buffer, stage3.py:696), and the wait for a
+        module's parameters synchronizes that whole stream (partitioned_param_coordinator.py:328-334: the
+        handle's wait under `stream(allgather_stream)`, partition_parameters.py:58-60 and 85-86
+        `current_stream().synchronize()`), so every copy issued at earlier hooks (the prefetch of
+        partitioned_param_coordinator.py:380-413, issued after that wait) lands before the next module runs.
+        With a depth of one use nothing changes; deeper buckets do not run ahead of the compute, they hold it.
+        Not on a host device (gpu.host_cores: the CPU accelerator resolves data dependencies itself, no
+        stream to wait for) nor with several ranks (their all-gather handles wait on their own). Only within
+        one forward and backward: each forward starts a new trace (parameter_offload.py:243-245,
+        `_start_of_forward_hook` -> reset_step, which waits for what is in flight and restarts the queue), so
+        no compute waits for a fetch across the start of a forward."""
+        if d < 2 or self.cfg.runtime != "deepspeed" or self.W > 1 or self.hw.gpu.host_cores is not None:
+            return
+        j = u - d + 1
+        if j < 0 or j >= len(self.uses):
+            return
+        if any(x.block == 0 and x.phase == "F" for x in self.uses[j + 1:u + 1]):
+            return
+        c = self.uses[j].first_compute
+        if c is not None and h.key <= c.key and h.id not in c.deps:
+            c.deps.append(h.id)
 
     def _ds_cached_blocks(self) -> frozenset[int] | None:
         """Runtime deepspeed with parameters on NVMe and part of them in host memory (ds_cached_elems:
@@ -749,6 +779,7 @@ class _Builder:
             k = base + i
             use = self.uses[st.use]
             deps: list[int] = []
+            n_tasks = len(g.tasks)
             if k == use.first_step:
                 deps += self.fetch_weights(st.use, it)
             elif use.ready_task is not None:
@@ -765,6 +796,8 @@ class _Builder:
                 last = self._head_step(s, i, st, deps)
             else:
                 last = self._backward_step(s, i, st, deps)
+            if k == use.first_step:
+                use.first_compute = next((t for t in g.tasks[n_tasks:] if t.resource == "gpu"), None)
             self.step_task.append(last.id)
             self.step_use.append(st.use)
             if k == use.steps[-1]:
@@ -1019,8 +1052,10 @@ class _Builder:
             if owned == 0:
                 continue
             if p.gpu_optimizer:
-                t = g.add(ADAM_GPU, "gpu", self.cost.gpu_adam_s(owned), tensor="opt_states", block=b, mb=-1,
-                          iteration=it, key=key + Offset.ADAM_GPU, deps=grads_ready + barrier)
+                # an in-place precision steps the weights themselves: no write of a compute copy
+                saved = self.pr.compute_bytes if self.pr.in_place else 0
+                t = g.add(ADAM_GPU, "gpu", self.cost.gpu_adam_s(owned, saved), tensor="opt_states", block=b,
+                          mb=-1, iteration=it, key=key + Offset.ADAM_GPU, deps=grads_ready + barrier)
                 # the step consumes the (full) gradient buffer
                 g.free(t, "gpu", self.pr.grad_accum_bytes * blk.fetch_params)
                 self.resident_update[b] = [t.id]
