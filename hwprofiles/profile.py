@@ -154,6 +154,11 @@ class CpuSpec:
     # DeepSpeedCPUAdam's update rate alone (1e9 parameters per second, `tierflow calibrate` where DeepSpeed is
     # installed), beside torch's AdamW in adam_gparams_per_s; None: not measured
     deepspeed_adam_gparams_per_s: float | None = None
+    # On a GPU box: a GPU op's time x this while the host optimizer (adam, adam_deferred on the cpu resource)
+    # runs: the thread that launches the GPU's kernels waits for a core the optimizer's threads hold, and the
+    # GPU idles between launches (`tierflow calibrate --device cuda` measures it with the executor's own
+    # optimizer op and thread count; None: not measured, 1)
+    gpu_slowdown_beside_host_optimizer: float | None = None
 
     @property
     def sustained_memory_bps(self) -> float:
@@ -446,6 +451,8 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "compute_slowdown_per_io_op": _optional(1, True, 100, "x compute time per I/O op beside it", 1e-3),
         "copy_slowdown_beside_compute": _optional(1, True, 100, "x copy time beside compute", 1e-3),
         "ssd_slowdown_beside_compute": _optional(1, True, 100, "x SSD op time beside compute", 1e-3),
+        "gpu_slowdown_beside_host_optimizer": _optional(1, True, 100, "x GPU op time beside the host "
+                                                        "optimizer", 1e-3),
         "deepspeed_adam_gparams_per_s": _optional(0, False, 100, "billion parameters/s", 1e-5),
     },
     "ssd": {
@@ -494,6 +501,7 @@ _SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency
                         "host_path_gbps")
 _OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op",
                      "copy_slowdown_beside_compute", "ssd_slowdown_beside_compute",
+                     "gpu_slowdown_beside_host_optimizer",
                      "deepspeed_adam_gparams_per_s"),
              "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps", "fp32_tflops",
                      "tf32_tflops"),
