@@ -2,9 +2,11 @@
 
 Runs fuyou_lohan, greedysnake_a100, gemini_capacity, own_plans, what_if, multi_gpu, race_deepspeed (only where
 DeepSpeed is importable: the race against ZeRO-Infinity on this machine), adapt, bench_store (the SSD store
-against fio and DeepSpeed's aio_handle on this disk) and fidelity (last: predicted against
-published for every headline and LoHan's SSD sweep) in this process (each writes its CSV and PNG under the
-output folder and prints its own tables), then writes summary.csv and summary.md there
+against fio and DeepSpeed's aio_handle on this disk), bench_optimizer (the executor's host AdamW op against
+torch's fused AdamW), dos_polaris (the given A100 DeepSpeed sweep), h200_run (the first GPU run) and
+fidelity (last: predicted against published for every headline and LoHan's SSD sweep) in this process (each
+writes its CSV and PNG under the output folder and prints its own tables), then writes summary.csv and
+summary.md there
 with every headline number, the paper's value, the ratio and the note explaining any difference over 15%.
 Progress goes to stderr. The full run takes several minutes on a 2-core machine; --quick a minute or two.
 """
@@ -16,11 +18,14 @@ import time
 from pathlib import Path
 
 import adapt
+import bench_optimizer
 import bench_store
+import dos_polaris
 import fidelity
 import fuyou_lohan
 import gemini_capacity
 import greedysnake_a100
+import h200_run
 import multi_gpu
 import own_plans
 import race_deepspeed
@@ -33,6 +38,7 @@ from expcommon import (
     markdown_table,
     parsed_rows,
     print_headlines,
+    script_main,
     write_csv,
     write_generated_block,
 )
@@ -51,6 +57,13 @@ STUDIES = {
     "adapt": adapt,  # plan on a wrong profile, run --adapt on this CPU, against the calibrated profile's plan
     # the SSD tier's store against fio and DeepSpeed's aio_handle on the disk that holds the checkout
     "bench_store": bench_store,
+    # the executor's host adam op against torch's fused AdamW on the same tensors, 1 thread and all cores
+    "bench_optimizer": bench_optimizer,
+    # the given A100 sweep: Deep Optimizer States' DeepSpeed ZeRO-3 runs on one Polaris GPU, phase
+    # by phase, with its two fitted values checked leaving each point out (fidelity reads dos_polaris.csv)
+    "dos_polaris": dos_polaris,
+    # the first GPU run (H200) simulated on its calibrated profile, then with what it measured
+    "h200_run": h200_run,
     "fidelity": fidelity,  # last: it compares every earlier study's headline numbers with the papers'
 }
 
@@ -140,4 +153,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

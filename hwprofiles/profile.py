@@ -115,6 +115,13 @@ class PcieSpec:
     # fixed software cost per transfer op either way (staging, allocation, synchronisation, thread hand-off),
     # before its bytes move at the link rate. None: not modelled (0)
     latency_us: float | None = None
+    # a copy from or to pageable (not page-locked) host memory: the driver stages it through its own pinned
+    # buffer and the calling host thread waits until it is done (CUDA Programming Guide, "Page-Locked Host
+    # Memory"; cudaMemcpy from pageable memory is synchronous). PyTorch makes one whenever a blocking copy_
+    # changes the dtype across devices (it converts on the CPU into a pageable temporary). None: not
+    # modelled (runtime deepspeed then counts those copies at the pinned rates)
+    pageable_h2d_gbps: float | None = None
+    pageable_d2h_gbps: float | None = None
 
     @property
     def latency_s(self) -> float:
@@ -147,6 +154,11 @@ class CpuSpec:
     # DeepSpeedCPUAdam's update rate alone (1e9 parameters per second, `tierflow calibrate` where DeepSpeed is
     # installed), beside torch's AdamW in adam_gparams_per_s; None: not measured
     deepspeed_adam_gparams_per_s: float | None = None
+    # On a GPU box: a GPU op's time x this while the host optimizer (adam, adam_deferred on the cpu resource)
+    # runs: the thread that launches the GPU's kernels waits for a core the optimizer's threads hold, and the
+    # GPU idles between launches (`tierflow calibrate --device cuda` measures it with the executor's own
+    # optimizer op and thread count; None: not measured, 1)
+    gpu_slowdown_beside_host_optimizer: float | None = None
 
     @property
     def sustained_memory_bps(self) -> float:
@@ -425,6 +437,8 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "duplex_h2d_gbps": _pos(2000, "GB/s", 1e-3),
         "duplex_d2h_gbps": _pos(2000, "GB/s", 1e-3),
         "latency_us": _optional(0, True, 1e6, "microseconds per transfer op", 1e-3),
+        "pageable_h2d_gbps": _optional(0, False, 2000, "GB/s", 1e-3),
+        "pageable_d2h_gbps": _optional(0, False, 2000, "GB/s", 1e-3),
     },
     "cpu": {
         "model": _Rule("str"),
@@ -437,6 +451,8 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "compute_slowdown_per_io_op": _optional(1, True, 100, "x compute time per I/O op beside it", 1e-3),
         "copy_slowdown_beside_compute": _optional(1, True, 100, "x copy time beside compute", 1e-3),
         "ssd_slowdown_beside_compute": _optional(1, True, 100, "x SSD op time beside compute", 1e-3),
+        "gpu_slowdown_beside_host_optimizer": _optional(1, True, 100, "x GPU op time beside the host "
+                                                        "optimizer", 1e-3),
         "deepspeed_adam_gparams_per_s": _optional(0, False, 100, "billion parameters/s", 1e-5),
     },
     "ssd": {
@@ -471,6 +487,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "attention_fwd_fraction": _optional(0, False, 1.0, "of peak", 1e-3),
         "attention_bwd_fraction": _optional(0, False, 1.0, "of peak", 1e-3),
         "kernel_launch_us": _optional(0, True, 1e6, "microseconds per kernel", 1e-3),
+        "layer_ops": _Rule("choice", choices=compute_spec.LAYER_OPS_CHOICES, default="fused"),
     },
     "price": {
         "gpu_usd": _pos(1e6, "USD", 1e-2),
@@ -484,10 +501,11 @@ _SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency
                         "host_path_gbps")
 _OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op",
                      "copy_slowdown_beside_compute", "ssd_slowdown_beside_compute",
+                     "gpu_slowdown_beside_host_optimizer",
                      "deepspeed_adam_gparams_per_s"),
              "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps", "fp32_tflops",
                      "tf32_tflops"),
-             "pcie": ("latency_us",),
+             "pcie": ("latency_us", "pageable_h2d_gbps", "pageable_d2h_gbps"),
              "compute": compute_spec.OPTIONAL_KEYS}  # keys a profile may leave out (older files), not ssd's
 _SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec,
                  "topology": TopologySpec, "network": NetworkSpec, "compute": ComputeSpec}
