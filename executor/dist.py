@@ -27,6 +27,7 @@ import datetime
 import os
 import socket
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,6 +242,38 @@ def lost_ranks() -> list[tuple[int, int]]:
     host = socket.gethostname()
     return [(r, pid) for r, (h, pid) in enumerate(world.peers)
             if r != world.rank and h == host and _process_gone(pid) and not _noted_exit(r)]
+
+
+LEAVE_TIMEOUT_S = 120.0  # the final barrier, then the process groups' teardown: each bounded by this
+
+
+def leave_cleanly(timeout_s: float = LEAVE_TIMEOUT_S) -> str | None:
+    """The end of a rank that trained to the end: a bounded barrier on the ctrl group (every rank is past its
+    last collective before any tears its connections down), then destroy_process_group on a daemon thread,
+    waited for at most `timeout_s`. None when both finished, else what did not (the caller exits anyway:
+    a rank whose work is done must not hang on a peer or a teardown)."""
+    problem = None
+    world = _WORLD
+    if world is not None and world.ctrl_group is not None and not world.single:
+        try:
+            dist.monitored_barrier(group=world.ctrl_group, timeout=datetime.timedelta(seconds=timeout_s),
+                                   wait_all_ranks=True)
+        except RuntimeError as e:  # a rank that did not arrive in time, or is gone
+            problem = f"the final barrier failed ({' '.join(str(e).split())[:120]})"
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a peer already gone: there is nothing left to tear down with it
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=destroy, name="tierflow-leave", daemon=True).start()
+    if not done.wait(timeout_s):
+        problem = problem or f"leaving the process group did not finish in {timeout_s:.0f} s"
+    return problem
 
 
 def current_world() -> DistWorld | None:

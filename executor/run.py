@@ -29,7 +29,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,7 @@ from tierflow.executor.dist import (
     check_launch,
     current_world,
     init_world,
+    leave_cleanly,
     lost_ranks,
     note_exit,
     rank_device,
@@ -73,7 +74,7 @@ from tierflow.executor.engine import (
 )
 from tierflow.executor.evaluate import evaluate
 from tierflow.executor.models import check_supported, export_hf, hf_config
-from tierflow.executor.signals import Interrupted, StopOnSignals
+from tierflow.executor.signals import Interrupted, StopOnSignals, deferred_stop, pending_signal, stop_now
 from tierflow.executor.tblog import LogDirError, TbLog
 from tierflow.executor.tiers.arena import TransferAreaOutOfMemory
 from tierflow.executor.tiers.dirlock import DirLock, LockError, remove_stale_run_dirs
@@ -384,6 +385,7 @@ class _Training:
     start_step: int = 0
     step: int = 0
     last_ckpt: Path | None = None  # the last checkpoint written or resumed from
+    saved_step: int = -1  # the step of last_ckpt
     records: list[StepRecord] = field(default_factory=list)
     measured: SimResult | None = None  # the measured trace of the longest round so far
     best_iters: int = 0
@@ -508,7 +510,7 @@ def _start_state(tr: _Training, warn) -> str:
                    log=warn) if opts.checkpoint_dir else None
     if found is not None:
         tr.last_ckpt, manifest = found
-        tr.start_step = tr.step = int(manifest["step"])
+        tr.start_step = tr.step = tr.saved_step = int(manifest["step"])
         norms = norms_of(opts.hyper)
         if norms is not None and manifest.get("grad_norm") is not None:  # delayed clipping goes on from it
             norms.norms[tr.start_step] = float(manifest["grad_norm"])
@@ -544,11 +546,16 @@ def _run_rounds(tr: _Training, ex: Executor) -> None:
     profiler = _profiler(tr.backend.device) if opts.profile and tr.lead else None
     if profiler is not None:
         profiler.start()  # stopped and exported when the rounds end, also when a run stops early
+    # with a checkpoint directory a stop signal ends the round under way and saves its last step
+    deferred = (deferred_stop(stop_at_once=lambda: bool(lost_ranks())) if opts.checkpoint_dir
+                else nullcontext())
     try:
-        while tr.step < opts.steps:
-            _run_round(tr, ex, _round_iterations(tr))
-            if opts.on_round is not None and opts.on_round(tr):
-                break
+        with deferred:
+            while tr.step < opts.steps:
+                _run_round(tr, ex, _round_iterations(tr))
+                _stop_if_signalled(tr)
+                if opts.on_round is not None and opts.on_round(tr):
+                    break
     except (Diverged, CheckpointWriteError, Interrupted) as e:
         code, msg = _stop_message(tr, e)
         if opts.out and tr.lead:
@@ -559,6 +566,19 @@ def _run_rounds(tr: _Training, ex: Executor) -> None:
     finally:
         if profiler is not None:
             _export_profile(tr, profiler)
+
+
+def _stop_if_signalled(tr: _Training) -> None:
+    """After a round: a stop signal noted during it (on any rank: they agree) saves this step's checkpoint,
+    then stops the run (Interrupted)."""
+    signum = pending_signal()
+    if not tr.world.single:
+        signum = next((s for s in tr.world.gather_objects(signum) if s is not None), None)
+    if signum is None:
+        return
+    stop = stop_now(signum)  # later signals are ignored while the checkpoint is written
+    _save_checkpoint(tr)
+    raise stop
 
 
 def _round_iterations(tr: _Training) -> int:
@@ -591,7 +611,8 @@ def _run_round(tr: _Training, ex: Executor, r: int) -> None:
     if _eval_due(tr):
         _run_eval(tr)
     every = opts.checkpoint_every
-    if opts.checkpoint_dir and every and tr.step % every == 0:
+    # at --checkpoint-every, and the last step whatever the interval: a run never ends without its state
+    if opts.checkpoint_dir and (every and tr.step % every == 0 or tr.step >= opts.steps):
         _save_checkpoint(tr)
 
 
@@ -637,6 +658,9 @@ def _step_reporter(tr: _Training, step: int, local: list[float]) -> Callable[[in
 
 
 def _save_checkpoint(tr: _Training) -> None:
+    """This step's checkpoint (once: a step already saved or resumed from is not written again)."""
+    if tr.saved_step == tr.step or not tr.opts.checkpoint_dir:
+        return
     norms = norms_of(tr.opts.hyper)
     if norms is not None:  # the last step's gradient norm: delayed clipping of a resumed run goes on from it
         tr.settings["grad_norm"] = norms.value(tr.step)
@@ -644,8 +668,9 @@ def _save_checkpoint(tr: _Training) -> None:
         tr.last_ckpt = save_checkpoint(tr.state, tr.opts.checkpoint_dir, tr.step, tr.settings, world=tr.world)
     except NonFiniteState as e:
         raise Diverged(str(e)) from None
+    tr.saved_step = tr.step
     if not tr.quiet:
-        tr.log(f"  checkpoint {tr.last_ckpt}")
+        tr.log(f"  checkpoint {tr.last_ckpt}" + (" (the last step)" if tr.step >= tr.opts.steps else ""))
 
 
 def _stop_message(tr: _Training, e: Diverged | CheckpointWriteError | Interrupted) -> tuple[int, str]:
@@ -658,6 +683,11 @@ def _stop_message(tr: _Training, e: Diverged | CheckpointWriteError | Interrupte
         return 4, (f"training diverged: {e}; stopped after {done}, {kept} (lower --lr, or check --init and "
                    "--data)")
     if isinstance(e, Interrupted):
+        if tr.last_ckpt is not None and tr.saved_step == tr.step:
+            kept = f"the checkpoint of its last step is saved in {tr.last_ckpt}"
+        elif tr.last_ckpt is not None:
+            kept = (f"the checkpoint directory holds step {tr.saved_step} ({tr.last_ckpt}): the "
+                    f"{tr.step - tr.saved_step} step(s) after it and the round under way are lost")
         return e.exit_code, (f"interrupted by {e.name}: workers stopped after {done}, {kept}; the SSD tier's "
                              "files are removed")
     return 3 if e.full else 2, str(e)
@@ -817,17 +847,22 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def leave_world(code: int) -> int:
-    """The end of a rank of several: a clean exit leaves the process groups; a failed one exits at once, so
-    that no collective the other ranks will never join (nor a process group's teardown) holds it, and torchrun
-    stops the others. With one rank: `code`."""
+    """The end of a rank of several: a clean exit passes a bounded final barrier and leaves the process groups
+    (bounded too), a failed one at once, so that no collective the other ranks will never join, nor a process
+    group's teardown, nor a thread left at interpreter exit holds it; torchrun then sees every rank end. With
+    one rank: `code`."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return code
     if code == 0:
-        dist.destroy_process_group()
-        return 0
-    note_exit(code)  # an end of its own, not a death, for the ranks left (dist.lost_ranks)
+        problem = leave_cleanly()
+        if problem:
+            world = current_world()
+            print(f"tierflow run [rank {world.rank if world else '?'}]: note: training ended, but {problem}; "
+                  "this rank exits anyway", file=sys.stderr)
+    else:
+        note_exit(code)  # an end of its own, not a death, for the ranks left (dist.lost_ranks)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -870,8 +905,10 @@ def _rank_lost(args: argparse.Namespace, res: RunResult | None, error: BaseExcep
              else "the SSD tier's files of every rank on this box removed" if args.ssd_dir else "")
     done = f" after {len(res.records)} step(s)" if res is not None else ""
     ck = Path(args.checkpoint_dir) / "latest" if args.checkpoint_dir else None
-    kept = (f"checkpoint {ck.parent / ck.read_text().strip()} kept" if ck is not None and ck.is_file()
-            else "no checkpoint written")
+    # the dead rank's shard of the state is gone: the directory keeps the last checkpoint the ranks agreed on
+    held = ck.read_text().strip() if ck is not None and ck.is_file() else ""
+    kept = (f"checkpoint {ck.parent / held} kept (the directory holds step {int(held[4:])}; later steps are "
+            "lost)" if held.startswith("step") and held[4:].isdigit() else "no checkpoint written")
     print(f"tierflow run [rank {me}]: {who}; this rank stopped{done}, {kept}"
           + (f", {files}" if files else "") + "; run again to resume", file=sys.stderr)
     return RankLost.exit_code

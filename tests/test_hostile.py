@@ -246,6 +246,8 @@ def test_killing_one_of_two_ranks(tmp_path):
     lines = [x for x in err.splitlines() if x.startswith("tierflow run")]
     assert len(lines) == 1 and "rank 1" in lines[0] and "died" in lines[0], err[-2000:]
     assert "kept" in lines[0] and "removed" in lines[0]
+    held = (ck / "latest").read_text().strip()
+    assert f"the directory holds step {int(held[4:])}; later steps are lost" in lines[0]
     assert not list(ssd.glob("rank-*/tierflow-run-*")), list(ssd.rglob("*"))
     assert (ck / (ck / "latest").read_text().strip() / "manifest.json").is_file()
 
