@@ -134,6 +134,7 @@ class RunOptions:
     log_dir: str | None = None  # TensorBoard event files
     tokenizer: str | None = None  # Hugging Face tokenizer directory (default: --init's, when it has one)
     fields: Fields = field(default_factory=Fields)  # JSON Lines / Parquet fields trained on
+    cache_dir: str | None = None  # --cache-dir: where --data's token cache lives (corpus.py)
     # called at each round's end with the run under way (`_Training`); True ends the run at that step
     # boundary (`tierflow run --adapt`'s switch)
     on_round: Callable[[Any], bool] | None = None
@@ -454,7 +455,7 @@ def load_data(path: str | None, opts: RunOptions, vocab_size: int) -> TokenData:
     fmt = opts.data_format
     text = fmt == "auto" and tok is not None and Path(path or "").suffix in TEXT_SUFFIXES
     if path is not None and fmt != "text" and (is_corpus(path, fmt) or text):
-        tokens, mask, what = tokenize(path, tok, opts.fields, vocab_size)
+        tokens, mask, what = tokenize(path, tok, opts.fields, vocab_size, opts.cache_dir)
         data = TokenData(tokens, what, mask)
         top = int(tokens.max())
         if top >= vocab_size:
@@ -957,7 +958,8 @@ def run_options(args: argparse.Namespace, hyper: TrainHyper) -> RunOptions:
                       compute_dtype=getattr(args, "compute_dtype", None),
                       eval_every=args.eval_every, val_fraction=args.val_fraction, val_data=args.val_data,
                       eval_batches=args.eval_batches, log_dir=args.log_dir, tokenizer=args.tokenizer,
-                      fields=Fields(args.text_field, args.prompt_field, args.response_field))
+                      fields=Fields(args.text_field, args.prompt_field, args.response_field),
+                      cache_dir=getattr(args, "cache_dir", None))
 
 
 def _cmd_run_here(args: argparse.Namespace) -> int:

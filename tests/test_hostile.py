@@ -16,6 +16,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -360,3 +361,90 @@ def test_fuzz_ds_configs_and_fit_csvs(tmp_path, configs, rows):
         f.write_text("\n".join([header, *(",".join(r) for r in body)]) + "\n")
         argvs.append(["fit", str(f), "--no-loo", "--field", "gpu.peak_tflops=1:200"])
     _check(_run_batch(tmp_path, argvs))
+
+
+# ---- the token cache, verified like a checkpoint -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus_tok(tmp_path_factory) -> str:
+    """A small byte-level BPE tokenizer saved as transformers saves one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([Path(json.__file__).read_text()],
+                            trainers.BpeTrainer(vocab_size=250, special_tokens=["<|endoftext|>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    d = tmp_path_factory.mktemp("tok")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(d)
+    return str(d)
+
+
+def _corpus(tmp_path: Path) -> Path:
+    f = tmp_path / "data" / "c.jsonl"
+    f.parent.mkdir()
+    f.write_text("".join(json.dumps({"text": f"x = {i} + {i * 7}"}) + "\n" for i in range(300)))
+    return f
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "garbage"])
+def test_a_damaged_token_cache_is_rebuilt_with_one_line(tmp_path, corpus_tok, damage):
+    from tierflow.executor.corpus import Fields, cache_dir, tokenize
+
+    f = _corpus(tmp_path)
+    said: list[str] = []
+    want, _, _ = tokenize(str(f), corpus_tok, Fields(), 256, say=said.append)
+    want = np.array(want)
+    assert said == []
+    cache = next(cache_dir(str(f)).glob("tokens.*"))
+    size = cache.stat().st_size
+    if damage == "truncate":
+        os.truncate(cache, size // 2)
+    elif damage == "empty":
+        os.truncate(cache, 0)
+    else:
+        cache.write_bytes(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    got, _, _ = tokenize(str(f), corpus_tok, Fields(), 256, say=said.append)
+    assert len(said) == 1 and "does not match its manifest" in said[0] and cache.name in said[0], said
+    assert "tokenizing again" in said[0]
+    assert np.array_equal(np.array(got), want)  # rebuilt whole, not trained on half
+
+
+def test_the_token_cache_goes_where_asked_or_to_the_user_cache(tmp_path, corpus_tok, monkeypatch):
+    from tierflow.executor import corpus
+    from tierflow.executor.corpus import Fields, tokenize
+
+    f = _corpus(tmp_path)
+    said: list[str] = []
+    tokens, _, _ = tokenize(str(f), corpus_tok, Fields(), 256, cache_under=str(tmp_path / "cc"),
+                            say=said.append)
+    placed = list((tmp_path / "cc").iterdir())
+    assert len(placed) == 1 and placed[0].name.startswith("c.jsonl-")
+    assert (placed[0] / "manifest.json").is_file()
+    assert not list(f.parent.glob("*.tierflow-tokens")) and said == []
+    # a data folder that cannot be written: the user's cache directory, said in one line
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(corpus, "_writable", lambda cache: False)
+    again, _, _ = tokenize(str(f), corpus_tok, Fields(), 256, say=said.append)
+    assert np.array_equal(np.array(again), np.array(tokens))
+    user = tmp_path / "xdg" / "tierflow" / "tokens"
+    assert len(said) == 1 and "not writable" in said[0] and str(user) in said[0]
+    assert (next(user.iterdir()) / "manifest.json").is_file()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a folder without write permission")
+def test_a_read_only_data_folder_uses_the_user_cache(tmp_path, corpus_tok, monkeypatch):
+    from tierflow.executor.corpus import Fields, tokenize
+
+    f = _corpus(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    f.parent.chmod(0o555)
+    try:
+        said: list[str] = []
+        tokenize(str(f), corpus_tok, Fields(), 256, say=said.append)
+        assert len(said) == 1 and "not writable" in said[0]
+    finally:
+        f.parent.chmod(0o755)

@@ -160,6 +160,9 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-field", default=None, metavar="NAME",
                    help="with --response-field: train on prompt + response, the loss masked on the prompt")
     p.add_argument("--response-field", default=None, metavar="NAME", help="see --prompt-field")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="keep --data's token cache under DIR (default: beside the data, or the user's cache "
+                   "directory when the data's folder is not writable)")
 
 
 def _fraction(text: str) -> float:
