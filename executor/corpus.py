@@ -105,8 +105,12 @@ def load_tokenizer(directory: str | None, data: str):
 
     try:
         tok = AutoTokenizer.from_pretrained(str(d))
-    except (OSError, ValueError) as e:
-        raise DataError(f"--tokenizer {d}: cannot load it ({' '.join(str(e).split())[:100]})") from None
+    except Exception as e:  # noqa: BLE001 - every way a tokenizer fails to load (KeyError of a JSON of the
+        # wrong shape, the tokenizers library's bare Exception for an unknown model type, ...) is bad input
+        names = [n for n in TOKENIZER_FILES if (d / n).is_file()]
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:120]
+        raise DataError(f"--tokenizer {d}: cannot load its {', '.join(names)} ({why}); pass a Hugging Face "
+                        "tokenizer directory as transformers saves one") from None
     if tok.eos_token_id is None:
         raise DataError(f"--tokenizer {d}: it has no end-of-text token to separate documents")
     return tok

@@ -448,3 +448,17 @@ def test_a_read_only_data_folder_uses_the_user_cache(tmp_path, corpus_tok, monke
         assert len(said) == 1 and "not writable" in said[0]
     finally:
         f.parent.chmod(0o755)
+
+
+@pytest.mark.parametrize("text", ["{}", '{"version": "1.0", "added_tokens": [], "model": {"type": "Nope"}}',
+                                  "not json", '{"added_tokens": 3}'])
+def test_a_tokenizer_that_is_not_what_it_claims_is_one_line_exit_2(plan_file, tmp_path, capsys, text):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text(text)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "hello"}) + "\n")
+    rc, out, err = run_cli(capsys, "run", str(plan_file), "--device", "cpu", "--steps", "1",
+                           "--data", str(data), "--tokenizer", str(tok))
+    line = one_line(err)
+    assert rc == 2 and f"--tokenizer {tok}: cannot load its tokenizer.json" in line, err
