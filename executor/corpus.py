@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from tierflow.executor.checkpoint import file_crc32
-from tierflow.executor.data import DataError
+from tierflow.executor.data import DataError, not_a_file
 from tierflow.planner.io.progress import Progress
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
@@ -44,13 +44,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 CACHE_VERSION = 2  # 2: the manifest records every cache file's size and CRC32
 
 
+MAX_LINE_MIB = 64  # --max-line-mib's default: the longest JSON Lines line read (memory stays bounded by it)
+
+
 @dataclass(frozen=True)
 class Fields:
-    """Which fields of a JSON Lines / Parquet record are trained on."""
+    """Which fields of a JSON Lines / Parquet record are trained on, and the longest line read."""
 
     text: str = "text"
     prompt: str | None = None  # with response: the prompt's tokens are masked out of the loss
     response: str | None = None
+    max_line_mib: float = MAX_LINE_MIB  # a longer JSON Lines line is refused in one line
 
 
 def is_corpus(path: str, fmt: str) -> bool:
@@ -67,7 +71,10 @@ def sources(path: str) -> list[Path]:
     if p.is_file():
         return [p]
     if not p.is_dir():
-        raise DataError(f"--data {p}: no such file or directory")
+        what = not_a_file(p)
+        what = "no such file or directory" if what == "no such file" else what
+        raise DataError(f"--data {p}: {what} (pass a text, JSON Lines or Parquet file, or a directory of "
+                        "them)")
     found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES
                    + PARQUET_SUFFIXES and ".tierflow-tokens" not in f.parts)
     if not found:
@@ -124,14 +131,22 @@ def _documents(f: Path, fields: Fields):
     if f.suffix in PARQUET_SUFFIXES:
         rows = _parquet_rows(f)
     else:
-        rows = _jsonl_rows(f)
+        rows = _jsonl_rows(f, int(fields.max_line_mib * 2**20))
     for where, row in rows:
         yield _fields_of(row, fields, f, where)
 
 
-def _jsonl_rows(f: Path):
-    with open(f, encoding="utf-8", errors="replace") as fh:
-        for i, line in enumerate(fh, 1):
+def _jsonl_rows(f: Path, max_line_bytes: int):
+    """Every non-blank line's JSON, read a line at a time and never more than `max_line_bytes` of one."""
+    with open(f, "rb") as fh:
+        i = 0
+        while raw := fh.readline(max_line_bytes + 1):
+            i += 1
+            if len(raw) > max_line_bytes and not (len(raw) == max_line_bytes + 1 and raw.endswith(b"\n")):
+                raise DataError(f"--data {f}: line {i} is longer than --max-line-mib "
+                                f"{max_line_bytes / 2**20:g} MiB (one JSON object per line; pass a larger "
+                                "--max-line-mib if it is meant to be)")
+            line = raw.decode("utf-8", errors="replace")
             if line.strip():
                 try:
                     yield f"line {i}", json.loads(line)
@@ -182,7 +197,7 @@ def _manifest(files: list[Path], tokenizer_dir: str, fields: Fields) -> dict:
     src = [{"path": str(f.resolve()), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
            for f in files]
     return {"version": CACHE_VERSION, "sources": src, "tokenizer": _tokenizer_id(tokenizer_dir),
-            "fields": asdict(fields)}
+            "fields": {k: v for k, v in asdict(fields).items() if k != "max_line_mib"}}
 
 
 def cache_dir(path: str, under: str | None = None, say=None) -> Path:

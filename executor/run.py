@@ -48,7 +48,15 @@ from tierflow.executor.checkpoint import (
     training_digest,
 )
 from tierflow.executor.clipping import GradNorms
-from tierflow.executor.corpus import TEXT_SUFFIXES, Fields, copy_tokenizer, has_tokenizer, is_corpus, tokenize
+from tierflow.executor.corpus import (
+    MAX_LINE_MIB,
+    TEXT_SUFFIXES,
+    Fields,
+    copy_tokenizer,
+    has_tokenizer,
+    is_corpus,
+    tokenize,
+)
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device.base import DeviceBackend, TierOutOfMemory
 from tierflow.executor.device.factory import make_backend
@@ -958,7 +966,8 @@ def run_options(args: argparse.Namespace, hyper: TrainHyper) -> RunOptions:
                       compute_dtype=getattr(args, "compute_dtype", None),
                       eval_every=args.eval_every, val_fraction=args.val_fraction, val_data=args.val_data,
                       eval_batches=args.eval_batches, log_dir=args.log_dir, tokenizer=args.tokenizer,
-                      fields=Fields(args.text_field, args.prompt_field, args.response_field),
+                      fields=Fields(args.text_field, args.prompt_field, args.response_field,
+                                    getattr(args, "max_line_mib", MAX_LINE_MIB)),
                       cache_dir=getattr(args, "cache_dir", None))
 
 

@@ -462,3 +462,34 @@ def test_a_tokenizer_that_is_not_what_it_claims_is_one_line_exit_2(plan_file, tm
                            "--data", str(data), "--tokenizer", str(tok))
     line = one_line(err)
     assert rc == 2 and f"--tokenizer {tok}: cannot load its tokenizer.json" in line, err
+
+
+# ---- data checked at the door: bounded lines, special files named ------------------------------------------
+
+
+def test_a_jsonl_line_past_the_limit_is_one_line_exit_2(plan_file, tmp_path, capsys, corpus_tok):
+    data = tmp_path / "d.jsonl"
+    long_line = json.dumps({"text": "x" * (2 * 2**20)})  # 2 MiB on one line, under --max-line-mib 1
+    data.write_text(json.dumps({"text": "short"}) + "\n" + long_line + "\n")
+    rc, out, err = run_cli(capsys, "run", str(plan_file), "--device", "cpu", "--steps", "1",
+                           "--data", str(data), "--tokenizer", corpus_tok, "--max-line-mib", "1")
+    line = one_line(err)
+    assert rc == 2 and f"--data {data}: line 2 is longer than --max-line-mib 1 MiB" in line, err
+    # exactly at the limit (its newline past it) is read
+    from tierflow.executor.corpus import _jsonl_rows
+
+    exact = tmp_path / "e.jsonl"
+    exact.write_bytes(b'{"text": "ab"}\n')
+    assert [row for _, row in _jsonl_rows(exact, 14)] == [{"text": "ab"}]
+    with pytest.raises(Exception, match="line 1 is longer"):
+        list(_jsonl_rows(exact, 13))
+
+
+@pytest.mark.parametrize("name", ["d.txt", "d.jsonl"])
+def test_a_fifo_given_to_data_is_named_a_fifo(plan_file, tmp_path, capsys, name):
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    rc, out, err = run_cli(capsys, "run", str(plan_file), "--device", "cpu", "--steps", "1",
+                           "--data", str(fifo), "--tokenizer", str(tmp_path))
+    line = one_line(err)
+    assert rc == 2 and f"--data {fifo}: a FIFO (named pipe), not a regular file" in line, err
