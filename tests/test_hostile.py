@@ -493,3 +493,49 @@ def test_a_fifo_given_to_data_is_named_a_fifo(plan_file, tmp_path, capsys, name)
                            "--data", str(fifo), "--tokenizer", str(tmp_path))
     line = one_line(err)
     assert rc == 2 and f"--data {fifo}: a FIFO (named pipe), not a regular file" in line, err
+
+
+# ---- output files: a missing directory is named, not built -------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--write-plan", "--emit-ds-config", "--plot"])
+def test_a_missing_directory_of_an_output_file_is_an_error_naming_it(plan_file, tmp_path, capsys, flag):
+    target = tmp_path / "typo" / "deeper" / "out.file"
+    if flag == "--write-plan":
+        argv = ["simulate", *TINY, "--iterations", "1", flag, str(target)]
+    elif flag == "--emit-ds-config":
+        box = [a for a in TINY if a not in ("--schedule", "vertical")]
+        argv = ["plan", *box, "-o", str(tmp_path / "p.json"), flag, str(target)]
+    else:
+        argv = ["compare", str(plan_file), str(tmp_path / "trace.json"), flag, str(target)]
+    rc, out, err = run_cli(capsys, *argv)
+    line = one_line(err)
+    assert rc == 2 and f"{flag} {target}: its directory {target.parent} does not exist" in line, err
+    assert not (tmp_path / "typo").exists()  # nothing built
+
+
+def test_a_gzip_bomb_is_refused_before_it_is_held(tmp_path):
+    """A plan or trace that is small compressed and expands past the limit is refused having held one chunk
+    of its expansion, not the limit's worth."""
+    import gzip
+    import tracemalloc
+
+    from tierflow.hwprofiles.inputs import InputLimitError
+    from tierflow.planner.core.jsonio import _check_expanded_size, read_text
+
+    bomb = tmp_path / "trace.json.gz"
+    data = gzip.compress(b" " * (64 * 2**20))  # 64 MiB of spaces, 64 KiB compressed
+    bomb.write_bytes(data)
+    with pytest.raises(InputLimitError, match="once decompressed"):
+        read_text(bomb, max_bytes=32 * 2**20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(InputLimitError, match="once decompressed"):
+            _check_expanded_size(data, 32 * 2**20)  # read_text's check, before it decompresses to memory
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, peak  # a few chunks, not the 32 MiB the limit allows
+    small = tmp_path / "ok.json.gz"
+    small.write_bytes(gzip.compress(b'{"a": 1}'))
+    assert read_text(small, max_bytes=100) == '{"a": 1}'
