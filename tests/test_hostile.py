@@ -539,3 +539,12 @@ def test_a_gzip_bomb_is_refused_before_it_is_held(tmp_path):
     small = tmp_path / "ok.json.gz"
     small.write_bytes(gzip.compress(b'{"a": 1}'))
     assert read_text(small, max_bytes=100) == '{"a": 1}'
+
+
+def test_env_ssd_dir_that_is_a_file_says_so(tmp_path, capsys):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    rc, out, err = run_cli(capsys, "env", "--ssd-dir", str(f))
+    assert rc == 2 and f"--ssd-dir {f}: not a directory (a file)" in one_line(err), err
+    rc, out, err = run_cli(capsys, "env", "--ssd-dir", str(tmp_path / "missing"))
+    assert rc == 2 and "no such directory" in one_line(err), err
