@@ -579,7 +579,9 @@ def _run_rounds(tr: _Training, ex: Executor) -> None:
 
 def _stop_if_signalled(tr: _Training) -> None:
     """After a round: a stop signal noted during it (on any rank: they agree) saves this step's checkpoint,
-    then stops the run (Interrupted)."""
+    then stops the run (Interrupted). Without a checkpoint directory a signal has stopped it at once."""
+    if not tr.opts.checkpoint_dir:
+        return
     signum = pending_signal()
     if not tr.world.single:
         signum = next((s for s in tr.world.gather_objects(signum) if s is not None), None)

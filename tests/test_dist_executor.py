@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -225,3 +226,28 @@ def test_two_boxes_on_the_loopback_address(tmp_path):
     got = [s["loss"] for s in reports[0]["steps"]]
     want = one_rank("vertical", "weights_cpu", 3, tmp_path).losses
     assert max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-5
+
+
+def test_sigterm_to_a_two_rank_launch_saves_the_round_s_last_step_on_both_ranks(tmp_path):
+    """SIGTERM to `tierflow run --nproc 2` (torchrun passes it on to both ranks): the ranks agree after the
+    round under way, save its last step, sharded, and the launch exits 143; every rank leaves."""
+    plan, ck = tmp_path / "plan.json", tmp_path / "ck"
+    write_plan(make_plan("tiny-gpt", "vertical", "weights_cpu", gpus=2, iterations=2), plan)
+    argv = ["run", str(plan), "--nproc", "2", "--device", "cpu", "--steps", "100000",
+            "--checkpoint-dir", str(ck), "--checkpoint-every", "1000"]
+    p = subprocess.Popen([sys.executable, "-m", "tierflow", *argv],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if line.startswith("step"):
+            break
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err[-2000:]
+    done = [x for x in seen + out.splitlines() if x.startswith("step")]
+    latest = (ck / "latest").read_text().strip()
+    assert latest == f"step{len(done):08d}" and len(done) % 2 == 0, (latest, done, err[-2000:])
+    for r in range(2):
+        assert (ck / latest / f"rank-{r}" / "manifest.json").is_file()
+    assert "the checkpoint of its last step is saved in" in err and "Traceback" not in err
