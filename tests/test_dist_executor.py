@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -217,9 +218,22 @@ def test_two_boxes_on_the_loopback_address(tmp_path):
     endpoint = f"127.0.0.1:{_free_port()}"
     cmd = [sys.executable, "-m", "tierflow", "run", str(plan), "--device", "cpu", "--steps", "3", "--json",
            "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", f"test-{os.getpid()}"]
-    boxes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                              cwd=tmp_path) for _ in range(2)]
-    outs = [b.communicate(timeout=240) for b in boxes]
+    # output to files, not pipes: a box blocked on a full pipe that nobody reads while the test waits on the
+    # other box would hang both (the other waits for it at torchrun's exit barrier)
+    logs = [(tmp_path / f"box{k}.out", tmp_path / f"box{k}.err") for k in range(2)]
+    boxes = []
+    for o, e in logs:
+        with open(o, "w") as out, open(e, "w") as err:  # the child keeps its own descriptors
+            boxes.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=_env(), cwd=tmp_path))
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and any(b.poll() is None for b in boxes):
+        time.sleep(0.1)
+    hung = [k for k, b in enumerate(boxes) if b.poll() is None]
+    for k in hung:
+        boxes[k].kill()
+        boxes[k].wait()
+    outs = [(o.read_text(), e.read_text()) for o, e in logs]
+    assert not hung, f"box(es) {hung} still running after 240 s: {[e[-2000:] for _o, e in outs]}"
     assert [b.returncode for b in boxes] == [0, 0], [e[-2000:] for _o, e in outs]
     reports = [json.loads(o) for o, _e in outs if o.strip()]
     assert len(reports) == 1  # rank 0 reports, on whichever box the rendezvous made it
