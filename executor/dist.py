@@ -244,19 +244,22 @@ def lost_ranks() -> list[tuple[int, int]]:
             if r != world.rank and h == host and _process_gone(pid) and not _noted_exit(r)]
 
 
-LEAVE_TIMEOUT_S = 120.0  # the final barrier, then the process groups' teardown: each bounded by this
+# the final barrier waits for rank 0 to finish --out (a Gantt chart of a long trace takes a while); the
+# process groups' teardown is local work
+FINAL_BARRIER_S = 120.0
+TEARDOWN_S = 30.0
 
 
-def leave_cleanly(timeout_s: float = LEAVE_TIMEOUT_S) -> str | None:
-    """The end of a rank that trained to the end: a bounded barrier on the ctrl group (every rank is past its
-    last collective before any tears its connections down), then destroy_process_group on a daemon thread,
-    waited for at most `timeout_s`. None when both finished, else what did not (the caller exits anyway:
-    a rank whose work is done must not hang on a peer or a teardown)."""
+def leave_cleanly(barrier_s: float = FINAL_BARRIER_S, teardown_s: float = TEARDOWN_S) -> str | None:
+    """The end of a rank that trained to the end: a barrier on the ctrl group bounded by `barrier_s` (every
+    rank is past its last collective before any tears its connections down), then destroy_process_group on a
+    daemon thread, waited for at most `teardown_s`. None when both finished, else what did not (the caller
+    exits anyway: a rank whose work is done must not hang on a peer or a teardown)."""
     problem = None
     world = _WORLD
     if world is not None and world.ctrl_group is not None and not world.single:
         try:
-            dist.monitored_barrier(group=world.ctrl_group, timeout=datetime.timedelta(seconds=timeout_s),
+            dist.monitored_barrier(group=world.ctrl_group, timeout=datetime.timedelta(seconds=barrier_s),
                                    wait_all_ranks=True)
         except RuntimeError as e:  # a rank that did not arrive in time, or is gone
             problem = f"the final barrier failed ({' '.join(str(e).split())[:120]})"
@@ -271,8 +274,8 @@ def leave_cleanly(timeout_s: float = LEAVE_TIMEOUT_S) -> str | None:
             done.set()
 
     threading.Thread(target=destroy, name="tierflow-leave", daemon=True).start()
-    if not done.wait(timeout_s):
-        problem = problem or f"leaving the process group did not finish in {timeout_s:.0f} s"
+    if not done.wait(teardown_s):
+        problem = problem or f"leaving the process group did not finish in {teardown_s:g} s"
     return problem
 
 

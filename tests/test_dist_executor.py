@@ -265,3 +265,21 @@ def test_sigterm_to_a_two_rank_launch_saves_the_round_s_last_step_on_both_ranks(
     for r in range(2):
         assert (ck / latest / f"rank-{r}" / "manifest.json").is_file()
     assert "the checkpoint of its last step is saved in" in err and "Traceback" not in err
+
+
+def test_a_teardown_that_never_returns_does_not_hold_a_rank(monkeypatch):
+    """leave_cleanly waits for destroy_process_group at most its bound, then says so (the rank exits anyway);
+    a teardown that returns is waited for and says nothing."""
+    import threading
+
+    from tierflow.executor import dist
+
+    release = threading.Event()
+    monkeypatch.setattr(dist.dist, "destroy_process_group", lambda: release.wait(60))
+    try:
+        problem = dist.leave_cleanly(teardown_s=0.2)
+    finally:
+        release.set()
+    assert problem == "leaving the process group did not finish in 0.2 s"
+    monkeypatch.setattr(dist.dist, "destroy_process_group", lambda: None)
+    assert dist.leave_cleanly(teardown_s=30) is None
