@@ -11,8 +11,12 @@ with the model's own tokenizer and cached.
   packed back to back, each followed by the tokenizer's end-of-text token.
 - Cache: the tokens as a memory-mapped file (`tokens.u16` or `tokens.u32`, plus `mask.u8` with masked
   prompts) in `<data>.tierflow-tokens/` (a directory's: `<dir>/.tierflow-tokens/`) beside `manifest.json`
-  naming every source (path, size, mtime), the tokenizer (directory and the SHA-256 of its files) and the
-  fields; a run whose sources or tokenizer differ tokenizes again. A progress bar shows on a terminal.
+  naming every source (path, size, mtime), the tokenizer (directory and the SHA-256 of its files), the
+  fields, and the size and CRC32 of every cache file; a run whose sources or tokenizer differ tokenizes again,
+  and so does one whose cache files do not match their manifest (truncated, emptied, overwritten: one line
+  says so). `--cache-dir DIR` puts the cache under DIR (`<DIR>/<data name>-<hash of its path>/`); when the
+  data's folder is not writable the default is the user's cache directory (`$XDG_CACHE_HOME/tierflow/tokens`,
+  else `~/.cache/tierflow/tokens`), said in one line. A progress bar shows on a terminal.
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ import hashlib
 import json
 import os
 import shutil
+import sys
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from tierflow.executor.data import DataError
+from tierflow.executor.checkpoint import file_crc32
+from tierflow.executor.data import DataError, not_a_file
 from tierflow.planner.io.progress import Progress
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
@@ -34,16 +41,20 @@ JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "special_tokens_map.json")
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the manifest records every cache file's size and CRC32
+
+
+MAX_LINE_MIB = 64  # --max-line-mib's default: the longest JSON Lines line read (memory stays bounded by it)
 
 
 @dataclass(frozen=True)
 class Fields:
-    """Which fields of a JSON Lines / Parquet record are trained on."""
+    """Which fields of a JSON Lines / Parquet record are trained on, and the longest line read."""
 
     text: str = "text"
     prompt: str | None = None  # with response: the prompt's tokens are masked out of the loss
     response: str | None = None
+    max_line_mib: float = MAX_LINE_MIB  # a longer JSON Lines line is refused in one line
 
 
 def is_corpus(path: str, fmt: str) -> bool:
@@ -60,7 +71,10 @@ def sources(path: str) -> list[Path]:
     if p.is_file():
         return [p]
     if not p.is_dir():
-        raise DataError(f"--data {p}: no such file or directory")
+        what = not_a_file(p)
+        what = "no such file or directory" if what == "no such file" else what
+        raise DataError(f"--data {p}: {what} (pass a text, JSON Lines or Parquet file, or a directory of "
+                        "them)")
     found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES
                    + PARQUET_SUFFIXES and ".tierflow-tokens" not in f.parts)
     if not found:
@@ -98,8 +112,12 @@ def load_tokenizer(directory: str | None, data: str):
 
     try:
         tok = AutoTokenizer.from_pretrained(str(d))
-    except (OSError, ValueError) as e:
-        raise DataError(f"--tokenizer {d}: cannot load it ({' '.join(str(e).split())[:100]})") from None
+    except Exception as e:  # noqa: BLE001 - every way a tokenizer fails to load (KeyError of a JSON of the
+        # wrong shape, the tokenizers library's bare Exception for an unknown model type, ...) is bad input
+        names = [n for n in TOKENIZER_FILES if (d / n).is_file()]
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:120]
+        raise DataError(f"--tokenizer {d}: cannot load its {', '.join(names)} ({why}); pass a Hugging Face "
+                        "tokenizer directory as transformers saves one") from None
     if tok.eos_token_id is None:
         raise DataError(f"--tokenizer {d}: it has no end-of-text token to separate documents")
     return tok
@@ -113,14 +131,22 @@ def _documents(f: Path, fields: Fields):
     if f.suffix in PARQUET_SUFFIXES:
         rows = _parquet_rows(f)
     else:
-        rows = _jsonl_rows(f)
+        rows = _jsonl_rows(f, int(fields.max_line_mib * 2**20))
     for where, row in rows:
         yield _fields_of(row, fields, f, where)
 
 
-def _jsonl_rows(f: Path):
-    with open(f, encoding="utf-8", errors="replace") as fh:
-        for i, line in enumerate(fh, 1):
+def _jsonl_rows(f: Path, max_line_bytes: int):
+    """Every non-blank line's JSON, read a line at a time and never more than `max_line_bytes` of one."""
+    with open(f, "rb") as fh:
+        i = 0
+        while raw := fh.readline(max_line_bytes + 1):
+            i += 1
+            if len(raw) > max_line_bytes and not (len(raw) == max_line_bytes + 1 and raw.endswith(b"\n")):
+                raise DataError(f"--data {f}: line {i} is longer than --max-line-mib "
+                                f"{max_line_bytes / 2**20:g} MiB (one JSON object per line; pass a larger "
+                                "--max-line-mib if it is meant to be)")
+            line = raw.decode("utf-8", errors="replace")
             if line.strip():
                 try:
                     yield f"line {i}", json.loads(line)
@@ -171,25 +197,56 @@ def _manifest(files: list[Path], tokenizer_dir: str, fields: Fields) -> dict:
     src = [{"path": str(f.resolve()), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
            for f in files]
     return {"version": CACHE_VERSION, "sources": src, "tokenizer": _tokenizer_id(tokenizer_dir),
-            "fields": asdict(fields)}
+            "fields": {k: v for k, v in asdict(fields).items() if k != "max_line_mib"}}
 
 
-def cache_dir(path: str) -> Path:
+def cache_dir(path: str, under: str | None = None, say=None) -> Path:
+    """Where --data's token cache lives: under --cache-dir when given; else beside the data, or, when the
+    data's folder is not writable, in the user's cache directory (said with `say`)."""
     p = Path(path)
-    return p / ".tierflow-tokens" if p.is_dir() else p.with_name(p.name + ".tierflow-tokens")
+    named = f"{p.resolve().name}-{hashlib.sha256(str(p.resolve()).encode()).hexdigest()[:12]}"
+    if under is not None:
+        return Path(under) / named
+    beside = p / ".tierflow-tokens" if p.is_dir() else p.with_name(p.name + ".tierflow-tokens")
+    if _writable(beside):
+        return beside
+    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierflow" / "tokens" / named
+    if say is not None:
+        say(f"--data {p}: its folder is not writable; the token cache is in {user} (pass --cache-dir DIR to "
+            "put it elsewhere)")
+    return user
 
 
-def tokenize(path: str, tokenizer_dir: str | None, fields: Fields, vocab_size: int):
-    """(tokens, mask or None, description) of --data, from the cache when its manifest matches."""
+def _writable(cache: Path) -> bool:
+    """Whether the cache directory exists writable, or can be made in its (writable) parent."""
+    if cache.is_dir():
+        return os.access(cache, os.W_OK | os.X_OK)
+    return os.access(cache.parent, os.W_OK | os.X_OK)
+
+
+def _say(msg: str) -> None:
+    print(f"tierflow run: {msg}", file=sys.stderr)
+
+
+def tokenize(path: str, tokenizer_dir: str | None, fields: Fields, vocab_size: int,
+             cache_under: str | None = None, say=_say):
+    """(tokens, mask or None, description) of --data, from the cache when its manifest matches the sources
+    and its files match the manifest."""
     files = sources(path)
     for f in files:
         if f.stat().st_size == 0:
             raise DataError(f"--data {f}: empty file (remove it or give it text)")
     tok = load_tokenizer(tokenizer_dir, path)
     want = _manifest(files, tokenizer_dir, fields)
-    root = cache_dir(path)
+    root = cache_dir(path, cache_under, say)
     have = _read_manifest(root)
-    if have is None or {k: v for k, v in have.items() if k not in ("tokens", "dtype", "masked")} != want:
+    if have is not None and _same_sources(have, want):
+        bad = _damaged(root, have)
+        if bad:
+            say(f"--data {path}: the token cache {root} does not match its manifest ({bad}); tokenizing "
+                "again")
+            have = None
+    if have is None or not _same_sources(have, want):
         have = _write_cache(root, files, tok, fields, want, vocab_size)
     dtype = np.dtype(have["dtype"])
     if have["tokens"] < 2:
@@ -202,9 +259,29 @@ def tokenize(path: str, tokenizer_dir: str | None, fields: Fields, vocab_size: i
 
 def _read_manifest(root: Path) -> dict | None:
     try:
-        return json.loads((root / "manifest.json").read_text())
+        got = json.loads((root / "manifest.json").read_text())
     except (OSError, ValueError):
         return None
+    return got if isinstance(got, dict) and isinstance(got.get("files"), dict) else None
+
+
+def _same_sources(have: dict, want: dict) -> bool:
+    return {k: v for k, v in have.items() if k not in ("tokens", "dtype", "masked", "files")} == want
+
+
+def _damaged(root: Path, manifest: dict) -> str:
+    """'' when every cache file the manifest names has its size and CRC32, else what differs (the first)."""
+    for name, want in manifest["files"].items():
+        f = root / name
+        try:
+            size = f.stat().st_size
+            if size != want.get("bytes"):
+                return f"{name}: {size:,} bytes, the manifest says {want.get('bytes')}"
+            if file_crc32(f)[1] != want.get("crc32"):
+                return f"{name}: its checksum differs"
+        except OSError as e:
+            return f"{name}: {e.strerror}"
+    return ""
 
 
 def _write_cache(root: Path, files: list[Path], tok, fields: Fields, manifest: dict, vocab_size: int) -> dict:
@@ -225,19 +302,31 @@ def _write_cache(root: Path, files: list[Path], tok, fields: Fields, manifest: d
     tokens = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
     mask = np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
     dtype = np.dtype(np.uint16 if max(vocab_size, len(tok)) <= 1 << 16 else np.uint32)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "manifest.json").unlink(missing_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "manifest.json").unlink(missing_ok=True)
+    except OSError as e:
+        raise DataError(f"--data: cannot write the token cache {root} ({e.strerror}); pass --cache-dir DIR, "
+                        "a writable directory") from None
     masked = bool(len(mask)) and not bool(mask.all())
-    out = {**manifest, "tokens": int(len(tokens)), "dtype": dtype.str, "masked": masked}
+    out = {**manifest, "tokens": int(len(tokens)), "dtype": dtype.str, "masked": masked, "files": {}}
     # each file written whole under a temporary name, then renamed: a reader never maps a half-written one
-    _replace(root / f"tokens.{dtype.str[1:]}", tokens.astype(dtype).tobytes())
+    blobs = {f"tokens.{dtype.str[1:]}": tokens.astype(dtype).tobytes()}
     if masked:
-        _replace(root / "mask.u8", mask.tobytes())
+        blobs["mask.u8"] = mask.tobytes()
+    for name, data in blobs.items():
+        _replace(root / name, data)
+        out["files"][name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
     _replace(root / "manifest.json", json.dumps(out, indent=1).encode())
     return out
 
 
 def _replace(path: Path, data: bytes) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"--data: cannot write the token cache file {path} ({e.strerror}); pass --cache-dir "
+                        "DIR with room for it") from None

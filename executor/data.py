@@ -9,6 +9,7 @@ checkpoint at step s reads exactly the batches an uninterrupted run would have r
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,19 @@ from tierflow.errors import TierflowError
 
 class DataError(TierflowError, ValueError):
     """A data file that cannot be used."""
+
+
+def not_a_file(p: Path) -> str:
+    """What `p` is when it is not a regular file: missing, a directory, or the kind of special file."""
+    try:
+        mode = p.stat().st_mode
+    except OSError:
+        return "no such file"
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    what = next((what for test, what in kinds if test(mode)), "a special file")
+    return what if what == "a directory" else f"{what}, not a regular file"
 
 
 class TokenData:
@@ -35,7 +49,7 @@ class TokenData:
             return cls(tokens, "synthetic (seeded random tokens)")
         p = Path(path)
         if not p.is_file():
-            raise DataError(f"--data {p}: no such file (pass a uint16 token file (.bin) or a text file)")
+            raise DataError(f"--data {p}: {not_a_file(p)} (pass a uint16 token file (.bin) or a text file)")
         if p.stat().st_size == 0:
             raise DataError(f"--data {p}: empty file (give it tokens or text)")
         if fmt == "auto":

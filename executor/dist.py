@@ -27,6 +27,7 @@ import datetime
 import os
 import socket
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,6 +242,41 @@ def lost_ranks() -> list[tuple[int, int]]:
     host = socket.gethostname()
     return [(r, pid) for r, (h, pid) in enumerate(world.peers)
             if r != world.rank and h == host and _process_gone(pid) and not _noted_exit(r)]
+
+
+# the final barrier waits for rank 0 to finish --out (a Gantt chart of a long trace takes a while); the
+# process groups' teardown is local work
+FINAL_BARRIER_S = 120.0
+TEARDOWN_S = 30.0
+
+
+def leave_cleanly(barrier_s: float = FINAL_BARRIER_S, teardown_s: float = TEARDOWN_S) -> str | None:
+    """The end of a rank that trained to the end: a barrier on the ctrl group bounded by `barrier_s` (every
+    rank is past its last collective before any tears its connections down), then destroy_process_group on a
+    daemon thread, waited for at most `teardown_s`. None when both finished, else what did not (the caller
+    exits anyway: a rank whose work is done must not hang on a peer or a teardown)."""
+    problem = None
+    world = _WORLD
+    if world is not None and world.ctrl_group is not None and not world.single:
+        try:
+            dist.monitored_barrier(group=world.ctrl_group, timeout=datetime.timedelta(seconds=barrier_s),
+                                   wait_all_ranks=True)
+        except RuntimeError as e:  # a rank that did not arrive in time, or is gone
+            problem = f"the final barrier failed ({' '.join(str(e).split())[:120]})"
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a peer already gone: there is nothing left to tear down with it
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=destroy, name="tierflow-leave", daemon=True).start()
+    if not done.wait(teardown_s):
+        problem = problem or f"leaving the process group did not finish in {teardown_s:g} s"
+    return problem
 
 
 def current_world() -> DistWorld | None:

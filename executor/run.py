@@ -29,7 +29,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,15 @@ from tierflow.executor.checkpoint import (
     training_digest,
 )
 from tierflow.executor.clipping import GradNorms
-from tierflow.executor.corpus import TEXT_SUFFIXES, Fields, copy_tokenizer, has_tokenizer, is_corpus, tokenize
+from tierflow.executor.corpus import (
+    MAX_LINE_MIB,
+    TEXT_SUFFIXES,
+    Fields,
+    copy_tokenizer,
+    has_tokenizer,
+    is_corpus,
+    tokenize,
+)
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device.base import DeviceBackend, TierOutOfMemory
 from tierflow.executor.device.factory import make_backend
@@ -59,6 +67,7 @@ from tierflow.executor.dist import (
     check_launch,
     current_world,
     init_world,
+    leave_cleanly,
     lost_ranks,
     note_exit,
     rank_device,
@@ -73,7 +82,7 @@ from tierflow.executor.engine import (
 )
 from tierflow.executor.evaluate import evaluate
 from tierflow.executor.models import check_supported, export_hf, hf_config
-from tierflow.executor.signals import Interrupted, StopOnSignals
+from tierflow.executor.signals import Interrupted, StopOnSignals, deferred_stop, pending_signal, stop_now
 from tierflow.executor.tblog import LogDirError, TbLog
 from tierflow.executor.tiers.arena import TransferAreaOutOfMemory
 from tierflow.executor.tiers.dirlock import DirLock, LockError, remove_stale_run_dirs
@@ -133,6 +142,7 @@ class RunOptions:
     log_dir: str | None = None  # TensorBoard event files
     tokenizer: str | None = None  # Hugging Face tokenizer directory (default: --init's, when it has one)
     fields: Fields = field(default_factory=Fields)  # JSON Lines / Parquet fields trained on
+    cache_dir: str | None = None  # --cache-dir: where --data's token cache lives (corpus.py)
     # called at each round's end with the run under way (`_Training`); True ends the run at that step
     # boundary (`tierflow run --adapt`'s switch)
     on_round: Callable[[Any], bool] | None = None
@@ -397,6 +407,7 @@ class _Training:
     start_step: int = 0
     step: int = 0
     last_ckpt: Path | None = None  # the last checkpoint written or resumed from
+    saved_step: int = -1  # the step of last_ckpt
     records: list[StepRecord] = field(default_factory=list)
     measured: SimResult | None = None  # the measured trace of the longest round so far
     best_iters: int = 0
@@ -465,7 +476,7 @@ def load_data(path: str | None, opts: RunOptions, vocab_size: int) -> TokenData:
     fmt = opts.data_format
     text = fmt == "auto" and tok is not None and Path(path or "").suffix in TEXT_SUFFIXES
     if path is not None and fmt != "text" and (is_corpus(path, fmt) or text):
-        tokens, mask, what = tokenize(path, tok, opts.fields, vocab_size)
+        tokens, mask, what = tokenize(path, tok, opts.fields, vocab_size, opts.cache_dir)
         data = TokenData(tokens, what, mask)
         top = int(tokens.max())
         if top >= vocab_size:
@@ -521,7 +532,7 @@ def _start_state(tr: _Training, warn) -> str:
                    log=warn) if opts.checkpoint_dir else None
     if found is not None:
         tr.last_ckpt, manifest = found
-        tr.start_step = tr.step = int(manifest["step"])
+        tr.start_step = tr.step = tr.saved_step = int(manifest["step"])
         norms = norms_of(opts.hyper)
         if norms is not None and manifest.get("grad_norm") is not None:  # delayed clipping goes on from it
             norms.norms[tr.start_step] = float(manifest["grad_norm"])
@@ -557,11 +568,16 @@ def _run_rounds(tr: _Training, ex: Executor) -> None:
     profiler = _profiler(tr.backend.device) if opts.profile and tr.lead else None
     if profiler is not None:
         profiler.start()  # stopped and exported when the rounds end, also when a run stops early
+    # with a checkpoint directory a stop signal ends the round under way and saves its last step
+    deferred = (deferred_stop(stop_at_once=lambda: bool(lost_ranks())) if opts.checkpoint_dir
+                else nullcontext())
     try:
-        while tr.step < opts.steps:
-            _run_round(tr, ex, _round_iterations(tr))
-            if opts.on_round is not None and opts.on_round(tr):
-                break
+        with deferred:
+            while tr.step < opts.steps:
+                _run_round(tr, ex, _round_iterations(tr))
+                _stop_if_signalled(tr)
+                if opts.on_round is not None and opts.on_round(tr):
+                    break
     except (Diverged, CheckpointWriteError, Interrupted) as e:
         code, msg = _stop_message(tr, e)
         if opts.out and tr.lead:
@@ -572,6 +588,21 @@ def _run_rounds(tr: _Training, ex: Executor) -> None:
     finally:
         if profiler is not None:
             _export_profile(tr, profiler)
+
+
+def _stop_if_signalled(tr: _Training) -> None:
+    """After a round: a stop signal noted during it (on any rank: they agree) saves this step's checkpoint,
+    then stops the run (Interrupted). Without a checkpoint directory a signal has stopped it at once."""
+    if not tr.opts.checkpoint_dir:
+        return
+    signum = pending_signal()
+    if not tr.world.single:
+        signum = next((s for s in tr.world.gather_objects(signum) if s is not None), None)
+    if signum is None:
+        return
+    stop = stop_now(signum)  # later signals are ignored while the checkpoint is written
+    _save_checkpoint(tr)
+    raise stop
 
 
 def _round_iterations(tr: _Training) -> int:
@@ -604,7 +635,8 @@ def _run_round(tr: _Training, ex: Executor, r: int) -> None:
     if _eval_due(tr):
         _run_eval(tr)
     every = opts.checkpoint_every
-    if opts.checkpoint_dir and every and tr.step % every == 0:
+    # at --checkpoint-every, and the last step whatever the interval: a run never ends without its state
+    if opts.checkpoint_dir and (every and tr.step % every == 0 or tr.step >= opts.steps):
         _save_checkpoint(tr)
 
 
@@ -650,6 +682,9 @@ def _step_reporter(tr: _Training, step: int, local: list[float]) -> Callable[[in
 
 
 def _save_checkpoint(tr: _Training) -> None:
+    """This step's checkpoint (once: a step already saved or resumed from is not written again)."""
+    if tr.saved_step == tr.step or not tr.opts.checkpoint_dir:
+        return
     norms = norms_of(tr.opts.hyper)
     if norms is not None:  # the last step's gradient norm: delayed clipping of a resumed run goes on from it
         tr.settings["grad_norm"] = norms.value(tr.step)
@@ -657,8 +692,9 @@ def _save_checkpoint(tr: _Training) -> None:
         tr.last_ckpt = save_checkpoint(tr.state, tr.opts.checkpoint_dir, tr.step, tr.settings, world=tr.world)
     except NonFiniteState as e:
         raise Diverged(str(e)) from None
+    tr.saved_step = tr.step
     if not tr.quiet:
-        tr.log(f"  checkpoint {tr.last_ckpt}")
+        tr.log(f"  checkpoint {tr.last_ckpt}" + (" (the last step)" if tr.step >= tr.opts.steps else ""))
 
 
 def _stop_message(tr: _Training, e: Diverged | CheckpointWriteError | Interrupted) -> tuple[int, str]:
@@ -671,6 +707,11 @@ def _stop_message(tr: _Training, e: Diverged | CheckpointWriteError | Interrupte
         return 4, (f"training diverged: {e}; stopped after {done}, {kept} (lower --lr, or check --init and "
                    "--data)")
     if isinstance(e, Interrupted):
+        if tr.last_ckpt is not None and tr.saved_step == tr.step:
+            kept = f"the checkpoint of its last step is saved in {tr.last_ckpt}"
+        elif tr.last_ckpt is not None:
+            kept = (f"the checkpoint directory holds step {tr.saved_step} ({tr.last_ckpt}): the "
+                    f"{tr.step - tr.saved_step} step(s) after it and the round under way are lost")
         return e.exit_code, (f"interrupted by {e.name}: workers stopped after {done}, {kept}; the SSD tier's "
                              "files are removed")
     return 3 if e.full else 2, str(e)
@@ -830,17 +871,22 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def leave_world(code: int) -> int:
-    """The end of a rank of several: a clean exit leaves the process groups; a failed one exits at once, so
-    that no collective the other ranks will never join (nor a process group's teardown) holds it, and torchrun
-    stops the others. With one rank: `code`."""
+    """The end of a rank of several: a clean exit passes a bounded final barrier and leaves the process groups
+    (bounded too), a failed one at once, so that no collective the other ranks will never join, nor a process
+    group's teardown, nor a thread left at interpreter exit holds it; torchrun then sees every rank end. With
+    one rank: `code`."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return code
     if code == 0:
-        dist.destroy_process_group()
-        return 0
-    note_exit(code)  # an end of its own, not a death, for the ranks left (dist.lost_ranks)
+        problem = leave_cleanly()
+        if problem:
+            world = current_world()
+            print(f"tierflow run [rank {world.rank if world else '?'}]: note: training ended, but {problem}; "
+                  "this rank exits anyway", file=sys.stderr)
+    else:
+        note_exit(code)  # an end of its own, not a death, for the ranks left (dist.lost_ranks)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -883,8 +929,10 @@ def _rank_lost(args: argparse.Namespace, res: RunResult | None, error: BaseExcep
              else "the SSD tier's files of every rank on this box removed" if args.ssd_dir else "")
     done = f" after {len(res.records)} step(s)" if res is not None else ""
     ck = Path(args.checkpoint_dir) / "latest" if args.checkpoint_dir else None
-    kept = (f"checkpoint {ck.parent / ck.read_text().strip()} kept" if ck is not None and ck.is_file()
-            else "no checkpoint written")
+    # the dead rank's shard of the state is gone: the directory keeps the last checkpoint the ranks agreed on
+    held = ck.read_text().strip() if ck is not None and ck.is_file() else ""
+    kept = (f"checkpoint {ck.parent / held} kept (the directory holds step {int(held[4:])}; later steps are "
+            "lost)" if held.startswith("step") and held[4:].isdigit() else "no checkpoint written")
     print(f"tierflow run [rank {me}]: {who}; this rank stopped{done}, {kept}"
           + (f", {files}" if files else "") + "; run again to resume", file=sys.stderr)
     return RankLost.exit_code
@@ -933,7 +981,9 @@ def run_options(args: argparse.Namespace, hyper: TrainHyper) -> RunOptions:
                       compute_dtype=getattr(args, "compute_dtype", None),
                       eval_every=args.eval_every, val_fraction=args.val_fraction, val_data=args.val_data,
                       eval_batches=args.eval_batches, log_dir=args.log_dir, tokenizer=args.tokenizer,
-                      fields=Fields(args.text_field, args.prompt_field, args.response_field))
+                      fields=Fields(args.text_field, args.prompt_field, args.response_field,
+                                    getattr(args, "max_line_mib", MAX_LINE_MIB)),
+                      cache_dir=getattr(args, "cache_dir", None))
 
 
 def _cmd_run_here(args: argparse.Namespace) -> int:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -216,12 +218,68 @@ def test_two_boxes_on_the_loopback_address(tmp_path):
     endpoint = f"127.0.0.1:{_free_port()}"
     cmd = [sys.executable, "-m", "tierflow", "run", str(plan), "--device", "cpu", "--steps", "3", "--json",
            "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", f"test-{os.getpid()}"]
-    boxes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                              cwd=tmp_path) for _ in range(2)]
-    outs = [b.communicate(timeout=240) for b in boxes]
+    # output to files, not pipes: a box blocked on a full pipe that nobody reads while the test waits on the
+    # other box would hang both (the other waits for it at torchrun's exit barrier)
+    logs = [(tmp_path / f"box{k}.out", tmp_path / f"box{k}.err") for k in range(2)]
+    boxes = []
+    for o, e in logs:
+        with open(o, "w") as out, open(e, "w") as err:  # the child keeps its own descriptors
+            boxes.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=_env(), cwd=tmp_path))
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and any(b.poll() is None for b in boxes):
+        time.sleep(0.1)
+    hung = [k for k, b in enumerate(boxes) if b.poll() is None]
+    for k in hung:
+        boxes[k].kill()
+        boxes[k].wait()
+    outs = [(o.read_text(), e.read_text()) for o, e in logs]
+    assert not hung, f"box(es) {hung} still running after 240 s: {[e[-2000:] for _o, e in outs]}"
     assert [b.returncode for b in boxes] == [0, 0], [e[-2000:] for _o, e in outs]
     reports = [json.loads(o) for o, _e in outs if o.strip()]
     assert len(reports) == 1  # rank 0 reports, on whichever box the rendezvous made it
     got = [s["loss"] for s in reports[0]["steps"]]
     want = one_rank("vertical", "weights_cpu", 3, tmp_path).losses
     assert max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-5
+
+
+def test_sigterm_to_a_two_rank_launch_saves_the_round_s_last_step_on_both_ranks(tmp_path):
+    """SIGTERM to `tierflow run --nproc 2` (torchrun passes it on to both ranks): the ranks agree after the
+    round under way, save its last step, sharded, and the launch exits 143; every rank leaves."""
+    plan, ck = tmp_path / "plan.json", tmp_path / "ck"
+    write_plan(make_plan("tiny-gpt", "vertical", "weights_cpu", gpus=2, iterations=2), plan)
+    argv = ["run", str(plan), "--nproc", "2", "--device", "cpu", "--steps", "100000",
+            "--checkpoint-dir", str(ck), "--checkpoint-every", "1000"]
+    p = subprocess.Popen([sys.executable, "-m", "tierflow", *argv],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if line.startswith("step"):
+            break
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err[-2000:]
+    done = [x for x in seen + out.splitlines() if x.startswith("step")]
+    latest = (ck / "latest").read_text().strip()
+    assert latest == f"step{len(done):08d}" and len(done) % 2 == 0, (latest, done, err[-2000:])
+    for r in range(2):
+        assert (ck / latest / f"rank-{r}" / "manifest.json").is_file()
+    assert "the checkpoint of its last step is saved in" in err and "Traceback" not in err
+
+
+def test_a_teardown_that_never_returns_does_not_hold_a_rank(monkeypatch):
+    """leave_cleanly waits for destroy_process_group at most its bound, then says so (the rank exits anyway);
+    a teardown that returns is waited for and says nothing."""
+    import threading
+
+    from tierflow.executor import dist
+
+    release = threading.Event()
+    monkeypatch.setattr(dist.dist, "destroy_process_group", lambda: release.wait(60))
+    try:
+        problem = dist.leave_cleanly(teardown_s=0.2)
+    finally:
+        release.set()
+    assert problem == "leaving the process group did not finish in 0.2 s"
+    monkeypatch.setattr(dist.dist, "destroy_process_group", lambda: None)
+    assert dist.leave_cleanly(teardown_s=30) is None

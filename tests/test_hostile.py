@@ -16,6 +16,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -246,6 +247,8 @@ def test_killing_one_of_two_ranks(tmp_path):
     lines = [x for x in err.splitlines() if x.startswith("tierflow run")]
     assert len(lines) == 1 and "rank 1" in lines[0] and "died" in lines[0], err[-2000:]
     assert "kept" in lines[0] and "removed" in lines[0]
+    held = (ck / "latest").read_text().strip()
+    assert f"the directory holds step {int(held[4:])}; later steps are lost" in lines[0]
     assert not list(ssd.glob("rank-*/tierflow-run-*")), list(ssd.rglob("*"))
     assert (ck / (ck / "latest").read_text().strip() / "manifest.json").is_file()
 
@@ -358,3 +361,190 @@ def test_fuzz_ds_configs_and_fit_csvs(tmp_path, configs, rows):
         f.write_text("\n".join([header, *(",".join(r) for r in body)]) + "\n")
         argvs.append(["fit", str(f), "--no-loo", "--field", "gpu.peak_tflops=1:200"])
     _check(_run_batch(tmp_path, argvs))
+
+
+# ---- the token cache, verified like a checkpoint -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus_tok(tmp_path_factory) -> str:
+    """A small byte-level BPE tokenizer saved as transformers saves one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([Path(json.__file__).read_text()],
+                            trainers.BpeTrainer(vocab_size=250, special_tokens=["<|endoftext|>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    d = tmp_path_factory.mktemp("tok")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(d)
+    return str(d)
+
+
+def _corpus(tmp_path: Path) -> Path:
+    f = tmp_path / "data" / "c.jsonl"
+    f.parent.mkdir()
+    f.write_text("".join(json.dumps({"text": f"x = {i} + {i * 7}"}) + "\n" for i in range(300)))
+    return f
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "garbage"])
+def test_a_damaged_token_cache_is_rebuilt_with_one_line(tmp_path, corpus_tok, damage):
+    from tierflow.executor.corpus import Fields, cache_dir, tokenize
+
+    f = _corpus(tmp_path)
+    said: list[str] = []
+    want, _, _ = tokenize(str(f), corpus_tok, Fields(), 256, say=said.append)
+    want = np.array(want)
+    assert said == []
+    cache = next(cache_dir(str(f)).glob("tokens.*"))
+    size = cache.stat().st_size
+    if damage == "truncate":
+        os.truncate(cache, size // 2)
+    elif damage == "empty":
+        os.truncate(cache, 0)
+    else:
+        cache.write_bytes(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    got, _, _ = tokenize(str(f), corpus_tok, Fields(), 256, say=said.append)
+    assert len(said) == 1 and "does not match its manifest" in said[0] and cache.name in said[0], said
+    assert "tokenizing again" in said[0]
+    assert np.array_equal(np.array(got), want)  # rebuilt whole, not trained on half
+
+
+def test_the_token_cache_goes_where_asked_or_to_the_user_cache(tmp_path, corpus_tok, monkeypatch):
+    from tierflow.executor import corpus
+    from tierflow.executor.corpus import Fields, tokenize
+
+    f = _corpus(tmp_path)
+    said: list[str] = []
+    tokens, _, _ = tokenize(str(f), corpus_tok, Fields(), 256, cache_under=str(tmp_path / "cc"),
+                            say=said.append)
+    placed = list((tmp_path / "cc").iterdir())
+    assert len(placed) == 1 and placed[0].name.startswith("c.jsonl-")
+    assert (placed[0] / "manifest.json").is_file()
+    assert not list(f.parent.glob("*.tierflow-tokens")) and said == []
+    # a data folder that cannot be written: the user's cache directory, said in one line
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(corpus, "_writable", lambda cache: False)
+    again, _, _ = tokenize(str(f), corpus_tok, Fields(), 256, say=said.append)
+    assert np.array_equal(np.array(again), np.array(tokens))
+    user = tmp_path / "xdg" / "tierflow" / "tokens"
+    assert len(said) == 1 and "not writable" in said[0] and str(user) in said[0]
+    assert (next(user.iterdir()) / "manifest.json").is_file()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a folder without write permission")
+def test_a_read_only_data_folder_uses_the_user_cache(tmp_path, corpus_tok, monkeypatch):
+    from tierflow.executor.corpus import Fields, tokenize
+
+    f = _corpus(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    f.parent.chmod(0o555)
+    try:
+        said: list[str] = []
+        tokenize(str(f), corpus_tok, Fields(), 256, say=said.append)
+        assert len(said) == 1 and "not writable" in said[0]
+    finally:
+        f.parent.chmod(0o755)
+
+
+@pytest.mark.parametrize("text", ["{}", '{"version": "1.0", "added_tokens": [], "model": {"type": "Nope"}}',
+                                  "not json", '{"added_tokens": 3}'])
+def test_a_tokenizer_that_is_not_what_it_claims_is_one_line_exit_2(plan_file, tmp_path, capsys, text):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text(text)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "hello"}) + "\n")
+    rc, out, err = run_cli(capsys, "run", str(plan_file), "--device", "cpu", "--steps", "1",
+                           "--data", str(data), "--tokenizer", str(tok))
+    line = one_line(err)
+    assert rc == 2 and f"--tokenizer {tok}: cannot load its tokenizer.json" in line, err
+
+
+# ---- data checked at the door: bounded lines, special files named ------------------------------------------
+
+
+def test_a_jsonl_line_past_the_limit_is_one_line_exit_2(plan_file, tmp_path, capsys, corpus_tok):
+    data = tmp_path / "d.jsonl"
+    long_line = json.dumps({"text": "x" * (2 * 2**20)})  # 2 MiB on one line, under --max-line-mib 1
+    data.write_text(json.dumps({"text": "short"}) + "\n" + long_line + "\n")
+    rc, out, err = run_cli(capsys, "run", str(plan_file), "--device", "cpu", "--steps", "1",
+                           "--data", str(data), "--tokenizer", corpus_tok, "--max-line-mib", "1")
+    line = one_line(err)
+    assert rc == 2 and f"--data {data}: line 2 is longer than --max-line-mib 1 MiB" in line, err
+    # exactly at the limit (its newline past it) is read
+    from tierflow.executor.corpus import _jsonl_rows
+
+    exact = tmp_path / "e.jsonl"
+    exact.write_bytes(b'{"text": "ab"}\n')
+    assert [row for _, row in _jsonl_rows(exact, 14)] == [{"text": "ab"}]
+    with pytest.raises(Exception, match="line 1 is longer"):
+        list(_jsonl_rows(exact, 13))
+
+
+@pytest.mark.parametrize("name", ["d.txt", "d.jsonl"])
+def test_a_fifo_given_to_data_is_named_a_fifo(plan_file, tmp_path, capsys, name):
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    rc, out, err = run_cli(capsys, "run", str(plan_file), "--device", "cpu", "--steps", "1",
+                           "--data", str(fifo), "--tokenizer", str(tmp_path))
+    line = one_line(err)
+    assert rc == 2 and f"--data {fifo}: a FIFO (named pipe), not a regular file" in line, err
+
+
+# ---- output files: a missing directory is named, not built -------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--write-plan", "--emit-ds-config", "--plot"])
+def test_a_missing_directory_of_an_output_file_is_an_error_naming_it(plan_file, tmp_path, capsys, flag):
+    target = tmp_path / "typo" / "deeper" / "out.file"
+    if flag == "--write-plan":
+        argv = ["simulate", *TINY, "--iterations", "1", flag, str(target)]
+    elif flag == "--emit-ds-config":
+        box = [a for a in TINY if a not in ("--schedule", "vertical")]
+        argv = ["plan", *box, "-o", str(tmp_path / "p.json"), flag, str(target)]
+    else:
+        argv = ["compare", str(plan_file), str(tmp_path / "trace.json"), flag, str(target)]
+    rc, out, err = run_cli(capsys, *argv)
+    line = one_line(err)
+    assert rc == 2 and f"{flag} {target}: its directory {target.parent} does not exist" in line, err
+    assert not (tmp_path / "typo").exists()  # nothing built
+
+
+def test_a_gzip_bomb_is_refused_before_it_is_held(tmp_path):
+    """A plan or trace that is small compressed and expands past the limit is refused having held one chunk
+    of its expansion, not the limit's worth."""
+    import gzip
+    import tracemalloc
+
+    from tierflow.hwprofiles.inputs import InputLimitError
+    from tierflow.planner.core.jsonio import _check_expanded_size, read_text
+
+    bomb = tmp_path / "trace.json.gz"
+    data = gzip.compress(b" " * (64 * 2**20))  # 64 MiB of spaces, 64 KiB compressed
+    bomb.write_bytes(data)
+    with pytest.raises(InputLimitError, match="once decompressed"):
+        read_text(bomb, max_bytes=32 * 2**20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(InputLimitError, match="once decompressed"):
+            _check_expanded_size(data, 32 * 2**20)  # read_text's check, before it decompresses to memory
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, peak  # a few chunks, not the 32 MiB the limit allows
+    small = tmp_path / "ok.json.gz"
+    small.write_bytes(gzip.compress(b'{"a": 1}'))
+    assert read_text(small, max_bytes=100) == '{"a": 1}'
+
+
+def test_env_ssd_dir_that_is_a_file_says_so(tmp_path, capsys):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    rc, out, err = run_cli(capsys, "env", "--ssd-dir", str(f))
+    assert rc == 2 and f"--ssd-dir {f}: not a directory (a file)" in one_line(err), err
+    rc, out, err = run_cli(capsys, "env", "--ssd-dir", str(tmp_path / "missing"))
+    assert rc == 2 and "no such directory" in one_line(err), err

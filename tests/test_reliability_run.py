@@ -332,11 +332,92 @@ def test_a_stop_signal_stops_the_workers_and_removes_the_ssd_directory(plans, tm
     p.send_signal(sig)
     out, err = p.communicate(timeout=120)
     assert p.returncode == code, err
-    line = one_line(err)
+    notice, line = err.strip().splitlines()  # the round under way ends, its step is saved, then the stop
+    assert notice.startswith(f"tierflow run: {sig.name}: stopping at the end of this round")
     assert line.startswith(f"tierflow run: interrupted by {sig.name}: workers stopped after ")
-    assert "terminate called" not in err
+    assert "the checkpoint of its last step is saved in" in line
+    assert "terminate called" not in err and "Traceback" not in err
     assert leftovers(tmp_path) == []
     assert (tmp_path / "out" / "steps.csv").is_file()
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_stop_signal_mid_round_saves_the_round_s_last_step(plans, tmp_path, sig, code):
+    """Three steps a round, a checkpoint interval far beyond them: the signal after the first step line lets
+    the round end, saves its last step (not a multiple of the interval), and stops with the signal's code."""
+    ck = tmp_path / "ck"
+    p, seen = start_run(plans["three"], tmp_path, "--checkpoint-dir", str(ck), "--checkpoint-every", "1000")
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == code, err
+    done = [x for x in seen + out.splitlines() if x.startswith("step")]
+    latest = (ck / "latest").read_text().strip()
+    assert latest == f"step{len(done):08d}" and len(done) % 3 == 0, (latest, done)
+    assert read_manifest(ck / latest)["step"] == len(done)
+    assert f"saved in {ck / latest}" in err.strip().splitlines()[-1]
+    assert leftovers(tmp_path) == []
+
+
+def test_a_second_stop_signal_stops_at_once(monkeypatch):
+    """Under deferred_stop the first signal is noted (the round goes on), the second raises Interrupted; with
+    stop_at_once (a rank died) the first raises."""
+    from tierflow.executor import signals
+
+    with signals.StopOnSignals():
+        with signals.deferred_stop():
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert signals.pending_signal() == signal.SIGTERM
+            with pytest.raises(signals.Interrupted) as e:
+                os.kill(os.getpid(), signal.SIGINT)
+                signal.sigtimedwait([], 0.01)  # the handler runs here at the latest
+            assert e.value.exit_code == 143  # the first signal's code
+            os.kill(os.getpid(), signal.SIGINT)  # once stopping, further signals are ignored
+            assert signals.pending_signal() is None
+    with signals.StopOnSignals():
+        with signals.deferred_stop(stop_at_once=lambda: True):
+            with pytest.raises(signals.Interrupted):
+                os.kill(os.getpid(), signal.SIGTERM)
+                signal.sigtimedwait([], 0.01)
+    with signals.StopOnSignals():  # outside deferred_stop: the first signal raises
+        with pytest.raises(signals.Interrupted):
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.sigtimedwait([], 0.01)
+
+
+@pytest.mark.parametrize("steps,every", [("4", None), ("7", "5"), ("2", "100")])
+def test_every_run_with_a_checkpoint_dir_saves_its_last_step(plans, tmp_path, capsys, steps, every):
+    """Three steps a round: --steps 4 (not a multiple of the round), 7 with an interval of 5, 2 with an
+    interval beyond --steps: each ends with the checkpoint of its last step, optimizer state included, and
+    says where."""
+    ck = tmp_path / "ck"
+    flags = ["--checkpoint-every", every] if every else []
+    rc, out, err = tierflow_run(capsys, plans["three"], tmp_path, "--steps", steps,
+                                "--checkpoint-dir", str(ck), *flags)
+    assert rc == 0, err
+    latest = ck / (ck / "latest").read_text().strip()
+    assert latest.name == f"step{int(steps):08d}" and read_manifest(latest)["step"] == int(steps)
+    from safetensors.torch import load_file
+
+    first = latest / sorted(read_manifest(latest)["files"])[0]
+    assert {"adam_m", "adam_v"} <= set(load_file(first))  # the optimizer state too, not only the weights
+    assert f"checkpoint {latest} (the last step)" in out
+
+
+def test_the_last_step_s_checkpoint_resumes_like_an_uninterrupted_run(plans, tmp_path, capsys):
+    """4 steps saved at step 4 (a round is 3), then resumed to 6: the losses of steps 5 and 6 are those of
+    one 6-step run."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    rc, out, err = tierflow_run(capsys, plans["three"], tmp_path / "a", "--steps", "6", "--json")
+    assert rc == 0, err
+    want = [s["loss"] for s in json.loads(out)["steps"]][4:]
+    ck = tmp_path / "ck"
+    for steps in ("4", "6"):
+        rc, out, err = tierflow_run(capsys, plans["three"], tmp_path / "b", "--steps", steps, "--json",
+                                    "--checkpoint-dir", str(ck), "--checkpoint-every", "100")
+        assert rc == 0, err
+    got = json.loads(out)
+    assert got["first_step"] == 4 and [s["loss"] for s in got["steps"]] == want
 
 
 def test_a_killed_runs_ssd_directory_is_removed_by_the_next_run(plans, tmp_path, capsys):

@@ -97,8 +97,10 @@ def check_output_dir(path: str | os.PathLike[str], flag: str, *, overwrite: bool
 
 
 def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
-    """`path` can take an output file: not a directory nor a special file, and its directory exists (or could
-    be created) and is writable. An existing regular file is replaced when written. Raises OutputError."""
+    """`path` can take an output file: not a directory nor a special file, and its directory exists and is
+    writable (a missing directory is an error naming it: a mistyped path must not build a directory tree;
+    directories are created only where a flag asks for a directory, check_output_dir). An existing regular
+    file is replaced when written. Raises OutputError."""
     p = Path(path)
     fix = "give a file name in a writable directory"
     try:
@@ -113,6 +115,10 @@ def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
         raise _fail(flag, p, "is a directory", f"give a file name, e.g. {p / 'out.json'}")
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise _fail(flag, p, "is not a regular file (a device, FIFO or socket)", fix)
+    parent = p.absolute().parent
+    if not parent.exists() and _nearest_existing(parent).is_dir():
+        raise _fail(flag, p, f"its directory {parent} does not exist",
+                    "create it first (mkdir -p), or give a file name in an existing directory")
     _check_parent(flag, p, fix)
     return p
 

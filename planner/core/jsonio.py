@@ -62,6 +62,7 @@ def read_text(path: str | os.PathLike[str], max_bytes: int | None = None) -> str
         else:  # read once (a pipe can be), bounded, then decompressed in memory, bounded
             data = read_limited_bytes(path, max_bytes)
             if data[:2] == GZIP_MAGIC:
+                _check_expanded_size(data, max_bytes)  # a gzip bomb is refused before it is held
                 with gzip.open(io.BytesIO(data), "rt", encoding="utf-8") as f:
                     text = f.read(max_bytes + 1)
             else:
@@ -73,6 +74,20 @@ def read_text(path: str | os.PathLike[str], max_bytes: int | None = None) -> str
     if max_bytes is not None and len(text) > max_bytes:
         raise InputLimitError(f"holds more than {max_bytes:,} characters once decompressed (the limit)")
     return text
+
+
+EXPAND_CHUNK_BYTES = 1 << 20
+
+
+def _check_expanded_size(data: bytes, max_bytes: int) -> None:
+    """InputLimitError if gzip `data` expands to more than `max_bytes`: decompressed a chunk at a time and
+    counted, holding one chunk, so that what the limit refuses never reaches memory."""
+    n = 0
+    with gzip.open(io.BytesIO(data), "rb") as f:
+        while chunk := f.read(EXPAND_CHUNK_BYTES):
+            n += len(chunk)
+            if n > max_bytes:
+                raise InputLimitError(f"holds more than {max_bytes:,} bytes once decompressed (the limit)")
 
 
 def write_text(path: str | os.PathLike[str], text: str) -> None:

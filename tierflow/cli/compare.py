@@ -23,9 +23,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tierflow.outputs import check_output_file
     from tierflow.planner.io.compare import compare, format_comparison, plot_comparison
     from tierflow.planner.io.planfile import load_plan
 
+    if args.plot:
+        check_output_file(args.plot, "--plot")  # before the comparison (tierflow.outputs)
     c = compare(load_plan(args.plan), args.trace)
     if args.plot:
         plot_comparison(c, args.plot)

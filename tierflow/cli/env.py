@@ -27,9 +27,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from tierflow.executor.env import collect, format_report
 
-    if not Path(args.ssd_dir).is_dir():
-        raise UsageError(f"--ssd-dir {args.ssd_dir}: no such directory (give an existing directory on the "
-                         "SSD to probe, or leave it out for the current one)")
+    d = Path(args.ssd_dir)
+    if not d.is_dir():
+        what = "not a directory (a file)" if d.exists() else "no such directory"
+        raise UsageError(f"--ssd-dir {args.ssd_dir}: {what} (give an existing directory on the SSD to probe, "
+                         "or leave it out for the current one)")
     report = collect(args.ssd_dir)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))

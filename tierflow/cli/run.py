@@ -160,6 +160,12 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-field", default=None, metavar="NAME",
                    help="with --response-field: train on prompt + response, the loss masked on the prompt")
     p.add_argument("--response-field", default=None, metavar="NAME", help="see --prompt-field")
+    p.add_argument("--max-line-mib", type=positive_float(2**20), default=64, metavar="MIB",
+                   help="the longest JSON Lines line of --data read, in MiB (default 64): a longer one is "
+                   "refused in one line, so memory stays bounded whatever the file")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="keep --data's token cache under DIR (default: beside the data, or the user's cache "
+                   "directory when the data's folder is not writable)")
 
 
 def _fraction(text: str) -> float:
