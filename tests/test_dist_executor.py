@@ -106,7 +106,10 @@ def test_two_ranks_in_bf16_train_like_one_rank(two_ranks, tmp_path):
     want = run_plan(make_plan("tiny-gpt", family, placement, gpus=1),
                     RunOptions(steps=steps, ssd_dir=str(ssd), quiet=True, collect_final=True, hyper=HYPER,
                                device=device, compute_dtype="bf16"))
-    assert got["losses"][0] == want.losses[0]  # the same bf16 weights and data: the same first loss
+    # the same bf16 weights and data: the same first loss but for the order two ranks sum it in (4.3e-8
+    # relative in a fresh environment on 2026-11-28, at the landed code of the day before too; another init or
+    # batch would differ in the first digits)
+    assert got["losses"][0] == pytest.approx(want.losses[0], rel=1e-6)
     for a, b in zip(got["losses"], want.losses):
         assert abs(a - b) <= 1e-4 * abs(b)  # measured 2.2e-5
     for b, (a, w) in enumerate(zip(got["final"], want.final_master)):
