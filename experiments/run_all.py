@@ -2,7 +2,8 @@
 
 Runs fuyou_lohan, greedysnake_a100, gemini_capacity, own_plans, what_if, multi_gpu, race_deepspeed (only where
 DeepSpeed is importable: the race against ZeRO-Infinity on this machine), adapt, bench_store (the SSD store
-against fio and DeepSpeed's aio_handle on this disk) and fidelity (last: predicted against
+against fio and DeepSpeed's aio_handle on this disk), bench_dispatch (the executor's host cost per op, its
+parts and its model) and fidelity (last: predicted against
 published for every headline and LoHan's SSD sweep) in this process (each writes its CSV and PNG under the
 output folder and prints its own tables), then writes summary.csv and summary.md there
 with every headline number, the paper's value, the ratio and the note explaining any difference over 15%.
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import adapt
+import bench_dispatch
 import bench_store
 import fidelity
 import fuyou_lohan
@@ -51,6 +53,8 @@ STUDIES = {
     "adapt": adapt,  # plan on a wrong profile, run --adapt on this CPU, against the calibrated profile's plan
     # the SSD tier's store against fio and DeepSpeed's aio_handle on the disk that holds the checkout
     "bench_store": bench_store,
+    # the executor's host cost per op and its parts on a plan of tiny ops, against plain PyTorch and the model
+    "bench_dispatch": bench_dispatch,
     "fidelity": fidelity,  # last: it compares every earlier study's headline numbers with the papers'
 }
 

@@ -147,6 +147,15 @@ class CpuSpec:
     # DeepSpeedCPUAdam's update rate alone (1e9 parameters per second, `tierflow calibrate` where DeepSpeed is
     # installed), beside torch's AdamW in adam_gparams_per_s; None: not measured
     deepspeed_adam_gparams_per_s: float | None = None
+    # the executor's own host cost per op (its worker's hand-off, events and stream waits, trace recording,
+    # and its handlers' Python beyond what plain PyTorch does for the same math), paid by the worker of the
+    # op's resource: added to every op of a plan, on every resource, before its work (`tierflow calibrate`:
+    # executor/calibration/dispatch.py). None: not modelled (0)
+    executor_op_us: float | None = None
+
+    @property
+    def executor_op_s(self) -> float:
+        return (self.executor_op_us or 0.0) * 1e-6
 
     @property
     def sustained_memory_bps(self) -> float:
@@ -438,6 +447,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "copy_slowdown_beside_compute": _optional(1, True, 100, "x copy time beside compute", 1e-3),
         "ssd_slowdown_beside_compute": _optional(1, True, 100, "x SSD op time beside compute", 1e-3),
         "deepspeed_adam_gparams_per_s": _optional(0, False, 100, "billion parameters/s", 1e-5),
+        "executor_op_us": _optional(0, True, 1e6, "microseconds per op", 1e-3),
     },
     "ssd": {
         "count": _Rule("int", 0, True, 64, "drives"),
@@ -484,7 +494,7 @@ _SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency
                         "host_path_gbps")
 _OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op",
                      "copy_slowdown_beside_compute", "ssd_slowdown_beside_compute",
-                     "deepspeed_adam_gparams_per_s"),
+                     "deepspeed_adam_gparams_per_s", "executor_op_us"),
              "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps", "fp32_tflops",
                      "tf32_tflops"),
              "pcie": ("latency_us",),

@@ -50,7 +50,8 @@ def measurement_plan(device: str, sizes: Sizes = FULL, ssd: bool = False) -> lis
     if device == "cpu":
         if ssd:
             steps += ["SSD through the executor's store"]
-        steps += ["compute beside the host's I/O threads", "the executor's fixed cost per op (a tiny plan)"]
+        steps += ["compute beside the host's I/O threads"]
+    steps += ["the executor's fixed cost per op (a tiny plan)"]
     return steps
 
 
@@ -94,7 +95,14 @@ def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | Non
         progress.step("compute beside the host's I/O threads")
         m["interference"] = measure_io_interference(ssd_dir, seconds=min(0.4, sizes.ssd_mixed_s),
                                                      copy_bytes=min(64 * MIB, sizes.pcie_bytes))
-        progress.step("the executor's fixed cost per op (a tiny plan)")
+    progress.step("the executor's fixed cost per op (a tiny plan)")
+    if device == "cpu":
         m["executor"] = measure_executor_costs(build_profile(m).profile, device, ssd_dir)
+    elif gpu:  # on CUDA too: a failure leaves the fields null with the reason in the notes
+        try:
+            m["executor"] = measure_executor_costs(build_profile(m).profile, device, ssd_dir)
+        except Exception as e:  # noqa: BLE001 - any failure of the tiny run: reported, not fatal
+            m["errors"].append(f"the executor's fixed cost per op: {type(e).__name__}: "
+                               f"{' '.join(str(e).split())[:200]}")
     progress.clear()
     return m
