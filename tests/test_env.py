@@ -141,4 +141,5 @@ def test_measurement_plan_is_what_calibrate_measures(tmp_path):
     assert no_ssd[-3].startswith("CPU AdamW") and no_ssd[-2].startswith("compute beside the host's I/O")
     assert no_ssd[-1].startswith("the executor's fixed cost")
     assert not any("SSD" in step for step in no_ssd)
-    assert len(cal.measurement_plan("cuda", sizes, ssd=True)) == 7 + 2 + 3
+    cuda = cal.measurement_plan("cuda", sizes, ssd=True)
+    assert len(cuda) == 7 + 2 + 3 + 1 and cuda[-1].startswith("the executor's fixed cost")  # on CUDA too
