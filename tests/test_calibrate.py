@@ -265,6 +265,36 @@ def test_executor_costs_run_the_cuda_code_path_on_its_emulation():
     assert parts["events"] > 0 and parts["handler"] > 0  # streams: the engine records and waits on events
 
 
+def test_on_cuda_each_executor_measurement_fails_on_its_own(monkeypatch):
+    """calibrate on a CUDA GPU (faked here: the GPU's own measurements stubbed, the executor's own cost per op
+    measured on the emulation of CUDA): a tiny run that fails leaves its fields null with the reason in the
+    notes, and the other's fields are still measured."""
+    from tierflow.executor.calibration import measurements as cal_measure
+    from tierflow.executor.calibration.common import Sizes
+    from tierflow.executor.device.base import PageableCopyError
+
+    gpu = fake_measurements()["gpu"]
+    monkeypatch.setattr(cal_measure, "measure_gpu", lambda sizes, progress, errors: (dict(gpu), None))
+
+    def fails(*args, **kwargs):
+        raise PageableCopyError("copy_async with pageable host memory")
+
+    monkeypatch.setattr(cal_measure, "measure_executor_costs", fails)
+    monkeypatch.setattr(cal_measure, "measure_executor_dispatch",
+                        lambda device: cal_executor.measure_executor_dispatch("cpu-adversarial", rounds=1))
+    mib = 2**20
+    sizes = Sizes(dram_bytes=8 * mib, adam_params=100_000, adam_steps=1, ssd_file_bytes=2 * mib,
+                  ssd_block_bytes=mib, ssd_min_s=0.0, ssd_mixed_s=0.1, gpu_target_s=0.002, hbm_bytes=8 * mib,
+                  pcie_bytes=8 * mib)
+    m = cal_measure.run_measurements(sizes, None, gpu=True, device="cuda")
+    assert m["executor"]["executor_op_us"] >= 0 and "op_overhead_us" not in m["executor"]
+    assert any("fixed cost per op: PageableCopyError" in e for e in m["errors"])
+    c = cal_profile.build_profile(m)
+    assert c.profile.cpu.executor_op_us == pytest.approx(m["executor"]["executor_op_us"], rel=1e-3)
+    assert c.profile.gpu.op_overhead_us is None
+    assert any("PageableCopyError" in n for n in c.notes)
+
+
 def test_cli_set_is_parsed_and_checked():
     assert parse_sets(["gpu.memory_gib=2", "ssd.array_read_gbps=null", "cpu.model=x"]) == {
         "gpu.memory_gib": 2, "ssd.array_read_gbps": None, "cpu.model": "x"}

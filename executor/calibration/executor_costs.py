@@ -161,10 +161,11 @@ def measure_executor_costs(profile: HardwareProfile, device: str, ssd_dir: str |
     op of the second round its measured duration less the cost model's time for its work (`profile`, which has
     no fixed costs yet), plus the hand-off delay (its start less the later of its dependencies' ends and its
     queue predecessor's end): the median per resource, in microseconds; and the executor's own part of it,
-    the same on every resource (`measure_executor_dispatch`). On any device (`cuda`: the ops' spans from CUDA
-    events, the hand-offs from host clocks; `cpu-adversarial`, the emulation of CUDA, runs the same code on
-    a CPU). What `cpu.executor_op_us` adds to every op of a plan, and `gpu.op_overhead_us`,
-    `pcie.latency_us` and `ssd.latency_us` (each the rest of its resource's fixed cost) to its ops."""
+    the same on every resource (`measure_executor_dispatch`, unless `dispatch_rounds` is 0). On any device
+    (`cuda`: the ops' spans from CUDA events, the hand-offs from host clocks; `cpu-adversarial`, the emulation
+    of CUDA, runs the same code on a CPU). What `cpu.executor_op_us` adds to every op of a plan, and
+    `gpu.op_overhead_us`, `pcie.latency_us` and `ssd.latency_us` (each the rest of its resource's fixed cost)
+    to its ops."""
     import statistics
     import tempfile
     from dataclasses import replace
@@ -215,7 +216,8 @@ def measure_executor_costs(profile: HardwareProfile, device: str, ssd_dir: str |
     out = {"op_overhead_us": med_us("gpu"), "pcie_latency_us": med_us("h2d", "d2h"),
            "ssd_latency_us": med_us("ssd_read", "ssd_write"), "cpu_op_us": med_us("cpu"),
            "ops": {r: len(v) for r, v in fixed.items()}}
-    out.update(measure_executor_dispatch(device, rounds=dispatch_rounds))
+    if dispatch_rounds > 0:
+        out.update(measure_executor_dispatch(device, rounds=dispatch_rounds))
     return out
 
 
