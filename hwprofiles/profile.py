@@ -147,9 +147,9 @@ class CpuSpec:
     # DeepSpeedCPUAdam's update rate alone (1e9 parameters per second, `tierflow calibrate` where DeepSpeed is
     # installed), beside torch's AdamW in adam_gparams_per_s; None: not measured
     deepspeed_adam_gparams_per_s: float | None = None
-    # the executor's own host cost per op (its worker's hand-off, events and stream waits, trace recording,
-    # and its handlers' Python beyond what plain PyTorch does for the same math), paid by the worker of the
-    # op's resource: added to every op of a plan, on every resource, before its work (`tierflow calibrate`:
+    # the executor's engine's own host cost per op (its workers' hand-offs, event records and stream waits,
+    # stream launches, trace recording, its loop: not the op's handler), paid by the worker of the op's
+    # resource: added to every op of a plan, on every resource, before its work (`tierflow calibrate`:
     # executor/calibration/dispatch.py). None: not modelled (0)
     executor_op_us: float | None = None
 

@@ -17,8 +17,9 @@ around its own steps (each clock is a few hundred nanoseconds, counted in the pa
 
 and plain PyTorch (executor.models.BlockModel, torch.optim.AdamW, the same micro-batches) gives the step the
 same math costs without the executor. `measure_dispatch` returns the mean of each part per op in
-microseconds, the executor's and plain PyTorch's step, and `executor_op_us`: (executor step - plain step) /
-ops per step, the executor's own cost per op that a profile's `cpu.executor_op_us` charges to every op.
+microseconds, the executor's and plain PyTorch's step, `executor_op_us`: (executor step - plain step) / ops
+per step (in wall and in CPU time), and `engine_op_us`, the parts but the handler: the engine's own cost on
+every op, which a profile's `cpu.executor_op_us` charges to every op.
 """
 
 from __future__ import annotations
@@ -183,6 +184,14 @@ class DispatchResult:
     @property
     def executor_op_cpu_us(self) -> float:
         return max(0.0, (self.executor_cpu_s - self.plain_cpu_s) / self.ops_per_step * 1e6)
+
+    @property
+    def engine_op_us(self) -> float:
+        """The engine's own cost per op, the same for every op whatever its handler: its parts but the
+        handler (hand-off, events, launch, trace, loop). What cpu.executor_op_us charges to every op; the
+        handlers' cost beyond plain PyTorch stays with their ops' fixed costs (gpu.op_overhead_us for a
+        compute op)."""
+        return sum(v for k, v in self.parts_us.items() if k != "handler")
 
 
 PLACEMENTS = ("on_device", "checkpoints_host")

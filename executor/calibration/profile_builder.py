@@ -250,17 +250,19 @@ _FIXED_COSTS = {"gpu.op_overhead_us": ("op_overhead_us", "compute ops", "the cos
 
 
 def _put_executor_costs(b: _Builder) -> None:
-    """The executor's fixed costs per op (any device): its own dispatch on every op (cpu.executor_op_us),
-    and per resource the rest of what its ops measured beyond their work (gpu.op_overhead_us: the framework's
-    dispatch and kernel launches of a compute op; the links' latencies), so that an op is charged what it
-    measured once."""
+    """The executor's fixed costs per op (any device): its engine's own cost on every op
+    (cpu.executor_op_us), and per resource the rest of what its ops measured beyond their work
+    (gpu.op_overhead_us: the handlers' Python, the framework's dispatch and the kernel launches of a compute
+    op; the links' latencies), so that an op is charged what it measured once."""
     ex = b.m.get("executor") or {}
     own = ex.get("executor_op_us")
     if own is not None:
         parts = ", ".join(f"{k} {v:.3g}" for k, v in (ex.get("dispatch_parts_us") or {}).items())
+        step = ex.get("step_op_us")
         b.put("cpu.executor_op_us", own, "measured",
-              "the executor's step less plain PyTorch's on a plan of tiny ops, per op"
-              + (f" (its parts, us per op: {parts})" if parts else ""))
+              "the engine's own parts per op on a plan of tiny ops (hand-off, events, launch, trace, loop"
+              + (f"; us per op: {parts}" if parts else "") + ")"
+              + (f"; its whole step less plain PyTorch's: {step:.3g} us per op" if step is not None else ""))
     for key, (mkey, ops, work) in _FIXED_COSTS.items():
         if ex.get(mkey) is None or (key.startswith("ssd.") and b.data["ssd"].get("count", 0) == 0):
             continue

@@ -17,9 +17,9 @@
   its kernels do not hide: dispatch, autograd, launches, the executor's hand-off); every transfer op adds
   pcie.latency_us and every SSD op ssd.latency_us before its bytes move (`Rates.latency_s`; the simulator runs
   that fixed part first, outside the shared link, then the bytes); every op on every resource adds
-  cpu.executor_op_us, the executor's own dispatch (hand-off, events, trace, its handlers' Python), paid by
-  the worker of the op's resource the same way (gpu.op_overhead_us is then the framework's dispatch and
-  kernel launches of a compute op, which plain PyTorch pays too).
+  cpu.executor_op_us, the executor's engine's own cost per op (hand-off between its workers, events and
+  stream waits, launch, trace), paid by the worker of the op's resource the same way (gpu.op_overhead_us is
+  then the rest of a compute op's: its handler's Python, the framework's dispatch and the kernel launches).
 - Host memory: every host-side transfer (PCIe DMA either way, SSD DMA either way) moves its bytes through DRAM
   once, and CPU Adam moves CPU_ADAM_DRAM_BYTES_PER_PARAM per parameter; when together they ask for more than
   the box sustains (cpu.memory_gbps x cpu.memory_efficiency), the simulator slows all of them in proportion (a
