@@ -262,8 +262,10 @@ def test_executor_costs_run_the_cuda_code_path_on_its_emulation():
     assert costs["dispatch_ops_per_step"] > 0 and costs["step_op_us"] >= 0
     parts = costs["dispatch_parts_us"]
     assert set(parts) == {"handoff", "events", "launch", "trace", "handler", "loop"}
-    # the engine's own cost: its parts but the handler's (which stays with the ops' fixed costs)
-    assert costs["executor_op_us"] == pytest.approx(sum(v for k, v in parts.items() if k != "handler"))
+    # the engine's own cost: its parts but the handler's (which stays with the ops' fixed costs), at most the
+    # whole step's difference per op
+    engine = sum(v for k, v in parts.items() if k != "handler")
+    assert costs["executor_op_us"] == pytest.approx(min(engine, costs["step_op_us"]))
     assert parts["events"] > 0 and parts["handler"] > 0  # streams: the engine records and waits on events
 
 
