@@ -50,17 +50,10 @@ def adamw_update(cx: OpContext, rs: RoundState, t: Task, tensors: list[list[torc
     pieces with decay[i] False without weight decay; the gradients are clipped first when the run clips."""
     h = cx.hyper
     params, grads, ms, vs = tensors
-    norms = norms_of(h)
-    if norms is not None:
-        coef = None
-        if norms.max_norm > 0 and norms.mode == "global":
-            coef = _global_coef(cx, rs, t, step, norms, grads)
-        elif norms.max_norm > 0:
-            coef = norms.delayed_coef(step)
-        norms.observe(step, grads)
-        if coef is not None:  # as clip_grad_norm_: always multiplied, a factor of 1 included
-            torch._foreach_mul_(grads, coef.to(grads[0].device) if isinstance(coef, torch.Tensor) else coef)
-    lr = h.lr_at(step) if isinstance(h, TrainHyper) else h.lr
+    coef = clip_prelude(cx, rs, t, step, grads)
+    if coef is not None:  # as clip_grad_norm_: always multiplied, a factor of 1 included
+        torch._foreach_mul_(grads, coef_on(coef, grads[0].device))
+    lr = lr_of(h, step)
     flags = decay if decay is not None else [True] * len(params)
     for on in (True, False):
         idx = [i for i, f in enumerate(flags) if f == on]
@@ -72,6 +65,41 @@ def adamw_update(cx: OpContext, rs: RoundState, t: Task, tensors: list[list[torc
         adamw_step(*pick, [], steps, foreach=False if fused else None, fused=fused, amsgrad=False,
                    beta1=h.beta1, beta2=h.beta2, lr=lr, weight_decay=h.weight_decay if on else 0.0, eps=h.eps,
                    maximize=False)
+
+
+def lr_of(h: Hyper, step: int) -> float:
+    """The learning rate of `step` (1-based): the schedule's for a TrainHyper."""
+    return h.lr_at(step) if isinstance(h, TrainHyper) else h.lr
+
+
+def clip_prelude(cx: OpContext, rs: RoundState, t: Task, step: int,
+                 grads: list[torch.Tensor]) -> torch.Tensor | float | None:
+    """What an optimizer op of `step` does before its update: adds the squares of its (unclipped) gradients
+    to the step's norm, and returns the factor its gradients are to be multiplied by (None: no clipping)."""
+    norms = norms_of(cx.hyper)
+    if norms is None:
+        return None
+    coef = None
+    if norms.max_norm > 0 and norms.mode == "global":
+        coef = _global_coef(cx, rs, t, step, norms, grads)
+    elif norms.max_norm > 0:
+        coef = norms.delayed_coef(step)
+    norms.observe(step, grads)
+    return coef
+
+
+def coef_on(coef: torch.Tensor | float, device: torch.device) -> torch.Tensor | float:
+    return coef.to(device) if isinstance(coef, torch.Tensor) else coef
+
+
+def fused_adamw_(h: Hyper, params: list[torch.Tensor], grads: list[torch.Tensor], ms: list[torch.Tensor],
+                 vs: list[torch.Tensor], step: torch.Tensor, lr: float, decayed: bool) -> None:
+    """torch's fused AdamW kernel on host tensors with the step count `step` (a 0-d float32 tensor, already
+    the step's number, 1-based): the call torch.optim.adamw's fused path makes (after adding 1 to the step
+    count), without its grouping of the tensors by device and dtype."""
+    torch._fused_adamw_(params, grads, ms, vs, [], [step] * len(params), lr=lr, beta1=h.beta1, beta2=h.beta2,
+                        weight_decay=h.weight_decay if decayed else 0.0, eps=h.eps, amsgrad=False,
+                        maximize=False)
 
 
 def _global_coef(cx: OpContext, rs: RoundState, t: Task, step: int, norms: GradNorms,

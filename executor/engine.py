@@ -31,10 +31,11 @@ import numpy as np
 import torch
 
 from tierflow.errors import DoesNotFit, TierflowError
-from tierflow.executor.binding import Binding, ExecutionError
+from tierflow.executor.binding import OPTIMIZER_PART, Binding, ExecutionError
 from tierflow.executor.data import TokenData
 from tierflow.executor.device.base import DeviceBackend, RoundAborted, TierOutOfMemory
 from tierflow.executor.device.factory import as_backend
+from tierflow.executor.host_threads import apply_in_this_thread, optimizer_threads, restore
 from tierflow.executor.ops.context import STREAM_RESOURCES, Hyper, OpContext, RoundState
 from tierflow.executor.ops.grads import HostGradAdds
 from tierflow.executor.ops.table import Ops
@@ -111,6 +112,11 @@ class Executor:
         self.arena = TransferArena(self.backend, area_bytes, warn=lambda msg: print(msg, file=sys.stderr))
         self.backend.arena = self.arena
         self.ops = Ops(OpContext(self.binding, state, self.device, hyper, ssd, self.backend, self.arena))
+        # the host optimizer's intra-op threads (its worker's own setting): one fewer than torch's on CUDA, so
+        # that the thread launching GPU work keeps a core (host_threads.py); None: torch's setting
+        self.threads = torch.get_num_threads()
+        self.optimizer_threads = optimizer_threads(self.device.type, any(t.kind in OPTIMIZER_PART
+                                                                         for t in self.tasks), self.threads)
 
     # -- running a round -------------------------------------------------------------------------------------
 
@@ -151,6 +157,8 @@ class Executor:
             finally:
                 if rs.streams is not None:
                     self.backend.close_streams(rs.streams.values())
+                if self.optimizer_threads is not None:
+                    restore(self.threads)  # the process-wide value the cpu worker changed
         wall_s = time.perf_counter() - rs.t0_s
         if rs.errors:
             raise rs.errors[0]
@@ -162,7 +170,8 @@ class Executor:
         losses = [float(v) for v in rs.loss_sum]
         return RoundResult(iterations, losses, rs.start_s.copy(), rs.end_s.copy(),
                            {t: rs.peak_bytes[i] for i, t in enumerate(TIERS)}, list(rs.mem_trace), wall_s,
-                           extra={"leftover_entries": leftover, "device_memory": self.backend.memory_stats()})
+                           extra={"leftover_entries": leftover, "device_memory": self.backend.memory_stats(),
+                                  "optimizer_threads": self.optimizer_threads})
 
     @staticmethod
     def _join(rs: RoundState, threads: list[threading.Thread], collective: list[threading.Thread],
@@ -266,6 +275,8 @@ class Executor:
 
     def _worker(self, rs: RoundState, resource: str, queue: list[int]) -> None:
         self.backend.thread_init()
+        if resource == "cpu":
+            apply_in_this_thread(self.optimizer_threads)
         has_stream = rs.streams is not None and resource in self.stream_resources
         stream = rs.streams[resource] if has_stream else None
         # chosen once: no cost when not profiling

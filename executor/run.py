@@ -169,6 +169,8 @@ class RunResult:
     final_adam_m: list[torch.Tensor] | None = None  # with collect_final: Adam's first moments (whole blocks)
     checkpoint: Path | None = None  # the last checkpoint written or resumed from
     ssd_cpu_s: float = 0.0  # CPU seconds of the SSD tier's requests and checksums (SsdStore.cpu_s)
+    # the host optimizer ops' intra-op threads (executor/host_threads.py); None: torch's setting, unchanged
+    optimizer_threads: int | None = None
 
     @property
     def losses(self) -> list[float]:
@@ -235,6 +237,18 @@ def _ssd_need_bytes(plan: Plan, state: TrainState) -> float:
     scale = (torch.empty(0, dtype=state.compute_dtype).element_size()
              / precision_of(plan.model).compute_bytes)
     return static + dynamic * scale * 1.1 + (1 << 20)
+
+
+def check_in_place(plan: Plan, dtype: torch.dtype, device: str) -> None:
+    """A plan in an in-place precision (workload.Precision.in_place) counts no fp32 master beside weights that
+    lie with the optimizer on the GPU. The executor matches it when it computes in fp32: the compute weights
+    and the master are then one tensor (TrainState.weights_alias_master), and an offloaded optimizer keeps
+    its master on the host as the plan counts. In 16-bit compute it keeps a master the plan does not count."""
+    pr = precision_of(plan.model)
+    if pr.in_place and dtype != torch.float32:
+        raise RunError(f"{plan.source}: precision {pr.name}: on {device} the executor computes in bf16 and "
+                       "keeps an fp32 master the plan does not count (it does not yet compute in the plan's "
+                       "fp32 on CUDA); run it with --device cpu, or plan with --precision fp32")
 
 
 def check_hyper(h: Hyper) -> None:
@@ -308,6 +322,7 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
     dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
     if opts.compute_dtype is not None:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[opts.compute_dtype]
+    check_in_place(plan, dtype, backend.device.type)
     probe = TrainState(plan.model, cfg.placement, cfg.alpha, backend, dtype, None, world)
     need_ssd = _ssd_need_bytes(plan, probe)
     uses_ssd = need_ssd > (1 << 20) or any(t.resource in ("ssd_read", "ssd_write") for t in plan.graph.tasks)
@@ -387,6 +402,7 @@ class _Training:
     best_iters: int = 0
     val: TokenData | None = None  # held-out tokens (--val-fraction, --val-data)
     tb: TbLog | None = None  # --log-dir
+    optimizer_threads: int | None = None  # the Executor's choice (host_threads.py)
 
     @property
     def quiet(self) -> bool:
@@ -401,7 +417,7 @@ class _Training:
         return RunResult(self.plan, self.start_step, self.records, self.state, self.measured,
                          ssd.bytes_read if ssd else 0, ssd.bytes_written if ssd else 0,
                          ssd.direct if ssd else None, checkpoint=self.last_ckpt,
-                         ssd_cpu_s=ssd.cpu_s if ssd else 0.0)
+                         ssd_cpu_s=ssd.cpu_s if ssd else 0.0, optimizer_threads=self.optimizer_threads)
 
 
 def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dtype, ssd: SsdStore | None,
@@ -422,8 +438,12 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
         tr.tb = TbLog(opts.log_dir)
     where = _start_state(tr, warn)
     ex = Executor(plan, state, data, backend, opts.hyper, ssd, profile=opts.profile)
+    tr.optimizer_threads = ex.optimizer_threads
     if not tr.quiet:
         _log_start(tr, dtype, where, data)
+        if ex.optimizer_threads is not None:
+            log(f"  host optimizer on {ex.optimizer_threads} of {ex.threads} threads: the thread launching "
+                "GPU work keeps a core")
     try:
         _run_rounds(tr, ex)
     finally:
@@ -986,6 +1006,7 @@ def _cmd_run_here(args: argparse.Namespace) -> int:
                                "steps": [asdict(r) for r in res.records], "wall_s": time.perf_counter() - t0,
                                "ssd_bytes_read": res.ssd_bytes_read,
                                "ssd_bytes_written": res.ssd_bytes_written, "o_direct": res.o_direct,
+                               "optimizer_threads": res.optimizer_threads,
                                "checkpoint": str(res.checkpoint) if res.checkpoint is not None else None}
         if stopped is not None:
             out["stopped"] = {"exit_code": stopped.exit_code, "reason": str(stopped)}

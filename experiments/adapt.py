@@ -43,6 +43,7 @@ from expcommon import (
     new_figure,
     print_table,
     save_figure,
+    script_main,
     write_csv,
     write_generated_block,
 )
@@ -307,4 +308,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

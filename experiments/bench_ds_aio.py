@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from expcommon import script_main
+
 BLOCKS = (128 * 1024, 512 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 DEPTHS = (1, 2, 8, 32)
 FIT_DEPTHS = (1, 32)  # fitted; the others are held out
@@ -127,4 +129,4 @@ def report_fit(points: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))

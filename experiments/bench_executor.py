@@ -52,6 +52,7 @@ from expcommon import (
     arg_parser,
     markdown_table,
     print_table,
+    script_main,
     write_csv,
     write_generated_block,
 )
@@ -627,4 +628,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from expcommon import script_main
+
 from tierflow.api import resolve
 from tierflow.planner.search.loads import iteration_loads
 from tierflow.planner.search.plan_search import plan_search
@@ -60,4 +62,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

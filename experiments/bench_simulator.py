@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import csv
 import platform
+import sys
 import time
 from pathlib import Path
 
-from expcommon import REPO_DIR, markdown_table, write_generated_block
+from expcommon import REPO_DIR, markdown_table, script_main, write_generated_block
 
 from tierflow.api import resolve
 from tierflow.planner.core.schedules import build_graph, make_schedule
@@ -79,4 +80,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

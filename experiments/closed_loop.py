@@ -47,6 +47,7 @@ from expcommon import (
     reference_line,
     save_figure,
     schedule_color,
+    script_main,
     write_csv,
     write_generated_block,
 )
@@ -456,4 +457,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from dist_worker import BATCH, HYPER, make_plan  # noqa: E402
-from expcommon import arg_parser, write_csv  # noqa: E402
+from expcommon import arg_parser, script_main, write_csv  # noqa: E402
 
 from tierflow.executor.run import RunOptions, run_plan  # noqa: E402
 from tierflow.planner.io.planfile import write_plan  # noqa: E402
@@ -166,4 +166,4 @@ def run(quick: bool, out_dir: Path) -> list[dict]:
 
 if __name__ == "__main__":
     args = arg_parser(__doc__).parse_args()
-    run(args.quick, Path(args.out))
+    sys.exit(script_main(lambda: run(args.quick, Path(args.out))))

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import race_deepspeed as race  # noqa: E402
+from expcommon import script_main  # noqa: E402
 
 from tierflow.planner.io.dsconfig import largest_param_elems  # noqa: E402
 
@@ -104,4 +105,4 @@ if __name__ == "__main__":
         job = json.loads(Path(sys.argv[2]).read_text())
         print(race.RESULT_TAG + json.dumps(mech_worker(job)), flush=True)
     else:
-        sys.exit(main())
+        sys.exit(script_main(main))

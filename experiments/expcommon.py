@@ -28,6 +28,7 @@ from tierflow.planner.io.progress import Progress
 from tierflow.planner.search.loads import duplex_time_s, pcie_time_s, pool_times_s
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+TRACEBACK_ENV = "TIERFLOW_TRACEBACK"  # set to 1: an experiment script that fails shows the traceback too
 NOTE_THRESHOLD = 0.15  # a headline that differs from the paper by more than this must carry an explanation
 
 _ON_SSD = Split(gpu=0.0, cpu=0.0, ssd=1.0)
@@ -406,3 +407,32 @@ def write_generated_block(doc: Path, name: str, body: str) -> None:
     before, rest = text.split(start, 1)
     after = rest.split(end, 1)[1]
     doc.write_text(f"{before}{start}\n{body}\n{end}{after}")
+
+
+def script_main(main, argv: Sequence[str] | None = None) -> int:
+    """Run an experiment script's main(); a failure is one line on stderr, not a traceback: the script's name,
+    what failed and where its output is (set TIERFLOW_TRACEBACK=1 to see the traceback). Exit codes: main's
+    own (None: 0), a TierflowError's, 2 for bad input (ValueError, OSError), 1 for anything else, 130 on
+    Ctrl-C."""
+    import os
+
+    from tierflow.errors import TierflowError
+
+    name = Path(sys.argv[0]).name
+    try:
+        rc = main(argv) if argv is not None else main()
+        return int(rc or 0)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    except BaseException as e:  # noqa: BLE001 - every failure becomes one line
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        text = " ".join(str(e).split())[:300] or "(no message)"
+        print(f"{name}: {type(e).__name__}: {text} (set {TRACEBACK_ENV}=1 for the traceback)",
+              file=sys.stderr)
+        if isinstance(e, TierflowError):
+            return e.exit_code
+        return 2 if isinstance(e, (ValueError, OSError)) else 1

@@ -16,7 +16,9 @@ The study's points:
   by run_all.py, or read from <out>/summary.csv when this script runs alone;
 - the measured runs of the other experiments, read from their results files (not re-run): the race against
   DeepSpeed on this machine (race.csv), the closed loop (closed_loop.csv), LoHan's 2x RTX 4090
-  (multi_gpu.csv).
+  (multi_gpu.csv), and the given A100 sweep (dos_polaris.csv: Deep Optimizer States' DeepSpeed ZeRO-3 runs
+  on one Polaris GPU, phase by phase: "given, fitted on" with the two values fitted on it, a consistency
+  check; "given, not fitted" with each point left out of the fit).
 Every check is one row of one table (fidelity.csv): source, point, measured, predicted, error, the mechanism
 that dominates the point (the busiest resource of its simulation, where known), and whether it is a hit
 (within 15%), a miss, or a consistency check: a check some value of the model was set from (the fit's own
@@ -46,6 +48,7 @@ from expcommon import (
     reference_line,
     save_figure,
     schedule_color,
+    script_main,
     write_csv,
     write_generated_block,
 )
@@ -182,13 +185,14 @@ def results_points(out_dir: Path) -> list[dict]:
     DeepSpeed on this machine, the closed loop, LoHan's 2x RTX 4090. A missing file is skipped."""
     out = []
     for name, reader in (("race.csv", _race_rows), ("closed_loop.csv", _closed_loop_rows),
-                         ("multi_gpu.csv", _multi_gpu_rows)):
+                         ("multi_gpu.csv", _multi_gpu_rows), ("dos_polaris.csv", _dos_rows)):
         path = out_dir / name
         if not path.exists():
             print(f"fidelity: no {path} (run its experiment first); its checks are left out", file=sys.stderr)
             continue
         with open(path, newline="") as f:
-            out += [r for r in map(reader, csv.DictReader(f)) if r is not None]
+            for r in map(reader, csv.DictReader(f)):
+                out += r if isinstance(r, list) else [r] if r is not None else []
     return out
 
 
@@ -224,6 +228,31 @@ def _multi_gpu_rows(r: dict) -> dict | None:
     return _point("multi_gpu", "LoHan artifact: 2x RTX 4090 (experiments/multi_gpu.py)",
                   f"{r['model']} {r['gpus']} GPUs batch {r['batch']}", "hw TFLOPS",
                   float(r["measured_hw_tflops"]), float(r["ours_hw_tflops"]), busiest(busy))
+
+
+DOS_SOURCE = ("Deep Optimizer States logs (arXiv 2410.21316) on one ALCF Polaris A100-40GB, DeepSpeed ZeRO-3 "
+              "(experiments/dos_polaris.py)")
+DOS_FITTED = ("polaris-a100-40g's pcie.pageable_d2h_gbps (backward) and cpu.deepspeed_adam_gparams_per_s "
+              "(step) were fitted on these points")
+
+
+def _dos_rows(r: dict) -> list[dict]:
+    """The given A100 sweep, one phase of one point: its prediction with the fitted values ("given, fitted
+    on": a consistency check; the forward depends on no fitted value and has none) and with the point left
+    out of the fit ("given, not fitted": counted)."""
+    phase = r["phase"]
+    measure = "s per iteration" if phase == "iteration" else f"s per {phase} phase"
+    run = f"llama 13B (4 kv heads) gbs {r['batch']} = {r['micro_batches']} x 4, {phase}"
+    mech = "DeepSpeed runtime"
+    out = []
+    if phase != "fwd":
+        p = _point("given, fitted on", DOS_SOURCE, run, measure, float(r["measured_s"]), float(r["after_s"]),
+                   mech)
+        p["check"] = check_of(p["error"], DOS_FITTED)
+        out.append(p)
+    out.append(_point("given, not fitted", DOS_SOURCE, run + " (left out of the fit)", measure,
+                      float(r["measured_s"]), float(r["loo_s"]), mech))
+    return out
 
 
 def rms(errors: list[float]) -> float:
@@ -336,7 +365,10 @@ KIND_LABELS = {"fitted on": "LoHan SSD sweep, batch 48 (the fit's runs)",
                "seed headline": "seed headline numbers (REFERENCE.md)",
                "race": "race against DeepSpeed 0.19.8 on this machine (race.csv)",
                "closed_loop": "closed loop on this machine (closed_loop.csv)",
-               "multi_gpu": "LoHan 2x RTX 4090 (multi_gpu.csv)"}
+               "multi_gpu": "LoHan 2x RTX 4090 (multi_gpu.csv)",
+               "given, fitted on": "given A100 sweep (Polaris, DeepSpeed ZeRO-3), with the fit's values "
+                                   "(dos_polaris.csv)",
+               "given, not fitted": "given A100 sweep, each point left out of the fit (dos_polaris.csv)"}
 
 
 def checks_table(points: list[dict]) -> str:
@@ -433,7 +465,9 @@ def _check_headlines(points: list[dict]) -> list[dict]:
     for kind, label in (("seed headline", f"seed headline numbers within {BAND:.0%}"),
                         ("race", f"DeepSpeed race steps predicted within {BAND:.0%}"),
                         ("closed_loop", f"closed-loop iterations predicted within {BAND:.0%}"),
-                        ("multi_gpu", f"LoHan 2x RTX 4090 points within {BAND:.0%}")):
+                        ("multi_gpu", f"LoHan 2x RTX 4090 points within {BAND:.0%}"),
+                        ("given, not fitted", f"given A100 sweep phases within {BAND:.0%}, each point left "
+                                              "out of the fit")):
         pts = [p for p in points if p["kind"] == kind]
         counted = [p for p in pts if not p["check"].startswith("consistency")]
         if not pts:
@@ -444,7 +478,8 @@ def _check_headlines(points: list[dict]) -> list[dict]:
         note = (f"misses: {misses}" if misses else "all within the band") + (
             f"; {left} consistency check(s) not counted (a model value was set from them)" if left else "")
         heads.append(headline("fidelity", label, f"{len(hits)} of {len(counted)}", None, "", note=note,
-                              source="REFERENCE.md" if kind == "seed headline" else f"{kind}.csv"))
+                              source="REFERENCE.md" if kind == "seed headline"
+                              else "dos_polaris.csv" if kind.startswith("given") else f"{kind}.csv"))
     return heads
 
 
@@ -469,4 +504,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

@@ -35,6 +35,7 @@ from expcommon import (
     result_row,
     save_figure,
     schedule_color,
+    script_main,
     write_csv,
 )
 
@@ -417,4 +418,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

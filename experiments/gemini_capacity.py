@@ -28,6 +28,7 @@ from expcommon import (
     reference_line,
     save_figure,
     schedule_color,
+    script_main,
     write_csv,
     write_generated_block,
 )
@@ -263,4 +264,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

@@ -1,29 +1,37 @@
-"""The GPU check: one command that runs tierflow's CUDA paths end to end on a CUDA box and keeps everything it
-saw in one results folder, with a summary.
+"""The GPU check: one command that runs tierflow's CUDA paths end to end on a CUDA box within a time budget
+and keeps everything it saw in one results folder, with a summary.
 
     python experiments/gpu_check.py [--quick] [--device cuda|cuda:N|cpu-adversarial] [--ssd-dir DIR]
-                                    [--model NAME] [--hw PROFILE] [--out DIR]
+                                    [--model NAME] [--hw PROFILE] [--budget-s S] [--out DIR]
 
 Each step is a subprocess (a crash or an out-of-memory in one does not end the check); its command line, exit
 code, wall time, stdout and stderr are kept under --out (`NN-step.out` / `NN-step.err`):
 
 1. **env**: `tierflow env --ssd-dir DIR --json` (versions, CUDA and the GPUs, O_DIRECT, pinned-memory limits).
 2. **calibrate**: `tierflow calibrate --device cuda --ssd-dir DIR -o box.yaml` (skipped with --hw PROFILE).
-3. **plan**: `tierflow plan` of GPT-3 2.7B shapes (batch 8, seq 2048) on the calibrated profile with the GPU
-   memory capped at 1.5 bytes per parameter (below the bf16 weights alone, so weights and optimizer states
-   cannot stay on the device) and host memory at 6 bytes per parameter (room for the fp32 gradients and part
-   of the weights, not for the 12 bytes per parameter of fp32 master weights and Adam moments), so that the
-   plan must stream weights and optimizer states from the SSD tier (on the bundled h100-80g profile: 28% of
-   the weights and all of the states, about 34 GB on --ssd-dir). The summary shows where the plan put them.
-4. **run**: `tierflow run plan.json --device cuda --ssd-dir DIR --out run --json` (one round: 3 steps).
-5. **compare**: `tierflow compare plan.json run/trace.json --plot compare.png --json`.
-6. **bench_store**: `experiments/bench_store.py --device cuda`: the SSD store reading into and writing from
+3. **plan_host, run_host, compare_host**: gpt3-1.3b (batch 8, seq 2048) with the GPU capped at 4.5 bytes per
+   parameter (the bf16 weights and working memory, not the 12 bytes of fp32 master and Adam moments), so the
+   optimizer states and gradients live in host memory and the host optimizer runs beside the GPU's work;
+   `tierflow run` then `tierflow compare` (predicted against measured per op kind, in the summary).
+4. **plan_ssd, run_ssd, compare_ssd**: the same model with the GPU capped at 1.5 bytes per parameter (below
+   the bf16 weights alone) and host memory at 6 (room for the fp32 gradients and part of the weights, not for
+   the states), so the plan streams weights and optimizer states from the SSD tier (--ssd-dir).
+5. **bench_optimizer**: `experiments/bench_optimizer.py`, the executor's host AdamW against torch's fused one.
+6. **bench_executor**: `experiments/bench_executor.py --device cuda`: the executor against plain PyTorch.
+7. **bench_store**: `experiments/bench_store.py --device cuda`: the SSD store reading into and writing from
    page-locked buffers (the transfer area's allocation), against the raw device.
-7. **bench_executor**: `experiments/bench_executor.py --device cuda`: the executor against plain PyTorch.
 
-summary.md puts the figures side by side (the plan's placement, predicted against measured, the run's device
-memory against the cap, the store's and the executor's ratios). Exit code 0 when every step succeeded, 1 when
-one failed (the summary says which and where its stderr is).
+**The budget.** `--budget-s` (default 480: a lent GPU machine's 10-minute command with room to start and to
+copy the results back) is shared among the steps still to run, in proportion to each step's share
+(STEP_SHARE); a step that ends early leaves its time to the later ones. A run's `--steps` is sized from its
+plan's predicted iteration time to fit its share (at least 2, at most 3), and a step still running at its
+deadline gets SIGTERM (tierflow run stops its workers cleanly), then SIGKILL 15 s later: it is marked
+"stopped at its budget" and whatever it wrote is kept. The summary is written after every step, so a check
+killed from outside still leaves one.
+
+summary.md puts the figures side by side (the plans' placements, predicted against measured per op kind, the
+runs' device memory against the caps, the benchmarks' ratios). Exit code 0 when every step succeeded, 1 when
+one failed or was stopped (the summary says which and where its stderr is), 2 for bad arguments or no CUDA.
 
 --device cpu-adversarial runs the same steps on the adversarial CPU emulation of a CUDA device (streams as
 threads with random delays, late copies, an allocator that poisons freed blocks; executor/device/emulated.py):
@@ -45,18 +53,42 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from expcommon import RESULTS_DIR, arg_parser
+from expcommon import RESULTS_DIR, arg_parser, script_main
 
 from tierflow.errors import TierflowError
 
 REPO = Path(__file__).resolve().parent.parent
 EXPERIMENTS = Path(__file__).resolve().parent
 GIB = 2**30
-GPU_BYTES_PER_PARAM = 1.5  # the device cap: below the bf16 weights (2 B/param), so they cannot all stay there
-HOST_BYTES_PER_PARAM = 6.0  # fp32 grads (4) + part of the weights: neither states nor all weights fit
-STEP_TIMEOUT_S = 3600
+STEP_TIMEOUT_S = 3600  # without a budget
+TERM_GRACE_S = 15  # SIGTERM, then this long before SIGKILL
 LOAD_AT_START = os.getloadavg()  # how busy the box was: other processes slow every timing of the check
-STEPS = ("env", "calibrate", "plan", "run", "compare", "bench_store", "bench_executor")
+DEFAULT_BUDGET_S = 480
+STEPS = ("env", "calibrate", "plan_host", "run_host", "compare_host", "plan_ssd", "run_ssd", "compare_ssd",
+         "bench_optimizer", "bench_executor", "bench_store")
+# Each step's share of the budget left when it starts (divided by the shares of the steps still to run).
+STEP_SHARE = {"env": 0.02, "calibrate": 0.08, "plan_host": 0.07, "run_host": 0.16, "compare_host": 0.03,
+              "plan_ssd": 0.07, "run_ssd": 0.25, "compare_ssd": 0.03, "bench_optimizer": 0.07,
+              "bench_executor": 0.14, "bench_store": 0.08}
+RUN_OVERHEAD_S = 20.0  # a run's start and end besides its steps: imports, the SSD files' first write, export
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Where a plan is made to put the states: the device and host caps in bytes per parameter."""
+
+    name: str  # host | ssd
+    gpu_bytes_per_param: float
+    host_bytes_per_param: float | None  # None: the box's own host memory
+    what: str
+
+
+SCENARIOS = (
+    Scenario("host", 4.5, None, "states and gradients in host memory (GPU capped at 4.5 B/param: bf16 "
+             "weights and working memory)"),
+    Scenario("ssd", 1.5, 6.0, "weights and states streamed from the SSD tier (GPU capped at 1.5 B/param, "
+             "below the bf16 weights; host at 6 B/param)"),
+)
 
 
 @dataclass(frozen=True)
@@ -71,12 +103,13 @@ class Shapes:
     min_gpu_gib: float  # floors of the caps: a tiny model's working memory exceeds its bytes per parameter
     min_host_gib: float
     quick: bool
+    min_cuda_gpu_gib: float = 0.0  # on CUDA: cuBLAS workspaces (3 streams x 32 MiB) and the kernels' own
 
 
-FULL = Shapes("gpt3-2.7b", batch=8, seq=2048, steps=3, plan_time_limit_s=60, min_gpu_gib=1.0,
-              min_host_gib=4.0, quick=False)
+FULL = Shapes("gpt3-1.3b", batch=8, seq=2048, steps=3, plan_time_limit_s=40, min_gpu_gib=1.0,
+              min_host_gib=4.0, quick=False, min_cuda_gpu_gib=1.0)
 QUICK = Shapes("tiny-gpt", batch=8, seq=64, steps=3, plan_time_limit_s=5, min_gpu_gib=0.02,
-               min_host_gib=0.03, quick=True)
+               min_host_gib=0.03, quick=True, min_cuda_gpu_gib=0.5)
 
 
 @dataclass
@@ -89,10 +122,37 @@ class Step:
     rc: int | None = None  # None: not run
     wall_s: float = 0.0
     why_skipped: str = ""
+    deadline_s: float | None = None  # the time it was given (None: STEP_TIMEOUT_S)
+    stopped: bool = False  # still running at its deadline
 
     @property
     def ok(self) -> bool:
         return self.rc == 0
+
+
+class Budget:
+    """The check's time: each step gets the remaining budget times its share over the shares still to come."""
+
+    def __init__(self, total_s: float | None, names: list[str]) -> None:
+        self.total_s, self.t0 = total_s, time.perf_counter()
+        self.todo = list(names)
+
+    def remaining_s(self) -> float:
+        return (self.total_s or 0.0) - (time.perf_counter() - self.t0)
+
+    def peek_s(self, name: str) -> float | None:
+        """The seconds step `name` may take if it starts now (None: no budget)."""
+        if self.total_s is None:
+            return None
+        shares = sum(STEP_SHARE[n] for n in self.todo if n != name) + STEP_SHARE[name]
+        return max(self.remaining_s(), 0.0) * STEP_SHARE[name] / shares
+
+    def take_s(self, name: str) -> float | None:
+        """peek_s, and the step is no longer to come."""
+        s = self.peek_s(name)
+        if name in self.todo:
+            self.todo.remove(name)
+        return s
 
 
 def tierflow(*args: str) -> list[str]:
@@ -108,47 +168,81 @@ def stem(out: Path, name: str) -> Path:
     return out / f"{STEPS.index(name) + 1:02d}-{name}"
 
 
-def run_step(step: Step, out: Path) -> Step:
-    """Run one step with its stdout and stderr in files under `out`; skip it when an input is missing."""
+def run_step(step: Step, out: Path, deadline_s: float | None = None) -> Step:
+    """Run one step with its stdout and stderr in files under `out`; skip it when an input is missing; stop it
+    (SIGTERM, then SIGKILL) at `deadline_s`."""
     missing = [p for p in step.needs if not p.exists()]
     if missing:
         step.why_skipped = f"{missing[0].name} was not written by an earlier step"
         print(f"gpu_check: {step.name}: skipped ({step.why_skipped})", file=sys.stderr)
         return step
+    if deadline_s is not None and deadline_s < 1.0:
+        step.why_skipped = "no time left in --budget-s"
+        print(f"gpu_check: {step.name}: skipped ({step.why_skipped})", file=sys.stderr)
+        return step
     path = stem(out, step.name)
-    print(f"gpu_check: {step.name}: {' '.join(step.argv[1:])}", file=sys.stderr)
+    step.deadline_s = deadline_s
+    limit = f" (at most {deadline_s:.0f} s)" if deadline_s is not None else ""
+    print(f"gpu_check: {step.name}{limit}: {' '.join(step.argv[1:])}", file=sys.stderr)
     t0 = time.perf_counter()
     with open(f"{path}.out", "w") as so, open(f"{path}.err", "w") as se:
+        proc = subprocess.Popen(step.argv, stdout=so, stderr=se, cwd=REPO)
         try:
-            done = subprocess.run(step.argv, stdout=so, stderr=se, cwd=REPO, timeout=STEP_TIMEOUT_S)
-            step.rc = done.returncode
+            step.rc = proc.wait(timeout=deadline_s if deadline_s is not None else STEP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            step.stopped = True
+            proc.terminate()
+            try:
+                proc.wait(timeout=TERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             step.rc = 124
-            se.write(f"gpu_check: killed after {STEP_TIMEOUT_S} s\n")
+            se.write(f"gpu_check: stopped at its budget after {time.perf_counter() - t0:.0f} s\n")
     step.wall_s = time.perf_counter() - t0
     print(f"gpu_check: {step.name}: exit {step.rc} ({step.wall_s:.1f} s)", file=sys.stderr)
     return step
 
 
-def caps(shapes: Shapes, profile: Path | str) -> dict[str, float]:
-    """The plan's `--set` caps (GiB, reserved parts included) for the shapes' model on `profile`."""
+def caps(shapes: Shapes, profile: Path | str, scenario: Scenario = SCENARIOS[1],
+         device: str = "cuda") -> dict[str, float]:
+    """The plan's `--set` caps (GiB, reserved parts included) for the shapes' model on `profile`: a floor the
+    device can meet (on CUDA the cuBLAS workspaces of three streams come first), then the scenario's bytes
+    per parameter."""
     from tierflow.hwprofiles import load_profile
     from tierflow.planner.core.models import get_model
 
     hw = load_profile(profile)
     params = get_model(shapes.model).total_params()
-    gpu = max(shapes.min_gpu_gib, GPU_BYTES_PER_PARAM * params / GIB)
-    host = max(shapes.min_host_gib, HOST_BYTES_PER_PARAM * params / GIB)
-    return {"gpu.memory_gib": round(hw.gpu.reserved_gib + gpu, 3),
-            "cpu.memory_gib": round(hw.cpu.reserved_gib + host, 3)}
+    floor = max(shapes.min_gpu_gib, shapes.min_cuda_gpu_gib if device.startswith("cuda") else 0.0)
+    gpu = max(floor, scenario.gpu_bytes_per_param * params / GIB)
+    out = {"gpu.memory_gib": round(hw.gpu.reserved_gib + gpu, 3)}
+    if scenario.host_bytes_per_param is not None:
+        host = max(shapes.min_host_gib, scenario.host_bytes_per_param * params / GIB)
+        out["cpu.memory_gib"] = round(hw.cpu.reserved_gib + host, 3)
+    return out
 
 
-def plan_argv(shapes: Shapes, profile: Path | str, plan: Path) -> list[str]:
-    sets = [a for k, v in caps(shapes, profile).items() for a in ("--set", f"{k}={v}")]
+def plan_argv(shapes: Shapes, profile: Path | str, plan: Path, scenario: Scenario = SCENARIOS[1],
+              device: str = "cuda", time_limit_s: float | None = None) -> list[str]:
+    sets = [a for k, v in caps(shapes, profile, scenario, device).items() for a in ("--set", f"{k}={v}")]
+    limit = shapes.plan_time_limit_s if time_limit_s is None else max(2, min(shapes.plan_time_limit_s,
+                                                                            int(time_limit_s * 0.6)))
     return tierflow("plan", "--model", shapes.model, "--hw", str(profile), *sets,
                     "--batch", str(shapes.batch), "--seq", str(shapes.seq),
-                    "--time-limit", str(shapes.plan_time_limit_s), "--no-baselines", "-o", str(plan),
-                    "--json", "-q")
+                    "--time-limit", str(limit), "--no-baselines", "-o", str(plan), "--json", "-q")
+
+
+def steps_for(shapes: Shapes, plan: Path, share_s: float | None) -> int:
+    """A run's --steps: the shapes' count, fewer (at least 2) when the plan's predicted iteration times
+    RUN_OVERHEAD_S do not fit the run's share of the budget."""
+    if share_s is None or shapes.quick:
+        return shapes.steps
+    pred = _json(plan).get("predicted", {}).get("iteration_s")
+    if not pred or pred <= 0:
+        return shapes.steps
+    fits = int((share_s - RUN_OVERHEAD_S) / (2.0 * pred))  # measured up to 2x the prediction so far
+    return max(2, min(shapes.steps, fits))
 
 
 def bench_argv(shapes: Shapes, device: str, ssd: Path, out: Path,
@@ -161,43 +255,61 @@ def bench_argv(shapes: Shapes, device: str, ssd: Path, out: Path,
                    *quick, *(["--reps", "1"] if shapes.quick else []))
     executor = script("bench_executor.py", "--device", device, "--ssd-dir", str(ssd / "bench_executor"),
                       "--out", str(out / "bench_executor"), *quick,
-                      *(["--rounds", "2", "--models", "tiny"] if shapes.quick else []), *hw)
+                      *(["--rounds", "2", "--models", "tiny"] if shapes.quick else ["--rounds", "2"]), *hw)
     return store, executor
 
 
+def optimizer_argv(shapes: Shapes, out: Path) -> list[str]:
+    return script("bench_optimizer.py", "--out", str(out / "bench_optimizer"),
+                  *(["--quick"] if shapes.quick else []))
+
+
 def run_check(shapes: Shapes, device: str, ssd: Path, out: Path, hw: str | None,
-              skip: tuple[str, ...] = ()) -> list[Step]:
-    """Every step in order; a step whose inputs are missing is skipped, the others run whatever failed."""
+              skip: tuple[str, ...] = (), budget_s: float | None = None) -> list[Step]:
+    """Every step in order within the budget; a step whose inputs are missing is skipped, the others run
+    whatever failed; the summary is rewritten after each step."""
     profile: Path | str = hw if hw else out / "box.yaml"
-    plan, run_dir = out / "plan.json", out / "run"
-    for sub in ("run", "bench_executor"):
+    for sub in ("run_host", "run_ssd", "bench_executor"):
         (ssd / sub).mkdir(exist_ok=True)
+    todo = [n for n in STEPS if n not in skip and not (n == "calibrate" and hw)]
+    budget = Budget(budget_s, todo)
+    done: list[Step] = []
+
+    def go(step: Step) -> None:
+        if step.name in skip:
+            step.why_skipped = "--skip"
+        elif step.argv:
+            run_step(step, out, budget.take_s(step.name))
+        done.append(step)
+        write_summary(done, out, device, shapes)
+
     cal_device = "cpu" if device.startswith("cpu") else "cuda"
-    steps = [Step("env", tierflow("env", "--ssd-dir", str(ssd), "--json"))]
+    go(Step("env", tierflow("env", "--ssd-dir", str(ssd), "--json")))
     if not hw and "calibrate" not in skip:
         quick = ["--quick", "--ssd-file-mib", "64"] if shapes.quick else []
-        steps.append(Step("calibrate", tierflow("calibrate", "--device", cal_device, "--ssd-dir", str(ssd),
-                                                "-o", str(profile), "--json", "-q", *quick)))
-    done = [run_step(s, out) for s in steps if s.name not in skip]
-    plan_step = Step("plan", [], why_skipped="no profile to plan on")
-    if Path(profile).exists() or hw:
-        try:
-            plan_step.argv = plan_argv(shapes, profile, plan)
-        except TierflowError as e:  # a profile or model that does not load: the plan step says why
-            plan_step.why_skipped = str(e)
-    later = [plan_step,
-             Step("run", tierflow("run", str(plan), "--steps", str(shapes.steps), "--device", device,
-                                  "--ssd-dir", str(ssd / "run"), "--out", str(run_dir), "--json"),
-                  needs=[plan]),
-             Step("compare", tierflow("compare", str(plan), str(run_dir / "trace.json"),
-                                      "--plot", str(out / "compare.png"), "--json"),
-                  needs=[plan, run_dir / "trace.json"])]
-    later += [Step(name, argv) for name, argv in zip(("bench_store", "bench_executor"),
-                                                      bench_argv(shapes, device, ssd, out, profile))]
-    for s in later:
-        if s.name in skip:
-            s.why_skipped = "--skip"
-        done.append(run_step(s, out) if s.argv and s.name not in skip else s)
+        go(Step("calibrate", tierflow("calibrate", "--device", cal_device, "--ssd-dir", str(ssd),
+                                      "-o", str(profile), "--json", "-q", *quick)))
+    for sc in SCENARIOS:
+        plan, run_dir = out / f"plan-{sc.name}.json", out / f"run-{sc.name}"
+        plan_step = Step(f"plan_{sc.name}", [], why_skipped="no profile to plan on")
+        if Path(profile).exists() or hw:
+            try:
+                plan_step.argv = plan_argv(shapes, profile, plan, sc, device, budget.peek_s(plan_step.name))
+            except TierflowError as e:  # a profile or model that does not load: the plan step says why
+                plan_step.why_skipped = str(e)
+        go(plan_step)
+        run_name = f"run_{sc.name}"
+        n = steps_for(shapes, plan, budget.peek_s(run_name))
+        go(Step(run_name, tierflow("run", str(plan), "--steps", str(n), "--device", device,
+                                   "--ssd-dir", str(ssd / run_name), "--out", str(run_dir), "--json"),
+                needs=[plan]))
+        go(Step(f"compare_{sc.name}", tierflow("compare", str(plan), str(run_dir / "trace.json"),
+                                               "--plot", str(out / f"compare-{sc.name}.png"), "--json"),
+                needs=[plan, run_dir / "trace.json"]))
+    go(Step("bench_optimizer", optimizer_argv(shapes, out), needs=[EXPERIMENTS / "bench_optimizer.py"]))
+    store, executor = bench_argv(shapes, device, ssd, out, profile)
+    go(Step("bench_executor", executor))
+    go(Step("bench_store", store))
     return done
 
 
@@ -228,9 +340,12 @@ def steps_section(steps: list[Step], out: Path) -> list[str]:
     rows = []
     for s in steps:
         state = "ok" if s.ok else (f"skipped ({s.why_skipped})" if s.rc is None else
+                                   f"**stopped at its budget** ({s.deadline_s:.0f} s)" if s.stopped else
                                    f"**failed** (exit {s.rc}; see `{stem(out, s.name).name}.err`)")
-        rows.append([s.name, state, f"{s.wall_s:.1f}", f"`{' '.join(_short(a, out) for a in s.argv[1:])}`"])
-    return ["## Steps", "", *table(["step", "result", "wall s", "command"], rows), ""]
+        given = f"{s.deadline_s:.0f}" if s.deadline_s is not None else "-"
+        rows.append([s.name, state, f"{s.wall_s:.1f}", given,
+                     f"`{' '.join(_short(a, out) for a in s.argv[1:])}`"])
+    return ["## Steps", "", *table(["step", "result", "wall s", "budget s", "command"], rows), ""]
 
 
 def _short(arg: str, out: Path) -> str:
@@ -257,9 +372,10 @@ def env_section(env: dict) -> list[str]:
             f"{ssd.get('free_bytes', 0) / 1e9:.1f} GB free", ""]
 
 
-def plan_section(plan: dict) -> list[str]:
+def plan_section(plan: dict, sc: Scenario = SCENARIOS[1]) -> list[str]:
+    title = f"## Plan: {sc.name} ({sc.what})"
     if not plan:
-        return ["## Plan", "", "No plan was written.", ""]
+        return [title, "", "No plan was written.", ""]
     d, cap = plan.get("decisions", {}), plan.get("capacity_bytes", {})
     place = d.get("placement", {})
     rows = [[k, *(f"{place[k].get(t, 0):.2f}" for t in ("gpu", "cpu", "ssd"))] for k in place]
@@ -268,24 +384,32 @@ def plan_section(plan: dict) -> list[str]:
     on_ssd = all(place.get(k, {}).get("ssd", 0) > 0 for k in ("weights", *states))
     m = plan.get("model", {})
     pred = plan.get("predicted", {})
-    return ["## Plan", "",
+    return [title, "",
             f"{m.get('name')} ({m.get('num_layers')} x {m.get('hidden')}), {d.get('family')} schedule, "
             f"batch {d.get('batch')} in micro-batches of {d.get('micro_batch')}, seq {d.get('seq')}; usable "
             f"capacity GPU {cap.get('gpu', 0) / GIB:.2f} GiB, host {cap.get('cpu', 0) / GIB:.2f} GiB; "
             f"predicted {pred.get('iteration_s', float('nan')):.3f} s per iteration.", "",
             *table(["tensor class", "gpu", "cpu", "ssd"], rows), "",
-            f"- weights and optimizer states beyond the GPU cap: {'yes' if off_gpu else '**no**'}; "
-            f"on the SSD tier: {'yes' if on_ssd else '**no**'}", ""]
+            _placement_line(place, sc, off_gpu, on_ssd), ""]
 
 
-def run_section(run: dict, cmp: dict) -> list[str]:
+def _placement_line(place: dict, sc: Scenario, off_gpu: bool, on_ssd: bool) -> str:
+    """Whether the plan put the states where the scenario wants them."""
+    if sc.name == "host":
+        in_host = all(place.get(k, {}).get("cpu", 0) >= 0.999 for k in ("master", "adam_m", "adam_v"))
+        return f"- optimizer states wholly in host memory: {'yes' if in_host else '**no**'}"
+    return (f"- weights and optimizer states beyond the GPU cap: {'yes' if off_gpu else '**no**'}; "
+            f"on the SSD tier: {'yes' if on_ssd else '**no**'}")
+
+
+def run_section(run: dict, cmp: dict, sc: Scenario = SCENARIOS[1]) -> list[str]:
     if not run:
-        return ["## Run", "", "The run wrote no result.", ""]
+        return [f"## Run: {sc.name}", "", "The run wrote no result.", ""]
     rows = [[s["step"], f"{s['loss']:.4f}", f"{s['step_s']:.3f}", f"{s['tokens_per_s']:,.0f}"]
             for s in run.get("steps", [])]
     meas = run.get("measured") or {}
     dev = meas.get("measured_device_memory") or {}
-    lines = ["## Run", "", *table(["step", "loss", "s", "tokens/s"], rows), "",
+    lines = [f"## Run: {sc.name}", "", *table(["step", "loss", "s", "tokens/s"], rows), "",
              f"- SSD tier: {run.get('ssd_bytes_read', 0) / 1e9:.2f} GB read, "
              f"{run.get('ssd_bytes_written', 0) / 1e9:.2f} GB written, O_DIRECT {run.get('o_direct')}",
              f"- device memory: {dev.get('max_allocated_bytes', 0) / GIB:.3f} GiB allocated at most, "
@@ -297,13 +421,31 @@ def run_section(run: dict, cmp: dict) -> list[str]:
                      "resource, measured / predicted: " + ", ".join(
                          f"{r['resource']} {r['measured_busy_s']:.3f} / {r['predicted_busy_s']:.3f}"
                          for r in cmp.get("by_resource", [])))
+        kinds = [[r["kind"], r["resource"], r["ops"], f"{r['predicted_s'] * 1e3:,.2f}",
+                  f"{r['measured_s'] * 1e3:,.2f}", f"{r['ratio']:.2f}x", _gbps(r)]
+                 for r in cmp.get("by_kind", [])]
+        if kinds:
+            lines += ["", "Per op kind (`tierflow compare`; ms over the run's iterations; a link's GB/s over "
+                      "its ops' time):", "",
+                      *table(["kind", "resource", "ops", "predicted ms", "measured ms",
+                              "measured / predicted", "GB/s predicted / measured"], kinds)]
     return [*lines, ""]
+
+
+def _gbps(row: dict) -> str:
+    if row.get("bytes") is None or not row.get("measured_gbps"):
+        return "-"
+    return f"{row['predicted_gbps'] or 0:,.2f} / {row['measured_gbps']:,.2f}"
 
 
 def bench_section(out: Path) -> list[str]:
     store = [r for r in _csv(out / "bench_store" / "bench_store.csv") if r["system"] == "store"]
     execu = _csv(out / "bench_executor" / "bench_executor.csv")
+    opt = _csv(next(iter(sorted((out / "bench_optimizer").glob("*.csv"))), out / "none.csv"))
     lines = ["## Benchmarks", ""]
+    if opt:
+        lines += ["bench_optimizer (the executor's host AdamW against torch's fused AdamW):", "",
+                  *table(list(opt[0]), [list(r.values()) for r in opt]), ""]
     if store:
         lines += ["bench_store (the store with page-locked buffers; GB/s, x the raw reference, CPU s/GB):",
                   "",
@@ -318,6 +460,12 @@ def bench_section(out: Path) -> list[str]:
     return lines
 
 
+def scenario_sections(out: Path, sc: Scenario) -> list[str]:
+    return [*plan_section(_json(out / f"plan-{sc.name}.json"), sc),
+            *run_section(_json(Path(f"{stem(out, 'run_' + sc.name)}.out")),
+                         _json(Path(f"{stem(out, 'compare_' + sc.name)}.out")), sc)]
+
+
 def write_summary(steps: list[Step], out: Path, device: str, shapes: Shapes) -> Path:
     emulated = device.startswith("cpu")
     head = [f"# GPU check ({'emulated: ' if emulated else ''}--device {device})", "",
@@ -329,8 +477,7 @@ def write_summary(steps: list[Step], out: Path, device: str, shapes: Shapes) -> 
         head += ["On the adversarial CPU emulation of a CUDA device: this checks the check (every step runs "
                  "and every figure is collected); its timings say nothing about a GPU.", ""]
     body = [*steps_section(steps, out), *env_section(_json(out / "01-env.out")),
-            *plan_section(_json(out / "plan.json")),
-            *run_section(_json(Path(f"{stem(out, 'run')}.out")), _json(Path(f"{stem(out, 'compare')}.out"))),
+            *(line for sc in SCENARIOS for line in scenario_sections(out, sc)),
             *bench_section(out)]
     path = out / "summary.md"
     path.write_text("\n".join(head + body))
@@ -349,8 +496,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hw", default=None, help="plan on this profile instead of calibrating")
     ap.add_argument("--skip", nargs="+", default=[], choices=STEPS[1:], metavar="STEP",
                     help="steps to leave out: " + ", ".join(STEPS[1:]))
+    ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                    help=f"wall-clock seconds for the whole check (default {DEFAULT_BUDGET_S}), shared among "
+                    "the steps; 0: no budget (each step up to an hour)")
     ap.set_defaults(out=None)
     args = ap.parse_args(argv)
+    if args.budget_s < 0:
+        ap.error(f"--budget-s {args.budget_s:g}: must be >= 0 (0: no budget)")
     hw = str(Path(args.hw).resolve()) if args.hw and Path(args.hw).is_file() else args.hw  # steps run in REPO
     shapes = QUICK if args.quick else FULL
     if args.model:
@@ -368,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     ssd = (args.ssd_dir or Path(tempfile.mkdtemp(prefix=".gpu-check-ssd-", dir=REPO))).resolve()
     ssd.mkdir(parents=True, exist_ok=True)
     try:
-        steps = run_check(shapes, args.device, ssd, out, hw, tuple(args.skip))
+        steps = run_check(shapes, args.device, ssd, out, hw, tuple(args.skip), args.budget_s or None)
     finally:
         if args.ssd_dir is None:
             shutil.rmtree(ssd, ignore_errors=True)
@@ -379,4 +531,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))

@@ -28,6 +28,7 @@ from expcommon import (
     result_row,
     save_figure,
     schedule_color,
+    script_main,
     write_csv,
 )
 
@@ -304,4 +305,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

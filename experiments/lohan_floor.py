@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from expcommon import arg_parser, print_table, write_csv
+from expcommon import arg_parser, print_table, script_main, write_csv
 
 MIB = 2**20
 
@@ -174,4 +174,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

@@ -36,6 +36,7 @@ from expcommon import (
     print_table,
     save_figure,
     schedule_color,
+    script_main,
     write_csv,
     write_generated_block,
 )
@@ -360,4 +361,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from expcommon import REPO_DIR, markdown_table, write_generated_block
+from expcommon import REPO_DIR, markdown_table, script_main, write_generated_block
 
 from tierflow.api import resolve
 from tierflow.planner.search.loads import iteration_loads
@@ -128,4 +128,4 @@ def _csv_rows(path: Path) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

@@ -31,7 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import race_deepspeed as race
-from expcommon import arg_parser
+from expcommon import arg_parser, script_main
 
 POINTS = [race.SWEEP[0], race.SWEEP[1]]  # where tierflow lost in the first sweep
 DS_VARIANTS = ("ds-default", "ds-tuned")
@@ -328,4 +328,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

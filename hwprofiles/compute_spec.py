@@ -28,6 +28,11 @@ class ComputeSpec:
     attention_bwd_fraction: float | None = None
     # host time to issue one kernel (framework dispatch + the CUDA launch) while the GPU is busy; None: 0
     kernel_launch_us: float | None = None
+    # how the framework the profile describes runs a layer's norms, rotary positions, gated activation and
+    # GQA's key/value heads: "fused" (one kernel each, as workload.layer_cost counts their bytes) or
+    # "unfused" (separate PyTorch ops, each reading and writing HBM: Megatron-LM / Megatron-DeepSpeed's
+    # transformer_impl local; tierflow.planner.core.compute.unfused_extra_bytes)
+    layer_ops: str = "fused"
 
     @property
     def kernel_launch_s(self) -> float:
@@ -35,11 +40,12 @@ class ComputeSpec:
 
 
 # keys a profile may leave out of the section
-OPTIONAL_KEYS = ("attention_fwd_fraction", "attention_bwd_fraction", "kernel_launch_us")
+OPTIONAL_KEYS = ("attention_fwd_fraction", "attention_bwd_fraction", "kernel_launch_us", "layer_ops")
+LAYER_OPS_CHOICES = ("fused", "unfused")
 
 
 def default_section() -> dict:
     """The values an override starts from when it sets a compute key on a profile without the section: one
     wave of 108 SMs (an A100's), the 256 x 128 tile of NVIDIA's GEMM guide, nothing else modelled."""
     return {"sm_count": 108, "gemm_tile_m": 256, "gemm_tile_n": 128, "attention_fwd_fraction": None,
-            "attention_bwd_fraction": None, "kernel_launch_us": None}
+            "attention_bwd_fraction": None, "kernel_launch_us": None, "layer_ops": "fused"}

@@ -115,6 +115,13 @@ class PcieSpec:
     # fixed software cost per transfer op either way (staging, allocation, synchronisation, thread hand-off),
     # before its bytes move at the link rate. None: not modelled (0)
     latency_us: float | None = None
+    # a copy from or to pageable (not page-locked) host memory: the driver stages it through its own pinned
+    # buffer and the calling host thread waits until it is done (CUDA Programming Guide, "Page-Locked Host
+    # Memory"; cudaMemcpy from pageable memory is synchronous). PyTorch makes one whenever a blocking copy_
+    # changes the dtype across devices (it converts on the CPU into a pageable temporary). None: not
+    # modelled (runtime deepspeed then counts those copies at the pinned rates)
+    pageable_h2d_gbps: float | None = None
+    pageable_d2h_gbps: float | None = None
 
     @property
     def latency_s(self) -> float:
@@ -434,6 +441,8 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "duplex_h2d_gbps": _pos(2000, "GB/s", 1e-3),
         "duplex_d2h_gbps": _pos(2000, "GB/s", 1e-3),
         "latency_us": _optional(0, True, 1e6, "microseconds per transfer op", 1e-3),
+        "pageable_h2d_gbps": _optional(0, False, 2000, "GB/s", 1e-3),
+        "pageable_d2h_gbps": _optional(0, False, 2000, "GB/s", 1e-3),
     },
     "cpu": {
         "model": _Rule("str"),
@@ -481,6 +490,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "attention_fwd_fraction": _optional(0, False, 1.0, "of peak", 1e-3),
         "attention_bwd_fraction": _optional(0, False, 1.0, "of peak", 1e-3),
         "kernel_launch_us": _optional(0, True, 1e6, "microseconds per kernel", 1e-3),
+        "layer_ops": _Rule("choice", choices=compute_spec.LAYER_OPS_CHOICES, default="fused"),
     },
     "price": {
         "gpu_usd": _pos(1e6, "USD", 1e-2),
@@ -497,7 +507,7 @@ _OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op",
                      "deepspeed_adam_gparams_per_s", "executor_op_us"),
              "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps", "fp32_tflops",
                      "tf32_tflops"),
-             "pcie": ("latency_us",),
+             "pcie": ("latency_us", "pageable_h2d_gbps", "pageable_d2h_gbps"),
              "compute": compute_spec.OPTIONAL_KEYS}  # keys a profile may leave out (older files), not ssd's
 _SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec,
                  "topology": TopologySpec, "network": NetworkSpec, "compute": ComputeSpec}

@@ -18,13 +18,16 @@ pytest.importorskip("matplotlib")
 import adapt  # noqa: E402
 import bench_dispatch  # noqa: E402
 import bench_executor  # noqa: E402
+import bench_optimizer  # noqa: E402
 import bench_simulator  # noqa: E402
 import bench_store  # noqa: E402
 import closed_loop  # noqa: E402
+import dos_polaris  # noqa: E402
 import expcommon  # noqa: E402
 import fidelity  # noqa: E402
 import finetune  # noqa: E402
 import gemini_capacity  # noqa: E402
+import h200_run  # noqa: E402
 import multi_gpu  # noqa: E402
 import planner_quality  # noqa: E402
 import race_deepspeed  # noqa: E402
@@ -51,10 +54,13 @@ GENERATED = [
     (finetune.DOC, finetune.DOC_TABLE, "finetune.csv", finetune.finetune_table),
     (run_all.DOC, run_all.DOC_TABLE, "summary.csv", run_all.papers_table),
     (bench_store.DOC, bench_store.DOC_TABLE, "bench_store.csv", bench_store.store_table),
+    (bench_optimizer.DOC, bench_optimizer.DOC_TABLE, "bench_optimizer.csv", bench_optimizer.optimizer_table),
     (bench_executor.DOC, bench_executor.DOC_TABLE, "bench_executor.csv", bench_executor.executor_table),
     (bench_executor.DOC, bench_executor.CPU_TABLE, "bench_executor_cpu.csv", bench_executor.cpu_work_table),
     (bench_executor.DOC, bench_executor.KINDS_TABLE, "bench_executor_kinds.csv", bench_executor.kinds_table),
     (bench_dispatch.DOC, bench_dispatch.DOC_TABLE, "bench_dispatch.csv", bench_dispatch.dispatch_table),
+    (dos_polaris.DOC, dos_polaris.DOC_TABLE, "dos_polaris.csv", dos_polaris.sweep_table),
+    (h200_run.DOC, h200_run.DOC_TABLE, "h200_run.csv", h200_run.doc_table),
 ]
 
 

@@ -100,14 +100,24 @@ def test_the_optimizer_swapper_pipelines_as_configured(pipeline):
     tasks = build_graph(m, hw, sched).tasks
     reads = [t for t in tasks if t.kind == READ_OPT_STATES and t.iteration == 1]
     assert len(reads) >= 3
-    for r in reads[1:]:
-        waits = {tasks[d].kind for d in r.deps if d >= 0
-                 and (tasks[d].kind != WRITE_OPT_STATES or tasks[d].iteration == r.iteration)}
-        # without pipeline_read a sub-group's states are read after the previous sub-group's step
-        assert (ADAM in waits) != sched.ds_pipeline_read
-        assert (READ_OPT_STATES in waits) == sched.ds_pipeline_read
-        # without pipeline_write, after the previous sub-group's states were written back (this iteration)
-        assert (WRITE_OPT_STATES in waits) != sched.ds_pipeline_write
+    adams = [t for t in tasks if t.kind == ADAM and t.iteration == 1]
+    writes = [t for t in tasks if t.kind == WRITE_OPT_STATES and t.iteration == 1]
+    for i, r in enumerate(reads[1:], start=1):
+        waits = {d for d in r.deps if d >= 0}
+        kinds = {tasks[d].kind for d in waits}
+        # without pipeline_read a sub-group's states are read after the previous sub-group's step; with it
+        # after the previous read, and the step two sub-groups back (pipelined_optimizer_swapper.py: the read
+        # is issued in the previous sub-group's swap-in, after the swap-out before it)
+        assert (adams[i - 1].id in waits) != sched.ds_pipeline_read
+        assert (READ_OPT_STATES in kinds) == sched.ds_pipeline_read
+        if sched.ds_pipeline_read and i >= 2:
+            assert adams[i - 2].id in waits
+        # without pipeline_write, after the previous sub-group's states were written back (this iteration);
+        # with it, after an older one's: about one write in flight
+        assert (writes[i - 1].id in waits) != sched.ds_pipeline_write
+        back = 3 if sched.ds_pipeline_read else 2
+        if sched.ds_pipeline_write and i >= back:
+            assert writes[i - back].id in waits
     assert sched.to_dict().get("ds_pipeline_read", False) == sched.ds_pipeline_read
 
 
@@ -226,3 +236,74 @@ def test_deepspeed_s_host_waits_for_its_oldest_gradient_bucket():
     for t in waits:
         (off,) = [tasks[d] for d in t.deps if tasks[d].kind == OFFLOAD_GRADS]
         assert off.block == t.block + 4
+
+
+def _ds_param_cpu_graph(bucket: int, hw_name: str = "a100-80g-nvme", accumulation: int = 1):
+    from tierflow.planner.io.dsconfig import parse_ds_config
+
+    m = get_model("gpt3-125m")
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
+           "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                 "offload_optimizer": {"device": "cpu"},
+                                 "stage3_prefetch_bucket_size": bucket}}
+    ds = parse_ds_config(cfg, "ds.json", m)
+    hw = load_profile(hw_name)
+    sc = ds.schedule(m, hw, seq=256, iterations=2)
+    return ds.prefetch_depth(m), build_graph(m, hw, sc), hw, sc, m
+
+
+def _forward_fetch_and_compute(g, it: int) -> tuple[dict, dict]:
+    from tierflow.planner.core.opkinds import FETCH_WEIGHTS
+
+    fetch, fwd = {}, {}
+    for t in g.tasks:
+        if t.iteration != it:
+            continue
+        if t.kind == FETCH_WEIGHTS:
+            fetch.setdefault(t.block, t)  # the first fetch of a block in an iteration is its forward's
+        elif t.kind == FWD and t.mb == 0:
+            fwd.setdefault(t.block, t)
+    return fetch, fwd
+
+
+def test_deepspeed_holds_the_next_module_until_the_prefetched_bucket_has_landed():
+    """One GPU, parameters in host memory, a prefetch bucket of d layers: the host synchronizes the
+    all-gather stream at every module's wait, so the forward of layer b waits for the fetch of layer
+    b + d - 1, issued with the bucket at the previous hook (schedules._ds_drained_at_next_hook)."""
+    layer = get_model("gpt3-125m").layer_params()
+    depth, g, *_ = _ds_param_cpu_graph(3 * layer)
+    assert depth == 3
+    fetch, fwd = _forward_fetch_and_compute(g, 1)
+    for b in range(2, 8):
+        assert fetch[b + depth - 1].id in fwd[b].deps, b
+    # one layer ahead: the fetch the forward needs anyway, no other
+    depth1, g1, *_ = _ds_param_cpu_graph(1_000_000)
+    assert depth1 == 1
+    fetch1, fwd1 = _forward_fetch_and_compute(g1, 1)
+    for b in range(2, 8):
+        assert not {fetch1[c].id for c in fetch1 if c > b} & set(fwd1[b].deps)
+
+
+def test_no_drain_on_a_host_device_whose_accelerator_resolves_dependencies_itself():
+    depth, _, _, sc, m = _ds_param_cpu_graph(3 * get_model("gpt3-125m").layer_params())
+    hw = load_profile("a100-80g-nvme").with_overrides({"gpu.host_cores": 2.0})
+    g_host = build_graph(m, hw, sc)
+    fetch, fwd = _forward_fetch_and_compute(g_host, 1)
+    for b in range(2, 8):
+        assert not {fetch[c].id for c in fetch if c > b} & set(fwd[b].deps)
+    assert depth >= 3
+
+
+def test_no_compute_waits_for_a_fetch_across_the_start_of_a_forward():
+    """Each forward starts DeepSpeed's trace anew (reset_step waits for what is in flight): the drain holds
+    compute only within one micro-batch's forward and backward."""
+    from tierflow.planner.core.opkinds import FETCH_WEIGHTS
+
+    _, g, *_ = _ds_param_cpu_graph(3 * get_model("gpt3-125m").layer_params(), accumulation=2)
+    starts = [t.id for t in g.tasks if t.kind == FWD and t.block == 0]
+    ahead = [(c, d) for c in g.tasks if c.resource == "gpu" for d in c.deps
+             if d > c.id and g.tasks[d].kind == FETCH_WEIGHTS]
+    assert ahead  # the drain is there
+    for c, d in ahead:
+        assert not any(c.id < s < d for s in starts), (c.kind, c.block, c.mb)

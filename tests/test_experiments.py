@@ -235,3 +235,34 @@ def test_every_script_has_help_with_quick(script):
                          text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "--quick" in out.stdout and "--out" in out.stdout
+
+
+def test_every_experiment_script_fails_in_one_line(monkeypatch, capsys):
+    """A failing experiment prints one line (its name, the error's type and text), not a traceback, with an
+    exit code by kind; every script's entry point goes through expcommon.script_main."""
+    import ast
+
+    exp = Path(__file__).resolve().parents[1] / "experiments"
+    monkeypatch.syspath_prepend(str(exp))
+    import expcommon
+
+    def raises(e):
+        def main():
+            raise e
+        return main
+
+    monkeypatch.setattr(sys, "argv", ["bench_x.py"])
+    monkeypatch.delenv(expcommon.TRACEBACK_ENV, raising=False)
+    for err, code in ((RuntimeError("copy_async with pageable host memory\n(op 1)"), 1),
+                      (ValueError("bad shape"), 2), (OSError("no such file"), 2)):
+        assert expcommon.script_main(raises(err)) == code
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"bench_x.py: {type(err).__name__}: "), lines
+    assert expcommon.script_main(lambda: 3) == 3
+    missing = []
+    for path in sorted(exp.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        mains = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+        if mains and "script_main(" not in ast.unparse(mains[0]):
+            missing.append(path.name)
+    assert not missing

@@ -35,17 +35,25 @@ def test_gpu_check_quick_on_the_emulation(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     out = tmp_path / "out"
     summary = (out / "summary.md").read_text()
-    assert "6 of 6 steps succeeded" in summary
+    assert "10 of 10 steps succeeded" in summary
+    assert "bench_optimizer (the executor's host AdamW" in summary
     assert "beyond the GPU cap: yes; on the SSD tier: yes" in summary
-    plan = json.loads((out / "plan.json").read_text())
+    assert "optimizer states wholly in host memory: yes" in summary
+    plan = json.loads((out / "plan-ssd.json").read_text())
     place = plan["decisions"]["placement"]
     for cls in ("weights", "master", "adam_m", "adam_v"):
         assert place[cls]["ssd"] > 0, (cls, place[cls])
-    run = json.loads((out / "04-run.out").read_text())
+    host = json.loads((out / "plan-host.json").read_text())["decisions"]["placement"]
+    assert all(host[cls]["cpu"] == 1.0 for cls in ("master", "adam_m", "adam_v")), host
+    run = json.loads((out / "07-run_ssd.out").read_text())
     assert len(run["steps"]) == 3 and run["ssd_bytes_read"] > 0 and run["ssd_bytes_written"] > 0
-    cmp = json.loads((out / "05-compare.out").read_text())
-    assert cmp["measured_iteration_s"] > 0 and f"measured {cmp['measured_iteration_s']:.3f} s" in summary
-    assert (out / "compare.png").stat().st_size > 0 and (out / "run" / "trace.json").is_file()
+    for name, n in (("host", 5), ("ssd", 8)):
+        cmp = json.loads((out / f"{n:02d}-compare_{name}.out").read_text())
+        assert cmp["measured_iteration_s"] > 0 and f"measured {cmp['measured_iteration_s']:.3f} s" in summary
+        kind = cmp["by_kind"][0]
+        assert f"| {kind['kind']} | {kind['resource']} | {kind['ops']} |" in summary  # per op kind
+        assert (out / f"compare-{name}.png").stat().st_size > 0
+        assert (out / f"run-{name}" / "trace.json").is_file()
     store = (out / "bench_store" / "bench_store.csv").read_text()
     executor = (out / "bench_executor" / "bench_executor.csv").read_text()
     assert "store" in store and "states on SSD" in executor
@@ -60,8 +68,8 @@ def test_gpu_check_reports_a_step_that_cannot_run(tmp_path):
     assert res.returncode == 1
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| env | ok |" in summary
-    assert "| plan | skipped (" in summary and "missing.yaml" in summary
-    assert "| run | skipped (plan.json was not written by an earlier step) |" in summary
+    assert "| plan_host | skipped (" in summary and "missing.yaml" in summary
+    assert "| run_ssd | skipped (plan-ssd.json was not written by an earlier step) |" in summary
     assert "| bench_store | skipped (--skip) |" in summary
     assert "No plan was written." in summary
 
@@ -86,3 +94,43 @@ def test_a_full_bench_executor_predicts_on_the_calibrated_box(tmp_path, monkeypa
     assert executor[executor.index("--hw") + 1] == str(profile)
     _store, executor = check.bench_argv(check.QUICK, "cuda", tmp_path, tmp_path, profile)
     assert "--hw" not in executor
+
+
+def test_a_step_past_its_budget_is_stopped_and_kept(tmp_path, monkeypatch):
+    """A step still running at its deadline gets SIGTERM, is marked stopped, and what it wrote is kept; the
+    budget shares what is left among the steps still to come, in proportion to their shares."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_check as check
+
+    monkeypatch.setattr(check, "TERM_GRACE_S", 2)
+    slow = check.Step("run_ssd", [sys.executable, "-c",
+                                  "import time; print('measured so far', flush=True); time.sleep(60)"])
+    check.run_step(slow, tmp_path, deadline_s=2.0)
+    assert slow.stopped and slow.rc == 124 and slow.wall_s < 30
+    assert "measured so far" in (tmp_path / "07-run_ssd.out").read_text()
+    assert "stopped at its budget" in (tmp_path / "07-run_ssd.err").read_text()
+    lines = check.steps_section([slow], tmp_path)
+    assert any("| run_ssd | **stopped at its budget** (2 s) |" in line for line in lines)
+
+    budget = check.Budget(100.0, ["run_host", "bench_store"])
+    share = check.STEP_SHARE
+    expect = 100.0 * share["run_host"] / (share["run_host"] + share["bench_store"])
+    assert abs(budget.take_s("run_host") - expect) < 1.0
+    assert abs(budget.peek_s("bench_store") - budget.remaining_s()) < 1e-6  # the last step gets the rest
+    assert check.Budget(None, ["env"]).take_s("env") is None
+
+
+def test_a_runs_steps_fit_its_share(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_check as check
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"predicted": {"iteration_s": 20.0}}))
+    assert check.steps_for(check.FULL, plan, None) == 3
+    assert check.steps_for(check.FULL, plan, 1000.0) == 3
+    assert check.steps_for(check.FULL, plan, check.RUN_OVERHEAD_S + 2 * 2 * 20.0) == 2
+    assert check.steps_for(check.FULL, plan, 10.0) == 2  # never fewer than 2: compare needs them
+    caps = check.caps(check.QUICK, "rtx3090-desktop", check.SCENARIOS[0], device="cuda")
+    emulated = check.caps(check.QUICK, "rtx3090-desktop", check.SCENARIOS[0], device="cpu-adversarial")
+    assert caps["gpu.memory_gib"] - emulated["gpu.memory_gib"] >= check.QUICK.min_cuda_gpu_gib - 0.03
+    assert "cpu.memory_gib" not in caps  # the host scenario keeps the box's host memory

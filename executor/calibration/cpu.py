@@ -1,4 +1,5 @@
-"""Measuring the host: DRAM copy bandwidth, CPU AdamW update rate, memory size and the CPU's name."""
+"""Measuring the host: DRAM copy bandwidth, the update rate of the executor's CPU AdamW op, memory size and
+the CPU's name."""
 
 from __future__ import annotations
 
@@ -39,12 +40,30 @@ def adam_impl() -> str:
         return "foreach"
 
 
-def measure_cpu_adam(params: int, steps: int = 3, chunk: int = 4 * 2**20) -> float:
-    """CPU AdamW update rate in parameters per second on ``params`` fp32 parameters (in tensors of
-    ``chunk``)."""
+def measure_cpu_adam(params: int, steps: int = 3, chunk: int | None = None,
+                     threads: int | None = None) -> float:
+    """The executor's host optimizer op (`adam`, run as a run runs it: optimizer_op.HostAdamOp) in parameters
+    per second: blocks of ``chunk`` fp32 parameters (default: one block of ``params``), ``params`` in all,
+    each stepped ``steps`` times after a warm-up step; on ``threads`` intra-op threads (default: torch's), as
+    the executor's optimizer worker sets them (executor/host_threads.py)."""
     torch = import_torch()
-    opt = torch.optim.AdamW(_adam_params(params, chunk), lr=1e-4, weight_decay=0.01, **{adam_impl(): True})
-    return _update_rate(opt, params, steps)
+    from tierflow.executor.calibration.optimizer_op import HostAdamOp
+
+    chunk = chunk or params
+    sizes = [chunk] * (params // chunk) + ([params % chunk] if params % chunk else [])
+    ops = [HostAdamOp(n, seed=i) for i, n in enumerate(sizes)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        for op in ops:  # warm-up: the first touches and the kernels' first dispatch
+            op.step()
+        t0 = time.perf_counter()
+        for _ in range(max(1, steps)):
+            for op in ops:
+                op.step()
+        return params * max(1, steps) / (time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _adam_params(params: int, chunk: int) -> list:

@@ -78,7 +78,12 @@ def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | Non
     progress.step(f"CPU AdamW ({sizes.adam_params / 1e6:g}M params)")
     adam_params = int(min(sizes.adam_params, cpu["memory_gib"] * GIB / 16 / 4))
     cpu["adam_impl"] = adam_impl()
-    cpu["adam_gparams_per_s"] = measure_cpu_adam(adam_params, sizes.adam_steps) / 1e9
+    # the executor's own op, on the threads its optimizer worker will use on this device (host_threads.py)
+    from tierflow.executor.host_threads import optimizer_threads  # imports torch: here, not at module level
+
+    cpu["adam_threads"] = optimizer_threads(device, True) or torch.get_num_threads()
+    cpu["adam_gparams_per_s"] = measure_cpu_adam(adam_params, sizes.adam_steps,
+                                                 threads=cpu["adam_threads"]) / 1e9
     if importlib.util.find_spec("deepspeed") is not None:
         progress.step(f"DeepSpeedCPUAdam ({sizes.adam_params / 1e6:g}M params)")
     rate, why = measure_deepspeed_adam(adam_params, sizes.adam_steps)

@@ -303,7 +303,8 @@ def _put_cpu(b: _Builder, host_device: bool) -> None:
             b.put("cpu.ssd_slowdown_beside_compute", max(1.0, itf["ssd_slowdown"]), "measured",
                 "the executor's store reading, then writing, beside the GEMM loop, against alone")
     b.put("cpu.adam_gparams_per_s", c["adam_gparams_per_s"], "measured",
-        f"torch AdamW ({c.get('adam_impl', '?')}) on {b.m.get('cpu_threads', '?')} threads")
+        f"the executor's adam op (torch's {c.get('adam_impl', '?')} AdamW, the gradients zeroed, the compute "
+        f"copy written) on {c.get('adam_threads', b.m.get('cpu_threads', '?'))} threads")
     if c.get("deepspeed_adam_gparams_per_s"):
         b.put("cpu.deepspeed_adam_gparams_per_s", c["deepspeed_adam_gparams_per_s"], "measured",
               f"DeepSpeedCPUAdam (adamw_mode) on {b.m.get('cpu_threads', '?')} threads")

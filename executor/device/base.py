@@ -124,18 +124,58 @@ class DeviceBackend:
         the adversary, which copies it into a block of its own allocator)."""
         return t
 
+    # Host memory has one code path on every backend (host_buffer, pinned_area -> _host_bytes): a buffer
+    # asked for as pinned is pinned wherever the backend pins (`pins`), and the backends differ only in the
+    # primitive `_host_bytes` (torch's allocators on CUDA, registered numpy memory in the emulation). Until
+    # 2026-11-28 the CUDA backend's host_buffer ignored `pinned` while the emulation's pinned it.
+
     def host_buffer(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         """Host memory; `pinned` for what crosses PCIe (copy_async needs it), pageable for host-only state."""
-        return host_empty(numel, dtype, False)
-
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst <- src on the current stream, not waiting for it to land."""
-        dst.copy_(src)
+        nbytes = numel * _element_size(dtype)
+        raw = self._host_bytes(nbytes, pinned and self.pins, exact=False)
+        return raw[:nbytes].view(dtype)
 
     def pinned_area(self, nbytes: int) -> torch.Tensor:
         """One host allocation of `nbytes` (uint8) for the transfer area: page-locked where the backend pins,
         without the pinned caching allocator's rounding to a power of two. TierOutOfMemory if it fails."""
-        return host_empty(nbytes, torch.uint8, False)
+        return self._host_bytes(nbytes, self.pins, exact=True)[:nbytes]
+
+    def _host_bytes(self, nbytes: int, pinned: bool, exact: bool) -> torch.Tensor:
+        """The primitive: at least max(nbytes, 1) bytes of host memory (uint8), page-locked if `pinned`;
+        `exact`: one allocation of its own, not rounded up by a caching allocator. TierOutOfMemory if it
+        fails."""
+        return host_empty(max(nbytes, 1), torch.uint8, pinned)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """The primitive copy_async checks: whether host tensor `t` lies in page-locked memory."""
+        return not self.pins or t.is_pinned()
+
+    def check_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """What every backend's copy_async refuses, as CUDA would fail or silently misbehave: a copy outside
+        an op on a stream (CUDA: it would run on the default stream, ordered with nothing), tensors of other
+        shapes (copy_ would broadcast), a host side in pageable memory (CUDA copies it synchronously)."""
+        if self.streams_async and self.current_stream() is None:
+            raise RuntimeError("copy_async outside an op on a stream")
+        if dst.shape != src.shape:
+            raise RuntimeError(f"copy_async: shapes {tuple(dst.shape)} and {tuple(src.shape)} differ")
+        for side, t in (("destination", dst), ("source", src)):
+            if t.numel() and t.device.type == "cpu" and not self.is_pinned(t):
+                raise PageableCopyError(f"non-blocking copy with pageable host memory as its {side} "
+                                        f"({tuple(t.shape)} {t.dtype}); allocate it pinned")
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst <- src on the current stream, not waiting for it to land."""
+        self.check_copy(dst, src)
+        dst.copy_(src)
+
+    def check_host_sync(self, what: str) -> None:
+        """What every backend with streams refuses: the host waiting (synchronize_event, synchronize) from
+        inside an op on a stream (on CUDA it stalls that stream's worker and every op queued behind it)."""
+        cur = self.current_stream()
+        if self.streams_async and cur is not None:
+            name = getattr(cur, "name", None) or str(cur)
+            raise HiddenSyncError(f"a host synchronization ({what}) inside an op on stream {name} (on CUDA "
+                                  "it stalls that stream's worker)")
 
     def poison_host(self, t: torch.Tensor, stream) -> None:
         """A transfer-area view handed to a new owner (the adversary fills it with NaN,
@@ -168,6 +208,10 @@ class DeviceBackend:
 
     def check_compute_dtype(self, dtype: torch.dtype) -> None:
         """Raise ValueError if the device cannot compute in `dtype`."""
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return dtype.itemsize
 
 
 def host_empty(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tierflow.executor.device.base import DeviceBackend, PageableCopyError, TierOutOfMemory, host_empty
+from tierflow.executor.device.base import DeviceBackend, TierOutOfMemory, host_empty
 
 STREAM_PRIORITY = {"gpu": 0, "h2d": -1, "d2h": -1}  # CUDA: lower is higher; copy streams ahead of the GEMMs
 
@@ -45,6 +45,7 @@ class CudaBackend(DeviceBackend):
         stream.wait_event(event)
 
     def synchronize_event(self, event) -> None:
+        self.check_host_sync("synchronize_event")
         event.synchronize()
 
     def elapsed_s(self, start, end) -> float:
@@ -55,6 +56,7 @@ class CudaBackend(DeviceBackend):
             fn()
 
     def synchronize(self) -> None:
+        self.check_host_sync("synchronize")
         torch.cuda.synchronize(self.device)
 
     def current_stream(self):
@@ -64,10 +66,12 @@ class CudaBackend(DeviceBackend):
     def query_event(self, event) -> bool:
         return event.query()
 
-    def pinned_area(self, nbytes: int) -> torch.Tensor:
-        """Pageable memory, page-locked in place with cudaHostRegister (unregistered when it is freed): one
-        allocation of whole pages of its own, where the pinned caching allocator would round up to a power of
-        two. Not yet run on a GPU (see docs/executor.md, "Known gaps")."""
+    def _host_bytes(self, nbytes: int, pinned: bool, exact: bool) -> torch.Tensor:
+        """Pinned: torch's pinned caching allocator (cudaHostAlloc, rounded up to a power of two), or for
+        `exact` (the transfer area) pageable memory page-locked in place with cudaHostRegister (unregistered
+        when it is freed): one allocation of whole pages of its own."""
+        if not (pinned and exact):
+            return host_empty(max(nbytes, 1), torch.uint8, pinned)
         import weakref
 
         page = 4096
@@ -78,14 +82,15 @@ class CudaBackend(DeviceBackend):
         rc = torch.cuda.cudart().cudaHostRegister(ptr, padded, 0)
         if int(rc) != 0:
             raise TierOutOfMemory("cpu (pinned)", padded, f"cudaHostRegister returned {rc}")
-        arr = t.numpy()[skip: skip + nbytes]  # keeps t; every view of the returned tensor keeps arr
+        arr = t.numpy()[skip: skip + padded]  # keeps t; every view of the returned tensor keeps arr
         weakref.finalize(arr, torch.cuda.cudart().cudaHostUnregister, ptr)
         return torch.from_numpy(arr)
 
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return t.is_pinned()
+
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        for t in (dst, src):
-            if t.device.type == "cpu" and not t.is_pinned():
-                raise PageableCopyError(f"copy_async with pageable host memory ({tuple(t.shape)} {t.dtype})")
+        self.check_copy(dst, src)
         dst.copy_(src, non_blocking=True)
         self._note_arena_use(dst, src)
 

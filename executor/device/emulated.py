@@ -39,8 +39,6 @@ from torch.utils._pytree import tree_leaves
 
 from tierflow.executor.device.base import (
     DeviceBackend,
-    HiddenSyncError,
-    PageableCopyError,
     RoundAborted,
     TierOutOfMemory,
 )
@@ -259,9 +257,7 @@ class AdversarialCpuBackend(DeviceBackend):
         stream.submit(lambda: self._wait_done(event))
 
     def synchronize_event(self, event: EmuEvent) -> None:
-        if _current_stream() is not None:
-            raise HiddenSyncError(f"a host synchronization inside an op on stream {_current_stream().name} "
-                                  "(on CUDA it stalls that stream's worker)")
+        self.check_host_sync("synchronize_event")
         if event.enqueued:
             self._wait_done(event)
 
@@ -284,8 +280,7 @@ class AdversarialCpuBackend(DeviceBackend):
         return not event.enqueued or event.done.is_set()
 
     def synchronize(self) -> None:
-        if _current_stream() is not None:
-            raise HiddenSyncError("a device synchronization inside a stream op")
+        self.check_host_sync("synchronize")
         for s in list(self.streams):
             while not s.idle():
                 time.sleep(0.001)
@@ -387,8 +382,9 @@ class AdversarialCpuBackend(DeviceBackend):
 
     # -- host memory and copies ------------------------------------------------------------------------------
 
-    def host_buffer(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    def _host_bytes(self, nbytes: int, pinned: bool, exact: bool) -> torch.Tensor:
+        """numpy memory filled with NaN bytes, registered as pinned or pageable (copy_async checks it), within
+        an emulated pinned-memory limit when a test sets one."""
         limit = self.pinned_limit_bytes
         if pinned and limit is not None and self.pinned_bytes + nbytes > limit:
             raise TierOutOfMemory("cpu (pinned)", nbytes, "emulated pinned-memory limit")
@@ -400,10 +396,10 @@ class AdversarialCpuBackend(DeviceBackend):
             if pinned:
                 self.pinned_bytes += arr.nbytes
         weakref.finalize(arr, self._host_freed, ptr, arr.nbytes if pinned else 0)
-        return torch.from_numpy(arr)[:nbytes].view(dtype)
+        return torch.from_numpy(arr)
 
-    def pinned_area(self, nbytes: int) -> torch.Tensor:
-        return self.host_buffer(nbytes, torch.uint8, pinned=True)
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return not self._pageable(t)
 
     def poison_host(self, t: torch.Tensor, stream: EmuStream | None) -> None:
         """A transfer-area range handed out again holds garbage: NaN bytes, written in the new owner's stream
@@ -441,15 +437,8 @@ class AdversarialCpuBackend(DeviceBackend):
         return base.as_strided(t.shape, t.stride(), t.storage_offset())
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.check_copy(dst, src)
         stream = _current_stream()
-        if stream is None:
-            raise RuntimeError("copy_async outside an op on a stream")
-        for side, t in (("destination", dst), ("source", src)):
-            if self._pageable(t):
-                raise PageableCopyError(f"non-blocking copy with pageable host memory as its {side} "
-                                        f"({tuple(t.shape)} {t.dtype}); allocate it pinned")
-        if dst.shape != src.shape:
-            raise RuntimeError(f"copy_async: shapes {tuple(dst.shape)} and {tuple(src.shape)} differ")
         own = [b for b in (self._block_of(dst), self._block_of(src))
                if b is not None and b.stream == stream.name]
         with self.lock:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from tierflow.executor.adamw import adamw_update
+from tierflow.executor.adamw import adamw_update, clip_prelude
 from tierflow.executor.binding import OPTIMIZER_PART
 from tierflow.executor.decay import decay_pieces
+from tierflow.executor.host_adamw import host_adamw
 from tierflow.executor.ops.context import OpContext, RoundState, Staged
 from tierflow.executor.ops.grad_buffers import GradBuffers
 from tierflow.executor.ops.grads import HostGradAdds
@@ -45,7 +46,9 @@ class OptimizerOps:
         rs.staged[Staged("opt_states_read", t.id)] = out
 
     def adam(self, rs: RoundState, t: Task) -> None:
-        """One optimizer part of block t.block on the host (adam and adam_deferred)."""
+        """One optimizer part of block t.block on the host (adam and adam_deferred): the AdamW update, the
+        gradient range zeroed, the compute copy of the updated range staged, in cache-sized chunks
+        (`host_adamw`)."""
         b, state = t.block, self.cx.state
         HostGradAdds.wait_for(rs, b)
         j = OPTIMIZER_PART[t.kind]
@@ -54,51 +57,47 @@ class OptimizerOps:
         ssd_parts = rs.staged.pop(Staged("opt_states_read", rid)) if rid is not None else {}
         vecs = {cls: state.vec[cls][b] for cls in OPT_CLASSES}
         groups = decay_pieces(state.layout, b, state.shards[b][0], lo, hi)  # weight decay or not
-        ssd_cuts = {min(max(v.ssd_lo, lo), hi) for v in vecs.values()}
 
-        def view(cls: str, a: int, z: int) -> torch.Tensor:
+        def pieces(cls: str) -> list[tuple[int, int, torch.Tensor]]:
+            """(a, z, view) of the stretches of [lo, hi) of class `cls`: its host range, its SSD range."""
             V = vecs[cls]
-            if a >= V.ssd_lo:
-                plo, _phi, data = ssd_parts[cls]
-                return data[a - plo: z - plo]
-            return V.host[a - V.g: z - V.g]
+            out = [(a, z, V.host[a - V.g: z - V.g]) for a, z in [(max(lo, V.g), min(hi, V.ssd_lo))] if z > a]
+            if cls in ssd_parts:
+                plo, phi, data = ssd_parts[cls]
+                out.append((plo, phi, data))
+            return out
 
-        # One tensor per decay group, whatever the placement: a group that the host/SSD boundary splits is
-        # updated in a contiguous copy, so that the fused kernel's vector/tail split of every element (and so
-        # its last bit) does not depend on where the states live (a checkpoint resumes bit for bit under
-        # another placement).
-        params, grads, ms, vs, decay, back = [], [], [], [], [], []
-        for ga, gz, d in groups:
-            cuts = sorted({ga, gz, *(c for c in ssd_cuts if ga < c < gz)})
-            spans = list(zip(cuts, cuts[1:]))
-            for out, cls in ((params, "master"), (ms, "adam_m"), (vs, "adam_v")):
-                pieces = [view(cls, a, z) for a, z in spans]
-                out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
-                if len(pieces) > 1:
-                    back.append((pieces, out[-1]))
-            grads.append(state.grads[b][ga:gz])
-            decay.append(d)
-        self._adamw(rs, t, params, grads, ms, vs, rs.step0 + t.iteration + 1, fused=True, decay=decay)
-        for pieces, whole in back:
-            _scatter(whole, pieces)
-        master = torch.cat(params) if len(params) > 1 else params[0]
-        state.grads[b][lo:hi].zero_()
-        self._stage_weights(rs, t, j, lo, hi, master.to(state.vec["weights"][b].dtype))
+        step = rs.step0 + t.iteration + 1
+        grads = state.grads[b]
+        coef = clip_prelude(self.cx, rs, t, step, [grads[ga:gz] for ga, gz, _d in groups])
+        dests = self._weight_dests(rs, t, j, lo, hi)
+        host_adamw(self.cx.hyper, step, groups, {cls: pieces(cls) for cls in OPT_CLASSES}, grads, dests,
+                   coef)
         rs.staged[Staged("opt_states_out", t.id)] = ssd_parts
 
-    def _stage_weights(self, rs: RoundState, t: Task, j: int, lo: int, hi: int, new: torch.Tensor) -> None:
-        """The compute copy of the updated range [lo, hi), to wherever the weights live: host memory now, the
-        device range for update_weights, the SSD files for write_opt_states."""
+    def _weight_dests(self, rs: RoundState, t: Task, j: int, lo: int,
+                      hi: int) -> list[tuple[int, int, torch.Tensor]]:
+        """(a, z, buffer) for every place the compute copy of the updated range [lo, hi) goes: host memory
+        now, a transfer buffer of the device range for update_weights, one of the SSD range for
+        write_opt_states (both staged here, written by host_adamw)."""
         W = self.cx.state.vec["weights"][t.block]
+        dests = []
         a, z = max(lo, W.g), min(hi, W.ssd_lo)
         if z > a:
-            W.host[a - W.g: z - W.g].copy_(new[a - lo: z - lo])
+            dests.append((a, z, W.host[a - W.g: z - W.g]))
         a, z = lo, min(hi, W.g)
-        wire = self.cx.transfer_buffer(max(z - a, 0), new.dtype)  # update_weights copies it
-        wire.copy_(new[: max(z - a, 0)])
+        wire = self.cx.transfer_buffer(max(z - a, 0), W.dtype)  # update_weights copies it
         rs.staged[Staged("weights_gpu", t.id)] = (a, z, wire)
-        w_ssd = [(name, new[plo - lo: phi - lo]) for name, pj, plo, phi in W.ssd_pieces() if pj == j]
+        if z > a:
+            dests.append((a, z, wire))
+        w_ssd = []
+        for name, pj, plo, phi in W.ssd_pieces():
+            if pj == j:
+                buf = torch.empty(phi - plo, dtype=W.dtype)
+                dests.append((plo, phi, buf))
+                w_ssd.append((name, buf))
         rs.staged[Staged("weights_ssd", t.id)] = w_ssd
+        return dests
 
     def write_opt_states(self, rs: RoundState, t: Task) -> None:
         a = t.deps[0]
@@ -124,10 +123,3 @@ class OptimizerOps:
         if W is not vecs[0]:  # aliased when both are fp32 on the device (TrainState.weights_alias_master)
             W.copy_(vecs[0])  # the cast to the compute dtype, in one pass (no temporary)
 
-
-def _scatter(whole: torch.Tensor, pieces: list[torch.Tensor]) -> None:
-    """Copy the contiguous `whole` back into the views it was concatenated from."""
-    at = 0
-    for p in pieces:
-        p.copy_(whole[at: at + p.numel()])
-        at += p.numel()

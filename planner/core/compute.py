@@ -89,6 +89,29 @@ def kernels(block: BlockCost, backward: bool) -> int:
     return n_gemm + attention + elementwise
 
 
+def unfused_extra_bytes(norm: str, rmsnorm_elems: int, rotary_elems: int, kv_repeat_elems: int,
+                        gated_ffn_elems: int, compute_bytes: int) -> float:
+    """HBM bytes per token of one layer's forward beyond what workload.layer_cost counts (a fused kernel's
+    read and write per term) when the framework runs these terms as separate PyTorch ops (compute.layer_ops
+    unfused), as Megatron-DeepSpeed's local transformer does:
+    - RMSNorm (megatron/model/rmsnorm.py: `self._norm(x.float()).type_as(x) * self.weight`, _norm =
+      `x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)`): x.float(), pow, mean, mul, type_as, the
+      weight's mul = 28 + 4 x compute_bytes bytes per element where a fused norm moves 2 x compute_bytes;
+    - rotary positions (megatron/model/rotary_pos_embedding.py apply_rotary_pos_emb: `t * cos + rotate_half(t)
+      * sin`, rotate_half = cat(-x2, x1)): five elementwise ops, 10 passes of the tensor where a fused kernel
+      makes 2;
+    - grouped-query attention's key and value heads repeated to every query head (transformer.py
+      ParallelAttention: `repeat_interleave(num_key_value_groups)`) before the unfused attention: read kv,
+      write q, for k and v (`kv_repeat_elems` = q + kv per token, 0 without GQA);
+    - SwiGLU (`F.silu(x[0]) * x[1]` after torch.chunk): silu then mul, 5 passes of the ffn width where a
+      fused kernel makes 3.
+    Counts in elements per token: `rmsnorm_elems` (the norms' inputs, 0 for LayerNorm: Megatron's is fused),
+    `rotary_elems` (q + kv with rotary positions), `gated_ffn_elems` (ffn width when gated)."""
+    cb = compute_bytes
+    norms = (28 + 4 * cb - 2 * cb) * rmsnorm_elems if norm == "rmsnorm" else 0
+    return float(norms + 8 * cb * rotary_elems + 2 * cb * kv_repeat_elems + 2 * cb * gated_ffn_elems)
+
+
 def delivered_compute(compute: ComputeSpec | None, peak_flops: float, gemm_efficiency: float,
                       hbm_bps: float) -> DeliveredCompute | None:
     """The model for a profile's compute section, or None without one."""

@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass
 
 from tierflow.hwprofiles import HardwareProfile, ProfileError
-from tierflow.planner.core.compute import DeliveredCompute, delivered_compute, kernels
+from tierflow.planner.core.compute import DeliveredCompute, delivered_compute, kernels, unfused_extra_bytes
 from tierflow.planner.core.workload import BlockCost, Gemm, Precision
 from tierflow.planner.core.world import SINGLE, World
 
@@ -329,12 +329,24 @@ class CostModel:
         """Non-GEMM kernels moving `nbytes`, of which `activation_bytes` through the activation function."""
         return (nbytes - activation_bytes) / self.hbm_bps + activation_bytes / self.activation_bps
 
+    def unfused_s(self, block: BlockCost) -> float:
+        """One forward pass's extra elementwise time where the profile's framework runs a layer's norms,
+        rotary positions, gated activation and GQA repeat as separate ops (compute.layer_ops unfused)."""
+        if self.hw.compute is None or self.hw.compute.layer_ops != "unfused" or "norm" not in block.extras:
+            return 0.0
+        x = block.extras
+        per_token = unfused_extra_bytes(x["norm"], x["rmsnorm_elems"], x["rotary_elems"],
+                                        x["kv_repeat_elems"], x["gated_ffn_elems"],
+                                        block.precision.compute_bytes)
+        return per_token * block.tokens / self.hbm_bps
+
     def forward_s(self, block: BlockCost) -> float:
         peak = self.peak_flops_for(block.precision)
         device = (
             sum(self.gemm_s(g, peak) for g in block.fwd_gemms)
             + self.attention_s(block.attn_fwd_flops, peak_flops=peak)
             + self.elementwise_s(block.fwd_elementwise_bytes, block.fwd_activation_bytes)
+            + self.unfused_s(block)
         )
         return self._launched(device, block, False) + self.op_overhead_s
 
@@ -346,6 +358,7 @@ class CostModel:
             2 * sum(self.gemm_s(g, peak) for g in block.fwd_gemms)
             + self.attention_s(block.attn_fwd_flops, backward=True, peak_flops=peak)
             + 2 * self.elementwise_s(block.fwd_elementwise_bytes, block.fwd_activation_bytes)
+            + 2 * self.unfused_s(block)
         )
         return self._launched(device, block, True) + self.op_overhead_s
 
@@ -355,8 +368,11 @@ class CostModel:
             return device_s
         return self.delivered.launch_bound_s(device_s, kernels(block, backward))
 
-    def gpu_adam_s(self, params: float) -> float:
-        return params * GPU_ADAM_BYTES_PER_PARAM / self.hbm_bps + self.op_overhead_s
+    def gpu_adam_s(self, params: float, weight_copy_bytes: int = 0) -> float:
+        """GPU Adam over `params`; `weight_copy_bytes`: per parameter, less the write of the compute weights
+        that an in-place precision's step does not make (Precision.in_place: its compute bytes; 36 - 4 = 32 B,
+        reads grad, weight, m, v and writes weight, m, v and the zeroed grad)."""
+        return params * (GPU_ADAM_BYTES_PER_PARAM - weight_copy_bytes) / self.hbm_bps + self.op_overhead_s
 
     # ---- CPU and links -------------------------------------------------------------------------------------
 

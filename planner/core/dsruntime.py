@@ -28,9 +28,14 @@ sandbox's time (its async_io op compiles for minutes); the sizes are the code's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tierflow.planner.core.workload import COMPUTE_BYTES, MASTER_BYTES
+
+if TYPE_CHECKING:
+    from tierflow.hwprofiles import HardwareProfile
 
 DS_SUB_GROUP_ELEMS = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default (zero/config.py)
 DS_OPT_BUFFER_COUNT = 4  # offload_optimizer.buffer_count
@@ -92,3 +97,44 @@ def ds_cached_elems(owned_params: list[int], sub_groups: list[int], max_in_cpu_e
             break
         total += per_group[g]
     return total
+
+
+# ---- copies DeepSpeed's host thread waits for (runtime deepspeed on a GPU box) -----------------------------
+# PyTorch's copy_ between the CPU and a GPU with a dtype change and non_blocking=False converts on the CPU
+# through a temporary in pageable memory (aten/src/ATen/native/cuda/Copy.cu, copy_kernel_cuda: "If
+# non_blocking is true - type conversions are performed on the GPU for CPU-GPU copies, otherwise type
+# conversions are performed on the CPU"): the device copy is then a pageable cudaMemcpy, which the calling
+# thread waits for.
+
+
+def _host_convert_s(hw: HardwareProfile, nbytes: float) -> float:
+    """The CPU's dtype conversion of a copy: its bytes read and written at the host's sustained memory rate
+    (0 where host memory bandwidth is not modelled)."""
+    bps = hw.cpu.sustained_memory_bps
+    return 0.0 if math.isinf(bps) else nbytes / bps
+
+
+def ds_fp32_grad_copy_s(hw: HardwareProfile, params: float, grad_bytes: int) -> float | None:
+    """Host seconds of DeepSpeed's copy of `params` 16-bit gradient elements into the optimizer's fp32
+    gradient at the accumulation boundary (stage3.py partition_grads: `fp32_grad_tensor.copy_(grad_buffer)`,
+    no non_blocking, inside the reduce-and-partition stream): a pageable D2H of the 16-bit partition, then the
+    CPU's conversion to fp32 (2 B read, 4 B written per element). The host waits for it, so the backward's
+    next kernels wait too. None where the profile does not model pageable copies or no dtype changes
+    (fp32)."""
+    rate = hw.pcie.pageable_d2h_gbps
+    if rate is None or grad_bytes >= MASTER_BYTES:
+        return None
+    return params * grad_bytes / (rate * 1e9) + _host_convert_s(hw, params * (grad_bytes + MASTER_BYTES))
+
+
+def ds_weights_copy_s(hw: HardwareProfile, params: float, compute_bytes: int) -> float | None:
+    """Host seconds of DeepSpeed's copy of a sub-group's updated fp32 partition into its 16-bit GPU partition
+    after the CPU step (stage3.py _reassign_or_swap_out_partitioned_parameters:
+    `fp16_partitioned_groups_flat[i].data.copy_(fp32_partitioned_groups_flat[i].data)`): the CPU's conversion
+    to 16 bits into a pageable temporary (4 B read, 2 B written), then a pageable H2D, before the next
+    sub-group's step. None where the profile does not model pageable copies or no dtype changes (fp32)."""
+    rate = hw.pcie.pageable_h2d_gbps
+    if rate is None or compute_bytes >= MASTER_BYTES:
+        return None
+    convert_s = _host_convert_s(hw, params * (compute_bytes + MASTER_BYTES))
+    return params * compute_bytes / (rate * 1e9) + convert_s

@@ -99,7 +99,7 @@ def placed_bytes_of(params: int, placement: Placement,
     out = {}
     for tier in ("gpu", "cpu", "ssd"):
         out[tier] = params * (pr.compute_bytes * getattr(p.weights, tier)
-                              + pr.master_bytes * getattr(p.master, tier)
+                              + pr.master_bytes_at(p.gpu_optimizer) * getattr(p.master, tier)
                               + pr.adam_state_bytes * (getattr(p.adam_m, tier) + getattr(p.adam_v, tier)))
     out["ssd"] += pr.grad_accum_bytes * params * p.grads.ssd
     return out

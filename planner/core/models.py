@@ -36,7 +36,7 @@ FAMILIES = ("gpt", "llama", "mistral", "qwen2", "opt", "gpt_neox", "qwen3", "gem
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu")  # swiglu / geglu: gated MLPs (silu / tanh-GELU gate)
 # training precisions (tierflow.planner.core.workload.PRECISIONS: the bytes and GEMM peak of each)
-PRECISION_NAMES = ("bf16", "fp16", "fp32", "tf32")
+PRECISION_NAMES = ("bf16", "fp16", "fp32", "tf32", "fp32-inplace", "tf32-inplace")
 SUPPORTED_HF_KINDS = (
     "gemma", "gemma2", "gpt2", "gpt_neox", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3",
 )

@@ -32,6 +32,8 @@ from tierflow.planner.core.dsruntime import (
     DS_SUB_GROUP_ELEMS,
     DsKnobs,
     deepspeed_host_buffers_bytes,
+    ds_fp32_grad_copy_s,
+    ds_weights_copy_s,
 )
 from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused, topological_order
 from tierflow.planner.core.memory import (
@@ -137,6 +139,14 @@ class ScheduleConfig:
     # keeps in host memory (dsruntime.ds_cached_elems; the placement's weights cpu fraction says the same);
     # 0: the placement's split holds for every block
     ds_cached_elems: int = 0
+    # the ZeRO stage of the DeepSpeed config this schedule was read from (`--ds-config`: dsconfig.DsConfig
+    # .schedule; None: not from a config). Stage 3 with the optimizer's states in host memory makes the
+    # accumulation boundary's dtype-changing blocking copy of each 16-bit gradient partition into the fp32
+    # gradient (stage3.py partition_grads), a host wait where the profile models pageable copies
+    # (_ds_grad_bucket); not with the states on NVMe (their fp32 gradient is made on the GPU,
+    # grad_buffer.float(), and swapped out through pinned buffers) nor in ZeRO-2 (stage_1_and_2.py copies
+    # with non_blocking=True, converting on the GPU)
+    ds_stage: int | None = None
 
     @property
     def ds_knobs(self) -> DsKnobs:
@@ -189,6 +199,7 @@ class ScheduleConfig:
             **({"gpus": self.gpus, "nodes": self.nodes} if self.world.ranks != 1 else {}),
             # DeepSpeed's optimizer pipelining: only when set, so that other plans' digests stay as they were
             **{k: True for k in ("ds_pipeline_read", "ds_pipeline_write") if getattr(self, k)},
+            **({"ds_stage": self.ds_stage} if self.ds_stage is not None else {}),
             **({"ds_sub_group_elems": self.ds_sub_group_elems}
                if self.ds_sub_group_elems != DS_SUB_GROUP_ELEMS else {}),
             **({"ds_reduce_bucket_elems": self.ds_reduce_bucket_elems}
@@ -426,6 +437,7 @@ class _Use:
     read: Task | None = None  # the SSD read of the use's weights, if any
     gather: Task | None = None  # all_gather_weights of the use (several ranks)
     gpu_bytes: float = 0.0
+    first_compute: Task | None = None  # the use's first GPU task (its forward, head or recompute/backward)
 
     @property
     def ready_task(self) -> Task | None:
@@ -478,6 +490,10 @@ class _OptChain:
     prev_write: int = -1  # DeepSpeed: a sub-group's states are read only after the previous one's are written
     prev_read: int = -1  # DeepSpeed with pipeline_read: the previous sub-group's read
     prev_block: int = -1  # the block stepped before (DeepSpeed: is this one in a new sub-group?)
+    # DeepSpeed with pipeline_read: each sub-group's last CPU Adam step and last write, in the order they were
+    # stepped, which bound how far the reads run ahead (_Builder._ds_read_bound)
+    group_adam: dict = field(default_factory=dict)
+    group_write: dict = field(default_factory=dict)
     unwaited_write: Task | None = None  # LoHan: the write-back the thread issues at the next boundary
     thread_last: Task | None = None  # LoHan: the thread's last wait
 
@@ -492,6 +508,9 @@ class _DsGrad:
     gpu_bytes: float  # its GPU buffer, freed by the copy
     grad_last: dict  # the iteration's block -> final-gradient tasks
     host_grad_alloc: set  # the iteration's blocks whose host gradient buffer is allocated
+    # the accumulation boundary's copy into the fp32 gradient, when the host waits for it (seconds; None: a
+    # pinned copy counted in wire_bytes_per_param)
+    fp32_copy_s: float | None = None
 
 
 class _Builder:
@@ -633,6 +652,7 @@ class _Builder:
             g.alloc(h, "gpu", buffer)
             g.free(h, "cpu", to_ssd)
             use.fetch_h2d = h
+            self._ds_drained_at_next_hook(u, h, d)
         use.gpu_bytes = buffer
         if self.W == 1:
             return deps + [h.id]
@@ -644,6 +664,34 @@ class _Builder:
             g.alloc(a, "gpu", buffer)
         use.gather = a
         return deps + [a.id]
+
+    def _ds_drained_at_next_hook(self, u: int, h: Task, d: int) -> None:
+        """Runtime deepspeed on one GPU: the fetch of use u, issued with the prefetch bucket at the hook of
+        use u - d, is waited for by the host at the next hook, before the compute of use u - d + 1 is
+        launched.
+        DeepSpeed's one-rank fetch is an async copy of the pinned partition on the all-gather stream
+        (partition_parameters.py:76-77, NoGatherCoalescedHandle: `ds_tensor.data.to(device,
+        non_blocking=True)`; the partitions live in the pinned flat buffer, stage3.py:696), and the wait for a
+        module's parameters synchronizes that whole stream (partitioned_param_coordinator.py:328-334: the
+        handle's wait under `stream(allgather_stream)`, partition_parameters.py:58-60 and 85-86
+        `current_stream().synchronize()`), so every copy issued at earlier hooks (the prefetch of
+        partitioned_param_coordinator.py:380-413, issued after that wait) lands before the next module runs.
+        With a depth of one use nothing changes; deeper buckets do not run ahead of the compute, they hold it.
+        Not on a host device (gpu.host_cores: the CPU accelerator resolves data dependencies itself, no
+        stream to wait for) nor with several ranks (their all-gather handles wait on their own). Only within
+        one forward and backward: each forward starts a new trace (parameter_offload.py:243-245,
+        `_start_of_forward_hook` -> reset_step, which waits for what is in flight and restarts the queue), so
+        no compute waits for a fetch across the start of a forward."""
+        if d < 2 or self.cfg.runtime != "deepspeed" or self.W > 1 or self.hw.gpu.host_cores is not None:
+            return
+        j = u - d + 1
+        if j < 0 or j >= len(self.uses):
+            return
+        if any(x.block == 0 and x.phase == "F" for x in self.uses[j + 1:u + 1]):
+            return
+        c = self.uses[j].first_compute
+        if c is not None and h.key <= c.key and h.id not in c.deps:
+            c.deps.append(h.id)
 
     def _ds_cached_blocks(self) -> frozenset[int] | None:
         """Runtime deepspeed with parameters on NVMe and part of them in host memory (ds_cached_elems:
@@ -731,6 +779,7 @@ class _Builder:
             k = base + i
             use = self.uses[st.use]
             deps: list[int] = []
+            n_tasks = len(g.tasks)
             if k == use.first_step:
                 deps += self.fetch_weights(st.use, it)
             elif use.ready_task is not None:
@@ -747,6 +796,8 @@ class _Builder:
                 last = self._head_step(s, i, st, deps)
             else:
                 last = self._backward_step(s, i, st, deps)
+            if k == use.first_step:
+                use.first_compute = next((t for t in g.tasks[n_tasks:] if t.resource == "gpu"), None)
             self.step_task.append(last.id)
             self.step_use.append(st.use)
             if k == use.steps[-1]:
@@ -911,16 +962,20 @@ class _Builder:
         (stage3.py: reduce_independent_p_g_buckets_and_remove_grads, __reduce_and_partition_ipg_grads,
         independent_gradient_partition_epilogue). At the accumulation boundary (the iteration's last
         micro-batch) each partition is also copied to the optimizer's fp32 gradient: 4 B more per parameter
-        (partition_grads -> _offload_grad_partition_at_boundary). Not modelled: the copy back of the 16-bit
-        partition to the GPU after each copy out (partition_grads: grad_buffer.to(device)), an H2D of 2 B per
-        parameter and micro-batch."""
+        (partition_grads -> _offload_grad_partition_at_boundary). On a GPU box that copy is a blocking copy_
+        with a dtype change: where the profile has pcie.pageable_d2h_gbps it is the host's wait of
+        dsruntime.ds_fp32_grad_copy_s, and the backward's next kernels wait for it (_ds_after_copy_out). Not
+        modelled: the copy back of the 16-bit partition to the GPU after each copy out (partition_grads:
+        grad_buffer.to(device)), an H2D of 2 B per parameter and micro-batch."""
         elems = self.blocks[b].fetch_params
         open_elems = sum(self.blocks[x.block].fetch_params for x in self.ds_bucket)
         if self.ds_bucket and open_elems + elems > self.cfg.ds_reduce_bucket_elems:
             self._ds_flush(t)  # the full bucket leaves once this gradient is ready
         boundary = k == self.cur_last_step[b]  # the block's last micro-batch of the iteration
-        wire = self.pr.grad_wire_bytes + (self.pr.grad_accum_bytes if boundary else 0)
-        self.ds_bucket.append(_DsGrad(src, b, wire, grad_gpu_bytes, grad_last, host_grad_alloc))
+        fp32_copy_s = ds_fp32_grad_copy_s(self.hw, self.shard(elems), self.pr.grad_wire_bytes) \
+            if boundary and self._ds_blocking_grad_copy() else None
+        wire = self.pr.grad_wire_bytes + (self.pr.grad_accum_bytes if boundary and fp32_copy_s is None else 0)
+        self.ds_bucket.append(_DsGrad(src, b, wire, grad_gpu_bytes, grad_last, host_grad_alloc, fp32_copy_s))
         if b == 0:  # the backward's last block: the epilogue flushes the rest and the host waits
             self.ds_epilogue = self._ds_flush(t)
             self.ds_events.clear()
@@ -944,11 +999,31 @@ class _Builder:
                                       x.grad_last, x.host_grad_alloc)
             if t.id != src.id and t.id not in src.deps:
                 d2h.deps.append(t.id)
-            out.append(d2h.id)
+            out.append(self._ds_after_copy_out(d2h, x).id)
         self.ds_bucket = []
         if out:
             self.ds_events.append(out[-1])
         return out
+
+    def _ds_blocking_grad_copy(self) -> bool:
+        """ZeRO-3 with the optimizer's states in host memory (ScheduleConfig.ds_stage)."""
+        p = self.p
+        return self.cfg.ds_stage == 3 and not p.gpu_optimizer and p.master.ssd == 0 and p.grads.ssd == 0
+
+    def _ds_after_copy_out(self, d2h: Task, x: _DsGrad) -> Task:
+        """At the accumulation boundary on a GPU box whose profile models pageable copies: the blocking copy
+        of the 16-bit partition into the fp32 gradient (x.fp32_copy_s) after its copy to the host, on the
+        host's queue; the host waits for it before it launches the backward's next kernels (ds_wait), and the
+        optimizer's step waits for it (grad_last). Returns the bucket's last copy. Not modelled: the 16-bit
+        partition's copy back to the GPU after each copy out (partition_grads: `grad_buffer.to(device)`), an
+        H2D of 2 B per parameter and micro-batch on the reduce stream, hidden behind the backward here."""
+        if x.fp32_copy_s is None:
+            return d2h
+        last = self.g.add(OFFLOAD_GRADS, "cpu", x.fp32_copy_s, tensor="grads", block=x.block, mb=-1,
+                          iteration=d2h.iteration, key=d2h.key, deps=[d2h.id])
+        self.ds_wait.append(last.id)
+        x.grad_last[x.block] = [last.id]
+        return last
 
     def _reduce_scatter(self, t: Task, b: int, it: int) -> Task:
         """The ranks' gradients of block b summed, this rank's shard kept (a ring reduce-scatter after
@@ -977,8 +1052,10 @@ class _Builder:
             if owned == 0:
                 continue
             if p.gpu_optimizer:
-                t = g.add(ADAM_GPU, "gpu", self.cost.gpu_adam_s(owned), tensor="opt_states", block=b, mb=-1,
-                          iteration=it, key=key + Offset.ADAM_GPU, deps=grads_ready + barrier)
+                # an in-place precision steps the weights themselves: no write of a compute copy
+                saved = self.pr.compute_bytes if self.pr.in_place else 0
+                t = g.add(ADAM_GPU, "gpu", self.cost.gpu_adam_s(owned, saved), tensor="opt_states", block=b,
+                          mb=-1, iteration=it, key=key + Offset.ADAM_GPU, deps=grads_ready + barrier)
                 # the step consumes the (full) gradient buffer
                 g.free(t, "gpu", self.pr.grad_accum_bytes * blk.fetch_params)
                 self.resident_update[b] = [t.id]
@@ -1025,6 +1102,7 @@ class _Builder:
             ready.append(a.id)
             if kind == ADAM:
                 chain.prev_main = a.id
+                chain.group_adam[self._ds_sub_group(b)] = a.id
             # each part is done with its slice of the fp32 gradient
             self._host_grads(a, -frac * (pr.grad_accum_bytes * fetch_params * (1 - p.grads.ssd) + grads_ssd))
             prev_part = a.id
@@ -1034,17 +1112,31 @@ class _Builder:
                 g.free(wb, "cpu", states_ssd * frac)
                 self.states_written[(b, kind)] = [wb.id]
                 chain.prev_write = wb.id
+                if kind == ADAM:
+                    chain.group_write[self._ds_sub_group(b)] = wb.id
                 if cfg.runtime == "lohan" and kind == ADAM:
                     chain.unwaited_write = wb
                 if w_ssd > 0:
                     ready.append(wb.id)
             if w_gpu > 0:
-                up = g.add(UPDATE_WEIGHTS, "h2d", w_gpu * frac, tensor="weights", block=b, mb=-1,
-                           iteration=it, key=pkey + Offset.AFTER_ADAM, deps=[a.id])
+                up = self._update_resident(w_gpu * frac, owned * frac, b, it, pkey, a)
                 self.resident_update.setdefault(b, []).append(up.id)
         if w_gpu > 0:
             self.resident_update[b] = self.resident_update[b][-len(parts):]
         self.weights_ready[b] = ready
+
+    def _update_resident(self, nbytes: float, params: float, b: int, it: int, pkey: float,
+                         adam: Task) -> Task:
+        """The stepped block's new 16-bit weights copied to the GPU: a pinned H2D, or under runtime deepspeed
+        where the profile models pageable copies the host's blocking convert-and-copy
+        (dsruntime.ds_weights_copy_s) on the CPU's queue, before the next sub-group's step."""
+        host_s = ds_weights_copy_s(self.hw, params, self.pr.compute_bytes) \
+            if self.cfg.runtime == "deepspeed" else None
+        if host_s is None:
+            return self.g.add(UPDATE_WEIGHTS, "h2d", nbytes, tensor="weights", block=b, mb=-1, iteration=it,
+                              key=pkey + Offset.AFTER_ADAM, deps=[adam.id])
+        return self.g.add(UPDATE_WEIGHTS, "cpu", host_s, tensor="weights", block=b, mb=-1, iteration=it,
+                          key=pkey + Offset.AFTER_ADAM, deps=[adam.id])
 
     def _read_states(self, step: _AdamBlock, nbytes: float, pkey: float, kind: str, prev_part: int,
                      chain: _OptChain) -> Task:
@@ -1062,9 +1154,11 @@ class _Builder:
         new_group = ds and self._ds_sub_group(step.block) != self._ds_sub_group(chain.prev_block)
         after = chain.prev_read if new_group and cfg.ds_pipeline_read and kind == ADAM else (
             chain.prev_main if kind == ADAM else prev_part)
+        pipelined = new_group and (cfg.ds_pipeline_read or cfg.ds_pipeline_write) and kind == ADAM
+        bound = self._ds_read_bound(step.block, chain) if pipelined else []
         rs = self.g.add(READ_OPT_STATES, "ssd_read", nbytes, tensor="opt_states", block=step.block, mb=-1,
                         iteration=step.it, key=pkey + Offset.READ_STATES,
-                        deps=[after,
+                        deps=[after, *bound,
                               *self.states_written.get((step.block, kind), []),
                               chain.prev_write if ds and not (new_group and cfg.ds_pipeline_write) else -1,
                               *(self._lohan_trigger(step.k_last, chain.thread_last) if lohan_main else [])])
@@ -1075,6 +1169,21 @@ class _Builder:
             chain.thread_last = self._lohan_thread(rs, chain.unwaited_write, step.k_last, step.end)
             chain.unwaited_write = None
         return rs
+
+    def _ds_read_bound(self, block: int, chain: _OptChain) -> list[int]:
+        """How far DeepSpeed's pipelined optimizer swapper lets the read of sub-group g run ahead: it is
+        issued inside swap_in_optimizer_state of sub-group g-1 (`async_parameter`), which the host reaches
+        after swap_out_optimizer_state of g-2, and that first completes the previous asynchronous write,
+        g-3's (pipelined_optimizer_swapper.py: swap_out_optimizer_state `if self.swap_ops[ASYNC_SWAP_OUT]:
+        self._complete_swap_out(ASYNC_SWAP_OUT)`): so after g-2's CPU step and g-3's write. About one write
+        in flight and one read ahead, never the whole optimizer in host memory. With pipeline_write alone the
+        read of g is g's own swap-in, after g-1's swap-out completed g-2's write."""
+        g = self._ds_sub_group(block)
+        adams = [a for k, a in chain.group_adam.items() if k != g]  # in the order the sub-groups stepped
+        writes = [w for k, w in chain.group_write.items() if k != g]
+        if not self.cfg.ds_pipeline_read:
+            return [writes[-2] if len(writes) >= 2 else -1]
+        return [adams[-2] if len(adams) >= 2 else -1, writes[-3] if len(writes) >= 3 else -1]
 
     def _host_grads(self, t: Task, nbytes: float) -> None:
         """Host memory of fp32 gradients allocated (nbytes > 0) or freed by task t. Under runtime deepspeed

@@ -30,9 +30,17 @@ class Precision:
     """The training precision: the bytes of each tensor class and which GEMM peak of the profile applies
     (`gemm_peak`: the profile field, tierflow.planner.core.costmodel). 16-bit mixed precision computes, stores
     activations and moves weights and gradients in 2 bytes; fp32 (and tf32: fp32 tensors, TF32 tensor-core
-    GEMMs, PyTorch's `allow_tf32`) in 4. Every precision keeps an fp32 master copy beside the weights, as
-    DeepSpeed's optimizers do (stage 1/2 `single_partition_of_fp32_groups`, stage 3 `_create_fp32_partitions`
-    clone the model's partitions even when they are fp32), and fp32 Adam moments and gradient accumulation."""
+    GEMMs, PyTorch's `allow_tf32`) in 4. These keep an fp32 master copy beside the weights, as DeepSpeed's
+    ZeRO optimizers do (stage 1/2 `single_partition_of_fp32_groups`, stage_1_and_2.py:400-401, and stage 3
+    `_create_fp32_partitions`, stage3.py:901-905, DeepSpeed 0.16.5: `.clone().float()` of the model's
+    partitions even when they are fp32), and fp32 Adam moments and gradient accumulation.
+
+    `in_place` (fp32-inplace, tf32-inplace): fp32 as plain PyTorch, Megatron-LM (its FP32Optimizer without
+    fp16/bf16) and DeepSpeed without ZeRO train it (engine.py:1346, _do_optimizer_sanity_check: no wrapper
+    for fp32; engine.py:1398 `self.optimizer = basic_optimizer`): the optimizer steps the weights themselves.
+    Where it runs beside them on the GPU there is no master copy and no copy into the compute weights after
+    the step (`master_bytes_at`); an optimizer off the GPU keeps its own fp32 copy on the host, as every
+    offloading framework must."""
 
     name: str
     compute_bytes: int  # weights, activations, gradients on the GPU and on the wire
@@ -40,6 +48,12 @@ class Precision:
     master_bytes: int = MASTER_BYTES
     adam_state_bytes: int = ADAM_STATE_BYTES
     grad_accum_bytes: int = GRAD_ACCUM_BYTES
+    in_place: bool = False
+
+    def master_bytes_at(self, gpu_optimizer: bool) -> int:
+        """Bytes per parameter of the master copy for a placement whose optimizer runs on the GPU or not: none
+        where an in-place precision's optimizer steps the GPU's weights themselves."""
+        return 0 if self.in_place and gpu_optimizer else self.master_bytes
 
     @property
     def grad_wire_bytes(self) -> int:
@@ -57,6 +71,8 @@ PRECISIONS = {
     "fp16": Precision("fp16", COMPUTE_BYTES, "peak_tflops"),
     "fp32": Precision("fp32", 4, "fp32_tflops"),
     "tf32": Precision("tf32", 4, "tf32_tflops"),
+    "fp32-inplace": Precision("fp32-inplace", 4, "fp32_tflops", in_place=True),
+    "tf32-inplace": Precision("tf32-inplace", 4, "tf32_tflops", in_place=True),
 }
 DEFAULT_PRECISION = "bf16"
 
@@ -157,6 +173,11 @@ def layer_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
         bwd_working_bytes=bwd_work,
         tokens=t,
         precision=pr,
+        # per token, what an unfused framework runs as separate ops (compute.unfused_extra_bytes)
+        extras={"norm": model.norm, "rmsnorm_elems": (h if model.parallel_residual else 2 * h),
+                "rotary_elems": 0 if model.max_positions else q + kv,
+                "kv_repeat_elems": q + kv if kv < q else 0,
+                "gated_ffn_elems": f if model.gated_mlp else 0},
     )
 
 

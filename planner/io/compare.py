@@ -17,6 +17,7 @@ import numpy as np
 
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles.inputs import GIB, loads_json_limited
+from tierflow.planner.core.graph import LINKS
 from tierflow.planner.core.jsonio import read_text
 from tierflow.planner.core.simulator import SimResult
 from tierflow.planner.io.planfile import Plan, PlanError, simulate_plan
@@ -124,12 +125,15 @@ def compare(plan: Plan, trace_path: str | Path) -> Comparison:
     rows: dict[tuple[str, str], list[float]] = {}
     for t in tasks:
         if mask[t.id]:
-            r = rows.setdefault((t.kind, t.resource), [0, 0.0, 0.0])
+            r = rows.setdefault((t.kind, t.resource), [0, 0.0, 0.0, 0.0])
             r[0] += 1
             r[1] += float(pdur[t.id])
             r[2] += float(mdur[t.id])
+            r[3] += t.work if t.resource in LINKS else 0.0  # a link op's work is its bytes
     by_kind = [{"kind": k, "resource": res, "ops": n, "predicted_s": p, "measured_s": m,
-                "ratio": m / p if p > 0 else float("nan")} for (k, res), (n, p, m) in sorted(rows.items())]
+                "ratio": m / p if p > 0 else float("nan"), **_link_rates(res, nbytes, p, m)}
+               for (k, res), (n, p, m, nbytes) in sorted(rows.items())]
+    rows = {key: r[:3] for key, r in rows.items()}
     res_rows: dict[str, list[float]] = {}
     for (_k, res), (_n, p, m) in rows.items():
         r = res_rows.setdefault(res, [0.0, 0.0])
@@ -149,15 +153,26 @@ def compare(plan: Plan, trace_path: str | Path) -> Comparison:
                       device_memory)
 
 
+def _link_rates(resource: str, nbytes: float, predicted_s: float, measured_s: float) -> dict:
+    """A link op kind's bytes and the rates it moved them at (GB/s of its op time), predicted and measured;
+    compute kinds get None."""
+    if resource not in LINKS:
+        return {"bytes": None, "predicted_gbps": None, "measured_gbps": None}
+    return {"bytes": nbytes, "predicted_gbps": nbytes / predicted_s / 1e9 if predicted_s > 0 else None,
+            "measured_gbps": nbytes / measured_s / 1e9 if measured_s > 0 else None}
+
+
 def format_comparison(c: Comparison) -> str:
     lines = [f"{c.ops} ops over {c.iterations} iteration(s)",
              f"iteration time: predicted {c.predicted_iteration_s * 1e3:,.3f} ms, measured "
              f"{c.measured_iteration_s * 1e3:,.3f} ms ({c.iteration_error:+.1%})", "",
              f"{'kind':<22} {'resource':<10} {'ops':>5} {'predicted ms':>13} {'measured ms':>12} "
-             f"{'ratio':>8}"]
+             f"{'ratio':>8} {'GB/s pred / meas':>17}"]
     for r in c.by_kind:
+        rates = (f"{r['predicted_gbps'] or 0:>8,.2f} / {r['measured_gbps'] or 0:,.2f}"
+                 if r.get("bytes") is not None else "")
         lines.append(f"{r['kind']:<22} {r['resource']:<10} {r['ops']:>5} {r['predicted_s'] * 1e3:>13,.3f} "
-                     f"{r['measured_s'] * 1e3:>12,.3f} {r['ratio']:>7.2f}x")
+                     f"{r['measured_s'] * 1e3:>12,.3f} {r['ratio']:>7.2f}x {rates}".rstrip())
     lines += ["", f"{'resource':<10} {'predicted busy ms':>18} {'measured busy ms':>17} {'ratio':>8}"]
     for r in c.by_resource:
         lines.append(f"{r['resource']:<10} {r['predicted_busy_s'] * 1e3:>18,.3f} "

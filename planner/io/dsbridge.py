@@ -31,11 +31,21 @@ def simulate_ds(model: ModelSpec, hw: HardwareProfile, ds: DsConfig,
     """The schedule the DeepSpeed config runs on `hw` and its simulated result (its CapacityError when it does
     not fit), `model` trained in the config's precision."""
     model = ds.trained(model)  # a CPU device's profile is in real bytes too (tierflow calibrate --device cpu)
+    hw = with_deepspeed_adam(hw)
     cfg = ds.schedule(model, hw, seq=model.seq_len, iterations=iterations)
     try:
         return cfg, simulate_config(model, hw, cfg)
     except CapacityError as e:
         return cfg, e
+
+
+def with_deepspeed_adam(hw: HardwareProfile) -> HardwareProfile:
+    """The box as a DeepSpeed run sees it: its CPU steps at DeepSpeedCPUAdam's rate (cpu.deepspeed_adam_
+    gparams_per_s, measured or fitted) where the profile has one, not at torch's AdamW rate."""
+    rate = hw.cpu.deepspeed_adam_gparams_per_s
+    if rate is None or rate == hw.cpu.adam_gparams_per_s:
+        return hw
+    return hw.with_overrides({"cpu.adam_gparams_per_s": rate})
 
 
 def plan_beside(model: ModelSpec, hw: HardwareProfile, batch: int, time_limit_s: float,

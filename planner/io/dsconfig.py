@@ -158,7 +158,7 @@ class DsConfig:
     batch: int
     micro_batch: int
     accumulation: int
-    precision: str  # bf16 | fp16 | 16-bit (auto) | fp32
+    precision: str  # bf16 | fp16 | 16-bit (auto) | fp32 (ZeRO: a master copy) | fp32-inplace (stage 0)
     prefetch_bucket_elems: int
     max_live_elems: int
     not_modelled: tuple[str, ...] = ()
@@ -218,11 +218,12 @@ class DsConfig:
                        ds_param_buffer_count=self.param_buffer_count,
                        ds_param_buffer_elems=self.param_buffer_elems,
                        ds_param_swapper=self.param_device == "nvme" and self.cached_fraction >= 1.0,
-                       ds_cached_elems=self.cached_elems if 0 < self.cached_fraction < 1 else 0)
+                       ds_cached_elems=self.cached_elems if 0 < self.cached_fraction < 1 else 0,
+                       ds_stage=3 if self.stage >= 3 else self.stage)
 
     def trained(self, model: ModelSpec) -> ModelSpec:
-        """`model` in the precision this config trains it in (bf16.enabled / fp16.enabled, else fp32; "auto":
-        16-bit, simulated as bf16, whose bytes and peak are fp16's)."""
+        """`model` in the precision this config trains it in (bf16.enabled / fp16.enabled, else fp32, in place
+        without ZeRO; "auto": 16-bit, simulated as bf16, whose bytes and peak are fp16's)."""
         return model.with_precision(self.precision if self.precision in PRECISION_NAMES else "bf16")
 
     def describe(self) -> str:
@@ -364,7 +365,11 @@ def parse_ds_config(data: object, source: str, model: ModelSpec, *, batch_hint: 
     elif AUTO in (bf16, fp16):
         precision = "16-bit (auto)"
     else:
-        precision = "fp32"  # simulated as fp32 (DsConfig.trained): 4-byte tensors, the fp32 GEMM peak
+        # 4-byte tensors, the fp32 GEMM peak. With ZeRO (stage >= 1) DeepSpeed's optimizer clones an fp32
+        # master partition even of fp32 weights (stage_1_and_2.py:400-401, stage3.py:901-905: `.clone()
+        # .float()`, DeepSpeed 0.16.5); without ZeRO the engine keeps the client optimizer unwrapped for fp32
+        # (engine.py:1346 "optimizer_wrapper = None", 1398), which steps the weights in place
+        precision = "fp32" if stage > 0 else "fp32-inplace"
     opt_type = leaves.get("optimizer.type")
     if opt_type is not None and str(opt_type).lower() not in ADAM_TYPES:
         not_modelled.append(f"optimizer.type={opt_type} (simulated as Adam)")
@@ -383,7 +388,7 @@ def parse_ds_config(data: object, source: str, model: ModelSpec, *, batch_hint: 
     pipeline = {k: _flag(leaves, f"zero_optimization.offload_optimizer.{k}", source)
                 for k in ("pipeline_read", "pipeline_write")}
     sub_group = _int(leaves, "zero_optimization.sub_group_size", DS_SUB_GROUP_ELEMS, source, lo=1)
-    if (leaves.get("gradient_clipping", 0) not in (0, None) and stage == 0 and precision == "fp32"
+    if (leaves.get("gradient_clipping", 0) not in (0, None) and stage == 0 and precision == "fp32-inplace"
             and "gradient_clipping" in no_effect):  # the engine clips on its own (dskeys.NO_STEP_EFFECT)
         no_effect.remove("gradient_clipping")
         not_modelled.append("gradient_clipping (without ZeRO in fp32: engine.py clip_fp32_gradients)")
@@ -411,7 +416,7 @@ def _buffer_keys(leaves: dict, source: str, model: ModelSpec, param_device: str,
     owned = [b.owned_params for b in blocks_of(model, 1, model.seq_len)]
     groups = ds_sub_groups(owned, sub_group)
     if param_device == "nvme":
-        elem_bytes = 4 if precision == "fp32" else 2
+        elem_bytes = 4 if precision.startswith("fp32") else 2
         block = _int(leaves, "aio.block_size", DS_AIO_BLOCK_BYTES, source, lo=0)
         largest = largest_param_elems(model)
         if out["param_buffer_count"] < 1:

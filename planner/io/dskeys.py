@@ -44,6 +44,20 @@ MODELLED_KEYS: dict[str, str] = {
         "fetched and prefetched as CPU-offloaded parameters, the rest read from NVMe on demand. Measured "
         "(results/ds_mechanisms.txt): at the default, none of a 2 x 1024 bf16 model's 23.2M parameters was "
         "on NVMe after start-up; with 0, 23.07M were"),
+    Z + "stage3_prefetch_bucket_size": (
+        "parameters in host memory are prefetched min(this, stage3_max_live_parameters) elements ahead, in "
+        "whole decoder layers, one at least (DsConfig.prefetch_depth; fetch_sub_module's prefetch loop, "
+        "partitioned_param_coordinator.py). On one GPU the prefetch is an async copy of the pinned partition "
+        "(partition_parameters.py NoGatherCoalescedHandle) issued after the wait for the module's own "
+        "parameters, and that wait synchronizes the whole all-gather stream (the handle's "
+        "`current_stream().synchronize()` under `stream(allgather_stream)`): a layer's compute waits for "
+        "the whole bucket issued at the hook before it, so a bucket deeper than a layer holds the compute "
+        "instead of running ahead (schedules._ds_drained_at_next_hook). Not modelled: each module hook "
+        "issues up to a bucket of new elements, so the frontier can run past one bucket up to "
+        "max_live_parameters; 0 (no prefetch) is named as not modelled"),
+    Z + "stage3_max_live_parameters": (
+        "bounds the prefetch with stage3_prefetch_bucket_size (`min(max_live - available, bucket)` elements "
+        "a hook may issue, fetch_sub_module): the smaller of the two sets the prefetch depth in layers"),
     OO + "buffer_count": (
         "the optimizer swapper's pinned host buffers of the largest sub-group "
         "(swap_tensor/optimizer_utils.py SwapBufferManager), counted in host memory. Each sub-group in "

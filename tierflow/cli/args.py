@@ -54,7 +54,10 @@ def add_precision_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISION_NAMES, default=None,
                    help="training precision: bf16 (default) or fp16 (2-byte weights, activations and "
                    "gradients, the 16-bit tensor-core peak), fp32 (4 bytes, the fp32 peak: PyTorch's default "
-                   "for fp32 matmuls), tf32 (4 bytes, the TF32 tensor-core peak)")
+                   "for fp32 matmuls), tf32 (4 bytes, the TF32 tensor-core peak); each with an fp32 master "
+                   "copy, as DeepSpeed's ZeRO keeps one. fp32-inplace / tf32-inplace: fp32 as PyTorch and "
+                   "Megatron-LM train it, the optimizer stepping the weights themselves (no master where the "
+                   "optimizer runs on the GPU beside them)")
 
 
 def in_precision(model: ModelSpec, args: argparse.Namespace) -> ModelSpec:
