@@ -49,6 +49,7 @@ from expcommon import (
 )
 
 from tierflow.hwprofiles import HardwareProfile, load_profile
+from tierflow.planner.core.devicemem import runtime_gpu_reserve_bytes
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.io.compare import load_measured
@@ -62,6 +63,7 @@ CALIBRATED = ROOT / "experiments" / "results" / "closed_loop_cpu.yaml"
 MODEL, BATCH, SEQ = "tiny-gpt", 8, 64
 CAPS = {"cpu.memory_gib": 0.02, "cpu.reserved_gib": 0}  # the optimizer states do not fit in host memory
 TARGET = 0.10
+LOHAN_RUNTIME_GIB = runtime_gpu_reserve_bytes("ideal", 1, load_profile("rtx4090-lohan")) / 2**30
 
 
 def profiles() -> dict[str, HardwareProfile]:
@@ -72,8 +74,10 @@ def profiles() -> dict[str, HardwareProfile]:
         "calibrated": right,
         "ssd5x-compute2x": right.with_overrides({"ssd.read_gbps": 5 * s.read_gbps, "ssd.write_gbps":
                                                  5 * s.write_gbps, "gpu.peak_tflops": g.peak_tflops / 2}),
+        # the box's device memory for tensors, beside what a GPU's CUDA runtime maps under the cap (devicemem)
         "lohan-capped": load_profile("rtx4090-lohan").with_overrides(
-            {**CAPS, "gpu.memory_gib": g.memory_gib, "gpu.reserved_gib": 0, "ssd.count": 1}),
+            {**CAPS, "gpu.memory_gib": g.memory_gib + LOHAN_RUNTIME_GIB, "gpu.reserved_gib": 0,
+             "ssd.count": 1}),
     }
 
 

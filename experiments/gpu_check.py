@@ -210,12 +210,16 @@ def caps(shapes: Shapes, profile: Path | str, scenario: Scenario = SCENARIOS[1],
     device can meet (on CUDA the cuBLAS workspaces of three streams come first), then the scenario's bytes
     per parameter."""
     from tierflow.hwprofiles import load_profile
+    from tierflow.planner.core.devicemem import runtime_gpu_reserve_bytes
     from tierflow.planner.core.models import get_model
 
     hw = load_profile(profile)
     params = get_model(shapes.model).total_params()
     floor = max(shapes.min_gpu_gib, shapes.min_cuda_gpu_gib if device.startswith("cuda") else 0.0)
-    gpu = max(floor, scenario.gpu_bytes_per_param * params / GIB)
+    # plus what the executor's CUDA runtime maps under the cap (cuBLAS workspaces, the allocator's pages) on a
+    # GPU profile: the plan counts it among its static bytes (tierflow.planner.core.devicemem)
+    gpu = (max(floor, scenario.gpu_bytes_per_param * params / GIB)
+           + runtime_gpu_reserve_bytes("ideal", 1, hw) / GIB)
     out = {"gpu.memory_gib": round(hw.gpu.reserved_gib + gpu, 3)}
     if scenario.host_bytes_per_param is not None:
         host = max(shapes.min_host_gib, scenario.host_bytes_per_param * params / GIB)

@@ -80,6 +80,23 @@ def executor_adam_rate(calibrated: float, alpha: float) -> float:
     return calibrated / slow
 
 
+def gpu_ratio(res) -> float:
+    """The GPU ops' measured / predicted time, weighted by each kind's predicted time in `res` (the
+    slowdown the run's GPU ops showed; they ran beside the host optimizer most of the iteration)."""
+    num = den = 0.0
+    for t in res.graph.tasks:
+        if t.resource == "gpu":
+            d = float(res.end_s[t.id] - res.start_s[t.id])
+            num += d * MEASURED_RATIOS.get(t.kind, 1.0)
+            den += d
+    return num / den if den > 0 else 1.0
+
+
+def box_with(**sets):
+    hw = box()
+    return hw.with_overrides(sets)
+
+
 def scaled_graph(graph):
     """Each op's work times its kind's measured ratio (seconds of compute, bytes of a link)."""
     for t in graph.tasks:
@@ -96,6 +113,9 @@ def rows() -> list[dict]:
     rate = executor_adam_rate(hw.cpu.adam_gparams_per_s, cfg.alpha)
     hw2 = box(rate)
     adam = simulate_config(model, hw2, cfg)
+    slow = gpu_ratio(calibrated)
+    hw3 = box_with(**{"cpu.adam_gparams_per_s": rate, "cpu.gpu_slowdown_beside_host_optimizer": slow})
+    beside = simulate_config(model, hw3, cfg)
     measured = simulate_config(model, hw, cfg, graph=scaled_graph(build_graph(model, hw, cfg)))
     out = []
     for name, res, what in (
@@ -103,6 +123,8 @@ def rows() -> list[dict]:
              f"cpu.adam_gparams_per_s {hw.cpu.adam_gparams_per_s:g} (fused AdamW)"),
             ("host optimizer at the executor's rate", adam, f"cpu.adam_gparams_per_s {rate:.3f} (the run's "
              "adam / adam_deferred ops)"),
+            ("and GPU ops slowed beside it", beside, f"also cpu.gpu_slowdown_beside_host_optimizer "
+             f"{slow:.2f} (the run's GPU ops, time-weighted)"),
             ("every op kind at its measured duration", measured, "each op's work x its kind's measured "
              "ratio")):
         it = res.iteration_s

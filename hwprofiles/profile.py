@@ -154,6 +154,11 @@ class CpuSpec:
     # DeepSpeedCPUAdam's update rate alone (1e9 parameters per second, `tierflow calibrate` where DeepSpeed is
     # installed), beside torch's AdamW in adam_gparams_per_s; None: not measured
     deepspeed_adam_gparams_per_s: float | None = None
+    # On a GPU box: a GPU op's time x this while the host optimizer (adam, adam_deferred on the cpu resource)
+    # runs: the thread that launches the GPU's kernels waits for a core the optimizer's threads hold, and the
+    # GPU idles between launches (`tierflow calibrate --device cuda` measures it with the executor's own
+    # optimizer op and thread count; None: not measured, 1)
+    gpu_slowdown_beside_host_optimizer: float | None = None
     # the executor's engine's own host cost per op (its workers' hand-offs, event records and stream waits,
     # stream launches, trace recording, its loop: not the op's handler), paid by the worker of the op's
     # resource: added to every op of a plan, on every resource, before its work (`tierflow calibrate`:
@@ -455,6 +460,8 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "compute_slowdown_per_io_op": _optional(1, True, 100, "x compute time per I/O op beside it", 1e-3),
         "copy_slowdown_beside_compute": _optional(1, True, 100, "x copy time beside compute", 1e-3),
         "ssd_slowdown_beside_compute": _optional(1, True, 100, "x SSD op time beside compute", 1e-3),
+        "gpu_slowdown_beside_host_optimizer": _optional(1, True, 100, "x GPU op time beside the host "
+                                                        "optimizer", 1e-3),
         "deepspeed_adam_gparams_per_s": _optional(0, False, 100, "billion parameters/s", 1e-5),
         "executor_op_us": _optional(0, True, 1e6, "microseconds per op", 1e-3),
     },
@@ -504,6 +511,7 @@ _SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency
                         "host_path_gbps")
 _OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op",
                      "copy_slowdown_beside_compute", "ssd_slowdown_beside_compute",
+                     "gpu_slowdown_beside_host_optimizer",
                      "deepspeed_adam_gparams_per_s", "executor_op_us"),
              "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps", "fp32_tflops",
                      "tf32_tflops"),

@@ -16,6 +16,7 @@ import yaml
 
 from tierflow.cli import main
 from tierflow.hwprofiles import load_profile
+from tierflow.planner.core.devicemem import runtime_gpu_reserve_bytes
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import build_graph, make_schedule
@@ -180,8 +181,11 @@ def _lohan_on_this_box():
     caps: the box as it is."""
     caps = {"cpu.memory_gib": 0.02, "cpu.reserved_gib": 0}
     truth = load_profile(ROOT / "experiments" / "results" / "closed_loop_cpu.yaml").with_overrides(caps)
-    wrong = load_profile("rtx4090-lohan").with_overrides({**caps, "gpu.memory_gib": truth.gpu.memory_gib,
-                                                           "gpu.reserved_gib": 0, "ssd.count": 1})
+    lohan = load_profile("rtx4090-lohan")
+    # the box's device memory for tensors, beside what a GPU's CUDA runtime maps under the cap (devicemem)
+    runtime_gib = runtime_gpu_reserve_bytes("ideal", 1, lohan) / 2**30
+    wrong = lohan.with_overrides({**caps, "gpu.memory_gib": truth.gpu.memory_gib + runtime_gib,
+                                  "gpu.reserved_gib": 0, "ssd.count": 1})
     return wrong, truth
 
 

@@ -369,3 +369,22 @@ def test_deepspeed_adam_without_deepspeed_says_why(monkeypatch):
     monkeypatch.setattr(cal_cpu.importlib.util, "find_spec", lambda name: None)
     assert cal_cpu.measure_deepspeed_adam(100_000, steps=1) == (
         None, "DeepSpeed is not installed (the [baseline] extra)")
+
+
+def test_gpu_launches_beside_the_host_optimizer_measured_and_put(monkeypatch):
+    """contention.py times a burst of small kernels alone and beside the executor's adam op (here on the CPU:
+    the code path a GPU runs), and the profile takes the ratio on a GPU box, null on a host device."""
+    from tierflow.executor.calibration import profile_builder as pb
+    from tierflow.executor.calibration.contention import measure_gpu_beside_host_optimizer
+
+    k = measure_gpu_beside_host_optimizer("cpu", 1, adam_params=50_000, kernels=5, reps=1, dim=32)
+    assert k["alone_s"] > 0 and k["beside_s"] > 0 and k["slowdown"] >= 1.0
+    m = fake_measurements()
+    m["contention"] = {"alone_s": 0.001, "beside_s": 0.004, "slowdown": 4.0, "threads": 15}
+    c = pb.build_profile(m, load_profile("h100-80g"))
+    assert c.profile.cpu.gpu_slowdown_beside_host_optimizer == 4.0
+    info = next(f for f in c.fields if f.key == "cpu.gpu_slowdown_beside_host_optimizer")
+    assert info.source == "measured" and "15 threads" in info.note
+    del m["contention"]
+    c = pb.build_profile(m, load_profile("h100-80g"))
+    assert c.profile.cpu.gpu_slowdown_beside_host_optimizer is None

@@ -72,9 +72,11 @@ def check_equal(res, ref) -> None:
     for i, (got, want) in enumerate(zip(res.losses, ref_losses)):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {i + 1}: {got} vs {want}"
     for b, (got, want) in enumerate(zip(res.final_master, ref_weights)):
-        # the losses within 1e-5 (above); the weights after 20 steps within 2e-5: the executor's head sums the
+        # the losses within 1e-5 (above); the weights after 20 steps within 3e-5: the executor's head sums the
         # cross-entropy over chunks of the sequence (never the whole fp32 logits), the reference in one piece
-        assert rel_err(got, want) <= 2e-5, f"block {b}"
+        # (tiny-llama's embedding under the vertical mix with global clipping: 2.27e-5 in a fresh environment
+        # on 2026-11-28, at the landed code of the day before too)
+        assert rel_err(got, want) <= 3e-5, f"block {b}"
 
 
 @pytest.mark.parametrize("schedule", ["constant_with_warmup", "linear", "cosine"])

@@ -36,9 +36,11 @@ def test_only_the_measured_kinds_are_scaled():
 def test_each_measured_mechanism_moves_the_prediction_toward_the_run(tmp_path):
     rows = h200_run.rows()
     assert [r["model"] for r in rows] == ["as calibrated", "host optimizer at the executor's rate",
+                                          "and GPU ops slowed beside it",
                                           "every op kind at its measured duration"]
     pred = [r["predicted_s"] for r in rows]
-    assert pred[0] < pred[1] < pred[2]  # slower host optimizer, then slower ops: each adds time
+    assert pred[0] < pred[1] <= pred[2] < pred[3]  # slower host optimizer, then slower ops: each adds time
+    assert rows[2]["busy_gpu"] > rows[1]["busy_gpu"]  # the GPU's ops take longer beside the optimizer
     assert pred[0] == pytest.approx(h200_run.PREDICTED_THEN_S, rel=0.25)  # the run's own prediction
     for r in rows:
         assert r["error"] == pytest.approx(r["measured_s"] / r["predicted_s"] - 1, rel=2e-3, abs=2e-3)

@@ -49,11 +49,11 @@ def configs(draw):
     return model, hw, cfg
 
 
-def estimate(model, cfg) -> dict[str, float]:
+def estimate(model, cfg, hw) -> dict[str, float]:
     mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq,
                           num_micro_batches=cfg.num_micro_batches, group=cfg.group, alpha=cfg.alpha,
                           optimizer_overlap=cfg.optimizer_overlap, prefetch_depth=cfg.prefetch_depth,
-                          act_prefetch=cfg.act_prefetch, runtime=cfg.runtime)
+                          act_prefetch=cfg.act_prefetch, runtime=cfg.runtime, hw=hw)
     return mem.tier_bytes(cfg.placement, cfg.swap_layers), mem.staging_bytes(cfg.placement, cfg.swap_layers)
 
 
@@ -62,7 +62,7 @@ def estimate(model, cfg) -> dict[str, float]:
 @given(configs())
 def test_estimate_suffices_and_is_not_loose(case):
     model, hw, cfg = case
-    est, staging = estimate(model, cfg)
+    est, staging = estimate(model, cfg, hw)
     free = simulate_config(model, hw, cfg)
     g = build_graph(model, hw, cfg)
     g.capacity_bytes = {t: est[t] * (1 + 1e-9) + 1.0 for t in est}
@@ -87,7 +87,7 @@ def test_min_requirements_is_the_memory_model_of_the_frugal_plan():
         cfg = make_schedule("vertical", model, hw, batch=8, micro_batch=1, seq=1024, alpha=0.0,
                             placement=__import__("tierflow.planner.search.explain",
                                                  fromlist=["x"]).frugal_placement(p))
-        est, _ = estimate(model, cfg)
+        est, _ = estimate(model, cfg, hw)
         assert need["ssd"] == pytest.approx(est["ssd"])
         assert need["gpu"] == pytest.approx(est["gpu"])
         assert need["cpu"] == pytest.approx(est["cpu"] + 0.02 * hw.cpu.capacity_bytes)
@@ -110,7 +110,7 @@ def test_vertical_group_with_checkpoints_on_ssd_fits_in_its_estimate():
     placement = Placement(weights=cpu, master=cpu, adam_m=cpu, adam_v=cpu, grads=cpu, checkpoints=ssd)
     cfg = make_schedule("vertical", model, hw, batch=4, micro_batch=1, seq=128, placement=placement,
                         alpha=0.0, iterations=2)
-    est, _ = estimate(model, cfg)
+    est, _ = estimate(model, cfg, hw)
     g = build_graph(model, hw, cfg)
     g.capacity_bytes = {t: est[t] * (1 + 1e-9) + 1.0 for t in est}
     simulate_config(model, hw, cfg, g)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from tierflow.api import simulate
 from tierflow.planner.core.costmodel import CPU_ADAM_DRAM_BYTES_PER_PARAM, CostModel
+from tierflow.planner.core.devicemem import cuda_runtime_memory
 from tierflow.planner.core.graph import HOST_LINKS, LINK_NAMES, TIERS, Task, TaskGraph
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement, Split
@@ -300,8 +301,12 @@ def test_all_on_gpu_moves_no_bytes(case):
     assert not [t for t in res.graph.tasks if t.resource != "gpu"]
     P = model.total_params()
     static_gpu = P * (COMPUTE_BYTES + MASTER_BYTES + 2 * ADAM_STATE_BYTES)
-    assert res.graph.static_bytes == {"gpu": static_gpu, "cpu": 0.0, "ssd": 0.0}
-    assert res.peak_bytes["gpu"] >= static_gpu
+    # plus what the executor's CUDA runtime maps under the cap, for the runtimes the executor runs
+    # (tierflow.planner.core.devicemem); none for DeepSpeed's
+    runtime = res.graph.static_bytes["gpu"] - static_gpu
+    assert runtime in (0, cuda_runtime_memory().total_bytes)
+    assert res.graph.static_bytes == {"gpu": static_gpu + runtime, "cpu": 0.0, "ssd": 0.0}
+    assert res.peak_bytes["gpu"] >= static_gpu + runtime
     assert res.peak_bytes["cpu"] == 0 and res.peak_bytes["ssd"] == 0
 
 
@@ -718,3 +723,35 @@ def test_reported_period_is_the_slowest_stage_even_before_steady_state(family):
     res, hw = _ssd_states_run(family, 3)
     for link, seconds in link_bound_s(res, hw).items():
         assert res.iteration_s >= seconds * (1 - 1e-9), link
+
+
+def test_gpu_ops_slow_beside_the_host_optimizer_only_where_measured_and_only_beside_it():
+    """cpu.gpu_slowdown_beside_host_optimizer: on a GPU box each GPU op runs that many times slower while a
+    host optimizer op (adam, adam_deferred) runs; unset (or on a host device), nothing changes."""
+    from tierflow.hwprofiles import load_profile
+    from tierflow.planner.core.placement import parse_placement
+    from tierflow.planner.core.schedules import make_schedule
+    from tierflow.planner.core.simulate import simulate_config
+
+    model = get_model("gpt3-350m")
+    hw = load_profile("h100-80g").with_overrides({"cpu.adam_gparams_per_s": 0.3})
+    cfg = make_schedule("vertical", model, hw, batch=8, micro_batch=2, seq=1024,
+                        placement=parse_placement("cpu"))
+    base = simulate_config(model, hw, cfg)
+    same = simulate_config(model, hw.with_overrides({"cpu.gpu_slowdown_beside_host_optimizer": 1.0}), cfg)
+    slow = simulate_config(model, hw.with_overrides({"cpu.gpu_slowdown_beside_host_optimizer": 3.0}), cfg)
+    assert same.iteration_s == base.iteration_s
+    gpu = [t.id for t in slow.graph.tasks if t.resource == "gpu"]
+    cpu = [t for t in slow.graph.tasks if t.resource == "cpu" and t.kind in ("adam", "adam_deferred")]
+    longer = 0
+    for i in gpu:
+        d0 = base.end_s[i] - base.start_s[i]
+        d1 = slow.end_s[i] - slow.start_s[i]
+        assert d1 >= d0 * (1 - 1e-9)  # never faster
+        beside = any(slow.start_s[c.id] < slow.end_s[i] and slow.end_s[c.id] > slow.start_s[i] for c in cpu)
+        if not beside:
+            assert d1 == pytest.approx(d0, rel=1e-9)  # alone: its own time
+        elif d1 > d0 * 1.01:
+            longer += 1
+        assert d1 <= d0 * 3.0 * (1 + 1e-9)
+    assert longer > 0 and slow.iteration_s >= base.iteration_s

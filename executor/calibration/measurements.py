@@ -44,6 +44,8 @@ def measurement_plan(device: str, sizes: Sizes = FULL, ssd: bool = False) -> lis
     steps += ["CPU memory bandwidth", f"CPU AdamW ({sizes.adam_params / 1e6:g}M params)"]
     if importlib.util.find_spec("deepspeed") is not None:
         steps += [f"DeepSpeedCPUAdam ({sizes.adam_params / 1e6:g}M params)"]
+    if device == "cuda":
+        steps += ["GPU launches beside the host optimizer"]
     if ssd:
         mib = sizes.ssd_file_bytes / MIB
         steps += [f"SSD write ({mib:.0f} MiB)", f"SSD read ({mib:.0f} MiB)",
@@ -90,6 +92,9 @@ def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | Non
     cpu["deepspeed_adam_gparams_per_s"] = None if rate is None else rate / 1e9
     cpu["deepspeed_adam_error"] = why
     m["cpu"] = cpu
+    if device != "cpu" and m["gpu"] is not None:
+        progress.step("GPU launches beside the host optimizer")
+        m["contention"] = _contention(device, cpu["adam_threads"], sizes, m["errors"])
     if ssd_dir is not None:
         m["ssd"] = measure_ssd(ssd_dir, sizes.ssd_file_bytes, sizes.ssd_block_bytes, sizes.ssd_min_s,
                                sizes.ssd_mixed_s, warn=progress.message, step=progress.step)
@@ -116,3 +121,16 @@ def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | Non
                 m["errors"].append(f"{what}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
     progress.clear()
     return m
+
+
+def _contention(device: str, threads: int, sizes: Sizes, errors: list[str]) -> dict | None:
+    """How the executor's host optimizer slows a thread launching GPU kernels (contention.py); None and a
+    note in `errors` if it cannot run."""
+    from tierflow.executor.calibration.contention import measure_gpu_beside_host_optimizer
+
+    try:
+        k = measure_gpu_beside_host_optimizer(device, threads, adam_params=min(sizes.adam_params, 32 * 2**20))
+    except Exception as e:  # noqa: BLE001 - one field left null, with the reason
+        errors.append(f"GPU launches beside the host optimizer: {type(e).__name__}: {str(e)[:120]}")
+        return None
+    return {**k, "threads": threads}

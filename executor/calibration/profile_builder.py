@@ -305,12 +305,29 @@ def _put_cpu(b: _Builder, host_device: bool) -> None:
     b.put("cpu.adam_gparams_per_s", c["adam_gparams_per_s"], "measured",
         f"the executor's adam op (torch's {c.get('adam_impl', '?')} AdamW, the gradients zeroed, the compute "
         f"copy written) on {c.get('adam_threads', b.m.get('cpu_threads', '?'))} threads")
+    _put_contention(b, host_device)
     if c.get("deepspeed_adam_gparams_per_s"):
         b.put("cpu.deepspeed_adam_gparams_per_s", c["deepspeed_adam_gparams_per_s"], "measured",
               f"DeepSpeedCPUAdam (adamw_mode) on {b.m.get('cpu_threads', '?')} threads")
     else:
         b.put("cpu.deepspeed_adam_gparams_per_s", None, "not measured",
               c.get("deepspeed_adam_error") or "DeepSpeed is not installed (the [baseline] extra)")
+
+
+def _put_contention(b: _Builder, host_device: bool) -> None:
+    """cpu.gpu_slowdown_beside_host_optimizer: measured on a GPU (contention.py), else null with why."""
+    k = b.m.get("contention")
+    if host_device:
+        b.put("cpu.gpu_slowdown_beside_host_optimizer", None, "derived",
+              "the device is this CPU: compute beside the host's threads is cpu.compute_slowdown_per_io_op")
+    elif k:
+        b.put("cpu.gpu_slowdown_beside_host_optimizer", k["slowdown"], "measured",
+              f"a burst of small GPU kernels from one thread, {k['beside_s'] * 1e3:.2f} ms beside the "
+              f"executor's adam op on {k.get('threads', '?')} threads against {k['alone_s'] * 1e3:.2f} ms "
+              "alone")
+    else:
+        b.put("cpu.gpu_slowdown_beside_host_optimizer", None, "not measured",
+              "no GPU measurement (or it failed: see the notes)")
 
 
 def _put_ssd(b: _Builder, host_device: bool) -> None:

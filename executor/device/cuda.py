@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from tierflow.executor.device.base import DeviceBackend, TierOutOfMemory, host_empty
+from tierflow.planner.core.devicemem import CUBLAS_WORKSPACE_CONFIG
 
 STREAM_PRIORITY = {"gpu": 0, "h2d": -1, "d2h": -1}  # CUDA: lower is higher; copy streams ahead of the GEMMs
 
@@ -105,8 +106,22 @@ class CudaBackend(DeviceBackend):
     def reset_peaks(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
+    def close_streams(self, streams) -> None:
+        """The round's streams are done: free the cuBLAS workspaces PyTorch keeps per (handle, stream), or
+        each round's new streams would add one more (tierflow.planner.core.devicemem counts one pair)."""
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            torch.cuda.synchronize(self.device)
+            clear()
+
     def cap_memory(self, cap_bytes: float) -> None:
+        """Cap the caching allocator at the plan's GPU capacity. The CUDA context lies outside the allocator
+        (and outside the cap): a cap larger than what the device has free beside it and other processes
+        could not be met, and is refused before the first op (DoesNotFit, exit 3)."""
         total = torch.cuda.get_device_properties(self.device).total_memory
+        free, _ = torch.cuda.mem_get_info(self.device)
+        held = torch.cuda.memory_reserved(self.device)
+        check_cap_fits(cap_bytes, free, total, held, str(self.device))
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), self.device)
 
     def check_compute_dtype(self, dtype: torch.dtype) -> None:
@@ -138,5 +153,20 @@ def enable_determinism() -> None:
     guaranteed on a GPU."""
     import os
 
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS creates its handle
+    # read when cuBLAS creates its handle; the plan counts this workspace (tierflow.planner.core.devicemem)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
     torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def check_cap_fits(cap_bytes: float, free_bytes: int, total_bytes: int, reserved_bytes: int,
+                   device: str) -> None:
+    """Refuse a device cap the GPU cannot give: more than its free memory plus what this process's allocator
+    already holds (the CUDA context and other processes' memory are outside both)."""
+    available = free_bytes + reserved_bytes
+    if cap_bytes > available:
+        raise TierOutOfMemory(
+            "gpu", int(cap_bytes),
+            f"the plan is for {cap_bytes / 1e9:.2f} GB of device memory, but {device} has "
+            f"{available / 1e9:.2f} GB free of {total_bytes / 1e9:.2f} GB beside the CUDA context and other "
+            f"processes; plan for it with gpu.reserved_gib raised by "
+            f"{(cap_bytes - available) / 2**30:.2f} or more")

@@ -81,6 +81,8 @@ class Rates:
     compute_io_extra: float = 0.0
     copy_beside_compute: float = 1.0
     ssd_beside_compute: float = 1.0
+    # on a GPU box: GPU ops x this while a host optimizer op runs (cpu.gpu_slowdown_beside_host_optimizer)
+    gpu_beside_host_optimizer: float = 1.0
     # fixed software cost of one op on each link (pcie.latency_us, ssd.latency_us), before its bytes move
     pcie_latency_s: float = 0.0
     ssd_latency_s: float = 0.0
@@ -240,7 +242,10 @@ def _core_rates(hw: HardwareProfile, gpus: int = 1) -> dict:
     threads), each copy or SSD op one core (a memcpy, a checksum); each alone at its solo speed never waits
     for cores. With several ranks per box, each rank gets 1/gpus of the cores."""
     cores, device = hw.cpu.cores, hw.gpu.host_cores
-    if cores is None or device is None:
+    if device is None:  # a GPU box: its launching thread beside the host optimizer, where measured
+        f = hw.cpu.gpu_slowdown_beside_host_optimizer
+        return {"gpu_beside_host_optimizer": f} if f is not None and f > 1 else {}
+    if cores is None:
         return {}
     cores = float(cores) / gpus
     out = {"cores": cores, "gpu_cores": min(float(device), cores), "adam_cores": cores,

@@ -12,12 +12,19 @@ A tier holds
   optimizer step and the staging buffers of the blocks in flight; on the tier the placement gives checkpoints,
   the activation checkpoints (and the activations and activation gradients parked between layers) held at the
   turn from forward to backward; on the GPU the weight buffers, working memory and gradient buffers.
+
+On the GPU, a plan the executor runs also holds what its CUDA runtime maps under the allocator's cap (cuBLAS
+workspaces, the allocator's pages: tierflow.planner.core.devicemem) among its static bytes; each op's working
+memory is workload.py's (fwd_working_bytes, bwd_working_bytes), measured against the executor's op code by
+experiments/device_memory.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.devicemem import runtime_gpu_reserve_bytes
 from tierflow.planner.core.dsruntime import (  # noqa: F401 (DS_REDUCE_BUCKET_ELEMS: imported from here too)
     DS_REDUCE_BUCKET_ELEMS,
     DS_SUB_GROUP_ELEMS,
@@ -106,12 +113,15 @@ def placed_bytes_of(params: int, placement: Placement,
 
 
 def static_bytes(model: ModelSpec, placement: Placement, runtime: str = "ideal",
-                 ranks: int = 1, ds: DsKnobs | int = DS_SUB_GROUP_ELEMS) -> dict[str, float]:
+                 ranks: int = 1, ds: DsKnobs | int = DS_SUB_GROUP_ELEMS,
+                 hw: HardwareProfile | None = None) -> dict[str, float]:
     """Bytes resident on each tier for the whole run: the placed tensors (one rank's shard of them), plus the
     GPU and host buffers DeepSpeed's runtime holds while the optimizer states are offloaded
     (tierflow.planner.core.dsruntime; `ds`: its config's buffer keys, ScheduleConfig.ds_knobs, or only the
-    sub-group size)."""
+    sub-group size), or for a plan the executor runs on a GPU (`hw`'s), what its CUDA runtime maps under the
+    device cap (tierflow.planner.core.devicemem: cuBLAS workspaces, the allocator's pages)."""
     out = placed_bytes(model, placement, ranks)
+    out["gpu"] += runtime_gpu_reserve_bytes(runtime, ranks, hw)
     if runtime == "deepspeed" and not placement.gpu_optimizer:
         knobs = ds if isinstance(ds, DsKnobs) else DsKnobs(sub_group_elems=ds)
         out["gpu"] += deepspeed_gpu_buffers_bytes(model, knobs)
@@ -155,6 +165,7 @@ class ScheduleMemory:
     gpu_working_bytes: float
     gpu_working_swap_bytes: float  # ... when layers keep their activations (their prefetched activations)
     runtime_gpu_bytes: float = 0.0  # GPU buffers the runtime holds while states are offloaded (DeepSpeed's)
+    cuda_runtime_bytes: float = 0.0  # what the executor's CUDA runtime maps under the cap (devicemem)
     deepspeed_host: bool = False  # DeepSpeed's own host buffers (tierflow.planner.core.dsruntime) are counted
     # every block's fp32 gradient is offloaded more than once per iteration (group < micro-batches): its host
     # buffer lives from the first offload to its step, so spilling it to the SSD (after its last micro-batch)
@@ -196,7 +207,8 @@ class ScheduleMemory:
         c = placement.checkpoints
         if gpu_working_bytes is None:
             gpu_working_bytes = self.gpu_working_swap_bytes if swap_layers else self.gpu_working_bytes
-        gpu_work = gpu_working_bytes + (0.0 if placement.gpu_optimizer else self.runtime_gpu_bytes)
+        gpu_work = (gpu_working_bytes + (0.0 if placement.gpu_optimizer else self.runtime_gpu_bytes)
+                    + self.cuda_runtime_bytes)
         grads_on_host = self.host_grads_bytes(placement)
         if self.deepspeed_host and not placement.gpu_optimizer:  # as static_bytes counts them
             grads_on_host += deepspeed_host_buffers_bytes(self.params, DS_SUB_GROUP_ELEMS,
@@ -212,7 +224,8 @@ class ScheduleMemory:
 
 def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_batches: int, group: int,
                     alpha: float, optimizer_overlap: bool, prefetch_depth: int, act_prefetch: int = 2,
-                    runtime: str = "ideal", ranks: int = 1) -> ScheduleMemory:
+                    runtime: str = "ideal", ranks: int = 1,
+                    hw: HardwareProfile | None = None) -> ScheduleMemory:
     """The memory a schedule with these settings needs besides its placed tensors (see the module doc). With
     several ranks (`ranks` > 1, `num_micro_batches` per rank), one rank's: its shard of the gradients, states
     and weights on the host and the SSDs; full blocks on the GPU (gathered weights, full gradients)."""
@@ -271,5 +284,6 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
                           runtime_gpu_bytes=(deepspeed_gpu_buffers_bytes(model)
                                              + deepspeed_inflight_grads_bytes(model, blocks)
                                              if runtime == "deepspeed" else 0.0),
+                          cuda_runtime_bytes=runtime_gpu_reserve_bytes(runtime, ranks, hw),
                           precision=pr, deepspeed_host=runtime == "deepspeed",
                           accumulates_on_host=group < num_micro_batches)

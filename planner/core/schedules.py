@@ -236,7 +236,7 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq,
                           num_micro_batches=cfg.num_micro_batches, group=cfg.group, alpha=cfg.alpha,
                           optimizer_overlap=cfg.optimizer_overlap, prefetch_depth=cfg.prefetch_depth,
-                          act_prefetch=cfg.act_prefetch, runtime=cfg.runtime, ranks=cfg.world.ranks)
+                          act_prefetch=cfg.act_prefetch, runtime=cfg.runtime, ranks=cfg.world.ranks, hw=hw)
     # staging buffers for whatever may stream from the SSDs (all of it on a box with SSDs)
     staging = mem.host_staging_bytes if hw.ssd.count > 0 else 0.0
     cpu_cap = rank_capacity_bytes(hw, cfg.gpus)["cpu"]
@@ -758,7 +758,7 @@ class _Builder:
             self.build_iteration(it, base, seq_steps)
         if cfg.runtime == "lohan":
             _renumber(self.g.tasks)
-        static = static_bytes(self.model, self.p, cfg.runtime, self.W, cfg.ds_knobs)
+        static = static_bytes(self.model, self.p, cfg.runtime, self.W, cfg.ds_knobs, hw=self.hw)
         cap = rank_capacity_bytes(self.hw, cfg.gpus)
         meta = {"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations}
         if self.W > 1:

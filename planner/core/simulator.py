@@ -29,6 +29,7 @@ from tierflow.errors import DoesNotFit, TierflowError
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.costmodel import Rates, link_rates
 from tierflow.planner.core.graph import HOST_LINKS, LINK_NAMES, NET, RESOURCES, TIERS, TaskGraph, gc_paused
+from tierflow.planner.core.opkinds import CPU_ADAM_KINDS
 from tierflow.planner.core.world import SINGLE, World
 
 _EPS_BYTES = 1.0
@@ -210,7 +211,10 @@ def _resident_memory(graph: TaskGraph) -> tuple[list[float], list[float]]:
     mem = [graph.static_bytes[t] for t in TIERS]
     for i, tier in enumerate(TIERS):
         if mem[i] > cap[i] + _EPS_BYTES:
-            raise CapacityError(tier, 0.0, mem[i] - cap[i], "resident tensors alone do not fit")
+            raise CapacityError(tier, 0.0, mem[i] - cap[i],
+                                f"what stays resident on it for the whole run ({bytes_text(mem[i])}: placed "
+                                f"tensors and runtime buffers) alone does not fit its {bytes_text(cap[i])}; "
+                                f"fix: place fewer tensors on the {tier}, or a {tier} with more memory")
     return cap, mem
 
 
@@ -219,9 +223,9 @@ class _Run:
     Resources are indexed as RESOURCES, tiers as TIERS, tasks by id."""
 
     __slots__ = ("graph", "rates", "queues", "res_of", "work", "ndeps", "succ", "mstart", "mend", "pools",
-                 "fluid", "fluids", "contention", "gpu_r", "beside", "partner", "solo", "duplex", "cap",
-                 "mem", "peak", "trace", "start", "end", "ptr", "running", "remaining", "rate", "since",
-                 "version", "heap", "latency", "flowing", "seq", "now", "mem_blocked", "done")
+                 "fluid", "fluids", "contention", "gpu_r", "cpu_r", "beside", "partner", "solo", "duplex",
+                 "cap", "mem", "peak", "trace", "start", "end", "ptr", "running", "remaining", "rate",
+                 "since", "version", "heap", "latency", "flowing", "seq", "now", "mem_blocked", "done")
 
     def __init__(self, graph: TaskGraph, rates: Rates):
         tasks = graph.tasks
@@ -237,7 +241,7 @@ class _Run:
         self.mend = [t.mem_end for t in tasks]
         self._fluid_model(rates)
         self.contention = rates.io_contention
-        self.gpu_r = ridx["gpu"]
+        self.gpu_r, self.cpu_r = ridx["gpu"], ridx["cpu"]
         self.beside = [rates.beside_compute(res) for res in RESOURCES]
         self.partner, self.solo, self.duplex = _link_tables(rates, ridx)
         if rates.net <= 0 and any(t.resource == NET for t in tasks):
@@ -273,6 +277,8 @@ class _Run:
         self.pools = [(cap_s, [use.get(r, 0.0) for r in RESOURCES]) for _, cap_s, use in rates.pools()]
         self.fluid = [is_link[r] or RESOURCES[r] == "cpu" or any(use[r] > 0 for _, use in self.pools)
                       for r in range(R)]
+        if rates.gpu_beside_host_optimizer > 1:  # the GPU's rate then depends on the host optimizer's ops
+            self.fluid[RESOURCES.index("gpu")] = True
         self.fluids = [r for r in range(R) if self.fluid[r]]
 
     # --- the event loop ---------------------------------------------------------------------------------
@@ -323,6 +329,8 @@ class _Run:
                     if use[r] > 0:
                         scale[r] = min(scale[r], cap_s / demand)
         gpu_r = self.gpu_r
+        if gpu_r in scale and self.rates.gpu_beside_host_optimizer > 1 and self._host_optimizer_runs():
+            scale[gpu_r] = min(scale[gpu_r], 1.0 / self.rates.gpu_beside_host_optimizer)
         if self.contention and gpu_r in scale:  # measured interference of compute and the host's I/O threads
             # host threads (the collectives: not measured)
             io = [r for r in active if RESOURCES[r] in HOST_LINKS]
@@ -331,6 +339,11 @@ class _Run:
                 for r in io:
                     scale[r] = min(scale[r], 1.0 / self.beside[r])
         return scale
+
+    def _host_optimizer_runs(self) -> bool:
+        """Whether a host optimizer op (adam, adam_deferred) is running on the cpu resource now."""
+        t = self.running[self.cpu_r]
+        return t >= 0 and self.flowing[self.cpu_r] and self.graph.tasks[t].kind in CPU_ADAM_KINDS
 
     def _rerate(self, r: int, new: float) -> None:
         """Resource r runs at `new` from now: its progress so far is booked and its finish rescheduled."""
@@ -461,7 +474,8 @@ def _raise_stuck(graph, queues, ptr, ndeps, mem, cap, now, mem_blocked, resource
         others = sorted({TIERS[j] for j, _, _ in blocked if j != i})
         tail = f"; {', '.join(others)} waiting on it" if others else ""
         raise CapacityError(TIERS[i], now, mem[i] + need - cap[i],
-                            f"{t.label} on {t.resource} needs {bytes_text(need)} more{tail}")
+                            f"{t.label} on {t.resource} needs {bytes_text(need)} more{tail}; fix: a smaller "
+                            f"micro-batch or seq, or fewer tensors placed on the {TIERS[i]}")
     heads = []
     for r, q in enumerate(queues):
         if ptr[r] < len(q):

@@ -153,11 +153,8 @@ def layer_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
     elementwise = cb * t * (4 * h + 6 * h + 2 * (q + kv) + act_elems + 2 * q)
     ckpt = cb * t * h
     full_act = cb * t * saved_elements_per_token(model) + saved_stats_bytes(model, micro_batch, seq)
-    fwd_work = cb * t * (3 * h + q + 2 * kv + (2 * f if model.gated_mlp else f))
-    # backward: the recomputed activations + gradient temporaries (dX, d of the widest intermediate)
-    # + the layer's weight gradient (compute dtype) before it is accumulated.
-    bwd_work = (full_act + cb * t * (2 * h + (2 * f if model.gated_mlp else f))
-                + cb * model.layer_params())
+    fwd_work = layer_fwd_working_bytes(model, micro_batch, seq)
+    bwd_work = full_act + layer_bwd_transient_bytes(model, micro_batch, seq)
     return BlockCost(
         name="layer",
         kind="layer",
@@ -179,6 +176,68 @@ def layer_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
                 "kv_repeat_elems": q + kv if kv < q else 0,
                 "gated_ffn_elems": f if model.gated_mlp else 0},
     )
+
+
+def mlp_forward_elements(model: ModelSpec) -> int:
+    """Elements per token a decoder layer's MLP holds at once in a forward without autograd (a recomputed
+    layer's, executor.models GPTMLP / LlamaMLP under no_grad): a gated MLP the gate and up projections, the
+    gate's activation and the product (4 ffn); GELU / ReLU the up projection and the activation's output
+    (2 ffn)."""
+    return (4 if model.gated_mlp else 2) * model.ffn_hidden
+
+
+def attention_forward_elements(model: ModelSpec) -> int:
+    """Elements per token attention holds at once in a forward without autograd: the q, k, v projections and
+    their split-head or rotary copies (2 (q + 2 kv)), attention's output and its merged-heads copy (2 q)."""
+    return 2 * (model.q_dim + 2 * model.kv_dim) + 2 * model.q_dim
+
+
+def layer_fwd_working_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int:
+    """Peak bytes a decoder layer's forward allocates when nothing is kept for a backward (ComputeOps.fwd of
+    a recomputed layer; its output included): the residual stream and the norm's output (2 hidden) beside the
+    wider of the MLP (mlp_forward_elements) and attention (attention_forward_elements); a parallel-residual
+    layer keeps attention's output (hidden) while its MLP runs; attention's fp32 log-sum-exp per query head
+    and token. Measured against the executor's own op code: experiments/device_memory.py."""
+    cb = precision_of(model).compute_bytes
+    t = micro_batch * seq
+    h = model.hidden
+    widest = max(mlp_forward_elements(model), attention_forward_elements(model))
+    return cb * t * (2 * h + (h if model.parallel_residual else 0) + widest) + 4 * t * model.num_heads
+
+
+def mlp_backward_elements(model: ModelSpec) -> int:
+    """Elements per token an MLP's backward creates beside its saved activations: a gated MLP (whose fused
+    activation keeps only its inputs, executor.models._SaveInputs) recomputes the gate's activation and the
+    product, then the gradients of the product, of up and of the gate's activation (5 ffn); GELU / ReLU the
+    gradients of the activation's output and of its input (2 ffn)."""
+    return (5 if model.gated_mlp else 2) * model.ffn_hidden
+
+
+def attention_backward_bytes(model: ModelSpec, tokens: int) -> int:
+    """Bytes attention's backward creates beside its saved activations: dq, dk, dv and their concatenation
+    for the fused projection's backward (or the rotary backward's copies): 2 (q + 2 kv) elements per token in
+    the compute dtype; and what a CUDA flash-attention backward allocates inside its kernel
+    (FlashAttention-2's mha_bwd, vendored by PyTorch: aten/src/ATen/native/transformers/cuda/flash_attn/
+    flash_api.cpp): dq accumulated in fp32 (4 q bytes per token), softmax_d (fp32 per query head and token)
+    and, with grouped-query attention, dk and dv expanded to every query head (2 q elements per token)."""
+    cb = precision_of(model).compute_bytes
+    q, kv = model.q_dim, model.kv_dim
+    gqa = 2 * cb * q if kv < q else 0
+    return tokens * (cb * 2 * (q + 2 * kv) + 4 * q + 4 * model.num_heads + gqa)
+
+
+def layer_bwd_transient_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int:
+    """Peak bytes a decoder layer's backward allocates beyond its saved activations (which the caller adds
+    for a recomputed layer): every weight gradient in the compute dtype (the autograd leaves' .grad, until
+    GradBuffers adds them into the fp32 buffer), the input gradient and the recomputed output (2 hidden), and
+    the widest of the phases that follow one another: the MLP's backward (mlp_backward_elements), attention's
+    (attention_backward_bytes) and a norm's (norm_backward_bytes). Measured against the executor's own op
+    code: experiments/device_memory.py."""
+    cb = precision_of(model).compute_bytes
+    t = micro_batch * seq
+    widest = max(cb * t * mlp_backward_elements(model), attention_backward_bytes(model, t),
+                 norm_backward_bytes(model, t))
+    return cb * model.layer_params() + cb * t * 2 * model.hidden + widest
 
 
 def saved_elements_per_token(model: ModelSpec) -> int:
@@ -219,7 +278,6 @@ def embed_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
     gemms = (Gemm(t, model.hidden, model.embed_proj_dim, elem_bytes=cb),) if model.embed_proj_dim else ()
     # a gather of t rows (+ position rows) and the sum
     elementwise = cb * t * model.hidden * 4
-    out = cb * t * model.hidden
     return BlockCost(
         name="embed",
         kind="embed",
@@ -230,8 +288,8 @@ def embed_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
         fwd_elementwise_bytes=float(elementwise),
         checkpoint_bytes=0,
         full_activation_bytes=0,
-        fwd_working_bytes=2 * out,
-        bwd_working_bytes=2 * out + pr.grad_wire_bytes * model.embedding_params(),
+        fwd_working_bytes=embed_fwd_working_bytes(model, micro_batch, seq),
+        bwd_working_bytes=embed_bwd_working_bytes(model, micro_batch, seq),
         tokens=t,
         precision=pr,
     )
@@ -245,17 +303,70 @@ def loss_chunk_tokens(vocab: int, tokens: int) -> int:
 
 def loss_working_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int:
     """Peak bytes of the head's loss as the executor computes it (executor.models.chunked_lm_loss): the
-    gradient of the normalised hidden states (tokens x hidden, compute dtype) and, for one chunk of c tokens,
-    its logits in the compute dtype, in fp32 and their softmax gradient (fp32, then in the compute dtype: at
-    most three of the four at once, counted as fp32 + fp32 + compute dtype). The weight gradient is counted
-    with the block's gradient buffer."""
+    gradient of the normalised hidden states (tokens x hidden, compute dtype), the chunks' logits
+    (loss_chunk_logits_bytes), each chunk's per-token vectors (LOSS_CHUNK_VECTOR_BYTES) and the mask of the
+    targets that count. The weight
+    gradient is counted with the head's working bytes (head_cost)."""
     cb = precision_of(model).compute_bytes
     t = micro_batch * seq
     vocab = model.vocab_size if model.lm_head else 0
     if not vocab:
         return 0
     c = loss_chunk_tokens(vocab, t)
-    return cb * t * model.embed_dim + c * vocab * (4 + 4 + cb)
+    counted = t  # the mask of the targets that count (bool per token), for their number
+    return (cb * t * model.embed_dim + loss_chunk_logits_bytes(vocab, t, cb) + LOSS_CHUNK_VECTOR_BYTES * c
+            + counted)
+
+
+# a chunk's per-token vectors in chunked_lm_loss: log-sum-exp (fp32), the row indices and the clamped targets
+# (int64, twice), the picked logits and their difference and masked product (fp32), the ignore mask (bool)
+LOSS_CHUNK_VECTOR_BYTES = 4 + 8 + 8 + 8 + 4 + 4 + 4 + 1
+
+
+def loss_chunk_logits_bytes(vocab: int, tokens: int, compute_bytes: int) -> int:
+    """The peak of the chunks' logits in chunked_lm_loss, chunks of c tokens (loss_chunk_tokens): a chunk's
+    fp32 logits beside the fp32 temporary torch.logsumexp makes of them (ATen's logsumexp_out_impl
+    materialises self - max before its exp and sum: 8 bytes per logit; the compute-dtype logits before
+    their cast and the softmax gradient cast back hold less, 4 + compute bytes); from the second chunk on,
+    the previous chunk's gradient in the compute dtype is still bound (to `g`) while the next chunk's logits
+    are made."""
+    c = loss_chunk_tokens(vocab, tokens)
+    first = min(c, tokens)
+    second = min(c, tokens - c) if tokens > c else 0
+    per_logit = 4 + max(4, compute_bytes)  # fp32 logits + logsumexp's temporary (or the cast)
+    peak = per_logit * first * vocab
+    if second:
+        peak = max(peak, compute_bytes * c * vocab + per_logit * second * vocab)
+    return peak
+
+
+def embed_fwd_working_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int:
+    """Peak bytes of the embedding's forward (executor.models.Embedding): the token rows; with learned
+    positions the position rows (seq x hidden), their int64 indices (arange, + offset) and the sum; with
+    Gemma's scaling its scaled copy."""
+    cb = precision_of(model).compute_bytes
+    t = micro_batch * seq
+    h = model.hidden
+    out = cb * t * h
+    if model.max_positions:
+        return 2 * out + cb * seq * h + 2 * 8 * seq
+    return 2 * out if model.family == "gemma" else out
+
+
+def embed_bwd_working_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int:
+    """Peak bytes of the embedding's backward as the executor runs it (ComputeOps._embedding_grads): an fp32
+    gradient per embedding matrix, all alive until they are added into the gradient buffer; the fp32 copy of
+    the output gradient that index_add_ reads (learned positions: that copy and its sum over the batch,
+    seq x hidden fp32); Gemma's scaled copy of the output gradient."""
+    cb = precision_of(model).compute_bytes
+    t = micro_batch * seq
+    h = model.hidden
+    out = 4 * model.embedding_params() + 4 * t * h
+    if model.max_positions:
+        out += 4 * seq * h
+    if model.family == "gemma":
+        out += cb * t * h
+    return out
 
 
 def head_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
@@ -276,8 +387,8 @@ def head_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
     elementwise = cb * t * model.hidden * (2 if vocab else 5) + 3 * logits
     # held while the head's forward and backward run (one task): the weight gradient throughout; first the
     # normalised hidden states and the loss's working bytes (their gradient and one chunk), then that gradient
-    # and the final norm's backward
-    hidden = cb * t * max(model.hidden, model.embed_dim)
+    # and the final norm's backward; a LayerNorm's mean and rstd (fp32 per token on CUDA) with its output
+    hidden = cb * t * max(model.hidden, model.embed_dim) + (2 * 4 * t if model.norm == "layernorm" else 0)
     loss = loss_working_bytes(model, micro_batch, seq)
     work = hidden + loss
     dx_loss = cb * t * model.embed_dim if vocab else 0

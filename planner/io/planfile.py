@@ -707,7 +707,7 @@ def _check_derived_bytes(source: str, model: ModelSpec, hw: HardwareProfile, cfg
         if not math.isclose(capacity[t], want_cap[t], rel_tol=1e-9, abs_tol=1.0):
             raise _err(source, f"capacity_bytes.{t}", f"{capacity[t]:,.0f} bytes, but the hardware section "
                        f"gives {want_cap[t]:,.0f}: edited after writing?", _REWRITE)
-    want = placed_static_bytes(model, cfg.placement, cfg.runtime, cfg.world.ranks, cfg.ds_knobs)
+    want = placed_static_bytes(model, cfg.placement, cfg.runtime, cfg.world.ranks, cfg.ds_knobs, hw=hw)
     for t in TIERS:
         if not math.isclose(static[t], want[t], rel_tol=1e-9, abs_tol=1.0):
             raise _err(source, f"static_bytes.{t}", f"{static[t]:,.0f} bytes, but the model and "

@@ -29,7 +29,7 @@ def min_requirements(problem: Problem) -> dict[str, float]:
     everything that can live on the SSD there), by the one memory model (tierflow.planner.core.memory)."""
     mem = schedule_memory(problem.model, micro_batch=1, seq=problem.seq, num_micro_batches=problem.rank_batch,
                           group=problem.rank_batch, alpha=0.0, optimizer_overlap=True, prefetch_depth=1,
-                          ranks=problem.world.ranks)
+                          ranks=problem.world.ranks, hw=problem.hw)
     return mem.tier_bytes(frugal_placement(problem), 0, rank_capacity_bytes(problem.hw, problem.gpus)["cpu"])
 
 

@@ -154,5 +154,5 @@ def iteration_loads(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
         work[k] = c + (L - n) * r + n * s
     return IterationLoads(work=work,
                           static_bytes=static_bytes(model, cfg.placement, cfg.runtime, cfg.world.ranks,
-                                                    cfg.ds_knobs),
+                                                    cfg.ds_knobs, hw=hw),
                           world=cfg.world)

@@ -154,7 +154,8 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
     state_mib = _mib(STATE_BYTES * sm.params / STEPS)
     ckpt_recompute_mib = _mib(sm.ckpt_per_layer_bytes * L / STEPS)  # all layers' checkpoints, per step of c_*
     ckpt_swap_mib = _mib(sm.swap_extra_bytes / STEPS)  # per swapped layer and step of c_*
-    gpu_work_mib = _mib(mem.gpu_working_bytes)
+    # working memory, and what the executor's CUDA runtime maps under the cap (static, not placed: devicemem)
+    gpu_work_mib = _mib(mem.gpu_working_bytes + sm.cuda_runtime_bytes)
     gpu_swap_extra_mib = max(0, _mib(mem.gpu_working_swap_bytes) - gpu_work_mib) if can_swap else 0
     # the host's gradients and reserve, and the staging buffers of each tensor class the SSDs hold a part of
     host_mib = _mib(sm.host_grad_bytes + host_reserve_bytes(rank_capacity_bytes(hw, problem.gpus)["cpu"]))

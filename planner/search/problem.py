@@ -19,6 +19,7 @@ from functools import cached_property
 
 from tierflow.hwprofiles import HardwareProfile, load_profile
 from tierflow.planner.core.costmodel import CostModel, Rates
+from tierflow.planner.core.devicemem import runtime_gpu_reserve_bytes
 from tierflow.planner.core.memory import ScheduleMemory, blocks_of, schedule_memory
 from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.placement import Placement
@@ -143,7 +144,7 @@ class Problem:
             self.model, micro_batch=cfg.micro_batch, seq=self.seq, num_micro_batches=cfg.num_micro_batches,
             group=cfg.group, alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
             prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime,
-            ranks=self.world.ranks))
+            ranks=self.world.ranks, hw=self.hw))
 
     def gpu_floor_s(self, micro_batch: int) -> float:
         """GPU compute of one iteration without any recompute: no plan with this micro-batch can beat it."""
@@ -156,6 +157,8 @@ class Problem:
         """Can one layer's backward at this micro-batch (plus a few weight buffers) fit on the GPU at all?"""
         blocks = self.blocks(micro_batch)
         need = max(b.bwd_working_bytes for b in blocks) + 3 * max(b.weight_bytes for b in blocks)
+        # and what the executor's CUDA runtime maps under the cap (tierflow.planner.core.devicemem)
+        need += runtime_gpu_reserve_bytes("ideal", self.world.ranks, self.hw)
         return need <= self.capacity_bytes["gpu"]
 
     def describe(self) -> str:
