@@ -330,12 +330,15 @@ class Executor:
         """Until t's dependencies have finished: on the host, then (streams) on the stream ops' end events, by
         this worker's stream (not for an op earlier on the same stream) or, for a host worker, by the host."""
         for d in t.deps:
-            self._wait(rs, d)
             dep = self.tasks[d].resource
+            if dep == t.resource:  # earlier in this worker's queue: done, and ahead of it on its stream
+                if not rs.done[d].is_set():
+                    self._wait(rs, d)
+                continue
+            self._wait(rs, d)
             if rs.streams is not None and dep in self.stream_resources:
                 if stream is not None:
-                    if dep != t.resource:
-                        self.backend.wait_event(stream, rs.ev_end[d])
+                    self.backend.wait_event(stream, rs.ev_end[d])
                 else:
                     self.backend.synchronize_event(rs.ev_end[d])
 

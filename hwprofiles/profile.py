@@ -159,6 +159,15 @@ class CpuSpec:
     # GPU idles between launches (`tierflow calibrate --device cuda` measures it with the executor's own
     # optimizer op and thread count; None: not measured, 1)
     gpu_slowdown_beside_host_optimizer: float | None = None
+    # the executor's engine's own host cost per op (its workers' hand-offs, event records and stream waits,
+    # stream launches, trace recording, its loop: not the op's handler), paid by the worker of the op's
+    # resource: added to every op of a plan, on every resource, before its work (`tierflow calibrate`:
+    # executor/calibration/dispatch.py). None: not modelled (0)
+    executor_op_us: float | None = None
+
+    @property
+    def executor_op_s(self) -> float:
+        return (self.executor_op_us or 0.0) * 1e-6
 
     @property
     def sustained_memory_bps(self) -> float:
@@ -454,6 +463,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "gpu_slowdown_beside_host_optimizer": _optional(1, True, 100, "x GPU op time beside the host "
                                                         "optimizer", 1e-3),
         "deepspeed_adam_gparams_per_s": _optional(0, False, 100, "billion parameters/s", 1e-5),
+        "executor_op_us": _optional(0, True, 1e6, "microseconds per op", 1e-3),
     },
     "ssd": {
         "count": _Rule("int", 0, True, 64, "drives"),
@@ -502,7 +512,7 @@ _SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency
 _OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op",
                      "copy_slowdown_beside_compute", "ssd_slowdown_beside_compute",
                      "gpu_slowdown_beside_host_optimizer",
-                     "deepspeed_adam_gparams_per_s"),
+                     "deepspeed_adam_gparams_per_s", "executor_op_us"),
              "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps", "fp32_tflops",
                      "tf32_tflops"),
              "pcie": ("latency_us", "pageable_h2d_gbps", "pageable_d2h_gbps"),

@@ -229,6 +229,76 @@ def test_executor_costs_and_store_are_measured_by_running_them(tmp_path):
     assert {"gpu", "h2d", "d2h", "ssd_read", "ssd_write"} <= set(costs["ops"])
 
 
+def test_the_executors_own_cost_is_split_off_every_resources_fixed_cost():
+    """calibrate's executor_op_us goes to cpu.executor_op_us (charged to every op) and comes off each
+    resource's measured fixed cost, so that an op is charged what it measured once; on a CUDA device too."""
+    m = fake_measurements()
+    m["executor"] = {"op_overhead_us": 250.0, "pcie_latency_us": 80.0, "ssd_latency_us": None,
+                     "executor_op_us": 100.0, "dispatch_parts_us": {"handoff": 20.0, "handler": 70.0}}
+    m["device"] = "cuda"
+    for device in ("cuda", "cpu"):
+        if device == "cpu":
+            m["device"] = "cpu"
+            m["gpu"] = {"model": "test CPU via torch (2 threads)", "host_cores": 2, "gemms": [{}, {}],
+                        "peak_tflops": 0.15, "half_gflop": 0.01, "elementwise_gbps": 30.0}
+            m["pcie"] = {"h2d_gbps": 10.0, "d2h_gbps": 10.0, "duplex_h2d_gbps": 6.0, "duplex_d2h_gbps": 6.0}
+        c = cal_profile.build_profile(m)
+        p, info = c.profile, {f.key: f for f in c.fields}
+        assert p.cpu.executor_op_us == 100 and "handoff 20" in info["cpu.executor_op_us"].note
+        assert (p.gpu.op_overhead_us, p.pcie.latency_us) == (150, 0)  # 80 - 100: clamped at nothing
+        assert info["gpu.op_overhead_us"].source == "measured"
+        assert p.cpu.executor_op_s + p.gpu.op_overhead_s == pytest.approx(250e-6)
+    m["executor"] = {"op_overhead_us": 250.0, "pcie_latency_us": 80.0}  # an older measurement: as before
+    p = cal_profile.build_profile(m).profile
+    assert (p.cpu.executor_op_us, p.gpu.op_overhead_us, p.pcie.latency_us) == (None, 250, 80)
+
+
+def test_executor_costs_run_the_cuda_code_path_on_its_emulation():
+    """The measurement calibrate makes on CUDA (the ops' spans from the device's events, the hand-offs from
+    host clocks, the executor against plain PyTorch) runs unchanged on the emulation of CUDA."""
+    costs = cal_executor.measure_executor_costs(load_profile("rtx3090-desktop"), "cpu-adversarial", None,
+                                                dispatch_rounds=1)
+    assert 0 < costs["op_overhead_us"] < 1e6 and 0 < costs["pcie_latency_us"] < 1e6, costs
+    assert costs["dispatch_ops_per_step"] > 0 and costs["step_op_us"] >= 0
+    parts = costs["dispatch_parts_us"]
+    assert set(parts) == {"handoff", "events", "launch", "trace", "handler", "loop"}
+    # the engine's own cost: its parts but the handler's (which stays with the ops' fixed costs), at most the
+    # whole step's difference per op
+    engine = sum(v for k, v in parts.items() if k != "handler")
+    assert costs["executor_op_us"] == pytest.approx(min(engine, costs["step_op_us"]))
+    assert parts["events"] > 0 and parts["handler"] > 0  # streams: the engine records and waits on events
+
+
+def test_on_cuda_each_executor_measurement_fails_on_its_own(monkeypatch):
+    """calibrate on a CUDA GPU (faked here: the GPU's own measurements stubbed, the executor's own cost per op
+    measured on the emulation of CUDA): a tiny run that fails leaves its fields null with the reason in the
+    notes, and the other's fields are still measured."""
+    from tierflow.executor.calibration import measurements as cal_measure
+    from tierflow.executor.calibration.common import Sizes
+    from tierflow.executor.device.base import PageableCopyError
+
+    gpu = fake_measurements()["gpu"]
+    monkeypatch.setattr(cal_measure, "measure_gpu", lambda sizes, progress, errors: (dict(gpu), None))
+
+    def fails(*args, **kwargs):
+        raise PageableCopyError("copy_async with pageable host memory")
+
+    monkeypatch.setattr(cal_measure, "measure_executor_costs", fails)
+    monkeypatch.setattr(cal_measure, "measure_executor_dispatch",
+                        lambda device: cal_executor.measure_executor_dispatch("cpu-adversarial", rounds=1))
+    mib = 2**20
+    sizes = Sizes(dram_bytes=8 * mib, adam_params=100_000, adam_steps=1, ssd_file_bytes=2 * mib,
+                  ssd_block_bytes=mib, ssd_min_s=0.0, ssd_mixed_s=0.1, gpu_target_s=0.002, hbm_bytes=8 * mib,
+                  pcie_bytes=8 * mib)
+    m = cal_measure.run_measurements(sizes, None, gpu=True, device="cuda")
+    assert m["executor"]["executor_op_us"] >= 0 and "op_overhead_us" not in m["executor"]
+    assert any("fixed cost per op: PageableCopyError" in e for e in m["errors"])
+    c = cal_profile.build_profile(m)
+    assert c.profile.cpu.executor_op_us == pytest.approx(m["executor"]["executor_op_us"], rel=1e-3)
+    assert c.profile.gpu.op_overhead_us is None
+    assert any("PageableCopyError" in n for n in c.notes)
+
+
 def test_cli_set_is_parsed_and_checked():
     assert parse_sets(["gpu.memory_gib=2", "ssd.array_read_gbps=null", "cpu.model=x"]) == {
         "gpu.memory_gib": 2, "ssd.array_read_gbps": None, "cpu.model": "x"}

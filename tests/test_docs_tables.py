@@ -16,6 +16,7 @@ sys.path.insert(0, str(EXPERIMENTS))
 
 pytest.importorskip("matplotlib")
 import adapt  # noqa: E402
+import bench_dispatch  # noqa: E402
 import bench_executor  # noqa: E402
 import bench_optimizer  # noqa: E402
 import bench_simulator  # noqa: E402
@@ -57,6 +58,7 @@ GENERATED = [
     (bench_executor.DOC, bench_executor.DOC_TABLE, "bench_executor.csv", bench_executor.executor_table),
     (bench_executor.DOC, bench_executor.CPU_TABLE, "bench_executor_cpu.csv", bench_executor.cpu_work_table),
     (bench_executor.DOC, bench_executor.KINDS_TABLE, "bench_executor_kinds.csv", bench_executor.kinds_table),
+    (bench_dispatch.DOC, bench_dispatch.DOC_TABLE, "bench_dispatch.csv", bench_dispatch.dispatch_table),
     (dos_polaris.DOC, dos_polaris.DOC_TABLE, "dos_polaris.csv", dos_polaris.sweep_table),
     (h200_run.DOC, h200_run.DOC_TABLE, "h200_run.csv", h200_run.doc_table),
 ]

@@ -142,5 +142,6 @@ def test_measurement_plan_is_what_calibrate_measures(tmp_path):
     assert no_ssd[-1].startswith("the executor's fixed cost")
     assert not any("SSD" in step for step in no_ssd)
     cuda = cal.measurement_plan("cuda", sizes, ssd=True)
-    assert len(cuda) == 7 + 2 + 1 + 3  # GPU, host memory and Adam, GPU launches beside Adam, SSD
+    assert len(cuda) == 7 + 2 + 1 + 3 + 1  # GPU, host memory and Adam, launches beside Adam, SSD, executor
     assert cuda.index("GPU launches beside the host optimizer") == 9
+    assert cuda[-1].startswith("the executor's fixed cost")  # the tiny plan runs on CUDA too

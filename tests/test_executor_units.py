@@ -108,3 +108,42 @@ def test_compute_weights_alias_the_master_only_when_both_are_fp32_on_the_device(
         W, M = st.vec["weights"][b], st.vec["master"][b]
         assert (W.dev is not None and W.dev is M.dev) == aliased
         assert torch.equal(st.full("weights", b).float(), st.full("master", b).to(dtype).float())
+
+
+@pytest.mark.parametrize("model", ["tiny-gpt", "tiny-llama"])
+def test_a_block_called_with_its_leaves_directly_equals_functional_call(model):
+    """ops/compute.call_with (the leaves put into the template's parameter dicts, found once) computes what
+    torch.func.functional_call does, bit for bit, forward and backward, and puts the template's own parameters
+    back afterwards."""
+    from torch.func import functional_call
+
+    from tierflow.executor.ops.compute import call_with, param_sites
+    from tierflow.executor.tiers.state import BlockLayout
+    from tierflow.planner.core.models import get_model
+
+    layout = BlockLayout(get_model(model))
+    b = 1
+    module, slots = layout.templates[b], layout.slots[b]
+    sites = param_sites(module, [s.name for s in slots])
+    assert sites is not None
+    before = dict(module.named_parameters())
+    torch.manual_seed(0)
+    vec = torch.randn(sum(s.numel for s in slots)) * 0.05
+    x = torch.randn(2, 8, layout.spec.hidden)
+    outs, grads = [], []
+    for direct in (True, False):
+        leaves = [vec[s.offset: s.offset + s.numel].view(s.shape).clone().requires_grad_() for s in slots]
+        if direct:
+            y = call_with(module, sites, leaves, x, {})
+        else:
+            y = functional_call(module, {s.name: leaf for s, leaf in zip(slots, leaves)}, (x,))
+        y.square().mean().backward()
+        outs.append(y.detach())
+        grads.append([leaf.grad for leaf in leaves])
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(g0, g1) for g0, g1 in zip(*grads))
+    after = dict(module.named_parameters())
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    shared = torch.nn.Linear(2, 2)
+    tied = torch.nn.ModuleDict({"a": shared, "b": shared})
+    assert param_sites(tied, ["a.weight", "a.bias"]) is None  # tied inside: left to functional_call

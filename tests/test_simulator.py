@@ -407,6 +407,27 @@ def test_engine_pays_each_ops_fixed_cost_before_its_bytes_flow():
     assert with_overhead.forward_s(layer_cost(get_model("tiny-gpt"), 1, 64)) == pytest.approx(block + 300e-6)
 
 
+def test_engine_charges_the_executors_cost_per_op_on_every_resource():
+    """cpu.executor_op_us: every op, on every resource, pays it before its work (the worker that runs the op
+    pays the executor's dispatch), on top of the link's own fixed cost; null or absent charges nothing, so a
+    profile without it predicts exactly as before."""
+    own, lat_pcie = 4e-3, 2e-3
+    base = profile().with_overrides({"pcie.latency_us": lat_pcie * 1e6})
+    hw = base.with_overrides({"cpu.executor_op_us": own * 1e6})
+    r = CostModel(hw).rates
+    assert [r.latency_s(res) for res in ("gpu", "cpu", "h2d", "ssd_read")] == pytest.approx(
+        [own, own, own + lat_pcie, own + base.ssd.latency_s])
+    tasks = [T(0, "gpu", 0.5), T(1, "h2d", 1e9, deps=[0]), T(2, "cpu", 0.25, deps=[1]),
+             T(3, "gpu", 0.1, deps=[2])]
+    res = simulate_graph(graph_of(tasks), hw)
+    ends = np.cumsum([own + 0.5, own + lat_pcie + 1e9 / r.h2d, own + 0.25, own + 0.1])
+    assert res.end_s == pytest.approx(ends, rel=1e-12)
+    bare = simulate_graph(graph_of(tasks), base)
+    same = simulate_graph(graph_of(tasks), base.with_overrides({"cpu.executor_op_us": None}))
+    assert list(same.end_s) == list(bare.end_s) and base.cpu.executor_op_us is None
+    assert res.end_s[-1] - bare.end_s[-1] == pytest.approx(4 * own, rel=1e-9)
+
+
 @pytest.mark.parametrize("sharing", ["shared", "independent"])
 def test_engine_ssd_read_write_sharing(sharing):
     hw = profile().with_overrides({"ssd.rw_sharing": sharing, "ssd.mixed_efficiency": None})

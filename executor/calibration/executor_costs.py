@@ -153,15 +153,19 @@ def measure_io_interference(directory: str | os.PathLike[str] | None, seconds: f
     return out_d
 
 
-def measure_executor_costs(profile: HardwareProfile, device: str,
-                           ssd_dir: str | os.PathLike[str] | None) -> dict[str, float]:
+def measure_executor_costs(profile: HardwareProfile, device: str, ssd_dir: str | os.PathLike[str] | None,
+                           dispatch_rounds: int = 5) -> dict[str, float]:
     """The executor's fixed software cost per op, on each resource: a tiny plan (2 layers x 64, 4
     micro-batches of 32 tokens: every op's work near zero; weights and checkpoints in host memory, optimizer
     states on the SSD tier when there is one) is trained by the executor itself for two rounds, and for every
     op of the second round its measured duration less the cost model's time for its work (`profile`, which has
     no fixed costs yet), plus the hand-off delay (its start less the later of its dependencies' ends and its
-    queue predecessor's end): the median per resource, in microseconds. What `gpu.op_overhead_us`,
-    `pcie.latency_us` and `ssd.latency_us` add to every op of a plan."""
+    queue predecessor's end): the median per resource, in microseconds; and the executor's own part of it,
+    the same on every resource (`measure_executor_dispatch`, unless `dispatch_rounds` is 0). On any device
+    (`cuda`: the ops' spans from CUDA events, the hand-offs from host clocks; `cpu-adversarial`, the emulation
+    of CUDA, runs the same code on a CPU). What `cpu.executor_op_us` adds to every op of a plan, and
+    `gpu.op_overhead_us`, `pcie.latency_us` and `ssd.latency_us` (each the rest of its resource's fixed cost)
+    to its ops."""
     import statistics
     import tempfile
     from dataclasses import replace
@@ -175,7 +179,8 @@ def measure_executor_costs(profile: HardwareProfile, device: str,
 
     tiny = replace(get_model("tiny-gpt"), name="calibrate-tiny", num_layers=2, hidden=64, num_heads=2,
                    num_kv_heads=2, head_dim=32, ffn_hidden=256, vocab_size=256, seq_len=32, max_positions=32,
-                   precision="fp32" if device == "cpu" else None)  # a CPU device's profile is in fp32 bytes
+                   # a CPU device's profile is in fp32 bytes (the emulation of CUDA computes on the CPU too)
+                   precision="fp32" if device.startswith("cpu") else None)
     host, ssd = Split(0.0, 1.0, 0.0), Split(0.0, 0.0, 1.0)
     states = ssd if ssd_dir is not None else host
     placement = Placement(weights=host, master=states, adam_m=states, adam_v=states, grads=host,
@@ -208,6 +213,33 @@ def measure_executor_costs(profile: HardwareProfile, device: str,
         xs = [x for r in resources for x in fixed.get(r, [])]
         return max(0.0, statistics.median(xs)) * 1e6 if xs else None
 
-    return {"op_overhead_us": med_us("gpu"), "pcie_latency_us": med_us("h2d", "d2h"),
-            "ssd_latency_us": med_us("ssd_read", "ssd_write"),
-            "ops": {r: len(v) for r, v in fixed.items()}}
+    out = {"op_overhead_us": med_us("gpu"), "pcie_latency_us": med_us("h2d", "d2h"),
+           "ssd_latency_us": med_us("ssd_read", "ssd_write"), "cpu_op_us": med_us("cpu"),
+           "ops": {r: len(v) for r, v in fixed.items()}}
+    if dispatch_rounds > 0:
+        out.update(measure_executor_dispatch(device, rounds=dispatch_rounds))
+    return out
+
+
+def measure_executor_dispatch(device: str, rounds: int = 5) -> dict:
+    """The engine's own cost per op on `device` (executor/calibration/dispatch.py: the engine with clocks on a
+    plan of tiny ops with its checkpoints in host memory, so that ops hand over between workers; the emulation
+    of CUDA without its random delays): `executor_op_us`, the sum of its parts but the handler's (at most
+    `step_op_us`), and the parts, in microseconds per op; `step_op_us`, the executor's step less plain
+    PyTorch's per op (the smaller of the wall-time and the CPU-time figure: a loaded machine inflates the one,
+    spinning waits the other), handlers included."""
+    from tierflow.executor.calibration.dispatch import measure_dispatch
+    from tierflow.executor.device.emulated import AdversarialCpuBackend
+    from tierflow.executor.device.factory import make_backend
+
+    def backend():
+        if device.startswith("cpu-adversarial"):
+            return AdversarialCpuBackend(max_delay_s=0.0)
+        return make_backend(device)
+
+    d = measure_dispatch(backend, rounds=rounds, placement="checkpoints_host")
+    step_op_us = min(d.executor_op_us, d.executor_op_cpu_us)
+    # the parts are wall time: on a loaded machine a woken worker also waits for a core; no more than the
+    # whole step's difference per op is the executor's
+    return {"executor_op_us": min(d.engine_op_us, step_op_us), "dispatch_parts_us": dict(d.parts_us),
+            "step_op_us": step_op_us, "dispatch_ops_per_step": d.ops_per_step}

@@ -19,6 +19,7 @@ from tierflow.executor.calibration.cpu import (
 )
 from tierflow.executor.calibration.executor_costs import (
     measure_executor_costs,
+    measure_executor_dispatch,
     measure_io_interference,
     measure_store,
 )
@@ -52,7 +53,8 @@ def measurement_plan(device: str, sizes: Sizes = FULL, ssd: bool = False) -> lis
     if device == "cpu":
         if ssd:
             steps += ["SSD through the executor's store"]
-        steps += ["compute beside the host's I/O threads", "the executor's fixed cost per op (a tiny plan)"]
+        steps += ["compute beside the host's I/O threads"]
+    steps += ["the executor's fixed cost per op (a tiny plan)"]
     return steps
 
 
@@ -104,8 +106,19 @@ def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | Non
         progress.step("compute beside the host's I/O threads")
         m["interference"] = measure_io_interference(ssd_dir, seconds=min(0.4, sizes.ssd_mixed_s),
                                                      copy_bytes=min(64 * MIB, sizes.pcie_bytes))
-        progress.step("the executor's fixed cost per op (a tiny plan)")
+    progress.step("the executor's fixed cost per op (a tiny plan)")
+    if device == "cpu":
         m["executor"] = measure_executor_costs(build_profile(m).profile, device, ssd_dir)
+    elif gpu:  # on CUDA too, each part on its own: a failure leaves its fields null, the reason in the notes
+        m["executor"] = {}
+        parts = {"the executor's fixed cost per op":
+                 lambda: measure_executor_costs(build_profile(m).profile, device, ssd_dir, dispatch_rounds=0),
+                 "the executor's own cost per op": lambda: measure_executor_dispatch(device)}
+        for what, measure in parts.items():
+            try:
+                m["executor"].update(measure())
+            except Exception as e:  # noqa: BLE001 - any failure of a tiny run: reported, not fatal
+                m["errors"].append(f"{what}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
     progress.clear()
     return m
 

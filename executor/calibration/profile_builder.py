@@ -117,6 +117,7 @@ def build_profile(measurements: dict[str, Any], base: HardwareProfile | None = N
         _put_pcie(b, measurements["pcie"], host_device)
     _put_cpu(b, host_device)
     _put_ssd(b, host_device)
+    _put_executor_costs(b)
     _put_overrides(b, overrides, device_gib, host_device)
     _keep_compute_of_same_gpu(b, g, host_device)
     return _finish(b, name)
@@ -159,11 +160,6 @@ def _put_host_device(b: _Builder, g: dict[str, Any], device_gib: float | None) -
             "causal scaled_dot_product_attention at " + ", ".join(
                 f"{a['shape']}: {a['tflops']:.3g} TFLOPS" for a in g["attention"])
             + ", over a GEMM of its work")
-    ex = b.m.get("executor") or {}
-    if ex.get("op_overhead_us") is not None:
-        b.put("gpu.op_overhead_us", ex["op_overhead_us"], "measured",
-            "the executor's compute ops on a tiny plan: median of (duration - the cost model's time) + "
-            "hand-off")
 
 
 def _put_cuda_gpu(b: _Builder, g: dict[str, Any]) -> None:
@@ -244,10 +240,36 @@ def _put_pcie(b: _Builder, p: dict[str, Any], host_device: bool) -> None:
           "measured",
         "D2H while H2D runs (two streams)" if not host_device
         else "two copies at once on two threads, likewise")
+
+
+# the fixed cost per op that the executor measured on a tiny plan (executor_costs.measure_executor_costs), by
+# profile field: (its key in the measurements, what the ops' duration is less)
+_FIXED_COSTS = {"gpu.op_overhead_us": ("op_overhead_us", "compute ops", "the cost model's time"),
+                "pcie.latency_us": ("pcie_latency_us", "transfer ops", "bytes / rate"),
+                "ssd.latency_us": ("ssd_latency_us", "SSD ops", "bytes / rate")}
+
+
+def _put_executor_costs(b: _Builder) -> None:
+    """The executor's fixed costs per op (any device): its engine's own cost on every op
+    (cpu.executor_op_us), and per resource the rest of what its ops measured beyond their work
+    (gpu.op_overhead_us: the handlers' Python, the framework's dispatch and the kernel launches of a compute
+    op; the links' latencies), so that an op is charged what it measured once."""
     ex = b.m.get("executor") or {}
-    if host_device and ex.get("pcie_latency_us") is not None:
-        b.put("pcie.latency_us", ex["pcie_latency_us"], "measured",
-            "the executor's transfer ops on a tiny plan: median of (duration - bytes / rate) + hand-off")
+    own = ex.get("executor_op_us")
+    if own is not None:
+        parts = ", ".join(f"{k} {v:.3g}" for k, v in (ex.get("dispatch_parts_us") or {}).items())
+        step = ex.get("step_op_us")
+        b.put("cpu.executor_op_us", own, "measured",
+              "the engine's own parts per op on a plan of tiny ops (hand-off, events, launch, trace, loop"
+              + (f"; us per op: {parts}" if parts else "") + ")"
+              + (f"; its whole step less plain PyTorch's: {step:.3g} us per op" if step is not None else ""))
+    for key, (mkey, ops, work) in _FIXED_COSTS.items():
+        if ex.get(mkey) is None or (key.startswith("ssd.") and b.data["ssd"].get("count", 0) == 0):
+            continue
+        less = ", less cpu.executor_op_us" if own is not None else ""
+        b.put(key, max(0.0, ex[mkey] - (own or 0.0)), "measured",
+              f"the executor's {ops} on a tiny plan ({b.m.get('device') or 'cuda'}): median of (duration - "
+              f"{work}) + hand-off{less}")
 
 
 def _put_cpu(b: _Builder, host_device: bool) -> None:
@@ -340,10 +362,6 @@ def _put_ssd(b: _Builder, host_device: bool) -> None:
             kept = (st["mixed_read_gbps"] / st["read_gbps"] + st["mixed_write_gbps"] / st["write_gbps"]) / 2
             b.put("ssd.mixed_efficiency", min(1.0, max(0.5, kept)), "measured",
                 f"{what}: mean fraction of its solo rate each direction kept reading and writing at once")
-        ex = b.m.get("executor") or {}
-        if host_device and ex.get("ssd_latency_us") is not None:
-            b.put("ssd.latency_us", ex["ssd_latency_us"], "measured",
-                "the executor's SSD ops on a tiny plan: median of (duration - bytes / rate) + hand-off")
         if not s.get("direct", True):
             b.notes.append(f"{where} refused O_DIRECT: the SSD rates were measured with buffered I/O and may "
                            "be optimistic")
@@ -375,11 +393,12 @@ def _put_overrides(b: _Builder, overrides: dict[str, Any] | None, device_gib: fl
 # Why a field calibrate does not measure is left null rather than taken from the base (a base's value of it
 # belongs to the base's box: fitted to its runs, or measured there)
 NOT_MEASURED_REASONS = {
-    "gpu.op_overhead_us": "measured only for a CPU device (the executor's ops on a tiny plan)",
+    "gpu.op_overhead_us": "the executor's ops on a tiny plan did not run (see the notes)",
+    "cpu.executor_op_us": "the executor's ops on a tiny plan did not run (see the notes)",
     "gpu.attention_efficiency": "measured only for a CPU device",
     "gpu.activation_gbps": "measured only for a CPU device",
-    "pcie.latency_us": "measured only for a CPU device (the executor's transfer ops on a tiny plan)",
-    "ssd.latency_us": "measured only for a CPU device with --ssd-dir",
+    "pcie.latency_us": "the executor's transfer ops on a tiny plan did not run (see the notes)",
+    "ssd.latency_us": "measured only with --ssd-dir (the executor's SSD ops on a tiny plan)",
     "ssd.host_path_gbps": "the host path of a multi-drive array is fitted to its own runs (tierflow fit)",
 }
 # datasheet fields an explicit --base of the same GPU gives (as gpu.peak_tflops)

@@ -32,6 +32,11 @@ class ComputeOps:
         # with W ranks each rank's gradient is 1/W of its mean, so that the reduce-scatter's sum is the whole
         # batch's
         self.grad_scale = self.num_mb * cx.state.world.ranks
+        # where each block's parameters live in its template: the leaves are put there directly (what
+        # functional_call does, without its per-call name resolution and tying checks: about half of a tiny
+        # op's host time); None for a template that shares one parameter under two names (functional_call)
+        self.sites = [param_sites(m, [s.name for s in slots])
+                      for m, slots in zip(cx.layout.templates, cx.layout.slots)]
 
     def _leaves(self, b: int, vecs: list[OwnerWeights]) -> list[torch.Tensor]:
         """One autograd leaf per parameter of block b (a view of its owner's resident or fetched weights), in
@@ -55,11 +60,13 @@ class ComputeOps:
 
     def _call(self, b: int, leaves: list[torch.Tensor], x: torch.Tensor, **kwargs) -> torch.Tensor:
         slots = self.cx.layout.slots[b]
-        params = {s.name: leaf for s, leaf in zip(slots, leaves)}
         module = self.cx.layout.templates[b]
         if len(leaves) > len(slots):
             kwargs["tied_weight"] = leaves[-1]
-        return functional_call(module, params, (x,), kwargs)
+        sites = self.sites[b]
+        if sites is None:
+            return functional_call(module, {s.name: leaf for s, leaf in zip(slots, leaves)}, (x,), kwargs)
+        return call_with(module, sites, leaves, x, kwargs)
 
     def fwd(self, rs: RoundState, t: Task) -> None:
         it, b, m = t.iteration, t.block, t.mb
@@ -163,3 +170,30 @@ class ComputeOps:
                                          for s, leaf in zip(slots, leaves)])
         for o, tlo, thi in tied:
             self.grads.accumulate(rs, t, o, [(tlo, thi, leaves[-1].grad)])
+
+
+def param_sites(module: torch.nn.Module, names: list[str]) -> list[tuple[dict, str]] | None:
+    """For each parameter name of `module` (dotted), the `_parameters` dict that holds it and its key; None
+    where two names share one parameter (tied inside the module: functional_call ties them)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    if len({id(p) for p in params.values()}) != len(params) or set(names) - set(params):
+        return None
+    out = []
+    for name in names:
+        prefix, _, attr = name.rpartition(".")
+        out.append((module.get_submodule(prefix)._parameters, attr))
+    return out
+
+
+def call_with(module: torch.nn.Module, sites: list[tuple[dict, str]], leaves: list[torch.Tensor],
+              x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """module(x, **kwargs) with `leaves` as its parameters (at `sites`, from param_sites), the template's own
+    put back afterwards, as functional_call does."""
+    originals = [d[k] for d, k in sites]
+    try:
+        for (d, k), leaf in zip(sites, leaves):
+            d[k] = leaf
+        return module(x, **kwargs)
+    finally:
+        for (d, k), orig in zip(sites, originals):
+            d[k] = orig

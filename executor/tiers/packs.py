@@ -35,6 +35,7 @@ class Pack:
 
     def __init__(self, leaves: list[torch.Tensor], own=None) -> None:
         self.leaves = leaves
+        self.leaf_ptrs: dict[int, int] | None = None  # storage data pointer -> its first leaf (pack_hook)
         self.own = own or (lambda t: t)  # DeviceBackend.own: saved tensors that the d2h stream will read
         # per distinct storage: its bytes (uint8, the whole storage)
         self.saved: list[torch.Tensor] | None = []
@@ -57,9 +58,14 @@ class Pack:
     def pack_hook(self, t: torch.Tensor):
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        for i, leaf in enumerate(self.leaves):
-            if leaf.untyped_storage().data_ptr() == ptr:
-                return ("w", i, t.storage_offset() - leaf.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if self.leaf_ptrs is None:  # the first leaf of each storage, found once per forward (not per hook)
+            self.leaf_ptrs = {}
+            for i, leaf in enumerate(self.leaves):
+                self.leaf_ptrs.setdefault(leaf.untyped_storage().data_ptr(), i)
+        i = self.leaf_ptrs.get(ptr)
+        if i is not None:
+            leaf = self.leaves[i]
+            return ("w", i, t.storage_offset() - leaf.storage_offset(), tuple(t.shape), tuple(t.stride()))
         # e.g. a CPU scalar (RNG seed) saved by a CUDA kernel: kept as is
         if t.device != self.leaves[0].device:
             return ("c", t)

@@ -16,7 +16,10 @@
 - Software costs (optional profile fields, 0 when absent): every compute op adds gpu.op_overhead_us (host work
   its kernels do not hide: dispatch, autograd, launches, the executor's hand-off); every transfer op adds
   pcie.latency_us and every SSD op ssd.latency_us before its bytes move (`Rates.latency_s`; the simulator runs
-  that fixed part first, outside the shared link, then the bytes).
+  that fixed part first, outside the shared link, then the bytes); every op on every resource adds
+  cpu.executor_op_us, the executor's engine's own cost per op (hand-off between its workers, events and
+  stream waits, launch, trace), paid by the worker of the op's resource the same way (gpu.op_overhead_us is
+  then the rest of a compute op's: its handler's Python, the framework's dispatch and the kernel launches).
 - Host memory: every host-side transfer (PCIe DMA either way, SSD DMA either way) moves its bytes through DRAM
   once, and CPU Adam moves CPU_ADAM_DRAM_BYTES_PER_PARAM per parameter; when together they ask for more than
   the box sustains (cpu.memory_gbps x cpu.memory_efficiency), the simulator slows all of them in proportion (a
@@ -83,6 +86,8 @@ class Rates:
     # fixed software cost of one op on each link (pcie.latency_us, ssd.latency_us), before its bytes move
     pcie_latency_s: float = 0.0
     ssd_latency_s: float = 0.0
+    # the executor's own host cost per op on every resource (cpu.executor_op_us): its worker pays it
+    executor_op_s: float = 0.0
     # several ranks (tierflow.planner.core.world): the collectives' rate in bytes one rank receives per
     # second, their fixed cost (the ring's steps x each step's latency), and what each of those bytes also
     # uses of this rank's PCIe link (each direction) and of the host memory pool (through-host and PCIe
@@ -93,15 +98,15 @@ class Rates:
     net_dram_use: float = 0.0
 
     def latency_s(self, resource: str) -> float:
-        """The fixed cost of one op on `resource` before its work starts flowing (0 for gpu and cpu, whose
-        software cost is in their work)."""
+        """The fixed cost of one op on `resource` before its work starts flowing: the executor's own cost per
+        op (cpu.executor_op_us, every resource) and the link's (gpu and cpu ops have theirs in their work)."""
         if resource in ("h2d", "d2h"):
-            return self.pcie_latency_s
+            return self.executor_op_s + self.pcie_latency_s
         if resource in ("ssd_read", "ssd_write"):
-            return self.ssd_latency_s
+            return self.executor_op_s + self.ssd_latency_s
         if resource == "net":
-            return self.net_latency_s
-        return 0.0
+            return self.executor_op_s + self.net_latency_s
+        return self.executor_op_s
 
     @property
     def core_bound(self) -> bool:
@@ -186,6 +191,7 @@ def link_rates(hw: HardwareProfile, world: World | None = None) -> Rates:
         adam_dram_bps=min(adam * CPU_ADAM_DRAM_BYTES_PER_PARAM, dram),
         pcie_latency_s=p.latency_s,
         ssd_latency_s=s.latency_s,
+        executor_op_s=hw.cpu.executor_op_s,
         **_core_rates(hw, g),
         **_net_rates(hw, world),
     )
