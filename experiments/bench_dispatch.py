@@ -37,6 +37,7 @@ from expcommon import (
     arg_parser,
     markdown_table,
     print_table,
+    script_main,
     write_csv,
     write_generated_block,
 )
@@ -170,4 +171,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_main(main))

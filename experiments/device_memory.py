@@ -57,6 +57,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from expcommon import script_main
 from torch.func import functional_call
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -351,4 +352,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))
