@@ -18,7 +18,8 @@ The study's points:
   DeepSpeed on this machine (race.csv), the closed loop (closed_loop.csv), LoHan's 2x RTX 4090
   (multi_gpu.csv), and the given A100 sweep (dos_polaris.csv: Deep Optimizer States' DeepSpeed ZeRO-3 runs
   on one Polaris GPU, phase by phase: "given, fitted on" with the two values fitted on it, a consistency
-  check; "given, not fitted" with each point left out of the fit).
+  check; "given, not fitted" with each point left out of the fit), and the given H200 run of tierflow's
+  executor (h200_run.csv: as calibrated counted, with the run's own times entered a consistency check).
 Every check is one row of one table (fidelity.csv): source, point, measured, predicted, error, the mechanism
 that dominates the point (the busiest resource of its simulation, where known), and whether it is a hit
 (within 15%), a miss, or a consistency check: a check some value of the model was set from (the fit's own
@@ -185,7 +186,8 @@ def results_points(out_dir: Path) -> list[dict]:
     DeepSpeed on this machine, the closed loop, LoHan's 2x RTX 4090. A missing file is skipped."""
     out = []
     for name, reader in (("race.csv", _race_rows), ("closed_loop.csv", _closed_loop_rows),
-                         ("multi_gpu.csv", _multi_gpu_rows), ("dos_polaris.csv", _dos_rows)):
+                         ("multi_gpu.csv", _multi_gpu_rows), ("dos_polaris.csv", _dos_rows),
+                         ("h200_run.csv", _h200_rows)):
         path = out_dir / name
         if not path.exists():
             print(f"fidelity: no {path} (run its experiment first); its checks are left out", file=sys.stderr)
@@ -253,6 +255,20 @@ def _dos_rows(r: dict) -> list[dict]:
     out.append(_point("given, not fitted", DOS_SOURCE, run + " (left out of the fit)", measure,
                       float(r["measured_s"]), float(r["loo_s"]), mech))
     return out
+
+
+H200_SOURCE = "tierflow's own run on the lent H200 (experiments/h200_run.py, hwprofiles/h200-lent.yaml)"
+H200_FITTED = "the run's own op times entered the model"
+
+
+def _h200_rows(r: dict) -> dict:
+    """The given H200 run: as calibrated (nothing taken from the run: counted), then with the run's own
+    measurements entered (consistency checks)."""
+    p = _point("given H200", H200_SOURCE, f"gpt3-1.3b b8x2048 vertical mb4, host states: {r['model']}",
+               "s per iteration", float(r["measured_s"]), float(r["predicted_s"]), "tierflow executor")
+    if r["model"] != "as calibrated":
+        p["check"] = check_of(p["error"], H200_FITTED)
+    return p
 
 
 def rms(errors: list[float]) -> float:
@@ -368,7 +384,9 @@ KIND_LABELS = {"fitted on": "LoHan SSD sweep, batch 48 (the fit's runs)",
                "multi_gpu": "LoHan 2x RTX 4090 (multi_gpu.csv)",
                "given, fitted on": "given A100 sweep (Polaris, DeepSpeed ZeRO-3), with the fit's values "
                                    "(dos_polaris.csv)",
-               "given, not fitted": "given A100 sweep, each point left out of the fit (dos_polaris.csv)"}
+               "given, not fitted": "given A100 sweep, each point left out of the fit (dos_polaris.csv)",
+               "given H200": "given H200 run of tierflow's executor, as calibrated and with the run's own "
+                             "times entered (h200_run.csv)"}
 
 
 def checks_table(points: list[dict]) -> str:
@@ -467,7 +485,8 @@ def _check_headlines(points: list[dict]) -> list[dict]:
                         ("closed_loop", f"closed-loop iterations predicted within {BAND:.0%}"),
                         ("multi_gpu", f"LoHan 2x RTX 4090 points within {BAND:.0%}"),
                         ("given, not fitted", f"given A100 sweep phases within {BAND:.0%}, each point left "
-                                              "out of the fit")):
+                                              "out of the fit"),
+                        ("given H200", f"given H200 run within {BAND:.0%} as calibrated")):
         pts = [p for p in points if p["kind"] == kind]
         counted = [p for p in pts if not p["check"].startswith("consistency")]
         if not pts:
@@ -479,6 +498,7 @@ def _check_headlines(points: list[dict]) -> list[dict]:
             f"; {left} consistency check(s) not counted (a model value was set from them)" if left else "")
         heads.append(headline("fidelity", label, f"{len(hits)} of {len(counted)}", None, "", note=note,
                               source="REFERENCE.md" if kind == "seed headline"
+                              else "h200_run.csv" if kind == "given H200"
                               else "dos_polaris.csv" if kind.startswith("given") else f"{kind}.csv"))
     return heads
 
