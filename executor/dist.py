@@ -232,6 +232,16 @@ def _noted_exit(rank: int) -> bool:
         return False
 
 
+def peer_gone() -> bool:
+    """Whether another rank of this host has ended, from /proc alone (no store: a signal handler calls it, and
+    the store's client may be held by a thread blocked in a collective)."""
+    world = _WORLD
+    if world is None or world.single or not world.peers:
+        return False
+    host = socket.gethostname()
+    return any(r != world.rank and h == host and _process_gone(pid) for r, (h, pid) in enumerate(world.peers))
+
+
 def lost_ranks() -> list[tuple[int, int]]:
     """(rank, pid) of every other rank of this process's world that ran on this host and has died (ended
     without noting an error of its own, note_exit); empty with one rank, or when every rank of this host is

@@ -70,6 +70,7 @@ from tierflow.executor.dist import (
     leave_cleanly,
     lost_ranks,
     note_exit,
+    peer_gone,
     rank_device,
 )
 from tierflow.executor.engine import (
@@ -569,7 +570,7 @@ def _run_rounds(tr: _Training, ex: Executor) -> None:
     if profiler is not None:
         profiler.start()  # stopped and exported when the rounds end, also when a run stops early
     # with a checkpoint directory a stop signal ends the round under way and saves its last step
-    deferred = (deferred_stop(stop_at_once=lambda: bool(lost_ranks())) if opts.checkpoint_dir
+    deferred = (deferred_stop(stop_at_once=peer_gone) if opts.checkpoint_dir
                 else nullcontext())
     try:
         with deferred:
