@@ -65,12 +65,10 @@ def config(hw):
     return model, cfg
 
 
-def box(adam_gparams_per_s: float | None = None):
+def box(**sets):
+    """The calibrated profile with the run's device cap and any other `--set` fields (dotted keys)."""
     hw = load_profile(PROFILE)
-    sets = {"gpu.memory_gib": hw.gpu.reserved_gib + GPU_USABLE_GIB}
-    if adam_gparams_per_s is not None:
-        sets["cpu.adam_gparams_per_s"] = adam_gparams_per_s
-    return hw.with_overrides(sets)
+    return hw.with_overrides({"gpu.memory_gib": hw.gpu.reserved_gib + GPU_USABLE_GIB, **sets})
 
 
 def executor_adam_rate(calibrated: float, alpha: float) -> float:
@@ -92,11 +90,6 @@ def gpu_ratio(res) -> float:
     return num / den if den > 0 else 1.0
 
 
-def box_with(**sets):
-    hw = box()
-    return hw.with_overrides(sets)
-
-
 def scaled_graph(graph):
     """Each op's work times its kind's measured ratio (seconds of compute, bytes of a link)."""
     for t in graph.tasks:
@@ -111,10 +104,10 @@ def rows() -> list[dict]:
     model, cfg = config(hw)
     calibrated = simulate_config(model, hw, cfg)
     rate = executor_adam_rate(hw.cpu.adam_gparams_per_s, cfg.alpha)
-    hw2 = box(rate)
+    hw2 = box(**{"cpu.adam_gparams_per_s": rate})
     adam = simulate_config(model, hw2, cfg)
     slow = gpu_ratio(calibrated)
-    hw3 = box_with(**{"cpu.adam_gparams_per_s": rate, "cpu.gpu_slowdown_beside_host_optimizer": slow})
+    hw3 = box(**{"cpu.adam_gparams_per_s": rate, "cpu.gpu_slowdown_beside_host_optimizer": slow})
     beside = simulate_config(model, hw3, cfg)
     measured = simulate_config(model, hw, cfg, graph=scaled_graph(build_graph(model, hw, cfg)))
     out = []
