@@ -103,8 +103,6 @@ def build_blocks(
     return out
 
 
-
-
 def param_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -152,7 +150,6 @@ class BlockModel(nn.Module):
         """Load the output of :func:`hf_state_dict_to_blocks` (strictly)."""
         for block, sd in zip(self.blocks, state_dicts, strict=True):
             block.load_state_dict(sd)
-
 
 
 __all__ = ["BlockModel", "build_blocks", "check_supported", "init_weights", "make_blocks", "param_count"]

@@ -65,7 +65,6 @@ class GPTBlock(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-
 def make_layer(spec: ModelSpec, *, norm_eps: float | None, rope_theta: float | None, device) -> GPTBlock:
     return GPTBlock(spec, norm_eps=norm_eps, device=device)
 

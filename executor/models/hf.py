@@ -142,9 +142,6 @@ def blocks_to_hf_state_dict(
     return out
 
 
-
-
-
 def hf_config(spec: ModelSpec) -> dict:
     """The ``config.json`` of the transformers model whose layers compute what tierflow's blocks compute: the
     executor's constants (norm eps 1e-5, rope theta 10000, no dropout) and no special-token ids. Raises

@@ -72,7 +72,6 @@ class LlamaMLP(nn.Module):
         return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), self.geglu))
 
 
-
 class LlamaBlock(nn.Module):
     """Pre-norm LLaMA decoder layer (names as transformers' ``LlamaDecoderLayer``). A family whose layer
     differs only in its attention or MLP subclasses it and overrides :meth:`make_attention` or

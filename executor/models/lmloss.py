@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from tierflow.planner.core.workload import loss_chunk_tokens
 
+IGNORE_INDEX = -100  # targets equal to it are ignored (transformers' convention)
+
 
 def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy in float32;
@@ -55,9 +57,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         dx, dw, valid_count = ctx.saved_tensors
         scale = (grad / valid_count).to(dx.dtype)
         return dx.mul_(scale), dw.mul_(scale), None, None  # in place: no second copy (one backward only)
-
-
-IGNORE_INDEX = -100  # targets equal to it are ignored (transformers' convention)
 
 
 def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
