@@ -124,13 +124,14 @@ def from_llama_variant(name: str, cfg: HFConfig) -> ModelSpec:
     )
 
 
-def _register(name: str, layer_defaults: dict[str, Any]) -> Family:
+def _register(name: str, layer_defaults: dict[str, Any], scaled_embedding: bool = False) -> Family:
     return register_family(Family(name, layer_defaults, hf_model_type=name, hf_defaults=HF_DEFAULTS[name],
-                                  from_hf=from_llama_variant))
+                                  from_hf=from_llama_variant, scaled_embedding=scaled_embedding))
 
 
 QWEN3 = _register("qwen3", {**LLAMA_LIKE, "qk_norm": True})
-GEMMA = _register("gemma", {**LLAMA_LIKE, "activation": "geglu", "tied_embeddings": True})
+GEMMA = _register("gemma", {**LLAMA_LIKE, "activation": "geglu", "tied_embeddings": True},
+                  scaled_embedding=True)
 GEMMA2 = _register("gemma2", {**LLAMA_LIKE, "activation": "geglu", "tied_embeddings": True,
                               "sandwich_norm": True})
 PHI3 = _register("phi3", LLAMA_LIKE)

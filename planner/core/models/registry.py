@@ -37,6 +37,8 @@ class Family:
     hf_aliases: Mapping[str, str] = field(default_factory=dict)  # a key -> the generic name a config may use
     # (name, typed config) -> ModelSpec; the config is a tierflow.planner.core.models.hfconfig.HFConfig
     from_hf: Callable[[str, Any], Any] | None = None
+    # the executor scales the token embedding's output (Gemma: by sqrt(hidden)), a copy of it in memory
+    scaled_embedding: bool = False
 
 
 _FAMILIES: dict[str, Family] = {}
