@@ -9,8 +9,8 @@ per main class:
                of CUDA (tests), and the factory that picks one for `--device` (device/factory.py)
 
 and, beside them, the engine that runs a plan's rounds (engine.py), how ops bind to tensors (binding.py), the
-models (models.py), data (data.py), checkpoints (checkpoint.py), several ranks (dist.py), signals (signals.py)
-and `tierflow run` itself (run.py).
+models (models/: one module per family and a registry), data (data.py), checkpoints (checkpoint.py), several
+ranks (dist.py), signals (signals.py) and `tierflow run` itself (run.py).
 
 Measuring a machine for a hardware profile is the `calibration` package. The commands that use the
 executor (`run`, `calibrate`, `env`) are declared in tierflow.cli, which imports this package only when one of

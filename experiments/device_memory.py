@@ -166,7 +166,7 @@ class Block:
 
     def __init__(self, spec: ModelSpec, b: int, dtype: torch.dtype) -> None:
         self.spec, self.b, self.dtype = spec, b, dtype
-        self.module = exec_models._make_blocks(spec, "meta", None, None)[b]
+        self.module = exec_models.make_blocks(spec, "meta", None, None)[b]
         named = list(self.module.named_parameters())
         numel = sum(p.numel() for _, p in named)
         g = torch.Generator().manual_seed(b)

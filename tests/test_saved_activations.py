@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tierflow.executor.models import RMSNorm, _glu, apply_rope, build_blocks, rope_cos_sin
+from tierflow.executor.models import RMSNorm, apply_rope, build_blocks, glu, rope_cos_sin
 from tierflow.executor.tiers.packs import Pack
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.workload import layer_cost
@@ -97,6 +97,6 @@ def test_layers_that_save_less_compute_bit_identical_gradients(dtype):
 
     gate, up = torch.randn(2, 16, 96, dtype=dtype), torch.randn(2, 16, 96, dtype=dtype)
     for geglu, act in ((False, F.silu), (True, lambda a: F.gelu(a, approximate="tanh"))):
-        out, (gg, gu) = _grads(lambda a, b, geglu=geglu: _glu(a, b, geglu), gate, up)
+        out, (gg, gu) = _grads(lambda a, b, geglu=geglu: glu(a, b, geglu), gate, up)
         ref, (rg, ru) = _grads(lambda a, b, act=act: act(a) * b, gate, up)
         assert torch.equal(out, ref) and torch.equal(gg, rg) and torch.equal(gu, ru)

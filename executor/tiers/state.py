@@ -27,7 +27,7 @@ from tierflow.errors import TierflowError
 from tierflow.executor.device.base import DeviceBackend
 from tierflow.executor.device.factory import as_backend
 from tierflow.executor.dist import SINGLE, DistWorld
-from tierflow.executor.models import _make_blocks, check_block_state_dicts, hf_key_target, init_weights
+from tierflow.executor.models import check_block_state_dicts, hf_key_target, init_weights, make_blocks
 from tierflow.executor.tiers.ssd_store import SsdStore, split_counts
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split
@@ -50,7 +50,7 @@ class BlockLayout:
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
-        self.templates = _make_blocks(spec, "meta", None, None)
+        self.templates = make_blocks(spec, "meta", None, None)
         self.slots: list[list[Slot]] = []
         for block in self.templates:
             off, slots = 0, []
@@ -171,7 +171,7 @@ class TrainState:
         """GPT-2 style initialisation (tierflow.executor.models.build_blocks) under `seed`,
         one block at a time."""
         torch.manual_seed(seed)
-        for b, meta in enumerate(_make_blocks(self.spec, "meta", None, None)):
+        for b, meta in enumerate(make_blocks(self.spec, "meta", None, None)):
             block = meta.to_empty(device="cpu")
             init_weights(block)  # the same draws, in the same order, as build_blocks
             self.set_block(b, torch.cat([p.detach().reshape(-1) for p in block.parameters()]))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tierflow.planner.core.models import ModelSpec
+from tierflow.planner.core.models import ModelSpec, get_family
 
 COMPUTE_BYTES = 2  # bf16/fp16 weights, activations and gradients on the GPU (the default precision's)
 MASTER_BYTES = 4  # fp32 master copy of the weights
@@ -350,7 +350,7 @@ def embed_fwd_working_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int
     out = cb * t * h
     if model.max_positions:
         return 2 * out + cb * seq * h + 2 * 8 * seq
-    return 2 * out if model.family == "gemma" else out
+    return 2 * out if get_family(model.family).scaled_embedding else out
 
 
 def embed_bwd_working_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int:
@@ -364,7 +364,7 @@ def embed_bwd_working_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int
     out = 4 * model.embedding_params() + 4 * t * h
     if model.max_positions:
         out += 4 * seq * h
-    if model.family == "gemma":
+    if get_family(model.family).scaled_embedding:
         out += cb * t * h
     return out
 

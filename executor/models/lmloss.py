@@ -1,0 +1,71 @@
+"""The language-model loss: mean next-token cross entropy, and the chunked form the head computes without
+ever holding the whole fp32 logits (the planner counts its memory: tierflow.planner.core.workload)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tierflow.planner.core.workload import loss_chunk_tokens
+
+IGNORE_INDEX = -100  # targets equal to it are ignored (transformers' convention)
+
+
+def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy in float32;
+    targets equal to -100 are ignored (transformers' convention)."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
+    )
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """lm_head + mean cross-entropy over chunks of tokens, the gradients computed in the forward (as Liger
+    Kernel's fused linear cross-entropy does): per chunk the logits (compute dtype), in fp32, and their
+    softmax gradient; what is kept is the hidden states' and the weight's gradient, never the whole logits.
+    The planner counts this (tierflow.planner.core.workload.loss_working_bytes). Same values as `loss` on the
+    full logits: the fp32 logits are the compute-dtype logits cast, the gradient is cast back to the compute
+    dtype before the two GEMMs, as autograd does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, chunk):
+        valid_count = targets.ne(IGNORE_INDEX).sum()
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        dx = torch.empty_like(x) if need else None
+        dw = torch.zeros_like(weight) if need else None
+        for lo in range(0, x.size(0), chunk):
+            xc, tc = x[lo: lo + chunk], targets[lo: lo + chunk]
+            logits = F.linear(xc, weight).float()  # in fp32 (the same tensor when fp32)
+            lse = torch.logsumexp(logits, dim=-1)
+            keep = tc.ne(IGNORE_INDEX)
+            rows = torch.arange(tc.numel(), device=x.device)
+            picked = logits[rows, tc.clamp(min=0)]
+            total += ((lse - picked) * keep).sum()
+            if need:
+                g = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the fp32 logits
+                g[rows, tc.clamp(min=0)] -= 1.0
+                g = g.mul_(keep.unsqueeze(1)).to(x.dtype)
+                dx[lo: lo + chunk] = g @ weight
+                dw.addmm_(g.t(), xc)
+            del logits
+        ctx.save_for_backward(dx, dw, valid_count)
+        return total / valid_count
+
+    @staticmethod
+    def backward(ctx, grad):
+        dx, dw, valid_count = ctx.saved_tensors
+        scale = (grad / valid_count).to(dx.dtype)
+        return dx.mul_(scale), dw.mul_(scale), None, None  # in place: no second copy (one backward only)
+
+
+def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of `x @ weight.T` (hidden (..., embed) -> vocabulary logits) against
+    `targets`, over chunks of tokens (the planner's loss_chunk_tokens), never materialising the full fp32
+    logits; equal to `loss(F.linear(x, weight), targets)`."""
+    x2 = x.reshape(-1, x.size(-1))
+    chunk = loss_chunk_tokens(weight.size(0), x2.size(0))
+    return _ChunkedLinearCrossEntropy.apply(x2, weight, targets.reshape(-1), chunk)
+
+
+__all__ = ["IGNORE_INDEX", "chunked_lm_loss", "loss"]
