@@ -416,7 +416,7 @@ def tf_plans(p: Point, hw, hw_capped, work: Path,
 def predict_tf(p: Point, hw, decisions: dict) -> tuple[float | None, str]:
     """A tierflow plan's step predicted on `hw` from the decisions it ran with (the plan as it ran: a
     re-plan on another profile could choose differently)."""
-    from tierflow.planner.core.schedules import ScheduleConfig
+    from tierflow.planner.core.contract import ScheduleConfig
     from tierflow.planner.core.simulate import simulate_config
     from tierflow.planner.core.simulator import CapacityError
 

@@ -15,7 +15,8 @@ from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.memory import blocks_of
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.opkinds import READ_WEIGHTS, WRITE_OPT_STATES
-from tierflow.planner.core.schedules import build_graph, ds_sub_groups
+from tierflow.planner.core.runtimes.deepspeed import ds_sub_groups
+from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.workload import precision_of
 from tierflow.planner.io import dskeys

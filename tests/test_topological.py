@@ -13,9 +13,10 @@ from helpers import profile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tierflow.planner.core.families import FAMILIES
 from tierflow.planner.core.graph import CycleError, TaskGraph, find_cycle, topological_order
 from tierflow.planner.core.models import get_model
-from tierflow.planner.core.schedules import FAMILIES, build_graph, make_schedule
+from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.search.slots import _topological as slots_topological
 
 PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

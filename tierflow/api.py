@@ -7,9 +7,11 @@
 """
 
 from tierflow.hwprofiles import HardwareProfile, list_profiles, load_profile
+from tierflow.planner.core.contract import ScheduleConfig
+from tierflow.planner.core.families import FAMILIES
 from tierflow.planner.core.models import ModelSpec, get_model, list_models
 from tierflow.planner.core.placement import Placement, Split
-from tierflow.planner.core.schedules import FAMILIES, ScheduleConfig, build_graph, make_schedule
+from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.core.simulate import DEFAULT_FAMILIES, compare, resolve, simulate, simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.io.planfile import Plan, load_plan, plan_from_graph, simulate_plan, write_plan

@@ -10,8 +10,8 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.schedules import ScheduleConfig
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.io.dsconfig import DsConfig, ds_config_for_plan, write_ds_config

@@ -54,6 +54,7 @@ from pathlib import Path
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles.inputs import MIB, InputLimitError, loads_json_limited, read_limited_text
 from tierflow.outputs import atomic_write_text
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.dsruntime import (
     DS_MAX_IN_CPU_ELEMS,
     DS_OPT_BUFFER_COUNT,
@@ -66,7 +67,7 @@ from tierflow.planner.core.dsruntime import (
 from tierflow.planner.core.memory import blocks_of
 from tierflow.planner.core.models import PRECISION_NAMES, ModelSpec
 from tierflow.planner.core.placement import Placement, Split
-from tierflow.planner.core.schedules import ScheduleConfig, ds_sub_groups
+from tierflow.planner.core.runtimes.deepspeed import ds_sub_groups
 from tierflow.planner.io.argtypes import MAX_BATCH
 from tierflow.planner.io.dskeys import (
     ASSUMED_DEFAULTS,

@@ -34,6 +34,8 @@ from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile, ProfileError, profile_from_dict, type_name
 from tierflow.hwprofiles.inputs import GIB, InputLimitError, loads_json_limited
 from tierflow.outputs import atomic_write_bytes
+from tierflow.planner.core.contract import ScheduleConfig
+from tierflow.planner.core.families import FAMILIES, RUNTIMES
 from tierflow.planner.core.graph import (
     LINKS,
     NET,
@@ -50,7 +52,6 @@ from tierflow.planner.core.memory import static_bytes as placed_static_bytes
 from tierflow.planner.core.models import ModelError, ModelSpec
 from tierflow.planner.core.opkinds import OP_KINDS
 from tierflow.planner.core.placement import Placement, PlacementError
-from tierflow.planner.core.schedules import FAMILIES, RUNTIMES, ScheduleConfig
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import SimResult
 from tierflow.planner.core.world import rank_capacity_bytes

@@ -54,9 +54,10 @@ from tierflow.hwprofiles.inputs import (
     read_limited_text,
 )
 from tierflow.hwprofiles.profile import profile_from_dict
+from tierflow.planner.core.families import FAMILIES
 from tierflow.planner.core.models import ModelError, ModelSpec, get_model
 from tierflow.planner.core.placement import Placement, PlacementError, parse_placement
-from tierflow.planner.core.schedules import FAMILIES, ScheduleError, make_schedule
+from tierflow.planner.core.schedules import ScheduleError, make_schedule
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult, SimulationError
 

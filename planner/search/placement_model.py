@@ -18,9 +18,10 @@ from dataclasses import dataclass, replace
 
 from ortools.sat.python import cp_model
 
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.memory import STATE_BYTES, ScheduleMemory, host_reserve_bytes
 from tierflow.planner.core.placement import Placement, Split
-from tierflow.planner.core.schedules import ScheduleConfig, build_graph
+from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.core.simulator import CapacityError, simulate_graph
 from tierflow.planner.core.world import rank_capacity_bytes
 from tierflow.planner.search.loads import duplex_coefficient, iteration_loads

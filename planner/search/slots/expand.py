@@ -11,8 +11,8 @@ from typing import NamedTuple
 import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.schedules import ScheduleConfig
 from tierflow.planner.search.slots.gather import ChainAnchor, SlotTemplate, _slot_template
 from tierflow.planner.search.slots.layout import CHANNELS, TAIL_SLOT, SlotModel, _Layout, template_of
 from tierflow.planner.search.slots.template import _memory_edges, _template_graphs

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tierflow.planner.core.schedules import ScheduleConfig
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.search.slots.chains import (
     Chain,
     _chain_heads,

@@ -10,8 +10,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.schedules import ScheduleConfig
 
 SLOT_RESOURCES = ("h2d", "d2h", "ssd_read", "ssd_write", "cpu")
 CHANNELS = SLOT_RESOURCES + ("chain",)  # work channels of a window; "chain": seconds of one serial chain

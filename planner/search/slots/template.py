@@ -12,11 +12,12 @@ import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.costmodel import link_rates
 from tierflow.planner.core.graph import CycleError, topological_order
 from tierflow.planner.core.memory import static_bytes
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.schedules import ScheduleConfig, build_graph, step_sequence
+from tierflow.planner.core.schedules import build_graph, step_sequence
 from tierflow.planner.core.simulator import SimulationError, simulate_graph
 from tierflow.planner.search.slots.layout import (
     _NO_DEADLINE,
