@@ -52,7 +52,8 @@ MODELLED_KEYS: dict[str, str] = {
         "parameters, and that wait synchronizes the whole all-gather stream (the handle's "
         "`current_stream().synchronize()` under `stream(allgather_stream)`): a layer's compute waits for "
         "the whole bucket issued at the hook before it, so a bucket deeper than a layer holds the compute "
-        "instead of running ahead (runtimes.deepspeed._ds_drained_at_next_hook). Not modelled: each module hook "
+        "instead of running ahead (runtimes/deepspeed.py _ds_drained_at_next_hook). Not modelled: each "
+        "module hook "
         "issues up to a bucket of new elements, so the frontier can run past one bucket up to "
         "max_live_parameters; 0 (no prefetch) is named as not modelled"),
     Z + "stage3_max_live_parameters": (
