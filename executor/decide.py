@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.contract import Plan
 from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import SimResult
-from tierflow.planner.io.planfile import Plan, plan_from_graph, simulate_plan
+from tierflow.planner.io.planfile import plan_from_graph, simulate_plan
 from tierflow.planner.search.trace_fit import (
     ITERATION,
     default_fields,

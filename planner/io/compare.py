@@ -17,10 +17,11 @@ import numpy as np
 
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles.inputs import GIB, loads_json_limited
+from tierflow.planner.core.contract import Plan
 from tierflow.planner.core.graph import LINKS
 from tierflow.planner.core.jsonio import read_text
 from tierflow.planner.core.simulator import SimResult
-from tierflow.planner.io.planfile import Plan, PlanError, simulate_plan
+from tierflow.planner.io.planfile import PlanError, simulate_plan
 
 
 class TraceError(TierflowError, ValueError):
