@@ -76,7 +76,7 @@ def test_the_boundary_adds_the_fp32_copy():
 def _ds_nvme(pipeline: dict, sub_group_size: int | None = 1):
     """A ZeRO-Infinity config with the optimizer on NVMe; sub_group_size 1 (default here): one sub-group per
     block, None: DeepSpeed's default."""
-    from tierflow.planner.io.dsconfig import parse_ds_config
+    from tierflow.planner.io.deepspeed.config import parse_ds_config
 
     m, hw = get_model("tiny-gpt"), load_profile("rtx4090-lohan")
     zero = {"stage": 3, "offload_param": {"device": "cpu"},
@@ -239,7 +239,7 @@ def test_deepspeed_s_host_waits_for_its_oldest_gradient_bucket():
 
 
 def _ds_param_cpu_graph(bucket: int, hw_name: str = "a100-80g-nvme", accumulation: int = 1):
-    from tierflow.planner.io.dsconfig import parse_ds_config
+    from tierflow.planner.io.deepspeed.config import parse_ds_config
 
     m = get_model("gpt3-125m")
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,

@@ -21,7 +21,7 @@ from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.core.simulate import simulate
 from tierflow.planner.core.simulator import CapacityError
 from tierflow.planner.core.workload import PRECISIONS, precision_of
-from tierflow.planner.io.dsconfig import parse_ds_config
+from tierflow.planner.io.deepspeed.config import parse_ds_config
 from tierflow.planner.io.planfile import plan_from_graph, write_plan
 
 GPU = Placement.uniform("gpu")

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 import race_deepspeed  # noqa: E402
 
-from tierflow.planner.io.dsconfig import parse_ds_config  # noqa: E402
+from tierflow.planner.io.deepspeed.config import parse_ds_config  # noqa: E402
 
 
 @pytest.mark.parametrize("variant", race_deepspeed.DS_VARIANTS)

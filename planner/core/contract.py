@@ -61,12 +61,12 @@ class ScheduleConfig:
     # keeps in host memory (dsruntime.ds_cached_elems; the placement's weights cpu fraction says the same);
     # 0: the placement's split holds for every block
     ds_cached_elems: int = 0
-    # the ZeRO stage of the DeepSpeed config this schedule was read from (`--ds-config`: dsconfig.DsConfig
-    # .schedule; None: not from a config). Stage 3 with the optimizer's states in host memory makes the
-    # accumulation boundary's dtype-changing blocking copy of each 16-bit gradient partition into the fp32
-    # gradient (stage3.py partition_grads), a host wait where the profile models pageable copies
-    # (runtimes.deepspeed); not with the states on NVMe (their fp32 gradient is made on the GPU,
-    # grad_buffer.float(), and swapped out through pinned buffers) nor in ZeRO-2 (stage_1_and_2.py copies
+    # the ZeRO stage of the DeepSpeed config this schedule was read from (`--ds-config`:
+    # deepspeed.config.DsConfig.schedule; None: not from a config). Stage 3 with the optimizer's states in
+    # host memory makes the accumulation boundary's dtype-changing blocking copy of each 16-bit gradient
+    # partition into the fp32 gradient (stage3.py partition_grads), a host wait where the profile models
+    # pageable copies (runtimes.deepspeed); not with the states on NVMe (their fp32 gradient is made on the
+    # GPU, grad_buffer.float(), and swapped out through pinned buffers) nor in ZeRO-2 (stage_1_and_2.py copies
     # with non_blocking=True, converting on the GPU)
     ds_stage: int | None = None
 

@@ -42,6 +42,7 @@ from tierflow.planner.core.memory import static_bytes as placed_static_bytes
 from tierflow.planner.core.models import ModelError, ModelSpec
 from tierflow.planner.core.opkinds import OP_KINDS
 from tierflow.planner.core.placement import Placement, PlacementError
+from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.core.world import rank_capacity_bytes
 
 PLAN_FORMAT = "tierflow-plan"
@@ -667,8 +668,6 @@ def check_ops_match_decisions(plan: Plan) -> None:
     executor sizes its tensors from the model and the decisions, the ops from the file), with or without a
     digest: an edited decisions.seq, micro_batch, batch, gpus / nodes or model shape is refused here (exit 2)
     instead of failing at op 1. The queues' order may be edited; what the ops move may not."""
-    from tierflow.planner.core.schedules import build_graph
-
     cfg = plan.config
     source = str(plan.source)
     built = _op_signature(build_graph(plan.model, plan.hardware, cfg).tasks)
