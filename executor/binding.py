@@ -32,9 +32,9 @@ from tierflow.errors import TierflowError
 from tierflow.executor.tiers.packs import Pack
 from tierflow.executor.tiers.state import BlockLayout
 from tierflow.planner.core import opkinds as k
+from tierflow.planner.core.contract import Plan
 from tierflow.planner.core.graph import Task
 from tierflow.planner.core.opkinds import COMPUTE_KINDS, ENTRY_KINDS
-from tierflow.planner.io.planfile import Plan
 
 ACT_TENSORS = {"act": "x", "act_grad": "dx"}
 OPTIMIZER_PART = {k.ADAM: 0, k.ADAM_DEFERRED: 1}  # CPU optimizer op kind -> part (main step, deferred alpha)

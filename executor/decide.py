@@ -3,7 +3,7 @@
 The measured op times of the warm-up are compared with the plan's prediction per resource (each resource's
 busy time, and the iteration). Where a resource or the iteration is off by more than the threshold, the fields
 of the profile those resources exercise are fitted from the measured trace
-(tierflow.planner.search.trace_fit), the planner searches again on the refit profile (same model, batch and
+(tierflow.planner.fit.trace_fit), the planner searches again on the refit profile (same model, batch and
 sequence length; the memory caps are the profile's, which the fit leaves alone), and the old plan is
 simulated on the refit profile too. The new plan is switched to if it is predicted faster by more than the
 margin. `decide_in_child` is the same, niced, for a process of its own (tierflow.executor.adapt starts it at
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.contract import Plan
 from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import SimResult
-from tierflow.planner.io.planfile import Plan, plan_from_graph, simulate_plan
-from tierflow.planner.search.trace_fit import (
+from tierflow.planner.fit.trace_fit import (
     ITERATION,
     default_fields,
     fit_trace,
@@ -31,6 +31,7 @@ from tierflow.planner.search.trace_fit import (
     observations,
     with_tied,
 )
+from tierflow.planner.io.planfile import plan_from_graph, simulate_plan
 
 # which fields each resource's ops measure (trace_fit.default_fields keeps those the plan exercises)
 RESOURCE_FIELDS = {

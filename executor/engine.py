@@ -42,10 +42,10 @@ from tierflow.executor.ops.table import Ops
 from tierflow.executor.tiers.arena import TransferArena, arena_bytes_for
 from tierflow.executor.tiers.ssd_store import ChecksumError, SsdStore
 from tierflow.executor.tiers.state import TrainState
+from tierflow.planner.core.contract import Plan
 from tierflow.planner.core.graph import TIERS, Task, TaskGraph
 from tierflow.planner.core.opkinds import ENTRY_TENSORS, OP_KINDS
 from tierflow.planner.core.simulator import SimResult, summarize
-from tierflow.planner.io.planfile import Plan
 
 __all__ = ["ExecutionError", "Executor", "Hyper", "OutOfMemory", "RoundResult", "UnsupportedPlan",
            "measured_result"]

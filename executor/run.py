@@ -954,7 +954,7 @@ def check_run_outputs(args: argparse.Namespace) -> None:
 
 def train_hyper(args: argparse.Namespace) -> TrainHyper:
     """The optimizer settings of the command line: a flag given > --ds-config's sections > the defaults."""
-    from tierflow.planner.io.dstrain import ds_training_settings
+    from tierflow.planner.io.deepspeed.train import ds_training_settings
     given: dict[str, Any] = {}
     if getattr(args, "ds_config", None):
         given, notes = ds_training_settings(args.ds_config)

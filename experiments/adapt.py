@@ -52,11 +52,11 @@ from tierflow.hwprofiles import HardwareProfile, load_profile
 from tierflow.planner.core.devicemem import runtime_gpu_reserve_bytes
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.schedules import build_graph
+from tierflow.planner.fit.trace_fit import ITERATION, iteration_seconds, observations
 from tierflow.planner.io.compare import load_measured
 from tierflow.planner.io.planfile import load_plan, plan_from_graph, simulate_plan, write_plan
 from tierflow.planner.search.plan_search import plan_search
 from tierflow.planner.search.problem import Problem
-from tierflow.planner.search.trace_fit import ITERATION, iteration_seconds, observations
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIBRATED = ROOT / "experiments" / "results" / "closed_loop_cpu.yaml"

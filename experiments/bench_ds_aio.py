@@ -2,11 +2,11 @@
 read and write rates over block_size x queue_depth x intra_op_parallelism, and how well an in-flight bound
 predicts the points it was not fitted on.
 
-The model (planner/io/dskeys.py, `aio.*`: what would settle them): one request of `block_size` bytes takes a
-fixed time L plus its bytes at the streaming rate R; the handle keeps `intra_op_parallelism x queue_depth`
-requests in flight, so by Little's law it moves at most  p x q x b / (L + b / R)  bytes a second, and never
-more than R:  T(b, q, p) = min(R, p q b / (L + b / R)).  L and R are fitted (least squares on log T) on the
-points with queue_depth in FIT_DEPTHS and checked on the others.
+The model (planner/io/deepspeed/keys.py, `aio.*`: what would settle them): one request of `block_size` bytes
+takes a fixed time L plus its bytes at the streaming rate R; the handle keeps `intra_op_parallelism x
+queue_depth` requests in flight, so by Little's law it moves at most  p x q x b / (L + b / R)  bytes a second,
+and never more than R:  T(b, q, p) = min(R, p q b / (L + b / R)).  L and R are fitted (least squares on log T)
+on the points with queue_depth in FIT_DEPTHS and checked on the others.
 
 Needs DeepSpeed with its async_io op (the `[baseline]` extra and libaio). Every timing run goes under the
 shared lock: `flock <lock> python experiments/bench_ds_aio.py --dir DIR`. Prints one line per point and the

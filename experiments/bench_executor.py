@@ -58,11 +58,12 @@ from expcommon import (
 )
 
 from tierflow.hwprofiles import HardwareProfile, load_profile
+from tierflow.planner.core.contract import Plan
 from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.io.compare import compare
-from tierflow.planner.io.planfile import Plan, load_plan, plan_from_graph, write_plan
+from tierflow.planner.io.planfile import load_plan, plan_from_graph, write_plan
 
 SEQ, BATCH, MICRO_BATCH = 256, 8, 2
 STEPS_PER_ROUND = 3  # one round of the plan's three iterations

@@ -46,8 +46,8 @@ from tierflow.hwprofiles import HardwareProfile, load_profile
 from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.opkinds import BWD, FWD, HEAD, RECOMPUTE
 from tierflow.planner.core.simulator import SimResult
-from tierflow.planner.io.dsbridge import simulate_ds
-from tierflow.planner.io.dsconfig import parse_ds_config
+from tierflow.planner.io.deepspeed.bridge import simulate_ds
+from tierflow.planner.io.deepspeed.config import parse_ds_config
 
 HERE = Path(__file__).parent
 DATA = HERE / "data" / "dos_polaris_13b_sweep.csv"

@@ -1,5 +1,5 @@
 """Real DeepSpeed ZeRO-Infinity runs (CPU accelerator, race_deepspeed.py's model and config) instrumented per
-mechanism, to check what planner/io/dskeys.py reads in DeepSpeed's code:
+mechanism, to check what planner/io/deepspeed/keys.py reads in DeepSpeed's code:
 
 - `offload_param.max_in_cpu`: how many parameter elements end up in host memory for good
   (`final_location != nvme`) and how many stay on NVMe, at the default and at 0;
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import race_deepspeed as race  # noqa: E402
 from expcommon import script_main  # noqa: E402
 
-from tierflow.planner.io.dsconfig import largest_param_elems  # noqa: E402
+from tierflow.planner.io.deepspeed.config import largest_param_elems  # noqa: E402
 
 # bf16 1024 x 1024 matrices: 2 MiB, above the 1 MiB DeepSpeed swaps at the least. In bf16: with fp32
 # parameters on NVMe, DeepSpeed 0.19.8 on the CPU accelerator stops in the first forward ("expected m1 and m2

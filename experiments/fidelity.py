@@ -55,7 +55,7 @@ from expcommon import (
 )
 
 from tierflow.hwprofiles import load_profile
-from tierflow.planner.search.fit import Run, load_runs, predict, simulate_run
+from tierflow.planner.fit.profile_fit import Run, load_runs, predict, simulate_run
 
 HERE = Path(__file__).parent
 FITTED = HERE / "data" / "lohan_fuyou_ssd_count_as_coded.csv"

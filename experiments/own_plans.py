@@ -38,7 +38,7 @@ from expcommon import (
 )
 
 from tierflow.api import resolve
-from tierflow.planner.core.schedules import ScheduleConfig
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.search.plan_search import PlanningError, plan_search
 from tierflow.planner.search.problem import Problem
 

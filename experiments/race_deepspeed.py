@@ -14,9 +14,9 @@ device per step (/proc/self/io: the SSD directory is the only file traffic durin
 
 The prediction: `tierflow calibrate --device cpu` measures this box (as experiments/closed_loop.py does, with
 its device and host caps), then `simulate_config` predicts (a) DeepSpeed's step from the same DeepSpeed config
-through the bridge (planner/io/dsconfig.py: `horizontal`, runtime deepspeed; recompute off, as the model code
-does not checkpoint) and (b) each tierflow plan's step. Measured and predicted go in one table (race.csv,
-race.md) and one figure (race.png) under --out.
+through the bridge (planner/io/deepspeed/config.py: `horizontal`, runtime deepspeed; recompute off, as the
+model code does not checkpoint) and (b) each tierflow plan's step. Measured and predicted go in one table
+(race.csv, race.md) and one figure (race.png) under --out.
 
 DeepSpeed is optional: `pip install -e '.[baseline]'` and `apt-get install libaio-dev` (its async_io op builds
 with ninja on first use). Without them the script prints one line and exits 0.
@@ -54,7 +54,7 @@ from expcommon import (
 
 from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.placement import Placement, Split
-from tierflow.planner.io.dsconfig import largest_param_elems
+from tierflow.planner.io.deepspeed.config import largest_param_elems
 
 DS_VERSION = "0.19.8"
 RESULT_TAG = "RACE-RESULT "
@@ -416,7 +416,7 @@ def tf_plans(p: Point, hw, hw_capped, work: Path,
 def predict_tf(p: Point, hw, decisions: dict) -> tuple[float | None, str]:
     """A tierflow plan's step predicted on `hw` from the decisions it ran with (the plan as it ran: a
     re-plan on another profile could choose differently)."""
-    from tierflow.planner.core.schedules import ScheduleConfig
+    from tierflow.planner.core.contract import ScheduleConfig
     from tierflow.planner.core.simulate import simulate_config
     from tierflow.planner.core.simulator import CapacityError
 
@@ -432,7 +432,7 @@ def predict_ds(p: Point, hw, cfg: dict, variant: str) -> tuple[float | None, str
     does not checkpoint activations)."""
     from tierflow.planner.core.simulate import simulate_config
     from tierflow.planner.core.simulator import CapacityError
-    from tierflow.planner.io.dsconfig import parse_ds_config
+    from tierflow.planner.io.deepspeed.config import parse_ds_config
 
     ds = parse_ds_config(cfg, f"{variant}.json", p.spec())
     spec = ds.trained(p.spec())  # no fp16 / bf16 section: fp32, as it runs

@@ -258,7 +258,8 @@ def markdown(results: dict, versions: str) -> str:
 def recorded_plans(out: Path, p, hw, work: Path) -> dict[str, tuple[Path, dict]]:
     """The plans the race ran at point `p` (their decisions in race_runs.json under `out`, tf-plan
     included), rebuilt as plan files under `work`: the profile times the plans the race timed."""
-    from tierflow.planner.core.schedules import ScheduleConfig, build_graph
+    from tierflow.planner.core.contract import ScheduleConfig
+    from tierflow.planner.core.schedules import build_graph
     from tierflow.planner.io.planfile import plan_from_graph, write_plan
 
     path = out / race.RUNS_FILE

@@ -22,10 +22,10 @@ from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.core.simulator import simulate_graph
 from tierflow.planner.core.trace import write_chrome_trace
+from tierflow.planner.fit.profile_fit import FitError, FitField
+from tierflow.planner.fit.trace_fit import default_fields, fit_trace
 from tierflow.planner.io.compare import load_measured
 from tierflow.planner.io.planfile import plan_from_graph, write_plan
-from tierflow.planner.search.fit import FitError, FitField
-from tierflow.planner.search.trace_fit import default_fields, fit_trace
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_executor import make_plan  # noqa: E402

@@ -17,8 +17,8 @@ from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.opkinds import BWD, OFFLOAD_GRADS, RECOMPUTE
 from tierflow.planner.core.workload import layer_cost
-from tierflow.planner.io.dsbridge import simulate_ds, with_deepspeed_adam
-from tierflow.planner.io.dsconfig import parse_ds_config
+from tierflow.planner.io.deepspeed.bridge import simulate_ds, with_deepspeed_adam
+from tierflow.planner.io.deepspeed.config import parse_ds_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))

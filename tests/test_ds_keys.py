@@ -1,6 +1,6 @@
-"""DeepSpeed config keys as DeepSpeed's code runs them (planner/io/dskeys.py): each modelled key moves the
-simulation the way its mechanism says, by the amount its own inputs give; the key table of docs/deepspeed.md
-is the code's; every classified key is sorted by the bridge as the table says."""
+"""DeepSpeed config keys as DeepSpeed's code runs them (planner/io/deepspeed/keys.py): each modelled key moves
+the simulation the way its mechanism says, by the amount its own inputs give; the key table of
+docs/deepspeed.md is the code's; every classified key is sorted by the bridge as the table says."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.memory import blocks_of
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.opkinds import READ_WEIGHTS, WRITE_OPT_STATES
-from tierflow.planner.core.schedules import build_graph, ds_sub_groups
+from tierflow.planner.core.runtimes.deepspeed import ds_sub_groups
+from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.workload import precision_of
-from tierflow.planner.io import dskeys
-from tierflow.planner.io.dsconfig import DsConfigError, largest_param_elems, parse_ds_config
+from tierflow.planner.io.deepspeed import keys as dskeys
+from tierflow.planner.io.deepspeed.config import DsConfigError, largest_param_elems, parse_ds_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = get_model("tiny-gpt")
@@ -176,8 +177,9 @@ def test_every_classified_key_is_sorted_by_the_bridge_as_the_table_says():
 
 def test_the_docs_page_holds_the_generated_key_table():
     page = (ROOT / "docs" / "deepspeed.md").read_text()
-    assert dskeys.key_table() in page, ("docs/deepspeed.md's key table is not planner/io/dskeys.py's: paste "
-                                        "the output of dskeys.key_table() over it")
+    assert dskeys.key_table() in page, ("docs/deepspeed.md's key table is not "
+                                        "planner/io/deepspeed/keys.py's: paste the output of "
+                                        "dskeys.key_table() over it")
 
 
 def test_the_warning_line_names_one_gpu_keys_only_for_several_gpus(tmp_path, capsys):
@@ -196,7 +198,7 @@ def test_the_warning_line_names_one_gpu_keys_only_for_several_gpus(tmp_path, cap
 def test_an_emitted_nvme_config_is_one_deepspeed_runs_and_reads_back_with_the_plan_s_weights():
     from tierflow.planner.core.placement import Placement, Split
     from tierflow.planner.core.schedules import make_schedule
-    from tierflow.planner.io.dsconfig import ds_config_for_plan
+    from tierflow.planner.io.deepspeed.config import ds_config_for_plan
 
     gpt = get_model("gpt3-1.3b")
     for cpu_share in (0.0, 0.5):

@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 
 from tierflow.hwprofiles import load_profile
-from tierflow.planner.core import schedules
 from tierflow.planner.core.memory import schedule_memory
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.opkinds import BWD, FWD, OFFLOAD_GRADS, RECOMPUTE
 from tierflow.planner.core.placement import Placement
+from tierflow.planner.core.runtimes.deepspeed import ds_sub_groups
 from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.core.simulate import simulate_config
 
@@ -76,7 +76,7 @@ def test_the_boundary_adds_the_fp32_copy():
 def _ds_nvme(pipeline: dict, sub_group_size: int | None = 1):
     """A ZeRO-Infinity config with the optimizer on NVMe; sub_group_size 1 (default here): one sub-group per
     block, None: DeepSpeed's default."""
-    from tierflow.planner.io.dsconfig import parse_ds_config
+    from tierflow.planner.io.deepspeed.config import parse_ds_config
 
     m, hw = get_model("tiny-gpt"), load_profile("rtx4090-lohan")
     zero = {"stage": 3, "offload_param": {"device": "cpu"},
@@ -132,9 +132,9 @@ def test_pipelining_never_slows_the_step():
 
 
 def test_sub_groups_pack_blocks_in_model_order():
-    assert schedules.ds_sub_groups([5, 5, 5, 5], 10) == [0, 0, 1, 1]
-    assert schedules.ds_sub_groups([5, 20, 1, 1], 10) == [0, 0, 1, 1]
-    assert schedules.ds_sub_groups([3, 3, 3], 100) == [0, 0, 0]
+    assert ds_sub_groups([5, 5, 5, 5], 10) == [0, 0, 1, 1]
+    assert ds_sub_groups([5, 20, 1, 1], 10) == [0, 0, 1, 1]
+    assert ds_sub_groups([3, 3, 3], 100) == [0, 0, 0]
 
 
 def test_one_sub_group_leaves_nothing_to_pipeline():
@@ -239,7 +239,7 @@ def test_deepspeed_s_host_waits_for_its_oldest_gradient_bucket():
 
 
 def _ds_param_cpu_graph(bucket: int, hw_name: str = "a100-80g-nvme", accumulation: int = 1):
-    from tierflow.planner.io.dsconfig import parse_ds_config
+    from tierflow.planner.io.deepspeed.config import parse_ds_config
 
     m = get_model("gpt3-125m")
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
@@ -270,7 +270,7 @@ def _forward_fetch_and_compute(g, it: int) -> tuple[dict, dict]:
 def test_deepspeed_holds_the_next_module_until_the_prefetched_bucket_has_landed():
     """One GPU, parameters in host memory, a prefetch bucket of d layers: the host synchronizes the
     all-gather stream at every module's wait, so the forward of layer b waits for the fetch of layer
-    b + d - 1, issued with the bucket at the previous hook (schedules._ds_drained_at_next_hook)."""
+    b + d - 1, issued with the bucket at the previous hook (runtimes.deepspeed._ds_drained_at_next_hook)."""
     layer = get_model("gpt3-125m").layer_params()
     depth, g, *_ = _ds_param_cpu_graph(3 * layer)
     assert depth == 3

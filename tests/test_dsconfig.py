@@ -12,7 +12,12 @@ from helpers import profile
 from tierflow.cli import main
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.schedules import make_schedule
-from tierflow.planner.io.dsconfig import DsConfigError, ds_config_for_plan, parse_ds_config, read_ds_config
+from tierflow.planner.io.deepspeed.config import (
+    DsConfigError,
+    ds_config_for_plan,
+    parse_ds_config,
+    read_ds_config,
+)
 
 # ZeRO-Infinity, as DeepSpeed's ZeRO-Infinity tutorial and config-json page write it (parameters and optimizer
 # states on NVMe), with a batch split and bf16

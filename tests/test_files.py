@@ -87,9 +87,9 @@ def test_large_plans_go_to_name_gz(tmp_path):
 
 
 def test_cli_compresses_a_large_plan_and_replays_it(tmp_path, monkeypatch, capsys):
-    from tierflow.planner.io import planfile
+    from tierflow.planner.io import planwrite
 
-    monkeypatch.setattr(planfile, "LARGE_PLAN_BYTES", 1000)
+    monkeypatch.setattr(planwrite, "LARGE_PLAN_BYTES", 1000)
     out = tmp_path / "plan.json"
     argv = ["simulate", "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--schedule", "vertical",
             "--batch", "4", "--micro-batch", "1", "--write-plan", str(out)]

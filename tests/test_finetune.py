@@ -31,7 +31,7 @@ from tierflow.planner.core.models import get_model
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import simulate_graph
 from tierflow.planner.io.clipreport import clip_cost
-from tierflow.planner.io.dstrain import DsTrainError, ds_training_settings
+from tierflow.planner.io.deepspeed.train import DsTrainError, ds_training_settings
 from tierflow.planner.io.planfile import write_plan
 
 STEPS = 20

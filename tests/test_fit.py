@@ -12,7 +12,7 @@ import yaml
 
 from tierflow.cli import main
 from tierflow.hwprofiles import load_profile
-from tierflow.planner.search.fit import (
+from tierflow.planner.fit.profile_fit import (
     COLUMNS,
     FitError,
     FitField,
@@ -229,7 +229,7 @@ def test_fields_one_run_cannot_separate_are_reported_collinear():
 def test_model_overrides_change_the_simulated_model(tmp_path):
     """model.FIELD=VALUE in the overrides column changes the model (here: LoHan's benchmark model without an
     LM head), not the box; the run's label says so."""
-    from tierflow.planner.search.fit import load_runs, predict
+    from tierflow.planner.fit.profile_fit import load_runs, predict
 
     path = tmp_path / "runs.csv"
     headless = GOOD.replace("ssd.count=2", "model.lm_head=false;ssd.count=2")

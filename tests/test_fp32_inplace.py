@@ -15,12 +15,13 @@ from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.memory import placed_bytes
 from tierflow.planner.core.models import get_model
+from tierflow.planner.core.opkinds import ADAM_GPU
 from tierflow.planner.core.placement import Placement, Split
-from tierflow.planner.core.schedules import ADAM_GPU, build_graph, make_schedule
+from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.core.simulate import simulate
 from tierflow.planner.core.simulator import CapacityError
 from tierflow.planner.core.workload import PRECISIONS, precision_of
-from tierflow.planner.io.dsconfig import parse_ds_config
+from tierflow.planner.io.deepspeed.config import parse_ds_config
 from tierflow.planner.io.planfile import plan_from_graph, write_plan
 
 GPU = Placement.uniform("gpu")

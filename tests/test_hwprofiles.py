@@ -134,7 +134,7 @@ def test_lohan_profile_has_the_paper_box_numbers():
 def test_lohan_profile_fitted_fields_name_their_data_and_reproduce_it():
     """The fitted SSD fields say which data they were fitted on, and the bundled profile predicts that data
     within the fit's residuals (the fit's own check, repeated on the shipped numbers)."""
-    from tierflow.planner.search.fit import load_runs, predict
+    from tierflow.planner.fit.profile_fit import load_runs, predict
 
     text = (PACKAGE_DIR / "rtx4090-lohan.yaml").read_text(encoding="utf-8")
     data = "lohan_fuyou_ssd_count_as_coded.csv"

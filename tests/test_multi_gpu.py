@@ -13,17 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierflow.cli import main
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.costmodel import link_rates
+from tierflow.planner.core.families import FAMILIES
 from tierflow.planner.core.graph import HOST_LINKS, LINK_NAMES, NET, RESOURCES
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement
-from tierflow.planner.core.schedules import (
-    FAMILIES,
-    ScheduleConfig,
-    ScheduleError,
-    build_graph,
-    make_schedule,
-)
+from tierflow.planner.core.schedules import ScheduleError, build_graph, make_schedule
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError
 from tierflow.planner.core.workload import COMPUTE_BYTES, GRAD_WIRE_BYTES

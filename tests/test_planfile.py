@@ -16,14 +16,15 @@ import pytest
 
 from tierflow.api import simulate_config
 from tierflow.hwprofiles import load_profile
+from tierflow.planner.core.contract import Plan
+from tierflow.planner.core.families import FAMILIES
 from tierflow.planner.core.graph import LINKS, RESOURCES
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement, Split
-from tierflow.planner.core.schedules import FAMILIES, build_graph, make_schedule
+from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.io.planfile import (
     PLAN_FORMAT,
     PLAN_VERSION,
-    Plan,
     PlanError,
     load_plan,
     plan_from_graph,

@@ -15,7 +15,7 @@ from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.simulate import simulate
 from tierflow.planner.core.workload import head_cost, layer_cost, precision_of
-from tierflow.planner.io.dsconfig import parse_ds_config
+from tierflow.planner.io.deepspeed.config import parse_ds_config
 
 
 def test_fp32_doubles_the_compute_dtype_bytes_and_keeps_the_states():

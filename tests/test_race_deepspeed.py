@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 import race_deepspeed  # noqa: E402
 
-from tierflow.planner.io.dsconfig import parse_ds_config  # noqa: E402
+from tierflow.planner.io.deepspeed.config import parse_ds_config  # noqa: E402
 
 
 @pytest.mark.parametrize("variant", race_deepspeed.DS_VARIANTS)
@@ -172,7 +172,7 @@ def test_predict_only_re_predicts_the_measured_race_in_fp32_without_running_it(t
     from dataclasses import asdict, replace
 
     from tierflow.hwprofiles import load_profile
-    from tierflow.planner.core.schedules import ScheduleConfig
+    from tierflow.planner.core.contract import ScheduleConfig
     from tierflow.planner.core.simulate import simulate_config
 
     m = _cpu_box_measurements()

@@ -93,7 +93,7 @@ def test_a_plan_written_before_a_nullable_field_existed_still_loads(tmp_path, pl
     """An older tierflow wrote neither the key nor its digest field (cpu.ssd_slowdown_beside_compute, null in
     the profile): the plan loads. The same field absent from the digest but set in the hardware section is
     refused."""
-    from tierflow.planner.io.planfile import _digest_ops
+    from tierflow.planner.io.planvalidate import _digest_ops
 
     key = "hardware.cpu.ssd_slowdown_beside_compute"
     d = json.loads(plan_text)

@@ -13,19 +13,13 @@ from hypothesis import strategies as st
 
 from tierflow.api import simulate, simulate_config
 from tierflow.hwprofiles import load_profile
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.devicemem import cuda_runtime_memory
+from tierflow.planner.core.families import FAMILIES, family_of
 from tierflow.planner.core.graph import LINKS, RESOURCES, TIER_INDEX
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement, Split
-from tierflow.planner.core.schedules import (
-    FAMILIES,
-    ScheduleConfig,
-    ScheduleError,
-    build_graph,
-    family_of,
-    make_schedule,
-    step_sequence,
-)
+from tierflow.planner.core.schedules import ScheduleError, build_graph, make_schedule, step_sequence
 from tierflow.planner.core.workload import (
     ADAM_STATE_BYTES,
     COMPUTE_BYTES,

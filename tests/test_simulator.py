@@ -17,10 +17,11 @@ from hypothesis import strategies as st
 from tierflow.api import simulate
 from tierflow.planner.core.costmodel import CPU_ADAM_DRAM_BYTES_PER_PARAM, CostModel
 from tierflow.planner.core.devicemem import cuda_runtime_memory
+from tierflow.planner.core.families import FAMILIES
 from tierflow.planner.core.graph import HOST_LINKS, LINK_NAMES, TIERS, Task, TaskGraph
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement, Split
-from tierflow.planner.core.schedules import FAMILIES, ScheduleError
+from tierflow.planner.core.schedules import ScheduleError
 from tierflow.planner.core.simulator import CapacityError, SimulationError, simulate_graph
 from tierflow.planner.core.workload import (
     ADAM_STATE_BYTES,

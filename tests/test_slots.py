@@ -203,8 +203,8 @@ def test_the_template_phases_hand_over_consistent_slots():
 
     model, hw, cfg = _case("block-4-groups")
     mt, ct, lay = template_of(model, cfg)
-    edges = tuple(S._memory_edges(model, mt, hw, ct))
-    tmpl = S._slot_template(S._template_graphs(mt, hw, ct, lay), ct, lay, edges)
+    edges = tuple(S.memory_edges(model, mt, hw, ct))
+    tmpl = S.slot_template(S.template_graphs(mt, hw, ct, lay), ct, lay, edges)
     T = len(tmpl.slots)
     assert tmpl.slots[-1] == S.TAIL_SLOT and all(isinstance(k, S.SlotKey) for k in tmpl.slots[:-1])
     assert len(tmpl.items) == len(tmpl.item_work) > 0 and len(tmpl.chains) == len(tmpl.chain_work) > 0
@@ -214,7 +214,7 @@ def test_the_template_phases_hand_over_consistent_slots():
     for ch, vector in zip(tmpl.chains, tmpl.chain_work):
         assert 0 <= ch.release_slot <= ch.deadline_slot < 3 * T and 0 <= ch.home_group < lay.Gt
         assert vector[0] > 0  # a chain lasts
-    full = S._full_iteration(tmpl.slots, lay)
+    full = S.full_iteration(tmpl.slots, lay)
     L, nsub, Lg = lay.L, full.subslots, full.slots_per_group
     for s in range(full.full_slots - 1):
         use = (s % Lg) // nsub

@@ -13,10 +13,11 @@ from helpers import profile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tierflow.planner.core.families import FAMILIES
 from tierflow.planner.core.graph import CycleError, TaskGraph, find_cycle, topological_order
 from tierflow.planner.core.models import get_model
-from tierflow.planner.core.schedules import FAMILIES, build_graph, make_schedule
-from tierflow.planner.search.slots import _topological as slots_topological
+from tierflow.planner.core.schedules import build_graph, make_schedule
+from tierflow.planner.search.slots import topological_by_queue as slots_topological
 
 PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -77,8 +78,8 @@ def old_window_topological(n: int, preds: list[list[int]]) -> list[int]:
 
 
 def old_slots_topological(n, preds, prev_in_queue, queue_order):
-    """planner/search/slots/template.py `_topological` (queue-order heap; on a cycle the rest in queue
-    order)."""
+    """planner/search/slots/template.py `_topological`, now `topological_by_queue` (queue-order heap; on a
+    cycle the rest in queue order)."""
     rank = {i: r for r, i in enumerate(queue_order)}
     succ: list[list[int]] = [[] for _ in range(n)]
     indeg = [0] * n

@@ -7,12 +7,14 @@
 """
 
 from tierflow.hwprofiles import HardwareProfile, list_profiles, load_profile
+from tierflow.planner.core.contract import Plan, ScheduleConfig
+from tierflow.planner.core.families import FAMILIES
 from tierflow.planner.core.models import ModelSpec, get_model, list_models
 from tierflow.planner.core.placement import Placement, Split
-from tierflow.planner.core.schedules import FAMILIES, ScheduleConfig, build_graph, make_schedule
+from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.core.simulate import DEFAULT_FAMILIES, compare, resolve, simulate, simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
-from tierflow.planner.io.planfile import Plan, load_plan, plan_from_graph, simulate_plan, write_plan
+from tierflow.planner.io.planfile import load_plan, plan_from_graph, simulate_plan, write_plan
 from tierflow.planner.search.capacity import largest
 from tierflow.planner.search.explain import explain, min_requirements
 from tierflow.planner.search.plan_search import PlanningError, SearchResult, plan_search

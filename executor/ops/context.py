@@ -15,8 +15,8 @@ from tierflow.executor.device.base import DeviceBackend, PlainCpuBackend
 from tierflow.executor.tiers.arena import TransferArena
 from tierflow.executor.tiers.ssd_store import SsdStore, aligned_empty
 from tierflow.executor.tiers.state import BlockLayout, TrainState
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.schedules import ScheduleConfig
 
 # resources with a stream each (executor/device; none on a plain CPU)
 STREAM_RESOURCES = ("gpu", "h2d", "d2h")

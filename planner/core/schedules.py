@@ -18,27 +18,27 @@ starts the next and its activation stays on the GPU).
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field, replace
 
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock, Offset
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.dsruntime import (
-    DS_OPT_BUFFER_COUNT,
-    DS_PARAM_BUFFER_COUNT,
-    DS_PARAM_BUFFER_ELEMS,
-    DS_SUB_GROUP_ELEMS,
-    DsKnobs,
     deepspeed_host_buffers_bytes,
-    ds_fp32_grad_copy_s,
     ds_weights_copy_s,
 )
-from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused, topological_order
+from tierflow.planner.core.families import (
+    DEFAULT_RUNTIME,
+    FAMILIES,
+    FIXED_GROUP,
+    RUNTIME_FAMILY,
+    RUNTIMES,
+    family_of,
+)
+from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused
 from tierflow.planner.core.memory import (
-    DS_MAX_PARAM_REDUCE_EVENTS,
-    DS_REDUCE_BUCKET_ELEMS,
     blocks_of,
     host_reserve_bytes,
     schedule_memory,
@@ -66,161 +66,18 @@ from tierflow.planner.core.opkinds import (
     entry_kind,
 )
 from tierflow.planner.core.placement import Placement, Split, fill_split
+from tierflow.planner.core.runtimes.deepspeed import DeepSpeedHooks
+from tierflow.planner.core.runtimes.lohan import LohanHooks, renumber
+from tierflow.planner.core.runtimes.optstep import AdamBlock, OptChain
 from tierflow.planner.core.workload import precision_of
 from tierflow.planner.core.world import World, rank_capacity_bytes, shard_elems
-
-FAMILIES = ("horizontal", "vertical", "fuyou", "block")
-# How a schedule's transfers may overlap: "ideal" is tierflow's executor (every transfer runs as early as the
-# plan's dependencies and memory allow); "deepspeed" is ZeRO-Infinity as DeepSpeed's ZeRO-3 code runs it
-# (docs/baselines-as-coded.md A): parameters on NVMe are fetched on demand, the optimizer's sub-groups are
-# read, stepped and written back one after the other; "lohan" is Fuyou as its artifact's code runs it
-# (docs/baselines-as-coded.md B2, B3): no weight prefetch in the backward, and the optimizer's NVMe reads and
-# writes are waited for on the training thread, between one layer's backward and the next.
-RUNTIMES = ("ideal", "deepspeed", "lohan")
-# the runtime each family runs as unless asked otherwise: the system whose code the family models
-DEFAULT_RUNTIME = {"horizontal": "deepspeed", "fuyou": "lohan", "vertical": "ideal", "block": "ideal"}
-# LoHan: how far behind the I/O it waits for a training-thread op is queued (a key offset, in steps)
-THREAD_KEY_STEP = 0.001
-# the family each non-ideal runtime models
-RUNTIME_FAMILY = {"deepspeed": "horizontal", "lohan": "fuyou"}
-# the group size each family fixes (None: the block schedule's own --group)
-FIXED_GROUP = {"horizontal": "1", "fuyou": "1", "vertical": "all micro-batches", "block": None}
-def family_of(group: int, num_micro_batches: int, optimizer_overlap: bool) -> str:
-    """The name of what a builder with these settings builds: one micro-batch per block sweep with the
-    optimizer after the backward is ZeRO-Infinity's horizontal schedule, with the optimizer overlapped
-    Fuyou's; all micro-batches per sweep is GreedySnake's vertical schedule; anything between is the block
-    hybrid."""
-    if group == 1 and num_micro_batches >= 1:
-        return "fuyou" if optimizer_overlap else "horizontal"
-    if group == num_micro_batches:
-        return "vertical"
-    return "block"
 
 
 class ScheduleError(TierflowError, ValueError):
     """A schedule request that cannot be built (bad batch split, unknown family, ...)."""
 
 
-@dataclass(frozen=True)
-class ScheduleConfig:
-    family: str
-    batch: int  # global batch, in sequences
-    micro_batch: int  # sequences per micro-batch
-    seq: int
-    placement: Placement
-    group: int  # micro-batches a block runs before the next block (1 = horizontal, M = vertical)
-    alpha: float = 0.0  # fraction of each block's CPU Adam deferred into the next iteration's forward
-    optimizer_overlap: bool = False  # a block's optimizer may start before the whole backward has finished
-    prefetch_depth: int = 1  # weight buffers fetched ahead of the one in use
-    act_prefetch: int = 2  # compute steps ahead an activation fetch may start
-    recompute: bool = True  # recompute each layer's forward in backward (else keep all its activations)
-    swap_layers: int = 0  # the last n layers keep (and swap out) all their activations instead of recomputing
-    iterations: int = 3  # iterations simulated; the one before the last is reported as the steady state
-    runtime: str = "ideal"  # how transfers overlap: RUNTIMES
-    gpus: int = 1  # data-parallel ranks per box (tierflow.planner.core.world)
-    nodes: int = 1  # boxes
-    # runtime deepspeed, offload_optimizer.pipeline_read / pipeline_write: the next sub-group's states are
-    # read while this one steps / this one's are written while the next steps (_Builder._read_states)
-    ds_pipeline_read: bool = False
-    ds_pipeline_write: bool = False
-    # its sub_group_size: the optimizer steps (and pipelines) whole sub-groups of this many elements
-    ds_sub_group_elems: int = DS_SUB_GROUP_ELEMS
-    # its reduce_bucket_size: gradients leave for the host in buckets of this many elements (_ds_grad_bucket)
-    ds_reduce_bucket_elems: int = int(DS_REDUCE_BUCKET_ELEMS)
-    # its swappers' pinned host buffers (dsruntime): offload_optimizer.buffer_count,
-    # offload_param.buffer_count and buffer_size; and contiguous_gradients (the GPU bucket of
-    # reduce_bucket_size elements)
-    ds_opt_buffer_count: int = DS_OPT_BUFFER_COUNT
-    ds_param_buffer_count: int = DS_PARAM_BUFFER_COUNT
-    ds_param_buffer_elems: int = DS_PARAM_BUFFER_ELEMS
-    ds_contiguous_gradients: bool = True
-    ds_param_swapper: bool = False  # offload_param nvme with every parameter kept in host memory (max_in_cpu)
-    # offload_param.max_in_cpu with parameters on NVMe: the elements of the leading whole blocks DeepSpeed
-    # keeps in host memory (dsruntime.ds_cached_elems; the placement's weights cpu fraction says the same);
-    # 0: the placement's split holds for every block
-    ds_cached_elems: int = 0
-    # the ZeRO stage of the DeepSpeed config this schedule was read from (`--ds-config`: dsconfig.DsConfig
-    # .schedule; None: not from a config). Stage 3 with the optimizer's states in host memory makes the
-    # accumulation boundary's dtype-changing blocking copy of each 16-bit gradient partition into the fp32
-    # gradient (stage3.py partition_grads), a host wait where the profile models pageable copies
-    # (_ds_grad_bucket); not with the states on NVMe (their fp32 gradient is made on the GPU,
-    # grad_buffer.float(), and swapped out through pinned buffers) nor in ZeRO-2 (stage_1_and_2.py copies
-    # with non_blocking=True, converting on the GPU)
-    ds_stage: int | None = None
-
-    @property
-    def ds_knobs(self) -> DsKnobs:
-        """The DeepSpeed keys that size DeepSpeed's own buffers (runtime deepspeed)."""
-        return DsKnobs(sub_group_elems=self.ds_sub_group_elems, opt_buffer_count=self.ds_opt_buffer_count,
-                       param_buffer_count=self.ds_param_buffer_count,
-                       param_buffer_elems=self.ds_param_buffer_elems,
-                       reduce_bucket_elems=self.ds_reduce_bucket_elems,
-                       contiguous_gradients=self.ds_contiguous_gradients,
-                       param_swapper=self.ds_param_swapper)
-
-    @property
-    def world(self) -> World:
-        return World(self.gpus, self.nodes)
-
-    @property
-    def num_micro_batches(self) -> int:
-        """Micro-batches of ONE rank per iteration: the global batch split over the ranks, then into
-        micro-batches."""
-        return self.world.rank_batch(self.batch) // self.micro_batch
-
-    def recomputes(self, block: int, num_layers: int) -> bool:
-        """Is decoder layer `block` (1..num_layers) recomputed in backward? The last `swap_layers` layers keep
-        (and swap out) all their activations instead; the embedding and the head are never recomputed."""
-        return self.recompute and 1 <= block <= num_layers - self.swap_layers
-
-    def recomputed_fraction(self, num_layers: int) -> float:
-        """The fraction of decoder layers recomputed in backward."""
-        return (num_layers - self.swap_layers) / num_layers if self.recompute and num_layers else 0.0
-
-    def describe(self) -> str:
-        ranks = self.world.ranks
-        world = "" if ranks == 1 else f" over {ranks} ranks ({self.gpus} GPUs x {self.nodes} boxes)"
-        per = "" if ranks == 1 else f"{ranks} x "
-        swapped = f", {self.swap_layers} layers swapped" if self.swap_layers else ""
-        return (f"{self.family}: batch {self.batch} = {per}{self.num_micro_batches} x {self.micro_batch}"
-                f"{world}, group {self.group}, alpha {self.alpha:g}, prefetch {self.prefetch_depth}, "
-                f"{'recompute' if self.recompute else 'no recompute'}{swapped}"
-                f"{'' if self.runtime == 'ideal' else f', as {self.runtime} runs it'}")
-
-    def to_dict(self) -> dict:
-        return {
-            "family": self.family, "batch": self.batch, "micro_batch": self.micro_batch, "seq": self.seq,
-            "group": self.group, "alpha": self.alpha, "optimizer_overlap": self.optimizer_overlap,
-            "prefetch_depth": self.prefetch_depth, "act_prefetch": self.act_prefetch,
-            "recompute": self.recompute,
-            "swap_layers": self.swap_layers,
-            "iterations": self.iterations, "runtime": self.runtime, "placement": self.placement.as_dict(),
-            # one rank: left out, so that one-GPU plans and their digests stay as they were
-            **({"gpus": self.gpus, "nodes": self.nodes} if self.world.ranks != 1 else {}),
-            # DeepSpeed's optimizer pipelining: only when set, so that other plans' digests stay as they were
-            **{k: True for k in ("ds_pipeline_read", "ds_pipeline_write") if getattr(self, k)},
-            **({"ds_stage": self.ds_stage} if self.ds_stage is not None else {}),
-            **({"ds_sub_group_elems": self.ds_sub_group_elems}
-               if self.ds_sub_group_elems != DS_SUB_GROUP_ELEMS else {}),
-            **({"ds_reduce_bucket_elems": self.ds_reduce_bucket_elems}
-               if self.ds_reduce_bucket_elems != DS_REDUCE_BUCKET_ELEMS else {}),
-            **{k: getattr(self, k) for k, dflt in _DS_BUFFER_DEFAULTS.items() if getattr(self, k) != dflt},
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ScheduleConfig:
-        d = dict(d)
-        d["placement"] = Placement.from_dict(d["placement"])
-        return cls(**d)
-
-
 _IN_CPU, _ON_SSD = Split(gpu=0.0, cpu=1.0, ssd=0.0), Split(gpu=0.0, cpu=0.0, ssd=1.0)
-# DeepSpeed's buffer keys: written to a plan only when set away from DeepSpeed's default, so that other plans'
-# digests stay as they were
-_DS_BUFFER_DEFAULTS = {"ds_opt_buffer_count": DS_OPT_BUFFER_COUNT,
-                       "ds_param_buffer_count": DS_PARAM_BUFFER_COUNT,
-                       "ds_param_buffer_elems": DS_PARAM_BUFFER_ELEMS, "ds_contiguous_gradients": True,
-                       "ds_param_swapper": False, "ds_cached_elems": 0}
 
 
 def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> Placement:
@@ -461,59 +318,10 @@ class _IterState:
     host_grad_alloc: set[int] = field(default_factory=set)  # blocks whose host gradient buffer is allocated
 
 
-@dataclass
-class _AdamBlock:
-    """One block's optimizer step in one iteration: where it is keyed and this rank's shard of the block."""
+class _Builder(DeepSpeedHooks, LohanHooks):
+    """The generic builder: every family's graph, with each runtime's behaviour in its hooks
+    (tierflow.planner.core.runtimes)."""
 
-    block: int
-    it: int
-    key: float  # the step's position in the resources' queues
-    k_last: int  # the block's last backward step
-    owned: int  # elements of the block's states this rank owns
-    fetch_params: int  # elements of the block's gradient this rank keeps
-    end: int  # global index of the step after the iteration's last
-
-
-@dataclass
-class _OptChain:
-    """What the optimizer steps of successive blocks chain on within one iteration.
-
-    LoHan steps each sub-group from the gradient hook that sees the backward enter the next one, on the
-    training thread: it reads the group's fp32 p, m, v from NVMe and waits, hands them to the CPU-Adam
-    process, then writes back the group stepped before it (fp16 weights and p, m, v) and waits; only then does
-    the backward go on (RC4ML/LoHan ratel_optimizer.py:530-534, 1047-1089;
-    nvme_ds/pipelined_optimizer_swapper.py:160-216; docs/baselines-as-coded.md B2). Here a layer block stands
-    for a sub-group; the GPU is not waited for, it runs ahead on what the thread launched before
-    (_Builder._lohan_trigger, _Builder._lohan_thread)."""
-
-    prev_main: int = -1  # the previous block's main CPU Adam step
-    prev_write: int = -1  # DeepSpeed: a sub-group's states are read only after the previous one's are written
-    prev_read: int = -1  # DeepSpeed with pipeline_read: the previous sub-group's read
-    prev_block: int = -1  # the block stepped before (DeepSpeed: is this one in a new sub-group?)
-    # DeepSpeed with pipeline_read: each sub-group's last CPU Adam step and last write, in the order they were
-    # stepped, which bound how far the reads run ahead (_Builder._ds_read_bound)
-    group_adam: dict = field(default_factory=dict)
-    group_write: dict = field(default_factory=dict)
-    unwaited_write: Task | None = None  # LoHan: the write-back the thread issues at the next boundary
-    thread_last: Task | None = None  # LoHan: the thread's last wait
-
-
-@dataclass
-class _DsGrad:
-    """A block's gradient waiting in DeepSpeed's IPG bucket (_Builder._ds_grad_bucket)."""
-
-    src: Task  # the task that produced it
-    block: int
-    wire_bytes_per_param: float  # bytes per parameter its copy to the host moves
-    gpu_bytes: float  # its GPU buffer, freed by the copy
-    grad_last: dict  # the iteration's block -> final-gradient tasks
-    host_grad_alloc: set  # the iteration's blocks whose host gradient buffer is allocated
-    # the accumulation boundary's copy into the fp32 gradient, when the host waits for it (seconds; None: a
-    # pinned copy counted in wire_bytes_per_param)
-    fp32_copy_s: float | None = None
-
-
-class _Builder:
     def __init__(self, model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig):
         self.model, self.hw, self.cfg = model, hw, cfg
         self.W = cfg.world.ranks
@@ -536,15 +344,7 @@ class _Builder:
         # block -> tasks that refresh its GPU-resident weights
         self.resident_update: dict[int, list[int]] = {}
         self.states_written: dict[tuple[int, str], list[int]] = {}  # (block, part) -> SSD write of its states
-        # runtime deepspeed: the open gradient bucket (its blocks' offloads, not yet issued) and the offloads
-        # of the last backward, which the host waits for before the next forward (_ds_grad_bucket)
-        self.ds_bucket: list[_DsGrad] = []
-        self.ds_epilogue: list[int] = []
-        # the last copy of each bucket still in flight, and what the next step waits for (_ds_flush)
-        self.ds_events: deque[int] = deque()
-        self.ds_wait: list[int] = []
-        self.ds_groups = ds_sub_groups([x.owned_params for x in b], cfg.ds_sub_group_elems)
-        self.ds_cached = self._ds_cached_blocks()
+        self._ds_init()
 
     # -- helpers ---------------------------------------------------------------------------------------------
 
@@ -665,51 +465,6 @@ class _Builder:
         use.gather = a
         return deps + [a.id]
 
-    def _ds_drained_at_next_hook(self, u: int, h: Task, d: int) -> None:
-        """Runtime deepspeed on one GPU: the fetch of use u, issued with the prefetch bucket at the hook of
-        use u - d, is waited for by the host at the next hook, before the compute of use u - d + 1 is
-        launched.
-        DeepSpeed's one-rank fetch is an async copy of the pinned partition on the all-gather stream
-        (partition_parameters.py:76-77, NoGatherCoalescedHandle: `ds_tensor.data.to(device,
-        non_blocking=True)`; the partitions live in the pinned flat buffer, stage3.py:696), and the wait for a
-        module's parameters synchronizes that whole stream (partitioned_param_coordinator.py:328-334: the
-        handle's wait under `stream(allgather_stream)`, partition_parameters.py:58-60 and 85-86
-        `current_stream().synchronize()`), so every copy issued at earlier hooks (the prefetch of
-        partitioned_param_coordinator.py:380-413, issued after that wait) lands before the next module runs.
-        With a depth of one use nothing changes; deeper buckets do not run ahead of the compute, they hold it.
-        Not on a host device (gpu.host_cores: the CPU accelerator resolves data dependencies itself, no
-        stream to wait for) nor with several ranks (their all-gather handles wait on their own). Only within
-        one forward and backward: each forward starts a new trace (parameter_offload.py:243-245,
-        `_start_of_forward_hook` -> reset_step, which waits for what is in flight and restarts the queue), so
-        no compute waits for a fetch across the start of a forward."""
-        if d < 2 or self.cfg.runtime != "deepspeed" or self.W > 1 or self.hw.gpu.host_cores is not None:
-            return
-        j = u - d + 1
-        if j < 0 or j >= len(self.uses):
-            return
-        if any(x.block == 0 and x.phase == "F" for x in self.uses[j + 1:u + 1]):
-            return
-        c = self.uses[j].first_compute
-        if c is not None and h.key <= c.key and h.id not in c.deps:
-            c.deps.append(h.id)
-
-    def _ds_cached_blocks(self) -> frozenset[int] | None:
-        """Runtime deepspeed with parameters on NVMe and part of them in host memory (ds_cached_elems:
-        offload_param.max_in_cpu, dsruntime.ds_cached_elems): the leading blocks, in model order, that many
-        elements hold whole. DeepSpeed keeps whole sub-groups in host memory and fetches
-        them like CPU-offloaded parameters; the others are read from NVMe on demand. None where the
-        placement's split holds for every block."""
-        w = self.p.weights
-        if self.cfg.runtime != "deepspeed" or self.cfg.ds_cached_elems <= 0 or w.ssd <= 0 or w.gpu > 0:
-            return None
-        room = self.cfg.ds_cached_elems
-        out, total = set(), 0
-        for b, x in enumerate(self.blocks):
-            if total + x.owned_params > room:
-                break
-            total += x.owned_params
-            out.add(b)
-        return frozenset(out)
 
     def weights_of(self, b: int) -> Split:
         """Where block b's weights live: the placement's split, or under runtime deepspeed whole blocks in
@@ -757,7 +512,7 @@ class _Builder:
             self.step_key.extend(self.clock.steps(it))
             self.build_iteration(it, base, seq_steps)
         if cfg.runtime == "lohan":
-            _renumber(self.g.tasks)
+            renumber(self.g.tasks)
         static = static_bytes(self.model, self.p, cfg.runtime, self.W, cfg.ds_knobs, hw=self.hw)
         cap = rank_capacity_bytes(self.hw, cfg.gpus)
         meta = {"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations}
@@ -953,77 +708,6 @@ class _Builder:
         grad_last[b] = [d2h.id]
         return d2h
 
-    def _ds_grad_bucket(self, t: Task, src: Task, b: int, k: int, grad_gpu_bytes: float, grad_last: dict,
-                        host_grad_alloc: set) -> None:
-        """DeepSpeed ZeRO-3 with the optimizer offloaded, as its code runs: a gradient joins the IPG bucket
-        (reduce_bucket_size elements, 5e8 by default); when the next one would overflow it, the bucket's
-        partitions are copied to the host on the reduce-and-partition stream, and at the end of every
-        backward (the epilogue) the rest are, and the host waits for that stream before it goes on
-        (stage3.py: reduce_independent_p_g_buckets_and_remove_grads, __reduce_and_partition_ipg_grads,
-        independent_gradient_partition_epilogue). At the accumulation boundary (the iteration's last
-        micro-batch) each partition is also copied to the optimizer's fp32 gradient: 4 B more per parameter
-        (partition_grads -> _offload_grad_partition_at_boundary). On a GPU box that copy is a blocking copy_
-        with a dtype change: where the profile has pcie.pageable_d2h_gbps it is the host's wait of
-        dsruntime.ds_fp32_grad_copy_s, and the backward's next kernels wait for it (_ds_after_copy_out). Not
-        modelled: the copy back of the 16-bit partition to the GPU after each copy out (partition_grads:
-        grad_buffer.to(device)), an H2D of 2 B per parameter and micro-batch."""
-        elems = self.blocks[b].fetch_params
-        open_elems = sum(self.blocks[x.block].fetch_params for x in self.ds_bucket)
-        if self.ds_bucket and open_elems + elems > self.cfg.ds_reduce_bucket_elems:
-            self._ds_flush(t)  # the full bucket leaves once this gradient is ready
-        boundary = k == self.cur_last_step[b]  # the block's last micro-batch of the iteration
-        fp32_copy_s = ds_fp32_grad_copy_s(self.hw, self.shard(elems), self.pr.grad_wire_bytes) \
-            if boundary and self._ds_blocking_grad_copy() else None
-        wire = self.pr.grad_wire_bytes + (self.pr.grad_accum_bytes if boundary and fp32_copy_s is None else 0)
-        self.ds_bucket.append(_DsGrad(src, b, wire, grad_gpu_bytes, grad_last, host_grad_alloc, fp32_copy_s))
-        if b == 0:  # the backward's last block: the epilogue flushes the rest and the host waits
-            self.ds_epilogue = self._ds_flush(t)
-            self.ds_events.clear()
-
-    def _ds_flush(self, t: Task) -> list[int]:
-        """Issue the open bucket after `t`: with several ranks each gradient reduce-scattered, then every
-        partition copied to the host (__reduce_and_partition_ipg_grads). With more than
-        DS_MAX_PARAM_REDUCE_EVENTS buckets in flight the host synchronizes on the oldest one's event before it
-        issues this one, so the next step waits for that bucket's copies (stage3.py: param_reduce_events,
-        max_param_reduce_events = 2); it bounds the gradients waiting on the GPU."""
-        if len(self.ds_events) >= DS_MAX_PARAM_REDUCE_EVENTS:
-            self.ds_wait.append(self.ds_events.popleft())
-        out = []
-        for x in self.ds_bucket:
-            src = x.src
-            if self.W > 1:
-                src = self._reduce_scatter(t, x.block, t.iteration)
-                if t.id != x.src.id:
-                    src.deps.append(x.src.id)
-            d2h = self._offload_grads(t, src, x.block, t.iteration, x.wire_bytes_per_param, x.gpu_bytes,
-                                      x.grad_last, x.host_grad_alloc)
-            if t.id != src.id and t.id not in src.deps:
-                d2h.deps.append(t.id)
-            out.append(self._ds_after_copy_out(d2h, x).id)
-        self.ds_bucket = []
-        if out:
-            self.ds_events.append(out[-1])
-        return out
-
-    def _ds_blocking_grad_copy(self) -> bool:
-        """ZeRO-3 with the optimizer's states in host memory (ScheduleConfig.ds_stage)."""
-        p = self.p
-        return self.cfg.ds_stage == 3 and not p.gpu_optimizer and p.master.ssd == 0 and p.grads.ssd == 0
-
-    def _ds_after_copy_out(self, d2h: Task, x: _DsGrad) -> Task:
-        """At the accumulation boundary on a GPU box whose profile models pageable copies: the blocking copy
-        of the 16-bit partition into the fp32 gradient (x.fp32_copy_s) after its copy to the host, on the
-        host's queue; the host waits for it before it launches the backward's next kernels (ds_wait), and the
-        optimizer's step waits for it (grad_last). Returns the bucket's last copy. Not modelled: the 16-bit
-        partition's copy back to the GPU after each copy out (partition_grads: `grad_buffer.to(device)`), an
-        H2D of 2 B per parameter and micro-batch on the reduce stream, hidden behind the backward here."""
-        if x.fp32_copy_s is None:
-            return d2h
-        last = self.g.add(OFFLOAD_GRADS, "cpu", x.fp32_copy_s, tensor="grads", block=x.block, mb=-1,
-                          iteration=d2h.iteration, key=d2h.key, deps=[d2h.id])
-        self.ds_wait.append(last.id)
-        x.grad_last[x.block] = [last.id]
-        return last
 
     def _reduce_scatter(self, t: Task, b: int, it: int) -> Task:
         """The ranks' gradients of block b summed, this rank's shard kept (a ring reduce-scatter after
@@ -1037,7 +721,7 @@ class _Builder:
         g, p, cfg, model = self.g, self.p, self.cfg, self.model
         barrier = [self.step_task[-1]] if not cfg.optimizer_overlap else []
         order = sorted(range(self.nb), key=lambda b: last_step_of_block[b])
-        chain = _OptChain()
+        chain = OptChain()
         S = len(seq_steps)
         end_key = self.step_key[base + S - 1]
         for rank, b in enumerate(order):
@@ -1061,10 +745,10 @@ class _Builder:
                 self.resident_update[b] = [t.id]
                 self.weights_ready[b] = [t.id]
                 continue
-            step = _AdamBlock(b, it, key, k_last, owned, self.shard(blk.fetch_params), base + S)
+            step = AdamBlock(b, it, key, k_last, owned, self.shard(blk.fetch_params), base + S)
             self._cpu_adam(step, grads_ready, barrier, chain, first_fwd_idx)
 
-    def _cpu_adam(self, step: _AdamBlock, grads_ready: list[int], barrier: list[int], chain: _OptChain,
+    def _cpu_adam(self, step: AdamBlock, grads_ready: list[int], barrier: list[int], chain: OptChain,
                   first_fwd_idx: dict) -> None:
         """The CPU Adam step of one block: its fp32 gradient through the SSD if placed there, then each part
         (the main step, and the fraction alpha deferred into the next forward) with its states read from and
@@ -1138,8 +822,8 @@ class _Builder:
         return self.g.add(UPDATE_WEIGHTS, "cpu", host_s, tensor="weights", block=b, mb=-1, iteration=it,
                           key=pkey + Offset.AFTER_ADAM, deps=[adam.id])
 
-    def _read_states(self, step: _AdamBlock, nbytes: float, pkey: float, kind: str, prev_part: int,
-                     chain: _OptChain) -> Task:
+    def _read_states(self, step: AdamBlock, nbytes: float, pkey: float, kind: str, prev_part: int,
+                     chain: OptChain) -> Task:
         """The SSD read of one Adam part's slice of a block's fp32 master, m and v. DeepSpeed's default
         optimizer swapper (pipeline_read/write off) reads, steps and writes one sub-group after the other
         (partitioned_optimizer_swapper.py:100-191; offload_config.py:84-94); LoHan's training thread waits for
@@ -1170,20 +854,6 @@ class _Builder:
             chain.unwaited_write = None
         return rs
 
-    def _ds_read_bound(self, block: int, chain: _OptChain) -> list[int]:
-        """How far DeepSpeed's pipelined optimizer swapper lets the read of sub-group g run ahead: it is
-        issued inside swap_in_optimizer_state of sub-group g-1 (`async_parameter`), which the host reaches
-        after swap_out_optimizer_state of g-2, and that first completes the previous asynchronous write,
-        g-3's (pipelined_optimizer_swapper.py: swap_out_optimizer_state `if self.swap_ops[ASYNC_SWAP_OUT]:
-        self._complete_swap_out(ASYNC_SWAP_OUT)`): so after g-2's CPU step and g-3's write. About one write
-        in flight and one read ahead, never the whole optimizer in host memory. With pipeline_write alone the
-        read of g is g's own swap-in, after g-1's swap-out completed g-2's write."""
-        g = self._ds_sub_group(block)
-        adams = [a for k, a in chain.group_adam.items() if k != g]  # in the order the sub-groups stepped
-        writes = [w for k, w in chain.group_write.items() if k != g]
-        if not self.cfg.ds_pipeline_read:
-            return [writes[-2] if len(writes) >= 2 else -1]
-        return [adams[-2] if len(adams) >= 2 else -1, writes[-3] if len(writes) >= 3 else -1]
 
     def _host_grads(self, t: Task, nbytes: float) -> None:
         """Host memory of fp32 gradients allocated (nbytes > 0) or freed by task t. Under runtime deepspeed
@@ -1195,62 +865,6 @@ class _Builder:
             self.g.alloc(t, "cpu", nbytes)
         else:
             self.g.free(t, "cpu", -nbytes)
-
-    def _ds_sub_group(self, block: int) -> int:
-        """DeepSpeed's optimizer sub-group of `block` (-1 for none)."""
-        return self.ds_groups[block] if block >= 0 else -1
-
-    def _lohan_trigger(self, k_last: int, thread_last: Task | None) -> list[int]:
-        """LoHan: the tasks after which its training thread reaches the gradient hook that steps the block
-        whose last backward step is k_last: its previous wait, and the next block's weights fetched (it waits
-        for their copy to the GPU, ratel_init.py:838-855) before it launches that block's backward; the GPU
-        may still be behind."""
-        out = [thread_last.id] if thread_last is not None else []
-        h = self.uses[self.step_use[k_last + 1]].fetch_h2d if k_last + 1 < len(self.step_use) else None
-        return out + [h.id if h is not None else self.step_task[k_last]]
-
-    def _lohan_thread(self, read: Task, write: Task | None, k_last: int, end: int) -> Task:
-        """LoHan's training thread at a sub-group boundary: it reads the block's optimizer states and waits,
-        then writes back the block stepped before it and waits; only then does it go on to the next module's
-        hook, which reads that module's weights from NVMe. The GPU runs ahead on what the thread launched
-        before."""
-        if write is not None:
-            write.deps.append(read.id)  # the write is issued after the read's wait
-            write.key = max(write.key, read.key + THREAD_KEY_STEP)
-        last = write if write is not None else read
-        if k_last + 2 >= end:
-            return last  # the iteration's last blocks: the next forward waits for the weights it reads anyway
-        rd = self.uses[self.step_use[k_last + 2]].read
-        if rd is not None:
-            rd.deps.append(last.id)
-            rd.key = max(rd.key, last.key + THREAD_KEY_STEP)  # behind it in its resource's queue
-        return last
-
-
-def ds_sub_groups(owned_params: list[int], sub_group_elems: int) -> list[int]:
-    """DeepSpeed's optimizer sub-group of each block: parameters are packed in model order until a sub-group
-    holds `sub_group_elems` or more (stage3.py _create_fp16_sub_groups), at block granularity here."""
-    out, filled, group = [], 0, 0
-    for n in owned_params:
-        out.append(group)
-        filled += n
-        if filled >= sub_group_elems:
-            group, filled = group + 1, 0
-    return out
-
-
-def _renumber(tasks: list[Task]) -> None:
-    """Give the tasks new ids in a topological order, the build order wherever the edges allow, so that every
-    task again comes after its dependencies: LoHan's training thread adds edges from later-built tasks to
-    earlier ones (_Builder._lohan_thread), all within one iteration, so the ops stay ordered by iteration."""
-    order = topological_order(len(tasks), [t.deps for t in tasks], [float(t.id) for t in tasks],
-                              cycle_message="LoHan's thread order makes a dependency cycle")
-    new_id = {old: new for new, old in enumerate(order)}
-    ordered = [tasks[i] for i in order]
-    for t in ordered:
-        t.id = new_id[t.id]
-        t.deps = sorted(new_id[d] for d in t.deps)
-    tasks[:] = ordered
 
 
 def build_graph(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> TaskGraph:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile, load_profile
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.costmodel import CAUSAL_ATTENTION_WORK
+from tierflow.planner.core.families import FAMILIES
 from tierflow.planner.core.graph import TaskGraph
 from tierflow.planner.core.models import ModelSpec, get_model
-from tierflow.planner.core.schedules import FAMILIES, ScheduleConfig, build_graph, make_schedule
+from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.core.simulator import SimResult, simulate_graph
 from tierflow.planner.core.workload import model_flops_per_token, recompute_flops_per_token
 

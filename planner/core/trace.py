@@ -28,7 +28,7 @@ MAX_COUNTER_POINTS = 20000
 MAX_FLOWS = 4000  # dependency arrows in trace.json (a 175B iteration has ~10^5 cross-resource edges)
 
 
-def _color(kind: str, tensor: str) -> str:
+def op_color(kind: str, tensor: str) -> str:
     return KIND_COLORS.get(kind) or TENSOR_COLORS.get(tensor, "#999999")
 
 
@@ -126,7 +126,7 @@ def _draw_bars(ax, res: SimResult, w0: float, w1: float, x0: float, edges: bool 
         s, e = float(res.start_s[t.id]), float(res.end_s[t.id])
         if e < w0 or s > w1 or e <= s:
             continue
-        key = (row_of[t.resource], _color(t.kind, t.tensor), _is_compute(t.resource))
+        key = (row_of[t.resource], op_color(t.kind, t.tensor), _is_compute(t.resource))
         bars.setdefault(key, []).append((s - x0, e - s))
     for (row, color, compute), spans in bars.items():
         if compute:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clipwait import wait_for_norm
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.graph import CycleError, TaskGraph
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.schedules import ScheduleConfig
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import SimResult
 

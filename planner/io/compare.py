@@ -17,10 +17,11 @@ import numpy as np
 
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles.inputs import GIB, loads_json_limited
+from tierflow.planner.core.contract import Plan
 from tierflow.planner.core.graph import LINKS
 from tierflow.planner.core.jsonio import read_text
 from tierflow.planner.core.simulator import SimResult
-from tierflow.planner.io.planfile import Plan, PlanError, simulate_plan
+from tierflow.planner.io.planfile import PlanError, simulate_plan
 
 
 class TraceError(TierflowError, ValueError):
@@ -196,7 +197,7 @@ def comparison_figure(c: Comparison):
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from tierflow.planner.core.trace import _color
+    from tierflow.planner.core.trace import op_color
 
     fig, axes = plt.subplots(3, 1, figsize=(13, 9), gridspec_kw={"height_ratios": [3, 3, 2]})
     tasks = c.predicted.graph.tasks
@@ -211,7 +212,7 @@ def comparison_figure(c: Comparison):
             if t.iteration >= c.iterations or np.isnan(start[t.id]):
                 continue
             s, e = float(start[t.id]), float(end[t.id])
-            color = _color(t.kind, t.tensor)
+            color = op_color(t.kind, t.tensor)
             legend.setdefault(t.kind, color)
             t_max = max(t_max, e)
             bars.setdefault((RESOURCES.index(t.resource), color), []).append((s, max(e - s, 0.0)))

@@ -12,11 +12,12 @@ from dataclasses import dataclass, replace
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.costmodel import link_rates
 from tierflow.planner.core.graph import RESOURCES
 from tierflow.planner.core.memory import static_bytes
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.schedules import ScheduleConfig, build_graph, step_sequence
+from tierflow.planner.core.schedules import build_graph, step_sequence
 from tierflow.planner.core.world import SINGLE, World
 
 

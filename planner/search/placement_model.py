@@ -15,12 +15,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from ortools.sat.python import cp_model
 
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.memory import STATE_BYTES, ScheduleMemory, host_reserve_bytes
 from tierflow.planner.core.placement import Placement, Split
-from tierflow.planner.core.schedules import ScheduleConfig, build_graph
+from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.core.simulator import CapacityError, simulate_graph
 from tierflow.planner.core.world import rank_capacity_bytes
 from tierflow.planner.search.loads import duplex_coefficient, iteration_loads
@@ -141,13 +143,42 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
     """CP-SAT: minimise the busiest resource's time over placement fractions and the number of swapped layers,
     subject to every tier's capacity (less `tighten_bytes` per tier). Returns None when infeasible."""
     t0 = time.perf_counter()
-    # ---- data
+    data = _placement_data(problem, mem, allow_swap, tighten_bytes or {})
+    if data is None:
+        return None
+    m = cp_model.CpModel()
+    v = _placement_variables(m, problem.model.num_layers, data)
+    _add_fraction_links(m, problem, v)
+    _add_capacities(m, problem, data, v)
+    iteration = _add_iteration_time(m, problem, lin, v)
+    _add_placement_objective(m, v, iteration, hint)
+    return _solve_placement(m, v, iteration, time_limit_s, workers, t0)
+
+
+class _PlacementData(NamedTuple):
+    """The model's constants, in MiB (per step of a fraction where they scale with one)."""
+
+    can_swap: bool
+    cap_mib: dict[str, int]
+    weight_mib: int
+    state_mib: int
+    ckpt_recompute_mib: int  # all layers' checkpoints, per step of c_*
+    ckpt_swap_mib: int  # per swapped layer and step of c_*
+    gpu_work_mib: int
+    gpu_swap_extra_mib: int
+    host_mib: int
+    staging_mib: dict[str, int]
+
+
+def _placement_data(problem: Problem, mem: PlacementMemory, allow_swap: bool,
+                    tighten_bytes: dict[str, float]) -> _PlacementData | None:
+    """The capacities and the memory each fraction step takes; None when the working memory alone is
+    infinite."""
     hw, L = problem.hw, problem.model.num_layers
     sm = mem.schedule
     if math.isinf(mem.gpu_working_bytes):
         return None
     can_swap = allow_swap and not math.isinf(mem.gpu_working_swap_bytes)
-    tighten_bytes = tighten_bytes or {}
     cap_mib = {t: max(0, int((c - tighten_bytes.get(t, 0.0)) / MIB))
                for t, c in problem.capacity_bytes.items()}
     weight_mib = _mib(sm.precision.compute_bytes * sm.params / STEPS)  # per step of a fraction
@@ -161,44 +192,71 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
     host_mib = _mib(sm.host_grad_bytes + host_reserve_bytes(rank_capacity_bytes(hw, problem.gpus)["cpu"]))
     staging_mib = {"w_ssd": _mib(sm.weight_staging_bytes), "s_ssd": _mib(sm.state_staging_bytes),
                    "c_ssd": _mib(max(sm.ckpt_staging_bytes, sm.ckpt_staging_swap_bytes))}
+    return _PlacementData(can_swap, cap_mib, weight_mib, state_mib, ckpt_recompute_mib, ckpt_swap_mib,
+                          gpu_work_mib, gpu_swap_extra_mib, host_mib, staging_mib)
 
-    # ---- variables
-    m = cp_model.CpModel()
+
+class _PlacementVars(NamedTuple):
+    frac: dict  # VARS -> steps of 1/STEPS
+    swapped: cp_model.IntVar  # swapped layers
+    any_swap: cp_model.IntVar
+    swap_frac: dict  # CKPT_VARS -> swapped layers x checkpoint fraction
+    swap_on_cpu: cp_model.IntVar
+    streams: dict  # does the SSD hold a part of each staged class?
+
+
+def _placement_variables(m: cp_model.CpModel, L: int, data: _PlacementData) -> _PlacementVars:
     frac = {v: m.NewIntVar(0, STEPS, v) for v in VARS}
-    swapped = m.NewIntVar(0, L if can_swap else 0, "swap_layers")
+    swapped = m.NewIntVar(0, L if data.can_swap else 0, "swap_layers")
     any_swap = m.NewBoolVar("any_swap")
     # swapped layers x checkpoint fraction, per tier that takes checkpoints (CP-SAT multiplication)
     swap_frac = {v: m.NewIntVar(0, STEPS * L, f"swapped_x_{v}") for v in CKPT_VARS}
     swap_on_cpu = m.NewIntVar(0, STEPS * L, "swapped_x_c_cpu")
-    streams = {v: m.NewBoolVar(f"streams_{v}") for v in staging_mib}  # does the SSD hold a part of v's class?
+    # does the SSD hold a part of v's class?
+    streams = {v: m.NewBoolVar(f"streams_{v}") for v in data.staging_mib}
+    return _PlacementVars(frac, swapped, any_swap, swap_frac, swap_on_cpu, streams)
 
-    # ---- constraints
+
+def _add_fraction_links(m: cp_model.CpModel, problem: Problem, v: _PlacementVars) -> None:
+    """Fractions of one class sum to at most the whole; the products and flags follow the fractions."""
+    L, frac = problem.model.num_layers, v.frac
     m.Add(frac["w_gpu"] + frac["w_ssd"] <= STEPS)
     m.Add(frac["c_gpu"] + frac["c_ssd"] <= STEPS)
     if not problem.uses_ssd:
-        for v in ("w_ssd", "s_ssd", "c_ssd"):
-            m.Add(frac[v] == 0)
-    for v in CKPT_VARS:
-        m.AddMultiplicationEquality(swap_frac[v], [swapped, frac[v]])
-    m.Add(swapped <= L * any_swap)
-    m.Add(swap_on_cpu == STEPS * swapped - swap_frac["c_gpu"] - swap_frac["c_ssd"])
-    for v, flag in streams.items():
-        m.Add(frac[v] <= STEPS * flag)
+        for x in ("w_ssd", "s_ssd", "c_ssd"):
+            m.Add(frac[x] == 0)
+    for x in CKPT_VARS:
+        m.AddMultiplicationEquality(v.swap_frac[x], [v.swapped, frac[x]])
+    m.Add(v.swapped <= L * v.any_swap)
+    m.Add(v.swap_on_cpu == STEPS * v.swapped - v.swap_frac["c_gpu"] - v.swap_frac["c_ssd"])
+    for x, flag in v.streams.items():
+        m.Add(frac[x] <= STEPS * flag)
+
+
+def _add_capacities(m: cp_model.CpModel, problem: Problem, d: _PlacementData, v: _PlacementVars) -> None:
+    """Every tier's capacity."""
+    frac, swap_frac = v.frac, v.swap_frac
     # GPU: resident weights + checkpoints kept there + working memory (higher as soon as one layer swaps)
-    m.Add(weight_mib * frac["w_gpu"] + ckpt_recompute_mib * frac["c_gpu"] + ckpt_swap_mib * swap_frac["c_gpu"]
-          + gpu_work_mib + gpu_swap_extra_mib * any_swap <= cap_mib["gpu"])
+    m.Add(d.weight_mib * frac["w_gpu"] + d.ckpt_recompute_mib * frac["c_gpu"]
+          + d.ckpt_swap_mib * swap_frac["c_gpu"]
+          + d.gpu_work_mib + d.gpu_swap_extra_mib * v.any_swap <= d.cap_mib["gpu"])
     # CPU: weights, optimizer states and checkpoints not placed elsewhere + the schedule's host memory +
     # reserve
-    m.Add(weight_mib * (STEPS - frac["w_gpu"] - frac["w_ssd"]) + state_mib * (STEPS - frac["s_ssd"])
-          + ckpt_recompute_mib * (STEPS - frac["c_gpu"] - frac["c_ssd"]) + ckpt_swap_mib * swap_on_cpu
-          + host_mib
-          + sum(staging_mib[v] * flag for v, flag in streams.items()) <= cap_mib["cpu"])
+    m.Add(d.weight_mib * (STEPS - frac["w_gpu"] - frac["w_ssd"]) + d.state_mib * (STEPS - frac["s_ssd"])
+          + d.ckpt_recompute_mib * (STEPS - frac["c_gpu"] - frac["c_ssd"]) + d.ckpt_swap_mib * v.swap_on_cpu
+          + d.host_mib
+          + sum(d.staging_mib[x] * flag for x, flag in v.streams.items()) <= d.cap_mib["cpu"])
     if problem.uses_ssd:
-        m.Add(weight_mib * frac["w_ssd"] + state_mib * frac["s_ssd"] + ckpt_recompute_mib * frac["c_ssd"]
-              + ckpt_swap_mib * swap_frac["c_ssd"] <= cap_mib["ssd"])
-    # time: the iteration lasts at least as long as its busiest resource, and at least as long as the forward
-    # phase's busiest resource plus the backward phase's (IterationLoads.times_s "phases")
-    times = _TimeTerms(problem, lin, frac, swapped, swap_frac)
+        m.Add(d.weight_mib * frac["w_ssd"] + d.state_mib * frac["s_ssd"]
+              + d.ckpt_recompute_mib * frac["c_ssd"] + d.ckpt_swap_mib * swap_frac["c_ssd"]
+              <= d.cap_mib["ssd"])
+
+
+def _add_iteration_time(m: cp_model.CpModel, problem: Problem, lin: LinearLoads,
+                        v: _PlacementVars) -> cp_model.IntVar:
+    """The iteration lasts at least as long as its busiest resource, and at least as long as the forward
+    phase's busiest resource plus the backward phase's (IterationLoads.times_s "phases")."""
+    times = _TimeTerms(problem, lin, v.frac, v.swapped, v.swap_frac)
     iteration = m.NewIntVar(0, HORIZON_UNITS, "iteration_time")
     for e in times.resource_bounds(""):
         m.Add(iteration >= e)
@@ -210,28 +268,36 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
         for e in times.resource_bounds("@B"):
             m.Add(backward >= e)
         m.Add(iteration >= forward + backward)
+    return iteration
 
-    # ---- objective: the bottleneck; among equal ones fewer bytes on the SSD and fewer swapped layers
-    m.Minimize(iteration * 1000 + frac["w_ssd"] + frac["s_ssd"] + frac["c_ssd"] + swapped)
+
+def _add_placement_objective(m: cp_model.CpModel, v: _PlacementVars, iteration: cp_model.IntVar,
+                             hint: Solved | None) -> None:
+    """The bottleneck; among equal ones fewer bytes on the SSD and fewer swapped layers; `hint` as the
+    solver's start."""
+    frac = v.frac
+    m.Minimize(iteration * 1000 + frac["w_ssd"] + frac["s_ssd"] + frac["c_ssd"] + v.swapped)
     if hint:
-        for v in VARS:
-            m.AddHint(frac[v], int(round(hint.x[v] * STEPS)))
-        m.AddHint(swapped, hint.n)
+        for x in VARS:
+            m.AddHint(frac[x], int(round(hint.x[x] * STEPS)))
+        m.AddHint(v.swapped, hint.n)
 
-    # ---- solve
+
+def _solve_placement(m: cp_model.CpModel, v: _PlacementVars, iteration: cp_model.IntVar, time_limit_s: float,
+                     workers: int, t0: float) -> Solved | None:
+    """Solve; the fractions, swapped layers and the solver's report, or None when it found no solution."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = workers
     status = solver.Solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
-
-    # ---- extract
     objective_s = solver.Value(iteration) * TIME_UNIT_S
     bound_s = math.floor(solver.BestObjectiveBound() / 1000) * TIME_UNIT_S
     gap = max(0.0, (objective_s - bound_s) / objective_s) if objective_s > 0 else 0.0
     report = SolverReport(solver.StatusName(status), objective_s, bound_s, gap, time.perf_counter() - t0)
-    return Solved(x={v: solver.Value(frac[v]) / STEPS for v in VARS}, n=solver.Value(swapped), report=report)
+    return Solved(x={x: solver.Value(v.frac[x]) / STEPS for x in VARS}, n=solver.Value(v.swapped),
+                  report=report)
 
 
 def _mib(nbytes: float) -> int:

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from tierflow.errors import TierflowError
-from tierflow.planner.core.schedules import ScheduleConfig, build_graph, make_schedule
+from tierflow.planner.core.contract import ScheduleConfig
+from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.search.explain import infeasible_message

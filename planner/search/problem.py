@@ -18,18 +18,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from tierflow.hwprofiles import HardwareProfile, load_profile
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.costmodel import CostModel, Rates
 from tierflow.planner.core.devicemem import runtime_gpu_reserve_bytes
+from tierflow.planner.core.families import family_of
 from tierflow.planner.core.memory import ScheduleMemory, blocks_of, schedule_memory
 from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.placement import Placement
-from tierflow.planner.core.schedules import (
-    ScheduleConfig,
-    ScheduleError,
-    check_world,
-    family_of,
-    make_schedule,
-)
+from tierflow.planner.core.schedules import ScheduleError, check_world, make_schedule
 from tierflow.planner.core.workload import BlockCost
 from tierflow.planner.core.world import World, rank_capacity_bytes
 

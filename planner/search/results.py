@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass, field
 
 from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.schedules import ScheduleConfig
 from tierflow.planner.core.simulator import SimResult
 from tierflow.planner.search.problem import Candidate, Problem
 from tierflow.planner.search.slots import SolverReport

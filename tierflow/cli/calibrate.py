@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierflow.cli.args import add_set_arg
 from tierflow.errors import UsageError
-from tierflow.hwprofiles import parse_overrides
+from tierflow.hwprofiles import load_profile, parse_overrides
 from tierflow.outputs import check_output_file
 from tierflow.planner.io.argtypes import positive_int
 
@@ -66,7 +66,6 @@ def parse_sets(items: list[str] | None) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from tierflow.executor.calibration import FULL, QUICK, Sizes, build_profile, format_table, write_profile
     from tierflow.executor.calibration.common import MIB, import_torch
-    from tierflow.hwprofiles import load_profile
 
     torch = import_torch()
     sizes = QUICK if args.quick else FULL

@@ -1,6 +1,6 @@
 """`tierflow simulate --ds-config`: its flags and its output. Simulates the DeepSpeed run a config describes
 and prints it beside tierflow's own plan for the same model, box and batch, in the summary table of `tierflow
-simulate` (the runs themselves: tierflow.planner.io.dsbridge)."""
+simulate` (the runs themselves: tierflow.planner.io.deepspeed.bridge)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ from typing import TYPE_CHECKING
 
 from tierflow.cli.tables import summary_table
 from tierflow.hwprofiles import HardwareProfile, load_hw
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.models import ModelSpec, get_model
-from tierflow.planner.core.schedules import ScheduleConfig
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.io.argtypes import positive_float
-from tierflow.planner.io.dsbridge import (
+from tierflow.planner.io.deepspeed.bridge import (
     DEFAULT_PLAN_TIME_LIMIT_S,
     DS_COLUMN,
     PLAN_COLUMN,
     plan_beside,
     simulate_ds,
 )
-from tierflow.planner.io.dsconfig import DsConfig, DsConfigError, read_ds_config
+from tierflow.planner.io.deepspeed.config import DsConfig, DsConfigError, read_ds_config
 
 if TYPE_CHECKING:
     from tierflow.planner.search.plan_search import Evaluated

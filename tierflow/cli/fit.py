@@ -1,5 +1,5 @@
 """`tierflow fit`: fit hardware-profile fields, within bounds, to measured runs through the simulator
-(tierflow.planner.search.fit), report the residuals and write the fitted profile."""
+(tierflow.planner.fit.profile_fit), report the residuals and write the fitted profile."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from tierflow.cli.args import add_hw_arg, add_set_arg
 from tierflow.cli.tables import fmt_table
-from tierflow.hwprofiles import load_hw
+from tierflow.hwprofiles import load_hw, parse_overrides
 from tierflow.outputs import check_output_file
 from tierflow.planner.io.progress import Progress
 
@@ -39,7 +39,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tierflow.planner.search.fit import FitError, FitField, fit, load_runs, write_fitted_profile
+    from tierflow.planner.fit.profile_fit import FitError, FitField, fit, load_runs, write_fitted_profile
 
     fields = [FitField.parse(f) for f in args.field or []]
     if (args.trace is None) == (args.runs is None) or (args.trace is None) != (args.plan is None):
@@ -59,11 +59,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_trace(args: argparse.Namespace, fields: list) -> int:
-    from tierflow.hwprofiles import parse_overrides
+    from tierflow.planner.fit.profile_fit import write_fitted_profile
+    from tierflow.planner.fit.trace_fit import fit_trace, with_tied
     from tierflow.planner.io.compare import load_measured
     from tierflow.planner.io.planfile import load_plan
-    from tierflow.planner.search.fit import write_fitted_profile
-    from tierflow.planner.search.trace_fit import fit_trace, with_tied
 
     plan = load_plan(args.plan)
     hw = load_hw(args.hw, args.set) if args.hw else plan.hardware.with_overrides(parse_overrides(args.set))

@@ -25,7 +25,7 @@ from tierflow.hwprofiles import load_hw
 from tierflow.outputs import check_output_file
 from tierflow.planner.core.models import get_model
 from tierflow.planner.io.argtypes import positive_float
-from tierflow.planner.io.dsbridge import emit_ds_config
+from tierflow.planner.io.deepspeed.bridge import emit_ds_config
 from tierflow.planner.io.progress import Progress
 
 if TYPE_CHECKING:

@@ -7,13 +7,14 @@ from typing import TYPE_CHECKING
 from tierflow.planner.io.logs import logger
 
 if TYPE_CHECKING:
-    from tierflow.planner.io.planfile import Plan, WrittenPlan
+    from tierflow.planner.core.contract import Plan
+    from tierflow.planner.io.planfile import WrittenPlan
 
 
 def write_plan_file(plan: Plan, path: str) -> WrittenPlan:
-    """Write a plan for the CLI: large plans are compressed to PATH.gz (planfile.LARGE_PLAN_BYTES), said in
+    """Write a plan for the CLI: large plans are compressed to PATH.gz (planwrite.LARGE_PLAN_BYTES), said in
     one line on stderr."""
-    from tierflow.planner.io.planfile import LARGE_PLAN_BYTES, write_plan
+    from tierflow.planner.io.planwrite import LARGE_PLAN_BYTES, write_plan
 
     written = write_plan(plan, path, compress_over_bytes=LARGE_PLAN_BYTES)
     if written.note():

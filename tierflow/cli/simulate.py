@@ -24,9 +24,11 @@ from tierflow.cli.tables import summary_table
 from tierflow.errors import UsageError
 from tierflow.hwprofiles import HardwareProfile, load_hw
 from tierflow.outputs import check_output_dir, check_output_file
+from tierflow.planner.core.contract import ScheduleConfig
+from tierflow.planner.core.families import FAMILIES, RUNTIMES
 from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.placement import Placement, parse_placement
-from tierflow.planner.core.schedules import FAMILIES, RUNTIMES, ScheduleConfig, make_schedule
+from tierflow.planner.core.schedules import make_schedule
 from tierflow.planner.core.simulate import DEFAULT_FAMILIES, simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.io.argtypes import (

@@ -41,18 +41,17 @@ layer of that run.
 The code follows these steps in named phases (each a function taking and returning NamedTuples), one module
 per stage, each importing only the ones before it: `layout` (the setup: channels, `template_of`, SlotModel);
 `terms` (the rate terms of a window's need: `window_terms`, `eager_terms`, `chain_needs`, `dram_needs`);
-`template` (the template's graph `_template_graphs`, its slots `_slot_grid`, the order its tasks wait in
-`_task_order`, each task's release and deadline slot `_release_slots`, `_deadline_slots`, `_task_windows`);
-`chains` (the serial chains: `_step_shares`, `_chain_heads`, `_chains_into_steps`, `_chains_into_tasks`);
-`gather` (all of it gathered by `_template_items` and `_slot_template`); `expand` (the expansion `_expand`:
-group mapping `_full_iteration`, copies per block and group `_copies`, the windows `_long_windows`,
+`template` (the template's graph `template_graphs`, its slots `slot_grid`, the order its tasks wait in
+`task_order`, each task's release and deadline slot `release_slots`, `deadline_slots`, `task_windows`);
+`chains` (the serial chains: `step_shares`, `chain_heads`, `chains_into_steps`, `chains_into_tasks`);
+`gather` (all of it gathered by `_template_items` and `slot_template`); `expand` (the expansion `_expand`:
+group mapping `full_iteration`, copies per block and group `_copies`, the windows `_long_windows`,
 `_local_windows`, `_chain_windows`, identical ones merged `_distinct_windows`; and `build_slot_model`); and
 `lp` (`window_needs`, `solve_slots`, `predict_config`). This package re-exports the names its users import.
 """
 
-from tierflow.planner.search.slots.expand import LOCAL_SPAN, build_slot_model
-from tierflow.planner.search.slots.expand import _full_iteration as _full_iteration
-from tierflow.planner.search.slots.gather import _slot_template as _slot_template
+from tierflow.planner.search.slots.expand import LOCAL_SPAN, build_slot_model, full_iteration
+from tierflow.planner.search.slots.gather import slot_template
 from tierflow.planner.search.slots.layout import (
     CHANNELS,
     SLOT_RESOURCES,
@@ -70,10 +69,12 @@ from tierflow.planner.search.slots.lp import (
     solve_slots,
     window_needs,
 )
-from tierflow.planner.search.slots.template import SlotKey
-from tierflow.planner.search.slots.template import _memory_edges as _memory_edges
-from tierflow.planner.search.slots.template import _template_graphs as _template_graphs
-from tierflow.planner.search.slots.template import _topological as _topological
+from tierflow.planner.search.slots.template import (
+    SlotKey,
+    memory_edges,
+    template_graphs,
+    topological_by_queue,
+)
 from tierflow.planner.search.slots.terms import (
     EagerTerm,
     LinkPair,
@@ -87,4 +88,6 @@ from tierflow.planner.search.slots.terms import (
 __all__ = ["CHANNELS", "LOCAL_SPAN", "SLOT_RESOURCES", "TAIL_SLOT", "EagerTerm", "LinkPair", "SlotKey",
            "SlotModel", "SlotModelError", "SolverReport", "Template", "WindowNeeds", "WindowTerms",
            "build_slot_model", "chain_needs", "dram_needs", "eager_terms", "predict_config", "solve_slots",
-           "template_of", "template_span", "window_needs", "window_terms"]
+           "template_of", "template_span", "window_needs", "window_terms",
+           # the stages' parts that tests check one by one
+           "full_iteration", "memory_edges", "slot_template", "template_graphs", "topological_by_queue"]

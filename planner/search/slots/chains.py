@@ -1,7 +1,7 @@
 """Phase 4 of the slot model, the template's serial chains: the GPU seconds of a slot around each of its steps
-(`_step_shares`), each task's share of a chain (`_chain_vectors`), the longest chains ending at each task
-(`_chain_heads`), and the chains into the GPU steps and into the tasks that feed them (`_chains_into_steps`,
-`_chains_into_tasks`)."""
+(`step_shares`), each task's share of a chain (`chain_vectors`), the longest chains ending at each task
+(`chain_heads`), and the chains into the GPU steps and into the tasks that feed them (`chains_into_steps`,
+`chains_into_tasks`)."""
 
 from __future__ import annotations
 
@@ -11,31 +11,31 @@ from typing import NamedTuple
 import numpy as np
 
 from tierflow.planner.core.graph import RESOURCES
-from tierflow.planner.search.slots.layout import _NO_DEADLINE, CHANNELS, SLOT_RESOURCES
+from tierflow.planner.search.slots.layout import CHANNELS, NO_DEADLINE, SLOT_RESOURCES
 from tierflow.planner.search.slots.template import SlotGrid, TaskOrder, TaskWindow
 
 
 class GpuSteps(NamedTuple):
-    """Where each GPU task of the template runs (`_gpu_steps`; None for the other tasks)."""
+    """Where each GPU task of the template runs (`gpu_steps_of`; None for the other tasks)."""
 
     step: list  # task -> (iteration, step index) of its GPU step (Clock.nearest_step)
     slot: list  # task -> StepSlot of that step
 
 
-def _gpu_steps(tasks, grid: SlotGrid) -> GpuSteps:
+def gpu_steps_of(tasks, grid: SlotGrid) -> GpuSteps:
     """The step and the slot of every GPU task."""
     step = [grid.clock.nearest_step(t.key) if t.resource == "gpu" else None for t in tasks]
     return GpuSteps(step, [grid.at_step(*s) if s is not None else None for s in step])
 
 
 class StepShares(NamedTuple):
-    """GPU seconds of a slot around each of its steps (`_step_shares`), keyed by (iteration, step index)."""
+    """GPU seconds of a slot around each of its steps (`step_shares`), keyed by (iteration, step index)."""
 
     before_s: dict[tuple[int, int], float]  # the slot's steps up to and including this one
     after_s: dict[tuple[int, int], float]  # this step and the slot's steps after it
 
 
-def _step_shares(tasks, scale: np.ndarray, gpu_steps: GpuSteps, grid: SlotGrid) -> StepShares:
+def step_shares(tasks, scale: np.ndarray, gpu_steps: GpuSteps, grid: SlotGrid) -> StepShares:
     """Phase 4a: a slot holds several GPU steps, run one at a time: a chain released by a step inside its
     first slot starts only after the steps of that slot up to it (`before_s`), and a chain into a step must
     end before the steps of its slot from that one on (`after_s`)."""
@@ -56,7 +56,7 @@ def _step_shares(tasks, scale: np.ndarray, gpu_steps: GpuSteps, grid: SlotGrid) 
     return StepShares(before_s, after_s)
 
 
-def _chain_vectors(tasks, affine_s: np.ndarray) -> np.ndarray:
+def chain_vectors(tasks, affine_s: np.ndarray) -> np.ndarray:
     """Phase 4b: each task's share of a chain's vector (n, V1 + C): its affine seconds at the links' solo
     rates (the V1 columns of `affine_s`), then the bytes it moves on each link channel (a transfer on a chain
     runs slower while the other direction of its link runs: `chain_needs`)."""
@@ -74,14 +74,14 @@ class ChainHeads(NamedTuple):
     unrolled template slots)."""
 
     seconds: dict[int, float]  # its length at the reference placement (solo link rates)
-    vector: dict[int, np.ndarray]  # (V1 + C,) its chain vector (`_chain_vectors`)
+    vector: dict[int, np.ndarray]  # (V1 + C,) its chain vector (`chain_vectors`)
     resources: dict[int, int]  # the resources on it, a bit mask over RESOURCES
 
 
 _NO_HEADS = ChainHeads({}, {}, {})  # of a GPU step (never changed)
 
 
-def _chain_heads(tasks, order: TaskOrder, release: list[int], gpu_steps: GpuSteps, shares: StepShares,
+def chain_heads(tasks, order: TaskOrder, release: list[int], gpu_steps: GpuSteps, shares: StepShares,
                  vectors: np.ndarray, ref_s: np.ndarray, reach: int) -> list[ChainHeads]:
     """Phase 4c: a task cannot start before the tasks it depends on (on other resources) and the task ahead of
     it in its queue are done. For each task, the longest chain ending at it among the chains whose first task
@@ -127,10 +127,10 @@ class Chain(NamedTuple):
     deadline_slot: int  # unrolled template slot by whose end it must be done
     block: int  # template block it is anchored at (the block of its last task)
     home_group: int  # template group it is anchored at
-    vector: np.ndarray  # (V1 + C,) chain vector (`_chain_vectors`)
+    vector: np.ndarray  # (V1 + C,) chain vector (`chain_vectors`)
 
 
-def _chains_into_steps(tasks, grid: SlotGrid, order: TaskOrder, gpu_steps: GpuSteps, shares: StepShares,
+def chains_into_steps(tasks, grid: SlotGrid, order: TaskOrder, gpu_steps: GpuSteps, shares: StepShares,
                        heads: list[ChainHeads], width: int, Gt: int) -> list[Chain]:
     """Phase 4d: a GPU step of the middle iteration waits for its inputs (and for memory) and then computes:
     the longest chain into it from each first slot, plus its own work and that of its slot's steps after it,
@@ -157,14 +157,14 @@ def _chains_into_steps(tasks, grid: SlotGrid, order: TaskOrder, gpu_steps: GpuSt
     return chains
 
 
-def _chains_into_tasks(tasks, order: TaskOrder, deadline: list[int], heads: list[ChainHeads],
+def chains_into_tasks(tasks, order: TaskOrder, deadline: list[int], heads: list[ChainHeads],
                        windows: list[TaskWindow]) -> list[Chain]:
     """Phase 4e: the chains through more than one resource (a single queue's window holds the others) that
     end at a task feeding a GPU step (such a chain holds every chain into that task), by its deadline."""
     chains = []
     for w in windows:
         i, ends = w.task, heads[w.task]
-        if deadline[i] >= _NO_DEADLINE or not any(tasks[q].resource == "gpu" for q in order.succs[i]):
+        if deadline[i] >= NO_DEADLINE or not any(tasks[q].resource == "gpu" for q in order.succs[i]):
             continue
         for first, mask in ends.resources.items():
             if mask & (mask - 1):

@@ -1,5 +1,5 @@
 """Phases 6 to 10 of the slot model, the expansion of the template to the full iteration: group mapping
-(`_full_iteration`), copies per block and group (`_copies`), the other iterations' copies and the running sums
+(`full_iteration`), copies per block and group (`_copies`), the other iterations' copies and the running sums
 (`_unroll`, `_running_sums`), the windows (`_long_windows`, `_local_windows`, `_chain_windows`), identical
 ones merged (`_distinct_windows`); and `build_slot_model`, which runs every phase from the schedule to its
 SlotModel."""
@@ -11,11 +11,11 @@ from typing import NamedTuple
 import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.schedules import ScheduleConfig
-from tierflow.planner.search.slots.gather import ChainAnchor, SlotTemplate, _slot_template
-from tierflow.planner.search.slots.layout import CHANNELS, TAIL_SLOT, SlotModel, _Layout, template_of
-from tierflow.planner.search.slots.template import _memory_edges, _template_graphs
+from tierflow.planner.search.slots.gather import ChainAnchor, SlotTemplate, slot_template
+from tierflow.planner.search.slots.layout import CHANNELS, TAIL_SLOT, Layout, SlotModel, template_of
+from tierflow.planner.search.slots.template import memory_edges, template_graphs
 
 LOCAL_SPAN = 3  # slots of the short windows placed anywhere
 _PHASE_CODE = {"F": 0, "B": 1, "H": 2}  # phase of a slot as a number in the vectorised expansion; 3: the tail
@@ -23,7 +23,7 @@ _TAIL_PHASE = 3
 
 
 class FullIteration(NamedTuple):
-    """The slots of one iteration of the full model (`_full_iteration`)."""
+    """The slots of one iteration of the full model (`full_iteration`)."""
 
     subslots: int  # slots per weight use
     slots_per_group: int  # Lg = (2 L + 3) uses (F 0..L, H, B L..0) of `subslots` slots each
@@ -37,7 +37,7 @@ def _template_group(group: int, G: int) -> int:
     return group if G <= 3 else (0 if group == 0 else (2 if group == G - 1 else 1))
 
 
-def _full_iteration(slots: list[tuple], lay: _Layout) -> FullIteration:
+def full_iteration(slots: list[tuple], lay: Layout) -> FullIteration:
     """Phase 6, group mapping: the template slot ("tie") of every slot of one full-model iteration, its
     groups mapped to the template's first, middle and last group, its layers to the template block standing
     for them."""
@@ -76,7 +76,7 @@ class SlotArrays(NamedTuple):
     run: np.ndarray  # (Lt + 2,) run of each block (0 recomputed, 1 swapped, -1 embedding/head)
 
 
-def _slot_arrays(slots: list[tuple], lay: _Layout) -> SlotArrays:
+def _slot_arrays(slots: list[tuple], lay: Layout) -> SlotArrays:
     """The template's slot keys (SlotKey, the tail last) and layout as arrays indexed by slot and block."""
     keys = slots[:-1]  # the tail is the last slot
     blocks = range(lay.Lt + 2)
@@ -101,7 +101,7 @@ class CopyEnd(NamedTuple):
 
 
 def _copy_end(position: np.ndarray, block: np.ndarray, group: np.ndarray, home: np.ndarray,
-              group_copies: np.ndarray, arrays: SlotArrays, full: FullIteration, lay: _Layout) -> CopyEnd:
+              group_copies: np.ndarray, arrays: SlotArrays, full: FullIteration, lay: Layout) -> CopyEnd:
     """Phase 7a: where the unrolled template slot `position` of tasks anchored at template `block` and `group`
     (home: the full-model group of the first copy) lies for each copy. A slot of the task's own repeated run
     moves with the task's layer; another repeated block's slot is its first copy before the task, else its
@@ -163,7 +163,7 @@ class Copies(NamedTuple):
     item: np.ndarray  # the template task (or chain) it is a copy of
 
 
-def _copies(anchors, arrays: SlotArrays, full: FullIteration, lay: _Layout, few: bool = False) -> Copies:
+def _copies(anchors, arrays: SlotArrays, full: FullIteration, lay: Layout, few: bool = False) -> Copies:
     """Phase 7, copies per block and group: the release and deadline of every copy of the template tasks with
     the given (release slots, deadline slots, blocks, home groups), and the task of each copy."""
     release, deadline, block, group = (np.asarray(v, dtype=np.int64) for v in anchors)
@@ -233,7 +233,7 @@ def _between(sums: RunningSums, first: np.ndarray, last: np.ndarray) -> tuple[np
     return counts, sums.released[last + 1] - sums.released[first]
 
 
-def _long_window_ends(slots: list[tuple], full: FullIteration, lay: _Layout) -> tuple[np.ndarray, np.ndarray]:
+def _long_window_ends(slots: list[tuple], full: FullIteration, lay: Layout) -> tuple[np.ndarray, np.ndarray]:
     """Phase 9a: the slots of one iteration long windows start and end at: slots of the first, last and the
     first and last repeated group, at layers that are not repeated or at the first or last copy of a repeated
     layer; a long window starts where a weight use starts and ends where one ends (shorter ones are local
@@ -304,7 +304,7 @@ def _local_windows(unrolled: Unrolled, item_work: np.ndarray, sums: RunningSums,
 
 
 def _chain_windows(anchors: list[ChainAnchor], chain_work: np.ndarray, arrays: SlotArrays,
-                   full: FullIteration, lay: _Layout, sums: RunningSums, V1: int) -> WindowRows:
+                   full: FullIteration, lay: Layout, sums: RunningSums, V1: int) -> WindowRows:
     """Phase 9d: serial chains, one window per copy of each chain (`few` copies of a repeated one) from its
     first slot to its deadline, needing the chain's seconds; its released work is what the other queues take
     up in the window, against which the chain's transfers (its link bytes) run."""
@@ -331,11 +331,11 @@ def _distinct_windows(rows: WindowRows, T: int) -> np.ndarray:
     return np.nonzero(nonzero)[0][first]
 
 
-def _expand(template: SlotTemplate, lay: _Layout) -> SlotModel:
+def _expand(template: SlotTemplate, lay: Layout) -> SlotModel:
     """Expand the template to the full iteration and build every window's copy counts and work."""
     slots, items, item_work = template.slots, template.items, template.item_work
     T, C, V1 = len(slots), len(CHANNELS), item_work.shape[1]
-    full = _full_iteration(slots, lay)
+    full = full_iteration(slots, lay)
     arrays = _slot_arrays(slots, lay)
     if items:
         copies = _copies(([it.release_slot for it in items], [it.deadline_slot for it in items],
@@ -366,6 +366,6 @@ def _expand(template: SlotTemplate, lay: _Layout) -> SlotModel:
 def build_slot_model(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> SlotModel:
     """The slot model of `cfg` (every decision made: schedule, placement, swap count, alpha, prefetch)."""
     mt, ct, lay = template_of(model, cfg)
-    graphs = _template_graphs(mt, hw, ct, lay)
-    edges = tuple(_memory_edges(model, mt, hw, ct))
-    return _expand(_slot_template(graphs, ct, lay, edges), lay)
+    graphs = template_graphs(mt, hw, ct, lay)
+    edges = tuple(memory_edges(model, mt, hw, ct))
+    return _expand(slot_template(graphs, ct, lay, edges), lay)

@@ -1,7 +1,7 @@
 """Phase 5 of the slot model: the template's items (its non-GPU tasks with their release and deadline slots)
 and serial chains gathered from phases 1 to 4 (`_template_items`); the memory edges mapped to the template's
 tasks, the items' work scaled to the full-model tasks they stand for and identical chains merged
-(`_slot_template`): what the expansion takes."""
+(`slot_template`): what the expansion takes."""
 
 from __future__ import annotations
 
@@ -9,26 +9,26 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tierflow.planner.core.schedules import ScheduleConfig
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.search.slots.chains import (
     Chain,
-    _chain_heads,
-    _chain_vectors,
-    _chains_into_steps,
-    _chains_into_tasks,
-    _gpu_steps,
-    _step_shares,
+    chain_heads,
+    chain_vectors,
+    chains_into_steps,
+    chains_into_tasks,
+    gpu_steps_of,
+    step_shares,
 )
-from tierflow.planner.search.slots.layout import _Layout, _subslots
+from tierflow.planner.search.slots.layout import Layout, subslots_per_use
 from tierflow.planner.search.slots.template import (
     TaskWindow,
     TemplateGraph,
-    _deadline_slots,
-    _gpu_seconds,
-    _release_slots,
-    _slot_grid,
-    _task_order,
-    _task_windows,
+    deadline_slots,
+    gpu_seconds,
+    release_slots,
+    slot_grid,
+    task_order,
+    task_windows,
 )
 
 
@@ -41,7 +41,7 @@ class TemplateItems(NamedTuple):
     chains: list[Chain]  # the serial chains of the middle iteration
 
 
-def _template_items(g, cfg_t: ScheduleConfig, lay: _Layout, affine_s: np.ndarray, ref_s: np.ndarray,
+def _template_items(g, cfg_t: ScheduleConfig, lay: Layout, affine_s: np.ndarray, ref_s: np.ndarray,
                     scale: np.ndarray, mem_edges: tuple = ()) -> TemplateItems:
     """Template slots and, for every non-GPU task of the middle iteration, its release and deadline slot
     (unrolled over the three iterations: iteration * T + slot), its anchor (block, home group) and resource;
@@ -49,19 +49,19 @@ def _template_items(g, cfg_t: ScheduleConfig, lay: _Layout, affine_s: np.ndarray
     reference placement (n,), how many full-model tasks each stands for (n,), and the memory edges (pairs of
     task ids: freeing, waiting)."""
     tasks = g.tasks
-    grid = _slot_grid(g, cfg_t)
-    order = _task_order(tasks, mem_edges)
-    gpu_steps = _gpu_steps(tasks, grid)
-    release = _release_slots(tasks, order, gpu_steps.slot)
-    deadline = _deadline_slots(tasks, order, gpu_steps.slot)
-    items = _task_windows(tasks, grid, release, deadline, cfg_t.group, lay.Gt)
-    shares = _step_shares(tasks, scale, gpu_steps, grid)
-    vectors = _chain_vectors(tasks, affine_s)
-    heads = _chain_heads(tasks, order, release, gpu_steps, shares, vectors, ref_s,
-                         reach=4 * _subslots(cfg_t) + 2)
-    chains = (_chains_into_steps(tasks, grid, order, gpu_steps, shares, heads, vectors.shape[1], lay.Gt)
-              + _chains_into_tasks(tasks, order, deadline, heads, items))
-    gpu_s = _gpu_seconds(tasks, gpu_steps.slot, scale, len(grid.slots))
+    grid = slot_grid(g, cfg_t)
+    order = task_order(tasks, mem_edges)
+    gpu_steps = gpu_steps_of(tasks, grid)
+    release = release_slots(tasks, order, gpu_steps.slot)
+    deadline = deadline_slots(tasks, order, gpu_steps.slot)
+    items = task_windows(tasks, grid, release, deadline, cfg_t.group, lay.Gt)
+    shares = step_shares(tasks, scale, gpu_steps, grid)
+    vectors = chain_vectors(tasks, affine_s)
+    heads = chain_heads(tasks, order, release, gpu_steps, shares, vectors, ref_s,
+                         reach=4 * subslots_per_use(cfg_t) + 2)
+    chains = (chains_into_steps(tasks, grid, order, gpu_steps, shares, heads, vectors.shape[1], lay.Gt)
+              + chains_into_tasks(tasks, order, deadline, heads, items))
+    gpu_s = gpu_seconds(tasks, gpu_steps.slot, scale, len(grid.slots))
     return TemplateItems(grid.slots, gpu_s, items, chains)
 
 
@@ -75,17 +75,17 @@ class ChainAnchor(NamedTuple):
 
 
 class SlotTemplate(NamedTuple):
-    """What the expansion takes from the template (`_slot_template`)."""
+    """What the expansion takes from the template (`slot_template`)."""
 
     slots: list[tuple]  # template slot -> SlotKey; the last one is TAIL_SLOT
     gpu_s: np.ndarray  # (T,) GPU seconds of one copy of each template slot
     items: list[TaskWindow]  # the non-GPU tasks of the middle iteration
     item_work: np.ndarray  # (N, V1) work of each item (bytes or seconds), times the tasks it stands for
     chains: list[ChainAnchor]  # the distinct serial chains
-    chain_work: np.ndarray  # (K, V1 + C) their chain vectors (`_chain_vectors`)
+    chain_work: np.ndarray  # (K, V1 + C) their chain vectors (`chain_vectors`)
 
 
-def _slot_template(graphs: TemplateGraph, ct: ScheduleConfig, lay: _Layout,
+def slot_template(graphs: TemplateGraph, ct: ScheduleConfig, lay: Layout,
                    mem_edges: tuple = ()) -> SlotTemplate:
     """Phase 5: the template's items and chains, with the memory edges (MemoryEdge signatures) mapped to the
     template's tasks, the items' work scaled to the tasks they stand for, identical chains merged."""

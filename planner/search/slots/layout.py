@@ -1,7 +1,7 @@
 """The slot model's setup: its work channels, the template of a schedule (`template_of`: a few layers per run
 of identical layers, at most three groups of micro-batches, three iterations), where the template's blocks and
-groups stand in the full model (`_Layout`), the slots per weight use (`_subslots`), and the SlotModel the
-phases build (see the package docstring, tierflow.planner.search.slots, for the whole model)."""
+groups stand in the full model (`Layout`), the slots per weight use (`subslots_per_use`), and the SlotModel
+the phases build (see the package docstring, tierflow.planner.search.slots, for the whole model)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.schedules import ScheduleConfig
 
 SLOT_RESOURCES = ("h2d", "d2h", "ssd_read", "ssd_write", "cpu")
 CHANNELS = SLOT_RESOURCES + ("chain",)  # work channels of a window; "chain": seconds of one serial chain
 TAIL_SLOT = ("tail",)  # the template's last slot: the optimizer after the last backward step (not overlapped)
-_NO_DEADLINE = 10**9  # the deadline slot of a task nothing waits for
+NO_DEADLINE = 10**9  # the deadline slot of a task nothing waits for
 
 # Notation (as in the package docstring): L layers and G groups of micro-batches of the full model, Lt and Gt
 # of the template; T template slots (the tail last); S GPU steps per template iteration; Ne slots of one
@@ -26,7 +26,7 @@ _NO_DEADLINE = 10**9  # the deadline slot of a task nothing waits for
 
 
 @dataclass(frozen=True)
-class _Layout:
+class Layout:
     """Where each template block and group stands in the full model."""
 
     L: int  # layers of the full model
@@ -52,7 +52,7 @@ class Template(NamedTuple):
 
     model: ModelSpec  # the model with a few layers per run of identical layers
     cfg: ScheduleConfig  # the schedule on it: at most three groups, three iterations
-    layout: _Layout  # where its blocks and groups stand in the full model
+    layout: Layout  # where its blocks and groups stand in the full model
 
 
 def template_span(cfg: ScheduleConfig) -> int:
@@ -90,7 +90,7 @@ def template_of(model: ModelSpec, cfg: ScheduleConfig) -> Template:
     mt = replace(model, num_layers=Lt)
     ct = replace(cfg, batch=cfg.micro_batch * group_size_t * Gt, group=group_size_t,
                  swap_layers=kept[1] if cfg.recompute else 0, iterations=3)
-    return Template(mt, ct, _Layout(L=L, G=G, Lt=Lt, Gt=Gt, mid_count=mid_count, run_of=tuple(run_of),
+    return Template(mt, ct, Layout(L=L, G=G, Lt=Lt, Gt=Gt, mid_count=mid_count, run_of=tuple(run_of),
                                     rep_step=rep if group_size > group_size_t else -1,
                                     rep_count=group_size - group_size_t + 1))
 
@@ -111,7 +111,7 @@ class SlotModel:
     meta: dict
 
 
-def _subslots(cfg: ScheduleConfig) -> int:
+def subslots_per_use(cfg: ScheduleConfig) -> int:
     """Slots per weight use: its first act_prefetch steps one by one (the activations they need were fetched
     during the previous use, queued with that use's weight fetch), the rest of the use as one slot."""
     return min(cfg.group, cfg.act_prefetch + 1)

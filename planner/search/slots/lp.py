@@ -12,8 +12,8 @@ import numpy as np
 
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.schedules import ScheduleConfig
 from tierflow.planner.search.slots.expand import build_slot_model
 from tierflow.planner.search.slots.layout import SlotModel
 from tierflow.planner.search.slots.terms import chain_needs, dram_needs, eager_terms, window_terms

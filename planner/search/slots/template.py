@@ -1,7 +1,7 @@
 """Phases 1 to 3 of the slot model, the template: its task graph and what each task weighs
-(`_template_graphs`, `_step_scale`), the tasks that wait for memory another frees (`_memory_edges`), its slots
-(`_slot_grid`), the order its tasks wait in (`_task_order`), and each task's release and deadline slot
-(`_release_slots`, `_deadline_slots`, `_task_windows`)."""
+(`template_graphs`, `_step_scale`), the tasks that wait for memory another frees (`memory_edges`), its slots
+(`slot_grid`), the order its tasks wait in (`task_order`), and each task's release and deadline slot
+(`release_slots`, `deadline_slots`, `task_windows`)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,19 @@ import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.costmodel import link_rates
 from tierflow.planner.core.graph import CycleError, topological_order
 from tierflow.planner.core.memory import static_bytes
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.schedules import ScheduleConfig, build_graph, step_sequence
+from tierflow.planner.core.schedules import build_graph, step_sequence
 from tierflow.planner.core.simulator import SimulationError, simulate_graph
 from tierflow.planner.search.slots.layout import (
-    _NO_DEADLINE,
+    NO_DEADLINE,
     SLOT_RESOURCES,
     TAIL_SLOT,
-    _Layout,
-    _subslots,
+    Layout,
+    subslots_per_use,
 )
 
 # A task's signature: a name for it that does not depend on which other tasks the placement creates, the
@@ -44,13 +45,13 @@ def _signatures(g) -> list[TaskSignature]:
 
 
 class MemoryEdge(NamedTuple):
-    """A task that had to wait for another to free memory (`_memory_edges`)."""
+    """A task that had to wait for another to free memory (`memory_edges`)."""
 
     freeing: TaskSignature  # the task whose end freed the memory
     waiting: TaskSignature  # the task that started then
 
 
-def _memory_edges(model: ModelSpec, mt: ModelSpec, hw: HardwareProfile,
+def memory_edges(model: ModelSpec, mt: ModelSpec, hw: HardwareProfile,
                   ct: ScheduleConfig) -> list[MemoryEdge]:
     """Which task waits for which to free memory: the template (at ct's placement) replayed by the simulator
     with each tier's capacity less the full model's resident tensors beyond the template's, so its buffers
@@ -84,7 +85,7 @@ def _memory_edges(model: ModelSpec, mt: ModelSpec, hw: HardwareProfile,
     return out
 
 
-def _topological(n: int, preds: list[list[int]], prev_in_queue: list[int],
+def topological_by_queue(n: int, preds: list[list[int]], prev_in_queue: list[int],
                  queue_order: list[int]) -> list[int]:
     """A topological order of the tasks over dependencies, queue order and memory edges (the graph's one
     topological sort, ties broken by queue order); where an edge closed a cycle, the queue order is kept."""
@@ -100,7 +101,7 @@ def _topological(n: int, preds: list[list[int]], prev_in_queue: list[int],
         return e.order + [i for i in queue_order if i in left]
 
 
-def _step_scale(g, cfg_t: ScheduleConfig, lay: _Layout) -> np.ndarray:
+def _step_scale(g, cfg_t: ScheduleConfig, lay: Layout) -> np.ndarray:
     """How many tasks of the full model each template task stands for: the steps at position lay.rep_step of a
     use stand for lay.rep_count steps, with every per-micro-batch transfer that serves them (found through the
     dependencies: the GPU step a transfer feeds, else the one it drains). Returns (tasks,) copies."""
@@ -165,7 +166,7 @@ def _served_step(t, tasks, succs: list[list[int]]):
 
 class SlotKey(NamedTuple):
     """A slot of the template: the steps of one group of micro-batches in one phase of one block (a weight
-    use), or the `sub`-th part of them (`_subslots`)."""
+    use), or the `sub`-th part of them (`subslots_per_use`)."""
 
     group: int  # group of micro-batches (template)
     phase: str  # "F" forward, "B" backward, "H" the head between them
@@ -182,7 +183,7 @@ class StepSlot(NamedTuple):
 
 
 class SlotGrid(NamedTuple):
-    """The template's slots and the slot of each GPU step of an iteration (`_slot_grid`)."""
+    """The template's slots and the slot of each GPU step of an iteration (`slot_grid`)."""
 
     slots: list[tuple]  # template slot -> SlotKey; the last one is TAIL_SLOT
     slot_of_step: list[int]  # step index (0..S-1) -> template slot
@@ -211,13 +212,13 @@ class SlotGrid(NamedTuple):
         return self.slots[home].group if home < T - 1 else tail_group
 
 
-def _slot_grid(g, cfg_t: ScheduleConfig) -> SlotGrid:
+def slot_grid(g, cfg_t: ScheduleConfig) -> SlotGrid:
     """Phase 1, the slots of the template: one per group, phase and block, its first steps one by one
-    (`_subslots`), in the order the GPU runs them, and the tail after them."""
+    (`subslots_per_use`), in the order the GPU runs them, and the tail after them."""
     S = g.meta["steps_per_iteration"]
     steps = step_sequence(g.num_blocks, cfg_t.num_micro_batches, cfg_t.group)
     group_size = cfg_t.group
-    nsub = _subslots(cfg_t)
+    nsub = subslots_per_use(cfg_t)
     slot_of_step, slots, index = [], [], {}
     for st, pos in zip(steps, _use_positions(steps)):
         key = SlotKey(st.mb // group_size, st.phase, st.block, min(pos, nsub - 1))
@@ -232,7 +233,7 @@ def _slot_grid(g, cfg_t: ScheduleConfig) -> SlotGrid:
 
 
 class TaskOrder(NamedTuple):
-    """Which template task waits for which (`_task_order`)."""
+    """Which template task waits for which (`task_order`)."""
 
     preds: list[list[int]]  # task -> the tasks it depends on (dependencies, then memory edges)
     prev_in_queue: list[int]  # task -> the task ahead of it in its queue (-1: none; GPU steps: -1)
@@ -245,7 +246,7 @@ class TaskOrder(NamedTuple):
         return self.preds[i] + ([prev] if prev >= 0 else [])
 
 
-def _task_order(tasks, mem_edges: tuple) -> TaskOrder:
+def task_order(tasks, mem_edges: tuple) -> TaskOrder:
     """Phase 2: dependencies and memory edges (pairs of task ids: freeing, waiting), the queue order (key, id)
     of each non-GPU resource, their successors and a topological order over all of them."""
     n = len(tasks)
@@ -261,7 +262,7 @@ def _task_order(tasks, mem_edges: tuple) -> TaskOrder:
         if r != "gpu":
             prev_in_queue[i] = last_on.get(r, -1)
             last_on[r] = i
-    order = _topological(n, preds, prev_in_queue, queue_order)
+    order = topological_by_queue(n, preds, prev_in_queue, queue_order)
     succs: list[list[int]] = [[] for _ in range(n)]
     for i in range(n):
         for d in preds[i]:
@@ -271,7 +272,7 @@ def _task_order(tasks, mem_edges: tuple) -> TaskOrder:
     return TaskOrder(preds, prev_in_queue, succs, order)
 
 
-def _release_slots(tasks, order: TaskOrder, step_slot: list) -> list[int]:
+def release_slots(tasks, order: TaskOrder, step_slot: list) -> list[int]:
     """Phase 3a: the release slot of every non-GPU task (unrolled; GPU steps: 0), the latest over what it
     waits for: a GPU step's slot (the next one if the step closes its slot), another task's release.
     `step_slot`: task -> StepSlot of a GPU step."""
@@ -290,15 +291,15 @@ def _release_slots(tasks, order: TaskOrder, step_slot: list) -> list[int]:
     return release
 
 
-def _deadline_slots(tasks, order: TaskOrder, step_slot: list) -> list[int]:
-    """Phase 3b: the deadline slot of every non-GPU task (unrolled; _NO_DEADLINE when nothing waits for it),
+def deadline_slots(tasks, order: TaskOrder, step_slot: list) -> list[int]:
+    """Phase 3b: the deadline slot of every non-GPU task (unrolled; NO_DEADLINE when nothing waits for it),
     the earliest over what waits for it: a GPU step's slot (the one before if the step opens its slot),
     another task's deadline."""
-    deadline = [_NO_DEADLINE] * len(tasks)
+    deadline = [NO_DEADLINE] * len(tasks)
     for i in reversed(order.order):
         if tasks[i].resource == "gpu":
             continue
-        earliest = _NO_DEADLINE
+        earliest = NO_DEADLINE
         for s in order.succs[i]:
             if tasks[s].resource == "gpu":
                 slot, is_first, _ = step_slot[s]
@@ -309,7 +310,7 @@ def _deadline_slots(tasks, order: TaskOrder, step_slot: list) -> list[int]:
     return deadline
 
 
-def _gpu_seconds(tasks, step_slot: list, scale: np.ndarray, T: int) -> np.ndarray:
+def gpu_seconds(tasks, step_slot: list, scale: np.ndarray, T: int) -> np.ndarray:
     """Phase 3c: GPU seconds of one copy of each template slot (the middle iteration's steps, scaled)."""
     gpu_s = np.zeros(T)
     for i, t in enumerate(tasks):
@@ -329,7 +330,7 @@ class TaskWindow(NamedTuple):
     home_group: int  # template group whose slots it is queued in
 
 
-def _task_windows(tasks, grid: SlotGrid, release: list[int], deadline: list[int], group_size: int,
+def task_windows(tasks, grid: SlotGrid, release: list[int], deadline: list[int], group_size: int,
                   Gt: int) -> list[TaskWindow]:
     """Phase 3d: every non-GPU task of the middle iteration with its release and deadline slot (no deadline:
     two iterations after its release), its resource and its anchor (block, home group)."""
@@ -339,7 +340,7 @@ def _task_windows(tasks, grid: SlotGrid, release: list[int], deadline: list[int]
         if t.iteration != 1 or t.resource == "gpu":
             continue
         rel, dl = release[i], deadline[i]
-        if dl >= _NO_DEADLINE:
+        if dl >= NO_DEADLINE:
             dl = rel + 2 * T
         dl = max(rel, dl)
         home_group = grid.home_group(grid.next_at(t.key), t.mb // group_size if t.mb >= 0 else Gt - 1)
@@ -348,7 +349,7 @@ def _task_windows(tasks, grid: SlotGrid, release: list[int], deadline: list[int]
 
 
 class TemplateGraph(NamedTuple):
-    """The template's task graph and what each of its tasks weighs (`_template_graphs`)."""
+    """The template's task graph and what each of its tasks weighs (`template_graphs`)."""
 
     graph: object  # the builder's task graph of the template
     work: np.ndarray  # (n, 1) each task's work: bytes on the links and SSDs, seconds on the GPU and CPU
@@ -357,7 +358,7 @@ class TemplateGraph(NamedTuple):
     index_of: dict  # TaskSignature -> task id
 
 
-def _template_buckets(mt: ModelSpec, ct: ScheduleConfig, lay: _Layout) -> ScheduleConfig:
+def _template_buckets(mt: ModelSpec, ct: ScheduleConfig, lay: Layout) -> ScheduleConfig:
     """Runtime deepspeed sends gradients to the host in buckets of reduce_bucket_size elements, so where a
     bucket leaves depends on how many layers the model has: the template's few layers would all fall into
     the backward's last bucket (every copy waiting for the epilogue) where the full model's leave spread over
@@ -369,7 +370,7 @@ def _template_buckets(mt: ModelSpec, ct: ScheduleConfig, lay: _Layout) -> Schedu
     return replace(ct, ds_reduce_bucket_elems=max(1, round(ct.ds_reduce_bucket_elems * share)))
 
 
-def _template_graphs(mt: ModelSpec, hw: HardwareProfile, ct: ScheduleConfig, lay: _Layout) -> TemplateGraph:
+def template_graphs(mt: ModelSpec, hw: HardwareProfile, ct: ScheduleConfig, lay: Layout) -> TemplateGraph:
     """The template's task graph, every task's work, and how many tasks of the full model each task stands
     for."""
     g = build_graph(mt, hw, _template_buckets(mt, ct, lay))

@@ -54,9 +54,10 @@ from tierflow.hwprofiles.inputs import (
     read_limited_text,
 )
 from tierflow.hwprofiles.profile import profile_from_dict
+from tierflow.planner.core.families import FAMILIES
 from tierflow.planner.core.models import ModelError, ModelSpec, get_model
 from tierflow.planner.core.placement import Placement, PlacementError, parse_placement
-from tierflow.planner.core.schedules import FAMILIES, ScheduleError, make_schedule
+from tierflow.planner.core.schedules import ScheduleError, make_schedule
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult, SimulationError
 
@@ -524,7 +525,7 @@ class FitResult:
 Progress = Callable[[int, int, str], None]
 
 
-class _Problem:
+class FitProblem:
     """The runs, the base profile and the fields, with a cache of simulations keyed by (run, micro-batch,
     values)."""
 
@@ -697,7 +698,7 @@ def fit(runs: Sequence[Run], base_hw: HardwareProfile, fields: Sequence[FitField
     t0 = time.perf_counter()
     runs, fields = list(runs), list(fields)
     _check(runs, base_hw, fields)
-    p = _Problem(runs, base_hw, fields)
+    p = FitProblem(runs, base_hw, fields)
     n_runs = len(runs)
     total = 2 + (n_runs if loo else 0)
     step = [0]
@@ -753,7 +754,7 @@ def fit(runs: Sequence[Run], base_hw: HardwareProfile, fields: Sequence[FitField
 
     p.on_evaluation = None
     report("identifiability")
-    unidentified, at_bound, sens = _identify(p, x, mbs)
+    unidentified, at_bound, sens = identify(p, x, mbs)
     step[0] = total
     report("done")
     res = [r.residual for r in fitted]
@@ -768,7 +769,7 @@ def fit(runs: Sequence[Run], base_hw: HardwareProfile, fields: Sequence[FitField
         base_source=base_hw.source, method=method)
 
 
-def _identify(p: _Problem, x: np.ndarray, mbs: dict[int, int]
+def identify(p: FitProblem, x: np.ndarray, mbs: dict[int, int]
               ) -> tuple[dict[str, str], dict[str, str], dict[str, list[float]]]:
     n = len(p.runs)
     base = np.array([p.value(i, mbs[i], x) or math.nan for i in range(n)])

@@ -1,11 +1,11 @@
 """What each DeepSpeed config key does to the time of a training step, as DeepSpeed 0.19.8's code runs it:
-the classes the bridge (dsconfig.py) sorts a config's keys into, each key with its reason and a code
+the classes the bridge (config.py) sorts a config's keys into, each key with its reason and a code
 reference, and the key-by-key table of docs/deepspeed.md generated from them (`key_table`).
 
 - MODELLED_KEYS: simulated by `runtime: deepspeed` (the mechanism named);
 - ASSUMED_DEFAULTS: simulated at DeepSpeed's default value; another value is named as not modelled;
 - NO_STEP_EFFECT: read by DeepSpeed, but the work of a step is the same whatever their value (accepted
-  quietly, as the learning rate or logging keys of dsconfig.NO_EFFECT);
+  quietly, as the learning rate or logging keys of config.NO_EFFECT);
 - ONE_GPU_NO_EFFECT: collectives or layouts among ranks: nothing to do on one GPU, which the bridge simulates;
   named in the warning line for a config of several GPUs;
 - NOT_MODELLED: named in the warning line whenever present, with what would settle them here.
@@ -21,7 +21,7 @@ Z = "zero_optimization."
 OP = Z + "offload_param."
 OO = Z + "offload_optimizer."
 
-# Keys the simulation reads and what it does with them (the batch and device keys: dsconfig.MODELLED).
+# Keys the simulation reads and what it does with them (the batch and device keys: config.MODELLED).
 MODELLED_KEYS: dict[str, str] = {
     Z + "reduce_bucket_size": (
         "gradients leave for the host in buckets of this many elements, the last after the backward, and the "
@@ -52,7 +52,8 @@ MODELLED_KEYS: dict[str, str] = {
         "parameters, and that wait synchronizes the whole all-gather stream (the handle's "
         "`current_stream().synchronize()` under `stream(allgather_stream)`): a layer's compute waits for "
         "the whole bucket issued at the hook before it, so a bucket deeper than a layer holds the compute "
-        "instead of running ahead (schedules._ds_drained_at_next_hook). Not modelled: each module hook "
+        "instead of running ahead (runtimes/deepspeed.py _ds_drained_at_next_hook). Not modelled: each "
+        "module hook "
         "issues up to a bucket of new elements, so the frontier can run past one bucket up to "
         "max_live_parameters; 0 (no prefetch) is named as not modelled"),
     Z + "stage3_max_live_parameters": (

@@ -25,8 +25,8 @@ profile sets them, and the fixed costs op_overhead_us and latency_us also where 
 within [value / 1000, value x 1000] (fractions up to 1, slowdowns from 1). A fitted
 solo PCIe rate carries its duplex rate along in proportion (the profile requires duplex <= solo) unless the
 duplex rate is fitted itself. The optimiser, the identifiability checks (unidentified, collinear, at a
-bound) and the written profile are those of tierflow.planner.search.fit: the report has the same form, with
-one row per op group instead of one per run. Torch-free.
+bound) and the written profile are those of tierflow.planner.fit.profile_fit: the report has the same form,
+with one row per op group instead of one per run. Torch-free.
 """
 
 from __future__ import annotations
@@ -40,18 +40,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile, ProfileError
+from tierflow.planner.core.contract import Plan
 from tierflow.planner.core.opkinds import ADAM_GPU, COMPUTE_KINDS, CPU_ADAM_KINDS
 from tierflow.planner.core.schedules import ScheduleError, build_graph
 from tierflow.planner.core.simulator import CapacityError, SimulationError, simulate_graph
-from tierflow.planner.search.fit import (
+from tierflow.planner.fit.profile_fit import (
     FitError,
     FitField,
+    FitProblem,
     FitResult,
     Progress,
     Run,
     RunFit,
-    _identify,
-    _Problem,
+    identify,
 )
 
 # default bounds: [value / SPAN, value x SPAN]; a bundled profile of another box is off by up to ~1000x on a
@@ -86,7 +87,7 @@ class Observation(Run):
 class PlanRef:
     """What the observations were measured on: the plan's model, schedule and graph."""
 
-    plan: object  # tierflow.planner.io.planfile.Plan (planner.io is above this layer)
+    plan: Plan
     iterations: tuple[int, ...]  # the iterations whose op groups are compared
     full: tuple[int, ...]  # the iterations the trace holds entirely (their time per iteration is compared)
 
@@ -148,7 +149,7 @@ def _predict(ref: PlanRef, hw: HardwareProfile) -> dict[str, float] | None:
     return {"dur": res.end_s - res.start_s, ITERATION: iteration_seconds(ref, graph.tasks, res.end_s)}
 
 
-class _TraceProblem(_Problem):
+class _TraceProblem(FitProblem):
     """fit's problem with one plan simulated per point: observation i's value is its group's simulated
     seconds."""
 
@@ -327,7 +328,7 @@ def fit_trace(plan, start_s: np.ndarray, end_s: np.ndarray, base_hw: HardwarePro
                    p.residual(i, p.value(i, 0, x))) for i, o in enumerate(obs)]
     if progress:
         progress(1, 2, "identifiability")
-    unidentified, at_bound, sens = _identify(p, x, mbs)
+    unidentified, at_bound, sens = identify(p, x, mbs)
     res = np.array([r.residual for r in runs])
     return FitResult(fields=fields, values=p.values(x), initial=initial, runs=runs,
                      rms=float(np.sqrt(np.mean(res ** 2))), max_abs=float(np.max(np.abs(res))), loo_rms=None,

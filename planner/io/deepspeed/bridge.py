@@ -1,7 +1,7 @@
-"""The DeepSpeed bridge's runs (the mapping itself is planner/io/dsconfig.py): the DeepSpeed run a config
-describes, simulated on a box, tierflow's own plan for the same model, box and batch beside it (`tierflow
-simulate --ds-config`), and the nearest DeepSpeed config written for a chosen plan (`tierflow plan
---emit-ds-config`). The command's flags and output are tierflow/cli/dsconfig.py."""
+"""The DeepSpeed bridge's runs (the mapping itself is planner/io/deepspeed/config.py): the DeepSpeed run a
+config describes, simulated on a box, tierflow's own plan for the same model, box and batch beside it
+(`tierflow simulate --ds-config`), and the nearest DeepSpeed config written for a chosen plan (`tierflow plan
+--emit-ds-config`). The command's flags and output are tierflow/cli/config.py."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.models import ModelSpec
-from tierflow.planner.core.schedules import ScheduleConfig
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
-from tierflow.planner.io.dsconfig import DsConfig, ds_config_for_plan, write_ds_config
+from tierflow.planner.io.deepspeed.config import DsConfig, ds_config_for_plan, write_ds_config
 from tierflow.planner.io.progress import Progress
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ prefetch bucket. `DsConfig.schedule` turns it into the `horizontal` schedule wit
 
 The keys that size DeepSpeed's own buffers (reduce_bucket_size, contiguous_gradients, the swappers' buffer
 sizes and counts, max_in_cpu) are read into `DsConfig` and refused where DeepSpeed itself would stop. Every
-other key is sorted by dskeys.py's classes: no effect on the step time (learning rate, scheduler, logging,
+other key is sorted by keys.py's classes: no effect on the step time (learning rate, scheduler, logging,
 saving, and the keys whose value changes no step's work), no effect on one GPU (named in the warning line for
 several GPUs), not modelled (named in one warning line, `DsConfig.warning_line`), or unknown to DeepSpeed
 (named in the same line). "auto" values, as Hugging Face's Trainer writes them, are resolved as the Trainer
@@ -54,6 +54,7 @@ from pathlib import Path
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles.inputs import MIB, InputLimitError, loads_json_limited, read_limited_text
 from tierflow.outputs import atomic_write_text
+from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.dsruntime import (
     DS_MAX_IN_CPU_ELEMS,
     DS_OPT_BUFFER_COUNT,
@@ -66,9 +67,10 @@ from tierflow.planner.core.dsruntime import (
 from tierflow.planner.core.memory import blocks_of
 from tierflow.planner.core.models import PRECISION_NAMES, ModelSpec
 from tierflow.planner.core.placement import Placement, Split
-from tierflow.planner.core.schedules import ScheduleConfig, ds_sub_groups
+from tierflow.planner.core.runtimes.deepspeed import ds_sub_groups
+from tierflow.planner.core.schedules import make_schedule
 from tierflow.planner.io.argtypes import MAX_BATCH
-from tierflow.planner.io.dskeys import (
+from tierflow.planner.io.deepspeed.keys import (
     ASSUMED_DEFAULTS,
     MODELLED_KEYS,
     NO_STEP_EFFECT,
@@ -100,7 +102,7 @@ ADAM_TYPES = ("adam", "adamw", "cpuadam", "fusedadam", "deepspeedcpuadam")
 # an nvme_path for configs tierflow writes: DeepSpeed's own docs use this mount point
 EMIT_NVME_PATH = "/local_nvme"
 
-# Keys the simulation reads (handled one by one below; dskeys.MODELLED_KEYS: the buffer and bucket keys).
+# Keys the simulation reads (handled one by one below; keys.MODELLED_KEYS: the buffer and bucket keys).
 MODELLED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "zero_optimization.stage", "zero_optimization.offload_param.device",
@@ -174,7 +176,7 @@ class DsConfig:
     # parameters on NVMe: the share of them max_in_cpu keeps in host memory (whole leading sub-groups)
     cached_fraction: float = 0.0
     cached_elems: int = 0
-    one_gpu_only: tuple[str, ...] = ()  # keys with no effect on one GPU (dskeys.ONE_GPU_NO_EFFECT)
+    one_gpu_only: tuple[str, ...] = ()  # keys with no effect on one GPU (keys.ONE_GPU_NO_EFFECT)
     no_effect: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
     resolved: tuple[str, ...] = ()  # "auto" keys and what they became
@@ -203,8 +205,6 @@ class DsConfig:
 
     def schedule(self, model: ModelSpec, hw, *, seq: int, iterations: int = 3) -> ScheduleConfig:
         """The schedule DeepSpeed runs for this config: horizontal, as DeepSpeed's ZeRO-3 code runs it."""
-        from tierflow.planner.core.schedules import make_schedule
-
         cfg = make_schedule("horizontal", model, hw, batch=self.batch, micro_batch=self.micro_batch, seq=seq,
                             placement=self.placement(), prefetch_depth=self.prefetch_depth(model),
                             runtime="deepspeed", iterations=iterations)
@@ -235,7 +235,7 @@ class DsConfig:
 
     def warning_line(self, gpus: int = WORLD_SIZE) -> str | None:
         """The one line naming what the simulation leaves out, or None when it models every key; with
-        several `gpus`, also the keys that have no effect on one GPU only (dskeys.ONE_GPU_NO_EFFECT)."""
+        several `gpus`, also the keys that have no effect on one GPU only (keys.ONE_GPU_NO_EFFECT)."""
         parts = []
         if self.not_modelled:
             parts.append(f"not modelled: {', '.join(self.not_modelled)}")
@@ -389,7 +389,7 @@ def parse_ds_config(data: object, source: str, model: ModelSpec, *, batch_hint: 
                 for k in ("pipeline_read", "pipeline_write")}
     sub_group = _int(leaves, "zero_optimization.sub_group_size", DS_SUB_GROUP_ELEMS, source, lo=1)
     if (leaves.get("gradient_clipping", 0) not in (0, None) and stage == 0 and precision == "fp32-inplace"
-            and "gradient_clipping" in no_effect):  # the engine clips on its own (dskeys.NO_STEP_EFFECT)
+            and "gradient_clipping" in no_effect):  # the engine clips on its own (keys.NO_STEP_EFFECT)
         no_effect.remove("gradient_clipping")
         not_modelled.append("gradient_clipping (without ZeRO in fp32: engine.py clip_fp32_gradients)")
     buffers = _buffer_keys(leaves, source, model, param_device, optimizer_device,
@@ -404,7 +404,7 @@ def parse_ds_config(data: object, source: str, model: ModelSpec, *, batch_hint: 
 
 def _buffer_keys(leaves: dict, source: str, model: ModelSpec, param_device: str, optimizer_device: str,
                  pipelined: tuple[bool, bool], sub_group: int, precision: str) -> dict:
-    """The keys that size DeepSpeed's own buffers (dskeys.MODELLED_KEYS) as DsConfig fields, refused where
+    """The keys that size DeepSpeed's own buffers (keys.MODELLED_KEYS) as DsConfig fields, refused where
     DeepSpeed itself stops; with parameters on NVMe, the share max_in_cpu keeps in host memory."""
     bucket = _int(leaves, Z + "reduce_bucket_size", DS_REDUCE_BUCKET_ELEMS, source, lo=0)
     out = {"reduce_bucket_elems": bucket,
