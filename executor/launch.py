@@ -35,9 +35,10 @@ from tierflow.executor.dist import (
 from tierflow.executor.engine import OutOfMemory
 from tierflow.executor.optim.adamw import TrainHyper
 from tierflow.executor.options import RunError, RunRequest
+from tierflow.executor.preflight import check_init_dir
 from tierflow.executor.signals import Interrupted, StopOnSignals
 from tierflow.executor.tiers.arena import TransferAreaOutOfMemory
-from tierflow.executor.train_loop import RunOptions, RunResult, RunStopped, check_init_dir, run_plan
+from tierflow.executor.train_loop import RunOptions, RunResult, RunStopped, run_plan
 from tierflow.outputs import check_output_dir
 from tierflow.planner.core.simulator import CapacityError
 from tierflow.planner.io.planfile import check_ops_match_decisions, load_plan, simulate_plan

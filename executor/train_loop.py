@@ -5,9 +5,9 @@ per step, evaluates, checkpoints atomically and resumes from the last checkpoint
 
 A run holds a lock on its checkpoint and SSD directories, removes what killed runs left there, and stops
 cleanly: at the first non-finite loss (exit 4), on SIGINT / SIGTERM (130 / 143), or when a checkpoint cannot
-be written, keeping the last good checkpoint and writing the results so far (`RunStopped`). What it writes
-(--out, --export-hf, torch.profiler's trace) is export.py; the command around it (launching ranks, a rank that
-died) is launch.py.
+be written, keeping the last good checkpoint and writing the results so far (`RunStopped`). What it checks
+before the first step is preflight.py; what it writes (--out, --export-hf, torch.profiler's trace) export.py;
+the command around it (the plan file's checks, launching ranks, a rank that died) launch.py.
 
 With several ranks (dist.py) each rank trains its share of every batch on its shard of the state, with its SSD
 tier under `<ssd-dir>/rank-<r>/` and its checkpoint shard under `<checkpoint>/rank-<r>/` (checkpoint.py). Rank
@@ -16,7 +16,6 @@ tier under `<ssd-dir>/rank-<r>/` and its checkpoint shard under `<checkpoint>/ra
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -36,7 +35,6 @@ from tierflow.errors import TierflowError
 from tierflow.executor.checkpoint import (
     CheckpointWriteError,
     NonFiniteState,
-    check_same_training,
     remove_temporaries,
     resume,
     save_checkpoint,
@@ -45,7 +43,6 @@ from tierflow.executor.checkpoint import (
 from tierflow.executor.corpus import TEXT_SUFFIXES, Fields, copy_tokenizer, has_tokenizer, is_corpus, tokenize
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device.base import DeviceBackend
-from tierflow.executor.device.factory import make_backend
 from tierflow.executor.dist import DistWorld, check_launch, init_world, peer_gone, rank_device
 from tierflow.executor.engine import ExecutionError, Executor, Hyper, measured_result
 from tierflow.executor.evaluate import evaluate
@@ -58,19 +55,23 @@ from tierflow.executor.export import (
     write_run_outputs,
 )
 from tierflow.executor.models import check_supported
-from tierflow.executor.optim.adamw import TrainHyper, check_hyper_extra, norms_of
-from tierflow.executor.optim.clipping import GradNorms
+from tierflow.executor.optim.adamw import TrainHyper, norms_of
 from tierflow.executor.options import RunError
+from tierflow.executor.preflight import (
+    check_hyper,
+    check_in_place,
+    check_resume,
+    device_backend,
+    prepare_norms,
+    ssd_need_bytes,
+)
 from tierflow.executor.signals import Interrupted, deferred_stop, pending_signal, stop_now
 from tierflow.executor.tblog import TbLog
 from tierflow.executor.tiers.dirlock import DirLock, remove_stale_run_dirs
 from tierflow.executor.tiers.ssd_store import SsdStore, check_ssd_dir
 from tierflow.executor.tiers.state import TrainState
-from tierflow.planner.core.clipwait import OPTIMIZER_KINDS, wait_for_norm, waits_for_norm
-from tierflow.planner.core.graph import CycleError
-from tierflow.planner.core.opkinds import ENTRY_TENSORS
 from tierflow.planner.core.simulator import SimResult
-from tierflow.planner.core.workload import model_flops_per_token, precision_of
+from tierflow.planner.core.workload import model_flops_per_token
 from tierflow.planner.io.planfile import Plan, simulate_plan
 from tierflow.planner.io.progress import bar
 
@@ -159,75 +160,6 @@ def plan_fingerprint(plan: Plan) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def check_init_dir(directory: str) -> None:
-    """--init: every *.safetensors file must be readable as safetensors and hold only floating-point tensors
-    (an int32 weight would otherwise be cast silently). Reads only the headers."""
-    from safetensors import SafetensorError, safe_open
-
-    d = Path(directory)
-    if not d.is_dir():
-        raise RunError(f"--init {d}: not a directory (pass a Hugging Face model directory with "
-                       "*.safetensors)")
-    for f in sorted(d.glob("*.safetensors")):
-        try:
-            with safe_open(f, framework="pt") as sf:
-                for key in sf.keys():
-                    dtype = sf.get_slice(key).get_dtype()
-                    if not dtype.startswith(("F", "BF")):
-                        raise RunError(f"--init {d}: {f.name}: tensor {key!r} has dtype {dtype}, not "
-                                       "floating point (convert the checkpoint to float32/bfloat16/float16)")
-        except (SafetensorError, OSError, ValueError) as e:
-            if isinstance(e, RunError):
-                raise
-            raise RunError(f"--init {d}: {f.name} is not a readable safetensors file "
-                           f"({' '.join(str(e).split())[:80]}); re-download or re-save it") from None
-
-
-def _device(name: str, seed: int = 0) -> DeviceBackend:
-    """The device backend of --device (cpu, cuda[:N]; cpu-adversarial[:N], not in --help, for tests)."""
-    try:
-        return make_backend(name, seed)
-    except ValueError as e:
-        raise RunError(str(e)) from None
-
-
-def _ssd_need_bytes(plan: Plan, state: TrainState) -> float:
-    """SSD bytes this run writes at most: the state's SSD ranges plus the plan's peak of parked activations,
-    scaled from the plan's compute dtype (its precision) to the executor's."""
-    static = state.ssd_static_bytes()
-    pred = plan.predicted or {}
-    peak = (pred.get("peak_bytes") or {}).get("ssd")
-    dynamic = max(0.0, (peak or 0.0) - plan.graph.static_bytes["ssd"])
-    parked = [t for t in plan.graph.tasks if t.resource == "ssd_write" and t.tensor in ENTRY_TENSORS]
-    if peak is None and parked:
-        dynamic = sum(t.work for t in parked if t.iteration == 0)
-    scale = (torch.empty(0, dtype=state.compute_dtype).element_size()
-             / precision_of(plan.model).compute_bytes)
-    return static + dynamic * scale * 1.1 + (1 << 20)
-
-
-def check_in_place(plan: Plan, dtype: torch.dtype, device: str) -> None:
-    """A plan in an in-place precision (workload.Precision.in_place) counts no fp32 master beside weights that
-    lie with the optimizer on the GPU. The executor matches it when it computes in fp32: the compute weights
-    and the master are then one tensor (TrainState.weights_alias_master), and an offloaded optimizer keeps
-    its master on the host as the plan counts. In 16-bit compute it keeps a master the plan does not count."""
-    pr = precision_of(plan.model)
-    if pr.in_place and dtype != torch.float32:
-        raise RunError(f"{plan.source}: precision {pr.name}: on {device} the executor computes in bf16 and "
-                       "keeps an fp32 master the plan does not count (it does not yet compute in the plan's "
-                       "fp32 on CUDA); run it with --device cpu, or plan with --precision fp32")
-
-
-def check_hyper(h: Hyper) -> None:
-    """The optimizer's settings, refused up front (RunError) rather than diverging at step 1."""
-    if not math.isfinite(h.lr) or h.lr <= 0:
-        raise RunError(f"--lr {h.lr}: must be a finite number > 0 (e.g. 1e-3)")
-    if not math.isfinite(h.weight_decay) or h.weight_decay < 0:
-        raise RunError(f"--weight-decay {h.weight_decay}: must be a finite number >= 0 (e.g. 0.1)")
-    if isinstance(h, TrainHyper) and check_hyper_extra(h):
-        raise RunError(check_hyper_extra(h)[0])
-
-
 def _clipping_plan(plan: Plan, opts: RunOptions, log) -> Plan:
     """The plan to run: with --clip global, one whose optimizer steps wait for the step's last gradient
     (prepare_norms), checked to still fit its tiers and said."""
@@ -239,31 +171,6 @@ def _clipping_plan(plan: Plan, opts: RunOptions, log) -> Plan:
             "(its queues re-ordered; tierflow plan --clip-grad-norm shows the cost)", file=sys.stderr)
     simulate_plan(waiting)  # gradients held until the norm: the re-ordered plan must still fit its tiers
     return waiting
-
-
-def prepare_norms(plan: Plan, h: Hyper) -> Plan:
-    """Fresh step norms for this run, and the plan to run. With global clipping the plan's optimizer ops must
-    wait for the step's gradients: a plan that does not yet is returned with the waits, its queues
-    re-ordered (planner/core/clipwait.py), or refused (RunError) if that cannot be done."""
-    if not isinstance(h, TrainHyper):
-        return plan
-    parts = sum(1 for t in plan.graph.tasks if t.kind in OPTIMIZER_KINDS and t.iteration == 0)
-    if plan.config.world.ranks > 1:
-        parts = 0  # each rank steps its shard: no whole-model gradient norm (steps.csv leaves it empty)
-    object.__setattr__(h, "norms", GradNorms(h.clip_grad_norm, h.clip, parts))
-    if h.clip_grad_norm <= 0:
-        return plan
-    if plan.config.world.ranks > 1:
-        raise RunError(f"--clip-grad-norm: plan {plan.source} has {plan.config.world.ranks} ranks; clipping "
-                       "runs on one rank only for now (drop --clip-grad-norm or plan for one GPU)")
-    if h.clip == "global" and not waits_for_norm(plan.graph):
-        try:
-            return dataclasses.replace(plan, graph=wait_for_norm(plan.graph))
-        except CycleError:
-            raise RunError(f"--clip-grad-norm: plan {plan.source} cannot wait for the step's last gradient "
-                           "before its optimizer steps (exact global clipping); pass --clip delayed (the "
-                           "previous step's norm)") from None
-    return plan
 
 
 def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
@@ -284,14 +191,14 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
                        "trace.json")
     cfg = plan.config
     check_launch(cfg.world.ranks, cfg.gpus, cfg.nodes, str(plan.source))
-    backend = _device(rank_device(opts.device, cfg.world.ranks), opts.seed)
+    backend = device_backend(rank_device(opts.device, cfg.world.ranks), opts.seed)
     world = init_world(cfg.world.ranks, backend.device)
     dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
     if opts.compute_dtype is not None:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[opts.compute_dtype]
     check_in_place(plan, dtype, backend.device.type)
     probe = TrainState(plan.model, cfg.placement, cfg.alpha, backend, dtype, None, world)
-    need_ssd = _ssd_need_bytes(plan, probe)
+    need_ssd = ssd_need_bytes(plan, probe)
     uses_ssd = need_ssd > (1 << 20) or any(t.resource in ("ssd_read", "ssd_write") for t in plan.graph.tasks)
     who = "" if world.single else f" [rank {world.rank}]"
 
@@ -483,7 +390,7 @@ def _start_state(tr: _Training, warn) -> str:
     opts, state = tr.opts, tr.state
 
     def check(ckpt: Path, manifest: dict) -> None:
-        _check_resume(ckpt, manifest, tr.settings, opts, warn)
+        check_resume(ckpt, manifest, tr.settings, opts.checkpoint_dir, opts.allow_changed_hyper, warn)
 
     found = resume(state, opts.checkpoint_dir, fallback=opts.resume_fallback, check=check,
                    log=warn) if opts.checkpoint_dir else None
@@ -697,31 +604,3 @@ def _finish(tr: _Training) -> RunResult:
         res.final_adam_m = [state.gathered("adam_m", b) for b in range(len(state.layout.numel))]
     return res
 
-
-HYPER_NAMES = {"seed": "--seed", "lr": "--lr", "weight_decay": "--weight-decay", "beta1": "--adam-betas",
-               "beta2": "--adam-betas", "eps": "--adam-eps", "data": "--data", "schedule": "--lr-schedule",
-               "warmup_steps": "--warmup-steps", "total_steps": "--steps (of the schedule)",
-               "clip_grad_norm": "--clip-grad-norm", "clip": "--clip"}
-
-
-def changed_settings(manifest: dict, settings: dict) -> list[tuple[str, object, object]]:
-    """(name, checkpoint's value, this run's) of every seed / hyper-parameter / data source that differs."""
-    old = {"seed": manifest.get("seed"), "data": manifest.get("data"), **(manifest.get("hyper") or {})}
-    new = {"seed": settings["seed"], "data": settings["data"], **settings["hyper"]}
-    return [(k, old[k], new.get(k)) for k in old if old[k] is not None and old[k] != new.get(k)]
-
-
-def _check_resume(ckpt: Path, manifest: dict, settings: dict, opts: RunOptions, warn) -> None:
-    """A checkpoint of another plan is refused; one of other settings too, unless --allow-changed-hyper."""
-    if check_same_training(ckpt, manifest, settings, f"--checkpoint-dir {opts.checkpoint_dir}"):
-        warn(f"resuming {ckpt.name}, written under another plan of the same model and batch: its state moves "
-             "to this plan's tiers")
-    diff = changed_settings(manifest, settings)
-    if not diff:
-        return
-    what = ", ".join(f"{HYPER_NAMES.get(k, k)} {a!r} -> {b!r}" for k, a, b in diff)
-    if not opts.allow_changed_hyper:
-        raise RunError(f"--checkpoint-dir {opts.checkpoint_dir}: {ckpt.name} was written with other settings "
-                       f"(checkpoint -> this run: {what}); resume with the checkpoint's, or pass "
-                       "--allow-changed-hyper to continue with this run's")
-    warn(f"resuming {ckpt.name} with changed settings ({what}), as --allow-changed-hyper asks")

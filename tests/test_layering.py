@@ -188,6 +188,16 @@ def test_the_room_rule_can_fail():
     assert not room_imports("executor/optim", "tierflow.executor.ops")
 
 
+def test_the_executor_never_sees_the_command_line():
+    """The executor is a library: the CLI turns its flags into typed options (executor/options.py); no
+    executor module imports argparse or reads sys.argv."""
+    bad = []
+    for f in files_of("executor"):
+        if "argparse" in imported_modules(f) or "sys.argv" in f.read_text():
+            bad.append(str(f.relative_to(ROOT)))
+    assert not bad, bad
+
+
 def test_the_rooms_of_the_layout():
     """The executor's rooms, one CLI module per command, and no flat stand-ins for a folder."""
     for room in ("executor/ops", "executor/optim", "executor/tiers", "executor/device", "tierflow/cli",
