@@ -9,13 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierflow.cli.argtypes import MAX_STEPS, int_in, non_negative_float, positive_float, positive_int
 from tierflow.cli.exits import exit_code, lead_rank
 from tierflow.errors import TierflowError
 from tierflow.logs import QUIET, level_of
 from tierflow.planner.core.trainopts import CLIP_MODES, SCHEDULES
+
+if TYPE_CHECKING:
+    from tierflow.executor.options import RunRequest
 
 WHO = "tierflow run"  # how its error lines start
 
@@ -223,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     return launch.leave_world(code)
 
 
-def run_request(args: argparse.Namespace) -> Any:
+def run_request(args: argparse.Namespace) -> RunRequest:
     """The executor's option groups (tierflow.executor.options.RunRequest) of the command line."""
     from tierflow.executor.decide import AdaptOptions
     from tierflow.executor.options import (
