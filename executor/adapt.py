@@ -18,52 +18,37 @@ it has), so that every rank stops, checkpoints its shard and resumes under the n
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import multiprocessing
-import os
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tierflow.executor.checkpoint import candidates, read_manifest
 from tierflow.executor.decide import AdaptOptions, Decision, compare, decide, refit_in_child, refit_replan
 from tierflow.executor.device.factory import make_backend
 from tierflow.executor.dist import DistWorld, init_world, rank_device
-from tierflow.executor.run import (
-    RunError,
-    RunOptions,
-    RunResult,
-    RunStopped,
-    _save_checkpoint,
-    check_run_outputs,
-    cmd_run,
-    leave_world,
-    run_options,
-    run_plan,
-    train_hyper,
-    write_run_outputs,
-)
+from tierflow.executor.export import write_run_outputs
+from tierflow.executor.launch import check_run_outputs, default_device, run_options, train_hyper
+from tierflow.executor.options import RunError, RunRequest
 from tierflow.executor.tiers.state import StateError
+from tierflow.executor.train_loop import RunOptions, RunResult, run_plan, save_step_checkpoint
 from tierflow.planner.io.planfile import Plan, load_plan, simulate_plan, write_plan
 
-__all__ = ["AdaptOptions", "Decision", "adapt_run", "cmd_adapt", "decide"]
+__all__ = ["AdaptOptions", "Decision", "adapt_request", "adapt_run", "decide"]
 
 
-def _run_options(whole: RunOptions, args: argparse.Namespace, steps: int, checkpoint_dir: str,
-                 plan: Plan) -> RunOptions:
+def _run_options(whole: RunOptions, req: RunRequest, checkpoint_dir: str, plan: Plan) -> RunOptions:
     """`tierflow run`'s options (`whole`) for one part of the run: checkpoints every --checkpoint-every steps
     (default the plan's iterations) when the user gave --checkpoint-dir; --out is written once, at the end."""
-    every = (args.checkpoint_every or plan.graph.num_iterations) if args.checkpoint_dir else 0
-    return dataclasses.replace(whole, steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=every,
-                               out=None, export_hf=None, profile=False, quiet=args.json)
+    ck = req.checkpoint
+    every = (ck.every or plan.graph.num_iterations) if ck.directory else 0
+    return dataclasses.replace(whole, steps=req.steps, checkpoint_dir=checkpoint_dir, checkpoint_every=every,
+                               out=None, export_hf=None, profile=False, quiet=req.output.json)
 
 
 def _resumed_step(directory: str) -> int:
@@ -151,7 +136,7 @@ class Deciding:
         self.new, self.stop_t = new, time.perf_counter()
         o = tr.opts
         if not (o.checkpoint_every and tr.step % o.checkpoint_every == 0):  # not written at this step yet
-            _save_checkpoint(tr)
+            save_step_checkpoint(tr)
         self.parts["checkpoint_write_s"] = time.perf_counter() - self.stop_t
         return True
 
@@ -169,37 +154,39 @@ class Deciding:
         return self.decision
 
 
-def adapt_run(plan: Plan, args: argparse.Namespace, opts: AdaptOptions, log=print) -> dict[str, Any]:
-    """Train under `plan`, decide beside it, and continue under the new plan if switching. Returns what --json
-    prints. With several ranks every rank runs this: rank 0 decides and broadcasts, so that every rank
-    switches (or not) at the same step; the checkpoint directory is rank 0's."""
-    ranks = plan.config.world.ranks
+def adapt_run(plan: Plan, req: RunRequest, log=print) -> dict[str, Any]:
+    """Train under `plan`, decide beside it (`req.adapt`), and continue under the new plan if switching.
+    Returns what --json prints. With several ranks every rank runs this: rank 0 decides and broadcasts, so
+    that every rank switches (or not) at the same step; the checkpoint directory is rank 0's."""
+    ranks, opts, out = plan.config.world.ranks, req.adapt, req.output.out
+    device, seed = default_device(req.device), req.model_data.seed
     # the world run_plan joins (made once per process): rank 0's checkpoint directory is every rank's
-    world = init_world(ranks, make_backend(rank_device(args.device, ranks), args.seed).device)
-    tmp = None if args.checkpoint_dir or world.rank else tempfile.mkdtemp(prefix="tierflow-adapt-")
-    ck = world.broadcast(args.checkpoint_dir or tmp)
+    world = init_world(ranks, make_backend(rank_device(device, ranks), seed).device)
+    directory = req.checkpoint.directory
+    tmp = None if directory or world.rank else tempfile.mkdtemp(prefix="tierflow-adapt-")
+    ck = world.broadcast(directory or tmp)
     # the optimizer, schedule (over the whole run's --steps), data and evaluation settings of `tierflow run`,
     # read once (a --ds-config's notes printed once)
-    whole = run_options(args, train_hyper(args))
-    deciding = Deciding(plan, opts, min(_resumed_step(ck) + opts.warmup, args.steps), world, log)
+    whole = run_options(req, train_hyper(req, log))
+    deciding = Deciding(plan, opts, min(_resumed_step(ck) + opts.warmup, req.steps), world, log)
     try:
-        o1 = _run_options(whole, args, args.steps, ck, plan)
+        o1 = _run_options(whole, req, ck, plan)
         o1.on_round = deciding
         first = run_plan(plan, o1)
         second = None
         if deciding.new is not None:
             t1 = time.perf_counter()
-            o2 = _run_options(whole, args, args.steps, ck, deciding.new)
+            o2 = _run_options(whole, req, ck, deciding.new)
             o2.on_round = started = _FirstRound()
             second = run_plan(deciding.new, o2)
             _switch_cost(deciding, t1, started)
         d = deciding.close()
-        if d is not None and world.rank == 0 and d.effective_step is None and not args.json:
+        if d is not None and world.rank == 0 and d.effective_step is None and not req.output.json:
             log(f"tierflow run: {d.line()}", flush=True)
-        if deciding.new is not None and args.out and world.rank == 0:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            write_plan(deciding.new, Path(args.out) / "adapted_plan.json")
-        return _results(args, first, second, [d] if d else [], deciding.new or plan, lead=world.rank == 0)
+        if deciding.new is not None and out and world.rank == 0:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            write_plan(deciding.new, Path(out) / "adapted_plan.json")
+        return _results(req, first, second, [d] if d else [], deciding.new or plan, lead=world.rank == 0)
     finally:
         deciding.close()
         world.barrier()
@@ -232,43 +219,26 @@ def _switch_cost(deciding: Deciding, t1: float, started: _FirstRound) -> None:
     d.switch_s = sum(parts.values())
 
 
-def _results(args: argparse.Namespace, first: RunResult, second: RunResult | None, decisions: list[Decision],
+def _results(req: RunRequest, first: RunResult, second: RunResult | None, decisions: list[Decision],
              chosen: Plan, lead: bool = True) -> dict[str, Any]:
     records = first.records + (second.records if second else [])
     measured = (second or first).measured
-    out = {"plan": str(args.plan), "first_step": first.first_step, "steps": [asdict(r) for r in records],
+    out = {"plan": str(req.plan), "first_step": first.first_step, "steps": [asdict(r) for r in records],
            "adapt": [{**asdict(d), "line": d.line()} for d in decisions],
            "final_plan": chosen.config.to_dict(),
            "measured": measured.to_dict() if measured is not None else None}
-    if args.out and lead:
-        write_run_outputs(measured, records, args.out, f"{chosen.model.name}: measured (adapt)")
-        (Path(args.out) / "adapt.json").write_text(json.dumps(out["adapt"], indent=1))
+    where = req.output.out
+    if where and lead:
+        write_run_outputs(measured, records, where, f"{chosen.model.name}: measured (adapt)")
+        (Path(where) / "adapt.json").write_text(json.dumps(out["adapt"], indent=1))
     return out
 
 
-def cmd_adapt(args: argparse.Namespace) -> int:
-    """`tierflow run PLAN --adapt`: errors as `tierflow run` reports them (one line, the error's exit
-    code)."""
-    from tierflow.errors import TierflowError
-
-    if getattr(args, "nproc", None) is not None:  # torchrun starts the ranks; each comes back here
-        return cmd_run(args)
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    opts = AdaptOptions(warmup=args.adapt_warmup, threshold=args.adapt_threshold, margin=args.adapt_margin,
-                        time_limit_s=args.adapt_time_limit, fit_evaluations=args.adapt_fit_evaluations,
-                        decide_within=args.adapt_decide_within)
-    try:
-        check_run_outputs(args)  # before any step, as tierflow run does
-        plan = load_plan(args.plan)
-        simulate_plan(plan)
-        out = adapt_run(plan, args, opts)
-    except TierflowError as e:
-        print(f"tierflow run: error: {e}", file=sys.stderr)
-        return leave_world(e.exit_code)
-    except RunStopped as e:
-        print(f"tierflow run: {e}", file=sys.stderr)
-        return leave_world(e.exit_code)
-    if args.json and int(os.environ.get("RANK", "0") or 0) == 0:
-        print(json.dumps(out, indent=2))
-    return leave_world(0)
+def adapt_request(req: RunRequest, log=print) -> dict[str, Any]:
+    """`tierflow run PLAN --adapt` on this process (one rank of several, or the only one): the outputs checked
+    as `tierflow run` checks them, the plan loaded and checked against its tiers, then `adapt_run`. Raises the
+    run's errors (TierflowError) and RunStopped; returns what --json prints."""
+    check_run_outputs(req)  # before any step, as tierflow run does
+    plan = load_plan(req.plan)
+    simulate_plan(plan)
+    return adapt_run(plan, req, log)

@@ -44,6 +44,7 @@ class ExecutionError(TierflowError, RuntimeError):
     """An op failed; the message names the op and, for a resource problem, the plan decision behind it."""
 
     exit_code = 1  # a failure of the executor itself, not of the input
+    prefix = ""  # the message names the op and what failed
 
 
 class EntryKey(NamedTuple):

@@ -46,9 +46,15 @@ class LaunchError(TierflowError, ValueError):
 
 
 class RankLost(TierflowError):
-    """Another rank of the run died or left it: this rank stops too (exit code 5, one line naming it)."""
+    """Another rank of the run died or left it: this rank stops too (exit code 5, one line naming it, said as
+    `tierflow run [rank R]: ...`)."""
 
     exit_code = 5
+    prefix = ""  # the message says it
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank  # the rank that stops (named in its line)
 
 
 @dataclass

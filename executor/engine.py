@@ -35,10 +35,10 @@ from tierflow.executor.binding import OPTIMIZER_PART, Binding, ExecutionError
 from tierflow.executor.data import TokenData
 from tierflow.executor.device.base import DeviceBackend, RoundAborted, TierOutOfMemory
 from tierflow.executor.device.factory import as_backend
-from tierflow.executor.host_threads import apply_in_this_thread, optimizer_threads, restore
 from tierflow.executor.ops.context import STREAM_RESOURCES, Hyper, OpContext, RoundState
 from tierflow.executor.ops.grads import HostGradAdds
 from tierflow.executor.ops.table import Ops
+from tierflow.executor.optim.host_threads import apply_in_this_thread, optimizer_threads, restore
 from tierflow.executor.tiers.arena import TransferArena, arena_bytes_for
 from tierflow.executor.tiers.ssd_store import ChecksumError, SsdStore
 from tierflow.executor.tiers.state import TrainState
@@ -52,7 +52,9 @@ __all__ = ["ExecutionError", "Executor", "Hyper", "OutOfMemory", "RoundResult", 
 
 
 class OutOfMemory(DoesNotFit, ExecutionError):
-    pass
+    """An op out of memory on a tier (exit 3): the message names the tier, the op and the plan's decision."""
+
+    prefix = ""  # the message says it
 
 
 class UnsupportedPlan(TierflowError, ValueError):
@@ -113,7 +115,7 @@ class Executor:
         self.backend.arena = self.arena
         self.ops = Ops(OpContext(self.binding, state, self.device, hyper, ssd, self.backend, self.arena))
         # the host optimizer's intra-op threads (its worker's own setting): one fewer than torch's on CUDA, so
-        # that the thread launching GPU work keeps a core (host_threads.py); None: torch's setting
+        # that the thread launching GPU work keeps a core (optim/host_threads.py); None: torch's setting
         self.threads = torch.get_num_threads()
         self.optimizer_threads = optimizer_threads(self.device.type, any(t.kind in OPTIMIZER_PART
                                                                          for t in self.tasks), self.threads)

@@ -18,12 +18,12 @@ from pathlib import Path
 
 from tierflow.api import simulate_config
 from tierflow.hwprofiles import HardwareProfile
+from tierflow.logs import add_verbosity_options, configure, level_of
 from tierflow.planner.core.costmodel import link_rates
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleError, make_schedule
 from tierflow.planner.core.simulator import CapacityError, SimResult
-from tierflow.planner.io.logs import add_verbosity_options, configure, level_of
 from tierflow.planner.io.progress import Progress
 from tierflow.planner.search.loads import duplex_time_s, pcie_time_s, pool_times_s
 

@@ -35,9 +35,9 @@ from expcommon import (
     write_generated_block,
 )
 
-from tierflow.executor.adamw import TrainHyper
 from tierflow.executor.corpus import Fields
-from tierflow.executor.run import RunOptions, load_data, run_plan
+from tierflow.executor.optim.adamw import TrainHyper
+from tierflow.executor.train_loop import RunOptions, load_data, run_plan
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import build_graph, make_schedule
@@ -101,9 +101,9 @@ def plain_run(model, opts: RunOptions, h: TrainHyper, s: dict) -> tuple[list[dic
     import torch
     from transformers import get_scheduler
 
-    from tierflow.executor.decay import decayed
     from tierflow.executor.models import BlockModel, build_blocks
     from tierflow.executor.models import loss as lm_loss
+    from tierflow.executor.optim.decay import decayed
 
     torch.manual_seed(opts.seed)
     ref = BlockModel(model, build_blocks(model))

@@ -15,7 +15,7 @@ from test_executor import make_plan, run
 
 from tierflow.executor.corpus import Fields, cache_dir, tokenize
 from tierflow.executor.data import DataError, TokenData
-from tierflow.executor.run import RunOptions, load_data
+from tierflow.executor.train_loop import RunOptions, load_data
 
 EOT = "<|endoftext|>"
 

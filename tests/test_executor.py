@@ -21,11 +21,11 @@ import torch
 
 from tierflow.cli import main
 from tierflow.executor.data import DataError, TokenData
-from tierflow.executor.decay import decayed
 from tierflow.executor.engine import Executor, Hyper
 from tierflow.executor.models import BlockModel, build_blocks
 from tierflow.executor.models import loss as lm_loss
 from tierflow.executor.ops.weights import WeightOps
+from tierflow.executor.optim.decay import decayed
 from tierflow.executor.run import RunOptions, RunResult, run_plan
 from tierflow.executor.tiers.ssd_store import ChecksumError, SsdError, SsdStore, check_ssd_dir
 from tierflow.hwprofiles import load_profile

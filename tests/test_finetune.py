@@ -18,14 +18,14 @@ from test_executor import HW, SEQ, decay_groups, make_plan, rel_err, run
 from transformers import get_scheduler
 
 from tierflow.cli import main
-from tierflow.executor.adamw import TrainHyper
-from tierflow.executor.clipping import clip_coef
 from tierflow.executor.data import TokenData
-from tierflow.executor.decay import decayed
 from tierflow.executor.models import BlockModel, build_blocks
 from tierflow.executor.models import loss as lm_loss
+from tierflow.executor.optim.adamw import TrainHyper
+from tierflow.executor.optim.clipping import clip_coef
+from tierflow.executor.optim.decay import decayed
+from tierflow.executor.optim.lr_schedule import lr_factor
 from tierflow.executor.run import RunError
-from tierflow.executor.schedule import lr_factor
 from tierflow.planner.core.clipwait import wait_for_norm, waits_for_norm
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.simulate import simulate_config

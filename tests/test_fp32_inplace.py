@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tierflow.cli import main
-from tierflow.executor.run import RunError, check_in_place
+from tierflow.executor.preflight import RunError, check_in_place
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.memory import placed_bytes

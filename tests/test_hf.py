@@ -120,9 +120,9 @@ torch = pytest.importorskip("torch")
 import dataclasses  # noqa: E402
 
 from tierflow.executor.data import TokenData  # noqa: E402
-from tierflow.executor.decay import decayed  # noqa: E402
 from tierflow.executor.engine import Hyper  # noqa: E402
 from tierflow.executor.models import BlockModel, build_blocks  # noqa: E402
+from tierflow.executor.optim.decay import decayed  # noqa: E402
 from tierflow.executor.run import RunOptions, run_plan  # noqa: E402
 from tierflow.executor.tiers.state import BlockLayout  # noqa: E402
 from tierflow.hwprofiles import load_profile  # noqa: E402

@@ -1,6 +1,6 @@
-"""The host optimizer op's AdamW (executor/host_adamw.py: the fused kernel called directly, the cast straight
-into the destinations) against what the op computed before: torch.optim.adamw's functional fused path over
-the decay groups, the gradient range zeroed after, the updated master cast to the compute dtype in a new
+"""The host optimizer op's AdamW (executor/optim/host_adamw.py: the fused kernel called directly, the cast
+straight into the destinations) against what the op computed before: torch.optim.adamw's functional fused path
+over the decay groups, the gradient range zeroed after, the updated master cast to the compute dtype in a new
 tensor - bit for bit, on 1 and 2 threads, whether or not the host/SSD boundary cuts the states."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.optim.adamw import adamw as functional_adamw
 
-from tierflow.executor.adamw import TrainHyper
-from tierflow.executor.host_adamw import host_adamw
+from tierflow.executor.optim.adamw import TrainHyper
+from tierflow.executor.optim.host_adamw import host_adamw
 
 # adjacent decay groups of odd lengths (biases and norms between matrices), none a multiple of a vector
 GROUPS = [(0, 1001, True), (1001, 1038, False), (1038, 5021, True), (5021, 5024, False), (5024, 9000, True)]

@@ -1,6 +1,6 @@
-"""The host optimizer's intra-op threads (executor/host_threads.py): one fewer than torch's on a CUDA run with
-host optimizer ops, set in the optimizer's own worker thread, the process-wide value back after the round,
-the choice in the run's --json. Checked on the CPU with the choice forced."""
+"""The host optimizer's intra-op threads (executor/optim/host_threads.py): one fewer than torch's on a CUDA
+run with host optimizer ops, set in the optimizer's own worker thread, the process-wide value back after the
+round, the choice in the run's --json. Checked on the CPU with the choice forced."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from test_executor import make_plan, run
 
 import tierflow.executor.engine as engine
 from tierflow.cli import main
-from tierflow.executor.host_threads import optimizer_threads
 from tierflow.executor.ops.optimizer import OptimizerOps
+from tierflow.executor.optim.host_threads import optimizer_threads
 from tierflow.planner.io.planfile import write_plan
 
 

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     ("tierflow/errors.py", "tierflow.errors", 0),
     ("tierflow/outputs.py", "tierflow.outputs", 0),  # output checks and atomic writes, for every layer
+    ("tierflow/logs.py", "tierflow.logs", 0),  # the `tierflow` logger, --quiet / --verbose, for every layer
     ("hwprofiles", "tierflow.hwprofiles", 1),
     ("planner/core", "tierflow.planner.core", 2),
     ("planner/search", "tierflow.planner.search", 3),
@@ -170,11 +171,41 @@ def test_the_cycle_check_can_fail():
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
+# (room, rooms it must not import): a room below another in its package
+BELOW = [("executor/optim", "tierflow.executor.ops")]
+
+
+def room_imports(room: str, forbidden: str) -> list[str]:
+    return [f"{f.relative_to(ROOT)} imports {mod}" for f in files_of(room) for mod in imported_modules(f)
+            if mod == forbidden or mod.startswith(forbidden + ".")]
+
+
+def test_rooms_below_others_do_not_import_them():
+    """The optimizer's numerics (executor/optim) lie below the ops that call them (executor/ops)."""
+    bad = [line for room, forbidden in BELOW for line in room_imports(room, forbidden)]
+    assert not bad, bad
+
+
+def test_the_room_rule_can_fail():
+    assert room_imports("executor/ops", "tierflow.executor.optim")  # ops/optimizer.py imports optim
+    assert not room_imports("executor/optim", "tierflow.executor.ops")
+
+
+def test_the_executor_never_sees_the_command_line():
+    """The executor is a library: the CLI turns its flags into typed options (executor/options.py); no
+    executor module imports argparse or reads sys.argv."""
+    bad = []
+    for f in files_of("executor"):
+        if "argparse" in imported_modules(f) or "sys.argv" in f.read_text():
+            bad.append(str(f.relative_to(ROOT)))
+    assert not bad, bad
+
+
 def test_the_rooms_of_the_layout():
     """The executor's and the planner's rooms, one CLI module per command, and no flat stand-ins for a
     folder."""
-    for room in ("executor/ops", "executor/tiers", "executor/device", "tierflow/cli", "planner/search/slots",
-                 "planner/core/runtimes", "planner/fit", "planner/io/deepspeed"):
+    for room in ("executor/ops", "executor/optim", "executor/tiers", "executor/device", "tierflow/cli",
+                 "planner/search/slots", "planner/core/runtimes", "planner/fit", "planner/io/deepspeed"):
         assert (ROOT / room / "__init__.py").is_file(), room
     commands = {"simulate", "plan", "capacity", "fit", "compare", "models", "profiles", "run", "calibrate",
                 "env"}
@@ -206,17 +237,11 @@ def private_imports(path: Path) -> list[str]:
     return out
 
 
-# private names still taken from another module: the executor's checkpoint writer and the model zoo's block
-# maker, which their rooms' own reshaping makes public
-PENDING_PRIVATE_IMPORTS = {"executor/adapt.py": ["tierflow.executor.run._save_checkpoint"],
-                           "executor/tiers/state.py": ["tierflow.executor.models._make_blocks"]}
-
-
 def test_no_private_names_across_modules():
     """No module of the package imports another module's private name: what is shared is public, or stays in
     one module."""
     found = {str(p.relative_to(ROOT)): private_imports(p) for p in package_modules().values()}
-    bad = {f: names for f, names in found.items() if names and names != PENDING_PRIVATE_IMPORTS.get(f)}
+    bad = {f: names for f, names in found.items() if names}
     assert not bad, bad
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tierflow.planner.io.logs import logger
+from tierflow.logs import logger
 from tierflow.planner.io.progress import Progress
 
 
@@ -147,7 +147,7 @@ def test_cli_prints_progress_lines_into_a_pipe_only_when_verbose():
     assert "capacity [" not in p.stdout
 
 
-# ---- --quiet / --verbose (tierflow.planner.io.logs): one level on the `tierflow` logger --------------------
+# ---- --quiet / --verbose (tierflow.logs): one level on the `tierflow` logger --------------------
 
 CAPACITY = ["capacity", "--hw", "rtx3090-desktop"]
 SIMULATE = ["simulate", "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--batch", "8",
@@ -159,7 +159,7 @@ PLAN = ["plan", "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--batch", "4"
 @pytest.fixture
 def tierflow_level():
     """Restore the `tierflow` logger's level after a test sets it (cli.main sets it in this process)."""
-    from tierflow.planner.io.logs import logger
+    from tierflow.logs import logger
 
     level = logger().level
     yield
@@ -210,7 +210,7 @@ def test_quiet_and_verbose_together_are_refused(capsys, tierflow_level):
 
 
 def test_progress_follows_the_logger_level(tierflow_level):
-    from tierflow.planner.io.logs import NORMAL, QUIET, VERBOSE, configure, logger
+    from tierflow.logs import NORMAL, QUIET, VERBOSE, configure, logger
 
     logger().setLevel(0)  # NOTSET: tierflow used as a library, nobody configured it: progress as before
     out = io.StringIO()
@@ -231,7 +231,7 @@ def test_progress_follows_the_logger_level(tierflow_level):
 def test_experiment_scripts_take_quiet_and_verbose(tierflow_level, monkeypatch):
     from pathlib import Path
 
-    from tierflow.planner.io.logs import NORMAL, QUIET, VERBOSE, logger
+    from tierflow.logs import NORMAL, QUIET, VERBOSE, logger
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "experiments"))
     import expcommon

@@ -1,10 +1,9 @@
-"""How the host optimizer slows the GPU's work on a GPU box (cpu.gpu_slowdown_beside_host_optimizer):
-a thread that launches a layer's worth of small kernels, as the executor's gpu worker does, alone and while
-the executor's own optimizer op (optimizer_op.HostAdamOp) runs on another thread with the thread count the
-optimizer worker will use (executor/host_threads.py). On the H200 of the first GPU run every GPU op kind took
-2.6-10.8x its prediction beside a host optimizer that held every core: the launching thread waited for a
-core and the GPU idled between its launches.
-"""
+"""How the host optimizer slows the GPU's work on a GPU box (cpu.gpu_slowdown_beside_host_optimizer): a thread
+that launches a layer's worth of small kernels, as the executor's gpu worker does, alone and while the
+executor's own optimizer op (optimizer_op.HostAdamOp) runs on another thread with the thread count the
+optimizer worker will use (executor/optim/host_threads.py). On the H200 of the first GPU run every GPU op kind
+took 2.6-10.8x its prediction beside a host optimizer that held every core: the launching thread waited for a
+core and the GPU idled between its launches."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ def measure_cpu_adam(params: int, steps: int = 3, chunk: int | None = None,
     """The executor's host optimizer op (`adam`, run as a run runs it: optimizer_op.HostAdamOp) in parameters
     per second: blocks of ``chunk`` fp32 parameters (default: one block of ``params``), ``params`` in all,
     each stepped ``steps`` times after a warm-up step; on ``threads`` intra-op threads (default: torch's), as
-    the executor's optimizer worker sets them (executor/host_threads.py)."""
+    the executor's optimizer worker sets them (executor/optim/host_threads.py)."""
     torch = import_torch()
     from tierflow.executor.calibration.optimizer_op import HostAdamOp
 

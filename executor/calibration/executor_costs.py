@@ -170,7 +170,7 @@ def measure_executor_costs(profile: HardwareProfile, device: str, ssd_dir: str |
     import tempfile
     from dataclasses import replace
 
-    from tierflow.executor.run import RunOptions, run_plan
+    from tierflow.executor.train_loop import RunOptions, run_plan
     from tierflow.planner.core.costmodel import link_rates
     from tierflow.planner.core.models import get_model
     from tierflow.planner.core.placement import Placement, Split

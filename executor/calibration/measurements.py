@@ -80,8 +80,10 @@ def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | Non
     progress.step(f"CPU AdamW ({sizes.adam_params / 1e6:g}M params)")
     adam_params = int(min(sizes.adam_params, cpu["memory_gib"] * GIB / 16 / 4))
     cpu["adam_impl"] = adam_impl()
-    # the executor's own op, on the threads its optimizer worker will use on this device (host_threads.py)
-    from tierflow.executor.host_threads import optimizer_threads  # imports torch: here, not at module level
+    # the executor's own op, on the threads its optimizer worker uses on this device (optim/host_threads.py)
+    from tierflow.executor.optim.host_threads import (
+        optimizer_threads,  # imports torch: here, not at module level
+    )
 
     cpu["adam_threads"] = optimizer_threads(device, True) or torch.get_num_threads()
     cpu["adam_gparams_per_s"] = measure_cpu_adam(adam_params, sizes.adam_steps,

@@ -32,11 +32,11 @@ class HostAdamOp:
 
     def __init__(self, n: int, compute_dtype=None, backend=None, seed: int = 0) -> None:
         torch = import_torch()
-        from tierflow.executor.adamw import TrainHyper
-        from tierflow.executor.clipping import GradNorms
         from tierflow.executor.device.factory import as_backend
         from tierflow.executor.ops.context import OpContext
         from tierflow.executor.ops.optimizer import OptimizerOps
+        from tierflow.executor.optim.adamw import TrainHyper
+        from tierflow.executor.optim.clipping import GradNorms
         from tierflow.executor.tiers.state import TierVector
         from tierflow.planner.core.graph import Task
         from tierflow.planner.core.opkinds import ADAM

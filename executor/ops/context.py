@@ -12,6 +12,9 @@ import torch
 
 from tierflow.executor.binding import Binding, Entry, EntryKey
 from tierflow.executor.device.base import DeviceBackend, PlainCpuBackend
+from tierflow.executor.optim.adamw import (
+    Hyper,  # the optimizer's settings, beside the context that holds them
+)
 from tierflow.executor.tiers.arena import TransferArena
 from tierflow.executor.tiers.ssd_store import SsdStore, aligned_empty
 from tierflow.executor.tiers.state import BlockLayout, TrainState
@@ -20,15 +23,6 @@ from tierflow.planner.core.models import ModelSpec
 
 # resources with a stream each (executor/device; none on a plain CPU)
 STREAM_RESOURCES = ("gpu", "h2d", "d2h")
-
-
-@dataclass(frozen=True)
-class Hyper:
-    lr: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from tierflow.executor.adamw import adamw_update, clip_prelude
 from tierflow.executor.binding import OPTIMIZER_PART
-from tierflow.executor.decay import decay_pieces
-from tierflow.executor.host_adamw import host_adamw
 from tierflow.executor.ops.context import OpContext, RoundState, Staged
 from tierflow.executor.ops.grad_buffers import GradBuffers
 from tierflow.executor.ops.grads import HostGradAdds
+from tierflow.executor.optim.adamw import adamw_update, norms_of
+from tierflow.executor.optim.clipping import GradNorms, sum_of_squares
+from tierflow.executor.optim.decay import decay_pieces
+from tierflow.executor.optim.host_adamw import host_adamw
 from tierflow.planner.core.graph import Task
 from tierflow.planner.core.opkinds import READ_OPT_STATES
 
@@ -32,8 +33,9 @@ class OptimizerOps:
         self.cx, self.buffers = cx, buffers
 
     def _adamw(self, rs, t, params, grads, ms, vs, step: int, fused: bool, decay=None) -> None:
-        # schedule, weight-decay groups and clipping: executor/adamw.py
-        adamw_update(self.cx, rs, t, [params, grads, ms, vs], step, fused, decay)
+        # schedule and weight-decay groups: executor/optim/adamw.py; the clipping factor: clip_prelude
+        coef = clip_prelude(self.cx, rs, t, step, grads)
+        adamw_update(self.cx.hyper, [params, grads, ms, vs], step, fused, decay, coef)
 
     def read_opt_states(self, rs: RoundState, t: Task) -> None:
         j = self.cx.binding.part_of[t.id]
@@ -123,3 +125,53 @@ class OptimizerOps:
         if W is not vecs[0]:  # aliased when both are fp32 on the device (TrainState.weights_alias_master)
             W.copy_(vecs[0])  # the cast to the compute dtype, in one pass (no temporary)
 
+
+def clip_prelude(cx: OpContext, rs: RoundState, t: Task, step: int,
+                 grads: list[torch.Tensor]) -> torch.Tensor | float | None:
+    """What an optimizer op of `step` does before its update: adds the squares of its (unclipped) gradients
+    to the step's norm, and returns the factor its gradients are to be multiplied by (None: no clipping)."""
+    norms = norms_of(cx.hyper)
+    if norms is None:
+        return None
+    coef = None
+    if norms.max_norm > 0 and norms.mode == "global":
+        coef = _global_coef(cx, rs, t, step, norms, grads)
+    elif norms.max_norm > 0:
+        coef = norms.delayed_coef(step)
+    norms.observe(step, grads)
+    return coef
+
+
+def _global_coef(cx: OpContext, rs: RoundState, t: Task, step: int, norms: GradNorms,
+                 grads: list[torch.Tensor]) -> torch.Tensor:
+    """The clipping factor of `step`: at the step's first optimizer op, after every gradient op of the step
+    (the plan's dependencies, planner/core/clipwait.py), from the norm of all of the step's gradients (the
+    optimizer ops run on one worker, in order). A GPU optimizer op has taken its own gradients (`grads`) out
+    of the buffers already."""
+    with norms.lock:
+        if step in norms.coefs:
+            return norms.coefs[step]
+    state = cx.state
+    if state.placement.gpu_optimizer:
+        taken: dict[int, torch.Tensor] = {}
+        with rs.lock:
+            for (group, _owner), buf in rs.grad_acc.items():
+                if group != t.id and cx.binding.plan.graph.tasks[group].iteration == t.iteration:
+                    taken[group] = buf.float() if group not in taken else taken[group] + buf.float()
+        sumsq = sum_of_squares([*taken.values(), *grads])
+    else:
+        sumsq = torch.stack([_host_sq(cx, rs, b) for b in range(len(state.grads))]).sum()
+    return norms.set_global(step, sumsq.sqrt())
+
+
+def _host_sq(cx: OpContext, rs: RoundState, b: int) -> torch.Tensor:
+    """Squares of block b's fp32 gradient accumulator: its host range, and its SSD range from the SSD tier's
+    file (where the step's last write_grads left it; read back once more here)."""
+    HostGradAdds.wait_for(rs, b)
+    state = cx.state
+    _g, _c, ssd_elems = state.grad_split[b]
+    n = state.shard_numel[b]
+    host = sum_of_squares([state.grads[b][: n - ssd_elems]])
+    if ssd_elems == 0:
+        return host
+    return host + sum_of_squares([cx.ssd.read(f"grads_b{b}", torch.float32, ssd_elems)])

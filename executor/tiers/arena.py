@@ -140,6 +140,8 @@ def arena_bytes_for(plan, binding, state, streams_async: bool) -> int:
 class TransferAreaOutOfMemory(TierOutOfMemory):
     """The transfer area could not be allocated at start (exit 3, one line naming the tier and the size)."""
 
+    prefix = ""  # the message says it ("<tier> out of memory: ...")
+
     def __init__(self, tier: str, nbytes: int, detail: str) -> None:
         super().__init__(tier, nbytes, detail)
         self.line = (f"{tier} out of memory: the plan's pinned transfer area needs {nbytes / 2**30:.3f} GiB "

@@ -1,6 +1,6 @@
 """The names of the training options the planner and the command line know without the executor (no torch):
-learning-rate schedules (Hugging Face's, executor/schedule.py runs them) and gradient-clipping modes
-(executor/clipping.py runs them; tierflow run --clip states their semantics)."""
+learning-rate schedules (Hugging Face's, executor/optim/lr_schedule.py runs them) and gradient-clipping modes
+(executor/optim/clipping.py runs them; tierflow run --clip states their semantics)."""
 
 from __future__ import annotations
 

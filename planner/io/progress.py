@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from tierflow.planner.io.logs import VERBOSE, logger, progress_enabled
+from tierflow.logs import VERBOSE, logger, progress_enabled
 
 BAR_WIDTH = 20  # characters of the bar
 LINE_INTERVAL_S = 5.0  # off a terminal: at most one progress line per this many seconds (plus the last)

@@ -7,7 +7,8 @@ env) import the executor inside their `run`, so that `tierflow simulate` starts 
 
 Errors: every `tierflow.errors.TierflowError` is printed as one line, ``tierflow: <prefix>: <message>``, and
 exits with its `exit_code` (2 for bad input, 3 when something does not fit); a plain ValueError or OSError
-exits 2, an interrupt 130.
+exits 2, an interrupt 130 - the one mapping, `exits.exit_code`, which `tierflow run` also uses for its own
+errors (its lines say ``tierflow run: ...``) before a rank of several ends.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import sys
 
 from tierflow import __version__
 from tierflow.cli import calibrate, capacity, compare, env, fit, models, plan, profiles, run, simulate
+from tierflow.cli.argtypes import OneLineParser
+from tierflow.cli.exits import exit_code
 from tierflow.errors import TierflowError
-from tierflow.planner.io.argtypes import OneLineParser
-from tierflow.planner.io.logs import add_verbosity_options, configure, level_of
+from tierflow.logs import add_verbosity_options, configure, level_of
 
 COMMANDS = (simulate, plan, capacity, compare, fit, models, profiles, calibrate, env, run)
 
@@ -50,12 +52,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configure(level_of(args))
         return args.func(args) or 0
-    except TierflowError as e:
-        print(f"tierflow: {e.prefix}: {e}", file=sys.stderr)
-        return e.exit_code
-    except (ValueError, OSError) as e:
-        print(f"tierflow: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("tierflow: interrupted", file=sys.stderr)
-        return 130
+    except (TierflowError, ValueError, OSError, KeyboardInterrupt) as e:
+        return exit_code(e)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+from tierflow.cli.argtypes import MAX_BATCH, positive_int
 from tierflow.planner.core.models import PRECISION_NAMES, ModelSpec
 from tierflow.planner.core.world import World
-from tierflow.planner.io.argtypes import MAX_BATCH, positive_int
 
 SET_HELP = "override a profile field, e.g. ssd.count=6"
 

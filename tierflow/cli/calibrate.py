@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierflow.cli.args import add_set_arg
+from tierflow.cli.argtypes import positive_int
 from tierflow.errors import UsageError
 from tierflow.hwprofiles import load_profile, parse_overrides
 from tierflow.outputs import check_output_file
-from tierflow.planner.io.argtypes import positive_int
 
 if TYPE_CHECKING:
     from tierflow.executor.calibration import Sizes

@@ -9,12 +9,12 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
+from tierflow.cli.argtypes import positive_float
 from tierflow.cli.tables import summary_table
 from tierflow.hwprofiles import HardwareProfile, load_hw
 from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.models import ModelSpec, get_model
 from tierflow.planner.core.simulator import CapacityError, SimResult
-from tierflow.planner.io.argtypes import positive_float
 from tierflow.planner.io.deepspeed.bridge import (
     DEFAULT_PLAN_TIME_LIMIT_S,
     DS_COLUMN,

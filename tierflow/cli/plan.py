@@ -18,13 +18,13 @@ from tierflow.cli.args import (
     add_world_args,
     in_precision,
 )
+from tierflow.cli.argtypes import positive_float
 from tierflow.cli.planfiles import write_plan_file
 from tierflow.cli.tables import fmt_table
 from tierflow.errors import UsageError
 from tierflow.hwprofiles import load_hw
 from tierflow.outputs import check_output_file
 from tierflow.planner.core.models import get_model
-from tierflow.planner.io.argtypes import positive_float
 from tierflow.planner.io.deepspeed.bridge import emit_ds_config
 from tierflow.planner.io.progress import Progress
 

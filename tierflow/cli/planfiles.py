@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tierflow.planner.io.logs import logger
+from tierflow.logs import logger
 
 if TYPE_CHECKING:
     from tierflow.planner.core.contract import Plan

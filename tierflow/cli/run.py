@@ -1,14 +1,26 @@
-"""`tierflow run`: train with a plan file on this machine, measuring every op (tierflow.executor.run). Only
-argparse here: torch (seconds to import, and a heap that slows the planner's garbage collection) is imported
-when the command runs, not when the parser is built."""
+"""`tierflow run`: train with a plan file on this machine, measuring every op (tierflow.executor.run). The
+parser, and `run`, which turns its flags into the executor's typed option groups (tierflow.executor.options:
+`RunRequest`), calls the executor and maps what it raises to the exit code (exits.py). torch (seconds to
+import, and a heap that slows the planner's garbage collection) is imported when the command runs, not when
+the parser is built."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import json
+import sys
+from typing import TYPE_CHECKING, Any
 
+from tierflow.cli.argtypes import MAX_STEPS, int_in, non_negative_float, positive_float, positive_int
+from tierflow.cli.exits import exit_code, lead_rank
+from tierflow.errors import TierflowError
+from tierflow.logs import QUIET, level_of
 from tierflow.planner.core.trainopts import CLIP_MODES, SCHEDULES
-from tierflow.planner.io.argtypes import MAX_STEPS, int_in, non_negative_float, positive_float, positive_int
+
+if TYPE_CHECKING:
+    from tierflow.executor.options import RunRequest
+
+WHO = "tierflow run"  # how its error lines start
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -189,10 +201,65 @@ def _betas(text: str) -> tuple[float, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.adapt:
-        from tierflow.executor.adapt import cmd_adapt
+    from tierflow.executor import launch  # torch is imported here, when the command runs
+    from tierflow.executor.train_loop import RunStopped
 
-        return cmd_adapt(args)
-    from tierflow.executor.run import cmd_run  # torch is imported here, when the command runs
+    req = run_request(args)
+    if req.distributed.nproc is not None:  # torchrun starts the ranks; each comes back here without --nproc
+        try:
+            return launch.launch_ranks(req)
+        except TierflowError as e:
+            return exit_code(e, WHO)
+    try:
+        if req.adapt is not None:
+            from tierflow.executor.adapt import adapt_request
 
-    return cmd_run(args)
+            out, code = adapt_request(req), 0
+        else:
+            outcome = launch.run_request(req)
+            code = 0 if outcome.stopped is None else exit_code(outcome.stopped, WHO)
+            out = launch.outcome_dict(req, outcome)
+    except (TierflowError, RunStopped) as e:
+        return launch.leave_world(exit_code(e, WHO))
+    if args.json and lead_rank():
+        print(json.dumps(out, indent=2))
+    return launch.leave_world(code)
+
+
+def run_request(args: argparse.Namespace) -> RunRequest:
+    """The executor's option groups (tierflow.executor.options.RunRequest) of the command line."""
+    from tierflow.executor.decide import AdaptOptions
+    from tierflow.executor.options import (
+        CheckpointOptions,
+        DistOptions,
+        EvalOptions,
+        ModelDataOptions,
+        OptimizerOptions,
+        OutputOptions,
+        RunRequest,
+    )
+
+    model_data = ModelDataOptions(
+        init=args.init, data=args.data, data_format=args.data_format, tokenizer=args.tokenizer,
+        text_field=args.text_field, prompt_field=args.prompt_field, response_field=args.response_field,
+        max_line_mib=args.max_line_mib, cache_dir=args.cache_dir, seed=args.seed)
+    optimizer = OptimizerOptions(
+        lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, eps=args.adam_eps,
+        schedule=args.lr_schedule, warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm,
+        clip=args.clip, ds_config=args.ds_config)
+    checkpoint = CheckpointOptions(directory=args.checkpoint_dir, every=args.checkpoint_every,
+                                   resume_fallback=args.resume_fallback,
+                                   allow_changed_hyper=args.allow_changed_hyper)
+    evaluation = EvalOptions(every=args.eval_every, val_fraction=args.val_fraction, val_data=args.val_data,
+                             batches=args.eval_batches, log_dir=args.log_dir)
+    distributed = DistOptions(nproc=args.nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+                              rdzv_id=args.rdzv_id, argv=tuple(sys.argv[1:]))
+    output = OutputOptions(out=args.out, overwrite=args.overwrite, export_hf=args.export_hf,
+                           profile=args.profile, json=args.json, quiet=args.json or level_of(args) >= QUIET)
+    adapt = (AdaptOptions(warmup=args.adapt_warmup, threshold=args.adapt_threshold, margin=args.adapt_margin,
+                          time_limit_s=args.adapt_time_limit, fit_evaluations=args.adapt_fit_evaluations,
+                          decide_within=args.adapt_decide_within) if args.adapt else None)
+    return RunRequest(plan=args.plan, steps=args.steps, device=args.device, ssd_dir=args.ssd_dir,
+                      compute_dtype=args.compute_dtype, model_data=model_data, optimizer=optimizer,
+                      checkpoint=checkpoint, evaluation=evaluation, distributed=distributed, output=output,
+                      adapt=adapt)

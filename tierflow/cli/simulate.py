@@ -19,6 +19,13 @@ from tierflow.cli.args import (
     in_precision,
     world_of,
 )
+from tierflow.cli.argtypes import (
+    MAX_BATCH,
+    MAX_ITERATIONS,
+    fraction_below_one,
+    non_negative_int,
+    positive_int,
+)
 from tierflow.cli.planfiles import write_plan_file
 from tierflow.cli.tables import summary_table
 from tierflow.errors import UsageError
@@ -31,13 +38,6 @@ from tierflow.planner.core.placement import Placement, parse_placement
 from tierflow.planner.core.schedules import make_schedule
 from tierflow.planner.core.simulate import DEFAULT_FAMILIES, simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
-from tierflow.planner.io.argtypes import (
-    MAX_BATCH,
-    MAX_ITERATIONS,
-    fraction_below_one,
-    non_negative_int,
-    positive_int,
-)
 from tierflow.planner.io.progress import Progress
 
 Results = dict[str, SimResult | Exception]

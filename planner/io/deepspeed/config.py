@@ -69,7 +69,6 @@ from tierflow.planner.core.models import PRECISION_NAMES, ModelSpec
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.runtimes.deepspeed import ds_sub_groups
 from tierflow.planner.core.schedules import make_schedule
-from tierflow.planner.io.argtypes import MAX_BATCH
 from tierflow.planner.io.deepspeed.keys import (
     ASSUMED_DEFAULTS,
     MODELLED_KEYS,
@@ -79,6 +78,9 @@ from tierflow.planner.io.deepspeed.keys import (
 )
 
 WORLD_SIZE = 1  # tierflow simulates one GPU
+# the most sequences a batch holds: --batch's limit (tierflow.cli.argtypes), and a config's batch keys' here;
+# generous, but a graph past it would not fit in memory (ops grow with layers x micro-batches x iterations)
+MAX_BATCH = 1 << 20
 Z, OP, OO = "zero_optimization.", "zero_optimization.offload_param.", "zero_optimization.offload_optimizer."
 DS_AIO_BLOCK_BYTES = 1_048_576  # aio.block_size (swap_tensor/constants.py)
 DS_MIN_AIO_BYTES = 1024**2  # swap_tensor/utils.py MIN_AIO_BYTES: smaller parameters are not swapped to NVMe

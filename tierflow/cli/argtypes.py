@@ -15,9 +15,11 @@ import math
 import sys
 from collections.abc import Callable
 
-# the most micro-batches / iterations / sequences a flag accepts: generous, but a graph past these would not
-# fit in memory (ops grow with layers x micro-batches x iterations)
-MAX_BATCH = 1 << 20
+from tierflow.planner.io.deepspeed.config import MAX_BATCH
+
+# the most micro-batches (MAX_BATCH: a DeepSpeed config's batch keys are held to it too) / iterations /
+# sequences a flag accepts: generous, but a graph past these would not fit in memory (ops grow with layers x
+# micro-batches x iterations)
 MAX_ITERATIONS = 1000
 MAX_STEPS = 10**9
 

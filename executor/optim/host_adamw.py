@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from tierflow.executor.adamw import coef_on, fused_adamw_, lr_of
-from tierflow.executor.ops.context import Hyper
+from tierflow.executor.optim.adamw import Hyper, coef_on, fused_adamw_, lr_of
 
 Stretch = tuple[int, int, torch.Tensor]  # (a, z, tensor of the elements [a, z))
 STATE_CLASSES = ("master", "adam_m", "adam_v")

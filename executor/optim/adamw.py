@@ -1,6 +1,7 @@
 """The AdamW update of the optimizer ops (executor/ops/optimizer.py calls `adamw_update`) with the run's
-settings (`TrainHyper`): the learning rate of the step's schedule (schedule.py), weight decay on the decayed
-group only (decay.py), gradients clipped by norm (clipping.py).
+settings (`Hyper`, `TrainHyper`): the learning rate of the step's schedule (lr_schedule.py), weight decay on
+the decayed group only (decay.py), gradients clipped by norm (clipping.py; the op computes the step's clipping
+factor from the round's gradients and passes it in).
 
 Numerics as torch.optim.AdamW with two parameter groups (decayed / not) after clip_grad_norm_ and with a
 LambdaLR schedule: PyTorch's own functional adamw on each group.
@@ -13,11 +14,17 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adamw import adamw as adamw_step
 
-from tierflow.executor.clipping import CLIP_MODES, GradNorms, sum_of_squares
-from tierflow.executor.ops.context import Hyper, OpContext, RoundState
-from tierflow.executor.ops.grads import HostGradAdds
-from tierflow.executor.schedule import SCHEDULES, USES_TOTAL, lr_factor
-from tierflow.planner.core.graph import Task
+from tierflow.executor.optim.clipping import CLIP_MODES, GradNorms
+from tierflow.executor.optim.lr_schedule import SCHEDULES, USES_TOTAL, lr_factor
+
+
+@dataclass(frozen=True)
+class Hyper:
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -25,7 +32,7 @@ class TrainHyper(Hyper):
     """Hyper plus the learning-rate schedule and clipping. A checkpoint records its fields
     (`dataclasses.asdict`); the step norms live in `norms` (not a field)."""
 
-    schedule: str = "constant"  # one of schedule.SCHEDULES
+    schedule: str = "constant"  # one of lr_schedule.SCHEDULES
     warmup_steps: int = 0
     total_steps: int = 0  # the run's --steps for linear / cosine (0 for the others, which do not use it)
     clip_grad_norm: float = 0.0  # 0: no clipping
@@ -44,13 +51,12 @@ def norms_of(h: Hyper) -> GradNorms | None:
     return getattr(h, "norms", None)
 
 
-def adamw_update(cx: OpContext, rs: RoundState, t: Task, tensors: list[list[torch.Tensor]], step: int,
-                 fused: bool, decay: list[bool] | None = None) -> None:
+def adamw_update(h: Hyper, tensors: list[list[torch.Tensor]], step: int, fused: bool,
+                 decay: list[bool] | None = None, coef: torch.Tensor | float | None = None) -> None:
     """AdamW of step `step` (1-based) on tensors = [params, grads, ms, vs] (lists of matching pieces), the
-    pieces with decay[i] False without weight decay; the gradients are clipped first when the run clips."""
-    h = cx.hyper
+    pieces with decay[i] False without weight decay; the gradients are multiplied by the clipping factor
+    `coef` first when the run clips (None: it does not)."""
     params, grads, ms, vs = tensors
-    coef = clip_prelude(cx, rs, t, step, grads)
     if coef is not None:  # as clip_grad_norm_: always multiplied, a factor of 1 included
         torch._foreach_mul_(grads, coef_on(coef, grads[0].device))
     lr = lr_of(h, step)
@@ -72,22 +78,6 @@ def lr_of(h: Hyper, step: int) -> float:
     return h.lr_at(step) if isinstance(h, TrainHyper) else h.lr
 
 
-def clip_prelude(cx: OpContext, rs: RoundState, t: Task, step: int,
-                 grads: list[torch.Tensor]) -> torch.Tensor | float | None:
-    """What an optimizer op of `step` does before its update: adds the squares of its (unclipped) gradients
-    to the step's norm, and returns the factor its gradients are to be multiplied by (None: no clipping)."""
-    norms = norms_of(cx.hyper)
-    if norms is None:
-        return None
-    coef = None
-    if norms.max_norm > 0 and norms.mode == "global":
-        coef = _global_coef(cx, rs, t, step, norms, grads)
-    elif norms.max_norm > 0:
-        coef = norms.delayed_coef(step)
-    norms.observe(step, grads)
-    return coef
-
-
 def coef_on(coef: torch.Tensor | float, device: torch.device) -> torch.Tensor | float:
     return coef.to(device) if isinstance(coef, torch.Tensor) else coef
 
@@ -100,41 +90,6 @@ def fused_adamw_(h: Hyper, params: list[torch.Tensor], grads: list[torch.Tensor]
     torch._fused_adamw_(params, grads, ms, vs, [], [step] * len(params), lr=lr, beta1=h.beta1, beta2=h.beta2,
                         weight_decay=h.weight_decay if decayed else 0.0, eps=h.eps, amsgrad=False,
                         maximize=False)
-
-
-def _global_coef(cx: OpContext, rs: RoundState, t: Task, step: int, norms: GradNorms,
-                 grads: list[torch.Tensor]) -> torch.Tensor:
-    """The clipping factor of `step`: at the step's first optimizer op, after every gradient op of the step
-    (the plan's dependencies, planner/core/clipwait.py), from the norm of all of the step's gradients (the
-    optimizer ops run on one worker, in order). A GPU optimizer op has taken its own gradients (`grads`) out
-    of the buffers already."""
-    with norms.lock:
-        if step in norms.coefs:
-            return norms.coefs[step]
-    state = cx.state
-    if state.placement.gpu_optimizer:
-        taken: dict[int, torch.Tensor] = {}
-        with rs.lock:
-            for (group, _owner), buf in rs.grad_acc.items():
-                if group != t.id and cx.binding.plan.graph.tasks[group].iteration == t.iteration:
-                    taken[group] = buf.float() if group not in taken else taken[group] + buf.float()
-        sumsq = sum_of_squares([*taken.values(), *grads])
-    else:
-        sumsq = torch.stack([_host_sq(cx, rs, b) for b in range(len(state.grads))]).sum()
-    return norms.set_global(step, sumsq.sqrt())
-
-
-def _host_sq(cx: OpContext, rs: RoundState, b: int) -> torch.Tensor:
-    """Squares of block b's fp32 gradient accumulator: its host range, and its SSD range from the SSD tier's
-    file (where the step's last write_grads left it; read back once more here)."""
-    HostGradAdds.wait_for(rs, b)
-    state = cx.state
-    _g, _c, ssd_elems = state.grad_split[b]
-    n = state.shard_numel[b]
-    host = sum_of_squares([state.grads[b][: n - ssd_elems]])
-    if ssd_elems == 0:
-        return host
-    return host + sum_of_squares([cx.ssd.read(f"grads_b{b}", torch.float32, ssd_elems)])
 
 
 def check_hyper_extra(h: TrainHyper) -> list[str]:

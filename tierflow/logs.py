@@ -8,8 +8,8 @@ subcommand (`tierflow plan ... --quiet`):
 - normal (INFO, the default): progress and info lines on stderr;
 - verbose (DEBUG): also debug detail, e.g. the solver's status for every candidate of `tierflow plan`.
 
-The progress display (progress.py) follows the same level, so a command that shows progress needs nothing
-else. What a command prints as its result (tables, JSON) goes to stdout and is never affected.
+The progress display (planner/io/progress.py) follows the same level, so a command that shows progress needs
+nothing else. What a command prints as its result (tables, JSON) goes to stdout and is never affected.
 """
 
 from __future__ import annotations

@@ -1,0 +1,606 @@
+"""The training loop of `tierflow run` (`run_plan`): builds the state on the plan's tiers, replays the plan's
+ops for the requested number of steps (a *round* runs the plan's iterations once; the last round of a run, or
+one that ends at a checkpoint, runs only the first iterations of the plan), reports loss, tokens/s and TFLOPS
+per step, evaluates, checkpoints atomically and resumes from the last checkpoint.
+
+A run holds a lock on its checkpoint and SSD directories, removes what killed runs left there, and stops
+cleanly: at the first non-finite loss (exit 4), on SIGINT / SIGTERM (130 / 143), or when a checkpoint cannot
+be written, keeping the last good checkpoint and writing the results so far (`RunStopped`). What it checks
+before the first step is preflight.py; what it writes (--out, --export-hf, torch.profiler's trace) export.py;
+the command around it (the plan file's checks, launching ranks, a rank that died) launch.py.
+
+With several ranks (dist.py) each rank trains its share of every batch on its shard of the state, with its SSD
+tier under `<ssd-dir>/rank-<r>/` and its checkpoint shard under `<checkpoint>/rank-<r>/` (checkpoint.py). Rank
+0 prints the steps (the loss is the mean over the ranks) and writes --out and --export-hf.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierflow.errors import TierflowError
+from tierflow.executor.checkpoint import (
+    CheckpointWriteError,
+    NonFiniteState,
+    remove_temporaries,
+    resume,
+    save_checkpoint,
+    training_digest,
+)
+from tierflow.executor.corpus import TEXT_SUFFIXES, Fields, copy_tokenizer, has_tokenizer, is_corpus, tokenize
+from tierflow.executor.data import DataError, TokenData
+from tierflow.executor.device.base import DeviceBackend
+from tierflow.executor.dist import DistWorld, check_launch, init_world, peer_gone, rank_device
+from tierflow.executor.engine import ExecutionError, Executor, Hyper, measured_result
+from tierflow.executor.evaluate import evaluate
+from tierflow.executor.export import (
+    StepRecord,
+    check_export_hf,
+    export_profile,
+    export_trained,
+    profiler_of,
+    write_run_outputs,
+)
+from tierflow.executor.models import check_supported
+from tierflow.executor.optim.adamw import TrainHyper, norms_of
+from tierflow.executor.options import RunError
+from tierflow.executor.preflight import (
+    check_hyper,
+    check_in_place,
+    check_resume,
+    device_backend,
+    prepare_norms,
+    ssd_need_bytes,
+)
+from tierflow.executor.signals import Interrupted, deferred_stop, pending_signal, stop_now
+from tierflow.executor.tblog import TbLog
+from tierflow.executor.tiers.dirlock import DirLock, remove_stale_run_dirs
+from tierflow.executor.tiers.ssd_store import SsdStore, check_ssd_dir
+from tierflow.executor.tiers.state import TrainState
+from tierflow.planner.core.simulator import SimResult
+from tierflow.planner.core.workload import model_flops_per_token
+from tierflow.planner.io.planfile import Plan, simulate_plan
+from tierflow.planner.io.progress import bar
+
+LOG = logging.getLogger(__name__)  # debug: each round's wall time and peak bytes per tier (tierflow -v run)
+
+
+class Diverged(TierflowError, RuntimeError):
+    """A non-finite loss (or state): training stops there."""
+
+    exit_code = 4
+
+
+@dataclass
+class RunOptions:
+    steps: int
+    device: str = "cpu"
+    ssd_dir: str | None = None
+    data: str | None = None
+    data_format: str = "auto"
+    init: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    out: str | None = None
+    hyper: Hyper = field(default_factory=Hyper)
+    seed: int = 0
+    quiet: bool = False
+    # torch.profiler around the run, its Chrome trace to out/torch_trace.json (needs out)
+    profile: bool = False
+    resume_fallback: bool = False  # a corrupt latest checkpoint: resume from the previous one that verifies
+    # resume although the seed / hyper-parameters / data differ from the checkpoint's
+    allow_changed_hyper: bool = False
+    # return the final fp32 master weights and Adam m (RunResult.final_*), e.g. for tests
+    collect_final: bool = False
+    export_hf: str | None = None  # after the last step, write the fp32 master weights here in the HF layout
+    # "bf16" | "fp32"; None: bf16 on CUDA, fp32 on a CPU (hidden --compute-dtype)
+    compute_dtype: str | None = None
+    eval_every: int = 0  # validation loss every N steps (and after the last), 0: never
+    val_fraction: float = 0.0  # hold out the last fraction of --data for validation
+    val_data: str | None = None  # or a file of held-out tokens
+    eval_batches: int = 4  # batches of the plan's batch size per evaluation
+    log_dir: str | None = None  # TensorBoard event files
+    tokenizer: str | None = None  # Hugging Face tokenizer directory (default: --init's, when it has one)
+    fields: Fields = field(default_factory=Fields)  # JSON Lines / Parquet fields trained on
+    cache_dir: str | None = None  # --cache-dir: where --data's token cache lives (corpus.py)
+    # called at each round's end with the run under way (`_Training`); True ends the run at that step
+    # boundary (`tierflow run --adapt`'s switch)
+    on_round: Callable[[Any], bool] | None = None
+
+
+@dataclass
+class RunResult:
+    plan: Plan
+    first_step: int
+    records: list[StepRecord]
+    state: TrainState
+    measured: SimResult | None
+    ssd_bytes_read: int = 0
+    ssd_bytes_written: int = 0
+    o_direct: bool | None = None
+    final_master: list[torch.Tensor] | None = None
+    final_adam_m: list[torch.Tensor] | None = None  # with collect_final: Adam's first moments (whole blocks)
+    checkpoint: Path | None = None  # the last checkpoint written or resumed from
+    ssd_cpu_s: float = 0.0  # CPU seconds of the SSD tier's requests and checksums (SsdStore.cpu_s)
+    # the host optimizer ops' intra-op threads (executor/optim/host_threads.py); None: torch's, unchanged
+    optimizer_threads: int | None = None
+
+    @property
+    def losses(self) -> list[float]:
+        return [r.loss for r in self.records]
+
+
+class RunStopped(Exception):  # noqa: N818 - the run stopped; not necessarily an error
+    """Training stopped before --steps: diverged (exit 4), interrupted (130, 143), or a checkpoint could not
+    be written (3 when the disk is full, else 2). `result` holds the steps so far (None: stopped by a signal
+    outside the training steps); the last good checkpoint is kept and --out was written."""
+
+    agreed = True  # every rank stops alike: rank 0 says it
+
+    def __init__(self, message: str, exit_code: int, result: RunResult | None) -> None:
+        super().__init__(message)
+        self.exit_code, self.result = exit_code, result
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    d = {"model": asdict(plan.model), "decisions": plan.config.to_dict()}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _clipping_plan(plan: Plan, opts: RunOptions, log) -> Plan:
+    """The plan to run: with --clip global, one whose optimizer steps wait for the step's last gradient
+    (prepare_norms), checked to still fit its tiers and said."""
+    waiting = prepare_norms(plan, opts.hyper)
+    if waiting is plan:
+        return plan
+    if not opts.quiet:
+        log("tierflow run: --clip global: the plan's optimizer steps now wait for the step's last gradient "
+            "(its queues re-ordered; tierflow plan --clip-grad-norm shows the cost)", file=sys.stderr)
+    simulate_plan(waiting)  # gradients held until the norm: the re-ordered plan must still fit its tiers
+    return waiting
+
+
+def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
+    """Train `opts.steps` steps (in total, counting those of a checkpoint resumed from) with `plan`. Raises
+    RunStopped when training stops early (diverged, interrupted, a checkpoint that cannot be written)."""
+    try:
+        check_supported(plan.model)
+    except NotImplementedError as e:
+        raise RunError(str(e)) from None
+    if opts.steps < 1:
+        raise RunError(f"--steps {opts.steps}: must be >= 1")
+    if opts.export_hf:
+        check_export_hf(opts.export_hf, plan)
+    check_hyper(opts.hyper)
+    plan = _clipping_plan(plan, opts, log)
+    if opts.profile and not opts.out:
+        raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured "
+                       "trace.json")
+    cfg = plan.config
+    check_launch(cfg.world.ranks, cfg.gpus, cfg.nodes, str(plan.source))
+    backend = device_backend(rank_device(opts.device, cfg.world.ranks), opts.seed)
+    world = init_world(cfg.world.ranks, backend.device)
+    dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
+    if opts.compute_dtype is not None:
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[opts.compute_dtype]
+    check_in_place(plan, dtype, backend.device.type)
+    probe = TrainState(plan.model, cfg.placement, cfg.alpha, backend, dtype, None, world)
+    need_ssd = ssd_need_bytes(plan, probe)
+    uses_ssd = need_ssd > (1 << 20) or any(t.resource in ("ssd_read", "ssd_write") for t in plan.graph.tasks)
+    who = "" if world.single else f" [rank {world.rank}]"
+
+    def warn(msg: str) -> None:
+        log(f"tierflow run{who}: {msg}", file=sys.stderr)
+
+    ssd = None
+    # runs in reverse: SSD store closed, its run directory removed, locks released
+    with ExitStack() as cleanup:
+        locked: set[Path] = set()
+        if opts.checkpoint_dir:
+            ck = Path(opts.checkpoint_dir)
+            try:
+                ck.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise RunError(f"--checkpoint-dir {ck}: cannot create it ({e.strerror}); pass a writable "
+                               "directory") from None
+            if world.rank == 0:  # with several ranks rank 0 holds the shared directory for all of them
+                _lock(cleanup, ck, "--checkpoint-dir", locked, warn)
+                gone = remove_temporaries(ck)
+                if gone:
+                    warn(f"removed {len(gone)} half-written checkpoint file(s) under {ck} left by a run that "
+                         "was killed")
+        if uses_ssd:
+            # the ranks of a box share the directory: room for all of their tiers
+            root = check_ssd_dir(opts.ssd_dir, need_ssd * world.local_ranks,
+                                 "optimizer states, weights, gradients or activations placed there")
+            if not world.single:  # each rank's SSD tier in a directory of its own
+                root = root / f"rank-{world.rank}"
+                root.mkdir(exist_ok=True)
+            _lock(cleanup, root, "--ssd-dir", locked, warn)
+            remove_stale_run_dirs(root, warn)
+            run_dir = root / f"tierflow-run-{os.getpid()}"
+            run_dir.mkdir(exist_ok=True)
+            cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
+            ssd = SsdStore(run_dir, backend=backend, warn=warn)
+            cleanup.callback(ssd.close)
+        # every rank has its directories (rank 0: the checkpoint directory cleaned) before resuming
+        world.barrier()
+        return _train(plan, opts, backend, dtype, ssd, log, warn, world)
+
+
+def _lock(cleanup: ExitStack, directory: Path, what: str, locked: set[Path], warn) -> None:
+    """Hold `directory`'s lock until `cleanup` closes (once,
+    if the checkpoint and SSD directories are one)."""
+    key = directory.resolve()
+    if key in locked:
+        return
+    lock = cleanup.enter_context(DirLock(directory, what))
+    locked.add(key)
+    if lock.previous_pid is not None:
+        warn(f"took over the lock of {what} {directory} from tierflow run pid {lock.previous_pid}, which is "
+             "gone")
+
+
+@dataclass
+class _Training:
+    """One run under way (`_train`): what it trains and where, and the steps so far."""
+
+    plan: Plan
+    opts: RunOptions
+    backend: DeviceBackend
+    ssd: SsdStore | None
+    log: Callable[..., None]
+    world: DistWorld
+    state: TrainState
+    settings: dict  # what a checkpoint records and a resume checks (plan, seed, hyper-parameters, data)
+    tokens: int  # per step, over the ranks
+    flops_per_step: float
+    start_step: int = 0
+    step: int = 0
+    last_ckpt: Path | None = None  # the last checkpoint written or resumed from
+    saved_step: int = -1  # the step of last_ckpt
+    records: list[StepRecord] = field(default_factory=list)
+    measured: SimResult | None = None  # the measured trace of the longest round so far
+    best_iters: int = 0
+    val: TokenData | None = None  # held-out tokens (--val-fraction, --val-data)
+    tb: TbLog | None = None  # --log-dir
+    optimizer_threads: int | None = None  # the Executor's choice (host_threads.py)
+
+    @property
+    def quiet(self) -> bool:
+        return self.opts.quiet or self.world.rank != 0  # rank 0 reports for all
+
+    @property
+    def lead(self) -> bool:
+        return self.world.rank == 0  # writes --out, --export-hf
+
+    def result(self) -> RunResult:
+        ssd = self.ssd
+        return RunResult(self.plan, self.start_step, self.records, self.state, self.measured,
+                         ssd.bytes_read if ssd else 0, ssd.bytes_written if ssd else 0,
+                         ssd.direct if ssd else None, checkpoint=self.last_ckpt,
+                         ssd_cpu_s=ssd.cpu_s if ssd else 0.0, optimizer_threads=self.optimizer_threads)
+
+
+def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dtype, ssd: SsdStore | None,
+           log, warn, world: DistWorld) -> RunResult:
+    cfg, spec = plan.config, plan.model
+    state = TrainState(spec, cfg.placement, cfg.alpha, backend, dtype, ssd, world)
+    data = load_data(opts.data, opts, spec.vocab_size)
+    data, val = _held_out(data, opts, spec.vocab_size)
+    if opts.data:
+        data.check_batch(cfg.batch, cfg.seq)
+    settings = {"plan": plan_fingerprint(plan), "seed": opts.seed, "hyper": asdict(opts.hyper),
+                "data": data.source, "training": training_digest(spec, cfg.batch, cfg.seq),
+                "shape": {"model": spec.name, "batch": cfg.batch, "seq": cfg.seq}}
+    tokens = cfg.batch * cfg.seq
+    tr = _Training(plan, opts, backend, ssd, log, world, state, settings, tokens,
+                   tokens * model_flops_per_token(spec, cfg.seq), val=val)
+    if opts.log_dir and tr.lead:
+        tr.tb = TbLog(opts.log_dir)
+    where = _start_state(tr, warn)
+    ex = Executor(plan, state, data, backend, opts.hyper, ssd, profile=opts.profile)
+    tr.optimizer_threads = ex.optimizer_threads
+    if not tr.quiet:
+        _log_start(tr, dtype, where, data)
+        if ex.optimizer_threads is not None:
+            log(f"  host optimizer on {ex.optimizer_threads} of {ex.threads} threads: the thread launching "
+                "GPU work keeps a core")
+    try:
+        _run_rounds(tr, ex)
+    finally:
+        if tr.tb is not None:
+            tr.tb.close()
+    return _finish(tr)
+
+
+def tokenizer_dir(opts: RunOptions) -> str | None:
+    """The model's tokenizer: --tokenizer, else the --init directory when it has one."""
+    return opts.tokenizer or (opts.init if opts.init and has_tokenizer(opts.init) else None)
+
+
+def load_data(path: str | None, opts: RunOptions, vocab_size: int) -> TokenData:
+    """--data (or --val-data): tokenized with the model's tokenizer (corpus.py) when it is JSON Lines,
+    Parquet or a directory, or text and a tokenizer is given (--tokenizer, or an --init directory that has
+    one); else as data.py reads it (uint16 tokens, byte-level text, synthetic)."""
+    tok = tokenizer_dir(opts)
+    fmt = opts.data_format
+    text = fmt == "auto" and tok is not None and Path(path or "").suffix in TEXT_SUFFIXES
+    if path is not None and fmt != "text" and (is_corpus(path, fmt) or text):
+        tokens, mask, what = tokenize(path, tok, opts.fields, vocab_size, opts.cache_dir)
+        data = TokenData(tokens, what, mask)
+        top = int(tokens.max())
+        if top >= vocab_size:
+            raise DataError(f"--data {path}: token id {top} is outside the model's vocabulary of "
+                            f"{vocab_size} (is --tokenizer the model's own?)")
+        return data
+    return TokenData.load(path, vocab_size, fmt, seed=opts.seed)
+
+
+def _held_out(data: TokenData, opts: RunOptions, vocab_size: int) -> tuple[TokenData, TokenData | None]:
+    """(training data, held-out data or None) of --val-fraction / --val-data; --eval-every needs one."""
+    if opts.val_fraction and opts.val_data:
+        raise RunError("--val-fraction and --val-data: pass one of them")
+    val = None
+    if opts.val_data:
+        val = load_data(opts.val_data, opts, vocab_size)
+    elif opts.val_fraction:
+        data, val = data.split(opts.val_fraction)
+    if opts.eval_every and val is None:
+        raise RunError(f"--eval-every {opts.eval_every}: needs held-out tokens (--val-fraction 0.05, or "
+                       "--val-data FILE)")
+    return data, val
+
+
+def _eval_due(tr: _Training) -> bool:
+    every = tr.opts.eval_every
+    return bool(every) and tr.val is not None and (tr.step % every == 0 or tr.step == tr.opts.steps)
+
+
+def _run_eval(tr: _Training) -> None:
+    """Validation loss and perplexity after step tr.step (evaluate.py), into its record, the log and
+    TensorBoard."""
+    cfg = tr.plan.config
+    res = evaluate(tr.state, tr.val, tr.step, cfg.batch, cfg.seq, cfg.micro_batch, tr.opts.eval_batches)
+    if tr.records and tr.records[-1].step == tr.step:
+        tr.records[-1].val_loss, tr.records[-1].val_ppl = res.val_loss, res.val_ppl
+    if tr.tb is not None:
+        tr.tb.step(tr.step, {"val/loss": res.val_loss, "val/perplexity": res.val_ppl})
+    if not tr.quiet:
+        tr.log(f"  eval after step {tr.step}: validation loss {res.val_loss:.4f}, perplexity "
+               f"{res.val_ppl:,.2f} ({res.tokens:,} held-out tokens)", flush=True)
+
+
+def _start_state(tr: _Training, warn) -> str:
+    """The state to start from: the last checkpoint of --checkpoint-dir (which sets the first step), --init's
+    weights, or a random init; says which."""
+    opts, state = tr.opts, tr.state
+
+    def check(ckpt: Path, manifest: dict) -> None:
+        check_resume(ckpt, manifest, tr.settings, opts.checkpoint_dir, opts.allow_changed_hyper, warn)
+
+    found = resume(state, opts.checkpoint_dir, fallback=opts.resume_fallback, check=check,
+                   log=warn) if opts.checkpoint_dir else None
+    if found is not None:
+        tr.last_ckpt, manifest = found
+        tr.start_step = tr.step = tr.saved_step = int(manifest["step"])
+        norms = norms_of(opts.hyper)
+        if norms is not None and manifest.get("grad_norm") is not None:  # delayed clipping goes on from it
+            norms.norms[tr.start_step] = float(manifest["grad_norm"])
+        return f"resumed from {tr.last_ckpt} (step {tr.start_step})"
+    if opts.init:
+        return f"weights from {state.init_hf(opts.init)}"
+    state.init_random(opts.seed)
+    return f"random init (seed {opts.seed})"
+
+
+def _log_start(tr: _Training, dtype: torch.dtype, where: str, data: TokenData) -> None:
+    """What the run trains, with which plan, on which device, from where."""
+    plan, cfg, world, log = tr.plan, tr.plan.config, tr.world, tr.log
+    log(f"tierflow run: {plan.model.describe()}")
+    log(f"  plan {plan.source}: {cfg.describe()}; {plan.graph.num_iterations} iteration(s) per round, "
+        f"{len(plan.graph.tasks)} ops")
+    log(f"  device {tr.backend.name}, compute {str(dtype).removeprefix('torch.')}; {where}; data "
+        f"{data.source}")
+    if not world.single:
+        share = cfg.world.rank_batch(cfg.batch)
+        log(f"  {world.ranks} ranks ({world.backend}): rank r trains sequences [r*{share}, "
+            f"(r+1)*{share}) of each batch on its 1/{world.ranks} shard of the state; "
+            "the loss is their mean")
+    if tr.ssd is not None:
+        log(f"  SSD tier: {tr.ssd.root} ({'O_DIRECT' if tr.ssd.direct else 'buffered I/O'})"
+            + ("" if world.single else ", one such directory per rank"))
+
+
+def _run_rounds(tr: _Training, ex: Executor) -> None:
+    """Rounds until --steps, under torch.profiler with --profile;
+    RunStopped (with --out written) when training stops early."""
+    opts = tr.opts
+    profiler = profiler_of(tr.backend.device) if opts.profile and tr.lead else None
+    if profiler is not None:
+        profiler.start()  # stopped and exported when the rounds end, also when a run stops early
+    # with a checkpoint directory a stop signal ends the round under way and saves its last step
+    deferred = (deferred_stop(stop_at_once=peer_gone) if opts.checkpoint_dir
+                else nullcontext())
+    try:
+        with deferred:
+            while tr.step < opts.steps:
+                _run_round(tr, ex, _round_iterations(tr))
+                _stop_if_signalled(tr)
+                if opts.on_round is not None and opts.on_round(tr):
+                    break
+    except (Diverged, CheckpointWriteError, Interrupted) as e:
+        code, msg = _stop_message(tr, e)
+        if opts.out and tr.lead:
+            write_run_outputs(tr.measured, tr.records, opts.out, f"{tr.plan.model.name}: measured "
+                                                                 f"({tr.backend.name})")
+            msg += f"; the results so far are under {opts.out}"
+        raise RunStopped(msg, code, tr.result()) from None
+    finally:
+        if profiler is not None:
+            export_profile(profiler, opts.out, None if tr.quiet else tr.log)
+
+
+def _stop_if_signalled(tr: _Training) -> None:
+    """After a round: a stop signal noted during it (on any rank: they agree) saves this step's checkpoint,
+    then stops the run (Interrupted). Without a checkpoint directory a signal has stopped it at once."""
+    if not tr.opts.checkpoint_dir:
+        return
+    signum = pending_signal()
+    if not tr.world.single:
+        signum = next((s for s in tr.world.gather_objects(signum) if s is not None), None)
+    if signum is None:
+        return
+    stop = stop_now(signum)  # later signals are ignored while the checkpoint is written
+    save_step_checkpoint(tr)
+    raise stop
+
+
+def _round_iterations(tr: _Training) -> int:
+    """Iterations of the next round: the plan's, fewer for the last steps of the run or up to a checkpoint."""
+    opts, every = tr.opts, tr.opts.checkpoint_every
+    r = min(tr.plan.graph.num_iterations, opts.steps - tr.step)
+    if opts.checkpoint_dir and every:
+        r = min(r, every - tr.step % every)
+    if opts.eval_every:  # an evaluation sees the weights after exactly its step
+        r = min(r, opts.eval_every - tr.step % opts.eval_every)
+    return r
+
+
+def _run_round(tr: _Training, ex: Executor, r: int) -> None:
+    """One round of `r` iterations: its steps reported, its measured trace kept if it is the longest so far,
+    and a checkpoint at its end where --checkpoint-every falls."""
+    opts, step = tr.opts, tr.step
+    local: list[float] = []  # this rank's own losses of the round (the reported ones are the ranks' mean)
+    rr = ex.run_round(r, step, on_step=_step_reporter(tr, step, local))
+    LOG.debug("round of %d iteration(s) from step %d: %.3f s wall; peak %s", r, step + 1, rr.wall_s,
+              ", ".join(f"{t} {b / 1e6:,.1f} MB" for t, b in rr.peak_bytes.items()))
+    # the reporter's losses are the round's own (read after each iteration's last GPU op)
+    if local != rr.losses:
+        raise ExecutionError(f"internal: the reported losses {local} are not the round's {rr.losses}")
+    _note_norms(tr, step, r, rr.peak_bytes)
+    res = measured_result(tr.plan, rr)
+    if r >= tr.best_iters:
+        tr.best_iters, tr.measured = r, res
+    tr.step += r
+    if _eval_due(tr):
+        _run_eval(tr)
+    every = opts.checkpoint_every
+    # at --checkpoint-every, and the last step whatever the interval: a run never ends without its state
+    if opts.checkpoint_dir and (every and tr.step % every == 0 or tr.step >= opts.steps):
+        save_step_checkpoint(tr)
+
+
+def _note_norms(tr: _Training, step: int, r: int, peak: dict[str, float]) -> None:
+    """The learning rate, gradient norm and the round's peak tier bytes of the round's steps `step`+1 ..
+    `step`+r, into their records and TensorBoard."""
+    h = tr.opts.hyper
+    norms = norms_of(h)
+    for rec in tr.records[-r:]:
+        rec.lr = h.lr_at(rec.step) if isinstance(h, TrainHyper) else h.lr
+        if norms is not None:
+            rec.grad_norm = norms.value(rec.step)
+        rec.gpu_bytes, rec.cpu_bytes, rec.ssd_bytes = (peak.get(t, 0.0) for t in ("gpu", "cpu", "ssd"))
+        if tr.tb is not None:
+            tr.tb.step(rec.step, {"train/loss": rec.loss, "train/lr": rec.lr,
+                                  "train/grad_norm": rec.grad_norm, "train/tokens_per_s": rec.tokens_per_s})
+    if norms is not None:
+        norms.forget_before(step + r)
+
+
+def _step_reporter(tr: _Training, step: int, local: list[float]) -> Callable[[int, float, float], None]:
+    """The round's on_step: the ranks' mean loss of iteration i (Diverged if not finite),
+    recorded and printed."""
+    opts, log = tr.opts, tr.log
+    prev = [0.0]
+
+    def on_step(i: int, loss: float, end_s: float) -> None:
+        local.append(loss)
+        loss = tr.world.mean(loss)  # on the reporter thread, in iteration order on every rank
+        if not math.isfinite(loss):
+            raise Diverged(f"loss {loss} at step {step + i + 1}")
+        step_s = end_s - prev[0]
+        prev[0] = end_s
+        rec = StepRecord(step + i + 1, loss, step_s, tr.tokens / step_s if step_s > 0 else 0.0,
+                         tr.flops_per_step / step_s / 1e12 if step_s > 0 else 0.0)
+        tr.records.append(rec)
+        if not tr.quiet:
+            log(f"step {rec.step:>5}/{opts.steps} {bar(rec.step, opts.steps, fill=' ')} loss {rec.loss:.4f}  "
+                f"{rec.step_s * 1e3:8.1f} ms  {rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS",
+                flush=True)
+
+    return on_step
+
+
+def save_step_checkpoint(tr: _Training) -> None:
+    """This step's checkpoint (once: a step already saved or resumed from is not written again)."""
+    if tr.saved_step == tr.step or not tr.opts.checkpoint_dir:
+        return
+    norms = norms_of(tr.opts.hyper)
+    if norms is not None:  # the last step's gradient norm: delayed clipping of a resumed run goes on from it
+        tr.settings["grad_norm"] = norms.value(tr.step)
+    try:
+        tr.last_ckpt = save_checkpoint(tr.state, tr.opts.checkpoint_dir, tr.step, tr.settings, world=tr.world)
+    except NonFiniteState as e:
+        raise Diverged(str(e)) from None
+    tr.saved_step = tr.step
+    if not tr.quiet:
+        tr.log(f"  checkpoint {tr.last_ckpt}" + (" (the last step)" if tr.step >= tr.opts.steps else ""))
+
+
+def _stop_message(tr: _Training, e: Diverged | CheckpointWriteError | Interrupted) -> tuple[int, str]:
+    """(exit code, message) of a run that stopped early."""
+    opts = tr.opts
+    kept = (f"the last good checkpoint {tr.last_ckpt} is kept" if tr.last_ckpt is not None
+            else "no checkpoint was written" if opts.checkpoint_dir else "no --checkpoint-dir")
+    done = f"{len(tr.records)} step(s) done ({tr.start_step + len(tr.records)} of {opts.steps})"
+    if isinstance(e, Diverged):
+        return 4, (f"training diverged: {e}; stopped after {done}, {kept} (lower --lr, or check --init and "
+                   "--data)")
+    if isinstance(e, Interrupted):
+        if tr.last_ckpt is not None and tr.saved_step == tr.step:
+            kept = f"the checkpoint of its last step is saved in {tr.last_ckpt}"
+        elif tr.last_ckpt is not None:
+            kept = (f"the checkpoint directory holds step {tr.saved_step} ({tr.last_ckpt}): the "
+                    f"{tr.step - tr.saved_step} step(s) after it and the round under way are lost")
+        return e.exit_code, (f"interrupted by {e.name}: workers stopped after {done}, {kept}; the SSD tier's "
+                             "files are removed")
+    return 3 if e.full else 2, str(e)
+
+
+def _finish(tr: _Training) -> RunResult:
+    """After the last step: --out (rank 0), --export-hf, and the result (with collect_final,
+    the final state)."""
+    opts, state, log = tr.opts, tr.state, tr.log
+    if opts.out and tr.measured is not None and tr.lead:
+        write_run_outputs(tr.measured, tr.records, opts.out, f"{tr.plan.model.name}: measured "
+                                                             f"({tr.backend.name})")
+        if not tr.quiet:
+            log(f"  wrote timeline.csv, trace.json, gantt.png, steps.csv under {opts.out}"
+                + ("" if tr.world.single else " (rank 0's ops)"))
+    if opts.export_hf:
+        path = export_trained(state, opts.export_hf)  # a collective with several ranks; rank 0 writes
+        tok = tokenizer_dir(opts)
+        names = copy_tokenizer(tok, path) if tok and tr.lead else []  # the model's tokenizer beside it
+        if not tr.quiet:
+            log(f"  exported the fp32 weights after step {tr.step} to {path} (config.json, "
+                f"model.safetensors{''.join(', ' + n for n in names)})")
+    res = tr.result()
+    if opts.collect_final:
+        res.final_master = state.master_blocks()
+        res.final_adam_m = [state.gathered("adam_m", b) for b in range(len(state.layout.numel))]
+    return res
+
