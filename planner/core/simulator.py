@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from itertools import chain
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -29,6 +31,7 @@ from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.costmodel import Rates, link_rates
 from tierflow.planner.core.graph import HOST_LINKS, LINK_NAMES, NET, RESOURCES, TIERS, TaskGraph, gc_paused
 from tierflow.planner.core.opkinds import CPU_ADAM_KINDS
+from tierflow.planner.core.simkernel import MIN_KERNEL_TASKS, kernel
 from tierflow.planner.core.world import SINGLE, World
 
 _EPS_BYTES = 1.0
@@ -155,13 +158,105 @@ def simulate_graph(graph: TaskGraph, hw: HardwareProfile, world: World | None = 
 
 
 def _simulate(graph: TaskGraph, hw: HardwareProfile, world: World) -> SimResult:
-    """Play the graph: set up its queues, rates and memory, run the event loop, build the result."""
-    run = _Run(graph, link_rates(hw, world))
+    """Play the graph: set up its queues, rates and memory, run the event loop (the compiled kernel where
+    numba is installed and the graph is large enough, else the pure-Python loop: the same results), build the
+    result."""
+    rates = link_rates(hw, world)
+    k = kernel() if len(graph.tasks) >= MIN_KERNEL_TASKS else None
+    if k is not None:
+        return _simulate_arrays(graph, rates, k)
+    run = _Run(graph, rates)
     run.play()
     if run.done < len(graph.tasks):
         _raise_stuck(graph, run.queues, run.ptr, run.ndeps, run.mem, run.cap, run.now, run.mem_blocked,
                      RESOURCES)
     return summarize(graph, np.asarray(run.start), np.asarray(run.end), run.peak, run.trace)
+
+
+def _graph_arrays(graph: TaskGraph) -> dict[str, np.ndarray]:
+    """The graph as arrays for the kernel: each resource's queue in (key, id) order, each task's distinct
+    dependencies' count and its successors in id order, its resource and work, the bytes it allocates at its
+    start (summed per tier in their order, as _start_needs) and its deltas at its end, as compressed rows."""
+    tasks = graph.tasks
+    n, R = len(tasks), len(RESOURCES)
+    ridx = {r: i for i, r in enumerate(RESOURCES)}
+    res_of = np.fromiter(map(ridx.__getitem__, map(attrgetter("resource"), tasks)), np.int64, n)
+    keys = np.fromiter(map(attrgetter("key"), tasks), np.float64, n)
+    order = np.lexsort((np.arange(n), keys))
+    qidx = order[np.argsort(res_of[order], kind="stable")]
+    ids = np.arange(n, dtype=np.int64)
+    deps = list(map(attrgetter("deps"), tasks))
+    lens = np.fromiter(map(len, deps), np.int64, n)
+    flat = np.fromiter(chain.from_iterable(deps), np.int64, int(lens.sum()))
+    pairs = np.sort(flat * n + np.repeat(ids, lens))  # by dependency, then task
+    if len(pairs) > 1:  # a dependency repeated in a task's list counts once
+        pairs = pairs[np.concatenate(([True], pairs[1:] != pairs[:-1]))]
+    succ_of, succ = pairs // n, pairs % n
+    # the start's deltas summed per (task, tier) in their order (np.add.at adds one after the other, from 0.0)
+    ms = list(map(attrgetter("mem_start"), tasks))
+    mlen = np.fromiter(map(len, ms), np.int64, n)
+    mflat = np.fromiter(chain.from_iterable(chain.from_iterable(ms)), np.float64, 2 * int(mlen.sum()))
+    need = np.zeros(3 * n)
+    np.add.at(need, np.repeat(ids, mlen) * 3 + mflat[0::2].astype(np.int64), mflat[1::2])
+    where = np.flatnonzero(need)
+    me = list(map(attrgetter("mem_end"), tasks))
+    elen = np.fromiter(map(len, me), np.int64, n)
+    eflat = np.fromiter(chain.from_iterable(chain.from_iterable(me)), np.float64, 2 * int(elen.sum()))
+    return {
+        "qptr": _row_starts(np.bincount(res_of, minlength=R)), "qidx": qidx,
+        "ndeps": np.bincount(succ, minlength=n).astype(np.int64),
+        "sptr": _row_starts(np.bincount(succ_of, minlength=n)), "sidx": succ,
+        "res_of": res_of, "work": np.fromiter(map(attrgetter("work"), tasks), np.float64, n),
+        "nptr": _row_starts(np.bincount(where // 3, minlength=n)), "ntier": where % 3, "nval": need[where],
+        "eptr": _row_starts(elen), "etier": eflat[0::2].astype(np.int64), "evals": eflat[1::2].copy(),
+    }
+
+
+def _row_starts(counts: np.ndarray) -> np.ndarray:
+    """Where each compressed row starts, and the end of the last."""
+    out = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def _simulate_arrays(graph: TaskGraph, rates: Rates, k) -> SimResult:
+    """Play the graph with the kernel `k` (tierflow.planner.core.simkernel): the same play as _Run.play."""
+    tasks = graph.tasks
+    n, R = len(tasks), len(RESOURCES)
+    ridx = {r: i for i, r in enumerate(RESOURCES)}
+    a = _graph_arrays(graph)
+    pools, fluid, _ = _fluid_tables(rates)
+    partner, solo, duplex = _link_tables(rates, ridx)
+    if rates.net <= 0 and bool((a["res_of"] == ridx[NET]).any()):
+        raise SimulationError("the graph has collectives (net ops) but the world has one rank: simulate "
+                              "it with the plan's gpus and nodes")
+    host_opt = (np.fromiter((t.kind in CPU_ADAM_KINDS for t in tasks), np.bool_, n)
+                if rates.gpu_beside_host_optimizer > 1 else np.zeros(1, np.bool_))
+    cap, mem0 = _resident_memory(graph)
+    mem = np.array(mem0, np.float64)
+    peak = mem.copy()
+    start, end = np.full(n, np.nan), np.full(n, np.nan)
+    trace = np.empty((2 * n + 1, 4))
+    trace[0] = (0.0, mem0[0], mem0[1], mem0[2])
+    ptr = np.zeros(R, np.int64)
+    mem_blocked = np.zeros(R, np.bool_)
+    pool_use = np.array([use for _, use in pools], np.float64).reshape(len(pools), R)
+    now, done, ntrace = k(
+        a["qptr"], a["qidx"], a["ndeps"], a["sptr"], a["sidx"], a["res_of"], a["work"], a["nptr"], a["ntier"],
+        a["nval"], a["eptr"], a["etier"], a["evals"], host_opt, np.array(fluid, np.bool_),
+        np.array(partner, np.int64), np.array(solo, np.float64), np.array(duplex, np.float64),
+        np.array([rates.latency_s(r) for r in RESOURCES], np.float64),
+        np.array([rates.beside_compute(r) for r in RESOURCES], np.float64),
+        np.array([r in HOST_LINKS for r in RESOURCES], np.bool_),
+        np.array([c for c, _ in pools], np.float64), pool_use, float(rates.gpu_beside_host_optimizer),
+        bool(rates.io_contention), float(rates.compute_io_extra), ridx["gpu"], ridx["cpu"], mem,
+        np.array([c + _EPS_BYTES for c in cap], np.float64), peak, start, end, trace, ptr, mem_blocked)
+    if done < n:
+        qptr, qidx = a["qptr"], a["qidx"]
+        queues = [qidx[qptr[r]:qptr[r + 1]].tolist() for r in range(R)]
+        _raise_stuck(graph, queues, ptr.tolist(), a["ndeps"].tolist(), mem.tolist(), cap, float(now),
+                     {r for r in range(R) if mem_blocked[r]}, RESOURCES)
+    return summarize(graph, start, end, peak.tolist(), [tuple(row) for row in trace[:ntrace].tolist()])
 
 
 class _LinkTables(NamedTuple):
@@ -238,6 +333,20 @@ def _resident_memory(graph: TaskGraph) -> tuple[list[float], list[float]]:
     return cap, mem
 
 
+def _fluid_tables(rates: Rates) -> tuple[list[tuple[float, list[float]]], list[bool], list[int]]:
+    """Fluid resources progress at a rate that depends on what else runs: the links (bytes), the CPU and, on a
+    host device, the GPU (seconds of work at solo speed); each shared host pool (memory bandwidth, cores) has
+    a capacity and, per resource, what one unit of its work per second uses of it. Returns the pools, whether
+    each resource is fluid and the fluid ones."""
+    R = len(RESOURCES)
+    is_link = [r in LINK_NAMES for r in RESOURCES]
+    pools = [(cap_s, [use.get(r, 0.0) for r in RESOURCES]) for _, cap_s, use in rates.pools()]
+    fluid = [is_link[r] or RESOURCES[r] == "cpu" or any(use[r] > 0 for _, use in pools) for r in range(R)]
+    if rates.gpu_beside_host_optimizer > 1:  # the GPU's rate then depends on the host optimizer's ops
+        fluid[RESOURCES.index("gpu")] = True
+    return pools, fluid, [r for r in range(R) if fluid[r]]
+
+
 class _Run:
     """One play of a task graph: the resources' queues and rates, the memory on each tier and the pending
     events. Resources are indexed as RESOURCES, tiers as TIERS, tasks by id.
@@ -265,7 +374,7 @@ class _Run:
         self.ndeps, self.succ = _dependencies(tasks)
         self.need = _start_needs(tasks)
         self.mend = [t.mem_end for t in tasks]
-        self._fluid_model(rates)
+        self.pools, self.fluid, self.fluids = _fluid_tables(rates)
         self.contention = rates.io_contention
         self.gpu_r, self.cpu_r = ridx["gpu"], ridx["cpu"]
         self.beside = [rates.beside_compute(res) for res in RESOURCES]
@@ -288,19 +397,6 @@ class _Run:
         self.now = 0.0
         self.mem_blocked: set[int] = set()
         self.done = 0
-
-    def _fluid_model(self, rates: Rates) -> None:
-        """Fluid resources progress at a rate that depends on what else runs: the links (bytes), the CPU and,
-        on a host device, the GPU (seconds of work at solo speed); each shared host pool (memory bandwidth,
-        cores) has a capacity and, per resource, what one unit of its work per second uses of it."""
-        R = len(RESOURCES)
-        is_link = [r in LINK_NAMES for r in RESOURCES]
-        self.pools = [(cap_s, [use.get(r, 0.0) for r in RESOURCES]) for _, cap_s, use in rates.pools()]
-        self.fluid = [is_link[r] or RESOURCES[r] == "cpu" or any(use[r] > 0 for _, use in self.pools)
-                      for r in range(R)]
-        if rates.gpu_beside_host_optimizer > 1:  # the GPU's rate then depends on the host optimizer's ops
-            self.fluid[RESOURCES.index("gpu")] = True
-        self.fluids = [r for r in range(R) if self.fluid[r]]
 
     def _scales(self):
         """A function (active fluid resources, their base rates by resource) -> the factor each runs at: every
