@@ -19,6 +19,8 @@ repeat (structure only).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import resource
@@ -205,7 +207,9 @@ def plan_phases(model: str, hw: str, batch: int, out: str) -> dict:
                              (schedules, "build_graph", "plan_file")):  # the CLI's graph of the plan file
         clock.wrap(mod, name, phase)
     t0 = time.perf_counter()
-    rc = cli_main(["-q", "plan", "--model", model, "--hw", hw, "--batch", str(batch), "-o", out, "--json"])
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        rc = cli_main(["-q", "plan", "--model", model, "--hw", hw, "--batch", str(batch), "-o", out,
+                       "--json"])
     wall = time.perf_counter() - t0
     clock.stop()
     search = wall - sum(clock.wall_s.values())
