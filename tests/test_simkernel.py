@@ -27,9 +27,6 @@ def _both(graph, hw, monkeypatch):
     """The graph played by the kernel (every size) and by the pure loop: (result or error text) of each."""
     out = []
     monkeypatch.setattr(simkernel, "MIN_KERNEL_TASKS", 0)
-    import tierflow.planner.core.simulator as sim
-
-    monkeypatch.setattr(sim, "MIN_KERNEL_TASKS", 0)
     for pure in ("0", "1"):
         monkeypatch.setenv("TIERFLOW_PURE_SIM", pure)
         try:

@@ -15,11 +15,26 @@ import os
 
 import numpy as np
 
-# graphs smaller than this play in pure Python: loading the compiled kernel costs more than it saves
+# graphs smaller than this play in pure Python (loading the compiled kernel, ~0.3-0.5 s once per process,
+# costs
+# more than it saves on one small graph) until the process has played MANY_SIMULATIONS graphs (a fit, a
+# search): then the kernel is loaded and plays every graph
 MIN_KERNEL_TASKS = 2_000
+MANY_SIMULATIONS = 20
 
 _KERNEL = None
 _TRIED = False
+_PLAYED = 0
+
+
+def kernel_for(num_tasks: int):
+    """The kernel to play a graph of `num_tasks` tasks with, or None for the pure-Python loop (see
+    MIN_KERNEL_TASKS)."""
+    global _PLAYED
+    _PLAYED += 1
+    if _KERNEL is None and num_tasks < MIN_KERNEL_TASKS and _PLAYED <= MANY_SIMULATIONS:
+        return None
+    return kernel()
 
 
 def kernel():

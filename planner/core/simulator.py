@@ -31,7 +31,7 @@ from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.costmodel import Rates, link_rates
 from tierflow.planner.core.graph import HOST_LINKS, LINK_NAMES, NET, RESOURCES, TIERS, TaskGraph, gc_paused
 from tierflow.planner.core.opkinds import CPU_ADAM_KINDS
-from tierflow.planner.core.simkernel import MIN_KERNEL_TASKS, kernel
+from tierflow.planner.core.simkernel import kernel_for
 from tierflow.planner.core.world import SINGLE, World
 
 _EPS_BYTES = 1.0
@@ -163,7 +163,7 @@ def _simulate(graph: TaskGraph, hw: HardwareProfile, world: World) -> SimResult:
     numba is installed and the graph is large enough, else the pure-Python loop: the same results), build the
     result."""
     rates = link_rates(hw, world)
-    k = kernel() if len(graph.tasks) >= MIN_KERNEL_TASKS else None
+    k = kernel_for(len(graph.tasks))
     if k is not None:
         return _simulate_arrays(graph, rates, k)
     run = _Run(graph, rates)
