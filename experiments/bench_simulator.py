@@ -126,13 +126,13 @@ def bench_graph(case: dict, repeat: int, with_simpy: bool) -> dict:
             simpys_cpu.append(time.process_time() - c0)
     sim_s = min(sims)
     row = {"graph": case["name"], "tasks": len(g.tasks), "build_s": round(build_s, 3),
-           "simulate_s": round(sim_s, 3), "simulate_max_s": round(max(sims), 3),
-           "simulate_cpu_s": round(min(sims_cpu), 3),
+           "simulate_s": round(sim_s, 5), "simulate_max_s": round(max(sims), 5),
+           "simulate_cpu_s": round(min(sims_cpu), 5),
            "tasks_per_s": round(len(g.tasks) / sim_s), "simulated_iteration_s": round(res.iteration_s, 3)}
     if simpys:
         # CPU time as well: on a loaded machine the wall time also counts the other processes' turns
-        row.update(simpy_s=round(min(simpys), 3), simpy_max_s=round(max(simpys), 3),
-                   simpy_cpu_s=round(min(simpys_cpu), 3), speed_vs_simpy=round(min(simpys) / sim_s, 2),
+        row.update(simpy_s=round(min(simpys), 5), simpy_max_s=round(max(simpys), 5),
+                   simpy_cpu_s=round(min(simpys_cpu), 5), speed_vs_simpy=round(min(simpys) / sim_s, 2),
                    speed_vs_simpy_cpu=round(min(simpys_cpu) / max(min(sims_cpu), 1e-9), 2))
     return row
 
