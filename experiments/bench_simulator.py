@@ -41,6 +41,7 @@ from expcommon import (
 )
 
 from tierflow.api import resolve
+from tierflow.planner.core import simkernel
 from tierflow.planner.core.costmodel import link_rates
 from tierflow.planner.core.graph import RESOURCES
 from tierflow.planner.core.schedules import build_graph, make_schedule
@@ -112,7 +113,6 @@ def bench_graph(case: dict, repeat: int, with_simpy: bool) -> dict:
     build_s = time.perf_counter() - t0
     if cfg.world.ranks > 1:
         g.meta["world"] = cfg.world.to_dict()
-    simulate_graph(g, hw, cfg.world)  # the first play in a process loads the compiled loop, if any
     sims, simpys, sims_cpu, simpys_cpu = [], [], [], []
     for _ in range(repeat):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -301,6 +301,9 @@ def run(quick: bool, out_dir: Path, repeat: int | None = None) -> list[dict]:
         with_simpy = False
         print("simpy is not installed (pip install -e '.[bench]'): no SimPy reference", file=sys.stderr)
     repeat = repeat or (1 if quick else 3)
+    if simkernel.kernel() is None:  # loaded now, it plays every graph of this process
+        print("numba is not installed (pip install -e '.[fast]'): the pure-Python loop is timed",
+              file=sys.stderr)
     load = round(os.getloadavg()[0], 2)
     rows = []
     for case in sim_cases(quick):

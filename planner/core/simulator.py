@@ -154,16 +154,17 @@ def simulate_graph(graph: TaskGraph, hw: HardwareProfile, world: World | None = 
     (tierflow.planner.core.world)."""
     if world is None and "world" in graph.meta:
         world = World(graph.meta["world"]["gpus"], graph.meta["world"]["nodes"])
-    with gc_paused():
-        return _simulate(graph, hw, world or SINGLE)
-
-
-def _simulate(graph: TaskGraph, hw: HardwareProfile, world: World) -> SimResult:
-    """Play the graph: set up its queues, rates and memory, run the event loop (the compiled kernel where
-    numba is installed and the graph is large enough, else the pure-Python loop: the same results), build the
-    result."""
-    rates = link_rates(hw, world)
+    # the compiled loop (where numba is installed and the graph is large enough, else None: the pure-Python
+    # loop, the same results) is loaded outside the collector's pause: compiling makes cyclic garbage
     k = kernel_for(len(graph.tasks))
+    with gc_paused():
+        return _simulate(graph, hw, world or SINGLE, k)
+
+
+def _simulate(graph: TaskGraph, hw: HardwareProfile, world: World, k=None) -> SimResult:
+    """Play the graph: set up its queues, rates and memory, run the event loop (the compiled kernel `k`, else
+    the pure-Python loop), build the result."""
+    rates = link_rates(hw, world)
     if k is not None:
         return _simulate_arrays(graph, rates, k)
     run = _Run(graph, rates)
