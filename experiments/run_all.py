@@ -3,8 +3,9 @@
 Runs fuyou_lohan, greedysnake_a100, gemini_capacity, own_plans, what_if, multi_gpu, race_deepspeed (only where
 DeepSpeed is importable: the race against ZeRO-Infinity on this machine), adapt, bench_store (the SSD store
 against fio and DeepSpeed's aio_handle on this disk), bench_optimizer (the executor's host AdamW op against
-torch's fused AdamW), bench_dispatch (the executor's host cost per op, its parts and its model), dos_polaris
-(the given A100 DeepSpeed sweep), h200_run (the first GPU run) and fidelity (last: predicted against published
+torch's fused AdamW), bench_dispatch (the executor's host cost per op, its parts and its model),
+bench_simulator (the simulator against SimPy, the planner per phase, an --adapt decision), dos_polaris (the
+given A100 DeepSpeed sweep), h200_run (the first GPU run) and fidelity (last: predicted against published
 for every headline and LoHan's SSD sweep) in this process (each writes its CSV and PNG under the output folder
 and prints its own tables), then writes summary.csv and summary.md there
 with every headline number, the paper's value, the ratio and the note explaining any difference over 15%.
@@ -20,6 +21,7 @@ from pathlib import Path
 import adapt
 import bench_dispatch
 import bench_optimizer
+import bench_simulator
 import bench_store
 import dos_polaris
 import fidelity
@@ -62,6 +64,8 @@ STUDIES = {
     "bench_optimizer": bench_optimizer,
     # the executor's host cost per op and its parts on a plan of tiny ops, against plain PyTorch and the model
     "bench_dispatch": bench_dispatch,
+    # the simulator against SimPy on the same graphs, `tierflow plan` phase by phase, an --adapt decision
+    "bench_simulator": bench_simulator,
     # the given A100 sweep: Deep Optimizer States' DeepSpeed ZeRO-3 runs on one Polaris GPU, phase
     # by phase, with its two fitted values checked leaving each point out (fidelity reads dos_polaris.csv)
     "dos_polaris": dos_polaris,

@@ -226,14 +226,20 @@ class GraphBuilder:
         self, kind: str, resource: str, work: float, *, tensor: str, block: int, mb: int, iteration: int,
         key: float, deps: list[int] | tuple[int, ...] = (),
     ) -> Task:
-        deps = [d for d in deps if d is not None and d >= 0]
-        # A task never sits in its queue ahead of its own dependencies: with every key >= its dependencies'
-        # keys, the order (key, id) is a topological order, so no schedule built here can deadlock on its own.
-        for d in deps:
-            if self.tasks[d].key > key:
-                key = self.tasks[d].key
-        t = Task(len(self.tasks), kind, resource, float(work), tensor, block, mb, iteration, deps, key)
-        self.tasks.append(t)
+        tasks = self.tasks
+        if deps:
+            deps = [d for d in deps if d is not None and d >= 0]
+            # A task never sits in its queue ahead of its own dependencies: with every key >= its
+            # dependencies' keys, the order (key, id) is a topological order, so no schedule built here can
+            # deadlock on its own.
+            for d in deps:
+                k = tasks[d].key
+                if k > key:
+                    key = k
+        else:
+            deps = []
+        t = Task(len(tasks), kind, resource, float(work), tensor, block, mb, iteration, deps, key, [], [])
+        tasks.append(t)
         return t
 
     @staticmethod

@@ -18,9 +18,10 @@ CapacityError naming the tier, the simulated time and the bytes over.
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field, replace
+from itertools import chain
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -30,6 +31,7 @@ from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.costmodel import Rates, link_rates
 from tierflow.planner.core.graph import HOST_LINKS, LINK_NAMES, NET, RESOURCES, TIERS, TaskGraph, gc_paused
 from tierflow.planner.core.opkinds import CPU_ADAM_KINDS
+from tierflow.planner.core.simkernel import kernel_for
 from tierflow.planner.core.world import SINGLE, World
 
 _EPS_BYTES = 1.0
@@ -71,7 +73,8 @@ class SimResult:
     busy: dict[str, float]
     link_bytes: dict[str, float]
     peak_bytes: dict[str, float]
-    memory_trace: list[tuple[float, float, float, float]]  # (time, gpu, cpu, ssd) bytes
+    # (time, gpu, cpu, ssd) bytes: a list of tuples, or an array of such rows from the compiled loop
+    memory_trace: list[tuple[float, float, float, float]] | np.ndarray
     tokens_per_iteration: int = 0
     model_flops_per_iteration: float = 0.0
     hw_flops_per_iteration: float = 0.0
@@ -151,18 +154,113 @@ def simulate_graph(graph: TaskGraph, hw: HardwareProfile, world: World | None = 
     (tierflow.planner.core.world)."""
     if world is None and "world" in graph.meta:
         world = World(graph.meta["world"]["gpus"], graph.meta["world"]["nodes"])
+    # the compiled loop (where numba is installed and the graph is large enough, else None: the pure-Python
+    # loop, the same results) is loaded outside the collector's pause: compiling makes cyclic garbage
+    k = kernel_for(len(graph.tasks))
     with gc_paused():
-        return _simulate(graph, hw, world or SINGLE)
+        return _simulate(graph, hw, world or SINGLE, k)
 
 
-def _simulate(graph: TaskGraph, hw: HardwareProfile, world: World) -> SimResult:
-    """Play the graph: set up its queues, rates and memory, run the event loop, build the result."""
-    run = _Run(graph, link_rates(hw, world))
+def _simulate(graph: TaskGraph, hw: HardwareProfile, world: World, k=None) -> SimResult:
+    """Play the graph: set up its queues, rates and memory, run the event loop (the compiled kernel `k`, else
+    the pure-Python loop), build the result."""
+    rates = link_rates(hw, world)
+    if k is not None:
+        return _simulate_arrays(graph, rates, k)
+    run = _Run(graph, rates)
     run.play()
     if run.done < len(graph.tasks):
         _raise_stuck(graph, run.queues, run.ptr, run.ndeps, run.mem, run.cap, run.now, run.mem_blocked,
                      RESOURCES)
     return summarize(graph, np.asarray(run.start), np.asarray(run.end), run.peak, run.trace)
+
+
+def _graph_arrays(graph: TaskGraph) -> dict[str, np.ndarray]:
+    """The graph as arrays for the kernel: each resource's queue in (key, id) order, each task's distinct
+    dependencies' count and its successors in id order, its resource and work, the bytes it allocates at its
+    start (summed per tier in their order, as _start_needs) and its deltas at its end, as compressed rows."""
+    tasks = graph.tasks
+    n, R = len(tasks), len(RESOURCES)
+    ridx = {r: i for i, r in enumerate(RESOURCES)}
+    res_of = np.fromiter(map(ridx.__getitem__, map(attrgetter("resource"), tasks)), np.int64, n)
+    keys = np.fromiter(map(attrgetter("key"), tasks), np.float64, n)
+    order = np.lexsort((np.arange(n), keys))
+    qidx = order[np.argsort(res_of[order], kind="stable")]
+    ids = np.arange(n, dtype=np.int64)
+    deps = list(map(attrgetter("deps"), tasks))
+    lens = np.fromiter(map(len, deps), np.int64, n)
+    flat = np.fromiter(chain.from_iterable(deps), np.int64, int(lens.sum()))
+    pairs = np.sort(flat * n + np.repeat(ids, lens))  # by dependency, then task
+    if len(pairs) > 1:  # a dependency repeated in a task's list counts once
+        pairs = pairs[np.concatenate(([True], pairs[1:] != pairs[:-1]))]
+    succ_of, succ = pairs // n, pairs % n
+    # the start's deltas summed per (task, tier) in their order (np.add.at adds one after the other, from 0.0)
+    ms = list(map(attrgetter("mem_start"), tasks))
+    mlen = np.fromiter(map(len, ms), np.int64, n)
+    mflat = np.fromiter(chain.from_iterable(chain.from_iterable(ms)), np.float64, 2 * int(mlen.sum()))
+    need = np.zeros(3 * n)
+    np.add.at(need, np.repeat(ids, mlen) * 3 + mflat[0::2].astype(np.int64), mflat[1::2])
+    where = np.flatnonzero(need)
+    me = list(map(attrgetter("mem_end"), tasks))
+    elen = np.fromiter(map(len, me), np.int64, n)
+    eflat = np.fromiter(chain.from_iterable(chain.from_iterable(me)), np.float64, 2 * int(elen.sum()))
+    return {
+        "qptr": _row_starts(np.bincount(res_of, minlength=R)), "qidx": qidx,
+        "ndeps": np.bincount(succ, minlength=n).astype(np.int64),
+        "sptr": _row_starts(np.bincount(succ_of, minlength=n)), "sidx": succ,
+        "res_of": res_of, "work": np.fromiter(map(attrgetter("work"), tasks), np.float64, n),
+        "nptr": _row_starts(np.bincount(where // 3, minlength=n)), "ntier": where % 3, "nval": need[where],
+        "eptr": _row_starts(elen), "etier": eflat[0::2].astype(np.int64), "evals": eflat[1::2].copy(),
+    }
+
+
+def _row_starts(counts: np.ndarray) -> np.ndarray:
+    """Where each compressed row starts, and the end of the last."""
+    out = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def _simulate_arrays(graph: TaskGraph, rates: Rates, k) -> SimResult:
+    """Play the graph with the kernel `k` (tierflow.planner.core.simkernel): the same play as _Run.play."""
+    tasks = graph.tasks
+    n, R = len(tasks), len(RESOURCES)
+    ridx = {r: i for i, r in enumerate(RESOURCES)}
+    a = _graph_arrays(graph)
+    pools, fluid, _ = _fluid_tables(rates)
+    partner, solo, duplex = _link_tables(rates, ridx)
+    if rates.net <= 0 and bool((a["res_of"] == ridx[NET]).any()):
+        raise SimulationError("the graph has collectives (net ops) but the world has one rank: simulate "
+                              "it with the plan's gpus and nodes")
+    host_opt = (np.fromiter((t.kind in CPU_ADAM_KINDS for t in tasks), np.bool_, n)
+                if rates.gpu_beside_host_optimizer > 1 else np.zeros(1, np.bool_))
+    cap, mem0 = _resident_memory(graph)
+    mem = np.array(mem0, np.float64)
+    peak = mem.copy()
+    start, end = np.full(n, np.nan), np.full(n, np.nan)
+    trace = np.empty((2 * n + 1, 4))
+    trace[0] = (0.0, mem0[0], mem0[1], mem0[2])
+    ptr = np.zeros(R, np.int64)
+    mem_blocked = np.zeros(R, np.bool_)
+    pool_use = np.array([use for _, use in pools], np.float64).reshape(len(pools), R)
+    now, done, ntrace = k(
+        a["qptr"], a["qidx"], a["ndeps"], a["sptr"], a["sidx"], a["res_of"], a["work"], a["nptr"], a["ntier"],
+        a["nval"], a["eptr"], a["etier"], a["evals"], host_opt, np.array(fluid, np.bool_),
+        np.array(partner, np.int64), np.array(solo, np.float64), np.array(duplex, np.float64),
+        np.array([rates.latency_s(r) for r in RESOURCES], np.float64),
+        np.array([rates.beside_compute(r) for r in RESOURCES], np.float64),
+        np.array([r in HOST_LINKS for r in RESOURCES], np.bool_),
+        np.array([c for c, _ in pools], np.float64), pool_use, float(rates.gpu_beside_host_optimizer),
+        bool(rates.io_contention), float(rates.compute_io_extra), ridx["gpu"], ridx["cpu"], mem,
+        np.array([c + _EPS_BYTES for c in cap], np.float64), peak, start, end, trace, ptr, mem_blocked)
+    if done < n:
+        qptr, qidx = a["qptr"], a["qidx"]
+        queues = [qidx[qptr[r]:qptr[r + 1]].tolist() for r in range(R)]
+        _raise_stuck(graph, queues, ptr.tolist(), a["ndeps"].tolist(), mem.tolist(), cap, float(now),
+                     {r for r in range(R) if mem_blocked[r]}, RESOURCES)
+    # the memory trace stays an array of (time, gpu, cpu, ssd) rows: a list of tuples costs ~0.4 us a row
+    return summarize(graph, start, end, peak.tolist(), trace[:ntrace], res=np.array(RESOURCES)[a["res_of"]],
+                     its=np.fromiter(map(attrgetter("iteration"), tasks), np.int64, n))
 
 
 class _LinkTables(NamedTuple):
@@ -193,15 +291,36 @@ def _link_tables(rates: Rates, ridx: dict[str, int]) -> _LinkTables:
 
 
 def _dependencies(tasks) -> tuple[list[int], list[list[int]]]:
-    """How many distinct tasks each task waits for, and the tasks waiting for each."""
+    """How many distinct tasks each task waits for, and the tasks waiting for each (in id order)."""
     n = len(tasks)
     ndeps = [0] * n
     succ: list[list[int]] = [[] for _ in range(n)]
     for t in tasks:
-        for d in set(t.deps):
-            succ[d].append(t.id)
-            ndeps[t.id] += 1
+        deps = t.deps
+        if not deps:
+            continue
+        if len(deps) > 1:
+            deps = set(deps)
+        tid = t.id
+        for d in deps:
+            succ[d].append(tid)
+        ndeps[tid] = len(deps)
     return ndeps, succ
+
+
+def _start_needs(tasks) -> list[tuple[tuple[int, float], ...] | None]:
+    """Per task, what it allocates at its start as (tier index, net bytes) for each tier it changes, its
+    deltas summed per tier in their order (None: nothing)."""
+    out: list[tuple[tuple[int, float], ...] | None] = [None] * len(tasks)
+    for t in tasks:
+        ms = t.mem_start
+        if not ms:
+            continue
+        need = [0.0, 0.0, 0.0]
+        for tier, delta in ms:
+            need[tier] += delta
+        out[t.id] = tuple((i, need[i]) for i in range(3) if need[i])
+    return out
 
 
 def _resident_memory(graph: TaskGraph) -> tuple[list[float], list[float]]:
@@ -218,14 +337,34 @@ def _resident_memory(graph: TaskGraph) -> tuple[list[float], list[float]]:
     return cap, mem
 
 
-class _Run:
-    """One play of a task graph: the resources' queues and rates, the memory on each tier and the event heap.
-    Resources are indexed as RESOURCES, tiers as TIERS, tasks by id."""
+def _fluid_tables(rates: Rates) -> tuple[list[tuple[float, list[float]]], list[bool], list[int]]:
+    """Fluid resources progress at a rate that depends on what else runs: the links (bytes), the CPU and, on a
+    host device, the GPU (seconds of work at solo speed); each shared host pool (memory bandwidth, cores) has
+    a capacity and, per resource, what one unit of its work per second uses of it. Returns the pools, whether
+    each resource is fluid and the fluid ones."""
+    R = len(RESOURCES)
+    is_link = [r in LINK_NAMES for r in RESOURCES]
+    pools = [(cap_s, [use.get(r, 0.0) for r in RESOURCES]) for _, cap_s, use in rates.pools()]
+    fluid = [is_link[r] or RESOURCES[r] == "cpu" or any(use[r] > 0 for _, use in pools) for r in range(R)]
+    if rates.gpu_beside_host_optimizer > 1:  # the GPU's rate then depends on the host optimizer's ops
+        fluid[RESOURCES.index("gpu")] = True
+    return pools, fluid, [r for r in range(R) if fluid[r]]
 
-    __slots__ = ("graph", "rates", "queues", "res_of", "work", "ndeps", "succ", "mstart", "mend", "pools",
+
+class _Run:
+    """One play of a task graph: the resources' queues and rates, the memory on each tier and the pending
+    events. Resources are indexed as RESOURCES, tiers as TIERS, tasks by id.
+
+    A resource runs one op at a time, so it has at most one pending event (its op's fixed cost paid, or its
+    work done): the events are one (time, sequence number) slot per resource, and the next is the smallest of
+    them (ties in time by the order they were scheduled), found among the resources' slots instead of in a
+    heap of one object per event. A fluid resource's rate is recomputed when what runs beside it changes; its
+    finish is rescheduled only when its rate changes."""
+
+    __slots__ = ("graph", "rates", "queues", "res_of", "work", "ndeps", "succ", "need", "mend", "pools",
                  "fluid", "fluids", "contention", "gpu_r", "cpu_r", "beside", "partner", "solo", "duplex",
-                 "cap", "mem", "peak", "trace", "start", "end", "ptr", "running", "remaining", "rate",
-                 "since", "version", "heap", "latency", "flowing", "seq", "now", "mem_blocked", "done")
+                 "cap", "mem", "peak", "trace", "start", "end", "ptr", "latency", "now", "mem_blocked",
+                 "done", "host_optimizer")
 
     def __init__(self, graph: TaskGraph, rates: Rates):
         tasks = graph.tasks
@@ -237,9 +376,9 @@ class _Run:
         self.res_of = [ridx[t.resource] for t in tasks]
         self.work = [t.work for t in tasks]
         self.ndeps, self.succ = _dependencies(tasks)
-        self.mstart = [t.mem_start for t in tasks]
+        self.need = _start_needs(tasks)
         self.mend = [t.mem_end for t in tasks]
-        self._fluid_model(rates)
+        self.pools, self.fluid, self.fluids = _fluid_tables(rates)
         self.contention = rates.io_contention
         self.gpu_r, self.cpu_r = ridx["gpu"], ridx["cpu"]
         self.beside = [rates.beside_compute(res) for res in RESOURCES]
@@ -247,217 +386,224 @@ class _Run:
         if rates.net <= 0 and any(t.resource == NET for t in tasks):
             raise SimulationError("the graph has collectives (net ops) but the world has one rank: simulate "
                                   "it with the plan's gpus and nodes")
+        # whether each task is a host optimizer op (it slows the GPU where the profile says so)
+        self.host_optimizer = ([t.kind in CPU_ADAM_KINDS for t in tasks]
+                               if rates.gpu_beside_host_optimizer > 1 else None)
         self.cap, self.mem = _resident_memory(graph)
         self.peak = list(self.mem)
         self.trace: list[tuple[float, float, float, float]] = [(0.0, self.mem[0], self.mem[1], self.mem[2])]
         self.start = [math.nan] * n
         self.end = [math.nan] * n
         self.ptr = [0] * R  # the next task of each resource's queue
-        self.running = [-1] * R  # the task each resource runs (-1: none)
-        self.remaining = [0.0] * R  # a fluid resource's work left at `since`
-        self.rate = [0.0] * R
-        self.since = [0.0] * R
-        self.version = [0] * R  # a heap entry of an older version is stale
-        self.heap: list[tuple[float, int, int, int]] = []  # (time, seq, resource, version)
         # each op's fixed software cost on its resource (pcie.latency_us, ssd.latency_us) runs before its work
         # flows
         self.latency = [rates.latency_s(res) for res in RESOURCES]
-        self.flowing = [True] * R  # False while the op running on a resource is still in its fixed cost
-        self.seq = 0
         self.now = 0.0
         self.mem_blocked: set[int] = set()
         self.done = 0
 
-    def _fluid_model(self, rates: Rates) -> None:
-        """Fluid resources progress at a rate that depends on what else runs: the links (bytes), the CPU and,
-        on a host device, the GPU (seconds of work at solo speed); each shared host pool (memory bandwidth,
-        cores) has a capacity and, per resource, what one unit of its work per second uses of it."""
-        R = len(RESOURCES)
-        is_link = [r in LINK_NAMES for r in RESOURCES]
-        self.pools = [(cap_s, [use.get(r, 0.0) for r in RESOURCES]) for _, cap_s, use in rates.pools()]
-        self.fluid = [is_link[r] or RESOURCES[r] == "cpu" or any(use[r] > 0 for _, use in self.pools)
-                      for r in range(R)]
-        if rates.gpu_beside_host_optimizer > 1:  # the GPU's rate then depends on the host optimizer's ops
-            self.fluid[RESOURCES.index("gpu")] = True
-        self.fluids = [r for r in range(R) if self.fluid[r]]
+    def _scales(self):
+        """A function (active fluid resources, their base rates by resource) -> the factor each runs at: every
+        user of an oversubscribed host pool slowed in proportion, and with measured interference compute and
+        the host's I/O threads slowed by each other; None where nothing ever scales a rate."""
+        pools, gpu_r, cpu_r = self.pools, self.gpu_r, self.cpu_r
+        slow_gpu = self.rates.gpu_beside_host_optimizer
+        host_optimizer = self.host_optimizer
+        contention, extra, beside = self.contention, self.rates.compute_io_extra, self.beside
+        is_host_link = [r in HOST_LINKS for r in RESOURCES]
+        if not pools and slow_gpu <= 1 and not contention:
+            return None
+
+        def scales(active: list[int], base: list[float], running: list[int], flowing: list[bool]) -> list:
+            scale = [1.0] * len(base)
+            for cap_s, use in pools:
+                demand = sum(base[r] * use[r] for r in active)
+                if demand > cap_s:
+                    f = cap_s / demand
+                    for r in active:
+                        if use[r] > 0 and f < scale[r]:
+                            scale[r] = f
+            gpu_active = running[gpu_r] >= 0 and flowing[gpu_r] and gpu_r in active
+            if gpu_active and slow_gpu > 1:
+                t = running[cpu_r]
+                if t >= 0 and flowing[cpu_r] and host_optimizer[t]:
+                    f = 1.0 / slow_gpu
+                    if f < scale[gpu_r]:
+                        scale[gpu_r] = f
+            if contention and gpu_active:  # measured interference of compute and the host's I/O threads
+                # host threads (the collectives: not measured)
+                io = [r for r in active if is_host_link[r]]
+                if io:
+                    f = 1.0 / (1.0 + extra * len(io))
+                    if f < scale[gpu_r]:
+                        scale[gpu_r] = f
+                    for r in io:
+                        f = 1.0 / beside[r]
+                        if f < scale[r]:
+                            scale[r] = f
+            return scale
+
+        return scales
 
     # --- the event loop ---------------------------------------------------------------------------------
 
     def play(self) -> None:
         """Start what can start, then take the events in time order: an op's fixed cost paid (its work
-        begins) or its work done (it finishes), until none is left."""
-        for r in range(len(RESOURCES)):
-            self.try_start(r)
-        heap, version, running, flowing = self.heap, self.version, self.running, self.flowing
-        while heap:
-            t_ev, _, r, ver = heapq.heappop(heap)
-            if ver != version[r] or running[r] < 0:
-                continue
-            self.now = t_ev
+        begins) or its work done (it finishes: its memory freed or kept, the fluid resources re-rated, and its
+        resource, the resources of the tasks it released and, when it freed memory, those waiting for memory
+        try to start), until none is left."""
+        R = len(RESOURCES)
+        inf = math.inf
+        queues, ptr, ndeps, succ, res_of, work = (self.queues, self.ptr, self.ndeps, self.succ, self.res_of,
+                                                  self.work)
+        qlen = [len(q) for q in queues]
+        need_of, mend_of, start, end = self.need, self.mend, self.start, self.end
+        mem, cap, peak, trace = self.mem, self.cap, self.peak, self.trace
+        cap_eps = [c + _EPS_BYTES for c in cap]
+        mem_blocked = self.mem_blocked
+        fluid, fluids, latency = self.fluid, self.fluids, self.latency
+        partner, solo, duplex = self.partner, self.solo, self.duplex
+        scales = self._scales()
+        running = [-1] * R  # the task each resource runs (-1: none)
+        flowing = [True] * R  # False while the op running on a resource is still in its fixed cost
+        remaining = [0.0] * R  # a fluid resource's work left at `since`
+        rate = [0.0] * R
+        since = [0.0] * R
+        ev_t = [inf] * R  # each resource's pending event: its time, its sequence number, whether there is one
+        ev_seq = [0] * R
+        pending = [False] * R
+        base = [0.0] * R
+        seq = 0
+        now = 0.0
+
+        def rerate() -> None:
+            """Bring every running fluid resource's progress up to now and reschedule its finish where its
+            rate changed: its solo or duplex rate, scaled down where it shares an oversubscribed pool."""
+            nonlocal seq
+            active = [r for r in fluids if running[r] >= 0 and flowing[r]]
+            for r in active:
+                p = partner[r]
+                base[r] = duplex[r] if p >= 0 and running[p] >= 0 and flowing[p] else solo[r]
+            scale = scales(active, base, running, flowing) if scales is not None else None
+            for r in active:
+                new = base[r] * scale[r] if scale is not None else base[r] * 1.0
+                old = rate[r]
+                if new == old:
+                    continue
+                rem = remaining[r] - old * (now - since[r])
+                remaining[r] = rem
+                since[r] = now
+                rate[r] = new
+                if 0.0 > rem:
+                    rem = 0.0
+                seq += 1
+                ev_t[r] = now + (rem / new if new > 0 else inf)
+                ev_seq[r] = seq
+                pending[r] = True
+
+        def begin(r: int, tid: int) -> None:
+            """The op's work starts: a fluid resource's flows at the rate it gets now, another's takes its
+            time."""
+            nonlocal seq
+            flowing[r] = True
+            if fluid[r]:
+                remaining[r] = work[tid]
+                since[r] = now
+                rate[r] = -1.0  # no rate yet: rerate schedules its finish
+                rerate()
+            else:
+                seq += 1
+                ev_t[r] = now + work[tid]
+                ev_seq[r] = seq
+                pending[r] = True
+
+        def try_start(r: int) -> None:
+            """Start the task at the head of r's queue if r is idle, its dependencies are done and the bytes
+            it allocates fit on every tier (else r waits for memory, in mem_blocked): its fixed cost first
+            where r has one, else its work."""
+            nonlocal seq
+            if running[r] >= 0 or ptr[r] >= qlen[r]:
+                return
+            tid = queues[r][ptr[r]]
+            if ndeps[tid]:
+                return
+            need = need_of[tid]
+            if need is not None:
+                for i, x in need:
+                    if x > 0 and mem[i] + x > cap_eps[i]:
+                        mem_blocked.add(r)
+                        return
+                for i, x in need:
+                    m = mem[i] + x
+                    mem[i] = m
+                    if m > peak[i]:
+                        peak[i] = m
+                trace.append((now, mem[0], mem[1], mem[2]))
+            mem_blocked.discard(r)
+            ptr[r] += 1
+            running[r] = tid
+            start[tid] = now
+            lat = latency[r]
+            if lat > 0:  # the op's fixed software cost first, outside the shared link and pools
+                flowing[r] = False
+                seq += 1
+                ev_t[r] = now + lat
+                ev_seq[r] = seq
+                pending[r] = True
+            else:
+                begin(r, tid)
+
+        for r in range(R):
+            try_start(r)
+        done = 0
+        while True:
+            t_ev = min(ev_t)
+            if t_ev == inf:
+                if True not in pending:
+                    break
+                r = min((ev_seq[i], i) for i in range(R) if pending[i])[1]
+            else:
+                r = ev_t.index(t_ev)
+                if ev_t.count(t_ev) > 1:
+                    r = min((ev_seq[i], i) for i in range(R) if ev_t[i] == t_ev)[1]
+            ev_t[r] = inf
+            pending[r] = False
             tid = running[r]
-            if not flowing[r]:  # its fixed cost is paid: now its work
-                self.begin_work(r, tid)
+            if tid < 0:
                 continue
-            self.finish(r, tid)
-
-    # --- rates of the fluid resources ---------------------------------------------------------------------
-
-    def base_rate(self, r: int) -> float:
-        """Resource r's rate before the shared pools: duplex while its link's other direction flows."""
-        p = self.partner[r]
-        return self.duplex[r] if p >= 0 and self.running[p] >= 0 and self.flowing[p] else self.solo[r]
-
-    def rerate_fluids(self) -> None:
-        """Bring every running fluid resource's progress up to now and reschedule its finish at the rate it
-        gets now: its solo or duplex rate, all scaled down together while their DRAM traffic exceeds the
-        box's."""
-        running, flowing = self.running, self.flowing
-        active = [r for r in self.fluids if running[r] >= 0 and flowing[r]]
-        base = {r: self.base_rate(r) for r in active}
-        scale = self._pool_scales(active, base)
-        for r in active:
-            self._rerate(r, base[r] * scale[r])
-
-    def _pool_scales(self, active: list[int], base: dict[int, float]) -> dict[int, float]:
-        """The factor each active fluid resource runs at: every user of an oversubscribed host pool slowed in
-        proportion, and with measured interference compute and the host's I/O threads slowed by each other."""
-        scale = dict.fromkeys(active, 1.0)
-        for cap_s, use in self.pools:
-            demand = sum(base[r] * use[r] for r in active)
-            if demand > cap_s:
-                for r in active:
-                    if use[r] > 0:
-                        scale[r] = min(scale[r], cap_s / demand)
-        gpu_r = self.gpu_r
-        if gpu_r in scale and self.rates.gpu_beside_host_optimizer > 1 and self._host_optimizer_runs():
-            scale[gpu_r] = min(scale[gpu_r], 1.0 / self.rates.gpu_beside_host_optimizer)
-        if self.contention and gpu_r in scale:  # measured interference of compute and the host's I/O threads
-            # host threads (the collectives: not measured)
-            io = [r for r in active if RESOURCES[r] in HOST_LINKS]
-            if io:
-                scale[gpu_r] = min(scale[gpu_r], 1.0 / (1.0 + self.rates.compute_io_extra * len(io)))
-                for r in io:
-                    scale[r] = min(scale[r], 1.0 / self.beside[r])
-        return scale
-
-    def _host_optimizer_runs(self) -> bool:
-        """Whether a host optimizer op (adam, adam_deferred) is running on the cpu resource now."""
-        t = self.running[self.cpu_r]
-        return t >= 0 and self.flowing[self.cpu_r] and self.graph.tasks[t].kind in CPU_ADAM_KINDS
-
-    def _rerate(self, r: int, new: float) -> None:
-        """Resource r runs at `new` from now: its progress so far is booked and its finish rescheduled."""
-        rate = self.rate
-        if new == rate[r]:
-            return
-        now = self.now
-        self.remaining[r] -= rate[r] * (now - self.since[r])
-        self.since[r] = now
-        rate[r] = new
-        self.version[r] += 1
-        left = max(self.remaining[r], 0.0)
-        fin = now + (left / new if new > 0 else math.inf)
-        self.seq += 1
-        heapq.heappush(self.heap, (fin, self.seq, r, self.version[r]))
-
-    # --- starting tasks -----------------------------------------------------------------------------------
-
-    def try_start(self, r: int) -> None:
-        """Start the task at the head of r's queue if r is idle, its dependencies are done and the bytes it
-        allocates fit (else r waits for memory, in mem_blocked)."""
-        if self.running[r] >= 0 or self.ptr[r] >= len(self.queues[r]):
-            return
-        tid = self.queues[r][self.ptr[r]]
-        if self.ndeps[tid]:
-            return
-        if self.mstart[tid] and not self._allocate(self.mstart[tid]):
-            self.mem_blocked.add(r)
-            return
-        self.mem_blocked.discard(r)
-        self._start(r, tid)
-
-    def _allocate(self, ms) -> bool:
-        """Memory accounting at a task's start: the bytes it allocates (tier, delta) if they fit on every tier
-        (the peaks and the trace follow); False, allocating nothing, if they do not."""
-        mem, cap, peak = self.mem, self.cap, self.peak
-        need = [0.0, 0.0, 0.0]
-        for tier, delta in ms:
-            need[tier] += delta
-        for i in range(3):
-            if need[i] > 0 and mem[i] + need[i] > cap[i] + _EPS_BYTES:
-                return False
-        for i in range(3):
-            if need[i]:
-                mem[i] += need[i]
-                if mem[i] > peak[i]:
-                    peak[i] = mem[i]
-        self.trace.append((self.now, mem[0], mem[1], mem[2]))
-        return True
-
-    def _start(self, r: int, tid: int) -> None:
-        """Task tid starts on r: its fixed cost first where r has one, else its work."""
-        self.ptr[r] += 1
-        self.running[r] = tid
-        self.start[tid] = self.now
-        self.version[r] += 1
-        if self.latency[r] > 0:  # the op's fixed software cost first, outside the shared link and pools
-            self.flowing[r] = False
-            self.seq += 1
-            heapq.heappush(self.heap, (self.now + self.latency[r], self.seq, r, self.version[r]))
-        else:
-            self.begin_work(r, tid)
-
-    def begin_work(self, r: int, tid: int) -> None:
-        """The op's work starts: a fluid resource's flows at the rate it gets now, another's takes its
-        time."""
-        self.flowing[r] = True
-        if self.fluid[r]:
-            self.remaining[r] = self.work[tid]
-            self.since[r] = self.now
-            self.rate[r] = -1.0  # no rate yet: rerate_fluids schedules its finish
-            self.rerate_fluids()
-        else:
-            self.version[r] += 1
-            self.seq += 1
-            heapq.heappush(self.heap, (self.now + self.work[tid], self.seq, r, self.version[r]))
-
-    # --- finishing tasks ----------------------------------------------------------------------------------
-
-    def finish(self, r: int, tid: int) -> None:
-        """Task tid's work on r is done: its memory is freed or kept, the fluid resources re-rated, and r,
-        the resources of the tasks it released and (when it freed memory) those waiting for memory try to
-        start."""
-        self.running[r] = -1
-        self.end[tid] = self.now
-        self.done += 1
-        freed = self._release(self.mend[tid]) if self.mend[tid] else False
-        if self.fluid[r]:
-            self.rate[r] = 0.0
-            self.rerate_fluids()
-        wake = {r}
-        ndeps, res_of = self.ndeps, self.res_of
-        for s in self.succ[tid]:
-            ndeps[s] -= 1
-            if not ndeps[s]:
-                wake.add(res_of[s])
-        if freed and self.mem_blocked:
-            wake |= self.mem_blocked
-        for w in wake:
-            self.try_start(w)
-
-    def _release(self, me) -> bool:
-        """Memory accounting at a task's end: the bytes it frees or keeps (tier, delta); whether it freed
-        any."""
-        mem, peak = self.mem, self.peak
-        freed = False
-        for tier, delta in me:
-            mem[tier] += delta
-            if delta < 0:
-                freed = True
-            elif mem[tier] > peak[tier]:
-                peak[tier] = mem[tier]
-        self.trace.append((self.now, mem[0], mem[1], mem[2]))
-        return freed
+            now = t_ev
+            if not flowing[r]:  # its fixed cost is paid: now its work
+                begin(r, tid)
+                continue
+            # its work is done
+            running[r] = -1
+            end[tid] = now
+            done += 1
+            freed = False
+            me = mend_of[tid]
+            if me:
+                for i, x in me:
+                    m = mem[i] + x
+                    mem[i] = m
+                    if x < 0:
+                        freed = True
+                    elif m > peak[i]:
+                        peak[i] = m
+                trace.append((now, mem[0], mem[1], mem[2]))
+            if fluid[r]:
+                rate[r] = 0.0
+                rerate()
+            wake = {r}
+            for s in succ[tid]:
+                k = ndeps[s] - 1
+                ndeps[s] = k
+                if not k:
+                    wake.add(res_of[s])
+            if freed and mem_blocked:
+                wake |= mem_blocked
+            for w in wake:
+                try_start(w)
+        self.now, self.done = now, done
 
 
 def _raise_stuck(graph, queues, ptr, ndeps, mem, cap, now, mem_blocked, resources) -> None:
@@ -484,15 +630,18 @@ def _raise_stuck(graph, queues, ptr, ndeps, mem, cap, now, mem_blocked, resource
     raise SimulationError("schedule deadlocks: " + "; ".join(heads))
 
 
-def summarize(graph: TaskGraph, start: np.ndarray, end: np.ndarray, peak: list[float], trace) -> SimResult:
+def summarize(graph: TaskGraph, start: np.ndarray, end: np.ndarray, peak: list[float], trace,
+              res: np.ndarray | None = None, its: np.ndarray | None = None) -> SimResult:
     """Steady-state metrics of a played graph: from the simulator's times, or from an executor's measured
-    ones."""
+    ones. `res`, `its`: each task's resource name and iteration, where the caller has them as arrays."""
     tasks = graph.tasks
     N = graph.num_iterations
-    gpu_mask = np.array([t.resource == "gpu" for t in tasks])
-    its = np.array([t.iteration for t in tasks])
+    if res is None:
+        res = np.array([t.resource for t in tasks])
+    if its is None:
+        its = np.array([t.iteration for t in tasks])
+    gpu_mask = res == "gpu"
     ends = [float(end[gpu_mask & (its == i)].max()) for i in range(N)]
-    res = np.array([t.resource for t in tasks])
     w0, iteration_s = _steady_window(N, end, ends, res, its)
     w1 = w0 + iteration_s
     return SimResult(

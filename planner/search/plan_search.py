@@ -157,7 +157,10 @@ def plan_search(problem: Problem, *, time_limit_s: float = 60.0, micro_batches: 
         evaluated.append(ev)
         LOG.debug("candidate %s: %s", c.describe(batch), _evaluation_text(ev))
         if ev.result and (best is None or ev.verified_s < best.verified_s):
+            _keep_metrics_only(best)
             best = ev
+        elif ev is not best:
+            _keep_metrics_only(ev)
     if best is not None:
         best = _order_variants(problem, best, evaluated)
     micro_batches_tried = sorted({c.micro_batch for c in cands})
@@ -168,6 +171,7 @@ def plan_search(problem: Problem, *, time_limit_s: float = 60.0, micro_batches: 
             c = Candidate(cfg_b.micro_batch, cfg_b.group, cfg_b.alpha, cfg_b.prefetch_depth,
                           cfg_b.optimizer_overlap)
             loads = iteration_loads(problem.model, problem.hw, cfg_b)
+            _keep_metrics_only(best)
             best = Evaluated(c, cfg_b, None, res_b, predicted_s=loads.predict_s(problem.hw),
                              binding=loads.binding(problem.hw), error=f"baseline {name}")
             evaluated.append(best)
@@ -177,7 +181,8 @@ def plan_search(problem: Problem, *, time_limit_s: float = 60.0, micro_batches: 
         raise PlanningError(infeasible_message(problem))
     _predict(problem, best)
     return SearchResult(best=best, evaluated=evaluated, wall_s=time.perf_counter() - t0, problem=problem,
-                        baseline={k: v[1] for k, v in base.items()})
+                        baseline={k: v[1] if v[1] is best.result else v[1].summary_only()
+                                  for k, v in base.items()})
 
 
 def _evaluation_text(ev: Evaluated) -> str:
@@ -215,10 +220,19 @@ def _order_variants(problem: Problem, best: Evaluated, evaluated: list[Evaluated
         except CapacityError:
             continue
         if r2.iteration_s < best.verified_s:
+            _keep_metrics_only(best)
             best = Evaluated(replace(best.candidate, **variant), cfg2, best.solver, r2,
                              predicted_s=best.predicted_s, binding=best.binding)
             evaluated.append(best)
     return best
+
+
+def _keep_metrics_only(ev: Evaluated | None) -> None:
+    """A verified candidate that is not (or no longer) the best keeps its result's metrics but not its task
+    graph and per-task times (SimResult.summary_only): only the best plan's timeline is ever read, and each
+    175B graph of three iterations holds ~150 MB."""
+    if ev is not None and ev.result is not None and ev.result.graph.tasks:
+        ev.result = ev.result.summary_only()
 
 
 def fixed_baselines(problem: Problem, micro_batches: list[int], *,

@@ -91,6 +91,7 @@ def solve_slots(sm: SlotModel, hw: HardwareProfile, *, tol: float = 1e-9,
     iteration_s = lp.Sum([float(sm.period[t]) * D[t] for t in range(T)])
     lp.Add(iteration_s >= throughput_s)
     lp.Minimize(iteration_s)
+    inf = lp.infinity()
     rows: set[int] = set()
     durations_s = sm.gpu.astype(float).copy()
     status = "FEASIBLE"
@@ -102,8 +103,13 @@ def solve_slots(sm: SlotModel, hw: HardwareProfile, *, tol: float = 1e-9,
             status = "OPTIMAL"
             break
         for w in worst:
+            # the row as the natural API's `lp.Add(sum(copies_t * D_t) >= need)` makes it (the same bounds,
+            # the coefficients in the same order) without building an expression object per term
             copies = sm.counts[w]
-            lp.Add(lp.Sum([float(copies[t]) * D[t] for t in np.nonzero(copies)[0]]) >= float(need_s[w]))
+            nz = np.flatnonzero(copies)
+            row = lp.RowConstraint(float(need_s[w]), inf, "")
+            for t, c in zip(nz.tolist(), copies[nz].tolist(), strict=True):
+                row.SetCoefficient(D[t], float(c))
             rows.add(w)
         if lp.Solve() != pywraplp.Solver.OPTIMAL:
             raise SlotModelError("the slot model's LP did not solve (numerical trouble)")
