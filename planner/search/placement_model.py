@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from ortools.sat.python import cp_model
 
-from tierflow.planner.core.memory import STATE_BYTES, ScheduleMemory, host_reserve_bytes
+from tierflow.planner.core.memory import ScheduleMemory, host_reserve_bytes
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleConfig, build_graph
 from tierflow.planner.core.simulator import CapacityError, simulate_graph
@@ -151,7 +151,7 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
     cap_mib = {t: max(0, int((c - tighten_bytes.get(t, 0.0)) / MIB))
                for t, c in problem.capacity_bytes.items()}
     weight_mib = _mib(sm.precision.compute_bytes * sm.params / STEPS)  # per step of a fraction
-    state_mib = _mib(STATE_BYTES * sm.params / STEPS)
+    state_mib = _mib(sm.precision.state_bytes * sm.params / STEPS)
     ckpt_recompute_mib = _mib(sm.ckpt_per_layer_bytes * L / STEPS)  # all layers' checkpoints, per step of c_*
     ckpt_swap_mib = _mib(sm.swap_extra_bytes / STEPS)  # per swapped layer and step of c_*
     # working memory, and what the executor's CUDA runtime maps under the cap (static, not placed: devicemem)

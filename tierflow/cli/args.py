@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from tierflow.planner.core.models import PRECISION_NAMES, ModelSpec
+from tierflow.errors import UsageError
+from tierflow.planner.core.models import OPTIMIZER_STATE_NAMES, PRECISION_NAMES, ModelError, ModelSpec
 from tierflow.planner.core.world import World
 from tierflow.planner.io.argtypes import MAX_BATCH, positive_int
 
@@ -61,9 +62,31 @@ def add_precision_arg(p: argparse.ArgumentParser) -> None:
 
 
 def in_precision(model: ModelSpec, args: argparse.Namespace) -> ModelSpec:
-    """`model` trained in --precision (unchanged without it)."""
+    """`model` trained in --precision, its optimizer states in --optimizer-states (unchanged without them)."""
     precision = getattr(args, "precision", None)
-    return model if precision is None else model.with_precision(precision)
+    model = model if precision is None else model.with_precision(precision)
+    return in_state_format(model, args)
+
+
+def add_optimizer_states_arg(p: argparse.ArgumentParser) -> None:
+    """--optimizer-states: the format of AdamW's master copy and moments (tierflow.planner.core.optstates)."""
+    p.add_argument("--optimizer-states", choices=OPTIMIZER_STATE_NAMES, default=None,
+                   help="AdamW's states: fp32 (default: fp32 master, m and v, 12 bytes per parameter), "
+                   "8bit (m and v quantized block-wise to 8 bits, an fp32 absmax per 256 elements: 6.03 "
+                   "bytes), 8bit-bf16master (also a bf16 master, rounded stochastically: 4.03 bytes; "
+                   "16-bit training only); docs/compressed-states.md")
+
+
+def in_state_format(model: ModelSpec, args: argparse.Namespace) -> ModelSpec:
+    """`model` with its optimizer states in --optimizer-states (unchanged without it); a bad combination (a
+    bf16 master with fp32 training) is a UsageError."""
+    states = getattr(args, "optimizer_states", None)
+    if states is None:
+        return model
+    try:
+        return model.with_optimizer_states(states)
+    except ModelError as e:
+        raise UsageError(f"--optimizer-states {states}: {e}") from e
 
 
 def add_world_args(p: argparse.ArgumentParser) -> None:
