@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers import SSD, placement, profile
+
 from tierflow.cli import main
 from tierflow.planner.core.graph import Task
 from tierflow.planner.core.memory import placed_bytes
