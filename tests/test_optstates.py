@@ -1,6 +1,6 @@
-"""Optimizer-state formats in the planner: the bytes of each format (optstates), the model field that carries it
-(left out of plan files when it is the default), the memory model, the simulated SSD traffic, capacity and
-the CLI flag."""
+"""Optimizer-state formats in the planner: the bytes of each format (optstates), the model field that carries
+it (left out of plan files when it is the default), the memory model, the simulated SSD traffic, capacity
+and the CLI flag."""
 
 from __future__ import annotations
 
