@@ -64,10 +64,11 @@ class OtherTraining(StateError):
 def training_digest(model: object, batch: int, seq: int) -> str:
     """What a checkpoint can be resumed under: the model's every field (a dataclass), the global batch and the
     sequence length, hashed; the schedule, placement and micro-batch are not part of it."""
-    import dataclasses
     import hashlib
 
-    d = {"model": dataclasses.asdict(model), "batch": batch, "seq": seq}
+    from tierflow.planner.core.models import model_dict
+
+    d = {"model": model_dict(model), "batch": batch, "seq": seq}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -92,6 +92,7 @@ from tierflow.executor.tiers.state import StateError, TrainState
 from tierflow.outputs import OutputError, atomic_path, check_output_dir
 from tierflow.planner.core.clipwait import OPTIMIZER_KINDS, wait_for_norm, waits_for_norm
 from tierflow.planner.core.graph import CycleError
+from tierflow.planner.core.models import model_dict
 from tierflow.planner.core.opkinds import ENTRY_TENSORS
 from tierflow.planner.core.simulator import CapacityError, SimResult
 from tierflow.planner.core.workload import model_flops_per_token, precision_of
@@ -199,7 +200,7 @@ class RunStopped(Exception):  # noqa: N818 - the run stopped; not necessarily an
 
 
 def plan_fingerprint(plan: Plan) -> str:
-    d = {"model": asdict(plan.model), "decisions": plan.config.to_dict()}
+    d = {"model": model_dict(plan.model), "decisions": plan.config.to_dict()}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -154,11 +154,14 @@ class TrainState:
         self.shard_numel = [hi - lo for lo, hi in self.shards]
         self.parts = [part_ranges(n, alpha) for n in self.shard_numel]
         self.vec: dict[str, list[TierVector]] = {}
+        from tierflow.executor.qstate import make_vector, vector_dtype  # its vectors subclass TierVector
+
+        fmt = spec.optimizer_states  # the optimizer-state format (executor/qstate.py)
         for cls in STATE_CLASSES:
             split = getattr(placement, cls)
-            dtype = compute_dtype if cls == "weights" else torch.float32
+            dtype = vector_dtype(fmt, cls, compute_dtype)
             pin = cls == "weights"
-            self.vec[cls] = [TierVector(cls, b, n, split, dtype, self.backend, self.parts[b], pin)
+            self.vec[cls] = [make_vector(fmt, cls, b, n, split, dtype, self.backend, self.parts[b], pin)
                              for b, n in enumerate(self.shard_numel)]
         # host fp32 gradient accumulators (a GPU optimizer keeps its gradients on the device instead)
         self.grads: list[torch.Tensor | None] = [None] * len(self.layout.numel)
