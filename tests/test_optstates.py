@@ -5,6 +5,7 @@ and the CLI flag."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from helpers import SSD, placement, profile
@@ -20,6 +21,7 @@ from tierflow.planner.core.optstates import (
     quantized_bytes,
     state_format,
 )
+from tierflow.planner.core.placement import Placement
 from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.core.workload import precision_of
 from tierflow.planner.io.planfile import load_plan, plan_from_graph, plan_to_dict, write_plan
@@ -122,3 +124,21 @@ def test_cli_flag_and_bad_combination(capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "16-bit" in err[0]
+
+
+def test_compressed_states_count_their_fp32_workspace_where_the_optimizer_runs():
+    from tierflow.planner.core.memory import schedule_memory
+
+    kw = dict(micro_batch=1, seq=256, num_micro_batches=2, group=2, alpha=0.0, optimizer_overlap=True,
+              prefetch_depth=1)
+    m = get_model("gpt3-125m")
+    assert schedule_memory(m, **kw).opt_workspace_bytes == 0
+    q = schedule_memory(m.with_optimizer_states("8bit"), **kw)
+    largest_block = max(m.embedding_params(), m.layer_params())
+    assert q.opt_workspace_bytes == 12 * largest_block
+    host = q.tier_bytes(placement(states=SSD), 0)
+    gpu = Placement.uniform("gpu")
+    bare = replace(q, opt_workspace_bytes=0.0)
+    assert host["cpu"] - bare.tier_bytes(placement(states=SSD), 0)["cpu"] == q.opt_workspace_bytes
+    on_gpu = q.tier_bytes(gpu, 0)["gpu"] - bare.tier_bytes(gpu, 0)["gpu"]
+    assert on_gpu == pytest.approx(q.opt_workspace_bytes)

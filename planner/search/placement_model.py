@@ -158,7 +158,8 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
     gpu_work_mib = _mib(mem.gpu_working_bytes + sm.cuda_runtime_bytes)
     gpu_swap_extra_mib = max(0, _mib(mem.gpu_working_swap_bytes) - gpu_work_mib) if can_swap else 0
     # the host's gradients and reserve, and the staging buffers of each tensor class the SSDs hold a part of
-    host_mib = _mib(sm.host_grad_bytes + host_reserve_bytes(rank_capacity_bytes(hw, problem.gpus)["cpu"]))
+    host_mib = _mib(sm.host_grad_bytes + host_reserve_bytes(rank_capacity_bytes(hw, problem.gpus)["cpu"])
+                    + sm.opt_workspace_bytes)
     staging_mib = {"w_ssd": _mib(sm.weight_staging_bytes), "s_ssd": _mib(sm.state_staging_bytes),
                    "c_ssd": _mib(max(sm.ckpt_staging_bytes, sm.ckpt_staging_swap_bytes))}
 
