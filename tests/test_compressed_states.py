@@ -29,3 +29,14 @@ def test_compressed_states_experiment_quick(tmp_path):
     assert by["tierflow 8bit-bf16master"]["ssd_mb"] < by["tierflow 8bit"]["ssd_mb"]
     table = compressed_states.quality_table(rows)
     assert table.count("\n") == 1 + len(STATE_FORMATS) and "+0.00%" in table
+
+
+def test_compressed_sim_experiment_quick(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import compressed_sim
+
+    rows = compressed_sim.run(quick=True, out_dir=tmp_path)
+    assert [r["format"] for r in rows] == list(STATE_FORMATS)
+    assert all(r["iteration_s"] > 0 for r in rows)
+    table = compressed_sim.sim_table(rows)
+    assert table.count("\n") == 1 + len(STATE_FORMATS) and "1.00x" in table
