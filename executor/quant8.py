@@ -133,8 +133,8 @@ class Q8:
         self.absmax.copy_(am)
         inv = torch.where(am > 0, 1.0 / am, torch.zeros_like(am))  # an all-zero block: codes of 0
         normed = (xb * inv[:, None]).view(torch.int32).reshape(-1)[: self.n]
-        table = _code_table(self.signed).to(x.device)
-        self.codes.copy_(table[torch.bitwise_right_shift(normed, 32 - LUT_BITS) & ((1 << LUT_BITS) - 1)])
+        normed.bitwise_right_shift_(32 - LUT_BITS).bitwise_and_((1 << LUT_BITS) - 1)  # in place: no copies
+        self.codes.copy_(_code_table(self.signed).to(x.device)[normed])
 
     def decode(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The n elements as fp32: each code's map value times its block's absmax."""
@@ -143,11 +143,11 @@ class Q8:
         if self.n == 0:
             return out
         nb = n_blocks(self.n)
-        values = _dynamic_map(self.signed).to(self.buf.device)[self.codes.long()]
-        full = (nb * BLOCK == self.n)
-        vb = values.view(nb, BLOCK) if full else _blocks(values, nb)
-        prod = vb * self.absmax[:, None]
-        out.copy_(prod.reshape(-1)[: self.n])
+        values = _dynamic_map(self.signed).to(self.buf.device)[self.codes.int()]
+        if nb * BLOCK == self.n:  # whole blocks: straight into `out`
+            torch.mul(values.view(nb, BLOCK), self.absmax[:, None], out=out.view(nb, BLOCK))
+        else:
+            out.copy_((_blocks(values, nb) * self.absmax[:, None]).reshape(-1)[: self.n])
         return out
 
     def copy_from(self, other: Q8) -> None:
