@@ -142,3 +142,18 @@ def test_compressed_states_count_their_fp32_workspace_where_the_optimizer_runs()
     assert host["cpu"] - bare.tier_bytes(placement(states=SSD), 0)["cpu"] == q.opt_workspace_bytes
     on_gpu = q.tier_bytes(gpu, 0)["gpu"] - bare.tier_bytes(gpu, 0)["gpu"]
     assert on_gpu == pytest.approx(q.opt_workspace_bytes)
+
+
+def test_plan_auto_picks_the_fastest_accepted_format(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    rc = main(["plan", "--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--batch", "8", "--time-limit", "5",
+               "--optimizer-states", "auto", "--accept-states", "fp32,8bit-bf16master", "-o", str(out),
+               "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    times = d["optimizer_states_auto"]
+    assert list(times) == ["fp32", "8bit-bf16master"]
+    chosen = min(times, key=lambda f: (times[f], list(times).index(f)))
+    assert load_plan(out).model.optimizer_states == (None if chosen == "fp32" else chosen)
+    assert d["predicted"]["iteration_s"] == times[chosen]
+    assert main(["plan", "--model", "tiny-gpt", "--optimizer-states", "auto", "--accept-states", "int4"]) == 2
