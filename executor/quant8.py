@@ -15,7 +15,7 @@ decode-then-encode returns the same bytes (a checkpoint stores decoded fp32 stat
 Why not a library: bitsandbytes' 8-bit AdamW (optimizer_update_8bit_blockwise) takes flat tensors with the
 same layout (uint8 states, fp32 absmax per 256), but on this machine's CPU it ran 4M parameters in 460 ms
 against 16 ms for torch's fused fp32 AdamW, and torchao's AdamW8bit in 423 ms
-(experiments/compressed_states.py --bench); the executor's stretches need decode and encode on their own,
+(docs/compressed-states.md); the executor's stretches need decode and encode on their own,
 and neither library is a dependency of tierflow. tests/test_quant8.py compares this quantizer and update with
 bitsandbytes' on the same inputs where it is installed.
 """
