@@ -47,6 +47,7 @@ from tierflow.errors import TierflowError
 from tierflow.executor.dist import SINGLE, DistWorld
 from tierflow.executor.tiers.state import STATE_CLASSES, StateError, TrainState
 from tierflow.hwprofiles.inputs import MIB, loads_json_limited, read_limited_text
+from tierflow.planner.core.models import model_dict
 
 CHECKPOINT_FORMAT = "tierflow-checkpoint"
 CHECKPOINT_VERSION = 2  # 2: per-file sizes and CRC32s in the manifest; version 1 (without them) is still read
@@ -64,10 +65,9 @@ class OtherTraining(StateError):
 def training_digest(model: object, batch: int, seq: int) -> str:
     """What a checkpoint can be resumed under: the model's every field (a dataclass), the global batch and the
     sequence length, hashed; the schedule, placement and micro-batch are not part of it."""
-    import dataclasses
     import hashlib
 
-    d = {"model": dataclasses.asdict(model), "batch": batch, "seq": seq}
+    d = {"model": model_dict(model), "batch": batch, "seq": seq}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

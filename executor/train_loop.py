@@ -70,6 +70,7 @@ from tierflow.executor.tblog import TbLog
 from tierflow.executor.tiers.dirlock import DirLock, remove_stale_run_dirs
 from tierflow.executor.tiers.ssd_store import SsdStore, check_ssd_dir
 from tierflow.executor.tiers.state import TrainState
+from tierflow.planner.core.models import model_dict
 from tierflow.planner.core.simulator import SimResult
 from tierflow.planner.core.workload import model_flops_per_token
 from tierflow.planner.io.planfile import Plan, simulate_plan
@@ -156,7 +157,7 @@ class RunStopped(Exception):  # noqa: N818 - the run stopped; not necessarily an
 
 
 def plan_fingerprint(plan: Plan) -> str:
-    d = {"model": asdict(plan.model), "decisions": plan.config.to_dict()}
+    d = {"model": model_dict(plan.model), "decisions": plan.config.to_dict()}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

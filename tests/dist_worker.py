@@ -7,7 +7,8 @@ the error it raised.
 
 A case: {"name", "family", "placement", "steps", "model"?, "batch"?, "alpha"?, "device"?, "ssd_dir",
 "checkpoint_dir"?, "checkpoint_every"?, "resume_fallback"?, "remove_shard"?: the rank whose shard of the
-latest checkpoint rank 0 deletes first, "compute_dtype"?: "bf16" | "fp32"}.
+latest checkpoint rank 0 deletes first, "compute_dtype"?: "bf16" | "fp32", "optimizer_states"?: a format of
+tierflow.planner.core.optstates}.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def box(gpus: int, nodes: int = 1):
 
 
 def make_plan(model_name: str, family: str, placement: str, gpus: int = 1, nodes: int = 1,
-              alpha: float = 0.25, iterations: int = 2, batch: int = BATCH):
-    model = get_model(model_name)
+              alpha: float = 0.25, iterations: int = 2, batch: int = BATCH,
+              optimizer_states: str | None = None):
+    model = get_model(model_name).with_optimizer_states(optimizer_states)
     hw = box(gpus, nodes)
     cfg = make_schedule(family, model, hw, batch=batch, micro_batch=MICRO, seq=SEQ,
                         placement=PLACEMENTS[placement], alpha=alpha, iterations=iterations,
@@ -64,7 +66,8 @@ def make_plan(model_name: str, family: str, placement: str, gpus: int = 1, nodes
 
 def run_case(case: dict, out: Path, ranks: int, rank: int) -> None:
     plan = make_plan(case.get("model", "tiny-gpt"), case["family"], case["placement"], gpus=ranks,
-                     alpha=case.get("alpha", 0.25), batch=case.get("batch", BATCH))
+                     alpha=case.get("alpha", 0.25), batch=case.get("batch", BATCH),
+                     optimizer_states=case.get("optimizer_states"))
     ck = case.get("checkpoint_dir")
     if case.get("remove_shard") is not None and rank == 0:
         latest, _steps, _problem = candidates(ck)

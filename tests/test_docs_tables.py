@@ -22,6 +22,8 @@ import bench_optimizer  # noqa: E402
 import bench_simulator  # noqa: E402
 import bench_store  # noqa: E402
 import closed_loop  # noqa: E402
+import compressed_sim  # noqa: E402
+import compressed_states  # noqa: E402
 import dos_polaris  # noqa: E402
 import expcommon  # noqa: E402
 import fidelity  # noqa: E402
@@ -61,6 +63,9 @@ GENERATED = [
     (bench_dispatch.DOC, bench_dispatch.DOC_TABLE, "bench_dispatch.csv", bench_dispatch.dispatch_table),
     (dos_polaris.DOC, dos_polaris.DOC_TABLE, "dos_polaris.csv", dos_polaris.sweep_table),
     (h200_run.DOC, h200_run.DOC_TABLE, "h200_run.csv", h200_run.doc_table),
+    (compressed_sim.DOC, compressed_sim.DOC_TABLE, "compressed_sim.csv", compressed_sim.sim_table),
+    (compressed_states.DOC, compressed_states.QUALITY_TABLE, "compressed_states.csv",
+     compressed_states.quality_table),
 ]
 
 

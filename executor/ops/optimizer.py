@@ -19,6 +19,14 @@ from tierflow.executor.optim.adamw import adamw_update, norms_of
 from tierflow.executor.optim.clipping import GradNorms, sum_of_squares
 from tierflow.executor.optim.decay import decay_pieces
 from tierflow.executor.optim.host_adamw import host_adamw
+from tierflow.executor.optim.qstate import (
+    adam_gpu_compressed,
+    compressed,
+    host_adamw_compressed,
+    host_stretch,
+    payload,
+    read_piece,
+)
 from tierflow.planner.core.graph import Task
 from tierflow.planner.core.opkinds import READ_OPT_STATES
 
@@ -44,7 +52,7 @@ class OptimizerOps:
             V = self.cx.state.vec[cls][t.block]
             for name, pj, lo, hi in V.ssd_pieces():
                 if pj == j:
-                    out[cls] = (lo, hi, self.cx.ssd.read(name, torch.float32, hi - lo))  # host-only: pageable
+                    out[cls] = (lo, hi, read_piece(V, self.cx.ssd, name, lo, hi))  # host-only: pageable
         rs.staged[Staged("opt_states_read", t.id)] = out
 
     def adam(self, rs: RoundState, t: Task) -> None:
@@ -63,7 +71,7 @@ class OptimizerOps:
         def pieces(cls: str) -> list[tuple[int, int, torch.Tensor]]:
             """(a, z, view) of the stretches of [lo, hi) of class `cls`: its host range, its SSD range."""
             V = vecs[cls]
-            out = [(a, z, V.host[a - V.g: z - V.g]) for a, z in [(max(lo, V.g), min(hi, V.ssd_lo))] if z > a]
+            out = [(a, z, host_stretch(V, a, z)) for a, z in [(max(lo, V.g), min(hi, V.ssd_lo))] if z > a]
             if cls in ssd_parts:
                 plo, phi, data = ssd_parts[cls]
                 out.append((plo, phi, data))
@@ -73,8 +81,11 @@ class OptimizerOps:
         grads = state.grads[b]
         coef = clip_prelude(self.cx, rs, t, step, [grads[ga:gz] for ga, gz, _d in groups])
         dests = self._weight_dests(rs, t, j, lo, hi)
-        host_adamw(self.cx.hyper, step, groups, {cls: pieces(cls) for cls in OPT_CLASSES}, grads, dests,
-                   coef)
+        stretches = {cls: pieces(cls) for cls in OPT_CLASSES}
+        if compressed(state.spec.optimizer_states):  # decoded, updated, encoded (executor/optim/qstate.py)
+            host_adamw_compressed(self.cx.hyper, step, b, groups, stretches, grads, dests, coef)
+        else:
+            host_adamw(self.cx.hyper, step, groups, stretches, grads, dests, coef)
         rs.staged[Staged("opt_states_out", t.id)] = ssd_parts
 
     def _weight_dests(self, rs: RoundState, t: Task, j: int, lo: int,
@@ -106,11 +117,13 @@ class OptimizerOps:
         for cls, (_lo, _hi, data) in rs.staged.pop(Staged("opt_states_out", a)).items():
             j = self.cx.binding.part_of[t.id]
             name = next(n for n, pj, _l, _h in self.cx.state.vec[cls][t.block].ssd_pieces() if pj == j)
-            self.cx.ssd.write(name, data)
+            self.cx.ssd.write(name, payload(data))
         for name, data in rs.staged.pop(Staged("weights_ssd", a)):
             self.cx.ssd.write(name, data)
 
     def adam_gpu(self, rs: RoundState, t: Task) -> None:
+        if compressed(self.cx.state.spec.optimizer_states):
+            return adam_gpu_compressed(self, rs, t)
         b = t.block
         grad = None
         for _o, _lo, g in self.buffers.take(rs, t.id):

@@ -28,6 +28,7 @@ from tierflow.executor.device.base import DeviceBackend
 from tierflow.executor.device.factory import as_backend
 from tierflow.executor.dist import SINGLE, DistWorld
 from tierflow.executor.models import check_block_state_dicts, hf_key_target, init_weights, make_blocks
+from tierflow.executor.tiers.qvector import QTierVector, quantized_class, vector_dtype
 from tierflow.executor.tiers.ssd_store import SsdStore, split_counts
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split
@@ -154,11 +155,13 @@ class TrainState:
         self.shard_numel = [hi - lo for lo, hi in self.shards]
         self.parts = [part_ranges(n, alpha) for n in self.shard_numel]
         self.vec: dict[str, list[TierVector]] = {}
+        fmt = spec.optimizer_states  # the optimizer-state format (tiers/qvector.py)
         for cls in STATE_CLASSES:
             split = getattr(placement, cls)
-            dtype = compute_dtype if cls == "weights" else torch.float32
+            dtype = vector_dtype(fmt, cls, compute_dtype)
             pin = cls == "weights"
-            self.vec[cls] = [TierVector(cls, b, n, split, dtype, self.backend, self.parts[b], pin)
+            kind = QTierVector if quantized_class(fmt, cls) else TierVector
+            self.vec[cls] = [kind(cls, b, n, split, dtype, self.backend, self.parts[b], pin)
                              for b, n in enumerate(self.shard_numel)]
         # host fp32 gradient accumulators (a GPU optimizer keeps its gradients on the device instead)
         self.grads: list[torch.Tensor | None] = [None] * len(self.layout.numel)

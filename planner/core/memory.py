@@ -172,6 +172,9 @@ class ScheduleMemory:
     # does not lower the host's peak
     accumulates_on_host: bool = False
     precision: Precision = PRECISIONS[DEFAULT_PRECISION]  # the bytes of the placed tensors
+    # compressed optimizer states (optstates): the fp32 copies of the master and moments of the block being
+    # stepped (executor/optim/qstate.py decodes, updates and encodes a part at once), where the optimizer runs
+    opt_workspace_bytes: float = 0.0
 
     @property
     def host_staging_bytes(self) -> float:
@@ -214,10 +217,11 @@ class ScheduleMemory:
             grads_on_host += deepspeed_host_buffers_bytes(self.params, DS_SUB_GROUP_ELEMS,
                                                           placement.weights.ssd > 0, placement.master.ssd > 0,
                                                           self.precision.compute_bytes)
+        on_gpu = placement.gpu_optimizer
         return {
-            "gpu": placed["gpu"] + gpu_work + ck * c.gpu,
+            "gpu": placed["gpu"] + gpu_work + ck * c.gpu + (self.opt_workspace_bytes if on_gpu else 0.0),
             "cpu": placed["cpu"] + grads_on_host + self.staging_bytes(placement, swap_layers) + ck * c.cpu
-            + host_reserve_bytes(cpu_capacity_bytes),
+            + host_reserve_bytes(cpu_capacity_bytes) + (0.0 if on_gpu else self.opt_workspace_bytes),
             "ssd": placed["ssd"] + ck * c.ssd,
         }
 
@@ -254,6 +258,8 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
     # states of three blocks (read next, updated now, written back), a spilled gradient read back
     weight_staging = pr.compute_bytes * largest(fetched, prefetch_depth + 2)
     state_staging = pr.state_bytes * largest(owned, 3)
+    fp32_states = MASTER_BYTES + 2 * ADAM_STATE_BYTES
+    workspace = 0.0 if pr.state_bytes == fp32_states else fp32_states * largest(owned, 1) / ranks
     grad_staging = pr.grad_accum_bytes * largest(fetched, 2)
     if ranks > 1:  # the host and the SSDs hold and stream one rank's shard of every block
         grads, weight_staging, state_staging, grad_staging = (
@@ -286,4 +292,4 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
                                              if runtime == "deepspeed" else 0.0),
                           cuda_runtime_bytes=runtime_gpu_reserve_bytes(runtime, ranks, hw),
                           precision=pr, deepspeed_host=runtime == "deepspeed",
-                          accumulates_on_host=group < num_micro_batches)
+                          accumulates_on_host=group < num_micro_batches, opt_workspace_bytes=workspace)

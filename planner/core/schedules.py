@@ -734,7 +734,7 @@ class _Builder(DeepSpeedHooks, LohanHooks):
                 continue
             if p.gpu_optimizer:
                 # an in-place precision steps the weights themselves: no write of a compute copy
-                saved = self.pr.compute_bytes if self.pr.in_place else 0
+                saved = (self.pr.compute_bytes if self.pr.in_place else 0) + self.pr.state_traffic_saved_bytes
                 t = g.add(ADAM_GPU, "gpu", self.cost.gpu_adam_s(owned, saved), tensor="opt_states", block=b,
                           mb=-1, iteration=it, key=key + Offset.ADAM_GPU, deps=grads_ready + barrier)
                 # the step consumes the (full) gradient buffer

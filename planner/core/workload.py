@@ -10,9 +10,10 @@ Conventions (see docs/planning.md, "FLOP conventions"):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tierflow.planner.core.models import ModelSpec, get_family
+from tierflow.planner.core.optstates import DEFAULT_STATE_FORMAT, state_format
 
 COMPUTE_BYTES = 2  # bf16/fp16 weights, activations and gradients on the GPU (the default precision's)
 MASTER_BYTES = 4  # fp32 master copy of the weights
@@ -45,15 +46,31 @@ class Precision:
     name: str
     compute_bytes: int  # weights, activations, gradients on the GPU and on the wire
     gemm_peak: str  # the profile's gpu field with this precision's GEMM peak
-    master_bytes: int = MASTER_BYTES
-    adam_state_bytes: int = ADAM_STATE_BYTES
+    master_bytes: float = MASTER_BYTES
+    adam_state_bytes: float = ADAM_STATE_BYTES  # each of m and v (8-bit: block scales included)
     grad_accum_bytes: int = GRAD_ACCUM_BYTES
     in_place: bool = False
+    optimizer_states: str = DEFAULT_STATE_FORMAT  # the format of master and moments (optstates)
 
-    def master_bytes_at(self, gpu_optimizer: bool) -> int:
+    def with_states(self, states: str | None) -> Precision:
+        """This precision with its optimizer states in format `states` (optstates.state_format: the one
+        place that says how many bytes the master copy and the moments take)."""
+        f = state_format(states, self.master_bytes)
+        if f.name == self.optimizer_states:
+            return self
+        return replace(self, master_bytes=f.master_bytes, adam_state_bytes=f.moment_bytes,
+                       optimizer_states=f.name)
+
+    def master_bytes_at(self, gpu_optimizer: bool) -> float:
         """Bytes per parameter of the master copy for a placement whose optimizer runs on the GPU or not: none
         where an in-place precision's optimizer steps the GPU's weights themselves."""
         return 0 if self.in_place and gpu_optimizer else self.master_bytes
+
+    @property
+    def state_traffic_saved_bytes(self) -> float:
+        """Bytes per parameter an optimizer step moves less than with fp32 states: the master and both
+        moments are each read and written once."""
+        return 2 * (MASTER_BYTES - self.master_bytes) + 2 * 2 * (ADAM_STATE_BYTES - self.adam_state_bytes)
 
     @property
     def grad_wire_bytes(self) -> int:
@@ -61,7 +78,7 @@ class Precision:
         return self.compute_bytes
 
     @property
-    def state_bytes(self) -> int:
+    def state_bytes(self) -> float:
         """Master copy + Adam m + v, per parameter."""
         return self.master_bytes + 2 * self.adam_state_bytes
 
@@ -78,8 +95,10 @@ DEFAULT_PRECISION = "bf16"
 
 
 def precision_of(model: ModelSpec) -> Precision:
-    """The precision `model` is trained in (ModelSpec.precision; None: the default, bf16)."""
-    return PRECISIONS[model.precision or DEFAULT_PRECISION]
+    """The precision `model` is trained in (ModelSpec.precision; None: the default, bf16), with its optimizer
+    states in the model's format (ModelSpec.optimizer_states)."""
+    pr = PRECISIONS[model.precision or DEFAULT_PRECISION]
+    return pr if model.optimizer_states is None else pr.with_states(model.optimizer_states)
 
 
 @dataclass(frozen=True)
@@ -436,7 +455,7 @@ def recompute_flops_per_token(model: ModelSpec, seq: int) -> float:
     return 2.0 * model.num_layers * model.layer_matmul_params() + 4.0 * model.num_layers * model.q_dim * seq
 
 
-def state_bytes_per_param(precision: Precision = PRECISIONS[DEFAULT_PRECISION]) -> dict[str, int]:
+def state_bytes_per_param(precision: Precision = PRECISIONS[DEFAULT_PRECISION]) -> dict[str, float]:
     """Bytes per parameter of each tensor class of Adam in `precision`."""
     return {
         "weights": precision.compute_bytes,

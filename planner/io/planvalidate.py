@@ -40,7 +40,7 @@ from tierflow.planner.core.graph import (
 )
 from tierflow.planner.core.jsonio import is_gzip_file, read_text
 from tierflow.planner.core.memory import static_bytes as placed_static_bytes
-from tierflow.planner.core.models import ModelError, ModelSpec
+from tierflow.planner.core.models import ModelError, ModelSpec, model_dict
 from tierflow.planner.core.opkinds import OP_KINDS
 from tierflow.planner.core.placement import Placement, PlacementError
 from tierflow.planner.core.schedules import build_graph
@@ -92,7 +92,7 @@ def _hash(value: Any) -> str:
 def _digest_fields(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> dict[str, str]:
     """One hash per field the ops were built from (model.*, decisions.*, hardware.<section>.*), from the
     rebuilt objects (so 0 and 0.0 hash alike), so that a mismatch names the field that was edited."""
-    fields = {f"model.{k}": _hash(v) for k, v in dataclasses.asdict(model).items()}
+    fields = {f"model.{k}": _hash(v) for k, v in model_dict(model).items()}
     fields.update({f"decisions.{k}": _hash(v) for k, v in cfg.to_dict().items()})
     hw_dict = hw.to_dict()
     for section, values in hw_dict.items():

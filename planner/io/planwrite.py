@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -21,7 +20,7 @@ from tierflow.outputs import atomic_write_bytes
 from tierflow.planner.core.contract import Plan, ScheduleConfig
 from tierflow.planner.core.graph import LINKS, TIERS, Task, TaskGraph, gc_paused
 from tierflow.planner.core.jsonio import gz_name, gzip_bytes, is_gzip_name
-from tierflow.planner.core.models import ModelSpec
+from tierflow.planner.core.models import ModelSpec, model_dict
 from tierflow.planner.core.simulator import SimResult
 from tierflow.planner.io.planvalidate import (
     PLAN_FORMAT,
@@ -109,7 +108,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,
         "created_by": _created_by(),
-        "model": dataclasses.asdict(plan.model),
+        "model": model_dict(plan.model),
         "hardware": plan.hardware.to_dict(),
         "decisions": plan.config.to_dict(),
         "static_bytes": {t: float(g.static_bytes[t]) for t in TIERS},

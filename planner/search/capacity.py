@@ -73,19 +73,25 @@ def frugal_config(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, w
 
 
 def largest(family: str, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool, verify: bool = True,
-            gpus: int = 1, nodes: int = 1) -> CapacityAnswer:
+            gpus: int = 1, nodes: int = 1, optimizer_states: str | None = None) -> CapacityAnswer:
+    """The largest model of `family` that fits, its optimizer states in format `optimizer_states`
+    (tierflow.planner.core.optstates; None: fp32)."""
     _, widths = FAMILIES[family]
+
+    def sized(hidden: int, heads: int, layers: int) -> ModelSpec:
+        return shape(family, hidden, heads, layers, seq).with_optimizer_states(optimizer_states)
+
     fitting: list[ModelSpec] = []
     for hidden, heads in widths:
         lo, hi = 0, SHAPE_LIMITS["num_layers"]
         while lo < hi:  # largest layer count that fits at this width (up to tierflow's shape limit)
             mid = (lo + hi + 1) // 2
-            if fits(shape(family, hidden, heads, mid, seq), hw, batch, seq, with_ssd, gpus, nodes):
+            if fits(sized(hidden, heads, mid), hw, batch, seq, with_ssd, gpus, nodes):
                 lo = mid
             else:
                 hi = mid - 1
         if lo:
-            fitting.append(shape(family, hidden, heads, lo, seq))
+            fitting.append(sized(hidden, heads, lo))
     fitting.sort(key=lambda m: -m.total_params())
     hw_run = hw if with_ssd else hw.with_overrides({"ssd.count": 0})
     for m in fitting[:4]:
@@ -112,12 +118,12 @@ def _largest_light(args: tuple) -> CapacityAnswer:
 
 def largest_all(hw: HardwareProfile, batch: int, seq: int, *, families: tuple[str, ...] = tuple(FAMILIES),
                 workers: int | None = None, on_answer=None, gpus: int = 1,
-                nodes: int = 1) -> list[CapacityAnswer]:
+                nodes: int = 1, optimizer_states: str | None = None) -> list[CapacityAnswer]:
     """`largest` for every family, with and without the SSDs (when the box has them), each in its own process
     (up to `workers`, default the machine's cores, at most 2 when they share a small box): the answers are
     independent and each ends in one large simulation. `on_answer(answer)` is called as each one arrives."""
     # the answers with SSDs are the largest models and the longest simulations: start them first
-    jobs = [(fam, hw, batch, seq, with_ssd, True, gpus, nodes)
+    jobs = [(fam, hw, batch, seq, with_ssd, True, gpus, nodes, optimizer_states)
             for with_ssd in (True, False) for fam in families if not (with_ssd and hw.ssd.count == 0)]
     workers = min(len(jobs), workers or os.cpu_count() or 1)
     answers: dict[int, CapacityAnswer] = {}

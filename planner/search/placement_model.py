@@ -20,7 +20,7 @@ from typing import NamedTuple
 from ortools.sat.python import cp_model
 
 from tierflow.planner.core.contract import ScheduleConfig
-from tierflow.planner.core.memory import STATE_BYTES, ScheduleMemory, host_reserve_bytes
+from tierflow.planner.core.memory import ScheduleMemory, host_reserve_bytes
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.core.simulator import CapacityError, simulate_graph
@@ -182,14 +182,15 @@ def _placement_data(problem: Problem, mem: PlacementMemory, allow_swap: bool,
     cap_mib = {t: max(0, int((c - tighten_bytes.get(t, 0.0)) / MIB))
                for t, c in problem.capacity_bytes.items()}
     weight_mib = _mib(sm.precision.compute_bytes * sm.params / STEPS)  # per step of a fraction
-    state_mib = _mib(STATE_BYTES * sm.params / STEPS)
+    state_mib = _mib(sm.precision.state_bytes * sm.params / STEPS)
     ckpt_recompute_mib = _mib(sm.ckpt_per_layer_bytes * L / STEPS)  # all layers' checkpoints, per step of c_*
     ckpt_swap_mib = _mib(sm.swap_extra_bytes / STEPS)  # per swapped layer and step of c_*
     # working memory, and what the executor's CUDA runtime maps under the cap (static, not placed: devicemem)
     gpu_work_mib = _mib(mem.gpu_working_bytes + sm.cuda_runtime_bytes)
     gpu_swap_extra_mib = max(0, _mib(mem.gpu_working_swap_bytes) - gpu_work_mib) if can_swap else 0
     # the host's gradients and reserve, and the staging buffers of each tensor class the SSDs hold a part of
-    host_mib = _mib(sm.host_grad_bytes + host_reserve_bytes(rank_capacity_bytes(hw, problem.gpus)["cpu"]))
+    host_mib = _mib(sm.host_grad_bytes + host_reserve_bytes(rank_capacity_bytes(hw, problem.gpus)["cpu"])
+                    + sm.opt_workspace_bytes)
     staging_mib = {"w_ssd": _mib(sm.weight_staging_bytes), "s_ssd": _mib(sm.state_staging_bytes),
                    "c_ssd": _mib(max(sm.ckpt_staging_bytes, sm.ckpt_staging_swap_bytes))}
     return _PlacementData(can_swap, cap_mib, weight_mib, state_mib, ckpt_recompute_mib, ckpt_swap_mib,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 
 from tierflow.cli.argtypes import MAX_BATCH, positive_int
-from tierflow.planner.core.models import PRECISION_NAMES, ModelSpec
+from tierflow.errors import UsageError
+from tierflow.planner.core.models import OPTIMIZER_STATE_NAMES, PRECISION_NAMES, ModelError, ModelSpec
 from tierflow.planner.core.world import World
 
 SET_HELP = "override a profile field, e.g. ssd.count=6"
@@ -61,9 +62,37 @@ def add_precision_arg(p: argparse.ArgumentParser) -> None:
 
 
 def in_precision(model: ModelSpec, args: argparse.Namespace) -> ModelSpec:
-    """`model` trained in --precision (unchanged without it)."""
+    """`model` trained in --precision, its optimizer states in --optimizer-states (unchanged without them)."""
     precision = getattr(args, "precision", None)
-    return model if precision is None else model.with_precision(precision)
+    model = model if precision is None else model.with_precision(precision)
+    return in_state_format(model, args)
+
+
+def add_optimizer_states_arg(p: argparse.ArgumentParser, auto: bool = False) -> None:
+    """--optimizer-states: the format of AdamW's master copy and moments (tierflow.planner.core.optstates);
+    with `auto` also "auto" and --accept-states (tierflow plan: the fastest accepted format)."""
+    if auto:
+        p.add_argument("--accept-states", default="fp32,8bit", metavar="F,F",
+                       help="with --optimizer-states auto: the formats whose quality cost you accept "
+                       "(default fp32,8bit; docs/compressed-states.md measures each)")
+    p.add_argument("--optimizer-states", choices=[*OPTIMIZER_STATE_NAMES, *(["auto"] if auto else [])],
+                   default=None,
+                   help="AdamW's states: fp32 (default: fp32 master, m and v, 12 bytes per parameter), "
+                   "8bit (m and v quantized block-wise to 8 bits, an fp32 absmax per 256 elements: 6.03 "
+                   "bytes), 8bit-bf16master (also a bf16 master, rounded stochastically: 4.03 bytes; "
+                   "16-bit training only); docs/compressed-states.md")
+
+
+def in_state_format(model: ModelSpec, args: argparse.Namespace) -> ModelSpec:
+    """`model` with its optimizer states in --optimizer-states (unchanged without it); a bad combination (a
+    bf16 master with fp32 training) is a UsageError."""
+    states = getattr(args, "optimizer_states", None)
+    if states in (None, "auto"):  # auto: tierflow plan plans each accepted format (auto_states)
+        return model
+    try:
+        return model.with_optimizer_states(states)
+    except ModelError as e:
+        raise UsageError(f"--optimizer-states {states}: {e}") from e
 
 
 def add_world_args(p: argparse.ArgumentParser) -> None:
@@ -77,3 +106,18 @@ def add_world_args(p: argparse.ArgumentParser) -> None:
 def world_of(args: argparse.Namespace) -> World:
     """The World of --gpus / --nodes (1 x 1 for a command without them)."""
     return World(getattr(args, "gpus", 1), getattr(args, "nodes", 1))
+
+
+def accepted_states(args: argparse.Namespace, model: ModelSpec) -> list[str]:
+    """--accept-states as a list of formats (UsageError for an unknown one or one the model cannot use)."""
+    out = [f.strip() for f in args.accept_states.split(",") if f.strip()]
+    for f in out:
+        if f not in OPTIMIZER_STATE_NAMES:
+            raise UsageError(f"--accept-states: {f!r} is not one of {', '.join(OPTIMIZER_STATE_NAMES)}")
+        try:
+            model.with_optimizer_states(f)
+        except ModelError as e:
+            raise UsageError(f"--accept-states {f}: {e}") from e
+    if not out:
+        raise UsageError("--accept-states: give at least one format, e.g. fp32,8bit")
+    return out

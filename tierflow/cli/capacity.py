@@ -7,7 +7,15 @@ import argparse
 import json
 from typing import Any
 
-from tierflow.cli.args import add_batch_arg, add_box_args, add_seq_arg, add_world_args, world_of
+from tierflow.cli.args import (
+    add_batch_arg,
+    add_box_args,
+    add_optimizer_states_arg,
+    add_seq_arg,
+    add_world_args,
+    in_state_format,
+    world_of,
+)
 from tierflow.cli.tables import fmt_table
 from tierflow.errors import UsageError
 from tierflow.hwprofiles import HardwareProfile, load_hw
@@ -23,6 +31,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     ca.add_argument("--model", action="append", help="also check whether this model fits (repeatable)")
     ca.add_argument("--json", action="store_true", help="print the result as JSON")
     add_world_args(ca)
+    add_optimizer_states_arg(ca)
     return ca
 
 
@@ -44,11 +53,14 @@ def run(args: argparse.Namespace) -> int:
     def step(a: Any) -> None:
         prog.step(f"{a.family} {'with' if a.with_ssd else 'without'} SSDs")
 
-    answers = largest_all(hw, args.batch, seq, gpus=args.gpus, nodes=args.nodes, on_answer=step)
+    states = in_state_format(get_model("gpt3-125m"), args).optimizer_states  # checked as for any model
+    answers = largest_all(hw, args.batch, seq, gpus=args.gpus, nodes=args.nodes, on_answer=step,
+                          optimizer_states=states)
     prog.finish()
     checks = _checks(args, hw, seq)
     if args.json:
-        print(json.dumps({"hw": hw.name, "batch": args.batch, "seq": seq, "world": world.to_dict(),
+        fmt = {"optimizer_states": states} if states else {}  # only when not fp32 (the output as before)
+        print(json.dumps({"hw": hw.name, "batch": args.batch, "seq": seq, "world": world.to_dict(), **fmt,
                           "largest": [_answer_json(a) for a in answers], "checks": dict(checks)}, indent=2))
         return 0
     print(f"box: {hw.name}: {hw.summary()}")
@@ -59,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
               f"{world.rank_batch(args.batch)} of the {args.batch} sequences")
     print(f"batch {args.batch} x seq {seq}; most frugal plan: vertical, micro-batch 1, states and "
           "checkpoints on the SSDs when used (else in CPU memory)")
+    if states:
+        print(f"optimizer states: {states}")
     rows = []
     for a in answers:
         rows.append([a.family, "CPU+GPU+SSD" if a.with_ssd else "CPU+GPU",
@@ -78,7 +92,7 @@ def _checks(args: argparse.Namespace, hw: HardwareProfile, seq: int) -> list[tup
 
     checks = []
     for name in args.model or []:
-        m = get_model(name).with_seq(min(seq, get_model(name).max_positions or seq))
+        m = in_state_format(get_model(name).with_seq(min(seq, get_model(name).max_positions or seq)), args)
         checks.append((name, {s: fits(m, hw, args.batch, seq, s, args.gpus, args.nodes)
                               for s in (True, False)}))
     return checks

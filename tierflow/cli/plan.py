@@ -13,6 +13,7 @@ from tierflow.cli.args import (
     add_batch_arg,
     add_box_args,
     add_micro_batch_arg,
+    add_optimizer_states_arg,
     add_precision_arg,
     add_seq_arg,
     add_world_args,
@@ -66,6 +67,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                     "(docs/finetuning.md)")
     add_world_args(pl)
     add_precision_arg(pl)
+    add_optimizer_states_arg(pl, auto=True)
     return pl
 
 
@@ -82,7 +84,12 @@ def run(args: argparse.Namespace) -> int:
     hw = load_hw(args.hw, args.set)
     problem = Problem(model, hw, args.batch, model.seq_len, allow_ssd=not args.no_ssd, gpus=args.gpus,
                       nodes=args.nodes)
-    sr = _search(args, problem)
+    auto = None
+    if args.optimizer_states == "auto":
+        problem, sr, auto = _auto_states(args, problem)
+        model = problem.model
+    else:
+        sr = _search(args, problem)
     best = sr.best
     cfg = best.config
     graph = _chosen_graph(model, hw, cfg, best.result)
@@ -100,11 +107,16 @@ def run(args: argparse.Namespace) -> int:
         if args.emit_ds_config:
             emit_ds_config(args.emit_ds_config, model, cfg, stream=sys.stderr)
         out = _to_json(problem, sr, solver, written, lines)
+        if auto is not None:
+            out["optimizer_states_auto"] = auto
         if clip is not None:
             out["clip"] = clip.to_dict()
         print(json.dumps(out, indent=2))
         return 0
     _print_text(args, problem, sr, solver)
+    if auto is not None:
+        print("optimizer states: auto chose " + (model.optimizer_states or "fp32") + " ("
+              + ", ".join(f"{f} {s:.4g} s" for f, s in auto.items()) + " an iteration)")
     for line in lines + ([clip.line()] if clip is not None else []):
         print(line)
     if written:
@@ -124,6 +136,23 @@ def _chosen_graph(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
     if result is not None and result.graph.tasks and result.meta.get("schedule") == cfg.to_dict():
         return result.graph
     return build_graph(model, hw, cfg)
+
+
+def _auto_states(args: argparse.Namespace, problem: Problem) -> tuple[Problem, SearchResult, dict]:
+    """--optimizer-states auto: the search for each accepted format (--accept-states, in order), and the
+    fastest (the first of equals): its problem, search result, and each format's predicted iteration."""
+    import dataclasses
+
+    from tierflow.cli.args import accepted_states
+
+    best, times = None, {}
+    for f in accepted_states(args, problem.model):
+        p = dataclasses.replace(problem, model=problem.model.with_optimizer_states(f), _cache={})
+        sr = _search(args, p)
+        times[f] = sr.best.result.iteration_s
+        if best is None or times[f] < best[1].best.result.iteration_s:
+            best = (p, sr)
+    return best[0], best[1], times
 
 
 def _check_outputs(args: argparse.Namespace) -> None:

@@ -13,6 +13,7 @@ from tierflow.cli.args import (
     add_batch_arg,
     add_box_args,
     add_micro_batch_arg,
+    add_optimizer_states_arg,
     add_precision_arg,
     add_seq_arg,
     add_world_args,
@@ -82,6 +83,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="also write this schedule as a plan file (one --schedule), e.g. for `tierflow run`")
     add_world_args(s)
     add_precision_arg(s)
+    add_optimizer_states_arg(s)
     dsconfig.add_ds_config_args(s)
     return s
 

@@ -47,11 +47,13 @@ from tierflow.planner.core.models.registry import (
 from tierflow.planner.core.models.spec import (
     ACTIVATIONS,
     NORMS,
+    OPTIMIZER_STATE_NAMES,
     PRECISION_NAMES,
     SHAPE_LIMITS,
     ModelError,
     ModelSpec,
     build_spec,
+    model_dict,
 )
 from tierflow.planner.core.models.zoo import MODELS, get_model, list_models, register_model, unregister_model
 
@@ -66,6 +68,7 @@ __all__ = [
     "MAX_CONFIG_BYTES",
     "MODELS",
     "NORMS",
+    "OPTIMIZER_STATE_NAMES",
     "PRECISION_NAMES",
     "SHAPE_LIMITS",
     "SUPPORTED_HF_KINDS",
@@ -75,6 +78,7 @@ __all__ = [
     "ModelSpec",
     "RegistryError",
     "build_spec",
+    "model_dict",
     "family_names",
     "find_cached_config",
     "from_hf_config",

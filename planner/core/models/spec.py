@@ -14,16 +14,19 @@ Every problem raises :class:`ModelError`, whose message is one line.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from tierflow.errors import TierflowError
 from tierflow.planner.core.models.registry import family_names, get_family, is_family
+from tierflow.planner.core.optstates import STATE_FORMATS
 
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu")  # swiglu / geglu: gated MLPs (silu / tanh-GELU gate)
 # training precisions (tierflow.planner.core.workload.PRECISIONS: the bytes and GEMM peak of each)
 PRECISION_NAMES = ("bf16", "fp16", "fp32", "tf32", "fp32-inplace", "tf32-inplace")
+# optimizer-state formats (tierflow.planner.core.optstates: the bytes of the master copy and moments of each)
+OPTIMIZER_STATE_NAMES = STATE_FORMATS
 
 # Shape limits: generous (the largest published models are ~10x below each) but finite, so that a config with
 # num_hidden_layers: 1000000 or 10**400 is refused with one line instead of growing a task graph past memory
@@ -96,6 +99,9 @@ class ModelSpec:
     # The precision the model is trained in (PRECISION_NAMES; `tierflow simulate --precision`); None: the
     # default, bf16 (so that plans written before the field existed load unchanged)
     precision: str | None = None
+    # The optimizer-state format (OPTIMIZER_STATE_NAMES; `--optimizer-states`); None: fp32 (left out of plan
+    # files and checkpoints then: model_dict)
+    optimizer_states: str | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, problem: str) -> ModelError:
@@ -142,6 +148,13 @@ class ModelSpec:
                       "not modelled)")
         if self.precision is not None and self.precision not in PRECISION_NAMES:
             raise bad("precision", f"{self.precision!r} is not one of {', '.join(PRECISION_NAMES)}")
+        if self.optimizer_states is not None:
+            if self.optimizer_states not in OPTIMIZER_STATE_NAMES:
+                raise bad("optimizer_states", f"{self.optimizer_states!r} is not one of "
+                          f"{', '.join(OPTIMIZER_STATE_NAMES)}")
+            if self.optimizer_states == "8bit-bf16master" and self.precision not in (None, "bf16", "fp16"):
+                raise bad("optimizer_states", f"a bf16 master needs 16-bit training, not {self.precision} "
+                          "(use --optimizer-states 8bit)")
         fraction = self.rotary_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise bad("rotary_fraction", f"must be in (0, 1], got {self.rotary_fraction!r}")
@@ -149,6 +162,10 @@ class ModelSpec:
     def with_precision(self, precision: str | None) -> ModelSpec:
         """This model trained in `precision` (None or "bf16": the default)."""
         return replace(self, precision=None if precision in (None, "bf16") else precision)
+
+    def with_optimizer_states(self, states: str | None) -> ModelSpec:
+        """This model trained with optimizer states in format `states` (None or "fp32": the default)."""
+        return replace(self, optimizer_states=None if states in (None, "fp32") else states)
 
     # ---- derived sizes -------------------------------------------------------------------------------------
 
@@ -275,7 +292,17 @@ class ModelSpec:
             f"{_human_count(self.total_params())} params, seq {self.seq_len}"
             + ("" if self.lm_head else ", no LM head")
             + ("" if self.precision is None else f", {self.precision}")
+            + ("" if self.optimizer_states is None else f", {self.optimizer_states} optimizer states")
         )
+
+
+def model_dict(model: ModelSpec) -> dict[str, Any]:
+    """`model` as the JSON object of a plan file or checkpoint: every field, the optimizer-state format only
+    when it is not the default (so that fp32 plans and their digests stay as they were before the field)."""
+    d = asdict(model)
+    if d["optimizer_states"] is None:
+        del d["optimizer_states"]
+    return d
 
 
 def _human_count(n: int) -> str:
@@ -293,4 +320,5 @@ def build_spec(name: str, family: str, *, hidden: int, heads: int, **fields: Any
                      **{**shape, **get_family(family).layer_defaults, **fields})
 
 
-__all__ = ["ACTIVATIONS", "NORMS", "PRECISION_NAMES", "SHAPE_LIMITS", "ModelError", "ModelSpec", "build_spec"]
+__all__ = ["ACTIVATIONS", "NORMS", "OPTIMIZER_STATE_NAMES", "PRECISION_NAMES", "SHAPE_LIMITS", "ModelError",
+           "ModelSpec", "build_spec", "model_dict"]
