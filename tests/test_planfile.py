@@ -566,3 +566,31 @@ def test_docs_example_is_a_valid_plan():
     validate_plan_dict(example, "docs/plan-format.md")
     assert example["decisions"]["family"] == "vertical"
     assert len(example["ops"]) == 6
+
+
+# ---- the straight pass over the ops and the careful one agree ----------------------------------------------
+
+
+def test_straight_and_careful_op_passes_give_the_same_tasks():
+    """Validation parses the ops in one straight pass (plain JSON types only) and falls back to the careful
+    field-by-field pass for anything else: both give the same tasks, and a value of another type that the
+    careful pass accepts (an int subclass) is still accepted, through the fallback."""
+    from tierflow.planner.io.planvalidate import _checked_ops, _OpBounds, _plain_ops
+
+    d = valid()
+    m, hw, cfg, g = tiny()
+    bounds = _OpBounds(len(d["ops"]), d["num_iterations"], d["num_blocks"], cfg.num_micro_batches)
+    straight, careful = _plain_ops(d["ops"], bounds), _checked_ops(SRC, d["ops"], bounds)
+    assert straight is not None
+    assert straight[1] == careful[1]
+    assert task_fields(type(g)(straight[0], {}, {}, 1, 1)) == task_fields(type(g)(careful[0], {}, {}, 1, 1))
+    assert [t.key for t in straight[0]] == [t.key for t in careful[0]]
+
+    class Index(int):
+        pass
+
+    op(d, 3)["mb"] = Index(op(d, 3)["mb"])
+    assert _plain_ops(d["ops"], bounds) is None
+    validate_plan_dict(d, SRC)  # the careful pass accepts it
+    op(d, 3)["deps"].append(True)  # a boolean is no op id: refused by the careful pass, with its message
+    refused(d, "op 3", "dangling dependency")

@@ -8,6 +8,8 @@ SSD).
 
 from __future__ import annotations
 
+import functools
+
 # compute on the GPU
 FWD = "fwd"
 RECOMPUTE = "recompute"
@@ -39,6 +41,7 @@ ENTRY_TENSORS = ("checkpoint", "act", "act_grad")  # tensor classes moved as ent
 ENTRY_VERBS = ("offload", "fetch", "write", "read")  # GPU -> host, host -> GPU, host -> SSD, SSD -> host
 
 
+@functools.cache  # one string per kind, not one per op: a 175B graph has ~100,000 entry ops
 def entry_kind(verb: str, tensor: str) -> str:
     """The op kind that moves entry tensor class `tensor` by `verb`, e.g. entry_kind("offload", "act")."""
     return f"{verb}_{tensor}"

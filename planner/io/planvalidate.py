@@ -35,6 +35,7 @@ from tierflow.planner.core.graph import (
     CycleError,
     Task,
     TaskGraph,
+    gc_paused,
     topological_order,
 )
 from tierflow.planner.core.jsonio import is_gzip_file, read_text
@@ -321,6 +322,19 @@ def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb:
     if n == 0:
         raise _err(source, "ops", "the plan has no ops", "write the plan with tierflow, not by hand")
     bounds = _OpBounds(n, num_iterations, num_blocks, num_mb)
+    parsed = _plain_ops(ops, bounds)
+    if parsed is None:  # an op not in the plain form tierflow writes: the careful pass names its problem
+        parsed = _checked_ops(source, ops, bounds)
+    done, orders = parsed
+    by_res = _check_queues(source, done, orders, num_iterations)
+    if not _deadlock_free(done, by_res):  # the careful checks say which rule a cycle breaks
+        _check_references(source, done, orders, by_res)
+    return done
+
+
+def _checked_ops(source: str, ops: list, bounds: _OpBounds) -> tuple[list[Task], list[int]]:
+    """The ops parsed one by one, every field checked in turn: the first problem raises PlanError."""
+    n = bounds.n
     tasks: list[Task | None] = [None] * n
     orders: list[int] = [0] * n
     for index, op in enumerate(ops):
@@ -329,10 +343,112 @@ def _ops(source: str, ops: object, num_iterations: int, num_blocks: int, num_mb:
             raise _err(source, f"op {tid}", f"duplicate id {tid}", "give every op its own id")
         tasks[tid] = _op_task(source, tid, op, bounds)
         orders[tid] = op["order"]
-    done: list[Task] = tasks  # type: ignore[assignment]  # every slot filled: n unique ids within 0..n-1
-    by_res = _check_queues(source, done, orders, num_iterations)
-    _check_references(source, done, orders, by_res)
-    return done
+    return tasks, orders  # type: ignore[return-value]  # every slot filled: n unique ids within 0..n-1
+
+
+_LINK_OP_KEYS = frozenset((*OP_KEYS, "bytes"))
+_COMPUTE_OP_KEYS = frozenset((*OP_KEYS, "seconds"))
+_LINK_SET, _COMPUTE_SET = frozenset(LINKS), frozenset(COMPUTE_RESOURCES)
+
+
+def _plain_ops(ops: list, bounds: _OpBounds) -> tuple[list[Task], list[int]] | None:
+    """The ops as tasks in one straight pass that accepts only what every check of `_checked_ops` accepts,
+    in the plain JSON types tierflow writes (exact int, float, str, list); None at the first op it does not
+    accept, which `_checked_ops` then reports (the same tasks either way)."""
+    try:
+        return _plain_ops_pass(ops, bounds)
+    except (TypeError, ValueError, OverflowError, KeyError):
+        return None
+
+
+def _plain_ops_pass(ops: list, bounds: _OpBounds) -> tuple[list[Task], list[int]] | None:
+    n, ni, nb, nm = bounds.n, bounds.num_iterations, bounds.num_blocks, bounds.num_mb
+    inf, tier_index = math.inf, TIER_INDEX
+    tasks: list[Task | None] = [None] * n
+    orders: list[int] = [0] * n
+    for op in ops:
+        if type(op) is not dict:
+            return None
+        r = op.get("resource")
+        if type(r) is not str:
+            return None
+        if r in _LINK_SET:
+            if op.keys() != _LINK_OP_KEYS:
+                return None
+            work = op["bytes"]
+        elif r in _COMPUTE_SET and op.keys() == _COMPUTE_OP_KEYS:
+            work = op["seconds"]
+        else:
+            return None
+        tid, kind, tensor, deps, mem = op["id"], op["kind"], op["tensor"], op["deps"], op["mem"]
+        it, block, mb, order = op["iteration"], op["block"], op["mb"], op["order"]
+        if (type(tid) is not int or not 0 <= tid < n or tasks[tid] is not None
+                or type(kind) is not str or not kind or type(tensor) is not str or not tensor
+                or type(it) is not int or not 0 <= it < ni or type(block) is not int or not 0 <= block < nb
+                or type(mb) is not int or not -1 <= mb < nm or type(order) is not int or order < 0
+                or type(deps) is not list or type(mem) is not list):
+            return None
+        if type(work) is int:
+            work = float(work)
+        if type(work) is not float or not 0.0 <= work < inf:
+            return None
+        for d in deps:
+            if type(d) is not int or not 0 <= d < n:
+                return None
+        mem_start: list[tuple[int, float]] = []
+        mem_end: list[tuple[int, float]] = []
+        for e in mem:
+            if type(e) is not list or len(e) != 3:
+                return None
+            when, tier, delta = e
+            if type(delta) is int:
+                delta = float(delta)
+            if type(delta) is not float or not -inf < delta < inf or type(tier) is not str:
+                return None
+            ti = tier_index[tier]  # KeyError: not a tier
+            if when == "start":
+                mem_start.append((ti, delta))
+            elif when == "end":
+                mem_end.append((ti, delta))
+            else:
+                return None
+        tasks[tid] = Task(tid, kind, r, work, tensor, block, mb, it, list(deps), float(order), mem_start,
+                          mem_end)
+        orders[tid] = order
+    return tasks, orders  # type: ignore[return-value]  # n ops, unique ids within 0..n-1: every slot filled
+
+
+def _deadlock_free(done: list[Task], by_res: dict[str, dict[int, int]]) -> bool:
+    """Whether the dependencies and the queue orders together are acyclic (one pass of Kahn's algorithm).
+    That implies every check of `_check_references`: no dependency cycle, and no op queued before a
+    same-resource dependency (its queue would lead from it to that dependency, a cycle)."""
+    n = len(done)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    indeg = [0] * n
+    for t in done:
+        deps = t.deps
+        if deps:
+            indeg[t.id] = len(deps)
+            for d in deps:
+                succ[d].append(t.id)
+    for q in by_res.values():
+        prev = -1
+        for pos in range(len(q)):
+            i = q[pos]
+            if prev >= 0:
+                succ[prev].append(i)
+                indeg[i] += 1
+            prev = i
+    ready = [i for i in range(n) if not indeg[i]]
+    placed = 0
+    while ready:
+        i = ready.pop()
+        placed += 1
+        for s in succ[i]:
+            indeg[s] -= 1
+            if not indeg[s]:
+                ready.append(s)
+    return placed == n
 
 
 def _op_id(source: str, index: int, op: object, n: int) -> int:
@@ -466,8 +582,9 @@ def _check_queues(source: str, done: list[Task], orders: list[int],
             missing = min(set(range(len(q))) - set(q))
             raise _err(source, f"op {q[max(q)]}", f"order {max(q)} on {r} but position {missing} is empty",
                        f"number the {len(q)} {r} ops 0..{len(q) - 1}")
+    gpu_iterations = {t.iteration for t in done if t.resource == "gpu"}
     for it in range(num_iterations):
-        if not any(t.resource == "gpu" and t.iteration == it for t in done):
+        if it not in gpu_iterations:
             raise _err(source, "ops", f"iteration {it} has no gpu op", "every iteration computes on the gpu")
     return by_res
 
@@ -548,7 +665,8 @@ def _check_derived_bytes(source: str, model: ModelSpec, hw: HardwareProfile, cfg
                        f"decisions.placement give {want[t]:,.0f}: edited after writing?", _REWRITE)
 
 
-def _check_digest(source: str, d: dict, model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> None:
+def _check_digest(source: str, d: dict, model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
+                  ops_digest_fresh: bool = False) -> None:
     """Verify the digest written with the plan: name the first field whose value is not the one the ops were
     built from, or say that the ops themselves were edited."""
     dg = d["digest"]
@@ -567,7 +685,8 @@ def _check_digest(source: str, d: dict, model: ModelSpec, hw: HardwareProfile, c
         if recorded.get(key, none) != fields.get(key, none):
             raise _err(source, key, "not the value the ops were built for: edited after writing "
                        "(the digest does not match)", _REWRITE)
-    if dg["ops"] != _digest_ops(d, recorded):  # the recorded fields: each one checked above
+    # the recorded fields: each one checked above
+    if not ops_digest_fresh and dg["ops"] != _digest_ops(d, recorded):
         raise _err(source, "ops", "ops or byte totals edited after writing (the digest does not match)",
                    _REWRITE)
 
@@ -609,8 +728,10 @@ def _check_top_level(source: str, d: object) -> dict:
     return d
 
 
-def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
-    """Validate a parsed plan and rebuild it; raises PlanError."""
+def plan_from_dict(d: object, source: str = "<plan>", *, ops_digest_fresh: bool = False) -> Plan:
+    """Validate a parsed plan and rebuild it; raises PlanError. `ops_digest_fresh`: the writer's own dict,
+    whose digest `plan_digest` has just computed from these very ops and fields, so that once the fields
+    match the ops' hash matches too and is not computed a second time."""
     d = _check_top_level(source, d)
     model = _model(source, d["model"])
     hardware = _hardware(source, d["hardware"])
@@ -626,14 +747,15 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
         raise _err(source, "num_blocks", f"{num_blocks} but the model has {model.num_layers} layers + 2",
                    f"write {model.num_layers + 2} (embedding, layers, head)")
     _check_micro_batch_count(source, d["ops"], config)
-    tasks = _ops(source, d["ops"], num_iterations, num_blocks, config.num_micro_batches)
+    with gc_paused():  # a task, its lists and tuples per op, no cycles: the collector's passes only cost time
+        tasks = _ops(source, d["ops"], num_iterations, num_blocks, config.num_micro_batches)
     if config.world.ranks == 1:
         net = next((t for t in tasks if t.resource == NET), None)
         if net is not None:
             raise _err(source, f"op {net.id}", "a collective (resource net) in a plan of one rank",
                        "write decisions.gpus / nodes for the world it was built for, or " + _REWRITE)
     if d.get("digest") is not None:
-        _check_digest(source, d, model, hardware, config)
+        _check_digest(source, d, model, hardware, config, ops_digest_fresh)
     if model.max_positions and config.seq > model.max_positions:  # after the digest, which names an edit
         raise _err(source, "decisions.seq", f"{config.seq} tokens exceed the model's {model.max_positions} "
                    "learned positions", f"write seq <= {model.max_positions}, or " + _REWRITE)
@@ -645,10 +767,10 @@ def plan_from_dict(d: object, source: str = "<plan>") -> Plan:
                 solver=d.get("solver"), source=source)
 
 
-def validate_plan_dict(d: dict, source: str) -> None:
+def validate_plan_dict(d: dict, source: str, *, ops_digest_fresh: bool = False) -> None:
     """Raise PlanError (one line naming `source`, the key or op id, the problem and a fix) unless `d` is a
-    valid plan."""
-    plan_from_dict(d, source)
+    valid plan (`ops_digest_fresh`: see plan_from_dict)."""
+    plan_from_dict(d, source, ops_digest_fresh=ops_digest_fresh)
 
 
 def _op_signature(tasks: list[Task]) -> Counter:

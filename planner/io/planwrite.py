@@ -11,13 +11,14 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.outputs import atomic_write_bytes
 from tierflow.planner.core.contract import Plan, ScheduleConfig
-from tierflow.planner.core.graph import LINKS, TIERS, Task, TaskGraph
+from tierflow.planner.core.graph import LINKS, TIERS, Task, TaskGraph, gc_paused
 from tierflow.planner.core.jsonio import gz_name, gzip_bytes, is_gzip_name
 from tierflow.planner.core.models import ModelSpec, model_dict
 from tierflow.planner.core.simulator import SimResult
@@ -75,23 +76,34 @@ def plan_from_graph(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, 
 
 
 def _op_dict(t: Task, order: int) -> dict:
-    op: dict[str, Any] = {"id": t.id, "kind": t.kind, "resource": t.resource, "tensor": t.tensor,
-                          "block": t.block, "mb": t.mb, "iteration": t.iteration}
-    op["bytes" if t.resource in LINKS else "seconds"] = float(t.work)
-    op["deps"] = list(t.deps)
-    op["order"] = order
-    op["mem"] = ([["start", TIERS[i], float(b)] for i, b in t.mem_start]
-                 + [["end", TIERS[i], float(b)] for i, b in t.mem_end])
-    return op
+    """One op of the plan file (docs/plan-format.md); `_op_dicts` writes the same for every op at once."""
+    return _op_dicts([t], {t.id: order})[0]
+
+
+def _op_dicts(tasks: list[Task], position: dict[int, int]) -> list[dict]:
+    """The ops of the plan file, one dict per task in `tasks`' order, `position` its place in its
+    resource's queue: one straight loop, the same keys in the same order as the format gives them."""
+    links, tiers = frozenset(LINKS), TIERS
+    out = []
+    append = out.append
+    for t in tasks:
+        r = t.resource
+        mem_start, mem_end = t.mem_start, t.mem_end
+        mem = [["start", tiers[i], float(b)] for i, b in mem_start] if mem_start else []
+        if mem_end:
+            mem += [["end", tiers[i], float(b)] for i, b in mem_end]
+        append({"id": t.id, "kind": t.kind, "resource": r, "tensor": t.tensor, "block": t.block, "mb": t.mb,
+                "iteration": t.iteration, ("bytes" if r in links else "seconds"): float(t.work),
+                "deps": list(t.deps), "order": position[t.id], "mem": mem})
+    return out
 
 
 def plan_to_dict(plan: Plan) -> dict:
     """The JSON structure of `plan` (see docs/plan-format.md)."""
     g = plan.graph
-    position = {}
+    position: dict[int, int] = {}
     for ids in g.resource_order().values():
-        for i, tid in enumerate(ids):
-            position[tid] = i
+        position.update(zip(ids, range(len(ids))))
     d: dict[str, Any] = {
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,
@@ -103,7 +115,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "capacity_bytes": {t: float(g.capacity_bytes[t]) for t in TIERS},
         "num_iterations": int(g.num_iterations),
         "num_blocks": int(g.num_blocks),
-        "ops": [_op_dict(t, position[t.id]) for t in sorted(g.tasks, key=lambda t: t.id)],
+        "ops": _op_dicts(sorted(g.tasks, key=attrgetter("id")), position),
     }
     if plan.predicted is not None:
         d["predicted"] = _jsonable(plan.predicted)
@@ -118,15 +130,24 @@ def dumps_plan_dict(d: dict) -> str:
     parts = []
     for key, value in d.items():
         if key == "ops":
-            if value:
-                lines = ",\n    ".join(json.dumps(op, allow_nan=False) for op in value)
-                text = f"[\n    {lines}\n  ]"
-            else:
-                text = "[]"
+            text = _dumps_ops(value)
         else:
             text = json.dumps(value, indent=2, allow_nan=False).replace("\n", "\n  ")
         parts.append(f"  {json.dumps(key)}: {text}")
     return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def _dumps_ops(ops: list) -> str:
+    """The ops' JSON, one op per line. Encoded in one call: the ops are flat objects (no object inside), so
+    the text between two of them is "}, {"; when that occurs exactly len(ops) - 1 times (no op's string holds
+    it), each occurrence is such a boundary and becomes a line break; else each op is encoded on its own."""
+    if not ops:
+        return "[]"
+    text = json.dumps(ops, allow_nan=False)
+    if text.count("}, {") == len(ops) - 1:
+        return "[\n    " + text[1:-1].replace("}, {", "},\n    {") + "\n  ]"
+    lines = ",\n    ".join(json.dumps(op, allow_nan=False) for op in ops)
+    return f"[\n    {lines}\n  ]"
 
 
 @dataclass(frozen=True)
@@ -159,13 +180,15 @@ def write_plan(plan: Plan, path: str | os.PathLike[str], *,
     LARGE_PLAN_BYTES), a plan whose JSON is larger goes to `path` + ".gz", compressed, instead; the returned
     WrittenPlan says where it went."""
     requested = Path(path)
-    d = plan_to_dict(plan)
-    validate_plan_dict(d, str(requested))
-    try:
-        text = dumps_plan_dict(d)
-    except ValueError as exc:  # a non-finite number outside the validated fields
-        raise PlanError.at(str(requested), "(top level)", f"cannot write strict JSON: {exc}",
-                   "fix the plan's values") from exc
+    with gc_paused():  # ~10^6 dicts, lists and tasks, no cycles: the collector's passes only cost time
+        d = plan_to_dict(plan)
+        validate_plan_dict(d, str(requested), ops_digest_fresh=True)  # d's digest: of these very ops
+        try:
+            text = dumps_plan_dict(d)
+        except ValueError as exc:  # a non-finite number outside the validated fields
+            raise PlanError.at(str(requested), "(top level)", f"cannot write strict JSON: {exc}",
+                       "fix the plan's values") from exc
+        del d
     data = text.encode("utf-8")
     path = requested
     if compress_over_bytes is not None and len(data) > compress_over_bytes:

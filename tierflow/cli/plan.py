@@ -30,6 +30,11 @@ from tierflow.planner.io.deepspeed.bridge import emit_ds_config
 from tierflow.planner.io.progress import Progress
 
 if TYPE_CHECKING:
+    from tierflow.hwprofiles import HardwareProfile
+    from tierflow.planner.core.contract import ScheduleConfig
+    from tierflow.planner.core.graph import TaskGraph
+    from tierflow.planner.core.models import ModelSpec
+    from tierflow.planner.core.simulator import SimResult
     from tierflow.planner.search.plan_search import SearchResult
     from tierflow.planner.search.problem import Problem
 
@@ -67,7 +72,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tierflow.planner.core.schedules import build_graph
     from tierflow.planner.io.clipreport import clip_cost
     from tierflow.planner.io.planfile import plan_from_graph
     from tierflow.planner.search.explain import explain
@@ -88,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         sr = _search(args, problem)
     best = sr.best
     cfg = best.config
-    graph = build_graph(model, hw, cfg)
+    graph = _chosen_graph(model, hw, cfg, best.result)
     solver = _solver_report(args, problem, sr)
     clip = clip_cost(model, hw, cfg, graph, best.result) if args.clip_grad_norm else None  # finetuning.md
     if clip is not None:
@@ -121,6 +125,17 @@ def run(args: argparse.Namespace) -> int:
     if args.emit_ds_config:
         emit_ds_config(args.emit_ds_config, model, cfg)
     return 0
+
+
+def _chosen_graph(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
+                  result: SimResult | None) -> TaskGraph:
+    """The chosen plan's task graph: the one its verification simulated (built from the same decisions, and
+    left as built by the simulator), else built again."""
+    from tierflow.planner.core.schedules import build_graph
+
+    if result is not None and result.graph.tasks and result.meta.get("schedule") == cfg.to_dict():
+        return result.graph
+    return build_graph(model, hw, cfg)
 
 
 def _auto_states(args: argparse.Namespace, problem: Problem) -> tuple[Problem, SearchResult, dict]:
