@@ -59,7 +59,8 @@ class HostAdamOp:
         W.host.copy_(vec["master"][0].host)
         vec["weights"] = [W]
         grads = be.host_buffer(n, torch.float32, pinned=False)
-        self.state = SimpleNamespace(vec=vec, grads=[grads], parts=[parts], shards=[(0, n)],
+        spec = SimpleNamespace(optimizer_states="fp32")  # plain fp32 states (tiers/qvector.py: the others)
+        self.state = SimpleNamespace(vec=vec, grads=[grads], parts=[parts], shards=[(0, n)], spec=spec,
                                      layout=_FlatLayout(n), placement=SimpleNamespace(gpu_optimizer=False),
                                      shard_numel=[n], grad_split=[(0, n, 0)])
         binding = SimpleNamespace(dep_of_kind={0: {}}, part_of={}, plan=None)
