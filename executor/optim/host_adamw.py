@@ -28,12 +28,14 @@ STATE_CLASSES = ("master", "adam_m", "adam_v")
 
 
 def host_adamw(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states: dict[str, list[Stretch]],
-               grads: torch.Tensor, dests: list[Stretch], coef: torch.Tensor | float | None = None) -> None:
+               grads: torch.Tensor, dests: list[Stretch], coef: torch.Tensor | float | None = None,
+               zero_grads: bool = True) -> None:
     """AdamW step `step` (1-based) on the adjacent element ranges `groups` [(a, z, decayed)]: `states` has
     the stretches of the master ("master") and the moments ("adam_m", "adam_v") that cover them, `grads` the
     fp32 gradient accumulator indexed by element (zeroed over the groups after their update), `dests` the
     buffers the updated master goes to in the compute dtype; `coef` multiplies the gradients first
-    (clipping)."""
+    (clipping); `zero_grads` False leaves the gradients as they are (the adam op marks them consumed
+    instead, executor/tiers/consumed.py)."""
     lr = lr_of(h, step)
     step_t = torch.full((), float(step), dtype=torch.float32)
     lo, hi = groups[0][0], groups[-1][1]
@@ -50,7 +52,8 @@ def host_adamw(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states:
         for cls in STATE_CLASSES:
             for whole, back in spans[cls]:
                 _scatter(whole, back)
-    g.zero_()
+    if zero_grads:
+        g.zero_()
     for sa, sz, master in states["master"]:
         for a, z, buf in dests:
             x, y = max(a, sa, lo), min(z, sz, hi)
