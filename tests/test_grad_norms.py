@@ -1,7 +1,6 @@
 """The step's gradient norm (executor/optim/clipping.py GradNorms): every optimizer op adds its squares,
-except
-with global clipping, whose norm is known before the step's first optimizer op: the ops then only count
-themselves and read no gradient for it."""
+except with global clipping, whose norm is known before the step's first optimizer op: the ops then only
+count themselves and read no gradient for it."""
 
 import torch
 
