@@ -1,8 +1,9 @@
 """The executor on torch.distributed: 2 ranks with gloo on the CPU reproduce the losses and final fp32 weights
 of 1 rank training the whole batch (relative error <= 1e-5) for tiny-gpt on every family (optimizer states on
 SSD in one case, the GPU optimizer in another; two also on the adversarial CUDA emulation); with 8-bit
-optimizer states, as close to fp32 AdamW as one rank is; sharded checkpoints resume; a missing shard and a wrong world size are one line and exit 2; a run of 2 "boxes" meets
-through torchrun's c10d rendezvous on 127.0.0.1.
+optimizer states, as close to fp32 AdamW as one rank is; sharded checkpoints resume; a missing shard and a
+wrong world size are one line and exit 2; a run of 2 "boxes" meets through torchrun's c10d rendezvous on
+127.0.0.1.
 
 The 2-rank cases run in ONE torchrun launch (tests/dist_worker.py, a process group reused case after case), so
 the whole file costs three launches."""
