@@ -116,7 +116,11 @@ def test_a_step_past_its_budget_is_stopped_and_kept(tmp_path, monkeypatch):
     share = check.STEP_SHARE
     expect = 100.0 * share["run_host"] / (share["run_host"] + share["bench_store"])
     assert abs(budget.take_s("run_host") - expect) < 1.0
-    assert abs(budget.peek_s("bench_store") - budget.remaining_s()) < 1e-6  # the last step gets the rest
+    # the last step gets the rest: what remained just before and just after it asked (the clock runs between
+    # the reads: a loaded CI run measured 1 us)
+    before = budget.remaining_s()
+    last = budget.peek_s("bench_store")
+    assert before >= last >= budget.remaining_s()
     assert check.Budget(None, ["env"]).take_s("env") is None
 
 
