@@ -8,8 +8,8 @@ For each size (1M, 10M, 100M parameters; --quick: 100k and 1M) and each thread c
 - **executor**: the executor's own `adam` op (`OptimizerOps.adam`, executor/ops/optimizer.py), run through
   `HostAdamOp` (executor/calibration/optimizer_op.py, what `tierflow calibrate` times): one block of n
   parameters whose master, Adam moments and fp32 gradient accumulator live in host memory; the op updates
-  them, marks the gradient range consumed (a run's next first add writes it: no zeroing pass) and writes
-  the compute copy of the updated weights (bf16) - all that a run's `adam` op does;
+  them, zeroes the gradient range and writes the compute copy of the updated weights (bf16) - all that a
+  run's `adam` op does;
 - **fused**: `torch.optim.AdamW(fused=True).step()` on the very same tensors (the master as the parameter,
   the accumulator as its gradient, the op's moments as the optimizer's state), nothing else.
 
@@ -86,12 +86,12 @@ def time_size(n: int, threads: list[int], reps: int, prog: Progress) -> list[dic
         torch.set_num_threads(th)
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
         for v in VARIANTS:  # warm-up: first touches, the kernels' first dispatch
-            op.set_grads(1e-3)
+            op.grads.fill_(1e-3)
             calls[v]()
         for rep in range(reps):
             prog.step(f"{n / 1e6:g}M params, {th} threads, rep {rep + 1}")
             for v in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
-                op.set_grads(1e-3)
+                op.grads.fill_(1e-3)
                 t0 = time.perf_counter()
                 calls[v]()
                 times[v].append(time.perf_counter() - t0)

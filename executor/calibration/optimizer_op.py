@@ -5,8 +5,7 @@ CPU AdamW rate (cpu.measure_cpu_adam) and experiments/bench_optimizer.py sets ag
 The block's master weights and Adam moments live in host memory, its fp32 gradient accumulator too, and its
 compute weights in host memory in the compute dtype (pinned where the backend pins, as a run keeps them), so
 one op does all that a run's `adam` op does: the squares of the gradients for the step's norm (steps.csv),
-the fused AdamW update, the gradient range marked consumed (the next step's first add writes it instead
-of a zeroing pass, executor/tiers/consumed.py) and the compute copy of the updated weights.
+the fused AdamW update, the zeroing of the gradient range and the compute copy of the updated weights.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ class HostAdamOp:
         from tierflow.executor.ops.optimizer import OptimizerOps
         from tierflow.executor.optim.adamw import TrainHyper
         from tierflow.executor.optim.clipping import GradNorms
-        from tierflow.executor.tiers.consumed import ConsumedGrads
         from tierflow.executor.tiers.state import TierVector
         from tierflow.planner.core.graph import Task
         from tierflow.planner.core.opkinds import ADAM
@@ -61,9 +59,7 @@ class HostAdamOp:
         W.host.copy_(vec["master"][0].host)
         vec["weights"] = [W]
         grads = be.host_buffer(n, torch.float32, pinned=False)
-        spec = SimpleNamespace(optimizer_states="fp32")  # plain fp32 states (tiers/qvector.py: the others)
-        self.state = SimpleNamespace(vec=vec, grads=[grads], parts=[parts], shards=[(0, n)], spec=spec,
-                                     grads_consumed=ConsumedGrads(),
+        self.state = SimpleNamespace(vec=vec, grads=[grads], parts=[parts], shards=[(0, n)],
                                      layout=_FlatLayout(n), placement=SimpleNamespace(gpu_optimizer=False),
                                      shard_numel=[n], grad_split=[(0, n, 0)])
         binding = SimpleNamespace(dep_of_kind={0: {}}, part_of={}, plan=None)
@@ -79,21 +75,14 @@ class HostAdamOp:
         self.fill_grads(seed + 1)
 
     def fill_grads(self, seed: int = 1) -> None:
-        """Gradients as an accumulation would leave them (the op consumes them)."""
+        """Gradients as an accumulation would leave them (the op zeroes them)."""
         torch = import_torch()
         self.grads.copy_(torch.randn(self.n, generator=torch.Generator().manual_seed(seed))).mul_(1e-2)
 
-    def set_grads(self, value: float) -> None:
-        """Every gradient `value`, as a step's adds would leave them."""
-        self.grads.fill_(value)
-        self.state.grads_consumed.take(0, 0, self.n)
-
     def step(self) -> None:
-        """One `adam` op of the next step, on the gradients there (in a run the step's adds write them; here
-        the last ones stay: the op's work is the same)."""
+        """One `adam` op of the next step."""
         from tierflow.executor.ops.context import RoundState
 
-        self.state.grads_consumed.take(0, 0, self.n)
         rs = RoundState(num_ops=1, step0=self.steps, batches=[], weight_users=Counter())
         self.ops.adam(rs, self.task)
         self.steps += 1

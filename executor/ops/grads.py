@@ -32,7 +32,7 @@ class GradOps:
         for o, lo, g in self.buffers.take(rs, t.id):
             rs.use_on(g, "d2h")
             if not self.cx.asynchronous:
-                self.cx.state.grads_consumed.add(self.cx.state.grads[o], o, lo, g)
+                self.cx.state.grads[o][lo: lo + g.numel()] += g.float()
                 continue
             host = self.cx.transfer_buffer(g.numel(), g.dtype)
             be.copy_async(host, g)
@@ -47,17 +47,14 @@ class GradOps:
         HostGradAdds.wait_for(rs, t.block)
         a, z = self._ssd_range(t.block)
         if z > a:
-            acc, consumed = self.cx.state.grads[t.block], self.cx.state.grads_consumed
-            consumed.settle(acc, t.block, a, z)
-            self.cx.ssd.write(f"grads_b{t.block}", acc[a:z])
-            consumed.consume(t.block, a, z)  # zero from now on (the next add writes it)
+            self.cx.ssd.write(f"grads_b{t.block}", self.cx.state.grads[t.block][a:z])
+            self.cx.state.grads[t.block][a:z].zero_()
 
     def read_grads(self, rs: RoundState, t: Task) -> None:
         HostGradAdds.wait_for(rs, t.block)
         a, z = self._ssd_range(t.block)
         if z > a:
             back = self.cx.ssd.read(f"grads_b{t.block}", torch.float32, z - a)
-            self.cx.state.grads_consumed.take(t.block, a, z)  # written whole here
             self.cx.state.grads[t.block][a:z].copy_(back)
 
 
@@ -112,7 +109,7 @@ class HostGradAdds:
             try:
                 if not self.rs.abort.is_set():
                     self.backend.synchronize_event(event)
-                    self.state.grads_consumed.add(self.state.grads[o], o, lo, host)
+                    self.state.grads[o][lo: lo + host.numel()] += host.float()
             except RoundAborted:
                 pass
             except BaseException as e:  # noqa: BLE001 - the op whose gradients these are

@@ -57,8 +57,8 @@ class OptimizerOps:
 
     def adam(self, rs: RoundState, t: Task) -> None:
         """One optimizer part of block t.block on the host (adam and adam_deferred): the AdamW update, the
-        gradient range marked consumed (zero for the next step, without a pass: tiers/consumed.py), the
-        compute copy of the updated range written or staged (`host_adamw`)."""
+        gradient range zeroed, the compute copy of the updated range staged, in cache-sized chunks
+        (`host_adamw`)."""
         b, state = t.block, self.cx.state
         HostGradAdds.wait_for(rs, b)
         j = OPTIMIZER_PART[t.kind]
@@ -79,16 +79,13 @@ class OptimizerOps:
 
         step = rs.step0 + t.iteration + 1
         grads = state.grads[b]
-        ga, gz = groups[0][0], groups[-1][1]
-        state.grads_consumed.settle(grads, b, ga, gz)  # a range no op of the step added to: zero
         coef = clip_prelude(self.cx, rs, t, step, [grads[ga:gz] for ga, gz, _d in groups])
         dests = self._weight_dests(rs, t, j, lo, hi)
         stretches = {cls: pieces(cls) for cls in OPT_CLASSES}
         if compressed(state.spec.optimizer_states):  # decoded, updated, encoded (executor/optim/qstate.py)
             host_adamw_compressed(self.cx.hyper, step, b, groups, stretches, grads, dests, coef)
-        else:  # the gradients not zeroed: consumed (the step's first add writes them, tiers/consumed.py)
-            host_adamw(self.cx.hyper, step, groups, stretches, grads, dests, coef, zero_grads=False)
-        state.grads_consumed.consume(b, ga, gz)
+        else:
+            host_adamw(self.cx.hyper, step, groups, stretches, grads, dests, coef)
         rs.staged[Staged("opt_states_out", t.id)] = ssd_parts
 
     def _weight_dests(self, rs: RoundState, t: Task, j: int, lo: int,
@@ -187,7 +184,6 @@ def _host_sq(cx: OpContext, rs: RoundState, b: int) -> torch.Tensor:
     state = cx.state
     _g, _c, ssd_elems = state.grad_split[b]
     n = state.shard_numel[b]
-    state.grads_consumed.settle(state.grads[b], b, 0, n - ssd_elems)
     host = sum_of_squares([state.grads[b][: n - ssd_elems]])
     if ssd_elems == 0:
         return host

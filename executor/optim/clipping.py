@@ -58,21 +58,15 @@ class GradNorms:
 
     def observe(self, step: int, grads: list[torch.Tensor]) -> None:
         """An optimizer op of `step` adds the squares of the (unclipped) gradients it steps (not with several
-        ranks, parts_per_step 0: each holds a shard); with global clipping the step's norm is known before
-        its first optimizer op (`set_global`), and the op only counts itself."""
+        ranks, parts_per_step 0: each holds a shard)."""
         if not self.parts_per_step:
             return
+        s = sum_of_squares(grads)
         with self.lock:
-            known = step in self.coefs  # global clipping has the step's norm already: no pass for it
-        s = None if known else sum_of_squares(grads)
-        with self.lock:
-            if s is not None:
-                self.sumsq[step] = s if step not in self.sumsq else self.sumsq[step] + s
+            self.sumsq[step] = s if step not in self.sumsq else self.sumsq[step] + s
             self.seen[step] = self.seen.get(step, 0) + 1
             if self.seen[step] == self.parts_per_step:
-                total = self.sumsq.pop(step, None)
-                if total is not None:
-                    self.norms.setdefault(step, total.sqrt())
+                self.norms.setdefault(step, self.sumsq.pop(step).sqrt())
                 self.seen.pop(step)
 
     def value(self, step: int) -> float | None:

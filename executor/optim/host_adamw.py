@@ -1,8 +1,7 @@
 """The host optimizer op's work on flat fp32 tensors (ops/optimizer.py `adam` calls `host_adamw`): the AdamW
-update of an element range, its gradient accumulator zeroed (or, from the adam op, left to be marked consumed:
-executor/tiers/consumed.py, no pass) and the compute copy of the updated weights written where it goes,
-without temporaries: one fused AdamW call per decay flag over all of its groups, one cast per destination
-straight from the master.
+update of an element range, its gradient accumulator zeroed and the compute copy of the updated weights
+written where it goes, without temporaries: one fused AdamW call per decay flag over all of its groups, one
+zeroing, one cast per destination straight from the master.
 
 Numerics: bit for bit those of torch.optim.AdamW(fused=True) on the decay groups (torch._fused_adamw_, as its
 functional fused path calls it), followed by the zeroing and the cast. The fused CPU kernel takes the scalar
@@ -16,9 +15,6 @@ pairs, each pair faster in one pass; 10M: even) - the cast and the zeroing cost 
 and each chunk's calls ~20 us of Python - and with a team of threads each chunk's calls are parallel regions
 that wait at their barrier for the slowest thread: on a shared host one preempted thread makes each cost a
 scheduler slice (100M parameters took 5.6 s at 2 threads in 256k chunks against 0.2 s for fused AdamW).
-Measured again without the zeroing and with the norm's squares per chunk after the update (gradients in
-cache; 100M, load 3-5): 1 thread 355-384 ms in 32k-256k chunks against 365 ms in one pass; 2 threads
-1.7-2.5 s against 0.6 s.
 """
 
 from __future__ import annotations
@@ -32,14 +28,12 @@ STATE_CLASSES = ("master", "adam_m", "adam_v")
 
 
 def host_adamw(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states: dict[str, list[Stretch]],
-               grads: torch.Tensor, dests: list[Stretch], coef: torch.Tensor | float | None = None,
-               zero_grads: bool = True) -> None:
+               grads: torch.Tensor, dests: list[Stretch], coef: torch.Tensor | float | None = None) -> None:
     """AdamW step `step` (1-based) on the adjacent element ranges `groups` [(a, z, decayed)]: `states` has
     the stretches of the master ("master") and the moments ("adam_m", "adam_v") that cover them, `grads` the
     fp32 gradient accumulator indexed by element (zeroed over the groups after their update), `dests` the
     buffers the updated master goes to in the compute dtype; `coef` multiplies the gradients first
-    (clipping); `zero_grads` False leaves the gradients as they are (the adam op marks them consumed
-    instead, executor/tiers/consumed.py)."""
+    (clipping)."""
     lr = lr_of(h, step)
     step_t = torch.full((), float(step), dtype=torch.float32)
     lo, hi = groups[0][0], groups[-1][1]
@@ -56,8 +50,7 @@ def host_adamw(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states:
         for cls in STATE_CLASSES:
             for whole, back in spans[cls]:
                 _scatter(whole, back)
-    if zero_grads:
-        g.zero_()
+    g.zero_()
     for sa, sz, master in states["master"]:
         for a, z, buf in dests:
             x, y = max(a, sa, lo), min(z, sz, hi)

@@ -2,7 +2,6 @@
 
     state.py       TrainState: weights, master, Adam moments, gradient accumulators over device / host / SSD
     ssd_store.py   SsdStore: the SSD tier, one file per tensor segment, O_DIRECT, CRC32C per chunk
-    consumed.py    ConsumedGrads: the gradient accumulators' ranges a step used (zero without a pass)
     arena.py       TransferArena: the pinned host area every transfer buffer is a view of
     packs.py       Pack: the saved tensors of a layer that is not recomputed, moved as one flat byte tensor
     direct_io.py   whether a filesystem takes O_DIRECT (standard library only: `tierflow env` imports it)

@@ -28,7 +28,6 @@ from tierflow.executor.device.base import DeviceBackend
 from tierflow.executor.device.factory import as_backend
 from tierflow.executor.dist import SINGLE, DistWorld
 from tierflow.executor.models import check_block_state_dicts, hf_key_target, init_weights, make_blocks
-from tierflow.executor.tiers.consumed import ConsumedGrads
 from tierflow.executor.tiers.qvector import QTierVector, quantized_class, vector_dtype
 from tierflow.executor.tiers.ssd_store import SsdStore, split_counts
 from tierflow.planner.core.models import ModelSpec
@@ -166,7 +165,6 @@ class TrainState:
                              for b, n in enumerate(self.shard_numel)]
         # host fp32 gradient accumulators (a GPU optimizer keeps its gradients on the device instead)
         self.grads: list[torch.Tensor | None] = [None] * len(self.layout.numel)
-        self.grads_consumed = ConsumedGrads()  # their ranges an optimizer step used: zero (consumed.py)
         gs = placement.grads
         self.grad_split = [split_counts(n, 0.0, gs.ssd) for n in self.shard_numel]
 
@@ -251,7 +249,6 @@ class TrainState:
         return W.dtype == M.dtype and W.g == W.n and M.g == M.n and W.n > 0
 
     def reset_grads(self, b: int) -> None:
-        self.grads_consumed.clear(b)
         if self.placement.gpu_optimizer:
             self.grads[b] = None
         else:
