@@ -61,7 +61,8 @@ class HostAdamOp:
         grads = be.host_buffer(n, torch.float32, pinned=False)
         self.state = SimpleNamespace(vec=vec, grads=[grads], parts=[parts], shards=[(0, n)],
                                      layout=_FlatLayout(n), placement=SimpleNamespace(gpu_optimizer=False),
-                                     shard_numel=[n], grad_split=[(0, n, 0)])
+                                     shard_numel=[n], grad_split=[(0, n, 0)],
+                                     spec=SimpleNamespace(optimizer_states=None))  # fp32 states
         binding = SimpleNamespace(dep_of_kind={0: {}}, part_of={}, plan=None)
         hyper = TrainHyper()  # as `tierflow run` makes it: no clipping, the step's gradient norm for the log
         object.__setattr__(hyper, "norms", GradNorms(hyper.clip_grad_norm, hyper.clip, parts_per_step=1))
