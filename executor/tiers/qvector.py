@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tierflow.executor.optim.quant8 import Q8, packed_bytes
-from tierflow.executor.tiers.ssd_store import split_counts
+from tierflow.executor.tiers.ssd_store import SsdPieces, split_counts
 from tierflow.planner.core.optstates import state_format
 
 MOMENTS = ("adam_m", "adam_v")
@@ -27,7 +27,7 @@ def vector_dtype(fmt: str | None, cls: str, compute_dtype: torch.dtype) -> torch
     return torch.bfloat16 if cls == "master" and fmt == "8bit-bf16master" else torch.float32
 
 
-class QTierVector:
+class QTierVector(SsdPieces):
     """Adam's m or v of one block, 8-bit block-wise; the interface of TierVector that the tiers, the
     checkpoints and the optimizer use (set_full, get_full, ssd_pieces, ssd_bytes), plus its codes."""
 
@@ -41,19 +41,6 @@ class QTierVector:
         self.dev = self.host = None  # the codes live in dev_q / host_q
         self.dev_q: Q8 | None = None
         self.host_q: dict[tuple[int, int], Q8] = {}  # (a, z) of each part's host range -> its codes
-
-    @property
-    def ssd_lo(self) -> int:
-        return self.g + self.c
-
-    def ssd_pieces(self) -> list[tuple[str, int, int, int]]:
-        """(file name, part index, lo, hi) of every SSD file of this vector (as TierVector's)."""
-        out = []
-        for j, (lo, hi) in enumerate(self.parts):
-            lo2, hi2 = max(lo, self.ssd_lo), hi
-            if hi2 > lo2:
-                out.append((f"{self.cls}_b{self.block}_p{j}", j, lo2, hi2))
-        return out
 
     def host_ranges(self) -> list[tuple[int, int]]:
         out = []

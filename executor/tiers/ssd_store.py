@@ -80,6 +80,30 @@ def split_counts(n: int, gpu: float, ssd: float) -> tuple[int, int, int]:
     return g, n - g - s, s
 
 
+class SsdPieces:
+    """The SSD files of a tensor class's flat vector of one block: what TierVector and QTierVector share
+    (`cls`, `block`, `g` and `c` of split_counts, `parts`: the (lo, hi) of each part)."""
+
+    cls: str
+    block: int
+    g: int
+    c: int
+    parts: list[tuple[int, int]]
+
+    @property
+    def ssd_lo(self) -> int:
+        return self.g + self.c
+
+    def ssd_pieces(self) -> list[tuple[str, int, int, int]]:
+        """(file name, part index, lo, hi) of every SSD file of this vector."""
+        out = []
+        for j, (lo, hi) in enumerate(self.parts):
+            lo2, hi2 = max(lo, self.ssd_lo), hi
+            if hi2 > lo2:
+                out.append((f"{self.cls}_b{self.block}_p{j}", j, lo2, hi2))
+        return out
+
+
 def aligned_empty(nbytes: int, pinned: bool = False, backend=None) -> torch.Tensor:
     """A uint8 host tensor of `nbytes` (rounded up to ALIGN) whose address is ALIGN-aligned, from `backend`'s
     host allocator (plain torch.empty without one). Pinned memory is page-aligned: no extra page is asked

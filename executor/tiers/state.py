@@ -29,7 +29,7 @@ from tierflow.executor.device.factory import as_backend
 from tierflow.executor.dist import SINGLE, DistWorld
 from tierflow.executor.models import check_block_state_dicts, hf_key_target, init_weights, make_blocks
 from tierflow.executor.tiers.qvector import QTierVector, quantized_class, vector_dtype
-from tierflow.executor.tiers.ssd_store import SsdStore, split_counts
+from tierflow.executor.tiers.ssd_store import SsdPieces, SsdStore, split_counts
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split
 
@@ -85,7 +85,7 @@ def part_ranges(n: int, alpha: float) -> list[tuple[int, int]]:
     return [(0, cut), (cut, n)]
 
 
-class TierVector:
+class TierVector(SsdPieces):
     """One tensor class of one block, split over device / host / SSD by element ranges."""
 
     def __init__(self, cls: str, block: int, n: int, split: Split, dtype: torch.dtype, backend: DeviceBackend,
@@ -97,19 +97,6 @@ class TierVector:
         self.pin = pin  # its host range crosses PCIe (compute weights); master and Adam moments stay pageable
         self.dev: torch.Tensor | None = None
         self.host: torch.Tensor | None = None
-
-    @property
-    def ssd_lo(self) -> int:
-        return self.g + self.c
-
-    def ssd_pieces(self) -> list[tuple[str, int, int, int]]:
-        """(file name, part index, lo, hi) of every SSD file of this vector."""
-        out = []
-        for j, (lo, hi) in enumerate(self.parts):
-            lo2, hi2 = max(lo, self.ssd_lo), hi
-            if hi2 > lo2:
-                out.append((f"{self.cls}_b{self.block}_p{j}", j, lo2, hi2))
-        return out
 
     def set_full(self, full: torch.Tensor, ssd: SsdStore | None) -> None:
         """Place a full flat vector (any device/dtype) on the tiers."""
