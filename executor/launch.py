@@ -28,6 +28,7 @@ from tierflow.executor.dist import (
     LaunchError,
     RankLost,
     current_world,
+    launched_ranks,
     leave_cleanly,
     lost_ranks,
     note_exit,
@@ -132,7 +133,8 @@ def run_request(req: RunRequest, log=print) -> RunOutcome:
     opts = run_options(req, train_hyper(req, log))
     t0 = time.perf_counter()
     try:
-        with StopOnSignals():
+        # a rank of several that meets an error says why and ends (leave_world) before a signal can end it
+        with StopOnSignals(hold_on_error=launched_ranks() > 1):
             check_run_outputs(req)
             plan = load_plan(req.plan)
             check_ops_match_decisions(plan)  # every decision the ops depend on, before op 1
@@ -231,6 +233,9 @@ def leave_world(code: int) -> int:
     os._exit(code)
 
 
+LOST_RANK_WAIT_S = 3.0  # how long a rank whose collective broke looks for the dead rank of this host
+
+
 def rank_lost(req: RunRequest, res: RunResult | None, error: BaseException | None = None) -> RankLost:
     """Another rank died (or a collective broke): remove the SSD-tier directories of this box's dead ranks
     (this rank's own went with run_plan's cleanup); the error says which rank, the steps done, the checkpoint
@@ -238,6 +243,12 @@ def rank_lost(req: RunRequest, res: RunResult | None, error: BaseException | Non
     world = current_world()
     me = world.rank if world is not None else 0
     lost = lost_ranks()
+    # a collective fails as the killed rank's sockets close, which the kernel does before the process shows
+    # as ended (a zombie): on a busy host that takes a moment
+    deadline = time.monotonic() + LOST_RANK_WAIT_S
+    while error is not None and not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+        lost = lost_ranks()
     who = (", ".join(f"rank {r} (pid {pid})" for r, pid in lost) + " died"
            if lost else f"a collective failed ({' '.join(str(error).split())[:80]}): another rank stopped")
     left = []

@@ -2,7 +2,9 @@
 stops the round's workers (Executor.run_round joins every one of them before the exception goes on), removes
 the run's SSD directory and a half-written checkpoint, and ends the command with 128 + the signal's number
 (130, 143). Further signals while it cleans up are ignored, so that a second Ctrl-C cannot leave threads
-running at exit.
+running at exit. A rank of several (`hold_on_error`) keeps ignoring them once an error has left the training:
+it is saying why it stops (another rank died: torchrun's SIGTERM to the ranks left comes a moment later) and
+ends at once after (launch.leave_world), and a signal's default action would end it without that line.
 
 While training with a checkpoint directory (`deferred_stop`), the first signal is only noted: the round under
 way finishes, its last step is saved, and then the run stops with the same exit code; a second signal stops
@@ -41,9 +43,11 @@ _ACTIVE: StopOnSignals | None = None  # the handlers installed now (main thread)
 
 class StopOnSignals:
     """Context manager (main thread only; elsewhere it does nothing): SIGINT and SIGTERM raise Interrupted
-    once; the previous handlers are restored on exit."""
+    once; the previous handlers are restored on exit, or, with `hold_on_error` and an exception leaving the
+    context, replaced by SIG_IGN for the rest of the process (which must then end by itself)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_on_error: bool = False) -> None:
+        self.hold_on_error = hold_on_error
         self.signum: int | None = None  # the first stop signal
         self.raised = False  # Interrupted raised: later signals are ignored
         self.deferring = False  # deferred_stop: the first signal is noted, not raised
@@ -73,8 +77,9 @@ class StopOnSignals:
 
     def __exit__(self, *exc: object) -> None:
         global _ACTIVE
+        hold = self.hold_on_error and exc[0] is not None
         for s, old in self._old.items():
-            signal.signal(s, old)
+            signal.signal(s, signal.SIG_IGN if hold else old)
         if self._old:
             _ACTIVE = None
         self._old.clear()

@@ -384,6 +384,30 @@ def test_a_second_stop_signal_stops_at_once(monkeypatch):
             signal.sigtimedwait([], 0.01)
 
 
+def test_a_rank_that_meets_an_error_keeps_ignoring_stop_signals():
+    """hold_on_error (a rank of several): an exception leaving the training leaves SIGINT and SIGTERM ignored,
+    so that torchrun's SIGTERM cannot end the rank before it says why it stops; a clean exit, or one rank,
+    restores the handlers."""
+    from tierflow.executor import signals
+
+    before = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}
+    try:
+        with signals.StopOnSignals(hold_on_error=True):
+            pass
+        assert {s: signal.getsignal(s) for s in signals.STOP_SIGNALS} == before
+        with pytest.raises(RuntimeError), signals.StopOnSignals():
+            raise RuntimeError("a collective broke")
+        assert {s: signal.getsignal(s) for s in signals.STOP_SIGNALS} == before
+        with pytest.raises(RuntimeError), signals.StopOnSignals(hold_on_error=True):
+            raise RuntimeError("a collective broke")
+        assert all(signal.getsignal(s) == signal.SIG_IGN for s in signals.STOP_SIGNALS)
+        os.kill(os.getpid(), signal.SIGTERM)  # ignored: the test process lives on
+        signal.sigtimedwait([], 0.01)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
 @pytest.mark.parametrize("steps,every", [("4", None), ("7", "5"), ("2", "100")])
 def test_every_run_with_a_checkpoint_dir_saves_its_last_step(plans, tmp_path, capsys, steps, every):
     """Three steps a round: --steps 4 (not a multiple of the round), 7 with an interval of 5, 2 with an
