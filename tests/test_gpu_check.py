@@ -64,7 +64,7 @@ def test_gpu_check_quick_on_the_emulation(tmp_path):
 
 def test_gpu_check_reports_a_step_that_cannot_run(tmp_path):
     missing = str(tmp_path / "missing.yaml")
-    res = gpu_check(tmp_path, "--hw", missing, "--skip", "bench_store", "bench_executor")
+    res = gpu_check(tmp_path, "--hw", missing, "--skip", "bench_optimizer", "bench_store", "bench_executor")
     assert res.returncode == 1
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| env | ok |" in summary
