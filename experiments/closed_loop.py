@@ -146,9 +146,9 @@ def one_run(name: str, model: ModelSpec, hw: HardwareProfile, schedule: str, dev
     tag = f"{name}-{schedule}"
     path = work / f"plan-{tag}.json"
     write_plan(plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg), predicted=predicted), path)
-    # best of REPEATS runs, as calibrate keeps the best of its timings: on a shared machine a run is only ever
-    # slowed by others, so the fastest is the closest to what the box delivers, on both sides of the
-    # comparison
+    # best of `repeats` runs (REPEATS; one with --quick), as calibrate keeps the best of its timings: on a
+    # shared machine a run is only ever slowed by others, so the fastest is the closest to what the box
+    # delivers, on both sides of the comparison
     best = None
     t0 = time.perf_counter()
     for k in range(repeats):
