@@ -79,13 +79,19 @@ class OptimizerOps:
 
         step = rs.step0 + t.iteration + 1
         grads = state.grads[b]
-        coef = clip_prelude(self.cx, rs, t, step, [grads[ga:gz] for ga, gz, _d in groups])
+        mine = [grads[ga:gz] for ga, gz, _d in groups]
         dests = self._weight_dests(rs, t, j, lo, hi)
         stretches = {cls: pieces(cls) for cls in OPT_CLASSES}
         if compressed(state.spec.optimizer_states):  # decoded, updated, encoded (executor/optim/qstate.py)
+            coef = clip_prelude(self.cx, rs, t, step, mine)
             host_adamw_compressed(self.cx.hyper, step, b, groups, stretches, grads, dests, coef)
-        else:
-            host_adamw(self.cx.hyper, step, groups, stretches, grads, dests, coef)
+        else:  # the squares for the step's norm summed in the update's pass
+            norms = norms_of(self.cx.hyper)
+            coef = clip_factor(self.cx, rs, t, step, mine)
+            sumsq = host_adamw(self.cx.hyper, step, groups, stretches, grads, dests, coef,
+                               squares=norms is not None and norms.wants_squares())
+            if norms is not None:
+                norms.add_squares(step, sumsq)
         rs.staged[Staged("opt_states_out", t.id)] = ssd_parts
 
     def _weight_dests(self, rs: RoundState, t: Task, j: int, lo: int,
@@ -143,16 +149,22 @@ def clip_prelude(cx: OpContext, rs: RoundState, t: Task, step: int,
                  grads: list[torch.Tensor]) -> torch.Tensor | float | None:
     """What an optimizer op of `step` does before its update: adds the squares of its (unclipped) gradients
     to the step's norm, and returns the factor its gradients are to be multiplied by (None: no clipping)."""
+    coef = clip_factor(cx, rs, t, step, grads)
     norms = norms_of(cx.hyper)
-    if norms is None:
-        return None
-    coef = None
-    if norms.max_norm > 0 and norms.mode == "global":
-        coef = _global_coef(cx, rs, t, step, norms, grads)
-    elif norms.max_norm > 0:
-        coef = norms.delayed_coef(step)
-    norms.observe(step, grads)
+    if norms is not None:
+        norms.observe(step, grads)
     return coef
+
+
+def clip_factor(cx: OpContext, rs: RoundState, t: Task, step: int,
+                grads: list[torch.Tensor]) -> torch.Tensor | float | None:
+    """The factor the gradients of an optimizer op of `step` are to be multiplied by (None: no clipping)."""
+    norms = norms_of(cx.hyper)
+    if norms is None or norms.max_norm <= 0:
+        return None
+    if norms.mode == "global":
+        return _global_coef(cx, rs, t, step, norms, grads)
+    return norms.delayed_coef(step)
 
 
 def _global_coef(cx: OpContext, rs: RoundState, t: Task, step: int, norms: GradNorms,

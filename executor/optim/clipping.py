@@ -59,14 +59,27 @@ class GradNorms:
     def observe(self, step: int, grads: list[torch.Tensor]) -> None:
         """An optimizer op of `step` adds the squares of the (unclipped) gradients it steps (not with several
         ranks, parts_per_step 0: each holds a shard)."""
+        if self.parts_per_step:
+            self.add_squares(step, sum_of_squares(grads))
+
+    def wants_squares(self) -> bool:
+        """Whether an optimizer op is to sum its gradients' squares: for the step's norm, unless global
+        clipping has set it before the step's first op."""
+        return bool(self.parts_per_step) and not (self.max_norm > 0 and self.mode == "global")
+
+    def add_squares(self, step: int, s: torch.Tensor | None) -> None:
+        """An optimizer op of `step` adds the sum of the squares of its (unclipped) gradients `s` (None: not
+        summed, see wants_squares); the step's norm is known once every op of the step has added."""
         if not self.parts_per_step:
             return
-        s = sum_of_squares(grads)
         with self.lock:
-            self.sumsq[step] = s if step not in self.sumsq else self.sumsq[step] + s
+            if s is not None:
+                self.sumsq[step] = s if step not in self.sumsq else self.sumsq[step] + s
             self.seen[step] = self.seen.get(step, 0) + 1
             if self.seen[step] == self.parts_per_step:
-                self.norms.setdefault(step, self.sumsq.pop(step).sqrt())
+                total = self.sumsq.pop(step, None)
+                if total is not None:
+                    self.norms.setdefault(step, total.sqrt())
                 self.seen.pop(step)
 
     def value(self, step: int) -> float | None:

@@ -1,39 +1,57 @@
 """The host optimizer op's work on flat fp32 tensors (ops/optimizer.py `adam` calls `host_adamw`): the AdamW
-update of an element range, its gradient accumulator zeroed and the compute copy of the updated weights
-written where it goes, without temporaries: one fused AdamW call per decay flag over all of its groups, one
-zeroing, one cast per destination straight from the master.
+update of an element range, its gradient accumulator zeroed, the compute copy of the updated weights written
+where it goes and, when asked, the sum of the gradients' squares for the step's norm.
 
-Numerics: bit for bit those of torch.optim.AdamW(fused=True) on the decay groups (torch._fused_adamw_, as its
-functional fused path calls it), followed by the zeroing and the cast. The fused CPU kernel takes the scalar
-path for the last, partial vector of each tensor it is given, so a group that the host/SSD boundary cuts is
-updated in a contiguous copy (and copied back): every element takes the same path whatever the placement (a
-checkpoint resumes bit for bit under another one).
+Two ways, the same job:
+- **one pass** (fused_host_adamw.py, compiled with numba: the `fast` and `test` extras) for host tensors, fp32
+  and contiguous, with bf16, fp16 or fp32 destinations: each element read and written once. Numerics: every
+  element as the vector path of torch's fused AdamW kernel computes it (bit for bit; torch's scalar path for
+  the last partial vector of a tensor differs in the last bits, and this one never takes it, so an element's
+  result does not depend on placement or threads); the squares summed in fp64.
+- **torch's kernels** otherwise (no numba, other tensors, TIERFLOW_PURE_ADAMW=1): one fused AdamW call per
+  decay flag over all of its groups, one zeroing, one cast per destination straight from the master, the
+  squares by torch.linalg.vector_norm in fp32. Numerics: bit for bit those of torch.optim.AdamW(fused=True) on
+  the decay groups (torch._fused_adamw_, as its functional fused path calls it); since the fused CPU kernel
+  takes its scalar path for the last, partial vector of each tensor it is given, a group that the host/SSD
+  boundary cuts is updated in a contiguous copy (and copied back): every element takes the same path whatever
+  the placement (a checkpoint resumes bit for bit under another one).
 
-Tried and dropped: the range in 64k-element chunks on one thread (update, zeroing and cast per chunk, in L2)
-was not faster on the dev box (100M parameters: 507 ms against 464 ms in one pass, median of 5 alternating
-pairs, each pair faster in one pass; 10M: even) - the cast and the zeroing cost compute, not only memory,
-and each chunk's calls ~20 us of Python - and with a team of threads each chunk's calls are parallel regions
-that wait at their barrier for the slowest thread: on a shared host one preempted thread makes each cost a
-scheduler slice (100M parameters took 5.6 s at 2 threads in 256k chunks against 0.2 s for fused AdamW).
+The two differ in the last bits of the elements that torch's scalar path takes and of the step's norm, so a
+run resumes bit for bit only in the same way it started (the same machine and install).
+
+Tried and dropped for torch's kernels: the range in 64k-element chunks on one thread (update, zeroing and cast
+per chunk, in L2) was not faster (100M parameters: 507 ms against 464 ms in one pass, median of 5 alternating
+pairs; 10M: even) - the cast and the zeroing cost compute, not only memory, and each chunk's calls ~20 us of
+Python - and with a team of threads each chunk's calls are parallel regions that wait at their barrier for the
+slowest thread: on a shared host one preempted thread makes each cost a scheduler slice (100M parameters took
+5.6 s at 2 threads in 256k chunks against 0.2 s for fused AdamW). The one-pass kernel's threads each take one
+contiguous share of the range per call.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tierflow.executor.optim import fused_host_adamw
 from tierflow.executor.optim.adamw import Hyper, coef_on, fused_adamw_, lr_of
+from tierflow.executor.optim.clipping import sum_of_squares
 
 Stretch = tuple[int, int, torch.Tensor]  # (a, z, tensor of the elements [a, z))
 STATE_CLASSES = ("master", "adam_m", "adam_v")
 
 
 def host_adamw(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states: dict[str, list[Stretch]],
-               grads: torch.Tensor, dests: list[Stretch], coef: torch.Tensor | float | None = None) -> None:
+               grads: torch.Tensor, dests: list[Stretch], coef: torch.Tensor | float | None = None,
+               squares: bool = False) -> torch.Tensor | None:
     """AdamW step `step` (1-based) on the adjacent element ranges `groups` [(a, z, decayed)]: `states` has
     the stretches of the master ("master") and the moments ("adam_m", "adam_v") that cover them, `grads` the
     fp32 gradient accumulator indexed by element (zeroed over the groups after their update), `dests` the
     buffers the updated master goes to in the compute dtype; `coef` multiplies the gradients first
-    (clipping)."""
+    (clipping). With `squares`, returns the sum of the squares of the (unclipped) gradients (a 0-d fp32
+    tensor) for the step's norm."""
+    if _fusable(states, grads, dests):
+        return _fused(h, step, groups, states, grads, dests, coef, squares)
+    sumsq = sum_of_squares([grads[a:z] for a, z, _d in groups]) if squares else None
     lr = lr_of(h, step)
     step_t = torch.full((), float(step), dtype=torch.float32)
     lo, hi = groups[0][0], groups[-1][1]
@@ -56,6 +74,39 @@ def host_adamw(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states:
             x, y = max(a, sa, lo), min(z, sz, hi)
             if y > x:
                 buf[x - a: y - a].copy_(master[x - sa: y - sa])  # the cast to the compute dtype
+    return sumsq
+
+
+def _fusable(states: dict[str, list[Stretch]], grads: torch.Tensor, dests: list[Stretch]) -> bool:
+    """Whether the compiled one-pass kernel can take the step: numba there (and not switched off), every
+    tensor on the host, contiguous, the states fp32, the destinations bf16, fp16 or fp32."""
+    if fused_host_adamw.kernel() is None:
+        return False
+    tensors = [grads, *(t for pieces in states.values() for _a, _z, t in pieces)]
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        return False
+    return all(b.device.type == "cpu" and b.dtype in _DEST_DTYPES and b.is_contiguous()
+               for _a, _z, b in dests)
+
+
+_DEST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _fused(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states: dict[str, list[Stretch]],
+           grads: torch.Tensor, dests: list[Stretch], coef: torch.Tensor | float | None,
+           squares: bool) -> torch.Tensor | None:
+    """host_adamw by the one-pass kernel (fused_host_adamw.py); fp16 destinations cast after it."""
+    factor = 1.0 if coef is None else float(coef)
+    consts = fused_host_adamw.coefficients(lr_of(h, step), h.beta1, h.beta2, h.eps, h.weight_decay, step,
+                                           factor)
+    s = fused_host_adamw.run_step(consts, groups, states, grads, dests, squares)
+    lo, hi = groups[0][0], groups[-1][1]
+    for sa, sz, master in states["master"]:
+        for a, z, buf in dests:
+            x, y = max(a, sa, lo), min(z, sz, hi)
+            if y > x and buf.dtype == torch.float16:
+                buf[x - a: y - a].copy_(master[x - sa: y - sa])
+    return None if s is None else torch.tensor(s, dtype=torch.float32)
 
 
 def _span(stretches: list[Stretch], a: int, z: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
