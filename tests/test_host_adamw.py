@@ -1,7 +1,9 @@
-"""The host optimizer op's AdamW (executor/optim/host_adamw.py: the fused kernel called directly, the cast
-straight into the destinations) against what the op computed before: torch.optim.adamw's functional fused path
-over the decay groups, the gradient range zeroed after, the updated master cast to the compute dtype in a new
-tensor - bit for bit, on 1 and 2 threads, whether or not the host/SSD boundary cuts the states."""
+"""The host optimizer op's AdamW by torch's kernels (executor/optim/host_adamw.py without the one-pass kernel,
+TIERFLOW_PURE_ADAMW=1: torch's fused kernel called directly, the cast straight into the destinations) against
+what the op computed before: torch.optim.adamw's functional fused path over the decay groups, the gradient
+range zeroed after, the updated master cast to the compute dtype in a new tensor - bit for bit, on 1 and 2
+threads, whether or not the host/SSD boundary cuts the states. The one-pass kernel:
+test_fused_host_adamw.py."""
 
 from __future__ import annotations
 
@@ -15,6 +17,11 @@ from tierflow.executor.optim.host_adamw import host_adamw
 # adjacent decay groups of odd lengths (biases and norms between matrices), none a multiple of a vector
 GROUPS = [(0, 1001, True), (1001, 1038, False), (1038, 5021, True), (5021, 5024, False), (5024, 9000, True)]
 N = GROUPS[-1][1]
+
+
+@pytest.fixture(autouse=True)
+def _torch_kernels(monkeypatch):
+    monkeypatch.setenv("TIERFLOW_PURE_ADAMW", "1")
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

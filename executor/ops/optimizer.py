@@ -15,6 +15,7 @@ from tierflow.executor.binding import OPTIMIZER_PART
 from tierflow.executor.ops.context import OpContext, RoundState, Staged
 from tierflow.executor.ops.grad_buffers import GradBuffers
 from tierflow.executor.ops.grads import HostGradAdds
+from tierflow.executor.optim import fused_host_adamw
 from tierflow.executor.optim.adamw import adamw_update, norms_of
 from tierflow.executor.optim.clipping import GradNorms, sum_of_squares
 from tierflow.executor.optim.decay import decay_pieces
@@ -39,6 +40,8 @@ class OptimizerOps:
 
     def __init__(self, cx: OpContext, buffers: GradBuffers) -> None:
         self.cx, self.buffers = cx, buffers
+        if not cx.state.placement.gpu_optimizer:  # the host op's kernel loaded now, not in its first op
+            fused_host_adamw.warm_up()
 
     def _adamw(self, rs, t, params, grads, ms, vs, step: int, fused: bool, decay=None) -> None:
         # schedule and weight-decay groups: executor/optim/adamw.py; the clipping factor: clip_prelude

@@ -38,6 +38,7 @@ NO_DEST, DEST_BF16, DEST_F32 = 0, 1, 2  # what the kernel writes the updated mas
 
 _KERNEL = None
 _TRIED = False
+_WARM = False
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
 _POOL_LOCK = threading.Lock()
@@ -57,6 +58,23 @@ def kernel():
             return None
         _KERNEL = _compile()
     return _KERNEL
+
+
+def warm_up() -> None:
+    """Compile the kernel (or load it from numba's cache: ~0.3-0.6 s of CPU once per process; compiling it,
+    once per installation, ~2 s) and run it once on a few elements, so that a run's first optimizer op does
+    not pay it (the executor calls this while it sets up)."""
+    global _WARM
+    if _WARM or kernel() is None:
+        return
+    import torch
+
+    n = 3
+    t = [torch.zeros(n) for _ in range(4)]
+    run_step(coefficients(1e-3, 0.9, 0.95, 1e-8, 0.0, 1, 1.0), [(0, n, True)],
+             {"master": [(0, n, t[0])], "adam_m": [(0, n, t[1])], "adam_v": [(0, n, t[2])]}, t[3],
+             [(0, n, torch.zeros(n, dtype=torch.bfloat16))], True)
+    _WARM = True
 
 
 def _pool(helpers: int) -> ThreadPoolExecutor:

@@ -1,0 +1,145 @@
+"""The host optimizer op's one-pass AdamW (executor/optim/fused_host_adamw.py, through host_adamw) against
+torch: every element bit for bit as the vector path of torch's fused AdamW kernel (the reference runs each
+group padded to whole vectors, on one thread, so that torch takes no scalar path), the compute copy's bits as
+torch's cast, the squares as an fp64 sum, the same bits on any thread count and cut, and torch's kernels when
+switched off."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tierflow.executor.optim import fused_host_adamw
+from tierflow.executor.optim.adamw import TrainHyper
+from tierflow.executor.optim.host_adamw import host_adamw
+
+numba = pytest.importorskip("numba")
+
+# adjacent decay groups of odd lengths (biases and norms between matrices), none a multiple of a vector; the
+# op's range starts at element LO of the accumulator, not at a chunk's or a vector's boundary
+LO = 37
+GROUPS = [(LO, LO + 1001, True), (LO + 1001, LO + 1038, False), (LO + 1038, LO + 9021, True),
+          (LO + 9021, LO + 9024, False), (LO + 9024, LO + 13000, True)]
+HI = GROUPS[-1][1]
+N = HI - LO
+H = TrainHyper(lr=3e-3, weight_decay=0.1, schedule="cosine", warmup_steps=2, total_steps=10)
+STATES = ("master", "adam_m", "adam_v")
+
+
+@pytest.fixture(autouse=True)
+def _compiled(monkeypatch):
+    monkeypatch.delenv("TIERFLOW_PURE_ADAMW", raising=False)
+    assert fused_host_adamw.kernel() is not None
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"master": torch.randn(N, generator=g), "adam_m": torch.randn(N, generator=g) * 1e-3,
+            "adam_v": torch.rand(N, generator=g) * 1e-6,
+            "grads": torch.cat([torch.full((LO,), 7.0), torch.randn(N, generator=g) * 1e-2,
+                                torch.full((5,), 7.0)])}
+
+
+def _vector_path(s: dict[str, torch.Tensor], step: int, coef: float | None) -> None:
+    """torch's fused AdamW on each group, padded to a multiple of 64 elements on one thread: every element in
+    its vector path."""
+    torch.set_num_threads(1)
+    g = s["grads"][LO:HI] * coef if coef is not None else s["grads"][LO:HI].clone()
+    for a, z, decayed in GROUPS:
+        pad = -(z - a) % 64
+        p, m, v, gr = (torch.cat([t[a - LO: z - LO], torch.ones(pad)])
+                       for t in (s["master"], s["adam_m"], s["adam_v"], g))
+        torch._fused_adamw_([p], [gr], [m], [v], [], [torch.tensor(float(step))], lr=H.lr_at(step),
+                            beta1=H.beta1, beta2=H.beta2, weight_decay=H.weight_decay if decayed else 0.0,
+                            eps=H.eps, amsgrad=False, maximize=False)
+        for t, new in ((s["master"], p), (s["adam_m"], m), (s["adam_v"], v)):
+            t[a - LO: z - LO] = new[: z - a]
+    s["grads"][LO:HI] = 0
+
+
+def _stretches(t: torch.Tensor, cuts: list[int]) -> list[tuple[int, int, torch.Tensor]]:
+    """`t` (elements LO..HI) as the op sees it: separate tensors between the element numbers `cuts`."""
+    ends = [LO, *cuts, HI]
+    return [(a, z, t[a - LO: z - LO].clone()) for a, z in zip(ends, ends[1:])]
+
+
+def _run(s, step, coef, cuts, dests, threads):
+    """host_adamw on `s` with its states cut at `cuts`; the states put back together; the squares."""
+    torch.set_num_threads(threads)
+    st = {k: _stretches(s[k], cuts) for k in STATES}
+    sq = host_adamw(H, step, GROUPS, st, s["grads"], dests, coef, squares=True)
+    for k in STATES:
+        s[k] = torch.cat([t for _a, _z, t in st[k]])
+    return sq
+
+
+@pytest.mark.parametrize("threads,cuts", [(1, []), (2, []), (2, [LO + 4096 - 37, LO + 9022]), (1, [LO + 5])])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_bit_for_bit_torch_vector_path(threads, cuts, dtype):
+    ref, got = _state(0), _state(0)
+    for step, coef in ((1, None), (2, 0.5), (7, torch.tensor(0.25))):
+        grads_before = got["grads"][LO:HI].clone()
+        _vector_path(ref, step, None if coef is None else float(coef))
+        wire, host = torch.empty(100, dtype=dtype), torch.empty(N - 100, dtype=dtype)
+        sq = _run(got, step, coef, cuts, [(LO, LO + 100, wire), (LO + 100, HI, host)], threads)
+        for k in STATES:
+            assert torch.equal(got[k], ref[k]), (k, step)
+        assert torch.equal(got["grads"][LO:HI], torch.zeros(N))
+        assert torch.equal(got["grads"][:LO], torch.full((LO,), 7.0))  # outside the range: untouched
+        assert torch.equal(got["grads"][HI:], torch.full((5,), 7.0))
+        assert torch.equal(torch.cat([wire, host]), ref["master"].to(dtype))
+        exact = math.fsum(float(x) ** 2 for x in grads_before.double())
+        assert sq.dtype == torch.float32 and abs(float(sq) - exact) <= 1e-6 * exact
+
+
+def test_the_same_bits_on_any_thread_count_and_cut():
+    """Threads and where the states are cut change nothing: not the update, not the squares (the cuts only
+    where no chunk of the squares is cut)."""
+    out = []
+    for threads, cuts in ((1, []), (2, []), (2, [LO + 4096, LO + 8192]), (1, [LO + 8192])):
+        s = _state(1)
+        dest = torch.empty(N, dtype=torch.bfloat16)
+        sq = _run(s, 3, None, cuts, [(LO, HI, dest)], threads)
+        out.append((s, dest, float(sq)))
+    for s, dest, sq in out[1:]:
+        assert all(torch.equal(s[k], out[0][0][k]) for k in STATES)
+        assert torch.equal(dest, out[0][1]) and sq == out[0][2]
+
+
+def test_cast_bits_as_torch():
+    """Rounding to nearest even from the fp32 bits, on random values, ties, subnormals, infinities, NaN."""
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0x3F80_8001, 0x7F7F_FFFF, 0x0000_8000, 0x8001_8000,
+                         0x0000_0001, 0x807F_FFFF, 0x7F80_0000, 0xFF80_0000, 0x7F7F_8000, 0x0, 0x8000_0000],
+                        dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([torch.randn(10_000) * 10.0 ** torch.randint(-30, 30, (10_000,)), ties])
+    nan = torch.tensor([float("nan"), -float("nan")])
+
+    @numba.njit
+    def cast(src, out):
+        for i in range(src.shape[0]):
+            out[i] = fused_host_adamw._bf16(src[i])
+
+    out = torch.empty(len(x) + 2, dtype=torch.bfloat16)
+    cast(torch.cat([x, nan]).numpy(), out.view(torch.int16).numpy().view("uint16"))
+    assert torch.equal(out[:-2].view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+    assert out[-2:].isnan().all()
+
+
+def test_switched_off_it_runs_torchs_kernels(monkeypatch):
+    """TIERFLOW_PURE_ADAMW=1: host_adamw takes torch's kernels, whose scalar path for a group's last partial
+    vector differs from the kernel's in some last bits."""
+    monkeypatch.setenv("TIERFLOW_PURE_ADAMW", "1")
+    assert fused_host_adamw.kernel() is None
+    fast, pure = _state(2), _state(2)
+    sq_pure = _run(pure, 1, None, [], [(LO, HI, torch.empty(N))], 1)
+    monkeypatch.delenv("TIERFLOW_PURE_ADAMW")
+    sq_fast = _run(fast, 1, None, [], [(LO, HI, torch.empty(N))], 1)
+    assert torch.equal(pure["grads"], fast["grads"])
+    for k in STATES:  # within a few ulps
+        assert torch.allclose(pure[k], fast[k], rtol=4 * 2.0 ** -23, atol=0), k
+    assert abs(float(sq_pure) - float(sq_fast)) <= 1e-5 * float(sq_fast)
