@@ -251,17 +251,19 @@ def run_step(consts: np.ndarray, groups, states, grads, dests, want_squares: boo
         cuts.update(x for a, z, _t in pieces for x in (a, z) if lo < x < hi)
     cuts = sorted(cuts)
     partials = np.zeros((hi - lo + CHUNK - 1) // CHUNK)
-    no16, no32 = np.zeros(0, dtype=np.uint16), np.zeros(0, dtype=np.float32)
+    arrays = {cls: [(a, z, t.numpy()) for a, z, t in states[cls]] for cls in ("master", "adam_m", "adam_v")}
+    outs = [(a, z, _dest_array(t)) for a, z, t in dests]
+    g = grads.numpy()
     threads = max(1, torch.get_num_threads())
     for s0, s1 in zip(cuts, cuts[1:]):
-        p, m, v = (_piece(states[cls], s0, s1).numpy() for cls in ("master", "adam_m", "adam_v"))
-        d16, d32, dmode = no16, no32, NO_DEST
-        d = _piece(dests, s0, s1, missing_ok=True)
-        if d is not None and d.dtype == torch.bfloat16:
-            d16, dmode = d.view(torch.int16).numpy().view(np.uint16), DEST_BF16
-        elif d is not None and d.dtype == torch.float32:
-            d32, dmode = d.numpy(), DEST_F32
-        args = (grads[s0:s1].numpy(), p, m, v, d16, d32, dmode, gend, gdecay, consts, partials)
+        p, m, v = (_piece(arrays[cls], s0, s1) for cls in ("master", "adam_m", "adam_v"))
+        d = _piece(outs, s0, s1, missing_ok=True)
+        d16, d32, dmode = _NO16, _NO32, NO_DEST
+        if d is not None and d.dtype == np.uint16:
+            d16, dmode = d, DEST_BF16
+        elif d is not None and d.dtype == np.float32:
+            d32, dmode = d, DEST_F32
+        args = (g[s0:s1], p, m, v, d16, d32, dmode, gend, gdecay, consts, partials)
         n_chunks = (s1 - 1 - lo) // CHUNK - (s0 - lo) // CHUNK + 1
         shares = min(threads, n_chunks)
         bounds = [n_chunks * t // shares for t in range(shares + 1)]
@@ -273,10 +275,23 @@ def run_step(consts: np.ndarray, groups, states, grads, dests, want_squares: boo
     return sum_of_squares(partials) if want_squares else None
 
 
+_NO16, _NO32 = np.zeros(0, dtype=np.uint16), np.zeros(0, dtype=np.float32)
+
+
+def _dest_array(t):
+    """A destination tensor as the kernel writes it: bf16 as its bits (uint16), fp32 as is, else None (fp16:
+    the caller casts)."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy() if t.dtype == torch.float32 else None
+
+
 def _piece(pieces, s0: int, s1: int, missing_ok: bool = False):
-    """The view of elements [s0, s1) in the one (a, z, tensor) of `pieces` that holds them."""
+    """The view of elements [s0, s1) in the one (a, z, array) of `pieces` that holds them."""
     for a, z, t in pieces:
         if a <= s0 and s1 <= z:
-            return t[s0 - a: s1 - a]
+            return None if t is None else t[s0 - a: s1 - a]
     assert missing_ok, (s0, s1)
     return None
