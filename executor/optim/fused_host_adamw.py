@@ -89,6 +89,16 @@ def _pool(helpers: int) -> ThreadPoolExecutor:
         return _POOL
 
 
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool threads do not exist there; a later step makes a new pool."""
+    global _POOL, _POOL_SIZE, _POOL_LOCK
+    _POOL, _POOL_SIZE, _POOL_LOCK = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def coefficients(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                  coef: float) -> np.ndarray:
     """The fp32 constants of a step, rounded as torch's kernel rounds them (its bias corrections in double):
