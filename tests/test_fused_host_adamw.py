@@ -78,6 +78,9 @@ def _run(s, step, coef, cuts, dests, threads):
     return sq
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                    reason="torch's kernels without AVX2 / AVX-512 (ATEN_CPU_CAPABILITY=default) use no "
+                    "fused multiply-add; the one-pass kernel computes as its AVX2 and AVX-512 builds")
 @pytest.mark.parametrize("threads,cuts", [(1, []), (2, []), (2, [LO + 4096 - 37, LO + 9022]), (1, [LO + 5])])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_bit_for_bit_torch_vector_path(threads, cuts, dtype):
@@ -131,8 +134,8 @@ def test_cast_bits_as_torch():
 
 
 def test_switched_off_it_runs_torchs_kernels(monkeypatch):
-    """TIERFLOW_PURE_ADAMW=1: host_adamw takes torch's kernels, whose scalar path for a group's last partial
-    vector differs from the kernel's in some last bits."""
+    """TIERFLOW_PURE_ADAMW=1: host_adamw takes torch's kernels, whose scalar path (no fused multiply-add)
+    for a group's last partial vector differs from the kernel's in some last bits."""
     monkeypatch.setenv("TIERFLOW_PURE_ADAMW", "1")
     assert fused_host_adamw.kernel() is None
     fast, pure = _state(2), _state(2)
@@ -140,6 +143,7 @@ def test_switched_off_it_runs_torchs_kernels(monkeypatch):
     monkeypatch.delenv("TIERFLOW_PURE_ADAMW")
     sq_fast = _run(fast, 1, None, [], [(LO, HI, torch.empty(N))], 1)
     assert torch.equal(pure["grads"], fast["grads"])
-    for k in STATES:  # within a few ulps
-        assert torch.allclose(pure[k], fast[k], rtol=4 * 2.0 ** -23, atol=0), k
+    for k in STATES:  # a rounding apart: within a few ulps of the tensor's largest element
+        assert torch.allclose(pure[k], fast[k], rtol=0, atol=2.0 ** -21 * float(fast[k].abs().max())), k
+    assert not all(torch.equal(pure[k], fast[k]) for k in STATES)  # the last vector of each group
     assert abs(float(sq_pure) - float(sq_fast)) <= 1e-5 * float(sq_fast)
