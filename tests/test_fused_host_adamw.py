@@ -1,17 +1,19 @@
 """The host optimizer op's one-pass AdamW (executor/optim/fused_host_adamw.py, through host_adamw) against
 torch: every element bit for bit as the vector path of torch's fused AdamW kernel (the reference runs each
 group padded to whole vectors, on one thread, so that torch takes no scalar path), the compute copy's bits as
-torch's cast, the squares as an fp64 sum, the same bits on any thread count and cut, and torch's kernels when
-switched off."""
+torch's cast, the squares within 1e-6 of the exact sum, the same bits on any thread count, cut and alignment,
+and torch's kernels when switched off."""
 
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
 
 from tierflow.executor.optim import fused_host_adamw
+from tierflow.executor.optim import host_adamw as host_adamw_module
 from tierflow.executor.optim.adamw import TrainHyper
 from tierflow.executor.optim.host_adamw import host_adamw
 
@@ -31,10 +33,14 @@ STATES = ("master", "adam_m", "adam_v")
 @pytest.fixture(autouse=True)
 def _compiled(monkeypatch):
     monkeypatch.delenv("TIERFLOW_PURE_ADAMW", raising=False)
+    monkeypatch.setattr(host_adamw_module, "MIN_KERNEL_ELEMENTS", 0)  # these ranges are smaller
+    fused_host_adamw.reset()
     assert fused_host_adamw.kernel() is not None
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+    monkeypatch.delenv("TIERFLOW_PURE_ADAMW", raising=False)
+    fused_host_adamw.reset()
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -97,21 +103,34 @@ def test_bit_for_bit_torch_vector_path(threads, cuts, dtype):
         assert torch.equal(got["grads"][HI:], torch.full((5,), 7.0))
         assert torch.equal(torch.cat([wire, host]), ref["master"].to(dtype))
         exact = math.fsum(float(x) ** 2 for x in grads_before.double())
-        assert sq.dtype == torch.float32 and abs(float(sq) - exact) <= 1e-6 * exact
+        assert isinstance(sq, float) and abs(sq - exact) <= 1e-6 * exact
 
 
 def test_the_same_bits_on_any_thread_count_and_cut():
-    """Threads and where the states are cut change nothing: not the update, not the squares (the cuts only
-    where no chunk of the squares is cut)."""
+    """Threads, where the states are cut and where the compute copy lies in memory (whole-vector aligned or
+    not: non-temporal stores or not) change nothing: not the update, not the squares."""
     out = []
-    for threads, cuts in ((1, []), (2, []), (2, [LO + 4096, LO + 8192]), (1, [LO + 8192])):
+    team = fused_host_adamw._TEAM
+    cases = [(1, [], 0, False), (2, [], 1, False), (2, [LO + 4096, LO + 8192], 3, True), (1, [LO + 8195], 0, False),
+             (2, [LO + 5, LO + 4099, LO + 9000], 7, False), (1, [LO + 17, LO + 6001], 0, False), (2, [], 0, True)]
+    for threads, cuts, shift, pool in cases:
+        fused_host_adamw._TEAM = None if pool else team  # the Python pool where no OpenMP team is found
         s = _state(1)
-        dest = torch.empty(N, dtype=torch.bfloat16)
+        dest = torch.empty(N + shift, dtype=torch.bfloat16)[shift:]
         sq = _run(s, 3, None, cuts, [(LO, HI, dest)], threads)
-        out.append((s, dest, float(sq)))
+        out.append((s, dest.clone(), float(sq)))
+    fused_host_adamw._TEAM = team
     for s, dest, sq in out[1:]:
         assert all(torch.equal(s[k], out[0][0][k]) for k in STATES)
         assert torch.equal(dest, out[0][1]) and sq == out[0][2]
+
+
+@pytest.mark.skipif(not any("libgomp" in line for line in open("/proc/self/maps")) if sys.platform == "linux"
+                    else True, reason="torch runs on GNU OpenMP here")
+def test_the_threads_are_torchs_openmp_team():
+    """Where torch runs its intra-op threads on libgomp, the kernel's threads are that team (GOMP_parallel of
+    the same library), not a pool of its own."""
+    assert fused_host_adamw._TEAM is not None and fused_host_adamw._TEAM_ENTRY
 
 
 def test_cast_bits_as_torch():
@@ -137,13 +156,26 @@ def test_switched_off_it_runs_torchs_kernels(monkeypatch):
     """TIERFLOW_PURE_ADAMW=1: host_adamw takes torch's kernels, whose scalar path (no fused multiply-add)
     for a group's last partial vector differs from the kernel's in some last bits."""
     monkeypatch.setenv("TIERFLOW_PURE_ADAMW", "1")
+    fused_host_adamw.reset()
     assert fused_host_adamw.kernel() is None
     fast, pure = _state(2), _state(2)
     sq_pure = _run(pure, 1, None, [], [(LO, HI, torch.empty(N))], 1)
     monkeypatch.delenv("TIERFLOW_PURE_ADAMW")
+    fused_host_adamw.reset()
     sq_fast = _run(fast, 1, None, [], [(LO, HI, torch.empty(N))], 1)
     assert torch.equal(pure["grads"], fast["grads"])
     for k in STATES:  # a rounding apart: within a few ulps of the tensor's largest element
         assert torch.allclose(pure[k], fast[k], rtol=0, atol=2.0 ** -21 * float(fast[k].abs().max())), k
     assert not all(torch.equal(pure[k], fast[k]) for k in STATES)  # the last vector of each group
     assert abs(float(sq_pure) - float(sq_fast)) <= 1e-5 * float(sq_fast)
+
+
+def test_a_small_range_takes_torchs_kernels(monkeypatch):
+    """Below MIN_KERNEL_ELEMENTS the op runs torch's kernels (a tiny model's run never loads numba): its
+    squares come back as a tensor, the kernel's as a float."""
+    small = _state(3)
+    sq = _run(small, 1, None, [], [(LO, HI, torch.empty(N))], 1)
+    assert isinstance(sq, float)
+    monkeypatch.setattr(host_adamw_module, "MIN_KERNEL_ELEMENTS", N + 1)
+    sq = _run(small, 2, None, [], [(LO, HI, torch.empty(N))], 1)
+    assert isinstance(sq, torch.Tensor)

@@ -69,7 +69,7 @@ class HostAdamOp:
         self.cx = OpContext(binding, self.state, be.device, hyper, None, be, None)
         self.ops = OptimizerOps(self.cx, None)
         self.task = Task(0, ADAM, "cpu", 0.0, "opt_states", 0, -1, 0, [], 0.0)
-        self.n, self.steps = n, 0
+        self.n, self.steps, self.round = n, 0, None
         self.master, self.grads = vec["master"][0].host, grads
         self.m, self.v, self.weights = vec["adam_m"][0].host, vec["adam_v"][0].host, W.host
         self.hyper = self.cx.hyper
@@ -81,9 +81,12 @@ class HostAdamOp:
         self.grads.copy_(torch.randn(self.n, generator=torch.Generator().manual_seed(seed))).mul_(1e-2)
 
     def step(self) -> None:
-        """One `adam` op of the next step."""
-        from tierflow.executor.ops.context import RoundState
+        """One `adam` op of the next step (in a round of its own, as a run's rounds hold many ops: the round's
+        state is made once)."""
+        if self.round is None:
+            from tierflow.executor.ops.context import RoundState
 
-        rs = RoundState(num_ops=1, step0=self.steps, batches=[], weight_users=Counter())
-        self.ops.adam(rs, self.task)
+            self.round = RoundState(num_ops=1, step0=0, batches=[], weight_users=Counter())
+        self.round.step0 = self.steps
+        self.ops.adam(self.round, self.task)
         self.steps += 1

@@ -19,7 +19,7 @@ from tierflow.executor.optim import fused_host_adamw
 from tierflow.executor.optim.adamw import adamw_update, norms_of
 from tierflow.executor.optim.clipping import GradNorms, sum_of_squares
 from tierflow.executor.optim.decay import decay_pieces
-from tierflow.executor.optim.host_adamw import host_adamw
+from tierflow.executor.optim.host_adamw import MIN_KERNEL_ELEMENTS, host_adamw
 from tierflow.executor.optim.qstate import (
     adam_gpu_compressed,
     compressed,
@@ -40,8 +40,9 @@ class OptimizerOps:
 
     def __init__(self, cx: OpContext, buffers: GradBuffers) -> None:
         self.cx, self.buffers = cx, buffers
-        if not cx.state.placement.gpu_optimizer:  # the host op's kernel loaded now, not in its first op
-            fused_host_adamw.warm_up()
+        host = not cx.state.placement.gpu_optimizer
+        if host and any(hi - lo >= MIN_KERNEL_ELEMENTS for parts in cx.state.parts for lo, hi in parts):
+            fused_host_adamw.warm_up()  # the host op's kernel loaded now, not in its first op
 
     def _adamw(self, rs, t, params, grads, ms, vs, step: int, fused: bool, decay=None) -> None:
         # schedule and weight-decay groups: executor/optim/adamw.py; the clipping factor: clip_prelude
@@ -62,36 +63,25 @@ class OptimizerOps:
         """One optimizer part of block t.block on the host (adam and adam_deferred): the AdamW update, the
         gradient range zeroed, the compute copy of the updated range staged, in cache-sized chunks
         (`host_adamw`)."""
-        b, state = t.block, self.cx.state
+        b, cx = t.block, self.cx
+        state = cx.state
         HostGradAdds.wait_for(rs, b)
         j = OPTIMIZER_PART[t.kind]
         lo, hi = state.parts[b][j]
-        rid = self.cx.binding.dep_of_kind[t.id].get(READ_OPT_STATES)
+        rid = cx.binding.dep_of_kind[t.id].get(READ_OPT_STATES)
         ssd_parts = rs.staged.pop(Staged("opt_states_read", rid)) if rid is not None else {}
-        vecs = {cls: state.vec[cls][b] for cls in OPT_CLASSES}
         groups = decay_pieces(state.layout, b, state.shards[b][0], lo, hi)  # weight decay or not
-
-        def pieces(cls: str) -> list[tuple[int, int, torch.Tensor]]:
-            """(a, z, view) of the stretches of [lo, hi) of class `cls`: its host range, its SSD range."""
-            V = vecs[cls]
-            out = [(a, z, host_stretch(V, a, z)) for a, z in [(max(lo, V.g), min(hi, V.ssd_lo))] if z > a]
-            if cls in ssd_parts:
-                plo, phi, data = ssd_parts[cls]
-                out.append((plo, phi, data))
-            return out
-
         step = rs.step0 + t.iteration + 1
         grads = state.grads[b]
-        mine = [grads[ga:gz] for ga, gz, _d in groups]
         dests = self._weight_dests(rs, t, j, lo, hi)
-        stretches = {cls: pieces(cls) for cls in OPT_CLASSES}
+        stretches = {cls: _stretches(state.vec[cls][b], lo, hi, ssd_parts.get(cls)) for cls in OPT_CLASSES}
         if compressed(state.spec.optimizer_states):  # decoded, updated, encoded (executor/optim/qstate.py)
-            coef = clip_prelude(self.cx, rs, t, step, mine)
-            host_adamw_compressed(self.cx.hyper, step, b, groups, stretches, grads, dests, coef)
+            coef = clip_prelude(cx, rs, t, step, [grads[ga:gz] for ga, gz, _d in groups])
+            host_adamw_compressed(cx.hyper, step, b, groups, stretches, grads, dests, coef)
         else:  # the squares for the step's norm summed in the update's pass
-            norms = norms_of(self.cx.hyper)
-            coef = clip_factor(self.cx, rs, t, step, mine)
-            sumsq = host_adamw(self.cx.hyper, step, groups, stretches, grads, dests, coef,
+            norms = norms_of(cx.hyper)
+            coef = None if norms is None or norms.max_norm <= 0 else clip_factor(cx, rs, t, step, [])
+            sumsq = host_adamw(cx.hyper, step, groups, stretches, grads, dests, coef,
                                squares=norms is not None and norms.wants_squares())
             if norms is not None:
                 norms.add_squares(step, sumsq)
@@ -106,18 +96,19 @@ class OptimizerOps:
         dests = []
         a, z = max(lo, W.g), min(hi, W.ssd_lo)
         if z > a:
-            dests.append((a, z, W.host[a - W.g: z - W.g]))
+            dests.append((a, z, host_stretch(W, a, z)))
         a, z = lo, min(hi, W.g)
-        wire = self.cx.transfer_buffer(max(z - a, 0), W.dtype)  # update_weights copies it
+        wire = self.cx.transfer_buffer(z - a, W.dtype) if z > a else None  # update_weights copies it
         rs.staged[Staged("weights_gpu", t.id)] = (a, z, wire)
         if z > a:
             dests.append((a, z, wire))
         w_ssd = []
-        for name, pj, plo, phi in W.ssd_pieces():
-            if pj == j:
-                buf = torch.empty(phi - plo, dtype=W.dtype)
-                dests.append((plo, phi, buf))
-                w_ssd.append((name, buf))
+        if W.s:  # (the SSD tier holds some of the weights)
+            for name, pj, plo, phi in W.ssd_pieces():
+                if pj == j:
+                    buf = torch.empty(phi - plo, dtype=W.dtype)
+                    dests.append((plo, phi, buf))
+                    w_ssd.append((name, buf))
         rs.staged[Staged("weights_ssd", t.id)] = w_ssd
         return dests
 
@@ -146,6 +137,16 @@ class OptimizerOps:
         W = self.cx.state.vec["weights"][b].dev
         if W is not vecs[0]:  # aliased when both are fp32 on the device (TrainState.weights_alias_master)
             W.copy_(vecs[0])  # the cast to the compute dtype, in one pass (no temporary)
+
+
+def _stretches(V, lo: int, hi: int, ssd) -> list[tuple[int, int, torch.Tensor]]:
+    """(a, z, view) of the stretches of [lo, hi) of the state vector V: its host range, and `ssd` (lo, hi,
+    data) where read_opt_states read its SSD range."""
+    a, z = max(lo, V.g), min(hi, V.ssd_lo)
+    out = [(a, z, host_stretch(V, a, z))] if z > a else []
+    if ssd is not None:
+        out.append(ssd)
+    return out
 
 
 def clip_prelude(cx: OpContext, rs: RoundState, t: Task, step: int,

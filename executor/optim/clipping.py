@@ -17,6 +17,7 @@ gives the step's gradient norm for the logs (steps.csv), clipping or not.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -67,7 +68,7 @@ class GradNorms:
         clipping has set it before the step's first op."""
         return bool(self.parts_per_step) and not (self.max_norm > 0 and self.mode == "global")
 
-    def add_squares(self, step: int, s: torch.Tensor | None) -> None:
+    def add_squares(self, step: int, s: torch.Tensor | float | None) -> None:
         """An optimizer op of `step` adds the sum of the squares of its (unclipped) gradients `s` (None: not
         summed, see wants_squares); the step's norm is known once every op of the step has added."""
         if not self.parts_per_step:
@@ -78,8 +79,9 @@ class GradNorms:
             self.seen[step] = self.seen.get(step, 0) + 1
             if self.seen[step] == self.parts_per_step:
                 total = self.sumsq.pop(step, None)
-                if total is not None:
-                    self.norms.setdefault(step, total.sqrt())
+                if total is not None:  # a float where every op's kernel summed in fp64
+                    self.norms.setdefault(step, total.sqrt() if isinstance(total, torch.Tensor) else
+                                          math.sqrt(total))
                 self.seen.pop(step)
 
     def value(self, step: int) -> float | None:

@@ -37,19 +37,22 @@ from tierflow.executor.optim.adamw import Hyper, coef_on, fused_adamw_, lr_of
 from tierflow.executor.optim.clipping import sum_of_squares
 
 Stretch = tuple[int, int, torch.Tensor]  # (a, z, tensor of the elements [a, z))
+# the fewest elements an op hands to the one-pass kernel: below it the op's Python costs more than its memory
+# traffic either way (docs/executor.md), and a run of small blocks (the tests' models) never loads numba
+MIN_KERNEL_ELEMENTS = 1 << 16
 STATE_CLASSES = ("master", "adam_m", "adam_v")
 
 
 def host_adamw(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states: dict[str, list[Stretch]],
                grads: torch.Tensor, dests: list[Stretch], coef: torch.Tensor | float | None = None,
-               squares: bool = False) -> torch.Tensor | None:
+               squares: bool = False) -> torch.Tensor | float | None:
     """AdamW step `step` (1-based) on the adjacent element ranges `groups` [(a, z, decayed)]: `states` has
     the stretches of the master ("master") and the moments ("adam_m", "adam_v") that cover them, `grads` the
     fp32 gradient accumulator indexed by element (zeroed over the groups after their update), `dests` the
     buffers the updated master goes to in the compute dtype; `coef` multiplies the gradients first
-    (clipping). With `squares`, returns the sum of the squares of the (unclipped) gradients (a 0-d fp32
-    tensor) for the step's norm."""
-    if _fusable(states, grads, dests):
+    (clipping). With `squares`, returns the sum of the squares of the (unclipped) gradients for the step's
+    norm (a float from the one-pass kernel, a 0-d fp32 tensor from torch's kernels)."""
+    if _fusable(groups, states, grads, dests):
         return _fused(h, step, groups, states, grads, dests, coef, squares)
     sumsq = sum_of_squares([grads[a:z] for a, z, _d in groups]) if squares else None
     lr = lr_of(h, step)
@@ -77,16 +80,21 @@ def host_adamw(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states:
     return sumsq
 
 
-def _fusable(states: dict[str, list[Stretch]], grads: torch.Tensor, dests: list[Stretch]) -> bool:
-    """Whether the compiled one-pass kernel can take the step: numba there (and not switched off), every
-    tensor on the host, contiguous, the states fp32, the destinations bf16, fp16 or fp32."""
-    if fused_host_adamw.kernel() is None:
+def _fusable(groups: list[tuple[int, int, bool]], states: dict[str, list[Stretch]], grads: torch.Tensor,
+             dests: list[Stretch]) -> bool:
+    """Whether the compiled one-pass kernel takes the step: at least MIN_KERNEL_ELEMENTS of them, numba there
+    (and not switched off), every tensor on the host and contiguous, the states fp32, the destinations bf16,
+    fp16 or fp32."""
+    if groups[-1][1] - groups[0][0] < MIN_KERNEL_ELEMENTS or fused_host_adamw.kernel() is None:
         return False
-    tensors = [grads, *(t for pieces in states.values() for _a, _z, t in pieces)]
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-        return False
-    return all(b.device.type == "cpu" and b.dtype in _DEST_DTYPES and b.is_contiguous()
-               for _a, _z, b in dests)
+    for pieces in states.values():
+        for _a, _z, t in pieces:
+            if t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous():
+                return False
+    for _a, _z, b in dests:
+        if b.dtype not in _DEST_DTYPES or not b.is_cpu or not b.is_contiguous():
+            return False
+    return grads.dtype is torch.float32 and grads.is_cpu and grads.is_contiguous()
 
 
 _DEST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -94,19 +102,19 @@ _DEST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def _fused(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states: dict[str, list[Stretch]],
            grads: torch.Tensor, dests: list[Stretch], coef: torch.Tensor | float | None,
-           squares: bool) -> torch.Tensor | None:
+           squares: bool) -> float | None:
     """host_adamw by the one-pass kernel (fused_host_adamw.py); fp16 destinations cast after it."""
-    factor = 1.0 if coef is None else float(coef)
     consts = fused_host_adamw.coefficients(lr_of(h, step), h.beta1, h.beta2, h.eps, h.weight_decay, step,
-                                           factor)
+                                           1.0 if coef is None else float(coef))
     s = fused_host_adamw.run_step(consts, groups, states, grads, dests, squares)
-    lo, hi = groups[0][0], groups[-1][1]
-    for sa, sz, master in states["master"]:
-        for a, z, buf in dests:
-            x, y = max(a, sa, lo), min(z, sz, hi)
-            if y > x and buf.dtype == torch.float16:
-                buf[x - a: y - a].copy_(master[x - sa: y - sa])
-    return None if s is None else torch.tensor(s, dtype=torch.float32)
+    if any(buf.dtype is torch.float16 for _a, _z, buf in dests):
+        lo, hi = groups[0][0], groups[-1][1]
+        for sa, sz, master in states["master"]:
+            for a, z, buf in dests:
+                x, y = max(a, sa, lo), min(z, sz, hi)
+                if y > x and buf.dtype is torch.float16:
+                    buf[x - a: y - a].copy_(master[x - sa: y - sa])
+    return s
 
 
 def _span(stretches: list[Stretch], a: int, z: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

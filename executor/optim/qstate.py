@@ -44,6 +44,8 @@ def host_stretch(V, a: int, z: int):
     """The host range [a, z) of a part of V: a Q8 of quantized moments, else a view."""
     if isinstance(V, QTierVector):
         return V.host_q[(a, z)]
+    if a == V.g and z - a == V.c:  # all of it: no view to make (a torch call costs ~20 us after a large op)
+        return V.host
     return V.host[a - V.g: z - V.g]
 
 
