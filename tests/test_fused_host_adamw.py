@@ -111,8 +111,9 @@ def test_the_same_bits_on_any_thread_count_and_cut():
     not: non-temporal stores or not) change nothing: not the update, not the squares."""
     out = []
     team = fused_host_adamw._TEAM
-    cases = [(1, [], 0, False), (2, [], 1, False), (2, [LO + 4096, LO + 8192], 3, True), (1, [LO + 8195], 0, False),
-             (2, [LO + 5, LO + 4099, LO + 9000], 7, False), (1, [LO + 17, LO + 6001], 0, False), (2, [], 0, True)]
+    cases = [(1, [], 0, False), (2, [], 1, False), (2, [LO + 4096, LO + 8192], 3, True),
+             (1, [LO + 8195], 0, False), (2, [LO + 5, LO + 4099, LO + 9000], 7, False),
+             (1, [LO + 17, LO + 6001], 0, False), (2, [], 0, True)]  # (threads, cuts, dest shift, pool)
     for threads, cuts, shift, pool in cases:
         fused_host_adamw._TEAM = None if pool else team  # the Python pool where no OpenMP team is found
         s = _state(1)
