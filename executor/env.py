@@ -63,6 +63,7 @@ class EnvReport:
     memory_bytes: int | None
     calibrate_device: str
     calibrate_measures: list[str] = field(default_factory=list)
+    host_optimizer: str = ""  # which way the host AdamW op runs (executor/optim/fused_host_adamw.py describe)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,11 +168,17 @@ def collect(ssd_dir: str | os.PathLike[str] = ".") -> EnvReport:
         usable = os.cpu_count() or 1
     device = "cuda" if gpus else "cpu"
     mi = meminfo()
+    host_optimizer = ""
+    if torch_version:
+        from tierflow.executor.optim.fused_host_adamw import describe
+
+        host_optimizer = describe()
     return EnvReport(versions=versions, torch_error=torch_error, cuda=cuda, gpus=gpus,
                      ssd_dir=ssd_dir_info(ssd_dir), pinned=pinned_info(), cpu=cpu_model(),
                      cores_online=os.cpu_count() or 1, cores_usable=usable, memory_bytes=mi.get("MemTotal"),
                      calibrate_device=device,
-                     calibrate_measures=measurement_plan(device, FULL, ssd=True) if torch_version else [])
+                     calibrate_measures=measurement_plan(device, FULL, ssd=True) if torch_version else [],
+                     host_optimizer=host_optimizer)
 
 
 # ---- formatting
@@ -216,6 +223,8 @@ def format_report(r: EnvReport) -> str:
               f"locked {_gib(p.mlocked_bytes)}"]
     lines += ["", f"CPU: {r.cpu}", f"  cores      {r.cores_usable} usable of {r.cores_online} online",
               f"  memory     {_gib(r.memory_bytes)}"]
+    if r.host_optimizer:
+        lines.append(f"  host AdamW {r.host_optimizer}")
     lines += ["", f"tierflow calibrate here measures (--device {r.calibrate_device}, with --ssd-dir):"]
     if r.calibrate_measures:
         lines += [f"  {m}" for m in r.calibrate_measures]

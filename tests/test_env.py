@@ -49,6 +49,10 @@ def test_env_json_reports_this_machine(tmp_path):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert r["calibrate_device"] == device
     assert r["calibrate_measures"] == measurement_plan(device, FULL, ssd=True)
+    import importlib.util
+
+    has_numba = importlib.util.find_spec("numba") is not None and os.environ.get("TIERFLOW_PURE_ADAMW") != "1"
+    assert r["host_optimizer"].startswith("one-pass kernel" if has_numba else "torch's kernels")
     if device == "cuda":
         g = r["gpus"][0]
         props = torch.cuda.get_device_properties(0)
@@ -145,3 +149,16 @@ def test_measurement_plan_is_what_calibrate_measures(tmp_path):
     assert len(cuda) == 7 + 2 + 1 + 3 + 1  # GPU, host memory and Adam, launches beside Adam, SSD, executor
     assert cuda.index("GPU launches beside the host optimizer") == 9
     assert cuda[-1].startswith("the executor's fixed cost")  # the tiny plan runs on CUDA too
+
+
+def test_env_says_when_the_host_optimizer_is_switched_to_torchs_kernels(monkeypatch):
+    pytest.importorskip("torch")
+    from tierflow.executor.optim import fused_host_adamw
+
+    monkeypatch.setenv("TIERFLOW_PURE_ADAMW", "1")
+    fused_host_adamw.reset()
+    try:
+        assert "TIERFLOW_PURE_ADAMW=1" in collect(".").host_optimizer
+    finally:
+        monkeypatch.delenv("TIERFLOW_PURE_ADAMW")
+        fused_host_adamw.reset()

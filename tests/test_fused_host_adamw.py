@@ -180,3 +180,18 @@ def test_a_small_range_takes_torchs_kernels(monkeypatch):
     monkeypatch.setattr(host_adamw_module, "MIN_KERNEL_ELEMENTS", N + 1)
     sq = _run(small, 2, None, [], [(LO, HI, torch.empty(N))], 1)
     assert isinstance(sq, torch.Tensor)
+
+
+def test_a_kernel_that_does_not_build_leaves_torchs_kernels(monkeypatch, capsys):
+    """A numba or LLVM that cannot build the kernel: one line on stderr, and torch's kernels run."""
+    def broken():
+        raise RuntimeError("no such target")
+
+    monkeypatch.setattr(fused_host_adamw, "_compile", broken)
+    monkeypatch.setattr(fused_host_adamw, "_TRIED", False)
+    monkeypatch.setattr(fused_host_adamw, "_KERNEL", None)
+    assert fused_host_adamw.kernel() is None
+    err = capsys.readouterr().err
+    assert "did not build (RuntimeError: no such target)" in err and len(err.splitlines()) == 1
+    sq = _run(_state(4), 1, None, [], [(LO, HI, torch.empty(N))], 1)
+    assert isinstance(sq, torch.Tensor)  # torch's kernels' squares

@@ -28,14 +28,19 @@ a chunk's lanes are then summed in fp64 in lane order and the chunks in chunk or
 host/SSD boundary, decay groups) and threads change no addition, so the sum has the same bits on any of them;
 its rounding is that of an fp32 sum of 1024 terms per lane (as torch's fp32 norm, which the torch path uses).
 
-Threads: the chunks in torch.get_num_threads() contiguous shares, the caller's thread and a pool's (waiting
-on a condition, not spinning: they take no core from torch's OpenMP team between steps).
+Threads: torch.get_num_threads() of them, torch's own OpenMP team (`_on_team`: GOMP_parallel of the runtime
+torch loaded; the calling thread is one of them), each taking the next chunk until none is left. A pool of
+Python threads with one contiguous share each was slower by half on two cores: torch's OpenMP workers keep
+spinning for work after each torch op, and the pool's thread waited for the core one of them held. The pool
+remains where no OpenMP runtime is found, and in a forked child.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import platform
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,6 +50,8 @@ LANES = 16  # fp32 elements per vector of the loop (one AVX-512 register; two AV
 CHUNK = 16384  # elements per set of partial sums of squares and per unit of a thread's share (64 KiB of fp32)
 PREFETCH = 512  # elements ahead that the vector loop prefetches in each fp32 stream (2 KiB)
 NO_DEST, DEST_BF16, DEST_F32 = 0, 1, 2  # what the kernel writes the updated master into
+# non-temporal stores of the compute copy (and an sfence after them): x86 only, elsewhere plain stores
+NT_STORES = platform.machine().lower() in ("x86_64", "amd64")
 
 _KERNEL = None
 _TRIED = False
@@ -55,6 +62,7 @@ _POOL_SIZE = 0
 _POOL_LOCK = threading.Lock()
 _TEAM = None  # GOMP_parallel of torch's OpenMP runtime (_team_runtime), once compiled
 _TEAM_ENTRY = 0  # the address of the compiled _team_entry
+_TEAM_ADDR = 0  # the address of GOMP_parallel
 _FORKED = False  # this process is a forked child (of a process that may have run OpenMP): no team
 
 
@@ -70,8 +78,32 @@ def kernel():
             import numba  # noqa: F401
         except ImportError:
             return None
-        _KERNEL = _compile()
+        try:
+            _KERNEL = _compile()
+        except Exception as e:  # noqa: BLE001 - a numba or LLVM that cannot build it: torch's kernels instead
+            print(f"tierflow: the host optimizer's one-pass kernel did not build ({type(e).__name__}: {e}); "
+                  "torch's kernels run instead (TIERFLOW_PURE_ADAMW=1 skips the attempt)", file=sys.stderr)
     return _KERNEL
+
+
+def describe() -> str:
+    """Which way the host optimizer op runs here, in one line (`tierflow env`), without compiling anything."""
+    import importlib.util
+
+    if _PURE:
+        return "torch's kernels (TIERFLOW_PURE_ADAMW=1)"
+    if importlib.util.find_spec("numba") is None:
+        return "torch's kernels (numba is not installed: pip install 'tierflow[fast]' gives the one-pass one)"
+    team = _team_runtime()
+    threads = (f"on torch's OpenMP team ({os.path.basename(team._lib_path)})" if team is not None else
+               "on a thread pool of its own (no OpenMP runtime found)")
+    return f"one-pass kernel (numba), {threads}, from {_min_elements():,} elements per op"
+
+
+def _min_elements() -> int:
+    from tierflow.executor.optim.host_adamw import MIN_KERNEL_ELEMENTS
+
+    return MIN_KERNEL_ELEMENTS
 
 
 def reset() -> None:
@@ -144,15 +176,20 @@ def _compile():
             g[f"_vec_{mode}_{int(nt)}"] = _vector_loop(mode, nt)
     for name in ("_adamw", "_scalar", "_piece", "_step", "_total"):
         g[name] = numba.njit(cache=True, nogil=True, error_model="numpy")(g[name])
-    global _TEAM, _TEAM_ENTRY
+    import ctypes
+
+    global _TEAM, _TEAM_ENTRY, _TEAM_ADDR
     _TEAM = None if _FORKED else _team_runtime()
     if _TEAM is not None:
         g["numba_carray"] = numba.carray
-        g["_i64_at"], g["_f32_at"], g["_u16_at"], g["_u8_at"], g["_next"] = _pointer_intrinsics()
+        (g["_i64_at"], g["_f32_at"], g["_u16_at"], g["_u8_at"], g["_next"],
+         g["_gomp_parallel"]) = _pointer_intrinsics()
         entry = numba.cfunc(numba.types.void(numba.types.int64), cache=True, nogil=True,
                             error_model="numpy")(_team_entry)
         g["_team_entry_cfunc"] = entry  # kept alive: the team calls its address
         _TEAM_ENTRY = entry.address
+        _TEAM_ADDR = ctypes.cast(_TEAM, ctypes.c_void_p).value
+        g["_team_run"] = numba.njit(cache=True, nogil=True, error_model="numpy")(_team_run)
     return _step
 
 
@@ -236,7 +273,7 @@ def _vector_loop(dmode: int, nt: bool):
             out = _bf16_ir(builder, ir, p, i32, i16, LANES) if dmode == DEST_BF16 else p
             dst = builder.bitcast(builder.gep(ptr["d"], [i]), vd.as_pointer())
             st = builder.store(out, dst, align=(2 if dmode == DEST_BF16 else 4) * (LANES if nt else 1))
-            if nt:
+            if nt and NT_STORES:
                 st.set_metadata("nontemporal", mod.add_metadata([ir.Constant(i32, 1)]))
         return acc
 
@@ -272,6 +309,9 @@ def _vector_loop(dmode: int, nt: bool):
             final.add_incoming(acc0, entry)
             final.add_incoming(acc2, loop)
             builder.store(final, lane_ptr, align=4)
+            if nt and NT_STORES:  # the streaming stores ordered before whatever the caller does next
+                builder.call(cgutils.get_or_insert_function(mod, ir.FunctionType(ir.VoidType(), []),
+                                                            "llvm.x86.sse.sfence"), [])
             return context.get_dummy_value()
 
         return sig, codegen
@@ -298,21 +338,32 @@ def _team_runtime():
         except (OSError, AttributeError):
             continue
         fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint], None
+        fn._lib_path = path
         return fn
     return None
 
 
 def _on_team(threads: int, s0, s1, lo, n_chunks, g, p, m, v, d16, d32, dmode, gend, gdecay, c,
              partials) -> None:
-    """The chunks of [s0, s1) on `threads` threads of torch's OpenMP team (GOMP_parallel, the calling thread
-    one of them; ctypes lets go of the GIL for it): each takes the next chunk until none is left. Its
-    threads are the ones torch's own kernels have just run on, still spinning for work, so no thread of
-    this op waits for a core that one of them holds."""
-    desc = np.array([0, n_chunks, s0, s1, lo, dmode, g.ctypes.data, p.ctypes.data, m.ctypes.data,
-                     v.ctypes.data, d16.ctypes.data, d16.shape[0], d32.ctypes.data, d32.shape[0],
-                     gend.ctypes.data, gend.shape[0], gdecay.ctypes.data, c.ctypes.data, partials.ctypes.data,
-                     partials.shape[0]], dtype=np.int64)
-    _TEAM(_TEAM_ENTRY, desc.ctypes.data, threads, 0)
+    """The chunks of [s0, s1) on `threads` threads of torch's OpenMP team (GOMP_parallel, the calling
+    thread one of them, called from compiled code without the GIL): each takes the next chunk until none is
+    left. Its threads are the ones torch's own kernels have just run on, still spinning for work, so no
+    thread of this op waits for a core that one of them holds."""
+    _team_run(_TEAM_ADDR, _TEAM_ENTRY, threads, s0, s1, lo, n_chunks, g, p, m, v, d16, d32, dmode, gend,
+              gdecay, c, partials)
+
+
+def _team_run(gomp, entry, threads, s0, s1, lo, n_chunks, g, p, m, v, d16, d32, dmode, gend, gdecay, c,
+              partials):
+    """_on_team compiled: the descriptor that _team_entry reads, then GOMP_parallel at address `gomp`."""
+    d = np.empty(20, dtype=np.int64)
+    d[0], d[1], d[2], d[3], d[4], d[5] = 0, n_chunks, s0, s1, lo, dmode
+    d[6], d[7], d[8], d[9] = g.ctypes.data, p.ctypes.data, m.ctypes.data, v.ctypes.data
+    d[10], d[11], d[12], d[13] = d16.ctypes.data, d16.shape[0], d32.ctypes.data, d32.shape[0]
+    d[14], d[15], d[16], d[17] = gend.ctypes.data, gend.shape[0], gdecay.ctypes.data, c.ctypes.data
+    d[18], d[19] = partials.ctypes.data, partials.shape[0]
+    _gomp_parallel(gomp, entry, d.ctypes.data, threads)
+    return d[0]  # (read after the call: the descriptor lives until the team is done with it)
 
 
 def _team_entry(addr):
@@ -338,6 +389,7 @@ def _f32_at(*a): ...  # noqa: E704
 def _u16_at(*a): ...  # noqa: E704
 def _u8_at(*a): ...  # noqa: E704
 def _next(*a): ...  # noqa: E704
+def _gomp_parallel(*a): ...  # noqa: E704
 
 
 def _pointer_intrinsics():
@@ -363,8 +415,20 @@ def _pointer_intrinsics():
                                       "monotonic")
         return types.int64(types.int64), codegen
 
+    @intrinsic
+    def gomp_parallel(typingctx, fn, entry, data, threads):
+        def codegen(context, builder, signature, args):
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            cb = ir.FunctionType(ir.VoidType(), [i8p]).as_pointer()
+            fnty = ir.FunctionType(ir.VoidType(), [cb, i8p, i32, i32])
+            target = builder.inttoptr(args[0], fnty.as_pointer())
+            builder.call(target, [builder.inttoptr(args[1], cb), builder.inttoptr(args[2], i8p),
+                                  builder.trunc(args[3], i32), ir.Constant(i32, 0)])
+            return context.get_dummy_value()
+        return types.none(types.int64, types.int64, types.int64, types.int64), codegen
+
     return (pointer(types.int64), pointer(types.float32), pointer(types.uint16), pointer(types.uint8),
-            next_of)
+            next_of, gomp_parallel)
 
 
 def _fma32(a, b, c):  # replaced by llvm.fma.f32 when compiled
@@ -477,8 +541,11 @@ def run_step(consts: np.ndarray, groups, states, grads, dests, want_squares: boo
 
     k = kernel()
     lo, hi = groups[0][0], groups[-1][1]
-    gend = np.array([z for _a, z, _d in groups], dtype=np.int64)
-    gdecay = np.array([d for _a, _z, d in groups], dtype=np.uint8)
+    if len(groups) == 1:  # (the arrays of one group, made once)
+        gend, gdecay = _ONE_GROUP[bool(groups[0][2])]
+    else:
+        gend = np.array([z for _a, z, _d in groups], dtype=np.int64)
+        gdecay = np.array([d for _a, _z, d in groups], dtype=np.uint8)
     partials = np.zeros(((hi - lo + CHUNK - 1) // CHUNK, LANES), dtype=np.float32)
     threads = max(1, torch.get_num_threads())
     g = grads.numpy()
@@ -514,6 +581,7 @@ def run_step(consts: np.ndarray, groups, states, grads, dests, want_squares: boo
 
 
 _NO16, _NO32 = np.zeros(0, dtype=np.uint16), np.zeros(0, dtype=np.float32)
+_ONE_GROUP = {d: (np.array([1 << 62], dtype=np.int64), np.array([d], dtype=np.uint8)) for d in (False, True)}
 
 
 def _within(a: int, z: int, t, lo: int, hi: int):

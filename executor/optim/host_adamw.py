@@ -4,28 +4,30 @@ where it goes and, when asked, the sum of the gradients' squares for the step's 
 
 Two ways, the same job:
 - **one pass** (fused_host_adamw.py, compiled with numba: the `fast` and `test` extras) for host tensors, fp32
-  and contiguous, with bf16, fp16 or fp32 destinations: each element read and written once. Numerics: every
-  element as the vector path of torch's fused AdamW kernel computes it (bit for bit; torch's scalar path for
-  the last partial vector of a tensor differs in the last bits, and this one never takes it, so an element's
-  result does not depend on placement or threads); the squares summed in fp64.
-- **torch's kernels** otherwise (no numba, other tensors, TIERFLOW_PURE_ADAMW=1): one fused AdamW call per
-  decay flag over all of its groups, one zeroing, one cast per destination straight from the master, the
-  squares by torch.linalg.vector_norm in fp32. Numerics: bit for bit those of torch.optim.AdamW(fused=True) on
-  the decay groups (torch._fused_adamw_, as its functional fused path calls it); since the fused CPU kernel
-  takes its scalar path for the last, partial vector of each tensor it is given, a group that the host/SSD
-  boundary cuts is updated in a contiguous copy (and copied back): every element takes the same path whatever
-  the placement (a checkpoint resumes bit for bit under another one).
+  and contiguous, with bf16, fp16 or fp32 destinations, from MIN_KERNEL_ELEMENTS elements up: each element
+  read and written once, on torch's OpenMP team. Numerics: every element as the vector path of torch's fused
+  AdamW kernel computes it (bit for bit; torch's scalar path for the last partial vector of a tensor differs
+  in the last bits, and this one never takes it, so an element's result does not depend on placement or
+  threads); the squares in fp32 lanes, the same bits on any cut, alignment and thread count.
+- **torch's kernels** otherwise (smaller ranges, no numba, other tensors, TIERFLOW_PURE_ADAMW=1): one fused
+  AdamW call per decay flag over all of its groups, one zeroing, one cast per destination straight from the
+  master, the squares by torch.linalg.vector_norm in fp32. Numerics: bit for bit those of
+  torch.optim.AdamW(fused=True) on the decay groups (torch._fused_adamw_, as its functional fused path calls
+  it); since the fused CPU kernel takes its scalar path for the last, partial vector of each tensor it is
+  given, a group that the host/SSD boundary cuts is updated in a contiguous copy (and copied back): every
+  element takes the same path whatever the placement (a checkpoint resumes bit for bit under another one).
 
-The two differ in the last bits of the elements that torch's scalar path takes and of the step's norm, so a
-run resumes bit for bit only in the same way it started (the same machine and install).
+Which way an op takes depends on its size and on the install, not on the placement; the two differ in the last
+bits of the elements that torch's scalar path takes and of the step's norm, so a run resumes bit for bit on
+the same kind of install (numba or not, TIERFLOW_PURE_ADAMW or not).
 
 Tried and dropped for torch's kernels: the range in 64k-element chunks on one thread (update, zeroing and cast
 per chunk, in L2) was not faster (100M parameters: 507 ms against 464 ms in one pass, median of 5 alternating
 pairs; 10M: even) - the cast and the zeroing cost compute, not only memory, and each chunk's calls ~20 us of
 Python - and with a team of threads each chunk's calls are parallel regions that wait at their barrier for the
 slowest thread: on a shared host one preempted thread makes each cost a scheduler slice (100M parameters took
-5.6 s at 2 threads in 256k chunks against 0.2 s for fused AdamW). The one-pass kernel's threads each take one
-contiguous share of the range per call.
+5.6 s at 2 threads in 256k chunks against 0.2 s for fused AdamW). The one-pass kernel's threads take
+16k-element chunks in turn within one parallel region per call.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from tierflow.executor.optim.adamw import Hyper, coef_on, fused_adamw_, lr_of
 from tierflow.executor.optim.clipping import sum_of_squares
 
 Stretch = tuple[int, int, torch.Tensor]  # (a, z, tensor of the elements [a, z))
-# the fewest elements an op hands to the one-pass kernel: below it the op's Python costs more than its memory
-# traffic either way (docs/executor.md), and a run of small blocks (the tests' models) never loads numba
-MIN_KERNEL_ELEMENTS = 1 << 16
+# the fewest elements an op hands to the one-pass kernel: below it the op's Python weighs as much as its
+# memory traffic either way, and a run of small blocks (tiny-gpt's are ~200k parameters: the tests' runs)
+# never loads numba (0.5 s per process) nor changes its numerics
+MIN_KERNEL_ELEMENTS = 1 << 18
 STATE_CLASSES = ("master", "adam_m", "adam_v")
 
 
