@@ -174,22 +174,24 @@ def _compile():
     for mode in (NO_DEST, DEST_BF16, DEST_F32):
         for nt in (False, True):
             g[f"_vec_{mode}_{int(nt)}"] = _vector_loop(mode, nt)
-    for name in ("_adamw", "_scalar", "_piece", "_step", "_total"):
+    import torch
+
+    _DEST_MODE.update({torch.bfloat16: DEST_BF16, torch.float32: DEST_F32})
+    g["numba_carray"] = numba.carray
+    (g["_i64_at"], g["_f32_at"], g["_u16_at"], g["_u8_at"], g["_next"],
+     g["_gomp_parallel"]) = _pointer_intrinsics()
+    for name in ("_adamw", "_scalar", "_piece", "_step", "_total", "_team_run", "_run_at"):
         g[name] = numba.njit(cache=True, nogil=True, error_model="numpy")(g[name])
     import ctypes
 
     global _TEAM, _TEAM_ENTRY, _TEAM_ADDR
     _TEAM = None if _FORKED else _team_runtime()
     if _TEAM is not None:
-        g["numba_carray"] = numba.carray
-        (g["_i64_at"], g["_f32_at"], g["_u16_at"], g["_u8_at"], g["_next"],
-         g["_gomp_parallel"]) = _pointer_intrinsics()
         entry = numba.cfunc(numba.types.void(numba.types.int64), cache=True, nogil=True,
                             error_model="numpy")(_team_entry)
         g["_team_entry_cfunc"] = entry  # kept alive: the team calls its address
         _TEAM_ENTRY = entry.address
         _TEAM_ADDR = ctypes.cast(_TEAM, ctypes.c_void_p).value
-        g["_team_run"] = numba.njit(cache=True, nogil=True, error_model="numpy")(_team_run)
     return _step
 
 
@@ -546,12 +548,22 @@ def run_step(consts: np.ndarray, groups, states, grads, dests, want_squares: boo
     else:
         gend = np.array([z for _a, z, _d in groups], dtype=np.int64)
         gdecay = np.array([d for _a, _z, d in groups], dtype=np.uint8)
-    partials = np.zeros(((hi - lo + CHUNK - 1) // CHUNK, LANES), dtype=np.float32)
     threads = max(1, torch.get_num_threads())
-    g = grads.numpy()
     ps, ms, vs = states["master"], states["adam_m"], states["adam_v"]
-    if len(ps) == len(ms) == len(vs) == 1 and (not dests or len(dests) == 1 and dests[0][0] <= lo
-                                                and dests[0][1] >= hi):  # one stretch: the common op
+    one = len(ps) == len(ms) == len(vs) == 1 and (not dests or len(dests) == 1 and dests[0][0] <= lo
+                                                   and dests[0][1] >= hi)
+    if one and (threads == 1 or _TEAM is not None):  # the common op: one compiled call, from the addresses
+        dmode, daddr = NO_DEST, 0
+        if dests:
+            a, _z, t = dests[0]
+            dmode = _DEST_MODE.get(t.dtype, NO_DEST)
+            daddr = t.data_ptr() + (lo - a) * t.element_size()
+        total = _run_at(grads.data_ptr() + 4 * lo, _addr(ps[0], lo), _addr(ms[0], lo), _addr(vs[0], lo),
+                        daddr, dmode, lo, hi, gend, gdecay, consts, threads, _TEAM_ADDR, _TEAM_ENTRY)
+        return total if want_squares else None
+    partials = np.zeros(((hi - lo + CHUNK - 1) // CHUNK, LANES), dtype=np.float32)
+    g = grads.numpy()
+    if one:
         d = None if not dests else _dest_array(_within(*dests[0], lo, hi))
         stretches = [(lo, hi, _within(*ps[0], lo, hi).numpy(), _within(*ms[0], lo, hi).numpy(),
                       _within(*vs[0], lo, hi).numpy(), d)]
@@ -582,6 +594,32 @@ def run_step(consts: np.ndarray, groups, states, grads, dests, want_squares: boo
 
 _NO16, _NO32 = np.zeros(0, dtype=np.uint16), np.zeros(0, dtype=np.float32)
 _ONE_GROUP = {d: (np.array([1 << 62], dtype=np.int64), np.array([d], dtype=np.uint8)) for d in (False, True)}
+_DEST_MODE: dict = {}  # torch dtype -> NO_DEST / DEST_BF16 / DEST_F32 (filled when compiled)
+
+
+def _addr(piece, lo: int) -> int:
+    """The address of element `lo` in the fp32 stretch `piece` (a, z, tensor)."""
+    return piece[2].data_ptr() + 4 * (lo - piece[0])
+
+
+def _run_at(ga, pa, ma, va, da, dmode, lo, hi, gend, gdecay, c, threads, gomp, entry):
+    """run_step of one stretch [lo, hi) whose arrays start at the addresses ga, pa, ma, va (fp32) and da (the
+    destination: bf16 bits or fp32 by dmode), compiled (no array objects made in Python: after a step that
+    has streamed megabytes through the caches each Python call costs microseconds); on the team (`gomp`,
+    `entry`) with more than one thread. Returns the sum of squares."""
+    n = hi - lo
+    g, p = numba_carray(_f32_at(ga), n), numba_carray(_f32_at(pa), n)
+    m, v = numba_carray(_f32_at(ma), n), numba_carray(_f32_at(va), n)
+    d16 = numba_carray(_u16_at(da), n if dmode == DEST_BF16 else 0)
+    d32 = numba_carray(_f32_at(da), n if dmode == DEST_F32 else 0)
+    n_chunks = (n + CHUNK - 1) // CHUNK
+    partials = np.zeros((n_chunks, LANES), dtype=np.float32)
+    if threads == 1 or n_chunks == 1:
+        _step(lo, hi, lo, 0, n_chunks, g, p, m, v, d16, d32, dmode, gend, gdecay, c, partials)
+    else:
+        _team_run(gomp, entry, min(threads, n_chunks), lo, hi, lo, n_chunks, g, p, m, v, d16, d32, dmode,
+                  gend, gdecay, c, partials)
+    return _total(partials)
 
 
 def _within(a: int, z: int, t, lo: int, hi: int):
