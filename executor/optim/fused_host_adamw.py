@@ -113,20 +113,24 @@ def reset() -> None:
 
 
 def warm_up() -> None:
-    """Compile the kernel (or load it from numba's cache: ~0.3-0.6 s of CPU once per process; compiling it,
-    once per installation, ~5 s) and run it once on a few elements, so that a run's first optimizer op does
-    not pay it (the executor calls this while it sets up, when a host optimizer part is large enough to take
-    the kernel: host_adamw.MIN_KERNEL_ELEMENTS)."""
+    """Compile the kernel (or load it from numba's cache: ~0.5 s of CPU once per process; compiling it,
+    once per installation, ~2 s) and run it on a few elements, whole and cut in two (the two ways run_step
+    calls it), so that a run's first optimizer op does not pay it (the executor calls this while it sets up,
+    when a host optimizer part is large enough to take the kernel: host_adamw.MIN_KERNEL_ELEMENTS)."""
     global _WARM
     if _WARM or kernel() is None:
         return
     import torch
 
-    n = 2 * LANES + 3
+    n, cut = 2 * LANES + 3, LANES + 1
     t = [torch.zeros(n) for _ in range(4)]
-    run_step(coefficients(1e-3, 0.9, 0.95, 1e-8, 0.0, 1, 1.0), [(0, n, True)],
-             {"master": [(0, n, t[0])], "adam_m": [(0, n, t[1])], "adam_v": [(0, n, t[2])]}, t[3],
-             [(0, n, torch.zeros(n, dtype=torch.bfloat16))], True)
+    consts = coefficients(1e-3, 0.9, 0.95, 1e-8, 0.0, 1, 1.0)
+    dests = [(0, n, torch.zeros(n, dtype=torch.bfloat16))]
+    run_step(consts, [(0, n, True)], {"master": [(0, n, t[0])], "adam_m": [(0, n, t[1])],
+                                      "adam_v": [(0, n, t[2])]}, t[3], dests, True)
+    names = ("master", "adam_m", "adam_v")
+    halves = {cls: [(0, cut, x[:cut]), (cut, n, x[cut:])] for cls, x in zip(names, t)}
+    run_step(consts, [(0, n, True)], halves, t[3], dests, True)
     _WARM = True
 
 
