@@ -171,8 +171,9 @@ def collect(ssd_dir: str | os.PathLike[str] = ".") -> EnvReport:
     host_optimizer = ""
     if torch_version:
         from tierflow.executor.optim.fused_host_adamw import describe
+        from tierflow.executor.optim.host_adamw import MIN_KERNEL_ELEMENTS
 
-        host_optimizer = describe()
+        host_optimizer = describe(MIN_KERNEL_ELEMENTS)
     return EnvReport(versions=versions, torch_error=torch_error, cuda=cuda, gpus=gpus,
                      ssd_dir=ssd_dir_info(ssd_dir), pinned=pinned_info(), cpu=cpu_model(),
                      cores_online=os.cpu_count() or 1, cores_usable=usable, memory_bytes=mi.get("MemTotal"),

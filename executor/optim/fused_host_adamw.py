@@ -86,8 +86,9 @@ def kernel():
     return _KERNEL
 
 
-def describe() -> str:
-    """Which way the host optimizer op runs here, in one line (`tierflow env`), without compiling anything."""
+def describe(min_elements: int) -> str:
+    """Which way the host optimizer op runs here, in one line (`tierflow env`; `min_elements`: the fewest
+    elements host_adamw hands to the kernel), without compiling anything."""
     import importlib.util
 
     if _PURE:
@@ -97,13 +98,7 @@ def describe() -> str:
     team = _team_runtime()
     threads = (f"on torch's OpenMP team ({os.path.basename(team._lib_path)})" if team is not None else
                "on a thread pool of its own (no OpenMP runtime found)")
-    return f"one-pass kernel (numba), {threads}, from {_min_elements():,} elements per op"
-
-
-def _min_elements() -> int:
-    from tierflow.executor.optim.host_adamw import MIN_KERNEL_ELEMENTS
-
-    return MIN_KERNEL_ELEMENTS
+    return f"one-pass kernel (numba), {threads}, from {min_elements:,} elements per op"
 
 
 def reset() -> None:
