@@ -373,7 +373,8 @@ def env_section(env: dict) -> list[str]:
             f"- CPU: {env.get('cpu', '?')}, {env.get('cores_usable', '?')} usable cores, "
             f"{env.get('memory_bytes', 0) / GIB:.1f} GiB",
             f"- SSD directory: O_DIRECT {ssd.get('o_direct', '?')}, device {ssd.get('device', '?')}, "
-            f"{ssd.get('free_bytes', 0) / 1e9:.1f} GB free", ""]
+            f"{ssd.get('free_bytes', 0) / 1e9:.1f} GB free",
+            f"- host AdamW: {env.get('host_optimizer') or '?'}", ""]
 
 
 def plan_section(plan: dict, sc: Scenario = SCENARIOS[1]) -> list[str]:

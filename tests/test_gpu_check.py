@@ -60,6 +60,7 @@ def test_gpu_check_quick_on_the_emulation(tmp_path):
     assert "| bench_executor | ok |" in summary and "x reference" in summary
     env = json.loads((out / "01-env.out").read_text())
     assert env["versions"]["torch"] in summary
+    assert f"- host AdamW: {env['host_optimizer']}" in summary and env["host_optimizer"]
 
 
 def test_gpu_check_reports_a_step_that_cannot_run(tmp_path):
