@@ -153,12 +153,5 @@ def test_measurement_plan_is_what_calibrate_measures(tmp_path):
 
 def test_env_says_when_the_host_optimizer_is_switched_to_torchs_kernels(monkeypatch):
     pytest.importorskip("torch")
-    from tierflow.executor.optim import fused_host_adamw
-
     monkeypatch.setenv("TIERFLOW_PURE_ADAMW", "1")
-    fused_host_adamw.reset()
-    try:
-        assert "TIERFLOW_PURE_ADAMW=1" in collect(".").host_optimizer
-    finally:
-        monkeypatch.delenv("TIERFLOW_PURE_ADAMW")
-        fused_host_adamw.reset()
+    assert "TIERFLOW_PURE_ADAMW=1" in collect(".").host_optimizer

@@ -16,6 +16,7 @@ from tierflow.executor.optim import fused_host_adamw
 from tierflow.executor.optim import host_adamw as host_adamw_module
 from tierflow.executor.optim.adamw import TrainHyper
 from tierflow.executor.optim.host_adamw import host_adamw
+from tierflow.planner.core.numba_once import NumbaOnce
 
 numba = pytest.importorskip("numba")
 
@@ -34,13 +35,10 @@ STATES = ("master", "adam_m", "adam_v")
 def _compiled(monkeypatch):
     monkeypatch.delenv("TIERFLOW_PURE_ADAMW", raising=False)
     monkeypatch.setattr(host_adamw_module, "MIN_KERNEL_ELEMENTS", 0)  # these ranges are smaller
-    fused_host_adamw.reset()
     assert fused_host_adamw.kernel() is not None
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
-    monkeypatch.delenv("TIERFLOW_PURE_ADAMW", raising=False)
-    fused_host_adamw.reset()
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -157,12 +155,10 @@ def test_switched_off_it_runs_torchs_kernels(monkeypatch):
     """TIERFLOW_PURE_ADAMW=1: host_adamw takes torch's kernels, whose scalar path (no fused multiply-add)
     for a group's last partial vector differs from the kernel's in some last bits."""
     monkeypatch.setenv("TIERFLOW_PURE_ADAMW", "1")
-    fused_host_adamw.reset()
     assert fused_host_adamw.kernel() is None
     fast, pure = _state(2), _state(2)
     sq_pure = _run(pure, 1, None, [], [(LO, HI, torch.empty(N))], 1)
     monkeypatch.delenv("TIERFLOW_PURE_ADAMW")
-    fused_host_adamw.reset()
     sq_fast = _run(fast, 1, None, [], [(LO, HI, torch.empty(N))], 1)
     assert torch.equal(pure["grads"], fast["grads"])
     for k in STATES:  # a rounding apart: within a few ulps of the tensor's largest element
@@ -188,8 +184,8 @@ def test_a_kernel_that_does_not_build_leaves_torchs_kernels(monkeypatch, capsys)
         raise RuntimeError("no such target")
 
     monkeypatch.setattr(fused_host_adamw, "_compile", broken)
-    monkeypatch.setattr(fused_host_adamw, "_TRIED", False)
-    monkeypatch.setattr(fused_host_adamw, "_KERNEL", None)
+    fresh = NumbaOnce(fused_host_adamw.SWITCH, fused_host_adamw._build)  # not built yet in this process
+    monkeypatch.setattr(fused_host_adamw, "_ONCE", fresh)
     assert fused_host_adamw.kernel() is None
     err = capsys.readouterr().err
     assert "did not build (RuntimeError: no such target)" in err and len(err.splitlines()) == 1

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch.optim.adamw import adamw as functional_adamw
 
-from tierflow.executor.optim import fused_host_adamw
 from tierflow.executor.optim.adamw import TrainHyper
 from tierflow.executor.optim.host_adamw import host_adamw
 
@@ -23,10 +22,6 @@ N = GROUPS[-1][1]
 @pytest.fixture(autouse=True)
 def _torch_kernels(monkeypatch):
     monkeypatch.setenv("TIERFLOW_PURE_ADAMW", "1")
-    fused_host_adamw.reset()
-    yield
-    monkeypatch.delenv("TIERFLOW_PURE_ADAMW")
-    fused_host_adamw.reset()
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

@@ -50,6 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from tierflow.planner.core.numba_once import NumbaOnce
+
 LANES = 16  # fp32 elements per vector of the loop (one AVX-512 register; two AVX2 ones)
 CHUNK = 16384  # elements per set of partial sums of squares and per unit of a thread's share (64 KiB of fp32)
 PREFETCH = 512  # elements ahead that the vector loop prefetches in each fp32 stream (2 KiB)
@@ -57,9 +59,7 @@ NO_DEST, DEST_BF16, DEST_F32 = 0, 1, 2  # what the kernel writes the updated mas
 # non-temporal stores of the compute copy (and an sfence after them): x86 only, elsewhere plain stores
 NT_STORES = platform.machine().lower() in ("x86_64", "amd64")
 
-_KERNEL = None
-_TRIED = False
-_PURE = os.environ.get("TIERFLOW_PURE_ADAMW") == "1"
+SWITCH = "TIERFLOW_PURE_ADAMW"  # "1": torch's kernels, the kernel not even built
 _WARM = False
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
@@ -71,23 +71,19 @@ _FORKED = False  # this process is a forked child (of a process that may have ru
 
 
 def kernel():
-    """The compiled step (compiled on first use, cached on disk by numba), or None without numba or with
-    TIERFLOW_PURE_ADAMW=1 (read when this module is imported, and again by `reset`)."""
-    global _KERNEL, _TRIED
-    if _PURE:
+    """The compiled step (compiled on first use, cached on disk by numba), or None without numba, with
+    TIERFLOW_PURE_ADAMW=1, or where it did not build."""
+    return _ONCE.get()
+
+
+def _build():
+    """_compile, or None where numba or LLVM cannot build it (one line on stderr; torch's kernels instead)."""
+    try:
+        return _compile()
+    except Exception as e:  # noqa: BLE001 - whatever stops the build, torch's kernels do the job
+        print(f"tierflow: the host optimizer's one-pass kernel did not build ({type(e).__name__}: {e}); "
+              f"torch's kernels run instead ({SWITCH}=1 skips the attempt)", file=sys.stderr)
         return None
-    if not _TRIED:
-        _TRIED = True
-        try:
-            import numba  # noqa: F401
-        except ImportError:
-            return None
-        try:
-            _KERNEL = _compile()
-        except Exception as e:  # noqa: BLE001 - a numba or LLVM that cannot build it: torch's kernels instead
-            print(f"tierflow: the host optimizer's one-pass kernel did not build ({type(e).__name__}: {e}); "
-                  "torch's kernels run instead (TIERFLOW_PURE_ADAMW=1 skips the attempt)", file=sys.stderr)
-    return _KERNEL
 
 
 def describe(min_elements: int) -> str:
@@ -95,20 +91,14 @@ def describe(min_elements: int) -> str:
     elements host_adamw hands to the kernel), without compiling anything."""
     import importlib.util
 
-    if _PURE:
-        return "torch's kernels (TIERFLOW_PURE_ADAMW=1)"
+    if os.environ.get(SWITCH) == "1":
+        return f"torch's kernels ({SWITCH}=1)"
     if importlib.util.find_spec("numba") is None:
         return "torch's kernels (numba is not installed: pip install 'tierflow[fast]' gives the one-pass one)"
     team = _team_runtime()
     threads = (f"on torch's OpenMP team ({os.path.basename(team._lib_path)})" if team is not None else
                "on a thread pool of its own (no OpenMP runtime found)")
     return f"one-pass kernel (numba), {threads}, from {min_elements:,} elements per op"
-
-
-def reset() -> None:
-    """Read TIERFLOW_PURE_ADAMW again (tests switch it)."""
-    global _PURE
-    _PURE = os.environ.get("TIERFLOW_PURE_ADAMW") == "1"
 
 
 def warm_up() -> None:
@@ -659,3 +649,6 @@ def _piece_of(pieces, s0: int, s1: int, missing_ok: bool = False):
             return None if t is None else t[s0 - a: s1 - a]
     assert missing_ok, (s0, s1)
     return None
+
+
+_ONCE = NumbaOnce(SWITCH, _build)

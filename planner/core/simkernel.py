@@ -11,9 +11,10 @@ force that loop.
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
+
+from tierflow.planner.core.numba_once import NumbaOnce
 
 # graphs smaller than this play in pure Python until the process has played MANY_SIMULATIONS graphs (a fit, a
 # search) or loaded the kernel: importing numba and loading the compiled loop from its cache cost ~0.55 s of
@@ -22,8 +23,6 @@ import numpy as np
 MIN_KERNEL_TASKS = 100_000
 MANY_SIMULATIONS = 20
 
-_KERNEL = None
-_TRIED = False
 _PLAYED = 0
 
 
@@ -32,7 +31,7 @@ def kernel_for(num_tasks: int):
     MIN_KERNEL_TASKS)."""
     global _PLAYED
     _PLAYED += 1
-    if _KERNEL is None and num_tasks < MIN_KERNEL_TASKS and _PLAYED <= MANY_SIMULATIONS:
+    if _ONCE.kernel is None and num_tasks < MIN_KERNEL_TASKS and _PLAYED <= MANY_SIMULATIONS:
         return None
     return kernel()
 
@@ -40,21 +39,20 @@ def kernel_for(num_tasks: int):
 def kernel():
     """The compiled kernel (compiled on first use, cached on disk by numba), or None without numba or with
     TIERFLOW_PURE_SIM=1."""
-    global _KERNEL, _TRIED
-    if os.environ.get("TIERFLOW_PURE_SIM") == "1":
-        return None
-    if not _TRIED:
-        _TRIED = True
-        try:
-            import numba
-        except ImportError:
-            return None
-        # the loop calls _rerate by its global name: compiled first, so that the compiled loop calls it
-        # compiled
-        globals()["_rerate"] = numba.njit(cache=True, nogil=True)(_rerate)
-        _KERNEL = numba.njit(cache=True, nogil=True)(play_arrays)
-        _warm_up(_KERNEL)
-    return _KERNEL
+    return _ONCE.get()
+
+
+def _build():
+    import numba
+
+    # the loop calls _rerate by its global name: compiled first, so that the compiled loop calls it compiled
+    globals()["_rerate"] = numba.njit(cache=True, nogil=True)(_rerate)
+    k = numba.njit(cache=True, nogil=True)(play_arrays)
+    _warm_up(k)
+    return k
+
+
+_ONCE = NumbaOnce("TIERFLOW_PURE_SIM", _build)
 
 
 def _warm_up(k) -> None:
