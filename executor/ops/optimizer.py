@@ -80,7 +80,7 @@ class OptimizerOps:
             host_adamw_compressed(cx.hyper, step, b, groups, stretches, grads, dests, coef)
         else:  # the squares for the step's norm summed in the update's pass
             norms = norms_of(cx.hyper)
-            coef = None if norms is None or norms.max_norm <= 0 else clip_factor(cx, rs, t, step, [])
+            coef = clip_factor(cx, rs, t, step, [])  # (a host op's global factor needs no gradients passed)
             sumsq = host_adamw(cx.hyper, step, groups, stretches, grads, dests, coef,
                                squares=norms is not None and norms.wants_squares())
             if norms is not None:

@@ -79,7 +79,7 @@ class GradNorms:
             self.seen[step] = self.seen.get(step, 0) + 1
             if self.seen[step] == self.parts_per_step:
                 total = self.sumsq.pop(step, None)
-                if total is not None:  # a float where every op's kernel summed in fp64
+                if total is not None:  # a float where every op of the step took the one-pass kernel
                     self.norms.setdefault(step, total.sqrt() if isinstance(total, torch.Tensor) else
                                           math.sqrt(total))
                 self.seen.pop(step)

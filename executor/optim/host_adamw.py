@@ -75,12 +75,18 @@ def host_adamw(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states:
             for whole, back in spans[cls]:
                 _scatter(whole, back)
     g.zero_()
-    for sa, sz, master in states["master"]:
+    _cast_into(states["master"], dests, lo, hi)
+    return sumsq
+
+
+def _cast_into(masters: list[Stretch], dests: list[Stretch], lo: int, hi: int, only=None) -> None:
+    """The updated master's elements [lo, hi) cast into the destinations that hold them (only those of dtype
+    `only`, if given)."""
+    for sa, sz, master in masters:
         for a, z, buf in dests:
             x, y = max(a, sa, lo), min(z, sz, hi)
-            if y > x:
+            if y > x and (only is None or buf.dtype is only):
                 buf[x - a: y - a].copy_(master[x - sa: y - sa])  # the cast to the compute dtype
-    return sumsq
 
 
 def _fusable(groups: list[tuple[int, int, bool]], states: dict[str, list[Stretch]], grads: torch.Tensor,
@@ -111,12 +117,7 @@ def _fused(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states: dic
                                            1.0 if coef is None else float(coef))
     s = fused_host_adamw.run_step(consts, groups, states, grads, dests, squares)
     if any(buf.dtype is torch.float16 for _a, _z, buf in dests):
-        lo, hi = groups[0][0], groups[-1][1]
-        for sa, sz, master in states["master"]:
-            for a, z, buf in dests:
-                x, y = max(a, sa, lo), min(z, sz, hi)
-                if y > x and buf.dtype is torch.float16:
-                    buf[x - a: y - a].copy_(master[x - sa: y - sa])
+        _cast_into(states["master"], dests, groups[0][0], groups[-1][1], only=torch.float16)
     return s
 
 
