@@ -20,6 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from tierflow.extras import install_command
+
 GIB = 2**30
 
 
@@ -206,7 +208,7 @@ def format_report(r: EnvReport) -> str:
     lines += [f"  {k:<10} {v[k]}" for k in ("python", "tierflow", "torch", "ortools", "numpy", "os")]
     if r.torch_error:
         lines.append(f"  torch import failed: {r.torch_error} (tierflow run and calibrate need it; "
-                     "pip install 'tierflow[run]')")
+                     f"{install_command('run')})")
     lines += ["", f"CUDA: {r.cuda}"]
     for g in r.gpus:
         lines.append(f"  GPU {g.index}: {g.name}, {_gib(g.memory_bytes)}, compute capability {g.capability}")

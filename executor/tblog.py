@@ -6,6 +6,7 @@ without it --log-dir is refused with one line."""
 from __future__ import annotations
 
 from tierflow.errors import TierflowError
+from tierflow.extras import install_command
 
 
 class LogDirError(TierflowError, ValueError):
@@ -20,7 +21,7 @@ class TbLog:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise LogDirError(f"--log-dir {directory}: TensorBoard is not installed (pip install "
-                              "tensorboard, or pip install 'tierflow[finetune]'); or drop --log-dir: "
+                              f"tensorboard, or {install_command('finetune')}); or drop --log-dir: "
                               "steps.csv under --out has the same numbers") from None
         try:
             self.writer = SummaryWriter(log_dir=directory)

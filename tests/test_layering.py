@@ -18,6 +18,7 @@ LAYERS = [
     ("tierflow/errors.py", "tierflow.errors", 0),
     ("tierflow/outputs.py", "tierflow.outputs", 0),  # output checks and atomic writes, for every layer
     ("tierflow/logs.py", "tierflow.logs", 0),  # the `tierflow` logger, --quiet / --verbose, for every layer
+    ("tierflow/extras.py", "tierflow.extras", 0),  # the extras and how to install one, for every layer
     ("hwprofiles", "tierflow.hwprofiles", 1),
     ("planner/core", "tierflow.planner.core", 2),
     ("planner/search", "tierflow.planner.search", 3),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierflow.errors import TierflowError
+from tierflow.extras import install_command
 
 MIB = 2**20
 GIB = 2**30
@@ -49,6 +50,5 @@ def import_torch() -> Any:
     try:
         import torch
     except ImportError as e:
-        raise CalibrationError(f"tierflow calibrate needs PyTorch ({e}): pip install "
-                               "'tierflow[run]'") from None
+        raise CalibrationError(f"tierflow calibrate needs PyTorch ({e}): {install_command('run')}") from None
     return torch

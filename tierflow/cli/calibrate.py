@@ -25,6 +25,7 @@ from tierflow.outputs import check_output_file
 if TYPE_CHECKING:
     from tierflow.executor.calibration import Sizes
 
+EXTRA = "run"  # torch and safetensors: tierflow.cli.main checks them before the command runs
 SET_SYNTAX = "--set {item}: expected SECTION.KEY=VALUE, e.g. --set gpu.memory_gib=2"
 
 

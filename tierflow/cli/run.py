@@ -20,6 +20,7 @@ from tierflow.planner.core.trainopts import CLIP_MODES, SCHEDULES
 if TYPE_CHECKING:
     from tierflow.executor.options import RunRequest
 
+EXTRA = "run"  # torch and safetensors: tierflow.cli.main checks them before the command runs
 WHO = "tierflow run"  # how its error lines start
 
 
