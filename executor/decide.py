@@ -23,6 +23,7 @@ from tierflow.planner.core.contract import Plan
 from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import SimResult
+from tierflow.planner.core.timefmt import fmt_s
 from tierflow.planner.fit.trace_fit import (
     ITERATION,
     default_fields,
@@ -87,13 +88,13 @@ class Decision:
         if self.effective_step != self.step:
             when += (f" (took effect at step {self.effective_step})" if self.effective_step is not None
                      else " (arrived after the last step)")
-        head = (f"{when}: measured {self.measured_iteration_s * 1e3:,.1f} ms/iteration vs "
-                f"predicted {self.predicted_iteration_s * 1e3:,.1f} ms ({self.error:+.0%}; {res})")
+        head = (f"{when}: measured {fmt_s(self.measured_iteration_s, sig=4)}/iteration vs "
+                f"predicted {fmt_s(self.predicted_iteration_s, sig=4)} ({self.error:+.0%}; {res})")
         if not self.refit:
             return f"{head}; {self.reason}"
         fit = ", ".join(f"{k} {_g(a)} -> {_g(b)}" for k, (a, b) in self.refit.items())
-        gain = (f"old plan {self.old_plan} predicted {self.old_predicted_s * 1e3:,.1f} ms on the refit "
-                f"profile, new plan {self.new_plan} {self.new_predicted_s * 1e3:,.1f} ms "
+        gain = (f"old plan {self.old_plan} predicted {fmt_s(self.old_predicted_s, sig=4)} on the refit "
+                f"profile, new plan {self.new_plan} {fmt_s(self.new_predicted_s, sig=4)} "
                 f"({self.gain:+.0%})") if self.new_predicted_s else ""
         why = f"{self.reason} at step {self.effective_step}" if self.switched else self.reason
         return f"{head}; refit {fit}; {gain}; {why}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import socket
 import sys
 import threading
 import time
@@ -421,9 +422,10 @@ def is_cuda_error(e: BaseException) -> bool:
     return (accel and isinstance(e, accel)) or (isinstance(e, RuntimeError) and "CUDA error" in str(e))
 
 
-def measured_result(plan: Plan, rr: RoundResult) -> SimResult:
+def measured_result(plan: Plan, rr: RoundResult, measured_on: dict | None = None) -> SimResult:
     """The measured round as a SimResult over the plan's graph (its first `rr.iterations` iterations), so that
-    every output of the simulator (CSV, Chrome trace, Gantt) works on measurements too."""
+    every output of the simulator (CSV, Chrome trace, Gantt) works on measurements too; `measured_on` (the
+    device, its name, the host: `describe_device`) goes into the trace, for `tierflow compare`."""
     g = plan.graph
     n = len(rr.start_s)
     graph = TaskGraph(g.tasks[:n], g.static_bytes, g.capacity_bytes, rr.iterations, g.num_blocks,
@@ -432,4 +434,13 @@ def measured_result(plan: Plan, rr: RoundResult) -> SimResult:
     # measured by the device's allocator (CUDA, the emulation), not the plan's
     if rr.extra.get("device_memory"):
         res.meta["device_memory"] = dict(rr.extra["device_memory"])
+    if measured_on:
+        res.meta["measured_on"] = dict(measured_on)
     return res
+
+
+def describe_device(device: torch.device) -> dict:
+    """What a trace says of the device it was measured on: its type (cpu, cuda), name and the host."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {"device": str(device), "device_type": device.type, "device_name": name,
+            "host": socket.gethostname()}

@@ -16,6 +16,7 @@ tier under `<ssd-dir>/rank-<r>/` and its checkpoint shard under `<checkpoint>/ra
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -44,7 +45,7 @@ from tierflow.executor.corpus import TEXT_SUFFIXES, Fields, copy_tokenizer, has_
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device.base import DeviceBackend
 from tierflow.executor.dist import DistWorld, check_launch, init_world, peer_gone, rank_device
-from tierflow.executor.engine import ExecutionError, Executor, Hyper, measured_result
+from tierflow.executor.engine import ExecutionError, Executor, Hyper, describe_device, measured_result
 from tierflow.executor.evaluate import evaluate
 from tierflow.executor.export import (
     StepRecord,
@@ -72,6 +73,7 @@ from tierflow.executor.tiers.ssd_store import SsdStore, check_ssd_dir
 from tierflow.executor.tiers.state import TrainState
 from tierflow.planner.core.models import model_dict
 from tierflow.planner.core.simulator import SimResult
+from tierflow.planner.core.timefmt import fmt_s
 from tierflow.planner.core.workload import model_flops_per_token
 from tierflow.planner.io.planfile import Plan, simulate_plan
 from tierflow.planner.io.progress import bar
@@ -279,6 +281,11 @@ class _Training:
     val: TokenData | None = None  # held-out tokens (--val-fraction, --val-data)
     tb: TbLog | None = None  # --log-dir
     optimizer_threads: int | None = None  # the Executor's choice (host_threads.py)
+
+    @functools.cached_property
+    def measured_on(self) -> dict:
+        """The device this run measures on, as its trace says it (tierflow compare checks the plan's box)."""
+        return describe_device(self.backend.device)
 
     @property
     def quiet(self) -> bool:
@@ -493,7 +500,7 @@ def _run_round(tr: _Training, ex: Executor, r: int) -> None:
     if local != rr.losses:
         raise ExecutionError(f"internal: the reported losses {local} are not the round's {rr.losses}")
     _note_norms(tr, step, r, rr.peak_bytes)
-    res = measured_result(tr.plan, rr)
+    res = measured_result(tr.plan, rr, tr.measured_on)
     if r >= tr.best_iters:
         tr.best_iters, tr.measured = r, res
     tr.step += r
@@ -539,9 +546,9 @@ def _step_reporter(tr: _Training, step: int, local: list[float]) -> Callable[[in
                          tr.flops_per_step / step_s / 1e12 if step_s > 0 else 0.0)
         tr.records.append(rec)
         if not tr.quiet:
+            took = fmt_s(rec.step_s, 1, sig=4)
             log(f"step {rec.step:>5}/{opts.steps} {bar(rec.step, opts.steps, fill=' ')} loss {rec.loss:.4f}  "
-                f"{rec.step_s * 1e3:8.1f} ms  {rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS",
-                flush=True)
+                f"{took:>11}  {rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS", flush=True)
 
     return on_step
 

@@ -145,6 +145,8 @@ class SimResult:
             # an executor's measurement: the device allocator's peaks (bytes), where the device measures them
             **({"measured_device_memory": dict(self.meta["device_memory"])}
                if self.meta.get("device_memory") else {}),
+            # and the device it was measured on (tierflow compare: is it the plan's box?)
+            **({"measured_on": dict(self.meta["measured_on"])} if self.meta.get("measured_on") else {}),
         }
 
 

@@ -10,17 +10,20 @@ restricted to the same iterations.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tierflow.errors import TierflowError
+from tierflow.hwprofiles import HardwareProfile
 from tierflow.hwprofiles.inputs import GIB, loads_json_limited
 from tierflow.planner.core.contract import Plan
 from tierflow.planner.core.graph import LINKS
 from tierflow.planner.core.jsonio import read_text
 from tierflow.planner.core.simulator import SimResult
+from tierflow.planner.core.timefmt import fmt_s
 from tierflow.planner.io.planfile import PlanError, simulate_plan
 
 
@@ -55,6 +58,8 @@ class Comparison:
     measured_start_s: np.ndarray
     measured_end_s: np.ndarray
     measured_device_memory: dict | None = None  # the device allocator's peaks in the trace (CUDA, emulation)
+    measured_on: dict | None = None  # the device the trace was measured on (otherData.measured_on)
+    other_box: str | None = None  # why the plan's profile is not that device (box_mismatch), None: it is
 
     @property
     def iteration_error(self) -> float:
@@ -67,7 +72,8 @@ class Comparison:
                 "by_kind": self.by_kind, "by_resource": self.by_resource,
                 "predicted_gpu_peak_bytes": self.predicted.peak_bytes.get("gpu"),
                 "gpu_capacity_bytes": self.predicted.graph.capacity_bytes.get("gpu"),
-                "measured_device_memory": self.measured_device_memory}
+                "measured_device_memory": self.measured_device_memory, "measured_on": self.measured_on,
+                "other_box": self.other_box}
 
 
 def load_measured(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
@@ -76,9 +82,9 @@ def load_measured(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray]
     return start, end
 
 
-def load_measured_trace(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray, dict | None]:
-    """load_measured, and the device memory the executor measured (otherData.measured_device_memory), if
-    any."""
+def load_measured_trace(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    """load_measured, and what the trace says of its run: {"device_memory": the device memory the executor
+    measured (otherData.measured_device_memory) or None, "measured_on": the device it ran on or None}."""
     p = Path(path)
     try:
         d = loads_json_limited(read_text(p, MAX_TRACE_BYTES))  # plain or gzip-compressed
@@ -107,13 +113,52 @@ def load_measured_trace(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.nd
     if not (isinstance(mem, dict) and all(isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
                                           for v in mem.values())):
         mem = None
-    return start, end, mem
+    return start, end, {"device_memory": mem, "measured_on": _measured_on(d, events)}
+
+
+def _measured_on(d: dict, events: list) -> dict | None:
+    """The device a trace was measured on: otherData.measured_on, or for a trace written before it, the
+    device the process name gives ("tiny-gpt: measured (cpu)")."""
+    on = (d.get("otherData") or {}).get("measured_on")
+    if isinstance(on, dict) and isinstance(on.get("device_type"), str):
+        return on
+    for ev in events[:4]:
+        name = ((ev.get("args") or {}).get("name") if isinstance(ev, dict) else None) or ""
+        m = re.search(r": measured \((cpu|cuda)\S*\)$", str(name))
+        if m:
+            return {"device_type": m.group(1)}
+    return None
+
+
+def _model_tokens(text: str) -> set[str]:
+    """The words of a device name that carry a digit ("RTX 4090" -> {"4090"}, "NVIDIA H200" -> {"h200"})."""
+    return {w for w in re.split(r"[^a-z0-9]+", text.lower()) if any(c.isdigit() for c in w)}
+
+
+def box_mismatch(hw: HardwareProfile, measured_on: dict | None) -> str | None:
+    """Why the plan's profile does not describe the device a trace was measured on (a bundled GPU box's plan
+    run on this CPU, a CPU profile's plan run on a GPU, another GPU), with what to do; None when it does or
+    the trace does not say."""
+    if not measured_on:
+        return None
+    kind, name = measured_on.get("device_type"), measured_on.get("device_name") or ""
+    cpu_profile = hw.gpu.host_cores is not None  # a calibrated CPU device (tierflow calibrate --device cpu)
+    if kind == "cpu" and not cpu_profile:
+        why = f"the plan's profile {hw.name} models a GPU ({hw.gpu.model}) and this trace ran on the CPU"
+    elif kind == "cuda" and cpu_profile:
+        why = f"the plan's profile {hw.name} models a CPU device and this trace ran on {name or 'a GPU'}"
+    elif kind == "cuda" and name and not _model_tokens(hw.gpu.model) & _model_tokens(name):
+        why = f"the plan's profile {hw.name} models a GPU ({hw.gpu.model}) and this trace ran on {name}"
+    else:
+        return None
+    return (f"{why}: the prediction is for that box, not this one; measure this one with `tierflow calibrate "
+            f"-o box.yaml --device {kind}` and plan again with `--hw box.yaml`")
 
 
 def compare(plan: Plan, trace_path: str | Path) -> Comparison:
     pred = simulate_plan(plan)
     tasks = plan.graph.tasks
-    ms, me, device_memory = load_measured_trace(trace_path, len(tasks))
+    ms, me, meta = load_measured_trace(trace_path, len(tasks))
     ran = ~np.isnan(ms)
     iters = int(max(t.iteration for t, r in zip(tasks, ran) if r)) + 1
     for t, r in zip(tasks, ran):
@@ -150,8 +195,9 @@ def compare(plan: Plan, trace_path: str | Path) -> Comparison:
     measured_it = ends[-2] - ends[-3] if iters >= 3 else ends[-1] / iters
     pred_it = pred.iteration_s if iters >= 3 or plan.graph.num_iterations == 1 else \
         float(np.max(pred.end_s[gpu])) / iters
+    on = meta["measured_on"]
     return Comparison(by_kind, by_resource, pred_it, measured_it, iters, int(mask.sum()), pred, ms, me,
-                      device_memory)
+                      meta["device_memory"], on, box_mismatch(plan.hardware, on))
 
 
 def _link_rates(resource: str, nbytes: float, predicted_s: float, measured_s: float) -> dict:
@@ -165,8 +211,9 @@ def _link_rates(resource: str, nbytes: float, predicted_s: float, measured_s: fl
 
 def format_comparison(c: Comparison) -> str:
     lines = [f"{c.ops} ops over {c.iterations} iteration(s)",
-             f"iteration time: predicted {c.predicted_iteration_s * 1e3:,.3f} ms, measured "
-             f"{c.measured_iteration_s * 1e3:,.3f} ms ({c.iteration_error:+.1%})", "",
+             f"iteration time: predicted {fmt_s(c.predicted_iteration_s, 3, sig=4)}, measured "
+             f"{fmt_s(c.measured_iteration_s, 3, sig=4)} ({c.iteration_error:+.1%})",
+             *([f"note: {c.other_box}"] if c.other_box else []), "",
              f"{'kind':<22} {'resource':<10} {'ops':>5} {'predicted ms':>13} {'measured ms':>12} "
              f"{'ratio':>8} {'GB/s pred / meas':>17}"]
     for r in c.by_kind:

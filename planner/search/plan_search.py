@@ -26,6 +26,7 @@ from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
+from tierflow.planner.core.timefmt import fmt_s
 from tierflow.planner.search.explain import infeasible_message
 from tierflow.planner.search.loads import IterationLoads, iteration_loads
 from tierflow.planner.search.placement_model import (
@@ -95,14 +96,16 @@ def evaluate(problem: Problem, c: Candidate, *, time_limit_s: float = 5.0, verif
         ev = Evaluated(c, cfg, solved.report, predicted_s=loads.predict_s(problem.hw),
                        binding=loads.binding(problem.hw))
         if solved.report.objective_s > prune_at * (1 + PRUNE_TOLERANCE):
-            ev.error = f"pruned: solver objective {solved.report.objective_s:.4g} s > best {prune_at:.4g} s"
+            ev.error = (f"pruned: solver objective {fmt_s(solved.report.objective_s, sig=4)} > best "
+                        f"{fmt_s(prune_at, sig=4)}")
             return ev
         if not verify:
             return ev
         if math.isfinite(prune_at) and _predict(problem, ev).predicted_s > prune_at * (1 + PRUNE_TOLERANCE):
             # the slot model knows when each transfer may run: a candidate it predicts slower than the best
             # verified plan cannot win (its prediction lies within PRUNE_TOLERANCE below the simulated time)
-            ev.error = f"pruned: slot-model prediction {ev.predicted_s:.4g} s > best {prune_at:.4g} s"
+            ev.error = (f"pruned: slot-model prediction {fmt_s(ev.predicted_s, sig=4)} > best "
+                        f"{fmt_s(prune_at, sig=4)}")
             return ev
         try:
             ev.result = simulate_config(problem.model, problem.hw, cfg)
@@ -147,8 +150,8 @@ def plan_search(problem: Problem, *, time_limit_s: float = 60.0, micro_batches: 
             progress(i, len(cands), c.describe(batch))
         floor = problem.gpu_floor_s(c.micro_batch)
         if best is not None and floor >= best.verified_s:
-            evaluated.append(Evaluated(c, None, None, error=f"pruned: GPU floor {floor:.3g} s >= best "
-                                                            f"{best.verified_s:.3g} s"))
+            evaluated.append(Evaluated(c, None, None, error=f"pruned: GPU floor {fmt_s(floor)} >= best "
+                                                            f"{fmt_s(best.verified_s)}"))
             continue
         if time.perf_counter() - t0 > time_limit_s and best is not None:
             evaluated.append(Evaluated(c, None, None, error=SKIPPED_TIME_LIMIT))
@@ -190,10 +193,10 @@ def _evaluation_text(ev: Evaluated) -> str:
     time or why it was not verified."""
     parts = []
     if ev.solver:
-        parts.append(f"CP-SAT {ev.solver.status}, objective {ev.solver.objective_s:.4g} s, "
-                     f"gap {ev.solver.gap:.1%}, {ev.solver.wall_s:.2f} s")
+        parts.append(f"CP-SAT {ev.solver.status}, objective {fmt_s(ev.solver.objective_s, sig=4)}, "
+                     f"gap {ev.solver.gap:.1%}, {fmt_s(ev.solver.wall_s)}")
     if ev.result:
-        parts.append(f"verified {ev.verified_s:.4g} s")
+        parts.append(f"verified {fmt_s(ev.verified_s, sig=4)}")
     if ev.error:
         parts.append(ev.error)
     return "; ".join(parts) or "no result"
@@ -212,8 +215,8 @@ def _order_variants(problem: Problem, best: Evaluated, evaluated: list[Evaluated
             predicted = 0.0  # no prediction: simulate it
         if predicted > best.verified_s * (1 + PRUNE_TOLERANCE):
             evaluated.append(Evaluated(replace(best.candidate, **variant), None, None,
-                                       error=f"pruned: slot-model prediction {predicted:.4g} s > best "
-                                             f"{best.verified_s:.4g} s"))
+                                       error=f"pruned: slot-model prediction {fmt_s(predicted, sig=4)} > "
+                                             f"best {fmt_s(best.verified_s, sig=4)}"))
             continue
         try:
             r2 = simulate_config(problem.model, problem.hw, cfg2)

@@ -26,6 +26,7 @@ from tierflow.errors import UsageError
 from tierflow.hwprofiles import load_hw
 from tierflow.outputs import check_output_file
 from tierflow.planner.core.models import get_model
+from tierflow.planner.core.timefmt import fmt_s
 from tierflow.planner.io.deepspeed.bridge import emit_ds_config
 from tierflow.planner.io.progress import Progress
 
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     _print_text(args, problem, sr, solver)
     if auto is not None:
         print("optimizer states: auto chose " + (model.optimizer_states or "fp32") + " ("
-              + ", ".join(f"{f} {s:.4g} s" for f, s in auto.items()) + " an iteration)")
+              + ", ".join(f"{f} {fmt_s(s, sig=4)}" for f, s in auto.items()) + " an iteration)")
     for line in lines + ([clip.line()] if clip is not None else []):
         print(line)
     if written:
@@ -217,7 +218,7 @@ def _print_text(args: argparse.Namespace, problem: Problem, sr: SearchResult, so
     print(model.describe())
     print(f"box: {hw.name}: {hw.summary()}")
     print(f"batch {args.batch} sequences x {model.seq_len} tokens; searched {len(sr.evaluated)} candidates "
-          f"in {sr.wall_s:.1f} s")
+          f"in {fmt_s(sr.wall_s, 1)}")
     if sr.skipped_by_time_limit:
         print(f"note: the time limit ({args.time_limit:g} s) left {sr.skipped_by_time_limit} candidate(s) "
               "untried, so a faster plan may exist (raise --time-limit)")
@@ -234,9 +235,9 @@ def _print_candidates(sr: SearchResult, rb: int) -> None:
     ok = sorted((e for e in sr.evaluated if e.result), key=lambda e: e.verified_s)
     for e in ok[:8]:
         s_ = e.solver
-        rows.append([e.candidate.describe(rb), f"{e.verified_s:,.1f} s", f"{e.result.tokens_per_s:,.0f}",
+        rows.append([e.candidate.describe(rb), fmt_s(e.verified_s, 1), f"{e.result.tokens_per_s:,.0f}",
                      f"{e.result.hw_tflops:.1f}", s_.status if s_ else "-",
-                     f"{s_.objective_s:,.1f} s" if s_ else "-"])
+                     fmt_s(s_.objective_s, 1) if s_ else "-"])
     print()
     print(fmt_table(rows, ["candidate (best first)", "simulated", "tokens/s", "hw TFLOPS", "CP-SAT",
                            "objective"]))
@@ -251,23 +252,24 @@ def _print_choice(sr: SearchResult, rb: int, num_layers: int, solver: dict) -> N
     print(f"placement: {cfg.placement.describe()}")
     if best.solver:
         r = best.solver
-        print(f"placement solver: CP-SAT {r.status}, objective {r.objective_s:,.2f} s, best bound "
-              f"{r.best_bound_s:,.2f} s, gap {r.gap:.1%}, {r.wall_s:.2f} s")
+        print(f"placement solver: CP-SAT {r.status}, objective {fmt_s(r.objective_s)}, best bound "
+              f"{fmt_s(r.best_bound_s)}, gap {r.gap:.1%}, {fmt_s(r.wall_s)}")
     if best.prediction:
         r = best.prediction
         print(f"prediction (slot model, {r.constraints:,} windows): {r.solver} {r.status}, "
-              f"{r.objective_s:,.2f} s per iteration, {r.wall_s:.2f} s")
+              f"{fmt_s(r.objective_s)} per iteration, {fmt_s(r.wall_s)}")
     if "window_status" in solver:
         print(f"window check: CP-SAT {solver['window_status']} on a {solver['window_layers']}-layer window "
               f"({solver['window_tasks']} tasks): the schedule's own order takes "
-              f"{solver['window_greedy_s']:.4g} s at solo link rates, the best order found "
-              f"{solver['window_makespan_s']:.4g} s, proven bound {solver['window_bound_s']:.4g} s (gap "
-              f"{solver['window_gap']:.1%}, {solver['window_wall_s']:.1f} s)")
+              f"{fmt_s(solver['window_greedy_s'], sig=4)} at solo link rates, the best order found "
+              f"{fmt_s(solver['window_makespan_s'], sig=4)}, proven bound "
+              f"{fmt_s(solver['window_bound_s'], sig=4)} (gap {solver['window_gap']:.1%}, "
+              f"{fmt_s(solver['window_wall_s'], 1)})")
     res = best.result
-    print(f"verified by simulation: {res.iteration_s:,.2f} s per iteration "
+    print(f"verified by simulation: {fmt_s(res.iteration_s)} per iteration "
           f"({res.iteration_s / best.predicted_s - 1:+.1%} vs the prediction), {res.tokens_per_s:,.0f} "
           f"tokens/s, {res.model_tflops:.1f} model / {res.hw_tflops:.1f} hardware TFLOPS")
     if sr.baseline:
         name, b = min(sr.baseline.items(), key=lambda kv: kv[1].iteration_s)
-        print(f"best fixed schedule with default settings: {name} at {b.iteration_s:,.2f} s -> plan is "
+        print(f"best fixed schedule with default settings: {name} at {fmt_s(b.iteration_s)} -> plan is "
               f"{b.iteration_s / res.iteration_s:.2f}x faster")

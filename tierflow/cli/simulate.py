@@ -39,6 +39,7 @@ from tierflow.planner.core.placement import Placement, parse_placement
 from tierflow.planner.core.schedules import make_schedule
 from tierflow.planner.core.simulate import DEFAULT_FAMILIES, simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
+from tierflow.planner.core.timefmt import fmt_s
 from tierflow.planner.io.progress import Progress
 
 Results = dict[str, SimResult | Exception]
@@ -241,6 +242,6 @@ def simulate_plan_file(args: argparse.Namespace) -> int:
     print(summary_table({"plan": res}))
     if plan.predicted and "iteration_s" in plan.predicted:
         recorded = plan.predicted["iteration_s"]
-        print(f"\nreplayed iteration {res.iteration_s:,.2f} s vs {recorded:,.2f} s recorded in the plan "
-              f"({res.iteration_s / recorded - 1:+.2%})")
+        print(f"\nreplayed iteration {fmt_s(res.iteration_s, sig=4)} vs {fmt_s(recorded, sig=4)} recorded in "
+              f"the plan ({res.iteration_s / recorded - 1:+.2%})")
     return 0

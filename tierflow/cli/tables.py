@@ -7,6 +7,7 @@ from collections.abc import Callable
 from functools import partial
 
 from tierflow.planner.core.simulator import SimResult
+from tierflow.planner.core.timefmt import fmt_s
 
 
 def gb(x: float) -> str:
@@ -50,7 +51,7 @@ def summary_table(results: dict[str, SimResult | Exception]) -> str:
 def _metrics(many: bool) -> list[tuple[str, Callable[[SimResult], str]]]:
     """The summary's rows: (label, the cell of a result)."""
     metrics: list[tuple[str, Callable[[SimResult], str]]] = [
-        ("iteration time", lambda r: f"{r.iteration_s:,.1f} s"),
+        ("iteration time", lambda r: fmt_s(r.iteration_s, 1)),
         ("tokens/s", lambda r: f"{r.tokens_per_s:,.0f}"),
         ("model TFLOPS", lambda r: f"{r.model_tflops:.1f}"),
         ("hardware TFLOPS", lambda r: f"{r.hw_tflops:.1f}"),
