@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 300
 MAX_NOTEBOOK_BYTES = 1 << 20  # stored outputs included (PNG figures): lower the figures' dpi to stay under it
+# runs a notebook and saves its outputs in place with what the [test] extra installs (nbclient's `jupyter
+# execute`; nbconvert, which `jupyter nbconvert --execute` needs, is not in it)
+SAVE_OUTPUTS = "jupyter execute --inplace"
 
 
 def test_the_notebooks_are_found():
@@ -38,8 +42,8 @@ def test_committed_with_outputs_of_one_run(path):
     nbformat.validate(nb)
     code = [cell for cell in nb.cells if cell.cell_type == "code"]
     counts = [cell.execution_count for cell in code]
-    how = (f"run it and save its outputs: jupyter nbconvert --to notebook --execute --inplace "
-           f"notebooks/{path.name} (or nbclient, as the test below does)")
+    how = (f"run it and save its outputs: {SAVE_OUTPUTS} notebooks/{path.name} (nbclient, as the test below "
+           "does; from the [test] install)")
     assert counts == list(range(1, len(code) + 1)), \
         f"{path.name}: cells not run once from top to bottom; {how}"
     errors = [i for i, cell in enumerate(code) for out in cell.outputs if out.output_type == "error"]
@@ -79,3 +83,21 @@ def test_runs_without_error(path, this_interpreter_kernel, record_property, caps
     record_property("wall_s", round(wall_s, 1))
     with capsys.disabled():
         print(f"\n{path.name}: ran in {wall_s:.1f} s (target: under 120 s on a 2-core CPU machine)")
+
+
+def test_the_hints_command_saves_a_notebooks_outputs_with_the_test_install(tmp_path, this_interpreter_kernel):
+    """The command the hint above gives (SAVE_OUTPUTS) runs with what `pip install -e '.[test]'` brings and
+    leaves the notebook as test_committed_with_outputs_of_one_run wants it: run once, top to bottom."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)"),
+                                         nbformat.v4.new_code_cell("x = 1")])
+    nb.metadata["kernelspec"] = {"name": this_interpreter_kernel, "display_name": "Python 3",
+                                 "language": "python"}
+    path = tmp_path / "tiny.ipynb"
+    nbformat.write(nb, path)
+    program, *args = SAVE_OUTPUTS.split()
+    done = subprocess.run([sys.executable, "-m", program, *args, str(path)], capture_output=True, text=True,
+                          timeout=CELL_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    ran = nbformat.read(path, as_version=4)
+    assert [c.execution_count for c in ran.cells] == [1, 2]
+    assert ran.cells[0].outputs[0]["text"] == "42\n"
