@@ -46,7 +46,7 @@ from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device.base import DeviceBackend
 from tierflow.executor.dist import DistWorld, check_launch, init_world, peer_gone, rank_device
 from tierflow.executor.engine import ExecutionError, Executor, Hyper, describe_device, measured_result
-from tierflow.executor.evaluate import evaluate
+from tierflow.executor.evaluate import check_held_out, evaluate
 from tierflow.executor.export import (
     StepRecord,
     check_export_hf,
@@ -317,6 +317,11 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
     tokens = cfg.batch * cfg.seq
     tr = _Training(plan, opts, backend, ssd, log, world, state, settings, tokens,
                    tokens * model_flops_per_token(spec, cfg.seq), val=val)
+    if val is not None and opts.eval_every:
+        # refuses a held-out set shorter than a sequence; says when it holds fewer than asked
+        note = check_held_out(val, cfg.seq, cfg.batch, opts.eval_batches)
+        if note and tr.lead:
+            warn(note)
     if opts.log_dir and tr.lead:
         tr.tb = TbLog(opts.log_dir)
     where = _start_state(tr, warn)
@@ -389,7 +394,8 @@ def _run_eval(tr: _Training) -> None:
         tr.tb.step(tr.step, {"val/loss": res.val_loss, "val/perplexity": res.val_ppl})
     if not tr.quiet:
         tr.log(f"  eval after step {tr.step}: validation loss {res.val_loss:.4f}, perplexity "
-               f"{res.val_ppl:,.2f} ({res.tokens:,} held-out tokens)", flush=True)
+               f"{res.val_ppl:,.2f} ({res.tokens:,} held-out tokens: {res.sequences:,} sequences of "
+               f"{cfg.seq})", flush=True)
 
 
 def _start_state(tr: _Training, warn) -> str:

@@ -1,5 +1,5 @@
-"""Times print in the unit that fits their size (planner/core/timefmt.fmt_s, everywhere a time is printed), and
-`tierflow compare` says when the plan's profile is not the device its trace was measured on."""
+"""Times print in the unit that fits their size (planner/core/timefmt.fmt_s, everywhere a time is printed),
+and `tierflow compare` says when the plan's profile is not the device its trace was measured on."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def cpu_trace(tmp_path_factory):
     """A tiny plan on a bundled GPU box, and the trace of two of its steps run on this CPU."""
     d = tmp_path_factory.mktemp("compare")
     assert main(["plan", *TINY, "-o", str(d / "plan.json")]) == 0
-    assert main(["run", str(d / "plan.json"), "--device", "cpu", "--steps", "2", "--out", str(d / "run")]) == 0
+    plan = str(d / "plan.json")
+    assert main(["run", plan, "--device", "cpu", "--steps", "2", "--out", str(d / "run")]) == 0
     return d
 
 
