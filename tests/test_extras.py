@@ -116,3 +116,12 @@ def test_the_readme_says_which_extra_each_workflow_needs_and_how_to_keep_a_cpu_t
     for extra in ("run", "finetune", "fast", "test"):
         assert f"'.[{extra}]'" in head, extra
     assert CPU_TORCH in head
+
+
+def test_log_dir_without_tensorboard_gives_this_installs_command(tmp_path, monkeypatch):
+    from tierflow.executor.tblog import LogDirError, TbLog
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(LogDirError) as e:
+        TbLog(str(tmp_path / "tb"))
+    assert install_command("finetune") in str(e.value) and "'tierflow[finetune]'" not in str(e.value)

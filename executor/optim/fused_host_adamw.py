@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from tierflow.extras import install_command
 from tierflow.planner.core.numba_once import NumbaOnce
 
 LANES = 16  # fp32 elements per vector of the loop (one AVX-512 register; two AVX2 ones)
@@ -94,7 +95,7 @@ def describe(min_elements: int) -> str:
     if os.environ.get(SWITCH) == "1":
         return f"torch's kernels ({SWITCH}=1)"
     if importlib.util.find_spec("numba") is None:
-        return "torch's kernels (numba is not installed: pip install 'tierflow[fast]' gives the one-pass one)"
+        return f"torch's kernels (numba is not installed: {install_command('fast')} gives the one-pass one)"
     team = _team_runtime()
     threads = (f"on torch's OpenMP team ({os.path.basename(team._lib_path)})" if team is not None else
                "on a thread pool of its own (no OpenMP runtime found)")
