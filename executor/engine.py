@@ -35,6 +35,7 @@ from tierflow.executor.binding import OPTIMIZER_PART, Binding, ExecutionError
 from tierflow.executor.data import TokenData
 from tierflow.executor.device.base import DeviceBackend, RoundAborted, TierOutOfMemory
 from tierflow.executor.device.factory import as_backend
+from tierflow.executor.graphs import make_runner
 from tierflow.executor.ops.context import STREAM_RESOURCES, Hyper, OpContext, RoundState
 from tierflow.executor.ops.grads import HostGradAdds
 from tierflow.executor.ops.table import Ops
@@ -81,7 +82,8 @@ class Executor:
     round; the ops themselves are in executor/ops."""
 
     def __init__(self, plan: Plan, state: TrainState, data: TokenData, device: torch.device | DeviceBackend,
-                 hyper: Hyper, ssd: SsdStore | None, profile: bool = False) -> None:
+                 hyper: Hyper, ssd: SsdStore | None, profile: bool = False,
+                 cuda_graphs: bool | None = None) -> None:
         self.backend = state.backend if state is not None else as_backend(device)
         self.plan, self.state, self.data, self.hyper, self.ssd = plan, state, data, hyper, ssd
         self.device = self.backend.device
@@ -114,6 +116,8 @@ class Executor:
         self.arena = TransferArena(self.backend, area_bytes, warn=lambda msg: print(msg, file=sys.stderr))
         self.backend.arena = self.arena
         self.ops = Ops(OpContext(self.binding, state, self.device, hyper, ssd, self.backend, self.arena))
+        # the plan's capture segments as CUDA graphs (executor/graphs.py); None: every op eager
+        self.graph_runner = make_runner(plan, self.backend, state, cuda_graphs)
         # the host optimizer's intra-op threads (its worker's own setting): one fewer than torch's on CUDA, so
         # that the thread launching GPU work keeps a core (optim/host_threads.py); None: torch's setting
         self.threads = torch.get_num_threads()
@@ -283,6 +287,8 @@ class Executor:
         stream = rs.streams[resource] if has_stream else None
         # chosen once: no cost when not profiling
         run_op = self._run_op_profiled if self.profile else self.ops.run
+        if resource == "gpu" and self.graph_runner is not None:
+            run_op = self.graph_runner.wrap(run_op)
         t = None
         try:
             for tid in queue:
