@@ -189,11 +189,15 @@ class GraphRunner:
             g.graph.capture(lambda: self._eager(rs, seg, run_op))
             g.grads = before.closed(rs)
         except (CaptureError, NotClosed) as e:
-            before.restore(rs)
-            self._fall_back(seg, f"capture failed: {e}")
-            return self._eager(rs, seg, run_op)
+            failed = str(e)
+        else:
+            failed = ""
         finally:
             rs.batches[it], rs.loss_sum[it] = own_batches, own_loss
+        if failed:  # the segment's own state undone, then it runs eagerly, as from now on
+            before.restore(rs)
+            self._fall_back(seg, f"capture failed: {failed}")
+            return self._eager(rs, seg, run_op)
         self.graphs[seg.key] = g
         if not g.graph.capture_executes:
             g.graph.replay()
