@@ -287,15 +287,20 @@ class Executor:
         stream = rs.streams[resource] if has_stream else None
         # chosen once: no cost when not profiling
         run_op = self._run_op_profiled if self.profile else self.ops.run
+        follows = {}  # an op of a capture segment but its first -> that first op, which runs the segment
         if resource == "gpu" and self.graph_runner is not None:
             run_op = self.graph_runner.wrap(run_op)
+            follows = self.graph_runner.follows
         t = None
         try:
             for tid in queue:
                 t = self.tasks[tid]
                 self._wait_for_deps(rs, t, stream)
                 self._apply_mem(rs, t.mem_start)
-                if stream is not None:
+                lead = follows.get(tid)
+                if lead is not None:  # it ran in its segment's graph (executor/graphs.py): that op's span
+                    rs.ev_start[tid], rs.ev_end[tid] = rs.ev_start[lead], rs.ev_end[lead]
+                elif stream is not None:
                     rs.ev_start[tid] = self.backend.record(stream)
                     self.backend.launch(stream, functools.partial(self._run_on_stream, rs, t, run_op),
                                         f"{tid} {t.label}")

@@ -2,12 +2,13 @@
 --cuda-graphs`). The segments are the planner's (tierflow.planner.core.capture): which ops, and the pool they
 share; nothing here decides a boundary.
 
-A segment's first op, on the gpu worker, runs the whole segment; its other ops are empty launches that keep
-the engine's per-op events, memory effects and `done` flags. Per key (the segment's ops, the same in every
-iteration), its first occurrence runs eagerly (the warm-up PyTorch asks for before a capture, on the run's gpu
-stream, not the default one) and proves that the segment is closed (nothing of the round's state crosses its
-boundary but what this runner rebinds); the next is captured (then replayed at once where a capture runs
-nothing, as on CUDA) and every later one replayed with one launch.
+A segment's first op, on the gpu worker, runs the whole segment (one launch); the engine launches nothing
+for its other ops (`follows`): they take the first op's events, and keep their memory effects and `done`
+flags. Per key (the segment's ops, the same in every iteration), its first occurrence runs eagerly (the
+warm-up PyTorch asks for before a capture, on the run's gpu stream, not the default one) and proves that the
+segment is closed (nothing of the round's state crosses its boundary but what this runner rebinds); the next
+is captured (then replayed at once where a capture runs nothing, as on CUDA) and every later one replayed
+with one launch.
 
 What a replay rebinds, since no Python of the captured ops runs again:
     inputs     the iteration's micro-batches (tokens, targets), copied into the static buffers the capture
@@ -108,18 +109,20 @@ class GraphRunner:
         """The gpu worker's op runner with the segments run as graphs."""
         if not self.active:
             return run_op
-        segment_of, segments = self.capture.segment_of, self.capture.segments
+        first = {s.ops[0]: s for s in self.capture.segments}
 
         def run(rs: RoundState, t: Task) -> None:
-            si = segment_of.get(t.id)
-            if si is None:
+            seg = first.get(t.id)
+            if seg is None:
                 return run_op(rs, t)
-            seg = segments[si]
-            if t.id == seg.ops[0]:
-                self.run_segment(rs, seg, run_op)
-            # the segment's other ops ran with its first
+            self.run_segment(rs, seg, run_op)
 
         return run
+
+    @property
+    def follows(self) -> dict[int, int]:
+        """Every op of a segment but its first -> the first (the engine launches nothing for them)."""
+        return {op: s.ops[0] for s in self.capture.segments for op in s.ops[1:]}
 
     def run_segment(self, rs: RoundState, seg: Segment, run_op) -> None:
         n = self.seen[seg.key]
