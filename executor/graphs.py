@@ -25,6 +25,7 @@ CUDA would) or inputs of another shape run eagerly from then on, with one line o
 from __future__ import annotations
 
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,6 +86,9 @@ class GraphRunner:
         self.eager: set[tuple] = set()
         self.pool = None
         self.handed: tuple[int, list[tuple[int, int]]] | None = None  # (round id, gradient keys) of a replay
+        # host seconds of each replay's launch (on CUDA the launch only: its kernels run later), the
+        # measurement behind gpu.graph_launch_us (executor/calibration/graph_launch.py)
+        self.replay_host_s: list[float] = []
         self.off_reason = self._check_fits()
         if self.off_reason:
             self.warn(f"tierflow: --cuda-graphs: off for this plan: {self.off_reason}")
@@ -229,7 +233,9 @@ class GraphRunner:
             sx.copy_(x)
             sy.copy_(y)
         g.loss.copy_(rs.loss_sum[it])
+        t0 = time.perf_counter()
         g.graph.replay()
+        self.replay_host_s.append(time.perf_counter() - t0)
         rs.loss_sum[it].copy_(g.loss)
         with rs.lock:
             for key, (_k, buf, left) in zip(keys, g.grads):

@@ -288,3 +288,41 @@ def test_an_emulated_replay_refuses_a_persistent_tensor_that_moved(gpu):
     state["w"] = be.empty(4, torch.float32)  # the owner now keeps its tensor elsewhere: a new address
     err = _on(be, stream, errors, g.replay)
     assert isinstance(err, GraphReplayError) and "new tensor address" in str(err)
+
+
+# -- the model: one launch per captured segment ------------------------------------------------------------
+
+
+def test_the_simulator_charges_one_launch_per_segment_instead_of_per_op_host_costs():
+    from tierflow.planner.core.capture import graphed_graph
+    from tierflow.planner.core.simulator import simulate_graph
+
+    model, hw, cfg = tiny_config("cpu", "on_device")
+    hw = hw.with_overrides({"gpu.op_overhead_us": 300, "cpu.executor_op_us": 100, "gpu.graph_launch_us": 20})
+    g = build_graph(model, hw, cfg)
+    cp = capture_plan(g)
+    gg = graphed_graph(g, hw, cp)
+    per_iteration = len(g.tasks) // g.num_iterations
+    assert len(gg.tasks) == len(g.tasks) - g.num_iterations * (len(cp.segments[0].ops) - 1)
+    eager, graphed = simulate_graph(g, hw).iteration_s, simulate_graph(gg, hw).iteration_s
+    # the gpu queue is serial on this plan: each iteration's 14 compute ops lose their 300 + 100 us and the
+    # segment gains one launch (20 us) and one engine cost (100 us)
+    n = len(cp.segments[0].ops)
+    assert eager - graphed == pytest.approx((n * 400 - 120) * 1e-6, rel=1e-6)
+    assert per_iteration == 18
+    # without a launch cost or per-op costs in the profile, graphs change nothing of the device's time
+    bare = tiny_config("cpu", "on_device")[1]
+    g0 = build_graph(model, bare, cfg)
+    assert simulate_graph(graphed_graph(g0, bare), bare).iteration_s == pytest.approx(
+        simulate_graph(g0, bare).iteration_s, rel=1e-9)
+    # and a plan with nothing captured is left as it is
+    hmodel, _hw, hcfg = tiny_config("cpu", "checkpoints_host")
+    host = build_graph(hmodel, hw, hcfg)
+    assert graphed_graph(host, hw) is host
+
+
+def test_the_graph_launch_measurement_runs_on_the_emulation():
+    from tierflow.executor.calibration.graph_launch import measure_graph_launch
+
+    m = measure_graph_launch(AdversarialCpuBackend(max_delay_s=0.0), rounds=2)
+    assert m is not None and m.replays == 2 * ITERATIONS - 2 and m.ops_per_replay == 14 and m.launch_us > 0

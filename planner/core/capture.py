@@ -159,3 +159,54 @@ def peak_with_pool_bytes(graph: TaskGraph, plan: CapturePlan) -> float:
             held += sum(b for tier, b in effects if tier == GPU)
             peak = max(peak, held)
     return peak + (plan.pool_bytes if plan.segments else 0.0)
+
+
+def graphed_graph(graph: TaskGraph, hw, plan: CapturePlan | None = None) -> TaskGraph:
+    """The graph as `tierflow run --cuda-graphs` runs it, for the simulator: each capture segment one gpu op
+    (one launch: the engine's cost per op, cpu.executor_op_us, is charged once by the simulator, and
+    gpu.graph_launch_us once instead of gpu.op_overhead_us per compute op), its work its ops' work less their
+    per-op overhead, its memory effects its ops' peak then what they leave (the pool), its dependencies its
+    ops' from outside it. Every other op is as it was; ids are renumbered (a trace of this graph is per
+    segment, not per op). Where the profile bounds a block by its kernel launches (compute.kernel_launch_us),
+    that bound stays in the ops' work (a graph launches its kernels from the device: an over-estimate)."""
+    plan = plan or capture_plan(graph)
+    if not plan.segments:
+        return graph
+    tasks, over_s, launch_s = graph.tasks, hw.gpu.op_overhead_s, hw.gpu.graph_launch_s
+    new_id: dict[int, int] = {}
+    out: list[Task] = []
+    for t in tasks:
+        si = plan.segment_of.get(t.id)
+        if si is None:
+            new_id[t.id] = len(out)
+            out.append(Task(len(out), t.kind, t.resource, t.work, t.tensor, t.block, t.mb, t.iteration,
+                            list(t.deps), t.key, list(t.mem_start), list(t.mem_end)))
+            continue
+        seg = plan.segments[si]
+        if t.id != seg.ops[0]:
+            new_id[t.id] = new_id[seg.ops[0]]
+            continue
+        new_id[t.id] = len(out)
+        out.append(_merged(tasks, seg, len(out), over_s, launch_s))
+    for u in out:  # every dependency was an original id: now the new op that holds it
+        u.deps = sorted({new_id[d] for d in u.deps if new_id[d] != u.id})
+    return TaskGraph(out, dict(graph.static_bytes), dict(graph.capacity_bytes), graph.num_iterations,
+                     graph.num_blocks, dict(graph.meta))
+
+
+def _merged(tasks: list[Task], seg: Segment, new: int, over_s: float, launch_s: float) -> Task:
+    first = tasks[seg.ops[0]]
+    ops = set(seg.ops)
+    work = launch_s + sum(max(0.0, tasks[op].work - over_s) for op in seg.ops)
+    deps = sorted({d for op in seg.ops for d in tasks[op].deps if d not in ops})
+    held: dict[int, float] = {}
+    peak: dict[int, float] = {}
+    for op in seg.ops:
+        for effects in (tasks[op].mem_start, tasks[op].mem_end):
+            for tier, b in effects:
+                held[tier] = held.get(tier, 0.0) + b
+                peak[tier] = max(peak.get(tier, 0.0), held[tier])
+    start = [(tier, b) for tier, b in sorted(peak.items()) if b > 0]
+    end = [(tier, held[tier] - peak.get(tier, 0.0)) for tier in sorted(held) if held[tier] != peak.get(tier)]
+    return Task(new, first.kind, "gpu", work, first.tensor, first.block, first.mb, first.iteration, deps,
+                first.key, start, end)
