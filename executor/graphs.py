@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierflow.errors import TierflowError
 from tierflow.executor.device.base import CaptureError, DeviceBackend, GraphReplayError
 from tierflow.executor.ops.context import RoundState
 from tierflow.executor.tiers.state import TrainState
@@ -42,8 +43,8 @@ from tierflow.planner.core.graph import Task
 WARMUP = 1  # eager occurrences of a key before its capture
 
 
-class NotClosed(Exception):
-    """A segment's ops changed the round's state beyond what a replay rebinds."""
+class NotClosed(TierflowError, RuntimeError):
+    """A segment's ops changed the round's state beyond what a replay rebinds (the segment runs eagerly)."""
 
 
 @dataclass
