@@ -151,7 +151,15 @@ class CudaGraph:
         self.graph = torch.cuda.CUDAGraph()
 
     def capture(self, fn) -> None:
+        """cuBLAS's workspaces are cleared (after a device synchronization: no queued kernel uses them) on
+        entering and on leaving the capture, as torch's own cudagraph trees do: the workspace the captured
+        GEMMs use is then allocated inside the capture, from the private pool, which keeps it while the graph
+        lives; otherwise the graph would hold a pointer into the eager workspace that close_streams frees at
+        the end of every round."""
         stream = torch.cuda.current_stream()
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)
+        torch.cuda.synchronize()
+        clear()
         try:
             with torch.cuda.graph(self.graph, pool=self.pool, stream=stream,
                                   capture_error_mode="thread_local"):
@@ -160,6 +168,8 @@ class CudaGraph:
             raise
         except RuntimeError as e:  # cudaErrorStreamCapture*: what the captured code did that CUDA refuses
             raise CaptureError(" ".join(str(e).split())[:200]) from None
+        finally:
+            clear()
 
     def replay(self) -> None:
         self.graph.replay()
