@@ -326,3 +326,22 @@ def test_the_graph_launch_measurement_runs_on_the_emulation():
 
     m = measure_graph_launch(AdversarialCpuBackend(max_delay_s=0.0), rounds=2)
     assert m is not None and m.replays == 2 * ITERATIONS - 2 and m.ops_per_replay == 14 and m.launch_us > 0
+
+
+def test_micro_batches_of_another_shape_run_eagerly_with_one_line(capsys):
+    plan = tiny_plan("cpu", "on_device")
+    ex = _executor(plan, True)
+    ex.run_round(ITERATIONS, 0)  # warm-up, capture, a replay
+    real = ex.data.batch
+
+    def shorter(step, batch, seq):  # dynamic shapes: one token less per sequence
+        return real(step, batch, seq - 1)
+
+    ex.data.batch = shorter
+    losses = ex.run_round(ITERATIONS, ITERATIONS).losses
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run eagerly: dynamic shapes" in err[0]
+    ref = _executor(plan, False)
+    ref.run_round(ITERATIONS, 0)
+    ref.data.batch = shorter
+    assert losses == ref.run_round(ITERATIONS, ITERATIONS).losses
