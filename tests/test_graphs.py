@@ -146,6 +146,15 @@ def test_replayed_graphs_train_bit_for_bit_as_eager_launches(capsys):
     assert "cuda-graphs" not in capsys.readouterr().err
 
 
+def test_llama_blocks_replay_bit_for_bit_too():
+    """Rotary positions, RMSNorm, gated MLP: every tensor they make per call is the graph's own."""
+    plan = make_plan("tiny-llama", "block", "device", iterations=ITERATIONS)
+    eager = _losses(_executor(plan, False))
+    ex = _executor(plan, True)
+    assert _losses(ex) == eager
+    assert [g.graph.replays for g in ex.graph_runner.graphs.values()] == [2 * ITERATIONS - 2]
+
+
 def test_partly_captured_plan_mixes_replays_and_eager_ops_exactly():
     plan = make_plan("tiny-gpt", "fuyou", "device", iterations=ITERATIONS)
     cp = capture_plan(plan.graph)
