@@ -116,7 +116,10 @@ class Executor:
         self.arena = TransferArena(self.backend, area_bytes, warn=lambda msg: print(msg, file=sys.stderr))
         self.backend.arena = self.arena
         self.ops = Ops(OpContext(self.binding, state, self.device, hyper, ssd, self.backend, self.arena))
-        # the plan's capture segments as CUDA graphs (executor/graphs.py); None: every op eager
+        # the plan's capture segments as CUDA graphs (executor/graphs.py); None: every op eager. Under
+        # --profile the default is off: a replay has no per-op ranges for the profiler to name
+        if cuda_graphs is None and profile:
+            cuda_graphs = False
         self.graph_runner = make_runner(plan, self.backend, state, cuda_graphs)
         # the host optimizer's intra-op threads (its worker's own setting): one fewer than torch's on CUDA, so
         # that the thread launching GPU work keeps a core (optim/host_threads.py); None: torch's setting
