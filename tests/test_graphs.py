@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from test_executor import PLACEMENTS, make_plan
+from test_executor import PLACEMENTS, make_plan, reference, rel_err, run
 
 from tierflow.cli import main
 from tierflow.executor import graphs as graphs_mod
@@ -153,6 +153,23 @@ def test_llama_blocks_replay_bit_for_bit_too():
     ex = _executor(plan, True)
     assert _losses(ex) == eager
     assert [g.graph.replays for g in ex.graph_runner.graphs.values()] == [2 * ITERATIONS - 2]
+
+
+@pytest.mark.parametrize("family", ["horizontal", "fuyou"])
+def test_a_run_with_graphs_matches_plain_pytorch_adamw(family, tmp_path, monkeypatch):
+    """`run_plan` with RunOptions.cuda_graphs (what --cuda-graphs sets) on the emulation: the same
+    equivalence with plain PyTorch as every run (tests/test_executor.py), over 5 steps (3 + 2: a warm-up, a
+    capture and replays, and a second round replaying the first round's graph)."""
+    plan = make_plan("tiny-gpt", family, "device", iterations=3)
+    replays = []
+    real = graphs_mod.GraphRunner._replay
+    monkeypatch.setattr(graphs_mod.GraphRunner, "_replay",
+                        lambda self, *a: (replays.append(1), real(self, *a)))
+    res = run(plan, tmp_path, device="cpu-adversarial", cuda_graphs=True)
+    assert len(replays) >= 2  # segments per iteration x iterations after the capture
+    ref_losses, ref_weights = reference("tiny-gpt")
+    assert max(abs(a - b) / b for a, b in zip(res.losses, ref_losses)) <= 1e-5
+    assert max(rel_err(a, b) for a, b in zip(res.final_master, ref_weights)) <= 1e-5
 
 
 def test_partly_captured_plan_mixes_replays_and_eager_ops_exactly():
