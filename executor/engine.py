@@ -36,6 +36,7 @@ from tierflow.executor.binding import OPTIMIZER_PART, Binding, ExecutionError
 from tierflow.executor.data import TokenData
 from tierflow.executor.device.base import DeviceBackend, RoundAborted, TierOutOfMemory
 from tierflow.executor.device.factory import as_backend
+from tierflow.executor.graphs import make_runner
 from tierflow.executor.ops.context import STREAM_RESOURCES, Hyper, OpContext, RoundState
 from tierflow.executor.ops.grads import HostGradAdds
 from tierflow.executor.ops.table import Ops
@@ -82,7 +83,8 @@ class Executor:
     round; the ops themselves are in executor/ops."""
 
     def __init__(self, plan: Plan, state: TrainState, data: TokenData, device: torch.device | DeviceBackend,
-                 hyper: Hyper, ssd: SsdStore | None, profile: bool = False) -> None:
+                 hyper: Hyper, ssd: SsdStore | None, profile: bool = False,
+                 cuda_graphs: bool | None = None) -> None:
         self.backend = state.backend if state is not None else as_backend(device)
         self.plan, self.state, self.data, self.hyper, self.ssd = plan, state, data, hyper, ssd
         self.device = self.backend.device
@@ -115,6 +117,11 @@ class Executor:
         self.arena = TransferArena(self.backend, area_bytes, warn=lambda msg: print(msg, file=sys.stderr))
         self.backend.arena = self.arena
         self.ops = Ops(OpContext(self.binding, state, self.device, hyper, ssd, self.backend, self.arena))
+        # the plan's capture segments as CUDA graphs (executor/graphs.py); None: every op eager. Under
+        # --profile the default is off: a replay has no per-op ranges for the profiler to name
+        if cuda_graphs is None and profile:
+            cuda_graphs = False
+        self.graph_runner = make_runner(plan, self.backend, state, cuda_graphs)
         # the host optimizer's intra-op threads (its worker's own setting): one fewer than torch's on CUDA, so
         # that the thread launching GPU work keeps a core (optim/host_threads.py); None: torch's setting
         self.threads = torch.get_num_threads()
@@ -284,13 +291,20 @@ class Executor:
         stream = rs.streams[resource] if has_stream else None
         # chosen once: no cost when not profiling
         run_op = self._run_op_profiled if self.profile else self.ops.run
+        follows = {}  # an op of a capture segment but its first -> that first op, which runs the segment
+        if resource == "gpu" and self.graph_runner is not None:
+            run_op = self.graph_runner.wrap(run_op)
+            follows = self.graph_runner.follows
         t = None
         try:
             for tid in queue:
                 t = self.tasks[tid]
                 self._wait_for_deps(rs, t, stream)
                 self._apply_mem(rs, t.mem_start)
-                if stream is not None:
+                lead = follows.get(tid)
+                if lead is not None:  # it ran in its segment's graph (executor/graphs.py): that op's span
+                    rs.ev_start[tid], rs.ev_end[tid] = rs.ev_start[lead], rs.ev_end[lead]
+                elif stream is not None:
                     rs.ev_start[tid] = self.backend.record(stream)
                     self.backend.launch(stream, functools.partial(self._run_on_stream, rs, t, run_op),
                                         f"{tid} {t.label}")

@@ -107,7 +107,7 @@ def run_options(req: RunRequest, hyper: TrainHyper) -> RunOptions:
                       checkpoint_every=ck.every or 0, out=out.out, hyper=hyper, seed=md.seed,
                       quiet=out.quiet, export_hf=out.export_hf, resume_fallback=ck.resume_fallback,
                       profile=out.profile, allow_changed_hyper=ck.allow_changed_hyper,
-                      compute_dtype=req.compute_dtype, eval_every=ev.every,
+                      compute_dtype=req.compute_dtype, cuda_graphs=req.cuda_graphs, eval_every=ev.every,
                       val_fraction=ev.val_fraction, val_data=ev.val_data, eval_batches=ev.batches,
                       log_dir=ev.log_dir, tokenizer=md.tokenizer, fields=fields, cache_dir=md.cache_dir)
 

@@ -99,6 +99,7 @@ class RunRequest:
     device: str | None = None  # None: cuda when available, else cpu
     ssd_dir: str | None = None  # the SSD tier's directory
     compute_dtype: str | None = None  # "bf16" | "fp32"; None: bf16 on CUDA, fp32 on a CPU
+    cuda_graphs: bool | None = None  # --[no-]cuda-graphs; None: on for CUDA (executor/graphs.py)
     model_data: ModelDataOptions = field(default_factory=ModelDataOptions)
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)

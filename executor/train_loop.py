@@ -111,6 +111,8 @@ class RunOptions:
     export_hf: str | None = None  # after the last step, write the fp32 master weights here in the HF layout
     # "bf16" | "fp32"; None: bf16 on CUDA, fp32 on a CPU (hidden --compute-dtype)
     compute_dtype: str | None = None
+    # capture the plan's segments as CUDA graphs (executor/graphs.py); None: on for CUDA, off elsewhere
+    cuda_graphs: bool | None = None
     eval_every: int = 0  # validation loss every N steps (and after the last), 0: never
     val_fraction: float = 0.0  # hold out the last fraction of --data for validation
     val_data: str | None = None  # or a file of held-out tokens
@@ -325,7 +327,8 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
     if opts.log_dir and tr.lead:
         tr.tb = TbLog(opts.log_dir)
     where = _start_state(tr, warn)
-    ex = Executor(plan, state, data, backend, opts.hyper, ssd, profile=opts.profile)
+    ex = Executor(plan, state, data, backend, opts.hyper, ssd, profile=opts.profile,
+                  cuda_graphs=opts.cuda_graphs)
     tr.optimizer_threads = ex.optimizer_threads
     if not tr.quiet:
         _log_start(tr, dtype, where, data)

@@ -83,6 +83,10 @@ class GpuSpec:
     # step) that its kernels do not hide: Python dispatch, autograd bookkeeping, kernel launches, the
     # executor's thread hand-off; added to every compute op's roofline time. None: not modelled (0)
     op_overhead_us: float | None = None
+    # host cost of one CUDA graph replay (tierflow run --cuda-graphs): what a captured segment of compute ops
+    # costs on the host instead of op_overhead_us per op (planner/core/capture.py); measured by
+    # executor/calibration/graph_launch.py. None: not modelled (0)
+    graph_launch_us: float | None = None
     # causal attention's rate as a fraction of a GEMM of its size on the fitted curve (None: 1, the same rate)
     attention_efficiency: float | None = None
     # bytes/s (read + written) of the MLP's activation function (GELU, SiLU): a transcendental per element
@@ -98,6 +102,10 @@ class GpuSpec:
     @property
     def op_overhead_s(self) -> float:
         return (self.op_overhead_us or 0.0) * 1e-6
+
+    @property
+    def graph_launch_s(self) -> float:
+        return (self.graph_launch_us or 0.0) * 1e-6
 
     @property
     def capacity_bytes(self) -> int:
@@ -434,6 +442,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "hbm_efficiency": _FRACTION,
         "host_cores": _optional(0, False, 4096, "cores", 0.1),
         "op_overhead_us": _optional(0, True, 1e6, "microseconds per compute op", 1e-3),
+        "graph_launch_us": _optional(0, True, 1e6, "microseconds per graph replay", 1e-3),
         "attention_efficiency": _optional(0, False, 1.0, "of a GEMM's rate", 1e-3),
         "activation_gbps": _optional(0, False, 100000, "GB/s", 1e-3),
         "fp32_tflops": _optional(0, False, 20000, "TFLOPS", 1e-4),
@@ -513,8 +522,8 @@ _OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op",
                      "copy_slowdown_beside_compute", "ssd_slowdown_beside_compute",
                      "gpu_slowdown_beside_host_optimizer",
                      "deepspeed_adam_gparams_per_s", "executor_op_us"),
-             "gpu": ("host_cores", "op_overhead_us", "attention_efficiency", "activation_gbps", "fp32_tflops",
-                     "tf32_tflops"),
+             "gpu": ("host_cores", "op_overhead_us", "graph_launch_us", "attention_efficiency",
+                     "activation_gbps", "fp32_tflops", "tf32_tflops"),
              "pcie": ("latency_us", "pageable_h2d_gbps", "pageable_d2h_gbps"),
              "compute": compute_spec.OPTIONAL_KEYS}  # keys a profile may leave out (older files), not ssd's
 _SPEC_CLASSES = {"gpu": GpuSpec, "pcie": PcieSpec, "cpu": CpuSpec, "ssd": SsdSpec, "price": PriceSpec,

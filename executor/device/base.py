@@ -59,6 +59,19 @@ class HiddenSyncError(TierflowError, RuntimeError):
     exit_code = 1  # a bug in the executor that the emulation caught
 
 
+class CaptureError(TierflowError, RuntimeError):
+    """A graph capture refused (CUDA's capture error, or what the emulation refuses as CUDA would): the
+    executor runs that segment with eager launches and says why (executor/graphs.py)."""
+
+    exit_code = 1
+
+
+class GraphReplayError(TierflowError, RuntimeError):
+    """A graph replay that would read memory no longer where the capture saw it: a bug of the executor."""
+
+    exit_code = 1
+
+
 class DeviceBackend:
     """What the executor needs of a device. `streams_async` says whether stream ops run asynchronously to the
     worker that enqueues them (CUDA, the adversary) or inside it (a plain CPU, where streams are None)."""
@@ -194,6 +207,19 @@ class DeviceBackend:
 
     def record_stream(self, t: torch.Tensor | None, stream) -> None:
         """`t`, allocated on another stream, is used by `stream`: its memory is not reused before that use."""
+
+    # -- graphs (executor/graphs.py) ------------------------------------------------------------------------
+
+    def graph_pool(self):
+        """A private memory pool that the graphs captured with it share (captured and replayed in one order).
+        None where the backend has no graphs."""
+        return None
+
+    def new_graph(self, pool, persistent):
+        """A graph to capture on the current stream with `pool`; `persistent()` gives the device tensors kept
+        across iterations ({storage data pointer: tensor}) that a capture may read besides its own memory
+        (checked by the emulation). The graph has capture(fn), replay() and `capture_executes`."""
+        raise CaptureError(f"{self.name}: no CUDA graphs on this backend")
 
     def memory_stats(self) -> dict[str, float]:
         """Measured device memory since the last reset_peaks: {"max_allocated_bytes", "max_reserved_bytes"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tierflow.executor.device.base import DeviceBackend, TierOutOfMemory, host_empty
+from tierflow.executor.device.base import CaptureError, DeviceBackend, TierOutOfMemory, host_empty
 from tierflow.planner.core.devicemem import CUBLAS_WORKSPACE_CONFIG
 
 STREAM_PRIORITY = {"gpu": 0, "h2d": -1, "d2h": -1}  # CUDA: lower is higher; copy streams ahead of the GEMMs
@@ -99,6 +99,12 @@ class CudaBackend(DeviceBackend):
         if t is not None and t.is_cuda:
             t.record_stream(stream)
 
+    def graph_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def new_graph(self, pool, persistent) -> CudaGraph:
+        return CudaGraph(pool)
+
     def memory_stats(self) -> dict[str, float]:
         return {"max_allocated_bytes": float(torch.cuda.max_memory_allocated(self.device)),
                 "max_reserved_bytes": float(torch.cuda.max_memory_reserved(self.device))}
@@ -129,6 +135,44 @@ class CudaBackend(DeviceBackend):
             name = torch.cuda.get_device_name(self.device)
             raise ValueError(f"--device {self.device}: {name} has no bf16 support (compute capability < "
                              "8.0); use an Ampere or newer GPU")
+
+
+class CudaGraph:
+    """One torch.cuda.CUDAGraph captured on the current stream (the run's gpu stream, not the default
+    one, where the warm-up ran too) into the shared private pool. `thread_local` capture: the other workers'
+    CUDA calls (copies, event queries, allocations) go on during the capture without invalidating it; an
+    unsafe call of the capturing thread itself (a host synchronization) fails it. A capture runs nothing: the
+    runner replays once right after it (`capture_executes` False)."""
+
+    capture_executes = False
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn) -> None:
+        """cuBLAS's workspaces are cleared (after a device synchronization: no queued kernel uses them) on
+        entering and on leaving the capture, as torch's own cudagraph trees do: the workspace the captured
+        GEMMs use is then allocated inside the capture, from the private pool, which keeps it while the graph
+        lives; otherwise the graph would hold a pointer into the eager workspace that close_streams frees at
+        the end of every round."""
+        stream = torch.cuda.current_stream()
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)
+        torch.cuda.synchronize()
+        clear()
+        try:
+            with torch.cuda.graph(self.graph, pool=self.pool, stream=stream,
+                                  capture_error_mode="thread_local"):
+                fn()
+        except CaptureError:
+            raise
+        except RuntimeError as e:  # cudaErrorStreamCapture*: what the captured code did that CUDA refuses
+            raise CaptureError(" ".join(str(e).split())[:200]) from None
+        finally:
+            clear()
+
+    def replay(self) -> None:
+        self.graph.replay()
 
 
 def enable_expandable_segments() -> bool:

@@ -14,6 +14,9 @@ CUDA logic runs on it unchanged, and what would be a race on a GPU becomes a NaN
                  NaN. As a handler's compute runs before it returns, a block that an op on another stream
                  touched (every aten op on a stream thread is watched) and that is freed without record_stream
                  for that stream is reported as an error, even where the NaN could not show.
+    graphs       a capture records the aten ops it runs and a replay runs them again on the same memory
+                 (device/emugraph.py); a copy with host memory or a host allocation during a capture is an
+                 error (CaptureError), as a host synchronization already is
     devices      N is an emulated device index: each thread has a current device (0 until thread_init), a
                  stream op enqueued from a thread on another device is an error, and events of two devices
                  cannot be timed against each other (as CUDA's elapsed_time)
@@ -38,10 +41,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tierflow.executor.device.base import (
+    CaptureError,
     DeviceBackend,
     RoundAborted,
     TierOutOfMemory,
 )
+from tierflow.executor.device.emugraph import EmuGraph, EmuPool, capturing
 
 BLOCK_ROUND_BYTES = 512  # CUDA's caching allocator rounds small requests to 512 bytes
 NAN_BYTE = 0xFF  # every float dtype reads 0xFF.. as NaN
@@ -287,6 +292,21 @@ class AdversarialCpuBackend(DeviceBackend):
 
     # -- device memory ---------------------------------------------------------------------------------------
 
+    def graph_pool(self) -> EmuPool:
+        return EmuPool()
+
+    def new_graph(self, pool: EmuPool, persistent) -> EmuGraph:
+        return EmuGraph(pool, persistent, self.is_host_tensor)
+
+    def is_host_tensor(self, t: torch.Tensor) -> bool:
+        """Host memory of this backend (a host buffer or the transfer area), as opposed to emulated device
+        memory."""
+        if not t.numel():
+            return False
+        ptr = t.untyped_storage().data_ptr()
+        arena = self.arena
+        return ptr in self.host or (arena is not None and arena.contains(ptr))
+
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         want = max(BLOCK_ROUND_BYTES, -(-nbytes // BLOCK_ROUND_BYTES) * BLOCK_ROUND_BYTES)
@@ -315,7 +335,11 @@ class AdversarialCpuBackend(DeviceBackend):
         block.array.fill(NAN_BYTE)  # the new owner's memory holds garbage until it writes it
         view = block.array[:]
         weakref.finalize(view, self._free, block)
-        return torch.from_numpy(view)[:nbytes].view(dtype)
+        base = torch.from_numpy(view)
+        graph = capturing()
+        if graph is not None:  # allocated during a capture: the graph's pool holds it from now on
+            graph.pool.hold(base)
+        return base[:nbytes].view(dtype)
 
     def own(self, t: torch.Tensor) -> torch.Tensor:
         if t.dim() == 0 or t.is_contiguous():
@@ -385,6 +409,9 @@ class AdversarialCpuBackend(DeviceBackend):
     def _host_bytes(self, nbytes: int, pinned: bool, exact: bool) -> torch.Tensor:
         """numpy memory filled with NaN bytes, registered as pinned or pageable (copy_async checks it), within
         an emulated pinned-memory limit when a test sets one."""
+        if capturing() is not None:
+            raise CaptureError(f"a host allocation of {nbytes:,} bytes inside a capture (CUDA: memory "
+                               "outside the graph's pool)")
         limit = self.pinned_limit_bytes
         if pinned and limit is not None and self.pinned_bytes + nbytes > limit:
             raise TierOutOfMemory("cpu (pinned)", nbytes, "emulated pinned-memory limit")
@@ -438,6 +465,9 @@ class AdversarialCpuBackend(DeviceBackend):
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.check_copy(dst, src)
+        if capturing() is not None:
+            raise CaptureError("copy_async inside a capture (a transfer belongs outside the segment: its "
+                               "host memory and its event are not the graph's)")
         stream = _current_stream()
         own = [b for b in (self._block_of(dst), self._block_of(src))
                if b is not None and b.stream == stream.name]

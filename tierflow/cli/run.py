@@ -37,6 +37,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None,
                    help="cuda or cpu (default: cuda when available); on cpu, transfers are copies but the "
                    "SSD tier is real file I/O")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture the plan's runs of compute ops that stay on the device as CUDA graphs and "
+                   "replay each with one launch (default: on for cuda, off elsewhere; cpu-adversarial "
+                   "emulates them); a segment that cannot be captured runs eagerly, with one line saying why")
     p.add_argument("--ssd-dir", default=None, metavar="DIR",
                    help="directory on the SSD (array) for the SSD tier")
     p.add_argument("--data", default=None, metavar="PATH",
@@ -261,6 +265,6 @@ def run_request(args: argparse.Namespace) -> RunRequest:
                           time_limit_s=args.adapt_time_limit, fit_evaluations=args.adapt_fit_evaluations,
                           decide_within=args.adapt_decide_within) if args.adapt else None)
     return RunRequest(plan=args.plan, steps=args.steps, device=args.device, ssd_dir=args.ssd_dir,
-                      compute_dtype=args.compute_dtype, model_data=model_data, optimizer=optimizer,
-                      checkpoint=checkpoint, evaluation=evaluation, distributed=distributed, output=output,
-                      adapt=adapt)
+                      compute_dtype=args.compute_dtype, cuda_graphs=args.cuda_graphs, model_data=model_data,
+                      optimizer=optimizer, checkpoint=checkpoint, evaluation=evaluation,
+                      distributed=distributed, output=output, adapt=adapt)
