@@ -57,5 +57,5 @@ def test_the_cli_flags_are_the_options():
                                        "--clip-grad-norm", "1", "--optimizer-states", "auto",
                                        "--accept-states", "8bit,fp32"])
     assert plan_options(args, get_model("tiny-gpt")) == PlanOptions(
-        time_limit_s=7.0, micro_batch=2, allow_ssd=False, baselines=False, window=False, clip=True,
+        time_limit_s=7.0, micro_batches=(2,), allow_ssd=False, baselines=False, window=False, clip=True,
         auto_states=("8bit", "fp32"))

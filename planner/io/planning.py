@@ -32,7 +32,7 @@ class PlanOptions:
     """How to plan (`tierflow plan`'s options past the model, box and batch; its defaults are these)."""
 
     time_limit_s: float = 60.0  # the whole search
-    micro_batch: int | None = None  # fixed (None: searched)
+    micro_batches: tuple[int, ...] | None = None  # the micro-batches to try (None: all that fit)
     allow_ssd: bool = True  # False: GPU and CPU memory only
     baselines: bool = True  # simulate the fixed schedules too (one of them may be the plan)
     window: bool = True  # the exact CP-SAT check of a 2-layer window (one rank only)
@@ -100,7 +100,7 @@ def make_plan(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, opts:
 def _search(problem: Problem, opts: PlanOptions, progress: Progress | None) -> SearchResult:
     from tierflow.planner.search.plan_search import plan_search
 
-    mbs = [opts.micro_batch] if opts.micro_batch else None
+    mbs = list(opts.micro_batches) if opts.micro_batches else None
     return plan_search(problem, time_limit_s=opts.time_limit_s, micro_batches=mbs, progress=progress,
                        baselines=opts.baselines)
 

@@ -116,7 +116,8 @@ def plan_options(args: argparse.Namespace, model: ModelSpec) -> PlanOptions:
     from tierflow.planner.io.planning import PlanOptions
 
     auto = tuple(accepted_states(args, model)) if args.optimizer_states == "auto" else None
-    return PlanOptions(time_limit_s=args.time_limit, micro_batch=args.micro_batch, allow_ssd=not args.no_ssd,
+    mbs = (args.micro_batch,) if args.micro_batch else None
+    return PlanOptions(time_limit_s=args.time_limit, micro_batches=mbs, allow_ssd=not args.no_ssd,
                        baselines=not args.no_baselines, window=not args.no_window,
                        clip=bool(args.clip_grad_norm), auto_states=auto, gpus=args.gpus, nodes=args.nodes)
 
