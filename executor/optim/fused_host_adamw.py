@@ -2,7 +2,7 @@
 contiguous tensors): per element it reads the gradient, the master and the moments once, adds the gradient's
 square to the step's norm, updates the moments and the master, writes the compute copy (bf16 or fp32) and
 zeroes the gradient. The loop is C++ on ATen's vectors (`at::vec::Vectorized<float>`) and threads
-(`at::parallel_for`): fused_host_adamw.cpp, about 200 lines, compiled on first use by
+(`at::parallel_for`): fused_host_adamw.cpp, under 300 lines, compiled on first use by
 torch.utils.cpp_extension (g++ or clang and ninja; once per install and source version, ~25 s of CPU, cached
 in torch's extensions folder: $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions). Where it cannot build (not
 x86-64 with AVX2, no compiler or ninja, TIERFLOW_PURE_ADAMW=1) `kernel()` is None, one line on stderr says
