@@ -20,7 +20,6 @@ import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.contract import Plan
-from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import SimResult
 from tierflow.planner.core.timefmt import fmt_s
@@ -32,7 +31,8 @@ from tierflow.planner.fit.trace_fit import (
     observations,
     with_tied,
 )
-from tierflow.planner.io.planfile import plan_from_graph, simulate_plan
+from tierflow.planner.io.planfile import simulate_plan
+from tierflow.planner.io.planning import PlanOptions, make_plan
 
 # which fields each resource's ops measure (trace_fit.default_fields keeps those the plan exercises)
 RESOURCE_FIELDS = {
@@ -50,6 +50,10 @@ class AdaptOptions:
     threshold: float = 0.10  # measured vs predicted beyond this: refit and re-plan
     margin: float = 0.05  # the new plan must be predicted faster by more than this
     time_limit_s: float = 30.0  # the re-plan's search
+    # the run clips by global norm: the re-plan's graph waits for the step's norm (tierflow plan
+    # --clip-grad-norm); the SSD allowed or not as `tierflow plan` (--no-ssd)
+    clip: bool = False
+    allow_ssd: bool = True
     # the refit's budget of objective evaluations (one simulation each): on the experiment's traces the fit's
     # rms was 0.254 / 0.263 at 400 against 0.253 / 0.254 at 800, in half the time (docs/adapting.md)
     fit_evaluations: int = 400
@@ -148,16 +152,20 @@ def fields_for(plan: Plan, hw: HardwareProfile, off: list[str]) -> list:
     return out
 
 
-def replan(plan: Plan, hw: HardwareProfile, time_limit_s: float) -> Plan:
-    """The planner's best plan for the same model, batch and sequence length on `hw`."""
-    from tierflow.planner.search.plan_search import plan_search
-    from tierflow.planner.search.problem import Problem
-
+def replan_options(plan: Plan, opts: AdaptOptions) -> PlanOptions:
+    """The planning options of the re-plan: `tierflow plan`'s for the plan's world, the run's clipping and
+    the re-plan's time limit. The optimizer-state format is the plan's (the model's): the run's states are
+    in it."""
     cfg = plan.config
-    problem = Problem(plan.model, hw, cfg.batch, cfg.seq, gpus=cfg.gpus, nodes=cfg.nodes)
-    best = plan_search(problem, time_limit_s=time_limit_s).best
-    return plan_from_graph(plan.model, hw, best.config, build_graph(plan.model, hw, best.config),
-                           predicted=best.result)
+    return PlanOptions(time_limit_s=opts.time_limit_s, allow_ssd=opts.allow_ssd, clip=opts.clip,
+                       gpus=cfg.gpus, nodes=cfg.nodes)
+
+
+def replan(plan: Plan, hw: HardwareProfile, options: PlanOptions) -> Plan:
+    """The plan `tierflow plan` makes with `options` for the same model, batch and sequence length on `hw`
+    (the one planning function, tierflow.planner.io.planning)."""
+    cfg = plan.config
+    return make_plan(plan.model, hw, cfg.batch, cfg.seq, options).plan()
 
 
 def _per_op(plan: Plan, measured) -> tuple[np.ndarray, np.ndarray]:
@@ -199,7 +207,7 @@ def refit_replan(plan: Plan, measured: SimResult, d: Decision, off: list[str],
     tied = with_tied(fit, hw)  # the duplex rates moved with their solo rates: the refit profile is valid
     refit = hw.with_overrides(tied.values)
     d.refit = {k: [tied.initial[k], v] for k, v in tied.values.items()}
-    new = replan(plan, refit, opts.time_limit_s)
+    new = replan(plan, refit, replan_options(plan, opts))
     d.old_predicted_s = simulate_config(plan.model, refit, plan.config).iteration_s
     d.new_predicted_s = float(new.predicted["iteration_s"])
     d.new_plan = new.config.describe()

@@ -53,10 +53,9 @@ from tierflow.planner.core.devicemem import runtime_gpu_reserve_bytes
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.fit.trace_fit import ITERATION, iteration_seconds, observations
+from tierflow.planner.io import planning
 from tierflow.planner.io.compare import load_measured
 from tierflow.planner.io.planfile import load_plan, plan_from_graph, simulate_plan, write_plan
-from tierflow.planner.search.plan_search import plan_search
-from tierflow.planner.search.problem import Problem
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIBRATED = ROOT / "experiments" / "results" / "closed_loop_cpu.yaml"
@@ -92,9 +91,8 @@ def settings(quick: bool) -> dict:
 def make_plan(hw: HardwareProfile, path: Path, time_limit_s: float) -> Path:
     """`tierflow plan`'s best plan for the model on `hw`, written to `path`."""
     model = get_model(MODEL).with_precision("fp32")  # the CPU device trains in fp32, calibrated in real bytes
-    best = plan_search(Problem(model, hw, BATCH, SEQ), time_limit_s=time_limit_s).best
-    write_plan(plan_from_graph(model, hw, best.config, build_graph(model, hw, best.config),
-                               predicted=best.result), path)
+    write_plan(planning.make_plan(model, hw, BATCH, SEQ,
+                                  planning.PlanOptions(time_limit_s=time_limit_s, window=False)).plan(), path)
     return path
 
 

@@ -9,8 +9,9 @@ For each size (1M, 10M, 100M parameters; --quick: 100k and 1M) and each thread c
   `HostAdamOp` (executor/calibration/optimizer_op.py, what `tierflow calibrate` times): one block of n
   parameters whose master, Adam moments and fp32 gradient accumulator live in host memory; the op updates
   them, zeroes the gradient range and writes the compute copy of the updated weights (bf16) - all that a
-  run's `adam` op does - by the one-pass kernel (executor/optim/fused_host_adamw.py) where numba is installed
-  and the block has at least host_adamw.MIN_KERNEL_ELEMENTS (256k) parameters, else by torch's kernels
+  run's `adam` op does - by the one-pass kernel (executor/optim/fused_host_adamw.py) where it builds (a
+  compiler, ninja) and the block has at least host_adamw.MIN_KERNEL_ELEMENTS (256k) parameters, else by
+  torch's kernels
   (--quick's 100k row; `tierflow env` says which way the op runs);
 - **fused**: `torch.optim.AdamW(fused=True).step()` on the very same tensors (the master as the parameter,
   the accumulator as its gradient, the op's moments as the optimizer's state), nothing else.

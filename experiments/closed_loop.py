@@ -65,8 +65,7 @@ from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.workload import PRECISIONS
 from tierflow.planner.io.compare import compare
 from tierflow.planner.io.planfile import load_plan, plan_from_graph, write_plan
-from tierflow.planner.search.plan_search import plan_search
-from tierflow.planner.search.problem import Problem
+from tierflow.planner.io.planning import PlanOptions, make_plan
 
 SEQ = 256
 BATCH, MICRO_BATCH = 8, 2
@@ -135,7 +134,7 @@ def one_run(name: str, model: ModelSpec, hw: HardwareProfile, schedule: str, dev
 
     batch, micro_batch, seq = shape
     if schedule == "plan":
-        sr = plan_search(Problem(model, hw, batch, seq), time_limit_s=20)
+        sr = make_plan(model, hw, batch, seq, PlanOptions(time_limit_s=20, window=False)).search
         cfg, predicted = sr.best.config, sr.best.result
     else:
         # runtime "ideal": the plan as tierflow's executor runs it (horizontal's default models DeepSpeed's

@@ -30,9 +30,8 @@ from expcommon import (
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.optstates import STATE_FORMATS
+from tierflow.planner.io.planning import PlanOptions, make_plan
 from tierflow.planner.search.capacity import largest
-from tierflow.planner.search.plan_search import plan_search
-from tierflow.planner.search.problem import Problem
 
 BATCH = 16
 BOXES = {"rtx4090-lohan": {},
@@ -48,7 +47,8 @@ def box(name: str):
 def plan_row(model_name: str, box_name: str, fmt: str, time_limit_s: float) -> dict:
     model = get_model(model_name).with_optimizer_states(fmt)
     hw = box(box_name)
-    sr = plan_search(Problem(model, hw, BATCH, model.seq_len), time_limit_s=time_limit_s)
+    opts = PlanOptions(time_limit_s=time_limit_s, window=False)  # tierflow plan's, no window check
+    sr = make_plan(model, hw, BATCH, model.seq_len, opts).search
     r, p = sr.best.result, sr.best.config.placement
     return {"kind": "plan", "model": model_name, "box": box_name, "format": fmt,
             "iteration_s": round(r.iteration_s, 2), "tokens_per_s": round(r.tokens_per_s, 1),

@@ -39,8 +39,8 @@ from expcommon import (
 
 from tierflow.api import resolve
 from tierflow.planner.core.contract import ScheduleConfig
-from tierflow.planner.search.plan_search import PlanningError, plan_search
-from tierflow.planner.search.problem import Problem
+from tierflow.planner.io.planning import PlanOptions, make_plan
+from tierflow.planner.search.plan_search import PlanningError
 
 # (case label, model, box, batch, seq, {family: system name}, paper placements?)
 CASES = [
@@ -153,9 +153,9 @@ def run_case(case, s: dict, progress: Progress) -> list[dict]:
     progress.step(f"{label}: plan_search (up to {s['time_limit_s']:.0f} s)")
     t0 = time.perf_counter()
     try:
-        sr = plan_search(
-            Problem(model, hw, batch, seq), time_limit_s=s["time_limit_s"], micro_batches=s["micro_batches"]
-        )
+        mbs = tuple(s["micro_batches"]) if s["micro_batches"] else None
+        opts = PlanOptions(time_limit_s=s["time_limit_s"], micro_batches=mbs, window=False)
+        sr = make_plan(model, hw, batch, seq, opts).search
     except PlanningError as e:
         rows.append(
             {

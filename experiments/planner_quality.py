@@ -18,9 +18,9 @@ from pathlib import Path
 from expcommon import REPO_DIR, markdown_table, script_main, write_generated_block
 
 from tierflow.api import resolve
+from tierflow.planner.io.planning import PlanOptions, make_plan
 from tierflow.planner.search.loads import iteration_loads
-from tierflow.planner.search.plan_search import PlanningError, plan_search
-from tierflow.planner.search.problem import Problem
+from tierflow.planner.search.plan_search import PlanningError
 
 CASES = [
     # (model, hw, batch, seq)
@@ -75,7 +75,8 @@ def main() -> None:
         print(f"[{i + 1}/{len(cases)}] {name} on {hwname}, batch {batch} x {seq} ...", file=sys.stderr,
               flush=True)
         try:
-            sr = plan_search(Problem(model, hw, batch, seq), time_limit_s=args.time_limit)
+            opts = PlanOptions(time_limit_s=args.time_limit, window=False)
+            sr = make_plan(model, hw, batch, seq, opts).search
         except PlanningError as e:
             rows.append({"model": name, "hw": hwname, "batch": batch, "seq": seq, "error": str(e)})
             continue

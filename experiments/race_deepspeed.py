@@ -383,15 +383,15 @@ def tf_plans(p: Point, hw, hw_capped, work: Path,
     from tierflow.planner.core.schedules import build_graph, make_schedule
     from tierflow.planner.core.simulate import simulate_config
     from tierflow.planner.io.planfile import plan_from_graph, write_plan
-    from tierflow.planner.search.plan_search import plan_search
-    from tierflow.planner.search.problem import Problem
+    from tierflow.planner.io.planning import PlanOptions, make_plan
 
     spec = p.spec()
     out = {}
     for variant in variants:
         if variant == "tf-plan":
             try:
-                sr = plan_search(Problem(spec, hw_capped, p.batch, p.seq), time_limit_s=20)
+                opts = PlanOptions(time_limit_s=20, window=False)
+                sr = make_plan(spec, hw_capped, p.batch, p.seq, opts).search
             except Exception as e:  # no plan fits the capped box: the race goes on without it
                 print(f"race_deepspeed: {p.name}: no tierflow plan: {e}", file=sys.stderr)
                 continue

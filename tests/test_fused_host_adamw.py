@@ -1,13 +1,13 @@
-"""The host optimizer op's one-pass AdamW (executor/optim/fused_host_adamw.py, through host_adamw) against
-torch: every element bit for bit as the vector path of torch's fused AdamW kernel (the reference runs each
-group padded to whole vectors, on one thread, so that torch takes no scalar path), the compute copy's bits as
-torch's cast, the squares within 1e-6 of the exact sum, the same bits on any thread count, cut and alignment,
-and torch's kernels when switched off."""
+"""The host optimizer op's one-pass AdamW (executor/optim/fused_host_adamw.py and .cpp, through host_adamw)
+against torch: every element bit for bit as the vector path of torch's fused AdamW kernel (the reference runs
+each group padded to whole vectors, on one thread, so that torch takes no scalar path), the compute copy's
+bits as torch's cast, the squares within 1e-6 of the exact sum, the same bits on any thread count, cut and
+alignment, a wrong call refused before the loop, and torch's kernels when switched off or not built."""
 
 from __future__ import annotations
 
 import math
-import sys
+import platform
 
 import pytest
 import torch
@@ -16,9 +16,6 @@ from tierflow.executor.optim import fused_host_adamw
 from tierflow.executor.optim import host_adamw as host_adamw_module
 from tierflow.executor.optim.adamw import TrainHyper
 from tierflow.executor.optim.host_adamw import host_adamw
-from tierflow.planner.core.numba_once import NumbaOnce
-
-numba = pytest.importorskip("numba")
 
 # adjacent decay groups of odd lengths (biases and norms between matrices), none a multiple of a vector; the
 # op's range starts at element LO of the accumulator, not at a chunk's or a vector's boundary
@@ -35,7 +32,9 @@ STATES = ("master", "adam_m", "adam_v")
 def _compiled(monkeypatch):
     monkeypatch.delenv("TIERFLOW_PURE_ADAMW", raising=False)
     monkeypatch.setattr(host_adamw_module, "MIN_KERNEL_ELEMENTS", 0)  # these ranges are smaller
-    assert fused_host_adamw.kernel() is not None
+    if fused_host_adamw.unsupported():
+        pytest.skip(fused_host_adamw.unsupported())
+    assert fused_host_adamw.available(), fused_host_adamw.status(0)
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
@@ -105,50 +104,61 @@ def test_bit_for_bit_torch_vector_path(threads, cuts, dtype):
 
 
 def test_the_same_bits_on_any_thread_count_and_cut():
-    """Threads, where the states are cut and where the compute copy lies in memory (whole-vector aligned or
-    not: non-temporal stores or not) change nothing: not the update, not the squares."""
+    """Threads, where the states are cut and where the compute copy lies in memory (aligned to a whole
+    vector or not: non-temporal stores or not) change nothing: not the update, not the squares."""
     out = []
-    team = fused_host_adamw._TEAM
-    cases = [(1, [], 0, False), (2, [], 1, False), (2, [LO + 4096, LO + 8192], 3, True),
-             (1, [LO + 8195], 0, False), (2, [LO + 5, LO + 4099, LO + 9000], 7, False),
-             (1, [LO + 17, LO + 6001], 0, False), (2, [], 0, True)]  # (threads, cuts, dest shift, pool)
-    for threads, cuts, shift, pool in cases:
-        fused_host_adamw._TEAM = None if pool else team  # the Python pool where no OpenMP team is found
+    for threads, cuts, shift in [(1, [], 0), (2, [], 1), (2, [LO + 4096, LO + 8192], 3), (1, [LO + 8195], 0),
+                                 (2, [LO + 5, LO + 4099, LO + 9000], 7), (1, [LO + 17, LO + 6001], 16)]:
         s = _state(1)
         dest = torch.empty(N + shift, dtype=torch.bfloat16)[shift:]
         sq = _run(s, 3, None, cuts, [(LO, HI, dest)], threads)
         out.append((s, dest.clone(), float(sq)))
-    fused_host_adamw._TEAM = team
     for s, dest, sq in out[1:]:
         assert all(torch.equal(s[k], out[0][0][k]) for k in STATES)
         assert torch.equal(dest, out[0][1]) and sq == out[0][2]
 
 
-@pytest.mark.skipif(not any("libgomp" in line for line in open("/proc/self/maps")) if sys.platform == "linux"
-                    else True, reason="torch runs on GNU OpenMP here")
-def test_the_threads_are_torchs_openmp_team():
-    """Where torch runs its intra-op threads on libgomp, the kernel's threads are that team (GOMP_parallel of
-    the same library), not a pool of its own."""
-    assert fused_host_adamw._TEAM is not None and fused_host_adamw._TEAM_ENTRY
-
-
 def test_cast_bits_as_torch():
-    """Rounding to nearest even from the fp32 bits, on random values, ties, subnormals, infinities, NaN."""
+    """The compute copy rounded to nearest even from the fp32 bits, on random values, ties, subnormals,
+    infinities, NaN, in the vector loop and the scalar one (a step with lr 0 leaves the master as it is)."""
     ties = torch.tensor([0x3F808000, 0x3F818000, 0x3F80_8001, 0x7F7F_FFFF, 0x0000_8000, 0x8001_8000,
                          0x0000_0001, 0x807F_FFFF, 0x7F80_0000, 0xFF80_0000, 0x7F7F_8000, 0x0, 0x8000_0000],
                         dtype=torch.int64).to(torch.int32).view(torch.float32)
-    x = torch.cat([torch.randn(10_000) * 10.0 ** torch.randint(-30, 30, (10_000,)), ties])
-    nan = torch.tensor([float("nan"), -float("nan")])
+    x = torch.cat([torch.randn(10_000) * 10.0 ** torch.randint(-30, 30, (10_000,)), ties,
+                   torch.tensor([float("nan"), -float("nan")])])
+    n = len(x)
+    master, zeros = x.clone(), [torch.zeros(n) for _ in range(3)]
+    out = torch.empty(n + 1, dtype=torch.bfloat16)[1:]  # not aligned: no streaming stores
+    consts = fused_host_adamw.coefficients(0.0, 0.9, 0.95, 1e-8, 0.0, 1, 1.0)
+    states = {"master": [(0, n, master)], "adam_m": [(0, n, zeros[0])], "adam_v": [(0, n, zeros[1])]}
+    fused_host_adamw.run_step(consts, [(0, n, False)], states, zeros[2], [(0, n, out)], False)
+    assert torch.equal(master[:-2].view(torch.int32), x[:-2].view(torch.int32))
+    assert torch.equal(out[:-2].view(torch.int16), x[:-2].to(torch.bfloat16).view(torch.int16))
+    assert out[-2:].isnan().all() and (out[-2:].view(torch.int16) == -1).all()  # 0xffff
 
-    @numba.njit
-    def cast(src, out):
-        for i in range(src.shape[0]):
-            out[i] = fused_host_adamw._bf16(src[i])
 
-    out = torch.empty(len(x) + 2, dtype=torch.bfloat16)
-    cast(torch.cat([x, nan]).numpy(), out.view(torch.int16).numpy().view("uint16"))
-    assert torch.equal(out[:-2].view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
-    assert out[-2:].isnan().all()
+def test_a_wrong_call_is_refused_before_the_loop():
+    """Sizes, dtypes, the groups' ends and the rows of partial sums are checked before any element is
+    written: a call that would read or write outside a tensor raises and leaves the tensors as they were."""
+    k = fused_host_adamw.kernel()
+    n = 1000
+    g, p, m, v = (torch.full((n,), 0.5) for _ in range(4))
+    c = fused_host_adamw.coefficients(1e-3, 0.9, 0.95, 1e-8, 0.1, 1, 1.0)
+    parts = torch.zeros(1, fused_host_adamw.LANES)
+    bad = [((g, p, m[:-1], v, None, c, 0, 0, n, [n], [True], parts), "adam_m"),
+           ((g, p, m, v, torch.empty(n - 1, dtype=torch.bfloat16), c, 0, 0, n, [n], [True], parts),
+            "compute copy"),
+           ((g, p.double(), m, v, None, c, 0, 0, n, [n], [True], parts), "master"),
+           ((g, p, m, v, None, c, 0, 0, n, [n - 1], [True], parts), "decay groups"),
+           ((g, p, m, v, None, c[:7], 0, 0, n, [n], [True], parts), "coefficients"),
+           ((g, p, m, v, None, c, 0, 0, n, [n], [True], torch.zeros(1, 8)), "partials"),
+           ((g[::2], p[::2], m[::2], v[::2], None, c, 0, 0, n // 2, [n], [True], parts), "contiguous")]
+    for args, what in bad:
+        with pytest.raises(RuntimeError, match=what):
+            k.step(*args)
+    assert all(torch.equal(t, torch.full((n,), 0.5)) for t in (g, p, m, v))
+    k.step(g, p, m, v, None, c, 0, 0, n, [n], [True], parts)  # the same call, right: it runs
+    assert torch.equal(g, torch.zeros(n)) and not torch.equal(p, torch.full((n,), 0.5))
 
 
 def test_switched_off_it_runs_torchs_kernels(monkeypatch):
@@ -179,15 +189,29 @@ def test_a_small_range_takes_torchs_kernels(monkeypatch):
 
 
 def test_a_kernel_that_does_not_build_leaves_torchs_kernels(monkeypatch, capsys):
-    """A numba or LLVM that cannot build the kernel: one line on stderr, and torch's kernels run."""
-    def broken():
-        raise RuntimeError("no such target")
+    """A compiler that cannot build the kernel: one line on stderr, status() says why, torch's kernels run."""
+    def broken(**_kw):
+        raise RuntimeError("Error building extension 'x'\nno such target")
 
-    monkeypatch.setattr(fused_host_adamw, "_compile", broken)
-    fresh = NumbaOnce(fused_host_adamw.SWITCH, fused_host_adamw._build)  # not built yet in this process
-    monkeypatch.setattr(fused_host_adamw, "_ONCE", fresh)
-    assert fused_host_adamw.kernel() is None
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", broken)
+    monkeypatch.setattr(fused_host_adamw, "_ONCE", fused_host_adamw._Once())  # not built yet in this process
+    assert fused_host_adamw.kernel() is None and not fused_host_adamw.available()
     err = capsys.readouterr().err
-    assert "did not build (RuntimeError: no such target)" in err and len(err.splitlines()) == 1
+    assert "did not build: RuntimeError: Error building extension 'x'" in err and len(err.splitlines()) == 1
+    assert "did not build" in fused_host_adamw.status(0)
     sq = _run(_state(4), 1, None, [], [(LO, HI, torch.empty(N))], 1)
     assert isinstance(sq, torch.Tensor)  # torch's kernels' squares
+
+
+def test_elsewhere_torchs_kernels_with_one_line(monkeypatch, capsys):
+    """On a platform the kernel is not built for (here: an Arm CPU, pretended) nothing is compiled: one
+    line says why, `tierflow env`'s line says the same, and torch's kernels run."""
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(fused_host_adamw, "_ONCE", fused_host_adamw._Once())
+    assert fused_host_adamw.kernel() is None
+    err = capsys.readouterr().err
+    assert "x86-64 only, this is aarch64" in err and len(err.splitlines()) == 1
+    assert fused_host_adamw.describe(0) == fused_host_adamw.status(0)
+    assert fused_host_adamw.describe(0).startswith("torch's kernels (")
+    sq = _run(_state(5), 1, None, [], [(LO, HI, torch.empty(N))], 1)
+    assert isinstance(sq, torch.Tensor)

@@ -192,6 +192,31 @@ def test_the_room_rule_can_fail():
     assert not room_imports("executor/optim", "tierflow.executor.ops")
 
 
+def private_reaches(room: str, allowed: tuple[str, ...] = ("self", "cls", "torch")) -> list[str]:
+    """`x._name` in the files of `room` where x is neither the object itself nor torch (whose private
+    kernels, torch._fused_adamw_, are called by name): a reach into another module's or object's
+    internals, such as optim calling an ops object's private method."""
+    out = []
+    for f in files_of(room):
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__"):
+                owner = n.value.id if isinstance(n.value, ast.Name) else ast.unparse(n.value)
+                if owner not in allowed:
+                    out.append(f"{f.relative_to(ROOT)}:{n.lineno} reaches {owner}.{n.attr}")
+    return out
+
+
+def test_optim_reaches_into_nothing_above_it():
+    """executor/optim neither imports the ops that call it (test_rooms_below_others_do_not_import_them) nor
+    reaches into an object they hand it: no private attribute of anything but its own objects and torch."""
+    bad = private_reaches("executor/optim")
+    assert not bad, bad
+
+
+def test_the_private_reach_rule_can_fail():
+    assert private_reaches("executor/ops")  # ops reach their context's internals (not checked here)
+
+
 def test_the_executor_never_sees_the_command_line():
     """The executor is a library: the CLI turns its flags into typed options (executor/options.py); no
     executor module imports argparse or reads sys.argv."""

@@ -122,12 +122,17 @@ class OptimizerOps:
             self.cx.ssd.write(name, data)
 
     def adam_gpu(self, rs: RoundState, t: Task) -> None:
-        if compressed(self.cx.state.spec.optimizer_states):
-            return adam_gpu_compressed(self, rs, t)
         b = t.block
         grad = None
         for _o, _lo, g in self.buffers.take(rs, t.id):
             grad = g if grad is None else grad + g
+        if compressed(self.cx.state.spec.optimizer_states):
+            step = rs.step0 + t.iteration + 1
+
+            def update(p, g, m, v, decay) -> None:
+                self._adamw(rs, t, p, g, m, v, step, fused=self.cx.device.type == "cuda", decay=decay)
+
+            return adam_gpu_compressed(self.cx.state, b, grad, step, update)
         vecs = [self.cx.state.vec[cls][b].dev for cls in OPT_CLASSES]
         state = self.cx.state
         groups = decay_pieces(state.layout, b, state.shards[b][0], 0, state.shard_numel[b])  # decay or not

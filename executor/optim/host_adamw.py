@@ -3,15 +3,16 @@ update of an element range, its gradient accumulator zeroed, the compute copy of
 where it goes and, when asked, the sum of the gradients' squares for the step's norm.
 
 Two ways, the same job:
-- **one pass** (fused_host_adamw.py, compiled with numba: the `fast` and `test` extras) for host tensors, fp32
-  and contiguous, with bf16, fp16 or fp32 destinations, from MIN_KERNEL_ELEMENTS elements up: each element
-  read and written once, on torch's OpenMP team. Numerics: every element as the vector path of torch's fused
-  AdamW kernel computes it (bit for bit; torch's scalar path for the last partial vector of a tensor differs
-  in the last bits, and this one never takes it, so an element's result does not depend on placement or
-  threads); the squares in fp32 lanes, the same bits on any cut, alignment and thread count.
-- **torch's kernels** otherwise (smaller ranges, no numba, other tensors, TIERFLOW_PURE_ADAMW=1): one fused
-  AdamW call per decay flag over all of its groups, one zeroing, one cast per destination straight from the
-  master, the squares by torch.linalg.vector_norm in fp32. Numerics: bit for bit those of
+- **one pass** (fused_host_adamw.py: a C++ extension built on first use where a compiler and ninja are
+  there) for host tensors, fp32 and contiguous, with bf16, fp16 or fp32 destinations, from
+  MIN_KERNEL_ELEMENTS elements up: each element read and written once, on torch's intra-op threads.
+  Numerics: every element as the vector path of torch's fused AdamW kernel computes it (bit for bit; torch's
+  scalar path for the last partial vector of a tensor differs in the last bits, and this one never takes it,
+  so an element's result does not depend on placement or threads); the squares in fp32 lanes, the same bits
+  on any cut, alignment and thread count.
+- **torch's kernels** otherwise (smaller ranges, no kernel built, other tensors, TIERFLOW_PURE_ADAMW=1): one
+  fused AdamW call per decay flag over all of its groups, one zeroing, one cast per destination straight from
+  the master, the squares by torch.linalg.vector_norm in fp32. Numerics: bit for bit those of
   torch.optim.AdamW(fused=True) on the decay groups (torch._fused_adamw_, as its functional fused path calls
   it); since the fused CPU kernel takes its scalar path for the last, partial vector of each tensor it is
   given, a group that the host/SSD boundary cuts is updated in a contiguous copy (and copied back): every
@@ -19,7 +20,7 @@ Two ways, the same job:
 
 Which way an op takes depends on its size and on the install, not on the placement; the two differ in the last
 bits of the elements that torch's scalar path takes and of the step's norm, so a run resumes bit for bit on
-the same kind of install (numba or not, TIERFLOW_PURE_ADAMW or not).
+the same kind of install (the kernel built or not, TIERFLOW_PURE_ADAMW or not).
 
 Tried and dropped for torch's kernels: the range in 64k-element chunks on one thread (update, zeroing and cast
 per chunk, in L2) was not faster (100M parameters: 507 ms against 464 ms in one pass, median of 5 alternating
@@ -41,7 +42,7 @@ from tierflow.executor.optim.clipping import sum_of_squares
 Stretch = tuple[int, int, torch.Tensor]  # (a, z, tensor of the elements [a, z))
 # the fewest elements an op hands to the one-pass kernel: below it the op's Python weighs as much as its
 # memory traffic either way, and a run of small blocks (tiny-gpt's are ~200k parameters: the tests' runs)
-# never loads numba (0.5 s per process) nor changes its numerics
+# never builds or loads the kernel (seconds once) nor changes its numerics
 MIN_KERNEL_ELEMENTS = 1 << 18
 STATE_CLASSES = ("master", "adam_m", "adam_v")
 
@@ -91,9 +92,9 @@ def _cast_into(masters: list[Stretch], dests: list[Stretch], lo: int, hi: int, o
 
 def _fusable(groups: list[tuple[int, int, bool]], states: dict[str, list[Stretch]], grads: torch.Tensor,
              dests: list[Stretch]) -> bool:
-    """Whether the compiled one-pass kernel takes the step: at least MIN_KERNEL_ELEMENTS of them, numba there
-    (and not switched off), every tensor on the host and contiguous, the states fp32, the destinations bf16,
-    fp16 or fp32."""
+    """Whether the compiled one-pass kernel takes the step: at least MIN_KERNEL_ELEMENTS of them, the kernel
+    built (and not switched off), every tensor on the host and contiguous, the states fp32, the destinations
+    bf16, fp16 or fp32."""
     if groups[-1][1] - groups[0][0] < MIN_KERNEL_ELEMENTS or fused_host_adamw.kernel() is None:
         return False
     for pieces in states.values():

@@ -13,6 +13,8 @@ after the step).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tierflow.executor.optim.decay import decay_pieces
@@ -81,13 +83,10 @@ def host_adamw_compressed(h, step: int, block: int, groups, states: dict, grads:
                 buf[x - a: y - a].copy_(master[x - sa: y - sa])
 
 
-def adam_gpu_compressed(ops, rs, t) -> None:
-    """OptimizerOps.adam_gpu with compressed states on the device: decode, the update, encode."""
-    cx, b = ops.cx, t.block
-    grad = None
-    for _o, _lo, g in ops.buffers.take(rs, t.id):
-        grad = g if grad is None else grad + g
-    state = cx.state
+def adam_gpu_compressed(state, b: int, grad: torch.Tensor, step: int, update: Callable[..., None]) -> None:
+    """OptimizerOps.adam_gpu with compressed states on the device (block b of the TrainState `state`, its
+    summed gradient `grad`, optimizer step `step`): decode, the update (`update(p, g, m, v, decay)`: the op's
+    AdamW over the decay groups' pieces), encode."""
     stored = []
     for cls in OPT_CLASSES:
         V = state.vec[cls][b]
@@ -95,8 +94,7 @@ def adam_gpu_compressed(ops, rs, t) -> None:
     fp32 = [_decode(x) for x in stored]
     groups = decay_pieces(state.layout, b, state.shards[b][0], 0, state.shard_numel[b])
     p, g, m, v = ([x[a:z] for a, z, _d in groups] for x in (fp32[0], grad, fp32[1], fp32[2]))
-    step = rs.step0 + t.iteration + 1
-    ops._adamw(rs, t, p, g, m, v, step, fused=cx.device.type == "cuda", decay=[d for _a, _z, d in groups])
+    update(p, g, m, v, [d for _a, _z, d in groups])
     for x, f in zip(stored, fp32, strict=True):
         _encode(x, f, round_generator(0, step, b, 0))
     W = state.vec["weights"][b].dev

@@ -1,5 +1,6 @@
 """A kernel compiled with numba once per process, on first use: the simulator's event loop
-(planner/core/simkernel.py) and the host optimizer's one-pass step (executor/optim/fused_host_adamw.py).
+(planner/core/simkernel.py). (The host optimizer's one-pass step is a C++ extension now:
+executor/optim/fused_host_adamw.py.)
 
 `NumbaOnce(switch, build).get()` is None where numba is not installed or while the environment variable
 `switch` is "1" (read at each call, so a test or a benchmark can switch it); otherwise `build()` runs the

@@ -31,11 +31,8 @@ from tierflow.planner.io.deepspeed.bridge import emit_ds_config
 from tierflow.planner.io.progress import Progress
 
 if TYPE_CHECKING:
-    from tierflow.hwprofiles import HardwareProfile
-    from tierflow.planner.core.contract import ScheduleConfig
-    from tierflow.planner.core.graph import TaskGraph
     from tierflow.planner.core.models import ModelSpec
-    from tierflow.planner.core.simulator import SimResult
+    from tierflow.planner.io.planning import PlanOptions
     from tierflow.planner.search.plan_search import SearchResult
     from tierflow.planner.search.problem import Problem
 
@@ -73,36 +70,22 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tierflow.planner.io.clipreport import clip_cost
-    from tierflow.planner.io.planfile import plan_from_graph
+    from tierflow.planner.io.planning import make_plan
     from tierflow.planner.search.explain import explain
-    from tierflow.planner.search.problem import Problem
 
     _check_outputs(args)
     model = in_precision(get_model(args.model), args)
     if args.seq is not None:
         model = model.with_seq(args.seq)
     hw = load_hw(args.hw, args.set)
-    problem = Problem(model, hw, args.batch, model.seq_len, allow_ssd=not args.no_ssd, gpus=args.gpus,
-                      nodes=args.nodes)
-    auto = None
-    if args.optimizer_states == "auto":
-        problem, sr, auto = _auto_states(args, problem)
-        model = problem.model
-    else:
-        sr = _search(args, problem)
-    best = sr.best
-    cfg = best.config
-    graph = _chosen_graph(model, hw, cfg, best.result)
-    solver = _solver_report(args, problem, sr)
-    clip = clip_cost(model, hw, cfg, graph, best.result) if args.clip_grad_norm else None  # finetuning.md
-    if clip is not None:
-        graph = clip.graph
-    written = None
-    if args.out:
-        predicted = clip.result if clip is not None and clip.result is not None else best.result
-        plan = plan_from_graph(model, hw, cfg, graph, predicted=predicted, solver=solver)
-        written = write_plan_file(plan, args.out)
+    prog = Progress(1, "planning")
+    planned = make_plan(model, hw, args.batch, model.seq_len, plan_options(args, model),
+                        progress=lambda i, n, what: prog.update(i, n, what))
+    prog.finish()
+    problem, sr, solver, clip, auto = (planned.problem, planned.search, planned.solver, planned.clip,
+                                       planned.state_times_s)
+    model, cfg, graph = problem.model, planned.config, planned.graph
+    written = write_plan_file(planned.plan(), args.out) if args.out else None
     lines = explain(sr) if args.explain else []
     if args.json:
         if args.emit_ds_config:
@@ -128,32 +111,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chosen_graph(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
-                  result: SimResult | None) -> TaskGraph:
-    """The chosen plan's task graph: the one its verification simulated (built from the same decisions, and
-    left as built by the simulator), else built again."""
-    from tierflow.planner.core.schedules import build_graph
-
-    if result is not None and result.graph.tasks and result.meta.get("schedule") == cfg.to_dict():
-        return result.graph
-    return build_graph(model, hw, cfg)
-
-
-def _auto_states(args: argparse.Namespace, problem: Problem) -> tuple[Problem, SearchResult, dict]:
-    """--optimizer-states auto: the search for each accepted format (--accept-states, in order), and the
-    fastest (the first of equals): its problem, search result, and each format's predicted iteration."""
-    import dataclasses
-
+def plan_options(args: argparse.Namespace, model: ModelSpec) -> PlanOptions:
+    """`tierflow plan`'s flags as the planning function's options (--accept-states checked here)."""
     from tierflow.cli.args import accepted_states
+    from tierflow.planner.io.planning import PlanOptions
 
-    best, times = None, {}
-    for f in accepted_states(args, problem.model):
-        p = dataclasses.replace(problem, model=problem.model.with_optimizer_states(f), _cache={})
-        sr = _search(args, p)
-        times[f] = sr.best.result.iteration_s
-        if best is None or times[f] < best[1].best.result.iteration_s:
-            best = (p, sr)
-    return best[0], best[1], times
+    auto = tuple(accepted_states(args, model)) if args.optimizer_states == "auto" else None
+    mbs = (args.micro_batch,) if args.micro_batch else None
+    return PlanOptions(time_limit_s=args.time_limit, micro_batches=mbs, allow_ssd=not args.no_ssd,
+                       baselines=not args.no_baselines, window=not args.no_window,
+                       clip=bool(args.clip_grad_norm), auto_states=auto, gpus=args.gpus, nodes=args.nodes)
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -164,39 +131,6 @@ def _check_outputs(args: argparse.Namespace) -> None:
         check_output_file(args.emit_ds_config, "--emit-ds-config")
     if args.out and args.emit_ds_config and Path(args.out).resolve() == Path(args.emit_ds_config).resolve():
         raise UsageError(f"-o and --emit-ds-config name the same file {args.out}: give two file names")
-
-
-def _search(args: argparse.Namespace, problem: Problem) -> SearchResult:
-    from tierflow.planner.search.plan_search import plan_search
-
-    prog = Progress(1, "planning")
-
-    def progress(i: int, n: int, what: str) -> None:
-        prog.update(i, n, what)
-
-    mbs = [args.micro_batch] if args.micro_batch else None
-    sr = plan_search(problem, time_limit_s=args.time_limit, micro_batches=mbs, progress=progress,
-                     baselines=not args.no_baselines)
-    prog.finish()
-    return sr
-
-
-def _solver_report(args: argparse.Namespace, problem: Problem, sr: SearchResult) -> dict[str, Any]:
-    """What the plan file records of the search: the chosen candidate's solver report, the search's totals,
-    the slot model's prediction and the window check (one rank only)."""
-    best = sr.best
-    solver = best.solver.to_dict() if best.solver else {"status": "BASELINE"}
-    solver.update({"search_wall_s": sr.wall_s, "candidates": len(sr.evaluated),
-                   "predicted_s": best.predicted_s, "verified_s": best.verified_s,
-                   "skipped_by_time_limit": sr.skipped_by_time_limit})
-    if best.prediction:
-        solver["prediction"] = best.prediction.to_dict()
-    if not args.no_window and problem.world.ranks == 1:  # the window model covers one rank
-        from tierflow.planner.search.plan_search import window_check
-
-        window_s = min(10.0, max(1.0, args.time_limit / 10))
-        solver.update(window_check(problem, best.config, time_limit_s=window_s))
-    return solver
 
 
 def _to_json(problem: Problem, sr: SearchResult, solver: dict, written: Any, lines: list[str]) -> dict:

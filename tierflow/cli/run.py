@@ -263,7 +263,8 @@ def run_request(args: argparse.Namespace) -> RunRequest:
                            profile=args.profile, json=args.json, quiet=args.json or level_of(args) >= QUIET)
     adapt = (AdaptOptions(warmup=args.adapt_warmup, threshold=args.adapt_threshold, margin=args.adapt_margin,
                           time_limit_s=args.adapt_time_limit, fit_evaluations=args.adapt_fit_evaluations,
-                          decide_within=args.adapt_decide_within) if args.adapt else None)
+                          decide_within=args.adapt_decide_within,
+                          clip=bool(args.clip_grad_norm) and args.clip != "delayed") if args.adapt else None)
     return RunRequest(plan=args.plan, steps=args.steps, device=args.device, ssd_dir=args.ssd_dir,
                       compute_dtype=args.compute_dtype, cuda_graphs=args.cuda_graphs, model_data=model_data,
                       optimizer=optimizer, checkpoint=checkpoint, evaluation=evaluation,

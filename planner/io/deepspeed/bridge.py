@@ -50,16 +50,16 @@ def with_deepspeed_adam(hw: HardwareProfile) -> HardwareProfile:
 
 def plan_beside(model: ModelSpec, hw: HardwareProfile, batch: int, time_limit_s: float,
                 allow_ssd: bool) -> Evaluated:
-    """tierflow's plan for the same model, box and batch: plan_search as `tierflow plan` runs it; the best
-    verified candidate (its `result`, `config` and `candidate`)."""
-    from tierflow.planner.search.plan_search import plan_search
-    from tierflow.planner.search.problem import Problem
+    """tierflow's plan for the same model, box and batch, as `tierflow plan` makes it (the one planning
+    function; its window check skipped: it reports, it does not choose); the best verified candidate (its
+    `result`, `config` and `candidate`)."""
+    from tierflow.planner.io.planning import PlanOptions, make_plan
 
     prog = Progress(1, "planning")
-    problem = Problem(model, hw, batch, model.seq_len, allow_ssd=allow_ssd)
-    sr = plan_search(problem, time_limit_s=time_limit_s, progress=lambda i, n, what: prog.update(i, n, what))
+    opts = PlanOptions(time_limit_s=time_limit_s, allow_ssd=allow_ssd, window=False)
+    planned = make_plan(model, hw, batch, model.seq_len, opts, progress=prog.update)
     prog.finish()
-    return sr.best
+    return planned.search.best
 
 
 def emit_ds_config(path: str, model: ModelSpec, cfg: ScheduleConfig, stream: TextIO | None = None) -> None:
