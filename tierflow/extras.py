@@ -57,6 +57,8 @@ def how_installed(direct_url: str | None = None) -> Install:
         try:
             direct_url = metadata.distribution("tierflow").read_text("direct_url.json")
         except metadata.PackageNotFoundError:
+            direct_url = None
+        if direct_url is None:  # no distribution, or a checkout's own egg-info (first on sys.path from it)
             source = _tierflow_source()
             return Install(editable=source is not None, path=source)
     if not direct_url:
