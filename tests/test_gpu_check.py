@@ -35,7 +35,13 @@ def test_gpu_check_quick_on_the_emulation(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     out = tmp_path / "out"
     summary = (out / "summary.md").read_text()
-    assert "10 of 10 steps succeeded" in summary
+    # 13 steps (calibrate replaced by --hw); the CUDA graph step is skipped where the run has no such option
+    graphs = "| bench_executor_graphs | ok |" in summary
+    assert f"{13 if graphs else 12} of 13 steps succeeded" in summary
+    assert graphs or "| bench_executor_graphs | skipped (this tierflow's run options have no CUDA" in summary
+    assert "| bench_executor_eager | ok |" in summary and "| bench_dispatch | ok |" in summary
+    assert "bench_executor on the device / plain PyTorch, CUDA graphs off: 2 x 128 (--quick) " in summary
+    assert "host CPU per op, the executor beyond plain PyTorch" in summary and "on_device +" in summary
     assert "bench_optimizer (the executor's host AdamW" in summary
     assert "beyond the GPU cap: yes; on the SSD tier: yes" in summary
     assert "optimizer states wholly in host memory: yes" in summary
@@ -139,3 +145,63 @@ def test_a_runs_steps_fit_its_share(tmp_path, monkeypatch):
     emulated = check.caps(check.QUICK, "rtx3090-desktop", check.SCENARIOS[0], device="cpu-adversarial")
     assert caps["gpu.memory_gib"] - emulated["gpu.memory_gib"] >= check.QUICK.min_cuda_gpu_gib - 0.03
     assert "cpu.memory_gib" not in caps  # the host scenario keeps the box's host memory
+
+
+def _csv_file(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join([",".join(rows[0]), *(",".join(str(v) for v in r.values()) for r in rows)]))
+
+
+def test_the_summary_states_issue_50s_three_ratios(tmp_path, monkeypatch):
+    """From fake step results: the graphs and eager ratios at 4 x 256 and 6 x 384 against 0.97 and 0.9, the
+    executor's CPU per op beyond plain PyTorch's against 40 us; a step that did not run says why."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_check as check
+
+    def executor(name: str, small: float, medium: float) -> None:
+        _csv_file(tmp_path / name / "bench_executor.csv",
+                  [{"model": m, "case": c, "ratio": x} for m, x in (("small", small), ("medium", medium))
+                   for c in ("on device", "states on SSD")])
+
+    executor("bench_executor_graphs", 0.98, 0.95)
+    executor("bench_executor_eager", 0.93, 0.91)
+    _csv_file(tmp_path / "bench_dispatch" / "bench_dispatch.csv",
+              [{"backend": b, "plan": p, "variant": v, "ops_per_step": 10, "plain_cpu_ms": 2.0,
+                "executor_op_cpu_us": us}
+               for b, p, v, us in (("cpu", "on_device", "direct", 30.0),
+                                   ("cpu", "checkpoints_host", "direct", 55.5),
+                                   ("cpu", "on_device", "functional_call", 1.0),
+                                   ("cpu-adversarial", "on_device", "direct", 1.0))])
+    steps = [check.Step(n, ["x"], rc=0) for n in ("bench_executor_graphs", "bench_executor_eager",
+                                                    "bench_dispatch")]
+    text = "\n".join(check.decide_section(steps, tmp_path))
+    assert ("CUDA graphs on: 4 x 256 0.980x, 6 x 384 **0.950x** (target >= 0.97x: **not met**)") in text
+    assert "CUDA graphs off: 4 x 256 0.930x, 6 x 384 0.910x (target >= 0.9x: met)" in text
+    assert ("on_device +30.0 us over plain's 200.0 us (1.15x); checkpoints_host **+55.5 us over plain's "
+            "200.0 us (1.28x)** (target <= 40 us: **not met**)") in text
+
+    skipped = check.Step("bench_executor_graphs", [], why_skipped="no CUDA graph switch: not measured",
+                         unsupported=True)
+    failed = check.Step("bench_dispatch", ["x"], rc=1)
+    text = "\n".join(check.decide_section([skipped, failed], tmp_path / "none"))
+    assert "CUDA graphs on: not measured (bench_executor_graphs skipped: no CUDA graph switch" in text
+    assert "CUDA graphs off: not measured (bench_executor_eager has not run yet)" in text
+    assert "not measured (bench_dispatch failed, exit 1; see `14-bench_dispatch.err`)" in text
+
+
+@pytest.mark.parametrize("has_option", [False, True])
+def test_the_graph_steps_follow_the_run_option(tmp_path, monkeypatch, has_option):
+    """With the run option, graphs on then off; without it, the graphs step is skipped (one line, not a
+    failure) and the eager one runs without the flag."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_check as check
+
+    monkeypatch.setattr(check, "graphs_missing", lambda: None if has_option else "no switch here")
+    on, off = check.graph_steps(check.FULL, "cuda", tmp_path, tmp_path)
+    at = off.argv.index("--models")
+    assert "--device-only" in off.argv and off.argv[at + 1: at + 3] == ["small", "medium"]
+    if has_option:
+        assert "--cuda-graphs" in on.argv and "--no-cuda-graphs" in off.argv and not on.why_skipped
+    else:
+        assert not on.argv and on.unsupported and on.why_skipped == "no switch here: not measured"
+        assert not any("cuda-graphs" in a for a in off.argv)
