@@ -27,7 +27,7 @@ code, wall time, stdout and stderr are kept under --out (`NN-step.out` / `NN-ste
 9. **bench_dispatch**: `experiments/bench_dispatch.py`, the executor's host CPU per op against plain
    PyTorch's, on the CPU backends with one torch thread (OMP_NUM_THREADS=1).
 
-The summary's first section states the three ratios that decide issue 50: bench_executor on the device
+The summary's first section states the three figures of the host-cost targets: bench_executor on the device
 against plain PyTorch at 4 x 256 and 6 x 384 with CUDA graphs (target >= 0.97x) and without (>= 0.9x),
 and the CPU the executor adds per op beyond plain PyTorch (target <= 40 us).
 
@@ -520,7 +520,7 @@ def bench_section(out: Path) -> list[str]:
     return lines
 
 
-GRAPHS_TARGET, EAGER_TARGET = 0.97, 0.9  # bench_executor on the device over plain PyTorch (issue 50)
+GRAPHS_TARGET, EAGER_TARGET = 0.97, 0.9  # bench_executor on the device over plain PyTorch
 HOST_OP_US_TARGET = 40.0  # CPU the executor adds per op beyond plain PyTorch (bench_dispatch, one thread)
 DECIDING_MODELS = {"small": "4 x 256", "medium": "6 x 384", "tiny": "2 x 128 (--quick)"}
 
@@ -567,8 +567,8 @@ def host_cost_line(steps: list[Step], out: Path) -> str:
 
 
 def decide_section(steps: list[Step], out: Path) -> list[str]:
-    """The three figures that decide issue 50, each with its target, or why it was not measured."""
-    return ["## Issue 50's ratios", "",
+    """The three figures of the host-cost targets, each against its target, or why it was not measured."""
+    return ["## The host-cost targets: executor against plain PyTorch", "",
             ratio_line(steps, out, "bench_executor_graphs", "bench_executor on the device / plain PyTorch, "
                        "CUDA graphs on", GRAPHS_TARGET),
             ratio_line(steps, out, "bench_executor_eager", "bench_executor on the device / plain PyTorch, "

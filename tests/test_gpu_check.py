@@ -152,7 +152,7 @@ def _csv_file(path: Path, rows: list[dict]) -> None:
     path.write_text("\n".join([",".join(rows[0]), *(",".join(str(v) for v in r.values()) for r in rows)]))
 
 
-def test_the_summary_states_issue_50s_three_ratios(tmp_path, monkeypatch):
+def test_the_summary_states_the_three_host_cost_figures(tmp_path, monkeypatch):
     """From fake step results: the graphs and eager ratios at 4 x 256 and 6 x 384 against 0.97 and 0.9, the
     executor's CPU per op beyond plain PyTorch's against 40 us; a step that did not run says why."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
