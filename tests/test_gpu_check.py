@@ -206,3 +206,24 @@ def test_the_graph_steps_follow_the_run_option(tmp_path, monkeypatch, has_option
     else:
         assert not on.argv and on.unsupported and on.why_skipped == "no switch here"
         assert not any("cuda-graphs" in a for a in off.argv)
+
+
+def test_bench_executor_refuses_a_graph_switch_the_run_lacks(tmp_path, monkeypatch, capsys):
+    """bench_executor's --[no-]cuda-graphs goes to RunOptions.cuda_graphs; without that field it is refused
+    with one line (exit 2) before anything runs."""
+    from dataclasses import fields
+
+    from tierflow.executor.run import RunOptions
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import bench_executor as be
+
+    has = be.GRAPHS_FIELD in {f.name for f in fields(RunOptions)}
+    assert (be.graphs_missing() is None) == has
+    if has:
+        pytest.skip("this tierflow has the CUDA graph switch")
+    with pytest.raises(SystemExit) as e:
+        be.main(["--no-cuda-graphs", "--quick", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--no-cuda-graphs: this tierflow's run options have no CUDA graph switch" \
+        in capsys.readouterr().err
+    assert not be.RUN_EXTRA and not list(tmp_path.iterdir())
