@@ -30,6 +30,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 THRESHOLD_S = 20e-6  # a probe turn longer than this is a gap (a free turn is ~1-3 us)
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def supported() -> bool:
+    """Whether this machine has the scheduler statistics the probe reads (Linux with schedstats)."""
+    try:
+        with open(SCHEDSTAT) as f:
+            return len(f.read().split()) >= 2
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,7 @@ class GilProbe:
         self.gaps: list[Gap] = []
         self.turns = 0
         self.cpu_s = 0.0  # the probe thread's own CPU seconds
+        self.error: Exception | None = None  # why the probe thread could not start
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.t0_s = self.t1_s = 0.0
@@ -71,6 +82,10 @@ class GilProbe:
                                         daemon=True)
         self._thread.start()
         ready.wait()
+        if self.error is not None:
+            self._thread.join()
+            raise RuntimeError(f"GilProbe: cannot read the probe thread's scheduler statistics "
+                               f"({self.error}); it needs Linux's /proc/thread-self/schedstat")
         self.t0_s = time.perf_counter()
 
     def stop(self) -> None:
@@ -82,7 +97,13 @@ class GilProbe:
     def _loop(self, ready: threading.Event) -> None:
         release = ctypes.CDLL(None).getpid  # a ctypes call: the GIL is released around it
         clock, thr, gaps, stop = time.perf_counter, self.threshold_s, self.gaps, self._stop
-        stat = os.open("/proc/thread-self/schedstat", os.O_RDONLY)  # this thread's: on CPU, runnable (ns)
+        try:
+            stat = os.open(SCHEDSTAT, os.O_RDONLY)  # this thread's: on CPU, runnable (ns)
+            _busy_s(stat)
+        except (OSError, ValueError) as e:
+            self.error = e
+            ready.set()
+            return
         try:
             turns, cpu0 = 0, time.thread_time()
             last = clock()

@@ -10,12 +10,13 @@ import time
 import pytest
 import torch
 
-from tierflow.executor.gil_probe import GilProbe, gil_share
+from tierflow.executor.gil_probe import GilProbe, gil_share, supported
 from tierflow.executor.optim.adamw import Hyper
 from tierflow.executor.optim.host_adamw import _cast_into, host_adamw
 from tierflow.executor.tiers import ssd_store
 from tierflow.executor.tiers.ssd_store import SsdStore, aligned_empty, chunk_checksum
 
+pytestmark = pytest.mark.skipif(not supported(), reason="no /proc/thread-self/schedstat (not Linux)")
 MIB = 1 << 20
 # GIL seconds per CPU second of the function's work (every thread but the probe's) over the same figure of a
 # fixed pure-Python loop measured just before it, pair by pair. Pure Python reads about 1, C that releases
@@ -165,3 +166,11 @@ def test_check_fails_when_a_cast_holds_the_gil():
             dst[i] = src[i]
 
     assert holds(python_cast)
+
+
+def test_probe_refuses_without_scheduler_statistics(monkeypatch):
+    import tierflow.executor.gil_probe as gp
+
+    monkeypatch.setattr(gp, "SCHEDSTAT", "/nonexistent/schedstat")
+    with pytest.raises(RuntimeError, match="schedstat"):
+        GilProbe().start()
