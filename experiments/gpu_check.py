@@ -289,15 +289,18 @@ def graphs_missing() -> str | None:
     return missing()
 
 
-def graph_steps(shapes: Shapes, device: str, ssd: Path, out: Path) -> list[Step]:
-    """bench_executor's on-device plans with CUDA graphs on, then off (the run option --[no-]cuda-graphs):
-    without the option, the first is skipped (one line says why) and the second runs without the flag."""
+def graph_steps(shapes: Shapes, device: str, ssd: Path, out: Path,
+                profile: Path | str | None = None) -> list[Step]:
+    """bench_executor's on-device plans with CUDA graphs on, then off (the run option --[no-]cuda-graphs),
+    predicted on `profile` where calibrate wrote it (as bench_argv): without the option, the first is skipped
+    (one line says why) and the second runs without the flag."""
     try:
         missing = graphs_missing()
     except Exception as e:  # noqa: BLE001 - the executor does not import: the steps say so when they run
         missing = f"the executor's run options do not import ({type(e).__name__}: {e})"
+    hw = ["--hw", str(profile)] if profile and not shapes.quick and Path(profile).exists() else []
     sizes = (["--models", "tiny", "--rounds", "2", "--quick"] if shapes.quick
-             else ["--models", "small", "medium", "--rounds", "3"])
+             else ["--models", "small", "medium", "--rounds", "3", *hw])
 
     def argv(name: str, flag: list[str]) -> list[str]:
         return script("bench_executor.py", "--device", device, "--device-only", "--ssd-dir", str(ssd / name),
@@ -367,7 +370,7 @@ def run_check(shapes: Shapes, device: str, ssd: Path, out: Path, hw: str | None,
     store, executor = bench_argv(shapes, device, ssd, out, profile)
     go(Step("bench_executor", executor))
     go(Step("bench_store", store))
-    for step in graph_steps(shapes, device, ssd, out):
+    for step in graph_steps(shapes, device, ssd, out, profile):
         if step.why_skipped and step.name not in skip:
             print(f"gpu_check: {step.name}: skipped ({step.why_skipped})", file=sys.stderr)
         go(step)

@@ -198,7 +198,10 @@ def test_the_graph_steps_follow_the_run_option(tmp_path, monkeypatch, has_option
     import gpu_check as check
 
     monkeypatch.setattr(check, "graphs_missing", lambda: None if has_option else "no switch here")
-    on, off = check.graph_steps(check.FULL, "cuda", tmp_path, tmp_path)
+    profile = tmp_path / "box.yaml"
+    profile.write_text("name: box\n")
+    on, off = check.graph_steps(check.FULL, "cuda", tmp_path, tmp_path, profile)
+    assert off.argv[off.argv.index("--hw") + 1] == str(profile)  # predicted on the calibrated box
     at = off.argv.index("--models")
     assert "--device-only" in off.argv and off.argv[at + 1: at + 3] == ["small", "medium"]
     if has_option:
