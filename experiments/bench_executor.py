@@ -35,6 +35,7 @@ calibration and no prediction (a CI test runs it).
 
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import resource
@@ -89,6 +90,19 @@ TARGET_RATIO = {"large": 0.98}  # tierflow over plain tokens/s, on the device; 0
 # chain (each block's states read, updated and written back before its next forward) is predicted at +5-8%
 SSD_SCHEDULE = "vertical"
 TARGET_VS_BOUND = 0.15  # states on the SSD tier: step within 15% of max(compute, SSD time)
+GRAPHS_FIELD = "cuda_graphs"  # RunOptions' CUDA graph switch (tierflow run --cuda-graphs / --no-cuda-graphs)
+RUN_EXTRA: dict = {}  # RunOptions fields every tierflow run of this benchmark gets (--[no-]cuda-graphs)
+
+
+def graphs_missing() -> str | None:
+    """Why this tierflow cannot switch CUDA graphs (RunOptions has no `cuda_graphs`), or None."""
+    from dataclasses import fields
+
+    from tierflow.executor.run import RunOptions
+
+    if GRAPHS_FIELD in {f.name for f in fields(RunOptions)}:
+        return None
+    return f"this tierflow's run options have no CUDA graph switch (RunOptions.{GRAPHS_FIELD})"
 
 
 def make_plan(model: ModelSpec, placement: Placement, path: Path, hw: HardwareProfile | None = None,
@@ -174,7 +188,7 @@ def tierflow_steps(plan: Plan, device: str, ssd_dir: Path | None,
 
     res = run_plan(plan, RunOptions(steps=STEPS_PER_ROUND, device=device, quiet=True,
                                     ssd_dir=str(ssd_dir) if ssd_dir else None,
-                                    out=str(trace_dir) if trace_dir else None))
+                                    out=str(trace_dir) if trace_dir else None, **RUN_EXTRA))
     return [r.step_s for r in res.records], res.ssd_bytes_read + res.ssd_bytes_written, res.ssd_cpu_s
 
 
@@ -254,7 +268,7 @@ def measure_store(ssd_dir: Path, nbytes: int, files: int = 3, repeats: int = 3) 
 
 def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = None,
         rounds: int | None = None, names: list[str] | None = None, hw_path: Path | None = None,
-        ssd_schedule: str = SSD_SCHEDULE) -> list[dict]:
+        ssd_schedule: str = SSD_SCHEDULE, device_only: bool = False) -> list[dict]:
     """The alternating rounds of every model; the rows replace those of the same models in
     bench_executor.csv (and bench_executor_kinds.csv), whose other models' rows are kept."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -268,7 +282,7 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
         hw = None if quick and hw_path is None else box_profile(device, ssd, out_dir, hw_path)
         prog = Progress(len(names) * rounds, "bench executor")
         for name in names:
-            got, got_kinds = one_model(name, device, ssd, work, hw, rounds, prog, ssd_schedule)
+            got, got_kinds = one_model(name, device, ssd, work, hw, rounds, prog, ssd_schedule, device_only)
             rows += got
             kinds += got_kinds
         prog.finish()
@@ -287,12 +301,15 @@ def run(quick: bool, out_dir: Path, device: str = "cpu", ssd_dir: Path | None = 
 
 
 def one_model(name: str, device: str, ssd: Path, work: Path, hw: HardwareProfile | None, rounds: int,
-              prog: Progress, ssd_schedule: str = SSD_SCHEDULE) -> tuple[list[dict], list[dict]]:
-    """Plain PyTorch and the two plans of model `name`, alternating round by round; the two rows, and the
-    per-op-kind rows of the prediction (none without a profile of this box)."""
+              prog: Progress, ssd_schedule: str = SSD_SCHEDULE,
+              device_only: bool = False) -> tuple[list[dict], list[dict]]:
+    """Plain PyTorch and the two plans of model `name` (the on-device one alone with `device_only`),
+    alternating round by round; a row per plan, and the per-op-kind rows of the prediction (none without a
+    profile of this box)."""
     model = plan_model(MODELS[name], device)
-    plans = {"on device": make_plan(model, ALL_ON_DEVICE, work / f"{name}-dev.json", hw),
-             "states on SSD": make_plan(model, STATES_ON_SSD, work / f"{name}-ssd.json", hw, ssd_schedule)}
+    plans = {"on device": make_plan(model, ALL_ON_DEVICE, work / f"{name}-dev.json", hw)}
+    if not device_only:
+        plans["states on SSD"] = make_plan(model, STATES_ON_SSD, work / f"{name}-ssd.json", hw, ssd_schedule)
     load_start = os.getloadavg()[0]
     plain = PlainTrainer(model, device)
     times: dict[str, list[float]] = {"plain": [], **{k: [] for k in plans}}
@@ -321,8 +338,9 @@ def one_model(name: str, device: str, ssd: Path, work: Path, hw: HardwareProfile
              "plain_step_s": round(plain_s, 4), "tierflow_step_s": round(dev_s, 4),
              "plain_tokens_per_s": round(tokens / plain_s), "tierflow_tokens_per_s": round(tokens / dev_s),
              "ratio": round(plain_s / dev_s, 3), "target": f">= {TARGET_RATIO.get(name, 0.95)}x plain",
-             "bound_s": "", "vs_bound": ""},
-            ssd_row(name, plain, ssd, plain_s, times["states on SSD"], ssd_bytes_per_step, ssd_cpu_s)]
+             "bound_s": "", "vs_bound": ""}]
+    if not device_only:
+        rows.append(ssd_row(name, plain, ssd, plain_s, times["states on SSD"], ssd_bytes_per_step, ssd_cpu_s))
     kinds = []
     for row, (case, plan) in zip(rows, plans.items()):
         if hw is not None:
@@ -608,6 +626,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
                     help="model sizes (default small medium; --quick small): " + ", ".join(
                         f"{k} = {m.num_layers} x {m.hidden}" for k, m in MODELS.items()))
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="tierflow's runs with CUDA graphs on / off (the run option; default: the run's own "
+                    "default)")
+    ap.add_argument("--device-only", action="store_true",
+                    help="only the plan with every tensor on the device (not the states on the SSD tier)")
     ap.add_argument("--cpu-work", action="store_true",
                     help="instead: CPU seconds per step of each side on the CPU (bench_executor_cpu.csv); "
                     "run with OMP_NUM_THREADS=1 on a shared machine")
@@ -618,13 +641,19 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     if args.rounds is not None and args.rounds < 2:
         ap.error("--rounds must be at least 2 (the first is a warm-up)")
+    if args.cuda_graphs is not None:
+        why = graphs_missing()
+        if why:
+            ap.error(f"--{'' if args.cuda_graphs else 'no-'}cuda-graphs: {why}; run without it")
+        RUN_EXTRA[GRAPHS_FIELD] = args.cuda_graphs
     if args.cpu_work:
         cpu_work(args.out, args.models or list(DEFAULT_MODELS), args.rounds or 3)
         return
     if args.ops:
         op_work(args.out, args.models or list(DEFAULT_MODELS))
         return
-    run(args.quick, args.out, args.device, args.ssd_dir, args.rounds, args.models, args.hw, args.ssd_schedule)
+    run(args.quick, args.out, args.device, args.ssd_dir, args.rounds, args.models, args.hw, args.ssd_schedule,
+        args.device_only)
     print(f"wrote {args.out / 'bench_executor.csv'} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
 
 

@@ -20,6 +20,16 @@ code, wall time, stdout and stderr are kept under --out (`NN-step.out` / `NN-ste
 6. **bench_executor**: `experiments/bench_executor.py --device cuda`: the executor against plain PyTorch.
 7. **bench_store**: `experiments/bench_store.py --device cuda`: the SSD store reading into and writing from
    page-locked buffers (the transfer area's allocation), against the raw device.
+8. **bench_executor_graphs, bench_executor_eager**: bench_executor's on-device plans (4 x 256 and 6 x 384)
+   against plain PyTorch with CUDA graphs on (`--cuda-graphs`) and off (`--no-cuda-graphs`), the run
+   option. A tierflow without that option (RunOptions has no `cuda_graphs`) skips the graphs step with one
+   line saying so, and runs the eager one without the flag (eager is all it has); neither fails the check.
+9. **bench_dispatch**: `experiments/bench_dispatch.py`, the executor's host CPU per op against plain
+   PyTorch's, on the CPU backends with one torch thread (OMP_NUM_THREADS=1).
+
+The summary's first section states the three figures of the host-cost targets: bench_executor on the device
+against plain PyTorch at 4 x 256 and 6 x 384 with CUDA graphs (target >= 0.97x) and without (>= 0.9x),
+and the CPU the executor adds per op beyond plain PyTorch (target <= 40 us).
 
 **The budget.** `--budget-s` (default 480: a lent GPU machine's 10-minute command with room to start and to
 copy the results back) is shared among the steps still to run, in proportion to each step's share
@@ -65,11 +75,14 @@ TERM_GRACE_S = 15  # SIGTERM, then this long before SIGKILL
 LOAD_AT_START = os.getloadavg()  # how busy the box was: other processes slow every timing of the check
 DEFAULT_BUDGET_S = 480
 STEPS = ("env", "calibrate", "plan_host", "run_host", "compare_host", "plan_ssd", "run_ssd", "compare_ssd",
-         "bench_optimizer", "bench_executor", "bench_store")
-# Each step's share of the budget left when it starts (divided by the shares of the steps still to run).
-STEP_SHARE = {"env": 0.02, "calibrate": 0.08, "plan_host": 0.07, "run_host": 0.16, "compare_host": 0.03,
+         "bench_optimizer", "bench_executor", "bench_store", "bench_executor_graphs", "bench_executor_eager",
+         "bench_dispatch")
+# Each step's share of the budget left when it starts (divided by the shares of the steps still to run);
+# env's is room for a loaded box (its imports took 8 s at a load of 13 on 2 cores): what it leaves goes on.
+STEP_SHARE = {"env": 0.05, "calibrate": 0.08, "plan_host": 0.07, "run_host": 0.16, "compare_host": 0.03,
               "plan_ssd": 0.07, "run_ssd": 0.25, "compare_ssd": 0.03, "bench_optimizer": 0.07,
-              "bench_executor": 0.14, "bench_store": 0.08}
+              "bench_executor": 0.14, "bench_store": 0.08, "bench_executor_graphs": 0.10,
+              "bench_executor_eager": 0.10, "bench_dispatch": 0.05}
 RUN_OVERHEAD_S = 20.0  # a run's start and end besides its steps: imports, the SSD files' first write, export
 
 
@@ -124,6 +137,8 @@ class Step:
     why_skipped: str = ""
     deadline_s: float | None = None  # the time it was given (None: STEP_TIMEOUT_S)
     stopped: bool = False  # still running at its deadline
+    env: dict[str, str] = field(default_factory=dict)  # set for its process, besides the check's own
+    unsupported: bool = False  # skipped because this tierflow lacks what it measures: not a failure
 
     @property
     def ok(self) -> bool:
@@ -150,9 +165,13 @@ class Budget:
     def take_s(self, name: str) -> float | None:
         """peek_s, and the step is no longer to come."""
         s = self.peek_s(name)
+        self.drop(name)
+        return s
+
+    def drop(self, name: str) -> None:
+        """Step `name` will not run: its share goes to the others."""
         if name in self.todo:
             self.todo.remove(name)
-        return s
 
 
 def tierflow(*args: str) -> list[str]:
@@ -186,7 +205,7 @@ def run_step(step: Step, out: Path, deadline_s: float | None = None) -> Step:
     print(f"gpu_check: {step.name}{limit}: {' '.join(step.argv[1:])}", file=sys.stderr)
     t0 = time.perf_counter()
     with open(f"{path}.out", "w") as so, open(f"{path}.err", "w") as se:
-        proc = subprocess.Popen(step.argv, stdout=so, stderr=se, cwd=REPO)
+        proc = subprocess.Popen(step.argv, stdout=so, stderr=se, cwd=REPO, env={**os.environ, **step.env})
         try:
             step.rc = proc.wait(timeout=deadline_s if deadline_s is not None else STEP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -263,6 +282,43 @@ def bench_argv(shapes: Shapes, device: str, ssd: Path, out: Path,
     return store, executor
 
 
+def graphs_missing() -> str | None:
+    """Why this tierflow cannot switch CUDA graphs (bench_executor.graphs_missing), or None."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    from bench_executor import graphs_missing as missing
+
+    return missing()
+
+
+def graph_steps(shapes: Shapes, device: str, ssd: Path, out: Path,
+                profile: Path | str | None = None) -> list[Step]:
+    """bench_executor's on-device plans with CUDA graphs on, then off (the run option --[no-]cuda-graphs),
+    predicted on `profile` where calibrate wrote it (as bench_argv): without the option, the first is skipped
+    (one line says why) and the second runs without the flag."""
+    try:
+        missing = graphs_missing()
+    except Exception as e:  # noqa: BLE001 - the executor does not import: the steps say so when they run
+        missing = f"the executor's run options do not import ({type(e).__name__}: {e})"
+    hw = ["--hw", str(profile)] if profile and not shapes.quick and Path(profile).exists() else []
+    sizes = (["--models", "tiny", "--rounds", "2", "--quick"] if shapes.quick
+             else ["--models", "small", "medium", "--rounds", "3", *hw])
+
+    def argv(name: str, flag: list[str]) -> list[str]:
+        return script("bench_executor.py", "--device", device, "--device-only", "--ssd-dir", str(ssd / name),
+                      "--out", str(out / name), *sizes, *flag)
+
+    on = Step("bench_executor_graphs", [] if missing else argv("bench_executor_graphs", ["--cuda-graphs"]))
+    if missing:
+        on.why_skipped, on.unsupported = missing, True
+    off = Step("bench_executor_eager", argv("bench_executor_eager", [] if missing else ["--no-cuda-graphs"]))
+    return [on, off]
+
+
+def dispatch_argv(shapes: Shapes, out: Path) -> list[str]:
+    return script("bench_dispatch.py", "--out", str(out / "bench_dispatch"),
+                  *(["--quick"] if shapes.quick else ["--rounds", "4"]))
+
+
 def optimizer_argv(shapes: Shapes, out: Path) -> list[str]:
     return script("bench_optimizer.py", "--out", str(out / "bench_optimizer"),
                   *(["--quick"] if shapes.quick else []))
@@ -273,7 +329,7 @@ def run_check(shapes: Shapes, device: str, ssd: Path, out: Path, hw: str | None,
     """Every step in order within the budget; a step whose inputs are missing is skipped, the others run
     whatever failed; the summary is rewritten after each step."""
     profile: Path | str = hw if hw else out / "box.yaml"
-    for sub in ("run_host", "run_ssd", "bench_executor"):
+    for sub in ("run_host", "run_ssd", "bench_executor", "bench_executor_graphs", "bench_executor_eager"):
         (ssd / sub).mkdir(exist_ok=True)
     todo = [n for n in STEPS if n not in skip and not (n == "calibrate" and hw)]
     budget = Budget(budget_s, todo)
@@ -284,6 +340,7 @@ def run_check(shapes: Shapes, device: str, ssd: Path, out: Path, hw: str | None,
             step.why_skipped = "--skip"
         elif step.argv:
             run_step(step, out, budget.take_s(step.name))
+        budget.drop(step.name)
         done.append(step)
         write_summary(done, out, device, shapes)
 
@@ -314,6 +371,11 @@ def run_check(shapes: Shapes, device: str, ssd: Path, out: Path, hw: str | None,
     store, executor = bench_argv(shapes, device, ssd, out, profile)
     go(Step("bench_executor", executor))
     go(Step("bench_store", store))
+    for step in graph_steps(shapes, device, ssd, out, profile):
+        if step.why_skipped and step.name not in skip:
+            print(f"gpu_check: {step.name}: skipped ({step.why_skipped})", file=sys.stderr)
+        go(step)
+    go(Step("bench_dispatch", dispatch_argv(shapes, out), env={"OMP_NUM_THREADS": "1"}))
     return done
 
 
@@ -465,6 +527,62 @@ def bench_section(out: Path) -> list[str]:
     return lines
 
 
+GRAPHS_TARGET, EAGER_TARGET = 0.97, 0.9  # bench_executor on the device over plain PyTorch
+HOST_OP_US_TARGET = 40.0  # CPU the executor adds per op beyond plain PyTorch (bench_dispatch, one thread)
+DECIDING_MODELS = {"small": "4 x 256", "medium": "6 x 384", "tiny": "2 x 128 (--quick)"}
+
+
+def _not_measured(steps: list[Step], name: str, out: Path) -> str:
+    step = next((s for s in steps if s.name == name), None)
+    if step is None:
+        return f"not measured ({name} has not run yet)"
+    if step.rc is None:
+        return f"not measured ({name} skipped: {step.why_skipped})"
+    if not step.ok:
+        what = "stopped at its budget" if step.stopped else f"failed, exit {step.rc}"
+        return f"not measured ({name} {what}; see `{stem(out, name).name}.err`)"
+    return f"not measured ({name} wrote no on-device row)"
+
+
+def ratio_line(steps: list[Step], out: Path, name: str, label: str, target: float) -> str:
+    """bench_executor's on-device ratios of step `name` against `target`."""
+    rows = [r for r in _csv(out / name / "bench_executor.csv") if r.get("case") == "on device"]
+    if not rows:
+        return f"- {label}: {_not_measured(steps, name, out)}; target >= {target}x"
+    got = [(DECIDING_MODELS.get(r["model"], r["model"]), float(r["ratio"])) for r in rows]
+    cells = ", ".join(f"{m} **{x:.3f}x**" if x < target else f"{m} {x:.3f}x" for m, x in got)
+    met = all(x >= target for _m, x in got)
+    return f"- {label}: {cells} (target >= {target}x: {'met' if met else '**not met**'})"
+
+
+def host_cost_line(steps: list[Step], out: Path) -> str:
+    """bench_dispatch's CPU per op on the plain CPU backend, executor against plain PyTorch."""
+    rows = [r for r in _csv(out / "bench_dispatch" / "bench_dispatch.csv")
+            if r.get("backend") == "cpu" and r.get("variant") == "direct"]
+    label = "host CPU per op, the executor beyond plain PyTorch (bench_dispatch, CPU backend, one thread)"
+    if not rows:
+        return f"- {label}: {_not_measured(steps, 'bench_dispatch', out)}; target <= {HOST_OP_US_TARGET:g} us"
+    cells = []
+    for r in rows:
+        plain_us = float(r["plain_cpu_ms"]) * 1e3 / float(r["ops_per_step"])
+        extra = float(r["executor_op_cpu_us"])
+        txt = f"+{extra:.1f} us over plain's {plain_us:.1f} us ({(plain_us + extra) / plain_us:.2f}x)"
+        cells.append(f"{r['plan']} {txt if extra <= HOST_OP_US_TARGET else f'**{txt}**'}")
+    met = all(float(r["executor_op_cpu_us"]) <= HOST_OP_US_TARGET for r in rows)
+    return (f"- {label}: {'; '.join(cells)} (target <= {HOST_OP_US_TARGET:g} us: "
+            f"{'met' if met else '**not met**'})")
+
+
+def decide_section(steps: list[Step], out: Path) -> list[str]:
+    """The three figures of the host-cost targets, each against its target, or why it was not measured."""
+    return ["## The host-cost targets: executor against plain PyTorch", "",
+            ratio_line(steps, out, "bench_executor_graphs", "bench_executor on the device / plain PyTorch, "
+                       "CUDA graphs on", GRAPHS_TARGET),
+            ratio_line(steps, out, "bench_executor_eager", "bench_executor on the device / plain PyTorch, "
+                       "CUDA graphs off", EAGER_TARGET),
+            host_cost_line(steps, out), ""]
+
+
 def scenario_sections(out: Path, sc: Scenario) -> list[str]:
     return [*plan_section(_json(out / f"plan-{sc.name}.json"), sc),
             *run_section(_json(Path(f"{stem(out, 'run_' + sc.name)}.out")),
@@ -481,7 +599,7 @@ def write_summary(steps: list[Step], out: Path, device: str, shapes: Shapes) -> 
     if emulated:
         head += ["On the adversarial CPU emulation of a CUDA device: this checks the check (every step runs "
                  "and every figure is collected); its timings say nothing about a GPU.", ""]
-    body = [*steps_section(steps, out), *env_section(_json(out / "01-env.out")),
+    body = [*decide_section(steps, out), *steps_section(steps, out), *env_section(_json(out / "01-env.out")),
             *(line for sc in SCENARIOS for line in scenario_sections(out, sc)),
             *bench_section(out)]
     path = out / "summary.md"
@@ -532,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_summary(steps, out, args.device, shapes)
     print(path.read_text())
     print(f"wrote {path}", file=sys.stderr)
-    return 0 if all(s.ok or s.why_skipped == "--skip" for s in steps) else 1
+    return 0 if all(s.ok or s.why_skipped == "--skip" or s.unsupported for s in steps) else 1
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ pytest.importorskip("matplotlib")
 import adapt  # noqa: E402
 import bench_dispatch  # noqa: E402
 import bench_executor  # noqa: E402
+import bench_gil  # noqa: E402
 import bench_optimizer  # noqa: E402
 import bench_simulator  # noqa: E402
 import bench_store  # noqa: E402
@@ -62,6 +63,8 @@ GENERATED = [
     (bench_executor.DOC, bench_executor.CPU_TABLE, "bench_executor_cpu.csv", bench_executor.cpu_work_table),
     (bench_executor.DOC, bench_executor.KINDS_TABLE, "bench_executor_kinds.csv", bench_executor.kinds_table),
     (bench_dispatch.DOC, bench_dispatch.DOC_TABLE, "bench_dispatch.csv", bench_dispatch.dispatch_table),
+    (bench_gil.DOC, bench_gil.DOC_TABLE, "bench_gil.csv", bench_gil.gil_table),
+    (bench_gil.DOC, bench_gil.FUNCTIONS_TABLE, "bench_gil_functions.csv", bench_gil.functions_table),
     (dos_polaris.DOC, dos_polaris.DOC_TABLE, "dos_polaris.csv", dos_polaris.sweep_table),
     (h200_run.DOC, h200_run.DOC_TABLE, "h200_run.csv", h200_run.doc_table),
     (compressed_sim.DOC, compressed_sim.DOC_TABLE, "compressed_sim.csv", compressed_sim.sim_table),

@@ -21,13 +21,14 @@ SCRIPT = ROOT / "experiments" / "gpu_check.py"
 
 def gpu_check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """The quick check on the emulation, one intra-op thread per process (its timings are not looked at; two
-    threads per process on a busy 2-core runner are up to 10x slower on these tiny ops)."""
+    threads per process on a busy 2-core runner are up to 10x slower on these tiny ops). The check ends
+    within its own 480 s budget (plus a step's 15 s grace): the timeout is above it."""
     ssd = tmp_path / "ssd"
     ssd.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", "cpu-adversarial", "--ssd-dir",
                            str(ssd), "--out", str(tmp_path / "out"), *args],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
 
 
 def test_gpu_check_quick_on_the_emulation(tmp_path):
@@ -35,7 +36,13 @@ def test_gpu_check_quick_on_the_emulation(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     out = tmp_path / "out"
     summary = (out / "summary.md").read_text()
-    assert "10 of 10 steps succeeded" in summary
+    # 13 steps (calibrate replaced by --hw); the CUDA graph step is skipped where the run has no such option
+    graphs = "| bench_executor_graphs | ok |" in summary
+    assert f"{13 if graphs else 12} of 13 steps succeeded" in summary
+    assert graphs or "| bench_executor_graphs | skipped (this tierflow's run options have no CUDA" in summary
+    assert "| bench_executor_eager | ok |" in summary and "| bench_dispatch | ok |" in summary
+    assert "bench_executor on the device / plain PyTorch, CUDA graphs off: 2 x 128 (--quick) " in summary
+    assert "host CPU per op, the executor beyond plain PyTorch" in summary and " us over plain's " in summary
     assert "bench_optimizer (the executor's host AdamW" in summary
     assert "beyond the GPU cap: yes; on the SSD tier: yes" in summary
     assert "optimizer states wholly in host memory: yes" in summary
@@ -65,7 +72,8 @@ def test_gpu_check_quick_on_the_emulation(tmp_path):
 
 def test_gpu_check_reports_a_step_that_cannot_run(tmp_path):
     missing = str(tmp_path / "missing.yaml")
-    res = gpu_check(tmp_path, "--hw", missing, "--skip", "bench_optimizer", "bench_store", "bench_executor")
+    res = gpu_check(tmp_path, "--hw", missing, "--skip", "bench_optimizer", "bench_store", "bench_executor",
+                    "bench_executor_graphs", "bench_executor_eager", "bench_dispatch")
     assert res.returncode == 1
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| env | ok |" in summary
@@ -139,3 +147,87 @@ def test_a_runs_steps_fit_its_share(tmp_path, monkeypatch):
     emulated = check.caps(check.QUICK, "rtx3090-desktop", check.SCENARIOS[0], device="cpu-adversarial")
     assert caps["gpu.memory_gib"] - emulated["gpu.memory_gib"] >= check.QUICK.min_cuda_gpu_gib - 0.03
     assert "cpu.memory_gib" not in caps  # the host scenario keeps the box's host memory
+
+
+def _csv_file(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join([",".join(rows[0]), *(",".join(str(v) for v in r.values()) for r in rows)]))
+
+
+def test_the_summary_states_the_three_host_cost_figures(tmp_path, monkeypatch):
+    """From fake step results: the graphs and eager ratios at 4 x 256 and 6 x 384 against 0.97 and 0.9, the
+    executor's CPU per op beyond plain PyTorch's against 40 us; a step that did not run says why."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_check as check
+
+    def executor(name: str, small: float, medium: float) -> None:
+        _csv_file(tmp_path / name / "bench_executor.csv",
+                  [{"model": m, "case": c, "ratio": x} for m, x in (("small", small), ("medium", medium))
+                   for c in ("on device", "states on SSD")])
+
+    executor("bench_executor_graphs", 0.98, 0.95)
+    executor("bench_executor_eager", 0.93, 0.91)
+    _csv_file(tmp_path / "bench_dispatch" / "bench_dispatch.csv",
+              [{"backend": b, "plan": p, "variant": v, "ops_per_step": 10, "plain_cpu_ms": 2.0,
+                "executor_op_cpu_us": us}
+               for b, p, v, us in (("cpu", "on_device", "direct", 30.0),
+                                   ("cpu", "checkpoints_host", "direct", 55.5),
+                                   ("cpu", "on_device", "functional_call", 1.0),
+                                   ("cpu-adversarial", "on_device", "direct", 1.0))])
+    steps = [check.Step(n, ["x"], rc=0) for n in ("bench_executor_graphs", "bench_executor_eager",
+                                                    "bench_dispatch")]
+    text = "\n".join(check.decide_section(steps, tmp_path))
+    assert ("CUDA graphs on: 4 x 256 0.980x, 6 x 384 **0.950x** (target >= 0.97x: **not met**)") in text
+    assert "CUDA graphs off: 4 x 256 0.930x, 6 x 384 0.910x (target >= 0.9x: met)" in text
+    assert ("on_device +30.0 us over plain's 200.0 us (1.15x); checkpoints_host **+55.5 us over plain's "
+            "200.0 us (1.28x)** (target <= 40 us: **not met**)") in text
+
+    skipped = check.Step("bench_executor_graphs", [], why_skipped="no CUDA graph switch",
+                         unsupported=True)
+    failed = check.Step("bench_dispatch", ["x"], rc=1)
+    text = "\n".join(check.decide_section([skipped, failed], tmp_path / "none"))
+    assert "CUDA graphs on: not measured (bench_executor_graphs skipped: no CUDA graph switch" in text
+    assert "CUDA graphs off: not measured (bench_executor_eager has not run yet)" in text
+    assert "not measured (bench_dispatch failed, exit 1; see `14-bench_dispatch.err`)" in text
+
+
+@pytest.mark.parametrize("has_option", [False, True])
+def test_the_graph_steps_follow_the_run_option(tmp_path, monkeypatch, has_option):
+    """With the run option, graphs on then off; without it, the graphs step is skipped (one line, not a
+    failure) and the eager one runs without the flag."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_check as check
+
+    monkeypatch.setattr(check, "graphs_missing", lambda: None if has_option else "no switch here")
+    profile = tmp_path / "box.yaml"
+    profile.write_text("name: box\n")
+    on, off = check.graph_steps(check.FULL, "cuda", tmp_path, tmp_path, profile)
+    assert off.argv[off.argv.index("--hw") + 1] == str(profile)  # predicted on the calibrated box
+    at = off.argv.index("--models")
+    assert "--device-only" in off.argv and off.argv[at + 1: at + 3] == ["small", "medium"]
+    if has_option:
+        assert "--cuda-graphs" in on.argv and "--no-cuda-graphs" in off.argv and not on.why_skipped
+    else:
+        assert not on.argv and on.unsupported and on.why_skipped == "no switch here"
+        assert not any("cuda-graphs" in a for a in off.argv)
+
+
+def test_bench_executor_refuses_a_graph_switch_the_run_lacks(tmp_path, monkeypatch, capsys):
+    """bench_executor's --[no-]cuda-graphs goes to RunOptions.cuda_graphs; without that field it is refused
+    with one line (exit 2) before anything runs."""
+    from dataclasses import fields
+
+    from tierflow.executor.run import RunOptions
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import bench_executor as be
+
+    has = be.GRAPHS_FIELD in {f.name for f in fields(RunOptions)}
+    assert (be.graphs_missing() is None) == has
+    if has:
+        pytest.skip("this tierflow has the CUDA graph switch")
+    with pytest.raises(SystemExit) as e:
+        be.main(["--no-cuda-graphs", "--quick", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--no-cuda-graphs: this tierflow's run options have no CUDA graph switch" \
+        in capsys.readouterr().err
+    assert not be.RUN_EXTRA and not list(tmp_path.iterdir())

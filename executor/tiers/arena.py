@@ -217,7 +217,7 @@ class TransferArena:
     # -- handing out -----------------------------------------------------------------------------------------
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes == 0:
             return torch.empty(0, dtype=dtype)
         return self.take_bytes(nbytes)[:nbytes].view(dtype)

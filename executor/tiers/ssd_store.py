@@ -598,7 +598,7 @@ class SsdStore:
              into: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
         """`into(nbytes)`: the page-aligned uint8 buffer to read into (whole pages; the executor's transfer
         area) instead of a new one."""
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         self._wait_for(name)
         rec = self.records.get(name)
         if rec is None or rec.nbytes != nbytes:
