@@ -99,6 +99,25 @@ def ds_cached_elems(owned_params: list[int], sub_groups: list[int], max_in_cpu_e
     return total
 
 
+# ---- the CPU Adam each runtime runs ------------------------------------------------------------------------
+# The runtimes whose optimizer is DeepSpeedCPUAdam (DeepSpeed's C++ AVX kernel, csrc/includes/cpu_adam.h):
+# ZeRO-3 with the optimizer offloaded (stage3.py builds it from deepspeed.ops.adam; docs/baselines-as-coded.md
+# A7), and LoHan, whose child process runs `DeepSpeedCPUAdam.step` on each sub-group (RC4ML/LoHan
+# main.py:14-54; baselines-as-coded.md B2). The ideal runtime (tierflow's executor) steps with its own AdamW.
+DEEPSPEED_ADAM_RUNTIMES = ("deepspeed", "lohan")
+
+
+def as_runtime_steps(hw: HardwareProfile, runtime: str) -> HardwareProfile:
+    """The box as `runtime`'s optimizer sees it: a runtime that runs DeepSpeedCPUAdam
+    (DEEPSPEED_ADAM_RUNTIMES) steps at `cpu.deepspeed_adam_gparams_per_s` where the profile has that rate
+    (measured, fitted or stated), every other at `cpu.adam_gparams_per_s`. With several ranks per box the
+    rate is still divided among them (costmodel.link_rates)."""
+    rate = hw.cpu.deepspeed_adam_gparams_per_s
+    if runtime not in DEEPSPEED_ADAM_RUNTIMES or rate is None or rate == hw.cpu.adam_gparams_per_s:
+        return hw
+    return hw.with_overrides({"cpu.adam_gparams_per_s": rate})
+
+
 # ---- copies DeepSpeed's host thread waits for (runtime deepspeed on a GPU box) -----------------------------
 # PyTorch's copy_ between the CPU and a GPU with a dtype change and non_blocking=False converts on the CPU
 # through a temporary in pageable memory (aten/src/ATen/native/cuda/Copy.cu, copy_kernel_cuda: "If
