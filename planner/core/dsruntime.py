@@ -24,6 +24,9 @@ tensors a placement puts in host memory: read in DeepSpeed 0.19.8's code (docs/b
   fetched and prefetched like CPU-offloaded parameters and never read from NVMe (`ds_cached_blocks`).
 Defaults are offload_config.py's. Not measured here: the CPU accelerator cannot build the NVMe swapper in this
 sandbox's time (its async_io op compiles for minutes); the sizes are the code's.
+
+Also here: the copies DeepSpeed's host thread waits for, and the CPU Adam each runtime runs (DeepSpeedCPUAdam
+for runtimes deepspeed and lohan: as_runtime_steps).
 """
 
 from __future__ import annotations
