@@ -5,7 +5,7 @@ resources divided among its GPUs) against the published multi-GPU numbers, and w
     (LoHan's benchmark model: 40 x 5120, no LM head), seq 1024, Fuyou's schedule and placement, 12 SSDs,
     global hardware TFLOPS vs global batch 16 / 32 / 64 / 128 = 55.0 / 103.2 / 194.7 / 278.2. These are CHECK
     data: the model is not fitted or tuned to them. Box: rtx4090-lohan-4gpu (the same host as rtx4090-lohan).
-    Ours runs LoHan as its public code runs on two GPUs (LOHAN_MODE): two independent single-GPU processes,
+    Ours runs LoHan's two GPUs as run.sh's torchrun lines launch it (LOHAN_MODE): two independent processes,
     each with the whole model at half the global batch, sharing the host's CPU, memory bandwidth and SSD array
     (world.independent_process_profile); tierflow's ZeRO-style sharded data parallelism (--gpus 2) is
     reported beside it. Each point at its fastest micro-batch (powers of two up to one rank's batch). For
@@ -61,12 +61,15 @@ LOHAN_SOURCE = "RC4ML/LoHan evaluation_data.md Figure 11(a) (docs/baselines-as-c
 LOHAN_2GPU = {16: 55.0, 32: 103.2, 64: 194.7, 128: 278.2}
 # Figure 5(a): one RTX 4090, the same model, batch -> hardware TFLOPS (context: the same batch per GPU)
 LOHAN_1GPU = {8: 42.8, 16: 84.3, 32: 143.1, 64: 155.8, 128: 153.8}
-# How LoHan runs on several GPUs, as its public code does: run.sh launches the single-GPU main.py under
-# torchrun (its multi-GPU lines), and main.py, ratel_init.py and ratel_optimizer.py make no torch.distributed
-# call, so every rank is the single-GPU program with the whole model, its own CPU-Adam child process and its
-# own optimizer states streamed from the shared array (RC4ML/LoHan @ feb88fe). Modelled with
-# world.independent_process_profile; tierflow's ZeRO-style sharded data parallelism is kept beside it.
-LOHAN_MODE = "independent processes (LoHan's public code under torchrun)"
+# How LoHan runs on several GPUs: its multi-GPU code is private (run.sh's multi-GPU lines point at a private
+# config), and its public snapshot (RC4ML/LoHan @ feb88fe) cannot produce the figures as-is (no
+# torch.distributed call, device cuda:0 hard-coded: docs/baselines-as-coded.md). What those lines launch is
+# the single-GPU main.py once per GPU under torchrun; our hypothesis follows it: every GPU runs the single-GPU
+# program with the whole model, its own CPU-Adam child process and its own optimizer states streamed from the
+# shared array, with no exchange between them. Modelled with world.independent_process_profile; tierflow's
+# ZeRO-style sharded data parallelism is kept beside it.
+LOHAN_MODE = ("independent processes (the single-GPU program once per GPU, as run.sh's torchrun lines "
+              "launch it)")
 GS_HW = "a100-80g-nvme"
 # the GreedySnake box at 4 GPUs: A100 PCIe boards reach each other peer-to-peer through the PCIe fabric; each
 # board's x16 link to its own root port (no switch assumed, as the 1-GPU profile has no topology); P2P at the
@@ -117,7 +120,7 @@ def lohan_rows(s: dict, progress: Progress) -> list[dict]:
     for batch in s["lohan_batches"]:
         per_gpu = batch // 2
         mbs = divisors_up_to(per_gpu, s["mb_limit"])
-        # as LoHan's public code runs under torchrun (LOHAN_MODE): each GPU an independent process with the
+        # as run.sh's torchrun lines launch LoHan (LOHAN_MODE): each GPU an independent process with the
         # whole model and its own optimizer states, the host shared; the global rate is the processes' sum
         mb, res = _best(model, independent_process_profile(hw, 2), "fuyou", per_gpu, LOHAN_SEQ, mbs, 1, place,
                         progress)

@@ -501,8 +501,9 @@ def test_world_flags_bad_input_is_one_line(argv, fragment, capsys):
 
 
 def test_independent_processes_share_the_host_as_ranks_do():
-    """One of two independent single-GPU processes (LoHan's public code under torchrun) sees the same share of
-    the box's CPU Adam, memory bandwidth and SSD array as one of two data-parallel ranks, and keeps its GPU."""
+    """One of two independent single-GPU processes (LoHan's single-GPU program once per GPU) sees the same
+    share of the box's CPU Adam, memory bandwidth and SSD array as one of two data-parallel ranks, and keeps
+    its GPU."""
     from tierflow.hwprofiles import load_profile
     from tierflow.planner.core.world import independent_process_profile
 
@@ -512,7 +513,8 @@ def test_independent_processes_share_the_host_as_ranks_do():
     rank = link_rates(hw, World(gpus=2))
     for k in ("ssd_read", "ssd_write", "adam_params_per_s", "dram_bps", "h2d", "d2h"):
         assert getattr(one, k) == pytest.approx(getattr(rank, k)), k
-    assert rank_capacity_bytes(independent_process_profile(hw, 2)) == pytest.approx(rank_capacity_bytes(hw, 2))
+    one_cap = rank_capacity_bytes(independent_process_profile(hw, 2))
+    assert one_cap == pytest.approx(rank_capacity_bytes(hw, 2))
 
 
 def test_an_independent_process_streams_its_whole_optimizer():
