@@ -307,3 +307,29 @@ def test_no_compute_waits_for_a_fetch_across_the_start_of_a_forward():
     assert ahead  # the drain is there
     for c, d in ahead:
         assert not any(c.id < s < d for s in starts), (c.kind, c.block, c.mb)
+
+
+@pytest.mark.parametrize("runtime, steps_deepspeed", [("deepspeed", True), ("lohan", True), ("ideal", False)])
+def test_each_runtime_steps_at_its_optimizer_s_rate(runtime, steps_deepspeed):
+    """DeepSpeed's ZeRO-3 and LoHan run DeepSpeedCPUAdam, the ideal runtime its own AdamW: the optimizer's
+    busy time is its parameters at that implementation's rate."""
+    from tierflow.planner.core.dsruntime import as_runtime_steps
+
+    hw = load_profile("a100-80g-nvme")
+    assert hw.cpu.deepspeed_adam_gparams_per_s < hw.cpu.adam_gparams_per_s
+    seen = as_runtime_steps(hw, runtime).cpu.adam_gparams_per_s
+    assert seen == (hw.cpu.deepspeed_adam_gparams_per_s if steps_deepspeed else hw.cpu.adam_gparams_per_s)
+    bare = hw.with_overrides({"cpu.deepspeed_adam_gparams_per_s": None})
+    assert as_runtime_steps(bare, runtime) is bare  # no rate for DeepSpeedCPUAdam: torch's rule stands
+
+
+def test_the_deepspeed_runtime_s_step_takes_longer_at_deepspeed_s_adam_rate():
+    model, hw = get_model("tiny-gpt"), load_profile("rtx4090-lohan")
+    cfg = make_schedule("horizontal", model, hw, batch=4, micro_batch=1, seq=32,
+                        placement=Placement.uniform("cpu"), runtime="deepspeed")
+    fast = hw.with_overrides({"cpu.deepspeed_adam_gparams_per_s": hw.cpu.adam_gparams_per_s})
+    slow, ref = simulate_config(model, hw, cfg), simulate_config(model, fast, cfg)
+    # the host's queue also holds DeepSpeed's boundary gradient copy, at the same cost in both
+    ratio = hw.cpu.adam_gparams_per_s / hw.cpu.deepspeed_adam_gparams_per_s
+    assert ref.busy["cpu"] * 0.8 * ratio < slow.busy["cpu"] <= ref.busy["cpu"] * ratio
+    assert slow.iteration_s > ref.iteration_s

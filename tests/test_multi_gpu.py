@@ -498,3 +498,41 @@ def test_world_flags_bad_input_is_one_line(argv, fragment, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and fragment in err, err
+
+
+def test_independent_processes_share_the_host_as_ranks_do():
+    """One of two independent single-GPU processes (LoHan's single-GPU program once per GPU) sees the same
+    share of the box's CPU Adam, memory bandwidth and SSD array as one of two data-parallel ranks, and keeps
+    its GPU."""
+    from tierflow.hwprofiles import load_profile
+    from tierflow.planner.core.world import independent_process_profile
+
+    hw = load_profile("rtx4090-lohan-4gpu")
+    assert independent_process_profile(hw, 1) is hw
+    one = link_rates(independent_process_profile(hw, 2))
+    rank = link_rates(hw, World(gpus=2))
+    for k in ("ssd_read", "ssd_write", "adam_params_per_s", "dram_bps", "h2d", "d2h"):
+        assert getattr(one, k) == pytest.approx(getattr(rank, k)), k
+    one_cap = rank_capacity_bytes(independent_process_profile(hw, 2))
+    assert one_cap == pytest.approx(rank_capacity_bytes(hw, 2))
+
+
+def test_an_independent_process_streams_its_whole_optimizer():
+    """Two independent processes each move the whole model's states through half the array, twice the bytes of
+    a rank that moves its shard, at the same share of the array's rate."""
+    from tierflow.hwprofiles import load_profile
+    from tierflow.planner.core.world import independent_process_profile
+
+    m, hw = get_model("tiny-gpt"), load_profile("rtx4090-lohan-4gpu")
+    place = Placement.uniform("ssd")
+    solo = make_schedule("fuyou", m, hw, batch=4, micro_batch=4, seq=32, placement=place)
+    sharded = make_schedule("fuyou", m, hw, batch=8, micro_batch=4, seq=32, placement=place, gpus=2)
+    one = independent_process_profile(hw, 2)
+
+    def ssd_bytes(g) -> float:
+        return sum(t.work for t in g.tasks if t.resource in ("ssd_read", "ssd_write") and t.iteration == 1)
+
+    alone, ranks = build_graph(m, one, solo), build_graph(m, hw, sharded)
+    assert ssd_bytes(alone) == pytest.approx(2 * ssd_bytes(ranks), rel=0.05)
+    assert link_rates(one).ssd_read == pytest.approx(link_rates(hw, World(gpus=2)).ssd_read)
+    assert simulate_config(m, one, solo).iteration_s > simulate_config(m, hw, sharded).iteration_s

@@ -24,6 +24,9 @@ tensors a placement puts in host memory: read in DeepSpeed 0.19.8's code (docs/b
   fetched and prefetched like CPU-offloaded parameters and never read from NVMe (`ds_cached_blocks`).
 Defaults are offload_config.py's. Not measured here: the CPU accelerator cannot build the NVMe swapper in this
 sandbox's time (its async_io op compiles for minutes); the sizes are the code's.
+
+Also here: the copies DeepSpeed's host thread waits for, and the CPU Adam each runtime runs (DeepSpeedCPUAdam
+for runtimes deepspeed and lohan: as_runtime_steps).
 """
 
 from __future__ import annotations
@@ -97,6 +100,25 @@ def ds_cached_elems(owned_params: list[int], sub_groups: list[int], max_in_cpu_e
             break
         total += per_group[g]
     return total
+
+
+# ---- the CPU Adam each runtime runs ------------------------------------------------------------------------
+# The runtimes whose optimizer is DeepSpeedCPUAdam (DeepSpeed's C++ AVX kernel, csrc/includes/cpu_adam.h):
+# ZeRO-3 with the optimizer offloaded (stage3.py builds it from deepspeed.ops.adam; docs/baselines-as-coded.md
+# A7), and LoHan, whose child process runs `DeepSpeedCPUAdam.step` on each sub-group (RC4ML/LoHan
+# main.py:14-54; baselines-as-coded.md B2). The ideal runtime (tierflow's executor) steps with its own AdamW.
+DEEPSPEED_ADAM_RUNTIMES = ("deepspeed", "lohan")
+
+
+def as_runtime_steps(hw: HardwareProfile, runtime: str) -> HardwareProfile:
+    """The box as `runtime`'s optimizer sees it: a runtime that runs DeepSpeedCPUAdam
+    (DEEPSPEED_ADAM_RUNTIMES) steps at `cpu.deepspeed_adam_gparams_per_s` where the profile has that rate
+    (measured, fitted or stated), every other at `cpu.adam_gparams_per_s`. With several ranks per box the
+    rate is still divided among them (costmodel.link_rates)."""
+    rate = hw.cpu.deepspeed_adam_gparams_per_s
+    if runtime not in DEEPSPEED_ADAM_RUNTIMES or rate is None or rate == hw.cpu.adam_gparams_per_s:
+        return hw
+    return hw.with_overrides({"cpu.adam_gparams_per_s": rate})
 
 
 # ---- copies DeepSpeed's host thread waits for (runtime deepspeed on a GPU box) -----------------------------

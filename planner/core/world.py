@@ -81,3 +81,34 @@ def rank_capacity_bytes(hw: HardwareProfile, gpus: int = 1) -> dict[str, float]:
     if gpus <= 1:
         return cap
     return {"gpu": cap["gpu"], "cpu": cap["cpu"] / gpus, "ssd": cap["ssd"] / gpus}
+
+
+def independent_process_profile(hw: HardwareProfile, gpus: int) -> HardwareProfile:
+    """The box as one of `gpus` independent single-GPU training processes on it sees it: each runs its own
+    whole model (no shards, no collectives: replicated states, e.g. one program launched per GPU with no
+    communication between them), and they share the host as the ranks of a box do here (this module's
+    docstring): 1/gpus of the CPU's Adam rates, of the host memory bandwidth and capacity, of the SSD array's
+    rates (per drive, the array's ceilings and the host path its bytes cross) and capacity, and of a PCIe
+    switch's uplink among the GPUs behind it; each GPU and its own x16 link stay whole. The lockstep caveat of
+    the docstring applies: processes that drift apart get more than 1/gpus while the others are idle."""
+    if gpus <= 1:
+        return hw
+    c, s, p, topo = hw.cpu, hw.ssd, hw.pcie, hw.topology
+    out: dict = {
+        "cpu.adam_gparams_per_s": c.adam_gparams_per_s / gpus,
+        "cpu.memory_gbps": c.memory_gbps / gpus,
+        "cpu.memory_gib": c.memory_gib / gpus,
+        "cpu.reserved_gib": c.reserved_gib / gpus,
+        "ssd.read_gbps": s.read_gbps / gpus,
+        "ssd.write_gbps": s.write_gbps / gpus,
+        "ssd.capacity_gb": s.capacity_gb / gpus,
+    }
+    optional = {"cpu.deepspeed_adam_gparams_per_s": c.deepspeed_adam_gparams_per_s,
+                "ssd.array_read_gbps": s.array_read_gbps, "ssd.array_write_gbps": s.array_write_gbps,
+                "ssd.host_path_gbps": s.host_path_gbps}
+    out.update({k: v / gpus for k, v in optional.items() if v is not None})
+    if topo is not None and topo.switch_uplink_gbps is not None:
+        share = topo.switch_uplink_gbps / min(topo.gpus_per_switch, gpus)
+        for k in ("h2d_gbps", "d2h_gbps", "duplex_h2d_gbps", "duplex_d2h_gbps"):
+            out[f"pcie.{k}"] = min(getattr(p, k), share)
+    return hw.with_overrides(out)

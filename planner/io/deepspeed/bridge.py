@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.contract import ScheduleConfig
+from tierflow.planner.core.dsruntime import as_runtime_steps
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
@@ -42,10 +43,7 @@ def simulate_ds(model: ModelSpec, hw: HardwareProfile, ds: DsConfig,
 def with_deepspeed_adam(hw: HardwareProfile) -> HardwareProfile:
     """The box as a DeepSpeed run sees it: its CPU steps at DeepSpeedCPUAdam's rate (cpu.deepspeed_adam_
     gparams_per_s, measured or fitted) where the profile has one, not at torch's AdamW rate."""
-    rate = hw.cpu.deepspeed_adam_gparams_per_s
-    if rate is None or rate == hw.cpu.adam_gparams_per_s:
-        return hw
-    return hw.with_overrides({"cpu.adam_gparams_per_s": rate})
+    return as_runtime_steps(hw, "deepspeed")
 
 
 def plan_beside(model: ModelSpec, hw: HardwareProfile, batch: int, time_limit_s: float,
