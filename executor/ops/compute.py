@@ -1,13 +1,14 @@
 """The GPU compute ops: fwd, recompute, head, bwd, computing in the weights' dtype (bf16 on CUDA, fp32 on a
 CPU device) and adding the weight gradients into fp32 device buffers (grad_buffers.GradBuffers).
 
-A forward of a recomputed block keeps nothing; one of a block that is not recomputed captures autograd's saved
-tensors in a Pack that the plan's offload/fetch ops move (entries.py), or, where no op moves it and the weights
-are resident, leaves them to autograd (Pack.kept); a recompute rebuilds the block's graph right before its
-backward. The weights are autograd leaves made once where resident (params.BlockParams); a backward returns
-the gradients of the leaves it asks for (packs.grads_of, no `.grad`), and the block's weight gradients go into
-their buffer as one flat vector (GradBuffers.add: the first contribution becomes the buffer). The loss of each micro-batch is its mean token cross entropy divided by the number
-of micro-batches, so the step equals plain PyTorch training of the whole batch; with W data-parallel ranks
+A forward of a recomputed block keeps nothing; one of a block that is not recomputed captures autograd's
+saved tensors in a Pack that the plan's offload/fetch ops move (entries.py), or, where no op moves it and the
+weights are resident, leaves them to autograd (Pack.kept); a recompute rebuilds the block's graph right
+before its backward. The weights are autograd leaves made once where resident (params.BlockParams); a
+backward returns the gradients of the leaves it asks for (packs.grads_of, no `.grad`), and the block's weight
+gradients go into their buffer as one flat vector (GradBuffers.add: the first contribution becomes the
+buffer). The loss of each micro-batch is its mean token cross entropy divided by the number of
+micro-batches, so the step equals plain PyTorch training of the whole batch; with W data-parallel ranks
 (dist.py) its gradient is divided by W too, so that the ranks' summed gradients equal one rank's of the global
 batch.
 """
