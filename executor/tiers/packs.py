@@ -115,14 +115,19 @@ class Pack:
             i = self.index[ptr] = len(self.saved)
             self.saved.append(self.own(torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)))
             self.extent.append([st.nbytes(), 0])
-        size = t.element_size()
+        dtype = t.dtype
+        size = dtype.itemsize
         lo = t.storage_offset() * size
-        shape, stride = tuple(t.shape), tuple(t.stride())
-        if t.numel():
-            span = 1 + sum((n - 1) * abs(s) for n, s in zip(shape, stride))
+        shape, stride = tuple(t.shape), t.stride()
+        n = t.numel()
+        if n:
+            span = n if t.is_contiguous() else 1 + sum((k - 1) * abs(s) for k, s in zip(shape, stride))
             ext = self.extent[i]
-            ext[0], ext[1] = min(ext[0], lo), max(ext[1], lo + span * size)
-        return ("t", i, lo, shape, stride, t.dtype)
+            if lo < ext[0]:
+                ext[0] = lo
+            if lo + span * size > ext[1]:
+                ext[1] = lo + span * size
+        return ("t", i, lo, shape, stride, dtype)
 
     def _ranges(self) -> list[tuple[int, int]]:
         """Per storage, the byte range [lo, hi) to move: what its saved views cover, widened to 16-byte
