@@ -127,6 +127,10 @@ class Executor:
         self.threads = torch.get_num_threads()
         self.optimizer_threads = optimizer_threads(self.device.type, any(t.kind in OPTIMIZER_PART
                                                                          for t in self.tasks), self.threads)
+        self.waits = self._dep_waits()
+        # the ops another thread waits for (a dependency of another worker's op, an iteration's last gpu op
+        # for the reporter): only these get an event per round
+        self.waited = {d for ws in self.waits for d, _ in ws} | {t.id for t in self._last_gpu_ops().values()}
 
     # -- running a round -------------------------------------------------------------------------------------
 
@@ -234,7 +238,8 @@ class Executor:
             num_ops=n, step0=step0, batches=batches, backend=be,
             weight_users=Counter({k: v for k, v in self.binding.wfetch_users.items() if k < n}),
             loss_sum=loss_sum,
-            done=[threading.Event() for _ in range(n)], start_s=np.full(n, np.nan), end_s=np.full(n, np.nan),
+            done=[threading.Event() if i in self.waited else None for i in range(n)],
+            start_s=np.full(n, np.nan), end_s=np.full(n, np.nan),
             mem_bytes=mem_bytes, peak_bytes=list(mem_bytes), mem_trace=[(0.0, *mem_bytes)])
         be.start_round(rs.abort, lambda label, e: self._fail(rs, self._task_of(label), e))
         if be.streams_async:
@@ -297,10 +302,13 @@ class Executor:
             follows = self.graph_runner.follows
         t = None
         try:
+            tasks, waits, done = self.tasks, self.waits, rs.done
             for tid in queue:
-                t = self.tasks[tid]
-                self._wait_for_deps(rs, t, stream)
-                self._apply_mem(rs, t.mem_start)
+                t = tasks[tid]
+                if waits[tid]:
+                    self._wait_for_deps(rs, waits[tid], stream)
+                if t.mem_start:
+                    self._apply_mem(rs, t.mem_start)
                 lead = follows.get(tid)
                 if lead is not None:  # it ran in its segment's graph (executor/graphs.py): that op's span
                     rs.ev_start[tid], rs.ev_end[tid] = rs.ev_start[lead], rs.ev_end[lead]
@@ -313,8 +321,10 @@ class Executor:
                     rs.start_s[tid] = time.perf_counter() - rs.t0_s
                     run_op(rs, t)
                     rs.end_s[tid] = time.perf_counter() - rs.t0_s
-                self._apply_mem(rs, t.mem_end)
-                rs.done[tid].set()
+                if t.mem_end:
+                    self._apply_mem(rs, t.mem_end)
+                if done[tid] is not None:
+                    done[tid].set()
         except _Aborted:
             return
         except BaseException as e:  # noqa: BLE001 - reported to the caller, the other workers stop
@@ -343,17 +353,35 @@ class Executor:
             rs.errors.append(self._explain(t, e, prefix))
         rs.abort.set()
 
-    def _wait_for_deps(self, rs: RoundState, t: Task, stream) -> None:
-        """Until t's dependencies have finished: on the host, then (streams) on the stream ops' end events, by
-        this worker's stream (not for an op earlier on the same stream) or, for a host worker, by the host."""
-        for d in t.deps:
-            dep = self.tasks[d].resource
-            if dep == t.resource:  # earlier in this worker's queue: done, and ahead of it on its stream
-                if not rs.done[d].is_set():
-                    self._wait(rs, d)
-                continue
-            self._wait(rs, d)
-            if rs.streams is not None and dep in self.stream_resources:
+    def _dep_waits(self) -> list[tuple[tuple[int, bool], ...]]:
+        """Per op, the dependencies its worker waits for, found once per plan: every one but an earlier op of
+        its own queue (done, and ahead of it on its stream), each with whether its end event is waited on too
+        (an op of another stream resource)."""
+        pos = {tid: i for ids in self.plan.graph.resource_order().values() for i, tid in enumerate(ids)}
+        out = []
+        for t in self.tasks:
+            ws = []
+            for d in t.deps:
+                dep = self.tasks[d].resource
+                if dep != t.resource or pos[d] >= pos[t.id]:
+                    ws.append((d, dep != t.resource and dep in self.stream_resources))
+            out.append(tuple(ws))
+        return out
+
+    def _last_gpu_ops(self) -> dict[int, Task]:
+        """Each iteration's last gpu op (the reporter waits for it)."""
+        last = {}
+        for tid in self.plan.graph.resource_order().get("gpu", []):
+            last[self.tasks[tid].iteration] = self.tasks[tid]
+        return last
+
+    def _wait_for_deps(self, rs: RoundState, waits: tuple[tuple[int, bool], ...], stream) -> None:
+        """Until the dependencies `waits` (of _dep_waits) have finished: on the host, then (streams) on the
+        stream ops' end events, by this worker's stream or, for a host worker, by the host."""
+        for d, event in waits:
+            if not rs.done[d].is_set():
+                self._wait(rs, d)
+            if event and rs.streams is not None:
                 if stream is not None:
                     self.backend.wait_event(stream, rs.ev_end[d])
                 else:

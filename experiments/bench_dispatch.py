@@ -10,9 +10,11 @@
    (hand-off between workers, event record / wait / synchronize, stream launch, trace recording, the
    handler, the rest of the worker's loop). Two plans: every tensor on the device, and the checkpoints in
    host memory (offload and fetch ops: hand-offs between the gpu, d2h and h2d workers).
-2. **Cut.** `variant` functional_call is the handlers' old way to call a block with its weights
-   (torch.func.functional_call, per call) against `direct` (ops/compute.py: the leaves put into the block's
-   parameter dicts, found once): the same numerics, alternating in the same rounds.
+2. **Cut.** `variant` per_op_leaves is the compute ops' way before the persistent parameters: an autograd
+   leaf made per parameter per call and put into the block's module for the call, and every saved tensor of a
+   kept layer through the pack's hooks; against `direct` (ops/params.py: resident weights' leaves made once,
+   installed in the executor's copy of the module; a pack no op moves left to autograd): the same numerics,
+   alternating in the same rounds.
 3. **Modelled.** The simulator's step for the same plan on this box's profile
    (experiments/results/bench_executor_box.yaml, calibrated here) without per-op costs (`predicted_bare_ms`)
    and with the fixed costs calibrate measures now on this backend (`predicted_ms`: cpu.executor_op_us on
@@ -43,7 +45,7 @@ from expcommon import (
 )
 
 BACKENDS = ("cpu", "cpu-adversarial")
-VARIANTS = ("direct", "functional_call")
+VARIANTS = ("direct", "per_op_leaves")
 BOX_PROFILE = RESULTS_DIR / "bench_executor_box.yaml"
 DOC = REPO_DIR / "docs" / "executor.md"
 DOC_TABLE = "per-op overhead (experiments/bench_dispatch.py from experiments/results/bench_dispatch.csv)"
@@ -57,16 +59,18 @@ def make_backend(name: str):
     return PlainCpuBackend() if name == "cpu" else AdversarialCpuBackend(max_delay_s=0.0)
 
 
-def old_call(ex) -> None:
-    """The handlers call every block through torch.func.functional_call (before the cut)."""
-    ex.ops.compute.sites = [None] * len(ex.ops.compute.sites)
+def per_op_leaves(ex) -> None:
+    """The compute ops make a leaf per parameter per call (before the cut): no block's weights are found
+    resident, so no pack is left to autograd either."""
+    for p in ex.ops.compute.params:
+        p.leaves = p._over
 
 
 def measure(backend: str, placement: str, variant: str, rounds: int) -> dict:
     from tierflow.executor.calibration.dispatch import measure_dispatch
 
     r = measure_dispatch(lambda: make_backend(backend), rounds=rounds, placement=placement,
-                         setup=old_call if variant == "functional_call" else None)
+                         setup=per_op_leaves if variant == "per_op_leaves" else None)
     row = {"backend": backend, "plan": placement, "variant": variant, "rounds": rounds,
            "ops_per_step": round(r.ops_per_step, 1), "plain_step_ms": round(r.plain_step_s * 1e3, 3),
            "executor_step_ms": round(r.executor_step_s * 1e3, 3),

@@ -20,7 +20,7 @@ def test_bench_dispatch_quick(tmp_path):
     with open(tmp_path / "bench_dispatch.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert {(r["backend"], r["plan"], r["variant"]) for r in rows} == {
-        (b, "on_device", v) for b in ("cpu", "cpu-adversarial") for v in ("direct", "functional_call")}
+        (b, "on_device", v) for b in ("cpu", "cpu-adversarial") for v in ("direct", "per_op_leaves")}
     for r in rows:
         assert float(r["plain_step_ms"]) > 0 and float(r["executor_step_ms"]) > 0
         assert float(r["ops_per_step"]) > 0 and float(r["executor_op_us"]) >= 0

@@ -117,7 +117,7 @@ def test_a_block_called_with_its_leaves_directly_equals_functional_call(model):
     back afterwards."""
     from torch.func import functional_call
 
-    from tierflow.executor.ops.compute import call_with, param_sites
+    from tierflow.executor.ops.params import call_with, param_sites
     from tierflow.executor.tiers.state import BlockLayout
     from tierflow.planner.core.models import get_model
 
@@ -147,3 +147,31 @@ def test_a_block_called_with_its_leaves_directly_equals_functional_call(model):
     shared = torch.nn.Linear(2, 2)
     tied = torch.nn.ModuleDict({"a": shared, "b": shared})
     assert param_sites(tied, ["a.weight", "a.bias"]) is None  # tied inside: left to functional_call
+
+
+@pytest.mark.parametrize("placement", ["on_device", "checkpoints_host"])
+@pytest.mark.parametrize("backend", ["cpu", "cpu-adversarial"])
+def test_persistent_parameters_train_as_leaves_made_per_call(placement, backend):
+    """ops/params.BlockParams: resident weights' leaves made once (and a pack no op moves left to autograd)
+    train bit for bit as a leaf made per parameter per call with every kept layer's saved tensors through the
+    pack's hooks (the compute ops' way before), over two rounds (the leaves outlive a round and the
+    optimizer's in-place steps), on the plain CPU backend and the emulation of CUDA."""
+    from tierflow.executor.calibration.dispatch import ITERATIONS, tiny_plan
+    from tierflow.executor.calibration.dispatch import _executor as make_executor
+    from tierflow.executor.device.base import PlainCpuBackend
+    from tierflow.executor.device.emulated import AdversarialCpuBackend
+
+    plan = tiny_plan("cpu", placement)
+    runs = []
+    for persistent in (True, False):
+        be = PlainCpuBackend() if backend == "cpu" else AdversarialCpuBackend(max_delay_s=0.0)
+        ex = make_executor(plan, be, None)
+        if not persistent:
+            for p in ex.ops.compute.params:
+                p.leaves = p._over
+        losses = [x for r in range(2) for x in ex.run_round(ITERATIONS, r * ITERATIONS).losses]
+        runs.append((losses, [v.dev.clone() for v in ex.state.vec["master"]]))
+        kept = [p for p in ex.ops.compute.params if p.resident_leaves is not None]
+        assert bool(kept) == persistent  # the path under test was taken
+    (l0, m0), (l1, m1) = runs
+    assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(m0, m1))

@@ -34,11 +34,11 @@ gradients are kept as they are until offload_grads adds them to the host accumul
         # optimizer
         self.wire_cast = not cx.state.placement.gpu_optimizer and cx.state.world.single
 
-    def accumulate(self, rs: RoundState, t: Task, o: int,
-                   pieces: list[tuple[int, int, torch.Tensor | None]]) -> None:
-        """Gradients `pieces` = [(lo, hi, grad)] of owner o's ranges into the buffer of the op that will take
-        them. A None gradient (a parameter the step did not use) adds nothing."""
-        bind = self.cx.binding
+    def add(self, rs: RoundState, t: Task, o: int, lo: int, hi: int, grad: torch.Tensor) -> None:
+        """The flat gradient `grad` of owner o's elements [lo, hi) into the buffer of the op that will take
+        it. The first contribution that covers the whole buffer becomes the buffer (0 + g is g: no zeroing
+        pass, no copy; the emulation's allocator gets a copy, backend.own); a later one is added into it."""
+        bind, be = self.cx.binding, self.cx.backend
         key = (bind.grad_group[(t.id, o)], o)
         base, end = bind.grad_range[key]
         cast = self.wire_cast
@@ -47,31 +47,27 @@ gradients are kept as they are until offload_grads adds them to the host accumul
             acc = rs.grad_acc.get(key)
             left = rs.grad_left.setdefault(key, bind.grad_contributors[key]) - 1
             rs.grad_left[key] = left
-        if single and not self.cx.asynchronous and all(g is None or g.dtype == self.cx.dtype
-                                                        for _lo, _hi, g in pieces):
+        want = self.cx.dtype if single else torch.float32
+        if single and not self.cx.asynchronous and grad.dtype == want:
             # no streams and no cast: offload_grads adds the one contribution's gradients to the host
             # accumulators as they are, at once; a buffer would only be one more copy of them
             with rs.lock:
-                rs.grad_acc[key] = [(lo, grad.reshape(-1)) for lo, _hi, grad in pieces if grad is not None]
+                rs.grad_acc[key] = [(lo, grad)]
             return
-        first = acc is None
-        if first:
-            # with several ranks [base, end) is the owner's whole vector padded to W*S elements (binding)
-            acc = self.cx.backend.empty(end - base, self.cx.dtype if single else torch.float32)
-            if not _covers(pieces, base, end):
-                acc.zero_()
-                first = False  # then added into, as every later contribution
+        if acc is None:
+            if (lo, hi) == (base, end):
+                acc = be.own(grad if grad.dtype == want else grad.to(want))
+            else:  # with several ranks [base, end) is the owner's whole vector padded to W*S elements
+                acc = be.empty(end - base, want).zero_()
+                acc[lo - base: hi - base] += grad
             with rs.lock:
                 rs.grad_acc[key] = acc
-        for lo, hi, grad in pieces:
-            if grad is None:
-                continue
-            if single or first:  # the first of several: taken as is (0 + g is g), no zeroing pass
-                acc[lo - base: hi - base].copy_(grad.reshape(-1))
-            else:
-                acc[lo - base: hi - base] += grad.reshape(-1)
+        elif (lo, hi) == (base, end):
+            acc += grad
+        else:
+            acc[lo - base: hi - base] += grad
         if left == 0 and acc.dtype != self.cx.dtype and cast:
-            wire = self.cx.backend.empty(end - base, self.cx.dtype)
+            wire = be.empty(end - base, self.cx.dtype)
             wire.copy_(acc)  # the cast, on the compute stream where the gradient is produced
             with rs.lock:
                 rs.grad_acc[key] = wire
@@ -90,14 +86,3 @@ gradients are kept as they are until offload_grads adds them to the host accumul
                 else:
                     out.append((k[1], self.cx.binding.grad_range[k][0], acc))
         return out
-
-
-def _covers(pieces: list[tuple[int, int, torch.Tensor | None]], base: int, end: int) -> bool:
-    """Do the pieces' gradients fill [base, end) exactly, without a gap or an overlap? (Then the first
-    contribution can be copied into a new buffer instead of added into a zeroed one.)"""
-    at = base
-    for lo, hi, grad in sorted(pieces, key=lambda p: p[0]):
-        if grad is None or lo != at:
-            return False
-        at = hi
-    return at == end

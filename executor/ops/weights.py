@@ -42,6 +42,8 @@ class WeightOps:
 
     def __init__(self, cx: OpContext) -> None:
         self.cx = cx
+        # block -> (its owners, their resident weights): _resident's lists
+        self._resident_of: dict[int, tuple[list[int], list[OwnerWeights]]] = {}
 
     def owners(self, b: int) -> list[tuple[int, int, int]]:
         """(owner, lo, hi) of each owner's weights this rank fetches for block b (TrainState.owner_ranges)."""
@@ -145,18 +147,32 @@ class WeightOps:
                 rs.use_on(bufs[o], "gpu")
                 out.append(OwnerWeights(lo, hi, None, 0, bufs[o]))
             return out
+        if fid is None:
+            return self._resident(t)
         out = []
         for o, lo, hi in self.cx.layout.owners(t.block):
             W = self.cx.state.vec["weights"][o]
-            if fid is None:
-                if W.g < hi:
-                    raise ExecutionError(f"op {t.id} ({t.label}): weights of block {o} are not all on the "
-                                         "device and no fetch_weights precedes it (inconsistent plan)")
-                out.append(OwnerWeights(lo, hi, W.dev, hi, None))
-                continue
             base, buf = rs.weight_bufs[fid].get(o, (hi, None))
             rs.use_on(buf, "gpu")
             out.append(OwnerWeights(lo, hi, W.dev, base, buf))
+        return out
+
+    def _resident(self, t: Task) -> list[OwnerWeights]:
+        """The resident weights of block t.block (no fetch): one list per block, made again only when a
+        vector is not the one it was made of (a state loaded anew), so that a compute op on resident weights
+        builds nothing and BlockParams knows its leaves by the list's identity."""
+        vecs = self.cx.state.vec["weights"]
+        owners, cached = self._resident_of.get(t.block, ((), None))
+        if cached is not None and all(ow.resident is vecs[o].dev for o, ow in zip(owners, cached)):
+            return cached
+        out = []
+        for o, lo, hi in self.cx.layout.owners(t.block):
+            W = vecs[o]
+            if W.g < hi:
+                raise ExecutionError(f"op {t.id} ({t.label}): weights of block {o} are not all on the "
+                                     "device and no fetch_weights precedes it (inconsistent plan)")
+            out.append(OwnerWeights(lo, hi, W.dev, hi, None))
+        self._resident_of[t.block] = ([o for o, _lo, _hi in self.cx.layout.owners(t.block)], out)
         return out
 
     def release(self, rs: RoundState, t: Task) -> None:

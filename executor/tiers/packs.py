@@ -7,20 +7,16 @@ import torch
 
 PACK_ALIGN = 256  # bytes: alignment of each saved tensor inside a flattened pack
 
+_run_backward = torch.autograd.Variable._execution_engine.run_backward
 
-class _InputGrad(torch.autograd.Function):
-    """Identity on a layer input that hands the input's gradient to a list (`box`) in backward and saves
-    nothing; `anchor` (an empty tensor that requires grad) puts the node into the graph."""
 
-    @staticmethod
-    def forward(ctx, x, anchor, box):
-        ctx.box = box
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.box.append(g)
-        return None, None, None
+def grads_of(outputs: tuple[torch.Tensor, ...], grad_outputs: tuple[torch.Tensor, ...],
+             inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of `inputs` (leaves) from a backward of `outputs` with `grad_outputs`, as
+    torch.autograd.grad computes them (the kernels and sums of backward(), which would put them into each
+    leaf's `.grad` instead); None for an input the outputs do not depend on."""
+    return _run_backward(outputs, grad_outputs, False, False, inputs, allow_unreachable=True,
+                         accumulate_grad=False)
 
 
 class Pack:
@@ -31,76 +27,107 @@ class Pack:
     Saved tensors are kept per *storage*: several saved views of one storage (q, k and v of one fused
     projection; the attention output and the output projection's input) are moved once, as the byte range of
     the storage they cover, and rebuilt as views of it. The offload copies those byte ranges straight into the
-    destination buffers: nothing is made contiguous or joined first."""
+    destination buffers: nothing is made contiguous or joined first.
 
-    def __init__(self, leaves: list[torch.Tensor], own=None) -> None:
+    The hook only lists each saved tensor (its reference is its index); `seal`, once after the forward, sorts
+    them into weight views, storages and the rest, in one pass; a fetched pack's views are rebuilt all at once
+    (`restore`). The layer input is an autograd leaf whose own memory is dropped at the seal (the pack holds
+    what the backward needs, and the plan frees the input after the forward); its gradient is returned by
+    `grads`.
+
+    A pack that no op moves (the plan keeps it on the device) and whose weights are resident is `kept`: no
+    hooks, autograd keeps its saved tensors itself (they stay where the forward made them, as the moved pack's
+    would until its offload)."""
+
+    def __init__(self, leaves: list[torch.Tensor], own=None, kept: bool = False) -> None:
         self.leaves = leaves
-        self.leaf_ptrs: dict[int, int] | None = None  # storage data pointer -> its first leaf (pack_hook)
+        self.kept = kept
+        self.x: torch.Tensor | None = None  # the layer input (a leaf: input())
         self.own = own or (lambda t: t)  # DeviceBackend.own: saved tensors that the d2h stream will read
+        # per saved tensor, in the hooks' order: the tensor until the seal, then its reference (a tuple), a
+        # fetched pack's rebuilt view after restore
+        self.refs: list = []
+        self.sealed = False
         # per distinct storage: its bytes (uint8, the whole storage)
         self.saved: list[torch.Tensor] | None = []
         self.index: dict[int, int] = {}  # data pointer of the original storage -> index in saved
         self.extent: list[list[int]] = []  # per storage: [lo, hi) bytes covered by its saved views
-        # per storage: its [lo, hi) bytes in the fetched flat tensor
-        self.restored: list[torch.Tensor] | None = None
         self.desc: list[tuple[int, int, int]] = []  # per storage: (offset in the flat layout, lo, hi)
         self.out: torch.Tensor | None = None
-        # with a copying own(): the tensors the keys' addresses are of
-        self.originals: list[torch.Tensor] = []
-        self.x_grad: list[torch.Tensor] = []  # the gradient of the layer input, after backward (see input())
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer input to run the forward on: its gradient arrives in self.x_grad in backward, and nothing
-        here keeps `x` alive (an autograd leaf would hold the input's memory until the backward, although the
-        plan frees it after the forward: the pack holds what the backward needs)."""
-        return _InputGrad.apply(x.detach(), torch.empty(0, device=x.device, requires_grad=True), self.x_grad)
+        """The layer input to run the forward on: a leaf over `x`'s memory, its gradient in `grads`."""
+        self.x = x.detach().requires_grad_()
+        return self.x
 
-    def pack_hook(self, t: torch.Tensor):
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if self.leaf_ptrs is None:  # the first leaf of each storage, found once per forward (not per hook)
-            self.leaf_ptrs = {}
-            for i, leaf in enumerate(self.leaves):
-                self.leaf_ptrs.setdefault(leaf.untyped_storage().data_ptr(), i)
-        i = self.leaf_ptrs.get(ptr)
-        if i is not None:
-            leaf = self.leaves[i]
-            return ("w", i, t.storage_offset() - leaf.storage_offset(), tuple(t.shape), tuple(t.stride()))
-        # e.g. a CPU scalar (RNG seed) saved by a CUDA kernel: kept as is
-        if t.device != self.leaves[0].device:
-            return ("c", t)
-        i = self.index.get(ptr)
-        if i is None:
-            i = self.index[ptr] = len(self.saved)
-            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
-            owned = self.own(whole)
-            self.saved.append(owned)
-            self.extent.append([st.nbytes(), 0])
-            # t stays alive until the forward ends, so no later tensor reuses its address
-            if owned is not whole:
-                self.originals.append(t)
-        size = t.element_size()
-        lo = t.storage_offset() * size
-        if t.numel():
-            span = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
-            ext = self.extent[i]
-            ext[0], ext[1] = min(ext[0], lo), max(ext[1], lo + span * size)
-        return ("t", i, lo, tuple(t.shape), tuple(t.stride()), t.dtype)
+    def pack_hook(self, t: torch.Tensor) -> int:
+        self.refs.append(t)
+        return len(self.refs) - 1
 
-    def unpack_hook(self, ref):
+    def unpack_hook(self, j: int) -> torch.Tensor:
+        ref = self.refs[j]
+        if not isinstance(ref, tuple):  # rebuilt by restore (or not sealed yet)
+            return ref
         if ref[0] == "w":
             leaf = self.leaves[ref[1]]
             return leaf.detach().as_strided(ref[3], ref[4], leaf.storage_offset() + ref[2])
         if ref[0] == "c":
             return ref[1]
-        _, i, off_bytes, shape, stride, dtype = ref
-        if self.restored is not None:
-            base, base_lo = self.restored[i], self.desc[i][1]
-        else:
-            base, base_lo = self.saved[i], 0
+        return self._view(self.saved[ref[1]], 0, ref)
+
+    @staticmethod
+    def _view(base: torch.Tensor, base_lo: int, ref: tuple) -> torch.Tensor:
+        """Saved view `ref` ("t", storage, byte offset, shape, stride, dtype) of `base`, the storage's bytes
+        from byte `base_lo` on."""
+        _, _i, off_bytes, shape, stride, dtype = ref
         data = base.view(dtype)
-        size = data.element_size()
-        return data.as_strided(shape, stride, data.storage_offset() + (off_bytes - base_lo) // size)
+        return data.as_strided(shape, stride, data.storage_offset() + (off_bytes - base_lo) // dtype.itemsize)
+
+    def seal(self) -> None:
+        """After the forward (idempotent): each saved tensor's reference, the storages and their extents; the
+        input leaf's memory dropped. Views of the weights are not kept (a fetched weight buffer is freed
+        after the forward)."""
+        if self.sealed or self.kept:
+            return
+        self.sealed = True
+        leaf_ptrs: dict[int, int] = {}  # storage data pointer -> its first leaf
+        for i, leaf in enumerate(self.leaves):
+            leaf_ptrs.setdefault(leaf.untyped_storage().data_ptr(), i)
+        device = self.leaves[0].device
+        refs = self.refs
+        for j, t in enumerate(refs):
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            i = leaf_ptrs.get(ptr)
+            if i is not None:
+                refs[j] = ("w", i, t.storage_offset() - self.leaves[i].storage_offset(), tuple(t.shape),
+                           tuple(t.stride()))
+            elif t.device != device:  # e.g. a CPU scalar (RNG seed) saved by a CUDA kernel: kept as is
+                refs[j] = ("c", t)
+            else:
+                refs[j] = self._storage_ref(t, st, ptr)
+        if self.x is not None:  # its bytes are in the pack where a saved tensor needs them
+            self.x.data = torch.empty(0, dtype=self.x.dtype, device=self.x.device)
+
+    def _storage_ref(self, t: torch.Tensor, st, ptr: int) -> tuple:
+        i = self.index.get(ptr)
+        if i is None:
+            i = self.index[ptr] = len(self.saved)
+            self.saved.append(self.own(torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)))
+            self.extent.append([st.nbytes(), 0])
+        dtype = t.dtype
+        size = dtype.itemsize
+        lo = t.storage_offset() * size
+        shape, stride = tuple(t.shape), t.stride()
+        n = t.numel()
+        if n:
+            span = n if t.is_contiguous() else 1 + sum((k - 1) * abs(s) for k, s in zip(shape, stride))
+            ext = self.extent[i]
+            if lo < ext[0]:
+                ext[0] = lo
+            if lo + span * size > ext[1]:
+                ext[1] = lo + span * size
+        return ("t", i, lo, shape, stride, dtype)
 
     def _ranges(self) -> list[tuple[int, int]]:
         """Per storage, the byte range [lo, hi) to move: what its saved views cover, widened to 16-byte
@@ -118,6 +145,7 @@ class Pack:
         layout (each at a 256-byte aligned offset, as kernels such as fused attention expect of their inputs)
         and its total bytes, without joining or copying them: the offload copies each straight into its slices
         of the destination buffers. Remembers how to rebuild the views (restore)."""
+        self.seal()
         segs, self.desc, off_bytes = [], [], 0
         for whole, (lo, hi) in zip(self.saved, self._ranges()):
             self.desc.append((off_bytes, lo, hi))
@@ -130,21 +158,28 @@ class Pack:
         """Drop the layer output's memory from the pack: its backward needs the output's autograd node, not
         its values (the next layer's input entry holds them for as long as the plan keeps them). Kept if
         autograd saved the output itself."""
-        if self.out.untyped_storage().data_ptr() in self.index:
+        self.seal()
+        if self.index and self.out.untyped_storage().data_ptr() in self.index:
             return
         self.out.data = torch.empty(0, dtype=self.out.dtype, device=self.out.device)
 
-    def backward(self, grad_out: torch.Tensor) -> None:
-        """Backward from the (released) output:
-        the engine checks grad_out against the node's recorded shape."""
-        torch.autograd.Variable._execution_engine.run_backward(
-            (self.out,), (grad_out,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+    def grads(self, grad_out: torch.Tensor) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+        """Backward from the (released) output, without accumulating into `.grad`: the gradients of the
+        leaves and of the layer input. The engine checks grad_out against the node's recorded shape."""
+        g = grads_of((self.out,), (grad_out,), (*self.leaves, self.x))
+        return list(g[:-1]), g[-1]
 
     def saved_bytes(self) -> int:
         """Bytes this pack moves: the byte ranges of the distinct storages autograd saved
         (without padding)."""
+        self.seal()
         return sum(hi - lo for lo, hi in self._ranges()) if self.saved else 0
 
     def restore(self, flat: torch.Tensor) -> None:
-        """The saved views, from the flat byte layout of segments() (fetched back to the device)."""
-        self.restored = [flat[off: off + hi - lo] for off, lo, hi in self.desc]
+        """The saved views, from the flat byte layout of segments() (fetched back to the device), all rebuilt
+        now (the weight views when the backward unpacks them: from its own fetch)."""
+        bases = [flat[off: off + hi - lo] for off, lo, hi in self.desc]
+        refs = self.refs
+        for j, ref in enumerate(refs):
+            if isinstance(ref, tuple) and ref[0] == "t":
+                refs[j] = self._view(bases[ref[1]], self.desc[ref[1]][1], ref)
