@@ -432,4 +432,5 @@ def measured_result(plan: Plan, rr: RoundResult) -> SimResult:
     # measured by the device's allocator (CUDA, the emulation), not the plan's
     if rr.extra.get("device_memory"):
         res.meta["device_memory"] = dict(rr.extra["device_memory"])
+    res.meta["optimizer_states"] = plan.model.optimizer_states or "fp32"  # fit and compare check it
     return res

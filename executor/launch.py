@@ -29,6 +29,8 @@ from tierflow.executor.dist import (
     RankLost,
     current_world,
     launched_ranks,
+    launcher_gone,
+    launcher_pid,
     leave_cleanly,
     lost_ranks,
     note_exit,
@@ -147,11 +149,12 @@ def run_request(req: RunRequest, log=print) -> RunOutcome:
             t0 = time.perf_counter()
             return RunOutcome(run_plan(plan, opts, log), None, time.perf_counter() - t0)
     except RunStopped as e:
-        if e.exit_code in (130, 143) and lost_ranks():  # torchrun's SIGTERM after another rank died
+        # torchrun's SIGTERM after another rank died, or the kernel's when the launcher did (watch_launcher)
+        if e.exit_code in (130, 143) and (lost_ranks() or launcher_gone()):
             raise rank_lost(req, e.result) from None
         return RunOutcome(e.result, e, time.perf_counter() - t0)
     except Interrupted as e:
-        if lost_ranks():
+        if lost_ranks() or launcher_gone():
             raise rank_lost(req, None) from None
         raise RunStopped(f"interrupted by {e.name} outside the training steps; stopped cleanly, the SSD "
                          "tier's files removed", e.exit_code, None) from None
@@ -249,7 +252,8 @@ def rank_lost(req: RunRequest, res: RunResult | None, error: BaseException | Non
     while error is not None and not lost and time.monotonic() < deadline:
         time.sleep(0.05)
         lost = lost_ranks()
-    who = (", ".join(f"rank {r} (pid {pid})" for r, pid in lost) + " died"
+    who = (f"its launcher (pid {launcher_pid()}) died" if launcher_gone()
+           else ", ".join(f"rank {r} (pid {pid})" for r, pid in lost) + " died"
            if lost else f"a collective failed ({' '.join(str(error).split())[:80]}): another rank stopped")
     left = []
     if req.ssd_dir:

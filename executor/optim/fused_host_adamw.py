@@ -44,7 +44,6 @@ from __future__ import annotations
 import math
 import os
 import platform
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -77,24 +76,17 @@ def kernel():
 
 
 def _build():
-    """_compile, or None where numba or LLVM cannot build it (one line on stderr; torch's kernels instead)."""
-    try:
-        return _compile()
-    except Exception as e:  # noqa: BLE001 - whatever stops the build, torch's kernels do the job
-        print(f"tierflow: the host optimizer's one-pass kernel did not build ({type(e).__name__}: {e}); "
-              f"torch's kernels run instead ({SWITCH}=1 skips the attempt)", file=sys.stderr)
-        return None
+    """_compile; where numba or LLVM cannot build it, numba_once says so in one line on stderr and torch's
+    kernels run instead."""
+    return _compile()
 
 
 def describe(min_elements: int) -> str:
     """Which way the host optimizer op runs here, in one line (`tierflow env`; `min_elements`: the fewest
-    elements host_adamw hands to the kernel), without compiling anything."""
-    import importlib.util
-
-    if os.environ.get(SWITCH) == "1":
-        return f"torch's kernels ({SWITCH}=1)"
-    if importlib.util.find_spec("numba") is None:
-        return "torch's kernels (numba is not installed: pip install 'tierflow[fast]' gives the one-pass one)"
+    elements host_adamw hands to the kernel), after building it (numba_once: what really runs)."""
+    status = _ONCE.status()
+    if not status.runs:
+        return status.line
     team = _team_runtime()
     threads = (f"on torch's OpenMP team ({os.path.basename(team._lib_path)})" if team is not None else
                "on a thread pool of its own (no OpenMP runtime found)")
@@ -651,4 +643,4 @@ def _piece_of(pieces, s0: int, s1: int, missing_ok: bool = False):
     return None
 
 
-_ONCE = NumbaOnce(SWITCH, _build)
+_ONCE = NumbaOnce(SWITCH, _build, name="host optimizer's one-pass step", fallback="torch's kernels")

@@ -145,6 +145,9 @@ class SimResult:
             # an executor's measurement: the device allocator's peaks (bytes), where the device measures them
             **({"measured_device_memory": dict(self.meta["device_memory"])}
                if self.meta.get("device_memory") else {}),
+            # an executor's measurement: the optimizer-state format it ran (a trace is fitted to its own)
+            **({"optimizer_states": self.meta["optimizer_states"]}
+               if self.meta.get("optimizer_states") else {}),
         }
 
 
