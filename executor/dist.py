@@ -31,6 +31,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -413,6 +415,25 @@ def torchrun_args(nproc: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: s
             "--module", "tierflow", *argv]
 
 
+@contextmanager
+def _ranks_env() -> Iterator[None]:
+    """The environment the ranks inherit while torchrun starts them, this process's own restored after: the
+    launcher's pid (the ranks watch it: watch_launcher), and c10d's C++ log at errors only, so that a rank
+    stopping because a peer or the launcher died says so in one line, without a warning and a C++ stack per
+    broken socket (TORCH_CPP_LOG_LEVEL=WARNING shows them again)."""
+    old = {k: os.environ.get(k) for k in (LAUNCHER_PID_ENV, "TORCH_CPP_LOG_LEVEL")}
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def launch(nproc: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str, argv: list[str]) -> int:
     """Run torch.distributed.run in this process; the exit code is that of the first rank that failed (so that
     bad input is 2, a diverged run 4, ...), 0 when all succeeded."""
@@ -427,12 +448,9 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str, arg
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the failing rank says why
     args = parse_args(torchrun_args(nproc, nnodes, rdzv_endpoint, rdzv_id, argv))
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks watch this process (watch_launcher)
-    # a rank stopping because a peer or a launcher died says so in one line: not c10d's warnings of each
-    # broken socket, with their C++ stacks (TORCH_CPP_LOG_LEVEL=WARNING shows them again)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
-        run(args)
+        with _ranks_env():
+            run(args)
     except ChildFailedError as e:
         # the root cause: a rank killed by a signal (the others stop because of it, exit 5), else the first
         killed = [f for f in e.failures.values() if f.exitcode < 0]

@@ -445,3 +445,51 @@ def test_killing_the_launcher_of_rank_0_ends_every_box(tmp_path):
     latest = (ck / "latest").read_text().strip()
     for r in range(2):
         assert (ck / latest / f"rank-{r}" / "manifest.json").is_file()
+
+
+RANK_SCRIPT = """
+import os, signal, sys, time
+from tierflow.executor import dist
+if sys.argv[1] == "thread":  # as where Linux's parent-death signal is not available
+    dist._parent_death_signal = lambda signum: False
+if sys.argv[2] == "ignore":  # a rank that does not stop: ended LAUNCHER_GRACE_S after
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGTERM, lambda *a: (print("SIGTERM", flush=True), os._exit(7)))
+dist.watch_launcher(poll_s=0.05, grace_s=1.0)
+print("watching", flush=True)
+time.sleep(120)
+"""
+LAUNCHER_SCRIPT = """
+import subprocess, sys, time
+out = open(sys.argv[1], "w")
+rank = subprocess.Popen([sys.executable, "-c", sys.argv[2], *sys.argv[3:]], stdout=out, stderr=out,
+                        start_new_session=True)  # as torchrun starts a rank
+print(rank.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how,rank_does", [("kernel", "stop"), ("thread", "stop"), ("thread", "ignore")])
+def test_a_rank_is_signalled_when_its_launcher_dies(tmp_path, how, rank_does):
+    """watch_launcher alone: after a kill -9 of the launcher the rank gets SIGTERM, from Linux's
+    parent-death signal or from the watching thread; a rank that ignores it is ended after the grace."""
+    log = tmp_path / "rank.log"
+    env = dict(_env(), WORLD_SIZE="2")
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER_SCRIPT, str(log), RANK_SCRIPT, how,
+                                 rank_does], stdout=subprocess.PIPE, text=True, env=env)
+    rank = int(launcher.stdout.readline())
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "watching" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.05)
+    assert "watching" in log.read_text(), log.read_text()
+    launcher.kill()
+    launcher.wait()
+    left = _wait_gone([rank], RANK_DEATH_S)
+    text = log.read_text()
+    assert not left, text
+    if rank_does == "stop":
+        assert text.splitlines()[-1] == "SIGTERM", text
+    else:
+        assert f"its launcher (pid {launcher.pid}) died and it did not stop within 1 s; ending it" in text
