@@ -128,6 +128,20 @@ def check_run_outputs(req: RunRequest) -> None:
 
 
 def run_request(req: RunRequest, log=print) -> RunOutcome:
+    """_run_request; a rank whose launcher died (dist.watch_launcher) says that, whatever stopped it (the
+    SIGTERM, a collective its peers left, a checkpoint they did not finish)."""
+    try:
+        outcome = _run_request(req, log)
+    except (Exception, Interrupted) as e:
+        if launcher_gone() and not isinstance(e, RankLost):
+            raise rank_lost(req, getattr(e, "result", None)) from None
+        raise
+    if outcome.stopped is not None and launcher_gone():
+        raise rank_lost(req, outcome.result)
+    return outcome
+
+
+def _run_request(req: RunRequest, log=print) -> RunOutcome:
     """`tierflow run` on this process (one rank of several, or the only one): the outputs checked, the plan
     loaded and checked against its ops and tiers, then trained. Raises the run's errors (TierflowError; a
     rank that stops because another died: RankLost; a stop signal outside the training steps: RunStopped
