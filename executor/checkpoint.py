@@ -81,11 +81,21 @@ def check_same_training(ckpt: Path, manifest: dict, settings: dict, where: str) 
         return True
     was = manifest.get("shape") or {}
     now = settings.get("shape") or {}
+    states = was.get("optimizer_states"), now.get("optimizer_states")
+    if states[0] is not None and states[0] != states[1]:
+        old, new = states
+        raise OtherTraining(f"{where}: its checkpoint {ckpt.name} holds the optimizer states in {old}, but "
+                            f"this plan keeps them in {new} (a checkpoint resumes in its own format only): "
+                            f"resume with a plan of {old} states (tierflow plan ... --optimizer-states "
+                            f"{old}), or start this plan from its weights with fresh moments (run the old "
+                            "plan on this directory with --export-hf DIR, then this one with --init DIR and "
+                            "another --checkpoint-dir)")
     raise OtherTraining(f"{where}: its checkpoint {ckpt.name} was written with another plan of another "
                         f"training (model {manifest.get('model')!r}, batch {was.get('batch', '?')} x seq "
                         f"{was.get('seq', '?')}; this plan: model {now.get('model')!r}, batch "
-                        f"{now.get('batch', '?')} x seq {now.get('seq', '?')}): resume with a plan of the "
-                        "same model, batch and sequence length, or use another directory")
+                        f"{now.get('batch', '?')} x seq {now.get('seq', '?')}; or another optimizer-state "
+                        "format or precision): resume with a plan of the same model, batch, sequence length "
+                        "and optimizer states, or use another directory")
 
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}

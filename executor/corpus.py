@@ -247,7 +247,13 @@ def tokenize(path: str, tokenizer_dir: str | None, fields: Fields, vocab_size: i
                 "again")
             have = None
     if have is None or not _same_sources(have, want):
-        have = _write_cache(root, files, tok, fields, want, vocab_size)
+        made = _first_missing(root)  # what this run creates, removed again if the cache cannot be written
+        try:
+            have = _write_cache(root, files, tok, fields, want, vocab_size)
+        except BaseException:
+            if made is not None:
+                shutil.rmtree(made, ignore_errors=True)
+            raise
     dtype = np.dtype(have["dtype"])
     if have["tokens"] < 2:
         raise DataError(f"--data {path}: only {have['tokens']} tokens after tokenizing")
@@ -255,6 +261,16 @@ def tokenize(path: str, tokenizer_dir: str | None, fields: Fields, vocab_size: i
     mask = np.memmap(root / "mask.u8", dtype=np.uint8, mode="r") if have["masked"] else None
     what = f"{path} ({len(files)} file(s) tokenized with {Path(tokenizer_dir).name}, {len(tokens):,} tokens"
     return tokens, mask, what + (", prompts masked)" if mask is not None else ")")
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost directory of `path` (itself or a parent) that does not exist yet, None if it exists."""
+    missing = None
+    for d in [path, *path.parents]:
+        if d.exists():
+            break
+        missing = d
+    return missing
 
 
 def _read_manifest(root: Path) -> dict | None:

@@ -23,11 +23,16 @@ One process (no torchrun) on a 1-rank plan is `SINGLE`: no process group, nothin
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import signal
 import socket
 import sys
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,6 +184,7 @@ def init_world(plan_ranks: int, device: torch.device) -> DistWorld:
         return SINGLE
     if _WORLD is not None:
         return _WORLD
+    watch_launcher()  # before the rendezvous, which waits for every rank
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         kw: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(minutes=30)}
@@ -240,7 +246,9 @@ def _noted_exit(rank: int) -> bool:
 
 def peer_gone() -> bool:
     """Whether another rank of this host has ended, from /proc alone (no store: a signal handler calls it, and
-    the store's client may be held by a thread blocked in a collective)."""
+    the store's client may be held by a thread blocked in a collective), or this rank's launcher."""
+    if launcher_gone():
+        return True
     world = _WORLD
     if world is None or world.single or not world.peers:
         return False
@@ -300,6 +308,79 @@ def current_world() -> DistWorld | None:
     return _WORLD
 
 
+# -- a rank dies with its launcher ---------------------------------------------------------------------------
+# torchrun starts every rank in a session of its own (start_new_session): a launcher killed with SIGKILL
+# passes nothing on, and its ranks, now children of init, would train on. Each rank therefore watches its
+# launcher: Linux delivers SIGTERM at the launcher's death (prctl PR_SET_PDEATHSIG), and a thread polls the
+# parent pid (every system), sends the SIGTERM itself where the kernel did not, and ends the process if it
+# has not stopped LAUNCHER_GRACE_S later. SIGTERM stops the rank as a stop signal does (signals.py), at once
+# (peer_gone is true): the round under way is abandoned, a half-written checkpoint removed, the last
+# complete one kept.
+
+LAUNCHER_PID_ENV = "TIERFLOW_LAUNCHER_PID"  # set by `--nproc` (launch): the process that started the ranks
+LAUNCHER_POLL_S = 0.25
+LAUNCHER_GRACE_S = 15.0  # after the SIGTERM: the rank's own stop (workers joined, SSD files removed) ends it
+PR_SET_PDEATHSIG = 1
+# "pid": the launcher watched; "gone": threading.Event, set once it died; "alive": whether it lives now
+_LAUNCHER: dict[str, Any] = {}
+
+
+def _parent_death_signal(signum: int) -> bool:
+    """Ask Linux to send `signum` to this process when its parent dies; False where that is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def launcher_pid() -> int:
+    """The pid of the process that started this rank: --nproc's launcher (its environment says), else the
+    parent at the time of the first call (torchrun started by the user)."""
+    try:
+        return int(os.environ[LAUNCHER_PID_ENV])
+    except (KeyError, ValueError):
+        return os.getppid()
+
+
+def launcher_gone() -> bool:
+    """Whether the launcher of this rank has died (watch_launcher noticed it)."""
+    gone, alive = _LAUNCHER.get("gone"), _LAUNCHER.get("alive")
+    return gone is not None and (gone.is_set() or not alive())
+
+
+def watch_launcher(poll_s: float = LAUNCHER_POLL_S, grace_s: float = LAUNCHER_GRACE_S) -> None:
+    """Make this rank (launched by torchrun, several ranks) die with its launcher: SIGTERM when it dies, and
+    the end of the process `grace_s` after. Once per process; nothing for a process not launched as a rank."""
+    if _LAUNCHER or launched_ranks() <= 1:
+        return
+    pid = launcher_pid()
+    gone = threading.Event()
+    _LAUNCHER.update(pid=pid, gone=gone)
+    by_kernel = _parent_death_signal(signal.SIGTERM)
+    parent = os.getppid() == pid  # else a wrapper between (or the launcher died already): watch the pid
+
+    def alive() -> bool:  # a dead parent's children are re-parented (to init or a subreaper)
+        return os.getppid() == pid if parent else not _process_gone(pid)
+
+    _LAUNCHER["alive"] = alive
+
+    def watch() -> None:
+        while alive():
+            time.sleep(poll_s)
+        gone.set()  # the rank's stop says why (launch.rank_lost)
+        if not (by_kernel and parent):  # no signal from the kernel, or the launcher died before the prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        print(f"tierflow run [rank {os.environ.get('RANK', '?')}]: its launcher (pid {pid}) died and it did "
+              f"not stop within {grace_s:g} s; ending it", file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="tierflow-launcher-watch", daemon=True).start()
+
+
 # -- `tierflow run --nproc N`: torchrun, started from here ---------------------------------------------------
 
 LAUNCH_FLAGS = ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-id")
@@ -334,6 +415,25 @@ def torchrun_args(nproc: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: s
             "--module", "tierflow", *argv]
 
 
+@contextmanager
+def _ranks_env() -> Iterator[None]:
+    """The environment the ranks inherit while torchrun starts them, this process's own restored after: the
+    launcher's pid (the ranks watch it: watch_launcher), and c10d's C++ log at errors only, so that a rank
+    stopping because a peer or the launcher died says so in one line, without a warning and a C++ stack per
+    broken socket (TORCH_CPP_LOG_LEVEL=WARNING shows them again)."""
+    old = {k: os.environ.get(k) for k in (LAUNCHER_PID_ENV, "TORCH_CPP_LOG_LEVEL")}
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def launch(nproc: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str, argv: list[str]) -> int:
     """Run torch.distributed.run in this process; the exit code is that of the first rank that failed (so that
     bad input is 2, a diverged run 4, ...), 0 when all succeeded."""
@@ -349,7 +449,8 @@ def launch(nproc: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str, arg
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the failing rank says why
     args = parse_args(torchrun_args(nproc, nnodes, rdzv_endpoint, rdzv_id, argv))
     try:
-        run(args)
+        with _ranks_env():
+            run(args)
     except ChildFailedError as e:
         # the root cause: a rank killed by a signal (the others stop because of it, exit 5), else the first
         killed = [f for f in e.failures.values() if f.exitcode < 0]

@@ -478,6 +478,7 @@ def measured_result(plan: Plan, rr: RoundResult, measured_on: dict | None = None
         res.meta["device_memory"] = dict(rr.extra["device_memory"])
     if measured_on:
         res.meta["measured_on"] = dict(measured_on)
+    res.meta["optimizer_states"] = plan.model.optimizer_states or "fp32"  # fit and compare check it
     return res
 
 

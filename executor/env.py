@@ -12,6 +12,7 @@ guard.
 
 from __future__ import annotations
 
+import importlib
 import os
 import platform
 import shutil
@@ -66,6 +67,8 @@ class EnvReport:
     calibrate_device: str
     calibrate_measures: list[str] = field(default_factory=list)
     host_optimizer: str = ""  # which way the host AdamW op runs (executor/optim/fused_host_adamw.py describe)
+    # every optional accelerator (planner/core/numba_once.py), built: what really runs, by name
+    accelerators: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -155,6 +158,23 @@ def pinned_info() -> PinnedInfo:
     return PinnedInfo(soft, hard, mi.get("MemTotal"), mi.get("MemAvailable"), mi.get("Mlocked"))
 
 
+# the modules that make an optional accelerator (numba_once.OptionalKernel) at import: a new one adds its own
+ACCELERATOR_MODULES = ("tierflow.planner.core.simkernel", "tierflow.executor.optim.fused_host_adamw")
+
+
+def accelerator_status() -> dict[str, str]:
+    """What runs for every optional accelerator, each built (or its build tried) here, by name; a module
+    that does not import (no torch: said elsewhere in the report) adds none."""
+    from tierflow.planner.core.numba_once import ACCELERATORS
+
+    for m in ACCELERATOR_MODULES:
+        try:
+            importlib.import_module(m)
+        except Exception:  # noqa: BLE001 - torch missing or broken: the report's versions say it
+            continue
+    return {name: k.status().line for name, k in ACCELERATORS.items()}
+
+
 def collect(ssd_dir: str | os.PathLike[str] = ".") -> EnvReport:
     from tierflow import __version__
     from tierflow.executor.calibration import FULL, cpu_model, measurement_plan
@@ -181,7 +201,7 @@ def collect(ssd_dir: str | os.PathLike[str] = ".") -> EnvReport:
                      cores_online=os.cpu_count() or 1, cores_usable=usable, memory_bytes=mi.get("MemTotal"),
                      calibrate_device=device,
                      calibrate_measures=measurement_plan(device, FULL, ssd=True) if torch_version else [],
-                     host_optimizer=host_optimizer)
+                     host_optimizer=host_optimizer, accelerators=accelerator_status())
 
 
 # ---- formatting
@@ -228,6 +248,9 @@ def format_report(r: EnvReport) -> str:
               f"  memory     {_gib(r.memory_bytes)}"]
     if r.host_optimizer:
         lines.append(f"  host AdamW {r.host_optimizer}")
+    if r.accelerators:
+        lines += ["", "optional accelerators (each built here: what really runs)"]
+        lines += [f"  {name}: {line}" for name, line in r.accelerators.items()]
     lines += ["", f"tierflow calibrate here measures (--device {r.calibrate_device}, with --ssd-dir):"]
     if r.calibrate_measures:
         lines += [f"  {m}" for m in r.calibrate_measures]

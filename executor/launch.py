@@ -29,6 +29,8 @@ from tierflow.executor.dist import (
     RankLost,
     current_world,
     launched_ranks,
+    launcher_gone,
+    launcher_pid,
     leave_cleanly,
     lost_ranks,
     note_exit,
@@ -126,6 +128,20 @@ def check_run_outputs(req: RunRequest) -> None:
 
 
 def run_request(req: RunRequest, log=print) -> RunOutcome:
+    """_run_request; a rank whose launcher died (dist.watch_launcher) says that, whatever stopped it (the
+    SIGTERM, a collective its peers left, a checkpoint they did not finish)."""
+    try:
+        outcome = _run_request(req, log)
+    except (Exception, Interrupted) as e:
+        if launcher_gone() and not isinstance(e, RankLost):
+            raise rank_lost(req, getattr(e, "result", None)) from None
+        raise
+    if outcome.stopped is not None and launcher_gone():
+        raise rank_lost(req, outcome.result)
+    return outcome
+
+
+def _run_request(req: RunRequest, log=print) -> RunOutcome:
     """`tierflow run` on this process (one rank of several, or the only one): the outputs checked, the plan
     loaded and checked against its ops and tiers, then trained. Raises the run's errors (TierflowError; a
     rank that stops because another died: RankLost; a stop signal outside the training steps: RunStopped
@@ -147,11 +163,12 @@ def run_request(req: RunRequest, log=print) -> RunOutcome:
             t0 = time.perf_counter()
             return RunOutcome(run_plan(plan, opts, log), None, time.perf_counter() - t0)
     except RunStopped as e:
-        if e.exit_code in (130, 143) and lost_ranks():  # torchrun's SIGTERM after another rank died
+        # torchrun's SIGTERM after another rank died, or the kernel's when the launcher did (watch_launcher)
+        if e.exit_code in (130, 143) and (lost_ranks() or launcher_gone()):
             raise rank_lost(req, e.result) from None
         return RunOutcome(e.result, e, time.perf_counter() - t0)
     except Interrupted as e:
-        if lost_ranks():
+        if lost_ranks() or launcher_gone():
             raise rank_lost(req, None) from None
         raise RunStopped(f"interrupted by {e.name} outside the training steps; stopped cleanly, the SSD "
                          "tier's files removed", e.exit_code, None) from None
@@ -249,7 +266,8 @@ def rank_lost(req: RunRequest, res: RunResult | None, error: BaseException | Non
     while error is not None and not lost and time.monotonic() < deadline:
         time.sleep(0.05)
         lost = lost_ranks()
-    who = (", ".join(f"rank {r} (pid {pid})" for r, pid in lost) + " died"
+    who = (f"its launcher (pid {launcher_pid()}) died" if launcher_gone()
+           else ", ".join(f"rank {r} (pid {pid})" for r, pid in lost) + " died"
            if lost else f"a collective failed ({' '.join(str(error).split())[:80]}): another rank stopped")
     left = []
     if req.ssd_dir:

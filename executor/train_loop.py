@@ -315,7 +315,8 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
         data.check_batch(cfg.batch, cfg.seq)
     settings = {"plan": plan_fingerprint(plan), "seed": opts.seed, "hyper": asdict(opts.hyper),
                 "data": data.source, "training": training_digest(spec, cfg.batch, cfg.seq),
-                "shape": {"model": spec.name, "batch": cfg.batch, "seq": cfg.seq}}
+                "shape": {"model": spec.name, "batch": cfg.batch, "seq": cfg.seq,
+                          "optimizer_states": spec.optimizer_states or "fp32"}}
     tokens = cfg.batch * cfg.seq
     tr = _Training(plan, opts, backend, ssd, log, world, state, settings, tokens,
                    tokens * model_flops_per_token(spec, cfg.seq), val=val)

@@ -315,3 +315,181 @@ def test_a_teardown_that_never_returns_does_not_hold_a_rank(monkeypatch):
     assert problem == "leaving the process group did not finish in 0.2 s"
     monkeypatch.setattr(dist.dist, "destroy_process_group", lambda: None)
     assert dist.leave_cleanly(teardown_s=30) is None
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(d.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def _kill_launcher_at_checkpoint(launcher: subprocess.Popen, ck: Path, step: int, bound_s: float = 180):
+    """Wait until `ck` holds checkpoint `step` (or later), note the launcher's ranks, SIGKILL the launcher;
+    its ranks' pids."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline and launcher.poll() is None:
+        latest = ck / "latest"
+        if latest.is_file() and int(latest.read_text().strip()[4:] or 0) >= step:
+            break
+        time.sleep(0.05)
+    assert launcher.poll() is None, "the launch ended before the checkpoint"
+    ranks = _children(launcher.pid)
+    launcher.kill()
+    launcher.wait()
+    return ranks
+
+
+def _rank_of(pid: int) -> str | None:
+    """RANK in the environment of process `pid`."""
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next((v[5:].decode() for v in env if v.startswith(b"RANK=")), None)
+
+
+def _wait_gone(pids: list[int], bound_s: float) -> list[int]:
+    """The pids still alive after at most `bound_s` (each killed then, so that no test leaves them)."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    return left
+
+
+RANK_DEATH_S = 30.0  # the ranks of a killed launcher stop at once; the bound allows a busy 2-core machine
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_die_with_their_killed_launcher_and_the_checkpoint_resumes(tmp_path):
+    """kill -9 of `tierflow run --nproc 2` at its third checkpoint: both ranks (torchrun put them in sessions
+    of their own, so no signal reaches them) stop within seconds, train no further, and the last complete
+    checkpoint resumes."""
+    plan, ck, ssd = tmp_path / "plan.json", tmp_path / "ck", tmp_path / "ssd"
+    write_plan(make_plan("tiny-gpt", "vertical", "states_ssd", gpus=2, iterations=1), plan)
+    ssd.mkdir()
+    argv = [sys.executable, "-m", "tierflow", "run", str(plan), "--nproc", "2", "--device", "cpu",
+            "--checkpoint-dir", str(ck), "--checkpoint-every", "1", "--ssd-dir", str(ssd)]
+    with open(tmp_path / "err", "w") as err:
+        launcher = subprocess.Popen([*argv, "--steps", "100000"], stdout=subprocess.DEVNULL, stderr=err,
+                                    env=_env(), cwd=tmp_path)
+    ranks = _kill_launcher_at_checkpoint(launcher, ck, 3)
+    assert len(ranks) == 2, ranks
+    left = _wait_gone(ranks, RANK_DEATH_S)
+    err = (tmp_path / "err").read_text()
+    assert not left, f"ranks {left} outlived their launcher by {RANK_DEATH_S:g} s: {err[-2000:]}"
+    assert "its launcher (pid" in err and "Traceback" not in err, err[-2000:]
+    held = int((ck / "latest").read_text().strip()[4:])
+    time.sleep(1.0)  # nothing trains on
+    assert int((ck / "latest").read_text().strip()[4:]) == held
+    assert not [p for p in ssd.rglob("*") if p.is_file()]  # each rank removed its SSD files
+    p = subprocess.run([*argv, "--steps", str(held + 1), "--json"], capture_output=True, text=True,
+                       env=_env(), cwd=tmp_path, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = json.loads(p.stdout)
+    assert report["first_step"] == held and len(report["steps"]) == 1  # resumed after step `held`
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_killing_the_launcher_of_rank_0_ends_every_box(tmp_path):
+    """Two boxes (one launcher each, c10d rendezvous on 127.0.0.1): kill -9 of the launcher of rank 0 ends
+    its rank, and the other box's rank and launcher follow within seconds; the checkpoint directory keeps a
+    complete checkpoint of both ranks."""
+    plan, ck = tmp_path / "plan.json", tmp_path / "ck"
+    write_plan(make_plan("tiny-gpt", "vertical", "weights_cpu", gpus=1, nodes=2, iterations=1), plan)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-m", "tierflow", "run", str(plan), "--device", "cpu", "--steps", "100000",
+           "--checkpoint-dir", str(ck), "--checkpoint-every", "1", "--nproc", "1", "--nnodes", "2",
+           "--rdzv-endpoint", endpoint, "--rdzv-id", f"test-{os.getpid()}"]
+    boxes = []
+    for k in range(2):
+        with open(tmp_path / f"box{k}.err", "w") as err:
+            boxes.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=_env(),
+                                          cwd=tmp_path))
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (ck / "latest").is_file() and all(
+                b.poll() is None for b in boxes):
+            time.sleep(0.05)
+        errs = [(tmp_path / f"box{k}.err").read_text()[-2000:] for k in range(2)]
+        assert all(b.poll() is None for b in boxes) and (ck / "latest").is_file(), errs
+        ranks = {b.pid: _children(b.pid) for b in boxes}
+        first = next(b for b in boxes if any(_rank_of(r) == "0" for r in ranks[b.pid]))
+        other = next(b for b in boxes if b is not first)
+        _kill_launcher_at_checkpoint(first, ck, 2)
+        left = _wait_gone([r for rs in ranks.values() for r in rs], RANK_DEATH_S)
+        errs = [(tmp_path / f"box{k}.err").read_text()[-2000:] for k in range(2)]
+        assert not left, f"ranks {left} still ran {RANK_DEATH_S:g} s after rank 0's launcher died: {errs}"
+        other.wait(timeout=RANK_DEATH_S)  # its launcher sees its rank end
+        assert other.returncode != 0
+    finally:
+        for b in boxes:
+            if b.poll() is None:
+                b.kill()
+                b.wait()
+    latest = (ck / "latest").read_text().strip()
+    for r in range(2):
+        assert (ck / latest / f"rank-{r}" / "manifest.json").is_file()
+
+
+RANK_SCRIPT = """
+import os, signal, sys, time
+from tierflow.executor import dist
+if sys.argv[1] == "thread":  # as where Linux's parent-death signal is not available
+    dist._parent_death_signal = lambda signum: False
+if sys.argv[2] == "ignore":  # a rank that does not stop: ended LAUNCHER_GRACE_S after
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGTERM, lambda *a: (print("SIGTERM", flush=True), os._exit(7)))
+dist.watch_launcher(poll_s=0.05, grace_s=1.0)
+print("watching", flush=True)
+time.sleep(120)
+"""
+LAUNCHER_SCRIPT = """
+import subprocess, sys, time
+out = open(sys.argv[1], "w")
+rank = subprocess.Popen([sys.executable, "-c", sys.argv[2], *sys.argv[3:]], stdout=out, stderr=out,
+                        start_new_session=True)  # as torchrun starts a rank
+print(rank.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how,rank_does", [("kernel", "stop"), ("thread", "stop"), ("thread", "ignore")])
+def test_a_rank_is_signalled_when_its_launcher_dies(tmp_path, how, rank_does):
+    """watch_launcher alone: after a kill -9 of the launcher the rank gets SIGTERM, from Linux's
+    parent-death signal or from the watching thread; a rank that ignores it is ended after the grace."""
+    log = tmp_path / "rank.log"
+    env = dict(_env(), WORLD_SIZE="2")
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER_SCRIPT, str(log), RANK_SCRIPT, how,
+                                 rank_does], stdout=subprocess.PIPE, text=True, env=env)
+    rank = int(launcher.stdout.readline())
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "watching" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.05)
+    assert "watching" in log.read_text(), log.read_text()
+    launcher.kill()
+    launcher.wait()
+    left = _wait_gone([rank], RANK_DEATH_S)
+    text = log.read_text()
+    assert not left, text
+    if rank_does == "stop":
+        assert text.splitlines()[-1] == "SIGTERM", text
+    else:
+        assert f"its launcher (pid {launcher.pid}) died and it did not stop within 1 s; ending it" in text

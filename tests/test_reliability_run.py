@@ -456,6 +456,27 @@ def test_a_killed_runs_ssd_directory_is_removed_by_the_next_run(plans, tmp_path,
     assert leftovers(tmp_path) == []
 
 
+def test_an_ssd_directory_deleted_mid_run_is_one_line_and_exit_2(plans, tmp_path):
+    """The run's SSD directory removed while it trains: whichever op meets it first, a read or a write, the
+    run stops with one line naming the directory (exit 2), and leaves no SSD file behind."""
+    import shutil
+
+    p, _ = start_run(plans["one"], tmp_path)
+    run_dir = tmp_path / "ssd" / f"tierflow-run-{p.pid}"
+    assert run_dir.is_dir()
+    for _ in range(100):  # the run may create a file while it is removed (rmtree: directory not empty)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if not run_dir.exists():
+            break
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2, err[-2000:]
+    lines = [x for x in err.splitlines() if "error" in x]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert lines[0].startswith("tierflow run: error: ssd tier: tensor") and "is missing at its" in lines[0]
+    assert f"directory {run_dir} was deleted during the run" in lines[0]
+    assert not run_dir.exists()
+
+
 def test_an_exception_in_the_main_thread_joins_every_worker_first(plans, tmp_path):
     """What Ctrl-C does in the middle of a round (here from Python, SIGUSR1): every tierflow thread has ended
     when the exception leaves run_plan, so none runs torch ops at interpreter exit."""

@@ -315,3 +315,27 @@ def test_a_file_deleted_while_read_is_not_recycled(store):
     buf = aligned_empty(2 * CHUNK)
     assert os.preadv(f.fd, [memoryview(buf.numpy())], 0) == 2 * CHUNK and torch.equal(buf, data)
     store._release(f)
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_deleted_directory_is_one_line_at_a_write_and_a_read(tmp_path, wait):
+    """The SSD directory deleted under the store: the next write (queued or not) and the next read raise the
+    same one-line error naming the directory, and the write leaves no file behind."""
+    import shutil
+
+    from tierflow.executor.tiers.ssd_store import SsdFileGone
+
+    root = tmp_path / "run"
+    root.mkdir()
+    s = SsdStore(root, warn=lambda m: None)
+    try:
+        data = _bytes(2 * CHUNK)
+        s.write("a", data)
+        shutil.rmtree(root)
+        for op in (lambda: s.write("b", data, wait=wait), lambda: s.read("a", torch.uint8, data.numel())):
+            with pytest.raises(SsdFileGone, match=f"directory {root} was deleted during the run") as e:
+                op()
+            assert len(str(e.value).splitlines()) == 1 and "resume from the last checkpoint" in str(e.value)
+        assert not root.exists()
+    finally:
+        s.close()

@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from tierflow.extras import install_command
+from tierflow.planner.core.numba_once import OptionalKernel
 
 LANES = 16  # fp32 partial sums of squares per chunk (the C++ file's LANES)
 CHUNK = 16384  # elements per chunk: per set of partial sums and per unit of a thread's work (64 KiB of fp32)
@@ -63,26 +64,21 @@ NAME = "tierflow_fused_host_adamw"  # the extension's module name (torch's cache
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
 
 
-class _Once:
+class _Once(OptionalKernel):
     """The extension, built or loaded once per process on first use (under a lock: the executor's threads
-    may ask at once); `why` says why not where it is None."""
+    may ask at once), registered with tierflow env's accelerators (planner/core/numba_once.py); `error`
+    says why not where it did not build."""
 
     def __init__(self) -> None:
-        self.module, self.why, self.tried = None, "", False
+        super().__init__("host optimizer's one-pass step", _build, switch=SWITCH, kind="C++ extension",
+                         fallback="torch's kernels")
         self.lock = threading.Lock()
 
     def get(self):
         if os.environ.get(SWITCH) == "1":  # read at each call: a test or a benchmark may switch it
             return None
         with self.lock:
-            if not self.tried:
-                self.tried = True
-                self.why = unsupported()
-                if self.why:
-                    print(f"tierflow: torch's kernels run the host optimizer ({self.why})", file=sys.stderr)
-                else:
-                    self.module = _build()
-        return self.module
+            return super().get()
 
 
 def unsupported() -> str:
@@ -106,18 +102,14 @@ def unsupported() -> str:
 
 
 def _build():
-    """Build (or load from torch's extensions cache) the C++ file; None with one line on stderr where the
-    build fails."""
-    try:
-        from torch.utils.cpp_extension import load
+    """Build (or load from torch's extensions cache) the C++ file; what stops it (this platform, no compiler,
+    a failed build) raises, and _Once says so in one line on stderr: torch's kernels run instead."""
+    why = unsupported()
+    if why:
+        raise RuntimeError(why)
+    from torch.utils.cpp_extension import load
 
-        return load(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, verbose=False)
-    except Exception as e:  # noqa: BLE001 - whatever stops the build, torch's kernels do the job
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        _ONCE.why = f"the one-pass kernel did not build: {type(e).__name__}: {first}"
-        print(f"tierflow: torch's kernels run the host optimizer ({_ONCE.why}; {SWITCH}=1 skips the attempt)",
-              file=sys.stderr)
-        return None
+    return load(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, verbose=False)
 
 
 def kernel():
@@ -137,7 +129,7 @@ def status(min_elements: int) -> str:
     if os.environ.get(SWITCH) == "1":
         return f"torch's kernels ({SWITCH}=1)"
     if kernel() is None:
-        return f"torch's kernels ({_ONCE.why})"
+        return f"torch's kernels ({unsupported() or 'the one-pass kernel did not build: ' + _ONCE.error})"
     return f"one-pass kernel (C++ extension, loaded), {_threads()}, from {min_elements:,} elements per op"
 
 

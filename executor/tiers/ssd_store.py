@@ -71,6 +71,11 @@ class SsdError(TierflowError, RuntimeError):
     """The SSD directory cannot be used (missing, read-only, full)."""
 
 
+class SsdFileGone(ChecksumError):
+    """A file of the SSD tier, or its whole directory, deleted while the run used it (exit 2; a read and a
+    write say it alike, in one line)."""
+
+
 def split_counts(n: int, gpu: float, ssd: float) -> tuple[int, int, int]:
     """Elements of an n-element tensor on (gpu, cpu, ssd): [0, g) on the GPU, [g, g+c) in host memory, the
     rest on the SSD. The planner's placement fractions are of bytes; rounding to elements is the
@@ -498,8 +503,11 @@ class SsdStore:
         nbytes = data.numel()
         with self.lock:
             self.records.pop(name, None)  # the file is being overwritten: its old record no longer holds
-        self._take_spare(name, page_round(nbytes))
-        f = self._acquire(name, create=True)
+        try:
+            self._take_spare(name, page_round(nbytes))
+            f = self._acquire(name, create=True)
+        except FileNotFoundError:  # the directory was deleted: nothing of `name` is written
+            raise self._gone(name, "write") from None
         try:
             self._allocate(f, page_round(nbytes))
             chunk = self.io.chunk_bytes(nbytes)
@@ -613,7 +621,7 @@ class SsdStore:
         try:
             f = self._acquire(name, create=False)
         except FileNotFoundError:
-            raise ChecksumError(f"ssd tier: tensor {name} is missing ({path} was deleted)") from None
+            raise self._gone(name, "read") from None
         try:
             size = os.fstat(f.fd).st_size
             if size < page_round(nbytes):
@@ -632,6 +640,13 @@ class SsdStore:
         with self.lock:
             self.bytes_read += nbytes
         return buf[:nbytes].view(dtype)
+
+    def _gone(self, name: str, op: str) -> SsdFileGone:
+        """The one line of a file of the tier found deleted at a read or a write (or its whole directory)."""
+        what = (f"the SSD tier's directory {self.root} was deleted during the run" if not self.root.is_dir()
+                else f"{self.path(name)} was deleted")
+        return SsdFileGone(f"ssd tier: tensor {name} is missing at its {op} ({what}); leave --ssd-dir alone "
+                           "while a run uses it, and resume from the last checkpoint")
 
     def delete(self, name: str) -> None:
         """Remove `name`'s file (after its pending write, whose error, if any, no longer matters). With

@@ -37,8 +37,8 @@ def kernel_for(num_tasks: int):
 
 
 def kernel():
-    """The compiled kernel (compiled on first use, cached on disk by numba), or None without numba or with
-    TIERFLOW_PURE_SIM=1."""
+    """The compiled kernel (compiled on first use, cached on disk by numba), or None without numba, with
+    TIERFLOW_PURE_SIM=1, or where numba cannot compile it (one line on stderr: numba_once)."""
     return _ONCE.get()
 
 
@@ -52,7 +52,8 @@ def _build():
     return k
 
 
-_ONCE = NumbaOnce("TIERFLOW_PURE_SIM", _build)
+_ONCE = NumbaOnce("TIERFLOW_PURE_SIM", _build, name="simulator's event loop",
+                  fallback="the simulator's pure-Python loop")
 
 
 def _warm_up(k) -> None:

@@ -147,6 +147,9 @@ class SimResult:
                if self.meta.get("device_memory") else {}),
             # and the device it was measured on (tierflow compare: is it the plan's box?)
             **({"measured_on": dict(self.meta["measured_on"])} if self.meta.get("measured_on") else {}),
+            # an executor's measurement: the optimizer-state format it ran (a trace is fitted to its own)
+            **({"optimizer_states": self.meta["optimizer_states"]}
+               if self.meta.get("optimizer_states") else {}),
         }
 
 

@@ -76,15 +76,18 @@ class Comparison:
                 "other_box": self.other_box}
 
 
-def load_measured(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray]:
+def load_measured(path: str | Path, n_ops: int, plan: Plan | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(start_s, end_s) per op id from a Chrome trace; NaN for ops the trace does not hold."""
-    start, end, _ = load_measured_trace(path, n_ops)
+    start, end, _ = load_measured_trace(path, n_ops, plan)
     return start, end
 
 
-def load_measured_trace(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.ndarray, dict]:
+def load_measured_trace(path: str | Path, n_ops: int,
+                        plan: Plan | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
     """load_measured, and what the trace says of its run: {"device_memory": the device memory the executor
-    measured (otherData.measured_device_memory) or None, "measured_on": the device it ran on or None}."""
+    measured (otherData.measured_device_memory) or None, "measured_on": the device it ran on or None}. With
+    `plan`: TraceError when the trace says it ran another optimizer-state format (otherData
+    .optimizer_states; a trace that does not say is taken as it is)."""
     p = Path(path)
     try:
         d = loads_json_limited(read_text(p, MAX_TRACE_BYTES))  # plain or gzip-compressed
@@ -94,6 +97,8 @@ def load_measured_trace(path: str | Path, n_ops: int) -> tuple[np.ndarray, np.nd
     events = d.get("traceEvents") if isinstance(d, dict) else None
     if not isinstance(events, list):
         raise TraceError(f"{p}: no traceEvents list; pass the trace.json written by `tierflow run --out`")
+    if plan is not None:
+        check_trace_states(p, d.get("otherData"), plan)
     start, end = np.full(n_ops, np.nan), np.full(n_ops, np.nan)
     found = 0
     for index, ev in enumerate(events):
@@ -155,10 +160,21 @@ def box_mismatch(hw: HardwareProfile, measured_on: dict | None) -> str | None:
             f"-o box.yaml --device {kind}` and plan again with `--hw box.yaml`")
 
 
+def check_trace_states(path: Path, other: object, plan: Plan) -> None:
+    """TraceError, one line naming both formats, when the trace's run kept its optimizer states in another
+    format than `plan` (the optimizer ops' bytes and times differ: a fit or a comparison would be wrong)."""
+    ran = other.get("optimizer_states") if isinstance(other, dict) else None
+    want = plan.model.optimizer_states or "fp32"
+    if isinstance(ran, str) and ran != want:
+        raise TraceError(f"{path}: a trace of a run with {ran} optimizer states, but the plan keeps them in "
+                         f"{want}: pass the plan the trace was measured with, or measure this one (tierflow "
+                         "run PLAN --out DIR)")
+
+
 def compare(plan: Plan, trace_path: str | Path) -> Comparison:
     pred = simulate_plan(plan)
     tasks = plan.graph.tasks
-    ms, me, meta = load_measured_trace(trace_path, len(tasks))
+    ms, me, meta = load_measured_trace(trace_path, len(tasks), plan)
     ran = ~np.isnan(ms)
     iters = int(max(t.iteration for t, r in zip(tasks, ran) if r)) + 1
     for t, r in zip(tasks, ran):

@@ -68,13 +68,27 @@ def in_precision(model: ModelSpec, args: argparse.Namespace) -> ModelSpec:
     return in_state_format(model, args)
 
 
+DEFAULT_ACCEPTED_STATES = "fp32,8bit"
+
+
+def check_accept_states(args: argparse.Namespace) -> None:
+    """--accept-states without --optimizer-states auto would change nothing: UsageError, one line."""
+    if getattr(args, "accept_states", None) is None or getattr(args, "optimizer_states", None) == "auto":
+        return
+    given = getattr(args, "optimizer_states", None)
+    with_ = f"--optimizer-states {given}" if given else "the default fp32 states"
+    raise UsageError(f"--accept-states {args.accept_states}: it lists the formats --optimizer-states auto "
+                     f"may choose, and has no effect with {with_}; pass --optimizer-states auto, or leave "
+                     "--accept-states out")
+
+
 def add_optimizer_states_arg(p: argparse.ArgumentParser, auto: bool = False) -> None:
     """--optimizer-states: the format of AdamW's master copy and moments (tierflow.planner.core.optstates);
     with `auto` also "auto" and --accept-states (tierflow plan: the fastest accepted format)."""
     if auto:
-        p.add_argument("--accept-states", default="fp32,8bit", metavar="F,F",
-                       help="with --optimizer-states auto: the formats whose quality cost you accept "
-                       "(default fp32,8bit; docs/compressed-states.md measures each)")
+        p.add_argument("--accept-states", default=None, metavar="F,F",
+                       help="with --optimizer-states auto (refused without it): the formats whose quality "
+                       "cost you accept (default fp32,8bit; docs/compressed-states.md measures each)")
     p.add_argument("--optimizer-states", choices=[*OPTIMIZER_STATE_NAMES, *(["auto"] if auto else [])],
                    default=None,
                    help="AdamW's states: fp32 (default: fp32 master, m and v, 12 bytes per parameter), "
@@ -110,7 +124,8 @@ def world_of(args: argparse.Namespace) -> World:
 
 def accepted_states(args: argparse.Namespace, model: ModelSpec) -> list[str]:
     """--accept-states as a list of formats (UsageError for an unknown one or one the model cannot use)."""
-    out = [f.strip() for f in args.accept_states.split(",") if f.strip()]
+    given = DEFAULT_ACCEPTED_STATES if args.accept_states is None else args.accept_states
+    out = [f.strip() for f in given.split(",") if f.strip()]
     for f in out:
         if f not in OPTIMIZER_STATE_NAMES:
             raise UsageError(f"--accept-states: {f!r} is not one of {', '.join(OPTIMIZER_STATE_NAMES)}")

@@ -67,7 +67,7 @@ def _run_trace(args: argparse.Namespace, fields: list) -> int:
     plan = load_plan(args.plan)
     hw = load_hw(args.hw, args.set) if args.hw else plan.hardware.with_overrides(parse_overrides(args.set))
     prog = Progress(1, "fitting")
-    start_s, end_s = load_measured(args.trace, len(plan.graph.tasks))
+    start_s, end_s = load_measured(args.trace, len(plan.graph.tasks), plan)
     res = fit_trace(plan, start_s, end_s, hw, fields or None, source=args.trace,
                     progress=lambda i, n, what: prog.update(i, n, what))
     prog.finish()

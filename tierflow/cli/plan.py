@@ -17,6 +17,7 @@ from tierflow.cli.args import (
     add_precision_arg,
     add_seq_arg,
     add_world_args,
+    check_accept_states,
     in_precision,
 )
 from tierflow.cli.argtypes import positive_float
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from tierflow.planner.search.explain import explain
 
     _check_outputs(args)
+    check_accept_states(args)
     model = in_precision(get_model(args.model), args)
     if args.seq is not None:
         model = model.with_seq(args.seq)
