@@ -66,7 +66,7 @@ class EnvReport:
     memory_bytes: int | None
     calibrate_device: str
     calibrate_measures: list[str] = field(default_factory=list)
-    host_optimizer: str = ""  # which way the host AdamW op runs (executor/optim/fused_host_adamw.py describe)
+    host_optimizer: str = ""  # which way the host AdamW op runs (executor/optim/fused_host_adamw.py status)
     # every optional accelerator (planner/core/numba_once.py), built: what really runs, by name
     accelerators: dict[str, str] = field(default_factory=dict)
 
@@ -192,10 +192,10 @@ def collect(ssd_dir: str | os.PathLike[str] = ".") -> EnvReport:
     mi = meminfo()
     host_optimizer = ""
     if torch_version:
-        from tierflow.executor.optim.fused_host_adamw import describe
+        from tierflow.executor.optim.fused_host_adamw import status
         from tierflow.executor.optim.host_adamw import MIN_KERNEL_ELEMENTS
 
-        host_optimizer = describe(MIN_KERNEL_ELEMENTS)
+        host_optimizer = status(MIN_KERNEL_ELEMENTS)  # built (or its build tried) here: what really runs
     return EnvReport(versions=versions, torch_error=torch_error, cuda=cuda, gpus=gpus,
                      ssd_dir=ssd_dir_info(ssd_dir), pinned=pinned_info(), cpu=cpu_model(),
                      cores_online=os.cpu_count() or 1, cores_usable=usable, memory_bytes=mi.get("MemTotal"),

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from tierflow.executor.env import accelerator_status
+from tierflow.extras import install_command
 from tierflow.planner.core import numba_once
 from tierflow.planner.core.numba_once import ACCELERATORS, OptionalKernel
 
@@ -59,8 +60,8 @@ def test_a_kernel_that_builds_runs_and_one_whose_package_is_missing_is_silent(ke
     missing = OptionalKernel(kernel_name, lambda: abs, switch="TIERFLOW_TEST_KERNEL_OFF",
                              needs="tierflow_no_such_package", fallback="the plain loop")
     assert missing.get() is None and capsys.readouterr().err == ""
-    assert missing.status().line == ("the plain loop (tierflow_no_such_package is not installed: pip install "
-                                     "'tierflow[fast]' gives the kernel)")
+    assert missing.status().line == ("the plain loop (tierflow_no_such_package is not installed: "
+                                     f"{install_command('fast')} gives the kernel)")
 
 
 def test_one_line_keeps_a_long_message_short():
@@ -102,7 +103,6 @@ def test_env_reports_what_really_runs_with_a_broken_numba(tmp_path, source, caus
     assert acc["simulator's event loop"].startswith("the simulator's pure-Python loop (the numba kernel did "
                                                     f"not build: {cause}")
     host = json.loads(p.stdout)["host_optimizer"]
-    assert host.startswith("torch's kernels (the numba kernel did not build: ")  # the plain stand-in lacks
-    # numba.core, which the optimizer's kernel takes its intrinsics from
-    assert acc["host optimizer's one-pass step"] == host
-    assert "Traceback" not in p.stderr and len(p.stderr.splitlines()) == 2  # one line per kernel
+    # the host optimizer's kernel is a C++ extension (torch.utils.cpp_extension): a broken numba leaves it be
+    assert "numba" not in host and "numba" not in acc["host optimizer's one-pass step"]
+    assert "Traceback" not in p.stderr and len(p.stderr.splitlines()) == 1  # the simulator's kernel's line

@@ -197,7 +197,7 @@ def test_a_kernel_that_does_not_build_leaves_torchs_kernels(monkeypatch, capsys)
     monkeypatch.setattr(fused_host_adamw, "_ONCE", fused_host_adamw._Once())  # not built yet in this process
     assert fused_host_adamw.kernel() is None and not fused_host_adamw.available()
     err = capsys.readouterr().err
-    assert "did not build: RuntimeError: Error building extension 'x'" in err and len(err.splitlines()) == 1
+    assert "did not build (RuntimeError: Error building extension 'x'" in err and len(err.splitlines()) == 1
     assert "did not build" in fused_host_adamw.status(0)
     sq = _run(_state(4), 1, None, [], [(LO, HI, torch.empty(N))], 1)
     assert isinstance(sq, torch.Tensor)  # torch's kernels' squares
