@@ -52,5 +52,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configure(level_of(args))
         return args.func(args) or 0
-    except (TierflowError, ValueError, OSError, KeyboardInterrupt) as e:
+    except (TierflowError, ValueError, OSError, KeyboardInterrupt, MemoryError) as e:
         return exit_code(e)
