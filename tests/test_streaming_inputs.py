@@ -1,5 +1,5 @@
-"""Every input streamed within a stated bound (issue 53, items 1-2), and text data the same whatever its shape
-(issue 54, item 3).
+"""Every input streamed within a stated bound, a MemoryError anywhere one line, and text data the same
+whatever its shape (a file, a directory, JSON Lines: byte tokens when no tokenizer is given).
 
 The hostile files are read in a child process whose address space is limited (RLIMIT_AS) to what it maps
 once its modules are imported plus a small headroom: the child measures its own address space after the
@@ -169,7 +169,7 @@ def test_text_pieces_give_the_tokens_of_the_whole_text(tmp_path, bpe_dir, monkey
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Text data the same whatever its shape (issue 54, item 3)
+# Text data the same whatever its shape
 # ---------------------------------------------------------------------------------------------------------
 
 def test_text_as_a_file_a_directory_or_json_lines_trains_on_byte_tokens_without_a_tokenizer(tmp_path, capsys):
