@@ -15,7 +15,8 @@ with the model's own tokenizer and cached.
   whose line could not be parsed in the memory left is refused up front), a Parquet file a batch of rows at a
   time (a row group that could not be held is refused up front), and the tokens are appended to the cache
   files as they come: memory is bounded by one piece, line or row group, never by the data's size.
-- Cache: the tokens as a memory-mapped file (`tokens.u16` or `tokens.u32`, plus `mask.u8` with masked
+- Cache: the tokens as a file read a window at a time (data.TokenFile: `tokens.u1` for byte tokens,
+  `tokens.u16` or `tokens.u32`, plus `mask.u8` with masked
   prompts) in `<data>.tierflow-tokens/` (a directory's: `<dir>/.tierflow-tokens/`) beside `manifest.json`
   naming every source (path, size, mtime), the tokenizer (directory and the SHA-256 of its files), the
   fields, and the size and CRC32 of every cache file; a run whose sources or tokenizer differ tokenizes again,
@@ -39,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from tierflow.executor.checkpoint import file_crc32
-from tierflow.executor.data import DataError, not_a_file
+from tierflow.executor.data import DataError, TokenFile, not_a_file
 from tierflow.hwprofiles.inputs import InputLimitError, check_affordable, reading, size_text
 from tierflow.planner.io.progress import Progress
 
@@ -452,8 +453,8 @@ def tokenize(path: str, tokenizer_dir: str | None, fields: Fields, vocab_size: i
     dtype = np.dtype(have["dtype"])
     if have["tokens"] < 2:
         raise DataError(f"--data {path}: only {have['tokens']} tokens after tokenizing")
-    tokens = np.memmap(root / f"tokens.{dtype.str[1:]}", dtype=dtype, mode="r")
-    mask = np.memmap(root / "mask.u8", dtype=np.uint8, mode="r") if have["masked"] else None
+    tokens = TokenFile(root / f"tokens.{dtype.str[1:]}", dtype)  # read a window at a time (data.py)
+    mask = TokenFile(root / "mask.u8", np.uint8) if have["masked"] else None
     what = f"{path} ({len(files)} file(s) tokenized with {enc.name}, {len(tokens):,} tokens"
     return tokens, mask, what + (", prompts masked)" if mask is not None else ")")
 

@@ -128,7 +128,8 @@ def test_text_with_a_tokenizer_is_tokenized_in_pieces_under_an_address_space_lim
 
 def test_a_long_json_lines_line_is_refused_where_the_raised_limit_cannot_hold_it(tmp_path, bpe_dir):
     """--max-line-mib 4096 let a 2 GiB line through to a MemoryError; now the limit is refused up front when
-    such a line (at most the file) could not be parsed in the memory left, and short lines stream."""
+    such a line (at most the file) could not be parsed in the memory left, and short lines stream; a token
+    file larger than the address space left is read a window at a time."""
     long = tmp_path / "long.jsonl"
     with open(long, "w") as f:
         f.write('{"text": "')
@@ -136,11 +137,15 @@ def test_a_long_json_lines_line_is_refused_where_the_raised_limit_cannot_hold_it
         f.write('"}\n')
     short = tmp_path / "short.jsonl"
     short.write_text("".join(json.dumps({"text": f"row {i} of many"}) + "\n" for i in range(20000)))
-    cases = [[str(long), bpe_dir, 4096], [str(short), None, 4096]]
+    tokens = tmp_path / "tokens.bin"  # a uint16 token file of 8 times the headroom (sparse): read a window at
+    with open(tokens, "wb") as f:  # a time, not mapped whole
+        f.truncate(512 * 2**20)
+    cases = [[str(long), bpe_dir, 4096], [str(short), None, 4096], [str(tokens), None, 64]]
     rc, out, err = limited(DATA_WORK, 64, DATA_PRELOAD, LOAD_TOKENIZER, TOK=bpe_dir, CASES=json.dumps(cases),
                            CACHE=str(tmp_path / "c"))
     assert rc == 0, err[-3000:]
-    first, second = out.split("\n")[:2]
+    first, second, third = out.split("\n")[:3]
+    assert third == f"ok {256 * 2**20}", out
     assert first.startswith("refused") and "--max-line-mib 4096" in first, out
     assert "address-space limit" in first, out
     assert second.startswith("ok ") and int(second.split()[1]) > 20000 * 14, out
