@@ -340,3 +340,12 @@ def test_a_memory_error_anywhere_is_one_line_with_exit_code_3(monkeypatch, capsy
     rc = main(["simulate", *TINY])
     line = one_line(capsys.readouterr().err)
     assert rc == 3 and line.startswith("tierflow: out of memory: ran out of memory"), line
+
+
+def test_a_deepspeed_config_for_training_is_read_bounded():
+    """run --ds-config's training sections were read with read_text: /dev/zero grew to a MemoryError."""
+    work = ("from tierflow.planner.io.deepspeed.train import DsTrainError, ds_training_settings\n"
+            "try:\n    ds_training_settings('/dev/zero')\nexcept DsTrainError as e:\n    print(e)\n")
+    rc, out, err = limited(work, 64, "numpy,tierflow.planner.io.deepspeed.train")
+    assert rc == 0, err[-2000:]
+    assert "--ds-config /dev/zero: cannot read it as JSON (is not a regular file" in out, out
