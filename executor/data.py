@@ -3,12 +3,17 @@
 tokens and prompt mask here), or, with no file, a fixed pseudo-random stream (for smoke runs and tests).
 A target whose mask is 0 (a prompt's token) is -100, which the loss ignores.
 
+Token files (a .bin/.u16 file, a text file's bytes, the token cache) are read through `TokenFile`: a window
+of the file at a time with pread, so that memory, address space included, is one batch whatever the file's
+size (a memory map would take the file's size of address space: a 4 GiB token file under a 3 GB limit).
+
 Batches are a pure function of the step number, so the data position is just the step: a run resumed from a
 checkpoint at step s reads exactly the batches an uninterrupted run would have read from step s on.
 """
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
@@ -35,6 +40,60 @@ def not_a_file(p: Path) -> str:
     return what if what == "a directory" else f"{what}, not a regular file"
 
 
+MAX_CHUNK_TOKENS = 1 << 20  # read at a time by TokenFile.max and iteration
+
+
+class TokenFile:
+    """Tokens of `dtype` in a file, from `offset` (in tokens) for `length` tokens, read a window at a time:
+    slicing gives a view (no read), np.asarray(view) reads it; `max()` and iteration read a chunk at a
+    time. An array-like for TokenData: len, slices, np.asarray, max, iteration."""
+
+    def __init__(self, path: str | Path, dtype: np.dtype | type, offset: int = 0, length: int | None = None
+                 ) -> None:
+        self.path, self.dtype = str(path), np.dtype(dtype)
+        size = os.stat(self.path).st_size // self.dtype.itemsize
+        self.offset = offset
+        self.length = size - offset if length is None else length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice) -> TokenFile:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("TokenFile: only contiguous slices")
+        start, stop, _ = key.indices(self.length)
+        return TokenFile(self.path, self.dtype, self.offset + start, max(stop - start, 0))
+
+    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Tokens [start, stop) of this view as an array (pread: no file position shared between threads)."""
+        stop = self.length if stop is None else min(stop, self.length)
+        n = max(stop - start, 0)
+        item = self.dtype.itemsize
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            data = os.pread(fd, n * item, (self.offset + start) * item)
+        finally:
+            os.close(fd)
+        if len(data) != n * item:
+            raise DataError(f"--data {self.path}: shorter than when it was opened (changed while training?)")
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        a = self.read()
+        return a if dtype is None else a.astype(dtype)
+
+    def chunks(self):
+        for start in range(0, self.length, MAX_CHUNK_TOKENS):
+            yield self.read(start, start + MAX_CHUNK_TOKENS)
+
+    def __iter__(self):
+        for chunk in self.chunks():
+            yield from chunk.tolist()
+
+    def max(self) -> int:
+        return max((int(c.max()) for c in self.chunks() if len(c)), default=0)
+
+
 class TokenData:
     def __init__(self, tokens: np.ndarray, source: str, mask: np.ndarray | None = None) -> None:
         self.tokens = tokens
@@ -58,9 +117,9 @@ class TokenData:
             if p.stat().st_size % 2:
                 raise DataError(f"--data {p}: {p.stat().st_size} bytes is not a whole number of uint16 "
                                 "tokens (pass --data-format text for a text file)")
-            tokens = np.memmap(p, dtype=np.uint16, mode="r")
+            tokens = TokenFile(p, np.uint16)
         elif fmt == "text":
-            tokens = np.memmap(p, dtype=np.uint8, mode="r")
+            tokens = TokenFile(p, np.uint8)
         else:
             raise DataError(f"--data-format {fmt!r}: use auto, uint16, text or tokenize")
         if len(tokens) < 2:

@@ -521,7 +521,7 @@ def test_a_gzip_bomb_is_refused_before_it_is_held(tmp_path):
     import tracemalloc
 
     from tierflow.hwprofiles.inputs import InputLimitError
-    from tierflow.planner.core.jsonio import _check_expanded_size, read_text
+    from tierflow.planner.core.jsonio import _scan, read_text
 
     bomb = tmp_path / "trace.json.gz"
     data = gzip.compress(b" " * (64 * 2**20))  # 64 MiB of spaces, 64 KiB compressed
@@ -531,7 +531,7 @@ def test_a_gzip_bomb_is_refused_before_it_is_held(tmp_path):
     tracemalloc.start()
     try:
         with pytest.raises(InputLimitError, match="once decompressed"):
-            _check_expanded_size(data, 32 * 2**20)  # read_text's check, before it decompresses to memory
+            _scan(data, 32 * 2**20)  # read_text's check, before it decompresses to memory
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

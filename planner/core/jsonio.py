@@ -16,7 +16,14 @@ import zlib
 from pathlib import Path
 from typing import IO, Any
 
-from tierflow.hwprofiles.inputs import InputLimitError, read_limited_bytes
+from tierflow.hwprofiles.inputs import (
+    InputLimitError,
+    check_affordable,
+    json_parse_bound_bytes,
+    read_limited_bytes,
+    reading,
+    size_text,
+)
 from tierflow.outputs import atomic_path
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -49,29 +56,49 @@ def open_text(path: str | os.PathLike[str], mode: str = "r") -> IO[str]:
     return open(path, mode, encoding="utf-8")
 
 
-def read_text(path: str | os.PathLike[str], max_bytes: int | None = None) -> str:
+def read_text(path: str | os.PathLike[str], max_bytes: int | None = None, *, json_cost: bool = False,
+              what: str | None = None) -> str:
     """The whole text of a plain or gzip-compressed file. A damaged gzip file raises OSError (gzip raises
     EOFError when it is truncated and zlib.error when its data is corrupt; both become OSError here). With
     `max_bytes`, the file must be a regular file of at most that size, and its text at most that many
     characters once decompressed (InputLimitError, a ValueError, otherwise: /dev/zero or a gzip bomb is
-    refused, not read)."""
-    try:
-        if max_bytes is None:
+    refused, not read); the decompressed size is counted a chunk at a time before the text is held, and
+    the text (plus, with `json_cost`, the worst case of parsing it as JSON: inputs.json_parse_bound_bytes)
+    must fit in what this process can still allocate, else InputLimitError before it is inflated. Memory:
+    the file's bytes (compressed or plain) + twice its decompressed size (bytes, then str) + the parse bound.
+    A MemoryError on the way is one line naming `what` (default: the path) and `max_bytes`
+    (inputs.InputMemoryError)."""
+    if max_bytes is None:
+        try:
             with open_text(path, "r") as f:
-                text = f.read()
-        else:  # read once (a pipe can be), bounded, then decompressed in memory, bounded
-            data = read_limited_bytes(path, max_bytes)
-            if data[:2] == GZIP_MAGIC:
-                _check_expanded_size(data, max_bytes)  # a gzip bomb is refused before it is held
-                with gzip.open(io.BytesIO(data), "rt", encoding="utf-8") as f:
-                    text = f.read(max_bytes + 1)
-            else:
-                text = data.decode("utf-8")
+                return f.read()
+        except EOFError as exc:
+            raise OSError(f"truncated gzip file ({exc})") from exc
+        except zlib.error as exc:
+            raise OSError(f"corrupt gzip data ({exc})") from exc
+    with reading(what or os.fspath(path), f"{size_text(max_bytes)} of text"):
+        return _read_bounded(path, max_bytes, json_cost)
+
+
+def _read_bounded(path: str | os.PathLike[str], max_bytes: int, json_cost: bool) -> str:
+    try:  # read once (a pipe can be), bounded, then decompressed in memory, bounded
+        data = read_limited_bytes(path, max_bytes)
+        packed = data[:2] == GZIP_MAGIC
+        n, objects, arrays = _scan(data, max_bytes) if packed else \
+            (len(data), data.count(b"{"), data.count(b"["))
+        need = (len(data) if packed else 0) + 2 * n
+        if json_cost:
+            need += json_parse_bound_bytes(n, objects, arrays)
+        check_affordable(need, f"its {size_text(n)} of text" + (" parsed as JSON" if json_cost else ""))
+        if packed:
+            with gzip.open(io.BytesIO(data), "rb") as f:
+                data = f.read(max_bytes + 1)
+        text = data.decode("utf-8")
     except EOFError as exc:
         raise OSError(f"truncated gzip file ({exc})") from exc
     except zlib.error as exc:
         raise OSError(f"corrupt gzip data ({exc})") from exc
-    if max_bytes is not None and len(text) > max_bytes:
+    if len(text) > max_bytes:
         raise InputLimitError(f"holds more than {max_bytes:,} characters once decompressed (the limit)")
     return text
 
@@ -79,15 +106,18 @@ def read_text(path: str | os.PathLike[str], max_bytes: int | None = None) -> str
 EXPAND_CHUNK_BYTES = 1 << 20
 
 
-def _check_expanded_size(data: bytes, max_bytes: int) -> None:
-    """InputLimitError if gzip `data` expands to more than `max_bytes`: decompressed a chunk at a time and
-    counted, holding one chunk, so that what the limit refuses never reaches memory."""
-    n = 0
+def _scan(data: bytes, max_bytes: int) -> tuple[int, int, int]:
+    """(bytes, '{' count, '[' count) of gzip `data` once decompressed, counted a chunk at a time, holding one
+    chunk; InputLimitError past `max_bytes`, so that what the limit refuses never reaches memory."""
+    n = objects = arrays = 0
     with gzip.open(io.BytesIO(data), "rb") as f:
         while chunk := f.read(EXPAND_CHUNK_BYTES):
             n += len(chunk)
+            objects += chunk.count(b"{")
+            arrays += chunk.count(b"[")
             if n > max_bytes:
                 raise InputLimitError(f"holds more than {max_bytes:,} bytes once decompressed (the limit)")
+    return n, objects, arrays
 
 
 def write_text(path: str | os.PathLike[str], text: str) -> None:

@@ -18,13 +18,13 @@ import numpy as np
 
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile
-from tierflow.hwprofiles.inputs import GIB, loads_json_limited
+from tierflow.hwprofiles.inputs import GIB, reading
 from tierflow.planner.core.contract import Plan
 from tierflow.planner.core.graph import LINKS
-from tierflow.planner.core.jsonio import read_text
 from tierflow.planner.core.simulator import SimResult
 from tierflow.planner.core.timefmt import fmt_s
 from tierflow.planner.io.planfile import PlanError, simulate_plan
+from tierflow.planner.io.tracestream import MAX_VALUE_BYTES, iter_trace
 
 
 class TraceError(TierflowError, ValueError):
@@ -82,43 +82,57 @@ def load_measured(path: str | Path, n_ops: int, plan: Plan | None = None) -> tup
     return start, end
 
 
+def _op_event(p: Path, ev: object, n_ops: int) -> int | None:
+    """The op id of a complete event ("ph": "X" with an integer args.id), None for any other event."""
+    if not isinstance(ev, dict) or ev.get("ph") != "X":
+        return None
+    oid = (ev.get("args") or {}).get("id")
+    if not isinstance(oid, int):
+        return None
+    if not 0 <= oid < n_ops:
+        raise TraceError(f"{p}: op id {oid} is not in the plan (0..{n_ops - 1}); trace of another plan?")
+    return oid
+
+
 def load_measured_trace(path: str | Path, n_ops: int,
                         plan: Plan | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
     """load_measured, and what the trace says of its run: {"device_memory": the device memory the executor
-    measured (otherData.measured_device_memory) or None, "measured_on": the device it ran on or None}. With
-    `plan`: TraceError when the trace says it ran another optimizer-state format (otherData
-    .optimizer_states; a trace that does not say is taken as it is)."""
+    measured (otherData.measured_device_memory) or None, "measured_on": the device it ran on or None}, read
+    an event at a time (planner/io/tracestream.py). With `plan`: TraceError when the trace says it ran
+    another optimizer-state format (otherData.optimizer_states; a trace that does not say is taken as it
+    is)."""
     p = Path(path)
-    try:
-        d = loads_json_limited(read_text(p, MAX_TRACE_BYTES))  # plain or gzip-compressed
-    except (OSError, ValueError) as e:  # also InputLimitError: not a regular file, too large, nested too deep
-        raise TraceError(f"{p}: cannot read a trace ({e}); pass the trace.json written by `tierflow run "
-                         "--out`") from None
-    events = d.get("traceEvents") if isinstance(d, dict) else None
-    if not isinstance(events, list):
-        raise TraceError(f"{p}: no traceEvents list; pass the trace.json written by `tierflow run --out`")
-    if plan is not None:
-        check_trace_states(p, d.get("otherData"), plan)
+    others: dict = {}
+    first: list = []  # the first events: an older trace's device is in its process name (_measured_on)
     start, end = np.full(n_ops, np.nan), np.full(n_ops, np.nan)
     found = 0
-    for index, ev in enumerate(events):
-        if not isinstance(ev, dict) or ev.get("ph") != "X":
-            continue
-        oid = (ev.get("args") or {}).get("id")
-        if not isinstance(oid, int):
-            continue
-        if not 0 <= oid < n_ops:
-            raise TraceError(f"{p}: op id {oid} is not in the plan (0..{n_ops - 1}); trace of another plan?")
-        start[oid], end[oid] = _event_times_s(p, index, ev, oid)
-        found += 1
+    try:
+        with reading(str(p), f"one event of at most {MAX_VALUE_BYTES >> 20} MiB at a time"):
+            for index, ev in enumerate(iter_trace(p, MAX_TRACE_BYTES, others)):
+                if index < 4:
+                    first.append(ev)
+                oid = _op_event(p, ev, n_ops)
+                if oid is not None:
+                    start[oid], end[oid] = _event_times_s(p, index, ev, oid)
+                    found += 1
+    except (OSError, ValueError) as e:  # also InputLimitError: not a regular file, too large, nested too deep
+        if isinstance(e, TraceError):
+            raise
+        raise TraceError(f"{p}: cannot read a trace ({e}); pass the trace.json written by `tierflow run "
+                         "--out`") from None
+    if not isinstance(others.get("traceEvents"), list):
+        raise TraceError(f"{p}: no traceEvents list; pass the trace.json written by `tierflow run --out`")
+    if plan is not None:
+        check_trace_states(p, others.get("otherData"), plan)
     if not found:
         raise TraceError(f"{p}: no op events with args.id; pass the trace.json written by `tierflow run "
                          "--out`")
+    d = others
     mem = (d.get("otherData") or {}).get("measured_device_memory")
     if not (isinstance(mem, dict) and all(isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
                                           for v in mem.values())):
         mem = None
-    return start, end, {"device_memory": mem, "measured_on": _measured_on(d, events)}
+    return start, end, {"device_memory": mem, "measured_on": _measured_on(d, first)}
 
 
 def _measured_on(d: dict, events: list) -> dict | None:

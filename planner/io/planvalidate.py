@@ -23,7 +23,14 @@ from typing import Any
 
 from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile, ProfileError, profile_from_dict, type_name
-from tierflow.hwprofiles.inputs import GIB, InputLimitError, loads_json_limited
+from tierflow.hwprofiles.inputs import (
+    GIB,
+    InputLimitError,
+    InputTooCostly,
+    loads_json_limited,
+    reading,
+    size_text,
+)
 from tierflow.planner.core.contract import Plan, ScheduleConfig
 from tierflow.planner.core.families import FAMILIES, RUNTIMES
 from tierflow.planner.core.graph import (
@@ -808,7 +815,11 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     """Read and validate a plan file; raises PlanError."""
     source = os.fspath(path)
     try:
-        text = read_text(path, MAX_PLAN_BYTES)  # plain or gzip-compressed, by the content
+        # plain or gzip-compressed, by the content; refused before it is inflated when the text and its parse
+        # could not fit in memory
+        text = read_text(path, MAX_PLAN_BYTES, json_cost=True)
+    except InputTooCostly as exc:  # said whole: what it needs, what is left
+        raise PlanError(f"{source}: {exc}") from None
     except InputLimitError as exc:
         raise _err(source, "(file)", str(exc),
                    "give the path of a plan .json file written by tierflow") from None
@@ -825,7 +836,9 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
                    "check the file's permissions") from exc
     try:
         # ops: _ops checks them
-        d = loads_json_limited(text, unchecked=("ops",), parse_constant=_reject_constant)
+        with reading(source, f"{size_text(len(text))} of JSON text"):
+            d = loads_json_limited(text, unchecked=("ops",), parse_constant=_reject_constant)
+        del text
     except InputLimitError as exc:
         raise _err(source, "(file)", str(exc), "a plan nests 4 levels: ops, op, mem, effect") from None
     except json.JSONDecodeError as exc:

@@ -57,5 +57,5 @@ def main(argv: list[str] | None = None) -> int:
         if args.needs_extra:
             require(args.needs_extra, f"tierflow {args.command}")  # one line and exit 2, before any work
         return args.func(args) or 0
-    except (TierflowError, ValueError, OSError, KeyboardInterrupt) as e:
+    except (TierflowError, ValueError, OSError, KeyboardInterrupt, MemoryError) as e:
         return exit_code(e)

@@ -8,7 +8,9 @@ returned.
   ``<who> [rank R]: ...``;
 - a run that stopped early (tierflow.executor.train_loop.RunStopped: diverged, a stop signal, a checkpoint
   that could not be written): its `exit_code`;
-- a plain ValueError or OSError: 2; an interrupt (KeyboardInterrupt): 130.
+- a plain ValueError or OSError: 2; an interrupt (KeyboardInterrupt): 130;
+- a MemoryError: 3, one line naming the input being read and its bound when one was
+  (`hwprofiles.inputs.reading`; such a reader raises `InputMemoryError`, a TierflowError, itself).
 
 With several ranks an error every rank meets alike (`agreed`: a bad launch, a stop) is said by rank 0 only.
 """
@@ -19,6 +21,7 @@ import os
 import sys
 
 from tierflow.errors import TierflowError
+from tierflow.hwprofiles.inputs import memory_error_line
 
 
 def lead_rank() -> bool:
@@ -34,6 +37,8 @@ def exit_code(e: BaseException, who: str = "tierflow") -> int:
     elif isinstance(e, TierflowError) or isinstance(getattr(e, "exit_code", None), int):
         prefix = getattr(e, "prefix", "")
         line, code = (f"{prefix}: {e}" if prefix else str(e)), e.exit_code
+    elif isinstance(e, MemoryError):
+        line, code = f"out of memory: {memory_error_line()}", 3
     elif isinstance(e, (ValueError, OSError)):
         line, code = f"error: {e}", 2
     else:

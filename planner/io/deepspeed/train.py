@@ -12,10 +12,11 @@ warmup, a minimum lr above 0, OneCycle, LRRangeTest, another optimizer) is refus
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tierflow.errors import TierflowError
+from tierflow.hwprofiles.inputs import loads_json_limited, read_limited_text
+from tierflow.planner.io.deepspeed.config import MAX_DS_CONFIG_BYTES
 
 
 class DsTrainError(TierflowError, ValueError):
@@ -32,7 +33,8 @@ def ds_training_settings(path: str | Path) -> tuple[dict[str, object], list[str]
     schedule, warmup_steps, clip_grad_norm; absent sections set nothing) and notes worth a warning."""
     p = Path(path)
     try:
-        data = json.loads(p.read_text())
+        # bounded as the planner's reader of the same file (config.py: 4 MiB, nesting, a pipe, not /dev/zero)
+        data = loads_json_limited(read_limited_text(p, MAX_DS_CONFIG_BYTES))
     except (OSError, ValueError) as e:
         why = " ".join(str(e).split())[:80]
         raise DsTrainError(f"--ds-config {p}: cannot read it as JSON ({why})") from None
