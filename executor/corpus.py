@@ -41,6 +41,7 @@ import numpy as np
 
 from tierflow.executor.checkpoint import file_crc32
 from tierflow.executor.data import DataError, TokenFile, not_a_file
+from tierflow.extras import install_command
 from tierflow.hwprofiles.inputs import InputLimitError, check_affordable, reading, size_text
 from tierflow.planner.io.progress import Progress
 
@@ -342,8 +343,8 @@ def _parquet_rows(f: Path, batch_rows: int = 64):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"--data {f}: reading Parquet needs pyarrow (pip install pyarrow, or pip install "
-                        "'tierflow[finetune]')") from None
+        raise DataError(f"--data {f}: reading Parquet needs pyarrow (pip install pyarrow, or "
+                        f"{install_command('finetune')})") from None
     try:
         pf = pq.ParquetFile(f)
         meta = pf.metadata
