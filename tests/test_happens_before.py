@@ -76,7 +76,7 @@ def _logging_dict(log: AccessLog, what: str, base: dict) -> dict:
 
 def record_accesses(monkeypatch) -> AccessLog:
     log = AccessLog()
-    real_run, real_new, real_acc = Ops.run, Executor._new_round, GradBuffers.accumulate
+    real_run, real_new, real_add = Ops.run, Executor._new_round, GradBuffers.add
 
     def run_op(self, rs, t):
         _current.op, _current.moves = t.id, any(t.kind in kinds for kinds in ENTRY_KINDS.values())
@@ -91,13 +91,13 @@ def record_accesses(monkeypatch) -> AccessLog:
             setattr(rs, name, _logging_dict(log, name, getattr(rs, name)))
         return rs
 
-    def accumulate(self, rs, t, o, pieces):
+    def add(self, rs, t, o, lo, hi, grad):
         log.note("grad_acc_data", (self.cx.binding.grad_group[(t.id, o)], o), "w")
-        real_acc(self, rs, t, o, pieces)
+        real_add(self, rs, t, o, lo, hi, grad)
 
     monkeypatch.setattr(Ops, "run", run_op)
     monkeypatch.setattr(Executor, "_new_round", new_round)
-    monkeypatch.setattr(GradBuffers, "accumulate", accumulate)
+    monkeypatch.setattr(GradBuffers, "add", add)
     return log
 
 
