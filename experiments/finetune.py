@@ -129,9 +129,12 @@ def plain_run(model, opts: RunOptions, h: TrainHyper, s: dict) -> tuple[list[dic
         sched.step()
         row = {"step": step, "loss": total, "step_s": time.perf_counter() - t, "val_loss": None}
         if step % s["eval_every"] == 0 or step == s["steps"]:
+            # tierflow's evaluation: the first 2 batches' worth of distinct held-out sequences (fewer where
+            # the held-out set holds fewer; none twice), the mean loss over their targets
+            n = min(2 * batch, (len(val.tokens) - 1) // seq)
             with torch.no_grad():
-                row["val_loss"] = sum(float(lm_loss(ref(vx), vy)) for vx, vy in
-                                      (val.batch(i, batch, seq) for i in range(2))) / 2
+                vx, vy = val.batch(0, n, seq)
+                row["val_loss"] = float(lm_loss(ref(vx), vy))
         rows.append(row)
     return rows, time.perf_counter() - t0
 

@@ -270,8 +270,9 @@ def test_trace_stream_reads_what_json_reads(tmp_path, plan_file):
     plain = tmp_path / "t.json"
     plain.write_text(json.dumps({"traceEvents": [json.loads(e) for e in events],
                                  "otherData": {"measured_device_memory": {"gpu": 5}}}, indent=1))
-    start, end, mem = load_measured_trace(plain, len(events))
-    assert start[3] == pytest.approx(30e-6) and end[3] == pytest.approx(35e-6) and mem == {"gpu": 5}
+    start, end, meta = load_measured_trace(plain, len(events))
+    assert start[3] == pytest.approx(30e-6) and end[3] == pytest.approx(35e-6)
+    assert meta["device_memory"] == {"gpu": 5}
     for bad, needle in (('{"traceEvents": [1, 2', "found the end of the file"),
                         ('{"traceEvents": [{"ph": "X", "args": {"id"', "not JSON"),
                         ('[{"ph": "X"}]', "expected '{'"),
