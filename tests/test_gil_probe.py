@@ -48,7 +48,8 @@ def held_per_cpu(fn, tries: int = 4, duration_s: float = 0.08) -> list[float]:
 
 
 def releases(fn) -> bool:
-    return min(held_per_cpu(fn)) <= HOT_PATH_AT_MOST
+    # the best of 8 pairs: under load a preempted probe reads a release as a hold now and then
+    return min(held_per_cpu(fn, tries=8)) <= HOT_PATH_AT_MOST
 
 
 def holds(fn) -> bool:
@@ -82,10 +83,17 @@ def _store_round_trip(store: SsdStore, nbytes: int = 16 * MIB):
 
 
 def test_probe_sees_a_pure_python_loop_and_not_a_sleep():
-    busy = gil_share(_spin, 0.2)
-    idle = gil_share(lambda: time.sleep(0.002), 0.2)
-    assert busy.held_per_cpu >= 0.3, busy  # 0.4 at a load of 15 on 2 cores
-    assert idle.held_s_per_call < 0.1 * busy.held_s_per_call, (idle, busy)
+    # up to three tries: on a box running two test suites at once the probe thread is kept off its core
+    # for whole scheduler slices (docs/performance.md); one clean try shows the mechanism
+    tries = []
+    for _ in range(3):
+        busy = gil_share(_spin, 0.2)
+        idle = gil_share(lambda: time.sleep(0.002), 0.2)
+        tries.append((busy, idle))
+        # 0.4 at a load of 15 on 2 cores
+        if busy.held_per_cpu >= 0.3 and idle.held_s_per_call < 0.1 * busy.held_s_per_call:
+            return
+    raise AssertionError(tries)
 
 
 def _attributed() -> tuple[float, float, float]:
