@@ -133,19 +133,6 @@ def status(min_elements: int) -> str:
     return f"one-pass kernel (C++ extension, loaded), {_threads()}, from {min_elements:,} elements per op"
 
 
-def describe(min_elements: int) -> str:
-    """Which way the host optimizer op runs here, in one line (`tierflow env`; `min_elements`: the fewest
-    elements host_adamw hands to the kernel), without building anything: where it would be tried, a failed
-    build still leaves torch's kernels (`status` builds and says)."""
-    if os.environ.get(SWITCH) == "1":
-        return f"torch's kernels ({SWITCH}=1)"
-    why = unsupported()
-    if why:
-        return f"torch's kernels ({why})"
-    return (f"one-pass kernel (C++ extension, built on first use and cached), {_threads()}, from "
-            f"{min_elements:,} elements per op")
-
-
 def _threads() -> str:
     import torch
 
