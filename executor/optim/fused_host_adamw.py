@@ -46,7 +46,6 @@ import os
 import platform
 import shutil
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -65,20 +64,13 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-DCPU_CAPABILITY=AVX2",
 
 
 class _Once(OptionalKernel):
-    """The extension, built or loaded once per process on first use (under a lock: the executor's threads
-    may ask at once), registered with tierflow env's accelerators (planner/core/numba_once.py); `error`
-    says why not where it did not build."""
+    """The extension, built or loaded once per process on first use (OptionalKernel's lock: the
+    executor's threads may ask at once), registered with tierflow env's accelerators
+    (planner/core/numba_once.py); `error` says why not where it did not build."""
 
     def __init__(self) -> None:
         super().__init__("host optimizer's one-pass step", _build, switch=SWITCH, kind="C++ extension",
                          fallback="torch's kernels")
-        self.lock = threading.Lock()
-
-    def get(self):
-        if os.environ.get(SWITCH) == "1":  # read at each call: a test or a benchmark may switch it
-            return None
-        with self.lock:
-            return super().get()
 
 
 def unsupported() -> str:

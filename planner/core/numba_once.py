@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,26 +59,29 @@ class OptionalKernel:
         self.kernel: Any = None  # what build() returned, once it ran
         self.tried = False
         self.error = ""  # why it did not build (one line), once tried
+        self.lock = threading.Lock()
         ACCELERATORS[name] = self
 
     def get(self) -> Any:
         if os.environ.get(self.switch) == "1":
             return None
-        if not self.tried:
-            self.tried = True
-            if self.needs is not None and importlib.util.find_spec(self.needs) is None:
-                return None  # not installed: status() says so, nothing to warn about
-            try:
-                if self.needs is not None:
-                    importlib.import_module(self.needs)
-                self.kernel = self.build()
-            except Exception as e:  # noqa: BLE001 - whatever stops the build, the fallback does the job
-                self.kernel, self.error = None, one_line(e)
-                print(f"tierflow: the {self.name} ({self.kind}) did not build ({self.error}); falling back "
-                      f"to {self.fallback} ({self.switch}=1 skips the attempt)", file=sys.stderr, flush=True)
-            else:
-                if self.kernel is None:
-                    self.error = "its build gave nothing"
+        with self.lock:  # callers on several threads (the executor's) wait for the one build
+            if not self.tried:
+                self.tried = True
+                if self.needs is not None and importlib.util.find_spec(self.needs) is None:
+                    return None  # not installed: status() says so, nothing to warn about
+                try:
+                    if self.needs is not None:
+                        importlib.import_module(self.needs)
+                    self.kernel = self.build()
+                except Exception as e:  # noqa: BLE001 - whatever stops the build, the fallback does the job
+                    self.kernel, self.error = None, one_line(e)
+                    print(f"tierflow: the {self.name} ({self.kind}) did not build ({self.error}); "
+                          f"falling back to {self.fallback} ({self.switch}=1 skips the attempt)",
+                          file=sys.stderr, flush=True)
+                else:
+                    if self.kernel is None:
+                        self.error = "its build gave nothing"
         return self.kernel
 
     def status(self) -> KernelStatus:
