@@ -101,7 +101,17 @@ def _build():
         raise RuntimeError(why)
     from torch.utils.cpp_extension import load
 
-    return load(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, verbose=False)
+    return load(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS + _openmp_flags(), verbose=False)
+
+
+def _openmp_flags() -> list[str]:
+    """-fopenmp where torch's intra-op threads are OpenMP's: at::parallel_for is inline there (ATen's
+    ParallelOpenMP.h, a `#pragma omp parallel`), so without it the kernel would run on one thread. Only
+    compiled with it, not linked: the OpenMP calls resolve to the runtime torch already loaded (its own
+    libgomp), one thread team for both."""
+    import torch
+
+    return ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
 
 
 def kernel():
