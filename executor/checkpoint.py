@@ -194,6 +194,15 @@ def _point_latest(root: Path, ckpt: Path) -> None:
     _fsync_dir(root)
 
 
+def _names(root: Path, ckpt: Path) -> bool:
+    """Whether `root`/latest names `ckpt`: once it does, `ckpt` is the checkpoint a resume takes, even if
+    what follows its replacement (the directory's fsync) is interrupted by a signal or fails."""
+    try:
+        return (root / "latest").read_text().strip() == ckpt.name
+    except OSError:
+        return False
+
+
 @contextmanager
 def one_thread():
     """torch's intra-op parallelism off for the block: a checkpoint is written and read at a step boundary,
@@ -278,7 +287,7 @@ def save_checkpoint(state: TrainState, directory: str | os.PathLike[str], step: 
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         latest_tmp.unlink(missing_ok=True)
-        if renamed:  # 'latest' still names the previous checkpoint: do not leave one it does not name
+        if renamed and not _names(root, final):  # 'latest' names the previous one: leave none it does not
             shutil.rmtree(final, ignore_errors=True)
         if isinstance(e, OSError):
             raise _write_error(root, step, e) from None
@@ -371,7 +380,8 @@ def _save_sharded(state: TrainState, root: Path, step: int, meta: dict, world: D
             _fsync_dir(root)
             _point_latest(root, final)
         except BaseException:
-            shutil.rmtree(final, ignore_errors=True)  # 'latest' still names the previous checkpoint
+            if not _names(root, final):  # 'latest' still names the previous checkpoint
+                shutil.rmtree(final, ignore_errors=True)
             raise
 
     try:

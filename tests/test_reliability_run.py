@@ -22,6 +22,7 @@ from test_executor import make_plan
 from tierflow.cli import main
 from tierflow.executor import checkpoint
 from tierflow.executor.checkpoint import file_crc32, read_manifest, verify_file, write_safetensors
+from tierflow.executor.dist import DistWorld
 from tierflow.executor.engine import Hyper
 from tierflow.executor.run import RunError, RunOptions, run_plan
 from tierflow.executor.tiers.dirlock import LOCK_NAME, DirLock
@@ -508,3 +509,50 @@ def plan_from(path: Path):
     from tierflow.planner.io.planfile import load_plan
 
     return load_plan(path)
+
+
+class _AloneSharded(DistWorld):
+    """One rank taking the sharded checkpoint's path (its collectives are local), to reach its code here."""
+
+    @property
+    def single(self) -> bool:
+        return False
+
+    def gather_objects(self, obj: object) -> list[object]:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+    def broadcast(self, obj: object, src: int = 0) -> object:
+        return obj
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_signal_after_latest_moved_keeps_the_checkpoint_it_names(tmp_path, monkeypatch, sharded):
+    """A stop signal that lands after 'latest' was replaced (in the directory's fsync) must not remove the
+    checkpoint 'latest' now names: the launcher-killed-at-a-checkpoint case under load left 'latest' naming
+    a deleted step."""
+    from tierflow.executor.signals import Interrupted
+
+    plan = make_plan("tiny-gpt", "vertical", "device", 0.0, iterations=1)
+    world = _AloneSharded() if sharded else DistWorld()
+    state = TrainState(plan.model, plan.config.placement, plan.config.alpha, torch.device("cpu"),
+                       torch.float32, None, world)
+    state.init_random(0)
+    ck = tmp_path / "ck"
+    checkpoint.save_checkpoint(state, ck, 1, {}, world=world)
+    real = checkpoint._fsync_dir
+
+    def interrupted_once_latest_moved(d):
+        real(d)
+        if d == ck and (ck / "latest").read_text().strip() == "step00000002":
+            raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(checkpoint, "_fsync_dir", interrupted_once_latest_moved)
+    with pytest.raises(Interrupted):
+        checkpoint.save_checkpoint(state, ck, 2, {}, world=world)
+    named = ck / (ck / "latest").read_text().strip()
+    assert named.name == "step00000002" and read_manifest(named)["step"] == 2
+    if sharded:
+        assert (named / "rank-0" / "manifest.json").is_file()
