@@ -11,6 +11,15 @@ mechanism, to check what planner/io/deepspeed/keys.py reads in DeepSpeed's code:
 
 Counts, not times: each variant runs `--steps` steps (the first is DeepSpeed's trace; the counts are over the
 later ones). Needs DeepSpeed (the `[baseline]` extra, libaio).
+
+    python experiments/ds_mechanisms.py --pinned [--mib 1100]   # CUDA box; one skip line elsewhere
+
+- `offload_optimizer.pin_memory` (planner/core/dsruntime.py pinned_alloc_bytes, deepspeed_setup_peak_bytes):
+  DeepSpeed pins its gradient partitions as `get_accelerator().pin_memory(torch.zeros(n))`, that is
+  `Tensor.pin_memory()` through torch's caching host allocator. Measures, for a bf16 buffer of `--mib` MiB
+  (just above a power of two by default), the pinned bytes torch reserves (`torch.cuda.host_memory_stats()`)
+  and the process's peak RSS growth while the pageable original and its pinned copy are alive: the model
+  predicts the next power of two, and pageable + pinned at the peak.
 """
 
 from __future__ import annotations
@@ -83,11 +92,43 @@ def mech_worker(job: dict) -> dict:
             "most_in_flight": seen["max_inflight"]}
 
 
+def pinned_check(mib: int) -> dict:
+    """DeepSpeed's pinning of a pageable buffer of `mib` MiB (stage3.py:791-795 @0.19.8), on a CUDA device:
+    what torch's caching host allocator reserves and how far the process's peak RSS grows, beside the model's
+    prediction. A one-line skip where there is no CUDA device (its pinned allocator is CUDA's)."""
+    import resource
+
+    import torch
+
+    from tierflow.planner.core.dsruntime import pinned_alloc_bytes
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device: torch's pinned host allocator is CUDA's (run it on a GPU box)"}
+    nbytes = mib << 20
+    before = dict(torch.cuda.host_memory_stats())
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    pageable = torch.zeros(nbytes // 2, dtype=torch.bfloat16)
+    pinned = pageable.pin_memory()
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    after = dict(torch.cuda.host_memory_stats())
+    grown = {k: after[k] - before.get(k, 0) for k in after
+             if isinstance(after[k], (int, float)) and after[k] != before.get(k, 0)}
+    del pageable, pinned
+    return {"buffer_bytes": nbytes, "predicted_pinned_bytes": pinned_alloc_bytes(nbytes),
+            "predicted_peak_bytes": nbytes + pinned_alloc_bytes(nbytes), "peak_rss_growth_bytes": rss1 - rss0,
+            "host_memory_stats_growth": grown, "torch": torch.__version__}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dir", help="the NVMe folder (default: a new temporary one)")
+    ap.add_argument("--pinned", action="store_true", help="only the pinned-allocation check (CUDA)")
+    ap.add_argument("--mib", type=int, default=1100, help="--pinned: the buffer's size in MiB")
     args = ap.parse_args(argv)
+    if args.pinned:
+        print(f"pinned: {json.dumps(pinned_check(args.mib))}", flush=True)
+        return 0
     if race.deepspeed_missing():
         print(f"ds_mechanisms: skipped: {race.deepspeed_missing()}")
         return 0

@@ -14,6 +14,7 @@ import csv
 import math
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from tierflow.api import simulate_config
@@ -70,9 +71,13 @@ def simulate_family(
     micro_batch: int,
     seq: int,
     placement: Placement | None = None,
+    overrides: dict | None = None,
 ) -> SimResult:
-    """One schedule family with its defaults (placement None = the library's default for that family)."""
+    """One schedule family with its defaults (placement None = the library's default for that family);
+    `overrides`: ScheduleConfig fields set on top (e.g. a DeepSpeed config's buffer keys)."""
     cfg = make_schedule(family, model, hw, batch=batch, micro_batch=micro_batch, seq=seq, placement=placement)
+    if overrides:
+        cfg = replace(cfg, **overrides)
     return simulate_config(model, hw, cfg)
 
 
@@ -85,6 +90,7 @@ def best_micro_batch(
     micro_batches: Iterable[int],
     placement: Placement | None = None,
     progress: Progress | None = None,
+    overrides: dict | None = None,
 ) -> tuple[int | None, SimResult | None, dict[int, str]]:
     """Simulate every micro-batch that fits; return (best micro-batch, its result, {micro-batch: error})."""
     best_mb, best, errors = None, None, {}
@@ -92,7 +98,7 @@ def best_micro_batch(
         if progress:
             progress.step(f"{model.name} {family} batch {batch} mb {mb} on {hw.name}")
         try:
-            res = simulate_family(model, hw, family, batch, mb, seq, placement)
+            res = simulate_family(model, hw, family, batch, mb, seq, placement, overrides)
         except (CapacityError, ScheduleError) as e:
             errors[mb] = str(e)
             continue

@@ -75,7 +75,20 @@ SET_FROM_THE_CHECK = {
     ("gemini_capacity", ""): "each box's host memory is chosen from the paper's own capacity figure",
     ("fuyou_lohan", "Fuyou, GPT-3 13B, batch 64"): "rtx4090-lohan's gpu.gemm_efficiency 0.97 is justified by "
                                                    "this headline (LoHan's 156 TFLOPS)",
+    # a ratio of two headlines, one of them the consistency check above: not an independent check
+    ("fuyou_lohan", "Fuyou / ZeRO-Infinity speedup"): "the ratio of the two 13B TFLOPS headlines, whose "
+                                                      "Fuyou side is the consistency check above",
 }
+# Headlines whose paper value is whether the run starts at all: measured and predicted 1 (runs) or 0 (cannot
+# run), error 0 when they agree, 100% when not
+RUNS_VALUES = {"runs": 1.0, "cannot run": 0.0}
+
+
+def _runs_value(x) -> float | None:
+    """1.0 / 0.0 for a headline value that says whether a run starts ("runs, 55 TFLOPS", "cannot run")."""
+    text = str(x).strip().lower()
+    return next((v for k, v in sorted(RUNS_VALUES.items(), key=lambda kv: -len(kv[0])) if text.startswith(k)),
+                None)
 FITTED_ON = "rtx4090-lohan's SSD rates were fitted on these runs (tierflow fit)"
 # The fit's near-optimal answers (docs/hardware-profiles.md, "Fitting a profile"): the bundled one (write
 # 3.21, host path 99.4: 3.9% RMS on the fit's runs) and the other end of the same flat valley (start at 40
@@ -156,19 +169,27 @@ def headline_points(published: list[dict]) -> list[dict]:
     """The seed headline numbers with a numeric paper value: ours against the paper's."""
     out = []
     for h in published:
+        measure = h.get("unit", "")
         try:
             ours, paper = float(h["ours"]), float(h["paper"])
         except (TypeError, ValueError, KeyError):
-            continue
-        if h.get("study") not in SEED_STUDIES or paper <= 0:
+            ours, paper = _runs_value(h.get("ours", "")), _runs_value(h.get("paper", ""))
+            if ours is None or paper is None or h.get("study") not in SEED_STUDIES:
+                continue
+            measure = "runs (1) or cannot run (0)"
+            paper_ok = True
+        else:
+            paper_ok = paper > 0
+        if h.get("study") not in SEED_STUDIES or not paper_ok:
             # multi_gpu's rows are LoHan's artifact and GreedySnake's 4-GPU figure, not seed headlines
             continue
-        error = round(ours / paper - 1, 4)
+        runs_check = measure == "runs (1) or cannot run (0)"
+        error = float(ours != paper) if runs_check else round(ours / paper - 1, 4)
         set_from = next((why for (study, start), why in SET_FROM_THE_CHECK.items()
                          if h["study"] == study and h["metric"].startswith(start)), "")
         out.append({"kind": "seed headline", "data": "REFERENCE.md", "source": h.get("paper_source")
                     or "REFERENCE.md", "hw": "", "model": "", "batch": "", "ssd_count": "",
-                    "run": f"{h['study']}: {h['metric']}", "measure": h.get("unit", ""), "measured": paper,
+                    "run": f"{h['study']}: {h['metric']}", "measure": measure, "measured": paper,
                     "predicted": ours, "error": error, "mechanism": _binds(h.get("note", "")),
                     "check": check_of(error, set_from)})
     return out

@@ -49,6 +49,18 @@ M13, M175 = "gpt3-13b-lohan", "gpt3-175b-lohan"
 # REFERENCE.md: the 13B experiment uses seq 1024; assumed for 175B too (its 175B sequence length is not given)
 SEQ = 1024
 FAMILIES = {"fuyou": "Fuyou", "horizontal": "ZeRO-Infinity"}
+# ZeRO-Infinity with the DeepSpeed swapper keys the seed's own artifact sets (RC4ML/LoHan @feb88fe
+# config.json: offload_optimizer nvme with buffer_count 8 and pin_memory true; offload_param nvme with
+# buffer_count 6, buffer_size 1.2e9, max_in_cpu 1e8 and pin_memory true; its nvme_ds/ is a fork of DeepSpeed's
+# swap_tensor that reads the same keys, in DeepSpeed's ZeRO-Infinity config layout). The paper did not publish
+# the config its ZeRO-Infinity runs used; this is the hypothesis that they used the same template.
+# pin_memory true page-locks DeepSpeed's gradient partitions through torch's caching host allocator
+# (rounded up to a power of two, pageable and pinned at once at set-up: planner/core/dsruntime.py
+# deepspeed_setup_peak_bytes).
+# max_in_cpu 1e8 keeps no 13B or 175B sub-group in host memory (each is over 1e8 elements).
+ZI_DS_CONFIG = {"ds_pin_memory": True, "ds_opt_buffer_count": 8, "ds_param_buffer_count": 6,
+                "ds_param_buffer_elems": int(1.2e9)}
+OVERRIDES = {"horizontal": ZI_DS_CONFIG}
 PAPER = {"fuyou_13b_tflops": 156.0, "zero_13b_tflops": 45.0, "fuyou_175b_tflops": 87.0}
 SOURCE = "Fuyou/LoHan arXiv 2403.06504 abstract and paper (REFERENCE.md section 1)"
 
@@ -77,7 +89,8 @@ def simulate_point(part: str, model_name: str, hw, family: str, batch: int, micr
     model, _ = resolve(model_name, hw)
     model = model.with_seq(SEQ)
     mb, res, errors = best_micro_batch(
-        model, hw, family, batch, SEQ, micro_batches, PAPER_PLACEMENTS[family], progress
+        model, hw, family, batch, SEQ, micro_batches, PAPER_PLACEMENTS[family], progress,
+        OVERRIDES.get(family),
     )
     row = {
         "part": part,
@@ -176,6 +189,13 @@ def pick(rows: list[dict], part: str, model: str, family: str) -> dict:
     return next(r for r in rows if r["part"] == part and r["model"] == model and r["family"] == family)
 
 
+def _first_error(rows: list[dict], model: str, family: str) -> str:
+    """The simulator's reason for the first micro-batch of a headline point that does not fit."""
+    errs = [r["error"] for r in rows if r["part"] == "per_micro_batch" and r["model"] == model
+            and r["family"] == family and not r["fits"] and r["error"]]
+    return errs[0] if errs else "no micro-batch fits"
+
+
 def make_headlines(rows: list[dict]) -> list[dict]:
     f13, z13 = pick(rows, "headline", M13, "fuyou"), pick(rows, "headline", M13, "horizontal")
     f175, z175 = (
@@ -217,11 +237,14 @@ def make_headlines(rows: list[dict]) -> list[dict]:
                 "ours models ZeRO-Infinity as DeepSpeed's code runs it (runtime deepspeed: NVMe parameters "
                 "fetched on demand, optimizer sub-groups swapped one after the other, gradients in buckets "
                 "waited for after each backward, its GPU and host buffers; "
-                "docs/baselines-as-coded.md) at the best micro-batch that fits "
-                f"({z13['micro_batch']}). Still missing: its per-module Python hooks and host "
-                "synchronisations, the 5 x 1e8-element NVMe swap buffers that cap read-ahead, the "
-                "H2D half of the per-micro-batch gradient round trip, the CPU-side casts and unscaling. "
-                "The paper did not publish ZeRO-Infinity's micro-batch; with small "
+                "docs/baselines-as-coded.md), with the DeepSpeed keys of LoHan's artifact config.json, at "
+                f"the best micro-batch that fits ({z13['micro_batch']}). Read at DeepSpeed 0.5.10, 0.9.5, "
+                "0.16.9 and 0.19.8 (docs/deepspeed.md): 0.5.10's fully serial parameter path and 0.9.5's "
+                "blocking cpu_checkpointing copies, neither modelled, would cost at most 9.8 s and 17.7 s "
+                "more here (72 TFLOPS with both). Still missing: its per-module Python hooks, the H2D half "
+                "of the per-micro-batch gradient round trip, the CPU-side casts and unscaling, and the "
+                "paper's ZeRO-Infinity configuration. The paper did not publish ZeRO-Infinity's "
+                "micro-batch; with small "
                 + (
                     f"micro-batches ours gives {small}, which brackets the paper's 45."
                     if small
@@ -282,9 +305,12 @@ def make_headlines(rows: list[dict]) -> list[dict]:
                 "the GPU by default), the OS's limit on pinned memory. We do not force it to fail."
             )
             if z175["fits"]
-            else ("agrees with the paper: with the host memory DeepSpeed allocates for itself counted "
-                  "(planner/core/dsruntime.py: 16-bit gradient partitions of every parameter, 350 GB at "
-                  "175B, and its pinned swap buffers) no micro-batch fits the 768 GiB host"),
+            else ("agrees with the paper: with the DeepSpeed swapper keys of LoHan's artifact config.json "
+                  "(pin_memory true) DeepSpeed's set-up holds its 350 GB of bf16 gradient partitions "
+                  "pageable (torch.zeros) and page-locked at once, the pinned copy rounded up to 2^39 B = "
+                  "550 GB by torch's caching host allocator (stage3.py:791-795 @0.19.8, :400-404 @0.9.5; "
+                  "ATen/core/CachingHostAllocator.h:300-309 @torch 2.13): "
+                  f"{_first_error(rows, M175, 'horizontal')}"),
             source=SOURCE,
         ),
     ]

@@ -37,6 +37,12 @@ from tierflow.api import resolve
 HW = "a100-80g-nvme"
 SEQ = 2048
 FAMILIES = {"vertical": "GreedySnake (vertical)", "horizontal": "ZeRO-Infinity (horizontal)"}
+# ZeRO-Infinity's DeepSpeed config: the paper publishes neither it nor its DeepSpeed version. Its
+# offload_optimizer.pin_memory is kept false, DeepSpeed's default at 0.9.5 and 0.16.9 (offload_config.py:70,
+# :72; true from a later release, 0.19.8's :75): pinned, the gradient partitions of GPT-3 175B would need
+# 945 GB at set-up (dsruntime.deepspeed_setup_peak_bytes), which this box's assumed 512 GiB host cannot give,
+# while the paper ran it. Every other key at DeepSpeed's default (runtime deepspeed).
+OVERRIDES = {"horizontal": {"ds_pin_memory": False}}
 PAPER_RATIO = {"gpt-65b": 1.96, "gpt3-175b": 2.53}
 SOURCE = "GreedySnake arXiv 2512.17570 abstract (REFERENCE.md section 1)"
 SATURATION = 0.95
@@ -70,7 +76,8 @@ def sweep(quick: bool, progress: Progress) -> list[dict]:
         for family, system in FAMILIES.items():
             for batch in s["batches"]:
                 mbs = micro_batches(batch, s)
-                mb, res, errors = best_micro_batch(model, hw, family, batch, SEQ, mbs, None, progress)
+                mb, res, errors = best_micro_batch(model, hw, family, batch, SEQ, mbs, None, progress,
+                                                   OVERRIDES.get(family))
                 row = {
                     "model": model_name,
                     "system": system,

@@ -333,3 +333,51 @@ def test_the_deepspeed_runtime_s_step_takes_longer_at_deepspeed_s_adam_rate():
     ratio = hw.cpu.adam_gparams_per_s / hw.cpu.deepspeed_adam_gparams_per_s
     assert ref.busy["cpu"] * 0.8 * ratio < slow.busy["cpu"] <= ref.busy["cpu"] * ratio
     assert slow.iteration_s > ref.iteration_s
+
+
+def test_pinned_gradient_buffers_round_to_a_power_of_two_and_peak_at_set_up():
+    from tierflow.planner.core.dsruntime import (
+        DsKnobs,
+        deepspeed_host_buffers_bytes,
+        deepspeed_setup_peak_bytes,
+        pinned_alloc_bytes,
+    )
+
+    assert pinned_alloc_bytes(3e9) == 2.0 ** 32 and pinned_alloc_bytes(2.0 ** 30) == 2.0 ** 30
+    pinned, pageable = DsKnobs(pin_memory=True), DsKnobs()
+    # 175e9 bf16 gradient partitions: 350 GB pageable, 2^39 B pinned; states and parameters on NVMe
+    n = 175 * 10**9
+    assert deepspeed_host_buffers_bytes(n, pinned, True, True) - deepspeed_host_buffers_bytes(
+        n, pageable, True, True) == pytest.approx(2.0 ** 39 - 2 * n)
+    # states in host memory: every sub-group's fp32 gradient pinned on its own (1e9 elements: 4e9 -> 2^32 B)
+    assert deepspeed_host_buffers_bytes(3 * 10**9, pinned, False, False) == pytest.approx(
+        2.0 ** 33 + 3 * 2.0 ** 32)
+    # at set-up the pageable original and its pinned copy live at once, beside the swappers' buffers
+    peak = deepspeed_setup_peak_bytes(n, pinned, True, True)
+    assert peak == pytest.approx(2 * n + 2.0 ** 39 + 4 * 4 * 10**9 + 5 * 10**8 * 2)
+    assert deepspeed_setup_peak_bytes(n, pageable, True, True) == 0.0
+
+
+def test_a_pinned_deepspeed_run_that_cannot_start_raises_capacity_error():
+    from tierflow.planner.core.dsruntime import deepspeed_host_buffers_bytes, deepspeed_setup_peak_bytes
+    from tierflow.planner.core.simulator import CapacityError
+
+    m, hw = get_model("tiny-gpt"), load_profile("rtx4090-lohan")
+    cfg = make_schedule("horizontal", m, hw, batch=2, micro_batch=1, seq=32,
+                        placement=Placement.uniform("ssd"), runtime="deepspeed", iterations=1)
+    # sub-groups much smaller than the model: the set-up's pageable gradients outweigh the fp32 sub-group
+    # buffer
+    pinned = replace(cfg, ds_sub_group_elems=10**5, ds_pin_memory=True)
+    n = m.total_params()
+    static = deepspeed_host_buffers_bytes(n, pinned.ds_knobs, True, True)
+    peak = deepspeed_setup_peak_bytes(n, pinned.ds_knobs, True, True)
+    assert build_graph(m, hw, pinned).static_bytes["cpu"] == pytest.approx(static)
+    assert peak > static
+    # a host between the two: the steady state would fit, the set-up does not
+    small = hw.with_overrides({"cpu.memory_gib": (static + peak) / 2 / 2**30, "cpu.reserved_gib": 0})
+    with pytest.raises(CapacityError, match="set-up"):
+        build_graph(m, small, pinned)
+    build_graph(m, small, replace(pinned, ds_pin_memory=False))  # pageable: no set-up peak, fits
+    # DeepSpeed's CPU accelerator does not page-lock: no set-up check on a host device
+    host = small.with_overrides({"gpu.host_cores": 2})
+    build_graph(m, host, pinned)

@@ -134,8 +134,12 @@ def test_fidelity_quick(tmp_path):
     published = [
         {"study": "fuyou_lohan", "metric": "inside", "ours": 150.0, "paper": 156.0, "unit": "TFLOPS"},
         {"study": "greedysnake_a100", "metric": "outside", "ours": 112.6, "paper": 45.0, "unit": "TFLOPS"},
-        {"study": "gemini_capacity", "metric": "not a number", "ours": "runs", "paper": "cannot run",
+        # whether the run starts: a check too (1 runs, 0 cannot run; error 0 when they agree, else 100%)
+        {"study": "greedysnake_a100", "metric": "starts?", "ours": "runs, 55 TFLOPS", "paper": "cannot run",
          "unit": ""},
+        {"study": "fuyou_lohan", "metric": "does not start", "ours": "cannot run", "paper": "cannot run",
+         "unit": ""},
+        {"study": "fuyou_lohan", "metric": "not a number", "ours": "n/a", "paper": "unknown", "unit": ""},
         # not a seed study (REFERENCE.md's headlines): left out of the count
         {"study": "multi_gpu", "metric": "elsewhere", "ours": 10.0, "paper": 40.0, "unit": "TFLOPS"},
     ]
@@ -145,7 +149,12 @@ def test_fidelity_quick(tmp_path):
     kinds = {r["kind"] for r in rows}
     assert kinds == {"fitted on", "held out", "seed headline"}
     for r in rows:  # the error is the prediction's, relative to the measurement
+        if r["measure"] == "runs (1) or cannot run (0)":
+            assert float(r["error"]) == float(float(r["predicted"]) != float(r["measured"]))
+            continue
         assert float(r["error"]) == pytest.approx(float(r["predicted"]) / float(r["measured"]) - 1, abs=1e-3)
+    starts = {r["run"]: r["check"] for r in rows if r["measure"] == "runs (1) or cannot run (0)"}
+    assert starts == {"greedysnake_a100: starts?": "miss", "fuyou_lohan: does not start": "hit"}
     fitted = [r for r in rows if r["kind"] == "fitted on"]
     assert {int(r["batch"]) for r in fitted} == {48}
     # the held-out SSD sweeps' ends and middle, and every run of the held-out batch sweeps
@@ -163,7 +172,7 @@ def test_fidelity_quick(tmp_path):
     by_count = sorted((int(r["ssd_count"]), float(r["predicted"])) for r in fitted)
     assert [p for _, p in by_count] == sorted(p for _, p in by_count)
     seeds = next(h for h in heads if h["metric"].startswith("seed headline"))
-    assert seeds["ours"] == "1 of 2" and "outside" in seeds["note"] and "elsewhere" not in seeds["note"]
+    assert seeds["ours"] == "2 of 4" and "outside" in seeds["note"] and "elsewhere" not in seeds["note"]
     check_headlines(heads)
 
 

@@ -57,6 +57,9 @@ class ScheduleConfig:
     ds_param_buffer_elems: int = DS_PARAM_BUFFER_ELEMS
     ds_contiguous_gradients: bool = True
     ds_param_swapper: bool = False  # offload_param nvme with every parameter kept in host memory (max_in_cpu)
+    # offload_optimizer.pin_memory on a CUDA box: DeepSpeed's host gradient buffers page-locked through
+    # torch's caching host allocator (dsruntime.DsKnobs.pin_memory)
+    ds_pin_memory: bool = False
     # offload_param.max_in_cpu with parameters on NVMe: the elements of the leading whole blocks DeepSpeed
     # keeps in host memory (dsruntime.ds_cached_elems; the placement's weights cpu fraction says the same);
     # 0: the placement's split holds for every block
@@ -78,7 +81,7 @@ class ScheduleConfig:
                        param_buffer_elems=self.ds_param_buffer_elems,
                        reduce_bucket_elems=self.ds_reduce_bucket_elems,
                        contiguous_gradients=self.ds_contiguous_gradients,
-                       param_swapper=self.ds_param_swapper)
+                       param_swapper=self.ds_param_swapper, pin_memory=self.ds_pin_memory)
 
     @property
     def world(self) -> World:
@@ -141,7 +144,7 @@ class ScheduleConfig:
 _DS_BUFFER_DEFAULTS = {"ds_opt_buffer_count": DS_OPT_BUFFER_COUNT,
                        "ds_param_buffer_count": DS_PARAM_BUFFER_COUNT,
                        "ds_param_buffer_elems": DS_PARAM_BUFFER_ELEMS, "ds_contiguous_gradients": True,
-                       "ds_param_swapper": False, "ds_cached_elems": 0}
+                       "ds_param_swapper": False, "ds_cached_elems": 0, "ds_pin_memory": False}
 
 
 

@@ -22,6 +22,16 @@ tensors a placement puts in host memory: read in DeepSpeed 0.19.8's code (docs/b
   _create_param_groups_fp16_flat_cpu_memory, _create_fp16_partitions_with_defragmentation: a sub-group that
   fits the pinned flat buffer is swapped in once, permanently, `final_location = 'not-nvme'`); they are
   fetched and prefetched like CPU-offloaded parameters and never read from NVMe (`ds_cached_blocks`).
+- Pinned with `offload_optimizer.pin_memory` on a CUDA box (DsKnobs.pin_memory): the gradient partitions
+  (and, with the states in host memory, each sub-group's fp32 gradient) are made pageable with `torch.zeros`
+  and then copied into page-locked memory by `get_accelerator().pin_memory(...)` (stage3.py:791-795 @0.19.8;
+  :400-404 @0.9.5; :547-551 @0.16.9), which is torch's `Tensor.pin_memory()`
+  (accelerator/abstract_accelerator.py:275-276, 328-339 @0.19.8, unless DS_PIN_MEMORY_BACKEND=native).
+  torch's caching host allocator rounds every pinned allocation up to a power of two
+  (ATen/core/CachingHostAllocator.h:300-309 @torch 2.13: `PowerOf2Ceil(size)` below
+  `pinned_max_round_threshold`, unlimited by default), and the pageable original is alive while the copy is
+  made: `pinned_alloc_bytes`, `deepspeed_setup_peak_bytes`. On DeepSpeed's CPU accelerator `pin_memory` is a
+  no-op (cpu_accelerator.py:283-291), so nothing is rounded there.
 Defaults are offload_config.py's. Not measured here: the CPU accelerator cannot build the NVMe swapper in this
 sandbox's time (its async_io op compiles for minutes); the sizes are the code's.
 
@@ -63,10 +73,29 @@ class DsKnobs:
     # offload_param.device nvme: the parameter swapper's buffers exist even when max_in_cpu keeps every
     # parameter in host memory (no weights on the SSDs)
     param_swapper: bool = False
+    # offload_optimizer.pin_memory on a CUDA box: the host gradient buffers are page-locked by torch's caching
+    # host allocator (rounded up to a power of two; pinned_alloc_bytes). DeepSpeed's default is True at 0.19.8
+    # (offload_config.py:75) and False at 0.9.5 and 0.16.9 (offload_config.py:70, :72); False here, so that a
+    # schedule not read from a config keeps its host memory as before (the bridge sets it from the config)
+    pin_memory: bool = False
 
     @property
     def gpu_bucket_elems(self) -> int:
         return self.reduce_bucket_elems if self.contiguous_gradients else 0
+
+
+def pinned_alloc_bytes(nbytes: float) -> float:
+    """Host bytes a page-locked allocation of `nbytes` through torch's caching host allocator holds: the next
+    power of two (ATen/core/CachingHostAllocator.h:300-309 @torch 2.13, `c10::llvm::PowerOf2Ceil(size)`
+    while the size is below `pinned_max_round_threshold` and `pinned_max_cached_size`, both unlimited by
+    default)."""
+    return float(2 ** math.ceil(math.log2(nbytes))) if nbytes > 1 else float(nbytes)
+
+
+def _sub_group_sizes(partition_params: int, sub_group_elems: int) -> list[int]:
+    """Sub-group sizes of a partition cut into sub_group_elems pieces (the last one smaller)."""
+    whole, rest = divmod(partition_params, max(1, sub_group_elems))
+    return [sub_group_elems] * whole + ([rest] if rest else [])
 
 
 def deepspeed_host_buffers_bytes(partition_params: int, knobs: DsKnobs | int, params_on_nvme: bool,
@@ -76,14 +105,39 @@ def deepspeed_host_buffers_bytes(partition_params: int, knobs: DsKnobs | int, pa
     gradient partitions' and the parameter swapper's, 4 B when it trains in fp32). `knobs`: the config's
     buffer keys (an int: the sub-group size, the other keys at their defaults)."""
     k = knobs if isinstance(knobs, DsKnobs) else DsKnobs(sub_group_elems=knobs)
-    out = float(compute_bytes * partition_params)  # grad_partitions_flat_buffer
+    held = pinned_alloc_bytes if k.pin_memory else float
+    out = held(compute_bytes * partition_params)  # grad_partitions_flat_buffer
     largest_sub_group = min(k.sub_group_elems, partition_params)
-    # the fp32 gradient: one buffer per sub-group in host memory, one shared buffer when they are swapped
-    out += MASTER_BYTES * (largest_sub_group if states_on_nvme else partition_params)
+    # the fp32 gradient: one buffer per sub-group in host memory (each pinned on its own with pin_memory:
+    # initialize_optimizer_states, stage3.py:1337-1339 @0.19.8), one shared buffer when they are swapped
+    if states_on_nvme:
+        out += MASTER_BYTES * largest_sub_group
+    else:
+        out += sum(held(MASTER_BYTES * n) for n in _sub_group_sizes(partition_params, k.sub_group_elems))
     if states_on_nvme:
         out += k.opt_buffer_count * MASTER_BYTES * largest_sub_group
     if params_on_nvme or k.param_swapper:
         out += k.param_buffer_count * k.param_buffer_elems * compute_bytes
+    return out
+
+
+def deepspeed_setup_peak_bytes(partition_params: int, knobs: DsKnobs, params_on_nvme: bool,
+                               states_on_nvme: bool, compute_bytes: int = COMPUTE_BYTES) -> float:
+    """Host bytes DeepSpeed holds for itself at the moment it pins the gradient partitions at set-up, with
+    `offload_optimizer.pin_memory` (knobs.pin_memory; 0 without it): the pageable `torch.zeros` buffer and its
+    page-locked copy (pinned_alloc_bytes) at once (stage3.py:791-795 @0.19.8: the pageable tensor is the
+    argument of `pin_memory` until it returns), beside the swappers' pinned buffers, which exist by then (the
+    parameter swapper's from zero.Init, the optimizer swapper's from _configure_tensor_swapping,
+    stage3.py:449, before _setup_for_real_optimizer, :499). A box whose host memory is below this cannot
+    start the run."""
+    if not knobs.pin_memory:
+        return 0.0
+    grads = float(compute_bytes * partition_params)
+    out = grads + pinned_alloc_bytes(grads)
+    if states_on_nvme:
+        out += knobs.opt_buffer_count * MASTER_BYTES * min(knobs.sub_group_elems, partition_params)
+    if params_on_nvme or knobs.param_swapper:
+        out += knobs.param_buffer_count * knobs.param_buffer_elems * compute_bytes
     return out
 
 

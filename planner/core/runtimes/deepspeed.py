@@ -6,11 +6,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from tierflow.planner.core.dsruntime import ds_fp32_grad_copy_s
+from tierflow.planner.core.dsruntime import deepspeed_setup_peak_bytes, ds_fp32_grad_copy_s
 from tierflow.planner.core.graph import Task
-from tierflow.planner.core.memory import DS_MAX_PARAM_REDUCE_EVENTS
+from tierflow.planner.core.memory import DS_MAX_PARAM_REDUCE_EVENTS, placed_bytes
 from tierflow.planner.core.opkinds import OFFLOAD_GRADS
 from tierflow.planner.core.runtimes.optstep import OptChain
+from tierflow.planner.core.simulator import CapacityError, bytes_text
+from tierflow.planner.core.world import rank_capacity_bytes, shard_elems
 
 
 @dataclass
@@ -44,6 +46,31 @@ class DeepSpeedHooks:
         self.ds_wait: list[int] = []
         self.ds_groups = ds_sub_groups([x.owned_params for x in b], cfg.ds_sub_group_elems)
         self.ds_cached = self._ds_cached_blocks()
+        self._ds_check_setup_memory()
+
+    def _ds_check_setup_memory(self) -> None:
+        """Runtime deepspeed with `offload_optimizer.pin_memory` on a CUDA box (cfg.ds_pin_memory): the run
+        cannot start where the host does not hold, at once, the placed tensors, the swappers' buffers and the
+        gradient partitions both pageable and page-locked (rounded up to a power of two by torch's caching
+        host allocator) while DeepSpeed pins them (dsruntime.deepspeed_setup_peak_bytes: stage3.py:791-795
+        @0.19.8, `get_accelerator().pin_memory(torch.zeros(...))`)."""
+        cfg, p = self.cfg, self.p
+        if cfg.runtime != "deepspeed" or not cfg.ds_pin_memory or p.gpu_optimizer \
+                or self.hw.gpu.host_cores is not None:
+            return
+        partition = shard_elems(self.model.total_params(), self.W)
+        peak = deepspeed_setup_peak_bytes(partition, cfg.ds_knobs, p.weights.ssd > 0, p.master.ssd > 0,
+                                          self.pr.compute_bytes)
+        peak += placed_bytes(self.model, p, self.W)["cpu"]
+        cap = rank_capacity_bytes(self.hw, cfg.gpus)["cpu"]
+        if peak > cap:
+            grads = self.pr.compute_bytes * partition
+            raise CapacityError(
+                "cpu", 0.0, peak - cap,
+                f"DeepSpeed's set-up: its {bytes_text(grads)} of gradient partitions pageable and "
+                f"page-locked at once (offload_optimizer.pin_memory; torch's pinned allocator rounds them "
+                f"to a power of two), with its swap buffers and the placed tensors: {bytes_text(peak)} of "
+                f"{bytes_text(cap)}; fix: offload_optimizer.pin_memory false, or a host with more memory")
 
     def _ds_drained_at_next_hook(self, u: int, h: Task, d: int) -> None:
         """Runtime deepspeed on one GPU: the fetch of use u, issued with the prefetch bucket at the hook of

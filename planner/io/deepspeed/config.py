@@ -175,6 +175,9 @@ class DsConfig:
     param_buffer_elems: int = DS_PARAM_BUFFER_ELEMS  # offload_param.buffer_size
     max_in_cpu_elems: int = DS_MAX_IN_CPU_ELEMS  # offload_param.max_in_cpu
     opt_buffer_count: int = DS_OPT_BUFFER_COUNT  # offload_optimizer.buffer_count
+    # offload_optimizer.pin_memory (True by default at 0.19.8): the host gradient buffers page-locked through
+    # torch's caching host allocator on a CUDA box (dsruntime.DsKnobs.pin_memory)
+    opt_pin_memory: bool = True
     # parameters on NVMe: the share of them max_in_cpu keeps in host memory (whole leading sub-groups)
     cached_fraction: float = 0.0
     cached_elems: int = 0
@@ -221,7 +224,10 @@ class DsConfig:
                        ds_param_buffer_elems=self.param_buffer_elems,
                        ds_param_swapper=self.param_device == "nvme" and self.cached_fraction >= 1.0,
                        ds_cached_elems=self.cached_elems if 0 < self.cached_fraction < 1 else 0,
-                       ds_stage=3 if self.stage >= 3 else self.stage)
+                       ds_stage=3 if self.stage >= 3 else self.stage,
+                       # DeepSpeed's CPU accelerator does not page-lock (cpu_accelerator.py pin_memory)
+                       ds_pin_memory=self.opt_pin_memory and self.optimizer_device != "none"
+                       and hw.gpu.host_cores is None)
 
     def trained(self, model: ModelSpec) -> ModelSpec:
         """`model` in the precision this config trains it in (bf16.enabled / fp16.enabled, else fp32, in place
@@ -414,7 +420,10 @@ def _buffer_keys(leaves: dict, source: str, model: ModelSpec, param_device: str,
            "param_buffer_count": _int(leaves, OP + "buffer_count", DS_PARAM_BUFFER_COUNT, source, lo=0),
            "param_buffer_elems": _int(leaves, OP + "buffer_size", DS_PARAM_BUFFER_ELEMS, source, lo=0),
            "max_in_cpu_elems": _int(leaves, OP + "max_in_cpu", DS_MAX_IN_CPU_ELEMS, source, lo=0),
-           "opt_buffer_count": _int(leaves, OO + "buffer_count", DS_OPT_BUFFER_COUNT, source, lo=0)}
+           "opt_buffer_count": _int(leaves, OO + "buffer_count", DS_OPT_BUFFER_COUNT, source, lo=0),
+           # another value than false is DeepSpeed's default as far as the bridge goes (keys.py: modelled at
+           # the default; false is named as not modelled for its copy rates)
+           "opt_pin_memory": leaves.get(OO + "pin_memory", True) is not False}
     owned = [b.owned_params for b in blocks_of(model, 1, model.seq_len)]
     groups = ds_sub_groups(owned, sub_group)
     if param_device == "nvme":

@@ -82,6 +82,10 @@ ASSUMED_DEFAULTS: dict[str, tuple[object, str]] = {
         "below 1 part of the optimizer step stays on the GPU (ZeRO-Offload++ twin-flow); settles: a "
         "fractional master placement stepped on both devices, timed against DeepSpeed on a GPU")),
     OO + "pin_memory": (True, (
+        "true (the default) page-locks the gradient partitions' host buffer through torch's caching host "
+        "allocator, which rounds it up to a power of two, and holds it pageable and pinned at once while it "
+        "copies (stage3.py `get_accelerator().pin_memory(torch.zeros(...))`; counted in host memory and "
+        "checked at set-up on a CUDA box: dsruntime.deepspeed_setup_peak_bytes); "
         "false leaves the gradient partitions' host buffer pageable (`if self.offload_optimizer_pin_memory: "
         "... pin_memory(self.grad_partitions_flat_buffer)`), so every gradient copy runs at the pageable "
         "rate; settles: a pageable copy rate in the profile, measured by calibrate on the GPU box")),
