@@ -13,6 +13,7 @@ from tierflow.cli.args import (
     add_batch_arg,
     add_box_args,
     add_micro_batch_arg,
+    add_lora_args,
     add_optimizer_states_arg,
     add_precision_arg,
     add_seq_arg,
@@ -67,6 +68,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add_world_args(pl)
     add_precision_arg(pl)
     add_optimizer_states_arg(pl, auto=True)
+    add_lora_args(pl)
     return pl
 
 

@@ -13,6 +13,7 @@ from tierflow.cli.args import (
     add_batch_arg,
     add_box_args,
     add_micro_batch_arg,
+    add_lora_args,
     add_optimizer_states_arg,
     add_precision_arg,
     add_seq_arg,
@@ -85,6 +86,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add_world_args(s)
     add_precision_arg(s)
     add_optimizer_states_arg(s)
+    add_lora_args(s)
     dsconfig.add_ds_config_args(s)
     return s
 
