@@ -168,3 +168,25 @@ def test_cli_flags():
     r = _cli("simulate", "--model", "tiny-llama", "--hw", "rtx3090-desktop", "--lora", "4", "--lora-targets",
              "qkv")
     assert r.returncode == 2 and "qkv" in r.stderr
+
+
+def test_run_refuses_a_lora_plan_in_one_line(tmp_path):
+    """The executor does not train adapters yet: `tierflow run` of a LoRA plan is one line, not a traceback."""
+    hw = load_profile("rtx3090-desktop")
+    ml = get_model("tiny-llama").with_lora(LORA)
+    cfg, g = _graph(ml, hw, "vertical")
+    write_plan(plan_from_graph(ml, hw, cfg, g), tmp_path / "lora.json")
+    r = _cli("run", str(tmp_path / "lora.json"), "--steps", "1", "--device", "cpu")
+    assert r.returncode != 0 and "LoRA" in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+
+
+def test_lora_tiers_experiment_quick(tmp_path):
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "experiments"))
+    import lora_tiers
+
+    rows = lora_tiers.run(quick=True, out_dir=tmp_path)
+    assert (tmp_path / "lora_tiers.csv").exists()
+    lora = [r for r in rows if r["variant"] == "lora r16"]
+    assert lora and all(r["ssd_write_gb"] == 0 for r in lora)
+    assert "LoRA r16 / full" in lora_tiers.lora_tables(rows)
