@@ -1,13 +1,14 @@
-"""LoRA over the tiers, in simulation: full fine-tuning against LoRA adapters (rank 8-64) per schedule, the plans
-of LLaMA-2 70B on the Fuyou box, and the largest model per box.
+"""LoRA over the tiers, in simulation: full fine-tuning against LoRA adapters (rank 8-64) per schedule, the
+plans of LLaMA-2 70B on the Fuyou box, and the largest model per box.
 
     python experiments/lora_tiers.py [--quick] [--out DIR]
 
 For LLaMA-2 70B and GPT-3 175B on the Fuyou box (rtx4090-lohan: 768 GB, 12 SSDs) and on a 4090 box with 256 GB
 and 4 SSDs (rtx4090-lohan with --set cpu.memory_gib=256, cpu.reserved_gib=19 (the profile's rule: 6 GiB +
 5%), ssd.count=4): each schedule's default plan (horizontal, fuyou, vertical, runtime ideal, batch 16,
-micro-batch 1) simulated for full fine-tuning and LoRA of rank 8, 16, 32, 64 (all seven projections): tokens/s,
-hardware TFLOPS, the GPU's busy share and the SSD bytes written per iteration. Then `tierflow plan`'s search
+micro-batch 1) simulated for full fine-tuning and LoRA of rank 8, 16, 32, 64 (all seven projections):
+tokens/s, hardware TFLOPS, the GPU's busy share and the SSD bytes written per iteration (a default placement
+that overflows a tier: does not fit). Then `tierflow plan`'s search
 (plan_search, 60 s, no window check) for LLaMA-2 70B on the Fuyou box at batch 2 and 16, full and LoRA rank
 16: the issue's targets (GPU busy >= 85%, LoRA >= 1.25x full at batch 16, zero SSD writes). Then the largest
 LLaMA- and GPT-family model `tierflow capacity` trains (batch 16 x 2048, verified by simulation) per box, full
@@ -37,6 +38,7 @@ from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.lora import LoraConfig
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.schedules import make_schedule
+from tierflow.planner.core.simulator import CapacityError
 from tierflow.planner.io.planning import PlanOptions, make_plan
 from tierflow.planner.search.capacity import largest
 
@@ -74,15 +76,21 @@ def _row(kind: str, model: str, box_name: str, batch: int, rank: int | None, sch
     return row
 
 
-def schedule_row(model_name: str, box_name: str, rank: int | None, schedule: str, batch: int = BATCH) -> dict:
+def schedule_row(model_name: str, box_name: str, rank: int | None, schedule: str,
+                 batch: int = BATCH) -> dict:
     model, hw = variant_model(model_name, rank), box(box_name)
     cfg = make_schedule(schedule, model, hw, batch=batch, micro_batch=1, runtime="ideal", iterations=2)
-    return _row("schedule", model_name, box_name, batch, rank, schedule, simulate_config(model, hw, cfg))
+    try:
+        r = simulate_config(model, hw, cfg)
+    except CapacityError:
+        return _row("schedule", model_name, box_name, batch, rank, schedule, largest_model="does not fit")
+    return _row("schedule", model_name, box_name, batch, rank, schedule, r)
 
 
 def plan_row(model_name: str, box_name: str, rank: int | None, batch: int, time_limit_s: float) -> dict:
     model, hw = variant_model(model_name, rank), box(box_name)
-    sr = make_plan(model, hw, batch, model.seq_len, PlanOptions(time_limit_s=time_limit_s, window=False)).search
+    opts = PlanOptions(time_limit_s=time_limit_s, window=False)
+    sr = make_plan(model, hw, batch, model.seq_len, opts).search
     return _row("plan", model_name, box_name, batch, rank, sr.best.config.family, sr.best.result)
 
 
@@ -101,7 +109,8 @@ def run(quick: bool, out_dir: Path) -> list[dict]:
                 for rank in (None, 16) for s in SCHEDULES]
     else:
         rows = [schedule_row(m, b, rank, s) for m in ("llama2-70b", "gpt3-175b")
-                for b in ("rtx4090-lohan", "4090 256 GB 4 SSDs") for rank in (None, *RANKS) for s in SCHEDULES]
+                for b in ("rtx4090-lohan", "4090 256 GB 4 SSDs") for rank in (None, *RANKS)
+                for s in SCHEDULES]
         rows += [plan_row("llama2-70b", "rtx4090-lohan", rank, batch, 60.0)
                  for batch in (2, 16) for rank in (None, 16)]
         rows += [capacity_row(b, fam, rank) for b in BOXES for fam in ("llama", "gpt") for rank in (None, 16)]
@@ -125,11 +134,17 @@ def lora_tables(rows: list[dict]) -> str:
     variants = list(dict.fromkeys(r["variant"] for r in sched))
     by = {(r["model"], r["box"], r["schedule"], r["variant"]): r for r in sched}
     out = []
+    def cell(r: dict) -> str:
+        if r["tokens_per_s"] in ("", None):
+            return "does not fit"
+        return f"{_f(r['tokens_per_s']):,.0f} ({_f(r['hw_tflops']):.0f})"
+
     for k in keys:
-        cells = [f"{_f(by[(*k, v)]['tokens_per_s']):,.0f} ({_f(by[(*k, v)]['hw_tflops']):.0f})" for v in variants]
+        cells = [cell(by[(*k, v)]) for v in variants]
         full, r16 = _f(by[(*k, "full")]["tokens_per_s"]), by.get((*k, "lora r16"))
         gain = f"{_f(r16['tokens_per_s']) / full:.2f}x" if r16 and full else "-"
-        out.append((*k, *cells, gain, f"{_f(by[(*k, 'full')]['ssd_write_gb']):,.0f}"))
+        writes = by[(*k, "full")]["ssd_write_gb"]
+        out.append((*k, *cells, gain, f"{_f(writes):,.0f}" if writes not in ("", None) else "-"))
     text = markdown_table(["model", "box", "schedule", *[f"{v} tokens/s (hw TFLOPS)" for v in variants],
                            "LoRA r16 / full", "full's SSD writes (GB / iteration)"], out)
     plans = [r for r in rows if r["kind"] == "plan"]

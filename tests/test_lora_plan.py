@@ -1,6 +1,6 @@
-"""LoRA in the planner (planner/core/lora.py): the adapters' parameters against PEFT's, the frozen base's bytes
-and FLOPs, the schedules' ops (SSD reads only, one GPU optimizer step per layer), the plan file (version 2)
-and the commands' flags."""
+"""LoRA in the planner (planner/core/lora.py): the adapters' parameters against PEFT's, the frozen base's
+bytes and FLOPs, the schedules' ops (SSD reads only, one GPU optimizer step per layer), the plan file
+(version 2) and the commands' flags."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def test_config_checks_and_canonical_targets():
     c = LoraConfig(4, targets=("v_proj", "q_proj"))
     assert c.targets == ("q_proj", "v_proj") and c.scaling == 4.0
     assert LoraConfig.from_dict(c.to_dict()) == c
-    for bad in (dict(rank=0), dict(rank=4, alpha=0), dict(rank=4, dropout=1.0), dict(rank=4, targets=("qkv",)),
-                dict(rank=4, targets=())):
+    for bad in (dict(rank=0), dict(rank=4, alpha=0), dict(rank=4, dropout=1.0),
+                dict(rank=4, targets=("qkv",)), dict(rank=4, targets=())):
         with pytest.raises(LoraConfigError):
             LoraConfig(**bad)
     assert parse_targets("attention") == ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -171,7 +171,7 @@ def test_cli_flags():
 
 
 def test_run_refuses_a_lora_plan_in_one_line(tmp_path):
-    """The executor does not train adapters yet: `tierflow run` of a LoRA plan is one line, not a traceback."""
+    """The executor does not train adapters yet: `tierflow run` of a LoRA plan is one line."""
     hw = load_profile("rtx3090-desktop")
     ml = get_model("tiny-llama").with_lora(LORA)
     cfg, g = _graph(ml, hw, "vertical")
@@ -190,3 +190,30 @@ def test_lora_tiers_experiment_quick(tmp_path):
     lora = [r for r in rows if r["variant"] == "lora r16"]
     assert lora and all(r["ssd_write_gb"] == 0 for r in lora)
     assert "LoRA r16 / full" in lora_tiers.lora_tables(rows)
+
+
+@pytest.mark.parametrize("name,family,w_ssd,swap", [
+    ("gpt3-125m", "horizontal", 1.0, 0), ("gpt3-125m", "fuyou", 0.5, 2), ("llama2-7b", "vertical", 0.5, 0),
+    ("llama2-7b", "block", 0.0, 1), ("llama2-7b", "fuyou", 1.0, 2)])
+def test_memory_model_holds_lora(name, family, w_ssd, swap):
+    """The memory model's estimate of a LoRA schedule suffices (a simulation capped at it runs to the end as
+    fast) and is not loose (tests/test_memory.py's bounds), the adapters' bytes on the GPU included."""
+    from tierflow.planner.core.memory import MARGIN, schedule_memory
+
+    model = replace(get_model(name), num_layers=3).with_lora(LORA)
+    hw = load_profile("rtx4090-lohan")
+    placement = Placement(weights=Split(gpu=0, cpu=round(1 - w_ssd, 6), ssd=w_ssd))
+    cfg = make_schedule(family, model, hw, batch=4, micro_batch=2, seq=256, placement=placement,
+                        swap_layers=swap, iterations=2)
+    mem = schedule_memory(model, micro_batch=2, seq=256, num_micro_batches=2, group=cfg.group, alpha=cfg.alpha,
+                          optimizer_overlap=cfg.optimizer_overlap, prefetch_depth=cfg.prefetch_depth,
+                          act_prefetch=cfg.act_prefetch, runtime=cfg.runtime, hw=hw)
+    est, staging = mem.tier_bytes(placement, swap), mem.staging_bytes(placement, swap)
+    free = simulate_config(model, hw, cfg)
+    g = build_graph(model, hw, cfg)
+    g.capacity_bytes = {t: est[t] * (1 + 1e-9) + 1.0 for t in est}
+    capped = simulate_config(model, hw, cfg, g)  # raises CapacityError if a tier does not suffice
+    assert capped.iteration_s <= free.iteration_s * 1.05
+    for tier in est:
+        allowance = staging if tier == "cpu" else 0.0
+        assert est[tier] <= (1 + MARGIN) * free.peak_bytes[tier] + allowance + 1.0, tier

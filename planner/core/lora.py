@@ -69,7 +69,8 @@ class LoraConfig:
         return self.alpha / self.rank
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets), "dropout": self.dropout}
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),
+                "dropout": self.dropout}
 
     @classmethod
     def from_dict(cls, data: object) -> LoraConfig:
@@ -81,8 +82,8 @@ class LoraConfig:
                                   f"{type(data).__name__}")
         unknown = set(data) - {"rank", "alpha", "targets", "dropout"}
         if unknown:
-            raise LoraConfigError(f"lora: unknown key {sorted(unknown)[0]!r} (known: rank, alpha, targets, "
-                                  "dropout)")
+            raise LoraConfigError(f"lora: unknown key {sorted(unknown)[0]!r} (known: rank, alpha, "
+                                  "targets, dropout)")
         if "rank" not in data:
             raise LoraConfigError("lora: rank is missing")
         return cls(**data)

@@ -241,7 +241,8 @@ class ScheduleMemory:
                                                           self.precision.compute_bytes)
         on_gpu = placement.gpu_optimizer
         return {
-            "gpu": placed["gpu"] + self.adapter_gpu_bytes + gpu_work + ck * c.gpu + (self.opt_workspace_bytes if on_gpu else 0.0),
+            "gpu": placed["gpu"] + self.adapter_gpu_bytes + gpu_work + ck * c.gpu
+            + (self.opt_workspace_bytes if on_gpu else 0.0),
             "cpu": placed["cpu"] + grads_on_host + self.staging_bytes(placement, swap_layers) + ck * c.cpu
             + host_reserve_bytes(cpu_capacity_bytes) + (0.0 if on_gpu else self.opt_workspace_bytes),
             "ssd": placed["ssd"] + ck * c.ssd,
@@ -300,7 +301,8 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
     # step's own input and the activation gradient it hands on, and the activations fetched ahead for the next
     # act_prefetch steps (a checkpoint each, or a swapped layer's saved
     # activations)
-    gpu = max(b.bwd_working_bytes + b.weight_bytes + pr.grad_accum_bytes * b.grad_params for b in blocks) \
+    gpu = max(b.bwd_working_bytes + b.weight_bytes + pr.grad_accum_bytes * b.grad_params
+              for b in blocks) \
         + prefetch_depth * max(b.weight_bytes for b in blocks) + 2 * layer.checkpoint_bytes
     gpu_recompute = gpu + act_prefetch * layer.checkpoint_bytes
     gpu_swap = gpu + act_prefetch * layer.full_activation_bytes

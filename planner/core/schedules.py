@@ -160,8 +160,8 @@ def check_lora(model: ModelSpec, cfg: ScheduleConfig) -> None:
     if cfg.world.ranks > 1:
         raise ScheduleError("LoRA plans one GPU for now (use --gpus 1 --nodes 1)")
     if cfg.runtime != "ideal":
-        raise ScheduleError(f"runtime {cfg.runtime} models full fine-tuning as its code runs it, not LoRA (use "
-                            "--runtime ideal)")
+        raise ScheduleError(f"runtime {cfg.runtime} models full fine-tuning as its code runs it, not LoRA "
+                            "(use --runtime ideal)")
     p = cfg.placement
     if p.checkpoints.ssd > 0 or p.grads.ssd > 0 or p.master.ssd > 0 or p.adam_m.ssd > 0 or p.adam_v.ssd > 0:
         raise ScheduleError("LoRA reads the frozen base from the SSDs and writes nothing there: only weights "

@@ -81,7 +81,8 @@ def largest(family: str, hw: HardwareProfile, batch: int, seq: int, with_ssd: bo
     _, widths = FAMILIES[family]
 
     def sized(hidden: int, heads: int, layers: int) -> ModelSpec:
-        return shape(family, hidden, heads, layers, seq).with_optimizer_states(optimizer_states).with_lora(lora)
+        m = shape(family, hidden, heads, layers, seq)
+        return m.with_optimizer_states(optimizer_states).with_lora(lora)
 
     fitting: list[ModelSpec] = []
     for hidden, heads in widths:

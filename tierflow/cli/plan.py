@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from tierflow.cli.args import (
     add_batch_arg,
     add_box_args,
-    add_micro_batch_arg,
     add_lora_args,
+    add_micro_batch_arg,
     add_optimizer_states_arg,
     add_precision_arg,
     add_seq_arg,

@@ -103,8 +103,9 @@ class ModelSpec:
     # The optimizer-state format (OPTIMIZER_STATE_NAMES; `--optimizer-states`); None: fp32 (left out of plan
     # files and checkpoints then: model_dict)
     optimizer_states: str | None = None
-    # LoRA (tierflow.planner.core.lora): only the adapters train, the base is frozen; None: full fine-tuning
-    # (left out of plan files and checkpoints then: model_dict). A plan file's object is turned into the config
+    # LoRA (tierflow.planner.core.lora): only the adapters train, the base is frozen; None: full
+    # fine-tuning (left out of plan files and checkpoints then: model_dict). A plan file's object becomes the
+    # config
     lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
