@@ -207,7 +207,8 @@ def test_memory_model_holds_lora(name, family, w_ssd, swap):
                         swap_layers=swap, iterations=2)
     mem = schedule_memory(model, micro_batch=2, seq=256, num_micro_batches=2, group=cfg.group,
                           alpha=cfg.alpha, optimizer_overlap=cfg.optimizer_overlap,
-                          prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch, runtime=cfg.runtime, hw=hw)
+                          prefetch_depth=cfg.prefetch_depth, act_prefetch=cfg.act_prefetch,
+                          runtime=cfg.runtime, hw=hw)
     est, staging = mem.tier_bytes(placement, swap), mem.staging_bytes(placement, swap)
     free = simulate_config(model, hw, cfg)
     g = build_graph(model, hw, cfg)
