@@ -19,6 +19,7 @@ only).
 
 from __future__ import annotations
 
+import csv
 import sys
 from pathlib import Path
 
@@ -97,7 +98,10 @@ def plan_row(model_name: str, box_name: str, rank: int | None, batch: int, time_
 def capacity_row(box_name: str, family: str, rank: int | None) -> dict:
     a = largest(family, box(box_name), 16, 2048, BOXES[box_name].get("ssd.count", 1) != 0,
                 lora=LoraConfig(rank) if rank else None)
-    name = a.model.describe().split(",")[0].split(":")[1].strip() if a.model else "-"
+    if a.model is None:  # none of the largest candidates passed the simulation: its reason
+        return _row("capacity", family, box_name, 16, rank, "vertical", None, "",
+                    f"verification refused: {a.note.split(' at t=')[0]}")
+    name = f"{a.model.num_layers} layers x {a.model.hidden}"
     return _row("capacity", family, box_name, 16, rank, "vertical", a.verified,
                 round(a.params / 1e9, 1), name)
 
@@ -115,8 +119,9 @@ def run(quick: bool, out_dir: Path) -> list[dict]:
                  for batch in (2, 16) for rank in (None, 16)]
         rows += [capacity_row(b, fam, rank) for b in BOXES for fam in ("llama", "gpt") for rank in (None, 16)]
     write_csv(rows, out_dir / "lora_tiers.csv")
-    if out_dir.resolve() == RESULTS_DIR.resolve():
-        write_generated_block(DOC, DOC_TABLE, lora_tables(rows))
+    if out_dir.resolve() == RESULTS_DIR.resolve():  # from the file, as tests/test_docs_tables.py reads it
+        with open(out_dir / "lora_tiers.csv", newline="") as f:
+            write_generated_block(DOC, DOC_TABLE, lora_tables(list(csv.DictReader(f))))
     print_table(rows, list(COLUMNS))
     return rows
 
@@ -161,8 +166,9 @@ def lora_tables(rows: list[dict]) -> str:
     if caps:
         text += "\n\n" + markdown_table(
             ["box", "family", "variant", "largest model", "params (B)", "tokens/s (simulated)"],
-            [(r["box"], r["model"], r["variant"], r["largest_model"], r["largest_params_b"],
-              f"{_f(r['tokens_per_s']):,.0f}") for r in caps])
+            [(r["box"], r["model"], r["variant"], r["largest_model"], r["largest_params_b"] or "-",
+              f"{_f(r['tokens_per_s']):,.0f}" if r["tokens_per_s"] not in ("", None) else "-")
+             for r in caps])
     return text
 
 
