@@ -238,12 +238,12 @@ def test_missing_version():
     refused(d, "version: missing key", "versions 1")
 
 
-@pytest.mark.parametrize("version", [2, 0, "1", True, None])
+@pytest.mark.parametrize("version", [3, 0, "1", True, None])
 def test_unsupported_version(version):
     d = valid()
     d["version"] = version
-    msg = refused(d, "version: unsupported version", "reads versions 1")
-    assert ("upgrade tierflow" in msg) == (version == 2)
+    msg = refused(d, "version: unsupported version", "reads versions 1, 2")
+    assert ("upgrade tierflow" in msg) == (version == 3)
 
 
 @pytest.mark.parametrize("key", ["model", "hardware", "decisions", "static_bytes", "capacity_bytes",

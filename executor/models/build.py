@@ -51,6 +51,9 @@ def check_supported(spec: ModelSpec) -> None:
     if not spec.lm_head:
         raise no("a model without an lm_head (a benchmark stand-in whose loss is on the hidden states) is "
                  "simulated, not trained")
+    if spec.lora is not None:
+        raise no("LoRA plans are planned and simulated; the executor does not train adapters yet "
+                 "(docs/lora.md)")
 
 
 def make_blocks(

@@ -85,7 +85,7 @@ def kernels(block: BlockCost, backward: bool) -> int:
     elementwise = FWD_ELEMENTWISE_KERNELS.get(block.kind, 0)
     if backward:
         attention = ATTENTION_BWD_KERNELS if attention else 0
-        return 2 * n_gemm + attention + 2 * elementwise
+        return 2 * n_gemm - block.frozen_gemms + attention + 2 * elementwise
     return n_gemm + attention + elementwise
 
 

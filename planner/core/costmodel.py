@@ -356,11 +356,12 @@ class CostModel:
         return self._launched(device, block, False) + self.op_overhead_s
 
     def backward_s(self, block: BlockCost) -> float:
-        """Backward = two GEMMs per forward GEMM (data and weight gradient), 2x the attention, 2x
-        elementwise."""
+        """Backward = two GEMMs per forward GEMM (data and weight gradient; a frozen weight's, LoRA's base,
+        only the data gradient), 2x the attention, 2x elementwise."""
         peak = self.peak_flops_for(block.precision)
         device = (
             2 * sum(self.gemm_s(g, peak) for g in block.fwd_gemms)
+            - sum(self.gemm_s(g, peak) for g in block.fwd_gemms[:block.frozen_gemms])
             + self.attention_s(block.attn_fwd_flops, backward=True, peak_flops=peak)
             + 2 * self.elementwise_s(block.fwd_elementwise_bytes, block.fwd_activation_bytes)
             + 2 * self.unfused_s(block)

@@ -21,7 +21,7 @@ experiments/device_memory.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.devicemem import runtime_gpu_reserve_bytes
@@ -96,8 +96,29 @@ def blocks_of(model: ModelSpec, micro_batch: int, seq: int) -> list[BlockCost]:
 
 def placed_bytes(model: ModelSpec, placement: Placement, ranks: int = 1) -> dict[str, float]:
     """Bytes resident on each tier for the whole run: weights and optimizer states where the placement puts
-    them, plus the SSD space reserved for spilled gradients; with several ranks, one rank's shard of them."""
-    return placed_bytes_of(shard_elems(model.total_params(), ranks), placement, precision_of(model))
+    them, plus the SSD space reserved for spilled gradients; with several ranks, one rank's shard of them.
+    Under LoRA the placement places the frozen base weights (no states, no gradients) and the adapters live
+    on the GPU (adapter_gpu_bytes)."""
+    out = placed_bytes_of(shard_elems(model.total_params(), ranks), placement, placed_precision(model))
+    out["gpu"] += adapter_gpu_bytes(model)
+    return out
+
+
+def placed_precision(model: ModelSpec) -> Precision:
+    """The bytes per parameter of the placed (base) parameters: the model's precision, or under LoRA a
+    frozen base's: its compute-dtype weights only (no master, no moments, no gradient)."""
+    pr = precision_of(model)
+    if model.lora is None:
+        return pr
+    return replace(pr, master_bytes=0.0, adam_state_bytes=0.0, grad_accum_bytes=0)
+
+
+def adapter_gpu_bytes(model: ModelSpec) -> float:
+    """LoRA's adapters on the GPU for the whole run: their compute-dtype weights, master copy (none for an
+    in-place precision), Adam moments and fp32 gradient (0 without LoRA)."""
+    pr = precision_of(model)
+    per_param = pr.compute_bytes + pr.master_bytes_at(True) + 2 * pr.adam_state_bytes + pr.grad_accum_bytes
+    return float(model.adapter_params() * per_param)
 
 
 def placed_bytes_of(params: int, placement: Placement,
@@ -175,6 +196,7 @@ class ScheduleMemory:
     # compressed optimizer states (optstates): the fp32 copies of the master and moments of the block being
     # stepped (executor/optim/qstate.py decodes, updates and encodes a part at once), where the optimizer runs
     opt_workspace_bytes: float = 0.0
+    adapter_gpu_bytes: float = 0.0  # LoRA's adapters, their gradients and states, on the GPU (placed_bytes)
 
     @property
     def host_staging_bytes(self) -> float:
@@ -219,7 +241,8 @@ class ScheduleMemory:
                                                           self.precision.compute_bytes)
         on_gpu = placement.gpu_optimizer
         return {
-            "gpu": placed["gpu"] + gpu_work + ck * c.gpu + (self.opt_workspace_bytes if on_gpu else 0.0),
+            "gpu": placed["gpu"] + self.adapter_gpu_bytes + gpu_work + ck * c.gpu
+            + (self.opt_workspace_bytes if on_gpu else 0.0),
             "cpu": placed["cpu"] + grads_on_host + self.staging_bytes(placement, swap_layers) + ck * c.cpu
             + host_reserve_bytes(cpu_capacity_bytes) + (0.0 if on_gpu else self.opt_workspace_bytes),
             "ssd": placed["ssd"] + ck * c.ssd,
@@ -234,7 +257,7 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
     several ranks (`ranks` > 1, `num_micro_batches` per rank), one rank's: its shard of the gradients, states
     and weights on the host and the SSDs; full blocks on the GPU (gathered weights, full gradients)."""
     blocks = blocks_of(model, micro_batch, seq)
-    pr = precision_of(model)
+    pr = placed_precision(model)  # under LoRA: no states, no gradients of the base (none on the host)
     layer = blocks[1] if model.num_layers else blocks[0]
     params = shard_elems(model.total_params(), ranks)
     L = max(model.num_layers, 1)
@@ -248,7 +271,7 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
         return float(sum(sizes[:n]))
 
     if holds_every_gradient(num_micro_batches, group, optimizer_overlap):
-        grads = pr.grad_accum_bytes * sum(b.fetch_params for b in blocks)
+        grads = pr.grad_accum_bytes * sum(b.grad_params for b in blocks)
     else:
         # the block whose Adam runs, the next ones whose backward finished meanwhile, and alpha of every block
         # (a CPU Adam slower than the backward lets more wait: the simulator then delays offloads or
@@ -259,7 +282,8 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
     weight_staging = pr.compute_bytes * largest(fetched, prefetch_depth + 2)
     state_staging = pr.state_bytes * largest(owned, 3)
     fp32_states = MASTER_BYTES + 2 * ADAM_STATE_BYTES
-    workspace = 0.0 if pr.state_bytes == fp32_states else fp32_states * largest(owned, 1) / ranks
+    compressed = pr.state_bytes != fp32_states and model.lora is None
+    workspace = fp32_states * largest(owned, 1) / ranks if compressed else 0.0
     grad_staging = pr.grad_accum_bytes * largest(fetched, 2)
     if ranks > 1:  # the host and the SSDs hold and stream one rank's shard of every block
         grads, weight_staging, state_staging, grad_staging = (
@@ -277,7 +301,8 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
     # step's own input and the activation gradient it hands on, and the activations fetched ahead for the next
     # act_prefetch steps (a checkpoint each, or a swapped layer's saved
     # activations)
-    gpu = max(b.bwd_working_bytes + b.weight_bytes + pr.grad_accum_bytes * b.fetch_params for b in blocks) \
+    gpu = max(b.bwd_working_bytes + b.weight_bytes + pr.grad_accum_bytes * b.grad_params
+              for b in blocks) \
         + prefetch_depth * max(b.weight_bytes for b in blocks) + 2 * layer.checkpoint_bytes
     gpu_recompute = gpu + act_prefetch * layer.checkpoint_bytes
     gpu_swap = gpu + act_prefetch * layer.full_activation_bytes
@@ -292,4 +317,5 @@ def schedule_memory(model: ModelSpec, *, micro_batch: int, seq: int, num_micro_b
                                              if runtime == "deepspeed" else 0.0),
                           cuda_runtime_bytes=runtime_gpu_reserve_bytes(runtime, ranks, hw),
                           precision=pr, deepspeed_host=runtime == "deepspeed",
-                          accumulates_on_host=group < num_micro_batches, opt_workspace_bytes=workspace)
+                          accumulates_on_host=group < num_micro_batches, opt_workspace_bytes=workspace,
+                          adapter_gpu_bytes=adapter_gpu_bytes(model))

@@ -112,12 +112,16 @@ class Placement:
         s = Split(**{t: 1.0 if t == tier else 0.0 for t in TIERS})
         return cls(weights=s, master=s, adam_m=s, adam_v=s, grads=s, checkpoints=s)
 
-    def describe(self) -> str:
+    def describe(self, lora: bool = False) -> str:
+        """One line of every class's tiers; for a LoRA model (`lora`) the classes that hold something: the
+        frozen base (`weights`) and the checkpoints, beside the adapters and their states on the GPU."""
         parts = []
-        for name in TENSOR_CLASSES:
+        for name in ("weights", "checkpoints") if lora else TENSOR_CLASSES:
             s = getattr(self, name)
             tiers = [f"{t} {getattr(s, t):.0%}" for t in TIERS if getattr(s, t) > 0]
-            parts.append(f"{name}: {' '.join(tiers)}")
+            parts.append(f"{'frozen weights' if lora and name == 'weights' else name}: {' '.join(tiers)}")
+        if lora:
+            parts.append("adapters, their gradients and states: gpu 100%")
         return "; ".join(parts)
 
 

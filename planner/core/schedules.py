@@ -89,6 +89,8 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
     on SSD", docs/baselines-as-coded.md section B); its gradients and checkpoints stay in host memory. With
     several ranks, one rank's shard of the states in its share of the box's host memory
     (tierflow.planner.core.world)."""
+    if model.lora is not None:
+        return _lora_placement(model, hw, cfg)
     params = shard_elems(model.total_params(), cfg.world.ranks)
     mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq,
                           num_micro_batches=cfg.num_micro_batches, group=cfg.group, alpha=cfg.alpha,
@@ -133,6 +135,39 @@ def default_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig
                      checkpoints=ckpt)
 
 
+def _lora_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> Placement:
+    """LoRA's default placement: the adapters and their states on the GPU (memory.adapter_gpu_bytes), the
+    checkpoints in host memory, then as much of the frozen base as host memory holds, the rest read from the
+    SSDs (which are never written: LoRA writes back nothing)."""
+    mem = schedule_memory(model, micro_batch=cfg.micro_batch, seq=cfg.seq,
+                          num_micro_batches=cfg.num_micro_batches, group=cfg.group, alpha=cfg.alpha,
+                          optimizer_overlap=cfg.optimizer_overlap, prefetch_depth=cfg.prefetch_depth,
+                          act_prefetch=cfg.act_prefetch, runtime=cfg.runtime, ranks=cfg.world.ranks, hw=hw)
+    cpu_cap = rank_capacity_bytes(hw, cfg.gpus)["cpu"]
+    staging = mem.weight_staging_bytes if hw.ssd.count > 0 else 0.0
+    budget = float(cpu_cap) - staging - host_reserve_bytes(cpu_cap) - mem.checkpoint_bytes(cfg.swap_layers)
+    weights, _ = fill_split(precision_of(model).compute_bytes * model.total_params(), budget)
+    if hw.ssd.count == 0:
+        weights = Split()
+    return Placement(weights=weights, checkpoints=Split())
+
+
+def check_lora(model: ModelSpec, cfg: ScheduleConfig) -> None:
+    """ScheduleError unless a LoRA model's schedule is one the builder models: one rank, the ideal runtime
+    (DeepSpeed's and LoHan's code train every weight), nothing written to the SSDs."""
+    if model.lora is None:
+        return
+    if cfg.world.ranks > 1:
+        raise ScheduleError("LoRA plans one GPU for now (use --gpus 1 --nodes 1)")
+    if cfg.runtime != "ideal":
+        raise ScheduleError(f"runtime {cfg.runtime} models full fine-tuning as its code runs it, not LoRA "
+                            "(use --runtime ideal)")
+    p = cfg.placement
+    if p.checkpoints.ssd > 0 or p.grads.ssd > 0 or p.master.ssd > 0 or p.adam_m.ssd > 0 or p.adam_v.ssd > 0:
+        raise ScheduleError("LoRA reads the frozen base from the SSDs and writes nothing there: only weights "
+                            "may have an ssd fraction (the adapters and their states live on the GPU)")
+
+
 def check_world(hw: HardwareProfile, gpus: int, nodes: int) -> None:
     """ScheduleError unless `gpus` ranks per box on `nodes` boxes can run on `hw`."""
     for name, v in (("gpus", gpus), ("nodes", nodes)):
@@ -163,7 +198,7 @@ def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: 
     if alpha is not None:
         a = alpha
     _check_settings(model, M, g, a, swap_layers, prefetch_depth)
-    runtime = _runtime_of(family, runtime)
+    runtime = _runtime_of(family, runtime or ("ideal" if model.lora is not None else None))
     cfg = ScheduleConfig(family=family_of(g, M, overlap), batch=batch, micro_batch=micro_batch, seq=seq,
                          placement=placement or Placement(), group=g, alpha=a, optimizer_overlap=overlap,
                          prefetch_depth=prefetch_depth, recompute=recompute, swap_layers=swap_layers,
@@ -171,6 +206,7 @@ def make_schedule(family: str, model: ModelSpec, hw: HardwareProfile, *, batch: 
                          nodes=nodes)
     if placement is None:
         cfg = replace(cfg, placement=default_placement(model, hw, cfg))
+    check_lora(model, cfg)
     return cfg
 
 
@@ -326,6 +362,7 @@ class _Builder(DeepSpeedHooks, LohanHooks):
         self.g = GraphBuilder()
         self.blocks = blocks_of(model, cfg.micro_batch, cfg.seq)
         self.pr = precision_of(model)  # the bytes of each tensor class
+        self.lora = model.lora is not None  # frozen base, adapters and their states on the GPU
         self.nb = len(self.blocks)
         self.L = model.num_layers
         self.head = self.nb - 1
@@ -668,6 +705,9 @@ class _Builder(DeepSpeedHooks, LohanHooks):
         then offloaded to the host where it is accumulated in fp32."""
         g, p = self.g, self.p
         blk = self.blocks[b]
+        if self.lora:  # the adapters' gradients accumulate in their own GPU buffers (static bytes)
+            grad_last[b] = [t.id]
+            return
         accum = len(use.steps) > 1 or p.grads.gpu == 1.0
         grad_gpu_bytes = (self.pr.grad_accum_bytes if accum else self.pr.grad_wire_bytes) * blk.fetch_params
         if b not in grad_first_b:
@@ -731,6 +771,14 @@ class _Builder(DeepSpeedHooks, LohanHooks):
                 grads_ready += grad_last[self.head]
             owned = self.shard(blk.owned_params)  # this rank's shard of the block's states
             if owned == 0:
+                continue
+            if self.lora:
+                # the adapters' step on the GPU: the next forward of the block waits for it, the fetch of the
+                # frozen base does not
+                t = g.add(ADAM_GPU, "gpu", self.cost.gpu_adam_s(owned, self.pr.state_traffic_saved_bytes),
+                          tensor="opt_states", block=b, mb=-1, iteration=it, key=key + Offset.ADAM_GPU,
+                          deps=grads_ready + barrier)
+                self.resident_update[b] = [t.id]
                 continue
             if p.gpu_optimizer:
                 # an in-place precision steps the weights themselves: no write of a compute copy

@@ -63,6 +63,8 @@ def simulate_config(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
                                                                    cfg.recomputed_fraction(model.num_layers))
     res.meta.update({"model": model.name, "params": model.total_params(), "hw": hw.name,
                      "schedule": cfg.to_dict()})
+    if model.lora is not None:  # what trains (left out for full fine-tuning, whose output stays as it was)
+        res.meta.update({"lora": model.lora.to_dict(), "trainable_params": model.adapter_params()})
     return res
 
 

@@ -150,6 +150,9 @@ class SimResult:
             # an executor's measurement: the optimizer-state format it ran (a trace is fitted to its own)
             **({"optimizer_states": self.meta["optimizer_states"]}
                if self.meta.get("optimizer_states") else {}),
+            # LoRA: the adapters and how many parameters train
+            **({"lora": self.meta["lora"], "trainable_params": self.meta["trainable_params"]}
+               if self.meta.get("lora") else {}),
         }
 
 

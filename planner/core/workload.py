@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from tierflow.planner.core.lora import adapter_input_elements, target_shapes
 from tierflow.planner.core.models import ModelSpec, get_family
 from tierflow.planner.core.optstates import DEFAULT_STATE_FORMAT, state_format
 
@@ -142,6 +143,11 @@ class BlockCost:
     # (gpu.activation_gbps)
     fwd_activation_bytes: float = 0.0
     precision: Precision = PRECISIONS[DEFAULT_PRECISION]
+    # LoRA (ModelSpec.lora): the block's own weights are frozen: its gradient is only its adapters'
+    # (owned_params, none in the embedding and head), and the first `frozen_gemms` of fwd_gemms (the base's)
+    # run one GEMM in the backward (the input gradient) instead of two
+    frozen: bool = False
+    frozen_gemms: int = 0
 
     @property
     def fwd_flops(self) -> float:
@@ -149,7 +155,14 @@ class BlockCost:
 
     @property
     def bwd_flops(self) -> float:
-        return 2.0 * self.fwd_flops
+        """Two GEMMs per forward GEMM (input and weight gradient), one for a frozen weight's."""
+        return 2.0 * self.fwd_flops - sum(g.flops for g in self.fwd_gemms[:self.frozen_gemms])
+
+    @property
+    def grad_params(self) -> int:
+        """Elements of the block's weight gradient: every fetched parameter (a tied head's too), or under
+        LoRA only the adapters'."""
+        return self.owned_params if self.frozen else self.fetch_params
 
     @property
     def weight_bytes(self) -> int:
@@ -165,11 +178,21 @@ def layer_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
     gemms = [Gemm(t, q + 2 * kv, h, elem_bytes=cb), Gemm(t, h, q, elem_bytes=cb)]
     gemms += ([Gemm(t, 2 * f, h, elem_bytes=cb), Gemm(t, h, f, elem_bytes=cb)] if model.gated_mlp
               else [Gemm(t, f, h, elem_bytes=cb), Gemm(t, h, f, elem_bytes=cb)])
+    frozen = len(gemms) if model.lora is not None else 0
+    adapter_elementwise = 0
+    if model.lora is not None:  # each adapter: x A (t x rank), then (x A) B (t x out), scaled and added
+        r = model.lora.rank
+        for _, n_in, n_out in target_shapes(model, model.lora):
+            gemms += [Gemm(t, r, n_in, elem_bytes=cb), Gemm(t, n_out, r, elem_bytes=cb)]
+            # the scaling folded into B, the sum made by the second GEMM (addmm, beta 1: executor/models/
+            # lora.py): beyond its GEMM's bytes it reads the base's output once
+            adapter_elementwise += n_out
+        adapter_elementwise += 2 * adapter_input_elements(model, model.lora)  # dropout's masked copy
     attn = 4.0 * micro_batch * seq * seq * q
     # non-GEMM kernels, in elements read + written per token: 2 norms (r+w of h each), 2 residual adds (2r+w),
     # bias/rotary on q,k (r+w), activation (gelu: r+w of f; swiglu: 2r+w of f), attention output r+w.
     act_elems = 3 * f if model.gated_mlp else 2 * f
-    elementwise = cb * t * (4 * h + 6 * h + 2 * (q + kv) + act_elems + 2 * q)
+    elementwise = cb * t * (4 * h + 6 * h + 2 * (q + kv) + act_elems + 2 * q + adapter_elementwise)
     ckpt = cb * t * h
     full_act = cb * t * saved_elements_per_token(model) + saved_stats_bytes(model, micro_batch, seq)
     fwd_work = layer_fwd_working_bytes(model, micro_batch, seq)
@@ -177,9 +200,11 @@ def layer_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
     return BlockCost(
         name="layer",
         kind="layer",
-        owned_params=model.layer_params(),
+        owned_params=model.layer_params() if model.lora is None else model.layer_adapter_params(),
         fetch_params=model.layer_params(),
         fwd_gemms=tuple(gemms),
+        frozen=model.lora is not None,
+        frozen_gemms=frozen,
         attn_fwd_flops=attn,
         fwd_elementwise_bytes=float(elementwise),
         fwd_activation_bytes=float(cb * t * act_elems),
@@ -256,7 +281,8 @@ def layer_bwd_transient_bytes(model: ModelSpec, micro_batch: int, seq: int) -> i
     t = micro_batch * seq
     widest = max(cb * t * mlp_backward_elements(model), attention_backward_bytes(model, t),
                  norm_backward_bytes(model, t))
-    return cb * model.layer_params() + cb * t * 2 * model.hidden + widest
+    grads = model.layer_params() if model.lora is None else model.layer_adapter_params()
+    return cb * grads + cb * t * 2 * model.hidden + widest
 
 
 def saved_elements_per_token(model: ModelSpec) -> int:
@@ -274,7 +300,11 @@ def saved_elements_per_token(model: ModelSpec) -> int:
     norms = h if model.parallel_residual else 2 * h
     mlp = 3 * f if model.gated_mlp else f if model.activation == "relu" else 2 * f
     qk_norm = q + kv if model.qk_norm else 0
-    return norms + h + q + 2 * kv + q + qk_norm + h + mlp
+    adapters = 0
+    if model.lora is not None:  # each adapter's x A (rank), and its dropout's output where it drops
+        adapters = len(target_shapes(model, model.lora)) * model.lora.rank \
+            + adapter_input_elements(model, model.lora)
+    return norms + h + q + 2 * kv + q + qk_norm + h + mlp + adapters
 
 
 def saved_stats_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int:
@@ -300,9 +330,11 @@ def embed_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
     return BlockCost(
         name="embed",
         kind="embed",
-        owned_params=model.embedding_params(),
+        owned_params=model.embedding_params() if model.lora is None else 0,
         fetch_params=model.embedding_params(),
         fwd_gemms=gemms,
+        frozen=model.lora is not None,
+        frozen_gemms=len(gemms) if model.lora is not None else 0,
         attn_fwd_flops=0.0,
         fwd_elementwise_bytes=float(elementwise),
         checkpoint_bytes=0,
@@ -380,7 +412,8 @@ def embed_bwd_working_bytes(model: ModelSpec, micro_batch: int, seq: int) -> int
     cb = precision_of(model).compute_bytes
     t = micro_batch * seq
     h = model.hidden
-    out = 4 * model.embedding_params() + 4 * t * h
+    grads = model.embedding_params() if model.lora is None else 0  # LoRA: a frozen embedding
+    out = 4 * grads + 4 * t * h
     if model.max_positions:
         out += 4 * seq * h
     if get_family(model.family).scaled_embedding:
@@ -401,6 +434,10 @@ def head_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
     if model.embed_proj_dim:
         gemms.append(Gemm(t, model.embed_proj_dim, model.hidden, elem_bytes=cb))
     owned = model.final_norm_params() + model.head_params()
+    fetched = owned + tied
+    lora = model.lora is not None
+    if lora:  # LoRA: a frozen head (its input gradient only)
+        owned = tied = 0
     # HBM traffic of the loss: logits in fp32 written, read by softmax, gradient written
     logits = 4 * t * vocab
     elementwise = cb * t * model.hidden * (2 if vocab else 5) + 3 * logits
@@ -415,15 +452,17 @@ def head_cost(model: ModelSpec, micro_batch: int, seq: int) -> BlockCost:
         name="head",
         kind="head",
         owned_params=owned,
-        fetch_params=owned + tied,
+        fetch_params=fetched,
         fwd_gemms=tuple(gemms),
+        frozen=lora,
+        frozen_gemms=len(gemms) if lora else 0,
         attn_fwd_flops=0.0,
         fwd_elementwise_bytes=float(elementwise),
         checkpoint_bytes=cb * t * model.hidden,
         full_activation_bytes=cb * t * model.hidden * 2,
         fwd_working_bytes=work,
         bwd_working_bytes=(max(work, dx_loss + norm_backward_bytes(model, t))
-                           + pr.grad_wire_bytes * (owned + tied)),
+                           + pr.grad_wire_bytes * (owned + tied)),  # LoRA: none
         tokens=t,
         precision=pr,
     )
@@ -442,17 +481,23 @@ def norm_backward_bytes(model: ModelSpec, tokens: int) -> int:
 
 
 def model_flops_per_token(model: ModelSpec, seq: int) -> float:
-    """Training FLOPs per token without recompute: 6 * matmul params + 12 * L * q_dim * seq (fwd + bwd)."""
+    """Training FLOPs per token without recompute: 6 * matmul params + 12 * L * q_dim * seq (fwd + bwd).
+    Under LoRA the frozen matmul params count 4 (forward and input gradient, no weight gradient) and the
+    adapters 6."""
     matmul = (model.num_layers * model.layer_matmul_params()
               + (model.vocab_size * model.embed_dim if model.lm_head else 0))
     if model.embed_proj_dim:
         matmul += 2 * model.embed_proj_dim * model.hidden
-    return 6.0 * matmul + 12.0 * model.num_layers * model.q_dim * seq
+    attention = 12.0 * model.num_layers * model.q_dim * seq
+    if model.lora is not None:
+        return 4.0 * matmul + 6.0 * model.adapter_params() + attention
+    return 6.0 * matmul + attention
 
 
 def recompute_flops_per_token(model: ModelSpec, seq: int) -> float:
-    """Extra FLOPs per token of recomputing every layer's forward in backward."""
-    return 2.0 * model.num_layers * model.layer_matmul_params() + 4.0 * model.num_layers * model.q_dim * seq
+    """Extra FLOPs per token of recomputing every layer's forward in backward (its adapters' too)."""
+    matmul = model.layer_matmul_params() + model.layer_adapter_params()
+    return 2.0 * model.num_layers * matmul + 4.0 * model.num_layers * model.q_dim * seq
 
 
 def state_bytes_per_param(precision: Precision = PRECISIONS[DEFAULT_PRECISION]) -> dict[str, float]:

@@ -54,8 +54,8 @@ from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.core.world import rank_capacity_bytes
 
 PLAN_FORMAT = "tierflow-plan"
-PLAN_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+PLAN_VERSION = 2  # 2: model.lora (LoRA's adapters, tierflow.planner.core.lora)
+SUPPORTED_VERSIONS = (1, 2)
 
 COMPUTE_RESOURCES = tuple(r for r in RESOURCES if r not in LINKS)  # gpu, cpu: ops carry "seconds"
 MEM_WHEN = ("start", "end")
@@ -741,6 +741,9 @@ def plan_from_dict(d: object, source: str = "<plan>", *, ops_digest_fresh: bool 
     match the ops' hash matches too and is not computed a second time."""
     d = _check_top_level(source, d)
     model = _model(source, d["model"])
+    if model.lora is not None and d["version"] < 2:
+        raise _err(source, "model.lora", f"LoRA is not part of version {d['version']}",
+                   "write \"version\": 2 (LoRA plans are version 2)")
     hardware = _hardware(source, d["hardware"])
     config = _decisions(source, d["decisions"], model, hardware)
     static = _tier_bytes(source, "static_bytes", d["static_bytes"])

@@ -14,6 +14,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 
 from tierflow.hwprofiles import HardwareProfile
+from tierflow.planner.core.lora import LoraConfig
 from tierflow.planner.core.models import SHAPE_LIMITS, ModelSpec, get_model
 from tierflow.planner.core.schedules import make_schedule
 from tierflow.planner.core.simulate import simulate_config
@@ -73,13 +74,15 @@ def frugal_config(model: ModelSpec, hw: HardwareProfile, batch: int, seq: int, w
 
 
 def largest(family: str, hw: HardwareProfile, batch: int, seq: int, with_ssd: bool, verify: bool = True,
-            gpus: int = 1, nodes: int = 1, optimizer_states: str | None = None) -> CapacityAnswer:
+            gpus: int = 1, nodes: int = 1, optimizer_states: str | None = None,
+            lora: LoraConfig | None = None) -> CapacityAnswer:
     """The largest model of `family` that fits, its optimizer states in format `optimizer_states`
-    (tierflow.planner.core.optstates; None: fp32)."""
+    (tierflow.planner.core.optstates; None: fp32), fine-tuned with LoRA adapters `lora` (None: full)."""
     _, widths = FAMILIES[family]
 
     def sized(hidden: int, heads: int, layers: int) -> ModelSpec:
-        return shape(family, hidden, heads, layers, seq).with_optimizer_states(optimizer_states)
+        m = shape(family, hidden, heads, layers, seq)
+        return m.with_optimizer_states(optimizer_states).with_lora(lora)
 
     fitting: list[ModelSpec] = []
     for hidden, heads in widths:
@@ -118,12 +121,13 @@ def _largest_light(args: tuple) -> CapacityAnswer:
 
 def largest_all(hw: HardwareProfile, batch: int, seq: int, *, families: tuple[str, ...] = tuple(FAMILIES),
                 workers: int | None = None, on_answer=None, gpus: int = 1,
-                nodes: int = 1, optimizer_states: str | None = None) -> list[CapacityAnswer]:
+                nodes: int = 1, optimizer_states: str | None = None,
+                lora: LoraConfig | None = None) -> list[CapacityAnswer]:
     """`largest` for every family, with and without the SSDs (when the box has them), each in its own process
     (up to `workers`, default the machine's cores, at most 2 when they share a small box): the answers are
     independent and each ends in one large simulation. `on_answer(answer)` is called as each one arrives."""
     # the answers with SSDs are the largest models and the longest simulations: start them first
-    jobs = [(fam, hw, batch, seq, with_ssd, True, gpus, nodes, optimizer_states)
+    jobs = [(fam, hw, batch, seq, with_ssd, True, gpus, nodes, optimizer_states, lora)
             for with_ssd in (True, False) for fam in families if not (with_ssd and hw.ssd.count == 0)]
     workers = min(len(jobs), workers or os.cpu_count() or 1)
     answers: dict[int, CapacityAnswer] = {}

@@ -18,8 +18,10 @@ from tierflow.planner.search.results import SearchResult
 
 def frugal_placement(problem: Problem) -> Placement:
     """Weights, optimizer states and checkpoints on the SSDs when the problem may use them, else in CPU
-    memory."""
+    memory. Under LoRA only the frozen weights go to the SSDs (LoRA writes nothing there)."""
     where = Split(gpu=0, cpu=0, ssd=1) if problem.uses_ssd else Split()
+    if problem.model.lora is not None:
+        return Placement(weights=where)
     return Placement(weights=where, master=where, adam_m=where, adam_v=where, grads=Split(),
                      checkpoints=where)
 

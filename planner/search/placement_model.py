@@ -186,7 +186,7 @@ def _placement_data(problem: Problem, mem: PlacementMemory, allow_swap: bool,
     ckpt_recompute_mib = _mib(sm.ckpt_per_layer_bytes * L / STEPS)  # all layers' checkpoints, per step of c_*
     ckpt_swap_mib = _mib(sm.swap_extra_bytes / STEPS)  # per swapped layer and step of c_*
     # working memory, and what the executor's CUDA runtime maps under the cap (static, not placed: devicemem)
-    gpu_work_mib = _mib(mem.gpu_working_bytes + sm.cuda_runtime_bytes)
+    gpu_work_mib = _mib(mem.gpu_working_bytes + sm.cuda_runtime_bytes + sm.adapter_gpu_bytes)
     gpu_swap_extra_mib = max(0, _mib(mem.gpu_working_swap_bytes) - gpu_work_mib) if can_swap else 0
     # the host's gradients and reserve, and the staging buffers of each tensor class the SSDs hold a part of
     host_mib = _mib(sm.host_grad_bytes + host_reserve_bytes(rank_capacity_bytes(hw, problem.gpus)["cpu"])
@@ -225,6 +225,9 @@ def _add_fraction_links(m: cp_model.CpModel, problem: Problem, v: _PlacementVars
     m.Add(frac["c_gpu"] + frac["c_ssd"] <= STEPS)
     if not problem.uses_ssd:
         for x in ("w_ssd", "s_ssd", "c_ssd"):
+            m.Add(frac[x] == 0)
+    elif problem.model.lora is not None:  # LoRA only reads the SSDs (its frozen weights)
+        for x in ("s_ssd", "c_ssd"):
             m.Add(frac[x] == 0)
     for x in CKPT_VARS:
         m.AddMultiplicationEquality(v.swap_frac[x], [v.swapped, frac[x]])

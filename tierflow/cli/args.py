@@ -7,6 +7,7 @@ import argparse
 
 from tierflow.cli.argtypes import MAX_BATCH, positive_int
 from tierflow.errors import UsageError
+from tierflow.planner.core.lora import LoraConfig, LoraConfigError, parse_targets
 from tierflow.planner.core.models import OPTIMIZER_STATE_NAMES, PRECISION_NAMES, ModelError, ModelSpec
 from tierflow.planner.core.world import World
 
@@ -62,10 +63,45 @@ def add_precision_arg(p: argparse.ArgumentParser) -> None:
 
 
 def in_precision(model: ModelSpec, args: argparse.Namespace) -> ModelSpec:
-    """`model` trained in --precision, its optimizer states in --optimizer-states (unchanged without them)."""
+    """`model` trained in --precision, its optimizer states in --optimizer-states, with --lora's adapters
+    (unchanged without them)."""
     precision = getattr(args, "precision", None)
     model = model if precision is None else model.with_precision(precision)
-    return in_state_format(model, args)
+    return in_state_format(model, args).with_lora(lora_of(args))
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """--lora RANK and its settings: fine-tune LoRA adapters on the frozen model (tierflow.planner.core.lora,
+    docs/lora.md)."""
+    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="train LoRA adapters of this rank on the frozen model (no master, no moments, no "
+                   "gradients of the base: it is only read; docs/lora.md)")
+    p.add_argument("--lora-alpha", type=float, default=None, metavar="A",
+                   help="with --lora: the adapters' scaling is A / RANK (default 16, PEFT's)")
+    p.add_argument("--lora-targets", default=None, metavar="T,T",
+                   help="with --lora: the projections that get adapters, PEFT's names (default all: q_proj, "
+                   "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; or attention, mlp)")
+    p.add_argument("--lora-dropout", type=float, default=None, metavar="P",
+                   help="with --lora: dropout on the adapters' input (default 0)")
+
+
+def lora_of(args: argparse.Namespace) -> LoraConfig | None:
+    """The LoRA config of --lora and its settings (None without --lora); a bad value, or a setting without
+    --lora, is a UsageError."""
+    rank = getattr(args, "lora", None)
+    given = {k: getattr(args, f"lora_{k}", None) for k in ("alpha", "targets", "dropout")}
+    if rank is None:
+        extra = [k for k, v in given.items() if v is not None]
+        if extra:
+            raise UsageError(f"--lora-{extra[0]} applies to LoRA only (add --lora RANK)")
+        return None
+    fields = {k: v for k, v in given.items() if v is not None}
+    if "targets" in fields:
+        fields["targets"] = parse_targets(fields["targets"])
+    try:
+        return LoraConfig(rank, **fields)
+    except LoraConfigError as e:
+        raise UsageError(f"--lora: {e}") from None
 
 
 DEFAULT_ACCEPTED_STATES = "fp32,8bit"

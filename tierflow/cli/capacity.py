@@ -10,10 +10,12 @@ from typing import Any
 from tierflow.cli.args import (
     add_batch_arg,
     add_box_args,
+    add_lora_args,
     add_optimizer_states_arg,
     add_seq_arg,
     add_world_args,
     in_state_format,
+    lora_of,
     world_of,
 )
 from tierflow.cli.tables import fmt_table
@@ -32,6 +34,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     ca.add_argument("--json", action="store_true", help="print the result as JSON")
     add_world_args(ca)
     add_optimizer_states_arg(ca)
+    add_lora_args(ca)
     return ca
 
 
@@ -54,12 +57,14 @@ def run(args: argparse.Namespace) -> int:
         prog.step(f"{a.family} {'with' if a.with_ssd else 'without'} SSDs")
 
     states = in_state_format(get_model("gpt3-125m"), args).optimizer_states  # checked as for any model
+    lora = lora_of(args)
     answers = largest_all(hw, args.batch, seq, gpus=args.gpus, nodes=args.nodes, on_answer=step,
-                          optimizer_states=states)
+                          optimizer_states=states, lora=lora)
     prog.finish()
     checks = _checks(args, hw, seq)
     if args.json:
         fmt = {"optimizer_states": states} if states else {}  # only when not fp32 (the output as before)
+        fmt.update({"lora": lora.to_dict()} if lora else {})
         print(json.dumps({"hw": hw.name, "batch": args.batch, "seq": seq, "world": world.to_dict(), **fmt,
                           "largest": [_answer_json(a) for a in answers], "checks": dict(checks)}, indent=2))
         return 0
@@ -73,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
           "checkpoints on the SSDs when used (else in CPU memory)")
     if states:
         print(f"optimizer states: {states}")
+    if lora:
+        print(f"fine-tuning: {lora.describe()} (the base frozen: read, never written)")
     rows = []
     for a in answers:
         rows.append([a.family, "CPU+GPU+SSD" if a.with_ssd else "CPU+GPU",
@@ -93,6 +100,7 @@ def _checks(args: argparse.Namespace, hw: HardwareProfile, seq: int) -> list[tup
     checks = []
     for name in args.model or []:
         m = in_state_format(get_model(name).with_seq(min(seq, get_model(name).max_positions or seq)), args)
+        m = m.with_lora(lora_of(args))
         checks.append((name, {s: fits(m, hw, args.batch, seq, s, args.gpus, args.nodes)
                               for s in (True, False)}))
     return checks

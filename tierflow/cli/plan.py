@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from tierflow.cli.args import (
     add_batch_arg,
     add_box_args,
+    add_lora_args,
     add_micro_batch_arg,
     add_optimizer_states_arg,
     add_precision_arg,
@@ -67,6 +68,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add_world_args(pl)
     add_precision_arg(pl)
     add_optimizer_states_arg(pl, auto=True)
+    add_lora_args(pl)
     return pl
 
 
@@ -163,7 +165,7 @@ def _print_text(args: argparse.Namespace, problem: Problem, sr: SearchResult, so
         print(f"{ranks} data-parallel ranks ({args.gpus} GPUs per box x {args.nodes} boxes): each "
               f"runs {rb} sequences; candidates below are one rank's; tokens/s is the world's")
     _print_candidates(sr, rb)
-    _print_choice(sr, rb, model.num_layers, solver)
+    _print_choice(sr, rb, model.num_layers, solver, lora=model.lora is not None)
 
 
 def _print_candidates(sr: SearchResult, rb: int) -> None:
@@ -180,12 +182,12 @@ def _print_candidates(sr: SearchResult, rb: int) -> None:
     print()
 
 
-def _print_choice(sr: SearchResult, rb: int, num_layers: int, solver: dict) -> None:
+def _print_choice(sr: SearchResult, rb: int, num_layers: int, solver: dict, lora: bool = False) -> None:
     best = sr.best
     cfg = best.config
     print(f"chosen: {best.candidate.describe(rb)}; {cfg.swap_layers} of {num_layers} layers swap "
           f"their activations instead of recomputing")
-    print(f"placement: {cfg.placement.describe()}")
+    print(f"placement: {cfg.placement.describe(lora=lora)}")
     if best.solver:
         r = best.solver
         print(f"placement solver: CP-SAT {r.status}, objective {fmt_s(r.objective_s)}, best bound "

@@ -12,6 +12,7 @@ from tierflow.cli import dsconfig
 from tierflow.cli.args import (
     add_batch_arg,
     add_box_args,
+    add_lora_args,
     add_micro_batch_arg,
     add_optimizer_states_arg,
     add_precision_arg,
@@ -85,6 +86,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add_world_args(s)
     add_precision_arg(s)
     add_optimizer_states_arg(s)
+    add_lora_args(s)
     dsconfig.add_ds_config_args(s)
     return s
 
@@ -201,7 +203,8 @@ def _print_text(args: argparse.Namespace, model: ModelSpec, hw: HardwareProfile,
               f"{args.micro_batch}; throughput below is the world's, per GPU where said")
     for fam, r in results.items():
         if isinstance(r, SimResult):
-            print(f"  {fam:<11} placement: {Placement.from_dict(r.meta['schedule']['placement']).describe()}")
+            placed = Placement.from_dict(r.meta["schedule"]["placement"])
+            print(f"  {fam:<11} placement: {placed.describe(lora=model.lora is not None)}")
     print()
     print(summary_table(results))
     for fam, e in results.items():
@@ -237,7 +240,7 @@ def simulate_plan_file(args: argparse.Namespace) -> int:
     print(plan.model.describe())
     print(f"box: {plan.hardware.name}: {plan.hardware.summary()}")
     print(f"plan: {plan.config.describe()}")
-    print(f"placement: {plan.config.placement.describe()}")
+    print(f"placement: {plan.config.placement.describe(lora=plan.model.lora is not None)}")
     print()
     print(summary_table({"plan": res}))
     if plan.predicted and "iteration_s" in plan.predicted:

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from tierflow.errors import TierflowError
+from tierflow.planner.core.lora import LoraConfig, LoraConfigError, adapter_params_per_layer
 from tierflow.planner.core.models.registry import family_names, get_family, is_family
 from tierflow.planner.core.optstates import STATE_FORMATS
 
@@ -102,6 +103,10 @@ class ModelSpec:
     # The optimizer-state format (OPTIMIZER_STATE_NAMES; `--optimizer-states`); None: fp32 (left out of plan
     # files and checkpoints then: model_dict)
     optimizer_states: str | None = None
+    # LoRA (tierflow.planner.core.lora): only the adapters train, the base is frozen; None: full
+    # fine-tuning (left out of plan files and checkpoints then: model_dict). A plan file's object becomes the
+    # config
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, problem: str) -> ModelError:
@@ -155,6 +160,11 @@ class ModelSpec:
             if self.optimizer_states == "8bit-bf16master" and self.precision not in (None, "bf16", "fp16"):
                 raise bad("optimizer_states", f"a bf16 master needs 16-bit training, not {self.precision} "
                           "(use --optimizer-states 8bit)")
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            try:
+                object.__setattr__(self, "lora", LoraConfig.from_dict(self.lora))
+            except (LoraConfigError, TypeError) as e:
+                raise bad("lora", str(e)) from None
         fraction = self.rotary_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise bad("rotary_fraction", f"must be in (0, 1], got {self.rotary_fraction!r}")
@@ -166,6 +176,10 @@ class ModelSpec:
     def with_optimizer_states(self, states: str | None) -> ModelSpec:
         """This model trained with optimizer states in format `states` (None or "fp32": the default)."""
         return replace(self, optimizer_states=None if states in (None, "fp32") else states)
+
+    def with_lora(self, lora: LoraConfig | None) -> ModelSpec:
+        """This model fine-tuned with LoRA adapters `lora` (None: full fine-tuning)."""
+        return replace(self, lora=lora)
 
     # ---- derived sizes -------------------------------------------------------------------------------------
 
@@ -255,12 +269,25 @@ class ModelSpec:
         return n
 
     def total_params(self) -> int:
+        """The base model's parameters (LoRA's adapters not included: adapter_params)."""
         return (
             self.embedding_params()
             + self.num_layers * self.layer_params()
             + self.final_norm_params()
             + self.head_params()
         )
+
+    def layer_adapter_params(self) -> int:
+        """LoRA's trainable parameters of one decoder layer (0 without LoRA)."""
+        return 0 if self.lora is None else adapter_params_per_layer(self, self.lora)
+
+    def adapter_params(self) -> int:
+        """LoRA's trainable parameters, every layer's adapters (0 without LoRA)."""
+        return self.num_layers * self.layer_adapter_params()
+
+    def trainable_params(self) -> int:
+        """Parameters with gradients and optimizer states: the adapters under LoRA, else every one."""
+        return self.total_params() if self.lora is None else self.adapter_params()
 
     # ---- helpers -------------------------------------------------------------------------------------------
 
@@ -293,6 +320,8 @@ class ModelSpec:
             + ("" if self.lm_head else ", no LM head")
             + ("" if self.precision is None else f", {self.precision}")
             + ("" if self.optimizer_states is None else f", {self.optimizer_states} optimizer states")
+            + ("" if self.lora is None else f", {self.lora.describe()} "
+               f"({_human_count(self.adapter_params())} trainable)")
         )
 
 
@@ -302,6 +331,10 @@ def model_dict(model: ModelSpec) -> dict[str, Any]:
     d = asdict(model)
     if d["optimizer_states"] is None:
         del d["optimizer_states"]
+    if model.lora is None:  # full fine-tuning: as before the field
+        del d["lora"]
+    else:
+        d["lora"] = model.lora.to_dict()
     return d
 
 
