@@ -23,16 +23,12 @@ sequence, every tensor on the device but what the plan moves):
                connects to another resource (planner/core/hostcost.py).
     transfer   the same plan's offload and fetch ops: the intercept over the two sizes of their fixed cost
                (`pcie.latency_us`).
-    graphs     (CUDA and its emulation) the resident plan run with --cuda-graphs at two segment sizes: each
-               replayed segment's fixed cost (its span less its ops' work), fitted as launch + per_op x ops:
-               `gpu.graph_launch_us` and `gpu.graph_op_us`, what a captured segment costs in place of
-               op_overhead per op (planner/core/capture.py). On CUDA the launch returns before its kernels
-               run; on the emulation a replay runs its recorded aten ops in Python in the call, which the per
-               op term carries.
+    graphs     graph_launch.py: the resident plan run with --cuda-graphs at two segment sizes
+               (`gpu.graph_launch_us`, `gpu.graph_op_us`).
 
 The emulation runs without its random delays (an adversary, not a cost). Each plan runs `rounds` rounds of
-ITERATIONS steps after one warm-up round; per op (kind, block, micro-batch) the median over its iterations
-(the first of each round waits for the round's setup and is left out).
+ITERATIONS steps after one warm-up round; per op (kind, block; every micro-batch alike) the median over its
+micro-batches and iterations (the first iteration of each round waits for the round's setup and is left out).
 """
 
 from __future__ import annotations
