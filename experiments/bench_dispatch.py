@@ -83,28 +83,90 @@ def measure(backend: str, placement: str, variant: str, rounds: int) -> dict:
     return row
 
 
-def modelled(backend: str, placement: str, measured_ms: float, rounds: int = 3) -> dict:
-    """The simulator's step of the plan on this box's profile, bare and with the fixed costs calibrate
-    measures on `backend` now (profile_builder's split: the executor's own cost on every op, the rest per
-    resource)."""
-    from tierflow.executor.calibration.dispatch import predicted_step_s
+def calibrated(backend: str, rounds: int = 3):
+    """This box's profile (BOX_PROFILE) with the executor's fixed costs as `tierflow calibrate` measures them
+    now on `backend` (executor_costs.measure_executor_costs: its own plans of tiny ops, not this benchmark's;
+    profile_builder.executor_cost_fields), and the measurements."""
     from tierflow.executor.calibration.executor_costs import measure_executor_costs
+    from tierflow.executor.calibration.profile_builder import executor_cost_fields
     from tierflow.hwprofiles import load_profile
 
-    bare = load_profile(str(BOX_PROFILE)).with_overrides(
-        {"gpu.op_overhead_us": None, "pcie.latency_us": None, "ssd.latency_us": None,
-         "cpu.executor_op_us": None})
+    bare = load_profile(str(BOX_PROFILE)).with_overrides({k: None for k in FIXED_FIELDS})
     device = "cpu" if backend == "cpu" else "cpu-adversarial"
-    ex = measure_executor_costs(bare, device, None, dispatch_rounds=rounds)
-    own = ex["executor_op_us"]
-    fields = {"cpu.executor_op_us": own,
-              "gpu.op_overhead_us": max(0.0, (ex["op_overhead_us"] or 0.0) - own),
-              "pcie.latency_us": max(0.0, (ex["pcie_latency_us"] or 0.0) - own)}
-    bare_ms = predicted_step_s("cpu", placement, bare) * 1e3
-    pred_ms = predicted_step_s("cpu", placement, bare.with_overrides(fields)) * 1e3
-    return {"cal_executor_op_us": round(own, 1), "cal_op_overhead_us": round(fields["gpu.op_overhead_us"], 1),
+    ex = measure_executor_costs(bare, device, None, dispatch_rounds=rounds, op_rounds=max(2, rounds + 1))
+    return bare, bare.with_overrides(executor_cost_fields(ex)), ex
+
+
+FIXED_FIELDS = ("gpu.op_overhead_us", "gpu.moved_op_overhead_us", "gpu.graph_launch_us", "pcie.latency_us",
+                "ssd.latency_us", "cpu.executor_op_us")
+
+
+def modelled(bare, hw, placement: str, measured_ms: float, graphs: bool = False) -> dict:
+    """The simulator's step of the plan of tiny ops, bare and on the calibrated profile `hw` (with `graphs`:
+    its capture segments one op each, planner/core/capture.py)."""
+    from tierflow.executor.calibration.dispatch import predicted_step_s
+
+    bare_ms = predicted_step_s("cpu", placement, bare, graphs) * 1e3
+    pred_ms = predicted_step_s("cpu", placement, hw, graphs) * 1e3
+    g = hw.gpu
+    return {"cal_executor_op_us": round(hw.cpu.executor_op_us or 0.0, 1),
+            "cal_op_overhead_us": round(g.op_overhead_us or 0.0, 1),
+            "cal_moved_op_us": round(g.moved_op_overhead_us or 0.0, 1),
+            "cal_graph_launch_us": round(g.graph_launch_us, 1) if g.graph_launch_us is not None else "",
             "predicted_bare_ms": round(bare_ms, 3), "predicted_ms": round(pred_ms, 3),
             "measured_vs_predicted": round(measured_ms / pred_ms, 3)}
+
+
+HELD_OUT = (4, 3, 16)  # layers, micro-batches, tokens each: a plan of tiny ops no fit has seen
+
+
+def step_ms(backend: str, plan, rounds: int, graphs: bool = False) -> float:
+    """The executor's step on `plan` (median over `rounds` rounds of their wall time per step, as
+    measure_dispatch times it), with or without its capture segments as graphs."""
+    import statistics
+
+    from tierflow.executor.calibration.op_costs import ITERATIONS, run_rounds
+
+    results, _ = run_rounds(plan, make_backend(backend), rounds, cuda_graphs=graphs)
+    return statistics.median(r.wall_s / ITERATIONS for r in results) * 1e3
+
+
+def graph_row(backend: str, bare, hw, rounds: int) -> dict:
+    """The plan of tiny ops on the device with its capture segments replayed as graphs (the emulation),
+    beside the same plan eager, measured in the same call; the model's step with graphs."""
+    from tierflow.executor.calibration.dispatch import tiny_plan
+
+    plan = tiny_plan("cpu", "on_device")
+    eager, graphed = [], []
+    for _ in range(2):  # alternating, each half of the rounds
+        eager.append(step_ms(backend, plan, max(1, rounds // 2)))
+        graphed.append(step_ms(backend, plan, max(1, rounds // 2), graphs=True))
+    ms = sorted(graphed)[0]
+    row = {"backend": backend, "plan": "on_device", "variant": "graphs", "rounds": rounds,
+           "executor_step_ms": round(ms, 3), "eager_step_ms": round(sorted(eager)[0], 3)}
+    row.update(modelled(bare, hw, "on_device", ms, graphs=True))
+    return row
+
+
+def held_out_row(backend: str, placement: str, bare, hw, rounds: int) -> dict:
+    """A plan of tiny ops of another shape (HELD_OUT) than calibrate's and this benchmark's: measured, and
+    the simulator's step on the calibrated profile."""
+    from tierflow.executor.calibration.op_costs import cal_graph, load_cal_plan
+    from tierflow.planner.core.schedules import build_graph
+    from tierflow.planner.core.simulator import simulate_graph
+
+    layers, mbs, seq = HELD_OUT
+    plan = load_cal_plan(*cal_graph(bare, placement, seq, mbs, layers))
+    ms = step_ms(backend, plan, rounds)
+
+    def sim_ms(profile) -> float:
+        model, prof, cfg = cal_graph(profile, placement, seq, mbs, layers)
+        return simulate_graph(build_graph(model, prof, cfg), prof).iteration_s * 1e3
+
+    pred = sim_ms(hw)
+    return {"backend": backend, "plan": f"{placement} {layers}x64 {mbs}mb {seq}tok", "variant": "held_out",
+            "rounds": rounds, "executor_step_ms": round(ms, 3), "predicted_bare_ms": round(sim_ms(bare), 3),
+            "predicted_ms": round(pred, 3), "measured_vs_predicted": round(ms / pred, 3)}
 
 
 def run(quick: bool, out_dir: Path, rounds: int | None = None) -> list[dict]:
@@ -113,26 +175,36 @@ def run(quick: bool, out_dir: Path, rounds: int | None = None) -> list[dict]:
 
     rounds = rounds or (2 if quick else 10)
     placements = ("on_device",) if quick else ("on_device", "checkpoints_host")
-    cases = [(b, p) for b in BACKENDS for p in placements]
-    prog = Progress(len(cases) * (len(VARIANTS) + 1), "bench_dispatch")
+    extra = 1 + (0 if quick else len(placements))  # per backend: calibrate, the held-out plans
+    prog = Progress(len(BACKENDS) * (extra + len(placements) * len(VARIANTS)) + 1, "bench_dispatch")
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     rows = []
-    for backend, placement in cases:
-        for variant in VARIANTS:
-            prog.step(f"{backend} {placement} {variant}")
-            rows.append(measure(backend, placement, variant, rounds))
-        prog.step(f"{backend} {placement}: the model")
-        rows[-2].update(modelled(backend, placement, rows[-2]["executor_step_ms"], 1 if quick else 3))
+    for backend in BACKENDS:
+        prog.step(f"{backend}: calibrate")
+        bare, hw, _ = calibrated(backend, 1 if quick else 3)
+        for placement in placements:
+            for variant in VARIANTS:
+                prog.step(f"{backend} {placement} {variant}")
+                rows.append(measure(backend, placement, variant, rounds))
+            direct = rows[-len(VARIANTS)]
+            direct.update(modelled(bare, hw, placement, direct["executor_step_ms"]))
+        if backend != "cpu":
+            prog.step(f"{backend} on_device graphs")
+            rows.append(graph_row(backend, bare, hw, rounds))
+        for placement in () if quick else placements:
+            prog.step(f"{backend} {placement} held-out plan")
+            rows.append(held_out_row(backend, placement, bare, hw, max(2, rounds // 2)))
     prog.finish()
     for r in rows:
         r.update(threads=torch.get_num_threads(), load=round(load, 2),
-                 run_s=round(time.perf_counter() - t0, 1))
+                 load_end=round(os.getloadavg()[0], 2), run_s=round(time.perf_counter() - t0, 1))
     write_csv(rows, out_dir / "bench_dispatch.csv")
     if out_dir.resolve() == RESULTS_DIR.resolve():
         write_generated_block(DOC, DOC_TABLE, dispatch_table(rows))
     print_table(rows, ["backend", "plan", "variant", "plain_step_ms", "executor_step_ms", "executor_op_us",
-                       *[f"{p}_us" for p in PARTS], "predicted_bare_ms", "predicted_ms"])
+                       *[f"{p}_us" for p in PARTS], "predicted_bare_ms", "predicted_ms",
+                       "measured_vs_predicted"])
     best = [r for r in rows if r["variant"] == "direct"]
     return [headline("bench_dispatch", f"executor cost per op, {r['backend']} {r['plan']}",
                      r["executor_op_us"], None, "us") for r in best]
@@ -151,16 +223,18 @@ def dispatch_table(rows: list[dict]) -> str:
     time), the cost per op and its parts, and the model's step beside the measured one."""
     header = ["backend", "plan", "variant", "ops/step", "plain ms/step", "executor ms/step", "executor us/op",
               "CPU ms/step plain / executor", "executor CPU us/op", "hand-off", "events", "launch", "trace",
-              "handler", "loop", "predicted ms (bare / model)", "load"]
+              "handler", "loop", "predicted ms (bare / model)", "measured / predicted", "load"]
     body = []
     for r in rows:
         pred = (f"{_cell(r.get('predicted_bare_ms'))} / {_cell(r.get('predicted_ms'))}"
                 if r.get("predicted_ms") not in (None, "") else "")
-        cpu = f"{_cell(r['plain_cpu_ms'])} / {_cell(r['executor_cpu_ms'])}"
-        body.append([r["backend"], r["plan"], r["variant"], _cell(r["ops_per_step"], "{:g}"),
-                     _cell(r["plain_step_ms"]), _cell(r["executor_step_ms"]), _cell(r["executor_op_us"]), cpu,
-                     _cell(r["executor_op_cpu_us"]), *[_cell(r[f"{p}_us"]) for p in PARTS], pred,
-                     _cell(r["load"], "{:.2f}")])
+        cpu = (f"{_cell(r['plain_cpu_ms'])} / {_cell(r['executor_cpu_ms'])}"
+               if r.get("plain_cpu_ms") not in (None, "") else "")
+        body.append([r["backend"], r["plan"], r["variant"], _cell(r.get("ops_per_step"), "{:g}"),
+                     _cell(r.get("plain_step_ms")), _cell(r["executor_step_ms"]),
+                     _cell(r.get("executor_op_us")), cpu, _cell(r.get("executor_op_cpu_us")),
+                     *[_cell(r.get(f"{p}_us")) for p in PARTS], pred,
+                     _cell(r.get("measured_vs_predicted"), "{:.2f}"), _cell(r["load"], "{:.2f}")])
     return markdown_table(header, body)
 
 

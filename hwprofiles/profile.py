@@ -83,10 +83,18 @@ class GpuSpec:
     # step) that its kernels do not hide: Python dispatch, autograd bookkeeping, kernel launches, the
     # executor's thread hand-off; added to every compute op's roofline time. None: not modelled (0)
     op_overhead_us: float | None = None
+    # the extra software cost of a compute op that exchanges tensors with another worker (its weights
+    # fetched, its saved tensors offloaded or fetched, its gradients offloaded: the executor's path for
+    # tensors it does not keep, and the wake-up of the hand-off), on top of op_overhead_us; charged to the
+    # compute ops a plan connects to another resource (planner/core/hostcost.py). None: not modelled (0)
+    moved_op_overhead_us: float | None = None
     # host cost of one CUDA graph replay (tierflow run --cuda-graphs): what a captured segment of compute ops
     # costs on the host instead of op_overhead_us per op (planner/core/capture.py); measured by
     # executor/calibration/graph_launch.py. None: not modelled (0)
     graph_launch_us: float | None = None
+    # host cost per captured op of a graph replay beyond graph_launch_us (a CUDA graph's nodes; the
+    # emulation's replay of its recorded aten ops in Python), measured with it. None: not modelled (0)
+    graph_op_us: float | None = None
     # causal attention's rate as a fraction of a GEMM of its size on the fitted curve (None: 1, the same rate)
     attention_efficiency: float | None = None
     # bytes/s (read + written) of the MLP's activation function (GELU, SiLU): a transcendental per element
@@ -104,8 +112,16 @@ class GpuSpec:
         return (self.op_overhead_us or 0.0) * 1e-6
 
     @property
+    def moved_op_overhead_s(self) -> float:
+        return (self.moved_op_overhead_us or 0.0) * 1e-6
+
+    @property
     def graph_launch_s(self) -> float:
         return (self.graph_launch_us or 0.0) * 1e-6
+
+    @property
+    def graph_op_s(self) -> float:
+        return (self.graph_op_us or 0.0) * 1e-6
 
     @property
     def capacity_bytes(self) -> int:
@@ -442,7 +458,9 @@ _RULES: dict[str, dict[str, _Rule]] = {
         "hbm_efficiency": _FRACTION,
         "host_cores": _optional(0, False, 4096, "cores", 0.1),
         "op_overhead_us": _optional(0, True, 1e6, "microseconds per compute op", 1e-3),
+        "moved_op_overhead_us": _optional(0, True, 1e6, "microseconds per compute op", 1e-3),
         "graph_launch_us": _optional(0, True, 1e6, "microseconds per graph replay", 1e-3),
+        "graph_op_us": _optional(0, True, 1e6, "microseconds per captured op of a replay", 1e-3),
         "attention_efficiency": _optional(0, False, 1.0, "of a GEMM's rate", 1e-3),
         "activation_gbps": _optional(0, False, 100000, "GB/s", 1e-3),
         "fp32_tflops": _optional(0, False, 20000, "TFLOPS", 1e-4),
@@ -522,7 +540,8 @@ _OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op",
                      "copy_slowdown_beside_compute", "ssd_slowdown_beside_compute",
                      "gpu_slowdown_beside_host_optimizer",
                      "deepspeed_adam_gparams_per_s", "executor_op_us"),
-             "gpu": ("host_cores", "op_overhead_us", "graph_launch_us", "attention_efficiency",
+             "gpu": ("host_cores", "op_overhead_us", "moved_op_overhead_us", "graph_launch_us", "graph_op_us",
+                     "attention_efficiency",
                      "activation_gbps", "fp32_tflops", "tf32_tflops"),
              "pcie": ("latency_us", "pageable_h2d_gbps", "pageable_d2h_gbps"),
              "compute": compute_spec.OPTIONAL_KEYS}  # keys a profile may leave out (older files), not ssd's

@@ -20,8 +20,16 @@ def test_bench_dispatch_quick(tmp_path):
     with open(tmp_path / "bench_dispatch.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert {(r["backend"], r["plan"], r["variant"]) for r in rows} == {
-        (b, "on_device", v) for b in ("cpu", "cpu-adversarial") for v in ("direct", "per_op_leaves")}
+        (b, "on_device", v) for b in ("cpu", "cpu-adversarial") for v in ("direct", "per_op_leaves")} | {
+        ("cpu-adversarial", "on_device", "graphs")}
+    graphs = [r for r in rows if r["variant"] == "graphs"]
+    # the emulation's graphs: measured beside the same plan eager, and the model's step with graphs (the
+    # replay's measured costs in place of the per-op ones)
+    assert float(graphs[0]["executor_step_ms"]) > 0 and float(graphs[0]["eager_step_ms"]) > 0
+    assert float(graphs[0]["predicted_ms"]) > 0 and graphs[0]["cal_graph_launch_us"] != ""
     for r in rows:
+        if r["variant"] == "graphs":
+            continue
         assert float(r["plain_step_ms"]) > 0 and float(r["executor_step_ms"]) > 0
         assert float(r["ops_per_step"]) > 0 and float(r["executor_op_us"]) >= 0
         assert all(float(r[f"{p}_us"]) >= 0 for p in PARTS)

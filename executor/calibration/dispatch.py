@@ -231,13 +231,16 @@ def tiny_plan(device_kind: str, placement: str = "on_device", hw=None):
         return load_plan(path)
 
 
-def predicted_step_s(device_kind: str, placement: str, hw) -> float:
-    """The simulator's step of the plan of tiny ops on profile `hw` (its per-op fields included)."""
+def predicted_step_s(device_kind: str, placement: str, hw, graphs: bool = False) -> float:
+    """The simulator's step of the plan of tiny ops on profile `hw` (its per-op fields included); `graphs`:
+    as `tierflow run --cuda-graphs` runs it (planner/core/capture.py's graphed_graph)."""
+    from tierflow.planner.core.capture import graphed_graph
     from tierflow.planner.core.schedules import build_graph
     from tierflow.planner.core.simulator import simulate_graph
 
     model, hw, cfg = tiny_config(device_kind, placement, hw)
-    return simulate_graph(build_graph(model, hw, cfg), hw).iteration_s
+    graph = build_graph(model, hw, cfg)
+    return simulate_graph(graphed_graph(graph, hw) if graphs else graph, hw).iteration_s
 
 
 def _executor(plan, backend: DeviceBackend, clock: DispatchClock | None) -> Executor:

@@ -154,18 +154,55 @@ def measure_io_interference(directory: str | os.PathLike[str] | None, seconds: f
 
 
 def measure_executor_costs(profile: HardwareProfile, device: str, ssd_dir: str | os.PathLike[str] | None,
-                           dispatch_rounds: int = 5) -> dict[str, float]:
-    """The executor's fixed software cost per op, on each resource: a tiny plan (2 layers x 64, 4
-    micro-batches of 32 tokens: every op's work near zero; weights and checkpoints in host memory, optimizer
-    states on the SSD tier when there is one) is trained by the executor itself for two rounds, and for every
-    op of the second round its measured duration less the cost model's time for its work (`profile`, which has
-    no fixed costs yet), plus the hand-off delay (its start less the later of its dependencies' ends and its
-    queue predecessor's end): the median per resource, in microseconds; and the executor's own part of it,
-    the same on every resource (`measure_executor_dispatch`, unless `dispatch_rounds` is 0). On any device
-    (`cuda`: the ops' spans from CUDA events, the hand-offs from host clocks; `cpu-adversarial`, the emulation
-    of CUDA, runs the same code on a CPU). What `cpu.executor_op_us` adds to every op of a plan, and
-    `gpu.op_overhead_us`, `pcie.latency_us` and `ssd.latency_us` (each the rest of its resource's fixed cost)
-    to its ops."""
+                           dispatch_rounds: int = 5, op_rounds: int = 4, graphs: bool | None = None) -> dict:
+    """The executor's fixed software cost per op, measured by the executor itself on plans of tiny ops
+    (`profile` has no fixed costs yet: the ops' work is the cost model's), on any device (`cuda`: the ops'
+    spans from CUDA events, the hand-offs from host clocks; `cpu-adversarial`, the emulation of CUDA without
+    its random delays, runs the same code on a CPU):
+
+      * per compute op and per transfer (executor/calibration/op_costs.py, `op_rounds` rounds per plan):
+        `op_overhead_us` (a compute op whose tensors stay on the device: the intercept at zero work over two
+        op sizes), `moved_op_overhead_us` (the extra of one that exchanges tensors with another worker),
+        `pcie_latency_us` (offload and fetch ops), `graph_launch_us` (one replayed capture segment, where the
+        device has graphs and `graphs` is not False; else None and `graph_launch_note` says why);
+      * per SSD op and host optimizer op: a tiny plan with its weights and checkpoints in host memory and its
+        optimizer states on the SSD tier when there is one, trained for two rounds; every op's measured
+        duration less the cost model's time for its work plus its hand-off delay, the median per resource
+        (`ssd_latency_us`, `cpu_op_us`; `host_plan_op_us`, its compute ops', for the notes);
+      * the engine's own part, the same on every op (`measure_executor_dispatch`, unless `dispatch_rounds` is
+        0).
+
+    What `cpu.executor_op_us` adds to every op of a plan, and `gpu.op_overhead_us`,
+    `gpu.moved_op_overhead_us`, `pcie.latency_us`, `ssd.latency_us` and `gpu.graph_launch_us` (each the rest
+    of its ops' fixed cost) to theirs."""
+    from tierflow.executor.calibration.op_costs import measure_op_costs
+
+    out = _host_plan_costs(profile, device, ssd_dir)
+    out.update(measure_op_costs(profile, lambda: executor_backend(device), rounds=op_rounds))
+    if device != "cpu" and graphs is not False:
+        out.update(measure_graph_costs(profile, device, op_rounds))
+    elif device == "cpu":
+        out.update(graph_launch_us=None, graph_op_us=None,
+                   graph_launch_note="a CPU device has no CUDA graphs")
+    if dispatch_rounds > 0:
+        out.update(measure_executor_dispatch(device, rounds=dispatch_rounds))
+    return out
+
+
+def executor_backend(device: str):
+    """The backend the executor's cost measurements run on: `device`'s, the emulation of CUDA without its
+    random delays (an adversary, not a cost)."""
+    from tierflow.executor.device.emulated import AdversarialCpuBackend
+    from tierflow.executor.device.factory import make_backend
+
+    if device.startswith("cpu-adversarial"):
+        return AdversarialCpuBackend(max_delay_s=0.0)
+    return make_backend(device)
+
+
+def _host_plan_costs(profile: HardwareProfile, device: str,
+                     ssd_dir: str | os.PathLike[str] | None) -> dict:
+    """The SSD ops' and the host optimizer's fixed cost per op (see measure_executor_costs)."""
     import statistics
     import tempfile
     from dataclasses import replace
@@ -213,12 +250,8 @@ def measure_executor_costs(profile: HardwareProfile, device: str, ssd_dir: str |
         xs = [x for r in resources for x in fixed.get(r, [])]
         return max(0.0, statistics.median(xs)) * 1e6 if xs else None
 
-    out = {"op_overhead_us": med_us("gpu"), "pcie_latency_us": med_us("h2d", "d2h"),
-           "ssd_latency_us": med_us("ssd_read", "ssd_write"), "cpu_op_us": med_us("cpu"),
-           "ops": {r: len(v) for r, v in fixed.items()}}
-    if dispatch_rounds > 0:
-        out.update(measure_executor_dispatch(device, rounds=dispatch_rounds))
-    return out
+    return {"host_plan_op_us": med_us("gpu"), "ssd_latency_us": med_us("ssd_read", "ssd_write"),
+            "cpu_op_us": med_us("cpu"), "ops": {r: len(v) for r, v in fixed.items()}}
 
 
 def measure_executor_dispatch(device: str, rounds: int = 5) -> dict:
@@ -229,17 +262,18 @@ def measure_executor_dispatch(device: str, rounds: int = 5) -> dict:
     PyTorch's per op (the smaller of the wall-time and the CPU-time figure: a loaded machine inflates the one,
     spinning waits the other), handlers included."""
     from tierflow.executor.calibration.dispatch import measure_dispatch
-    from tierflow.executor.device.emulated import AdversarialCpuBackend
-    from tierflow.executor.device.factory import make_backend
 
-    def backend():
-        if device.startswith("cpu-adversarial"):
-            return AdversarialCpuBackend(max_delay_s=0.0)
-        return make_backend(device)
-
-    d = measure_dispatch(backend, rounds=rounds, placement="checkpoints_host")
+    d = measure_dispatch(lambda: executor_backend(device), rounds=rounds, placement="checkpoints_host")
     step_op_us = min(d.executor_op_us, d.executor_op_cpu_us)
     # the parts are wall time: on a loaded machine a woken worker also waits for a core; no more than the
     # whole step's difference per op is the executor's
     return {"executor_op_us": min(d.engine_op_us, step_op_us), "dispatch_parts_us": dict(d.parts_us),
             "step_op_us": step_op_us, "dispatch_ops_per_step": d.ops_per_step}
+
+
+def measure_graph_costs(profile: HardwareProfile, device: str, rounds: int = 4) -> dict:
+    """`graph_launch_us` and `graph_op_us` alone (graph_launch.measure_graph_launch on `device`'s backend):
+    calibrate's separate step on CUDA, so that a failed capture leaves only those fields null."""
+    from tierflow.executor.calibration.graph_launch import measure_graph_launch
+
+    return measure_graph_launch(profile, lambda: executor_backend(device), rounds)

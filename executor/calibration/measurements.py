@@ -20,6 +20,7 @@ from tierflow.executor.calibration.cpu import (
 from tierflow.executor.calibration.executor_costs import (
     measure_executor_costs,
     measure_executor_dispatch,
+    measure_graph_costs,
     measure_io_interference,
     measure_store,
 )
@@ -114,7 +115,10 @@ def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | Non
     elif gpu:  # on CUDA too, each part on its own: a failure leaves its fields null, the reason in the notes
         m["executor"] = {}
         parts = {"the executor's fixed cost per op":
-                 lambda: measure_executor_costs(build_profile(m).profile, device, ssd_dir, dispatch_rounds=0),
+                 lambda: measure_executor_costs(build_profile(m).profile, device, ssd_dir, dispatch_rounds=0,
+                                                graphs=False),
+                 "the host cost of a CUDA graph replay":
+                 lambda: measure_graph_costs(build_profile(m).profile, device),
                  "the executor's own cost per op": lambda: measure_executor_dispatch(device)}
         for what, measure in parts.items():
             try:

@@ -242,20 +242,49 @@ def _put_pcie(b: _Builder, p: dict[str, Any], host_device: bool) -> None:
         else "two copies at once on two threads, likewise")
 
 
-# the fixed cost per op that the executor measured on a tiny plan (executor_costs.measure_executor_costs), by
-# profile field: (its key in the measurements, what the ops' duration is less)
-_FIXED_COSTS = {"gpu.op_overhead_us": ("op_overhead_us", "compute ops", "the cost model's time"),
-                "pcie.latency_us": ("pcie_latency_us", "transfer ops", "bytes / rate"),
-                "ssd.latency_us": ("ssd_latency_us", "SSD ops", "bytes / rate")}
+# the fixed cost per op that the executor measured on plans of tiny ops
+# (executor_costs.measure_executor_costs, op_costs.measure_op_costs), by profile field: (its key in the
+# measurements, how it was measured)
+_FIXED_COSTS = {
+    "gpu.op_overhead_us": ("op_overhead_us", "compute ops whose tensors stay on the device: per op (kind, "
+                           "block) the intercept at zero work of (duration - the cost model's time) + "
+                           "hand-off over two op sizes, mean over a step's ops"),
+    "pcie.latency_us": ("pcie_latency_us", "offload and fetch ops of a plan with host checkpoints: the "
+                        "intercept at zero bytes of (duration - bytes / rate) + hand-off over two op sizes"),
+    "ssd.latency_us": ("ssd_latency_us", "SSD ops: median of (duration - bytes / rate) + hand-off"),
+    "gpu.graph_launch_us": ("graph_launch_us", "replayed capture segments (--cuda-graphs) of two sizes: the "
+                            "intercept at zero ops of (span - its ops' modelled time) + hand-off"),
+}
+
+
+def executor_cost_fields(ex: dict) -> dict[str, float | None]:
+    """The profile fields of the executor's measured fixed costs (`ex`: measure_executor_costs's dict): the
+    engine's own cost on every op (cpu.executor_op_us), per kind of op the rest of what its ops measured
+    beyond their work (taken off: an op is charged what it measured once), the extra of a compute op that
+    exchanges tensors with another worker (a difference of two ops' costs: nothing taken off); the fields
+    that were not measured left out."""
+    own = ex.get("executor_op_us")
+    out: dict[str, float | None] = {}
+    if own is not None:
+        out["cpu.executor_op_us"] = own
+    for key, (mkey, _) in _FIXED_COSTS.items():
+        if ex.get(mkey) is not None:
+            out[key] = max(0.0, ex[mkey] - (own or 0.0))
+    for key in ("moved_op_overhead_us", "graph_op_us"):
+        if ex.get(key) is not None:
+            out[f"gpu.{key}"] = ex[key]
+    return out
 
 
 def _put_executor_costs(b: _Builder) -> None:
-    """The executor's fixed costs per op (any device): its engine's own cost on every op
-    (cpu.executor_op_us), and per resource the rest of what its ops measured beyond their work
-    (gpu.op_overhead_us: the handlers' Python, the framework's dispatch and the kernel launches of a compute
-    op; the links' latencies), so that an op is charged what it measured once."""
+    """The executor's fixed costs per op (any device, `executor_cost_fields`), each with how it was measured:
+    the engine's own (cpu.executor_op_us), the handlers' Python, the framework's dispatch and the kernel
+    launches of a compute op (gpu.op_overhead_us), the links' latencies, a graph replay's, and the extra of a
+    compute op connected to another worker."""
     ex = b.m.get("executor") or {}
+    fields = executor_cost_fields(ex)
     own = ex.get("executor_op_us")
+    device = b.m.get("device") or "cuda"
     if own is not None:
         parts = ", ".join(f"{k} {v:.3g}" for k, v in (ex.get("dispatch_parts_us") or {}).items())
         step = ex.get("step_op_us")
@@ -263,13 +292,27 @@ def _put_executor_costs(b: _Builder) -> None:
               "the engine's own parts per op on a plan of tiny ops (hand-off, events, launch, trace, loop"
               + (f"; us per op: {parts}" if parts else "") + ")"
               + (f"; its whole step less plain PyTorch's: {step:.3g} us per op" if step is not None else ""))
-    for key, (mkey, ops, work) in _FIXED_COSTS.items():
-        if ex.get(mkey) is None or (key.startswith("ssd.") and b.data["ssd"].get("count", 0) == 0):
+    fitted = f" ({ex['fitted_on']})" if ex.get("fitted_on") else ""
+    less = ", less cpu.executor_op_us" if own is not None else ""
+    for key, (mkey, how) in _FIXED_COSTS.items():
+        if key not in fields or (key.startswith("ssd.") and b.data["ssd"].get("count", 0) == 0):
             continue
-        less = ", less cpu.executor_op_us" if own is not None else ""
-        b.put(key, max(0.0, ex[mkey] - (own or 0.0)), "measured",
-              f"the executor's {ops} on a tiny plan ({b.m.get('device') or 'cuda'}): median of (duration - "
-              f"{work}) + hand-off{less}")
+        where = fitted if mkey != "ssd_latency_us" else ""
+        b.put(key, fields[key], "measured", f"the executor on tiny plans ({device}): {how}{less}{where}")
+    if "gpu.moved_op_overhead_us" in fields:
+        b.put("gpu.moved_op_overhead_us", fields["gpu.moved_op_overhead_us"], "measured",
+              f"the executor on tiny plans ({device}): a compute op connected to another worker (host "
+              f"checkpoints) less the same op with every tensor on the device, mean over a step's such ops"
+              f"{fitted}")
+    if "gpu.graph_op_us" in fields:
+        b.put("gpu.graph_op_us", fields["gpu.graph_op_us"], "measured",
+              f"the executor on tiny plans ({device}): replayed capture segments of "
+              f"{', '.join(map(str, ex.get('graph_segment_ops') or []))} ops: the slope of (span - its ops' "
+              "modelled time) + hand-off over the ops per segment")
+    if "graph_launch_us" in ex and ex["graph_launch_us"] is None:
+        why = ex.get("graph_launch_note") or "no graph replayed"
+        b.put("gpu.graph_launch_us", None, "not measured", why)
+        b.put("gpu.graph_op_us", None, "not measured", why)
 
 
 def _put_cpu(b: _Builder, host_device: bool) -> None:
@@ -394,6 +437,9 @@ def _put_overrides(b: _Builder, overrides: dict[str, Any] | None, device_gib: fl
 # belongs to the base's box: fitted to its runs, or measured there)
 NOT_MEASURED_REASONS = {
     "gpu.op_overhead_us": "the executor's ops on a tiny plan did not run (see the notes)",
+    "gpu.moved_op_overhead_us": "the executor's ops on a tiny plan did not run (see the notes)",
+    "gpu.graph_launch_us": "the executor's ops on a tiny plan did not run (see the notes)",
+    "gpu.graph_op_us": "the executor's ops on a tiny plan did not run (see the notes)",
     "cpu.executor_op_us": "the executor's ops on a tiny plan did not run (see the notes)",
     "gpu.attention_efficiency": "measured only for a CPU device",
     "gpu.activation_gbps": "measured only for a CPU device",

@@ -164,7 +164,8 @@ def peak_with_pool_bytes(graph: TaskGraph, plan: CapturePlan) -> float:
 def graphed_graph(graph: TaskGraph, hw, plan: CapturePlan | None = None) -> TaskGraph:
     """The graph as `tierflow run --cuda-graphs` runs it, for the simulator: each capture segment one gpu op
     (one launch: the engine's cost per op, cpu.executor_op_us, is charged once by the simulator, and
-    gpu.graph_launch_us once instead of gpu.op_overhead_us per compute op), its work its ops' work less their
+    gpu.graph_launch_us once plus gpu.graph_op_us per captured op instead of gpu.op_overhead_us per compute
+    op), its work its ops' work less their
     per-op overhead, its memory effects its ops' peak then what they leave (the pool), its dependencies its
     ops' from outside it. Every other op is as it was; ids are renumbered (a trace of this graph is per
     segment, not per op). Where the profile bounds a block by its kernel launches (compute.kernel_launch_us),
@@ -172,7 +173,7 @@ def graphed_graph(graph: TaskGraph, hw, plan: CapturePlan | None = None) -> Task
     plan = plan or capture_plan(graph)
     if not plan.segments:
         return graph
-    tasks, over_s, launch_s = graph.tasks, hw.gpu.op_overhead_s, hw.gpu.graph_launch_s
+    tasks, over_s, g = graph.tasks, hw.gpu.op_overhead_s, hw.gpu
     new_id: dict[int, int] = {}
     out: list[Task] = []
     for t in tasks:
@@ -187,7 +188,7 @@ def graphed_graph(graph: TaskGraph, hw, plan: CapturePlan | None = None) -> Task
             new_id[t.id] = new_id[seg.ops[0]]
             continue
         new_id[t.id] = len(out)
-        out.append(_merged(tasks, seg, len(out), over_s, launch_s))
+        out.append(_merged(tasks, seg, len(out), over_s, g.graph_launch_s + g.graph_op_s * len(seg.ops)))
     for u in out:  # every dependency was an original id: now the new op that holds it
         u.deps = sorted({new_id[d] for d in u.deps if new_id[d] != u.id})
     return TaskGraph(out, dict(graph.static_bytes), dict(graph.capacity_bytes), graph.num_iterations,

@@ -38,6 +38,7 @@ from tierflow.planner.core.families import (
     family_of,
 )
 from tierflow.planner.core.graph import GraphBuilder, Task, TaskGraph, gc_paused
+from tierflow.planner.core.hostcost import charge_moved_ops
 from tierflow.planner.core.memory import (
     blocks_of,
     host_reserve_bytes,
@@ -547,6 +548,7 @@ class _Builder(DeepSpeedHooks, LohanHooks):
             self.build_iteration(it, base, seq_steps)
         if cfg.runtime == "lohan":
             renumber(self.g.tasks)
+        charge_moved_ops(g.tasks, self.hw)  # gpu.moved_op_overhead_us (planner/core/hostcost.py)
         static = static_bytes(self.model, self.p, cfg.runtime, self.W, cfg.ds_knobs, hw=self.hw)
         cap = rank_capacity_bytes(self.hw, cfg.gpus)
         meta = {"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations}
