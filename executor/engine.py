@@ -127,7 +127,12 @@ class Executor:
         self.threads = torch.get_num_threads()
         self.optimizer_threads = optimizer_threads(self.device.type, any(t.kind in OPTIMIZER_PART
                                                                          for t in self.tasks), self.threads)
+        # the workers' queues (`lanes`): a queue per resource, but on a device without streams (a plain CPU)
+        # the stream resources' ops in one worker, in one order every dependency and every queue respects (no
+        # hand-off between threads for a copy that is a memcpy on the same cores)
+        self.lanes = self._lanes()
         self.waits = self._dep_waits()
+        self._queues: dict[int, dict[str, list[int]]] = {}  # per number of ops run: the lanes' prefixes
         # the ops another thread waits for (a dependency of another worker's op, an iteration's last gpu op
         # for the reporter): only these get an event per round
         self.waited = {d for ws in self.waits for d, _ in ws} | {t.id for t in self._last_gpu_ops().values()}
@@ -142,13 +147,13 @@ class Executor:
         a non-finite loss)."""
         n = self._check_round(iterations)
         rs = self._new_round(iterations, step0, n)
-        queues = {r: [i for i in ids if i < n] for r, ids in self.plan.graph.resource_order().items()}
+        queues = self._queues.get(n)
+        if queues is None:
+            queues = self._queues[n] = {r: [i for i in ids if i < n] for r, ids in self.lanes.items()}
         threads = [threading.Thread(target=self._worker, args=(rs, r, q), name=f"tierflow-{r}", daemon=True)
                    for r, q in queues.items() if q]
         if on_step is not None:
-            last = {}
-            for tid in queues["gpu"]:
-                last[self.tasks[tid].iteration] = tid
+            last = {it: t.id for it, t in self._last_gpu_ops().items() if it < iterations}
             threads.append(threading.Thread(target=self._reporter, args=(rs, last, on_step), daemon=True,
                                             name="tierflow-reporter"))
         # threads that may wait in a collective of several ranks: the net worker, the reporter (the mean loss)
@@ -353,17 +358,35 @@ class Executor:
             rs.errors.append(self._explain(t, e, prefix))
         rs.abort.set()
 
+    def _lanes(self) -> dict[str, list[int]]:
+        """The workers' queues: each resource's ops in the plan's order; without streams (a plain CPU, where a
+        copy is a memcpy of the same cores) the stream resources' ops (gpu, h2d, d2h) in one queue, named gpu:
+        a topological order of the dependencies and of every resource's queue (so that no worker waits for
+        an op queued behind one of its own), the plan's order (key, id) where both allow."""
+        order = self.plan.graph.resource_order()
+        if self.backend.streams_async:
+            return order
+        merged = [r for r in STREAM_RESOURCES if order.get(r)]
+        if len(merged) < 2:
+            return order
+        lanes = {r: ids for r, ids in order.items() if r not in merged}
+        lanes["gpu"] = [i for i in self.plan.graph.plan_order() if self.tasks[i].resource in merged]
+        return lanes
+
     def _dep_waits(self) -> list[tuple[tuple[int, bool], ...]]:
         """Per op, the dependencies its worker waits for, found once per plan: every one but an earlier op of
         its own queue (done, and ahead of it on its stream), each with whether its end event is waited on too
         (an op of another stream resource)."""
-        pos = {tid: i for ids in self.plan.graph.resource_order().values() for i, tid in enumerate(ids)}
+        pos, lane = {}, {}
+        for name, ids in self.lanes.items():
+            for i, tid in enumerate(ids):
+                pos[tid], lane[tid] = i, name
         out = []
         for t in self.tasks:
             ws = []
             for d in t.deps:
                 dep = self.tasks[d].resource
-                if dep != t.resource or pos[d] >= pos[t.id]:
+                if lane[d] != lane[t.id] or pos[d] >= pos[t.id]:
                     ws.append((d, dep != t.resource and dep in self.stream_resources))
             out.append(tuple(ws))
         return out
