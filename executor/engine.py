@@ -4,7 +4,9 @@ compute step and optimizer step is an op of the plan, and the executor only deci
 
 Workers and streams
     gpu, h2d and d2h each own a stream of the device backend (executor/device: CUDA, or its adversarial CPU
-    emulation; on a plain CPU there are no streams and every op runs in its worker). A stream worker enqueues
+    emulation). On a plain CPU there are no streams: a copy is a memcpy on the same cores, so the gpu, h2d and
+    d2h queues run in one worker (named gpu), in the plan's order (graph.plan_order), with no hand-off between
+    threads; the host resources (cpu, ssd_read, ssd_write, net) keep a worker each. A stream worker enqueues
     its op's handler on its stream (`launch`) and marks the op done once enqueued; a dependency between two
     stream resources is the end event the waiting stream waits on, and a host worker (cpu, ssd_read,
     ssd_write) waiting on a stream op synchronizes on that op's event only. A handler's failure is the op's,
@@ -133,6 +135,7 @@ class Executor:
         self.lanes = self._lanes()
         self.waits = self._dep_waits()
         self._queues: dict[int, dict[str, list[int]]] = {}  # per number of ops run: the lanes' prefixes
+        self._checked: dict[int, int] = {}  # per number of iterations run: its ops (_check_round)
         # the ops another thread waits for (a dependency of another worker's op, an iteration's last gpu op
         # for the reporter): only these get an event per round
         self.waited = {d for ws in self.waits for d, _ in ws} | {t.id for t in self._last_gpu_ops().values()}
@@ -179,6 +182,7 @@ class Executor:
                 if self.optimizer_threads is not None:
                     restore(self.threads)  # the process-wide value the cpu worker changed
         wall_s = time.perf_counter() - rs.t0_s
+        self._fold_mem(rs)
         if rs.errors:
             raise rs.errors[0]
         if rs.streams is not None:
@@ -209,7 +213,13 @@ class Executor:
 
     def _check_round(self, iterations: int) -> int:
         """The number of ops in the plan's first `iterations` iterations,
-        which must not depend on later ones."""
+        which must not depend on later ones (checked once per number of iterations)."""
+        n = self._checked.get(iterations)
+        if n is None:
+            n = self._checked[iterations] = self._count_round(iterations)
+        return n
+
+    def _count_round(self, iterations: int) -> int:
         n = sum(1 for t in self.tasks if t.iteration < iterations)
         if any(t.iteration >= iterations for t in self.tasks[:n]):
             raise ExecutionError(f"{self.plan.source}: ops are not ordered by iteration; cannot "
@@ -411,13 +421,25 @@ class Executor:
                     self.backend.synchronize_event(rs.ev_end[d])
 
     def _apply_mem(self, rs: RoundState, effects) -> None:
-        if not effects:
-            return
-        with rs.lock:
+        """An op's memory effects, logged (one append, atomic under the interpreter lock: no lock, no sums on
+        the hot path); `_fold_mem` replays the log after the round, in the order the workers logged it."""
+        if effects:
+            rs.mem_log.append((time.perf_counter() - rs.t0_s, effects))
+
+    @staticmethod
+    def _fold_mem(rs: RoundState) -> None:
+        """The round's memory per tier, its peaks and its trace from the log of `_apply_mem` (the times kept
+        non-decreasing: two workers may read the clock and append in either order)."""
+        mem, peak, trace = rs.mem_bytes, rs.peak_bytes, rs.mem_trace
+        last_s = 0.0
+        for at_s, effects in rs.mem_log:
             for tier, delta_bytes in effects:
-                rs.mem_bytes[tier] += delta_bytes
-                rs.peak_bytes[tier] = max(rs.peak_bytes[tier], rs.mem_bytes[tier])
-            rs.mem_trace.append((time.perf_counter() - rs.t0_s, *rs.mem_bytes))
+                mem[tier] += delta_bytes
+                if mem[tier] > peak[tier]:
+                    peak[tier] = mem[tier]
+            last_s = max(last_s, at_s)
+            trace.append((last_s, *mem))
+        rs.mem_log.clear()
 
     # -- errors ----------------------------------------------------------------------------------------------
 
