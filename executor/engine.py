@@ -4,7 +4,9 @@ compute step and optimizer step is an op of the plan, and the executor only deci
 
 Workers and streams
     gpu, h2d and d2h each own a stream of the device backend (executor/device: CUDA, or its adversarial CPU
-    emulation; on a plain CPU there are no streams and every op runs in its worker). A stream worker enqueues
+    emulation). On a plain CPU there are no streams: a copy is a memcpy on the same cores, so the gpu, h2d and
+    d2h queues run in one worker (named gpu), in the plan's order (graph.plan_order), with no hand-off between
+    threads; the host resources (cpu, ssd_read, ssd_write, net) keep a worker each. A stream worker enqueues
     its op's handler on its stream (`launch`) and marks the op done once enqueued; a dependency between two
     stream resources is the end event the waiting stream waits on, and a host worker (cpu, ssd_read,
     ssd_write) waiting on a stream op synchronizes on that op's event only. A handler's failure is the op's,
@@ -127,7 +129,13 @@ class Executor:
         self.threads = torch.get_num_threads()
         self.optimizer_threads = optimizer_threads(self.device.type, any(t.kind in OPTIMIZER_PART
                                                                          for t in self.tasks), self.threads)
+        # the workers' queues (`lanes`): a queue per resource, but on a device without streams (a plain CPU)
+        # the stream resources' ops in one worker, in one order every dependency and every queue respects (no
+        # hand-off between threads for a copy that is a memcpy on the same cores)
+        self.lanes = self._lanes()
         self.waits = self._dep_waits()
+        self._queues: dict[int, dict[str, list[int]]] = {}  # per number of ops run: the lanes' prefixes
+        self._checked: dict[int, int] = {}  # per number of iterations run: its ops (_check_round)
         # the ops another thread waits for (a dependency of another worker's op, an iteration's last gpu op
         # for the reporter): only these get an event per round
         self.waited = {d for ws in self.waits for d, _ in ws} | {t.id for t in self._last_gpu_ops().values()}
@@ -142,13 +150,13 @@ class Executor:
         a non-finite loss)."""
         n = self._check_round(iterations)
         rs = self._new_round(iterations, step0, n)
-        queues = {r: [i for i in ids if i < n] for r, ids in self.plan.graph.resource_order().items()}
+        queues = self._queues.get(n)
+        if queues is None:
+            queues = self._queues[n] = {r: [i for i in ids if i < n] for r, ids in self.lanes.items()}
         threads = [threading.Thread(target=self._worker, args=(rs, r, q), name=f"tierflow-{r}", daemon=True)
                    for r, q in queues.items() if q]
         if on_step is not None:
-            last = {}
-            for tid in queues["gpu"]:
-                last[self.tasks[tid].iteration] = tid
+            last = {it: t.id for it, t in self._last_gpu_ops().items() if it < iterations}
             threads.append(threading.Thread(target=self._reporter, args=(rs, last, on_step), daemon=True,
                                             name="tierflow-reporter"))
         # threads that may wait in a collective of several ranks: the net worker, the reporter (the mean loss)
@@ -174,6 +182,7 @@ class Executor:
                 if self.optimizer_threads is not None:
                     restore(self.threads)  # the process-wide value the cpu worker changed
         wall_s = time.perf_counter() - rs.t0_s
+        self._fold_mem(rs)
         if rs.errors:
             raise rs.errors[0]
         if rs.streams is not None:
@@ -204,7 +213,13 @@ class Executor:
 
     def _check_round(self, iterations: int) -> int:
         """The number of ops in the plan's first `iterations` iterations,
-        which must not depend on later ones."""
+        which must not depend on later ones (checked once per number of iterations)."""
+        n = self._checked.get(iterations)
+        if n is None:
+            n = self._checked[iterations] = self._count_round(iterations)
+        return n
+
+    def _count_round(self, iterations: int) -> int:
         n = sum(1 for t in self.tasks if t.iteration < iterations)
         if any(t.iteration >= iterations for t in self.tasks[:n]):
             raise ExecutionError(f"{self.plan.source}: ops are not ordered by iteration; cannot "
@@ -353,17 +368,35 @@ class Executor:
             rs.errors.append(self._explain(t, e, prefix))
         rs.abort.set()
 
+    def _lanes(self) -> dict[str, list[int]]:
+        """The workers' queues: each resource's ops in the plan's order; without streams (a plain CPU, where a
+        copy is a memcpy of the same cores) the stream resources' ops (gpu, h2d, d2h) in one queue, named gpu:
+        a topological order of the dependencies and of every resource's queue (so that no worker waits for
+        an op queued behind one of its own), the plan's order (key, id) where both allow."""
+        order = self.plan.graph.resource_order()
+        if self.backend.streams_async:
+            return order
+        merged = [r for r in STREAM_RESOURCES if order.get(r)]
+        if len(merged) < 2:
+            return order
+        lanes = {r: ids for r, ids in order.items() if r not in merged}
+        lanes["gpu"] = [i for i in self.plan.graph.plan_order() if self.tasks[i].resource in merged]
+        return lanes
+
     def _dep_waits(self) -> list[tuple[tuple[int, bool], ...]]:
         """Per op, the dependencies its worker waits for, found once per plan: every one but an earlier op of
         its own queue (done, and ahead of it on its stream), each with whether its end event is waited on too
         (an op of another stream resource)."""
-        pos = {tid: i for ids in self.plan.graph.resource_order().values() for i, tid in enumerate(ids)}
+        pos, lane = {}, {}
+        for name, ids in self.lanes.items():
+            for i, tid in enumerate(ids):
+                pos[tid], lane[tid] = i, name
         out = []
         for t in self.tasks:
             ws = []
             for d in t.deps:
                 dep = self.tasks[d].resource
-                if dep != t.resource or pos[d] >= pos[t.id]:
+                if lane[d] != lane[t.id] or pos[d] >= pos[t.id]:
                     ws.append((d, dep != t.resource and dep in self.stream_resources))
             out.append(tuple(ws))
         return out
@@ -388,13 +421,25 @@ class Executor:
                     self.backend.synchronize_event(rs.ev_end[d])
 
     def _apply_mem(self, rs: RoundState, effects) -> None:
-        if not effects:
-            return
-        with rs.lock:
+        """An op's memory effects, logged (one append, atomic under the interpreter lock: no lock, no sums on
+        the hot path); `_fold_mem` replays the log after the round, in the order the workers logged it."""
+        if effects:
+            rs.mem_log.append((time.perf_counter() - rs.t0_s, effects))
+
+    @staticmethod
+    def _fold_mem(rs: RoundState) -> None:
+        """The round's memory per tier, its peaks and its trace from the log of `_apply_mem` (the times kept
+        non-decreasing: two workers may read the clock and append in either order)."""
+        mem, peak, trace = rs.mem_bytes, rs.peak_bytes, rs.mem_trace
+        last_s = 0.0
+        for at_s, effects in rs.mem_log:
             for tier, delta_bytes in effects:
-                rs.mem_bytes[tier] += delta_bytes
-                rs.peak_bytes[tier] = max(rs.peak_bytes[tier], rs.mem_bytes[tier])
-            rs.mem_trace.append((time.perf_counter() - rs.t0_s, *rs.mem_bytes))
+                mem[tier] += delta_bytes
+                if mem[tier] > peak[tier]:
+                    peak[tier] = mem[tier]
+            last_s = max(last_s, at_s)
+            trace.append((last_s, *mem))
+        rs.mem_log.clear()
 
     # -- errors ----------------------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import networkx as nx
 import pytest
 import torch
 from test_executor import make_plan
@@ -28,14 +29,26 @@ TRANSFER_KINDS = {f"{op}_{t}" for op in ("offload", "write", "read", "fetch") fo
 TRANSFER_KINDS |= {"read_weights", "fetch_weights"}
 
 
+def queue_order(plan) -> list:
+    """Independently of graph.plan_order (networkx): the ops after their dependencies and the ops ahead of
+    them in their resource's queue, the smallest (key, id) first among the ready ones."""
+    tasks = plan.graph.tasks
+    g = nx.DiGraph()
+    g.add_nodes_from(t.id for t in tasks)
+    g.add_edges_from((d, t.id) for t in tasks for d in t.deps)
+    for ids in plan.graph.resource_order().values():
+        g.add_edges_from(zip(ids, ids[1:]))
+    return [tasks[i] for i in nx.lexicographical_topological_sort(g, key=lambda i: (tasks[i].key, i))]
+
+
 def effects_peak(plan) -> float:
     """Independently of planned_buffers: the plan's cpu-tier memory effects of the ops that stage transfers,
-    plus the bytes of update_weights (its wire lives from the adam step it depends on), replayed in
-    (key, id)."""
+    plus the bytes of update_weights (its wire lives from the adam step it depends on), replayed in the
+    plan's order (queue_order)."""
     tasks = plan.graph.tasks
     wire_from = {t.deps[0]: t.work for t in tasks if t.kind == "update_weights"}
     live = peak = 0.0
-    for t in sorted(tasks, key=lambda t: (t.key, t.id)):
+    for t in queue_order(plan):
         mine = t.kind in TRANSFER_KINDS
         live += sum(d for i, d in t.mem_start if i == CPU and mine) + wire_from.get(t.id, 0.0)
         peak = max(peak, live)
@@ -152,3 +165,30 @@ def test_an_fp32_plan_counts_its_own_bytes_and_sizes_the_same_area_as_a_bf16_pla
     area16 = arena_bytes_for(bf16, Binding(bf16, state16.layout), state16, False)
     assert abs(arena_bytes_for(plan, binding, state, False) - area16) <= 4 * ALIGN
     ssd16.close()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu-adversarial"])
+def test_the_area_holds_what_the_plan_keeps_alive_when_its_queues_number_their_ops_apart(backend):
+    """bench_dispatch's checkpoints-in-host plan numbers each queue from 0 (keys), so sorting all ops by key
+    put the fetch of the second layer's pack (h2d, key 0) before its offload (d2h, key 1): the area came out
+    one pack (36,864 bytes) while the plan keeps both layers' packs on the host until the backward, and every
+    round pinned the rest outside it. Replayed in the plan's order the area holds both, and a run takes
+    nothing outside it."""
+    from tierflow.executor.calibration.dispatch import ITERATIONS, _executor, tiny_plan
+    from tierflow.executor.device.factory import make_backend
+
+    be = make_backend(backend)
+    plan = tiny_plan("cpu", "checkpoints_host")
+    tasks = plan.graph.tasks
+    fetch = next(t for t in tasks if t.kind == "fetch_checkpoint" and t.block == 2)
+    offload = next(t for t in tasks if t.kind == "offload_checkpoint" and t.block == 2 and t.mb == fetch.mb)
+    assert fetch.key < offload.key and offload.id in fetch.deps  # what (key, id) got wrong
+    order = plan.graph.plan_order()
+    assert order.index(offload.id) < order.index(fetch.id)
+    assert [t.id for t in queue_order(plan)] == order
+    ex = _executor(plan, be, None)
+    packs = [t for t in tasks if t.kind == "offload_checkpoint" and t.iteration == 0 and t.mb == 0]
+    assert len(packs) == 2 and ex.arena.size_bytes >= 2 * 32960
+    for r in range(2):
+        ex.run_round(ITERATIONS, r * ITERATIONS)
+    assert ex.arena.stats.takes > 0 and ex.arena.stats.overflows == 0, ex.arena.stats

@@ -181,6 +181,11 @@ class DeviceBackend:
         self.check_copy(dst, src)
         dst.copy_(src)
 
+    def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """copy_async of each (dst, src) pair, in order (an offload's pieces)."""
+        for dst, src in pairs:
+            self.copy_async(dst, src)
+
     def check_host_sync(self, what: str) -> None:
         """What every backend with streams refuses: the host waiting (synchronize_event, synchronize) from
         inside an op on a stream (on CUDA it stalls that stream's worker and every op queued behind it)."""
@@ -259,3 +264,11 @@ class PlainCpuBackend(DeviceBackend):
 
     def record(self, stream):
         raise RuntimeError("the plain CPU backend has no events")
+
+    def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The copies at once, in one torch call (no stream, no pinned memory to check: only the shapes)."""
+        for dst, src in pairs:
+            if dst.shape != src.shape:
+                raise RuntimeError(f"copy_async: shapes {tuple(dst.shape)} and {tuple(src.shape)} differ")
+        if pairs:
+            torch._foreach_copy_([d for d, _s in pairs], [s for _d, s in pairs])

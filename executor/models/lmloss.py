@@ -29,26 +29,42 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, targets, chunk):
-        valid_count = targets.ne(IGNORE_INDEX).sum()
-        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        # few torch calls (each costs microseconds of host time on a tiny op): the target's logit and its -1
+        # by gather / scatter_add along the rows (bit for bit the indexing's values), one chunk without slices
+        keep_all = targets.ne(IGNORE_INDEX)
+        valid_count = keep_all.sum()
         need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        dx = torch.empty_like(x) if need else None
+        n = x.size(0)
+        one = chunk >= n
+        total = None
+        dx = torch.empty_like(x) if need and not one else None
         dw = torch.zeros_like(weight) if need else None
-        for lo in range(0, x.size(0), chunk):
-            xc, tc = x[lo: lo + chunk], targets[lo: lo + chunk]
+        idx_all = targets.clamp(min=0).unsqueeze(1)
+        minus_one = None
+        for lo in range(0, n, chunk):
+            if one:
+                xc, keep, idx = x, keep_all, idx_all
+            else:
+                xc, keep, idx = x[lo: lo + chunk], keep_all[lo: lo + chunk], idx_all[lo: lo + chunk]
             logits = F.linear(xc, weight).float()  # in fp32 (the same tensor when fp32)
             lse = torch.logsumexp(logits, dim=-1)
-            keep = tc.ne(IGNORE_INDEX)
-            rows = torch.arange(tc.numel(), device=x.device)
-            picked = logits[rows, tc.clamp(min=0)]
-            total += ((lse - picked) * keep).sum()
+            picked = logits.gather(1, idx).squeeze(1)
+            part = ((lse - picked) * keep).sum()
+            total = part if total is None else total.add_(part)
             if need:
                 g = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the fp32 logits
-                g[rows, tc.clamp(min=0)] -= 1.0
+                if minus_one is None or minus_one.size(0) != idx.size(0):
+                    minus_one = torch.full(idx.shape, -1.0, dtype=g.dtype, device=g.device)
+                g.scatter_add_(1, idx, minus_one)  # the target's probability - 1
                 g = g.mul_(keep.unsqueeze(1)).to(x.dtype)
-                dx[lo: lo + chunk] = g @ weight
+                if one:
+                    dx = g @ weight
+                else:
+                    torch.matmul(g, weight, out=dx[lo: lo + chunk])
                 dw.addmm_(g.t(), xc)
             del logits
+        if total is None:  # no tokens
+            total = torch.zeros((), dtype=torch.float32, device=x.device)
         ctx.save_for_backward(dx, dw, valid_count)
         return total / valid_count
 

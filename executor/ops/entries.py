@@ -164,9 +164,14 @@ class EntryOps:
 
 def scatter(be, sources: list[tuple[int, torch.Tensor]], dests: list[tuple[int, torch.Tensor]]) -> None:
     """Copy flat sources [(offset, tensor)] of one flat layout into the flat destinations [(offset, buffer)]
-    that tile it: each overlap is one copy_async, straight into the destination's slice."""
+    that tile it: each overlap is one copy_async (backend.copy_many), straight into the destination's slice;
+    a source inside one destination is copied whole (no slice of it)."""
+    spans = [(do, do + dst.numel(), dst) for do, dst in dests]
+    pairs = []
     for so, src in sources:
-        for do, dst in dests:
-            a, z = max(so, do), min(so + src.numel(), do + dst.numel())
+        se = so + src.numel()
+        for do, de, dst in spans:
+            a, z = max(so, do), min(se, de)
             if z > a:
-                be.copy_async(dst[a - do: z - do], src[a - so: z - so])
+                pairs.append((dst[a - do: z - do], src if (a, z) == (so, se) else src[a - so: z - so]))
+    be.copy_many(pairs)

@@ -4,7 +4,9 @@ host allocation made at start, pinned on CUDA (pageable on a plain CPU), sized f
 
 Size (`planned_buffers`, `plan_peak_bytes`): the transfer buffers of the plan's ops, each from the op that
 takes it to the op that gives it back, with the op's bytes (scaled from the plan's compute dtype to the run's)
-rounded up to a page; replayed in the plan's queue order (key, id), the peak of their sum is the area's size.
+rounded up to a page; replayed in the plan's order (graph.plan_order: dependencies and queues; until
+2026-11-29 the ops sorted by key, which numbers each queue on its own, so a fetch could give back its buffer
+before its offload took it and the area came out too small), the peak of their sum is the area's size.
 
     entry host part        offload_<t>  -> the entry's last fetch_<t>       offload bytes - write bytes
     entry SSD staging      offload_<t>  -> write_<t>                        write bytes
@@ -37,7 +39,7 @@ from tierflow.executor.device.base import TierOutOfMemory
 from tierflow.executor.tiers.direct_io import ALIGN, page_round
 from tierflow.executor.tiers.ssd_store import aligned_empty
 from tierflow.planner.core import opkinds as k
-from tierflow.planner.core.graph import Task
+from tierflow.planner.core.graph import Task, plan_order
 from tierflow.planner.core.workload import COMPUTE_BYTES, precision_of
 
 
@@ -114,17 +116,18 @@ def _weight_reads(t: Task, state) -> list[tuple[int, int]]:
 
 
 def plan_peak_bytes(tasks: list[Task], buffers: list[PlannedBuffer]) -> int:
-    """The peak of the live buffers' bytes, replaying the ops in the plan's queue order (key, id)."""
+    """The peak of the live buffers' bytes, replaying the ops in the plan's order (graph.plan_order: its
+    dependencies and queues, not the keys alone, which order each resource's queue only)."""
     take: dict[int, int] = {}
     give: dict[int, int] = {}
     for b in buffers:
         take[b.take_op] = take.get(b.take_op, 0) + b.nbytes
         give[b.give_op] = give.get(b.give_op, 0) + b.nbytes
     live = peak = 0
-    for t in sorted(tasks, key=lambda t: (t.key, t.id)):
-        live += take.get(t.id, 0)
+    for i in plan_order(tasks):
+        live += take.get(i, 0)
         peak = max(peak, live)
-        live -= give.get(t.id, 0)
+        live -= give.get(i, 0)
     return peak
 
 

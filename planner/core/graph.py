@@ -162,6 +162,25 @@ class Task:
         return f"{self.kind} b{self.block}{mb} it{self.iteration}"
 
 
+def plan_order(tasks: Sequence[Task]) -> list[int]:
+    """Task ids (tasks[i].id == i) in one order of the whole plan: after their dependencies and after the ops
+    ahead of them in their resource's queue (by key, then id), the smallest (key, id) first among the ready
+    ones. A key orders its own resource's queue only (most schedules number each queue from 0), so sorting
+    every op by key is no order of the plan: an h2d fetch keyed 0 would come before the d2h offload keyed 1
+    that it copies back. This is the order a run's memory is replayed in (the executor's transfer area) and
+    the one a worker running several resources' queues follows."""
+    preds = [list(t.deps) for t in tasks]
+    last: dict[str, int] = {}
+    rank = [0] * len(tasks)
+    for r, t in enumerate(sorted(tasks, key=lambda t: (t.key, t.id))):
+        rank[t.id] = r
+        if t.resource in last:
+            preds[t.id].append(last[t.resource])
+        last[t.resource] = t.id
+    return topological_order(len(tasks), preds, rank, cycle_message="the plan's queues and dependencies "
+                             "form a cycle")
+
+
 @dataclass
 class TaskGraph:
     tasks: list[Task]
@@ -188,6 +207,10 @@ class TaskGraph:
         for t in sorted(self.tasks, key=lambda t: (t.key, t.id)):
             order[t.resource].append(t.id)
         return order
+
+    def plan_order(self) -> list[int]:
+        """The plan's ops in one order (`plan_order`)."""
+        return plan_order(self.tasks)
 
     def topological_order(self, tie_break: Sequence[float] | None = None) -> list[int]:
         """Task ids with every task after its dependencies (`topological_order` over the tasks' deps, first
