@@ -48,7 +48,8 @@ def test_a_profile_without_its_cpu_cannot_say():
 
 
 @pytest.mark.parametrize("name", ["polaris-a100-40g", "rtx4090-lohan", "rtx4090-lohan-4gpu", "dgx-a100-8gpu",
-                                  "a100-80g-nvme", "v100-32g", "h100-80g", "rtx2060-laptop", "rtx3090-desktop"])
+                                  "a100-80g-nvme", "v100-32g", "h100-80g", "rtx2060-laptop",
+                                  "rtx3090-desktop"])
 def test_bundled_rates_are_the_models(name):
     """The profiles whose CPU is described carry the model's rate for tierflow's kernel, not a rule."""
     hw = load_profile(name)

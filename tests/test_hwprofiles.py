@@ -116,7 +116,8 @@ def test_lohan_profile_has_the_paper_box_numbers():
     assert p.cpu.memory_gib == 768
     assert p.cpu.memory_gbps == pytest.approx(16 * 25.6)
     # the host model of tierflow's kernel (planner/core/hostadam.py): socket-bound at 34 B per parameter
-    assert p.cpu.adam_gparams_per_s == pytest.approx(p.cpu.memory_gbps * p.cpu.memory_efficiency / 34, abs=0.006)
+    rate = p.cpu.memory_gbps * p.cpu.memory_efficiency / 34
+    assert p.cpu.adam_gparams_per_s == pytest.approx(rate, abs=0.006)
     assert p.ssd.count == 12
     assert p.ssd.read_gbps == 6.5  # the spec: the fit leaves it on its upper bound
     assert 1 <= p.ssd.write_gbps < 3.4  # fitted below the 3.4 GB/s spec, within the fit's bounds
