@@ -35,6 +35,10 @@ from .inputs import MIB, InputLimitError, check_yaml_depth, read_limited_text
 SCHEMA_VERSION = 1
 RW_SHARING_CHOICES = ("shared", "independent")
 P2P_CHOICES = ("nvlink", "pcie", "host")  # how GPUs of one box exchange data (topology.p2p)
+# host CPU microarchitectures the CPU Adam model knows by name (cpu.microarchitecture;
+# planner/core/hostadam.py has measured per-core costs for some of them)
+MICROARCHITECTURES = ("unknown", "zen2", "zen3", "zen4", "skylake-sp", "icelake-sp", "sapphirerapids",
+                      "cometlake")
 _SECTIONS = ("gpu", "pcie", "cpu", "ssd", "price")
 # optional sections (absent: a box with one GPU, no network); to_dict writes them only when present, so a
 # profile without them reads, writes and hashes (plan digests) exactly as before they existed
@@ -188,6 +192,14 @@ class CpuSpec:
     # resource: added to every op of a plan, on every resource, before its work (`tierflow calibrate`:
     # executor/calibration/dispatch.py). None: not modelled (0)
     executor_op_us: float | None = None
+    # The host CPU as the CPU Adam model sees it (planner/core/hostadam.py; None / "unknown": not known, the
+    # model cannot say): physical cores the optimizer's threads run on (all sockets), their sustained clock
+    # (the base clock the product specification gives), the microarchitecture whose measured per-core costs
+    # apply (hostadam.CORE_COSTS), and the DRAM channels behind memory_gbps (all sockets)
+    physical_cores: float | None = None
+    clock_ghz: float | None = None
+    microarchitecture: str = "unknown"
+    memory_channels: float | None = None
 
     @property
     def executor_op_s(self) -> float:
@@ -491,6 +503,10 @@ _RULES: dict[str, dict[str, _Rule]] = {
                                                         "optimizer", 1e-3),
         "deepspeed_adam_gparams_per_s": _optional(0, False, 100, "billion parameters/s", 1e-5),
         "executor_op_us": _optional(0, True, 1e6, "microseconds per op", 1e-3),
+        "physical_cores": _optional(0, False, 4096, "cores", 1),
+        "clock_ghz": _optional(0, False, 10, "GHz", 0.1),
+        "microarchitecture": _Rule("choice", choices=MICROARCHITECTURES, default="unknown"),
+        "memory_channels": _optional(0, False, 256, "DRAM channels", 1),
     },
     "ssd": {
         "count": _Rule("int", 0, True, 64, "drives"),
@@ -539,7 +555,8 @@ _SSD_OPTIONAL_ALWAYS = ("array_read_gbps", "array_write_gbps", "mixed_efficiency
 _OPTIONAL = {"cpu": ("memory_efficiency", "cores", "compute_slowdown_per_io_op",
                      "copy_slowdown_beside_compute", "ssd_slowdown_beside_compute",
                      "gpu_slowdown_beside_host_optimizer",
-                     "deepspeed_adam_gparams_per_s", "executor_op_us"),
+                     "deepspeed_adam_gparams_per_s", "executor_op_us", "physical_cores", "clock_ghz",
+                     "microarchitecture", "memory_channels"),
              "gpu": ("host_cores", "op_overhead_us", "moved_op_overhead_us", "graph_launch_us", "graph_op_us",
                      "attention_efficiency",
                      "activation_gbps", "fp32_tflops", "tf32_tflops"),

@@ -31,6 +31,7 @@ import fidelity  # noqa: E402
 import finetune  # noqa: E402
 import gemini_capacity  # noqa: E402
 import h200_run  # noqa: E402
+import host_adam_model  # noqa: E402
 import lora_tiers  # noqa: E402
 import multi_gpu  # noqa: E402
 import planner_quality  # noqa: E402
@@ -68,6 +69,7 @@ GENERATED = [
     (bench_gil.DOC, bench_gil.FUNCTIONS_TABLE, "bench_gil_functions.csv", bench_gil.functions_table),
     (dos_polaris.DOC, dos_polaris.DOC_TABLE, "dos_polaris.csv", dos_polaris.sweep_table),
     (h200_run.DOC, h200_run.DOC_TABLE, "h200_run.csv", h200_run.doc_table),
+    (host_adam_model.DOC, host_adam_model.DOC_TABLE, "host_adam_model.csv", host_adam_model.doc_table),
     (compressed_sim.DOC, compressed_sim.DOC_TABLE, "compressed_sim.csv", compressed_sim.sim_table),
     (lora_tiers.DOC, lora_tiers.DOC_TABLE, "lora_tiers.csv", lora_tiers.lora_tables),
     (compressed_states.DOC, compressed_states.QUALITY_TABLE, "compressed_states.csv",
