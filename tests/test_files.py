@@ -249,7 +249,7 @@ def test_plan_from_simulate_write_plan_validates_and_broken_ones_do_not(tmp_path
 
     cases = {
         "unknown top-level key": lambda b: b.update(extra=1),
-        "wrong version": lambda b: b.update(version=2),
+        "wrong version": lambda b: b.update(version=99),
         "gpu op without seconds":
             lambda b: next(op for op in b["ops"] if op["resource"] == "gpu").pop("seconds"),
         "link op with seconds":
