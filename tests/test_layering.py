@@ -373,6 +373,36 @@ def test_the_run_configuration_imports_no_solver():
     assert out.stdout.split() == ["False"] * 7, out.stdout
 
 
+def process_ends(path: Path) -> list[str]:
+    """Calls that end the process (`os._exit`, `sys.exit`, `exit`, `quit`) in a file."""
+    out = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Call):
+            name = ast.unparse(n.func)
+            if name in ("os._exit", "sys.exit", "exit", "quit"):
+                out.append(f"{path.relative_to(ROOT)}:{n.lineno} {name}")
+    return out
+
+
+# the one library call that ends a process: a rank whose launcher died and whose main thread did not stop
+# within the grace time after its SIGTERM (dist.watch_launcher's thread; the command cannot act: its thread is
+# the one stuck)
+PROCESS_ENDS_ALLOWED = {"executor/dist.py": 1}
+
+
+def test_the_library_raises_and_only_the_command_line_ends_the_process():
+    """The library raises (RunStopped, TierflowError); only tierflow/cli maps them to exit codes and ends the
+    process (tierflow/cli/run.py `_end`: a rank of several at once)."""
+    found: dict[str, list[str]] = {}
+    for folder in ("tierflow/errors.py", "tierflow/outputs.py", "tierflow/logs.py", "hwprofiles", "planner",
+                   "executor"):
+        for f in files_of(folder):
+            if process_ends(f):
+                found[str(f.relative_to(ROOT))] = process_ends(f)
+    assert {k: len(v) for k, v in found.items()} == PROCESS_ENDS_ALLOWED, found
+    assert process_ends(ROOT / "tierflow/cli/run.py")  # the check sees one where there is one
+
+
 BUILTIN_ERRORS = {"Exception", "BaseException", "ValueError", "RuntimeError", "OSError", "KeyError",
                   "TypeError"}
 # signals that stop a run, not errors
