@@ -58,12 +58,16 @@ class OptimizerOptions:
     warmup_steps: int | None = None
     clip_grad_norm: float | None = None
     clip: str | None = None  # tierflow.planner.core.trainopts.CLIP_MODES
+    # the steps a decaying schedule (linear, cosine) spans; None: the run's `steps` (the command line's). A
+    # program that trains a long run in parts (tests/test_finetune.py) gives the whole run's
+    total_steps: int | None = None
 
     def given(self) -> dict[str, Any]:
         """The settings given, as TrainHyper's fields."""
         out = {k: v for k, v in (("lr", self.lr), ("weight_decay", self.weight_decay), ("eps", self.eps),
                                  ("schedule", self.schedule), ("warmup_steps", self.warmup_steps),
-                                 ("clip_grad_norm", self.clip_grad_norm), ("clip", self.clip))
+                                 ("clip_grad_norm", self.clip_grad_norm), ("clip", self.clip),
+                                 ("total_steps", self.total_steps))
                if v is not None}
         if self.betas is not None:
             out["beta1"], out["beta2"] = self.betas

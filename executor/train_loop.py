@@ -140,7 +140,8 @@ def train_hyper(config: RunConfig) -> TrainHyper:
     """The optimizer's settings of a run: those given (config.optimizer), TrainHyper's defaults for the rest;
     a schedule that decays does so over the run's --steps."""
     given = config.optimizer.given()
-    total = config.steps if given.get("schedule", "constant") in USES_TOTAL else 0
+    total = given.pop("total_steps", config.steps) if given.get("schedule", "constant") in USES_TOTAL else 0
+    given.pop("total_steps", None)
     return TrainHyper(**given, total_steps=total)
 
 
