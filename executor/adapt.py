@@ -18,37 +18,37 @@ it has), so that every rank stops, checkpoints its shard and resumes under the n
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import multiprocessing
 import shutil
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from tierflow.executor.checkpoint import candidates, read_manifest
-from tierflow.executor.decide import AdaptOptions, Decision, compare, decide, refit_in_child, refit_replan
+from tierflow.executor.decide import Decision, compare, decide, refit_in_child, refit_replan
 from tierflow.executor.device.factory import make_backend
 from tierflow.executor.dist import DistWorld, init_world, rank_device
 from tierflow.executor.export import write_run_outputs
-from tierflow.executor.launch import check_run_outputs, default_device, run_options, train_hyper
-from tierflow.executor.options import RunError, RunRequest
+from tierflow.executor.launch import check_run_outputs
+from tierflow.executor.options import AdaptOptions, RunConfig, RunError
 from tierflow.executor.tiers.state import StateError
-from tierflow.executor.train_loop import RunOptions, RunResult, run_plan, save_step_checkpoint
+from tierflow.executor.train_loop import RunResult, Trainer, default_device, run_plan, save_step_checkpoint
 from tierflow.planner.io.planfile import Plan, load_plan, simulate_plan, write_plan
 
-__all__ = ["AdaptOptions", "Decision", "adapt_request", "adapt_run", "decide"]
+__all__ = ["AdaptOptions", "Decision", "adapt_file", "adapt_run", "decide"]
 
 
-def _run_options(whole: RunOptions, req: RunRequest, checkpoint_dir: str, plan: Plan) -> RunOptions:
-    """`tierflow run`'s options (`whole`) for one part of the run: checkpoints every --checkpoint-every steps
-    (default the plan's iterations) when the user gave --checkpoint-dir; --out is written once, at the end."""
-    ck = req.checkpoint
+def _part_config(config: RunConfig, checkpoint_dir: str, plan: Plan) -> RunConfig:
+    """The run's configuration for one part of the run: checkpoints every --checkpoint-every steps (default
+    the plan's iterations) when the user gave --checkpoint-dir (else the last step's only, for the switch);
+    --out is written once, at the end."""
+    ck, out = config.checkpoint, config.output
     every = (ck.every or plan.graph.num_iterations) if ck.directory else 0
-    return dataclasses.replace(whole, steps=req.steps, checkpoint_dir=checkpoint_dir, checkpoint_every=every,
-                               out=None, export_hf=None, profile=False, quiet=req.output.json)
+    return replace(config, checkpoint=replace(ck, directory=checkpoint_dir, every=every),
+                   output=replace(out, out=None, export_hf=None, profile=False, quiet=out.json), adapt=None)
 
 
 def _resumed_step(directory: str) -> int:
@@ -78,8 +78,8 @@ class Deciding:
         self.parts: dict[str, float] = {}  # the switch's parts measured here
         self.stop_t: float | None = None  # perf_counter at the switch's start (after the last old step)
 
-    def __call__(self, tr) -> bool:
-        if self.decision is not None or tr.step >= tr.opts.steps:  # decided, or nothing left to switch for
+    def __call__(self, tr: Trainer) -> bool:
+        if self.decision is not None or tr.step >= tr.steps:  # decided, or nothing left to switch for
             return False
         if not self.started:
             if tr.step < self.warm or tr.measured is None:
@@ -121,7 +121,7 @@ class Deciding:
                 self.child = None
         return self.pending
 
-    def _arrived(self, tr, got: tuple) -> bool:
+    def _arrived(self, tr: Trainer, got: tuple) -> bool:
         kind, value = got
         if kind != "ok":
             raise RunError(f"--adapt: the refit and re-plan failed ({value}); run without --adapt, or fit "
@@ -134,8 +134,8 @@ class Deciding:
         if new is None:
             return False
         self.new, self.stop_t = new, time.perf_counter()
-        o = tr.opts
-        if not (o.checkpoint_every and tr.step % o.checkpoint_every == 0):  # not written at this step yet
+        every = tr.checkpoint_every
+        if not (every and tr.step % every == 0):  # not written at this step yet
             save_step_checkpoint(tr)
         self.parts["checkpoint_write_s"] = time.perf_counter() - self.stop_t
         return True
@@ -154,39 +154,33 @@ class Deciding:
         return self.decision
 
 
-def adapt_run(plan: Plan, req: RunRequest, log=print) -> dict[str, Any]:
-    """Train under `plan`, decide beside it (`req.adapt`), and continue under the new plan if switching.
+def adapt_run(plan: Plan, config: RunConfig, log=print) -> dict[str, Any]:
+    """Train under `plan`, decide beside it (`config.adapt`), and continue under the new plan if switching.
     Returns what --json prints. With several ranks every rank runs this: rank 0 decides and broadcasts, so
     that every rank switches (or not) at the same step; the checkpoint directory is rank 0's."""
-    ranks, opts, out = plan.config.world.ranks, req.adapt, req.output.out
-    device, seed = default_device(req.device), req.model_data.seed
+    ranks, opts, out = plan.config.world.ranks, config.adapt, config.output.out
+    device, seed = default_device(config.device), config.model_data.seed
     # the world run_plan joins (made once per process): rank 0's checkpoint directory is every rank's
     world = init_world(ranks, make_backend(rank_device(device, ranks), seed).device)
-    directory = req.checkpoint.directory
+    directory = config.checkpoint.directory
     tmp = None if directory or world.rank else tempfile.mkdtemp(prefix="tierflow-adapt-")
     ck = world.broadcast(directory or tmp)
-    # the optimizer, schedule (over the whole run's --steps), data and evaluation settings of `tierflow run`,
-    # read once (a --ds-config's notes printed once)
-    whole = run_options(req, train_hyper(req, log))
-    deciding = Deciding(plan, opts, min(_resumed_step(ck) + opts.warmup, req.steps), world, log)
+    deciding = Deciding(plan, opts, min(_resumed_step(ck) + opts.warmup, config.steps), world, log)
     try:
-        o1 = _run_options(whole, req, ck, plan)
-        o1.on_round = deciding
-        first = run_plan(plan, o1)
+        first = run_plan(plan, _part_config(config, ck, plan), on_round=deciding)
         second = None
         if deciding.new is not None:
             t1 = time.perf_counter()
-            o2 = _run_options(whole, req, ck, deciding.new)
-            o2.on_round = started = _FirstRound()
-            second = run_plan(deciding.new, o2)
+            started = _FirstRound()
+            second = run_plan(deciding.new, _part_config(config, ck, deciding.new), on_round=started)
             _switch_cost(deciding, t1, started)
         d = deciding.close()
-        if d is not None and world.rank == 0 and d.effective_step is None and not req.output.json:
+        if d is not None and world.rank == 0 and d.effective_step is None and not config.output.json:
             log(f"tierflow run: {d.line()}", flush=True)
         if deciding.new is not None and out and world.rank == 0:
             Path(out).mkdir(parents=True, exist_ok=True)
             write_plan(deciding.new, Path(out) / "adapted_plan.json")
-        return _results(req, first, second, [d] if d else [], deciding.new or plan, lead=world.rank == 0)
+        return _results(config, first, second, [d] if d else [], deciding.new or plan, lead=world.rank == 0)
     finally:
         deciding.close()
         world.barrier()
@@ -202,7 +196,7 @@ class _FirstRound:
         self.at: float | None = None
         self.steps_s = 0.0
 
-    def __call__(self, tr) -> bool:
+    def __call__(self, tr: Trainer) -> bool:
         if self.at is None:
             self.at, self.steps_s = time.perf_counter(), sum(r.step_s for r in tr.records)
         return False
@@ -219,26 +213,26 @@ def _switch_cost(deciding: Deciding, t1: float, started: _FirstRound) -> None:
     d.switch_s = sum(parts.values())
 
 
-def _results(req: RunRequest, first: RunResult, second: RunResult | None, decisions: list[Decision],
+def _results(config: RunConfig, first: RunResult, second: RunResult | None, decisions: list[Decision],
              chosen: Plan, lead: bool = True) -> dict[str, Any]:
     records = first.records + (second.records if second else [])
     measured = (second or first).measured
-    out = {"plan": str(req.plan), "first_step": first.first_step, "steps": [asdict(r) for r in records],
+    out = {"plan": str(config.plan), "first_step": first.first_step, "steps": [asdict(r) for r in records],
            "adapt": [{**asdict(d), "line": d.line()} for d in decisions],
            "final_plan": chosen.config.to_dict(),
            "measured": measured.to_dict() if measured is not None else None}
-    where = req.output.out
+    where = config.output.out
     if where and lead:
         write_run_outputs(measured, records, where, f"{chosen.model.name}: measured (adapt)")
         (Path(where) / "adapt.json").write_text(json.dumps(out["adapt"], indent=1))
     return out
 
 
-def adapt_request(req: RunRequest, log=print) -> dict[str, Any]:
+def adapt_file(config: RunConfig, log=print) -> dict[str, Any]:
     """`tierflow run PLAN --adapt` on this process (one rank of several, or the only one): the outputs checked
     as `tierflow run` checks them, the plan loaded and checked against its tiers, then `adapt_run`. Raises the
     run's errors (TierflowError) and RunStopped; returns what --json prints."""
-    check_run_outputs(req)  # before any step, as tierflow run does
-    plan = load_plan(req.plan)
+    check_run_outputs(config)  # before any step, as tierflow run does
+    plan = load_plan(config.plan)
     simulate_plan(plan)
-    return adapt_run(plan, req, log)
+    return adapt_run(plan, config, log)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tierflow.executor.options import AdaptOptions
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.contract import Plan
 from tierflow.planner.core.simulate import simulate_config
@@ -42,25 +43,6 @@ RESOURCE_FIELDS = {
     "cpu": ("cpu.adam",),
 }
 SLOWDOWN_PREFIX = "cpu."  # the interference factors: refit whenever compute and a host link are both off
-
-
-@dataclass
-class AdaptOptions:
-    warmup: int = 3  # steps before the comparison
-    threshold: float = 0.10  # measured vs predicted beyond this: refit and re-plan
-    margin: float = 0.05  # the new plan must be predicted faster by more than this
-    time_limit_s: float = 30.0  # the re-plan's search
-    # the run clips by global norm: the re-plan's graph waits for the step's norm (tierflow plan
-    # --clip-grad-norm); the SSD allowed or not as `tierflow plan` (--no-ssd)
-    clip: bool = False
-    allow_ssd: bool = True
-    # the refit's budget of objective evaluations (one simulation each): on the experiment's traces the fit's
-    # rms was 0.254 / 0.263 at 400 against 0.253 / 0.254 at 800, in half the time (docs/adapting.md)
-    fit_evaluations: int = 400
-    # None: decide in a child process while training goes on under the old plan, and switch at the first step
-    # boundary after the decision arrived (never, if the run ends first); K: wait for it at the latest at the
-    # first boundary K steps after the warm-up's end (0: wait there, nothing trains meanwhile)
-    decide_within: int | None = None
 
 
 @dataclass

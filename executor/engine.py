@@ -42,6 +42,7 @@ from tierflow.executor.graphs import make_runner
 from tierflow.executor.ops.context import STREAM_RESOURCES, Hyper, OpContext, RoundState
 from tierflow.executor.ops.grads import HostGradAdds
 from tierflow.executor.ops.table import Ops
+from tierflow.executor.optim.clipping import GradNorms
 from tierflow.executor.optim.host_threads import apply_in_this_thread, optimizer_threads, restore
 from tierflow.executor.tiers.arena import TransferArena, arena_bytes_for
 from tierflow.executor.tiers.ssd_store import ChecksumError, SsdStore
@@ -82,11 +83,12 @@ _Aborted = RoundAborted
 
 class Executor:
     """Runs rounds of a plan's ops on the training state: a worker thread per resource, a fresh RoundState per
-    round; the ops themselves are in executor/ops."""
+    round; the ops themselves are in executor/ops. A subclass may extend the round's public steps,
+    `new_round`, `worker`, `wait_op` and `apply_mem` (calibration/dispatch.py's TimedExecutor times them)."""
 
     def __init__(self, plan: Plan, state: TrainState, data: TokenData, device: torch.device | DeviceBackend,
                  hyper: Hyper, ssd: SsdStore | None, profile: bool = False,
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, norms: GradNorms | None = None) -> None:
         self.backend = state.backend if state is not None else as_backend(device)
         self.plan, self.state, self.data, self.hyper, self.ssd = plan, state, data, hyper, ssd
         self.device = self.backend.device
@@ -118,7 +120,8 @@ class Executor:
         area_bytes = arena_bytes_for(plan, self.binding, state, self.backend.streams_async)
         self.arena = TransferArena(self.backend, area_bytes, warn=lambda msg: print(msg, file=sys.stderr))
         self.backend.arena = self.arena
-        self.ops = Ops(OpContext(self.binding, state, self.device, hyper, ssd, self.backend, self.arena))
+        self.ops = Ops(OpContext(self.binding, state, self.device, hyper, ssd, self.backend, self.arena,
+                                 norms))
         # the plan's capture segments as CUDA graphs (executor/graphs.py); None: every op eager. Under
         # --profile the default is off: a replay has no per-op ranges for the profiler to name
         if cuda_graphs is None and profile:
@@ -149,11 +152,11 @@ class Executor:
         only. An exception it raises stops the round's workers and is raised here (how `tierflow run` stops at
         a non-finite loss)."""
         n = self._check_round(iterations)
-        rs = self._new_round(iterations, step0, n)
+        rs = self.new_round(iterations, step0, n)
         queues = self._queues.get(n)
         if queues is None:
             queues = self._queues[n] = {r: [i for i in ids if i < n] for r, ids in self.lanes.items()}
-        threads = [threading.Thread(target=self._worker, args=(rs, r, q), name=f"tierflow-{r}", daemon=True)
+        threads = [threading.Thread(target=self.worker, args=(rs, r, q), name=f"tierflow-{r}", daemon=True)
                    for r, q in queues.items() if q]
         if on_step is not None:
             last = {it: t.id for it, t in self._last_gpu_ops().items() if it < iterations}
@@ -232,7 +235,7 @@ class Executor:
                         f"{self.plan.source}: op {t.id} depends on a later iteration's op {d}")
         return n
 
-    def _new_round(self, iterations: int, step0: int, n: int) -> RoundState:
+    def new_round(self, iterations: int, step0: int, n: int) -> RoundState:
         """A fresh RoundState: the round's batches on the device, no entries, the memory at the plan's static
         bytes, and (CUDA and its emulation) one stream per stream resource and the event the timings are
         measured from, recorded on the run's device (its gpu stream)."""
@@ -279,7 +282,7 @@ class Executor:
         try:
             for it in sorted(last):
                 tid = last[it]
-                self._wait(rs, tid)
+                self.wait_op(rs, tid)
                 if rs.streams is not None:
                     self.backend.synchronize_event(rs.ev_end[tid])
                     end_s = self.backend.elapsed_s(rs.ev0, rs.ev_end[tid])
@@ -297,13 +300,13 @@ class Executor:
         except BaseException as e:  # noqa: BLE001 - the reporter's own failure, passed up with its op
             self._fail(rs, self.tasks[tid] if tid is not None else None, e, "reporting the loss after ")
 
-    def _wait(self, rs: RoundState, d: int) -> None:
+    def wait_op(self, rs: RoundState, d: int) -> None:
         ev = rs.done[d]
         while not ev.wait(0.05):
             if rs.abort.is_set():
                 raise _Aborted()
 
-    def _worker(self, rs: RoundState, resource: str, queue: list[int]) -> None:
+    def worker(self, rs: RoundState, resource: str, queue: list[int]) -> None:
         self.backend.thread_init()
         if resource == "cpu":
             apply_in_this_thread(self.optimizer_threads)
@@ -323,7 +326,7 @@ class Executor:
                 if waits[tid]:
                     self._wait_for_deps(rs, waits[tid], stream)
                 if t.mem_start:
-                    self._apply_mem(rs, t.mem_start)
+                    self.apply_mem(rs, t.mem_start)
                 lead = follows.get(tid)
                 if lead is not None:  # it ran in its segment's graph (executor/graphs.py): that op's span
                     rs.ev_start[tid], rs.ev_end[tid] = rs.ev_start[lead], rs.ev_end[lead]
@@ -337,7 +340,7 @@ class Executor:
                     run_op(rs, t)
                     rs.end_s[tid] = time.perf_counter() - rs.t0_s
                 if t.mem_end:
-                    self._apply_mem(rs, t.mem_end)
+                    self.apply_mem(rs, t.mem_end)
                 if done[tid] is not None:
                     done[tid].set()
         except _Aborted:
@@ -413,14 +416,14 @@ class Executor:
         stream ops' end events, by this worker's stream or, for a host worker, by the host."""
         for d, event in waits:
             if not rs.done[d].is_set():
-                self._wait(rs, d)
+                self.wait_op(rs, d)
             if event and rs.streams is not None:
                 if stream is not None:
                     self.backend.wait_event(stream, rs.ev_end[d])
                 else:
                     self.backend.synchronize_event(rs.ev_end[d])
 
-    def _apply_mem(self, rs: RoundState, effects) -> None:
+    def apply_mem(self, rs: RoundState, effects) -> None:
         """An op's memory effects, logged (one append, atomic under the interpreter lock: no lock, no sums on
         the hot path); `_fold_mem` replays the log after the round, in the order the workers logged it."""
         if effects:
@@ -428,7 +431,7 @@ class Executor:
 
     @staticmethod
     def _fold_mem(rs: RoundState) -> None:
-        """The round's memory per tier, its peaks and its trace from the log of `_apply_mem` (the times kept
+        """The round's memory per tier, its peaks and its trace from the log of `apply_mem` (the times kept
         non-decreasing: two workers may read the clock and append in either order)."""
         mem, peak, trace = rs.mem_bytes, rs.peak_bytes, rs.mem_trace
         last_s = 0.0

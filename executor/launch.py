@@ -1,12 +1,13 @@
-"""`tierflow run` as a library call (`run_request`), and its ranks: the request's checks before the plan is
-loaded, the run (train_loop.run_plan), and what ends a rank of several. The command line (tierflow/cli/run.py)
-builds the request, prints what this returns and maps what it raises to the exit code (tierflow/cli/exits.py).
+"""`tierflow run PLAN` as a library call (`run_file`), and its ranks: the configuration's checks before the
+plan is loaded, the run (train_loop.run_plan), and what ends a rank of several. The command line
+(tierflow/cli/run.py) builds the configuration (executor/options.py: RunConfig), prints what this returns,
+maps what it raises to the exit code (tierflow/cli/exits.py) and ends the process.
 
 A plan for several ranks (gpus x nodes) runs as that many processes under torchrun (dist.py): `launch_ranks`
-starts torchrun here for `--nproc N`, and every rank comes back through `run_request`. When another rank dies
+starts torchrun here for `--nproc N`, and every rank comes back through `run_file`. When another rank dies
 (or a collective breaks) a rank removes its box's dead ranks' SSD-tier directories and raises `RankLost`
-naming the rank, the steps done and the checkpoint kept; `leave_world` ends a rank's process, bounded, so that
-torchrun sees every rank end.
+naming the rank, the steps done and the checkpoint kept; `leave_world` readies a rank's process to end,
+bounded, so that torchrun sees every rank end.
 """
 
 from __future__ import annotations
@@ -15,14 +16,11 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tierflow.errors import DoesNotFit, TierflowError
-from tierflow.executor.corpus import Fields
 from tierflow.executor.device.base import TierOutOfMemory
 from tierflow.executor.dist import (
     LaunchError,
@@ -36,12 +34,11 @@ from tierflow.executor.dist import (
     note_exit,
 )
 from tierflow.executor.engine import OutOfMemory
-from tierflow.executor.optim.adamw import TrainHyper
-from tierflow.executor.options import RunError, RunRequest
+from tierflow.executor.options import RunConfig
 from tierflow.executor.preflight import check_init_dir
 from tierflow.executor.signals import Interrupted, StopOnSignals
 from tierflow.executor.tiers.arena import TransferAreaOutOfMemory
-from tierflow.executor.train_loop import RunOptions, RunResult, RunStopped, run_plan
+from tierflow.executor.train_loop import RunResult, RunStopped, run_plan
 from tierflow.outputs import check_output_dir
 from tierflow.planner.core.simulator import CapacityError
 from tierflow.planner.io.planfile import check_ops_match_decisions, load_plan, simulate_plan
@@ -57,68 +54,11 @@ class StateOutOfMemory(DoesNotFit):
                          "(tierflow calibrate, then tierflow plan --hw box.yaml)")
 
 
-@dataclass
-class RunOutcome:
-    """What `run_request` returns: the run's result, and why it stopped early (None: it trained to the end;
-    the command prints the stop's line and exits with its code)."""
-
-    result: RunResult
-    stopped: RunStopped | None
-    wall_s: float
-
-
-def default_device(device: str | None) -> str:
-    """--device, or cuda when available, else cpu."""
-    if device is not None:
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def train_hyper(req: RunRequest, log=print) -> TrainHyper:
-    """The optimizer settings of the request: a flag given > --ds-config's sections > the defaults (RunError
-    when a --ds-config's settings cannot be used)."""
-    from tierflow.planner.io.deepspeed.train import ds_training_settings
-
-    o = req.optimizer
-    given: dict[str, Any] = {}
-    if o.ds_config:
-        given, notes = ds_training_settings(o.ds_config)
-        for n in notes:
-            log(f"tierflow run: note: {n}", file=sys.stderr)
-    flags = {"lr": o.lr, "weight_decay": o.weight_decay, "eps": o.eps, "schedule": o.schedule,
-             "warmup_steps": o.warmup_steps, "clip_grad_norm": o.clip_grad_norm, "clip": o.clip}
-    if o.betas is not None:
-        flags["beta1"], flags["beta2"] = o.betas
-    given.update({k: v for k, v in flags.items() if v is not None})
-    schedule = given.get("schedule", "constant")
-    total = req.steps if schedule in ("linear", "cosine") else 0
-    try:
-        return TrainHyper(**given, total_steps=total)
-    except TypeError as e:
-        raise RunError(str(e)) from None
-
-
-def run_options(req: RunRequest, hyper: TrainHyper) -> RunOptions:
-    """The training loop's options of a request (checkpoint_every 0 when not given: the plan's iterations,
-    set once the plan is loaded)."""
-    md, ck, ev, out = req.model_data, req.checkpoint, req.evaluation, req.output
-    fields = Fields(md.text_field, md.prompt_field, md.response_field,
-                    *(() if md.max_line_mib is None else (md.max_line_mib,)))
-    return RunOptions(steps=req.steps, device=default_device(req.device), ssd_dir=req.ssd_dir, data=md.data,
-                      data_format=md.data_format, init=md.init, checkpoint_dir=ck.directory,
-                      checkpoint_every=ck.every or 0, out=out.out, hyper=hyper, seed=md.seed,
-                      quiet=out.quiet, export_hf=out.export_hf, resume_fallback=ck.resume_fallback,
-                      profile=out.profile, allow_changed_hyper=ck.allow_changed_hyper,
-                      compute_dtype=req.compute_dtype, cuda_graphs=req.cuda_graphs, eval_every=ev.every,
-                      val_fraction=ev.val_fraction, val_data=ev.val_data, eval_batches=ev.batches,
-                      log_dir=ev.log_dir, tokenizer=md.tokenizer, fields=fields, cache_dir=md.cache_dir)
-
-
-def check_run_outputs(req: RunRequest) -> None:
+def check_run_outputs(config: RunConfig) -> None:
     """--out, --export-hf and --checkpoint-dir, checked before the plan is loaded and any step runs
     (tierflow.outputs): an unwritable place or a user's non-empty --out (unless --overwrite) is refused with
     one line, exit 2 (a non-empty --export-hf too, by export.check_export_hf)."""
-    out, ck = req.output, req.checkpoint.directory
+    out, ck = config.output, config.checkpoint.directory
     if out.out:
         check_output_dir(out.out, "--out", overwrite=out.overwrite)
     if out.export_hf:
@@ -127,49 +67,46 @@ def check_run_outputs(req: RunRequest) -> None:
         check_output_dir(ck, "--checkpoint-dir", overwrite=True)
 
 
-def run_request(req: RunRequest, log=print) -> RunOutcome:
-    """_run_request; a rank whose launcher died (dist.watch_launcher) says that, whatever stopped it (the
-    SIGTERM, a collective its peers left, a checkpoint they did not finish)."""
+def run_file(config: RunConfig, log=print) -> RunResult:
+    """`tierflow run PLAN` on this process (one rank of several, or the only one): the outputs checked, the
+    plan file loaded and checked against its ops and tiers, then trained (train_loop.run_plan). Raises the
+    run's errors (TierflowError), and RunStopped (its result: the steps so far) when the run stopped early;
+    a rank whose launcher died (dist.watch_launcher) raises RankLost, whatever stopped it (the SIGTERM, a
+    collective its peers left, a checkpoint they did not finish)."""
     try:
-        outcome = _run_request(req, log)
+        return _run_file(config, log)
     except (Exception, Interrupted) as e:
         if launcher_gone() and not isinstance(e, RankLost):
-            raise rank_lost(req, getattr(e, "result", None)) from None
+            raise rank_lost(config, getattr(e, "result", None)) from None
         raise
-    if outcome.stopped is not None and launcher_gone():
-        raise rank_lost(req, outcome.result)
-    return outcome
 
 
-def _run_request(req: RunRequest, log=print) -> RunOutcome:
-    """`tierflow run` on this process (one rank of several, or the only one): the outputs checked, the plan
-    loaded and checked against its ops and tiers, then trained. Raises the run's errors (TierflowError; a
-    rank that stops because another died: RankLost; a stop signal outside the training steps: RunStopped
-    without a result); a run that stopped early returns with `stopped`."""
-    opts = run_options(req, train_hyper(req, log))
+def _run_file(config: RunConfig, log=print) -> RunResult:
     t0 = time.perf_counter()
     try:
         # a rank of several that meets an error says why and ends (leave_world) before a signal can end it
         with StopOnSignals(hold_on_error=launched_ranks() > 1):
-            check_run_outputs(req)
-            plan = load_plan(req.plan)
+            check_run_outputs(config)
+            plan = load_plan(config.plan)
             check_ops_match_decisions(plan)  # every decision the ops depend on, before op 1
             # a plan that overflows a tier is refused as `tierflow simulate --plan` refuses it
             simulate_plan(plan)
-            if opts.init:
-                check_init_dir(opts.init)
-            if opts.checkpoint_dir and req.checkpoint.every is None:
-                opts.checkpoint_every = plan.graph.num_iterations
+            if config.model_data.init:
+                check_init_dir(config.model_data.init)
             t0 = time.perf_counter()
-            return RunOutcome(run_plan(plan, opts, log), None, time.perf_counter() - t0)
+            res = run_plan(plan, config, log)
+            res.wall_s = time.perf_counter() - t0
+            return res
     except RunStopped as e:
         # torchrun's SIGTERM after another rank died, or the kernel's when the launcher did (watch_launcher)
         if e.exit_code in (130, 143) and (lost_ranks() or launcher_gone()):
-            raise rank_lost(req, e.result) from None
-        return RunOutcome(e.result, e, time.perf_counter() - t0)
+            raise rank_lost(config, e.result) from None
+        if e.result is not None:
+            e.result.wall_s = time.perf_counter() - t0
+        raise
     except Interrupted as e:
         if lost_ranks() or launcher_gone():
-            raise rank_lost(req, None) from None
+            raise rank_lost(config, None) from None
         raise RunStopped(f"interrupted by {e.name} outside the training steps; stopped cleanly, the SSD "
                          "tier's files removed", e.exit_code, None) from None
     # out of memory: an op, the pinned transfer area allocated at start, or a plan over a tier (said as is)
@@ -180,19 +117,19 @@ def _run_request(req: RunRequest, log=print) -> RunOutcome:
     except TierflowError as e:
         # a failure the ranks agreed on is this run's own (the first rank to exit may be gone already)
         if not getattr(e, "agreed", False) and lost_ranks():
-            raise rank_lost(req, None) from None
+            raise rank_lost(config, None) from None
         raise
     except RuntimeError as e:  # a collective of several ranks whose peer is gone (gloo: connection reset)
         if current_world() is None:
             raise
-        raise rank_lost(req, None, e) from None
+        raise rank_lost(config, None, e) from None
 
 
-def outcome_dict(req: RunRequest, outcome: RunOutcome) -> dict[str, Any]:
-    """What `tierflow run --json` prints: the steps, the measured summary, where the state went."""
-    res, stopped = outcome.result, outcome.stopped
-    out: dict[str, Any] = {"plan": str(req.plan), "first_step": res.first_step,
-                           "steps": [asdict(r) for r in res.records], "wall_s": outcome.wall_s,
+def outcome_dict(config: RunConfig, res: RunResult, stopped: RunStopped | None = None) -> dict[str, Any]:
+    """What `tierflow run --json` prints: the steps, the measured summary, where the state went, and why the
+    run stopped early (`stopped`, None: it trained to the end)."""
+    out: dict[str, Any] = {"plan": str(config.plan), "first_step": res.first_step,
+                           "steps": [asdict(r) for r in res.records], "wall_s": res.wall_s,
                            "ssd_bytes_read": res.ssd_bytes_read, "ssd_bytes_written": res.ssd_bytes_written,
                            "o_direct": res.o_direct, "optimizer_threads": res.optimizer_threads,
                            "checkpoint": str(res.checkpoint) if res.checkpoint is not None else None}
@@ -200,43 +137,44 @@ def outcome_dict(req: RunRequest, outcome: RunOutcome) -> dict[str, Any]:
         out["stopped"] = {"exit_code": stopped.exit_code, "reason": str(stopped)}
     if res.measured is not None:
         out["measured"] = res.measured.to_dict()
-    if req.output.export_hf and stopped is None:  # a run that stopped early exports nothing
-        out["export_hf"] = str(req.output.export_hf)
+    if config.output.export_hf and stopped is None:  # a run that stopped early exports nothing
+        out["export_hf"] = str(config.output.export_hf)
     return out
 
 
-def launch_ranks(req: RunRequest) -> int:
+def launch_ranks(config: RunConfig) -> int:
     """`--nproc N`: check the plan's world, then start its ranks here through torchrun; the exit code is that
     of the first rank that failed."""
     from tierflow.executor.dist import launch, strip_launch_flags
 
-    d = req.distributed
+    d = config.distributed
     if "WORLD_SIZE" in os.environ:
         raise LaunchError("--nproc inside a torchrun launch: pass either --nproc or torchrun, not both")
-    plan = load_plan(req.plan)
+    plan = load_plan(config.plan)
     cfg = plan.config
     ranks = cfg.world.ranks
     if d.nproc * d.nnodes != ranks:
         raise LaunchError(f"--nproc {d.nproc} x --nnodes {d.nnodes} = {d.nproc * d.nnodes} "
-                          f"ranks, but plan {req.plan} is for {ranks} ({cfg.gpus} GPU(s) x {cfg.nodes} "
+                          f"ranks, but plan {config.plan} is for {ranks} ({cfg.gpus} GPU(s) x {cfg.nodes} "
                           f"box(es)); pass --nproc {cfg.gpus} --nnodes {cfg.nodes}, or plan again with "
                           f"--gpus {d.nproc} --nodes {d.nnodes}")
     argv = list(d.argv)  # the command line as typed: every rank runs it without the launch flags
-    if "run" not in argv or str(req.plan) not in argv:
+    if "run" not in argv or str(config.plan) not in argv:
         raise LaunchError("--nproc starts `tierflow run` from the command line only (call torchrun yourself "
                           "to launch from a program)")
     return launch(d.nproc, d.nnodes, d.rdzv_endpoint, d.rdzv_id, strip_launch_flags(argv))
 
 
-def leave_world(code: int) -> int:
-    """The end of a rank of several: a clean exit passes a bounded final barrier and leaves the process groups
-    (bounded too), a failed one at once, so that no collective the other ranks will never join, nor a process
-    group's teardown, nor a thread left at interpreter exit holds it; torchrun then sees every rank end. With
-    one rank: `code`."""
+def leave_world(code: int) -> bool:
+    """The end of a rank of several, before its process ends with `code`: a clean exit passes a bounded final
+    barrier and leaves the process groups (bounded too), a failed one notes its exit for the ranks left.
+    Returns whether the process must now end at once (os._exit, by the command: tierflow/cli/run.py), so
+    that no collective the other ranks will never join, nor a process group's teardown, nor a thread left at
+    interpreter exit holds it; torchrun then sees every rank end. False with one rank: nothing to leave."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        return code
+        return False
     if code == 0:
         problem = leave_cleanly()
         if problem:
@@ -247,13 +185,13 @@ def leave_world(code: int) -> int:
         note_exit(code)  # an end of its own, not a death, for the ranks left (dist.lost_ranks)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    return True
 
 
 LOST_RANK_WAIT_S = 3.0  # how long a rank whose collective broke looks for the dead rank of this host
 
 
-def rank_lost(req: RunRequest, res: RunResult | None, error: BaseException | None = None) -> RankLost:
+def rank_lost(config: RunConfig, res: RunResult | None, error: BaseException | None = None) -> RankLost:
     """Another rank died (or a collective broke): remove the SSD-tier directories of this box's dead ranks
     (this rank's own went with run_plan's cleanup); the error says which rank, the steps done, the checkpoint
     kept and any SSD files left (named, never claimed removed)."""
@@ -270,8 +208,8 @@ def rank_lost(req: RunRequest, res: RunResult | None, error: BaseException | Non
            else ", ".join(f"rank {r} (pid {pid})" for r, pid in lost) + " died"
            if lost else f"a collective failed ({' '.join(str(error).split())[:80]}): another rank stopped")
     left = []
-    if req.ssd_dir:
-        root = Path(req.ssd_dir)
+    if config.ssd_dir:
+        root = Path(config.ssd_dir)
         # the dead ranks' and this one's (whose I/O workers may still have been writing when the run's own
         # cleanup removed it): a few tries while the last writes land
         runs = [root / f"rank-{r}" / f"tierflow-run-{pid}" for r, pid in [*lost, (me, os.getpid())]]
@@ -283,9 +221,9 @@ def rank_lost(req: RunRequest, res: RunResult | None, error: BaseException | Non
             time.sleep(0.1)
         left = [str(d) for d in runs if d.exists()]
     files = (f"SSD-tier files left under {', '.join(left)} (remove them)" if left
-             else "the SSD tier's files of every rank on this box removed" if req.ssd_dir else "")
+             else "the SSD tier's files of every rank on this box removed" if config.ssd_dir else "")
     done = f" after {len(res.records)} step(s)" if res is not None else ""
-    ck = Path(req.checkpoint.directory) / "latest" if req.checkpoint.directory else None
+    ck = Path(config.checkpoint.directory) / "latest" if config.checkpoint.directory else None
     # the dead rank's shard of the state is gone: the directory keeps the last checkpoint the ranks agreed on
     held = ck.read_text().strip() if ck is not None and ck.is_file() else ""
     kept = (f"checkpoint {ck.parent / held} kept (the directory holds step {int(held[4:])}; later steps are "

@@ -1,24 +1,30 @@
-"""What `tierflow run` asks of the executor, in typed groups (`RunRequest`): the command line builds them
-(tierflow/cli/run.py) and the executor never sees its parser. No torch here.
+"""The configuration of one run (`RunConfig`), typed and frozen: built once at the edge (the command line,
+tierflow/cli/run.py, or a program / test that trains) and passed unchanged to the training loop and the
+engine. What changes while the run goes (the step, the gradient norms, the records, the adapt decision) is the
+`Trainer`'s (executor/train_loop.py), never the configuration's. Importing this module imports no torch and no
+solver (tests/test_layering.py checks it).
 
-    ModelDataOptions   the starting weights and the data: --init, --data, its tokenizer and fields
-    OptimizerOptions   AdamW, its learning-rate schedule and clipping (None: --ds-config's, else the default)
-    CheckpointOptions  --checkpoint-dir and how a run resumes from it
-    EvalOptions        validation loss and TensorBoard logs
-    DistOptions        several ranks: --nproc / --nnodes and torchrun's rendezvous
-    OutputOptions      what the run writes and prints: --out, --export-hf, --profile, --json
-    AdaptOptions       --adapt (tierflow.executor.decide)
+    RunConfig            steps, the plan file, device, SSD directory, compute dtype; and the groups:
+      ModelDataOptions   the starting weights and the data: --init, --data, its tokenizer and fields
+      OptimizerOptions   AdamW, its learning-rate schedule and clipping (None: not given: the default)
+      CheckpointOptions  --checkpoint-dir and how a run resumes from it
+      EvalOptions        validation loss and TensorBoard logs
+      DistOptions        several ranks: --nproc / --nnodes and torchrun's rendezvous
+      OutputOptions      what the run writes and prints: --out, --export-hf, --profile, --json
+      AdaptOptions       --adapt (executor/decide.py takes it)
 
-The training loop takes one run's options flat (`tierflow.executor.train_loop.RunOptions`);
-`tierflow.executor.launch.run_options` derives them from a request.
+A new option group is one frozen dataclass here and one field of `RunConfig` (with its default: a run without
+the flags does what it did), its flags in tierflow/cli/run.py (`_add_*_args` and `run_config`), and the code
+that reads it through `Trainer.config`. LoRA's group (`--lora RANK --lora-alpha --lora-targets
+--lora-dropout`) goes at the marked place in `RunConfig`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from tierflow.errors import TierflowError
-from tierflow.executor.decide import AdaptOptions
 
 
 class RunError(TierflowError, ValueError):
@@ -41,7 +47,8 @@ class ModelDataOptions:
 
 @dataclass(frozen=True)
 class OptimizerOptions:
-    """The flags as given (None: not given); a --ds-config's sections fill what is not, then the defaults."""
+    """AdamW's settings (None: not given: the default of tierflow.executor.optim.adamw.TrainHyper). The
+    command line fills what a --ds-config sets and no flag did (`with_ds_settings`)."""
 
     lr: float | None = None
     weight_decay: float | None = None
@@ -51,13 +58,34 @@ class OptimizerOptions:
     warmup_steps: int | None = None
     clip_grad_norm: float | None = None
     clip: str | None = None  # tierflow.planner.core.trainopts.CLIP_MODES
-    ds_config: str | None = None  # a DeepSpeed config file to read them from
+    # the steps a decaying schedule (linear, cosine) spans; None: the run's `steps` (the command line's). A
+    # program that trains a long run in parts (tests/test_finetune.py) gives the whole run's
+    total_steps: int | None = None
+
+    def given(self) -> dict[str, Any]:
+        """The settings given, as TrainHyper's fields."""
+        out = {k: v for k, v in (("lr", self.lr), ("weight_decay", self.weight_decay), ("eps", self.eps),
+                                 ("schedule", self.schedule), ("warmup_steps", self.warmup_steps),
+                                 ("clip_grad_norm", self.clip_grad_norm), ("clip", self.clip),
+                                 ("total_steps", self.total_steps))
+               if v is not None}
+        if self.betas is not None:
+            out["beta1"], out["beta2"] = self.betas
+        return out
+
+    def with_ds_settings(self, ds: dict[str, Any]) -> OptimizerOptions:
+        """These options with a DeepSpeed config's settings (TrainHyper's fields, from
+        planner/io/deepspeed/train.py) where no flag was given."""
+        fill = {k: v for k, v in ds.items() if k not in ("beta1", "beta2") and getattr(self, k) is None}
+        if self.betas is None and ("beta1" in ds or "beta2" in ds):
+            fill["betas"] = (ds.get("beta1", 0.9), ds.get("beta2", 0.95))  # TrainHyper's defaults
+        return replace(self, **fill)
 
 
 @dataclass(frozen=True)
 class CheckpointOptions:
     directory: str | None = None  # save the state here and resume from its latest checkpoint
-    every: int | None = None  # steps between checkpoints (None: the plan's iterations per round)
+    every: int | None = None  # steps between checkpoints (None: the plan's iterations per round; 0: the last)
     resume_fallback: bool = False  # a corrupt latest checkpoint: resume from the previous one that verifies
     allow_changed_hyper: bool = False  # resume although the seed / settings / data differ
 
@@ -88,14 +116,37 @@ class OutputOptions:
     profile: bool = False  # torch.profiler's trace under `out`
     json: bool = False  # the steps and the summary as JSON (the command prints it)
     quiet: bool = False  # no progress lines
+    collect_final: bool = False  # RunResult.final_master / final_adam_m: the final state (tests, experiments)
 
 
 @dataclass(frozen=True)
-class RunRequest:
-    """One `tierflow run`: train `steps` steps (in total, counting resumed ones) with the plan file `plan`."""
+class AdaptOptions:
+    """`tierflow run --adapt` (executor/adapt.py, executor/decide.py)."""
 
-    plan: str
+    warmup: int = 3  # steps before the comparison
+    threshold: float = 0.10  # measured vs predicted beyond this: refit and re-plan
+    margin: float = 0.05  # the new plan must be predicted faster by more than this
+    time_limit_s: float = 30.0  # the re-plan's search
+    # the run clips by global norm: the re-plan's graph waits for the step's norm (tierflow plan
+    # --clip-grad-norm); the SSD allowed or not as `tierflow plan` (--no-ssd)
+    clip: bool = False
+    allow_ssd: bool = True
+    # the refit's budget of objective evaluations (one simulation each): on the experiment's traces the fit's
+    # rms was 0.254 / 0.263 at 400 against 0.253 / 0.254 at 800, in half the time (docs/adapting.md)
+    fit_evaluations: int = 400
+    # None: decide in a child process while training goes on under the old plan, and switch at the first step
+    # boundary after the decision arrived (never, if the run ends first); K: wait for it at the latest at the
+    # first boundary K steps after the warm-up's end (0: wait there, nothing trains meanwhile)
+    decide_within: int | None = None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run: train `steps` steps (in total, counting resumed ones). `plan` is the plan file of `tierflow
+    run PLAN` (run_file loads it; run_plan takes a loaded plan and ignores it)."""
+
     steps: int
+    plan: str | None = None
     device: str | None = None  # None: cuda when available, else cpu
     ssd_dir: str | None = None  # the SSD tier's directory
     compute_dtype: str | None = None  # "bf16" | "fp32"; None: bf16 on CUDA, fp32 on a CPU
@@ -107,3 +158,5 @@ class RunRequest:
     distributed: DistOptions = field(default_factory=DistOptions)
     output: OutputOptions = field(default_factory=OutputOptions)
     adapt: AdaptOptions | None = None  # --adapt: correct the plan from the run's measurements
+    # -- new option groups go here, each one field with a default that keeps a run as it was, e.g. LoRA's:
+    # lora: LoraOptions | None = None  # --lora RANK --lora-alpha --lora-targets --lora-dropout

@@ -13,7 +13,6 @@ import torch
 from tierflow.executor.checkpoint import check_same_training
 from tierflow.executor.device.base import DeviceBackend
 from tierflow.executor.device.factory import make_backend
-from tierflow.executor.engine import Hyper
 from tierflow.executor.optim.adamw import TrainHyper, check_hyper_extra
 from tierflow.executor.optim.clipping import GradNorms
 from tierflow.executor.options import RunError
@@ -84,26 +83,29 @@ def check_in_place(plan: Plan, dtype: torch.dtype, device: str) -> None:
                        "fp32 on CUDA); run it with --device cpu, or plan with --precision fp32")
 
 
-def check_hyper(h: Hyper) -> None:
+def check_hyper(h: TrainHyper) -> None:
     """The optimizer's settings, refused up front (RunError) rather than diverging at step 1."""
     if not math.isfinite(h.lr) or h.lr <= 0:
         raise RunError(f"--lr {h.lr}: must be a finite number > 0 (e.g. 1e-3)")
     if not math.isfinite(h.weight_decay) or h.weight_decay < 0:
         raise RunError(f"--weight-decay {h.weight_decay}: must be a finite number >= 0 (e.g. 0.1)")
-    if isinstance(h, TrainHyper) and check_hyper_extra(h):
+    if check_hyper_extra(h):
         raise RunError(check_hyper_extra(h)[0])
 
 
-def prepare_norms(plan: Plan, h: Hyper) -> Plan:
-    """Fresh step norms for this run, and the plan to run. With global clipping the plan's optimizer ops must
-    wait for the step's gradients: a plan that does not yet is returned with the waits, its queues
-    re-ordered (planner/core/clipwait.py), or refused (RunError) if that cannot be done."""
-    if not isinstance(h, TrainHyper):
-        return plan
+def step_norms(plan: Plan, h: TrainHyper) -> GradNorms:
+    """Fresh step norms for a run of `plan` (the Trainer's): each optimizer op of a step adds its squares;
+    with several ranks none (each rank steps its shard: no whole-model norm, steps.csv leaves it empty)."""
     parts = sum(1 for t in plan.graph.tasks if t.kind in OPTIMIZER_KINDS and t.iteration == 0)
     if plan.config.world.ranks > 1:
-        parts = 0  # each rank steps its shard: no whole-model gradient norm (steps.csv leaves it empty)
-    object.__setattr__(h, "norms", GradNorms(h.clip_grad_norm, h.clip, parts))
+        parts = 0
+    return GradNorms(h.clip_grad_norm, h.clip, parts)
+
+
+def clipping_wait(plan: Plan, h: TrainHyper) -> Plan:
+    """The plan to run. With global clipping the plan's optimizer ops must wait for the step's gradients: a
+    plan that does not yet is returned with the waits, its queues re-ordered (planner/core/clipwait.py), or
+    refused (RunError) if that cannot be done."""
     if h.clip_grad_norm <= 0:
         return plan
     if plan.config.world.ranks > 1:

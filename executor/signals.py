@@ -4,7 +4,8 @@ the run's SSD directory and a half-written checkpoint, and ends the command with
 (130, 143). Further signals while it cleans up are ignored, so that a second Ctrl-C cannot leave threads
 running at exit. A rank of several (`hold_on_error`) keeps ignoring them once an error has left the training:
 it is saying why it stops (another rank died: torchrun's SIGTERM to the ranks left comes a moment later) and
-ends at once after (launch.leave_world), and a signal's default action would end it without that line.
+ends at once after (launch.leave_world, then tierflow/cli/run.py `_end`), and a signal's default action would
+end it without that line.
 
 While training with a checkpoint directory (`deferred_stop`), the first signal is only noted: the round under
 way finishes, its last step is saved, and then the run stops with the same exit code; a second signal stops

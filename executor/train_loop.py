@@ -28,7 +28,6 @@ from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -45,7 +44,7 @@ from tierflow.executor.corpus import TEXT_SUFFIXES, Fields, copy_tokenizer, has_
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.device.base import DeviceBackend
 from tierflow.executor.dist import DistWorld, check_launch, init_world, peer_gone, rank_device
-from tierflow.executor.engine import ExecutionError, Executor, Hyper, describe_device, measured_result
+from tierflow.executor.engine import ExecutionError, Executor, describe_device, measured_result
 from tierflow.executor.evaluate import check_held_out, evaluate
 from tierflow.executor.export import (
     StepRecord,
@@ -56,15 +55,18 @@ from tierflow.executor.export import (
     write_run_outputs,
 )
 from tierflow.executor.models import check_supported
-from tierflow.executor.optim.adamw import TrainHyper, norms_of
-from tierflow.executor.options import RunError
+from tierflow.executor.optim.adamw import TrainHyper
+from tierflow.executor.optim.clipping import GradNorms
+from tierflow.executor.optim.lr_schedule import USES_TOTAL
+from tierflow.executor.options import ModelDataOptions, RunConfig, RunError
 from tierflow.executor.preflight import (
     check_hyper,
     check_in_place,
     check_resume,
+    clipping_wait,
     device_backend,
-    prepare_norms,
     ssd_need_bytes,
+    step_norms,
 )
 from tierflow.executor.signals import Interrupted, deferred_stop, pending_signal, stop_now
 from tierflow.executor.tblog import TbLog
@@ -88,45 +90,6 @@ class Diverged(TierflowError, RuntimeError):
 
 
 @dataclass
-class RunOptions:
-    steps: int
-    device: str = "cpu"
-    ssd_dir: str | None = None
-    data: str | None = None
-    data_format: str = "auto"
-    init: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    out: str | None = None
-    hyper: Hyper = field(default_factory=Hyper)
-    seed: int = 0
-    quiet: bool = False
-    # torch.profiler around the run, its Chrome trace to out/torch_trace.json (needs out)
-    profile: bool = False
-    resume_fallback: bool = False  # a corrupt latest checkpoint: resume from the previous one that verifies
-    # resume although the seed / hyper-parameters / data differ from the checkpoint's
-    allow_changed_hyper: bool = False
-    # return the final fp32 master weights and Adam m (RunResult.final_*), e.g. for tests
-    collect_final: bool = False
-    export_hf: str | None = None  # after the last step, write the fp32 master weights here in the HF layout
-    # "bf16" | "fp32"; None: bf16 on CUDA, fp32 on a CPU (hidden --compute-dtype)
-    compute_dtype: str | None = None
-    # capture the plan's segments as CUDA graphs (executor/graphs.py); None: on for CUDA, off elsewhere
-    cuda_graphs: bool | None = None
-    eval_every: int = 0  # validation loss every N steps (and after the last), 0: never
-    val_fraction: float = 0.0  # hold out the last fraction of --data for validation
-    val_data: str | None = None  # or a file of held-out tokens
-    eval_batches: int = 4  # batches of the plan's batch size per evaluation
-    log_dir: str | None = None  # TensorBoard event files
-    tokenizer: str | None = None  # Hugging Face tokenizer directory (default: --init's, when it has one)
-    fields: Fields = field(default_factory=Fields)  # JSON Lines / Parquet fields trained on
-    cache_dir: str | None = None  # --cache-dir: where --data's token cache lives (corpus.py)
-    # called at each round's end with the run under way (`_Training`); True ends the run at that step
-    # boundary (`tierflow run --adapt`'s switch)
-    on_round: Callable[[Any], bool] | None = None
-
-
-@dataclass
 class RunResult:
     plan: Plan
     first_step: int
@@ -142,6 +105,7 @@ class RunResult:
     ssd_cpu_s: float = 0.0  # CPU seconds of the SSD tier's requests and checksums (SsdStore.cpu_s)
     # the host optimizer ops' intra-op threads (executor/optim/host_threads.py); None: torch's, unchanged
     optimizer_threads: int | None = None
+    wall_s: float = 0.0  # run_file: the training's wall time, from the plan's checks' end
 
     @property
     def losses(self) -> list[float]:
@@ -165,57 +129,85 @@ def plan_fingerprint(plan: Plan) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _clipping_plan(plan: Plan, opts: RunOptions, log) -> Plan:
+def default_device(device: str | None) -> str:
+    """--device, or cuda when available, else cpu."""
+    if device is not None:
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def train_hyper(config: RunConfig) -> TrainHyper:
+    """The optimizer's settings of a run: those given (config.optimizer), TrainHyper's defaults for the rest;
+    a schedule that decays does so over the run's --steps."""
+    given = config.optimizer.given()
+    total = given.pop("total_steps", config.steps) if given.get("schedule", "constant") in USES_TOTAL else 0
+    given.pop("total_steps", None)
+    return TrainHyper(**given, total_steps=total)
+
+
+def data_fields(md: ModelDataOptions) -> Fields:
+    """The JSON Lines / Parquet fields trained on (corpus.py)."""
+    return Fields(md.text_field, md.prompt_field, md.response_field,
+                  *(() if md.max_line_mib is None else (md.max_line_mib,)))
+
+
+def _clipping_plan(plan: Plan, hyper: TrainHyper, quiet: bool, log) -> Plan:
     """The plan to run: with --clip global, one whose optimizer steps wait for the step's last gradient
-    (prepare_norms), checked to still fit its tiers and said."""
-    waiting = prepare_norms(plan, opts.hyper)
+    (preflight.clipping_wait), checked to still fit its tiers and said."""
+    waiting = clipping_wait(plan, hyper)
     if waiting is plan:
         return plan
-    if not opts.quiet:
+    if not quiet:
         log("tierflow run: --clip global: the plan's optimizer steps now wait for the step's last gradient "
             "(its queues re-ordered; tierflow plan --clip-grad-norm shows the cost)", file=sys.stderr)
     simulate_plan(waiting)  # gradients held until the norm: the re-ordered plan must still fit its tiers
     return waiting
 
 
-def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
-    """Train `opts.steps` steps (in total, counting those of a checkpoint resumed from) with `plan`. Raises
-    RunStopped when training stops early (diverged, interrupted, a checkpoint that cannot be written)."""
+def run_plan(plan: Plan, config: RunConfig, log=print, on_round: Callable[[Trainer], bool] | None = None
+             ) -> RunResult:
+    """Train `config.steps` steps (in total, counting those of a checkpoint resumed from) with `plan`.
+    `on_round(trainer)` is called at each round's end; True ends the run at that step boundary (`tierflow run
+    --adapt`'s switch). Raises RunStopped when training stops early (diverged, interrupted, a checkpoint that
+    cannot be written)."""
     try:
         check_supported(plan.model)
     except NotImplementedError as e:
         raise RunError(str(e)) from None
-    if opts.steps < 1:
-        raise RunError(f"--steps {opts.steps}: must be >= 1")
-    if opts.export_hf:
-        check_export_hf(opts.export_hf, plan)
-    check_hyper(opts.hyper)
-    plan = _clipping_plan(plan, opts, log)
-    if opts.profile and not opts.out:
+    if config.steps < 1:
+        raise RunError(f"--steps {config.steps}: must be >= 1")
+    out = config.output
+    if out.export_hf:
+        check_export_hf(out.export_hf, plan)
+    hyper = train_hyper(config)
+    check_hyper(hyper)
+    plan = _clipping_plan(plan, hyper, out.quiet, log)
+    if out.profile and not out.out:
         raise RunError("--profile needs --out DIR: torch_trace.json is written there beside the measured "
                        "trace.json")
     cfg = plan.config
     check_launch(cfg.world.ranks, cfg.gpus, cfg.nodes, str(plan.source))
-    backend = device_backend(rank_device(opts.device, cfg.world.ranks), opts.seed)
+    seed = config.model_data.seed
+    backend = device_backend(rank_device(default_device(config.device), cfg.world.ranks), seed)
     world = init_world(cfg.world.ranks, backend.device)
     dtype = torch.bfloat16 if backend.device.type == "cuda" else torch.float32
-    if opts.compute_dtype is not None:
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[opts.compute_dtype]
+    if config.compute_dtype is not None:
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[config.compute_dtype]
     check_in_place(plan, dtype, backend.device.type)
-    probe = TrainState(plan.model, cfg.placement, cfg.alpha, backend, dtype, None, world)
-    need_ssd = ssd_need_bytes(plan, probe)
+    state = TrainState(plan.model, cfg.placement, cfg.alpha, backend, dtype, None, world)  # its SSD: below
+    need_ssd = ssd_need_bytes(plan, state)
     uses_ssd = need_ssd > (1 << 20) or any(t.resource in ("ssd_read", "ssd_write") for t in plan.graph.tasks)
     who = "" if world.single else f" [rank {world.rank}]"
 
     def warn(msg: str) -> None:
         log(f"tierflow run{who}: {msg}", file=sys.stderr)
 
-    ssd = None
     # runs in reverse: SSD store closed, its run directory removed, locks released
     with ExitStack() as cleanup:
         locked: set[Path] = set()
-        if opts.checkpoint_dir:
-            ck = Path(opts.checkpoint_dir)
+        ck_dir = config.checkpoint.directory
+        if ck_dir:
+            ck = Path(ck_dir)
             try:
                 ck.mkdir(parents=True, exist_ok=True)
             except OSError as e:
@@ -229,7 +221,7 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
                          "was killed")
         if uses_ssd:
             # the ranks of a box share the directory: room for all of their tiers
-            root = check_ssd_dir(opts.ssd_dir, need_ssd * world.local_ranks,
+            root = check_ssd_dir(config.ssd_dir, need_ssd * world.local_ranks,
                                  "optimizer states, weights, gradients or activations placed there")
             if not world.single:  # each rank's SSD tier in a directory of its own
                 root = root / f"rank-{world.rank}"
@@ -239,11 +231,14 @@ def run_plan(plan: Plan, opts: RunOptions, log=print) -> RunResult:
             run_dir = root / f"tierflow-run-{os.getpid()}"
             run_dir.mkdir(exist_ok=True)
             cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
-            ssd = SsdStore(run_dir, backend=backend, warn=warn)
-            cleanup.callback(ssd.close)
+            state.ssd = SsdStore(run_dir, backend=backend, warn=warn)
+            cleanup.callback(state.ssd.close)
         # every rank has its directories (rank 0: the checkpoint directory cleaned) before resuming
         world.barrier()
-        return _train(plan, opts, backend, dtype, ssd, log, warn, world)
+        every = config.checkpoint.every
+        tr = Trainer(plan, config, hyper, step_norms(plan, hyper), backend, state.ssd, log, world, state,
+                     plan.graph.num_iterations if every is None else every, on_round)
+        return _train(tr, dtype, warn)
 
 
 def _lock(cleanup: ExitStack, directory: Path, what: str, locked: set[Path], warn) -> None:
@@ -260,19 +255,26 @@ def _lock(cleanup: ExitStack, directory: Path, what: str, locked: set[Path], war
 
 
 @dataclass
-class _Training:
-    """One run under way (`_train`): what it trains and where, and the steps so far."""
+class Trainer:
+    """One run under way, built by run_plan: its configuration (unchanged), the settings resolved from it
+    (`hyper`, `checkpoint_every`), where it trains, and the run's state: the step, the records, the gradient
+    norms, the measured trace, the last checkpoint. `on_round` (e.g. --adapt's decision, adapt.Deciding) sees
+    it at every round's end."""
 
     plan: Plan
-    opts: RunOptions
+    config: RunConfig
+    hyper: TrainHyper  # the optimizer's settings (train_hyper)
+    norms: GradNorms  # the steps' gradient norms and clipping factors (the ops add to them)
     backend: DeviceBackend
     ssd: SsdStore | None
     log: Callable[..., None]
     world: DistWorld
     state: TrainState
-    settings: dict  # what a checkpoint records and a resume checks (plan, seed, hyper-parameters, data)
-    tokens: int  # per step, over the ranks
-    flops_per_step: float
+    checkpoint_every: int  # steps between checkpoints (0: the last only)
+    on_round: Callable[[Trainer], bool] | None = None  # True: the run ends at this step boundary
+    settings: dict = field(default_factory=dict)  # what a checkpoint records and a resume checks
+    tokens: int = 0  # per step, over the ranks
+    flops_per_step: float = 0.0
     start_step: int = 0
     step: int = 0
     last_ckpt: Path | None = None  # the last checkpoint written or resumed from
@@ -290,8 +292,12 @@ class _Training:
         return describe_device(self.backend.device)
 
     @property
+    def steps(self) -> int:
+        return self.config.steps
+
+    @property
     def quiet(self) -> bool:
-        return self.opts.quiet or self.world.rank != 0  # rank 0 reports for all
+        return self.config.output.quiet or self.world.rank != 0  # rank 0 reports for all
 
     @property
     def lead(self) -> bool:
@@ -305,31 +311,29 @@ class _Training:
                          ssd_cpu_s=ssd.cpu_s if ssd else 0.0, optimizer_threads=self.optimizer_threads)
 
 
-def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dtype, ssd: SsdStore | None,
-           log, warn, world: DistWorld) -> RunResult:
-    cfg, spec = plan.config, plan.model
-    state = TrainState(spec, cfg.placement, cfg.alpha, backend, dtype, ssd, world)
-    data = load_data(opts.data, opts, spec.vocab_size)
-    data, val = _held_out(data, opts, spec.vocab_size)
-    if opts.data:
+def _train(tr: Trainer, dtype: torch.dtype, warn) -> RunResult:
+    plan, config, log = tr.plan, tr.config, tr.log
+    cfg, spec, md, ev = plan.config, plan.model, config.model_data, config.evaluation
+    data = load_data(md.data, config, spec.vocab_size)
+    data, tr.val = _held_out(data, config, spec.vocab_size)
+    if md.data:
         data.check_batch(cfg.batch, cfg.seq)
-    settings = {"plan": plan_fingerprint(plan), "seed": opts.seed, "hyper": asdict(opts.hyper),
-                "data": data.source, "training": training_digest(spec, cfg.batch, cfg.seq),
-                "shape": {"model": spec.name, "batch": cfg.batch, "seq": cfg.seq,
-                          "optimizer_states": spec.optimizer_states or "fp32"}}
-    tokens = cfg.batch * cfg.seq
-    tr = _Training(plan, opts, backend, ssd, log, world, state, settings, tokens,
-                   tokens * model_flops_per_token(spec, cfg.seq), val=val)
-    if val is not None and opts.eval_every:
+    tr.settings = {"plan": plan_fingerprint(plan), "seed": md.seed, "hyper": asdict(tr.hyper),
+                   "data": data.source, "training": training_digest(spec, cfg.batch, cfg.seq),
+                   "shape": {"model": spec.name, "batch": cfg.batch, "seq": cfg.seq,
+                             "optimizer_states": spec.optimizer_states or "fp32"}}
+    tr.tokens = cfg.batch * cfg.seq
+    tr.flops_per_step = tr.tokens * model_flops_per_token(spec, cfg.seq)
+    if tr.val is not None and ev.every:
         # refuses a held-out set shorter than a sequence; says when it holds fewer than asked
-        note = check_held_out(val, cfg.seq, cfg.batch, opts.eval_batches)
+        note = check_held_out(tr.val, cfg.seq, cfg.batch, ev.batches)
         if note and tr.lead:
             warn(note)
-    if opts.log_dir and tr.lead:
-        tr.tb = TbLog(opts.log_dir)
+    if ev.log_dir and tr.lead:
+        tr.tb = TbLog(ev.log_dir)
     where = _start_state(tr, warn)
-    ex = Executor(plan, state, data, backend, opts.hyper, ssd, profile=opts.profile,
-                  cuda_graphs=opts.cuda_graphs)
+    ex = Executor(plan, tr.state, data, tr.backend, tr.hyper, tr.ssd, profile=config.output.profile,
+                  cuda_graphs=config.cuda_graphs, norms=tr.norms)
     tr.optimizer_threads = ex.optimizer_threads
     if not tr.quiet:
         _log_start(tr, dtype, where, data)
@@ -344,54 +348,57 @@ def _train(plan: Plan, opts: RunOptions, backend: DeviceBackend, dtype: torch.dt
     return _finish(tr)
 
 
-def tokenizer_dir(opts: RunOptions) -> str | None:
+def tokenizer_dir(md: ModelDataOptions) -> str | None:
     """The model's tokenizer: --tokenizer, else the --init directory when it has one."""
-    return opts.tokenizer or (opts.init if opts.init and has_tokenizer(opts.init) else None)
+    return md.tokenizer or (md.init if md.init and has_tokenizer(md.init) else None)
 
 
-def load_data(path: str | None, opts: RunOptions, vocab_size: int) -> TokenData:
+def load_data(path: str | None, config: RunConfig, vocab_size: int) -> TokenData:
     """--data (or --val-data): tokenized with the model's tokenizer (corpus.py) when it is JSON Lines,
     Parquet or a directory, or text and a tokenizer is given (--tokenizer, or an --init directory that has
     one); else as data.py reads it (uint16 tokens, byte-level text, synthetic)."""
-    tok = tokenizer_dir(opts)
-    fmt = opts.data_format
+    md = config.model_data
+    tok = tokenizer_dir(md)
+    fmt = md.data_format
     text = fmt == "auto" and tok is not None and Path(path or "").suffix in TEXT_SUFFIXES
     if path is not None and fmt != "text" and (is_corpus(path, fmt) or text):
-        tokens, mask, what = tokenize(path, tok, opts.fields, vocab_size, opts.cache_dir)
+        tokens, mask, what = tokenize(path, tok, data_fields(md), vocab_size, md.cache_dir)
         data = TokenData(tokens, what, mask)
         top = int(tokens.max())
         if top >= vocab_size:
             raise DataError(f"--data {path}: token id {top} is outside the model's vocabulary of "
                             f"{vocab_size} (is --tokenizer the model's own?)")
         return data
-    return TokenData.load(path, vocab_size, fmt, seed=opts.seed)
+    return TokenData.load(path, vocab_size, fmt, seed=md.seed)
 
 
-def _held_out(data: TokenData, opts: RunOptions, vocab_size: int) -> tuple[TokenData, TokenData | None]:
+def _held_out(data: TokenData, config: RunConfig, vocab_size: int) -> tuple[TokenData, TokenData | None]:
     """(training data, held-out data or None) of --val-fraction / --val-data; --eval-every needs one."""
-    if opts.val_fraction and opts.val_data:
+    ev = config.evaluation
+    if ev.val_fraction and ev.val_data:
         raise RunError("--val-fraction and --val-data: pass one of them")
     val = None
-    if opts.val_data:
-        val = load_data(opts.val_data, opts, vocab_size)
-    elif opts.val_fraction:
-        data, val = data.split(opts.val_fraction)
-    if opts.eval_every and val is None:
-        raise RunError(f"--eval-every {opts.eval_every}: needs held-out tokens (--val-fraction 0.05, or "
+    if ev.val_data:
+        val = load_data(ev.val_data, config, vocab_size)
+    elif ev.val_fraction:
+        data, val = data.split(ev.val_fraction)
+    if ev.every and val is None:
+        raise RunError(f"--eval-every {ev.every}: needs held-out tokens (--val-fraction 0.05, or "
                        "--val-data FILE)")
     return data, val
 
 
-def _eval_due(tr: _Training) -> bool:
-    every = tr.opts.eval_every
-    return bool(every) and tr.val is not None and (tr.step % every == 0 or tr.step == tr.opts.steps)
+def _eval_due(tr: Trainer) -> bool:
+    every = tr.config.evaluation.every
+    return bool(every) and tr.val is not None and (tr.step % every == 0 or tr.step == tr.steps)
 
 
-def _run_eval(tr: _Training) -> None:
+def _run_eval(tr: Trainer) -> None:
     """Validation loss and perplexity after step tr.step (evaluate.py), into its record, the log and
     TensorBoard."""
     cfg = tr.plan.config
-    res = evaluate(tr.state, tr.val, tr.step, cfg.batch, cfg.seq, cfg.micro_batch, tr.opts.eval_batches)
+    res = evaluate(tr.state, tr.val, tr.step, cfg.batch, cfg.seq, cfg.micro_batch,
+                   tr.config.evaluation.batches)
     if tr.records and tr.records[-1].step == tr.step:
         tr.records[-1].val_loss, tr.records[-1].val_ppl = res.val_loss, res.val_ppl
     if tr.tb is not None:
@@ -402,30 +409,29 @@ def _run_eval(tr: _Training) -> None:
                f"{cfg.seq})", flush=True)
 
 
-def _start_state(tr: _Training, warn) -> str:
+def _start_state(tr: Trainer, warn) -> str:
     """The state to start from: the last checkpoint of --checkpoint-dir (which sets the first step), --init's
     weights, or a random init; says which."""
-    opts, state = tr.opts, tr.state
+    ck, md, state = tr.config.checkpoint, tr.config.model_data, tr.state
 
     def check(ckpt: Path, manifest: dict) -> None:
-        check_resume(ckpt, manifest, tr.settings, opts.checkpoint_dir, opts.allow_changed_hyper, warn)
+        check_resume(ckpt, manifest, tr.settings, ck.directory, ck.allow_changed_hyper, warn)
 
-    found = resume(state, opts.checkpoint_dir, fallback=opts.resume_fallback, check=check,
-                   log=warn) if opts.checkpoint_dir else None
+    found = resume(state, ck.directory, fallback=ck.resume_fallback, check=check,
+                   log=warn) if ck.directory else None
     if found is not None:
         tr.last_ckpt, manifest = found
         tr.start_step = tr.step = tr.saved_step = int(manifest["step"])
-        norms = norms_of(opts.hyper)
-        if norms is not None and manifest.get("grad_norm") is not None:  # delayed clipping goes on from it
-            norms.norms[tr.start_step] = float(manifest["grad_norm"])
+        if manifest.get("grad_norm") is not None:  # delayed clipping goes on from it
+            tr.norms.norms[tr.start_step] = float(manifest["grad_norm"])
         return f"resumed from {tr.last_ckpt} (step {tr.start_step})"
-    if opts.init:
-        return f"weights from {state.init_hf(opts.init)}"
-    state.init_random(opts.seed)
-    return f"random init (seed {opts.seed})"
+    if md.init:
+        return f"weights from {state.init_hf(md.init)}"
+    state.init_random(md.seed)
+    return f"random init (seed {md.seed})"
 
 
-def _log_start(tr: _Training, dtype: torch.dtype, where: str, data: TokenData) -> None:
+def _log_start(tr: Trainer, dtype: torch.dtype, where: str, data: TokenData) -> None:
     """What the run trains, with which plan, on which device, from where."""
     plan, cfg, world, log = tr.plan, tr.plan.config, tr.world, tr.log
     log(f"tierflow run: {plan.model.describe()}")
@@ -443,39 +449,39 @@ def _log_start(tr: _Training, dtype: torch.dtype, where: str, data: TokenData) -
             + ("" if world.single else ", one such directory per rank"))
 
 
-def _run_rounds(tr: _Training, ex: Executor) -> None:
+def _run_rounds(tr: Trainer, ex: Executor) -> None:
     """Rounds until --steps, under torch.profiler with --profile;
     RunStopped (with --out written) when training stops early."""
-    opts = tr.opts
-    profiler = profiler_of(tr.backend.device) if opts.profile and tr.lead else None
+    out = tr.config.output
+    profiler = profiler_of(tr.backend.device) if out.profile and tr.lead else None
     if profiler is not None:
         profiler.start()  # stopped and exported when the rounds end, also when a run stops early
     # with a checkpoint directory a stop signal ends the round under way and saves its last step
-    deferred = (deferred_stop(stop_at_once=peer_gone) if opts.checkpoint_dir
+    deferred = (deferred_stop(stop_at_once=peer_gone) if tr.config.checkpoint.directory
                 else nullcontext())
     try:
         with deferred:
-            while tr.step < opts.steps:
+            while tr.step < tr.steps:
                 _run_round(tr, ex, _round_iterations(tr))
                 _stop_if_signalled(tr)
-                if opts.on_round is not None and opts.on_round(tr):
+                if tr.on_round is not None and tr.on_round(tr):
                     break
     except (Diverged, CheckpointWriteError, Interrupted) as e:
         code, msg = _stop_message(tr, e)
-        if opts.out and tr.lead:
-            write_run_outputs(tr.measured, tr.records, opts.out, f"{tr.plan.model.name}: measured "
-                                                                 f"({tr.backend.name})")
-            msg += f"; the results so far are under {opts.out}"
+        if out.out and tr.lead:
+            write_run_outputs(tr.measured, tr.records, out.out, f"{tr.plan.model.name}: measured "
+                                                                f"({tr.backend.name})")
+            msg += f"; the results so far are under {out.out}"
         raise RunStopped(msg, code, tr.result()) from None
     finally:
         if profiler is not None:
-            export_profile(profiler, opts.out, None if tr.quiet else tr.log)
+            export_profile(profiler, out.out, None if tr.quiet else tr.log)
 
 
-def _stop_if_signalled(tr: _Training) -> None:
+def _stop_if_signalled(tr: Trainer) -> None:
     """After a round: a stop signal noted during it (on any rank: they agree) saves this step's checkpoint,
     then stops the run (Interrupted). Without a checkpoint directory a signal has stopped it at once."""
-    if not tr.opts.checkpoint_dir:
+    if not tr.config.checkpoint.directory:
         return
     signum = pending_signal()
     if not tr.world.single:
@@ -487,21 +493,21 @@ def _stop_if_signalled(tr: _Training) -> None:
     raise stop
 
 
-def _round_iterations(tr: _Training) -> int:
+def _round_iterations(tr: Trainer) -> int:
     """Iterations of the next round: the plan's, fewer for the last steps of the run or up to a checkpoint."""
-    opts, every = tr.opts, tr.opts.checkpoint_every
-    r = min(tr.plan.graph.num_iterations, opts.steps - tr.step)
-    if opts.checkpoint_dir and every:
+    every, eval_every = tr.checkpoint_every, tr.config.evaluation.every
+    r = min(tr.plan.graph.num_iterations, tr.steps - tr.step)
+    if tr.config.checkpoint.directory and every:
         r = min(r, every - tr.step % every)
-    if opts.eval_every:  # an evaluation sees the weights after exactly its step
-        r = min(r, opts.eval_every - tr.step % opts.eval_every)
+    if eval_every:  # an evaluation sees the weights after exactly its step
+        r = min(r, eval_every - tr.step % eval_every)
     return r
 
 
-def _run_round(tr: _Training, ex: Executor, r: int) -> None:
+def _run_round(tr: Trainer, ex: Executor, r: int) -> None:
     """One round of `r` iterations: its steps reported, its measured trace kept if it is the longest so far,
     and a checkpoint at its end where --checkpoint-every falls."""
-    opts, step = tr.opts, tr.step
+    step = tr.step
     local: list[float] = []  # this rank's own losses of the round (the reported ones are the ranks' mean)
     rr = ex.run_round(r, step, on_step=_step_reporter(tr, step, local))
     LOG.debug("round of %d iteration(s) from step %d: %.3f s wall; peak %s", r, step + 1, rr.wall_s,
@@ -516,33 +522,30 @@ def _run_round(tr: _Training, ex: Executor, r: int) -> None:
     tr.step += r
     if _eval_due(tr):
         _run_eval(tr)
-    every = opts.checkpoint_every
+    every = tr.checkpoint_every
     # at --checkpoint-every, and the last step whatever the interval: a run never ends without its state
-    if opts.checkpoint_dir and (every and tr.step % every == 0 or tr.step >= opts.steps):
+    if tr.config.checkpoint.directory and (every and tr.step % every == 0 or tr.step >= tr.steps):
         save_step_checkpoint(tr)
 
 
-def _note_norms(tr: _Training, step: int, r: int, peak: dict[str, float]) -> None:
+def _note_norms(tr: Trainer, step: int, r: int, peak: dict[str, float]) -> None:
     """The learning rate, gradient norm and the round's peak tier bytes of the round's steps `step`+1 ..
     `step`+r, into their records and TensorBoard."""
-    h = tr.opts.hyper
-    norms = norms_of(h)
+    h, norms = tr.hyper, tr.norms
     for rec in tr.records[-r:]:
-        rec.lr = h.lr_at(rec.step) if isinstance(h, TrainHyper) else h.lr
-        if norms is not None:
-            rec.grad_norm = norms.value(rec.step)
+        rec.lr = h.lr_at(rec.step)
+        rec.grad_norm = norms.value(rec.step)
         rec.gpu_bytes, rec.cpu_bytes, rec.ssd_bytes = (peak.get(t, 0.0) for t in ("gpu", "cpu", "ssd"))
         if tr.tb is not None:
             tr.tb.step(rec.step, {"train/loss": rec.loss, "train/lr": rec.lr,
                                   "train/grad_norm": rec.grad_norm, "train/tokens_per_s": rec.tokens_per_s})
-    if norms is not None:
-        norms.forget_before(step + r)
+    norms.forget_before(step + r)
 
 
-def _step_reporter(tr: _Training, step: int, local: list[float]) -> Callable[[int, float, float], None]:
+def _step_reporter(tr: Trainer, step: int, local: list[float]) -> Callable[[int, float, float], None]:
     """The round's on_step: the ranks' mean loss of iteration i (Diverged if not finite),
     recorded and printed."""
-    opts, log = tr.opts, tr.log
+    steps, log = tr.steps, tr.log
     prev = [0.0]
 
     def on_step(i: int, loss: float, end_s: float) -> None:
@@ -557,34 +560,33 @@ def _step_reporter(tr: _Training, step: int, local: list[float]) -> Callable[[in
         tr.records.append(rec)
         if not tr.quiet:
             took = fmt_s(rec.step_s, 1, sig=4)
-            log(f"step {rec.step:>5}/{opts.steps} {bar(rec.step, opts.steps, fill=' ')} loss {rec.loss:.4f}  "
+            log(f"step {rec.step:>5}/{steps} {bar(rec.step, steps, fill=' ')} loss {rec.loss:.4f}  "
                 f"{took:>11}  {rec.tokens_per_s:10,.0f} tok/s  {rec.tflops:7.3f} TFLOPS", flush=True)
 
     return on_step
 
 
-def save_step_checkpoint(tr: _Training) -> None:
+def save_step_checkpoint(tr: Trainer) -> None:
     """This step's checkpoint (once: a step already saved or resumed from is not written again)."""
-    if tr.saved_step == tr.step or not tr.opts.checkpoint_dir:
+    directory = tr.config.checkpoint.directory
+    if tr.saved_step == tr.step or not directory:
         return
-    norms = norms_of(tr.opts.hyper)
-    if norms is not None:  # the last step's gradient norm: delayed clipping of a resumed run goes on from it
-        tr.settings["grad_norm"] = norms.value(tr.step)
+    # the last step's gradient norm: delayed clipping of a resumed run goes on from it
+    tr.settings["grad_norm"] = tr.norms.value(tr.step)
     try:
-        tr.last_ckpt = save_checkpoint(tr.state, tr.opts.checkpoint_dir, tr.step, tr.settings, world=tr.world)
+        tr.last_ckpt = save_checkpoint(tr.state, directory, tr.step, tr.settings, world=tr.world)
     except NonFiniteState as e:
         raise Diverged(str(e)) from None
     tr.saved_step = tr.step
     if not tr.quiet:
-        tr.log(f"  checkpoint {tr.last_ckpt}" + (" (the last step)" if tr.step >= tr.opts.steps else ""))
+        tr.log(f"  checkpoint {tr.last_ckpt}" + (" (the last step)" if tr.step >= tr.steps else ""))
 
 
-def _stop_message(tr: _Training, e: Diverged | CheckpointWriteError | Interrupted) -> tuple[int, str]:
+def _stop_message(tr: Trainer, e: Diverged | CheckpointWriteError | Interrupted) -> tuple[int, str]:
     """(exit code, message) of a run that stopped early."""
-    opts = tr.opts
     kept = (f"the last good checkpoint {tr.last_ckpt} is kept" if tr.last_ckpt is not None
-            else "no checkpoint was written" if opts.checkpoint_dir else "no --checkpoint-dir")
-    done = f"{len(tr.records)} step(s) done ({tr.start_step + len(tr.records)} of {opts.steps})"
+            else "no checkpoint was written" if tr.config.checkpoint.directory else "no --checkpoint-dir")
+    done = f"{len(tr.records)} step(s) done ({tr.start_step + len(tr.records)} of {tr.steps})"
     if isinstance(e, Diverged):
         return 4, (f"training diverged: {e}; stopped after {done}, {kept} (lower --lr, or check --init and "
                    "--data)")
@@ -599,25 +601,25 @@ def _stop_message(tr: _Training, e: Diverged | CheckpointWriteError | Interrupte
     return 3 if e.full else 2, str(e)
 
 
-def _finish(tr: _Training) -> RunResult:
+def _finish(tr: Trainer) -> RunResult:
     """After the last step: --out (rank 0), --export-hf, and the result (with collect_final,
     the final state)."""
-    opts, state, log = tr.opts, tr.state, tr.log
-    if opts.out and tr.measured is not None and tr.lead:
-        write_run_outputs(tr.measured, tr.records, opts.out, f"{tr.plan.model.name}: measured "
-                                                             f"({tr.backend.name})")
+    out, state, log = tr.config.output, tr.state, tr.log
+    if out.out and tr.measured is not None and tr.lead:
+        write_run_outputs(tr.measured, tr.records, out.out, f"{tr.plan.model.name}: measured "
+                                                            f"({tr.backend.name})")
         if not tr.quiet:
-            log(f"  wrote timeline.csv, trace.json, gantt.png, steps.csv under {opts.out}"
+            log(f"  wrote timeline.csv, trace.json, gantt.png, steps.csv under {out.out}"
                 + ("" if tr.world.single else " (rank 0's ops)"))
-    if opts.export_hf:
-        path = export_trained(state, opts.export_hf)  # a collective with several ranks; rank 0 writes
-        tok = tokenizer_dir(opts)
+    if out.export_hf:
+        path = export_trained(state, out.export_hf)  # a collective with several ranks; rank 0 writes
+        tok = tokenizer_dir(tr.config.model_data)
         names = copy_tokenizer(tok, path) if tok and tr.lead else []  # the model's tokenizer beside it
         if not tr.quiet:
             log(f"  exported the fp32 weights after step {tr.step} to {path} (config.json, "
                 f"model.safetensors{''.join(', ' + n for n in names)})")
     res = tr.result()
-    if opts.collect_final:
+    if out.collect_final:
         res.final_master = state.master_blocks()
         res.final_adam_m = [state.gathered("adam_m", b) for b in range(len(state.layout.numel))]
     return res

@@ -90,19 +90,19 @@ TARGET_RATIO = {"large": 0.98}  # tierflow over plain tokens/s, on the device; 0
 # chain (each block's states read, updated and written back before its next forward) is predicted at +5-8%
 SSD_SCHEDULE = "vertical"
 TARGET_VS_BOUND = 0.15  # states on the SSD tier: step within 15% of max(compute, SSD time)
-GRAPHS_FIELD = "cuda_graphs"  # RunOptions' CUDA graph switch (tierflow run --cuda-graphs / --no-cuda-graphs)
-RUN_EXTRA: dict = {}  # RunOptions fields every tierflow run of this benchmark gets (--[no-]cuda-graphs)
+GRAPHS_FIELD = "cuda_graphs"  # RunConfig's CUDA graph switch (tierflow run --cuda-graphs / --no-cuda-graphs)
+RUN_EXTRA: dict = {}  # RunConfig fields every tierflow run of this benchmark gets (--[no-]cuda-graphs)
 
 
 def graphs_missing() -> str | None:
-    """Why this tierflow cannot switch CUDA graphs (RunOptions has no `cuda_graphs`), or None."""
+    """Why this tierflow cannot switch CUDA graphs (RunConfig has no `cuda_graphs`), or None."""
     from dataclasses import fields
 
-    from tierflow.executor.run import RunOptions
+    from tierflow.executor.run import RunConfig
 
-    if GRAPHS_FIELD in {f.name for f in fields(RunOptions)}:
+    if GRAPHS_FIELD in {f.name for f in fields(RunConfig)}:
         return None
-    return f"this tierflow's run options have no CUDA graph switch (RunOptions.{GRAPHS_FIELD})"
+    return f"this tierflow's run options have no CUDA graph switch (RunConfig.{GRAPHS_FIELD})"
 
 
 def make_plan(model: ModelSpec, placement: Placement, path: Path, hw: HardwareProfile | None = None,
@@ -184,11 +184,11 @@ def tierflow_steps(plan: Plan, device: str, ssd_dir: Path | None,
     """One round of the plan (its three iterations) through `run_plan`: step times, SSD bytes moved and the
     CPU seconds of the SSD tier's I/O (requests and checksums, all threads); with `trace_dir`, the measured
     trace written there (trace.json, for `compare`)."""
-    from tierflow.executor.run import RunOptions, run_plan
+    from tierflow.executor.run import OutputOptions, RunConfig, run_plan
 
-    res = run_plan(plan, RunOptions(steps=STEPS_PER_ROUND, device=device, quiet=True,
-                                    ssd_dir=str(ssd_dir) if ssd_dir else None,
-                                    out=str(trace_dir) if trace_dir else None, **RUN_EXTRA))
+    out = OutputOptions(out=str(trace_dir) if trace_dir else None, quiet=True)
+    res = run_plan(plan, RunConfig(steps=STEPS_PER_ROUND, device=device,
+                                   ssd_dir=str(ssd_dir) if ssd_dir else None, output=out, **RUN_EXTRA))
     return [r.step_s for r in res.records], res.ssd_bytes_read + res.ssd_bytes_written, res.ssd_cpu_s
 
 
@@ -486,12 +486,13 @@ def _cpu_s() -> float:
 def _run_cpu_s(plan: Plan, ssd: Path | None) -> tuple[float, int]:
     """CPU seconds and SSD bytes of STEPS_PER_ROUND steps of `plan`: a run of two rounds minus a run of one,
     which cancels the run's setup (state init, files, threads)."""
-    from tierflow.executor.run import RunOptions, run_plan
+    from tierflow.executor.run import OutputOptions, RunConfig, run_plan
 
     spent, moved = [], []
     for steps in (STEPS_PER_ROUND, 2 * STEPS_PER_ROUND):
         c0 = _cpu_s()
-        opts = RunOptions(steps=steps, device="cpu", quiet=True, ssd_dir=str(ssd) if ssd else None)
+        opts = RunConfig(steps=steps, device="cpu", ssd_dir=str(ssd) if ssd else None,
+                         output=OutputOptions(quiet=True))
         res = run_plan(plan, opts)
         spent.append(_cpu_s() - c0)
         moved.append(res.ssd_bytes_read + res.ssd_bytes_written)

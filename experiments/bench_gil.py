@@ -108,7 +108,9 @@ def engine_rows(model_name: str, rounds: int) -> list[dict]:
     per op, mean GIL microseconds per op (the probe's hits are sparse in short ops: a median would read 0),
     the GIL time's share of the ops' wall time, and the comparison with the launcher's mean over its ops."""
     from tierflow.executor.gil_probe import GilProbe
-    from tierflow.executor.run import RunOptions, run_plan
+    from tierflow.executor.run import OutputOptions, RunConfig, run_plan
+
+    QUIET = OutputOptions(quiet=True)
 
     per: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="tierflow-bench-gil-", dir=REPO_DIR) as tmp:
@@ -118,7 +120,7 @@ def engine_rows(model_name: str, rounds: int) -> list[dict]:
         with GilProbe() as probe, SerialOps() as serial:
             for r in range(rounds):
                 serial.records.clear()
-                run_plan(plan, RunOptions(steps=3, device="cpu", quiet=True, ssd_dir=str(ssd)))
+                run_plan(plan, RunConfig(steps=3, device="cpu", ssd_dir=str(ssd), output=QUIET))
                 if r == 0:
                     continue  # warm-up: numba's compile, first allocations, the SSD files' first write
                 for res, kind, t0, t1, cpu in serial.records:

@@ -130,7 +130,7 @@ def one_run(name: str, model: ModelSpec, hw: HardwareProfile, schedule: str, dev
             repeats: int = REPEATS) -> tuple[dict, list[dict]]:
     """Plan (or build) one schedule for `shape` (batch, micro-batch, sequence), train it, compare: a row of
     errors and per-resource rows (the row's "by_kind" holds compare's per-op-kind rows)."""
-    from tierflow.executor.run import RunOptions, run_plan
+    from tierflow.executor.run import OutputOptions, RunConfig, run_plan
 
     batch, micro_batch, seq = shape
     if schedule == "plan":
@@ -152,8 +152,8 @@ def one_run(name: str, model: ModelSpec, hw: HardwareProfile, schedule: str, dev
     t0 = time.perf_counter()
     for k in range(repeats):
         run_dir = work / f"run-{tag}-{k}"
-        run = run_plan(load_plan(path), RunOptions(steps=STEPS, device=device, ssd_dir=str(ssd_dir),
-                                                   out=str(run_dir), quiet=True))
+        run = run_plan(load_plan(path), RunConfig(steps=STEPS, device=device, ssd_dir=str(ssd_dir),
+                                                  output=OutputOptions(out=str(run_dir), quiet=True)))
         d = compare(load_plan(path), run_dir / "trace.json").to_dict()
         if best is None or d["measured_iteration_s"] < best[1]["measured_iteration_s"]:
             best = (run, d)

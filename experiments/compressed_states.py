@@ -37,11 +37,11 @@ from expcommon import (
     write_csv,
     write_generated_block,
 )
-from finetune import MICRO, SSD, prepare, settings
+from finetune import MICRO, SSD, optimizer_of, prepare, settings
 
-from tierflow.executor.corpus import Fields
 from tierflow.executor.optim.adamw import TrainHyper
-from tierflow.executor.train_loop import RunOptions, load_data, run_plan
+from tierflow.executor.options import EvalOptions, ModelDataOptions, OutputOptions, RunConfig
+from tierflow.executor.train_loop import load_data, run_plan
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.optstates import STATE_FORMATS
 from tierflow.planner.core.placement import Placement
@@ -68,9 +68,11 @@ def tierflow_run(model, fmt: str, data: Path, tok: Path, work: Path, h: TrainHyp
     predicted_s = simulate_config(model, here, hcfg).iteration_s
     d = work / fmt
     (d / "ssd").mkdir(parents=True)
-    opts = RunOptions(steps=s["steps"], device="cpu", ssd_dir=str(d / "ssd"), data=str(data),
-                      tokenizer=str(tok), hyper=h, quiet=True, eval_every=s["eval_every"], val_fraction=0.1,
-                      eval_batches=2, out=str(d / "out"), fields=Fields(), collect_final=True)
+    opts = RunConfig(steps=s["steps"], device="cpu", ssd_dir=str(d / "ssd"),
+                     model_data=ModelDataOptions(data=str(data), tokenizer=str(tok)),
+                     optimizer=optimizer_of(h),
+                     evaluation=EvalOptions(every=s["eval_every"], val_fraction=0.1, batches=2),
+                     output=OutputOptions(out=str(d / "out"), quiet=True, collect_final=True))
     t0 = time.perf_counter()
     res = run_plan(plan, opts)
     return {"records": res.records, "master": res.final_master, "wall_s": time.perf_counter() - t0,
@@ -78,7 +80,7 @@ def tierflow_run(model, fmt: str, data: Path, tok: Path, work: Path, h: TrainHyp
             "opts": opts}
 
 
-def plain_run(model, opts: RunOptions, h: TrainHyper, s: dict, eight_bit: bool) -> list[dict]:
+def plain_run(model, opts: RunConfig, h: TrainHyper, s: dict, eight_bit: bool) -> list[dict]:
     """finetune.plain_run's training with torch.optim.AdamW, or bitsandbytes' AdamW8bit (`eight_bit`):
     per step the loss and, where evaluated, the validation loss."""
     import torch
@@ -88,7 +90,7 @@ def plain_run(model, opts: RunOptions, h: TrainHyper, s: dict, eight_bit: bool) 
     from tierflow.executor.models import loss as lm_loss
     from tierflow.executor.optim.decay import decayed
 
-    torch.manual_seed(opts.seed)
+    torch.manual_seed(opts.model_data.seed)
     ref = BlockModel(model, build_blocks(model))
     named = [(n, p) for b in ref.blocks for n, p in b.named_parameters()]
     groups = [{"params": [p for n, p in named if decayed(n)], "weight_decay": h.weight_decay},
@@ -101,7 +103,7 @@ def plain_run(model, opts: RunOptions, h: TrainHyper, s: dict, eight_bit: bool) 
     else:
         opt = torch.optim.AdamW(groups, **kw)
     sched = get_scheduler(h.schedule, opt, num_warmup_steps=h.warmup_steps, num_training_steps=s["steps"])
-    train, val = load_data(opts.data, opts, model.vocab_size).split(0.1)
+    train, val = load_data(opts.model_data.data, opts, model.vocab_size).split(0.1)
     rows, batch, seq = [], s["batch"], s["seq"]
     for step in range(1, s["steps"] + 1):
         x, y = train.batch(step - 1, batch, seq)

@@ -32,10 +32,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from dist_worker import BATCH, HYPER, make_plan  # noqa: E402
+from dist_worker import BATCH, OPTIMIZER, make_plan  # noqa: E402
 from expcommon import arg_parser, script_main, write_csv  # noqa: E402
 
-from tierflow.executor.run import RunOptions, run_plan  # noqa: E402
+from tierflow.executor.run import OutputOptions, RunConfig, run_plan  # noqa: E402
 from tierflow.planner.io.planfile import write_plan  # noqa: E402
 
 FAMILIES = ("horizontal", "fuyou", "vertical", "block")
@@ -73,8 +73,8 @@ def equivalence(ranks: int, cases: list[tuple[str, str, str]], tmp: Path) -> lis
     for m, f, p in cases:
         got = torch.load(out / f"{m}-{f}-{p}.pt")
         want = run_plan(make_plan(m, f, p, gpus=1, batch=batch),
-                        RunOptions(steps=STEPS, ssd_dir=str(tmp / "ssd1"), quiet=True, collect_final=True,
-                                   hyper=HYPER))
+                        RunConfig(steps=STEPS, device="cpu", ssd_dir=str(tmp / "ssd1"), optimizer=OPTIMIZER,
+                                  output=OutputOptions(quiet=True, collect_final=True)))
         rows.append({
             "ranks": ranks, "batch": batch, "model": m, "family": f, "placement": p,
             "loss_rel_err": max(abs(a - b) / abs(b) for a, b in zip(got["losses"], want.losses)),

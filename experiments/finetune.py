@@ -35,9 +35,15 @@ from expcommon import (
     write_generated_block,
 )
 
-from tierflow.executor.corpus import Fields
 from tierflow.executor.optim.adamw import TrainHyper
-from tierflow.executor.train_loop import RunOptions, load_data, run_plan
+from tierflow.executor.options import (
+    EvalOptions,
+    ModelDataOptions,
+    OptimizerOptions,
+    OutputOptions,
+    RunConfig,
+)
+from tierflow.executor.train_loop import load_data, run_plan
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import build_graph, make_schedule
@@ -86,15 +92,24 @@ def tierflow_run(model, data: Path, tok: Path, work: Path, h: TrainHyper, s: dic
                         placement=Placement(master=SSD, adam_m=SSD, adam_v=SSD), iterations=2)
     plan = plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg))
     (work / "ssd").mkdir()
-    opts = RunOptions(steps=s["steps"], device="cpu", ssd_dir=str(work / "ssd"), data=str(data),
-                      tokenizer=str(tok), hyper=h, quiet=True, eval_every=s["eval_every"], val_fraction=0.1,
-                      eval_batches=2, out=str(work / "out"), fields=Fields())
+    opts = RunConfig(steps=s["steps"], device="cpu", ssd_dir=str(work / "ssd"),
+                     model_data=ModelDataOptions(data=str(data), tokenizer=str(tok)),
+                     optimizer=optimizer_of(h),
+                     evaluation=EvalOptions(every=s["eval_every"], val_fraction=0.1, batches=2),
+                     output=OutputOptions(out=str(work / "out"), quiet=True))
     t0 = time.perf_counter()
     res = run_plan(plan, opts)
     return res.records, time.perf_counter() - t0, opts
 
 
-def plain_run(model, opts: RunOptions, h: TrainHyper, s: dict) -> tuple[list[dict], float]:
+def optimizer_of(h: TrainHyper) -> OptimizerOptions:
+    """The run's optimizer options of `h` (the plain run's settings)."""
+    return OptimizerOptions(lr=h.lr, weight_decay=h.weight_decay, betas=(h.beta1, h.beta2), eps=h.eps,
+                            schedule=h.schedule, warmup_steps=h.warmup_steps, clip_grad_norm=h.clip_grad_norm,
+                            clip=h.clip)
+
+
+def plain_run(model, opts: RunConfig, h: TrainHyper, s: dict) -> tuple[list[dict], float]:
     """The same training in plain PyTorch (one model, torch.optim.AdamW with the two decay groups,
     transformers.get_scheduler, clip_grad_norm_); per step: loss, seconds, validation loss where tierflow
     evaluated."""
@@ -105,14 +120,14 @@ def plain_run(model, opts: RunOptions, h: TrainHyper, s: dict) -> tuple[list[dic
     from tierflow.executor.models import loss as lm_loss
     from tierflow.executor.optim.decay import decayed
 
-    torch.manual_seed(opts.seed)
+    torch.manual_seed(opts.model_data.seed)
     ref = BlockModel(model, build_blocks(model))
     named = [(n, p) for b in ref.blocks for n, p in b.named_parameters()]
     groups = [{"params": [p for n, p in named if decayed(n)], "weight_decay": h.weight_decay},
               {"params": [p for n, p in named if not decayed(n)], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps)
     sched = get_scheduler(h.schedule, opt, num_warmup_steps=h.warmup_steps, num_training_steps=s["steps"])
-    train, val = load_data(opts.data, opts, model.vocab_size).split(0.1)
+    train, val = load_data(opts.model_data.data, opts, model.vocab_size).split(0.1)
     rows, t0 = [], time.perf_counter()
     batch, seq = s["batch"], s["seq"]
     for step in range(1, s["steps"] + 1):

@@ -22,7 +22,7 @@ code, wall time, stdout and stderr are kept under --out (`NN-step.out` / `NN-ste
    page-locked buffers (the transfer area's allocation), against the raw device.
 8. **bench_executor_graphs, bench_executor_eager**: bench_executor's on-device plans (4 x 256 and 6 x 384)
    against plain PyTorch with CUDA graphs on (`--cuda-graphs`) and off (`--no-cuda-graphs`), the run
-   option. A tierflow without that option (RunOptions has no `cuda_graphs`) skips the graphs step with one
+   option. A tierflow without that option (RunConfig has no `cuda_graphs`) skips the graphs step with one
    line saying so, and runs the eager one without the flag (eager is all it has); neither fails the check.
 9. **bench_dispatch**: `experiments/bench_dispatch.py`, the executor's host CPU per op against plain
    PyTorch's, on the CPU backends with one torch thread (OMP_NUM_THREADS=1).

@@ -241,7 +241,7 @@ def tf_worker(job: dict) -> dict:
     import torch
 
     torch.set_num_threads(job["threads"])
-    from tierflow.executor.run import RunOptions, run_plan
+    from tierflow.executor.run import RunConfig, run_plan
     from tierflow.planner.io.planfile import load_plan
 
     warmup, io0 = job["warmup"], [None]
@@ -250,8 +250,8 @@ def tf_worker(job: dict) -> dict:
         if msg.startswith("step") and int(msg.split()[1].split("/")[0]) == warmup:
             io0[0] = _io_bytes()
 
-    run = run_plan(load_plan(job["plan"]), RunOptions(steps=warmup + job["steps"], device="cpu",
-                                                      ssd_dir=job["ssd_dir"]), log=log)
+    run = run_plan(load_plan(job["plan"]), RunConfig(steps=warmup + job["steps"], device="cpu",
+                                                     ssd_dir=job["ssd_dir"]), log=log)
     io1 = _io_bytes()
     return {"step_s": [r.step_s for r in run.records[warmup:]], "losses": run.losses,
             "peak_rss_bytes": _peak_rss_bytes(), "load_1min": os.getloadavg()[0],

@@ -196,11 +196,12 @@ def tf_profile_worker(job: dict) -> dict:
     import torch
 
     torch.set_num_threads(job["threads"])
-    from tierflow.executor.run import RunOptions, run_plan
+    from tierflow.executor.run import OutputOptions, RunConfig, run_plan
     from tierflow.planner.io.planfile import load_plan
 
-    run = run_plan(load_plan(job["plan"]), RunOptions(steps=job["warmup"] + job["steps"], device="cpu",
-                                                      ssd_dir=job["ssd_dir"], quiet=True))
+    config = RunConfig(steps=job["warmup"] + job["steps"], device="cpu", ssd_dir=job["ssd_dir"],
+                       output=OutputOptions(quiet=True))
+    run = run_plan(load_plan(job["plan"]), config)
     prof = trace_profile(run.measured)
     prof["step_s"] = [r.step_s for r in run.records[job["warmup"]:]]
     return prof

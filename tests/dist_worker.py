@@ -24,7 +24,7 @@ import torch
 
 from tierflow.executor.checkpoint import CheckpointError, candidates
 from tierflow.executor.engine import Hyper
-from tierflow.executor.run import RunOptions, run_plan
+from tierflow.executor.run import CheckpointOptions, OptimizerOptions, OutputOptions, RunConfig, run_plan
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement, Split
@@ -33,6 +33,7 @@ from tierflow.planner.io.planfile import plan_from_graph
 
 BATCH, MICRO, SEQ = 4, 1, 64
 HYPER = Hyper(lr=1e-3, weight_decay=0.1)
+OPTIMIZER = OptimizerOptions(lr=HYPER.lr, weight_decay=HYPER.weight_decay)  # the run's: HYPER's
 ALL = Split(0.0, 0.0, 1.0)
 PLACEMENTS = {
     "device": Placement.uniform("gpu"),
@@ -73,10 +74,11 @@ def run_case(case: dict, out: Path, ranks: int, rank: int) -> None:
         latest, _steps, _problem = candidates(ck)
         shutil.rmtree(latest / f"rank-{case['remove_shard']}")
     Path(case["ssd_dir"]).mkdir(parents=True, exist_ok=True)
-    opts = RunOptions(steps=case["steps"], ssd_dir=case["ssd_dir"], quiet=True, collect_final=True,
-                      hyper=HYPER, checkpoint_dir=ck, checkpoint_every=case.get("checkpoint_every", 0),
-                      resume_fallback=case.get("resume_fallback", False), device=case.get("device", "cpu"),
-                      compute_dtype=case.get("compute_dtype"))
+    opts = RunConfig(steps=case["steps"], ssd_dir=case["ssd_dir"], device=case.get("device", "cpu"),
+                     compute_dtype=case.get("compute_dtype"), optimizer=OPTIMIZER,
+                     checkpoint=CheckpointOptions(ck, every=case.get("checkpoint_every", 0),
+                                                  resume_fallback=case.get("resume_fallback", False)),
+                     output=OutputOptions(quiet=True, collect_final=True))
     try:
         res = run_plan(plan, opts)
     except CheckpointError as e:

@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from tierflow.cli import main
+from tierflow.executor.options import CheckpointOptions
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.devicemem import runtime_gpu_reserve_bytes
 from tierflow.planner.core.models import get_model
@@ -134,8 +135,8 @@ def test_resume_under_another_placement_continues_bit_identically(tmp_path):
     b = make_plan("tiny-gpt", "vertical", "mix", iterations=1)
     never = run(a, tmp_path / "never", steps=4)
     ck = str(tmp_path / "ck")
-    first = run(a, tmp_path / "a", steps=2, checkpoint_dir=ck, checkpoint_every=2)
-    then = run(b, tmp_path / "b", steps=4, checkpoint_dir=ck)
+    first = run(a, tmp_path / "a", steps=2, checkpoint=CheckpointOptions(ck, every=2))
+    then = run(b, tmp_path / "b", steps=4, checkpoint=CheckpointOptions(ck, every=0))
     assert then.first_step == 2
     assert first.losses + then.losses == never.losses
     assert all(torch.equal(x, y) for x, y in zip(then.final_master, never.final_master))
@@ -148,13 +149,14 @@ def test_resume_under_another_schedule_and_micro_batch_moves_the_state(tmp_path)
     a = make_plan("tiny-gpt", "vertical", "weights_cpu", iterations=1)
     b = make_plan("tiny-gpt", "block", "states_ssd", iterations=1, micro=2)
     ck = str(tmp_path / "ck")
-    first = run(a, tmp_path / "a", steps=2, checkpoint_dir=ck, checkpoint_every=2)
-    loaded = run(b, tmp_path / "b", steps=2, checkpoint_dir=ck)  # resumed at step 2: nothing left to train
+    first = run(a, tmp_path / "a", steps=2, checkpoint=CheckpointOptions(ck, every=2))
+    # resumed at step 2: nothing left to train
+    loaded = run(b, tmp_path / "b", steps=2, checkpoint=CheckpointOptions(ck, every=0))
     assert loaded.records == [] and loaded.first_step == 2
     assert all(torch.equal(x, y) for x, y in zip(loaded.final_master, first.final_master))
     assert all(torch.equal(x, y) for x, y in zip(loaded.final_adam_m, first.final_adam_m))
     never = run(a, tmp_path / "never", steps=4)
-    then = run(b, tmp_path / "b2", steps=4, checkpoint_dir=ck)
+    then = run(b, tmp_path / "b2", steps=4, checkpoint=CheckpointOptions(ck, every=0))
     assert then.losses == pytest.approx(never.losses[2:], rel=1e-5)
 
 
@@ -214,8 +216,8 @@ def test_decide_refits_replans_and_switches_on_a_wrong_profile(tmp_path):
     # the switch: the old plan's checkpoint at step 2 resumed under the new plan
     never = run(plan, tmp_path / "never", steps=4)
     ck = str(tmp_path / "ck")
-    first = run(plan, tmp_path / "a", steps=2, checkpoint_dir=ck, checkpoint_every=2)
-    then = run(new, tmp_path / "b", steps=4, checkpoint_dir=ck)
+    first = run(plan, tmp_path / "a", steps=2, checkpoint=CheckpointOptions(ck, every=2))
+    then = run(new, tmp_path / "b", steps=4, checkpoint=CheckpointOptions(ck, every=0))
     assert first.losses == never.losses[:2]
     assert then.losses == pytest.approx(never.losses[2:], rel=1e-5)
 
@@ -285,10 +287,10 @@ def test_adapt_on_two_ranks_switches_every_rank_at_the_same_step(tmp_path):
     and trains to step 6 (a hang or a rank on another plan would fail the run). The losses stay those of one
     rank training the whole batch without --adapt (within 1e-5: 2 ranks and a switch change the order of the
     sums)."""
-    from dist_worker import HYPER
+    from dist_worker import OPTIMIZER
     from dist_worker import make_plan as rank_plan
 
-    from tierflow.executor.run import RunOptions, run_plan
+    from tierflow.executor.run import OutputOptions, RunConfig, run_plan
 
     path = tmp_path / "two.json"
     write_plan(rank_plan("tiny-gpt", "vertical", "states_ssd", gpus=2), path)
@@ -305,7 +307,8 @@ def test_adapt_on_two_ranks_switches_every_rank_at_the_same_step(tmp_path):
     got = json.loads(p.stdout)
     # one rank training the whole batch: what 2 ranks reproduce within 1e-5 (tests/test_dist_executor.py)
     one = run_plan(rank_plan("tiny-gpt", "vertical", "states_ssd", gpus=1),
-                   RunOptions(steps=6, ssd_dir=str(tmp_path / "ssd"), quiet=True, hyper=HYPER))
+                   RunConfig(steps=6, device="cpu", ssd_dir=str(tmp_path / "ssd"), optimizer=OPTIMIZER,
+                             output=OutputOptions(quiet=True)))
     want = {"steps": [{"loss": x} for x in one.losses]}
     (d,) = got["adapt"]
     # decided beside training from step 2 (every rank polls rank 0 at each boundary), waited for by step 4

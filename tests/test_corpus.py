@@ -15,7 +15,8 @@ from test_executor import make_plan, run
 
 from tierflow.executor.corpus import Fields, cache_dir, tokenize
 from tierflow.executor.data import DataError, TokenData
-from tierflow.executor.train_loop import RunOptions, load_data
+from tierflow.executor.options import ModelDataOptions, RunConfig
+from tierflow.executor.train_loop import load_data
 
 EOT = "<|endoftext|>"
 
@@ -79,24 +80,24 @@ def test_prompt_tokens_are_masked_out_of_the_loss(tmp_path, tok_dir):
     flat_mask = np.asarray(mask[1:17], dtype=bool)
     assert ((y[0] == -100).numpy() == ~flat_mask).all()
     plan = make_plan("tiny-gpt", "horizontal", "weights_cpu")
-    res = run(plan, tmp_path, steps=2, data=str(f), tokenizer=tok_dir,
-              fields=Fields(prompt="q", response="a"))
+    res = run(plan, tmp_path, steps=2, model_data=ModelDataOptions(data=str(f), tokenizer=tok_dir,
+                                                                    prompt_field="q", response_field="a"))
     assert all(np.isfinite(res.losses))
 
 
 def test_one_line_errors(tmp_path, tok_dir):
-    opts = RunOptions(steps=1)
+    opts = RunConfig(steps=1)
     f = tmp_path / "x.jsonl"
     f.write_text(json.dumps({"body": "hi"}) + "\n")
     with pytest.raises(DataError, match="no text field 'text'.*--text-field"):
         load_data(str(f), opts, 256)  # byte tokens: no tokenizer is needed, the field still is
     with pytest.raises(DataError, match="no text field 'text'.*--text-field"):
-        load_data(str(f), RunOptions(steps=1, tokenizer=tok_dir), 256)
+        load_data(str(f), RunConfig(steps=1, model_data=ModelDataOptions(tokenizer=tok_dir)), 256)
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     with pytest.raises(DataError, match="empty file"):
         load_data(str(empty), opts, 256)
     with pytest.raises(DataError, match="empty file"):
-        load_data(str(empty), RunOptions(steps=1, tokenizer=tok_dir), 256)
+        load_data(str(empty), RunConfig(steps=1, model_data=ModelDataOptions(tokenizer=tok_dir)), 256)
     with pytest.raises(DataError, match="no tokenizer there"):
-        load_data(str(f), RunOptions(steps=1, tokenizer=str(tmp_path)), 256)
+        load_data(str(f), RunConfig(steps=1, model_data=ModelDataOptions(tokenizer=str(tmp_path))), 256)

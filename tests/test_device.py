@@ -23,6 +23,7 @@ from tierflow.executor.engine import ExecutionError, Executor
 from tierflow.executor.ops.context import RoundState
 from tierflow.executor.ops.grads import GradOps
 from tierflow.executor.ops.weights import WeightOps
+from tierflow.executor.options import OutputOptions
 from tierflow.executor.tiers.arena import arena_bytes_for
 from tierflow.executor.tiers.state import TrainState
 from tierflow.planner.io.planfile import write_plan
@@ -235,7 +236,7 @@ def test_a_start_event_on_the_wrong_device_is_reported_with_the_op(tmp_path, mon
     """The old start event (recorded on the current device, 0, not on the run's) cannot be timed against the
     ops' events of device 1: the reporter's error reaches the caller naming the op, not an assert in
     run.py."""
-    real = Executor._new_round
+    real = Executor.new_round
 
     def new_round(self, *a):
         from tierflow.executor.device.emulated import EmuEvent
@@ -245,7 +246,7 @@ def test_a_start_event_on_the_wrong_device_is_reported_with_the_op(tmp_path, mon
         rs.ev0.fire()
         return rs
 
-    monkeypatch.setattr(Executor, "_new_round", new_round)
+    monkeypatch.setattr(Executor, "new_round", new_round)
     with pytest.raises(ExecutionError, match=r"reporting the loss after op \d+ .*device 0 and device 1"):
         run(make_plan("tiny-gpt", "vertical", "weights_cpu"), tmp_path, device=f"{ADV}:1", steps=1)
 
@@ -418,7 +419,8 @@ def test_measured_device_memory_reaches_the_trace_and_compare(tmp_path):
     write_plan(plan, f)
     for device, measured in ((ADV, True), ("cpu", False)):
         out = tmp_path / device
-        run(load_plan(f), tmp_path, device=device, steps=2, out=str(out))
+        run(load_plan(f), tmp_path, device=device, steps=2,
+            output=OutputOptions(out=str(out), quiet=True, collect_final=True))
         c = compare(load_plan(f), out / "trace.json")
         text = format_comparison(c)
         if measured:  # the emulated allocator's own peak, not the plan's numbers replayed

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_worker import HYPER, make_plan
+from dist_worker import OPTIMIZER, make_plan
 
 from tierflow.cli import main
 from tierflow.executor.models import build_blocks
-from tierflow.executor.run import RunOptions, run_plan
+from tierflow.executor.run import OutputOptions, RunConfig, run_plan
 from tierflow.planner.core.models import get_model
 from tierflow.planner.io.planfile import write_plan
 
@@ -97,8 +97,8 @@ def one_rank(family: str, placement: str, steps: int, tmp_path: Path):
     ssd = tmp_path / "ssd1"
     ssd.mkdir(exist_ok=True)
     plan = make_plan("tiny-gpt", family, placement, gpus=1)
-    return run_plan(plan, RunOptions(steps=steps, ssd_dir=str(ssd), quiet=True, collect_final=True,
-                                     hyper=HYPER))
+    return run_plan(plan, RunConfig(steps=steps, device="cpu", ssd_dir=str(ssd), optimizer=OPTIMIZER,
+                                    output=OutputOptions(quiet=True, collect_final=True)))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -111,8 +111,8 @@ def test_two_ranks_in_bf16_train_like_one_rank(two_ranks, tmp_path):
     ssd = tmp_path / "ssd1"
     ssd.mkdir()
     want = run_plan(make_plan("tiny-gpt", family, placement, gpus=1),
-                    RunOptions(steps=steps, ssd_dir=str(ssd), quiet=True, collect_final=True, hyper=HYPER,
-                               device=device, compute_dtype="bf16"))
+                    RunConfig(steps=steps, ssd_dir=str(ssd), optimizer=OPTIMIZER, device=device,
+                              compute_dtype="bf16", output=OutputOptions(quiet=True, collect_final=True)))
     # the same bf16 weights and data: the same first loss but for the order two ranks sum it in (4.3e-8
     # relative in a fresh environment on 2026-11-28, at the landed code of the day before too; another init or
     # batch would differ in the first digits)
@@ -163,8 +163,8 @@ def test_two_ranks_train_with_compressed_states(name, two_ranks, tmp_path):
     ssd = tmp_path / "ssd1"
     ssd.mkdir()
     plan = make_plan("tiny-gpt", family, placement, gpus=1, optimizer_states=fmt)
-    one = run_plan(plan, RunOptions(steps=steps, ssd_dir=str(ssd), quiet=True, collect_final=True,
-                                    hyper=HYPER))
+    one = run_plan(plan, RunConfig(steps=steps, device="cpu", ssd_dir=str(ssd), optimizer=OPTIMIZER,
+                                   output=OutputOptions(quiet=True, collect_final=True)))
     fp32 = one_rank(family, placement, steps, tmp_path)
     assert got["losses"][0] == pytest.approx(fp32.losses[0], rel=1e-5)  # the same weights and data
     for a, b, w in zip(got["losses"], one.losses, fp32.losses):

@@ -15,7 +15,7 @@ from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.evaluate import check_held_out, held_out_sequences
 from tierflow.executor.models import BlockModel, build_blocks
 from tierflow.executor.models import loss as lm_loss
-from tierflow.executor.optim.adamw import TrainHyper
+from tierflow.executor.options import EvalOptions, OptimizerOptions
 from tierflow.planner.core.models import get_model
 from tierflow.planner.io.planfile import write_plan
 
@@ -75,8 +75,8 @@ def test_the_validation_loss_is_the_plain_forwards_over_the_distinct_held_out_se
     once (not wrapped around)."""
     from tierflow.planner.io.planfile import load_plan
 
-    res = run(load_plan(tiny_plan), tmp_path, hyper=TrainHyper(), steps=2, eval_every=2, val_fraction=0.005,
-              eval_batches=8)
+    res = run(load_plan(tiny_plan), tmp_path, optimizer=OptimizerOptions(), steps=2,
+              evaluation=EvalOptions(every=2, val_fraction=0.005, batches=8))
     model = get_model("tiny-gpt")
     _, val = TokenData.load(None, model.vocab_size, seed=0).split(0.005)  # 328 tokens: 5 windows
     n = held_out_sequences(val, SEQ)

@@ -26,7 +26,14 @@ from tierflow.executor.models import BlockModel, build_blocks
 from tierflow.executor.models import loss as lm_loss
 from tierflow.executor.ops.weights import WeightOps
 from tierflow.executor.optim.decay import decayed
-from tierflow.executor.run import RunOptions, RunResult, run_plan
+from tierflow.executor.run import (
+    ModelDataOptions,
+    OptimizerOptions,
+    OutputOptions,
+    RunConfig,
+    RunResult,
+    run_plan,
+)
 from tierflow.executor.tiers.ssd_store import ChecksumError, SsdError, SsdStore, check_ssd_dir
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.models import get_model
@@ -96,12 +103,18 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def run(plan, tmp_path: Path, **kw) -> RunResult:
+OPTIMIZER = OptimizerOptions(lr=HYPER.lr, weight_decay=HYPER.weight_decay)  # the reference's AdamW
+QUIET = OutputOptions(quiet=True, collect_final=True)
+
+
+def run(plan, tmp_path: Path, steps: int = STEPS, device: str = "cpu", **groups) -> RunResult:
+    """run_plan on a CPU device (or `device`) with the SSD tier under tmp_path; `groups`: RunConfig's other
+    fields (the optimizer: the reference's; the output: quiet, with the final state)."""
     ssd = tmp_path / "ssd"
     ssd.mkdir(exist_ok=True)
-    kw.setdefault("hyper", HYPER)
-    opts = RunOptions(steps=kw.pop("steps", STEPS), ssd_dir=str(ssd), quiet=True, collect_final=True, **kw)
-    return run_plan(plan, opts)
+    groups.setdefault("optimizer", OPTIMIZER)
+    groups.setdefault("output", QUIET)
+    return run_plan(plan, RunConfig(steps=steps, device=device, ssd_dir=str(ssd), **groups))
 
 
 # -- correctness: every family x placement x alpha -----------------------------------------------------------
@@ -183,7 +196,8 @@ def test_measured_trace_and_compare(tmp_path):
     path = tmp_path / "plan.json"
     write_plan(plan, path)
     out = tmp_path / "out"
-    res = run(load_plan(path), tmp_path, steps=3, out=str(out))
+    res = run(load_plan(path), tmp_path, steps=3,
+              output=OutputOptions(out=str(out), quiet=True, collect_final=True))
     for f in ("timeline.csv", "trace.json", "gantt.png", "steps.csv"):
         assert (out / f).stat().st_size > 0
     m = res.measured
@@ -300,7 +314,8 @@ def test_text_data_trains_on_it(tmp_path):
     txt = tmp_path / "t.txt"
     txt.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     plan = make_plan("tiny-gpt", "horizontal", "weights_cpu", iterations=1)
-    res = run(plan, tmp_path, steps=8, data=str(txt), hyper=Hyper(lr=1e-2, weight_decay=0.0))
+    res = run(plan, tmp_path, steps=8, model_data=ModelDataOptions(data=str(txt)),
+              optimizer=OptimizerOptions(lr=1e-2, weight_decay=0.0))
     assert res.losses[-1] < res.losses[0] - 0.5  # a repetitive text is learned quickly
 
 
@@ -321,7 +336,7 @@ def test_init_from_hf_checkpoint_layer_by_layer(tmp_path):
     with torch.no_grad():
         want = lm_loss(hf(x).logits, y).item()
     plan = make_plan("tiny-llama", "vertical", "states_ssd", iterations=1, batch=BATCH, micro=BATCH)
-    res = run(plan, tmp_path, steps=1, init=str(tmp_path / "hf"))
+    res = run(plan, tmp_path, steps=1, model_data=ModelDataOptions(init=str(tmp_path / "hf")))
     assert abs(res.losses[0] - want) <= 1e-5 * want
 
 

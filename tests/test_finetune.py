@@ -25,7 +25,13 @@ from tierflow.executor.optim.adamw import TrainHyper
 from tierflow.executor.optim.clipping import clip_coef
 from tierflow.executor.optim.decay import decayed
 from tierflow.executor.optim.lr_schedule import lr_factor
-from tierflow.executor.run import RunError
+from tierflow.executor.run import (
+    CheckpointOptions,
+    EvalOptions,
+    OptimizerOptions,
+    OutputOptions,
+    RunError,
+)
 from tierflow.planner.core.clipwait import wait_for_norm, waits_for_norm
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.simulate import simulate_config
@@ -36,6 +42,13 @@ from tierflow.planner.io.planfile import write_plan
 
 STEPS = 20
 BATCH, MICRO = 2, 1  # two micro-batches a step: gradient accumulation, at half test_executor's cost
+
+
+def options_of(h: TrainHyper) -> OptimizerOptions:
+    """The run's optimizer options of the reference's settings `h`."""
+    return OptimizerOptions(lr=h.lr, weight_decay=h.weight_decay, betas=(h.beta1, h.beta2), eps=h.eps,
+                            schedule=h.schedule, warmup_steps=h.warmup_steps, clip_grad_norm=h.clip_grad_norm,
+                            clip=h.clip, total_steps=h.total_steps or None)
 
 
 @functools.cache
@@ -112,7 +125,7 @@ CASES = [
 def test_matches_plain_pytorch_with_schedule_clipping_and_decay_groups(model_name, family, placement, alpha,
                                                                        h, tmp_path):
     plan = make_plan(model_name, family, placement, alpha, batch=BATCH, micro=MICRO)
-    res = run(plan, tmp_path, hyper=h, steps=STEPS)
+    res = run(plan, tmp_path, optimizer=options_of(h), steps=STEPS)
     check_equal(res, reference(model_name, h))
     assert all(r.grad_norm is not None and r.grad_norm > 0 for r in res.records)
     assert res.records[0].lr == h.lr_at(1)
@@ -129,7 +142,7 @@ def test_global_clipping_waits_in_an_overlapped_plan_and_matches(tmp_path):
     assert waits_for_norm(waiting)
     assert simulate_graph(waiting, HW).iteration_s > simulate_graph(plan.graph, HW).iteration_s
     h = TrainHyper(lr=3e-3, schedule="linear", warmup_steps=2, total_steps=8, clip_grad_norm=1.0)
-    res = run(plan, tmp_path, hyper=h, steps=8)
+    res = run(plan, tmp_path, optimizer=options_of(h), steps=8)
     check_equal(res, reference("tiny-gpt", h, steps=8))
     assert any(r.grad_norm > 1.0 for r in res.records)
 
@@ -139,7 +152,7 @@ def test_global_clipping_is_refused_where_the_plan_cannot_wait(tmp_path):
     read for the backward: the step's gradients cannot all come before its first optimizer step."""
     plan = make_plan("tiny-gpt", "fuyou", "mix")
     with pytest.raises(RunError, match="--clip delayed"):
-        run(plan, tmp_path, hyper=TrainHyper(clip_grad_norm=1.0), steps=2)
+        run(plan, tmp_path, optimizer=OptimizerOptions(clip_grad_norm=1.0), steps=2)
 
 
 def test_resume_goes_on_with_the_schedule_and_delayed_norm(tmp_path):
@@ -147,19 +160,22 @@ def test_resume_goes_on_with_the_schedule_and_delayed_norm(tmp_path):
                    clip="delayed")
     plan = make_plan("tiny-gpt", "fuyou", "weights_cpu", batch=BATCH, micro=MICRO)
     ck = tmp_path / "ck"
-    first = run(plan, tmp_path, hyper=h, steps=4, checkpoint_dir=str(ck), checkpoint_every=2)
+    first = run(plan, tmp_path, optimizer=options_of(h), steps=4,
+                checkpoint=CheckpointOptions(str(ck), every=2))
     again = TrainHyper(lr=3e-3, schedule="cosine", warmup_steps=2, total_steps=8, clip_grad_norm=1.0,
                        clip="delayed")
-    second = run(plan, tmp_path, hyper=again, steps=8, checkpoint_dir=str(ck), checkpoint_every=2)
+    second = run(plan, tmp_path, optimizer=options_of(again), steps=8,
+                 checkpoint=CheckpointOptions(str(ck), every=2))
     ref_losses, _ = reference("tiny-gpt", h, steps=8)
     losses = first.losses + second.losses
     assert second.first_step == 4
     for got, want in zip(losses, ref_losses):
         assert abs(got - want) <= 1e-5 * abs(want)
     with pytest.raises(RunError, match="--lr-schedule 'cosine' -> 'linear'"):
-        run(plan, tmp_path, hyper=TrainHyper(lr=3e-3, schedule="linear", warmup_steps=2, total_steps=8,
-                                             clip_grad_norm=1.0, clip="delayed"),
-            steps=8, checkpoint_dir=str(ck))
+        linear = TrainHyper(lr=3e-3, schedule="linear", warmup_steps=2, total_steps=8, clip_grad_norm=1.0,
+                            clip="delayed")
+        run(plan, tmp_path, optimizer=options_of(linear),
+            steps=8, checkpoint=CheckpointOptions(str(ck), every=0))
 
 
 def test_ds_config_sections(tmp_path):
@@ -266,9 +282,10 @@ def test_evaluation_steps_csv_and_tensorboard(tmp_path):
     pytest.importorskip("tensorboard")
     plan = make_plan("tiny-gpt", "vertical", "mix", 0.25, batch=BATCH, micro=MICRO)
     with pytest.raises(RunError, match="--val-fraction"):
-        run(plan, tmp_path, hyper=TrainHyper(), steps=2, eval_every=2)
-    res = run(plan, tmp_path, hyper=TrainHyper(), steps=4, eval_every=2, val_fraction=0.25, eval_batches=2,
-              out=str(tmp_path / "out"), log_dir=str(tmp_path / "tb"))
+        run(plan, tmp_path, optimizer=OptimizerOptions(), steps=2, evaluation=EvalOptions(every=2))
+    res = run(plan, tmp_path, optimizer=OptimizerOptions(), steps=4,
+              evaluation=EvalOptions(every=2, val_fraction=0.25, batches=2, log_dir=str(tmp_path / "tb")),
+              output=OutputOptions(out=str(tmp_path / "out"), quiet=True, collect_final=True))
     assert [r.val_loss is not None for r in res.records] == [False, True, False, True]
     model = get_model("tiny-gpt")
     ref = BlockModel(model, build_blocks(model))

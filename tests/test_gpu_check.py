@@ -213,16 +213,16 @@ def test_the_graph_steps_follow_the_run_option(tmp_path, monkeypatch, has_option
 
 
 def test_bench_executor_refuses_a_graph_switch_the_run_lacks(tmp_path, monkeypatch, capsys):
-    """bench_executor's --[no-]cuda-graphs goes to RunOptions.cuda_graphs; without that field it is refused
+    """bench_executor's --[no-]cuda-graphs goes to RunConfig.cuda_graphs; without that field it is refused
     with one line (exit 2) before anything runs."""
     from dataclasses import fields
 
-    from tierflow.executor.run import RunOptions
+    from tierflow.executor.run import RunConfig
 
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
     import bench_executor as be
 
-    has = be.GRAPHS_FIELD in {f.name for f in fields(RunOptions)}
+    has = be.GRAPHS_FIELD in {f.name for f in fields(RunConfig)}
     assert (be.graphs_missing() is None) == has
     if has:
         pytest.skip("this tierflow has the CUDA graph switch")

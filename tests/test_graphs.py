@@ -157,7 +157,7 @@ def test_llama_blocks_replay_bit_for_bit_too():
 
 @pytest.mark.parametrize("family", ["horizontal", "fuyou"])
 def test_a_run_with_graphs_matches_plain_pytorch_adamw(family, tmp_path, monkeypatch):
-    """`run_plan` with RunOptions.cuda_graphs (what --cuda-graphs sets) on the emulation: the same
+    """`run_plan` with RunConfig.cuda_graphs (what --cuda-graphs sets) on the emulation: the same
     equivalence with plain PyTorch as every run (tests/test_executor.py), over 5 steps (3 + 2: a warm-up, a
     capture and replays, and a second round replaying the first round's graph)."""
     plan = make_plan("tiny-gpt", family, "device", iterations=3)

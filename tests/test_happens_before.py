@@ -76,7 +76,7 @@ def _logging_dict(log: AccessLog, what: str, base: dict) -> dict:
 
 def record_accesses(monkeypatch) -> AccessLog:
     log = AccessLog()
-    real_run, real_new, real_add = Ops.run, Executor._new_round, GradBuffers.add
+    real_run, real_new, real_add = Ops.run, Executor.new_round, GradBuffers.add
 
     def run_op(self, rs, t):
         _current.op, _current.moves = t.id, any(t.kind in kinds for kinds in ENTRY_KINDS.values())
@@ -96,7 +96,7 @@ def record_accesses(monkeypatch) -> AccessLog:
         real_add(self, rs, t, o, lo, hi, grad)
 
     monkeypatch.setattr(Ops, "run", run_op)
-    monkeypatch.setattr(Executor, "_new_round", new_round)
+    monkeypatch.setattr(Executor, "new_round", new_round)
     monkeypatch.setattr(GradBuffers, "add", add)
     return log
 

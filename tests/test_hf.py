@@ -123,7 +123,7 @@ from tierflow.executor.data import TokenData  # noqa: E402
 from tierflow.executor.engine import Hyper  # noqa: E402
 from tierflow.executor.models import BlockModel, build_blocks  # noqa: E402
 from tierflow.executor.optim.decay import decayed  # noqa: E402
-from tierflow.executor.run import RunOptions, run_plan  # noqa: E402
+from tierflow.executor.run import OptimizerOptions, OutputOptions, RunConfig, run_plan  # noqa: E402
 from tierflow.executor.tiers.state import BlockLayout  # noqa: E402
 from tierflow.hwprofiles import load_profile  # noqa: E402
 from tierflow.planner.core.placement import Placement, Split  # noqa: E402
@@ -188,8 +188,9 @@ def test_run_trains_the_family_and_exports_what_transformers_loads(family, tmp_p
     spec = FAMILIES[family]
     (tmp_path / "ssd").mkdir()
     out = tmp_path / "hf"
-    opts = RunOptions(steps=STEPS, ssd_dir=str(tmp_path / "ssd"), quiet=True, collect_final=True, hyper=HYPER,
-                      export_hf=str(out))
+    opts = RunConfig(steps=STEPS, device="cpu", ssd_dir=str(tmp_path / "ssd"),
+                     optimizer=OptimizerOptions(lr=HYPER.lr, weight_decay=HYPER.weight_decay),
+                     output=OutputOptions(quiet=True, collect_final=True, export_hf=str(out)))
     res = run_plan(make_plan(spec), opts)
     # the executor's training is plain PyTorch AdamW training of these blocks
     for got, want in zip(res.losses, reference_losses(spec), strict=True):

@@ -277,6 +277,132 @@ def test_the_private_name_check_can_fail(tmp_path):
     assert private_imports(f) == ["tierflow.planner.core.trace._x"]
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def imported_names(path: Path, mods: dict[str, Path], importer: str) -> dict[str, str]:
+    """Local name -> what it is bound to, for the package's imports of a file: a module's installed name, or
+    `module:Name` for a name imported from one (`from tierflow.x import y`, `import tierflow.x as m`)."""
+    out = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in mods:
+                    out[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            module = absolute_module(node, importer, path.name == "__init__.py")
+            if not module.startswith("tierflow"):
+                continue
+            for a in node.names:
+                sub = f"{module}.{a.name}"
+                out[a.asname or a.name] = sub if sub in mods else f"{module}:{a.name}"
+    return out
+
+
+def module_classes(mods: dict[str, Path]) -> dict[str, dict[str, set[str]]]:
+    """module -> its top-level classes -> the names of the methods each defines."""
+    out: dict[str, dict[str, set[str]]] = {}
+    for name, path in mods.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                out.setdefault(name, {})[node.name] = {
+                    f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return out
+
+
+def private_reach_across(path: Path, mods: dict[str, Path], classes: dict[str, dict[str, set[str]]],
+                         me: str | None = None) -> list[str]:
+    """A file's reaches into another of the package's modules' private names, by attribute: `module._name`
+    on a module it imported (`import tierflow.x as m; m._y`, `from tierflow import x; x._y`,
+    `tierflow.x._y`), `Cls._name` on a class imported from another module, and a subclass of such a class
+    that overrides one of its private methods. (`from x import _y` is private_imports'.)"""
+    me = me or module_name(path)
+    bound, out, where = imported_names(path, mods, me), [], path.name
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            owner = ast.unparse(node.value)
+            target = bound.get(owner, owner if owner in mods else None)
+            if target is not None and target.split(":")[0] != me:
+                out.append(f"{where}:{node.lineno} reaches {target.replace(':', '.')}.{node.attr}")
+        elif isinstance(node, ast.ClassDef):
+            mine = {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            for base in node.bases:
+                target = bound.get(ast.unparse(base), "")
+                module, _, cls = target.partition(":")
+                theirs = classes.get(module, {}).get(cls, set())
+                for m in sorted(n for n in mine & theirs if _private(n)):
+                    out.append(f"{where}:{node.lineno} {node.name} overrides {module}.{cls}.{m}")
+    return out
+
+
+def test_no_private_reach_across_modules():
+    """No module of the package reaches into another's private names by attribute either: no `module._name`
+    on a module it imported, no `Cls._name` on another module's class, and no subclass overriding another
+    module's private method (a public hook is what another module extends)."""
+    mods = package_modules()
+    classes = module_classes(mods)
+    bad = [line for path in mods.values() for line in private_reach_across(path, mods, classes)]
+    assert not bad, bad
+
+
+def test_the_private_reach_across_check_can_fail(tmp_path):
+    mods = package_modules()
+    classes = module_classes(mods)
+    f = tmp_path / "probe.py"
+    f.write_text("import tierflow.executor.engine as eng\nfrom tierflow.executor import train_loop\n"
+                 "from tierflow.executor.engine import Executor\n"
+                 "x = eng._Aborted\ny = train_loop._lock\nz = Executor._dep_waits\n"
+                 "class Timed(Executor):\n    def _dep_waits(self):\n        return ()\n"
+                 "    def _mine(self):\n        return self._other\n")
+    got = private_reach_across(f, mods, classes, me="tierflow.executor.probe")
+    assert sorted(line.split(" ", 1)[1] for line in got) == [
+        "Timed overrides tierflow.executor.engine.Executor._dep_waits",
+        "reaches tierflow.executor.engine.Executor._dep_waits", "reaches tierflow.executor.engine._Aborted",
+        "reaches tierflow.executor.train_loop._lock"], got
+
+
+def test_the_run_configuration_imports_no_solver():
+    """Importing the run's configuration (executor/options.py) imports neither torch nor a solver: not
+    OR-Tools, scipy, the simulator, the trace fit or the planning function."""
+    code = ("import sys, tierflow.executor.options; "
+            "print(*[m in sys.modules for m in ('ortools', 'scipy', 'torch', "
+            "'tierflow.planner.core.simulator', 'tierflow.planner.fit.trace_fit', "
+            "'tierflow.planner.io.planning', 'tierflow.executor.decide')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["False"] * 7, out.stdout
+
+
+def process_ends(path: Path) -> list[str]:
+    """Calls that end the process (`os._exit`, `sys.exit`, `exit`, `quit`) in a file."""
+    out = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Call):
+            name = ast.unparse(n.func)
+            if name in ("os._exit", "sys.exit", "exit", "quit"):
+                out.append(f"{path.relative_to(ROOT)}:{n.lineno} {name}")
+    return out
+
+
+# the one library call that ends a process: a rank whose launcher died and whose main thread did not stop
+# within the grace time after its SIGTERM (dist.watch_launcher's thread; the command cannot act: its thread is
+# the one stuck)
+PROCESS_ENDS_ALLOWED = {"executor/dist.py": 1}
+
+
+def test_the_library_raises_and_only_the_command_line_ends_the_process():
+    """The library raises (RunStopped, TierflowError); only tierflow/cli maps them to exit codes and ends the
+    process (tierflow/cli/run.py `_end`: a rank of several at once)."""
+    found: dict[str, list[str]] = {}
+    for folder in ("tierflow/errors.py", "tierflow/outputs.py", "tierflow/logs.py", "hwprofiles", "planner",
+                   "executor"):
+        for f in files_of(folder):
+            if process_ends(f):
+                found[str(f.relative_to(ROOT))] = process_ends(f)
+    assert {k: len(v) for k, v in found.items()} == PROCESS_ENDS_ALLOWED, found
+    assert process_ends(ROOT / "tierflow/cli/run.py")  # the check sees one where there is one
+
+
 BUILTIN_ERRORS = {"Exception", "BaseException", "ValueError", "RuntimeError", "OSError", "KeyError",
                   "TypeError"}
 # signals that stop a run, not errors

@@ -1,5 +1,5 @@
 """Host memory as every backend allocates it: one code path (DeviceBackend.host_buffer
-and pinned_area over the primitive _host_bytes), so that a buffer asked for as pinned is one that the
+and pinned_area over the primitive host_bytes_raw), so that a buffer asked for as pinned is one that the
 backend's own copy_async accepts, on every backend. The CUDA backend runs here against a fake of torch's CUDA
 allocator and streams: the fake pins only what torch is asked to pin (`torch.empty(pin_memory=True)` or
 cudaHostRegister), so the test fails if CudaBackend hands out pageable memory for a pinned request, as it did

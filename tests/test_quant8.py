@@ -13,6 +13,7 @@ from test_executor import run as _run
 from torch.optim.adamw import adamw as adamw_step
 
 from tierflow.executor.optim.quant8 import BLOCK, Q8, dynamic_map, packed_bytes, stochastic_round_bf16_
+from tierflow.executor.options import CheckpointOptions
 from tierflow.planner.core.optstates import quantized_bytes
 from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.io.planfile import plan_from_graph
@@ -161,8 +162,8 @@ def test_checkpoint_resumes_bit_for_bit(fmt, tmp_path):
     plan = _plan(fmt, "mix", 0.25)
     never = run(plan, tmp_path / "never", steps=4)
     ck = str(tmp_path / "ck")
-    first = run(plan, tmp_path / "a", steps=2, checkpoint_dir=ck, checkpoint_every=2)
-    then = run(plan, tmp_path / "b", steps=4, checkpoint_dir=ck)
+    first = run(plan, tmp_path / "a", steps=2, checkpoint=CheckpointOptions(ck, every=2))
+    then = run(plan, tmp_path / "b", steps=4, checkpoint=CheckpointOptions(ck, every=0))
     assert then.first_step == 2
     assert first.losses + then.losses == never.losses
     for got, want in ((then.final_master, never.final_master), (then.final_adam_m, never.final_adam_m)):

@@ -23,8 +23,7 @@ from tierflow.cli import main
 from tierflow.executor import checkpoint
 from tierflow.executor.checkpoint import file_crc32, read_manifest, verify_file, write_safetensors
 from tierflow.executor.dist import DistWorld
-from tierflow.executor.engine import Hyper
-from tierflow.executor.run import RunError, RunOptions, run_plan
+from tierflow.executor.run import CheckpointOptions, OptimizerOptions, RunConfig, RunError, run_plan
 from tierflow.executor.tiers.dirlock import LOCK_NAME, DirLock
 from tierflow.executor.tiers.state import TrainState
 from tierflow.planner.io.planfile import write_plan
@@ -72,15 +71,16 @@ def dead_pid() -> int:
 # -- 1. divergence -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flag,hyper", [("--lr", Hyper(lr=0.0)), ("--lr", Hyper(lr=-1e-3)),
-                                        ("--lr", Hyper(lr=math.nan)), ("--lr", Hyper(lr=math.inf)),
-                                        ("--weight-decay", Hyper(weight_decay=-0.1)),
-                                        ("--weight-decay", Hyper(weight_decay=math.nan))])
-def test_bad_lr_or_weight_decay_is_refused_up_front(plans, tmp_path, flag, hyper):
+@pytest.mark.parametrize("flag,optimizer", [
+    ("--lr", OptimizerOptions(lr=0.0)), ("--lr", OptimizerOptions(lr=-1e-3)),
+    ("--lr", OptimizerOptions(lr=math.nan)), ("--lr", OptimizerOptions(lr=math.inf)),
+    ("--weight-decay", OptimizerOptions(weight_decay=-0.1)),
+    ("--weight-decay", OptimizerOptions(weight_decay=math.nan))])
+def test_bad_lr_or_weight_decay_is_refused_up_front(plans, tmp_path, flag, optimizer):
     """The command line refuses them in argparse (tests/test_reliability_inputs.py); run_plan itself too."""
     (tmp_path / "ssd").mkdir()
-    opts = RunOptions(steps=2, ssd_dir=str(tmp_path / "ssd"), checkpoint_dir=str(tmp_path / "ck"),
-                      hyper=hyper)
+    opts = RunConfig(steps=2, device="cpu", ssd_dir=str(tmp_path / "ssd"),
+                     checkpoint=CheckpointOptions(str(tmp_path / "ck")), optimizer=optimizer)
     with pytest.raises(RunError, match=f"^{flag} .*: must be a finite number"):
         run_plan(plan_from(plans["one"]), opts)
     # refused before anything
@@ -496,8 +496,8 @@ def test_an_exception_in_the_main_thread_joins_every_worker_first(plans, tmp_pat
     (tmp_path / "ssd").mkdir()
     try:
         with pytest.raises(Stop):
-            run_plan(plan_from(plans["three"]), RunOptions(steps=1000, ssd_dir=str(tmp_path / "ssd")),
-                     log=log)
+            run_plan(plan_from(plans["three"]),
+                     RunConfig(steps=1000, device="cpu", ssd_dir=str(tmp_path / "ssd")), log=log)
     finally:
         signal.signal(signal.SIGUSR1, old)
     alive = [t.name for t in threading.enumerate() if t.name.startswith("tierflow")]

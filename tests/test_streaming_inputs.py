@@ -92,12 +92,12 @@ def bpe_dir(tmp_path_factory) -> str:
 
 DATA_WORK = r"""
 import json
-from tierflow.executor.corpus import Fields
 from tierflow.executor.data import DataError
-from tierflow.executor.train_loop import RunOptions, load_data
+from tierflow.executor.options import ModelDataOptions, RunConfig
+from tierflow.executor.train_loop import load_data
 for path, tok, line_mib in json.loads(os.environ["CASES"]):
-    opts = RunOptions(steps=1, tokenizer=tok, fields=Fields(max_line_mib=line_mib),
-                      cache_dir=os.environ["CACHE"])
+    opts = RunConfig(steps=1, model_data=ModelDataOptions(tokenizer=tok, max_line_mib=line_mib,
+                                                          cache_dir=os.environ["CACHE"]))
     try:
         data = load_data(path, opts, 50304)
         print("ok", len(data.tokens), flush=True)
@@ -179,7 +179,8 @@ def test_text_pieces_give_the_tokens_of_the_whole_text(tmp_path, bpe_dir, monkey
 
 def test_text_as_a_file_a_directory_or_json_lines_trains_on_byte_tokens_without_a_tokenizer(tmp_path, capsys):
     from tierflow.executor.corpus import BYTE_EOS
-    from tierflow.executor.train_loop import RunOptions, load_data
+    from tierflow.executor.options import RunConfig
+    from tierflow.executor.train_loop import load_data
 
     docs = ["def f(x):\n    return x\n", "héllo wörld\n" * 40, "print(1)\n" * 30]
     d = tmp_path / "texts"
@@ -188,7 +189,7 @@ def test_text_as_a_file_a_directory_or_json_lines_trains_on_byte_tokens_without_
         (d / f"{i}.txt").write_text(t)
     jl = tmp_path / "texts.jsonl"
     jl.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-    opts = RunOptions(steps=1)
+    opts = RunConfig(steps=1)
     want = b"".join(t.encode() + bytes([BYTE_EOS]) for t in docs)
     for path in (d, jl):
         data = load_data(str(path), opts, 256)

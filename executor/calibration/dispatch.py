@@ -11,7 +11,7 @@ around its own steps (each clock is a few hundred nanoseconds, counted in the pa
     events    the engine's record / wait_event / synchronize_event calls (streams only; a host worker's
               synchronize_event includes the time its stream op still ran)
     launch    backend.launch less the handler when it runs inline (CUDA, the plain CPU): the stream hand-off
-    trace     the per-op timing and memory-effect bookkeeping (`_apply_mem`)
+    trace     the per-op timing and memory-effect bookkeeping (`apply_mem`)
     handler   the op's handler (ops/table.py), on whichever thread runs it: its torch calls and its Python
     loop      the rest of the worker's time per op (dependency checks, marking the op done, the loop)
 
@@ -132,31 +132,31 @@ class TimedExecutor(Executor):
 
         self.ops.run = timed_run
 
-    def _new_round(self, iterations, step0, n):
-        rs = super()._new_round(iterations, step0, n)
+    def new_round(self, iterations, step0, n):
+        rs = super().new_round(iterations, step0, n)
         rs.done = [_TimedEvent() for _ in range(n)]
         return rs
 
-    def _wait(self, rs, d) -> None:
+    def wait_op(self, rs, d) -> None:
         ev = rs.done[d]
         if ev.is_set():
             return
         t0 = time.perf_counter()
-        super()._wait(rs, d)
+        super().wait_op(rs, d)
         now = time.perf_counter()
         self.clock.local.blocked_s = getattr(self.clock.local, "blocked_s", 0.0) + (now - t0)
         self.clock.add("handoff", now - max(ev.t_s, t0))
 
-    def _apply_mem(self, rs, effects) -> None:
+    def apply_mem(self, rs, effects) -> None:
         t0 = time.perf_counter()
-        super()._apply_mem(rs, effects)
+        super().apply_mem(rs, effects)
         self.clock.add("trace", time.perf_counter() - t0)
 
-    def _worker(self, rs, resource, queue) -> None:
+    def worker(self, rs, resource, queue) -> None:
         c = self.clock
         c.local.blocked_s = c.local.handler_s = 0.0
         t0 = time.perf_counter()
-        super()._worker(rs, resource, queue)
+        super().worker(rs, resource, queue)
         # this worker's time less its waits for other threads' ops
         c.add(f"worker_s:{resource}", time.perf_counter() - t0 - c.local.blocked_s)
 

@@ -207,7 +207,8 @@ def _host_plan_costs(profile: HardwareProfile, device: str,
     import tempfile
     from dataclasses import replace
 
-    from tierflow.executor.train_loop import RunOptions, run_plan
+    from tierflow.executor.options import OutputOptions, RunConfig
+    from tierflow.executor.train_loop import run_plan
     from tierflow.planner.core.costmodel import link_rates
     from tierflow.planner.core.models import get_model
     from tierflow.planner.core.placement import Placement, Split
@@ -231,8 +232,8 @@ def _host_plan_costs(profile: HardwareProfile, device: str,
     with tempfile.TemporaryDirectory(prefix="tierflow-calibrate-") as tmp:
         path = Path(tmp) / "tiny.json"
         write_plan(plan_from_graph(tiny, hw, cfg, build_graph(tiny, hw, cfg)), path)
-        res = run_plan(load_plan(path), RunOptions(steps=6, device=device, quiet=True,
-                                                   ssd_dir=str(ssd_dir) if ssd_dir is not None else None))
+        res = run_plan(load_plan(path), RunConfig(steps=6, device=device, output=OutputOptions(quiet=True),
+                                                  ssd_dir=str(ssd_dir) if ssd_dir is not None else None))
     m = res.measured
     tasks, start, end = m.graph.tasks, m.start_s, m.end_s
     prev: dict[str, int] = {}

@@ -137,23 +137,23 @@ class DeviceBackend:
         the adversary, which copies it into a block of its own allocator)."""
         return t
 
-    # Host memory has one code path on every backend (host_buffer, pinned_area -> _host_bytes): a buffer
+    # Host memory has one code path on every backend (host_buffer, pinned_area -> host_bytes_raw): a buffer
     # asked for as pinned is pinned wherever the backend pins (`pins`), and the backends differ only in the
-    # primitive `_host_bytes` (torch's allocators on CUDA, registered numpy memory in the emulation). Until
+    # primitive `host_bytes_raw` (torch's allocators on CUDA, registered numpy memory in the emulation). Until
     # 2026-11-28 the CUDA backend's host_buffer ignored `pinned` while the emulation's pinned it.
 
     def host_buffer(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         """Host memory; `pinned` for what crosses PCIe (copy_async needs it), pageable for host-only state."""
         nbytes = numel * _element_size(dtype)
-        raw = self._host_bytes(nbytes, pinned and self.pins, exact=False)
+        raw = self.host_bytes_raw(nbytes, pinned and self.pins, exact=False)
         return raw[:nbytes].view(dtype)
 
     def pinned_area(self, nbytes: int) -> torch.Tensor:
         """One host allocation of `nbytes` (uint8) for the transfer area: page-locked where the backend pins,
         without the pinned caching allocator's rounding to a power of two. TierOutOfMemory if it fails."""
-        return self._host_bytes(nbytes, self.pins, exact=True)[:nbytes]
+        return self.host_bytes_raw(nbytes, self.pins, exact=True)[:nbytes]
 
-    def _host_bytes(self, nbytes: int, pinned: bool, exact: bool) -> torch.Tensor:
+    def host_bytes_raw(self, nbytes: int, pinned: bool, exact: bool) -> torch.Tensor:
         """The primitive: at least max(nbytes, 1) bytes of host memory (uint8), page-locked if `pinned`;
         `exact`: one allocation of its own, not rounded up by a caching allocator. TierOutOfMemory if it
         fails."""

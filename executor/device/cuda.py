@@ -67,7 +67,7 @@ class CudaBackend(DeviceBackend):
     def query_event(self, event) -> bool:
         return event.query()
 
-    def _host_bytes(self, nbytes: int, pinned: bool, exact: bool) -> torch.Tensor:
+    def host_bytes_raw(self, nbytes: int, pinned: bool, exact: bool) -> torch.Tensor:
         """Pinned: torch's pinned caching allocator (cudaHostAlloc, rounded up to a power of two), or for
         `exact` (the transfer area) pageable memory page-locked in place with cudaHostRegister (unregistered
         when it is freed): one allocation of whole pages of its own."""

@@ -406,7 +406,7 @@ class AdversarialCpuBackend(DeviceBackend):
 
     # -- host memory and copies ------------------------------------------------------------------------------
 
-    def _host_bytes(self, nbytes: int, pinned: bool, exact: bool) -> torch.Tensor:
+    def host_bytes_raw(self, nbytes: int, pinned: bool, exact: bool) -> torch.Tensor:
         """numpy memory filled with NaN bytes, registered as pinned or pageable (copy_async checks it), within
         an emulated pinned-memory limit when a test sets one."""
         if capturing() is not None:

@@ -15,6 +15,7 @@ from tierflow.executor.device.base import DeviceBackend, PlainCpuBackend
 from tierflow.executor.optim.adamw import (
     Hyper,  # the optimizer's settings, beside the context that holds them
 )
+from tierflow.executor.optim.clipping import GradNorms
 from tierflow.executor.tiers.arena import TransferArena
 from tierflow.executor.tiers.ssd_store import SsdStore, aligned_empty
 from tierflow.executor.tiers.state import BlockLayout, TrainState
@@ -37,6 +38,8 @@ class OpContext:
     backend: DeviceBackend = field(default_factory=PlainCpuBackend)
     # the pinned transfer area (tiers/arena.py); None: the backend's pinned buffers
     arena: TransferArena | None = None
+    # the run's gradient norms and clipping (the Trainer's, train_loop.py); None: no norms, no clipping
+    norms: GradNorms | None = None
 
     def transfer_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer that crosses PCIe: a view into the transfer area."""

@@ -16,7 +16,7 @@ from tierflow.executor.ops.context import OpContext, RoundState, Staged
 from tierflow.executor.ops.grad_buffers import GradBuffers
 from tierflow.executor.ops.grads import HostGradAdds
 from tierflow.executor.optim import fused_host_adamw
-from tierflow.executor.optim.adamw import adamw_update, norms_of
+from tierflow.executor.optim.adamw import adamw_update
 from tierflow.executor.optim.clipping import GradNorms, sum_of_squares
 from tierflow.executor.optim.decay import decay_pieces
 from tierflow.executor.optim.host_adamw import MIN_KERNEL_ELEMENTS, host_adamw
@@ -79,7 +79,7 @@ class OptimizerOps:
             coef = clip_prelude(cx, rs, t, step, [grads[ga:gz] for ga, gz, _d in groups])
             host_adamw_compressed(cx.hyper, step, b, groups, stretches, grads, dests, coef)
         else:  # the squares for the step's norm summed in the update's pass
-            norms = norms_of(cx.hyper)
+            norms = cx.norms
             coef = clip_factor(cx, rs, t, step, [])  # (a host op's global factor needs no gradients passed)
             sumsq = host_adamw(cx.hyper, step, groups, stretches, grads, dests, coef,
                                squares=norms is not None and norms.wants_squares())
@@ -159,7 +159,7 @@ def clip_prelude(cx: OpContext, rs: RoundState, t: Task, step: int,
     """What an optimizer op of `step` does before its update: adds the squares of its (unclipped) gradients
     to the step's norm, and returns the factor its gradients are to be multiplied by (None: no clipping)."""
     coef = clip_factor(cx, rs, t, step, grads)
-    norms = norms_of(cx.hyper)
+    norms = cx.norms
     if norms is not None:
         norms.observe(step, grads)
     return coef
@@ -168,7 +168,7 @@ def clip_prelude(cx: OpContext, rs: RoundState, t: Task, step: int,
 def clip_factor(cx: OpContext, rs: RoundState, t: Task, step: int,
                 grads: list[torch.Tensor]) -> torch.Tensor | float | None:
     """The factor the gradients of an optimizer op of `step` are to be multiplied by (None: no clipping)."""
-    norms = norms_of(cx.hyper)
+    norms = cx.norms
     if norms is None or norms.max_norm <= 0:
         return None
     if norms.mode == "global":

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adamw import adamw as adamw_step
 
-from tierflow.executor.optim.clipping import CLIP_MODES, GradNorms
+from tierflow.executor.optim.clipping import CLIP_MODES
 from tierflow.executor.optim.lr_schedule import SCHEDULES, USES_TOTAL, lr_factor
 
 
@@ -30,7 +30,7 @@ class Hyper:
 @dataclass(frozen=True)
 class TrainHyper(Hyper):
     """Hyper plus the learning-rate schedule and clipping. A checkpoint records its fields
-    (`dataclasses.asdict`); the step norms live in `norms` (not a field)."""
+    (`dataclasses.asdict`). The step norms are the run's (train_loop.Trainer.norms), not the settings'."""
 
     schedule: str = "constant"  # one of lr_schedule.SCHEDULES
     warmup_steps: int = 0
@@ -40,15 +40,10 @@ class TrainHyper(Hyper):
 
     def __post_init__(self) -> None:
         assert self.schedule in SCHEDULES and self.clip in CLIP_MODES, (self.schedule, self.clip)
-        object.__setattr__(self, "norms", GradNorms(self.clip_grad_norm, self.clip))
 
     def lr_at(self, step: int) -> float:
         total = self.total_steps if self.schedule in USES_TOTAL else 0
         return self.lr * lr_factor(self.schedule, step, self.warmup_steps, total)
-
-
-def norms_of(h: Hyper) -> GradNorms | None:
-    return getattr(h, "norms", None)
 
 
 def adamw_update(h: Hyper, tensors: list[list[torch.Tensor]], step: int, fused: bool,

@@ -1,6 +1,7 @@
 """`tierflow run`: train with a plan file on this machine, measuring every op (tierflow.executor.run). The
-parser, and `run`, which turns its flags into the executor's typed option groups (tierflow.executor.options:
-`RunRequest`), calls the executor and maps what it raises to the exit code (exits.py). torch (seconds to
+parser, and `run`, which turns its flags into the run's configuration once (tierflow.executor.options:
+`RunConfig`, `run_config`), calls the executor, maps what it raises to the exit code (exits.py) and ends the
+process (`_end`: a rank of several at once). torch (seconds to
 import, and a heap that slows the planner's garbage collection) is imported when the command runs, not when
 the parser is built."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +20,7 @@ from tierflow.logs import QUIET, level_of
 from tierflow.planner.core.trainopts import CLIP_MODES, SCHEDULES
 
 if TYPE_CHECKING:
-    from tierflow.executor.options import RunRequest
+    from tierflow.executor.options import RunConfig
 
 EXTRA = "run"  # torch and safetensors: tierflow.cli.main checks them before the command runs
 WHO = "tierflow run"  # how its error lines start
@@ -206,42 +208,59 @@ def _betas(text: str) -> tuple[float, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`tierflow run`: the configuration built once from the flags (`run_config`), the run, and its end: what
+    the library raised mapped to an exit code (exits.py), and a rank of several ended at once (`_end`)."""
     from tierflow.executor import launch  # torch is imported here, when the command runs
     from tierflow.executor.train_loop import RunStopped
 
-    req = run_request(args)
-    if req.distributed.nproc is not None:  # torchrun starts the ranks; each comes back here without --nproc
-        try:
-            return launch.launch_ranks(req)
-        except TierflowError as e:
-            return exit_code(e, WHO)
     try:
-        if req.adapt is not None:
-            from tierflow.executor.adapt import adapt_request
+        config = run_config(args)
+        if config.distributed.nproc is not None:  # torchrun starts the ranks; each comes back without --nproc
+            return launch.launch_ranks(config)
+    except TierflowError as e:
+        return exit_code(e, WHO)
+    code = 0
+    try:
+        if config.adapt is not None:
+            from tierflow.executor.adapt import adapt_file
 
-            out, code = adapt_request(req), 0
+            out = adapt_file(config)
         else:
-            outcome = launch.run_request(req)
-            code = 0 if outcome.stopped is None else exit_code(outcome.stopped, WHO)
-            out = launch.outcome_dict(req, outcome)
-    except (TierflowError, RunStopped) as e:
-        return launch.leave_world(exit_code(e, WHO))
+            out = launch.outcome_dict(config, launch.run_file(config))
+    except RunStopped as e:  # stopped early: the steps so far are printed too, and its code returned
+        code = exit_code(e, WHO)
+        if e.result is None or config.adapt is not None:
+            return _end(code)
+        out = launch.outcome_dict(config, e.result, e)
+    except TierflowError as e:
+        return _end(exit_code(e, WHO))
     if args.json and lead_rank():
         print(json.dumps(out, indent=2))
-    return launch.leave_world(code)
+    return _end(code)
 
 
-def run_request(args: argparse.Namespace) -> RunRequest:
-    """The executor's option groups (tierflow.executor.options.RunRequest) of the command line."""
-    from tierflow.executor.decide import AdaptOptions
+def _end(code: int) -> int:
+    """The exit code of this process; a rank of several ends here and now (its process groups left first,
+    launch.leave_world), so that no collective, teardown or thread left holds it."""
+    from tierflow.executor import launch
+
+    if launch.leave_world(code):
+        os._exit(code)
+    return code
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The run's configuration (tierflow.executor.options.RunConfig) of the command line, a --ds-config's
+    settings under the flags given (its notes printed once)."""
     from tierflow.executor.options import (
+        AdaptOptions,
         CheckpointOptions,
         DistOptions,
         EvalOptions,
         ModelDataOptions,
         OptimizerOptions,
         OutputOptions,
-        RunRequest,
+        RunConfig,
     )
 
     model_data = ModelDataOptions(
@@ -251,7 +270,14 @@ def run_request(args: argparse.Namespace) -> RunRequest:
     optimizer = OptimizerOptions(
         lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas, eps=args.adam_eps,
         schedule=args.lr_schedule, warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm,
-        clip=args.clip, ds_config=args.ds_config)
+        clip=args.clip)
+    if args.ds_config:
+        from tierflow.planner.io.deepspeed.train import ds_training_settings
+
+        settings, notes = ds_training_settings(args.ds_config)
+        for n in notes:
+            print(f"{WHO}: note: {n}", file=sys.stderr)
+        optimizer = optimizer.with_ds_settings(settings)
     checkpoint = CheckpointOptions(directory=args.checkpoint_dir, every=args.checkpoint_every,
                                    resume_fallback=args.resume_fallback,
                                    allow_changed_hyper=args.allow_changed_hyper)
@@ -265,7 +291,8 @@ def run_request(args: argparse.Namespace) -> RunRequest:
                           time_limit_s=args.adapt_time_limit, fit_evaluations=args.adapt_fit_evaluations,
                           decide_within=args.adapt_decide_within,
                           clip=bool(args.clip_grad_norm) and args.clip != "delayed") if args.adapt else None)
-    return RunRequest(plan=args.plan, steps=args.steps, device=args.device, ssd_dir=args.ssd_dir,
-                      compute_dtype=args.compute_dtype, cuda_graphs=args.cuda_graphs, model_data=model_data,
-                      optimizer=optimizer, checkpoint=checkpoint, evaluation=evaluation,
-                      distributed=distributed, output=output, adapt=adapt)
+    # (new option groups: built here from their flags, and passed below)
+    return RunConfig(plan=args.plan, steps=args.steps, device=args.device, ssd_dir=args.ssd_dir,
+                     compute_dtype=args.compute_dtype, cuda_graphs=args.cuda_graphs, model_data=model_data,
+                     optimizer=optimizer, checkpoint=checkpoint, evaluation=evaluation,
+                     distributed=distributed, output=output, adapt=adapt)
