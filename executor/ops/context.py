@@ -130,7 +130,7 @@ class RoundState:
     mem_bytes: list[float] = field(default_factory=list)  # per tier, as the plan's memory effects say
     peak_bytes: list[float] = field(default_factory=list)
     mem_trace: list[tuple[float, ...]] = field(default_factory=list)  # (seconds, bytes per tier)
-    # (seconds, the op's memory effects) as the workers applied them (Executor._apply_mem; folded into the
+    # (seconds, the op's memory effects) as the workers applied them (Executor.apply_mem; folded into the
     # three above after the round)
     mem_log: list[tuple[float, list]] = field(default_factory=list)
     t0_s: float = 0.0  # time.perf_counter() at the start
