@@ -216,3 +216,20 @@ def test_elsewhere_torchs_kernels_with_one_line(monkeypatch, capsys):
     assert "x86-64 only, this is aarch64" in fused_host_adamw.status(0)
     sq = _run(_state(5), 1, None, [], [(LO, HI, torch.empty(N))], 1)
     assert isinstance(sq, torch.Tensor)
+
+
+def test_a_build_killed_before_leaves_no_lock_that_hangs_the_next(tmp_path):
+    """torch's own build lock (a file, its FileBaton) outlives a build killed mid-way, and torch's load then
+    waits for it forever: the kernel's build removes it under its own flock (freed when a process dies). A
+    fresh process with a stale lock in the build folder loads the kernel within the bound."""
+    import subprocess
+    import sys
+
+    build = fused_host_adamw.build_directory()
+    build.mkdir(parents=True, exist_ok=True)
+    (build / "lock").write_text("")  # as a killed build leaves it
+    code = ("from tierflow.executor.optim import fused_host_adamw as f; "
+            "assert f.kernel() is not None, f.status(0)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert not (build / "lock").exists()

@@ -41,6 +41,7 @@ partial sums), so a wrong call raises instead of writing outside a tensor.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import platform
@@ -57,7 +58,8 @@ LANES = 16  # fp32 partial sums of squares per chunk (the C++ file's LANES)
 CHUNK = 16384  # elements per chunk: per set of partial sums and per unit of a thread's work (64 KiB of fp32)
 SWITCH = "TIERFLOW_PURE_ADAMW"  # "1": torch's kernels, the kernel not even built
 SOURCE = Path(__file__).with_suffix(".cpp")
-NAME = "tierflow_fused_host_adamw"  # the extension's module name (torch's cache folder for it)
+NAME = "tierflow_fused_host_adamw"  # the extension's module name (torch's cache folder: NAME-<digest>)
+BUILD_LOCK = "tierflow-build.lock"  # flock'd around a build in its folder (torch's own lock does not free)
 # the file's only fused multiply-adds are the ones written as such; the vector code for AVX2 (AVX-512 CPUs
 # run it too), as torch's own AVX2 kernels
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
@@ -99,9 +101,34 @@ def _build():
     why = unsupported()
     if why:
         raise RuntimeError(why)
+    import fcntl
+
     from torch.utils.cpp_extension import load
 
-    return load(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS + _openmp_flags(), verbose=False)
+    build_dir = build_directory()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / BUILD_LOCK, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released by the kernel if this process dies mid-build
+        # torch's own lock file (its FileBaton) outlives a build that was killed, and every later load would
+        # wait for it forever; holding ours, no other build of this directory is under way
+        (build_dir / "lock").unlink(missing_ok=True)
+        return load(name=NAME, sources=[str(SOURCE)], extra_cflags=_flags(), build_directory=str(build_dir),
+                    verbose=False)
+
+
+def _flags() -> list[str]:
+    return FLAGS + _openmp_flags()
+
+
+def build_directory() -> Path:
+    """torch's extensions cache folder for this source, these flags, this torch and this Python (checkouts of
+    other versions, and other environments, do not rebuild over each other)."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    built_for = " ".join([*_flags(), torch.__version__, sys.version, platform.machine()])
+    digest = hashlib.sha256(SOURCE.read_bytes() + built_for.encode()).hexdigest()[:16]
+    return Path(get_default_build_root()) / f"{NAME}-{digest}"
 
 
 def _openmp_flags() -> list[str]:
