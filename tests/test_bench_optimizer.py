@@ -28,7 +28,7 @@ def test_bench_optimizer_quick(tmp_path):
     assert COLUMNS <= set(rows[0])
     points = {(int(r["params"]), int(r["threads"]), r["variant"]) for r in rows}
     assert points == {(n, t, v) for n in bench_optimizer.QUICK_SIZES for t in (1, 2)
-                      for v in ("executor", "fused")}
+                      for v in ("executor", "fused", "fused_zero_cast")}
     for r in rows:
         assert int(r["reps"]) == bench_optimizer.QUICK_REPS
         assert 0 < float(r["min_s"]) <= float(r["median_s"]) <= float(r["max_s"])
@@ -36,8 +36,11 @@ def test_bench_optimizer_quick(tmp_path):
         if r["variant"] == "executor":
             assert float(r["vs_fused_min"]) <= float(r["vs_fused"]) <= float(r["vs_fused_max"])
             assert r["met"] == ("yes" if float(r["vs_fused"]) >= float(r["target"]) else "no")
-        else:
+            assert float(r["vs_same_job_min"]) <= float(r["vs_same_job"]) <= float(r["vs_same_job_max"])
+        elif r["variant"] == "fused":
             assert float(r["vs_fused"]) == 1.0 and r["met"] == ""
+        else:
+            assert float(r["vs_fused_min"]) <= float(r["vs_fused"]) <= float(r["vs_fused_max"])
     table = bench_optimizer.optimizer_table(rows)
     assert table.count("\n") == 2 + 2 * len(bench_optimizer.QUICK_SIZES) - 1  # header, rule, a row per point
 

@@ -118,6 +118,22 @@ def test_the_same_bits_on_any_thread_count_and_cut():
         assert torch.equal(dest, out[0][1]) and sq == out[0][2]
 
 
+def test_it_runs_on_torchs_team_of_threads():
+    """With torch on two threads the kernel's units run on two distinct threads, with one on one: the kernel
+    is built where at::parallel_for's region really forks (with -fopenmp where torch's threads are OpenMP's;
+    built without it the region is dropped and the kernel ran on one thread, 0.56-0.79x fused AdamW at two
+    threads), whatever the load: the count is the team's members, not the threads that found a chunk."""
+    k, f = fused_host_adamw.kernel(), fused_host_adamw
+    n = 4 * f.CHUNK + 5
+    for threads in (2, 1, 2):
+        torch.set_num_threads(threads)
+        t = [torch.randn(n) for _ in range(4)]
+        parts = torch.zeros((n + f.CHUNK - 1) // f.CHUNK, f.LANES)
+        k.step(t[0], t[1], t[2], t[3], None, f.coefficients(1e-3, 0.9, 0.95, 1e-8, 0.0, 1, 1.0), 0, 0, n, [n],
+               [True], parts)
+        assert k.last_threads() == threads, (threads, k.last_threads())
+
+
 def test_cast_bits_as_torch():
     """The compute copy rounded to nearest even from the fp32 bits, on random values, ties, subnormals,
     infinities, NaN, in the vector loop and the scalar one (a step with lr 0 leaves the master as it is)."""

@@ -59,3 +59,42 @@ def test_a_cpu_run_says_it_leaves_the_thread_count_alone_in_its_json(tmp_path, c
     assert main(["run", str(path), "--steps", "1", "--ssd-dir", str(ssd), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["optimizer_threads"] is None
+
+
+def test_release_team_ends_the_calling_threads_openmp_team():
+    """A thread's OpenMP team (its pool of idle workers, which would make libgomp throttle the spin-wait of
+    every other team once the process holds more OpenMP threads than cores) ends at release_team(): the
+    process has one thread fewer per released worker; the thread's next parallel op makes a new team."""
+    import os
+    import threading
+    import time
+
+    import pytest
+
+    from tierflow.executor.optim import host_threads
+
+    if host_threads._omp_pause() is None or not os.path.isdir("/proc/self/task"):
+        pytest.skip("torch's threads are not OpenMP's here (or no /proc to count threads)")
+    before = torch.get_num_threads()
+    got = []
+
+    def in_a_thread():
+        torch.set_num_threads(2)
+        x = torch.randn(1 << 20)
+        x.mul_(2)  # a parallel region: this thread's team of 2 (itself and one worker)
+        n = len(os.listdir("/proc/self/task"))
+        released = host_threads.release_team()
+        for _ in range(200):  # the released worker exits on its own (at most a moment)
+            if len(os.listdir("/proc/self/task")) < n:
+                break
+            time.sleep(0.01)
+        got.append((n, released, len(os.listdir("/proc/self/task"))))
+        x.mul_(2)
+        got.append(len(os.listdir("/proc/self/task")))
+
+    th = threading.Thread(target=in_a_thread)
+    th.start()
+    th.join()
+    torch.set_num_threads(before)
+    (n, released, after), again = got
+    assert released and after == n - 1 and again == n

@@ -15,8 +15,11 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
+#include <mutex>
+#include <thread>
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -30,6 +33,8 @@ constexpr int64_t PREFETCH = 512; // elements ahead that the vector loop prefetc
 using Vec = at::vec::Vectorized<float>;
 static_assert(LANES % Vec::size() == 0, "a lane group is whole vectors");
 constexpr int64_t VECS = LANES / Vec::size();
+
+std::atomic<int64_t> last_team_size{0};  // last_threads()
 
 enum Dest : int64_t { NO_DEST = 0, DEST_BF16 = 1, DEST_F32 = 2 };
 
@@ -250,14 +255,26 @@ void step(const at::Tensor& g, const at::Tensor& p, const at::Tensor& m, const a
   const int64_t n_chunks = rows - (s0 - lo) / CHUNK;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n_chunks);
   std::atomic<int64_t> next{0};
+  std::mutex seen_lock;
+  std::vector<std::thread::id> seen;  // the threads that ran a unit (once per thread per call: no cost)
   // one unit per thread; each takes the next chunk until none is left (a preempted thread holds up one
   // chunk, not a fixed share)
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    {
+      std::lock_guard<std::mutex> hold(seen_lock);
+      const auto me = std::this_thread::get_id();
+      if (std::find(seen.begin(), seen.end(), me) == seen.end()) seen.push_back(me);
+    }
     for (int64_t k = next.fetch_add(1); k < n_chunks; k = next.fetch_add(1)) {
       chunk(s, s0, s1, lo, k, c, group_ends, group_decayed, parts);
     }
   });
+  last_team_size.store(int64_t(seen.size()));
 }
+
+// how many distinct threads ran the last `step` call's units (of any caller): the check that the kernel runs
+// on torch's team, not on one thread (built without -fopenmp, at::parallel_for's OpenMP region is dropped)
+int64_t last_threads() { return last_team_size.load(); }
 
 // the sum of squares: each row's lanes in fp64 in lane order, the rows in order
 double total(const at::Tensor& partials) {
@@ -281,4 +298,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.attr("CHUNK") = CHUNK;
   mod.def("step", &step, py::call_guard<py::gil_scoped_release>());
   mod.def("total", &total, py::call_guard<py::gil_scoped_release>());
+  mod.def("last_threads", &last_threads);
 }

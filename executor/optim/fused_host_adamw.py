@@ -34,7 +34,9 @@ torch's fp32 vector_norm, which the torch path uses, is 2e-5 off).
 
 Threads: torch.get_num_threads() of them, torch's own intra-op team (at::parallel_for: OpenMP or torch's
 native pool, whichever torch was built with), one unit per thread, each taking the next chunk until none is
-left (a preempted thread holds up one chunk, not a fixed share). The call releases the GIL. The arguments
+left (a preempted thread holds up one chunk, not a fixed share); the module's `last_threads()` says how
+many distinct threads ran the last call's units (tests/test_fused_host_adamw.py checks that it is torch's
+setting, not 1). The call releases the GIL. The arguments
 are checked before the loop (TORCH_CHECK: devices, dtypes, contiguity, sizes, the groups' ends, the rows of
 partial sums), so a wrong call raises instead of writing outside a tensor.
 """
