@@ -65,4 +65,4 @@ def test_the_executor_variant_is_the_executors_own_op():
     assert torch.equal(op.master, p.detach()) and torch.equal(op.m, ref["m"]) and torch.equal(op.v, ref["v"])
     assert torch.equal(op.weights, p.detach().to(op.weights.dtype))
     assert not op.grads.any()
-    assert op.hyper.norms.value(1) is not None  # the step's gradient norm, as a run logs it
+    assert op.norms.value(1) is not None  # the step's gradient norm, as a run logs it

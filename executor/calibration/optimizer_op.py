@@ -65,8 +65,8 @@ class HostAdamOp:
                                      spec=SimpleNamespace(optimizer_states=None))  # fp32 states
         binding = SimpleNamespace(dep_of_kind={0: {}}, part_of={}, plan=None)
         hyper = TrainHyper()  # as `tierflow run` makes it: no clipping, the step's gradient norm for the log
-        object.__setattr__(hyper, "norms", GradNorms(hyper.clip_grad_norm, hyper.clip, parts_per_step=1))
-        self.cx = OpContext(binding, self.state, be.device, hyper, None, be, None)
+        self.norms = GradNorms(hyper.clip_grad_norm, hyper.clip, parts_per_step=1)
+        self.cx = OpContext(binding, self.state, be.device, hyper, None, be, None, norms=self.norms)
         self.ops = OptimizerOps(self.cx, None)
         self.task = Task(0, ADAM, "cpu", 0.0, "opt_states", 0, -1, 0, [], 0.0)
         self.n, self.steps, self.round = n, 0, None
