@@ -201,7 +201,7 @@ def test_every_numeric_profile_field_has_a_floor():
 
 
 def test_bundled_and_calibrated_profiles_pass_the_floors():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for name in ("rtx4090-lohan", "a100-80g-nvme", "rtx3090-desktop", "rtx2060-laptop", "v100-32g",
                  "h100-80g"):
         load_profile(name)

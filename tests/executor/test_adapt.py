@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from support.runs import make_plan
+from support.runs import run as _run
 
 from tierflow.cli import main
 from tierflow.hwprofiles import load_profile
@@ -27,11 +29,7 @@ from tierflow.planner.fit.trace_fit import default_fields, fit_trace
 from tierflow.planner.io.compare import load_measured
 from tierflow.planner.io.planfile import plan_from_graph, write_plan
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_executor import make_plan  # noqa: E402
-from test_executor import run as _run  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SSD = Split(0.0, 0.0, 1.0)
 # the CPU profile `tierflow calibrate --device cpu` wrote on the project's test machine
 CPU_HW = load_profile(ROOT / "experiments" / "results" / "closed_loop_cpu.yaml").with_overrides(
@@ -285,8 +283,8 @@ def test_adapt_on_two_ranks_switches_every_rank_at_the_same_step(tmp_path):
     and trains to step 6 (a hang or a rank on another plan would fail the run). The losses stay those of one
     rank training the whole batch without --adapt (within 1e-5: 2 ranks and a switch change the order of the
     sums)."""
-    from dist_worker import HYPER
-    from dist_worker import make_plan as rank_plan
+    from support.dist_worker import HYPER
+    from support.dist_worker import make_plan as rank_plan
 
     from tierflow.executor.run import RunOptions, run_plan
 
@@ -303,7 +301,8 @@ def test_adapt_on_two_ranks_switches_every_rank_at_the_same_step(tmp_path):
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     got = json.loads(p.stdout)
-    # one rank training the whole batch: what 2 ranks reproduce within 1e-5 (tests/test_dist_executor.py)
+    # one rank training the whole batch: what 2 ranks reproduce within 1e-5
+    # (tests/executor/test_dist_executor.py)
     one = run_plan(rank_plan("tiny-gpt", "vertical", "states_ssd", gpus=1),
                    RunOptions(steps=6, ssd_dir=str(tmp_path / "ssd"), quiet=True, hyper=HYPER))
     want = {"steps": [{"loss": x} for x in one.losses]}

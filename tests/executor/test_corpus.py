@@ -6,34 +6,15 @@ one-line errors for a missing tokenizer, an empty file, a missing field."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_executor import make_plan, run
+from support.runs import make_plan, run
 
 from tierflow.executor.corpus import Fields, cache_dir, tokenize
 from tierflow.executor.data import DataError, TokenData
 from tierflow.executor.train_loop import RunOptions, load_data
-
-EOT = "<|endoftext|>"
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    text = [Path(json.__file__).read_text(), Path(os.__file__).read_text()[:20000]]
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=250, special_tokens=[EOT],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    d = tmp_path_factory.mktemp("tok")
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT).save_pretrained(d)
-    return str(d)
 
 
 def test_text_jsonl_parquet_and_a_directory_are_packed_with_end_of_text(tmp_path, tok_dir):

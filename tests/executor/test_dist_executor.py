@@ -5,8 +5,8 @@ optimizer states, as close to fp32 AdamW as one rank is; sharded checkpoints res
 wrong world size are one line and exit 2; a run of 2 "boxes" meets through torchrun's c10d rendezvous on
 127.0.0.1.
 
-The 2-rank cases run in ONE torchrun launch (tests/dist_worker.py, a process group reused case after case), so
-the whole file costs three launches."""
+The 2-rank cases run in ONE torchrun launch (tests/support/dist_worker.py, a process group reused case after
+case), so the whole file costs three launches."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_worker import HYPER, make_plan
+from support.dist_worker import HYPER, make_plan
 
 from tierflow.cli import main
 from tierflow.executor.models import build_blocks
@@ -30,7 +30,7 @@ from tierflow.executor.run import RunOptions, run_plan
 from tierflow.planner.core.models import get_model
 from tierflow.planner.io.planfile import write_plan
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/: support/dist_worker.py runs each rank
 CASES = {  # name: (family, placement, steps, device)
     "vertical-states_ssd": ("vertical", "states_ssd", 4, "cpu"),
     "horizontal-weights_cpu": ("horizontal", "weights_cpu", 3, "cpu"),
@@ -88,7 +88,8 @@ def two_ranks(tmp_path_factory):
     ]
     spec = tmp / "cases.json"
     spec.write_text(json.dumps(cases))
-    p = _torchrun("--standalone", "--nproc-per-node", "2", str(HERE / "dist_worker.py"), str(spec), str(out))
+    worker = HERE / "support" / "dist_worker.py"
+    p = _torchrun("--standalone", "--nproc-per-node", "2", str(worker), str(spec), str(out))
     assert p.returncode == 0, p.stderr[-3000:]
     return {f.stem: torch.load(f) for f in out.glob("*.pt")} | {"_ck": ck}
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from test_executor import make_plan, run
+from support.runs import make_plan, run
 
 from tierflow.cli import main
 from tierflow.executor.data import DataError, TokenData

@@ -8,8 +8,8 @@ from collections import defaultdict
 
 import pytest
 import torch
-from dist_worker import make_plan as dist_plan
-from test_executor import PLACEMENTS, make_plan, run
+from support.dist_worker import make_plan as dist_plan
+from support.runs import PLACEMENTS, make_plan, run
 
 from tierflow.executor.binding import ENTERED_FROM, Entry, EntryState
 from tierflow.executor.engine import Executor
@@ -27,7 +27,7 @@ def planner_kinds() -> set[str]:
                 for swap in (None, 4):
                     plan = make_plan("tiny-gpt", family, placement, alpha, iterations=1, swap_layers=swap)
                     kinds |= {t.kind for t in plan.graph.tasks}
-    # several ranks add the collectives (tests/test_dist_executor.py runs them)
+    # several ranks add the collectives (tests/executor/test_dist_executor.py runs them)
     for family in ("horizontal", "block"):
         kinds |= {t.kind for t in dist_plan("tiny-gpt", family, "weights_cpu", gpus=2).graph.tasks}
     return kinds

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import accumulate_gradients
-from test_executor import HW, SEQ, decay_groups, make_plan, rel_err, run
+from support.helpers import accumulate_gradients
+from support.runs import HW, SEQ, decay_groups, make_plan, rel_err, run
 from transformers import get_scheduler
 
 from tierflow.cli import main
@@ -197,7 +197,7 @@ def test_cli_flags_reach_the_run(tmp_path, capsys):
 def test_finetune_experiment_quick(tmp_path):
     """experiments/finetune.py --quick: stdlib sources, warmup + cosine + clipping; tierflow's losses equal
     plain PyTorch's and the validation loss is reported."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
     import finetune
 
     rows = finetune.run(quick=True, out_dir=tmp_path)

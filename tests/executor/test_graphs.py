@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from test_executor import PLACEMENTS, make_plan, reference, rel_err, run
+from support.runs import PLACEMENTS, make_plan, reference, rel_err, run
 
 from tierflow.cli import main
 from tierflow.executor import graphs as graphs_mod
@@ -158,8 +158,8 @@ def test_llama_blocks_replay_bit_for_bit_too():
 @pytest.mark.parametrize("family", ["horizontal", "fuyou"])
 def test_a_run_with_graphs_matches_plain_pytorch_adamw(family, tmp_path, monkeypatch):
     """`run_plan` with RunOptions.cuda_graphs (what --cuda-graphs sets) on the emulation: the same
-    equivalence with plain PyTorch as every run (tests/test_executor.py), over 5 steps (3 + 2: a warm-up, a
-    capture and replays, and a second round replaying the first round's graph)."""
+    equivalence with plain PyTorch as every run (tests/executor/test_executor.py), over 5 steps (3 + 2: a
+    warm-up, a capture and replays, and a second round replaying the first round's graph)."""
     plan = make_plan("tiny-gpt", family, "device", iterations=3)
     replays = []
     real = graphs_mod.GraphRunner._replay

@@ -4,7 +4,7 @@ op, and each two accesses to the same thing by different ops, one of them a writ
 plan's dependencies and queue orders (the only orders the executor keeps on a GPU, where an op's worker does
 not wait for the ops of other streams to finish). Every read must also come after a write that happens before
 it. The complement on the allocator side (a block freed on one stream and reused on another without a recorded
-use) is checked by the emulation itself: tests/test_device.py."""
+use) is checked by the emulation itself: tests/executor/device/test_device.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import threading
 from collections import defaultdict
 
 import pytest
-from test_executor import make_plan, run
+from support.runs import make_plan, run
 
 from tierflow.executor.engine import Executor
 from tierflow.executor.ops.context import RoundState

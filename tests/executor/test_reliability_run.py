@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_executor import make_plan
+from support.runs import make_plan
 
 from tierflow.cli import main
 from tierflow.executor import checkpoint
@@ -76,7 +76,8 @@ def dead_pid() -> int:
                                         ("--weight-decay", Hyper(weight_decay=-0.1)),
                                         ("--weight-decay", Hyper(weight_decay=math.nan))])
 def test_bad_lr_or_weight_decay_is_refused_up_front(plans, tmp_path, flag, hyper):
-    """The command line refuses them in argparse (tests/test_reliability_inputs.py); run_plan itself too."""
+    """The command line refuses them in argparse (tests/cli/test_reliability_inputs.py); run_plan itself
+    too."""
     (tmp_path / "ssd").mkdir()
     opts = RunOptions(steps=2, ssd_dir=str(tmp_path / "ssd"), checkpoint_dir=str(tmp_path / "ck"),
                       hyper=hyper)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = {"size_mib", "mode", "system", "reps", "gbps", "gbps_min", "gbps_max", "cpu_s_per_gb",
            "cpu_s_per_gb_min", "cpu_s_per_gb_max", "vs_reference", "target", "met"}
 

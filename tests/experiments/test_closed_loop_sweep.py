@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tierflow.hwprofiles import load_profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 
 import closed_loop  # noqa: E402
 

@@ -16,7 +16,7 @@ pytest.importorskip("tokenizers")
 
 
 def test_compressed_states_experiment_quick(tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
     import compressed_states
 
     rows, summary = compressed_states.run(quick=True, out_dir=tmp_path, library=False)
@@ -32,7 +32,7 @@ def test_compressed_states_experiment_quick(tmp_path):
 
 
 def test_compressed_sim_experiment_quick(tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
     import compressed_sim
 
     rows = compressed_sim.run(quick=True, out_dir=tmp_path)

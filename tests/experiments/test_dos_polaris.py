@@ -20,7 +20,7 @@ from tierflow.planner.core.workload import layer_cost
 from tierflow.planner.io.deepspeed.bridge import simulate_ds, with_deepspeed_adam
 from tierflow.planner.io.deepspeed.config import parse_ds_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments"))
 
 import dos_polaris  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 
 from tierflow.hwprofiles import load_profile
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 
@@ -234,7 +234,7 @@ def test_every_experiment_script_fails_in_one_line(monkeypatch, capsys):
     exit code by kind; every script's entry point goes through expcommon.script_main."""
     import ast
 
-    exp = Path(__file__).resolve().parents[1] / "experiments"
+    exp = Path(__file__).resolve().parents[2] / "experiments"
     monkeypatch.syspath_prepend(str(exp))
     import expcommon
 

@@ -1,8 +1,8 @@
 """experiments/gpu_check.py --quick on the adversarial CPU emulation of a CUDA device: every step runs (the
-calibration is replaced by a bundled profile to stay short; tests/test_calibrate.py covers calibrate), the
-plan puts weights and optimizer states beyond the capped device memory and on the SSD tier, the run trains on
-the emulation, and the summary collects what each step wrote. A step that cannot run is reported, not
-hidden."""
+calibration is replaced by a bundled profile to stay short; tests/executor/calibration/test_calibrate.py
+covers calibrate), the plan puts weights and optimizer states beyond the capped device memory and on the SSD
+tier, the run trains on the emulation, and the summary collects what each step wrote. A step that cannot run
+is reported, not hidden."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "gpu_check.py"
 
 

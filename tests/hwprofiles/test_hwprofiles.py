@@ -142,7 +142,7 @@ def test_lohan_profile_fitted_fields_name_their_data_and_reproduce_it():
         line = next(x for x in text.splitlines() if x.strip().startswith(key + ":"))
         assert "fit:" in line and data in line, line
     p = load_profile("rtx4090-lohan")
-    runs = load_runs(Path(__file__).parent.parent / "experiments" / "data" / data)
+    runs = load_runs(Path(__file__).resolve().parents[2] / "experiments" / "data" / data)
     errors = [predict(r, p).value / r.measured - 1 for r in runs]
     assert len(errors) == 5
     assert max(abs(e) for e in errors) < 0.10, errors

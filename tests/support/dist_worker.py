@@ -1,9 +1,9 @@
-"""One rank of the data-parallel executor tests (tests/test_dist_executor.py, experiments/dist_executor.py):
-started by torchrun, it trains the cases of a JSON file one after the other in one process group and rank 0
-saves each case's losses, final fp32 master weights and Adam m (gathered from the shards) to OUT/<name>.pt, or
-the error it raised.
+"""One rank of the data-parallel executor tests (tests/executor/test_dist_executor.py,
+experiments/dist_executor.py): started by torchrun, it trains the cases of a JSON file one after the other in
+one process group and rank 0 saves each case's losses, final fp32 master weights and Adam m (gathered from the
+shards) to OUT/<name>.pt, or the error it raised.
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py cases.json OUT
+    python -m torch.distributed.run --nproc-per-node 2 tests/support/dist_worker.py cases.json OUT
 
 A case: {"name", "family", "placement", "steps", "model"?, "batch"?, "alpha"?, "device"?, "ssd_dir",
 "checkpoint_dir"?, "checkpoint_every"?, "resume_fallback"?, "remove_shard"?: the rank whose shard of the

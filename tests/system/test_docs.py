@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE_FOLDERS = ["tierflow", "hwprofiles", "planner", "executor"]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # fenced blocks whose bare `tierflow ...` lines are commands; in any other block only `$ tierflow ...` lines

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS = REPO / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 
@@ -91,7 +91,7 @@ def test_every_generated_block_in_the_docs_is_checked():
     """A block with markers that no entry of GENERATED names would never be compared with its file."""
     docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     found = {(doc.name, m) for doc in docs for m in re.findall(r"<!-- generated: (.+?) -->", doc.read_text())}
-    # and those generated from a command's output, which tests/test_readme_demo.py checks
+    # and those generated from a command's output, which tests/system/test_readme_demo.py checks
     from_commands = {(readme_demo.README.name, b) for b in (readme_demo.DEMO_BLOCK, readme_demo.PROSE_BLOCK)}
     assert found == {(doc.name, block) for doc, block, _, _ in GENERATED} | from_commands
 

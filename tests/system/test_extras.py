@@ -15,7 +15,7 @@ import pytest
 from tierflow.cli import COMMANDS, build_parser, main
 from tierflow.extras import CPU_TORCH, Install, how_installed, install_command
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # what `pip install -e .` does not bring: every optional extra's modules
 NOT_IN_BASE = ("torch", "safetensors", "transformers", "tokenizers", "numba", "pyarrow", "tensorboard",
                "zlib_ng", "google_crc32c", "accelerate", "peft")

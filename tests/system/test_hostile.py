@@ -27,7 +27,7 @@ from tierflow.outputs import atomic_write_text
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.simulate import simulate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "tiny-gpt", "--hw", "rtx3090-desktop", "--schedule", "vertical", "--batch", "4",
         "--micro-batch", "2"]
 DOCUMENTED = {0, 2, 3, 4, 5}  # docs/errors.md
@@ -214,8 +214,7 @@ def test_resume_fallback_numbers_what_it_keeps(plan_file, tmp_path, capsys):
 def test_killing_one_of_two_ranks(tmp_path):
     """kill -9 of rank 1 of a 2-rank gloo run: rank 0 says so in one line, the launcher exits 137 (the killed
     rank's code, docs/errors.md), no SSD-tier file of either rank is left, the checkpoint is kept."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from dist_worker import make_plan
+    from support.dist_worker import make_plan
 
     from tierflow.planner.io.planfile import write_plan
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # (folder or file, installed name, rank): a module may import only layers of lower or equal rank
 LAYERS = [
     ("tierflow/errors.py", "tierflow.errors", 0),

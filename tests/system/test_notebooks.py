@@ -22,7 +22,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 300
 MAX_NOTEBOOK_BYTES = 1 << 20  # stored outputs included (PNG figures): lower the figures' dpi to stay under it

@@ -10,8 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_corpus import tok_dir  # noqa: F401 - the fixture
-from test_executor import make_plan
+from support.runs import make_plan
 
 from tierflow.cli import main
 from tierflow.planner.core.models import get_model

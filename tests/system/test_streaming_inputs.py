@@ -71,7 +71,7 @@ def plan_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def bpe_dir(tmp_path_factory) -> str:
-    """A small byte-level BPE saved as transformers saves one (as tests/test_corpus.py's)."""
+    """A small byte-level BPE saved as transformers saves one (as tests/executor/test_corpus.py's)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

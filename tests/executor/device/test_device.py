@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from test_executor import make_plan, reference, rel_err, run
+from support.runs import make_plan, reference, rel_err, run
 
 from tierflow.cli import main
 from tierflow.executor import engine as engine_mod
@@ -452,7 +452,7 @@ def test_expandable_segments(monkeypatch):
 
 
 def test_only_what_crosses_pcie_is_pinned():
-    from test_executor import PLACEMENTS
+    from support.runs import PLACEMENTS
 
     from tierflow.planner.core.models import get_model
 

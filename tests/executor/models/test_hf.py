@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import accumulate_gradients
+from support.helpers import accumulate_gradients
 
 from tierflow.planner.core.models import ModelError, find_cached_config, get_model, hf_cache_dir
 
@@ -268,7 +268,7 @@ def test_plans_of_the_new_families_follow_the_plan_schema(tmp_path):
     jsonschema = pytest.importorskip("jsonschema")
     from tierflow.planner.io.planfile import load_plan
 
-    schema = json.loads((Path(__file__).resolve().parents[1] / "docs" / "plan.schema.json").read_text())
+    schema = json.loads((Path(__file__).resolve().parents[3] / "docs" / "plan.schema.json").read_text())
     for family in ("qwen3", "gemma", "phi3", "mistral"):
         path = tmp_path / f"{family}.json"
         write_plan(make_plan(FAMILIES[family]), path)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import torch
-from test_executor import make_plan, run
+from support.runs import make_plan, run
 
 import tierflow.executor.engine as engine
 from tierflow.cli import main

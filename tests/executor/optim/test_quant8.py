@@ -8,8 +8,8 @@ import importlib.util
 
 import pytest
 import torch
-from test_executor import make_plan, reference
-from test_executor import run as _run
+from support.runs import make_plan, reference
+from support.runs import run as _run
 from torch.optim.adamw import adamw as adamw_step
 
 from tierflow.executor.optim.quant8 import BLOCK, Q8, dynamic_map, packed_bytes, stochastic_round_bf16_

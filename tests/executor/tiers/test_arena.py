@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from test_executor import make_plan
+from support.runs import make_plan
 
 from tierflow.executor.binding import Binding
 from tierflow.executor.data import TokenData
@@ -130,7 +130,7 @@ def test_an_fp32_plan_counts_its_own_bytes_and_sizes_the_same_area_as_a_bf16_pla
     """A plan in fp32 (--precision fp32, as a CPU device's plans are) already counts 4 bytes per element: its
     buffers replay its own memory effects unscaled, and an fp32 run of it needs the same area as an fp32 run
     of the same schedule planned in bf16 (2-byte plan bytes, scaled by 2)."""
-    from test_executor import BATCH, HW, MICRO, PLACEMENTS, SEQ
+    from support.runs import BATCH, HW, MICRO, PLACEMENTS, SEQ
 
     from tierflow.planner.core.models import get_model
     from tierflow.planner.core.schedules import build_graph, make_schedule

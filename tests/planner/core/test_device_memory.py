@@ -23,7 +23,7 @@ from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import build_graph, make_schedule
 from tierflow.planner.core.simulator import CapacityError, simulate_graph
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "experiments"))
 import device_memory  # noqa: E402
 
 # How far above the measured peak the planner's figure may lie. The recomputed layer's backward counts every

@@ -20,7 +20,7 @@ from tierflow.planner.core.models import (
     list_models,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 # Exact totals (equal to transformers, checked below); the LLaMA-2 numbers are the well-known published ones.
 EXPECTED_TOTALS = {

@@ -8,9 +8,9 @@ import math
 from collections import Counter
 
 import pytest
-from helpers import CPU, SSD, placement, profile, small_models
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.helpers import CPU, SSD, placement, profile, small_models
 
 from tierflow.cli import main
 from tierflow.planner.core.contract import ScheduleConfig
@@ -86,7 +86,7 @@ def test_two_ranks_gather_weights_and_reduce_scatter_grads(family):
     W = 2
     p = placement(weights=SSD, states=CPU, grads=CPU, checkpoints=CPU)
     # the ideal runtime: one collective and one offload per block gradient (DeepSpeed's runtime batches them
-    # into its buckets: tests/test_ds_runtime.py)
+    # into its buckets: tests/planner/core/test_ds_runtime.py)
     hw, cfg = sched(family, gpus=W, placement=p, runtime="ideal")
     # one rank with the micro-batches of one of the two: the same steps, whole blocks
     one = make_schedule(family, TINY, box(4), batch=4, micro_batch=2, iterations=2, placement=p,
@@ -268,7 +268,7 @@ def test_rank_capacity():
 
 
 def test_two_rank_plan_validates_against_the_schema(tmp_path):
-    from test_files import plan_validator
+    from support.schemas import plan_validator
 
     d = two_rank_plan_dict()
     v = plan_validator()
@@ -465,7 +465,7 @@ def test_multi_gpu_experiment_quick(tmp_path):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "experiments"))
     import multi_gpu
 
     heads = multi_gpu.run(quick=True, out_dir=tmp_path)

@@ -8,7 +8,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from helpers import SSD, placement, profile
+from support.helpers import SSD, placement, profile
 
 from tierflow.cli import main
 from tierflow.planner.core.graph import Task

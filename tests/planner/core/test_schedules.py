@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import networkx as nx
 import pytest
-from helpers import CPU, GPU, SSD, placement, profile, small_models, splits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.helpers import CPU, GPU, SSD, placement, profile, small_models, splits
 
 from tierflow.api import simulate, simulate_config
 from tierflow.hwprofiles import load_profile

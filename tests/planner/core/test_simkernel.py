@@ -20,7 +20,7 @@ from tierflow.planner.core.simulator import SimulationError, simulate_graph
 
 pytest.importorskip("numba")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _both(graph, hw, monkeypatch):

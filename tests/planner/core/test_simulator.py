@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from helpers import CPU, GPU, SSD, placement, profile, small_models, splits
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
+from support.helpers import CPU, GPU, SSD, placement, profile, small_models, splits
 
 from tierflow.api import simulate
 from tierflow.planner.core.costmodel import CPU_ADAM_DRAM_BYTES_PER_PARAM, CostModel
@@ -153,7 +153,7 @@ def check_timeline(res, hw, *, balanced: bool = True) -> None:
     assert res.link_bytes == graph.bytes_per_link(iteration=last)
     # no link moves all its bytes faster than its solo bandwidth
     makespan = float(end.max())
-    for link in HOST_LINKS:  # one rank: no collectives (tests/test_multi_gpu.py has several)
+    for link in HOST_LINKS:  # one rank: no collectives (tests/planner/core/test_multi_gpu.py has several)
         solo = rates[link][0]
         total = sum(t.work for t in tasks if t.resource == link)
         assert makespan >= total / solo * (1 - REL), link

@@ -9,9 +9,9 @@ import heapq
 
 import networkx as nx
 import pytest
-from helpers import profile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.helpers import profile
 
 from tierflow.planner.core.families import FAMILIES
 from tierflow.planner.core.graph import CycleError, TaskGraph, find_cycle, topological_order

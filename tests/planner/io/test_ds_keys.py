@@ -22,7 +22,7 @@ from tierflow.planner.core.workload import precision_of
 from tierflow.planner.io.deepspeed import keys as dskeys
 from tierflow.planner.io.deepspeed.config import DsConfigError, largest_param_elems, parse_ds_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = get_model("tiny-gpt")
 HW = load_profile("rtx4090-lohan")
 SEQ = 32

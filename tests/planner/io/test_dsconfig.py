@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import profile
+from support.helpers import profile
 
 from tierflow.cli import main
 from tierflow.planner.core.models import get_model

@@ -18,7 +18,7 @@ import jsonschema
 import numpy as np
 import pytest
 import yaml
-from referencing import Registry, Resource
+from support.schemas import hw_validator, plan_validator, schemas
 
 from tierflow import cli
 from tierflow.hwprofiles import list_profiles, load_profile
@@ -38,7 +38,7 @@ from tierflow.planner.io.planfile import (
     write_plan,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs"
 GZIP_MAGIC = b"\x1f\x8b"
 
@@ -152,23 +152,6 @@ def test_open_text_modes(tmp_path):
 
 
 # ---- JSON Schemas ------------------------------------------------------------------------------------------
-
-
-@cache
-def schemas() -> tuple[dict, dict]:
-    return (json.loads((DOCS / "plan.schema.json").read_text()),
-            json.loads((DOCS / "hwprofile.schema.json").read_text()))
-
-
-def plan_validator() -> jsonschema.Draft202012Validator:
-    plan_schema, hw_schema = schemas()
-    registry = Registry().with_resources([(hw_schema["$id"], Resource.from_contents(hw_schema)),
-                                          (plan_schema["$id"], Resource.from_contents(plan_schema))])
-    return jsonschema.Draft202012Validator(plan_schema, registry=registry)
-
-
-def hw_validator() -> jsonschema.Draft202012Validator:
-    return jsonschema.Draft202012Validator(schemas()[1])
 
 
 def test_schemas_are_valid_schemas():

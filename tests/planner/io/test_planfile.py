@@ -34,7 +34,7 @@ from tierflow.planner.io.planfile import (
     write_plan,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SRC = "plan.json"
 SSD = Split(0.0, 0.0, 1.0)
 HALF = Split(0.0, 0.5, 0.5)

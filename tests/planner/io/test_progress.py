@@ -233,7 +233,7 @@ def test_experiment_scripts_take_quiet_and_verbose(tierflow_level, monkeypatch):
 
     from tierflow.logs import NORMAL, QUIET, VERBOSE, logger
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "experiments"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3] / "experiments"))
     import expcommon
 
     for argv, level in (([], NORMAL), (["-q"], QUIET), (["--verbose"], VERBOSE)):

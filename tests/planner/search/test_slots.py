@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import SSD, placement, profile
+from support.helpers import SSD, placement, profile
 
 from tierflow.api import simulate_config
 from tierflow.planner.core.costmodel import CPU_ADAM_DRAM_BYTES_PER_PARAM, CostModel

@@ -1,0 +1,222 @@
+"""Where a test file belongs: tests/ mirrors the source tree, two folder levels deep.
+
+The rule (tests/system/test_tests_layout.py enforces it):
+1. A test file's subject is named in SUBJECTS (its stem -> the test folder), for files whose name is not a
+   module's, or whose module name is ambiguous, or whose subject is cross-cutting (`system`: layering, docs,
+   README, notebooks, hostile inputs, end-to-end runs across planner, executor and CLI).
+2. Otherwise `test_<name>.py` tests the one library module `<name>.py` or package folder `<name>/` of
+   tierflow/, hwprofiles/, planner/ or executor/, or else the script experiments/<name>.py.
+3. The folder is that source path's folder (a package's own folder) with `tierflow/` dropped, cut to two
+   levels: planner/core/simulator.py -> tests/planner/core/, planner/search/slots/ -> tests/planner/search/,
+   executor/optim/quant8.py -> tests/executor/optim/, tierflow/cli/exits.py -> tests/cli/,
+   experiments/gpu_check.py -> tests/experiments/.
+A name matching no module, or several, must be added to SUBJECTS. Basenames stay unique across tests/ so the
+name alone says where a file goes. tests/support/ holds what tests import (not tests); tests/conftest.py the
+shared fixtures.
+
+    python tests/support/layout.py              # list misplaced test files and stale tests/... references
+    python tests/support/layout.py --move       # git mv each misplaced test file into its folder
+    python tests/support/layout.py --fix-refs   # rewrite tests/... paths in docs and code to where files are
+    python tests/support/layout.py --modules    # and the library modules with no test file of their name
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
+SOURCE_FOLDERS = ("tierflow", "hwprofiles", "planner", "executor")
+SUPPORT = "support"
+# stem -> folder under tests/, for names that are no module's, ambiguous, or cross-cutting
+SUBJECTS = {
+    "test_accelerators": "planner/core",  # numba_once: optional compiled kernels
+    "test_calibrate": "executor/calibration",
+    "test_cli_exits": "cli",
+    "test_closed_loop_sweep": "experiments",  # experiments/closed_loop.py --sweep
+    "test_compute": "planner/core",  # planner/core/compute.py (not executor/ops/compute.py)
+    "test_device_memory": "planner/core",  # the planner's working memory against the executor's ops
+    "test_dist_executor": "executor",
+    "test_ds_keys": "planner/io",  # planner/io/deepspeed/keys.py
+    "test_ds_runtime": "planner/core",  # planner/core/dsruntime.py
+    "test_dsconfig": "planner/io",  # planner/io/deepspeed/config.py and bridge.py
+    "test_env": "executor",  # executor/env.py (the command: tierflow/cli/env.py)
+    "test_executor_models": "executor/models",
+    "test_executor_units": "executor",
+    "test_experiments": "experiments",
+    "test_files": "planner/io",  # plan files and traces, gzip or not
+    "test_finetune": "executor",
+    "test_fit": "planner/fit",
+    "test_fp32_inplace": "planner/core",  # workload.Precision.in_place
+    "test_gantt": "planner/core",  # planner/core/trace.py
+    "test_happens_before": "executor",
+    "test_loss_memory": "planner/core",  # workload.head_cost against the executor's head
+    "test_memory_contract": "executor",
+    "test_models": "planner/core",  # planner/core/models/ (executor/models/: test_executor_models)
+    "test_multi_gpu": "planner/core",  # planner/core/world.py and the schedule builder's collectives
+    "test_pinned": "executor/device",
+    "test_precision": "planner/core",  # workload.Precision
+    "test_profile": "executor",  # tierflow run --profile (not hwprofiles/profile.py)
+    "test_reliability_inputs": "cli",
+    "test_reliability_run": "executor",
+    "test_saved_activations": "planner/core",  # BlockCost.full_activation_bytes against the executor's layers
+    "test_store": "executor/tiers",  # executor/tiers/ssd_store.py
+    "test_times": "planner/core",  # planner/core/timefmt.py
+    "test_topological": "planner/core",  # planner/core/graph.py
+    # cross-cutting
+    "test_docs": "system",
+    "test_docs_tables": "system",
+    "test_extras": "system",  # the README's first install and every command
+    "test_hostile": "system",
+    "test_layering": "system",
+    "test_model_plugins": "system",  # a family registered from outside, planned, simulated and trained
+    "test_notebooks": "system",
+    "test_readme_demo": "system",
+    "test_refusals": "system",
+    "test_streaming_inputs": "system",
+    "test_tests_layout": "system",
+}
+
+
+def folder_of(source: Path) -> str:
+    """The test folder of a source file or package folder (relative to the repository)."""
+    parts = list(source.parts if source.suffix != ".py" else source.parent.parts)
+    if parts[:1] == ["tierflow"] and len(parts) > 1:
+        parts = parts[1:]
+    return "/".join(parts[:2])
+
+
+def sources_named(name: str) -> list[Path]:
+    """The library modules `<name>.py` and package folders `<name>/` (relative paths)."""
+    out = []
+    for top in SOURCE_FOLDERS:
+        base = ROOT / top
+        if top == name:
+            out.append(Path(top))
+        out += [p.relative_to(ROOT) for p in base.rglob(f"{name}.py") if "__pycache__" not in p.parts]
+        out += [p.relative_to(ROOT) for p in base.rglob(name) if p.is_dir() and (p / "__init__.py").exists()]
+    return sorted(set(out))
+
+
+def place(stem: str) -> str:
+    """The folder under tests/ where test file `<stem>.py` belongs; ValueError when no rule says."""
+    if stem in SUBJECTS:
+        return SUBJECTS[stem]
+    name = stem.removeprefix("test_")
+    found = sources_named(name)
+    if len(found) == 1:
+        return folder_of(found[0])
+    if not found and (ROOT / "experiments" / f"{name}.py").exists():
+        return "experiments"
+    what = "no module" if not found else "several modules (" + ", ".join(map(str, found)) + ")"
+    raise ValueError(f"tests: {stem}.py names {what}: add it to SUBJECTS in tests/support/layout.py")
+
+
+def all_test_files() -> list[Path]:
+    return sorted(p for p in TESTS.rglob("test_*.py") if "__pycache__" not in p.parts)
+
+
+def misplaced() -> list[tuple[Path, str]]:
+    """(file, folder where it belongs) for each test file not in its folder."""
+    out = []
+    for f in all_test_files():
+        want = place(f.stem)
+        if f.parent.relative_to(TESTS).as_posix() != want:
+            out.append((f, want))
+    return out
+
+
+def hint(f: Path, want: str) -> str:
+    return (f"{f.relative_to(ROOT)} belongs in tests/{want}/: "
+            f"git mv {f.relative_to(ROOT)} tests/{want}/{f.name} (or: python tests/support/layout.py --move)")
+
+
+# -- references to test files in docs and code ---------------------------------------------------------------
+
+REF = re.compile(r"\btests/(?:[a-z0-9_]+/)*([a-z0-9_]+\.py)\b")
+REF_SUFFIXES = {".py", ".md", ".ipynb", ".toml", ".yaml", ".txt", ""}
+
+
+def current_paths() -> dict[str, str]:
+    """basename -> path of every Python file under tests/ (relative to the repository)."""
+    files = [p for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts]
+    return {p.name: p.relative_to(ROOT).as_posix() for p in files}
+
+
+def text_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [ROOT / n for n in out.splitlines() if Path(n).suffix in REF_SUFFIXES and (ROOT / n).is_file()]
+
+
+def stale_refs() -> list[tuple[Path, str, str]]:
+    """(file, reference, what it should say) for each tests/... path that is not where the file is."""
+    now = current_paths()
+    out = []
+    for f in text_files():
+        try:
+            text = f.read_text()
+        except UnicodeDecodeError:
+            continue
+        for m in REF.finditer(text):
+            want = now.get(m.group(1))
+            if want and m.group(0) != want:
+                out.append((f, m.group(0), want))
+    return out
+
+
+def fix_refs() -> int:
+    now = current_paths()
+    changed = 0
+    for f, _, _ in {(f, None, None) for f, _, _ in stale_refs()}:
+        text = f.read_text()
+        f.write_text(REF.sub(lambda m: now.get(m.group(1), m.group(0)), text))
+        changed += 1
+    return changed
+
+
+def modules_with_tests() -> tuple[list[str], list[str]]:
+    """(library modules with a test file of their name, those without): each `<name>.py` of tierflow/,
+    hwprofiles/, planner/ and executor/ but __init__.py and __main__.py, against tests/**/test_<name>.py."""
+    stems = {f.stem.removeprefix("test_") for f in all_test_files()}
+    mods = sorted(p.relative_to(ROOT).as_posix() for top in SOURCE_FOLDERS for p in (ROOT / top).rglob("*.py")
+                  if "__pycache__" not in p.parts and p.name not in ("__init__.py", "__main__.py"))
+    have = [m for m in mods if Path(m).stem in stems]
+    return have, [m for m in mods if m not in have]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--move", action="store_true", help="git mv each misplaced test file into its folder")
+    ap.add_argument("--fix-refs", action="store_true", help="rewrite stale tests/... paths in tracked files")
+    ap.add_argument("--modules", action="store_true", help="list the library modules without a test file")
+    args = ap.parse_args(argv)
+    try:
+        wrong = misplaced()
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    for f, want in wrong:
+        if args.move:
+            (TESTS / want).mkdir(parents=True, exist_ok=True)
+            subprocess.run(["git", "mv", str(f), str(TESTS / want / f.name)], cwd=ROOT, check=True)
+            print(f"moved {f.relative_to(ROOT)} -> tests/{want}/{f.name}")
+        else:
+            print(hint(f, want))
+    if args.fix_refs:
+        print(f"rewrote tests/... paths in {fix_refs()} files")
+    else:
+        for f, ref, want in stale_refs():
+            print(f"{f.relative_to(ROOT)}: {ref} is now {want} (python tests/support/layout.py --fix-refs)")
+    have, without = modules_with_tests()
+    print(f"{len(have)} of {len(have) + len(without)} library modules have a test file of their name")
+    if args.modules:
+        print("\n".join(f"  no tests/**/test_{Path(m).stem}.py: {m}" for m in without))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
