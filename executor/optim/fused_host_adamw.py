@@ -22,7 +22,8 @@ master + (-lr / bias_correction1 * m) / (sqrt(v) / sqrt(bias_correction2) + eps)
 -ffp-contract=off, so the vector loop and the scalar loop (the elements before the first whole vector and
 after the last) do the same correctly rounded operations and an element's result depends on nothing but its
 own values. torch takes a scalar path without fused multiply-adds for the last partial vector of each tensor
-and thread share; this kernel never does (tests/test_fused_host_adamw.py: bit for bit torch's vector path).
+and thread share; this kernel never does (bit for bit torch's vector path:
+tests/executor/optim/test_fused_host_adamw.py).
 The compute copy: rounded to nearest even from the fp32 bits, NaN as 0xffff, as torch's vectorized cast.
 
 The step's sum of squares (of the unclipped gradients): per CHUNK of elements counted from the op's first
