@@ -14,10 +14,14 @@ A name matching no module, or several, must be added to SUBJECTS. Basenames stay
 name alone says where a file goes. tests/support/ holds what tests import (not tests); tests/conftest.py the
 shared fixtures.
 
-    python tests/support/layout.py              # list misplaced test files and stale tests/... references
-    python tests/support/layout.py --move       # git mv each misplaced test file into its folder
-    python tests/support/layout.py --fix-refs   # rewrite tests/... paths in docs and code to where files are
-    python tests/support/layout.py --modules    # and the library modules with no test file of their name
+    python tests/support/layout.py                # list what is out of place (nothing: exit 0)
+    python tests/support/layout.py --move         # git mv each misplaced test file into its folder
+    python tests/support/layout.py --fix-imports  # import from tests/support/ what moved there
+    python tests/support/layout.py --fix-refs     # rewrite tests/... paths in docs and code to where they are
+    python tests/support/layout.py --modules      # and the library modules with no test file of their name
+
+After --move, a file that went one or two folders deeper needs Path(__file__).resolve().parents[depth] for the
+repository (the listing says which line); ruff check --fix --select I sorts the rewritten imports.
 """
 
 from __future__ import annotations
@@ -121,18 +125,84 @@ def all_test_files() -> list[Path]:
 
 
 def misplaced() -> list[tuple[Path, str]]:
-    """(file, folder where it belongs) for each test file not in its folder."""
+    """(file, folder where it belongs) for each test file not in its folder (and that no rule places)."""
     out = []
     for f in all_test_files():
-        want = place(f.stem)
-        if f.parent.relative_to(TESTS).as_posix() != want:
-            out.append((f, want))
+        want = unplaced_reason(f)
+        if want is None:
+            want = place(f.stem)
+            if f.parent.relative_to(TESTS).as_posix() != want:
+                out.append((f, want))
     return out
+
+
+def unplaced_reason(f: Path) -> str | None:
+    try:
+        place(f.stem)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def unplaced() -> list[str]:
+    """One line for each test file that no rule places."""
+    return [r for f in all_test_files() if (r := unplaced_reason(f))]
 
 
 def hint(f: Path, want: str) -> str:
     return (f"{f.relative_to(ROOT)} belongs in tests/{want}/: "
             f"git mv {f.relative_to(ROOT)} tests/{want}/{f.name} (or: python tests/support/layout.py --move)")
+
+
+# -- what a file moved out of the flat tests/ still says ----------------------------------------------------
+
+# files whose tests/... paths and Path(__file__) lines are examples (this tool and its test), not references
+EXAMPLES = {"tests/support/layout.py", "tests/system/test_tests_layout.py"}
+# imports of what moved to tests/support/ (test modules do not import each other in importlib mode)
+OLD_IMPORTS = [
+    (re.compile(r"^(\s*)from test_executor import", re.M), r"\1from support.runs import"),
+    (re.compile(r"^(\s*)from helpers import", re.M), r"\1from support.helpers import"),
+    (re.compile(r"^(\s*)from dist_worker import", re.M), r"\1from support.dist_worker import"),
+    (re.compile(r"^(\s*)from test_files import", re.M), r"\1from support.schemas import"),
+    (re.compile(r"^from test_corpus import tok_dir.*\n", re.M), ""),  # the fixture is in tests/conftest.py
+]
+# a path from the test file's own location: Path(__file__).resolve().parents[k] / "name" or ROOT = ...
+FILE_PATH = re.compile(r"(\w+ = )?Path\(__file__\)(?:\.resolve\(\))?(?:\.parents\[(\d)\]|((?:\.parent)+))"
+                       r"(?: / \"([\w.]+)\")?")
+
+
+def old_imports(f: Path) -> list[str]:
+    text = f.read_text()
+    return [m.group(0).strip() for pattern, _ in OLD_IMPORTS for m in pattern.finditer(text)]
+
+
+def fix_imports(f: Path) -> bool:
+    text = f.read_text()
+    new = text
+    for pattern, repl in OLD_IMPORTS:
+        new = pattern.sub(repl, new)
+    if new != text:
+        f.write_text(new)
+    return new != text
+
+
+def wrong_roots(f: Path) -> list[str]:
+    """Paths built from Path(__file__) that name a missing file or folder, or a ROOT / REPO that is not the
+    repository (a file moved deeper needs parents[depth + 1])."""
+    out = []
+    depth = len(f.relative_to(TESTS).parts)
+    if f.relative_to(ROOT).as_posix() in EXAMPLES:
+        return out
+    for m in FILE_PATH.finditer(f.read_text()):
+        up = int(m.group(2)) + 1 if m.group(2) else m.group(3).count(".parent")
+        base = f.resolve().parents[up - 1]
+        name = m.group(4)
+        bad = (name and not (base / name).exists()) or \
+            (not name and (m.group(1) or "").strip(" =") in ("ROOT", "REPO") and base != ROOT)
+        if bad:
+            out.append(f"{f.relative_to(ROOT)}: {m.group(0)} is {base / (name or '')}; the repository is "
+                       f"Path(__file__).resolve().parents[{depth}] here")
+    return out
 
 
 # -- references to test files in docs and code ---------------------------------------------------------------
@@ -147,9 +217,12 @@ def current_paths() -> dict[str, str]:
     return {p.name: p.relative_to(ROOT).as_posix() for p in files}
 
 
+
+
 def text_files() -> list[Path]:
     out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return [ROOT / n for n in out.splitlines() if Path(n).suffix in REF_SUFFIXES and (ROOT / n).is_file()]
+    return [ROOT / n for n in out.splitlines()
+            if Path(n).suffix in REF_SUFFIXES and n not in EXAMPLES and (ROOT / n).is_file()]
 
 
 def stale_refs() -> list[tuple[Path, str, str]]:
@@ -192,20 +265,26 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--move", action="store_true", help="git mv each misplaced test file into its folder")
     ap.add_argument("--fix-refs", action="store_true", help="rewrite stale tests/... paths in tracked files")
+    ap.add_argument("--fix-imports", action="store_true",
+                    help="import from tests/support/ what moved there from test_executor, helpers, ...")
     ap.add_argument("--modules", action="store_true", help="list the library modules without a test file")
     args = ap.parse_args(argv)
-    try:
-        wrong = misplaced()
-    except ValueError as e:
-        print(e, file=sys.stderr)
-        return 2
-    for f, want in wrong:
+    for line in unplaced():
+        print(line, file=sys.stderr)
+    for f, want in misplaced():
         if args.move:
             (TESTS / want).mkdir(parents=True, exist_ok=True)
             subprocess.run(["git", "mv", str(f), str(TESTS / want / f.name)], cwd=ROOT, check=True)
             print(f"moved {f.relative_to(ROOT)} -> tests/{want}/{f.name}")
         else:
             print(hint(f, want))
+    for f in all_test_files():
+        if args.fix_imports and fix_imports(f):
+            print(f"{f.relative_to(ROOT)}: imports from tests/support/ now (run ruff check --fix --select I)")
+        elif old_imports(f):
+            print(f"{f.relative_to(ROOT)}: {old_imports(f)} (python tests/support/layout.py --fix-imports)")
+        for line in wrong_roots(f):
+            print(line)
     if args.fix_refs:
         print(f"rewrote tests/... paths in {fix_refs()} files")
     else:
@@ -215,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(have)} of {len(have) + len(without)} library modules have a test file of their name")
     if args.modules:
         print("\n".join(f"  no tests/**/test_{Path(m).stem}.py: {m}" for m in without))
-    return 0
+    return 2 if unplaced() else 0
 
 
 if __name__ == "__main__":

@@ -13,6 +13,21 @@ def test_every_test_file_sits_in_the_folder_of_its_subject():
     assert not wrong, "\n".join(layout.hint(f, want) for f, want in wrong)
 
 
+def test_every_test_file_is_placed_by_a_rule():
+    assert not layout.unplaced(), "\n".join(layout.unplaced())
+
+
+def test_test_files_import_shared_code_from_support_only():
+    old = {str(f.relative_to(layout.ROOT)): found
+           for f in layout.all_test_files() if (found := layout.old_imports(f))}
+    assert not old, f"{old}: test modules do not import each other (tests/support/layout.py --fix-imports)"
+
+
+def test_paths_from_a_test_file_reach_the_repository():
+    wrong = [line for f in layout.all_test_files() for line in layout.wrong_roots(f)]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_test_file_names_are_unique():
     seen: dict[str, list[str]] = {}
     for f in layout.all_test_files():
@@ -65,3 +80,22 @@ def test_the_rule_can_fail(monkeypatch, tmp_path):
     doc.write_text("see tests/test_simulator.py and tests/planner/core/test_simulator.py\n")
     monkeypatch.setattr(layout, "text_files", lambda: [doc])
     assert layout.stale_refs() == [(doc, "tests/test_simulator.py", "tests/planner/core/test_simulator.py")]
+
+
+def test_the_import_and_path_checks_can_fail(tmp_path, monkeypatch):
+    deep = tmp_path / "tests" / "planner" / "core"
+    deep.mkdir(parents=True)
+    (tmp_path / "experiments").mkdir()
+    f = deep / "test_x.py"
+    f.write_text("import sys\nfrom test_executor import make_plan\nfrom helpers import profile\n"
+                 "ROOT = Path(__file__).resolve().parents[1]\n"
+                 "sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'experiments'))\n"
+                 'sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))\n')
+    monkeypatch.setattr(layout, "ROOT", tmp_path)
+    monkeypatch.setattr(layout, "TESTS", tmp_path / "tests")
+    assert layout.old_imports(f) == ["from test_executor import", "from helpers import"]
+    wrong = layout.wrong_roots(f)
+    assert len(wrong) == 2 and all("parents[3] here" in line for line in wrong)  # ROOT and "experiments"
+    assert layout.fix_imports(f)
+    assert "from support.runs import make_plan\nfrom support.helpers import profile\n" in f.read_text()
+    assert not layout.old_imports(f)
