@@ -16,12 +16,13 @@ shared fixtures.
 
     python tests/support/layout.py                # list what is out of place (nothing: exit 0)
     python tests/support/layout.py --move         # git mv each misplaced test file into its folder
-    python tests/support/layout.py --fix-imports  # import from tests/support/ what moved there
+    python tests/support/layout.py --fix          # import from tests/support/, Path(__file__) from the repo
     python tests/support/layout.py --fix-refs     # rewrite tests/... paths in docs and code to where they are
     python tests/support/layout.py --modules      # and the library modules with no test file of their name
 
-After --move, a file that went one or two folders deeper needs Path(__file__).resolve().parents[depth] for the
-repository (the listing says which line); ruff check --fix --select I sorts the rewritten imports.
+After --move, --fix imports from tests/support/ what test files imported from test_executor, helpers,
+dist_worker or test_files, and starts each Path(__file__) path from the repository (parents[depth]); then ruff
+check --fix --select I sorts the rewritten imports.
 """
 
 from __future__ import annotations
@@ -176,33 +177,46 @@ def old_imports(f: Path) -> list[str]:
     return [m.group(0).strip() for pattern, _ in OLD_IMPORTS for m in pattern.finditer(text)]
 
 
-def fix_imports(f: Path) -> bool:
-    text = f.read_text()
-    new = text
-    for pattern, repl in OLD_IMPORTS:
-        new = pattern.sub(repl, new)
-    if new != text:
-        f.write_text(new)
-    return new != text
-
-
-def wrong_roots(f: Path) -> list[str]:
-    """Paths built from Path(__file__) that name a missing file or folder, or a ROOT / REPO that is not the
-    repository (a file moved deeper needs parents[depth + 1])."""
+def root_problems(f: Path) -> list[tuple[str, str, str | None]]:
+    """(text, message, replacement) for each path built from Path(__file__) that names a missing file or
+    folder or one of the repository's top level from elsewhere, or a ROOT / REPO that is not the repository;
+    the replacement starts from the repository instead (None where that path is missing too)."""
     out = []
-    depth = len(f.relative_to(TESTS).parts)
+    depth = len(f.relative_to(TESTS).parts)  # parents[depth] is the repository
     if f.relative_to(ROOT).as_posix() in EXAMPLES:
         return out
     for m in FILE_PATH.finditer(f.read_text()):
         up = int(m.group(2)) + 1 if m.group(2) else m.group(3).count(".parent")
-        base = f.resolve().parents[up - 1]
-        name = m.group(4)
-        bad = (name and not (base / name).exists()) or \
-            (not name and (m.group(1) or "").strip(" =") in ("ROOT", "REPO") and base != ROOT)
-        if bad:
-            out.append(f"{f.relative_to(ROOT)}: {m.group(0)} is {base / (name or '')}; the repository is "
+        base, name = f.resolve().parents[up - 1], m.group(4)
+        is_root = (m.group(1) or "").strip(" =") in ("ROOT", "REPO")
+        # a name of the repository's top level (experiments, docs, ...) is meant from there, even where
+        # tests/ has a folder of that name (tests/experiments/)
+        if base != ROOT and (is_root if not name else not (base / name).exists() or (ROOT / name).exists()):
+            fixed = f'{m.group(1) or ""}Path(__file__).resolve().parents[{depth}]'
+            fixed += f' / "{name}"' if name else ""
+            ok = not name or (ROOT / name).exists()
+            message = (f"{f.relative_to(ROOT)}: {m.group(0)} is {base / (name or '')}; the repository is "
                        f"Path(__file__).resolve().parents[{depth}] here")
+            out.append((m.group(0), message, fixed if ok else None))
     return out
+
+
+def wrong_roots(f: Path) -> list[str]:
+    return [message for _, message, _ in root_problems(f)]
+
+
+def fix_file(f: Path) -> bool:
+    """Import from tests/support/ what moved there and start Path(__file__) paths from the repository."""
+    text = f.read_text()
+    new = text
+    for pattern, repl in OLD_IMPORTS:
+        new = pattern.sub(repl, new)
+    for old, _, fixed in root_problems(f):
+        if fixed:
+            new = new.replace(old, fixed)
+    if new != text:
+        f.write_text(new)
+    return new != text
 
 
 # -- references to test files in docs and code ---------------------------------------------------------------
@@ -265,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--move", action="store_true", help="git mv each misplaced test file into its folder")
     ap.add_argument("--fix-refs", action="store_true", help="rewrite stale tests/... paths in tracked files")
-    ap.add_argument("--fix-imports", action="store_true",
-                    help="import from tests/support/ what moved there from test_executor, helpers, ...")
+    ap.add_argument("--fix", action="store_true",
+                    help="import from tests/support/ what moved there, Path(__file__) paths from the repo")
     ap.add_argument("--modules", action="store_true", help="list the library modules without a test file")
     args = ap.parse_args(argv)
     for line in unplaced():
@@ -279,12 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(hint(f, want))
     for f in all_test_files():
-        if args.fix_imports and fix_imports(f):
-            print(f"{f.relative_to(ROOT)}: imports from tests/support/ now (run ruff check --fix --select I)")
-        elif old_imports(f):
-            print(f"{f.relative_to(ROOT)}: {old_imports(f)} (python tests/support/layout.py --fix-imports)")
+        if args.fix and fix_file(f):
+            print(f"{f.relative_to(ROOT)}: fixed (then: ruff check --fix --select I {f.relative_to(ROOT)})")
+        if old_imports(f):
+            print(f"{f.relative_to(ROOT)}: {old_imports(f)} (python tests/support/layout.py --fix)")
         for line in wrong_roots(f):
-            print(line)
+            print(line + " (python tests/support/layout.py --fix)")
     if args.fix_refs:
         print(f"rewrote tests/... paths in {fix_refs()} files")
     else:

@@ -20,7 +20,7 @@ def test_every_test_file_is_placed_by_a_rule():
 def test_test_files_import_shared_code_from_support_only():
     old = {str(f.relative_to(layout.ROOT)): found
            for f in layout.all_test_files() if (found := layout.old_imports(f))}
-    assert not old, f"{old}: test modules do not import each other (tests/support/layout.py --fix-imports)"
+    assert not old, f"{old}: test modules do not import each other (tests/support/layout.py --fix)"
 
 
 def test_paths_from_a_test_file_reach_the_repository():
@@ -86,6 +86,7 @@ def test_the_import_and_path_checks_can_fail(tmp_path, monkeypatch):
     deep = tmp_path / "tests" / "planner" / "core"
     deep.mkdir(parents=True)
     (tmp_path / "experiments").mkdir()
+    (tmp_path / "tests" / "experiments").mkdir()  # not what parents[1] / "experiments" means
     f = deep / "test_x.py"
     f.write_text("import sys\nfrom test_executor import make_plan\nfrom helpers import profile\n"
                  "ROOT = Path(__file__).resolve().parents[1]\n"
@@ -96,6 +97,8 @@ def test_the_import_and_path_checks_can_fail(tmp_path, monkeypatch):
     assert layout.old_imports(f) == ["from test_executor import", "from helpers import"]
     wrong = layout.wrong_roots(f)
     assert len(wrong) == 2 and all("parents[3] here" in line for line in wrong)  # ROOT and "experiments"
-    assert layout.fix_imports(f)
+    assert layout.fix_file(f)
     assert "from support.runs import make_plan\nfrom support.helpers import profile\n" in f.read_text()
-    assert not layout.old_imports(f)
+    assert "ROOT = Path(__file__).resolve().parents[3]\n" in f.read_text()
+    assert "parents[1]" in f.read_text()  # 'experiments' in single quotes: not a path the check reads
+    assert not layout.old_imports(f) and not layout.wrong_roots(f)
