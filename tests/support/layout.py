@@ -58,7 +58,7 @@ SUBJECTS = {
     "test_fit": "planner/fit",
     "test_fp32_inplace": "planner/core",  # workload.Precision.in_place
     "test_gantt": "planner/core",  # planner/core/trace.py
-    "test_happens_before": "executor",
+    "test_happens_before": "executor/ops",  # what ops hand each other, over a real run
     "test_loss_memory": "planner/core",  # workload.head_cost against the executor's head
     "test_memory_contract": "executor",
     "test_models": "planner/core",  # planner/core/models/ (executor/models/: test_executor_models)
