@@ -75,7 +75,7 @@ def test_a_trace_of_one_format_is_not_fitted_to_a_plan_of_another(two_formats, t
         assert "a trace of a run with fp32 optimizer states, but the plan keeps them in 8bit" in line, cmd
 
 
-def test_a_token_cache_that_fills_the_disk_leaves_no_directory(tmp_path, tok_dir, capsys,  # noqa: F811
+def test_a_token_cache_that_fills_the_disk_leaves_no_directory(tmp_path, tok_dir, capsys,
                                                               monkeypatch):
     data = tmp_path / "corpus.txt"
     data.write_text("a few short lines of text\n" * 200)
