@@ -2,7 +2,7 @@
 tierflow/cli/run.py, or a program / test that trains) and passed unchanged to the training loop and the
 engine. What changes while the run goes (the step, the gradient norms, the records, the adapt decision) is the
 `Trainer`'s (executor/train_loop.py), never the configuration's. Importing this module imports no torch and no
-solver (tests/test_layering.py checks it).
+solver (tests/system/test_layering.py checks it).
 
     RunConfig            steps, the plan file, device, SSD directory, compute dtype; and the groups:
       ModelDataOptions   the starting weights and the data: --init, --data, its tokenizer and fields
@@ -59,7 +59,7 @@ class OptimizerOptions:
     clip_grad_norm: float | None = None
     clip: str | None = None  # tierflow.planner.core.trainopts.CLIP_MODES
     # the steps a decaying schedule (linear, cosine) spans; None: the run's `steps` (the command line's). A
-    # program that trains a long run in parts (tests/test_finetune.py) gives the whole run's
+    # program that trains a long run in parts (tests/executor/test_finetune.py) gives the whole run's
     total_steps: int | None = None
 
     def given(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@
    wall time and peak memory (RSS, sampled) per phase: candidates (CP-SAT placement and the loads), slot LP,
    verification (graph building and simulation), CP-SAT window, plan file, the rest.
 3. One `--adapt` decision on tiny-gpt (the fit of the profile to the measured trace, the new search, the old
-   plan on the refit profile; the setup of tests/test_adapt.py with the default options).
+   plan on the refit profile; the setup of tests/executor/test_adapt.py with the default options).
 
 Targets: simulator >= 3x SimPy on the 175B graphs; one simulated 175B iteration <= 0.12 s; `tierflow plan` of
 175B <= 8 s and <= 0.5 GB; an --adapt decision <= 2 s. Writes bench_simulator.csv (simulator),
@@ -238,8 +238,8 @@ def plan_row(model: str, hw: str, batch: int, tmp: Path) -> dict:
 # ---- 3. an --adapt decision -----------------------------------------------------------------------------
 
 def adapt_decision(quick: bool) -> dict:
-    """One --adapt decision on tiny-gpt (tests/test_adapt.py's wrong profile and measured box), the fit, the
-    new search and the old plan's simulation timed apart."""
+    """One --adapt decision on tiny-gpt (tests/executor/test_adapt.py's wrong profile and measured box), the
+    fit, the new search and the old plan's simulation timed apart."""
     import tierflow.executor.decide as dec
     from tierflow.executor.adapt import AdaptOptions, decide
     from tierflow.hwprofiles import load_profile

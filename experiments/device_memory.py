@@ -42,8 +42,8 @@ swapped layer's saved activations, is freed). The planner's figure (planned) is 
 task graph allocates them (tierflow.planner.core.schedules): fwd_working_bytes for a forward (+ the saved
 activations of a swapped layer, which the forward's offload allocates), bwd_working_bytes for recompute +
 backward (less the saved activations for a swapped layer: they arrive by fetch), bwd_working_bytes for the
-head. The ratio planned / measured is the margin (tests/test_device_memory.py checks that planned covers
-tensors and is not absurdly above it on quick cases).
+head. The ratio planned / measured is the margin (tests/planner/core/test_device_memory.py checks that planned
+covers tensors and is not absurdly above it on quick cases).
 Writes device_memory.csv under --out (default experiments/results).
 """
 

@@ -1,5 +1,5 @@
 """Data-parallel training with the executor on torch.distributed: the full variant of
-tests/test_dist_executor.py, on the CPU with gloo.
+tests/executor/test_dist_executor.py, on the CPU with gloo.
 
     python experiments/dist_executor.py [--quick] [--out DIR]
 
@@ -32,8 +32,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from dist_worker import BATCH, OPTIMIZER, make_plan  # noqa: E402
 from expcommon import arg_parser, script_main, write_csv  # noqa: E402
+from support.dist_worker import BATCH, OPTIMIZER, make_plan  # noqa: E402
 
 from tierflow.executor.run import OutputOptions, RunConfig, run_plan  # noqa: E402
 from tierflow.planner.io.planfile import write_plan  # noqa: E402
@@ -62,7 +62,7 @@ def equivalence(ranks: int, cases: list[tuple[str, str, str]], tmp: Path) -> lis
     (tmp / f"cases{ranks}.json").write_text(json.dumps(spec))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(ranks), str(HERE.parent / "tests" / "dist_worker.py"),
+                           str(ranks), str(HERE.parent / "tests" / "support" / "dist_worker.py"),
                            str(tmp / f"cases{ranks}.json"), str(out)], capture_output=True, text=True,
                           env=_env())
     wall_s = time.perf_counter() - t0

@@ -406,8 +406,9 @@ def generated_block(doc: Path, name: str) -> str:
 
 
 def write_generated_block(doc: Path, name: str, body: str) -> None:
-    """Replace generated block `name` of `doc` with `body` (the scripts' tables; tests/test_docs_tables.py
-    checks that each block equals what its script makes of its results file)."""
+    """Replace generated block `name` of `doc` with `body` (the scripts' tables;
+    tests/system/test_docs_tables.py checks that each block equals what its script makes of its results
+    file)."""
     text = doc.read_text()
     start, end = _markers(name)
     before, rest = text.split(start, 1)

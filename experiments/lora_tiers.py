@@ -119,7 +119,7 @@ def run(quick: bool, out_dir: Path) -> list[dict]:
                  for batch in (2, 16) for rank in (None, 16)]
         rows += [capacity_row(b, fam, rank) for b in BOXES for fam in ("llama", "gpt") for rank in (None, 16)]
     write_csv(rows, out_dir / "lora_tiers.csv")
-    if out_dir.resolve() == RESULTS_DIR.resolve():  # from the file, as tests/test_docs_tables.py reads it
+    if out_dir.resolve() == RESULTS_DIR.resolve():  # from the file, as tests/system/test_docs_tables.py does
         with open(out_dir / "lora_tiers.csv", newline="") as f:
             write_generated_block(DOC, DOC_TABLE, lora_tables(list(csv.DictReader(f))))
     print_table(rows, list(COLUMNS))

@@ -1,8 +1,8 @@
 """The README's figures that come from a command, generated from that command's output: the default demo's
 block (what `tierflow simulate` prints), the paragraph under it (its PCIe and SSD traffic ratios, GPU busy
 shares, and the tokens/s of two variants of the demo: `--batch 16 --micro-batch 1` and `--set ssd.count=2`)
-and the demo's row of "Results at a glance". tests/test_readme_demo.py runs the same commands and fails when
-the README differs from what this script makes of them.
+and the demo's row of "Results at a glance". tests/system/test_readme_demo.py runs the same commands and fails
+when the README differs from what this script makes of them.
 
     python experiments/readme_demo.py            # rewrite the README's generated parts
     python experiments/readme_demo.py --check    # exit 1, naming the part, when the README differs

@@ -8,8 +8,9 @@ CSV against a field-size limit.
 Memory: `memory_headroom_bytes` is what this process can still allocate (its address-space limit less what it
 maps, the memory the kernel says is available, its cgroup's limit less its use); `check_affordable` refuses an
 input whose worst-case cost exceeds it, before the input is inflated; `json_parse_bound_bytes` is that worst
-case for parsing a JSON text (measured per shape, tests/test_streaming_inputs.py); `reading` names the input
-and its bound in the one line said when a MemoryError happens while it is read (`InputMemoryError`, exit 3).
+case for parsing a JSON text (measured per shape, tests/system/test_streaming_inputs.py); `reading` names
+the input and its bound in the one line said when a MemoryError happens while it is read (`InputMemoryError`,
+exit 3).
 
 Every problem raises :class:`InputLimitError` (a ValueError) whose message says what is wrong without naming
 the file; callers prefix the file and turn it into their own error type. Only the standard library and PyYAML.
@@ -192,7 +193,7 @@ def loads_json_limited(text: str | bytes, max_depth: int = MAX_DEPTH, unchecked:
 # pointer per 5 bytes), a dict at most 184 bytes + its entries, a list 56 + its pointers. The bound below
 # exceeds tracemalloc's peak by 1.3-3.3x over 11 hostile shapes ([{}, ...] 24 bytes per byte of text,
 # 30-deep nested dicts 36, [[1], ...] 24, a dict of 500k keys 11, 6-key records 7.4;
-# tests/test_streaming_inputs.py).
+# tests/system/test_streaming_inputs.py).
 JSON_BYTES_PER_TEXT_BYTE = 16
 JSON_BYTES_PER_OBJECT = 192
 JSON_BYTES_PER_ARRAY = 64

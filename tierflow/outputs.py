@@ -10,7 +10,7 @@ probed by creating and removing a file: `os.access` does not see a read-only mou
 
 Writes (`atomic_path`, `atomic_write_bytes`) go to a temporary file in the same directory, which is
 flushed, fsynced and renamed over the target (`os.replace`), so that a failure never leaves half a file.
-Standard library only; every layer may import it (tests/test_layering.py).
+Standard library only; every layer may import it (tests/system/test_layering.py).
 """
 
 from __future__ import annotations

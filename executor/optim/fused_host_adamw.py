@@ -22,7 +22,8 @@ master + (-lr / bias_correction1 * m) / (sqrt(v) / sqrt(bias_correction2) + eps)
 -ffp-contract=off, so the vector loop and the scalar loop (the elements before the first whole vector and
 after the last) do the same correctly rounded operations and an element's result depends on nothing but its
 own values. torch takes a scalar path without fused multiply-adds for the last partial vector of each tensor
-and thread share; this kernel never does (tests/test_fused_host_adamw.py: bit for bit torch's vector path).
+and thread share; this kernel never does (bit for bit torch's vector path:
+tests/executor/optim/test_fused_host_adamw.py).
 The compute copy: rounded to nearest even from the fp32 bits, NaN as 0xffff, as torch's vectorized cast.
 
 The step's sum of squares (of the unclipped gradients): per CHUNK of elements counted from the op's first
@@ -35,8 +36,8 @@ torch's fp32 vector_norm, which the torch path uses, is 2e-5 off).
 Threads: torch.get_num_threads() of them, torch's own intra-op team (at::parallel_for: OpenMP or torch's
 native pool, whichever torch was built with), one unit per thread, each taking the next chunk until none is
 left (a preempted thread holds up one chunk, not a fixed share); the module's `last_threads()` says how
-many distinct threads ran the last call's units (tests/test_fused_host_adamw.py checks that it is torch's
-setting, not 1). The call releases the GIL. The arguments
+many distinct threads ran the last call's units (tests/executor/optim/test_fused_host_adamw.py checks that
+it is torch's setting, not 1). The call releases the GIL. The arguments
 are checked before the loop (TORCH_CHECK: devices, dtypes, contiguity, sizes, the groups' ends, the rows of
 partial sums), so a wrong call raises instead of writing outside a tensor.
 """

@@ -16,8 +16,8 @@ Why not a library: bitsandbytes' 8-bit AdamW (optimizer_update_8bit_blockwise) t
 same layout (uint8 states, fp32 absmax per 256), but on this machine's CPU it ran 4M parameters in 460 ms
 against 16 ms for torch's fused fp32 AdamW, and torchao's AdamW8bit in 423 ms
 (docs/compressed-states.md); the executor's stretches need decode and encode on their own,
-and neither library is a dependency of tierflow. tests/test_quant8.py compares this quantizer and update with
-bitsandbytes' on the same inputs where it is installed.
+and neither library is a dependency of tierflow. tests/executor/optim/test_quant8.py compares this quantizer
+and update with bitsandbytes' on the same inputs where it is installed.
 """
 
 from __future__ import annotations

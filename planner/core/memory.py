@@ -2,8 +2,8 @@
 
 One model serves every estimate: each family's default placement (tierflow.planner.core.schedules), the CP-SAT
 placement model and `min_requirements` of the search, `tierflow capacity` and the message for a model that
-does not fit. The simulator is the judge: tests/test_memory.py checks on random configurations that each
-tier's estimate is at least the simulated peak and at most MARGIN above it.
+does not fit. The simulator is the judge: tests/planner/core/test_memory.py checks on random configurations
+that each tier's estimate is at least the simulated peak and at most MARGIN above it.
 
 A tier holds
 - the placed tensors (static for the whole run): bf16 weights, fp32 master and Adam moments where the
@@ -52,11 +52,11 @@ STATE_BYTES = MASTER_BYTES + 2 * ADAM_STATE_BYTES  # fp32 master + Adam m + v, p
 # page cache of the SSD files, the allocator's rounding. One constant, used wherever host memory is budgeted.
 HOST_RESERVE_FRACTION = 0.02
 # How far above the simulated peak (with the box's full capacity) an estimate may lie, as a fraction of that
-# peak (tests/test_memory.py; on the CPU plus the staging of the blocks in flight). The bounds count the
-# blocks in flight as the largest blocks of the model (for small models the embedding and a tied head, not
-# layers) and every swapped layer's activations at once; on random small configurations the GPU estimate is up
-# to 1.6x the peak, the SSD's up to 2.1x (two layers, both swapping), the CPU's (less staging) up to 1.3x. For
-# large models the terms that make the difference (a few blocks against L layers) vanish.
+# peak (tests/planner/core/test_memory.py; on the CPU plus the staging of the blocks in flight). The bounds
+# count the blocks in flight as the largest blocks of the model (for small models the embedding and a tied
+# head, not layers) and every swapped layer's activations at once; on random small configurations the GPU
+# estimate is up to 1.6x the peak, the SSD's up to 2.1x (two layers, both swapping), the CPU's (less staging)
+# up to 1.3x. For large models the terms that make the difference (a few blocks against L layers) vanish.
 MARGIN = 1.5
 
 

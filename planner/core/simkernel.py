@@ -1,9 +1,10 @@
 """The simulator's event loop over arrays, compiled with numba where it is installed (the `fast` extra).
 
 The same play as tierflow.planner.core.simulator._Run.play, step for step and in the same floating-point
-operations, so its times, peaks and memory traces are identical (tests/test_simkernel.py compares both on
-every schedule family, several ranks, a host device and memory that blocks). The graph is passed as arrays:
-queues, successors and memory deltas in compressed rows (an index array `*_ptr` of where each row starts).
+operations, so its times, peaks and memory traces are identical (tests/planner/core/test_simkernel.py
+compares both on every schedule family, several ranks, a host device and memory that blocks). The graph is
+passed as arrays: queues, successors and memory deltas in compressed rows (an index array `*_ptr` of where
+each row starts).
 Without numba `kernel()` returns None and the simulator plays its pure-Python loop; set TIERFLOW_PURE_SIM=1 to
 force that loop.
 """

@@ -287,15 +287,16 @@ def layer_bwd_transient_bytes(model: ModelSpec, micro_batch: int, seq: int) -> i
 
 def saved_elements_per_token(model: ModelSpec) -> int:
     """Elements per token (compute dtype) one decoder layer saves for its backward when it is not recomputed,
-    as the executor's layers save them (tests/test_saved_activations.py compares the two): the first norm's
-    input (the layer input), the qkv input, q, k, v after rotary (attention saves them at their own size with
-    GQA), the attention output (the output projection's input is a view of it), the second norm's input, the
-    MLP input, and the MLP's inner tensors: GELU keeps its input and the down projection its output (2 ffn);
-    SwiGLU / GeGLU keep the gate and up projections and the down projection's input (3 ffn: the gate is
-    recomputed in backward, as a fused SwiGLU kernel does); ReLU only its output (its backward reads the
-    output, which the down projection saves too). RMSNorm keeps only its input (executor.models.RMSNorm, as a
-    fused kernel), rotary positions only their tables (executor.models._Rope). A parallel-residual layer
-    normalises one input twice (saved once); a Qwen3 layer's q/k norms keep q and k before them."""
+    as the executor's layers save them (tests/planner/core/test_saved_activations.py compares the two): the
+    first norm's input (the layer input), the qkv input, q, k, v after rotary (attention saves them at their
+    own size with GQA), the attention output (the output projection's input is a view of it), the second
+    norm's input, the MLP input, and the MLP's inner tensors: GELU keeps its input and the down projection its
+    output (2 ffn); SwiGLU / GeGLU keep the gate and up projections and the down projection's input (3 ffn:
+    the gate is recomputed in backward, as a fused SwiGLU kernel does); ReLU only its output (its backward
+    reads the output, which the down projection saves too). RMSNorm keeps only its input
+    (executor.models.RMSNorm, as a fused kernel), rotary positions only their tables (executor.models._Rope).
+    A parallel-residual layer normalises one input twice (saved once); a Qwen3 layer's q/k norms keep q and k
+    before them."""
     h, f, q, kv = model.hidden, model.ffn_hidden, model.q_dim, model.kv_dim
     norms = h if model.parallel_residual else 2 * h
     mlp = 3 * f if model.gated_mlp else f if model.activation == "relu" else 2 * f
@@ -474,7 +475,7 @@ def norm_backward_bytes(model: ModelSpec, tokens: int) -> int:
     recomputes its fp32 forward under autograd in the backward (executor.models.RMSNorm), which holds up to
     six fp32 copies of the input at once plus one in the compute dtype; both keep two fp32 statistics per
     token (mean and rstd, or the mean square and its rsqrt), and the loss a few scalars
-    (tests/test_loss_memory.py measures both)."""
+    (tests/planner/core/test_loss_memory.py measures both)."""
     cb = precision_of(model).compute_bytes
     per_element = 2 * cb if model.norm == "layernorm" else 6 * 4 + cb
     return per_element * tokens * model.hidden + 2 * 4 * tokens + 64

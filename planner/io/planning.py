@@ -3,7 +3,7 @@ the optimizer-state format where asked, checks a 2-layer window with CP-SAT, re-
 global clipping where the run clips, and returns the plan with its verification. `tierflow plan` (it parses,
 calls this and writes), `tierflow run --adapt`'s re-plan (executor/decide.py `replan`) and the experiments
 call it with the same `PlanOptions`, so a run that adapts switches only to a plan `tierflow plan` would make
-on that profile (tests/test_planning.py).
+on that profile (tests/planner/io/test_planning.py).
 """
 
 from __future__ import annotations

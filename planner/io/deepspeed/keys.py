@@ -266,7 +266,8 @@ def key_rows() -> list[KeyRow]:
 
 
 def key_table() -> str:
-    """The key-by-key table of docs/deepspeed.md (tests/test_dsconfig.py checks the page holds it)."""
+    """The key-by-key table of docs/deepspeed.md (tests/planner/io/test_dsconfig.py checks the page holds
+    it)."""
     lines = ["| key | verdict | mechanism, as DeepSpeed 0.19.8's code runs it |", "|---|---|---|"]
     lines += [f"| `{r.key}` | {r.verdict} | {r.why.replace('|', '/')} |" for r in key_rows()]
     return "\n".join(lines)

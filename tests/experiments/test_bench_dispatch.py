@@ -1,0 +1,49 @@
+"""experiments/bench_dispatch.py --quick: the executor's cost per op and its parts on the plain CPU backend
+and the emulation of CUDA, and the simulator's step with and without the per-op fields. Structure only: no
+timing assertions (the figures live in the script's results)."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PARTS = ("handoff", "events", "launch", "trace", "handler", "loop")
+
+
+def test_bench_dispatch_quick(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_dispatch.py"), "--quick",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    with open(tmp_path / "bench_dispatch.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["backend"], r["plan"], r["variant"]) for r in rows} == {
+        (b, "on_device", v) for b in ("cpu", "cpu-adversarial") for v in ("direct", "per_op_leaves")} | {
+        ("cpu-adversarial", "on_device", "graphs")}
+    graphs = [r for r in rows if r["variant"] == "graphs"]
+    # the emulation's graphs: measured beside the same plan eager, and the model's step with graphs (the
+    # replay's measured costs in place of the per-op ones)
+    assert float(graphs[0]["executor_step_ms"]) > 0 and float(graphs[0]["eager_step_ms"]) > 0
+    assert float(graphs[0]["predicted_ms"]) > 0 and graphs[0]["cal_graph_launch_us"] != ""
+    for r in rows:
+        if r["variant"] == "graphs":
+            continue
+        assert float(r["plain_step_ms"]) > 0 and float(r["executor_step_ms"]) > 0
+        assert float(r["ops_per_step"]) > 0 and float(r["executor_op_us"]) >= 0
+        assert all(float(r[f"{p}_us"]) >= 0 for p in PARTS)
+        assert float(r["handler_us"]) > 0
+        # only the emulation has streams: events and launches are the engine's there, none on a plain CPU
+        assert (float(r["events_us"]) > 0) == (r["backend"] == "cpu-adversarial")
+        modelled = r["variant"] == "direct"
+        assert bool(r["predicted_ms"]) == modelled
+        if modelled:  # the per-op fields add to the bare prediction
+            assert float(r["predicted_ms"]) >= float(r["predicted_bare_ms"]) > 0
+    assert "executor_op_us" in out.stdout
+
+
+def test_bench_dispatch_refuses_a_bad_rounds_count(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_dispatch.py"), "--rounds", "0",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
