@@ -131,7 +131,8 @@ def build_directory() -> Path:
 
     built_for = " ".join([*_flags(), torch.__version__, sys.version, platform.machine()])
     digest = hashlib.sha256(SOURCE.read_bytes() + built_for.encode()).hexdigest()[:16]
-    return Path(get_default_build_root()) / f"{NAME}-{digest}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's own choice
+    return Path(root) / f"{NAME}-{digest}"
 
 
 def _openmp_flags() -> list[str]:

@@ -237,15 +237,22 @@ def test_elsewhere_torchs_kernels_with_one_line(monkeypatch, capsys):
 def test_a_build_killed_before_leaves_no_lock_that_hangs_the_next(tmp_path):
     """torch's own build lock (a file, its FileBaton) outlives a build killed mid-way, and torch's load then
     waits for it forever: the kernel's build removes it under its own flock (freed when a process dies). A
-    fresh process with a stale lock in the build folder loads the kernel within the bound."""
+    fresh process with a stale lock in the build folder loads the kernel within the bound. (In a cache folder
+    of its own, a copy of the built one: another process here may be building in the shared one.)"""
+    import os
+    import shutil
     import subprocess
     import sys
 
-    build = fused_host_adamw.build_directory()
-    build.mkdir(parents=True, exist_ok=True)
+    built = fused_host_adamw.build_directory()
+    root = tmp_path / "extensions"
+    build = root / built.name
+    shutil.copytree(built, build, ignore=shutil.ignore_patterns("lock", fused_host_adamw.BUILD_LOCK))
     (build / "lock").write_text("")  # as a killed build leaves it
     code = ("from tierflow.executor.optim import fused_host_adamw as f; "
+            "assert f.build_directory().parent.name == 'extensions', f.build_directory(); "
             "assert f.kernel() is not None, f.status(0)")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root)}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stderr
     assert not (build / "lock").exists()
