@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tierflow.cli.argtypes import MAX_BATCH, positive_int
+from tierflow.cli.argtypes import MAX_BATCH, fraction_below_one, positive_float, positive_int
 from tierflow.errors import UsageError
 from tierflow.planner.core.lora import LoraConfig, LoraConfigError, parse_targets
 from tierflow.planner.core.models import OPTIMIZER_STATE_NAMES, PRECISION_NAMES, ModelError, ModelSpec
@@ -73,15 +73,15 @@ def in_precision(model: ModelSpec, args: argparse.Namespace) -> ModelSpec:
 def add_lora_args(p: argparse.ArgumentParser) -> None:
     """--lora RANK and its settings: fine-tune LoRA adapters on the frozen model (tierflow.planner.core.lora,
     docs/lora.md)."""
-    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+    p.add_argument("--lora", type=positive_int(65536), default=None, metavar="RANK",
                    help="train LoRA adapters of this rank on the frozen model (no master, no moments, no "
                    "gradients of the base: it is only read; docs/lora.md)")
-    p.add_argument("--lora-alpha", type=float, default=None, metavar="A",
+    p.add_argument("--lora-alpha", type=positive_float(), default=None, metavar="A",
                    help="with --lora: the adapters' scaling is A / RANK (default 16, PEFT's)")
     p.add_argument("--lora-targets", default=None, metavar="T,T",
                    help="with --lora: the projections that get adapters, PEFT's names (default all: q_proj, "
                    "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; or attention, mlp)")
-    p.add_argument("--lora-dropout", type=float, default=None, metavar="P",
+    p.add_argument("--lora-dropout", type=fraction_below_one, default=None, metavar="P",
                    help="with --lora: dropout on the adapters' input (default 0)")
 
 

@@ -47,16 +47,6 @@ def test_a_profile_without_its_cpu_cannot_say():
     assert profile_rate(hw, "tierflow") is None
 
 
-@pytest.mark.parametrize("name", ["polaris-a100-40g", "rtx4090-lohan", "rtx4090-lohan-4gpu", "dgx-a100-8gpu",
-                                  "a100-80g-nvme", "v100-32g", "h100-80g", "rtx2060-laptop",
-                                  "rtx3090-desktop"])
-def test_bundled_rates_are_the_models(name):
-    """The profiles whose CPU is described carry the model's rate for tierflow's kernel, not a rule."""
-    hw = load_profile(name)
-    r = profile_rate(hw, "tierflow")
-    assert r is not None and hw.cpu.adam_gparams_per_s == pytest.approx(r.gparams_per_s, abs=0.006)
-
-
 def test_an_unmeasured_microarchitecture_takes_lower_bounds():
     hw = load_profile("rtx4090-lohan")
     assert hw.cpu.microarchitecture not in CORE_COSTS
@@ -88,7 +78,7 @@ def test_process_adam_rates_follow_the_model_on_a_few_core_box():
     assert rates["cpu.adam_gparams_per_s"] == pytest.approx(hw.cpu.adam_gparams_per_s * shared.gparams_per_s
                                                             / alone.gparams_per_s)
     assert rates["cpu.adam_gparams_per_s"] == pytest.approx(hw.cpu.adam_gparams_per_s / 2)
-    assert process_adam_rates(hw, 1)["cpu.adam_gparams_per_s"] == hw.cpu.adam_gparams_per_s
+    assert process_adam_rates(hw, 1)["cpu.adam_gparams_per_s"] == pytest.approx(hw.cpu.adam_gparams_per_s)
 
 
 def test_microarchitecture_is_a_checked_choice():
