@@ -48,8 +48,10 @@ def held_per_cpu(fn, tries: int = 4, duration_s: float = 0.08) -> list[float]:
 
 
 def releases(fn) -> bool:
-    # the best of 8 pairs: under load a preempted probe reads a release as a hold now and then
-    return min(held_per_cpu(fn, tries=8)) <= HOT_PATH_AT_MOST
+    # the best of 8 pairs, up to three times: under load a preempted probe reads a release as a hold now and
+    # then (a clean-clone suite here once read one of these as held with nothing else running); a function
+    # that holds the lock reads >= HOLDING_AT_LEAST on every pair, so it still fails
+    return any(min(held_per_cpu(fn, tries=8)) <= HOT_PATH_AT_MOST for _ in range(3))
 
 
 def holds(fn) -> bool:
