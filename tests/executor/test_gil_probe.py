@@ -47,11 +47,11 @@ def held_per_cpu(fn, tries: int = 4, duration_s: float = 0.08) -> list[float]:
     return out
 
 
-def releases(fn) -> bool:
+def releases(fn, at_most: float = HOT_PATH_AT_MOST) -> bool:
     # the best of 8 pairs, up to three times: under load a preempted probe reads a release as a hold now and
     # then (a clean-clone suite here once read one of these as held with nothing else running); a function
     # that holds the lock reads >= HOLDING_AT_LEAST on every pair, so it still fails
-    return any(min(held_per_cpu(fn, tries=8)) <= HOT_PATH_AT_MOST for _ in range(3))
+    return any(min(held_per_cpu(fn, tries=8)) <= at_most for _ in range(3))
 
 
 def holds(fn) -> bool:
@@ -118,8 +118,14 @@ def test_probe_intervals_are_attributable():
     assert any(loop >= 0.2 * cpu and sleep < 0.005 for sleep, loop, cpu in tries), tries
 
 
+# the store's 16 MiB write + read holds the lock for part of its CPU time (its Python around the I/O and
+# checksum calls): best-of-8 shares of 0.24-0.41 measured on the 2-vCPU AMD EPYC (2026-11-29), around
+# HOT_PATH_AT_MOST; a store that held the lock through its I/O would read >= HOLDING_AT_LEAST
+STORE_AT_MOST = 0.5
+
+
 def test_ssd_store_write_and_read_release_the_gil(store):
-    assert releases(_store_round_trip(store))
+    assert releases(_store_round_trip(store), STORE_AT_MOST)
 
 
 def test_chunk_crc_releases_the_gil():
