@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from expcommon import (
+    BOX_4090_256GB_4SSDS,
     REPO_DIR,
     RESULTS_DIR,
     arg_parser,
@@ -35,7 +36,7 @@ from tierflow.planner.search.capacity import largest
 
 BATCH = 16
 BOXES = {"rtx4090-lohan": {},
-         "4090 256 GB 4 SSDs": {"cpu.memory_gib": 256, "cpu.reserved_gib": 19, "ssd.count": 4}}
+         "4090 256 GB 4 SSDs": BOX_4090_256GB_4SSDS}
 DOC = REPO_DIR / "docs" / "compressed-states.md"
 DOC_TABLE = "simulation (experiments/compressed_sim.py from experiments/results/compressed_sim.csv)"
 

@@ -134,6 +134,9 @@ def utilisation(res: SimResult, hw: HardwareProfile) -> dict[str, float]:
     return out
 
 
+# the users' box of the LoRA and compressed-states studies: rtx4090-lohan with 256 GB of RAM (19 GB reserved:
+# the profile's rule, 6 GiB + 5% of DRAM) and 4 of its 12 SSDs (profile overrides)
+BOX_4090_256GB_4SSDS = {"cpu.memory_gib": 256, "cpu.reserved_gib": 19, "ssd.count": 4}
 SATURATED = 0.85  # a resource needed for at least this share of the iteration is called the binding one
 
 

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from expcommon import (
+    BOX_4090_256GB_4SSDS,
     REPO_DIR,
     RESULTS_DIR,
     arg_parser,
@@ -47,7 +48,7 @@ BATCH = 16
 RANKS = (8, 16, 32, 64)
 SCHEDULES = ("horizontal", "fuyou", "vertical")
 BOXES = {"rtx4090-lohan": {},
-         "4090 256 GB 4 SSDs": {"cpu.memory_gib": 256, "cpu.reserved_gib": 19, "ssd.count": 4},
+         "4090 256 GB 4 SSDs": BOX_4090_256GB_4SSDS,
          "4090 256 GB no SSD": {"cpu.memory_gib": 256, "ssd.count": 0}}
 DOC = REPO_DIR / "docs" / "lora.md"
 DOC_TABLE = "lora schedules (experiments/lora_tiers.py from experiments/results/lora_tiers.csv)"
