@@ -176,6 +176,7 @@ class DispatchResult:
     # not inflate, unlike the wall time
     executor_cpu_s: float = 0.0
     plain_cpu_s: float = 0.0
+    executor_cpu_best_s: float = 0.0  # the best round's (what calibrate keeps: op_costs.py)
 
     @property
     def executor_op_us(self) -> float:
@@ -335,4 +336,4 @@ def measure_dispatch(make_backend, rounds: int = 5, placement: str = "on_device"
     parts["loop"] = max(0.0, (_worker_parts(clock) - own) / n_ops * 1e6)
     return DispatchResult(backend.name, n_ops / rounds / ITERATIONS, statistics.median(ex_s),
                           statistics.median(plain_s), parts, statistics.median(ex_cpu_s),
-                          statistics.median(plain_cpu_s))
+                          statistics.median(plain_cpu_s), min(ex_cpu_s))

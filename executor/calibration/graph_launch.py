@@ -8,6 +8,12 @@ modelled work, and a line through the two sizes splits it into a cost per replay
 CUDA the launch returns before its kernels run (the span holds the launch and what the kernels do not hide);
 on the emulation a replay runs its recorded aten ops one by one in Python in the call, which the per-op term
 carries. Where the backend has no graphs, or nothing was replayed, both are None with the reason.
+
+On a device that is the host's CPU (the emulation) the fixed cost is counted in CPU seconds, as op_costs.py
+counts an op's (`_graph_cpu_points`): the same plan runs eager and with graphs, alternating round by round;
+a replayed segment's fixed cost is the graphed round's process CPU time less its eager ops' (their handlers'
+CPU time and each the engine's share per op of the eager round, process CPU less handlers per op), per
+segment, less its ops' work; per segment size the best round.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from collections.abc import Callable
 from tierflow.executor.calibration.op_costs import (
     CAL_MICRO_BATCHES,
     CAL_SEQS,
+    ITERATIONS,
+    _CalRun,
     cal_graph,
     intercept_fit,
     load_cal_plan,
@@ -32,21 +40,34 @@ GRAPH_MICRO_BATCHES = (2, CAL_MICRO_BATCHES)  # two segment sizes: a replay's fi
 def measure_graph_launch(hw, backend: Callable[[], DeviceBackend], rounds: int = 3,
                          seq: int = CAL_SEQS[0]) -> dict:
     """gpu.graph_launch_us and gpu.graph_op_us: the resident plan at `seq` tokens with graphs on, at
-    GRAPH_MICRO_BATCHES micro-batches (segments of two sizes); each replayed segment's span (its ops share the
-    first one's events) less its ops' work, from the moment it could start; over the replays (the eager
-    warm-up and the capture left out) the fit fixed = launch + per_op x ops."""
+    GRAPH_MICRO_BATCHES micro-batches (segments of two sizes); each replayed segment's fixed cost, its span
+    (its ops share the first one's events) less its ops' work from the moment it could start, or on a CPU
+    device its CPU time (`_graph_cpu_points`); over the replays (the eager warm-up and the capture left out)
+    the fit fixed = launch + per_op x ops."""
+    be = backend()
+    if be.device.type == "cpu" and be.streams_async and be.graph_pool() is not None:
+        got = _graph_cpu_points(hw, backend, rounds, seq)
+    else:
+        got = _graph_span_points(hw, backend, rounds, seq)
+    if isinstance(got, str):
+        return {"graph_launch_us": None, "graph_op_us": None, "graph_launch_note": got}
+    points, host, replays = got
+    a, c = intercept_fit(points)
+    return {"graph_launch_us": max(0.0, a) * 1e6, "graph_op_us": max(0.0, c) * 1e6,
+            "graph_replays": replays, "graph_segment_ops": sorted({int(x) for x, _ in points}),
+            "graph_launch_host_us": statistics.median(host) * 1e6}
+
+
+def _graph_span_points(hw, backend, rounds: int, seq: int) -> tuple[list, list, int] | str:
     points: list[tuple[float, float]] = []
     host: list[float] = []
     for mbs in GRAPH_MICRO_BATCHES:
         got = _graph_spans(hw, backend, rounds, seq, mbs)
         if isinstance(got, str):
-            return {"graph_launch_us": None, "graph_op_us": None, "graph_launch_note": got}
+            return got
         points += got[0]
         host += got[1]
-    a, c = intercept_fit(points)
-    return {"graph_launch_us": max(0.0, a) * 1e6, "graph_op_us": max(0.0, c) * 1e6,
-            "graph_replays": len(points), "graph_segment_ops": sorted({int(x) for x, _ in points}),
-            "graph_launch_host_us": statistics.median(host) * 1e6}
+    return points, host, len(points)
 
 
 def _graph_spans(hw, backend, rounds: int, seq: int, num_mb: int) -> tuple[list, list] | str:
@@ -81,3 +102,54 @@ def _graph_spans(hw, backend, rounds: int, seq: int, num_mb: int) -> tuple[list,
     if not points:
         return "no replayed segment in the measured rounds"
     return points, list(runner.replay_host_s)
+
+
+class _GraphCpuRun:
+    """The plan of tiny ops at one micro-batch count, run eager and with graphs (a backend each)."""
+
+    def __init__(self, hw, backend, seq: int, num_mb: int) -> None:
+        from tierflow.planner.core.costmodel import link_rates
+
+        be = backend()
+        model, hw2, cfg = cal_graph(hw, "on_device", seq, num_mb, device_kind=be.device.type)
+        plan = load_cal_plan(model, hw2, cfg)
+        self.graphed, self.eager = _CalRun(plan, be, cuda_graphs=True), _CalRun(plan, backend())
+        self.runner = self.graphed.ex.graph_runner
+        tasks, rates = plan.graph.tasks, link_rates(hw2)
+        self.segs = [] if self.runner is None else [s for s in self.runner.capture.segments
+                                                    if s.iteration < ITERATIONS]
+        self.work_s = sum(work_s(tasks[op], rates) for seg in self.segs for op in seg.ops)
+        self.best_s: float | None = None
+
+    def round(self, r: int) -> str:
+        """One eager and one graphed round; the segment's fixed CPU seconds kept if the best; or why not."""
+        e = self.eager.round_cpu(r)
+        share = max(0.0, e.process_s - sum(e.handler_s.values())) / max(1, len(e.handler_s))
+        before = len(self.runner.replay_host_s)
+        g = self.graphed.round_cpu(r)
+        if len(self.runner.replay_host_s) - before < len(self.segs):
+            return "no segment of the tiny plan was replayed (see the run's warnings)"
+        rest = g.process_s - sum(g.handler_s.values()) - share * len(g.handler_s)
+        fixed = (rest - self.work_s) / len(self.segs)
+        self.best_s = fixed if self.best_s is None else min(self.best_s, fixed)
+        return ""
+
+
+def _graph_cpu_points(hw, backend, rounds: int, seq: int) -> tuple[list, list, int] | str:
+    """(ops, fixed CPU seconds) of the replayed segment of each size in its best round (see the module
+    docstring), the runner's host seconds per replay and the replays; or why nothing was replayed. The
+    sizes' runs alternate round by round."""
+    runs = [_GraphCpuRun(hw, backend, seq, mbs) for mbs in GRAPH_MICRO_BATCHES]
+    for run in runs:
+        if run.runner is None:
+            return "the backend has no CUDA graphs"
+        if not run.segs:
+            return "no segment of the tiny plan was captured (see the run's warnings)"
+    for r in range(rounds):
+        for run in runs:
+            why = run.round(r)
+            if why:
+                return why
+    points = [(float(len(run.segs[0].ops)), run.best_s) for run in runs]
+    host = [x for run in runs for x in run.runner.replay_host_s]
+    return points, host, sum(len(run.segs) for run in runs) * rounds

@@ -29,11 +29,25 @@ sequence, every tensor on the device but what the plan moves):
 The emulation runs without its random delays (an adversary, not a cost). Each plan runs `rounds` rounds of
 ITERATIONS steps after one warm-up round; per op (kind, block; every micro-batch alike) the median over its
 micro-batches and iterations (the first iteration of each round waits for the round's setup and is left out).
+
+The clock, by device (`op_fixed_cpu_s`, `op_fixed_s`): where the device is the host's CPU (the plain CPU
+backend, the emulation of CUDA) every part of an op's cost is host CPU time, so an op's fixed cost is counted
+in CPU seconds, not from the trace's wall clock: its handler's CPU time on whichever thread runs it (the time
+`executor.ops.run` takes in `time.thread_time`), less its work, plus its share of the round's CPU time outside
+the handlers (the engine's loop, events, launches, hand-offs and the stream threads: the process's CPU time of
+the round less its handlers', per op); per op key the median over a round's micro-batches and iterations,
+and of the rounds the best (as calibrate keeps its best timings: other processes only ever slow one). The
+plans' rounds alternate, so that a shared box's load falls on both sizes alike (the slope compares them). On
+a box that runs the process alone that is its wall time (one thread holds the interpreter lock at a time); on
+a shared box it is what the other processes do not inflate (at load 10-15 on this project's 2 cores the
+trace's spans gave 1.5-8x the CPU time: an optimizer op 1-5 ms for 0.6 ms of CPU). On CUDA the span from the
+op's events stays: its kernels run on the device, beside the host.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -91,9 +105,8 @@ def load_cal_plan(model, hw, cfg):
         return load_plan(path)
 
 
-def run_rounds(plan, backend: DeviceBackend, rounds: int, cuda_graphs: bool = False):
-    """`rounds` rounds of `plan` (ITERATIONS steps each, after a warm-up round) by the executor on `backend`;
-    their RoundResults."""
+def cal_executor(plan, backend: DeviceBackend, cuda_graphs: bool = False):
+    """The executor of `plan` on `backend`, its state initialised (seed 0)."""
     from tierflow.executor.data import TokenData
     from tierflow.executor.engine import Executor
     from tierflow.executor.ops.context import Hyper
@@ -105,8 +118,83 @@ def run_rounds(plan, backend: DeviceBackend, rounds: int, cuda_graphs: bool = Fa
     data = TokenData.load(None, plan.model.vocab_size, seed=0)
     ex = Executor(plan, state, data, backend, Hyper(), None, cuda_graphs=cuda_graphs)
     ex.arena.warn = None  # a tiny plan's transfer area overflows by a few pages: timed, not reported
+    return ex
+
+
+def run_rounds(plan, backend: DeviceBackend, rounds: int, cuda_graphs: bool = False):
+    """`rounds` rounds of `plan` (ITERATIONS steps each, after a warm-up round) by the executor on `backend`;
+    their RoundResults."""
+    ex = cal_executor(plan, backend, cuda_graphs)
     ex.run_round(ITERATIONS, 0)
     return [ex.run_round(ITERATIONS, (r + 1) * ITERATIONS) for r in range(rounds)], ex
+
+
+@dataclass
+class CpuRound:
+    """One round's CPU seconds: per op id its handler's (on the thread that ran it), the whole process's."""
+
+    handler_s: dict[int, float]
+    process_s: float
+
+
+def clock_handlers(ex) -> dict[int, float]:
+    """Time every op's handler (`ex.ops.run`, the call the engine's workers make) in CPU seconds of the thread
+    that runs it: the dict, op id -> seconds of its last call, that the calls fill."""
+    out: dict[int, float] = {}
+    run = ex.ops.run
+
+    def timed(rs, t) -> None:
+        c0 = time.thread_time()
+        try:
+            run(rs, t)
+        finally:
+            out[t.id] = time.thread_time() - c0
+
+    ex.ops.run = timed
+    return out
+
+
+def run_rounds_cpu(plan, backend: DeviceBackend, rounds: int, cuda_graphs: bool = False) -> list[CpuRound]:
+    """`rounds` rounds of `plan` as run_rounds runs them (after a warm-up round), each with its handlers' and
+    the process's CPU seconds."""
+    run = _CalRun(plan, backend, cuda_graphs)
+    return [run.round_cpu(r) for r in range(rounds)]
+
+
+class _CalRun:
+    """One plan's executor, warmed up, whose rounds are timed one at a time (so that several plans can
+    alternate round by round: a shared box's load then falls on all of them alike)."""
+
+    def __init__(self, plan, backend: DeviceBackend, cuda_graphs: bool = False) -> None:
+        self.plan = plan
+        self.ex = cal_executor(plan, backend, cuda_graphs)
+        self.handlers = clock_handlers(self.ex) if backend.device.type == "cpu" else None
+        self.ex.run_round(ITERATIONS, 0)
+
+    def round_cpu(self, r: int) -> CpuRound:
+        self.handlers.clear()
+        c0 = time.process_time()
+        self.ex.run_round(ITERATIONS, (r + 1) * ITERATIONS)
+        return CpuRound(dict(self.handlers), time.process_time() - c0)
+
+    def round_trace(self, r: int):
+        return self.ex.run_round(ITERATIONS, (r + 1) * ITERATIONS)
+
+
+def op_fixed_cpu_s(tasks, rounds: list[CpuRound], rates, cross: set[int]) -> dict[tuple, list[float]]:
+    """Per op key (`op_key`) and round: the median over the round's micro-batches and iterations but its
+    first of the op's fixed cost in CPU seconds (its handler's CPU time less its work, plus its share of the
+    round's CPU time outside the handlers)."""
+    out: dict[tuple, list[float]] = {}
+    for r in rounds:
+        share = max(0.0, r.process_s - sum(r.handler_s.values())) / max(1, len(r.handler_s))
+        got: dict[tuple, list[float]] = {}
+        for t in tasks:
+            if t.iteration >= 1 and t.id in r.handler_s:
+                got.setdefault(op_key(t, cross), []).append(r.handler_s[t.id] - work_s(t, rates) + share)
+        for key, xs in got.items():
+            out.setdefault(key, []).append(statistics.median(xs))
+    return out
 
 
 def work_s(t, rates) -> float:
@@ -148,18 +236,34 @@ class _Sized:
     moved: set[tuple] = field(default_factory=set)  # keys of ops that exchange tensors with another worker
 
 
-def _measure_plan(hw, placement, seq, backend: Callable[[], DeviceBackend], rounds: int) -> _Sized:
+def _measure_plans(hw, plans: list[tuple[str, int]], backend: Callable[[], DeviceBackend],
+                   rounds: int) -> dict[tuple[str, int], _Sized]:
+    """Per (placement, tokens) of `plans`: calibrate's plan measured (a backend each), their rounds
+    alternating; on a CPU device in CPU seconds, each op key's best round (`op_fixed_cpu_s`), else from the
+    trace's spans, the median (`op_fixed_s`)."""
     from tierflow.planner.core.costmodel import link_rates
+
+    runs = {}
+    for placement, seq in plans:
+        be = backend()
+        model, hw2, cfg = cal_graph(hw, placement, seq, device_kind=be.device.type)
+        runs[placement, seq] = (_CalRun(load_cal_plan(model, hw2, cfg), be), link_rates(hw2))
+    got: dict[tuple[str, int], list] = {k: [] for k in runs}
+    for r in range(rounds):
+        for k, (run, _) in runs.items():
+            got[k].append(run.round_cpu(r) if run.handlers is not None else run.round_trace(r))
+    return {k: _sized(k[1], run, rates, got[k]) for k, (run, rates) in runs.items()}
+
+
+def _sized(seq: int, run: _CalRun, rates, rounds: list) -> _Sized:
     from tierflow.planner.core.hostcost import crossing_ops
 
-    be = backend()
-    model, hw2, cfg = cal_graph(hw, placement, seq, device_kind=be.device.type)
-    plan = load_cal_plan(model, hw2, cfg)
-    tasks = plan.graph.tasks
-    results, _ = run_rounds(plan, be, rounds)
-    rates = link_rates(hw2)
+    tasks = run.plan.graph.tasks
     cross = crossing_ops(tasks)
-    fixed = op_fixed_s(tasks, results, rates, cross)
+    if run.handlers is not None:  # the host's CPU is the device: CPU seconds, the best round (docstring)
+        fixed, pick = op_fixed_cpu_s(tasks, rounds, rates, cross), min
+    else:
+        fixed, pick = op_fixed_s(tasks, rounds, rates, cross), statistics.median
     out = _Sized(seq)
     for t in tasks:
         key = op_key(t, cross)
@@ -168,7 +272,7 @@ def _measure_plan(hw, placement, seq, backend: Callable[[], DeviceBackend], roun
         out.count[key] = out.count.get(key, 0) + 1
         if key not in out.work_s:
             out.work_s[key] = work_s(t, rates)
-            out.fixed_s[key] = statistics.median(fixed[key])
+            out.fixed_s[key] = pick(fixed[key])
         if key[3]:
             out.moved.add(key)
     return out
@@ -213,8 +317,10 @@ def measure_op_costs(hw, backend: Callable[[], DeviceBackend], rounds: int = 3) 
     """The fixed costs per op of the module docstring on the backends `backend()` makes (one per run), in
     microseconds: op_overhead_us, moved_op_overhead_us, pcie_latency_us, and what they were fitted on (the
     graphs' figures: graph_launch.py)."""
-    res = {s: _measure_plan(hw, "on_device", s, backend, rounds) for s in CAL_SEQS}
-    ck = {s: _measure_plan(hw, "checkpoints_host", s, backend, rounds) for s in CAL_SEQS}
+    got = _measure_plans(hw, [(p, s) for p in ("on_device", "checkpoints_host") for s in CAL_SEQS], backend,
+                         rounds)
+    res = {s: got["on_device", s] for s in CAL_SEQS}
+    ck = {s: got["checkpoints_host", s] for s in CAL_SEQS}
     on_sized = list(res.values())
     a, c, fits = _fit_keys(on_sized, lambda k: k[0] == "gpu" and k[1] in COMPUTE)
     moved = [(ck[s].fixed_s[k] - res[s].fixed_s[(*k[:3], False)], ck[s].count[k]) for s in CAL_SEQS

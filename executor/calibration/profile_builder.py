@@ -248,12 +248,14 @@ def _put_pcie(b: _Builder, p: dict[str, Any], host_device: bool) -> None:
 _FIXED_COSTS = {
     "gpu.op_overhead_us": ("op_overhead_us", "compute ops whose tensors stay on the device: per op (kind, "
                            "block) the intercept at zero work of (duration - the cost model's time) + "
-                           "hand-off over two op sizes, mean over a step's ops"),
+                           "hand-off over two op sizes, mean over a step's ops (on a CPU device in CPU "
+                           "time: the handler's, and the engine's share per op)"),
     "pcie.latency_us": ("pcie_latency_us", "offload and fetch ops of a plan with host checkpoints: the "
                         "intercept at zero bytes of (duration - bytes / rate) + hand-off over two op sizes"),
     "ssd.latency_us": ("ssd_latency_us", "SSD ops: median of (duration - bytes / rate) + hand-off"),
     "gpu.graph_launch_us": ("graph_launch_us", "replayed capture segments (--cuda-graphs) of two sizes: the "
-                            "intercept at zero ops of (span - its ops' modelled time) + hand-off"),
+                            "intercept at zero ops of (span - its ops' modelled time) + hand-off (on a CPU "
+                            "device the graphed step's CPU time less its eager ops')"),
 }
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("handoff", "events", "launch", "trace", "handler", "loop")
 
@@ -27,6 +29,8 @@ def test_bench_dispatch_quick(tmp_path):
     # replay's measured costs in place of the per-op ones)
     assert float(graphs[0]["executor_step_ms"]) > 0 and float(graphs[0]["eager_step_ms"]) > 0
     assert float(graphs[0]["predicted_ms"]) > 0 and graphs[0]["cal_graph_launch_us"] != ""
+    # the model against the best round's CPU time too (what a shared box does not inflate)
+    assert float(graphs[0]["executor_cpu_best_ms"]) > 0 and float(graphs[0]["cpu_vs_predicted"]) > 0
     for r in rows:
         if r["variant"] == "graphs":
             continue
@@ -40,6 +44,8 @@ def test_bench_dispatch_quick(tmp_path):
         assert bool(r["predicted_ms"]) == modelled
         if modelled:  # the per-op fields add to the bare prediction
             assert float(r["predicted_ms"]) >= float(r["predicted_bare_ms"]) > 0
+            assert float(r["cpu_vs_predicted"]) == pytest.approx(
+                float(r["executor_cpu_best_ms"]) / float(r["predicted_ms"]), rel=0.01)
     assert "executor_op_us" in out.stdout
 
 

@@ -93,7 +93,50 @@ def test_graph_replays_are_measured_on_the_emulation_and_not_on_a_cpu():
 
     hw = load_profile("rtx3090-desktop").with_overrides(FIXED)
     m = measure_graph_launch(hw, lambda: AdversarialCpuBackend(max_delay_s=0.0), rounds=1)
-    assert m["graph_segment_ops"] == [14, 28] and m["graph_replays"] == 2 * (op_costs.ITERATIONS - 1)
+    # in CPU time on the emulation: every segment of the measured round, one per iteration at each size
+    assert m["graph_segment_ops"] == [14, 28] and m["graph_replays"] == 2 * op_costs.ITERATIONS
     assert m["graph_launch_us"] >= 0 and m["graph_op_us"] >= 0 and m["graph_launch_host_us"] > 0
     none = measure_graph_launch(hw, PlainCpuBackend, rounds=1)
     assert none["graph_launch_us"] is None and "no CUDA graphs" in none["graph_launch_note"]
+
+
+def test_a_cpu_devices_fixed_cost_is_its_handlers_cpu_time_less_work_plus_the_engines_share():
+    """Per op key and round: the median over its ops of handler CPU - work + (process CPU - handlers' CPU) /
+    ops; the first iteration of a round is left out, and keys that exchange tensors are their own."""
+    from types import SimpleNamespace as T
+
+    tasks = [T(id=0, resource="gpu", kind="fwd", block=1, iteration=0, work=10e-6),
+             T(id=1, resource="gpu", kind="fwd", block=1, iteration=1, work=10e-6),
+             T(id=2, resource="gpu", kind="fwd", block=1, iteration=2, work=10e-6),
+             T(id=3, resource="gpu", kind="bwd", block=1, iteration=1, work=30e-6)]
+    # 4 ops, 900 us of handlers, 1100 us of the process: 50 us of the engine's per op
+    r1 = op_costs.CpuRound({0: 500e-6, 1: 100e-6, 2: 140e-6, 3: 160e-6}, 1100e-6)
+    r2 = op_costs.CpuRound({0: 100e-6, 1: 100e-6, 2: 100e-6, 3: 100e-6}, 400e-6)  # no engine's share
+    got = op_costs.op_fixed_cpu_s(tasks, [r1, r2], rates=None, cross={3})
+    # fwd: ops 1 and 2 (100 and 140 us, each - 10 + 50), not op 0 of the first iteration
+    assert got[("gpu", "fwd", 1, False)] == [pytest.approx(160e-6), pytest.approx(90e-6)]
+    assert got[("gpu", "bwd", 1, True)] == [pytest.approx(180e-6), pytest.approx(70e-6)]
+
+
+def test_handlers_are_clocked_in_the_cpu_time_of_the_thread_that_runs_them():
+    """A handler that sleeps costs the host no CPU: a shared box's waits and the other processes' time slices
+    stay out of the fixed costs; one that computes is counted, on whichever thread runs it."""
+    import threading
+    import time
+    from types import SimpleNamespace as T
+
+    def run(rs, t):
+        if t.id == 0:
+            time.sleep(0.05)
+        else:
+            c0 = time.thread_time()
+            while time.thread_time() - c0 < 0.02:
+                pass
+
+    ex = T(ops=T(run=run))
+    got = op_costs.clock_handlers(ex)
+    ex.ops.run(None, T(id=0))
+    th = threading.Thread(target=ex.ops.run, args=(None, T(id=1)))
+    th.start()
+    th.join()
+    assert got[0] < 0.025 and got[1] >= 0.02
