@@ -130,9 +130,9 @@ def step_ms(backend: str, plan, rounds: int, graphs: bool = False) -> tuple[floa
     per step (ms)."""
     import statistics
 
-    from tierflow.executor.calibration.op_costs import ITERATIONS, _CalRun
+    from tierflow.executor.calibration.op_costs import ITERATIONS, CalRun
 
-    run = _CalRun(plan, make_backend(backend), cuda_graphs=graphs)
+    run = CalRun(plan, make_backend(backend), cuda_graphs=graphs)
     wall, cpu = [], []
     for r in range(rounds):
         c0 = time.process_time()

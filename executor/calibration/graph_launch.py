@@ -25,7 +25,7 @@ from tierflow.executor.calibration.op_costs import (
     CAL_MICRO_BATCHES,
     CAL_SEQS,
     ITERATIONS,
-    _CalRun,
+    CalRun,
     cal_graph,
     intercept_fit,
     load_cal_plan,
@@ -113,7 +113,7 @@ class _GraphCpuRun:
         be = backend()
         model, hw2, cfg = cal_graph(hw, "on_device", seq, num_mb, device_kind=be.device.type)
         plan = load_cal_plan(model, hw2, cfg)
-        self.graphed, self.eager = _CalRun(plan, be, cuda_graphs=True), _CalRun(plan, backend())
+        self.graphed, self.eager = CalRun(plan, be, cuda_graphs=True), CalRun(plan, backend())
         self.runner = self.graphed.ex.graph_runner
         tasks, rates = plan.graph.tasks, link_rates(hw2)
         self.segs = [] if self.runner is None else [s for s in self.runner.capture.segments

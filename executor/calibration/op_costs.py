@@ -157,11 +157,11 @@ def clock_handlers(ex) -> dict[int, float]:
 def run_rounds_cpu(plan, backend: DeviceBackend, rounds: int, cuda_graphs: bool = False) -> list[CpuRound]:
     """`rounds` rounds of `plan` as run_rounds runs them (after a warm-up round), each with its handlers' and
     the process's CPU seconds."""
-    run = _CalRun(plan, backend, cuda_graphs)
+    run = CalRun(plan, backend, cuda_graphs)
     return [run.round_cpu(r) for r in range(rounds)]
 
 
-class _CalRun:
+class CalRun:
     """One plan's executor, warmed up, whose rounds are timed one at a time (so that several plans can
     alternate round by round: a shared box's load then falls on all of them alike)."""
 
@@ -247,7 +247,7 @@ def _measure_plans(hw, plans: list[tuple[str, int]], backend: Callable[[], Devic
     for placement, seq in plans:
         be = backend()
         model, hw2, cfg = cal_graph(hw, placement, seq, device_kind=be.device.type)
-        runs[placement, seq] = (_CalRun(load_cal_plan(model, hw2, cfg), be), link_rates(hw2))
+        runs[placement, seq] = (CalRun(load_cal_plan(model, hw2, cfg), be), link_rates(hw2))
     got: dict[tuple[str, int], list] = {k: [] for k in runs}
     for r in range(rounds):
         for k, (run, _) in runs.items():
@@ -255,7 +255,7 @@ def _measure_plans(hw, plans: list[tuple[str, int]], backend: Callable[[], Devic
     return {k: _sized(k[1], run, rates, got[k]) for k, (run, rates) in runs.items()}
 
 
-def _sized(seq: int, run: _CalRun, rates, rounds: list) -> _Sized:
+def _sized(seq: int, run: CalRun, rates, rounds: list) -> _Sized:
     from tierflow.planner.core.hostcost import crossing_ops
 
     tasks = run.plan.graph.tasks
