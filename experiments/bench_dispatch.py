@@ -132,7 +132,7 @@ def step_ms(backend: str, plan, rounds: int, graphs: bool = False) -> tuple[floa
 
     from tierflow.executor.calibration.op_costs import ITERATIONS, CalRun
 
-    run = CalRun(plan, make_backend(backend), cuda_graphs=graphs)
+    run = CalRun(plan, make_backend(backend), cuda_graphs=graphs, clock=False)
     wall, cpu = [], []
     for r in range(rounds):
         c0 = time.process_time()

@@ -154,28 +154,24 @@ def clock_handlers(ex) -> dict[int, float]:
     return out
 
 
-def run_rounds_cpu(plan, backend: DeviceBackend, rounds: int, cuda_graphs: bool = False) -> list[CpuRound]:
-    """`rounds` rounds of `plan` as run_rounds runs them (after a warm-up round), each with its handlers' and
-    the process's CPU seconds."""
-    run = CalRun(plan, backend, cuda_graphs)
-    return [run.round_cpu(r) for r in range(rounds)]
-
-
 class CalRun:
     """One plan's executor, warmed up, whose rounds are timed one at a time (so that several plans can
     alternate round by round: a shared box's load then falls on all of them alike)."""
 
-    def __init__(self, plan, backend: DeviceBackend, cuda_graphs: bool = False) -> None:
+    def __init__(self, plan, backend: DeviceBackend, cuda_graphs: bool = False, clock: bool = True) -> None:
+        """`clock`: the handlers clocked where the device is the host's CPU (`clock_handlers`)."""
         self.plan = plan
         self.ex = cal_executor(plan, backend, cuda_graphs)
-        self.handlers = clock_handlers(self.ex) if backend.device.type == "cpu" else None
+        self.handlers = clock_handlers(self.ex) if clock and backend.device.type == "cpu" else None
         self.ex.run_round(ITERATIONS, 0)
 
     def round_cpu(self, r: int) -> CpuRound:
-        self.handlers.clear()
+        """Round r (its steps numbered after the warm-up's) with its CPU seconds (no handlers' unclocked)."""
+        if self.handlers is not None:
+            self.handlers.clear()
         c0 = time.process_time()
         self.ex.run_round(ITERATIONS, (r + 1) * ITERATIONS)
-        return CpuRound(dict(self.handlers), time.process_time() - c0)
+        return CpuRound(dict(self.handlers or {}), time.process_time() - c0)
 
     def round_trace(self, r: int):
         return self.ex.run_round(ITERATIONS, (r + 1) * ITERATIONS)
@@ -256,10 +252,10 @@ def _measure_plans(hw, plans: list[tuple[str, int]], backend: Callable[[], Devic
 
 
 def _sized(seq: int, run: CalRun, rates, rounds: list) -> _Sized:
-    from tierflow.planner.core.hostcost import crossing_ops
+    from tierflow.planner.core.hostcost import moved_op_ids
 
     tasks = run.plan.graph.tasks
-    cross = crossing_ops(tasks)
+    cross = moved_op_ids(tasks)  # the ops gpu.moved_op_overhead_us is charged to
     if run.handlers is not None:  # the host's CPU is the device: CPU seconds, the best round (docstring)
         fixed, pick = op_fixed_cpu_s(tasks, rounds, rates, cross), min
     else:

@@ -140,3 +140,18 @@ def test_handlers_are_clocked_in_the_cpu_time_of_the_thread_that_runs_them():
     th.start()
     th.join()
     assert got[0] < 0.025 and got[1] >= 0.02
+
+
+def test_an_op_a_transfer_of_another_block_only_waits_for_is_not_moved():
+    """In the 4-layer plan with host checkpoints a fetch of layer 2's checkpoint waits for the head (to bound
+    memory): the head crosses to another resource but moves none of its tensors, so it is not charged
+    gpu.moved_op_overhead_us; every moved op has a transfer of its own block (and micro-batch) next to it."""
+    hw = load_profile("rtx3090-desktop").with_overrides(FIXED)
+    tasks = build_graph(*op_costs.cal_graph(hw, "checkpoints_host", 16, 3, 4)).tasks
+    heads = [t for t in tasks if t.kind == "head"]
+    cross, moved = crossing_ops(tasks), {t.id for t in moved_ops(tasks)}
+    assert heads and all(t.id in cross and t.id not in moved for t in heads)
+    for t in moved_ops(tasks):
+        near = [tasks[d] for d in t.deps] + [u for u in tasks if t.id in u.deps]
+        assert any(u.resource != "gpu" and u.block == t.block and u.mb == t.mb for u in near)
+    assert {t.kind for t in moved_ops(tasks)} == {"fwd", "bwd"}
