@@ -9,9 +9,10 @@ in torch's extensions folder: $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions
 x86-64 with AVX2, no compiler or ninja, TIERFLOW_PURE_ADAMW=1) `kernel()` is None, one line on stderr says
 why, and host_adamw runs torch's kernels instead.
 
-How it keeps up with torch's fused AdamW, which moves 28 bytes per element where this op moves 34 (the
-zeroed gradient and the compute copy written too): 16 fp32 elements per iteration, the four fp32 streams
-prefetched 512 elements ahead, the compute copy cast from the master just written (in L1). Measured in
+How it keeps up with torch's fused AdamW, which moves 28 bytes per element where the executor's op moves 30
+(the compute copy written too, with non-temporal stores; 34 when it also zeroes the gradient, which the
+executor's op no longer asks for): 16 fp32 elements per iteration, the four fp32 streams prefetched 512
+elements ahead, the compute copy cast from the master just written (in L1). Measured in
 experiments/bench_optimizer.py (docs/executor.md).
 
 Numerics: every element takes the operations of the vector path of torch's fused CPU AdamW kernel
