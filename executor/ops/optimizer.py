@@ -4,7 +4,8 @@ reads and writes of their SSD ranges: read_opt_states, write_opt_states), or per
 
 Numerics: AdamW runs in fp32 on the host with PyTorch's fused/foreach kernel (or on the device for a GPU
 optimizer) on the fp32 gradient accumulators; the compute copy of the weights is the updated fp32 master cast
-to the compute dtype.
+to the compute dtype. The host op does not zero the accumulators: the next step's first gradient write
+overwrites them (ops/grads.py `host_grad_writes`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from tierflow.executor.binding import OPTIMIZER_PART
 from tierflow.executor.ops.context import OpContext, RoundState, Staged
 from tierflow.executor.ops.grad_buffers import GradBuffers
-from tierflow.executor.ops.grads import HostGradAdds
+from tierflow.executor.ops.grads import HostGradAdds, host_grad_writes
 from tierflow.executor.optim import fused_host_adamw
 from tierflow.executor.optim.adamw import adamw_update
 from tierflow.executor.optim.clipping import GradNorms, sum_of_squares
@@ -40,6 +41,7 @@ class OptimizerOps:
 
     def __init__(self, cx: OpContext, buffers: GradBuffers) -> None:
         self.cx, self.buffers = cx, buffers
+        self.unwritten = host_grad_writes(cx.binding).unwritten  # (iteration, block): no gradient write
         host = not cx.state.placement.gpu_optimizer
         if host and any(hi - lo >= MIN_KERNEL_ELEMENTS for parts in cx.state.parts for lo, hi in parts):
             fused_host_adamw.warm_up()  # the host op's kernel loaded now, not in its first op
@@ -60,9 +62,10 @@ class OptimizerOps:
         rs.staged[Staged("opt_states_read", t.id)] = out
 
     def adam(self, rs: RoundState, t: Task) -> None:
-        """One optimizer part of block t.block on the host (adam and adam_deferred): the AdamW update, the
-        gradient range zeroed, the compute copy of the updated range staged, in cache-sized chunks
-        (`host_adamw`)."""
+        """One optimizer part of block t.block on the host (adam and adam_deferred): the AdamW update and the
+        compute copy of the updated range staged (`host_adamw`); the gradient range is left as it is, for
+        the next step's first write to overwrite (ops/grads.py), unless no write of this iteration reached
+        it (zeroed first, then: the update of a zero gradient)."""
         b, cx = t.block, self.cx
         state = cx.state
         HostGradAdds.wait_for(rs, b)
@@ -73,16 +76,18 @@ class OptimizerOps:
         groups = decay_pieces(state.layout, b, state.shards[b][0], lo, hi)  # weight decay or not
         step = rs.step0 + t.iteration + 1
         grads = state.grads[b]
+        if (t.iteration, b) in self.unwritten:
+            grads[lo:hi].zero_()
         dests = self._weight_dests(rs, t, j, lo, hi)
         stretches = {cls: _stretches(state.vec[cls][b], lo, hi, ssd_parts.get(cls)) for cls in OPT_CLASSES}
         if compressed(state.spec.optimizer_states):  # decoded, updated, encoded (executor/optim/qstate.py)
             coef = clip_prelude(cx, rs, t, step, [grads[ga:gz] for ga, gz, _d in groups])
-            host_adamw_compressed(cx.hyper, step, b, groups, stretches, grads, dests, coef)
+            host_adamw_compressed(cx.hyper, step, b, groups, stretches, grads, dests, coef, zero_grads=False)
         else:  # the squares for the step's norm summed in the update's pass
             norms = cx.norms
             coef = clip_factor(cx, rs, t, step, [])  # (a host op's global factor needs no gradients passed)
             sumsq = host_adamw(cx.hyper, step, groups, stretches, grads, dests, coef,
-                               squares=norms is not None and norms.wants_squares())
+                               squares=norms is not None and norms.wants_squares(), zero_grads=False)
             if norms is not None:
                 norms.add_squares(step, sumsq)
         rs.staged[Staged("opt_states_out", t.id)] = ssd_parts

@@ -3,9 +3,10 @@
 //
 // One call updates one stretch [s0, s1) of the op's range [lo, hi): per element it reads the gradient, the
 // master and the moments once, adds the gradient's square to its chunk's lanes, updates the moments and the
-// master, writes the compute copy (bf16 bits or fp32; none) and zeroes the gradient. Chunks of CHUNK
-// elements counted from lo are the unit of the threads' work (at::parallel_for, each thread taking the next
-// chunk) and of the sums of squares (LANES fp32 lanes each, element e in lane (e - lo) % LANES).
+// master, writes the compute copy (bf16 bits or fp32; none) and, if asked, zeroes the gradient (the
+// executor's adam op does not ask: the step's first gradient write overwrites the accumulator, ops/grads.py).
+// Chunks of CHUNK elements counted from lo are the unit of the threads' work (at::parallel_for, each thread
+// taking the next chunk) and of the sums of squares (LANES fp32 lanes each, element e in lane (e - lo) % LANES).
 //
 // Built with -ffp-contract=off: the only fused multiply-adds are the two written as such (as torch's
 // vector path computes them); every other operation rounds on its own, in the vector and in the scalar loop.
@@ -108,6 +109,7 @@ inline void write_dest(const Stretch& s, int64_t i, float x) {
 }
 
 // elements [i0, i1) one at a time; element i's square in lanes[(lane0 + i - i0) % LANES]
+template <bool ZERO>
 void scalar_loop(const Stretch& s, int64_t i0, int64_t i1, const Coef& c, float f, float* lanes,
                  int64_t lane0) {
   for (int64_t i = i0; i < i1; ++i) {
@@ -123,12 +125,12 @@ void scalar_loop(const Stretch& s, int64_t i0, int64_t i1, const Coef& c, float 
     s.m[i] = m;
     s.v[i] = v;
     write_dest(s, i, p);
-    s.g[i] = 0.0f;
+    if constexpr (ZERO) s.g[i] = 0.0f;
   }
 }
 
 // elements [i0, i1) (a multiple of LANES of them, i0 in lane 0) LANES at a time: the same operations
-template <Dest D, bool NT>
+template <Dest D, bool NT, bool ZERO>
 void vector_loop(const Stretch& s, int64_t i0, int64_t i1, const Coef& c, float f, float* lanes) {
   const Vec clip(c.clip), b1(c.one_minus_beta1), b2(c.beta2), one_b2(c.one_minus_beta2), bc2(c.bc2_sqrt),
       eps(c.eps), step(c.neg_step), fv(f), zero(0.0f);
@@ -156,7 +158,7 @@ void vector_loop(const Stretch& s, int64_t i0, int64_t i1, const Coef& c, float 
       p.store(ps + j);
       m.store(ms + j);
       v.store(vs + j);
-      zero.store(gs + j);
+      if constexpr (ZERO) zero.store(gs + j);
       out[k] = p;
     }
     store_dest<D, NT>(ds, i, out);
@@ -168,30 +170,37 @@ void vector_loop(const Stretch& s, int64_t i0, int64_t i1, const Coef& c, float 
 }
 
 // vector_loop for the stretch's compute copy, with non-temporal stores where its address at i0 is aligned
+template <bool ZERO>
 void vector_loop_to(const Stretch& s, int64_t i0, int64_t i1, const Coef& c, float f, float* lanes) {
   if (i1 <= i0) return;
   const auto addr = reinterpret_cast<uintptr_t>(s.d);
   if (s.dmode == DEST_BF16) {
-    if (STREAMS && (addr + 2 * i0) % 32 == 0) return vector_loop<DEST_BF16, STREAMS>(s, i0, i1, c, f, lanes);
-    return vector_loop<DEST_BF16, false>(s, i0, i1, c, f, lanes);
+    if (STREAMS && (addr + 2 * i0) % 32 == 0) {
+      return vector_loop<DEST_BF16, STREAMS, ZERO>(s, i0, i1, c, f, lanes);
+    }
+    return vector_loop<DEST_BF16, false, ZERO>(s, i0, i1, c, f, lanes);
   }
   if (s.dmode == DEST_F32) {
-    if (STREAMS && (addr + 4 * i0) % 32 == 0) return vector_loop<DEST_F32, STREAMS>(s, i0, i1, c, f, lanes);
-    return vector_loop<DEST_F32, false>(s, i0, i1, c, f, lanes);
+    if (STREAMS && (addr + 4 * i0) % 32 == 0) {
+      return vector_loop<DEST_F32, STREAMS, ZERO>(s, i0, i1, c, f, lanes);
+    }
+    return vector_loop<DEST_F32, false, ZERO>(s, i0, i1, c, f, lanes);
   }
-  vector_loop<NO_DEST, false>(s, i0, i1, c, f, lanes);
+  vector_loop<NO_DEST, false, ZERO>(s, i0, i1, c, f, lanes);
 }
 
 // elements [a, z) of the stretch (one decay factor f, inside one chunk; element a in lane lane0)
+template <bool ZERO>
 void piece(const Stretch& s, int64_t a, int64_t z, const Coef& c, float f, float* lanes, int64_t lane0) {
   const int64_t head = std::min(z, a + (LANES - lane0 % LANES) % LANES);
-  scalar_loop(s, a, head, c, f, lanes, lane0);
+  scalar_loop<ZERO>(s, a, head, c, f, lanes, lane0);
   const int64_t body = head + (z - head) / LANES * LANES;  // from head on, element i in lane (i - head) % LANES
-  vector_loop_to(s, head, body, c, f, lanes);
-  scalar_loop(s, body, z, c, f, lanes, 0);
+  vector_loop_to<ZERO>(s, head, body, c, f, lanes);
+  scalar_loop<ZERO>(s, body, z, c, f, lanes, 0);
 }
 
 // chunk k of [s0, s1) (chunk 0: the one that s0 is in, counted from lo), its lanes in partials[row]
+template <bool ZERO>
 void chunk(const Stretch& s, int64_t s0, int64_t s1, int64_t lo, int64_t k, const Coef& c,
            const std::vector<int64_t>& ends, const std::vector<bool>& decayed, float* partials) {
   const int64_t row = (s0 - lo) / CHUNK + k;
@@ -201,7 +210,7 @@ void chunk(const Stretch& s, int64_t s0, int64_t s1, int64_t lo, int64_t k, cons
   while (ends[j] <= a) ++j;
   for (int64_t x = a; x < z; ++j) {
     const int64_t y = std::min(z, ends[j]);
-    piece(s, x - s0, y - s0, c, decayed[j] ? c.decay : 1.0f, partials + row * LANES, (x - lo) % LANES);
+    piece<ZERO>(s, x - s0, y - s0, c, decayed[j] ? c.decay : 1.0f, partials + row * LANES, (x - lo) % LANES);
     x = y;
   }
 }
@@ -215,11 +224,12 @@ void check_fp32(const at::Tensor& t, int64_t n, const char* what) {
 // The update of elements [s0, s1) of the op's range starting at element lo: g, p, m, v (fp32) and d (bf16,
 // fp32 or None) hold them from index 0; group_ends / group_decayed: the ends of the op's decay groups
 // (element numbers, increasing) and whether each is decayed; partials: one row of LANES fp32 per chunk of
-// the op's range, added to. Runs on at::get_num_threads() threads, without the GIL.
+// the op's range, added to; zero_grads: whether g is zeroed after its use (else left as it was). Runs on
+// at::get_num_threads() threads, without the GIL.
 void step(const at::Tensor& g, const at::Tensor& p, const at::Tensor& m, const at::Tensor& v,
           const std::optional<at::Tensor>& d, const std::vector<double>& coef, int64_t lo, int64_t s0,
           int64_t s1, const std::vector<int64_t>& group_ends, const std::vector<bool>& group_decayed,
-          const at::Tensor& partials) {
+          const at::Tensor& partials, bool zero_grads) {
   const int64_t n = s1 - s0;
   TORCH_CHECK(lo <= s0 && s0 < s1, "fused_host_adamw: the stretch [", s0, ", ", s1, ") is empty or before ",
               lo);
@@ -266,7 +276,11 @@ void step(const at::Tensor& g, const at::Tensor& p, const at::Tensor& m, const a
       if (std::find(seen.begin(), seen.end(), me) == seen.end()) seen.push_back(me);
     }
     for (int64_t k = next.fetch_add(1); k < n_chunks; k = next.fetch_add(1)) {
-      chunk(s, s0, s1, lo, k, c, group_ends, group_decayed, parts);
+      if (zero_grads) {
+        chunk<true>(s, s0, s1, lo, k, c, group_ends, group_decayed, parts);
+      } else {
+        chunk<false>(s, s0, s1, lo, k, c, group_ends, group_decayed, parts);
+      }
     }
   });
   last_team_size.store(int64_t(seen.size()));
@@ -296,7 +310,10 @@ double total(const at::Tensor& partials) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.attr("LANES") = LANES;
   mod.attr("CHUNK") = CHUNK;
-  mod.def("step", &step, py::call_guard<py::gil_scoped_release>());
+  // zero_grads defaults to true (the gradient zeroed, as before the argument was added)
+  mod.def("step", &step, py::arg("g"), py::arg("p"), py::arg("m"), py::arg("v"), py::arg("d"), py::arg("coef"),
+          py::arg("lo"), py::arg("s0"), py::arg("s1"), py::arg("group_ends"), py::arg("group_decayed"),
+          py::arg("partials"), py::arg("zero_grads") = true, py::call_guard<py::gil_scoped_release>());
   mod.def("total", &total, py::call_guard<py::gil_scoped_release>());
   mod.def("last_threads", &last_threads);
 }

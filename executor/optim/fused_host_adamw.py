@@ -1,16 +1,18 @@
 """The host optimizer op's AdamW in one pass over memory (host_adamw.py calls `run_step` for CPU fp32
 contiguous tensors): per element it reads the gradient, the master and the moments once, adds the gradient's
-square to the step's norm, updates the moments and the master, writes the compute copy (bf16 or fp32) and
-zeroes the gradient. The loop is C++ on ATen's vectors (`at::vec::Vectorized<float>`) and threads
+square to the step's norm, updates the moments and the master, writes the compute copy (bf16 or fp32) and,
+if asked, zeroes the gradient (the executor's adam op does not: the step's first gradient write overwrites
+the accumulator, ops/grads.py). The loop is C++ on ATen's vectors (`at::vec::Vectorized<float>`) and threads
 (`at::parallel_for`): fused_host_adamw.cpp, under 300 lines, compiled on first use by
 torch.utils.cpp_extension (g++ or clang and ninja; once per install and source version, ~25 s of CPU, cached
 in torch's extensions folder: $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions). Where it cannot build (not
 x86-64 with AVX2, no compiler or ninja, TIERFLOW_PURE_ADAMW=1) `kernel()` is None, one line on stderr says
 why, and host_adamw runs torch's kernels instead.
 
-How it keeps up with torch's fused AdamW, which moves 28 bytes per element where this op moves 34 (the
-zeroed gradient and the compute copy written too): 16 fp32 elements per iteration, the four fp32 streams
-prefetched 512 elements ahead, the compute copy cast from the master just written (in L1). Measured in
+How it keeps up with torch's fused AdamW, which moves 28 bytes per element where the executor's op moves 30
+(the compute copy written too, with non-temporal stores; 34 when it also zeroes the gradient, which the
+executor's op no longer asks for): 16 fp32 elements per iteration, the four fp32 streams prefetched 512
+elements ahead, the compute copy cast from the master just written (in L1). Measured in
 experiments/bench_optimizer.py (docs/executor.md).
 
 Numerics: every element takes the operations of the vector path of torch's fused CPU AdamW kernel
@@ -108,14 +110,15 @@ def _build():
 
     from torch.utils.cpp_extension import load
 
-    build_dir = build_directory()
+    flags = _flags()
+    build_dir = build_directory(flags)
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / BUILD_LOCK, "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # released by the kernel if this process dies mid-build
         # torch's own lock file (its FileBaton) outlives a build that was killed, and every later load would
         # wait for it forever; holding ours, no other build of this directory is under way
         (build_dir / "lock").unlink(missing_ok=True)
-        return load(name=NAME, sources=[str(SOURCE)], extra_cflags=_flags(), build_directory=str(build_dir),
+        return load(name=NAME, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(build_dir),
                     verbose=False)
 
 
@@ -123,13 +126,15 @@ def _flags() -> list[str]:
     return FLAGS + _openmp_flags()
 
 
-def build_directory() -> Path:
-    """torch's extensions cache folder for this source, these flags, this torch and this Python (checkouts of
-    other versions, and other environments, do not rebuild over each other)."""
+def build_directory(flags: list[str] | None = None) -> Path:
+    """torch's extensions cache folder for this source, these flags (default: `_flags()`, computed once by the
+    caller that also builds with them), this torch and this Python (checkouts of other versions, and other
+    environments, do not rebuild over each other)."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
-    built_for = " ".join([*_flags(), torch.__version__, sys.version, platform.machine()])
+    flags = _flags() if flags is None else flags
+    built_for = " ".join([*flags, torch.__version__, sys.version, platform.machine()])
     digest = hashlib.sha256(SOURCE.read_bytes() + built_for.encode()).hexdigest()[:16]
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's own choice
     return Path(root) / f"{NAME}-{digest}"
@@ -199,10 +204,12 @@ def coefficients(lr: float, beta1: float, beta2: float, eps: float, weight_decay
                      coef], dtype=np.float32).tolist()
 
 
-def run_step(consts: list[float], groups, states, grads, dests, want_squares: bool) -> float | None:
+def run_step(consts: list[float], groups, states, grads, dests, want_squares: bool,
+             zero_grads: bool = True) -> float | None:
     """The update of the op's adjacent decay groups [(a, z, decayed)] (see host_adamw): one kernel call per
     stretch of elements that lies in one tensor of each kind; returns the sum of the squares of the
-    (unclipped) gradients when `want_squares`. fp16 destinations are not written (the caller casts)."""
+    (unclipped) gradients when `want_squares`. fp16 destinations are not written (the caller casts). With
+    `zero_grads` the gradients are zeroed after their use, else left as they were (read only)."""
     import torch
 
     k = kernel()
@@ -211,7 +218,7 @@ def run_step(consts: list[float], groups, states, grads, dests, want_squares: bo
     decayed = [bool(d) for _a, _z, d in groups]
     partials = torch.zeros(((hi - lo + CHUNK - 1) // CHUNK, LANES), dtype=torch.float32)
     for s0, s1, p, m, v, d in _stretches(states, dests, lo, hi):
-        k.step(grads[s0:s1], p, m, v, d, consts, lo, s0, s1, ends, decayed, partials)
+        k.step(grads[s0:s1], p, m, v, d, consts, lo, s0, s1, ends, decayed, partials, zero_grads)
     return k.total(partials) if want_squares else None
 
 

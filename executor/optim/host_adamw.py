@@ -1,6 +1,8 @@
 """The host optimizer op's work on flat fp32 tensors (ops/optimizer.py `adam` calls `host_adamw`): the AdamW
-update of an element range, its gradient accumulator zeroed, the compute copy of the updated weights written
-where it goes and, when asked, the sum of the gradients' squares for the step's norm.
+update of an element range, the compute copy of the updated weights written where it goes, when asked the sum
+of the gradients' squares for the step's norm, and the gradient accumulator zeroed unless the caller says
+not to (`zero_grads=False`: the executor's adam op, whose next step's first gradient write overwrites the
+accumulator instead of adding to it, ops/grads.py: no zeroing pass).
 
 Two ways, the same job:
 - **one pass** (fused_host_adamw.py: a C++ extension built on first use where a compiler and ninja are
@@ -49,15 +51,17 @@ STATE_CLASSES = ("master", "adam_m", "adam_v")
 
 def host_adamw(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states: dict[str, list[Stretch]],
                grads: torch.Tensor, dests: list[Stretch], coef: torch.Tensor | float | None = None,
-               squares: bool = False) -> torch.Tensor | float | None:
+               squares: bool = False, zero_grads: bool = True) -> torch.Tensor | float | None:
     """AdamW step `step` (1-based) on the adjacent element ranges `groups` [(a, z, decayed)]: `states` has
     the stretches of the master ("master") and the moments ("adam_m", "adam_v") that cover them, `grads` the
-    fp32 gradient accumulator indexed by element (zeroed over the groups after their update), `dests` the
-    buffers the updated master goes to in the compute dtype; `coef` multiplies the gradients first
+    fp32 gradient accumulator indexed by element, `dests` the buffers the updated master goes to in the
+    compute dtype; `coef` multiplies the gradients first
     (clipping). With `squares`, returns the sum of the squares of the (unclipped) gradients for the step's
-    norm (a float from the one-pass kernel, a 0-d fp32 tensor from torch's kernels)."""
+    norm (a float from the one-pass kernel, a 0-d fp32 tensor from torch's kernels). With `zero_grads` the
+    gradients of the groups are zeroed after the update; without, their values afterwards are unspecified
+    (the one-pass kernel leaves them, torch's kernels leave them multiplied by `coef`)."""
     if _fusable(groups, states, grads, dests):
-        return _fused(h, step, groups, states, grads, dests, coef, squares)
+        return _fused(h, step, groups, states, grads, dests, coef, squares, zero_grads)
     sumsq = sum_of_squares([grads[a:z] for a, z, _d in groups]) if squares else None
     lr = lr_of(h, step)
     step_t = torch.full((), float(step), dtype=torch.float32)
@@ -75,7 +79,8 @@ def host_adamw(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states:
         for cls in STATE_CLASSES:
             for whole, back in spans[cls]:
                 _scatter(whole, back)
-    g.zero_()
+    if zero_grads:
+        g.zero_()
     _cast_into(states["master"], dests, lo, hi)
     return sumsq
 
@@ -112,11 +117,11 @@ _DEST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def _fused(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states: dict[str, list[Stretch]],
            grads: torch.Tensor, dests: list[Stretch], coef: torch.Tensor | float | None,
-           squares: bool) -> float | None:
+           squares: bool, zero_grads: bool) -> float | None:
     """host_adamw by the one-pass kernel (fused_host_adamw.py); fp16 destinations cast after it."""
     consts = fused_host_adamw.coefficients(lr_of(h, step), h.beta1, h.beta2, h.eps, h.weight_decay, step,
                                            1.0 if coef is None else float(coef))
-    s = fused_host_adamw.run_step(consts, groups, states, grads, dests, squares)
+    s = fused_host_adamw.run_step(consts, groups, states, grads, dests, squares, zero_grads)
     if any(buf.dtype is torch.float16 for _a, _z, buf in dests):
         _cast_into(states["master"], dests, groups[0][0], groups[-1][1], only=torch.float16)
     return s

@@ -67,11 +67,12 @@ def _encode(x, fp32: torch.Tensor, gen: torch.Generator | None) -> None:
 
 
 def host_adamw_compressed(h, step: int, block: int, groups, states: dict, grads: torch.Tensor, dests: list,
-                          coef=None) -> None:
+                          coef=None, zero_grads: bool = True) -> None:
     """host_adamw on fp32 copies of compressed stretches (states[cls]: (a, z, Q8 or tensor)), encoded back
-    after the update; the compute copy of the weights from the stored (rounded) master."""
+    after the update; the compute copy of the weights from the stored (rounded) master; the gradients zeroed
+    with `zero_grads` (as host_adamw)."""
     fp32 = {cls: [(a, z, _decode(x)) for a, z, x in states[cls]] for cls in OPT_CLASSES}
-    host_adamw(h, step, groups, fp32, grads, [], coef)
+    host_adamw(h, step, groups, fp32, grads, [], coef, zero_grads=zero_grads)
     lo, hi = groups[0][0], groups[-1][1]
     for cls in OPT_CLASSES:
         for (a, _z, x), (_a, _z2, f) in zip(states[cls], fp32[cls], strict=True):

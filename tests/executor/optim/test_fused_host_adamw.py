@@ -71,11 +71,11 @@ def _stretches(t: torch.Tensor, cuts: list[int]) -> list[tuple[int, int, torch.T
     return [(a, z, t[a - LO: z - LO].clone()) for a, z in zip(ends, ends[1:])]
 
 
-def _run(s, step, coef, cuts, dests, threads):
+def _run(s, step, coef, cuts, dests, threads, zero_grads=True):
     """host_adamw on `s` with its states cut at `cuts`; the states put back together; the squares."""
     torch.set_num_threads(threads)
     st = {k: _stretches(s[k], cuts) for k in STATES}
-    sq = host_adamw(H, step, GROUPS, st, s["grads"], dests, coef, squares=True)
+    sq = host_adamw(H, step, GROUPS, st, s["grads"], dests, coef, squares=True, zero_grads=zero_grads)
     for k in STATES:
         s[k] = torch.cat([t for _a, _z, t in st[k]])
     return sq
@@ -101,6 +101,22 @@ def test_bit_for_bit_torch_vector_path(threads, cuts, dtype):
         assert torch.equal(torch.cat([wire, host]), ref["master"].to(dtype))
         exact = math.fsum(float(x) ** 2 for x in grads_before.double())
         assert isinstance(sq, float) and abs(sq - exact) <= 1e-6 * exact
+
+
+@pytest.mark.parametrize("threads,cuts", [(1, []), (2, [LO + 4096 - 37, LO + 9022])])
+def test_without_zeroing_the_gradients_are_only_read(threads, cuts):
+    """zero_grads=False (the executor's adam op: the next step's first gradient write overwrites): the same
+    update, compute copy and squares, bit for bit, and the gradients as they were, in the vector and the
+    scalar loop (the groups' odd lengths)."""
+    zeroed, kept = _state(2), _state(2)
+    before = kept["grads"].clone()
+    outs = [torch.empty(N, dtype=torch.bfloat16) for _ in range(2)]
+    sq0 = _run(zeroed, 3, 0.5, cuts, [(LO, HI, outs[0])], threads)
+    sq1 = _run(kept, 3, 0.5, cuts, [(LO, HI, outs[1])], threads, zero_grads=False)
+    assert all(torch.equal(zeroed[k], kept[k]) for k in STATES)
+    assert torch.equal(outs[0], outs[1]) and sq0 == sq1
+    assert torch.equal(zeroed["grads"][LO:HI], torch.zeros(N))
+    assert torch.equal(kept["grads"], before)
 
 
 def test_the_same_bits_on_any_thread_count_and_cut():
