@@ -27,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ from tierflow.executor.optim.host_threads import apply_in_this_thread, optimizer
 from tierflow.executor.tiers.arena import TransferArena, arena_bytes_for
 from tierflow.executor.tiers.ssd_store import ChecksumError, SsdStore
 from tierflow.executor.tiers.state import TrainState
+from tierflow.executor.worker_pool import WorkerPool
 from tierflow.planner.core.contract import Plan
 from tierflow.planner.core.graph import TIERS, Task, TaskGraph
 from tierflow.planner.core.opkinds import ENTRY_TENSORS, OP_KINDS
@@ -142,6 +144,12 @@ class Executor:
         # the ops another thread waits for (a dependency of another worker's op, an iteration's last gpu op
         # for the reporter): only these get an event per round
         self.waited = {d for ws in self.waits for d, _ in ws} | {t.id for t in self._last_gpu_ops().values()}
+        # the rounds' worker threads, kept from round to round with one rank (worker_pool.py); with several
+        # ranks a thread per round (one left in a collective after a failure is left behind: _join)
+        self.pool = WorkerPool() if self.world.single else None
+        if self.pool is not None:
+            # not at the interpreter's exit: a woken daemon thread would find the interpreter finalizing
+            weakref.finalize(self, self.pool.close).atexit = False
 
     # -- running a round -------------------------------------------------------------------------------------
 
@@ -156,22 +164,32 @@ class Executor:
         queues = self._queues.get(n)
         if queues is None:
             queues = self._queues[n] = {r: [i for i in ids if i < n] for r, ids in self.lanes.items()}
-        threads = [threading.Thread(target=self.worker, args=(rs, r, q), name=f"tierflow-{r}", daemon=True)
-                   for r, q in queues.items() if q]
+        calls = [(r, self.worker, (rs, r, q)) for r, q in queues.items() if q]
         if on_step is not None:
             last = {it: t.id for it, t in self._last_gpu_ops().items() if it < iterations}
-            threads.append(threading.Thread(target=self._reporter, args=(rs, last, on_step), daemon=True,
-                                            name="tierflow-reporter"))
-        # threads that may wait in a collective of several ranks: the net worker, the reporter (the mean loss)
-        collective = [th for th in threads
-                      if not self.world.single and th.name in ("tierflow-net", "tierflow-reporter")]
+            calls.append(("reporter", self._reporter, (rs, last, on_step)))
+        if self.pool is not None:  # one rank: the executor's persistent threads (worker_pool.py)
+            threads, collective = [], []
+        else:
+            threads = [threading.Thread(target=fn, args=args, name=f"tierflow-{r}", daemon=True)
+                       for r, fn, args in calls]
+            # threads that may wait in a collective of several ranks: the net worker, the reporter (the mean
+            # loss)
+            collective = [th for th in threads if th.name in ("tierflow-net", "tierflow-reporter")]
         try:
-            for th in threads:
-                th.start()
+            if self.pool is not None:
+                for r, fn, args in calls:
+                    threads.append(self.pool.submit(r, fn, *args))
+            else:
+                for th in threads:
+                    th.start()
             self._join(rs, threads, collective)
+            for job in threads:  # a pool job's escaped exception (the worker reports its own: none expected)
+                if getattr(job, "error", None) is not None:
+                    self._fail(rs, None, job.error)
         except BaseException:  # e.g. Interrupted or KeyboardInterrupt in this (the main) thread: stop every
             rs.abort.set()     # worker and wait for it, so that no thread still runs torch ops at exit
-            self._join(rs, [th for th in threads if th.ident is not None], collective)
+            self._join(rs, [th for th in threads if getattr(th, "ident", True) is not None], collective)
             raise
         finally:
             try:
@@ -200,11 +218,12 @@ class Executor:
                                   "optimizer_threads": self.optimizer_threads})
 
     @staticmethod
-    def _join(rs: RoundState, threads: list[threading.Thread], collective: list[threading.Thread],
+    def _join(rs: RoundState, threads: list, collective: list[threading.Thread],
               grace_s: float = 5.0) -> None:
-        """Join the round's threads. One blocked in a collective (`collective`) cannot see the abort: once the
-        round has failed it is given `grace_s` to finish, then left behind (a daemon thread; the run is ending
-        with the error, and torchrun stops the other ranks when this one exits)."""
+        """Join the round's threads (or its pool's jobs: worker_pool.Job). One blocked in a collective
+        (`collective`) cannot see the abort: once the round has failed it is given `grace_s` to finish, then
+        left behind (a daemon thread; the run is ending with the error, and torchrun stops the other ranks
+        when this one exits)."""
         for th in threads:
             if th not in collective:
                 th.join()

@@ -86,48 +86,48 @@ class Pack:
     def seal(self) -> None:
         """After the forward (idempotent): each saved tensor's reference, the storages and their extents; the
         input leaf's memory dropped. Views of the weights are not kept (a fetched weight buffer is freed
-        after the forward)."""
+        after the forward). One pass, its lookups bound to locals: it runs once per saved tensor of every
+        moved pack (~24 per layer), on the op's critical path."""
         if self.sealed or self.kept:
             return
         self.sealed = True
+        leaves = self.leaves
         leaf_ptrs: dict[int, int] = {}  # storage data pointer -> its first leaf
-        for i, leaf in enumerate(self.leaves):
+        for i, leaf in enumerate(leaves):
             leaf_ptrs.setdefault(leaf.untyped_storage().data_ptr(), i)
-        device = self.leaves[0].device
-        refs = self.refs
+        device = leaves[0].device
+        refs, index, extent = self.refs, self.index, self.extent
         for j, t in enumerate(refs):
             st = t.untyped_storage()
             ptr = st.data_ptr()
             i = leaf_ptrs.get(ptr)
             if i is not None:
-                refs[j] = ("w", i, t.storage_offset() - self.leaves[i].storage_offset(), tuple(t.shape),
-                           tuple(t.stride()))
-            elif t.device != device:  # e.g. a CPU scalar (RNG seed) saved by a CUDA kernel: kept as is
+                refs[j] = ("w", i, t.storage_offset() - leaves[i].storage_offset(), t.shape, t.stride())
+                continue
+            if t.device != device:  # e.g. a CPU scalar (RNG seed) saved by a CUDA kernel: kept as is
                 refs[j] = ("c", t)
-            else:
-                refs[j] = self._storage_ref(t, st, ptr)
+                continue
+            k = index.get(ptr)
+            if k is None:
+                k = index[ptr] = len(self.saved)
+                self.saved.append(self.own(torch.empty(0, dtype=torch.uint8, device=device).set_(st)))
+                extent.append([st.nbytes(), 0])
+            dtype = t.dtype
+            size = dtype.itemsize
+            lo = t.storage_offset() * size
+            shape, stride = t.shape, t.stride()
+            n = t.numel()
+            if n:
+                span = n if t.is_contiguous() else 1 + sum((d - 1) * abs(s) for d, s in zip(shape, stride))
+                ext = extent[k]
+                if lo < ext[0]:
+                    ext[0] = lo
+                hi = lo + span * size
+                if hi > ext[1]:
+                    ext[1] = hi
+            refs[j] = ("t", k, lo, shape, stride, dtype)
         if self.x is not None:  # its bytes are in the pack where a saved tensor needs them
             self.x.data = torch.empty(0, dtype=self.x.dtype, device=self.x.device)
-
-    def _storage_ref(self, t: torch.Tensor, st, ptr: int) -> tuple:
-        i = self.index.get(ptr)
-        if i is None:
-            i = self.index[ptr] = len(self.saved)
-            self.saved.append(self.own(torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)))
-            self.extent.append([st.nbytes(), 0])
-        dtype = t.dtype
-        size = dtype.itemsize
-        lo = t.storage_offset() * size
-        shape, stride = tuple(t.shape), t.stride()
-        n = t.numel()
-        if n:
-            span = n if t.is_contiguous() else 1 + sum((k - 1) * abs(s) for k, s in zip(shape, stride))
-            ext = self.extent[i]
-            if lo < ext[0]:
-                ext[0] = lo
-            if lo + span * size > ext[1]:
-                ext[1] = lo + span * size
-        return ("t", i, lo, shape, stride, dtype)
 
     def _ranges(self) -> list[tuple[int, int]]:
         """Per storage, the byte range [lo, hi) to move: what its saved views cover, widened to 16-byte
@@ -177,9 +177,18 @@ class Pack:
 
     def restore(self, flat: torch.Tensor) -> None:
         """The saved views, from the flat byte layout of segments() (fetched back to the device), all rebuilt
-        now (the weight views when the backward unpacks them: from its own fetch)."""
-        bases = [flat[off: off + hi - lo] for off, lo, hi in self.desc]
-        refs = self.refs
+        now (the weight views when the backward unpacks them: from its own fetch): each one as_strided of
+        `flat` viewed once per dtype (a storage's range starts 256-byte aligned in it and at a 16-byte
+        boundary of the storage, so every view's element offset is whole: the views of each range's slice)."""
+        # dtype -> (flat as it, its element offset)
+        by_dtype: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+        refs, desc = self.refs, self.desc
         for j, ref in enumerate(refs):
             if isinstance(ref, tuple) and ref[0] == "t":
-                refs[j] = self._view(bases[ref[1]], self.desc[ref[1]][1], ref)
+                _, i, off_bytes, shape, stride, dtype = ref
+                got = by_dtype.get(dtype)
+                if got is None:
+                    data = flat.view(dtype)
+                    got = by_dtype[dtype] = (data, data.storage_offset())
+                at, lo, _hi = desc[i]
+                refs[j] = got[0].as_strided(shape, stride, got[1] + (at + off_bytes - lo) // dtype.itemsize)
