@@ -54,6 +54,7 @@ from tierflow.executor.export import (
     profiler_of,
     write_run_outputs,
 )
+from tierflow.executor.lora import lora_state_dict
 from tierflow.executor.models import check_supported
 from tierflow.executor.optim.adamw import TrainHyper
 from tierflow.executor.optim.clipping import GradNorms
@@ -101,6 +102,9 @@ class RunResult:
     o_direct: bool | None = None
     final_master: list[torch.Tensor] | None = None
     final_adam_m: list[torch.Tensor] | None = None  # with collect_final: Adam's first moments (whole blocks)
+    # with collect_final and LoRA: the adapters and their first moments (executor/lora.py lora_state_dict)
+    final_lora: dict[str, torch.Tensor] | None = None
+    final_lora_adam_m: dict[str, torch.Tensor] | None = None
     checkpoint: Path | None = None  # the last checkpoint written or resumed from
     ssd_cpu_s: float = 0.0  # CPU seconds of the SSD tier's requests and checksums (SsdStore.cpu_s)
     # the host optimizer ops' intra-op threads (executor/optim/host_threads.py); None: torch's, unchanged
@@ -426,7 +430,7 @@ def _start_state(tr: Trainer, warn) -> str:
             tr.norms.norms[tr.start_step] = float(manifest["grad_norm"])
         return f"resumed from {tr.last_ckpt} (step {tr.start_step})"
     if md.init:
-        return f"weights from {state.init_hf(md.init)}"
+        return f"weights from {state.init_hf(md.init, md.seed)}"
     state.init_random(md.seed)
     return f"random init (seed {md.seed})"
 
@@ -621,6 +625,10 @@ def _finish(tr: Trainer) -> RunResult:
     res = tr.result()
     if out.collect_final:
         res.final_master = state.master_blocks()
-        res.final_adam_m = [state.gathered("adam_m", b) for b in range(len(state.layout.numel))]
+        if state.lora is not None:  # LoRA: the adapters and their first moments (canonical names)
+            res.final_lora = lora_state_dict(state.lora)
+            res.final_lora_adam_m = lora_state_dict(state.lora, "adam_m")
+        else:
+            res.final_adam_m = [state.gathered("adam_m", b) for b in range(len(state.layout.numel))]
     return res
 
