@@ -17,6 +17,7 @@ Checkpoints of this state (writing, verifying, resuming) are in checkpoint.py.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +151,7 @@ class TrainState:
         # no gradients); the adapters and their AdamW states live in `lora`, on the device
         self.lora = LoraState(spec, self.device) if spec.lora is not None else None
         self.classes = ("weights",) if self.lora is not None else STATE_CLASSES
+        self.base_hash = hashlib.sha256()  # LoRA: of the base's values as set (base_digest)
         for cls in self.classes:
             split = getattr(placement, cls)
             dtype = vector_dtype(fmt, cls, compute_dtype)
@@ -230,7 +232,10 @@ class TrainState:
                   v: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
         """This rank's shard of block b's state (vectors of shard_numel[b] elements)."""
         if self.lora is not None:  # the frozen base: its compute weights only, written to its tiers once
-            self.vec["weights"][b].set_full(master if weights is None else weights, self.ssd)
+            base = master if weights is None else weights
+            self.base_hash.update(f"block {b}:".encode())
+            self.base_hash.update(base.detach().to("cpu", torch.float32).contiguous().reshape(-1).numpy())
+            self.vec["weights"][b].set_full(base, self.ssd)
             return
         master = master.float()
         self.vec["master"][b].set_full(master, self.ssd)
@@ -243,6 +248,11 @@ class TrainState:
         else:
             W.set_full(master if weights is None else weights, self.ssd)
         self.reset_grads(b)
+
+    def base_digest(self) -> str:
+        """LoRA: a digest of the frozen base's values (fp32, block by block as set): what a checkpoint of the
+        adapters names as the base it needs."""
+        return self.base_hash.hexdigest()[:16]
 
     def weights_alias_master(self, b: int) -> bool:
         """Are block b's compute weights the fp32 master itself? When both lie wholly on the device in the

@@ -9,9 +9,13 @@ ops are the decoder layers' adam_gpu steps of their adapters."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.func import functional_call
 
 from tierflow.executor.data import TokenData
@@ -26,13 +30,15 @@ from tierflow.executor.lora import (
 from tierflow.executor.models import BlockModel, build_blocks, check_supported
 from tierflow.executor.models import loss as lm_loss
 from tierflow.executor.ops.optimizer import OptimizerOps
-from tierflow.executor.run import OptimizerOptions, OutputOptions, RunConfig, run_plan
+from tierflow.executor.options import CheckpointOptions, LoraOptions, ModelDataOptions
+from tierflow.executor.run import OptimizerOptions, OutputOptions, RunConfig, RunError, run_plan
+from tierflow.executor.tiers.state import StateError
 from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.lora import LoraConfig
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import build_graph, make_schedule
-from tierflow.planner.io.planfile import plan_from_graph
+from tierflow.planner.io.planfile import plan_from_graph, write_plan
 
 HW = load_profile("rtx3090-desktop")
 STEPS, BATCH, MICRO, SEQ = 3, 4, 2, 32
@@ -216,3 +222,74 @@ def test_a_target_the_family_lacks_is_refused_in_one_line():
         check_supported(spec)
     assert "\n" not in str(e.value)
     check_supported(GPT.with_lora(LoraConfig(rank=2)))  # every target: all the layer has
+
+
+# -- checkpoints and resume ----------------------------------------------------------------------------------
+
+
+def _config(tmp_path, steps, ck, seed=0, allow=False, lora=None):
+    (tmp_path / "ssd").mkdir(parents=True, exist_ok=True)
+    return RunConfig(steps=steps, device="cpu", ssd_dir=str(tmp_path / "ssd"),
+                     model_data=ModelDataOptions(seed=seed),
+                     optimizer=OptimizerOptions(lr=LR, weight_decay=WD, betas=BETAS),
+                     checkpoint=CheckpointOptions(directory=str(ck), every=1, allow_changed_hyper=allow),
+                     output=OutputOptions(quiet=True, collect_final=True), lora=lora)
+
+
+def test_a_checkpoint_holds_the_adapters_names_the_base_and_resumes_bit_for_bit(tmp_path):
+    spec = LLAMA.with_lora(LoraConfig(rank=4, alpha=8.0, dropout=0.1))
+    plan = make_plan(spec)
+    straight = run_plan(plan, _config(tmp_path / "a", 5, tmp_path / "a" / "ck"))
+    ck = tmp_path / "b" / "ck"
+    first = run_plan(plan, _config(tmp_path / "b", 2, ck))
+    assert first.losses == straight.losses[:2]
+    latest = ck / (ck / "latest").read_text().strip()
+    manifest = json.loads((latest / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == ["adapters.safetensors"]  # the adapters only: no base block files
+    assert manifest["lora"] == spec.lora.to_dict()
+    assert manifest["base"] == {"model": spec.name, "digest": first.state.base_digest()}
+    tensors = load_file(latest / "adapters.safetensors")
+    assert set(tensors) == {p + k for p in ("", "adam_m.", "adam_v.") for k in first.final_lora}
+    resumed = run_plan(plan, _config(tmp_path / "b", 5, ck))
+    assert resumed.first_step == 2
+    assert resumed.losses == straight.losses[2:]  # bit for bit
+    for key, value in straight.final_lora.items():
+        assert torch.equal(resumed.final_lora[key], value)
+        assert torch.equal(resumed.final_lora_adam_m[key], straight.final_lora_adam_m[key])
+
+
+def test_resuming_onto_another_base_or_without_lora_is_refused_in_one_line(tmp_path):
+    spec = LLAMA.with_lora(LoraConfig(rank=4, alpha=8.0))
+    ck = tmp_path / "ck"
+    run_plan(make_plan(spec), _config(tmp_path, 1, ck))
+    with pytest.raises(StateError, match="its adapters were trained on another base") as e:
+        run_plan(make_plan(spec), _config(tmp_path, 2, ck, seed=1, allow=True))  # another random base
+    assert "\n" not in str(e.value)
+    with pytest.raises(StateError) as e:  # the same model, full fine-tuning
+        run_plan(make_plan(LLAMA, placement=Placement(checkpoints=Split(1.0, 0.0, 0.0))),
+                 _config(tmp_path, 2, ck))
+    assert "\n" not in str(e.value) and "another" in str(e.value)
+
+
+def test_run_lora_flags_must_match_the_plan(tmp_path):
+    spec = LLAMA.with_lora(LoraConfig(rank=4, alpha=8.0))
+    ok = run_plan(make_plan(spec), _config(tmp_path / "ok", 1, tmp_path / "ok" / "ck",
+                                           lora=LoraOptions(rank=4, alpha=8.0)))
+    assert ok.losses
+    with pytest.raises(RunError, match=r"^--lora-alpha: 16.0 differs from plan .*'s 8.0 \(drop the flag"):
+        run_plan(make_plan(spec), _config(tmp_path, 1, tmp_path / "ck", lora=LoraOptions(rank=4)))
+    with pytest.raises(RunError, match=r"^--lora 4: plan .* trains every weight; make a LoRA plan"):
+        run_plan(make_plan(LLAMA, placement=Placement(checkpoints=Split(1.0, 0.0, 0.0))),
+                 _config(tmp_path, 1, tmp_path / "ck2", lora=LoraOptions(rank=4)))
+
+
+def test_cli_run_refuses_lora_flags_another_plan_does_not_have(tmp_path):
+    path = tmp_path / "plan.json"
+    write_plan(make_plan(GPT, placement=Placement(checkpoints=Split(1.0, 0.0, 0.0))), path)
+    (tmp_path / "ssd").mkdir()
+    cmd = [sys.executable, "-m", "tierflow.cli", "run", str(path), "--device", "cpu", "--ssd-dir",
+           str(tmp_path / "ssd"), "--steps", "1", "--lora", "8"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--lora 8:" in lines[0] and "trains every weight" in lines[0]
