@@ -273,3 +273,27 @@ def _hook(items, leaves, scaling: float, p: float, key: DropoutKey, heads: int):
                 view[..., pj, :] += delta.view(*delta.shape[:-1], heads, hd)
         return res.to(out.dtype)
     return hook
+
+
+def slot_rows(spec: ModelSpec, slot: AdapterSlot) -> torch.Tensor:
+    """The output rows of the (possibly fused) projection that `slot`'s adapter adds to."""
+    if slot.part is None:
+        return torch.arange(slot.out_features)
+    if slot.part[0] == "slice":
+        return torch.arange(slot.part[1], slot.part[1] + slot.out_features)
+    _, j, parts = slot.part  # NeoX: part j of every head's rows
+    hd = slot.out_features // spec.num_heads
+    return torch.cat([torch.arange((h * parts + j) * hd, (h * parts + j + 1) * hd)
+                      for h in range(spec.num_heads)])
+
+
+def merge_into(state: LoraState, b: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Decoder layer b's parameters (fp32, by name) with its adapters merged: W + (alpha / rank) B A on each
+    adapter's rows (what `--export-hf` of a LoRA run writes; the layer then computes W x + s B A x)."""
+    layout = state.layout
+    out = dict(params)
+    scaling = layout.lora.scaling
+    for s, (a, bm) in zip(layout.slots, layout.views(state.master[b].detach().to("cpu", torch.float32))):
+        name = f"{s.module}.weight"
+        out[name] = out[name].float().index_add(0, slot_rows(layout.spec, s), (bm @ a) * scaling)
+    return out

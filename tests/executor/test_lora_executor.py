@@ -293,3 +293,33 @@ def test_cli_run_refuses_lora_flags_another_plan_does_not_have(tmp_path):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "--lora 8:" in lines[0] and "trains every weight" in lines[0]
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "phi3"])
+def test_export_hf_of_a_lora_run_writes_the_merged_model(family, tmp_path):
+    """--export-hf of a LoRA run: the base with W + s B A merged, which transformers loads and which computes
+    the trained model's logits (its fused projections' rows included)."""
+    transformers = pytest.importorskip("transformers")
+    spec = FAMILIES[family].with_lora(LoraConfig(rank=4, alpha=8.0))
+    (tmp_path / "ssd").mkdir()
+    out = tmp_path / "hf"
+    config = RunConfig(steps=2, device="cpu", ssd_dir=str(tmp_path / "ssd"),
+                       optimizer=OptimizerOptions(lr=LR, weight_decay=WD, betas=BETAS),
+                       output=OutputOptions(quiet=True, collect_final=True, export_hf=str(out)))
+    res = run_plan(make_plan(spec), config)
+    base = spec.with_lora(None)
+    torch.manual_seed(0)
+    model = BlockModel(base, build_blocks(base)).eval()
+    weights = dict(model.named_parameters())
+    for i in range(spec.num_layers):
+        for slot in AdapterLayout(spec).slots:
+            a = res.final_lora[f"blocks.{i}.{slot.target}.lora_A"]
+            b = res.final_lora[f"blocks.{i}.{slot.target}.lora_B"]
+            assert b.abs().max() > 0
+            name = f"blocks.{i + 1}.{slot.module}.weight"
+            weights[name] = weights[name].index_add(0, _rows(spec, slot), (b @ a) * spec.lora.scaling)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    x = TokenData.load(None, spec.vocab_size, seed=7).batch(0, 2, SEQ)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=x).logits, functional_call(model, weights, (x,)), atol=1e-4,
+                                   rtol=0)
