@@ -293,7 +293,9 @@ def merge_into(state: LoraState, b: int, params: dict[str, torch.Tensor]) -> dic
     layout = state.layout
     out = dict(params)
     scaling = layout.lora.scaling
-    for s, (a, bm) in zip(layout.slots, layout.views(state.master[b].detach().to("cpu", torch.float32))):
+    for s, (a, bm) in zip(layout.slots, layout.views(state.master[b].detach())):
         name = f"{s.module}.weight"
-        out[name] = out[name].float().index_add(0, slot_rows(layout.spec, s), (bm @ a) * scaling)
+        w = out[name].float()
+        delta = ((bm @ a) * scaling).to(w.device)
+        out[name] = w.index_add(0, slot_rows(layout.spec, s).to(w.device), delta)
     return out
