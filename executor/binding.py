@@ -235,6 +235,9 @@ class Binding:
                 adam_gpu[(t.iteration, t.block)] = t.id
         for v in offloads.values():
             v.sort()
+        if self.plan.model.lora is not None:
+            self._bind_adapter_grads(adam_gpu)
+            return
         for t in tasks:
             if t.kind not in (k.HEAD, k.BWD):
                 continue
@@ -251,6 +254,22 @@ class Binding:
                 self.grad_contributors[(group, o)] += 1
                 a, z = self.grad_range.get((group, o), (lo, hi))
                 self.grad_range[(group, o)] = (min(a, lo), max(z, hi))
+
+    def _bind_adapter_grads(self, adam_gpu: dict[tuple[int, int], int]) -> None:
+        """LoRA (executor/lora.py): only a decoder layer's backward has weight gradients, its adapters' (the
+        base, the embedding and the head are frozen); the layer's adam_gpu of the iteration takes them, the
+        range the layer's flat adapter vector."""
+        n = self.layout.adapters.numel
+        for t in self.tasks:
+            if t.kind != k.BWD or t.block not in self.layout.adapters.blocks():
+                continue
+            group = adam_gpu.get((t.iteration, t.block))
+            if group is None:
+                raise ExecutionError(f"{self.plan.source}: the adapters' gradients of op {t.id} ({t.label}) "
+                                     "are never taken by an adam_gpu op (inconsistent plan)")
+            self.grad_group[(t.id, t.block)] = group
+            self.grad_contributors[(group, t.block)] += 1
+            self.grad_range[(group, t.block)] = (0, n)
 
     def _bind_scatters(self, scatters: list[Task], pos: dict[int, int]) -> None:
         """Several ranks: the buffer of a reduce_scatter_grads op spans each owner's whole vector padded to

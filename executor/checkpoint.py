@@ -45,6 +45,7 @@ import torch
 
 from tierflow.errors import TierflowError
 from tierflow.executor.dist import SINGLE, DistWorld
+from tierflow.executor.lora import LoraError, load_lora_state_dict, lora_state_dict
 from tierflow.executor.tiers.state import STATE_CLASSES, StateError, TrainState
 from tierflow.hwprofiles.inputs import MIB, loads_json_limited, read_limited_text
 from tierflow.planner.core.models import model_dict
@@ -230,6 +231,8 @@ def _write_blocks(state: TrainState, directory: Path, step: int) -> dict[str, di
     {file: size, CRC32}."""
     files = {}
     rank = None if state.world.single else state.world.rank
+    if state.lora is not None:  # LoRA: the adapters and their moments only; the frozen base is named
+        return _write_adapters(state, directory, step)
     for b in range(len(state.layout.numel)):
         tensors = {cls: state.full(cls, b).contiguous() for cls in STATE_CLASSES}
         bad = [cls for cls, t in tensors.items() if not all_finite(t)]
@@ -238,6 +241,34 @@ def _write_blocks(state: TrainState, directory: Path, step: int) -> dict[str, di
         nbytes, crc = write_safetensors(directory / block_file(b), tensors)
         files[block_file(b)] = {"bytes": nbytes, "crc32": crc}
     return files
+
+
+ADAPTERS_FILE = "adapters.safetensors"
+MOMENT_PREFIX = {"master": "", "adam_m": "adam_m.", "adam_v": "adam_v."}
+
+
+def _write_adapters(state: TrainState, directory: Path, step: int) -> dict[str, dict]:
+    """LoRA: one file of the adapters (canonical names, executor/lora.py) and their Adam moments (prefixed
+    adam_m. / adam_v.); {file: size, CRC32}."""
+    tensors, bad = {}, []
+    for cls, prefix in MOMENT_PREFIX.items():
+        part = lora_state_dict(state.lora, cls)
+        if not all(all_finite(v) for v in part.values()):
+            bad.append(cls)
+        tensors.update({prefix + k: v for k, v in part.items()})
+    if bad:
+        raise NonFiniteState(step, 0, bad)
+    nbytes, crc = write_safetensors(directory / ADAPTERS_FILE, tensors)
+    return {ADAPTERS_FILE: {"bytes": nbytes, "crc32": crc}}
+
+
+def lora_manifest(state: TrainState) -> dict:
+    """What a LoRA checkpoint records beside its adapters: the adapters' settings and the base it needs
+    (model name and the digest of its values, TrainState.base_digest)."""
+    if state.lora is None:
+        return {}
+    base = {"model": state.spec.name, "digest": state.base_digest()}
+    return {"lora": state.spec.lora.to_dict(), "base": base}
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -276,7 +307,8 @@ def save_checkpoint(state: TrainState, directory: str | os.PathLike[str], step: 
         tmp.mkdir()
         files = _write_blocks(state, tmp, step)
         manifest = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step,
-                    "model": state.spec.name, "numel": state.layout.numel, **meta, "files": files}
+                    "model": state.spec.name, "numel": state.layout.numel, **meta, **lora_manifest(state),
+                    "files": files}
         _write_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
         _fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)
@@ -478,6 +510,9 @@ def load_checkpoint(state: TrainState, ckpt: Path, manifest: dict) -> None:
     if manifest.get("numel") != state.layout.numel or manifest.get("model") != state.spec.name:
         raise StateError(f"checkpoint {ckpt}: it is of model {manifest.get('model')!r}, the plan trains "
                          f"{state.spec.name!r} (use another --checkpoint-dir, or the plan it was made with)")
+    if state.lora is not None or manifest.get("lora") is not None:
+        _load_adapters(state, ckpt, manifest)
+        return
     if state.world.single:
         _load_blocks(state, ckpt, manifest, state.layout.numel, state.set_block)
         return
@@ -486,6 +521,40 @@ def load_checkpoint(state: TrainState, ckpt: Path, manifest: dict) -> None:
         raise CheckpointError(f"checkpoint {ckpt}: rank-{state.world.rank}/ holds other element ranges than "
                               "this rank's shard (written by another world size?)")
     _load_blocks(state, d, shard, state.shard_numel, state.set_shard)
+
+
+def _load_adapters(state: TrainState, ckpt: Path, manifest: dict) -> None:
+    """LoRA: the adapters and their moments from `ckpt`, onto this run's base, which must be the one the
+    checkpoint names (StateError, one line, otherwise)."""
+    from safetensors.torch import load_file
+
+    if state.lora is None:
+        raise StateError(f"checkpoint {ckpt}: it holds LoRA adapters ({manifest['lora'].get('rank')} rank), "
+                         "this plan trains every weight (resume with the LoRA plan, or use another "
+                         "--checkpoint-dir)")
+    if manifest.get("lora") is None:
+        raise StateError(f"checkpoint {ckpt}: it is of full fine-tuning, this plan trains LoRA adapters (use "
+                         "another --checkpoint-dir)")
+    base = manifest.get("base") or {}
+    if base.get("digest") != state.base_digest():
+        raise StateError(f"checkpoint {ckpt}: its adapters were trained on another base "
+                         f"({base.get('model')!r} with digest {base.get('digest')}; this run's base has "
+                         f"{state.base_digest()}): resume with the --init directory or --seed it started "
+                         "from, or use another --checkpoint-dir")
+    verify_file(ckpt, ADAPTERS_FILE, manifest)
+    try:
+        t = load_file(ckpt / ADAPTERS_FILE)
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors (SafetensorError), OSError
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"checkpoint {ckpt}: {ADAPTERS_FILE} is unreadable ({why})") from None
+    try:
+        for cls in ("adam_m", "adam_v", "master"):
+            prefix = MOMENT_PREFIX[cls]
+            part = {k[len(prefix):]: v for k, v in t.items()
+                    if (k.startswith(prefix) if prefix else not k.startswith(("adam_m.", "adam_v.")))}
+            load_lora_state_dict(state.lora, part, cls)
+    except LoraError as e:
+        raise CheckpointError(f"checkpoint {ckpt}: {ADAPTERS_FILE}: {e}") from None
 
 
 def _shard_manifest(ckpt: Path, manifest: dict, rank: int) -> tuple[Path, dict]:

@@ -1,7 +1,8 @@
 """Validation loss and perplexity of the current weights (`tierflow run --eval-every N`).
 
 The forward is the training forward without the backward: the same block modules (the layout's templates,
-called with torch.func.functional_call on the weights' compute-dtype copy), block by block, with each block's
+called with torch.func.functional_call on the weights' compute-dtype copy; a LoRA layer's with its adapters
+merged, W + alpha / rank B A), block by block, with each block's
 weights read from the tier the plan put them on (device, host memory or the SSD tier's files) and released
 before the next block's, so that evaluation needs one block's weights and one micro-batch's activations on
 the device at a time, as training does. Held-out tokens come from the tail of --data (--val-fraction) or from
@@ -22,6 +23,7 @@ import torch
 from torch.func import functional_call
 
 from tierflow.executor.data import DataError, TokenData
+from tierflow.executor.lora import merge_into
 from tierflow.executor.models import loss as lm_loss
 from tierflow.executor.models.lmloss import IGNORE_INDEX
 from tierflow.executor.tiers.state import TrainState
@@ -80,6 +82,8 @@ def evaluate(state: TrainState, val: TokenData, step: int, sequences: int, seq: 
         for b in range(last + 1):
             w = state.gathered("weights", b).to(device)
             params = layout.params(b, w)
+            if state.lora is not None and b in state.lora.master:  # LoRA: W + (alpha / rank) B A, merged
+                params = {k: v.to(device, w.dtype) for k, v in merge_into(state.lora, b, params).items()}
             module = layout.templates[b]
             if b == 0:
                 acts = [functional_call(module, params, (x.to(device),)).cpu() for x in xs]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from tierflow.executor.lora import merge_into
 from tierflow.executor.models import export_hf, hf_config
 from tierflow.executor.options import RunError
 from tierflow.executor.tiers.state import TrainState
@@ -73,8 +74,13 @@ def check_export_hf(directory: str, plan: Plan) -> None:
 
 def export_trained(state: TrainState, directory: str) -> Path:
     """The fp32 master weights of every block, written as config.json + model.safetensors (transformers'
-    layout). With several ranks every rank calls it (the weights are gathered from the shards) and rank 0
-    writes."""
+    layout); a LoRA run's base with its adapters merged (one rank). With several ranks every rank calls it
+    (the weights are gathered from the shards) and rank 0 writes."""
+    if state.lora is not None:  # LoRA: the base with the adapters merged (W + alpha / rank * B A)
+        base = state.master_blocks()
+        blocks = [state.layout.params(b, v) for b, v in enumerate(base)]
+        blocks = [merge_into(state.lora, b, p) if b in state.lora.master else p for b, p in enumerate(blocks)]
+        return export_hf(state.spec, blocks, directory)
     blocks = [state.layout.params(b, state.gathered("master", b)) for b in range(len(state.layout.numel))]
     if state.world.rank != 0:
         return Path(directory)

@@ -12,11 +12,11 @@ solver (tests/system/test_layering.py checks it).
       DistOptions        several ranks: --nproc / --nnodes and torchrun's rendezvous
       OutputOptions      what the run writes and prints: --out, --export-hf, --profile, --json
       AdaptOptions       --adapt (executor/decide.py takes it)
+      LoraOptions        --lora and its settings, checked against the plan's model.lora
 
 A new option group is one frozen dataclass here and one field of `RunConfig` (with its default: a run without
 the flags does what it did), its flags in tierflow/cli/run.py (`_add_*_args` and `run_config`), and the code
-that reads it through `Trainer.config`. LoRA's group (`--lora RANK --lora-alpha --lora-targets
---lora-dropout`) goes at the marked place in `RunConfig`.
+that reads it through `Trainer.config`.
 """
 
 from __future__ import annotations
@@ -141,6 +141,25 @@ class AdaptOptions:
 
 
 @dataclass(frozen=True)
+class LoraOptions:
+    """`tierflow run --lora RANK --lora-alpha A --lora-targets T,T --lora-dropout P`: the adapters the run is
+    to train (tierflow.planner.core.lora.LoraConfig's fields). The plan says what trains and where (its
+    `model.lora`, recorded by `tierflow plan --lora`): the flags must match it (a check, never a change of
+    the plan; train_loop.check_lora_options)."""
+
+    rank: int
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ()  # () : every target (LoraConfig's default)
+    dropout: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout}
+        if self.targets:
+            d["targets"] = self.targets
+        return d
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """One run: train `steps` steps (in total, counting resumed ones). `plan` is the plan file of `tierflow
     run PLAN` (run_file loads it; run_plan takes a loaded plan and ignores it)."""
@@ -158,5 +177,5 @@ class RunConfig:
     distributed: DistOptions = field(default_factory=DistOptions)
     output: OutputOptions = field(default_factory=OutputOptions)
     adapt: AdaptOptions | None = None  # --adapt: correct the plan from the run's measurements
-    # -- new option groups go here, each one field with a default that keeps a run as it was, e.g. LoRA's:
-    # lora: LoraOptions | None = None  # --lora RANK --lora-alpha --lora-targets --lora-dropout
+    # -- new option groups go here, each one field with a default that keeps a run as it was
+    lora: LoraOptions | None = None  # --lora RANK --lora-alpha --lora-targets --lora-dropout

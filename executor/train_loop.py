@@ -54,11 +54,12 @@ from tierflow.executor.export import (
     profiler_of,
     write_run_outputs,
 )
+from tierflow.executor.lora import lora_state_dict
 from tierflow.executor.models import check_supported
 from tierflow.executor.optim.adamw import TrainHyper
 from tierflow.executor.optim.clipping import GradNorms
 from tierflow.executor.optim.lr_schedule import USES_TOTAL
-from tierflow.executor.options import ModelDataOptions, RunConfig, RunError
+from tierflow.executor.options import LoraOptions, ModelDataOptions, RunConfig, RunError
 from tierflow.executor.preflight import (
     check_hyper,
     check_in_place,
@@ -73,6 +74,7 @@ from tierflow.executor.tblog import TbLog
 from tierflow.executor.tiers.dirlock import DirLock, remove_stale_run_dirs
 from tierflow.executor.tiers.ssd_store import SsdStore, check_ssd_dir
 from tierflow.executor.tiers.state import TrainState
+from tierflow.planner.core.lora import LoraConfig, LoraConfigError
 from tierflow.planner.core.models import model_dict
 from tierflow.planner.core.simulator import SimResult
 from tierflow.planner.core.timefmt import fmt_s
@@ -101,6 +103,9 @@ class RunResult:
     o_direct: bool | None = None
     final_master: list[torch.Tensor] | None = None
     final_adam_m: list[torch.Tensor] | None = None  # with collect_final: Adam's first moments (whole blocks)
+    # with collect_final and LoRA: the adapters and their first moments (executor/lora.py lora_state_dict)
+    final_lora: dict[str, torch.Tensor] | None = None
+    final_lora_adam_m: dict[str, torch.Tensor] | None = None
     checkpoint: Path | None = None  # the last checkpoint written or resumed from
     ssd_cpu_s: float = 0.0  # CPU seconds of the SSD tier's requests and checksums (SsdStore.cpu_s)
     # the host optimizer ops' intra-op threads (executor/optim/host_threads.py); None: torch's, unchanged
@@ -164,6 +169,26 @@ def _clipping_plan(plan: Plan, hyper: TrainHyper, quiet: bool, log) -> Plan:
     return waiting
 
 
+def check_lora_options(plan: Plan, lora: LoraOptions | None) -> None:
+    """--lora and its settings against the plan's adapters (the plan says what trains: `tierflow plan
+    --lora` records it); RunError (one line) where they differ. Without --lora the plan's say goes."""
+    if lora is None:
+        return
+    have = plan.model.lora
+    if have is None:
+        raise RunError(f"--lora {lora.rank}: plan {plan.source} trains every weight; make a LoRA plan with "
+                       f"`tierflow plan ... --lora {lora.rank}` (it places the adapters and their steps)")
+    try:
+        want = LoraConfig(**lora.as_dict())
+    except LoraConfigError as e:
+        raise RunError(f"--lora: {e}") from None
+    for name in ("rank", "alpha", "targets", "dropout"):
+        if getattr(want, name) != getattr(have, name):
+            flag = "--lora" if name == "rank" else f"--lora-{name}"
+            raise RunError(f"{flag}: {getattr(want, name)} differs from plan {plan.source}'s "
+                           f"{getattr(have, name)} (drop the flag, or make the plan with it)")
+
+
 def run_plan(plan: Plan, config: RunConfig, log=print, on_round: Callable[[Trainer], bool] | None = None
              ) -> RunResult:
     """Train `config.steps` steps (in total, counting those of a checkpoint resumed from) with `plan`.
@@ -174,6 +199,7 @@ def run_plan(plan: Plan, config: RunConfig, log=print, on_round: Callable[[Train
         check_supported(plan.model)
     except NotImplementedError as e:
         raise RunError(str(e)) from None
+    check_lora_options(plan, config.lora)
     if config.steps < 1:
         raise RunError(f"--steps {config.steps}: must be >= 1")
     out = config.output
@@ -417,6 +443,13 @@ def _start_state(tr: Trainer, warn) -> str:
     def check(ckpt: Path, manifest: dict) -> None:
         check_resume(ckpt, manifest, tr.settings, ck.directory, ck.allow_changed_hyper, warn)
 
+    base = None
+    if state.lora is not None:  # LoRA: the base first (a checkpoint holds the adapters and names the base)
+        if md.init:
+            base = f"weights from {state.init_hf(md.init, md.seed)}"
+        else:
+            state.init_random(md.seed)
+            base = f"random init (seed {md.seed})"
     found = resume(state, ck.directory, fallback=ck.resume_fallback, check=check,
                    log=warn) if ck.directory else None
     if found is not None:
@@ -424,9 +457,11 @@ def _start_state(tr: Trainer, warn) -> str:
         tr.start_step = tr.step = tr.saved_step = int(manifest["step"])
         if manifest.get("grad_norm") is not None:  # delayed clipping goes on from it
             tr.norms.norms[tr.start_step] = float(manifest["grad_norm"])
-        return f"resumed from {tr.last_ckpt} (step {tr.start_step})"
+        return f"resumed from {tr.last_ckpt} (step {tr.start_step})" + (f", base: {base}" if base else "")
+    if base is not None:
+        return base
     if md.init:
-        return f"weights from {state.init_hf(md.init)}"
+        return f"weights from {state.init_hf(md.init, md.seed)}"
     state.init_random(md.seed)
     return f"random init (seed {md.seed})"
 
@@ -621,6 +656,10 @@ def _finish(tr: Trainer) -> RunResult:
     res = tr.result()
     if out.collect_final:
         res.final_master = state.master_blocks()
-        res.final_adam_m = [state.gathered("adam_m", b) for b in range(len(state.layout.numel))]
+        if state.lora is not None:  # LoRA: the adapters and their first moments (canonical names)
+            res.final_lora = lora_state_dict(state.lora)
+            res.final_lora_adam_m = lora_state_dict(state.lora, "adam_m")
+        else:
+            res.final_adam_m = [state.gathered("adam_m", b) for b in range(len(state.layout.numel))]
     return res
 

@@ -173,8 +173,161 @@ def lora_tables(rows: list[dict]) -> str:
     return text
 
 
+# -- part (b): LoRA on this CPU, tierflow against plain PyTorch + PEFT ---------------------------------------
+
+
+def cpu_settings(quick: bool) -> dict:
+    return {"files": 3 if quick else 60, "vocab": 384 if quick else 2048, "layers": 1 if quick else 4,
+            "hidden": 64 if quick else 128, "steps": 6 if quick else 120, "batch": 4 if quick else 8,
+            "seq": 64 if quick else 128, "rank": 8, "lr": 2e-3}
+
+
+def _llama_config(work: Path, s: dict, vocab: int) -> Path:
+    import json
+
+    path = work / "llama.json"
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": s["layers"],
+                                "hidden_size": s["hidden"], "intermediate_size": 3 * s["hidden"],
+                                "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": vocab,
+                                "max_position_embeddings": s["seq"], "rms_norm_eps": 1e-5,
+                                "tie_word_embeddings": False}))
+    return path
+
+
+def _tierflow_lora(model, data: Path, tok: Path, work: Path, s: dict, weights, name: str):
+    """tierflow's LoRA run with the base placed by `weights`; (records, the run's config)."""
+    from finetune import MICRO
+
+    from tierflow.executor.options import (
+        EvalOptions,
+        ModelDataOptions,
+        OptimizerOptions,
+        OutputOptions,
+        RunConfig,
+    )
+    from tierflow.executor.train_loop import run_plan
+    from tierflow.planner.core.placement import Placement, Split
+    from tierflow.planner.core.schedules import build_graph
+    from tierflow.planner.io.planfile import plan_from_graph
+
+    hw = load_profile("rtx3090-desktop")  # for the plan only; the run is on this machine's CPU
+    cfg = make_schedule("vertical", model, hw, batch=s["batch"], micro_batch=MICRO, seq=s["seq"],
+                        placement=Placement(weights=weights, checkpoints=Split(1.0, 0.0, 0.0)), iterations=2)
+    plan = plan_from_graph(model, hw, cfg, build_graph(model, hw, cfg))
+    (work / name).mkdir()
+    opts = RunConfig(steps=s["steps"], device="cpu", ssd_dir=str(work / name),
+                     model_data=ModelDataOptions(data=str(data), tokenizer=str(tok)),
+                     optimizer=OptimizerOptions(lr=s["lr"], weight_decay=0.0, betas=(0.9, 0.95)),
+                     evaluation=EvalOptions(every=s["steps"], val_fraction=0.1, batches=2),
+                     output=OutputOptions(quiet=True))
+    return run_plan(plan, opts).records, opts
+
+
+def _peft_lora(model, opts, s: dict) -> list[dict]:
+    """The same LoRA training in plain PyTorch + PEFT, everything in memory: tierflow's blocks under the
+    run's seed, PEFT's adapters on the same projections set to tierflow's initial ones, torch AdamW."""
+    import time
+
+    import peft
+    import torch
+    from finetune import MICRO
+
+    from tierflow.executor.lora import LoraState, lora_state_dict
+    from tierflow.executor.models import BlockModel, build_blocks
+    from tierflow.executor.models import loss as lm_loss
+    from tierflow.executor.train_loop import load_data
+
+    base = model.with_lora(None)
+    torch.manual_seed(opts.model_data.seed)
+    net = peft.get_peft_model(BlockModel(base, build_blocks(base)),
+                              peft.LoraConfig(r=s["rank"], lora_alpha=model.lora.alpha,
+                                              target_modules=list(model.lora.targets)))
+    init = LoraState(model, torch.device("cpu"))
+    init.init_random(opts.model_data.seed)
+    named = dict(net.named_parameters())
+    with torch.no_grad():
+        for key, value in lora_state_dict(init).items():
+            _, i, target, ab = key.split(".")
+            module = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            named[f"base_model.model.blocks.{int(i) + 1}.{module}.{target}.{ab}.default.weight"].copy_(value)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=s["lr"], weight_decay=0.0,
+                            betas=(0.9, 0.95))
+    train, val = load_data(opts.model_data.data, opts, model.vocab_size).split(0.1)
+    rows, batch, seq = [], s["batch"], s["seq"]
+    for step in range(1, s["steps"] + 1):
+        t = time.perf_counter()
+        x, y = train.batch(step - 1, batch, seq)
+        opt.zero_grad()
+        total = 0.0
+        for m in range(0, batch, MICRO):
+            loss = lm_loss(net(x[m:m + MICRO]), y[m:m + MICRO])
+            (loss * MICRO / batch).backward()
+            total += loss.item() * MICRO / batch
+        opt.step()
+        rows.append({"step": step, "loss": total, "step_s": time.perf_counter() - t, "val_loss": None})
+    n = min(2 * batch, (len(val.tokens) - 1) // seq)  # tierflow's evaluation's held-out sequences
+    with torch.no_grad():
+        vx, vy = val.batch(0, n, seq)
+        rows[-1]["val_loss"] = float(lm_loss(net(vx), vy))
+    return rows
+
+
+def cpu_run(quick: bool, out_dir: Path) -> dict:
+    """Part (b): a tiny LLaMA fine-tuned with LoRA on Python's stdlib sources (experiments/finetune.py's
+    corpus and BPE), in tierflow with the base on the SSD tier and in host memory, and in plain PyTorch +
+    PEFT; one torch thread. Returns the validation losses and the median step times (after the first 3
+    steps)."""
+    import shutil
+    import statistics
+    import tempfile
+
+    import torch
+    from finetune import prepare
+
+    from tierflow.planner.core.placement import Split
+
+    torch.set_num_threads(1)
+    s = cpu_settings(quick)
+    work = Path(tempfile.mkdtemp(prefix="tierflow-lora-cpu-"))
+    try:
+        data, tok, _ = prepare(work, s)
+        from transformers import AutoTokenizer
+
+        vocab = len(AutoTokenizer.from_pretrained(str(tok)))
+        lora = LoraConfig(rank=s["rank"], alpha=16.0)
+        model = get_model(str(_llama_config(work, s, vocab))).with_lora(lora)
+        ssd, opts = _tierflow_lora(model, data, tok, work, s, Split(0.0, 0.0, 1.0), "ssd")
+        host, _ = _tierflow_lora(model, data, tok, work, s, Split(0.0, 1.0, 0.0), "host")
+        plain = _peft_lora(model, opts, s)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    skip = 3 if len(plain) > 6 else 1
+
+    def med(xs):
+        return statistics.median(xs[skip:])
+
+    out = {"steps": s["steps"], "tierflow_ssd_val": ssd[-1].val_loss, "tierflow_host_val": host[-1].val_loss,
+           "peft_val": plain[-1]["val_loss"], "first_loss": plain[0]["loss"],
+           "tierflow_ssd_step_s": med([r.step_s for r in ssd]),
+           "tierflow_host_step_s": med([r.step_s for r in host]),
+           "peft_step_s": med([r["step_s"] for r in plain])}
+    out["val_rel_diff"] = abs(out["tierflow_ssd_val"] - out["peft_val"]) / out["peft_val"]
+    out["host_speed_vs_peft"] = out["peft_step_s"] / out["tierflow_host_step_s"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_csv([out], out_dir / "lora_cpu.csv")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = arg_parser(__doc__).parse_args(argv)
+    ap = arg_parser(__doc__)
+    ap.add_argument("--cpu", action="store_true",
+                    help="part (b) only: LoRA fine-tuning on this CPU, tierflow against plain PyTorch + PEFT")
+    args = ap.parse_args(argv)
+    if args.cpu:
+        out = cpu_run(args.quick, args.out)
+        print_table([out], list(out))
+        print(f"wrote {args.out / 'lora_cpu.csv'}", file=sys.stderr)
+        return
     run(args.quick, args.out)
     print(f"wrote {args.out / 'lora_tiers.csv'}", file=sys.stderr)
 

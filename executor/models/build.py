@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from tierflow.executor.lora import LoraError, check_targets
 from tierflow.executor.models.layers import INIT_STD, Embedding, GemmaRMSNorm, Head, RMSNorm
 from tierflow.executor.models.lmloss import loss
 from tierflow.executor.models.registry import block_family_names, get_block_family, is_block_family
@@ -52,8 +53,10 @@ def check_supported(spec: ModelSpec) -> None:
         raise no("a model without an lm_head (a benchmark stand-in whose loss is on the hidden states) is "
                  "simulated, not trained")
     if spec.lora is not None:
-        raise no("LoRA plans are planned and simulated; the executor does not train adapters yet "
-                 "(docs/lora.md)")
+        try:
+            check_targets(spec, spec.lora)
+        except LoraError as e:
+            raise no(str(e)) from None
 
 
 def make_blocks(

@@ -18,10 +18,11 @@ from __future__ import annotations
 import torch
 
 from tierflow.executor.binding import EntryKey
+from tierflow.executor.lora import DropoutKey, attach
 from tierflow.executor.ops.context import OpContext, RoundState
 from tierflow.executor.ops.entries import EntryOps
 from tierflow.executor.ops.grad_buffers import GradBuffers
-from tierflow.executor.ops.params import BlockParams
+from tierflow.executor.ops.params import BlockParams, adapter_leaves
 from tierflow.executor.ops.weights import WeightOps
 from tierflow.executor.tiers.packs import Pack, grads_of
 from tierflow.planner.core.graph import Task
@@ -41,18 +42,40 @@ class ComputeOps:
         wte_lo, wte_hi = layout.wte
         tied = ((cx.spec.vocab_size, (wte_hi - wte_lo) // cx.spec.vocab_size)
                 if len(layout.owners(self.head_block)) > 1 else None)  # a tied head's embedding matrix
-        self.params = [BlockParams(m, slots, tied if b == self.head_block else None)
+        lora = cx.state.lora  # LoRA (executor/lora.py): the base frozen, the adapters the only gradients
+        self.params = [BlockParams(m, slots, tied if b == self.head_block else None, trainable=lora is None)
                        for b, (m, slots) in enumerate(zip(layout.templates, layout.slots))]
+        # per decoder layer: its adapters' (A, B) leaves, made once over the LoRA state's vectors, and the
+        # hooks that add them to the layer's projections; the dropout masks' key (step, layer, micro-batch)
+        self.adapters: dict[int, list[torch.Tensor]] = {}
+        self.dropout_key = DropoutKey(lora.seed if lora is not None else 0)
+        if lora is not None:
+            for b in layout.adapters.blocks():
+                pairs = adapter_leaves(lora.master[b], layout.adapters.views(lora.master[b]))
+                attach(self.params[b].module, layout.adapters, pairs, self.dropout_key)
+                self.adapters[b] = [x for pair in pairs for x in pair]
         # the entries an offload moves: a pack of any other is kept by autograd itself (Pack.kept)
         self.moved = {cx.binding.entry_key(t) for t in cx.binding.tasks if t.kind in ENTRY_KINDS["offload"]}
         # (owner, lo, hi) per block: the owners of the weights it computes with (layout.owners)
         self.owners = [layout.owners(b) for b in range(len(layout.slots))]
+
+    def trainable(self, b: int, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The leaves whose gradients block b's backward computes: its weights, or under LoRA its adapters
+        (none for the frozen embedding and head)."""
+        if self.cx.state.lora is None:
+            return leaves
+        return self.adapters.get(b, [])
+
+    def _at(self, rs: RoundState, t: Task) -> None:
+        """Which (step, layer, micro-batch) the adapters' dropout masks are drawn for."""
+        self.dropout_key.at = (rs.step0 + t.iteration, t.block, t.mb)
 
     def fwd(self, rs: RoundState, t: Task) -> None:
         it, b, m = t.iteration, t.block, t.mb
         x_key = EntryKey(it, "x", b, m)
         p = self.params[b]
         leaves = p.leaves(self.weights.weights(rs, t))
+        self._at(rs, t)
         pack = None
         if b == 0:
             with torch.no_grad():
@@ -64,7 +87,7 @@ class ComputeOps:
         else:  # keep every activation: autograd's saved tensors go into a Pack the plan's ops move
             x = self.entries.take(rs, t, x_key)
             kept = p.is_resident(leaves) and EntryKey(it, "pack", b, m) not in self.moved
-            pack = Pack(leaves, own=self.cx.backend.own, kept=kept)
+            pack = Pack(leaves, own=self.cx.backend.own, kept=kept, trainable=self.adapters.get(b))
             if kept:
                 with torch.enable_grad():
                     pack.out = p.call(leaves, pack.input(x))
@@ -91,9 +114,10 @@ class ComputeOps:
         x = self.entries.take(rs, t, EntryKey(it, "x", b, m)).detach().requires_grad_()
         p = self.params[b]
         leaves = p.leaves(self.weights.weights(rs, t))
+        self._at(rs, t)
         with torch.enable_grad():
             out = p.call(leaves, x)
-        rs.graphs[(it, b, m)] = (out, x, leaves)
+        rs.graphs[(it, b, m)] = (out, x, self.trainable(b, leaves))
         self.entries.done_with(rs, t, EntryKey(it, "x", b, m))
         self.weights.release(rs, t)
 
@@ -107,11 +131,13 @@ class ComputeOps:
             loss = p.call(leaves, x, targets=rs.batches[it][m][1])
             scaled = loss / self.grad_scale
             # backward()'s seed of a scalar loss
+            wrt = self.trainable(b, leaves)
             *grads, dx = grads_of((scaled,), (torch.ones_like(scaled, memory_format=torch.preserve_format),),
-                                  (*leaves, x))
+                                  (*wrt, x))
         rs.loss_sum[it] += loss.detach() / self.num_mb
         self.entries.done_with(rs, t, EntryKey(it, "x", b, m))
-        self._weight_grads(rs, t, leaves, grads)
+        if wrt:
+            self._weight_grads(rs, t, leaves, grads)
         self.entries.put(rs, EntryKey(it, "dx", b, m), dx)
         self.weights.release(rs, t)
 
@@ -119,7 +145,8 @@ class ComputeOps:
         it, b, m = t.iteration, t.block, t.mb
         gout = self.entries.take(rs, t, EntryKey(it, "dx", b + 1, m))
         if b == 0:
-            self._embedding_grads(rs, t, gout, rs.batches[it][m][0])
+            if self.cx.state.lora is None:  # (LoRA: a frozen embedding)
+                self._embedding_grads(rs, t, gout, rs.batches[it][m][0])
         elif self.rec(b):
             out, x, leaves = rs.graphs.pop((it, b, m))
             *grads, dx = grads_of((out,), (gout,), (*leaves, x))
@@ -159,6 +186,9 @@ class ComputeOps:
 
     def _weight_grads(self, rs: RoundState, t: Task, leaves: list[torch.Tensor],
                       grads: list[torch.Tensor | None]) -> None:
+        if self.cx.state.lora is not None:
+            self._adapter_grads(rs, t, grads)
+            return
         """The weight gradients (one per leaf; None: a parameter the step did not use, a zero gradient) into
         their owners' buffers: the block's own as one flat vector of its slots in order, a tied head's
         embedding matrix into block 0's wte range."""
@@ -169,3 +199,12 @@ class ComputeOps:
         for o, tlo, thi in tied:
             g = grads[n] if grads[n] is not None else torch.zeros_like(leaves[n])
             self.grads.add(rs, t, o, tlo, thi, g.reshape(-1))
+
+    def _adapter_grads(self, rs: RoundState, t: Task, grads: list[torch.Tensor | None]) -> None:
+        """LoRA: a decoder layer's adapter gradients, one flat fp32 vector of its adapter layout, into the
+        buffer its adam_gpu takes."""
+        b = t.block
+        own = [(g if g is not None else torch.zeros_like(a)).float()
+               for g, a in zip(grads, self.adapters[b])]
+        n = self.cx.layout.adapters.numel
+        self.grads.add(rs, t, b, 0, n, torch._C._nn.flatten_dense_tensors(own))

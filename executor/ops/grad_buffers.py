@@ -32,7 +32,9 @@ gradients are kept as they are until offload_grads adds them to the host accumul
         self.cx = cx
         # main's dtype rule (compute dtype for a single contribution, cast after the last): one rank, host
         # optimizer
-        self.wire_cast = not cx.state.placement.gpu_optimizer and cx.state.world.single
+        # (LoRA: the adapters' gradients stay fp32 on the device for their adam_gpu)
+        self.wire_cast = (not cx.state.placement.gpu_optimizer and cx.state.lora is None
+                          and cx.state.world.single)
 
     def add(self, rs: RoundState, t: Task, o: int, lo: int, hi: int, grad: torch.Tensor) -> None:
         """The flat gradient `grad` of owner o's elements [lo, hi) into the buffer of the op that will take

@@ -126,11 +126,23 @@ class OptimizerOps:
         for name, data in rs.staged.pop(Staged("weights_ssd", a)):
             self.cx.ssd.write(name, data)
 
+    def _adam_adapters(self, rs: RoundState, t: Task, grad: torch.Tensor | None) -> None:
+        """LoRA: AdamW on a decoder layer's adapters (fp32 master and moments on the device, every adapter
+        matrix decayed, as the decay rule decays matrices)."""
+        lora, b = self.cx.state.lora, t.block
+        if grad is None:  # a layer whose backward the plan did not run (cannot happen in a valid plan)
+            grad = torch.zeros_like(lora.master[b])
+        step = rs.step0 + t.iteration + 1
+        self._adamw(rs, t, [lora.master[b]], [grad], [lora.adam_m[b]], [lora.adam_v[b]], step,
+                    fused=self.cx.device.type == "cuda")
+
     def adam_gpu(self, rs: RoundState, t: Task) -> None:
         b = t.block
         grad = None
         for _o, _lo, g in self.buffers.take(rs, t.id):
             grad = g if grad is None else grad + g
+        if self.cx.state.lora is not None:
+            return self._adam_adapters(rs, t, grad)
         if compressed(self.cx.state.spec.optimizer_states):
             step = rs.step0 + t.iteration + 1
 
@@ -191,7 +203,7 @@ def _global_coef(cx: OpContext, rs: RoundState, t: Task, step: int, norms: GradN
         if step in norms.coefs:
             return norms.coefs[step]
     state = cx.state
-    if state.placement.gpu_optimizer:
+    if state.placement.gpu_optimizer or state.lora is not None:
         taken: dict[int, torch.Tensor] = {}
         with rs.lock:
             for (group, _owner), buf in rs.grad_acc.items():

@@ -28,11 +28,13 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _leaf_over(vec: torch.Tensor, at: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
-    """A leaf over elements [at, at + numel) of `vec`, of its own (not a view: its own version counter)."""
+def _leaf_over(vec: torch.Tensor, at: int, shape: tuple[int, ...], stride: tuple[int, ...],
+               trainable: bool = True) -> torch.Tensor:
+    """A leaf over elements [at, at + numel) of `vec`, of its own (not a view: its own version counter);
+    `trainable` False: a frozen weight (LoRA's base), which asks autograd for no gradient."""
     leaf = torch.empty(0, dtype=vec.dtype, device=vec.device)
     leaf.set_(vec.untyped_storage(), vec.storage_offset() + at, shape, stride)
-    return leaf.requires_grad_()
+    return leaf.requires_grad_(trainable)
 
 
 class BlockParams:
@@ -41,8 +43,9 @@ class BlockParams:
     module with them."""
 
     def __init__(self, template: torch.nn.Module, slots: list[Slot],
-                 tied_shape: tuple[int, ...] | None) -> None:
+                 tied_shape: tuple[int, ...] | None, trainable: bool = True) -> None:
         self.module = copy.deepcopy(template)
+        self.trainable = trainable  # False: frozen weights (LoRA's base), leaves without gradients
         self.slots = slots
         self.sites = param_sites(self.module, [s.name for s in slots])
         self.shapes = [s.shape for s in slots] + ([tied_shape] if tied_shape else [])
@@ -73,11 +76,11 @@ class BlockParams:
         for s, stride in zip(self.slots, self.strides):
             a = s.offset  # as OwnerWeights.view: a parameter lies wholly in one of the two parts
             vec, at = (own.fetched, a - own.start) if a >= own.start else (own.resident, a)
-            out.append(_leaf_over(vec, at, s.shape, stride))
+            out.append(_leaf_over(vec, at, s.shape, stride, self.trainable))
         if len(vecs) > 1:  # a tied head: block 0's wte range
             wte = vecs[1]
             vec, at = (wte.fetched, wte.lo - wte.start) if wte.lo >= wte.start else (wte.resident, wte.lo)
-            out.append(_leaf_over(vec, at, self.shapes[-1], self.strides[-1]))
+            out.append(_leaf_over(vec, at, self.shapes[-1], self.strides[-1], self.trainable))
         return out
 
     def _make_resident(self, vecs: list[OwnerWeights], key: tuple) -> None:
@@ -97,6 +100,19 @@ class BlockParams:
         if leaves is self.resident_leaves:
             return self.module(x, **kwargs)
         return call_with(self.module, self.sites, leaves, x, kwargs)
+
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def adapter_leaves(vec: torch.Tensor, views: list[Pair]) -> list[Pair]:
+    """LoRA: a leaf (trainable, its own version counter) over each (A, B) view of a layer's flat adapter
+    vector `vec` (executor/lora.py AdapterLayout.views), made once: the optimizer updates `vec` in place."""
+    out = []
+    for a, b in views:
+        at = [x.storage_offset() - vec.storage_offset() for x in (a, b)]
+        out.append(tuple(_leaf_over(vec, o, tuple(x.shape), x.stride()) for o, x in zip(at, (a, b))))
+    return out
 
 
 def param_sites(module: torch.nn.Module, names: list[str]) -> list[tuple[dict, str]] | None:

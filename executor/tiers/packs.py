@@ -39,8 +39,13 @@ class Pack:
     hooks, autograd keeps its saved tensors itself (they stay where the forward made them, as the moved pack's
     would until its offload)."""
 
-    def __init__(self, leaves: list[torch.Tensor], own=None, kept: bool = False) -> None:
+    def __init__(self, leaves: list[torch.Tensor], own=None, kept: bool = False,
+                 trainable: list[torch.Tensor] | None = None) -> None:
         self.leaves = leaves
+        # the leaves `grads` differentiates: the weights, or (LoRA) the adapters beside frozen weights
+        self.trainable = leaves if trainable is None else trainable
+        # every weight whose saved views are rebuilt rather than moved ("w" refs index it)
+        self.weights = leaves if trainable is None else [*leaves, *trainable]
         self.kept = kept
         self.x: torch.Tensor | None = None  # the layer input (a leaf: input())
         self.own = own or (lambda t: t)  # DeviceBackend.own: saved tensors that the d2h stream will read
@@ -69,7 +74,7 @@ class Pack:
         if not isinstance(ref, tuple):  # rebuilt by restore (or not sealed yet)
             return ref
         if ref[0] == "w":
-            leaf = self.leaves[ref[1]]
+            leaf = self.weights[ref[1]]
             return leaf.detach().as_strided(ref[3], ref[4], leaf.storage_offset() + ref[2])
         if ref[0] == "c":
             return ref[1]
@@ -91,18 +96,18 @@ class Pack:
         if self.sealed or self.kept:
             return
         self.sealed = True
-        leaves = self.leaves
+        weights = self.weights
         leaf_ptrs: dict[int, int] = {}  # storage data pointer -> its first leaf
-        for i, leaf in enumerate(leaves):
+        for i, leaf in enumerate(weights):
             leaf_ptrs.setdefault(leaf.untyped_storage().data_ptr(), i)
-        device = leaves[0].device
+        device = weights[0].device
         refs, index, extent = self.refs, self.index, self.extent
         for j, t in enumerate(refs):
             st = t.untyped_storage()
             ptr = st.data_ptr()
             i = leaf_ptrs.get(ptr)
             if i is not None:
-                refs[j] = ("w", i, t.storage_offset() - leaves[i].storage_offset(), t.shape, t.stride())
+                refs[j] = ("w", i, t.storage_offset() - weights[i].storage_offset(), t.shape, t.stride())
                 continue
             if t.device != device:  # e.g. a CPU scalar (RNG seed) saved by a CUDA kernel: kept as is
                 refs[j] = ("c", t)
@@ -166,7 +171,7 @@ class Pack:
     def grads(self, grad_out: torch.Tensor) -> tuple[list[torch.Tensor | None], torch.Tensor]:
         """Backward from the (released) output, without accumulating into `.grad`: the gradients of the
         leaves and of the layer input. The engine checks grad_out against the node's recorded shape."""
-        g = grads_of((self.out,), (grad_out,), (*self.leaves, self.x))
+        g = grads_of((self.out,), (grad_out,), (*self.trainable, self.x))
         return list(g[:-1]), g[-1]
 
     def saved_bytes(self) -> int:

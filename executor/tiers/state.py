@@ -17,6 +17,7 @@ Checkpoints of this state (writing, verifying, resuming) are in checkpoint.py.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from tierflow.errors import TierflowError
 from tierflow.executor.device.base import DeviceBackend
 from tierflow.executor.device.factory import as_backend
 from tierflow.executor.dist import SINGLE, DistWorld
+from tierflow.executor.lora import AdapterLayout, LoraState
 from tierflow.executor.models import check_block_state_dicts, hf_key_target, init_weights, make_blocks
 from tierflow.executor.tiers.qvector import QTierVector, quantized_class, vector_dtype
 from tierflow.executor.tiers.ssd_store import SsdPieces, SsdStore, split_counts
@@ -61,6 +63,8 @@ class BlockLayout:
             self.slots.append(slots)
         self.numel = [sum(s.numel for s in slots) for slots in self.slots]
         self.head = spec.num_layers + 1
+        # LoRA: the adapters of a decoder layer (the same for every layer; None without LoRA)
+        self.adapters = AdapterLayout(spec) if spec.lora is not None else None
         wte = next(s for s in self.slots[0] if s.name == "wte.weight")
         self.wte = (wte.offset, wte.offset + wte.numel)
 
@@ -143,7 +147,12 @@ class TrainState:
         self.parts = [part_ranges(n, alpha) for n in self.shard_numel]
         self.vec: dict[str, list[TierVector]] = {}
         fmt = spec.optimizer_states  # the optimizer-state format (tiers/qvector.py)
-        for cls in STATE_CLASSES:
+        # LoRA (executor/lora.py): the base is frozen, its compute-dtype weights only (no master, no moments,
+        # no gradients); the adapters and their AdamW states live in `lora`, on the device
+        self.lora = LoraState(spec, self.device) if spec.lora is not None else None
+        self.classes = ("weights",) if self.lora is not None else STATE_CLASSES
+        self.base_hash = hashlib.sha256()  # LoRA: of the base's values as set (base_digest)
+        for cls in self.classes:
             split = getattr(placement, cls)
             dtype = vector_dtype(fmt, cls, compute_dtype)
             pin = cls == "weights"
@@ -159,14 +168,20 @@ class TrainState:
 
     def init_random(self, seed: int) -> None:
         """GPT-2 style initialisation (tierflow.executor.models.build_blocks) under `seed`,
-        one block at a time."""
+        one block at a time (and a LoRA model's adapters, from their own generator: init_adapters)."""
         torch.manual_seed(seed)
         for b, meta in enumerate(make_blocks(self.spec, "meta", None, None)):
             block = meta.to_empty(device="cpu")
             init_weights(block)  # the same draws, in the same order, as build_blocks
             self.set_block(b, torch.cat([p.detach().reshape(-1) for p in block.parameters()]))
+        self.init_adapters(seed)
 
-    def init_hf(self, directory: str | os.PathLike[str]) -> str:
+    def init_adapters(self, seed: int) -> None:
+        """A LoRA model's adapters as PEFT initialises them, under `seed` (nothing without LoRA)."""
+        if self.lora is not None:
+            self.lora.init_random(seed)
+
+    def init_hf(self, directory: str | os.PathLike[str], seed: int = 0) -> str:
         """Load a Hugging Face checkpoint directory (*.safetensors) block by block: only one block's tensors
         are in host memory at a time."""
         from safetensors import safe_open
@@ -201,6 +216,7 @@ class TrainState:
                 raise StateError(f"--init {d}: {e}") from None
             flat = torch.cat([sd[s.name].float().reshape(-1) for s in self.layout.slots[b]])
             self.set_block(b, flat)
+        self.init_adapters(seed)
         return f"{d} ({len(files)} safetensors file(s))"
 
     def set_block(self, b: int, master: torch.Tensor, m: torch.Tensor | None = None,
@@ -215,6 +231,12 @@ class TrainState:
     def set_shard(self, b: int, master: torch.Tensor, m: torch.Tensor | None = None,
                   v: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
         """This rank's shard of block b's state (vectors of shard_numel[b] elements)."""
+        if self.lora is not None:  # the frozen base: its compute weights only, written to its tiers once
+            base = master if weights is None else weights
+            self.base_hash.update(f"block {b}:".encode())
+            self.base_hash.update(base.detach().to("cpu", torch.float32).contiguous().reshape(-1).numpy())
+            self.vec["weights"][b].set_full(base, self.ssd)
+            return
         master = master.float()
         self.vec["master"][b].set_full(master, self.ssd)
         self.vec["adam_m"][b].set_full(torch.zeros_like(master) if m is None else m, self.ssd)
@@ -227,16 +249,23 @@ class TrainState:
             W.set_full(master if weights is None else weights, self.ssd)
         self.reset_grads(b)
 
+    def base_digest(self) -> str:
+        """LoRA: a digest of the frozen base's values (fp32, block by block as set): what a checkpoint of the
+        adapters names as the base it needs."""
+        return self.base_hash.hexdigest()[:16]
+
     def weights_alias_master(self, b: int) -> bool:
         """Are block b's compute weights the fp32 master itself? When both lie wholly on the device in the
         same dtype (fp32 compute: a CPU device, or a CUDA run in fp32), the compute copy would equal the
         master bit for bit after every step, as in plain PyTorch, whose parameters are what its optimizer
         updates; one tensor then serves both and the optimizer's copy into the compute weights disappears."""
+        if self.lora is not None:
+            return False
         W, M = self.vec["weights"][b], self.vec["master"][b]
         return W.dtype == M.dtype and W.g == W.n and M.g == M.n and W.n > 0
 
     def reset_grads(self, b: int) -> None:
-        if self.placement.gpu_optimizer:
+        if self.placement.gpu_optimizer or self.lora is not None:
             self.grads[b] = None
         else:
             # host-only (offload_grads sends the compute dtype through pinned buffers): pageable
@@ -263,9 +292,11 @@ class TrainState:
         return self.world.gather_vector(self.full(cls, b), self.layout.numel[b])
 
     def master_blocks(self) -> list[torch.Tensor]:
-        """The whole fp32 master weights of every block (gathered from the ranks: call it on every rank)."""
-        return [self.gathered("master", b) for b in range(len(self.layout.numel))]
+        """The whole fp32 master weights of every block (gathered from the ranks: call it on every rank); a
+        LoRA model's frozen base, in fp32."""
+        cls = "weights" if self.lora is not None else "master"
+        return [self.gathered(cls, b).float() for b in range(len(self.layout.numel))]
 
     def ssd_static_bytes(self) -> int:
-        n = sum(v.ssd_bytes() for cls in STATE_CLASSES for v in self.vec[cls])
+        n = sum(v.ssd_bytes() for cls in self.classes for v in self.vec[cls])
         return n + sum(s * 4 for _g, _c, s in self.grad_split)

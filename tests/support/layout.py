@@ -59,6 +59,9 @@ SUBJECTS = {
     "test_fp32_inplace": "planner/core",  # workload.Precision.in_place
     "test_gantt": "planner/core",  # planner/core/trace.py
     "test_happens_before": "executor/ops",  # what ops hand each other, over a real run
+    "test_lora": "planner/core",  # planner/core/lora.py (executor/lora.py: test_lora_executor)
+    "test_lora_executor": "executor",  # executor/lora.py: adapters trained over the tiers
+    "test_lora_numerics": "executor/models",  # the executor's LoRA against transformers + PEFT
     "test_loss_memory": "planner/core",  # workload.head_cost against the executor's head
     "test_memory_contract": "executor",
     "test_models": "planner/core",  # planner/core/models/ (executor/models/: test_executor_models)

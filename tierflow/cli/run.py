@@ -55,6 +55,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    "tokenize; other text = tokenize when a tokenizer is given (--tokenizer, or --init with "
                    "one), else bytes")
     _add_data_args(p)
+    from tierflow.cli.args import add_lora_args
+
+    add_lora_args(p)  # must match the plan's adapters (tierflow plan --lora records them; docs/lora.md)
     p.add_argument("--init", default=None, metavar="DIR",
                    help="Hugging Face model directory (*.safetensors) to start from, loaded block by block")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
@@ -187,6 +190,17 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                    "directory when the data's folder is not writable)")
 
 
+def _lora_options(args: argparse.Namespace):
+    """--lora and its settings as the run's LoraOptions (None without --lora): checked against the plan."""
+    from tierflow.cli.args import lora_of
+    from tierflow.executor.options import LoraOptions
+
+    lora = lora_of(args)
+    if lora is None:
+        return None
+    return LoraOptions(lora.rank, lora.alpha, lora.targets, lora.dropout)
+
+
 def _fraction(text: str) -> float:
     try:
         f = float(text)
@@ -295,4 +309,4 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     return RunConfig(plan=args.plan, steps=args.steps, device=args.device, ssd_dir=args.ssd_dir,
                      compute_dtype=args.compute_dtype, cuda_graphs=args.cuda_graphs, model_data=model_data,
                      optimizer=optimizer, checkpoint=checkpoint, evaluation=evaluation,
-                     distributed=distributed, output=output, adapt=adapt)
+                     distributed=distributed, output=output, adapt=adapt, lora=_lora_options(args))

@@ -170,14 +170,20 @@ def test_cli_flags():
     assert r.returncode == 2 and "qkv" in r.stderr
 
 
-def test_run_refuses_a_lora_plan_in_one_line(tmp_path):
-    """The executor does not train adapters yet: `tierflow run` of a LoRA plan is one line."""
+def test_run_trains_a_lora_plan(tmp_path):
+    """`tierflow run` of a LoRA plan trains its adapters (the executor's side: tests/executor/
+    test_lora_executor.py); a --lora flag that differs from the plan is one line."""
     hw = load_profile("rtx3090-desktop")
     ml = get_model("tiny-llama").with_lora(LORA)
     cfg, g = _graph(ml, hw, "vertical")
     write_plan(plan_from_graph(ml, hw, cfg, g), tmp_path / "lora.json")
-    r = _cli("run", str(tmp_path / "lora.json"), "--steps", "1", "--device", "cpu")
-    assert r.returncode != 0 and "LoRA" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "ssd").mkdir()
+    common = (str(tmp_path / "lora.json"), "--steps", "1", "--device", "cpu", "--ssd-dir",
+              str(tmp_path / "ssd"))
+    r = _cli("run", *common)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    r = _cli("run", *common, "--lora", str(LORA.rank + 1))
+    assert r.returncode == 2 and "differs from plan" in r.stderr
     assert r.stderr.strip().count("\n") == 0, r.stderr
 
 
