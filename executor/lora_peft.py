@@ -239,39 +239,40 @@ def export_peft(adapters: dict[str, torch.Tensor], spec: ModelSpec, directory: s
     `directory` must be new or empty unless `overwrite` (then the two files are replaced, each atomically);
     a new one appears whole (written in a temporary directory beside it and renamed). PeftError / OutputError
     (one line) before anything is written."""
-    from safetensors.torch import save_file
-
     lora = lora if lora is not None else spec.lora
     out = check_export_peft(directory, spec, lora, overwrite=overwrite)
     _check_adapters(adapters, spec, lora)
     tensors, ranks = peft_tensors(adapters, spec, lora)
     config = json.dumps(peft_config(spec, lora, ranks, base_model), indent=2) + "\n"
     metadata = {"format": "pt", TARGETS_METADATA: ",".join(lora.targets)}
-    if out.is_dir() and any(out.iterdir()):  # overwrite: each file replaced atomically
-        with atomic_path(out / WEIGHTS_NAME) as tmp:
-            save_file(tensors, str(tmp), metadata=metadata)
-        with atomic_path(out / CONFIG_NAME) as tmp:
-            tmp.write_text(config)
-        return out
-    out.absolute().parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = out.absolute().parent / f".{out.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
     try:
-        tmp_dir.mkdir()
-        save_file(tensors, str(tmp_dir / WEIGHTS_NAME), metadata=metadata)
-        (tmp_dir / CONFIG_NAME).write_text(config)
-        for name in (WEIGHTS_NAME, CONFIG_NAME):
-            _fsync(tmp_dir / name)
-        mode = 0o777 & ~_umask()
-        os.chmod(tmp_dir, mode)  # as a directory mkdir would make (mkdtemp-like names are owner-only)
-        for name in (WEIGHTS_NAME, CONFIG_NAME):
-            os.chmod(tmp_dir / name, 0o666 & ~_umask())
-        os.replace(tmp_dir, out)  # onto a missing or empty directory
+        if out.exists():  # empty, or the caller lets it be overwritten: each file replaced, the config last
+            _write_files(out, tensors, metadata, config)
+            return out
+        out.absolute().parent.mkdir(parents=True, exist_ok=True)
+        tmp_dir = out.absolute().parent / f".{out.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+        try:  # a new directory appears whole
+            tmp_dir.mkdir()
+            _write_files(tmp_dir, tensors, metadata, config)
+            os.rename(tmp_dir, out)
+        finally:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
     except OSError as e:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
         raise OutputError(f"--export-peft {out}: cannot write it ({e.strerror or e}); give a writable "
                           "directory that is new or empty") from None
     _fsync(out.absolute().parent)
     return out
+
+
+def _write_files(directory: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                 config: str) -> None:
+    from safetensors.torch import save_file
+
+    with atomic_path(directory / WEIGHTS_NAME) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.chmod(tmp, 0o666 & ~_umask())  # as any file this process creates (safetensors': owner-only)
+    with atomic_path(directory / CONFIG_NAME) as tmp:
+        tmp.write_text(config)
 
 
 def _umask() -> int:
@@ -531,9 +532,13 @@ def inspect_peft(directory: str | os.PathLike[str], spec: ModelSpec,
     header, data_start, data_bytes = _read_header(d)
     ranks, parts, dims = {}, {}, target_dims(spec)
     for p in modules:
-        path0 = module_path(spec, 0, p)
-        r_m = _pattern_value(ranks_p, path0, r)
-        a_m = _pattern_value(alphas_p, path0, alpha)
+        r_m, a_m = (_pattern_value(ranks_p, module_path(spec, 0, p), r),
+                    _pattern_value(alphas_p, module_path(spec, 0, p), alpha))
+        for i in range(1, spec.num_layers):
+            path = module_path(spec, i, p)
+            if (_pattern_value(ranks_p, path, r), _pattern_value(alphas_p, path, alpha)) != (r_m, a_m):
+                raise _fail(d, f"rank_pattern / alpha_pattern give {path} another rank or alpha than layer "
+                               "0's (tierflow's adapters are the same in every layer)")
         k = r_m / r
         if not (isinstance(r_m, int) and 1 <= k <= len(p.parts) and k == int(k)):
             what = "a multiple of r up to its parts x r" if len(p.parts) > 1 else "r (tierflow has one rank)"

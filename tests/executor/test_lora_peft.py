@@ -345,3 +345,15 @@ def test_cli_peft_flags_are_checked_before_the_run(tmp_path, capsys, exported):
     code, err = run_cli(capsys, write_plan_of(LLAMA.with_lora(LoraConfig(rank=RANK, alpha=ALPHA)),
                                               tmp_path / "r4.json"), "--init-peft", str(exported))
     assert code == 2 and "\n" not in err and "use_dora" in err
+
+
+def test_one_rank_and_one_scaling(exported):
+    edit_config(exported, rank_pattern={"model.layers.1.mlp.up_proj": 8})
+    assert "layer 0" in refused(PeftError, read_peft, exported, LLAMA)
+    edit_config(exported, rank_pattern={"up_proj": 8})
+    assert "up_proj has rank 8" in refused(PeftError, read_peft, exported, LLAMA)
+    edit_config(exported, rank_pattern={}, alpha_pattern={"up_proj": 3})
+    assert "scaling" in refused(PeftError, read_peft, exported, LLAMA)
+    # PEFT's other spelling of target_modules, a regular expression over the module paths
+    edit_config(exported, alpha_pattern={}, target_modules=r".*\.(q|k|v|o|gate|up|down)_proj")
+    assert read_peft(exported, LLAMA)[0] == LoraConfig(rank=RANK, alpha=ALPHA)
