@@ -28,7 +28,7 @@ import torch
 
 from tierflow.executor.models import hf_config
 from tierflow.executor.models.hf import hf_layout
-from tierflow.executor.options import RunError
+from tierflow.executor.options import RunConfig, RunError
 from tierflow.hwprofiles.inputs import (
     InputLimitError,
     check_affordable,
@@ -711,3 +711,23 @@ def check_peft_options(export_dir: str | None, init_dir: str | None, init: str |
                         f"({', '.join(t for t in LORA_TARGETS if t in got_targets)}), the plan "
                         f"{lora.describe()}; plan again with --lora {got.rank} --lora-alpha {got.alpha:g} "
                         f"--lora-targets {','.join(t for t in LORA_TARGETS if t in got_targets)}")
+
+
+def init_adapters(config: RunConfig, spec: ModelSpec) -> dict[str, torch.Tensor] | None:
+    """The run's starting adapters from --init-peft (canonical names, fp32), None without it: the training
+    side's one call before the first step (checked again: the directory may have changed since the start)."""
+    md = config.model_data
+    if not md.init_peft:
+        return None
+    check_peft_options(None, md.init_peft, md.init, spec)
+    return read_peft(md.init_peft, spec, base_models(md.init, spec))[1]
+
+
+def export_adapters(adapters: dict[str, torch.Tensor], config: RunConfig, spec: ModelSpec) -> Path | None:
+    """--export-peft after the last step (the training side's one call; one rank writes): the adapters of
+    `spec.lora`, base_model_name_or_path the run's --init directory or the model's name. None without it."""
+    out = config.output.export_peft
+    if not out:
+        return None
+    base = base_models(config.model_data.init, spec)[0]
+    return export_peft(adapters, spec, out, lora=spec.lora, base_model=base)

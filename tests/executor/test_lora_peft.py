@@ -357,3 +357,34 @@ def test_one_rank_and_one_scaling(exported):
     # PEFT's other spelling of target_modules, a regular expression over the module paths
     edit_config(exported, alpha_pattern={}, target_modules=r".*\.(q|k|v|o|gate|up|down)_proj")
     assert read_peft(exported, LLAMA)[0] == LoraConfig(rank=RANK, alpha=ALPHA)
+
+
+def test_the_runs_calls_export_and_read_its_adapters(tmp_path):
+    from tierflow.executor.lora_peft import export_adapters, init_adapters
+    from tierflow.executor.options import ModelDataOptions, OutputOptions, RunConfig
+
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, targets=SOME)
+    spec = FAMILIES["gpt_neox"].with_lora(lora)
+    adapters = random_adapters(spec, lora)
+    assert init_adapters(RunConfig(steps=1), spec) is None
+    assert export_adapters(adapters, RunConfig(steps=1), spec) is None
+    out = export_adapters(adapters, RunConfig(steps=1, output=OutputOptions(export_peft=str(tmp_path / "a"))),
+                          spec)
+    assert json.loads((out / CONFIG_NAME).read_text())["base_model_name_or_path"] == spec.name
+    back = init_adapters(RunConfig(steps=1, model_data=ModelDataOptions(init_peft=str(out))), spec)
+    assert sorted(back) == sorted(adapters) and all(torch.equal(back[k], v) for k, v in adapters.items())
+    other = spec.with_lora(LoraConfig(rank=RANK + 1, alpha=ALPHA, targets=SOME))
+    assert "--lora 4" in refused(PeftError, init_adapters,
+                                 RunConfig(steps=1, model_data=ModelDataOptions(init_peft=str(out))), other)
+
+
+def test_fresh_adapters_b_zero_round_trip_by_the_exports_metadata(tmp_path):
+    spec = FAMILIES["gpt"]
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, targets=SOME)  # c_attn: q and v of q, k, v
+    adapters = {k: (torch.zeros_like(v) if k.endswith("B") else v)
+                for k, v in random_adapters(spec, lora).items()}
+    out = export_peft(adapters, spec, tmp_path / "a", lora=lora)
+    config, back = read_peft(out, spec)
+    assert config == lora and all(torch.equal(back[k], v) for k, v in adapters.items())
+    save_file(load_file(out / WEIGHTS_NAME), str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    assert "all zeros" in refused(PeftError, read_peft, out, spec)  # which parts: nothing says
