@@ -146,10 +146,9 @@ def _targeted(spec: ModelSpec, lora: LoraConfig) -> list[tuple[Projection, tuple
 
 def expected_shapes(spec: ModelSpec, lora: LoraConfig) -> dict[str, tuple[int, ...]]:
     """The canonical adapters of `spec` with `lora`: name -> shape."""
-    dims, r = target_dims(spec), lora.rank
+    dims, r, targeted = target_dims(spec), lora.rank, _targeted(spec, lora)
     return {canonical_name(i, t, w): ((r, dims[t][0]) if w == "A" else (dims[t][1], r))
-            for i in range(spec.num_layers) for _, parts in _targeted(spec, lora)
-            for t in parts for w in "AB"}
+            for i in range(spec.num_layers) for _, parts in targeted for t in parts for w in "AB"}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -191,9 +190,9 @@ def peft_tensors(adapters: dict[str, torch.Tensor], spec: ModelSpec,
     """PEFT's tensors of the canonical `adapters` (fp32), and the rank of each fused module (its name in the
     layer -> parts x rank) where more than one part is targeted."""
     r, out, ranks = lora.rank, {}, {}
-    dims = target_dims(spec)
+    dims, targeted = target_dims(spec), _targeted(spec, lora)
     for i in range(spec.num_layers):
-        for proj, parts in _targeted(spec, lora):
+        for proj, parts in targeted:
             key = KEY_PREFIX + module_path(spec, i, proj)
             a_parts = [adapters[canonical_name(i, t, "A")].detach().float().cpu() for t in parts]
             if len(proj.parts) == 1:
@@ -637,10 +636,11 @@ def read_peft(directory: str | os.PathLike[str], spec: ModelSpec,
     except InputLimitError as e:
         raise _fail(d, str(e)) from None
     out: dict[str, torch.Tensor] = {}
-    with reading(f"--init-peft {d / WEIGHTS_NAME}", f"its adapters, {size_text(2 * data_bytes)}"), \
+    projs = projections(spec)
+    with reading(f"--init-peft {d / WEIGHTS_NAME}", f"its adapters, {size_text(3 * data_bytes)}"), \
             open(d / WEIGHTS_NAME, "rb") as f:
         for i in range(spec.num_layers):
-            for proj in projections(spec):
+            for proj in projs:
                 if proj.module not in adapter.ranks:
                     continue
                 path = module_path(spec, i, proj)
@@ -702,11 +702,17 @@ def check_peft_options(export_dir: str | None, init_dir: str | None, init: str |
         raise PeftError(f"--init-peft {init_dir}: the plan trains no LoRA adapters (plan with --lora RANK "
                         "and the adapter's rank, alpha and targets)")
     adapter = inspect_peft(init_dir, spec, base_models(init, spec))
-    got, dims = adapter.lora, target_dims(spec)
-    known = all(p is not None for p in adapter.parts.values())
+    known = all(p is not None for p in adapter.parts.values())  # else: which parts, once B is read
+    check_plans_lora(init_dir, adapter.lora, spec, targets=known)
+
+
+def check_plans_lora(init_dir: str, got: LoraConfig, spec: ModelSpec, targets: bool = True) -> None:
+    """The adapter's rank, alpha and (with `targets`) targets are the plan's (`spec.lora`); PeftError naming
+    the flags that plan the adapter's."""
+    lora, dims = spec.lora, target_dims(spec)
     plan_targets = {t for t in lora.targets if t in dims}
     got_targets = {t for t in got.targets if t in dims}
-    if got.rank != lora.rank or got.alpha != lora.alpha or (known and got_targets != plan_targets):
+    if got.rank != lora.rank or got.alpha != lora.alpha or (targets and got_targets != plan_targets):
         raise PeftError(f"--init-peft {init_dir}: the adapter is {got.describe()} "
                         f"({', '.join(t for t in LORA_TARGETS if t in got_targets)}), the plan "
                         f"{lora.describe()}; plan again with --lora {got.rank} --lora-alpha {got.alpha:g} "
@@ -720,7 +726,9 @@ def init_adapters(config: RunConfig, spec: ModelSpec) -> dict[str, torch.Tensor]
     if not md.init_peft:
         return None
     check_peft_options(None, md.init_peft, md.init, spec)
-    return read_peft(md.init_peft, spec, base_models(md.init, spec))[1]
+    got, adapters = read_peft(md.init_peft, spec, base_models(md.init, spec))
+    check_plans_lora(md.init_peft, got, spec)  # the targets, where only B said which parts
+    return adapters
 
 
 def export_adapters(adapters: dict[str, torch.Tensor], config: RunConfig, spec: ModelSpec) -> Path | None:
