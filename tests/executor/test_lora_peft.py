@@ -39,6 +39,15 @@ FAMILIES = {
     "opt": dataclasses.replace(GPT, name="tiny-opt", family="opt", activation="relu", position_offset=2),
     "phi3": dataclasses.replace(LLAMA, name="tiny-phi3", family="phi3", rotary_fraction=0.5),
 }
+# the families that share LLaMA's module names
+LLAMA_LIKE = {
+    "mistral": dataclasses.replace(LLAMA, name="tiny-mistral", family="mistral", sliding_window=64),
+    "qwen2": dataclasses.replace(LLAMA, name="tiny-qwen2", family="qwen2", qkv_bias=True,
+                                 tied_embeddings=True),
+    "qwen3": dataclasses.replace(LLAMA, name="tiny-qwen3", family="qwen3", qk_norm=True, head_dim=48),
+    "gemma": dataclasses.replace(LLAMA, name="tiny-gemma", family="gemma", activation="geglu",
+                                 tied_embeddings=True, head_dim=64),
+}
 SOME = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")  # fused modules partly targeted
 RANK, ALPHA = 4, 12.0
 
@@ -141,6 +150,19 @@ def test_export_loads_in_peft_with_the_reference_logits_and_reads_back_exactly(f
     assert sorted(back) == sorted(adapters)
     for k, t in adapters.items():
         assert back[k].dtype == torch.float32 and torch.equal(back[k], t), k
+
+
+@pytest.mark.parametrize("family", list(LLAMA_LIKE))
+def test_llama_like_families_load_in_peft_with_the_reference_logits(family, tmp_path):
+    spec = LLAMA_LIKE[family]
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, targets=SOME)
+    adapters = random_adapters(spec, lora)
+    out = export_peft(adapters, spec, tmp_path / "adapter", lora=lora)
+    x = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference_model(spec, lora, adapters)(input_ids=x).logits
+        got = peft_model(spec, out)(input_ids=x).logits
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
 def test_a_fused_adapter_without_tierflows_metadata_is_split_by_its_rows(tmp_path):
