@@ -34,6 +34,7 @@ from tierflow.executor.dist import (
     note_exit,
 )
 from tierflow.executor.engine import OutOfMemory
+from tierflow.executor.lora_peft import check_peft_dir, check_peft_options
 from tierflow.executor.options import RunConfig
 from tierflow.executor.preflight import check_init_dir
 from tierflow.executor.signals import Interrupted, StopOnSignals
@@ -55,14 +56,19 @@ class StateOutOfMemory(DoesNotFit):
 
 
 def check_run_outputs(config: RunConfig) -> None:
-    """--out, --export-hf and --checkpoint-dir, checked before the plan is loaded and any step runs
-    (tierflow.outputs): an unwritable place or a user's non-empty --out (unless --overwrite) is refused with
-    one line, exit 2 (a non-empty --export-hf too, by export.check_export_hf)."""
+    """--out, --export-hf, --export-peft and --checkpoint-dir, checked before the plan is loaded and any step
+    runs (tierflow.outputs): an unwritable place or a user's non-empty --out (unless --overwrite) or
+    --export-peft is refused with one line, exit 2 (a non-empty --export-hf too, by export.check_export_hf);
+    --init-peft must be an adapter directory (lora_peft.check_peft_dir)."""
     out, ck = config.output, config.checkpoint.directory
     if out.out:
         check_output_dir(out.out, "--out", overwrite=out.overwrite)
     if out.export_hf:
         check_output_dir(out.export_hf, "--export-hf", overwrite=True)  # writable; new or empty: run_plan
+    if out.export_peft:
+        check_output_dir(out.export_peft, "--export-peft")
+    if config.model_data.init_peft:
+        check_peft_dir(config.model_data.init_peft)
     if ck:  # resumed from: may hold checkpoints, must be writable
         check_output_dir(ck, "--checkpoint-dir", overwrite=True)
 
@@ -93,6 +99,8 @@ def _run_file(config: RunConfig, log=print) -> RunResult:
             simulate_plan(plan)
             if config.model_data.init:
                 check_init_dir(config.model_data.init)
+            md = config.model_data
+            check_peft_options(config.output.export_peft, md.init_peft, md.init, plan.model)
             t0 = time.perf_counter()
             res = run_plan(plan, config, log)
             res.wall_s = time.perf_counter() - t0

@@ -5,12 +5,12 @@ engine. What changes while the run goes (the step, the gradient norms, the recor
 solver (tests/system/test_layering.py checks it).
 
     RunConfig            steps, the plan file, device, SSD directory, compute dtype; and the groups:
-      ModelDataOptions   the starting weights and the data: --init, --data, its tokenizer and fields
+      ModelDataOptions   the starting weights and the data: --init, --init-peft, --data, its tokenizer, fields
       OptimizerOptions   AdamW, its learning-rate schedule and clipping (None: not given: the default)
       CheckpointOptions  --checkpoint-dir and how a run resumes from it
       EvalOptions        validation loss and TensorBoard logs
       DistOptions        several ranks: --nproc / --nnodes and torchrun's rendezvous
-      OutputOptions      what the run writes and prints: --out, --export-hf, --profile, --json
+      OutputOptions      what the run writes and prints: --out, --export-hf, --export-peft, --profile, --json
       AdaptOptions       --adapt (executor/decide.py takes it)
       LoraOptions        --lora and its settings, checked against the plan's model.lora
 
@@ -34,6 +34,7 @@ class RunError(TierflowError, ValueError):
 @dataclass(frozen=True)
 class ModelDataOptions:
     init: str | None = None  # Hugging Face model directory to start from
+    init_peft: str | None = None  # a PEFT adapter directory the LoRA adapters start from (lora_peft.py)
     data: str | None = None  # None: seeded random tokens
     data_format: str = "auto"  # auto | uint16 | text | tokenize
     tokenizer: str | None = None  # None: --init's, when it has one
@@ -113,6 +114,7 @@ class OutputOptions:
     out: str | None = None  # the measured trace and steps.csv
     overwrite: bool = False  # let `out` be a non-empty directory
     export_hf: str | None = None  # the trained weights in the Hugging Face layout
+    export_peft: str | None = None  # the trained LoRA adapters as a PEFT adapter directory (lora_peft.py)
     profile: bool = False  # torch.profiler's trace under `out`
     json: bool = False  # the steps and the summary as JSON (the command prints it)
     quiet: bool = False  # no progress lines

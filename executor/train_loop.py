@@ -54,7 +54,8 @@ from tierflow.executor.export import (
     profiler_of,
     write_run_outputs,
 )
-from tierflow.executor.lora import lora_state_dict
+from tierflow.executor.lora import load_lora_state_dict, lora_state_dict
+from tierflow.executor.lora_peft import export_adapters, init_adapters
 from tierflow.executor.models import check_supported
 from tierflow.executor.optim.adamw import TrainHyper
 from tierflow.executor.optim.clipping import GradNorms
@@ -457,8 +458,15 @@ def _start_state(tr: Trainer, warn) -> str:
         tr.start_step = tr.step = tr.saved_step = int(manifest["step"])
         if manifest.get("grad_norm") is not None:  # delayed clipping goes on from it
             tr.norms.norms[tr.start_step] = float(manifest["grad_norm"])
-        return f"resumed from {tr.last_ckpt} (step {tr.start_step})" + (f", base: {base}" if base else "")
+        unused = (f"; --init-peft {md.init_peft} not used: the checkpoint's adapters go on"
+                  if md.init_peft else "")
+        return (f"resumed from {tr.last_ckpt} (step {tr.start_step})" + (f", base: {base}" if base else "")
+                + unused)
     if base is not None:
+        peft = init_adapters(tr.config, tr.plan.model)  # --init-peft: the adapters to start from
+        if peft is not None:
+            load_lora_state_dict(state.lora, peft)
+            return f"{base}, adapters from {md.init_peft} (PEFT)"
         return base
     if md.init:
         return f"weights from {state.init_hf(md.init, md.seed)}"
@@ -653,6 +661,11 @@ def _finish(tr: Trainer) -> RunResult:
         if not tr.quiet:
             log(f"  exported the fp32 weights after step {tr.step} to {path} (config.json, "
                 f"model.safetensors{''.join(', ' + n for n in names)})")
+    if out.export_peft and state.lora is not None and tr.lead:
+        path = export_adapters(lora_state_dict(state.lora), tr.config, tr.plan.model)
+        if not tr.quiet:
+            log(f"  exported the adapters after step {tr.step} to {path} (adapter_config.json, "
+                f"adapter_model.safetensors: peft.PeftModel.from_pretrained loads them)")
     res = tr.result()
     if out.collect_final:
         res.final_master = state.master_blocks()

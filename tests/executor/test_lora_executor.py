@@ -27,7 +27,7 @@ from tierflow.executor.lora import (
     load_lora_state_dict,
     lora_state_dict,
 )
-from tierflow.executor.models import BlockModel, build_blocks, check_supported
+from tierflow.executor.models import BlockModel, build_blocks, check_supported, export_hf
 from tierflow.executor.models import loss as lm_loss
 from tierflow.executor.ops.optimizer import OptimizerOps
 from tierflow.executor.options import CheckpointOptions, LoraOptions, ModelDataOptions
@@ -336,3 +336,49 @@ def test_export_hf_of_a_lora_run_writes_the_merged_model(family, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=x).logits, functional_call(model, weights, (x,)), atol=1e-4,
                                    rtol=0)
+
+
+# -- PEFT: the run's --export-peft and --init-peft (executor/lora_peft.py) ----------------------------------
+
+
+def _peft_param(key: str) -> str:
+    """PEFT's parameter name of a canonical adapter name (blocks.{i}.{target}.lora_A) on LlamaForCausalLM."""
+    _, i, target, ab = key.split(".")
+    module = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+    return f"base_model.model.model.layers.{i}.{module}.{target}.{ab}.default.weight"
+
+
+def test_a_run_exports_its_adapters_for_peft_and_another_starts_from_them(tmp_path):
+    """run --export-peft writes the trained adapters, which PEFT loads onto the --init base exactly as they
+    were trained; a run with --init-peft starts from them: its first loss is the PEFT model's on that
+    batch."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft", reason="PEFT is not installed (pip install peft)")
+    spec = LLAMA.with_lora(LoraConfig(rank=4, alpha=8.0))
+    base = spec.with_lora(None)
+    torch.manual_seed(3)
+    export_hf(base, [dict(b.state_dict()) for b in build_blocks(base)], tmp_path / "base")
+    (tmp_path / "ssd").mkdir()
+    adapter = tmp_path / "adapter"
+
+    def config(steps, init_peft=None, export_peft=None):
+        md = ModelDataOptions(init=str(tmp_path / "base"), init_peft=init_peft, seed=0)
+        out = OutputOptions(quiet=True, collect_final=True, export_peft=export_peft)
+        return RunConfig(steps=steps, device="cpu", ssd_dir=str(tmp_path / "ssd"), model_data=md, output=out,
+                         optimizer=OptimizerOptions(lr=LR, weight_decay=WD, betas=BETAS))
+
+    trained = run_plan(make_plan(spec), config(2, export_peft=str(adapter)))
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(hf, str(adapter)).eval()
+    named = dict(model.named_parameters())
+    for key, value in trained.final_lora.items():
+        assert torch.equal(named[_peft_param(key)].detach(), value), key
+    assert max(v.abs().max() for k, v in trained.final_lora.items() if k.endswith("lora_B")) > 0
+    x, y = TokenData.load(None, spec.vocab_size, seed=0).batch(0, BATCH, SEQ)
+    with torch.no_grad():
+        want = sum(lm_loss(model(input_ids=x[m:m + MICRO]).logits, y[m:m + MICRO]).item()
+                   for m in range(0, BATCH, MICRO)) / (BATCH // MICRO)
+    again = run_plan(make_plan(spec), config(1, init_peft=str(adapter)))
+    assert again.losses[0] == pytest.approx(want, rel=1e-5)
+    assert abs(trained.losses[0] - want) > 1e-3  # the fresh adapters' (B = 0) first loss is another

@@ -72,6 +72,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="after the last step, write the trained fp32 weights as a Hugging Face model "
                    "directory (config.json + model.safetensors) that transformers' from_pretrained loads; "
                    "DIR must be new or empty")
+    p.add_argument("--export-peft", default=None, metavar="DIR",
+                   help="with a LoRA plan (tierflow plan --lora RANK): after the last step, write the "
+                   "adapters as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) "
+                   "that peft.PeftModel.from_pretrained loads onto the Hugging Face base model; DIR must be "
+                   "new or empty (docs/lora.md)")
+    p.add_argument("--init-peft", default=None, metavar="DIR",
+                   help="with a LoRA plan: start the adapters from a PEFT adapter directory (PEFT's "
+                   "save_pretrained, or --export-peft); its rank, alpha and targets must be the plan's, and "
+                   "the base it names --init's or the model's")
     _add_optimizer_args(p)
     _add_eval_args(p)
     p.add_argument("--seed", type=int_in(0, 2**63 - 1, "a non-negative integer"), default=0,
@@ -278,7 +287,8 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     )
 
     model_data = ModelDataOptions(
-        init=args.init, data=args.data, data_format=args.data_format, tokenizer=args.tokenizer,
+        init=args.init, init_peft=args.init_peft, data=args.data, data_format=args.data_format,
+        tokenizer=args.tokenizer,
         text_field=args.text_field, prompt_field=args.prompt_field, response_field=args.response_field,
         max_line_mib=args.max_line_mib, cache_dir=args.cache_dir, seed=args.seed)
     optimizer = OptimizerOptions(
@@ -300,6 +310,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     distributed = DistOptions(nproc=args.nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                               rdzv_id=args.rdzv_id, argv=tuple(sys.argv[1:]))
     output = OutputOptions(out=args.out, overwrite=args.overwrite, export_hf=args.export_hf,
+                           export_peft=args.export_peft,
                            profile=args.profile, json=args.json, quiet=args.json or level_of(args) >= QUIET)
     adapt = (AdaptOptions(warmup=args.adapt_warmup, threshold=args.adapt_threshold, margin=args.adapt_margin,
                           time_limit_s=args.adapt_time_limit, fit_evaluations=args.adapt_fit_evaluations,
