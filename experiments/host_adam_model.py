@@ -1,6 +1,7 @@
 """CPU Adam from the host, per implementation (planner/core/hostadam.py), against the measured rates.
 
     python experiments/host_adam_model.py [--quick] [--no-measure] [--deepspeed] [--out DIR]
+    python experiments/host_adam_model.py --write-profiles   # the bundled profiles' CPU Adam lines
 
 1. Measures this machine at one thread (CPU time of the thread, best of 7, so other sessions' load slows it
    little): the per-core costs the model takes (a cache-resident vector sqrt and division, ns per element; a
@@ -15,11 +16,18 @@
    beside them.
 
 Writes host_adam_model.csv and the table of docs/hardware-profiles.md ("CPU Adam from the host").
+
+--write-profiles (alone: measures nothing) rewrites each bundled profile's `cpu.adam_gparams_per_s` and
+`cpu.deepspeed_adam_gparams_per_s` lines with the model's rates (hostadam.profile_fields: tierflow's kernel
+and DeepSpeedCPUAdam on the profile's cores, clock, microarchitecture and memory), each comment naming the
+model and its inputs; a line whose comment starts "measured" or "fitted" stays, and so does a profile the
+model cannot describe (no clock or cores).
 """
 
 from __future__ import annotations
 
 import csv
+import re
 import sys
 import time
 from pathlib import Path
@@ -35,6 +43,7 @@ from expcommon import (
     write_generated_block,
 )
 
+from tierflow.hwprofiles import list_profiles, load_profile
 from tierflow.planner.core import hostadam
 
 DOC = REPO_DIR / "docs" / "hardware-profiles.md"
@@ -50,6 +59,31 @@ POLARIS = dict(box="polaris-a100-40g", impl="deepspeed", threads=32, measured=1.
 H200 = dict(box="h200-lent", impl="torch_fused", threads=16, measured=3.98, cores=16, clock=None,
             arch="unknown", memory_gbps=None, what="torch fused AdamW (calibrate)",
             source="REFERENCE.md section 6; hwprofiles/h200-lent.yaml")
+
+
+# Measured on this machine by `tierflow calibrate` (not re-run here): the calibrated profiles the race, the
+# closed loop and the executor benchmark committed; each rate with its thread count and the box's measured
+# copy rate (cpu.memory_gbps, memory_efficiency 1.0), which is the memory the model is given for them.
+CALIBRATED = (("race_box.yaml", "torch_fused", "adam_gparams_per_s"),
+              ("race_box.yaml", "deepspeed", "deepspeed_adam_gparams_per_s"),
+              ("closed_loop_cpu.yaml", "torch_fused", "adam_gparams_per_s"),
+              ("bench_executor_box.yaml", "torch_fused", "adam_gparams_per_s"))
+
+
+def calibrated_rates(folder: Path = RESULTS_DIR) -> list[dict]:
+    """The CALIBRATED rates as measured-elsewhere points (threads read from each line's comment)."""
+    out = []
+    for file, impl, key in CALIBRATED:
+        text = (Path(folder) / file).read_text()
+        m = re.search(rf"^  {key}: ([\d.]+)  # measured: (.*? on (\d+) threads?)", text, re.M)
+        gbps = re.search(r"^  memory_gbps: ([\d.]+)", text, re.M)
+        if m is None or gbps is None:
+            continue
+        out.append(dict(box=f"dev VM, {file}", impl=impl, threads=int(m.group(3)), measured=float(m.group(1)),
+                        cores=int(m.group(3)), clock=VM_CLOCK_GHZ, arch="zen3",
+                        memory_gbps=float(gbps.group(1)), efficiency=1.0, what=f"calibrate: {m.group(2)}",
+                        source=f"experiments/results/{file} (memory: its measured copy rate)"))
+    return out
 
 
 def _best(fn, reps: int = 7) -> float:
@@ -125,7 +159,7 @@ def core_costs(rows: list[dict]) -> hostadam.CoreCosts:
 def _cpu(p: dict, core: hostadam.CoreCosts) -> hostadam.HostCpu | None:
     if p["clock"] is None or p["memory_gbps"] is None or p["arch"] != "zen3":
         return None
-    return hostadam.HostCpu(p["threads"], p["clock"], core, p["memory_gbps"], 0.75)
+    return hostadam.HostCpu(p["threads"], p["clock"], core, p["memory_gbps"], p.get("efficiency", 0.75))
 
 
 def checks(rows: list[dict]) -> list[dict]:
@@ -136,7 +170,7 @@ def checks(rows: list[dict]) -> list[dict]:
     vm = [dict(r, threads=int(r["threads"]), measured=float(r["measured"])) for r in vm]
     base = hostadam.CORE_COSTS["zen3"]
     out = []
-    for p in vm + [POLARIS, H200]:
+    for p in vm + calibrated_rates() + [POLARIS, H200]:
         cpu = _cpu(p, base)
         pred = hostadam.adam_rate(p["impl"], cpu) if cpu else None
         row = {"kind": "check", "box": p["box"], "impl": p["impl"], "threads": p["threads"],
@@ -189,6 +223,34 @@ def doc_table(rows: list[dict]) -> str:
     return text
 
 
+PROFILES_DIR = REPO_DIR / "hwprofiles"
+
+
+def rewrite_profile_text(text: str, fields: dict[str, tuple[float, str]]) -> str:
+    """`text` (a profile's YAML) with each of `fields`' lines of its cpu section set to (value, comment), but
+    for a line whose comment starts with a kept source (measured, fitted)."""
+    for key, (value, comment) in fields.items():
+        pat = re.compile(rf"^(  {key}: )([^#\n]*?)(\s*#\s*)(.*)$", re.M)
+        m = pat.search(text)
+        if m is None or m.group(4).startswith(hostadam.KEPT_SOURCES):
+            continue
+        text = text[:m.start()] + f"  {key}: {value:g}  # {comment}" + text[m.end():]
+    return text
+
+
+def write_profiles(folder: Path = PROFILES_DIR) -> list[str]:
+    """Rewrites the bundled profiles' CPU Adam lines from the host model; returns the files it changed."""
+    changed = []
+    for name in list_profiles():
+        path = folder / f"{name}.yaml"
+        text = path.read_text()
+        new = rewrite_profile_text(text, hostadam.profile_fields(load_profile(name)))
+        if new != text:
+            path.write_text(new)
+            changed.append(path.name)
+    return changed
+
+
 def read_rows(path: Path) -> list[dict]:
     with open(path, newline="") as f:
         return [{k: v for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
@@ -198,7 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = arg_parser(__doc__)
     ap.add_argument("--no-measure", action="store_true", help="reuse the measured rows of the results file")
     ap.add_argument("--deepspeed", action="store_true", help="also time DeepSpeedCPUAdam (builds its op)")
+    ap.add_argument("--write-profiles", action="store_true",
+                    help="only rewrite the bundled profiles' CPU Adam lines from the host model")
     args = ap.parse_args(argv)
+    if args.write_profiles:
+        changed = write_profiles()
+        print("rewrote " + (", ".join(changed) if changed else "nothing: every line is the model's already"))
+        return 0
     out_dir = Path(args.out or RESULTS_DIR)
     path = out_dir / "host_adam_model.csv"
     if args.no_measure:

@@ -13,6 +13,7 @@ from tierflow.executor.calibration.cpu import (
     adam_impl,
     cpu_memory_gib,
     cpu_model,
+    host_cpu_facts,
     measure_cpu_adam,
     measure_deepspeed_adam,
     measure_dram_gbps,
@@ -76,7 +77,7 @@ def run_measurements(sizes: Sizes = QUICK, ssd_dir: str | os.PathLike[str] | Non
     elif gpu:
         m["gpu"], m["pcie"] = measure_gpu(sizes, progress, m["errors"])
     progress.step("CPU memory bandwidth")
-    cpu: dict[str, Any] = {"model": cpu_model(), "memory_gib": cpu_memory_gib()}
+    cpu: dict[str, Any] = {"model": cpu_model(), "memory_gib": cpu_memory_gib(), "facts": host_cpu_facts()}
     cpu["memory_gbps"] = measure_dram_gbps(min(sizes.dram_bytes, int(cpu["memory_gib"] * GIB / 16)))
     progress.step(f"CPU AdamW ({sizes.adam_params / 1e6:g}M params)")
     adam_params = int(min(sizes.adam_params, cpu["memory_gib"] * GIB / 16 / 4))

@@ -351,12 +351,34 @@ def _put_cpu(b: _Builder, host_device: bool) -> None:
         f"the executor's adam op (torch's {c.get('adam_impl', '?')} AdamW, the gradients zeroed, the compute "
         f"copy written) on {c.get('adam_threads', b.m.get('cpu_threads', '?'))} threads")
     _put_contention(b, host_device)
+    _put_cpu_facts(b, c.get("facts"))
     if c.get("deepspeed_adam_gparams_per_s"):
         b.put("cpu.deepspeed_adam_gparams_per_s", c["deepspeed_adam_gparams_per_s"], "measured",
               f"DeepSpeedCPUAdam (adamw_mode) on {b.m.get('cpu_threads', '?')} threads")
     else:
         b.put("cpu.deepspeed_adam_gparams_per_s", None, "not measured",
               c.get("deepspeed_adam_error") or "DeepSpeed is not installed (the [baseline] extra)")
+
+
+def _put_cpu_facts(b: _Builder, facts: dict[str, Any] | None) -> None:
+    """What the CPU Adam model (planner/core/hostadam.py) needs of this host, detected here
+    (calibration/cpu.host_cpu_facts), never the base's: a base's CPU is another box's."""
+    if not facts:
+        why = "not detected (a measurements file without the host's CPU facts)"
+        for key in ("physical_cores", "clock_ghz"):
+            b.put(f"cpu.{key}", None, "not measured", why)
+        b.put("cpu.microarchitecture", "unknown", "not measured", why)
+    else:
+        arch = facts.get("microarchitecture") or "unknown"
+        b.put("cpu.microarchitecture", arch, "measured" if arch != "unknown" else "not measured",
+              facts.get("microarchitecture_how", ""))
+        cores = facts.get("physical_cores")
+        how = "/proc/cpuinfo: distinct (physical id, core id)" if cores else "/proc/cpuinfo lists no core ids"
+        b.put("cpu.physical_cores", cores, "measured" if cores else "not measured", how)
+        clock = facts.get("clock_ghz")
+        b.put("cpu.clock_ghz", clock, "measured" if clock else "not measured", facts.get("clock_how", ""))
+    b.put("cpu.memory_channels", None, "not measured",
+          "DRAM channels need the firmware's tables (dmidecode, root); cpu.memory_gbps is measured")
 
 
 def _put_contention(b: _Builder, host_device: bool) -> None:

@@ -143,3 +143,56 @@ def profile_rate(hw: HardwareProfile, impl: AdamImpl | str, threads: float | Non
     """`impl`'s rate on the profile's host (None where the profile cannot say: host_cpu)."""
     cpu = host_cpu(hw, threads, share)
     return None if cpu is None else adam_rate(impl, cpu)
+
+
+# ---- the profiles' rates: one source of truth -------------------------------------------------------------
+# A profile's two CPU Adam fields are this model's rates wherever the profile describes its host and carries
+# no measured or fitted value: `cpu.adam_gparams_per_s` is tierflow's kernel (what the executor runs),
+# `cpu.deepspeed_adam_gparams_per_s` DeepSpeedCPUAdam's loop (what LoHan's child process runs and DeepSpeed's
+# ZeRO-3 step calls; the step's copies around it are planner/core/dsruntime.py's). The bundled profiles carry
+# the values `experiments/host_adam_model.py --write-profiles` writes from profile_fields (each line's comment
+# names the model and its inputs); tests/planner/core/test_hostadam.py fails when a line drifts from it.
+PROFILE_FIELDS: dict[str, str] = {"adam_gparams_per_s": "tierflow",
+                                  "deepspeed_adam_gparams_per_s": "deepspeed"}
+KEPT_SOURCES = ("measured", "fitted")  # a profile line whose comment starts so is never replaced
+
+
+def _g(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def rate_comment(hw: HardwareProfile, impl: AdamImpl | str) -> tuple[float, str] | None:
+    """`impl`'s rate on the profile's host, to 3 significant digits, and the comment that names the model and
+    its inputs (None where the profile cannot say: host_cpu)."""
+    impl = IMPLS[impl] if isinstance(impl, str) else impl
+    cpu = host_cpu(hw)
+    if cpu is None:
+        return None
+    r = adam_rate(impl, cpu)
+    c = cpu.core
+    socket = cpu.memory_gbps * cpu.memory_efficiency
+    cores = cpu.threads * c.core_gbps
+    cycles = c.sqrt_cycles + impl.divisions * c.div_cycles
+    per_core = f"measured {c.name}" if c.name in CORE_COSTS else "lower bound"
+    memory = (f"min({cpu.memory_gbps:g} GB/s x {cpu.memory_efficiency:g}, {cpu.threads} cores x "
+              f"{c.core_gbps:g} GB/s {per_core}) / {impl.bytes_per_param:g} B = {_g(r.memory_gparams_per_s)}")
+    compute = (f"{cpu.threads} cores x {cpu.clock_ghz:g} GHz / {_g(cycles)} cycles = "
+               f"{_g(r.compute_gparams_per_s)}")
+    if r.bound == "memory":
+        where = "the socket" if socket <= cores else "its cores' streams"
+        bounds = f"memory-bound at {where}: {memory}; compute bound {compute}"
+    else:
+        bounds = f"compute-bound: {compute}; memory bound {memory}"
+    text = (f"host model (planner/core/hostadam.py, written by experiments/host_adam_model.py "
+            f"--write-profiles): {impl.name} ({impl.source}) {bounds}")
+    return float(_g(r.gparams_per_s)), text
+
+
+def profile_fields(hw: HardwareProfile) -> dict[str, tuple[float, str]]:
+    """The CPU Adam fields (cpu section keys) the model gives this profile, with their comments."""
+    out = {}
+    for key, impl in PROFILE_FIELDS.items():
+        line = rate_comment(hw, impl)
+        if line is not None:
+            out[key] = line
+    return out

@@ -31,7 +31,11 @@ SEQ = 512
 
 
 def small_box():
-    return load_profile("rtx3090-desktop").with_overrides({"gpu.memory_gib": 8, "gpu.reserved_gib": 0.5})
+    """An 8 GB GPU whose placement trades weights and checkpoints between the tiers: CPU Adam at 0.8 G
+    params/s (the desktop's rate before the host model gave it 1.13; at 1.13 the optimum keeps every weight on
+    the GPU and the placement trade these tests exercise disappears)."""
+    return load_profile("rtx3090-desktop").with_overrides({"gpu.memory_gib": 8, "gpu.reserved_gib": 0.5,
+                                                           "cpu.adam_gparams_per_s": 0.8})
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])

@@ -88,3 +88,46 @@ def test_microarchitecture_is_a_checked_choice():
     with pytest.raises((ProfileError, ValueError)) as e:
         hw.with_overrides({"cpu.microarchitecture": "pentium4"})
     assert "microarchitecture" in str(e.value)
+
+
+def _profile_lines(name: str) -> dict[str, str]:
+    """The comment of each CPU Adam line of a bundled profile's YAML."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "hwprofiles" / f"{name}.yaml").read_text()
+    return {key: re.search(rf"^  {key}: [^#\n]*#\s*(.*)$", text, re.M).group(1)
+            for key in hostadam.PROFILE_FIELDS}
+
+
+def test_bundled_profiles_carry_the_models_rates_or_a_measured_one():
+    """One source of truth: each bundled profile's two CPU Adam rates are the host model's on its cpu fields
+    (written by experiments/host_adam_model.py --write-profiles), unless the line says it is measured or
+    fitted; a profile the model cannot describe carries only measured (or null) rates."""
+    from tierflow.hwprofiles import list_profiles
+
+    modelled = 0
+    for name in list_profiles():
+        hw, comments = load_profile(name), _profile_lines(name)
+        fields = hostadam.profile_fields(hw)
+        for key in hostadam.PROFILE_FIELDS:
+            value, comment = getattr(hw.cpu, key), comments[key]
+            if comment.startswith(hostadam.KEPT_SOURCES) or (value is None and key not in fields):
+                continue
+            assert key in fields, (name, key, comment)
+            assert comment.startswith("host model"), (name, key, comment)
+            assert value == pytest.approx(fields[key][0], rel=1e-9), (name, key)
+            modelled += 1
+    assert modelled >= 15  # nine profiles describe their host; polaris' DeepSpeed rate is fitted
+
+
+def test_the_rates_comment_names_the_binding_bound_and_its_inputs():
+    hw = load_profile("polaris-a100-40g")
+    value, text = hostadam.rate_comment(hw, "tierflow")
+    assert value == pytest.approx(204.8 * 0.75 / 34, rel=5e-3)
+    assert "memory-bound at the socket" in text and "204.8 GB/s x 0.75" in text and "34 B" in text
+    few = hw.with_overrides({"cpu.physical_cores": 1, "cpu.clock_ghz": 0.3})
+    value, text = hostadam.rate_comment(few, "deepspeed")
+    assert "compute-bound: 1 cores x 0.3 GHz" in text
+    assert value == pytest.approx(profile_rate(few, "deepspeed").compute_gparams_per_s, rel=5e-3)  # 3 digits
+    assert hostadam.rate_comment(load_profile("h200-lent"), "tierflow") is None
