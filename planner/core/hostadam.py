@@ -22,6 +22,9 @@ The implementations (what each moves and computes per parameter, read from its c
   at::parallel_for over torch's threads.
 - `tierflow`: tierflow's one-pass host kernel (executor/optim/fused_host_adamw.cpp `vector_loop`): also zeroes
   the gradient and writes the bf16 compute copy (non-temporal): 28 + 4 + 2 = 34 B; one sqrt, two divisions.
+  (Open: since 2026-11-29 the kernel no longer zeroes the gradient: the step's first gradient write overwrites
+  the accumulator, executor/ops/grads.py host_grad_writes, so it moves 30 B. Counting 30 here changes every
+  bundled profile's rate, the README demo and tests whose premise is the rates' gap; not done yet.)
 
 Nothing here is fitted on an optimizer's measured rate: the per-microarchitecture figures are measured on
 single operations (experiments/host_adam_model.py) and the rates it predicts are checked against measured
