@@ -48,6 +48,7 @@ from tierflow.executor.dist import SINGLE, DistWorld
 from tierflow.executor.lora import LoraError, load_lora_state_dict, lora_state_dict
 from tierflow.executor.tiers.state import STATE_CLASSES, StateError, TrainState
 from tierflow.hwprofiles.inputs import MIB, loads_json_limited, read_limited_text
+from tierflow.outputs import fsync_dir
 from tierflow.planner.core.models import model_dict
 
 CHECKPOINT_FORMAT = "tierflow-checkpoint"
@@ -174,25 +175,12 @@ def _write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems cannot fsync a directory
-        pass
-    finally:
-        os.close(fd)
-
-
 def _point_latest(root: Path, ckpt: Path) -> None:
     """Replace `root`/latest atomically by a pointer to `ckpt`."""
     tmp = root / f".latest-{os.getpid()}"
     _write_text(tmp, ckpt.name + "\n")
     os.replace(tmp, root / "latest")
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def _names(root: Path, ckpt: Path) -> bool:
@@ -310,11 +298,11 @@ def save_checkpoint(state: TrainState, directory: str | os.PathLike[str], step: 
                     "model": state.spec.name, "numel": state.layout.numel, **meta, **lora_manifest(state),
                     "files": files}
         _write_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         renamed = True
-        _fsync_dir(root)
+        fsync_dir(root)
         _point_latest(root, final)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -387,7 +375,7 @@ def _save_sharded(state: TrainState, root: Path, step: int, meta: dict, world: D
                     "model": state.spec.name, "rank": world.rank, "ranks": world.ranks,
                     "shards": [list(s) for s in state.shards], "files": files}
         _write_text(d / "manifest.json", json.dumps(manifest, indent=1))
-        _fsync_dir(d)
+        fsync_dir(d)
 
     def publish() -> None:
         if not lead:
@@ -405,11 +393,11 @@ def _save_sharded(state: TrainState, root: Path, step: int, meta: dict, world: D
                     "model": state.spec.name, "numel": state.layout.numel, "world": {"ranks": world.ranks},
                     **meta, "shards": shards}
         _write_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         try:
-            _fsync_dir(root)
+            fsync_dir(root)
             _point_latest(root, final)
         except BaseException:
             if not _names(root, final):  # 'latest' still names the previous checkpoint

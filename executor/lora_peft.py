@@ -38,7 +38,7 @@ from tierflow.hwprofiles.inputs import (
     reading,
     size_text,
 )
-from tierflow.outputs import OutputError, atomic_path, check_output_dir
+from tierflow.outputs import OutputError, atomic_path, check_output_dir, fsync_dir
 from tierflow.planner.core.lora import LORA_TARGETS, MAX_RANK, LoraConfig, LoraConfigError, target_shapes
 from tierflow.planner.core.models import ModelSpec
 
@@ -259,7 +259,7 @@ def export_peft(adapters: dict[str, torch.Tensor], spec: ModelSpec, directory: s
     except OSError as e:
         raise OutputError(f"--export-peft {out}: cannot write it ({e.strerror or e}); give a writable "
                           "directory that is new or empty") from None
-    _fsync(out.absolute().parent)
+    fsync_dir(out.absolute().parent)
     return out
 
 
@@ -278,19 +278,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -123,7 +123,9 @@ def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
     return p
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory (its entries: a rename or a new file in it made durable); a filesystem that
+    cannot open or fsync a directory is left as it is."""
     with contextlib.suppress(OSError):  # some filesystems cannot open or fsync a directory
         fd = os.open(directory, os.O_RDONLY)
         try:
@@ -152,7 +154,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:

@@ -546,14 +546,14 @@ def test_a_signal_after_latest_moved_keeps_the_checkpoint_it_names(tmp_path, mon
     state.init_random(0)
     ck = tmp_path / "ck"
     checkpoint.save_checkpoint(state, ck, 1, {}, world=world)
-    real = checkpoint._fsync_dir
+    real = checkpoint.fsync_dir
 
     def interrupted_once_latest_moved(d):
         real(d)
         if d == ck and (ck / "latest").read_text().strip() == "step00000002":
             raise Interrupted(signal.SIGTERM)
 
-    monkeypatch.setattr(checkpoint, "_fsync_dir", interrupted_once_latest_moved)
+    monkeypatch.setattr(checkpoint, "fsync_dir", interrupted_once_latest_moved)
     with pytest.raises(Interrupted):
         checkpoint.save_checkpoint(state, ck, 2, {}, world=world)
     named = ck / (ck / "latest").read_text().strip()
