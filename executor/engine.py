@@ -151,6 +151,11 @@ class Executor:
             # not at the interpreter's exit: a woken daemon thread would find the interpreter finalizing
             weakref.finalize(self, self.pool.close).atexit = False
 
+    def close(self) -> None:
+        """The run is over: end the pool's threads (each has finished its round's job) and join them."""
+        if self.pool is not None:
+            self.pool.close(wait_s=10.0)
+
     # -- running a round -------------------------------------------------------------------------------------
 
     def run_round(self, iterations: int, step0: int, on_step=None) -> RoundResult:

@@ -370,6 +370,7 @@ def _train(tr: Trainer, dtype: torch.dtype, warn) -> RunResult:
     try:
         _run_rounds(tr, ex)
     finally:
+        ex.close()  # the rounds' threads end with the run (engine.py: kept from round to round)
         if tr.tb is not None:
             tr.tb.close()
     return _finish(tr)

@@ -67,8 +67,13 @@ class WorkerPool:
         entry[1].put(job)
         return job
 
-    def close(self) -> None:
-        """End the threads once they have run their jobs (no wait)."""
-        for _th, jobs in self._threads.values():
-            jobs.put(None)
+    def close(self, wait_s: float = 0.0) -> None:
+        """End the threads once they have run their jobs; with `wait_s`, join each for up to that long (the
+        run's end: no tierflow thread outlives run_plan)."""
+        entries = list(self._threads.values())
         self._threads.clear()
+        for _th, jobs in entries:
+            jobs.put(None)
+        if wait_s > 0:
+            for th, _jobs in entries:
+                th.join(wait_s)

@@ -81,3 +81,17 @@ def test_a_failed_round_leaves_the_pool_ready_for_the_next(fail_round):
                 ex.run_round(ITERATIONS, r * ITERATIONS)
         else:
             ex.run_round(ITERATIONS, r * ITERATIONS)
+
+
+def test_no_worker_thread_outlives_the_run(tmp_path):
+    """run_plan closes its executor's pool: after a run, however it ended, no tierflow worker thread is left
+    (a notebook or an experiment running many plans would otherwise keep every run's idle threads)."""
+    from tierflow.executor.run import RunConfig, run_plan
+
+    before = {th.ident for th in threading.enumerate()}
+    (tmp_path / "ssd").mkdir()
+    config = RunConfig(steps=2, device="cpu", ssd_dir=str(tmp_path / "ssd"))
+    run_plan(tiny_plan("cpu", "checkpoints_host"), config, log=lambda *a, **k: None)
+    left = [th.name for th in threading.enumerate()
+            if th.ident not in before and th.name.startswith("tierflow") and th.is_alive()]
+    assert left == []
