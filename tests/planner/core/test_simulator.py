@@ -17,6 +17,7 @@ from support.helpers import CPU, GPU, SSD, placement, profile, small_models, spl
 from tierflow.api import simulate
 from tierflow.planner.core.costmodel import CPU_ADAM_DRAM_BYTES_PER_PARAM, CostModel
 from tierflow.planner.core.devicemem import cuda_runtime_memory
+from tierflow.planner.core.dsruntime import as_runtime_steps
 from tierflow.planner.core.families import FAMILIES
 from tierflow.planner.core.graph import HOST_LINKS, LINK_NAMES, TIERS, Task, TaskGraph
 from tierflow.planner.core.models import get_model
@@ -93,6 +94,9 @@ def replay_memory(res) -> dict[str, tuple[float, float]]:
 
 
 def check_timeline(res, hw, *, balanced: bool = True) -> None:
+    runtime = res.meta.get("schedule", {}).get("runtime")
+    if runtime:  # the box as simulate_config simulated it: a DeepSpeed runtime steps at DeepSpeed's Adam rate
+        hw = as_runtime_steps(hw, runtime)
     graph, tasks = res.graph, res.graph.tasks
     start, end = res.start_s, res.end_s
     n = len(tasks)
