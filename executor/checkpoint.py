@@ -514,7 +514,6 @@ def load_checkpoint(state: TrainState, ckpt: Path, manifest: dict) -> None:
 def _load_adapters(state: TrainState, ckpt: Path, manifest: dict) -> None:
     """LoRA: the adapters and their moments from `ckpt`, onto this run's base, which must be the one the
     checkpoint names (StateError, one line, otherwise)."""
-    from safetensors.torch import load_file
 
     if state.lora is None:
         raise StateError(f"checkpoint {ckpt}: it holds LoRA adapters ({manifest['lora'].get('rank')} rank), "
@@ -529,12 +528,7 @@ def _load_adapters(state: TrainState, ckpt: Path, manifest: dict) -> None:
                          f"({base.get('model')!r} with digest {base.get('digest')}; this run's base has "
                          f"{state.base_digest()}): resume with the --init directory or --seed it started "
                          "from, or use another --checkpoint-dir")
-    verify_file(ckpt, ADAPTERS_FILE, manifest)
-    try:
-        t = load_file(ckpt / ADAPTERS_FILE)
-    except Exception as e:  # noqa: BLE001 - safetensors' own errors (SafetensorError), OSError
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"checkpoint {ckpt}: {ADAPTERS_FILE} is unreadable ({why})") from None
+    t = _load_verified(ckpt, ADAPTERS_FILE, manifest)
     try:
         for cls in ("adam_m", "adam_v", "master"):
             prefix = MOMENT_PREFIX[cls]
@@ -556,18 +550,25 @@ def _shard_manifest(ckpt: Path, manifest: dict, rank: int) -> tuple[Path, dict]:
     return d, read_manifest(d)
 
 
+def _load_verified(d: Path, name: str, manifest: dict) -> dict:
+    """The tensors of safetensors file `name` under `d`, its checksum verified against `manifest` first; an
+    unreadable file is one line (CheckpointError)."""
+    from safetensors.torch import load_file
+
+    verify_file(d, name, manifest)
+    try:
+        return load_file(d / name)
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors (SafetensorError), OSError
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"checkpoint {d}: {name} is unreadable ({why})") from None
+
+
 @one_thread()
 def _load_blocks(state: TrainState, d: Path, manifest: dict, numel: list[int], put) -> None:
-    from safetensors.torch import load_file
 
     for b, n in enumerate(numel):
         name = block_file(b)
-        verify_file(d, name, manifest)
-        try:
-            t = load_file(d / name)
-        except Exception as e:  # noqa: BLE001 - safetensors' own errors (SafetensorError), OSError
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CheckpointError(f"checkpoint {d}: {name} is unreadable ({why})") from None
+        t = _load_verified(d, name, manifest)
         bad = [cls for cls in STATE_CLASSES if cls not in t or t[cls].numel() != n]
         if bad:
             raise CheckpointError(f"checkpoint {d}: {name} lacks {', '.join(bad)} of {n:,} elements")
