@@ -42,6 +42,7 @@ class OptimizerOps:
     def __init__(self, cx: OpContext, buffers: GradBuffers) -> None:
         self.cx, self.buffers = cx, buffers
         self.unwritten = host_grad_writes(cx.binding).unwritten  # (iteration, block): no gradient write
+        self.groups: dict[tuple[int, int, int], list[tuple[int, int, bool]]] = {}  # _groups
         host = not cx.state.placement.gpu_optimizer
         if host and any(hi - lo >= MIN_KERNEL_ELEMENTS for parts in cx.state.parts for lo, hi in parts):
             fused_host_adamw.warm_up()  # the host op's kernel loaded now, not in its first op
@@ -73,35 +74,47 @@ class OptimizerOps:
         lo, hi = state.parts[b][j]
         rid = cx.binding.dep_of_kind[t.id].get(READ_OPT_STATES)
         ssd_parts = rs.staged.pop(Staged("opt_states_read", rid)) if rid is not None else {}
-        groups = decay_pieces(state.layout, b, state.shards[b][0], lo, hi)  # weight decay or not
+        groups = self._groups(b, lo, hi)  # weight decay or not
         step = rs.step0 + t.iteration + 1
         grads = state.grads[b]
         if (t.iteration, b) in self.unwritten:
             grads[lo:hi].zero_()
         dests = self._weight_dests(rs, t, j, lo, hi)
-        stretches = {cls: _stretches(state.vec[cls][b], lo, hi, ssd_parts.get(cls)) for cls in OPT_CLASSES}
         if compressed(state.spec.optimizer_states):  # decoded, updated, encoded (executor/optim/qstate.py)
+            stretches = {cls: _stretches(state.vec[cls][b], lo, hi, ssd_parts.get(cls))
+                         for cls in OPT_CLASSES}
             coef = clip_prelude(cx, rs, t, step, [grads[ga:gz] for ga, gz, _d in groups])
             host_adamw_compressed(cx.hyper, step, b, groups, stretches, grads, dests, coef, zero_grads=False)
         else:  # the squares for the step's norm summed in the update's pass
+            pieces = {cls: _pieces(state.vec[cls][b], lo, hi, ssd_parts.get(cls)) for cls in OPT_CLASSES}
             norms = cx.norms
             coef = clip_factor(cx, rs, t, step, [])  # (a host op's global factor needs no gradients passed)
-            sumsq = host_adamw(cx.hyper, step, groups, stretches, grads, dests, coef,
+            sumsq = host_adamw(cx.hyper, step, groups, pieces, grads, dests, coef,
                                squares=norms is not None and norms.wants_squares(), zero_grads=False)
             if norms is not None:
                 norms.add_squares(step, sumsq)
         rs.staged[Staged("opt_states_out", t.id)] = ssd_parts
 
+    def _groups(self, b: int, lo: int, hi: int) -> list[tuple[int, int, bool]]:
+        """The decay groups of block b's range [lo, hi) (decay_pieces), computed once per range: the layout
+        and the shards are fixed for the ops' life."""
+        key = (b, lo, hi)
+        groups = self.groups.get(key)
+        if groups is None:
+            state = self.cx.state
+            groups = self.groups[key] = decay_pieces(state.layout, b, state.shards[b][0], lo, hi)
+        return groups
+
     def _weight_dests(self, rs: RoundState, t: Task, j: int, lo: int,
                       hi: int) -> list[tuple[int, int, torch.Tensor]]:
         """(a, z, buffer) for every place the compute copy of the updated range [lo, hi) goes: host memory
-        now, a transfer buffer of the device range for update_weights, one of the SSD range for
-        write_opt_states (both staged here, written by host_adamw)."""
+        now (the whole host range: the writers take [lo, hi) of it, no view made per op), a transfer buffer
+        of the device range for update_weights, one of the SSD range for write_opt_states (both staged here,
+        written by host_adamw)."""
         W = self.cx.state.vec["weights"][t.block]
         dests = []
-        a, z = max(lo, W.g), min(hi, W.ssd_lo)
-        if z > a:
-            dests.append((a, z, host_stretch(W, a, z)))
+        if min(hi, W.ssd_lo) > max(lo, W.g):
+            dests.append((W.g, W.ssd_lo, W.host))
         a, z = lo, min(hi, W.g)
         wire = self.cx.transfer_buffer(z - a, W.dtype) if z > a else None  # update_weights copies it
         rs.staged[Staged("weights_gpu", t.id)] = (a, z, wire)
@@ -159,6 +172,16 @@ class OptimizerOps:
         W = self.cx.state.vec["weights"][b].dev
         if W is not vecs[0]:  # aliased when both are fp32 on the device (TrainState.weights_alias_master)
             W.copy_(vecs[0])  # the cast to the compute dtype, in one pass (no temporary)
+
+
+def _pieces(V, lo: int, hi: int, ssd) -> list[tuple[int, int, torch.Tensor]]:
+    """(a, z, tensor) pieces that cover [lo, hi) of the fp32 state vector V: its whole host range (no view
+    made per op: host_adamw takes [lo, hi) of it), and `ssd` (lo, hi, data) where read_opt_states read its SSD
+    range."""
+    out = [(V.g, V.ssd_lo, V.host)] if min(hi, V.ssd_lo) > max(lo, V.g) else []
+    if ssd is not None:
+        out.append(ssd)
+    return out
 
 
 def _stretches(V, lo: int, hi: int, ssd) -> list[tuple[int, int, torch.Tensor]]:

@@ -1,12 +1,15 @@
 // The host optimizer op's AdamW in one pass over memory (fused_host_adamw.py builds this file with
 // torch.utils.cpp_extension and calls it; the numerics and the order of the sums are described there).
 //
-// One call updates one stretch [s0, s1) of the op's range [lo, hi): per element it reads the gradient, the
-// master and the moments once, adds the gradient's square to its chunk's lanes, updates the moments and the
-// master, writes the compute copy (bf16 bits or fp32; none) and, if asked, zeroes the gradient (the
-// executor's adam op does not ask: the step's first gradient write overwrites the accumulator, ops/grads.py).
-// Chunks of CHUNK elements counted from lo are the unit of the threads' work (at::parallel_for, each thread
-// taking the next chunk) and of the sums of squares (LANES fp32 lanes each, element e in lane (e - lo) % LANES).
+// One call updates the op's range [lo, hi), which may lie in several tensors of each kind (stretches, cut where
+// any of them is): per element it reads the gradient, the master and the moments once, adds the gradient's
+// square to its chunk's lanes, updates the moments and the master, writes the compute copy (bf16 bits or
+// fp32; none) and, if asked, zeroes the gradient (the executor's adam op does not ask: the step's first
+// gradient write overwrites the accumulator, ops/grads.py). Chunks of CHUNK elements counted from lo are the
+// unit of the threads' work (at::parallel_for, each thread taking the next chunk, all of it whatever
+// stretches and decay groups it meets) and of the sums of squares (LANES fp32 lanes each, element e in lane
+// (e - lo) % LANES, then summed in fp64 in lane order, the chunks in order). Every tensor's bounds are
+// checked before the loop.
 //
 // Built with -ffp-contract=off: the only fused multiply-adds are the two written as such (as torch's
 // vector path computes them); every other operation rounds on its own, in the vector and in the scalar loop.
@@ -22,6 +25,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <optional>
 #include <vector>
 
@@ -199,71 +203,112 @@ void piece(const Stretch& s, int64_t a, int64_t z, const Coef& c, float f, float
   scalar_loop<ZERO>(s, body, z, c, f, lanes, 0);
 }
 
-// chunk k of [s0, s1) (chunk 0: the one that s0 is in, counted from lo), its lanes in partials[row]
+// The op's arrays: the gradient accumulator (element e at g[e]) and its stretches, stretch k the elements
+// [cuts[k], cuts[k + 1]) with its pointers at element cuts[k]
+struct Range {
+  const std::vector<int64_t>& cuts;
+  std::vector<Stretch> st;
+  const std::vector<int64_t>& ends;  // the decay groups' ends (the first group starts at cuts[0])
+  const std::vector<bool>& decayed;
+  Coef c;
+};
+
+// chunk `row` of the op's range (elements lo + row * CHUNK on, counted from lo = cuts[0]) through every
+// stretch and decay group it meets, in element order; returns its squares (its lanes summed in lane order)
 template <bool ZERO>
-void chunk(const Stretch& s, int64_t s0, int64_t s1, int64_t lo, int64_t k, const Coef& c,
-           const std::vector<int64_t>& ends, const std::vector<bool>& decayed, float* partials) {
-  const int64_t row = (s0 - lo) / CHUNK + k;
-  const int64_t cs = lo + row * CHUNK;
-  const int64_t a = std::max(s0, cs), z = std::min(s1, cs + CHUNK);
-  size_t j = 0;
-  while (ends[j] <= a) ++j;
-  for (int64_t x = a; x < z; ++j) {
-    const int64_t y = std::min(z, ends[j]);
-    piece<ZERO>(s, x - s0, y - s0, c, decayed[j] ? c.decay : 1.0f, partials + row * LANES, (x - lo) % LANES);
+double chunk(const Range& r, int64_t row) {
+  const int64_t lo = r.cuts.front(), hi = r.cuts.back();
+  const int64_t a = lo + row * CHUNK, z = std::min(hi, a + CHUNK);
+  float lanes[LANES] = {};
+  size_t k = std::upper_bound(r.cuts.begin(), r.cuts.end(), a) - r.cuts.begin() - 1;
+  size_t j = std::upper_bound(r.ends.begin(), r.ends.end(), a) - r.ends.begin();
+  for (int64_t x = a; x < z;) {
+    const int64_t s0 = r.cuts[k];
+    const int64_t y = std::min({z, r.cuts[k + 1], r.ends[j]});
+    piece<ZERO>(r.st[k], x - s0, y - s0, r.c, r.decayed[j] ? r.c.decay : 1.0f, lanes, (x - lo) % LANES);
     x = y;
+    if (x == r.cuts[k + 1]) ++k;
+    if (x == r.ends[j]) ++j;
   }
+  double sum = 0.0;
+  for (int64_t e = 0; e < LANES; ++e) sum += double(lanes[e]);
+  return sum;
 }
 
-void check_fp32(const at::Tensor& t, int64_t n, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.is_contiguous() &&
-                  t.numel() == n,
-              "fused_host_adamw: ", what, " must be a contiguous 1-D fp32 CPU tensor of ", n, " elements");
+// tensor t holds the stretch's n elements from index `at` on: a contiguous 1-D CPU tensor of a dtype in
+// `dtypes`, large enough (so that the loop reads and writes inside it)
+void check_piece(const at::Tensor& t, int64_t at, int64_t n, std::initializer_list<at::ScalarType> dtypes,
+                 const char* what, size_t k) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.is_contiguous() &&
+                  std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) != dtypes.end(),
+              "fused_host_adamw: ", what, " of stretch ", k, " must be a contiguous 1-D CPU tensor (fp32",
+              dtypes.size() > 1 ? " or bf16" : "", "), got ", t.scalar_type(), " of ", t.dim(), " dims");
+  TORCH_CHECK(at >= 0 && at + n <= t.numel(), "fused_host_adamw: ", what, " of stretch ", k, " holds ",
+              t.numel(), " elements, not [", at, ", ", at + n, ")");
 }
 
-// The update of elements [s0, s1) of the op's range starting at element lo: g, p, m, v (fp32) and d (bf16,
-// fp32 or None) hold them from index 0; group_ends / group_decayed: the ends of the op's decay groups
-// (element numbers, increasing) and whether each is decayed; partials: one row of LANES fp32 per chunk of
-// the op's range, added to; zero_grads: whether g is zeroed after its use (else left as it was). Runs on
-// at::get_num_threads() threads, without the GIL.
-void step(const at::Tensor& g, const at::Tensor& p, const at::Tensor& m, const at::Tensor& v,
-          const std::optional<at::Tensor>& d, const std::vector<double>& coef, int64_t lo, int64_t s0,
-          int64_t s1, const std::vector<int64_t>& group_ends, const std::vector<bool>& group_decayed,
-          const at::Tensor& partials, bool zero_grads) {
-  const int64_t n = s1 - s0;
-  TORCH_CHECK(lo <= s0 && s0 < s1, "fused_host_adamw: the stretch [", s0, ", ", s1, ") is empty or before ",
-              lo);
-  check_fp32(g, n, "the gradient");
-  check_fp32(p, n, "the master");
-  check_fp32(m, n, "adam_m");
-  check_fp32(v, n, "adam_v");
+// The op's stretches, checked: stretch k's master, moments and compute copy (bf16, fp32 or None) are p[k],
+// m[k], v[k], d[k], holding its elements from index offsets[4k + 0..3] on
+std::vector<Stretch> stretches(const at::Tensor& g, const std::vector<int64_t>& cuts,
+                               const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& m,
+                               const std::vector<at::Tensor>& v, const std::vector<std::optional<at::Tensor>>& d,
+                               const std::vector<int64_t>& offsets) {
+  const size_t n = cuts.size() - 1;
+  TORCH_CHECK(p.size() == n && m.size() == n && v.size() == n && d.size() == n && offsets.size() == 4 * n,
+              "fused_host_adamw: ", n, " stretches: as many masters, adam_m, adam_v, compute copies and 4 "
+              "offsets each");
+  TORCH_CHECK(g.device().is_cpu() && g.scalar_type() == at::kFloat && g.dim() == 1 && g.is_contiguous() &&
+                  g.numel() >= cuts.back(),
+              "fused_host_adamw: the gradient must be a contiguous 1-D fp32 CPU tensor of at least ",
+              cuts.back(), " elements");
+  std::vector<Stretch> out;
+  for (size_t k = 0; k < n; ++k) {
+    const int64_t len = cuts[k + 1] - cuts[k];
+    const int64_t* at = &offsets[4 * k];
+    check_piece(p[k], at[0], len, {at::kFloat}, "the master", k);
+    check_piece(m[k], at[1], len, {at::kFloat}, "adam_m", k);
+    check_piece(v[k], at[2], len, {at::kFloat}, "adam_v", k);
+    Stretch s{g.data_ptr<float>() + cuts[k], p[k].data_ptr<float>() + at[0], m[k].data_ptr<float>() + at[1],
+              v[k].data_ptr<float>() + at[2], nullptr, NO_DEST};
+    if (d[k].has_value()) {
+      const at::Tensor& t = *d[k];
+      check_piece(t, at[3], len, {at::kFloat, at::kBFloat16}, "the compute copy", k);
+      const bool bf16 = t.scalar_type() == at::kBFloat16;
+      s.d = static_cast<char*>(t.data_ptr()) + at[3] * (bf16 ? 2 : 4);
+      s.dmode = bf16 ? DEST_BF16 : DEST_F32;
+    }
+    out.push_back(s);
+  }
+  return out;
+}
+
+// The update of the op's range [cuts[0], cuts.back()): g is the gradient accumulator indexed by element; the
+// range's stretches are as `stretches` says; group_ends / group_decayed: the ends of the op's decay groups
+// (element numbers, increasing; the first group starts at cuts[0]) and whether each is decayed; zero_grads:
+// whether the gradient is zeroed after its use (else only read). Returns the sum of the squares of the
+// (unclipped) gradients. Runs on at::get_num_threads() threads, without the GIL.
+double step(const at::Tensor& g, const std::vector<int64_t>& cuts, const std::vector<at::Tensor>& p,
+            const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& v,
+            const std::vector<std::optional<at::Tensor>>& d, const std::vector<int64_t>& offsets,
+            const std::vector<double>& coef, const std::vector<int64_t>& group_ends,
+            const std::vector<bool>& group_decayed, bool zero_grads) {
+  TORCH_CHECK(cuts.size() >= 2 && cuts.front() >= 0, "fused_host_adamw: the cuts must hold the range's ends");
+  for (size_t k = 1; k < cuts.size(); ++k) {
+    TORCH_CHECK(cuts[k - 1] < cuts[k], "fused_host_adamw: the cuts must increase");
+  }
   TORCH_CHECK(coef.size() == 8, "fused_host_adamw: 8 coefficients, got ", coef.size());
-  TORCH_CHECK(!group_ends.empty() && group_ends.size() == group_decayed.size() && group_ends.back() >= s1,
-              "fused_host_adamw: the decay groups must end at or after ", s1);
+  TORCH_CHECK(!group_ends.empty() && group_ends.size() == group_decayed.size() &&
+                  group_ends.back() >= cuts.back() && group_ends.front() > cuts.front(),
+              "fused_host_adamw: the decay groups must end inside the range and at or after ", cuts.back());
   for (size_t j = 1; j < group_ends.size(); ++j) {
     TORCH_CHECK(group_ends[j - 1] < group_ends[j], "fused_host_adamw: the decay groups' ends must increase");
   }
-  const int64_t rows = (s1 - 1 - lo) / CHUNK + 1;
-  TORCH_CHECK(partials.device().is_cpu() && partials.scalar_type() == at::kFloat && partials.dim() == 2 &&
-                  partials.is_contiguous() && partials.size(1) == LANES && partials.size(0) >= rows,
-              "fused_host_adamw: partials must be a contiguous fp32 CPU tensor of at least ", rows, " x ",
-              LANES);
-  Stretch s{g.data_ptr<float>(), p.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), nullptr,
-            NO_DEST};
-  if (d.has_value()) {
-    const at::Tensor& t = *d;
-    TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.is_contiguous() && t.numel() == n &&
-                    (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat),
-                "fused_host_adamw: the compute copy must be a contiguous 1-D bf16 or fp32 CPU tensor of ", n,
-                " elements");
-    s.d = t.data_ptr();
-    s.dmode = t.scalar_type() == at::kBFloat16 ? DEST_BF16 : DEST_F32;
-  }
-  const Coef c{float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]),
-               float(coef[4]), float(coef[5]), float(coef[6]), float(coef[7])};
-  float* parts = partials.data_ptr<float>();
-  const int64_t n_chunks = rows - (s0 - lo) / CHUNK;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n_chunks);
+  const Range r{cuts, stretches(g, cuts, p, m, v, d, offsets), group_ends, group_decayed,
+                Coef{float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), float(coef[4]),
+                     float(coef[5]), float(coef[6]), float(coef[7])}};
+  const int64_t rows = (cuts.back() - 1 - cuts.front()) / CHUNK + 1;
+  std::vector<double> sums(rows, 0.0);  // each chunk's squares
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), rows);
   std::atomic<int64_t> next{0};
   std::mutex seen_lock;
   std::vector<std::thread::id> seen;  // the threads that ran a unit (once per thread per call: no cost)
@@ -275,45 +320,27 @@ void step(const at::Tensor& g, const at::Tensor& p, const at::Tensor& m, const a
       const auto me = std::this_thread::get_id();
       if (std::find(seen.begin(), seen.end(), me) == seen.end()) seen.push_back(me);
     }
-    for (int64_t k = next.fetch_add(1); k < n_chunks; k = next.fetch_add(1)) {
-      if (zero_grads) {
-        chunk<true>(s, s0, s1, lo, k, c, group_ends, group_decayed, parts);
-      } else {
-        chunk<false>(s, s0, s1, lo, k, c, group_ends, group_decayed, parts);
-      }
+    for (int64_t k = next.fetch_add(1); k < rows; k = next.fetch_add(1)) {
+      sums[k] = zero_grads ? chunk<true>(r, k) : chunk<false>(r, k);
     }
   });
   last_team_size.store(int64_t(seen.size()));
+  double total = 0.0;  // the chunks in order
+  for (double s : sums) total += s;
+  return total;
 }
 
 // how many distinct threads ran the last `step` call's units (of any caller): the check that the kernel runs
 // on torch's team, not on one thread (built without -fopenmp, at::parallel_for's OpenMP region is dropped)
 int64_t last_threads() { return last_team_size.load(); }
 
-// the sum of squares: each row's lanes in fp64 in lane order, the rows in order
-double total(const at::Tensor& partials) {
-  TORCH_CHECK(partials.device().is_cpu() && partials.scalar_type() == at::kFloat && partials.dim() == 2 &&
-                  partials.is_contiguous() && partials.size(1) == LANES,
-              "fused_host_adamw: partials must be a contiguous fp32 CPU tensor of rows of ", LANES);
-  const float* x = partials.data_ptr<float>();
-  double sum = 0.0;
-  for (int64_t r = 0; r < partials.size(0); ++r) {
-    double row = 0.0;
-    for (int64_t k = 0; k < LANES; ++k) row += double(x[r * LANES + k]);
-    sum += row;
-  }
-  return sum;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.attr("LANES") = LANES;
   mod.attr("CHUNK") = CHUNK;
-  // zero_grads defaults to true (the gradient zeroed, as before the argument was added)
-  mod.def("step", &step, py::arg("g"), py::arg("p"), py::arg("m"), py::arg("v"), py::arg("d"), py::arg("coef"),
-          py::arg("lo"), py::arg("s0"), py::arg("s1"), py::arg("group_ends"), py::arg("group_decayed"),
-          py::arg("partials"), py::arg("zero_grads") = true, py::call_guard<py::gil_scoped_release>());
-  mod.def("total", &total, py::call_guard<py::gil_scoped_release>());
+  mod.def("step", &step, py::arg("g"), py::arg("cuts"), py::arg("p"), py::arg("m"), py::arg("v"), py::arg("d"),
+          py::arg("offsets"), py::arg("coef"), py::arg("group_ends"), py::arg("group_decayed"),
+          py::arg("zero_grads"), py::call_guard<py::gil_scoped_release>());
   mod.def("last_threads", &last_threads);
 }

@@ -39,19 +39,26 @@ Threads: torch.get_num_threads() of them, torch's own intra-op team (at::paralle
 native pool, whichever torch was built with), one unit per thread, each taking the next chunk until none is
 left (a preempted thread holds up one chunk, not a fixed share); the module's `last_threads()` says how
 many distinct threads ran the last call's units (tests/executor/optim/test_fused_host_adamw.py checks that
-it is torch's setting, not 1). The call releases the GIL. The arguments
-are checked before the loop (TORCH_CHECK: devices, dtypes, contiguity, sizes, the groups' ends, the rows of
-partial sums), so a wrong call raises instead of writing outside a tensor.
+it is torch's setting, not 1). The call releases the GIL.
+
+One call per op (`run_step`): the whole range, however its states and destinations are cut into tensors
+(the host/SSD boundary, the device range of the weights), each tensor given whole with the offset of the
+stretch in it, so the op makes no view and no tensor per call; how the range lies in its tensors depends
+only on the plan's static ranges and is worked out once per range (`_cutting`, cached). The arguments are
+checked before the loop (TORCH_CHECK: devices, dtypes, contiguity, every stretch's offset and length against
+its tensor's size, the cuts, the groups' ends), so a wrong call raises instead of writing outside a tensor.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
 import platform
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -206,44 +213,69 @@ def coefficients(lr: float, beta1: float, beta2: float, eps: float, weight_decay
 
 def run_step(consts: list[float], groups, states, grads, dests, want_squares: bool,
              zero_grads: bool = True) -> float | None:
-    """The update of the op's adjacent decay groups [(a, z, decayed)] (see host_adamw): one kernel call per
-    stretch of elements that lies in one tensor of each kind; returns the sum of the squares of the
-    (unclipped) gradients when `want_squares`. fp16 destinations are not written (the caller casts). With
-    `zero_grads` the gradients are zeroed after their use, else left as they were (read only)."""
+    """The update of the op's adjacent decay groups [(a, z, decayed)] (see host_adamw) in one kernel call:
+    `states` and `dests` are (a, z, tensor) pieces (a tensor holding elements [a, z) from index 0; a piece
+    may reach beyond the op's range), `grads` the accumulator indexed by element. Returns the sum of the
+    squares of the (unclipped) gradients when `want_squares`. fp16 destinations are not written (the caller
+    casts). With `zero_grads` the gradients are zeroed after their use, else left as they were (read only)."""
     import torch
 
-    k = kernel()
+    out = (torch.bfloat16, torch.float32)  # the kernel's destinations
+    pieces = (states["master"], states["adam_m"], states["adam_v"], dests)
+    cut = _cutting(tuple(groups), tuple(tuple((a, z) for a, z, _t in ps) for ps in pieces[:3]),
+                   tuple((a, z, t.dtype in out) for a, z, t in dests))
+    p, m, v, d = ([ps[i][2] if i >= 0 else None for i in at] for ps, at in zip(pieces, cut.pieces))
+    s = kernel().step(grads, cut.cuts, p, m, v, d, cut.offsets, consts, cut.ends, cut.decayed, zero_grads)
+    return s if want_squares else None
+
+
+@dataclass(frozen=True)
+class Cutting:
+    """How one op's range lies in its tensors (`_cutting`): the stretches [cuts[k], cuts[k + 1]), for each of
+    the four kinds (master, adam_m, adam_v, compute copy) the index of the piece holding stretch k (-1: no
+    compute copy written), each stretch's four offsets in those pieces, the decay groups' ends and flags."""
+
+    cuts: tuple[int, ...]
+    pieces: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    ends: tuple[int, ...]
+    decayed: tuple[bool, ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def _cutting(groups: tuple, state_spans: tuple, dest_spans: tuple) -> Cutting:
+    """The Cutting of the range of `groups` over the pieces' spans ((a, z) per piece of master, adam_m,
+    adam_v; (a, z, written by the kernel) per destination): a function of the plan's static ranges, so
+    computed once per op range and placement, not per step."""
     lo, hi = groups[0][0], groups[-1][1]
-    ends = [z for _a, z, _d in groups]
-    decayed = [bool(d) for _a, _z, d in groups]
-    partials = torch.zeros(((hi - lo + CHUNK - 1) // CHUNK, LANES), dtype=torch.float32)
-    for s0, s1, p, m, v, d in _stretches(states, dests, lo, hi):
-        k.step(grads[s0:s1], p, m, v, d, consts, lo, s0, s1, ends, decayed, partials, zero_grads)
-    return k.total(partials) if want_squares else None
-
-
-def _stretches(states, dests, lo: int, hi: int) -> list[tuple]:
-    """(s0, s1, master, m, v, destination or None) per stretch of [lo, hi) that lies in one tensor of each
-    kind (the destination: bf16 or fp32, else None: the caller casts fp16)."""
-    import torch
-
     cuts = {lo, hi}
-    for pieces in (*states.values(), dests):
-        cuts.update(x for a, z, _t in pieces for x in (a, z) if lo < x < hi)
+    for spans in (*state_spans, dest_spans):
+        cuts.update(x for a, z, *_w in spans for x in (a, z) if lo < x < hi)
     cuts = sorted(cuts)
-    outs = [(a, z, t) for a, z, t in dests if t.dtype in (torch.bfloat16, torch.float32)]
-    return [(s0, s1, *(_piece_of(states[cls], s0, s1) for cls in ("master", "adam_m", "adam_v")),
-             _piece_of(outs, s0, s1, missing_ok=True)) for s0, s1 in zip(cuts, cuts[1:])]
+    outs = [(i, a, z) for i, (a, z, written) in enumerate(dest_spans) if written]
+    index: tuple[list[int], ...] = ([], [], [], [])
+    offsets = []
+    for s0, s1 in zip(cuts, cuts[1:]):
+        for kind, spans in enumerate(state_spans):
+            i, a = _holder([(i, a, z) for i, (a, z) in enumerate(spans)], s0, s1)
+            index[kind].append(i)
+            offsets.append(s0 - a)
+        i, a = _holder(outs, s0, s1, missing_ok=True)
+        index[3].append(i)
+        offsets.append(s0 - a)
+    return Cutting(tuple(cuts), tuple(map(tuple, index)), tuple(offsets), tuple(z for _a, z, _d in groups),
+                   tuple(bool(d) for _a, _z, d in groups))
 
 
-def _piece_of(pieces, s0: int, s1: int, missing_ok: bool = False):
-    """The view of elements [s0, s1) in the one (a, z, tensor) of `pieces` that holds them."""
-    for a, z, t in pieces:
+def _holder(spans: list[tuple[int, int, int]], s0: int, s1: int, missing_ok: bool = False) -> tuple[int, int]:
+    """(index, first element) of the one (index, a, z) of `spans` that holds elements [s0, s1); (-1, s0) if
+    none does and `missing_ok`."""
+    for i, a, z in spans:
         if a <= s0 and s1 <= z:
-            return t if a == s0 and z == s1 else t[s0 - a: s1 - a]
+            return i, a
     if not missing_ok:
-        raise ValueError(f"no stretch holds elements [{s0}, {s1})")
-    return None
+        raise ValueError(f"no piece holds elements [{s0}, {s1})")
+    return -1, s0
 
 
 _ONCE = _Once()

@@ -144,9 +144,8 @@ def test_it_runs_on_torchs_team_of_threads():
     for threads in (2, 1, 2):
         torch.set_num_threads(threads)
         t = [torch.randn(n) for _ in range(4)]
-        parts = torch.zeros((n + f.CHUNK - 1) // f.CHUNK, f.LANES)
-        k.step(t[0], t[1], t[2], t[3], None, f.coefficients(1e-3, 0.9, 0.95, 1e-8, 0.0, 1, 1.0), 0, 0, n, [n],
-               [True], parts)
+        k.step(t[0], [0, n], [t[1]], [t[2]], [t[3]], [None], [0] * 4,
+               f.coefficients(1e-3, 0.9, 0.95, 1e-8, 0.0, 1, 1.0), [n], [True], True)
         assert k.last_threads() == threads, (threads, k.last_threads())
 
 
@@ -170,26 +169,37 @@ def test_cast_bits_as_torch():
 
 
 def test_a_wrong_call_is_refused_before_the_loop():
-    """Sizes, dtypes, the groups' ends and the rows of partial sums are checked before any element is
-    written: a call that would read or write outside a tensor raises and leaves the tensors as they were."""
+    """Sizes, offsets, dtypes, the cuts and the groups' ends are checked before any element is written: a
+    call that would read or write outside a tensor raises and leaves the tensors as they were."""
     k = fused_host_adamw.kernel()
     n = 1000
     g, p, m, v = (torch.full((n,), 0.5) for _ in range(4))
     c = fused_host_adamw.coefficients(1e-3, 0.9, 0.95, 1e-8, 0.1, 1, 1.0)
-    parts = torch.zeros(1, fused_host_adamw.LANES)
-    bad = [((g, p, m[:-1], v, None, c, 0, 0, n, [n], [True], parts), "adam_m"),
-           ((g, p, m, v, torch.empty(n - 1, dtype=torch.bfloat16), c, 0, 0, n, [n], [True], parts),
-            "compute copy"),
-           ((g, p.double(), m, v, None, c, 0, 0, n, [n], [True], parts), "master"),
-           ((g, p, m, v, None, c, 0, 0, n, [n - 1], [True], parts), "decay groups"),
-           ((g, p, m, v, None, c[:7], 0, 0, n, [n], [True], parts), "coefficients"),
-           ((g, p, m, v, None, c, 0, 0, n, [n], [True], torch.zeros(1, 8)), "partials"),
-           ((g[::2], p[::2], m[::2], v[::2], None, c, 0, 0, n // 2, [n], [True], parts), "contiguous")]
+
+    def call(g=g, cuts=(0, n), p=p, m=m, v=v, d=None, offsets=(0, 0, 0, 0), c=c, ends=(n,), decayed=(True,)):
+        return k.step(g, list(cuts), [p], [m], [v], [d], list(offsets), c, list(ends), list(decayed), True)
+
+    bad = [(dict(m=m[:-1]), "adam_m of stretch 0 holds 999 elements"),
+           (dict(d=torch.empty(n - 1, dtype=torch.bfloat16)), "compute copy of stretch 0 holds"),
+           (dict(d=torch.empty(n, dtype=torch.float16)), "compute copy of stretch 0 must be"),
+           (dict(p=p.double()), "the master of stretch 0 must be"),
+           (dict(offsets=(0, 1, 0, 0)), "adam_m of stretch 0 holds 1000 elements, not \\[1, 1001\\)"),
+           (dict(offsets=(-1, 0, 0, 0)), "the master of stretch 0 holds"),
+           (dict(g=g[:-1]), "gradient"),
+           (dict(cuts=(0, n + 1), ends=(n + 1,), g=torch.zeros(n + 1)), "the master of stretch 0 holds"),
+           (dict(cuts=(5, 5)), "cuts must increase"),
+           (dict(cuts=(-1, n)), "cuts must hold"),
+           (dict(ends=(n - 1,)), "decay groups"),
+           (dict(ends=(500, 400, n), decayed=(True, False, True)), "decay groups' ends must increase"),
+           (dict(ends=(n,), decayed=(True, False)), "decay groups"),
+           (dict(c=c[:7]), "coefficients"),
+           (dict(offsets=(0, 0, 0)), "offsets"),
+           (dict(g=g[::2], p=p[::2], m=m[::2], v=v[::2], cuts=(0, n // 2)), "contiguous")]
     for args, what in bad:
         with pytest.raises(RuntimeError, match=what):
-            k.step(*args)
+            call(**args)
     assert all(torch.equal(t, torch.full((n,), 0.5)) for t in (g, p, m, v))
-    k.step(g, p, m, v, None, c, 0, 0, n, [n], [True], parts)  # the same call, right: it runs
+    call()  # the same call, right: it runs
     assert torch.equal(g, torch.zeros(n)) and not torch.equal(p, torch.full((n,), 0.5))
 
 
