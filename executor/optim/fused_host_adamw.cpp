@@ -33,6 +33,7 @@ namespace {
 
 constexpr int64_t LANES = 16;     // fp32 partial sums of squares per chunk
 constexpr int64_t CHUNK = 16384;  // elements per chunk (64 KiB of fp32)
+constexpr int64_t UNIT = 1;       // chunks per unit of a thread's work (the next unit taken when one is done)
 constexpr int64_t PREFETCH = 512; // elements ahead that the vector loop prefetches in each fp32 stream
 
 using Vec = at::vec::Vectorized<float>;
@@ -308,20 +309,23 @@ double step(const at::Tensor& g, const std::vector<int64_t>& cuts, const std::ve
                      float(coef[5]), float(coef[6]), float(coef[7])}};
   const int64_t rows = (cuts.back() - 1 - cuts.front()) / CHUNK + 1;
   std::vector<double> sums(rows, 0.0);  // each chunk's squares
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), rows);
+  const int64_t units = (rows + UNIT - 1) / UNIT;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), units);
   std::atomic<int64_t> next{0};
   std::mutex seen_lock;
   std::vector<std::thread::id> seen;  // the threads that ran a unit (once per thread per call: no cost)
-  // one unit per thread; each takes the next chunk until none is left (a preempted thread holds up one
-  // chunk, not a fixed share)
+  // one task per thread; each takes the next unit of UNIT chunks until none is left (a preempted thread
+  // holds up one unit, not a fixed share)
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     {
       std::lock_guard<std::mutex> hold(seen_lock);
       const auto me = std::this_thread::get_id();
       if (std::find(seen.begin(), seen.end(), me) == seen.end()) seen.push_back(me);
     }
-    for (int64_t k = next.fetch_add(1); k < rows; k = next.fetch_add(1)) {
-      sums[k] = zero_grads ? chunk<true>(r, k) : chunk<false>(r, k);
+    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
+      for (int64_t k = u * UNIT; k < std::min(rows, (u + 1) * UNIT); ++k) {
+        sums[k] = zero_grads ? chunk<true>(r, k) : chunk<false>(r, k);
+      }
     }
   });
   last_team_size.store(int64_t(seen.size()));
