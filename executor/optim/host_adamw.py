@@ -55,7 +55,8 @@ def host_adamw(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states:
     """AdamW step `step` (1-based) on the adjacent element ranges `groups` [(a, z, decayed)]: `states` has
     the stretches of the master ("master") and the moments ("adam_m", "adam_v") that cover them, `grads` the
     fp32 gradient accumulator indexed by element, `dests` the buffers the updated master goes to in the
-    compute dtype; `coef` multiplies the gradients first
+    compute dtype (a stretch or a buffer may reach beyond the groups: only their elements are read and
+    written); `coef` multiplies the gradients first
     (clipping). With `squares`, returns the sum of the squares of the (unclipped) gradients for the step's
     norm (a float from the one-pass kernel, a 0-d fp32 tensor from torch's kernels). With `zero_grads` the
     gradients of the groups are zeroed after the update; without, their values afterwards are unspecified

@@ -134,6 +134,31 @@ def test_the_same_bits_on_any_thread_count_and_cut():
         assert torch.equal(dest, out[0][1]) and sq == out[0][2]
 
 
+@pytest.mark.parametrize("pure", [False, True])
+def test_pieces_reaching_beyond_the_range(pure, monkeypatch):
+    """The adam op hands over whole host buffers (ops/optimizer.py `_pieces`): a state piece or a destination
+    that holds more than the op's range is read and written only inside it, with the bits of pieces of
+    exactly the range, by the kernel and by torch's kernels (pure)."""
+    if pure:
+        monkeypatch.setenv("TIERFLOW_PURE_ADAMW", "1")
+    exact, wide = _state(6), _state(6)
+    mid = LO + 4000
+    outs = [torch.empty(N, dtype=torch.bfloat16), torch.full((HI + 3,), 9.0, dtype=torch.bfloat16)]
+    sq0 = _run(exact, 2, 0.5, [mid], [(LO, HI, outs[0])], 2)
+    torch.set_num_threads(2)
+    st = {k: [(0, mid, torch.cat([torch.full((LO,), 9.0), wide[k][: mid - LO]])),
+              (mid, HI + 7, torch.cat([wide[k][mid - LO:], torch.full((7,), 9.0)]))] for k in STATES}
+    sq1 = host_adamw(H, 2, GROUPS, st, wide["grads"], [(0, HI + 3, outs[1])], 0.5, squares=True,
+                     zero_grads=True)
+    for k in STATES:
+        (_a, _m, head), (_m2, _z, tail) = st[k]
+        assert torch.equal(torch.cat([head[LO:], tail[:-7]]), exact[k]), k
+        assert (head[:LO] == 9.0).all() and (tail[-7:] == 9.0).all(), k
+    assert torch.equal(outs[1][LO:HI], outs[0])
+    assert (outs[1][:LO] == 9.0).all() and (outs[1][HI:] == 9.0).all()
+    assert torch.equal(wide["grads"], exact["grads"]) and float(sq0) == float(sq1)
+
+
 def test_it_runs_on_torchs_team_of_threads():
     """With torch on two threads the kernel's units run on two distinct threads, with one on one: the kernel
     is built where at::parallel_for's region really forks (with -fopenmp where torch's threads are OpenMP's;
