@@ -10,6 +10,8 @@ overwrites them (ops/grads.py `host_grad_writes`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tierflow.executor.binding import OPTIMIZER_PART
@@ -20,7 +22,7 @@ from tierflow.executor.optim import fused_host_adamw
 from tierflow.executor.optim.adamw import adamw_update
 from tierflow.executor.optim.clipping import GradNorms, sum_of_squares
 from tierflow.executor.optim.decay import decay_pieces
-from tierflow.executor.optim.host_adamw import MIN_KERNEL_ELEMENTS, host_adamw
+from tierflow.executor.optim.host_adamw import MIN_KERNEL_ELEMENTS, RangeStep
 from tierflow.executor.optim.qstate import (
     adam_gpu_compressed,
     compressed,
@@ -35,6 +37,44 @@ from tierflow.planner.core.opkinds import READ_OPT_STATES
 OPT_CLASSES = ("master", "adam_m", "adam_v")
 
 
+@dataclass
+class HostPart:
+    """What the host adam op of one optimizer part of a block reuses from step to step (the plan's ranges
+    and the tiers' splits fix it): its range and decay groups, the fp32 states' host pieces (each vector's
+    whole host range: no view made per op), the compute copy's host piece, the device range of the weights
+    (a transfer buffer per op), their SSD files' ranges of this part, and the update (RangeStep, made at the
+    first step: how the range lies in its pieces)."""
+
+    lo: int
+    hi: int
+    groups: list[tuple[int, int, bool]]
+    compressed: bool  # 8-bit states (their own path, qstate.py)
+    pieces: dict[str, list[tuple[int, int, torch.Tensor]]]  # master, adam_m, adam_v: the host piece or none
+    host_dest: list[tuple[int, int, torch.Tensor]]  # the weights' host piece or none
+    wire: tuple[int, int]  # [a, z) of the part in the weights' device range (empty if z <= a)
+    wdtype: torch.dtype
+    w_ssd: list[tuple[str, int, int]]  # (file, lo, hi) of the part's weights on the SSD tier
+    hosts: list[tuple[object, torch.Tensor | None]]  # (vector, its host tensor then): see `current`
+    update: RangeStep | None = None
+
+    @classmethod
+    def of(cls, state, b: int, j: int) -> HostPart:
+        lo, hi = state.parts[b][j]
+        W = state.vec["weights"][b]
+        fp32 = not compressed(state.spec.optimizer_states)
+        vecs = [state.vec[c][b] for c in (*OPT_CLASSES, "weights")]
+        return cls(lo, hi, decay_pieces(state.layout, b, state.shards[b][0], lo, hi),
+                   not fp32, {c: _pieces(state.vec[c][b], lo, hi, None) for c in OPT_CLASSES} if fp32 else {},
+                   _pieces(W, lo, hi, None), (lo, min(hi, W.g)), W.dtype,
+                   [(name, plo, phi) for name, pj, plo, phi in W.ssd_pieces() if pj == j] if W.s else [],
+                   [(V, V.host) for V in vecs])
+
+    def current(self) -> bool:
+        """Whether the vectors' host tensors are those it holds (a block set anew, TrainState.set_shard,
+        allocates new ones: then it is made again)."""
+        return all(V.host is h for V, h in self.hosts)
+
+
 class OptimizerOps:
     """AdamW steps: per optimizer part on the host (adam, adam_deferred, with their SSD reads and writes), or
     per block on the device (adam_gpu)."""
@@ -42,7 +82,7 @@ class OptimizerOps:
     def __init__(self, cx: OpContext, buffers: GradBuffers) -> None:
         self.cx, self.buffers = cx, buffers
         self.unwritten = host_grad_writes(cx.binding).unwritten  # (iteration, block): no gradient write
-        self.groups: dict[tuple[int, int, int], list[tuple[int, int, bool]]] = {}  # _groups
+        self.parts: dict[tuple[int, int], HostPart] = {}  # (block, part) -> what its host adam op reuses
         host = not cx.state.placement.gpu_optimizer
         if host and any(hi - lo >= MIN_KERNEL_ELEMENTS for parts in cx.state.parts for lo, hi in parts):
             fused_host_adamw.warm_up()  # the host op's kernel loaded now, not in its first op
@@ -68,65 +108,60 @@ class OptimizerOps:
         the next step's first write to overwrite (ops/grads.py), unless no write of this iteration reached
         it (zeroed first, then: the update of a zero gradient)."""
         b, cx = t.block, self.cx
-        state = cx.state
         HostGradAdds.wait_for(rs, b)
-        j = OPTIMIZER_PART[t.kind]
-        lo, hi = state.parts[b][j]
+        part = self._part(b, OPTIMIZER_PART[t.kind])
+        lo, hi = part.lo, part.hi
         rid = cx.binding.dep_of_kind[t.id].get(READ_OPT_STATES)
         ssd_parts = rs.staged.pop(Staged("opt_states_read", rid)) if rid is not None else {}
-        groups = self._groups(b, lo, hi)  # weight decay or not
         step = rs.step0 + t.iteration + 1
-        grads = state.grads[b]
+        grads = cx.state.grads[b]
         if (t.iteration, b) in self.unwritten:
             grads[lo:hi].zero_()
-        dests = self._weight_dests(rs, t, j, lo, hi)
-        if compressed(state.spec.optimizer_states):  # decoded, updated, encoded (executor/optim/qstate.py)
-            stretches = {cls: _stretches(state.vec[cls][b], lo, hi, ssd_parts.get(cls))
+        dests = self._weight_dests(rs, t, part)
+        if part.compressed:  # decoded, updated, encoded (executor/optim/qstate.py)
+            stretches = {cls: _stretches(cx.state.vec[cls][b], lo, hi, ssd_parts.get(cls))
                          for cls in OPT_CLASSES}
-            coef = clip_prelude(cx, rs, t, step, [grads[ga:gz] for ga, gz, _d in groups])
-            host_adamw_compressed(cx.hyper, step, b, groups, stretches, grads, dests, coef, zero_grads=False)
+            coef = clip_prelude(cx, rs, t, step, [grads[ga:gz] for ga, gz, _d in part.groups])
+            host_adamw_compressed(cx.hyper, step, b, part.groups, stretches, grads, dests, coef,
+                                  zero_grads=False)
         else:  # the squares for the step's norm summed in the update's pass
-            pieces = {cls: _pieces(state.vec[cls][b], lo, hi, ssd_parts.get(cls)) for cls in OPT_CLASSES}
+            pieces = part.pieces if not ssd_parts else {
+                cls: [*part.pieces[cls], ssd_parts[cls]] if cls in ssd_parts else part.pieces[cls]
+                for cls in OPT_CLASSES}
+            if part.update is None:  # its first step: how the range lies in these pieces, worked out once
+                part.update = RangeStep(part.groups, pieces, grads, dests)
             norms = cx.norms
             coef = clip_factor(cx, rs, t, step, [])  # (a host op's global factor needs no gradients passed)
-            sumsq = host_adamw(cx.hyper, step, groups, pieces, grads, dests, coef,
-                               squares=norms is not None and norms.wants_squares(), zero_grads=False)
+            sumsq = part.update(cx.hyper, step, pieces, grads, dests, coef,
+                                squares=norms is not None and norms.wants_squares(), zero_grads=False)
             if norms is not None:
                 norms.add_squares(step, sumsq)
         rs.staged[Staged("opt_states_out", t.id)] = ssd_parts
 
-    def _groups(self, b: int, lo: int, hi: int) -> list[tuple[int, int, bool]]:
-        """The decay groups of block b's range [lo, hi) (decay_pieces), computed once per range: the layout
-        and the shards are fixed for the ops' life."""
-        key = (b, lo, hi)
-        groups = self.groups.get(key)
-        if groups is None:
-            state = self.cx.state
-            groups = self.groups[key] = decay_pieces(state.layout, b, state.shards[b][0], lo, hi)
-        return groups
+    def _part(self, b: int, j: int) -> HostPart:
+        """Block b's optimizer part j (HostPart), made at its first op: the layout, the shards, the parts'
+        ranges and the tiers' splits are fixed for the ops' life."""
+        part = self.parts.get((b, j))
+        if part is None or not part.current():
+            part = self.parts[(b, j)] = HostPart.of(self.cx.state, b, j)
+        return part
 
-    def _weight_dests(self, rs: RoundState, t: Task, j: int, lo: int,
-                      hi: int) -> list[tuple[int, int, torch.Tensor]]:
-        """(a, z, buffer) for every place the compute copy of the updated range [lo, hi) goes: host memory
-        now (the whole host range: the writers take [lo, hi) of it, no view made per op), a transfer buffer
+    def _weight_dests(self, rs: RoundState, t: Task, part: HostPart) -> list[tuple[int, int, torch.Tensor]]:
+        """(a, z, buffer) for every place the compute copy of the updated range goes: host memory now (the
+        whole host range: the writers take the part's range of it, no view made per op), a transfer buffer
         of the device range for update_weights, one of the SSD range for write_opt_states (both staged here,
         written by host_adamw)."""
-        W = self.cx.state.vec["weights"][t.block]
-        dests = []
-        if min(hi, W.ssd_lo) > max(lo, W.g):
-            dests.append((W.g, W.ssd_lo, W.host))
-        a, z = lo, min(hi, W.g)
-        wire = self.cx.transfer_buffer(z - a, W.dtype) if z > a else None  # update_weights copies it
+        dests = list(part.host_dest)
+        a, z = part.wire
+        wire = self.cx.transfer_buffer(z - a, part.wdtype) if z > a else None  # update_weights copies it
         rs.staged[Staged("weights_gpu", t.id)] = (a, z, wire)
         if z > a:
             dests.append((a, z, wire))
         w_ssd = []
-        if W.s:  # (the SSD tier holds some of the weights)
-            for name, pj, plo, phi in W.ssd_pieces():
-                if pj == j:
-                    buf = torch.empty(phi - plo, dtype=W.dtype)
-                    dests.append((plo, phi, buf))
-                    w_ssd.append((name, buf))
+        for name, plo, phi in part.w_ssd:  # (the SSD tier holds some of the weights)
+            buf = torch.empty(phi - plo, dtype=part.wdtype)
+            dests.append((plo, phi, buf))
+            w_ssd.append((name, buf))
         rs.staged[Staged("weights_ssd", t.id)] = w_ssd
         return dests
 

@@ -51,6 +51,7 @@ its tensor's size, the cuts, the groups' ends), so a wrong call raises instead o
 
 from __future__ import annotations
 
+import array
 import functools
 import hashlib
 import math
@@ -61,12 +62,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from tierflow.extras import install_command
 from tierflow.planner.core.numba_once import OptionalKernel
 
 LANES = 16  # fp32 partial sums of squares per chunk (the C++ file's LANES)
+STATES = ("master", "adam_m", "adam_v")
 CHUNK = 16384  # elements per chunk: per set of partial sums and per unit of a thread's work (64 KiB of fp32)
 SWITCH = "TIERFLOW_PURE_ADAMW"  # "1": torch's kernels, the kernel not even built
 SOURCE = Path(__file__).with_suffix(".cpp")
@@ -207,8 +207,8 @@ def coefficients(lr: float, beta1: float, beta2: float, eps: float, weight_decay
     (Python floats holding fp32 values exactly)."""
     bc1 = 1 - math.pow(beta1, step)
     bc2 = 1 - math.pow(beta2, step)
-    return np.array([1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, math.sqrt(bc2), eps, -(lr / bc1),
-                     coef], dtype=np.float32).tolist()
+    return array.array("f", [1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, math.sqrt(bc2), eps,
+                             -(lr / bc1), coef]).tolist()  # each rounded to fp32 as a C cast (numpy's too)
 
 
 def run_step(consts: list[float], groups, states, grads, dests, want_squares: bool,
@@ -218,15 +218,25 @@ def run_step(consts: list[float], groups, states, grads, dests, want_squares: bo
     may reach beyond the op's range), `grads` the accumulator indexed by element. Returns the sum of the
     squares of the (unclipped) gradients when `want_squares`. fp16 destinations are not written (the caller
     casts). With `zero_grads` the gradients are zeroed after their use, else left as they were (read only)."""
+    s = run_cut(kernel(), cutting(groups, states, dests), consts, states, grads, dests, zero_grads)
+    return s if want_squares else None
+
+
+def run_cut(k, cut: Cutting, consts: list[float], states, grads, dests, zero_grads: bool) -> float:
+    """run_step by the kernel `k` with the Cutting `cut` of these pieces' spans (`cutting`, made once for the
+    range); returns the sum of the squares."""
+    pieces = (states["master"], states["adam_m"], states["adam_v"], dests)
+    p, m, v, d = ([ps[i][2] if i >= 0 else None for i in at] for ps, at in zip(pieces, cut.pieces))
+    return k.step(grads, cut.cuts, p, m, v, d, cut.offsets, consts, cut.ends, cut.decayed, zero_grads)
+
+
+def cutting(groups, states, dests) -> Cutting:
+    """How the range of `groups` lies in the pieces of `states` and `dests` (cached by their spans)."""
     import torch
 
     out = (torch.bfloat16, torch.float32)  # the kernel's destinations
-    pieces = (states["master"], states["adam_m"], states["adam_v"], dests)
-    cut = _cutting(tuple(groups), tuple(tuple((a, z) for a, z, _t in ps) for ps in pieces[:3]),
-                   tuple((a, z, t.dtype in out) for a, z, t in dests))
-    p, m, v, d = ([ps[i][2] if i >= 0 else None for i in at] for ps, at in zip(pieces, cut.pieces))
-    s = kernel().step(grads, cut.cuts, p, m, v, d, cut.offsets, consts, cut.ends, cut.decayed, zero_grads)
-    return s if want_squares else None
+    return _cutting(tuple(groups), tuple(tuple((a, z) for a, z, _t in states[c]) for c in STATES),
+                    tuple((a, z, t.dtype in out) for a, z, t in dests))
 
 
 @dataclass(frozen=True)

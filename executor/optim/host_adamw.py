@@ -60,9 +60,44 @@ def host_adamw(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states:
     (clipping). With `squares`, returns the sum of the squares of the (unclipped) gradients for the step's
     norm (a float from the one-pass kernel, a 0-d fp32 tensor from torch's kernels). With `zero_grads` the
     gradients of the groups are zeroed after the update; without, their values afterwards are unspecified
-    (the one-pass kernel leaves them, torch's kernels leave them multiplied by `coef`)."""
-    if _fusable(groups, states, grads, dests):
-        return _fused(h, step, groups, states, grads, dests, coef, squares, zero_grads)
+    (the one-pass kernel leaves them, torch's kernels leave them multiplied by `coef`). (`RangeStep`, made
+    once, for the same range's every step.)"""
+    return RangeStep(groups, states, grads, dests)(h, step, states, grads, dests, coef, squares, zero_grads)
+
+
+class RangeStep:
+    """host_adamw of one range whose pieces lie where they lay when it was made: the same groups, the same
+    spans (a, z) and dtypes of the states' stretches and of the destinations, in the same order (the tensors
+    may be others: an SSD range read anew, a transfer buffer). The executor's adam op keeps one per optimizer
+    part, whose ranges the plan fixes, so a step does not work out again which way it runs, where the kernel
+    cuts the range and what it casts after: after a step that streamed megabytes through the caches every
+    Python or torch call runs from cold caches (tens of microseconds each at 1M parameters)."""
+
+    def __init__(self, groups: list[tuple[int, int, bool]], states: dict[str, list[Stretch]],
+                 grads: torch.Tensor, dests: list[Stretch]) -> None:
+        self.groups = groups
+        self.kernel = fused_host_adamw.kernel() if _fusable(groups, states, grads, dests) else None
+        self.cut = fused_host_adamw.cutting(groups, states, dests) if self.kernel is not None else None
+        self.fp16 = any(b.dtype is torch.float16 for _a, _z, b in dests)  # cast after the kernel
+
+    def __call__(self, h: Hyper, step: int, states: dict[str, list[Stretch]], grads: torch.Tensor,
+                 dests: list[Stretch], coef: torch.Tensor | float | None = None, squares: bool = False,
+                 zero_grads: bool = True) -> torch.Tensor | float | None:
+        """host_adamw's step on these pieces (see host_adamw)."""
+        if self.kernel is None:
+            return _torch_step(h, step, self.groups, states, grads, dests, coef, squares, zero_grads)
+        consts = fused_host_adamw.coefficients(lr_of(h, step), h.beta1, h.beta2, h.eps, h.weight_decay, step,
+                                               1.0 if coef is None else float(coef))
+        s = fused_host_adamw.run_cut(self.kernel, self.cut, consts, states, grads, dests, zero_grads)
+        if self.fp16:
+            _cast_into(states["master"], dests, self.groups[0][0], self.groups[-1][1], only=torch.float16)
+        return s if squares else None
+
+
+def _torch_step(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states: dict[str, list[Stretch]],
+                grads: torch.Tensor, dests: list[Stretch], coef: torch.Tensor | float | None, squares: bool,
+                zero_grads: bool) -> torch.Tensor | None:
+    """host_adamw by torch's kernels (see the module's docstring)."""
     sumsq = sum_of_squares([grads[a:z] for a, z, _d in groups]) if squares else None
     lr = lr_of(h, step)
     step_t = torch.full((), float(step), dtype=torch.float32)
@@ -114,18 +149,6 @@ def _fusable(groups: list[tuple[int, int, bool]], states: dict[str, list[Stretch
 
 
 _DEST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _fused(h: Hyper, step: int, groups: list[tuple[int, int, bool]], states: dict[str, list[Stretch]],
-           grads: torch.Tensor, dests: list[Stretch], coef: torch.Tensor | float | None,
-           squares: bool, zero_grads: bool) -> float | None:
-    """host_adamw by the one-pass kernel (fused_host_adamw.py); fp16 destinations cast after it."""
-    consts = fused_host_adamw.coefficients(lr_of(h, step), h.beta1, h.beta2, h.eps, h.weight_decay, step,
-                                           1.0 if coef is None else float(coef))
-    s = fused_host_adamw.run_step(consts, groups, states, grads, dests, squares, zero_grads)
-    if any(buf.dtype is torch.float16 for _a, _z, buf in dests):
-        _cast_into(states["master"], dests, groups[0][0], groups[-1][1], only=torch.float16)
-    return s
 
 
 def _span(stretches: list[Stretch], a: int, z: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
