@@ -121,7 +121,7 @@ void scalar_loop(const Stretch& s, int64_t i0, int64_t i1, const Coef& c, float 
     float g = s.g[i];
     float& lane = lanes[(lane0 + i - i0) % LANES];
     lane = lane + g * g;
-    g = g * c.clip;
+    if (c.clip != 1.0f) g = g * c.clip;  // (a factor of 1 changes no value: not multiplied, as torch)
     float m = std::fma(c.one_minus_beta1, g - s.m[i], s.m[i]);
     float v = std::fma(c.one_minus_beta2 * g, g, s.v[i] * c.beta2);
     float den = std::sqrt(v) / c.bc2_sqrt + c.eps;
@@ -135,7 +135,8 @@ void scalar_loop(const Stretch& s, int64_t i0, int64_t i1, const Coef& c, float 
 }
 
 // elements [i0, i1) (a multiple of LANES of them, i0 in lane 0) LANES at a time: the same operations
-template <Dest D, bool NT, bool ZERO>
+// (CLIP: the gradient multiplied by the clipping factor; without, the factor is 1: nothing to multiply)
+template <Dest D, bool NT, bool ZERO, bool CLIP>
 void vector_loop(const Stretch& s, int64_t i0, int64_t i1, const Coef& c, float f, float* lanes) {
   const Vec clip(c.clip), b1(c.one_minus_beta1), b2(c.beta2), one_b2(c.one_minus_beta2), bc2(c.bc2_sqrt),
       eps(c.eps), step(c.neg_step), fv(f), zero(0.0f);
@@ -155,7 +156,7 @@ void vector_loop(const Stretch& s, int64_t i0, int64_t i1, const Coef& c, float 
       const int64_t j = i + k * Vec::size();
       Vec g = Vec::loadu(gs + j), p = Vec::loadu(ps + j), m = Vec::loadu(ms + j), v = Vec::loadu(vs + j);
       acc[k] = acc[k] + g * g;
-      g = g * clip;
+      if constexpr (CLIP) g = g * clip;
       m = at::vec::fmadd(b1, g - m, m);
       v = at::vec::fmadd(one_b2 * g, g, v * b2);
       Vec den = v.sqrt() / bc2 + eps;
@@ -175,23 +176,23 @@ void vector_loop(const Stretch& s, int64_t i0, int64_t i1, const Coef& c, float 
 }
 
 // vector_loop for the stretch's compute copy, with non-temporal stores where its address at i0 is aligned
-template <bool ZERO>
+template <bool ZERO, bool CLIP>
 void vector_loop_to(const Stretch& s, int64_t i0, int64_t i1, const Coef& c, float f, float* lanes) {
   if (i1 <= i0) return;
   const auto addr = reinterpret_cast<uintptr_t>(s.d);
   if (s.dmode == DEST_BF16) {
     if (STREAMS && (addr + 2 * i0) % 32 == 0) {
-      return vector_loop<DEST_BF16, STREAMS, ZERO>(s, i0, i1, c, f, lanes);
+      return vector_loop<DEST_BF16, STREAMS, ZERO, CLIP>(s, i0, i1, c, f, lanes);
     }
-    return vector_loop<DEST_BF16, false, ZERO>(s, i0, i1, c, f, lanes);
+    return vector_loop<DEST_BF16, false, ZERO, CLIP>(s, i0, i1, c, f, lanes);
   }
   if (s.dmode == DEST_F32) {
     if (STREAMS && (addr + 4 * i0) % 32 == 0) {
-      return vector_loop<DEST_F32, STREAMS, ZERO>(s, i0, i1, c, f, lanes);
+      return vector_loop<DEST_F32, STREAMS, ZERO, CLIP>(s, i0, i1, c, f, lanes);
     }
-    return vector_loop<DEST_F32, false, ZERO>(s, i0, i1, c, f, lanes);
+    return vector_loop<DEST_F32, false, ZERO, CLIP>(s, i0, i1, c, f, lanes);
   }
-  vector_loop<NO_DEST, false, ZERO>(s, i0, i1, c, f, lanes);
+  vector_loop<NO_DEST, false, ZERO, CLIP>(s, i0, i1, c, f, lanes);
 }
 
 // elements [a, z) of the stretch (one decay factor f, inside one chunk; element a in lane lane0)
@@ -200,7 +201,11 @@ void piece(const Stretch& s, int64_t a, int64_t z, const Coef& c, float f, float
   const int64_t head = std::min(z, a + (LANES - lane0 % LANES) % LANES);
   scalar_loop<ZERO>(s, a, head, c, f, lanes, lane0);
   const int64_t body = head + (z - head) / LANES * LANES;  // from head on, element i in lane (i - head) % LANES
-  vector_loop_to<ZERO>(s, head, body, c, f, lanes);
+  if (c.clip != 1.0f) {
+    vector_loop_to<ZERO, true>(s, head, body, c, f, lanes);
+  } else {
+    vector_loop_to<ZERO, false>(s, head, body, c, f, lanes);
+  }
   scalar_loop<ZERO>(s, body, z, c, f, lanes, 0);
 }
 
