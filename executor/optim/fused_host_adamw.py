@@ -18,7 +18,8 @@ experiments/bench_optimizer.py (docs/executor.md).
 Numerics: every element takes the operations of the vector path of torch's fused CPU AdamW kernel
 (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, adam_math for float in ADAMW mode), in fp32 with the
 coefficients rounded to fp32 as it rounds them (`coefficients`): the gradient times the clipping factor
-(not multiplied where the factor is 1, as torch without one: the same values); the master times 1 - lr * weight_decay (decayed groups only); m = fma(1 - beta1, g - m, m) (its lerp);
+(not multiplied where the factor is 1, as torch without one: the same values); the master times
+1 - lr * weight_decay (decayed groups only); m = fma(1 - beta1, g - m, m) (its lerp);
 v = fma((1 - beta2) * g, g, v * beta2) (how its build contracts `v * beta2 + (1 - beta2) * g * g`: measured);
 master + (-lr / bias_correction1 * m) / (sqrt(v) / sqrt(bias_correction2) + eps). The file is compiled with
 -ffp-contract=off, so the vector loop and the scalar loop (the elements before the first whole vector and
