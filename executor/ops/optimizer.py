@@ -72,7 +72,10 @@ class HostPart:
     def current(self) -> bool:
         """Whether the vectors' host tensors are those it holds (a block set anew, TrainState.set_shard,
         allocates new ones: then it is made again)."""
-        return all(V.host is h for V, h in self.hosts)
+        for V, h in self.hosts:
+            if V.host is not h:
+                return False
+        return True
 
 
 class OptimizerOps:
