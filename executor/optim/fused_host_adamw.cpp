@@ -34,7 +34,6 @@ namespace {
 constexpr int64_t LANES = 16;     // fp32 partial sums of squares per chunk
 constexpr int64_t CHUNK = 16384;  // elements per chunk (64 KiB of fp32)
 constexpr int64_t UNIT = 1;       // chunks per unit of a thread's work (the next unit taken when one is done)
-constexpr int64_t PREFETCH = 512; // elements ahead that the vector loop prefetches in each fp32 stream
 
 using Vec = at::vec::Vectorized<float>;
 static_assert(LANES % Vec::size() == 0, "a lane group is whole vectors");
@@ -148,10 +147,6 @@ void vector_loop(const Stretch& s, int64_t i0, int64_t i1, const Coef& c, float 
   Vec acc[VECS], out[VECS];
   for (int64_t k = 0; k < VECS; ++k) acc[k] = Vec::loadu(lanes + k * Vec::size());
   for (int64_t i = i0; i < i1; i += LANES) {
-    __builtin_prefetch(gs + i + PREFETCH, 0, 3);
-    __builtin_prefetch(ps + i + PREFETCH, 0, 3);
-    __builtin_prefetch(ms + i + PREFETCH, 0, 3);
-    __builtin_prefetch(vs + i + PREFETCH, 0, 3);
     for (int64_t k = 0; k < VECS; ++k) {
       const int64_t j = i + k * Vec::size();
       Vec g = Vec::loadu(gs + j), p = Vec::loadu(ps + j), m = Vec::loadu(ms + j), v = Vec::loadu(vs + j);

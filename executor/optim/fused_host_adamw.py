@@ -11,9 +11,9 @@ why, and host_adamw runs torch's kernels instead.
 
 How it keeps up with torch's fused AdamW, which moves 28 bytes per element where the executor's op moves 30
 (the compute copy written too, with non-temporal stores; 34 when it also zeroes the gradient, which the
-executor's op no longer asks for): 16 fp32 elements per iteration, the four fp32 streams prefetched 512
-elements ahead, the compute copy cast from the master just written (in L1). Measured in
-experiments/bench_optimizer.py (docs/executor.md).
+executor's op no longer asks for): 16 fp32 elements per iteration, the compute copy cast from the master
+just written (in L1), the streams left to the hardware's prefetchers (software prefetches 512 elements ahead
+ran 1-3% slower at 1M-100M on this C++ loop). Measured in experiments/bench_optimizer.py (docs/executor.md).
 
 Numerics: every element takes the operations of the vector path of torch's fused CPU AdamW kernel
 (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, adam_math for float in ADAMW mode), in fp32 with the
