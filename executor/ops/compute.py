@@ -56,6 +56,8 @@ class ComputeOps:
                 self.adapters[b] = [x for pair in pairs for x in pair]
         # the entries an offload moves: a pack of any other is kept by autograd itself (Pack.kept)
         self.moved = {cx.binding.entry_key(t) for t in cx.binding.tasks if t.kind in ENTRY_KINDS["offload"]}
+        # (block, input geometry) -> the saved tensors' layout a seal found (tiers/packs.PackLayout)
+        self.pack_layouts: dict[tuple, object] = {}
         # (owner, lo, hi) per block: the owners of the weights it computes with (layout.owners)
         self.owners = [layout.owners(b) for b in range(len(layout.slots))]
 
@@ -86,8 +88,14 @@ class ComputeOps:
                 out = p.call(leaves, x)
         else:  # keep every activation: autograd's saved tensors go into a Pack the plan's ops move
             x = self.entries.take(rs, t, x_key)
-            kept = p.is_resident(leaves) and EntryKey(it, "pack", b, m) not in self.moved
-            pack = Pack(leaves, own=self.cx.backend.own, kept=kept, trainable=self.adapters.get(b))
+            resident = p.is_resident(leaves)
+            kept = resident and EntryKey(it, "pack", b, m) not in self.moved
+            layouts = key = None
+            if resident and not kept:  # saved as the block's last forward on such an input saved (PackLayout)
+                layouts = self.pack_layouts
+                key = (b, x.shape, x.stride(), x.storage_offset(), x.untyped_storage().nbytes(), x.dtype)
+            pack = Pack(leaves, own=self.cx.backend.own, kept=kept, trainable=self.adapters.get(b),
+                        layouts=layouts, key=key)
             if kept:
                 with torch.enable_grad():
                     pack.out = p.call(leaves, pack.input(x))
