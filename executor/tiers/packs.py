@@ -64,6 +64,9 @@ class Pack:
         # forward's key in them (the block and its input's geometry); None: every seal from scratch
         self.layouts, self.key = layouts, key
         self.layout: PackLayout | None = None  # the one this pack was sealed by
+        # saved[k] is storage k's byte range desc[k] [lo, hi) (sealed by a layout that has its flat layout),
+        # not the whole storage
+        self.ranged = False
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         """The layer input to run the forward on: a leaf over `x`'s memory, its gradient in `grads`."""
@@ -83,7 +86,7 @@ class Pack:
             return leaf.detach().as_strided(ref[3], ref[4], leaf.storage_offset() + ref[2])
         if ref[0] == "c":
             return ref[1]
-        return self._view(self.saved[ref[1]], 0, ref)
+        return self._view(self.saved[ref[1]], self.desc[ref[1]][1] if self.ranged else 0, ref)
 
     @staticmethod
     def _view(base: torch.Tensor, base_lo: int, ref: tuple) -> torch.Tensor:
@@ -168,6 +171,8 @@ class Pack:
         of the destination buffers. Remembers how to rebuild the views (restore)."""
         self.seal()
         lay = self.layout
+        if self.ranged:  # the saved ranges of the layout's flat layout
+            return [(at, part) for part, (at, _lo, _hi) in zip(self.saved, self.desc)], lay.nbytes
         if lay is not None and lay.desc is not None:  # the layout's (the same storages' sizes and extents)
             self.desc = lay.desc
             return [(at, whole[lo:hi]) for whole, (at, lo, hi) in zip(self.saved, lay.desc)], lay.nbytes
@@ -200,7 +205,11 @@ class Pack:
         """Bytes this pack moves: the byte ranges of the distinct storages autograd saved
         (without padding)."""
         self.seal()
-        return sum(hi - lo for lo, hi in self._ranges()) if self.saved else 0
+        if not self.saved:
+            return 0
+        if self.ranged:
+            return sum(part.numel() for part in self.saved)
+        return sum(hi - lo for lo, hi in self._ranges())
 
     def restore(self, flat: torch.Tensor) -> None:
         """The saved views, from the flat byte layout of segments() (fetched back to the device), all rebuilt
@@ -240,7 +249,8 @@ class PackLayout:
     `pattern` id (a weight leaf's storage: -1 - its first leaf; any other: numbered in order of first
     appearance) and its reference, the first saved tensor of each moved storage (`firsts`) and their
     extents; the flat layout (`desc`, `nbytes`) once segments() has made it and the views' recipe (`views`)
-    once restore() has. A weight view's reference is the view itself, made once (the resident weights are
+    once restore() has (a pack sealed by a layout with its flat layout keeps only each storage's range to
+    move: Pack.ranged). A weight view's reference is the view itself, made once (the resident weights are
     updated in place: it reads their current values, as the view unpack_hook made per backward did)."""
 
     __slots__ = ("weight_ids", "leaf_ptrs", "pattern", "refs", "cpu_refs", "firsts", "extent", "desc",
@@ -298,9 +308,15 @@ class PackLayout:
         ptrs = [t.untyped_storage().data_ptr() for t in refs]
         if self._pattern(self.leaf_ptrs, ptrs) != self.pattern:
             return False
-        device, own = pack.weights[0].device, pack.own
-        pack.saved = [own(torch.empty(0, dtype=torch.uint8, device=device).set_(refs[j].untyped_storage()))
-                      for j in self.firsts]
+        device, own, u8 = pack.weights[0].device, pack.own, torch.uint8
+        if self.desc is not None:  # each storage's range to move, as segments() moves it
+            pack.saved = [own(torch.empty(0, dtype=u8, device=device).set_(refs[j].untyped_storage(), lo,
+                                                                           (hi - lo,)))
+                          for j, (_at, lo, hi) in zip(self.firsts, self.desc)]
+            pack.desc, pack.ranged = self.desc, True
+        else:
+            pack.saved = [own(torch.empty(0, dtype=u8, device=device).set_(refs[j].untyped_storage()))
+                          for j in self.firsts]
         pack.index = {ptrs[j]: k for k, j in enumerate(self.firsts)}
         pack.extent = self.extent
         new = list(self.refs)

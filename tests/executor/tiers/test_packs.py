@@ -42,12 +42,13 @@ def test_a_pack_moved_through_a_flat_buffer_restores_the_same_backward(model_nam
 
 def _round_trip(layer, x, g, layouts=None, key=None):
     """A pack of layer(x) moved through a flat buffer (at an offset of a larger one) and its backward:
-    (the pack, [dx, *weight gradients])."""
+    (the pack, [dx, *weight gradients]); the pack's bytes (saved_bytes) are those its segments move."""
     pack = Pack(list(layer.parameters()), layouts=layouts, key=key)
     with torch.autograd.graph.saved_tensors_hooks(pack.pack_hook, pack.unpack_hook):
         pack.out = layer(pack.input(x.clone()))
     pack.release_output()
     segs, n = pack.segments()
+    assert pack.saved_bytes() == sum(seg.numel() for _off, seg in segs)
     flat = torch.zeros(PACK_ALIGN + n, dtype=torch.uint8)[PACK_ALIGN:]
     for off, seg in segs:
         flat[off: off + seg.numel()].copy_(seg)
@@ -76,6 +77,7 @@ def test_a_forward_sealed_by_an_earlier_layout_restores_the_same_backward():
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
         if mod is layer:  # sealed by the layout: its weight views are the layout's, made once
             assert pack.layout is first.layout and pack.desc is first.layout.desc
+            assert pack.ranged  # its storages' ranges to move taken at the seal (the layout's flat layout)
             assert any(isinstance(r, torch.Tensor) for r in first.layout.refs)
         else:  # another layer's weights: its own seal, which becomes the key's layout
             assert pack.layout is not first.layout and layouts["k"] is pack.layout
