@@ -77,9 +77,9 @@ class EntryOps:
     def _dev_release(self, e: Entry) -> None:
         """One reader of the produced device tensor is done (called under the round's lock)."""
         e.dev_users -= 1
-        if not e.holds_device_copy:
+        if e.dev_users <= 0:  # (not e.holds_device_copy)
             e.dev = None
-            if e.is_pack:
+            if e.pack is not None:
                 e.pack.saved = None
 
     # -- the plan's ops --------------------------------------------------------------------------------------
