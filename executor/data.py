@@ -163,6 +163,12 @@ class TokenData:
         if n < seq + 1:
             raise DataError(f"data {self.source}: {n} tokens, a sequence needs {seq + 1}")
         span = n - seq - 1 + 1
+        first = (step * batch * seq) % span
+        if self.mask is None and first + (batch - 1) * seq < span:
+            # the windows do not wrap: rows i start at first + i * seq, so one read of batch * seq + 1 tokens
+            # holds them all (inputs: all but its last token, targets: all but its first)
+            window = torch.from_numpy(np.asarray(self.tokens[first: first + batch * seq + 1], dtype=np.int64))
+            return window[:-1].view(batch, seq), window[1:].view(batch, seq).clone()
         rows, masked = [], []
         for i in range(batch):
             start = ((step * batch + i) * seq) % span

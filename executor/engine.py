@@ -144,6 +144,8 @@ class Executor:
         # the ops another thread waits for (a dependency of another worker's op, an iteration's last gpu op
         # for the reporter): only these get an event per round
         self.waited = {d for ws in self.waits for d, _ in ws} | {t.id for t in self._last_gpu_ops().values()}
+        self._waited_sorted = sorted(self.waited)
+        self._weight_users: dict[int, dict[int, int]] = {}  # per number of ops run: their fetches' readers
         # the rounds' worker threads, kept from round to round with one rank (worker_pool.py); with several
         # ranks a thread per round (one left in a collective after a failure is left behind: _join)
         self.pool = WorkerPool() if self.world.single else None
@@ -278,9 +280,7 @@ class Executor:
         mem_bytes = [float(self.plan.graph.static_bytes[t]) for t in TIERS]
         rs = RoundState(
             num_ops=n, step0=step0, batches=batches, backend=be,
-            weight_users=Counter({k: v for k, v in self.binding.wfetch_users.items() if k < n}),
-            loss_sum=loss_sum,
-            done=[threading.Event() if i in self.waited else None for i in range(n)],
+            weight_users=Counter(self._round_weight_users(n)), loss_sum=loss_sum, done=self._round_events(n),
             start_s=np.full(n, np.nan), end_s=np.full(n, np.nan),
             mem_bytes=mem_bytes, peak_bytes=list(mem_bytes), mem_trace=[(0.0, *mem_bytes)])
         be.start_round(rs.abort, lambda label, e: self._fail(rs, self._task_of(label), e))
@@ -294,6 +294,23 @@ class Executor:
                 rs.grad_adds = HostGradAdds(be, self.state, rs, lambda t, e: self._fail(rs, t, e))
         rs.t0_s = time.perf_counter()
         return rs
+
+    def _round_weight_users(self, n: int) -> dict[int, int]:
+        """The fetch_weights ops among the round's first `n` ops -> the compute ops that read their buffers
+        (found once per number of ops; each round counts down a copy)."""
+        users = self._weight_users.get(n)
+        if users is None:
+            users = self._weight_users[n] = {k: v for k, v in self.binding.wfetch_users.items() if k < n}
+        return users
+
+    def _round_events(self, n: int) -> list[threading.Event | None]:
+        """Per op of the round, an event where another thread waits for it (`waited`), else None."""
+        done: list[threading.Event | None] = [None] * n
+        for i in self._waited_sorted:
+            if i >= n:
+                break
+            done[i] = threading.Event()
+        return done
 
     def _task_of(self, label: str) -> Task | None:
         """The op of a label given to backend.launch (its id first)."""
@@ -458,14 +475,16 @@ class Executor:
         """The round's memory per tier, its peaks and its trace from the log of `apply_mem` (the times kept
         non-decreasing: two workers may read the clock and append in either order)."""
         mem, peak, trace = rs.mem_bytes, rs.peak_bytes, rs.mem_trace
+        add = trace.append
         last_s = 0.0
         for at_s, effects in rs.mem_log:
             for tier, delta_bytes in effects:
-                mem[tier] += delta_bytes
-                if mem[tier] > peak[tier]:
-                    peak[tier] = mem[tier]
-            last_s = max(last_s, at_s)
-            trace.append((last_s, *mem))
+                now = mem[tier] = mem[tier] + delta_bytes
+                if now > peak[tier]:
+                    peak[tier] = now
+            if at_s > last_s:
+                last_s = at_s
+            add((last_s, *mem))
         rs.mem_log.clear()
 
     # -- errors ----------------------------------------------------------------------------------------------

@@ -28,6 +28,26 @@ from tierflow.executor.tiers.packs import Pack, grads_of
 from tierflow.planner.core.graph import Task
 from tierflow.planner.core.opkinds import ENTRY_KINDS
 
+_set_grad_enabled = torch._C._set_grad_enabled
+
+
+class _GradMode:
+    """torch.no_grad() / enable_grad() as the compute ops use them (a block's forward), without their Python
+    layers (no_grad's entry alone costs several microseconds: a class made per use, a scripting check and
+    set_grad_enabled, another such class): the same two calls, the mode read and set, then put back."""
+
+    __slots__ = ("on", "prev")
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+    def __enter__(self) -> None:
+        self.prev = torch.is_grad_enabled()
+        _set_grad_enabled(self.on)
+
+    def __exit__(self, *exc) -> None:
+        _set_grad_enabled(self.prev)
+
 
 class ComputeOps:
     def __init__(self, cx: OpContext, entries: EntryOps, weights: WeightOps, grads: GradBuffers) -> None:
@@ -56,8 +76,11 @@ class ComputeOps:
                 self.adapters[b] = [x for pair in pairs for x in pair]
         # the entries an offload moves: a pack of any other is kept by autograd itself (Pack.kept)
         self.moved = {cx.binding.entry_key(t) for t in cx.binding.tasks if t.kind in ENTRY_KINDS["offload"]}
+        # (block, input geometry) -> the saved tensors' layout a seal found (tiers/packs.PackLayout)
+        self.pack_layouts: dict[tuple, object] = {}
         # (owner, lo, hi) per block: the owners of the weights it computes with (layout.owners)
         self.owners = [layout.owners(b) for b in range(len(layout.slots))]
+        self.recomputed = [self.rec(b) for b in range(len(layout.slots))]  # per block: cfg.recomputes
 
     def trainable(self, b: int, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The leaves whose gradients block b's backward computes: its weights, or under LoRA its adapters
@@ -78,22 +101,28 @@ class ComputeOps:
         self._at(rs, t)
         pack = None
         if b == 0:
-            with torch.no_grad():
+            with _GradMode(False):
                 out = p.call(leaves, rs.batches[it][m][0])
-        elif self.rec(b):
+        elif self.recomputed[b]:
             x = self.entries.take(rs, t, x_key)
-            with torch.no_grad():
+            with _GradMode(False):
                 out = p.call(leaves, x)
         else:  # keep every activation: autograd's saved tensors go into a Pack the plan's ops move
             x = self.entries.take(rs, t, x_key)
-            kept = p.is_resident(leaves) and EntryKey(it, "pack", b, m) not in self.moved
-            pack = Pack(leaves, own=self.cx.backend.own, kept=kept, trainable=self.adapters.get(b))
+            resident = p.is_resident(leaves)
+            kept = resident and EntryKey(it, "pack", b, m) not in self.moved
+            layouts = key = None
+            if resident and not kept:  # saved as the block's last forward on such an input saved (PackLayout)
+                layouts = self.pack_layouts
+                key = (b, x.shape, x.stride(), x.storage_offset(), x.untyped_storage().nbytes(), x.dtype)
+            pack = Pack(leaves, own=self.cx.backend.own, kept=kept, trainable=self.adapters.get(b),
+                        layouts=layouts, key=key)
             if kept:
-                with torch.enable_grad():
+                with _GradMode(True):
                     pack.out = p.call(leaves, pack.input(x))
             else:
                 hooks = torch.autograd.graph.saved_tensors_hooks(pack.pack_hook, pack.unpack_hook)
-                with torch.enable_grad(), hooks:
+                with _GradMode(True), hooks:
                     pack.out = p.call(leaves, pack.input(x))
                 pack.seal()
                 if not p.is_resident(leaves):
@@ -115,7 +144,7 @@ class ComputeOps:
         p = self.params[b]
         leaves = p.leaves(self.weights.weights(rs, t))
         self._at(rs, t)
-        with torch.enable_grad():
+        with _GradMode(True):
             out = p.call(leaves, x)
         rs.graphs[(it, b, m)] = (out, x, self.trainable(b, leaves))
         self.entries.done_with(rs, t, EntryKey(it, "x", b, m))
@@ -126,11 +155,12 @@ class ComputeOps:
         x = self.entries.take(rs, t, EntryKey(it, "x", b, m)).detach().requires_grad_()
         p = self.params[b]
         leaves = p.leaves(self.weights.weights(rs, t))
-        with torch.enable_grad():
+        with _GradMode(True):
             # the head's chunked loss (executor.models.chunked_lm_loss): never the whole fp32 logits
             loss = p.call(leaves, x, targets=rs.batches[it][m][1])
             scaled = loss / self.grad_scale
-            # backward()'s seed of a scalar loss
+            # backward()'s seed of a scalar loss, made per call: a tensor made once would be one a CUDA graph
+            # capture of the head (executor/graphs.py) did not allocate
             wrt = self.trainable(b, leaves)
             *grads, dx = grads_of((scaled,), (torch.ones_like(scaled, memory_format=torch.preserve_format),),
                                   (*wrt, x))
@@ -147,7 +177,7 @@ class ComputeOps:
         if b == 0:
             if self.cx.state.lora is None:  # (LoRA: a frozen embedding)
                 self._embedding_grads(rs, t, gout, rs.batches[it][m][0])
-        elif self.rec(b):
+        elif self.recomputed[b]:
             out, x, leaves = rs.graphs.pop((it, b, m))
             *grads, dx = grads_of((out,), (gout,), (*leaves, x))
             self._weight_grads(rs, t, leaves, grads)
@@ -186,12 +216,15 @@ class ComputeOps:
 
     def _weight_grads(self, rs: RoundState, t: Task, leaves: list[torch.Tensor],
                       grads: list[torch.Tensor | None]) -> None:
+        """The weight gradients (one per leaf; None: a parameter the step did not use, a zero gradient) into
+        their owners' buffers: the block's own as one flat vector of its slots in order, a tied head's
+        embedding matrix into block 0's wte range. (Adding a later micro-batch's gradients into the buffer's
+        views with one _foreach_add_ instead of flattening them first was slower on the CPU: 88-109 against
+        47-59 us for a tiny-gpt block, a loop of 12 adds against one copy and one add; on CUDA, with bf16
+        gradients into fp32 views, it would be 12 kernels, not one fused one.)"""
         if self.cx.state.lora is not None:
             self._adapter_grads(rs, t, grads)
             return
-        """The weight gradients (one per leaf; None: a parameter the step did not use, a zero gradient) into
-        their owners' buffers: the block's own as one flat vector of its slots in order, a tied head's
-        embedding matrix into block 0's wte range."""
         (b, lo, hi), *tied = self.owners[t.block]
         n = len(self.cx.layout.slots[b])
         own = [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(grads[:n], leaves)]

@@ -77,9 +77,9 @@ class EntryOps:
     def _dev_release(self, e: Entry) -> None:
         """One reader of the produced device tensor is done (called under the round's lock)."""
         e.dev_users -= 1
-        if not e.holds_device_copy:
+        if e.dev_users <= 0:  # (not e.holds_device_copy)
             e.dev = None
-            if e.is_pack:
+            if e.pack is not None:
                 e.pack.saved = None
 
     # -- the plan's ops --------------------------------------------------------------------------------------
@@ -165,7 +165,11 @@ class EntryOps:
 def scatter(be, sources: list[tuple[int, torch.Tensor]], dests: list[tuple[int, torch.Tensor]]) -> None:
     """Copy flat sources [(offset, tensor)] of one flat layout into the flat destinations [(offset, buffer)]
     that tile it: each overlap is one copy_async (backend.copy_many), straight into the destination's slice;
-    a source inside one destination is copied whole (no slice of it)."""
+    a source inside one destination is copied whole (no slice of it). Into one destination that holds the
+    whole layout (an entry offloaded to one tier) the slices are one split_with_sizes call."""
+    if len(dests) == 1 and dests[0][0] == 0:
+        be.copy_many(_into_one(sources, dests[0][1]))
+        return
     spans = [(do, do + dst.numel(), dst) for do, dst in dests]
     pairs = []
     for so, src in sources:
@@ -175,3 +179,22 @@ def scatter(be, sources: list[tuple[int, torch.Tensor]], dests: list[tuple[int, 
             if z > a:
                 pairs.append((dst[a - do: z - do], src if (a, z) == (so, se) else src[a - so: z - so]))
     be.copy_many(pairs)
+
+
+def _into_one(sources: list[tuple[int, torch.Tensor]],
+              dst: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(slice of `dst`, source) for flat sources [(offset, tensor)] in ascending, disjoint order inside the
+    flat buffer `dst` (the gaps between them and the tail left alone), the slices from one
+    split_with_sizes."""
+    sizes, pos, picks = [], 0, []
+    for so, src in sources:
+        n = src.numel()
+        if so > pos:
+            sizes.append(so - pos)
+        if n:
+            picks.append((len(sizes), src))
+        sizes.append(n)
+        pos = so + n
+    sizes.append(dst.numel() - pos)
+    pieces = dst.split_with_sizes(sizes)
+    return [(pieces[i], src) for i, src in picks]

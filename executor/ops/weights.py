@@ -163,8 +163,12 @@ class WeightOps:
         builds nothing and BlockParams knows its leaves by the list's identity."""
         vecs = self.cx.state.vec["weights"]
         owners, cached = self._resident_of.get(t.block, ((), None))
-        if cached is not None and all(ow.resident is vecs[o].dev for o, ow in zip(owners, cached)):
-            return cached
+        if cached is not None:
+            for o, ow in zip(owners, cached):  # (a loop: no generator made per op)
+                if ow.resident is not vecs[o].dev:
+                    break
+            else:
+                return cached
         out = []
         for o, lo, hi in self.cx.layout.owners(t.block):
             W = vecs[o]

@@ -227,6 +227,25 @@ def test_token_files(tmp_path):
         TokenData.load(str(tmp_path / "missing.bin"), 256)
 
 
+def test_batches_are_the_windows_of_their_step_read_at_once_or_row_by_row(tmp_path):
+    """TokenData.batch: row i of step s is the window of seq + 1 tokens from ((s * batch + i) * seq) mod
+    (n - seq), inputs its first seq tokens and targets its last; a batch whose windows do not wrap is read
+    at once, one that wraps row by row: every step of a stream short enough to wrap, from a file and in
+    memory."""
+    tokens = (np.arange(101, dtype=np.uint16) * 7) % 256
+    u16 = tmp_path / "short.bin"
+    tokens.tofile(u16)
+    batch, seq = 3, 8
+    span = len(tokens) - seq
+    for data in (TokenData.load(str(u16), 256), TokenData(tokens.astype(np.int64), "memory")):
+        for step in range(12):  # 12 * 24 tokens: several wraps of the 93 window starts
+            x, y = data.batch(step, batch, seq)
+            starts = [((step * batch + i) * seq) % span for i in range(batch)]
+            rows = [tokens[a: a + seq + 1].astype(np.int64).tolist() for a in starts]
+            assert x.dtype == y.dtype == torch.int64 and x.is_contiguous() and y.is_contiguous()
+            assert x.tolist() == [r[:-1] for r in rows] and y.tolist() == [r[1:] for r in rows]
+
+
 def test_text_data_trains_on_it(tmp_path):
     txt = tmp_path / "t.txt"
     txt.write_text("the quick brown fox jumps over the lazy dog. " * 200)
