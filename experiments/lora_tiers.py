@@ -15,6 +15,16 @@ LLaMA- and GPT-family model `tierflow capacity` trains (batch 16 x 2048, verifie
 and LoRA rank 16, with a third box: the 4090 with 256 GiB and no SSD. Writes lora_tiers.csv and the tables of
 docs/lora.md. --quick: LLaMA-2 7B on the 4-SSD box, one rank, no search, no capacity (a CI test, structure
 only).
+
+    python experiments/lora_tiers.py --cpu [--quick] [--out DIR]
+
+Part (b), on this CPU (one torch thread): a tiny LLaMA fine-tuned with LoRA on Python's stdlib sources in
+tierflow (the plan `tierflow plan --lora` makes on this box's calibrated profile, experiments/results/
+closed_loop_cpu.yaml; the base in host memory, and on the SSD tier), in plain PyTorch + PEFT (everything in
+memory, the plan's micro-batch) and in DeepSpeed ZeRO-3 + PEFT (parameters and optimizer states offloaded to
+host memory, and to NVMe; needs `pip install deepspeed==0.19.8`, its own process per run, as
+race_deepspeed.py runs it; where it cannot run, one line says why). Validation losses of the full runs; step
+times from rounds alternating tierflow and PEFT. Writes lora_cpu.csv and lora_cpu_rounds.csv.
 """
 
 from __future__ import annotations
@@ -182,7 +192,7 @@ def cpu_settings(quick: bool) -> dict:
     return {"files": 3 if quick else 60, "vocab": 384 if quick else 2048, "layers": 1 if quick else 4,
             "hidden": 64 if quick else 128, "steps": 6 if quick else 120, "batch": 4 if quick else 8,
             "seq": 64 if quick else 128, "rank": 8, "lr": 2e-3, "timing_steps": 4 if quick else 20,
-            "repeats": 1 if quick else 3, "search_s": 10.0 if quick else 60.0}
+            "repeats": 1 if quick else 5, "search_s": 10.0 if quick else 60.0}
 
 
 def _llama_config(work: Path, s: dict, vocab: int) -> Path:
@@ -475,6 +485,9 @@ def _deepspeed_columns(model_path: Path, data: Path, tok: Path, work: Path, s: d
         res = ({"error": missing} if missing else
                deepspeed_lora(variant, model_path, data, tok, work, s, micro, s["steps"]))
         rows = res.get("rows")
+        if rows is None and variant == "ds-nvme" and "async_io" in res["error"]:  # say what it lacks
+            res["error"] = ("DeepSpeed's async_io op (its NVMe offload) does not load here: libaio is not "
+                            "installed (apt-get install libaio-dev); " + res["error"])
         if rows is None and not missing:
             print(f"lora_tiers --cpu: DeepSpeed ZeRO-3 + PEFT ({variant}) did not run: {res['error']}",
                   file=sys.stderr)
