@@ -678,8 +678,8 @@ def check_peft_options(export_dir: str | None, init_dir: str | None, init: str |
                        spec: ModelSpec) -> None:
     """With the plan's model (`spec`, its `lora`), before any step: --export-peft can be written (the plan
     trains LoRA, the family has a PEFT layout, the directory is new or empty), and --init-peft holds adapters
-    of this model (inspect_peft: config, base, tensor shapes) with the plan's rank, alpha and targets (the
-    plan's dropout is the run's). PeftError / OutputError, one line."""
+    of this model (inspect_peft: config, base, tensor shapes) with the plan's rank, alpha, targets and
+    dropout. PeftError / OutputError, one line."""
     if export_dir:
         check_export_peft(export_dir, spec, spec.lora)
     if not init_dir:
@@ -694,16 +694,25 @@ def check_peft_options(export_dir: str | None, init_dir: str | None, init: str |
 
 
 def check_plans_lora(init_dir: str, got: LoraConfig, spec: ModelSpec, targets: bool = True) -> None:
-    """The adapter's rank, alpha and (with `targets`) targets are the plan's (`spec.lora`); PeftError naming
-    the flags that plan the adapter's."""
+    """The adapter's rank, alpha, (with `targets`) targets and lora_dropout are the plan's (`spec.lora`): the
+    plan decides what the run trains, so a mismatch is refused, never resolved silently; PeftError naming the
+    `tierflow plan` flags of the adapter's settings."""
     lora, dims = spec.lora, target_dims(spec)
     plan_targets = {t for t in lora.targets if t in dims}
     got_targets = {t for t in got.targets if t in dims}
+    names = ",".join(t for t in LORA_TARGETS if t in got_targets)
+    flags = f"--lora {got.rank} --lora-alpha {got.alpha:g} --lora-targets {names}"
     if got.rank != lora.rank or got.alpha != lora.alpha or (targets and got_targets != plan_targets):
+        if got.dropout != lora.dropout:
+            flags += f" --lora-dropout {got.dropout:g}"
         raise PeftError(f"--init-peft {init_dir}: the adapter is {got.describe()} "
                         f"({', '.join(t for t in LORA_TARGETS if t in got_targets)}), the plan "
-                        f"{lora.describe()}; plan again with --lora {got.rank} --lora-alpha {got.alpha:g} "
-                        f"--lora-targets {','.join(t for t in LORA_TARGETS if t in got_targets)}")
+                        f"{lora.describe()}; plan again with {flags}")
+    if got.dropout != lora.dropout:
+        raise PeftError(f"--init-peft {init_dir}: the adapter's {CONFIG_NAME} has lora_dropout "
+                        f"{got.dropout:g}, the plan's adapters drop {lora.dropout:g} (the plan decides); "
+                        f"plan again with {flags} --lora-dropout {got.dropout:g}, or set lora_dropout to "
+                        f"{lora.dropout:g} in {CONFIG_NAME} to go on with the plan's")
 
 
 def init_adapters(config: RunConfig, spec: ModelSpec) -> dict[str, torch.Tensor] | None:

@@ -33,12 +33,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # by gather / scatter_add along the rows (bit for bit the indexing's values), one chunk without slices
         keep_all = targets.ne(IGNORE_INDEX)
         valid_count = keep_all.sum()
-        need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # each gradient only where it is asked for: a frozen head (LoRA) computes no weight gradient
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need = need_dx or need_dw
         n = x.size(0)
         one = chunk >= n
         total = None
-        dx = torch.empty_like(x) if need and not one else None
-        dw = torch.zeros_like(weight) if need else None
+        dx = torch.empty_like(x) if need_dx and not one else None
+        dw = torch.zeros_like(weight) if need_dw else None
         idx_all = targets.clamp(min=0).unsqueeze(1)
         minus_one = None
         for lo in range(0, n, chunk):
@@ -57,11 +59,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     minus_one = torch.full(idx.shape, -1.0, dtype=g.dtype, device=g.device)
                 g.scatter_add_(1, idx, minus_one)  # the target's probability - 1
                 g = g.mul_(keep.unsqueeze(1)).to(x.dtype)
-                if one:
+                if need_dx and one:
                     dx = g @ weight
-                else:
+                elif need_dx:
                     torch.matmul(g, weight, out=dx[lo: lo + chunk])
-                dw.addmm_(g.t(), xc)
+                if need_dw:
+                    dw.addmm_(g.t(), xc)
             del logits
         if total is None:  # no tokens
             total = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -71,8 +74,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         dx, dw, valid_count = ctx.saved_tensors
-        scale = (grad / valid_count).to(dx.dtype)
-        return dx.mul_(scale), dw.mul_(scale), None, None  # in place: no second copy (one backward only)
+        scale = (grad / valid_count).to((dx if dx is not None else dw).dtype)
+        # in place: no second copy (one backward only); None for a gradient not asked for
+        return (dx.mul_(scale) if dx is not None else None, dw.mul_(scale) if dw is not None else None,
+                None, None)
 
 
 def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -369,6 +369,24 @@ def test_cli_peft_flags_are_checked_before_the_run(tmp_path, capsys, exported):
     assert code == 2 and "\n" not in err and "use_dora" in err
 
 
+def test_an_adapters_other_dropout_is_refused_naming_the_flag(tmp_path, capsys, exported):
+    edit_config(exported, base_model_name_or_path=LLAMA.name, lora_dropout=0.1)
+    plan = write_plan_of(LLAMA.with_lora(LoraConfig(rank=RANK, alpha=ALPHA)), tmp_path / "p0.json")
+    code, err = run_cli(capsys, plan, "--init-peft", str(exported))
+    assert code == 2 and "\n" not in err and "lora_dropout 0.1" in err and "--lora-dropout 0.1" in err
+    from tierflow.executor.lora_peft import init_adapters
+    from tierflow.executor.options import ModelDataOptions, RunConfig
+
+    spec = LLAMA.with_lora(LoraConfig(rank=RANK, alpha=ALPHA, dropout=0.1))  # the adapter's: it goes on
+    config = RunConfig(steps=1, model_data=ModelDataOptions(init_peft=str(exported)))
+    back, (_, direct) = init_adapters(config, spec), read_peft(exported, LLAMA)
+    assert sorted(back) == sorted(direct) and all(torch.equal(back[k], v) for k, v in direct.items())
+    edit_config(exported, lora_dropout=0.0)  # the plan's 0.1 against the adapter's 0: refused too
+    assert "--lora-dropout 0" in refused(PeftError, init_adapters, config, spec)
+    other = LLAMA.with_lora(LoraConfig(rank=RANK + 1, alpha=ALPHA, dropout=0.1))  # and with another rank
+    assert f"--lora {RANK} --lora-alpha" in refused(PeftError, init_adapters, config, other)
+
+
 def test_one_rank_and_one_scaling(exported):
     edit_config(exported, rank_pattern={"model.layers.1.mlp.up_proj": 8})
     assert "layer 0" in refused(PeftError, read_peft, exported, LLAMA)

@@ -109,3 +109,38 @@ def test_chunked_loss_equals_the_plain_loss(dtype, monkeypatch):
     torch.testing.assert_close(l1, l2, rtol=tol, atol=tol)
     torch.testing.assert_close(gx1, gx2, rtol=tol, atol=tol * gx2.abs().max().item())
     torch.testing.assert_close(gw1, gw2, rtol=tol, atol=tol * gw2.abs().max().item())
+
+
+class GemmCount(TorchDispatchMode):
+    """The matrix products (mm, addmm, bmm and their in-place / out forms) that run while the mode is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name.rstrip("_") in ("mm", "addmm", "bmm", "baddbmm"):
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_frozen_head_computes_no_weight_gradient(chunked, monkeypatch):
+    """LoRA's head is frozen: its loss computes the input's gradient only (per chunk two GEMMs, the logits
+    and the input gradient, against three), the same gradient bit for bit as with a trainable weight."""
+    if chunked:
+        monkeypatch.setattr(workload, "LOSS_CHUNK_LOGIT_BYTES", CHUNK_LOGIT_BYTES)
+    spec = replace(get_model("tiny-llama"), vocab_size=VOCAB)
+    _head_module, _, x, y = _head(spec, torch.float32)
+    w = torch.randn(VOCAB, spec.hidden) * 0.05
+    got = {}
+    for trainable in (True, False):
+        w.requires_grad_(trainable)
+        x.grad = w.grad = None
+        with GemmCount() as gemms:
+            exec_models.chunked_lm_loss(x, w, y).backward()
+        got[trainable] = (len(gemms.ops), x.grad.clone(), w.grad)
+    chunks = got[False][0] // 2
+    assert chunks == (16 if chunked else 1) and got[True][0] == 3 * chunks
+    assert torch.equal(got[True][1], got[False][1]) and got[False][2] is None
