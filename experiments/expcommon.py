@@ -21,6 +21,7 @@ from tierflow.api import simulate_config
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.logs import add_verbosity_options, configure, level_of
 from tierflow.planner.core.costmodel import link_rates
+from tierflow.planner.core.dsruntime import as_runtime_steps
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import ScheduleError, make_schedule
@@ -110,8 +111,10 @@ def best_micro_batch(
 def utilisation(res: SimResult, hw: HardwareProfile) -> dict[str, float]:
     """Share of the steady-state iteration each resource is needed: GPU and CPU from SimResult.busy; links
     from the bytes they carry at their solo rates (PCIe both ways with the profile's duplex rates, the SSD
-    array's reads and writes likewise with its mixed rates, ssd.mixed_efficiency)."""
-    rates = link_rates(hw)
+    array's reads and writes likewise with its mixed rates, ssd.mixed_efficiency). CPU Adam's DRAM traffic at
+    the rate of the implementation the run's runtime steps with, as the simulator ran it (its graph's
+    meta["runtime"]: dsruntime.as_runtime_steps)."""
+    rates = link_rates(as_runtime_steps(hw, res.graph.meta.get("runtime")))
     t = res.iteration_s
     lb = res.link_bytes
     h2d, d2h = lb["cpu->gpu"], lb["gpu->cpu"]

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from tierflow.planner.core.workload import COMPUTE_BYTES, MASTER_BYTES
@@ -164,14 +165,33 @@ def ds_cached_elems(owned_params: list[int], sub_groups: list[int], max_in_cpu_e
 DEEPSPEED_ADAM_RUNTIMES = ("deepspeed", "lohan")
 
 
-def as_runtime_steps(hw: HardwareProfile, runtime: str) -> HardwareProfile:
-    """The box as `runtime`'s optimizer sees it: a runtime that runs DeepSpeedCPUAdam
-    (DEEPSPEED_ADAM_RUNTIMES) steps at `cpu.deepspeed_adam_gparams_per_s` where the profile has that rate
-    (measured, fitted or stated), every other at `cpu.adam_gparams_per_s`. With several ranks per box the
-    rate is still divided among them (costmodel.link_rates)."""
+def adam_rate_key(hw: HardwareProfile, runtime: str | None) -> str:
+    """The profile field whose rate `runtime`'s CPU Adam steps at: `cpu.deepspeed_adam_gparams_per_s` for a
+    runtime that runs DeepSpeedCPUAdam (DEEPSPEED_ADAM_RUNTIMES) where the profile has that rate (measured,
+    fitted or the host model's), else `cpu.adam_gparams_per_s` (tierflow's kernel: what the executor runs)."""
+    if runtime in DEEPSPEED_ADAM_RUNTIMES and hw.cpu.deepspeed_adam_gparams_per_s is not None:
+        return "cpu.deepspeed_adam_gparams_per_s"
+    return "cpu.adam_gparams_per_s"
+
+
+def as_runtime_steps(hw: HardwareProfile, runtime: str | None) -> HardwareProfile:
+    """The box as `runtime`'s optimizer sees it: `cpu.adam_gparams_per_s` set to the rate of the
+    implementation the runtime runs (adam_rate_key). Idempotent (the box it returns steps at that rate
+    already, so it comes back unchanged), and applied where every caller passes: schedules.build_graph (the
+    adam ops' durations) and simulator.simulate_graph (CPU Adam's DRAM traffic, from the graph's
+    meta["runtime"]), so a graph built on the bare profile and simulate_config agree for every runtime. With
+    several ranks per box the rate is still divided among them (costmodel.link_rates)."""
+    key = adam_rate_key(hw, runtime)
     rate = hw.cpu.deepspeed_adam_gparams_per_s
-    if runtime not in DEEPSPEED_ADAM_RUNTIMES or rate is None or rate == hw.cpu.adam_gparams_per_s:
+    if key == "cpu.adam_gparams_per_s" or rate == hw.cpu.adam_gparams_per_s:
         return hw
+    return _stepping_at(hw, rate)
+
+
+@lru_cache(maxsize=32)
+def _stepping_at(hw: HardwareProfile, rate: float) -> HardwareProfile:
+    """`hw` with its CPU Adam at `rate` (cached: build_graph and simulate_graph ask for the same box on every
+    call of a search; a profile is frozen, so the copy can be shared)."""
     return hw.with_overrides({"cpu.adam_gparams_per_s": rate})
 
 

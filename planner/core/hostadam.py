@@ -20,11 +20,11 @@ The implementations (what each moves and computes per parameter, read from its c
 - `torch_fused`: torch's fused AdamW on the CPU (aten/src/ATen/native/cpu/FusedAdamKernel.cpp): the same 28 B;
   `sqrt()`, a division by sqrt(bias_correction2) and the division of the update: two divisions per vector;
   at::parallel_for over torch's threads.
-- `tierflow`: tierflow's one-pass host kernel (executor/optim/fused_host_adamw.cpp `vector_loop`): also zeroes
-  the gradient and writes the bf16 compute copy (non-temporal): 28 + 4 + 2 = 34 B; one sqrt, two divisions.
-  (Open: since 2026-11-29 the kernel no longer zeroes the gradient: the step's first gradient write overwrites
-  the accumulator, executor/ops/grads.py host_grad_writes, so it moves 30 B. Counting 30 here changes every
-  bundled profile's rate, the README demo and tests whose premise is the rates' gap; not done yet.)
+- `tierflow`: tierflow's one-pass host kernel (executor/optim/fused_host_adamw.cpp `vector_loop`) as the
+  executor's adam op runs it: also writes the bf16 compute copy (non-temporal stores: no read for ownership)
+  and leaves the gradient as it is (`zero_grads=False`: the next step's first gradient write overwrites the
+  accumulator, executor/ops/grads.py host_grad_writes): 28 + 2 = 30 B; one sqrt, two divisions. (Until
+  2026-11-29 it also zeroed the gradient: 34 B.)
 
 Nothing here is fitted on an optimizer's measured rate: the per-microarchitecture figures are measured on
 single operations (experiments/host_adam_model.py) and the rates it predicts are checked against measured
@@ -51,7 +51,7 @@ class AdamImpl:
 IMPLS: dict[str, AdamImpl] = {
     "deepspeed": AdamImpl("deepspeed", 28.0, 1, "DeepSpeed 0.19.8 csrc/includes/cpu_adam.h Step_AVX"),
     "torch_fused": AdamImpl("torch_fused", 28.0, 2, "aten/src/ATen/native/cpu/FusedAdamKernel.cpp"),
-    "tierflow": AdamImpl("tierflow", 34.0, 2, "executor/optim/fused_host_adamw.cpp vector_loop"),
+    "tierflow": AdamImpl("tierflow", 30.0, 2, "executor/optim/fused_host_adamw.cpp vector_loop"),
 }
 
 

@@ -26,6 +26,7 @@ from tierflow.planner.core.clock import Clock, Offset
 from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.dsruntime import (
+    as_runtime_steps,
     deepspeed_host_buffers_bytes,
     ds_weights_copy_s,
 )
@@ -551,7 +552,8 @@ class _Builder(DeepSpeedHooks, LohanHooks):
         charge_moved_ops(g.tasks, self.hw)  # gpu.moved_op_overhead_us (planner/core/hostcost.py)
         static = static_bytes(self.model, self.p, cfg.runtime, self.W, cfg.ds_knobs, hw=self.hw)
         cap = rank_capacity_bytes(self.hw, cfg.gpus)
-        meta = {"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations}
+        meta = {"steps_per_iteration": S, "weight_uses_per_iteration": len(self.uses) // cfg.iterations,
+                "runtime": cfg.runtime}  # simulate_graph steps CPU Adam at the runtime's rate too
         if self.W > 1:
             meta["world"] = cfg.world.to_dict()
         return TaskGraph(g.tasks, static, cap, cfg.iterations, self.nb, meta=meta)
@@ -915,6 +917,9 @@ class _Builder(DeepSpeedHooks, LohanHooks):
 
 
 def build_graph(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) -> TaskGraph:
-    """The task graph of `cfg.iterations` training iterations of `model` on `hw` under schedule `cfg`."""
+    """The task graph of `cfg.iterations` training iterations of `model` on `hw` under schedule `cfg`. The
+    host's CPU Adam steps at the rate of the implementation `cfg.runtime` runs (dsruntime.as_runtime_steps,
+    applied here, idempotently: a caller passes the profile as it is, whatever the runtime)."""
+    hw = as_runtime_steps(hw, cfg.runtime)
     with gc_paused():
         return _Builder(model, hw, cfg).build()

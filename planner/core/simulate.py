@@ -6,7 +6,6 @@ from tierflow.errors import TierflowError
 from tierflow.hwprofiles import HardwareProfile, load_profile
 from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.costmodel import CAUSAL_ATTENTION_WORK
-from tierflow.planner.core.dsruntime import as_runtime_steps
 from tierflow.planner.core.families import FAMILIES
 from tierflow.planner.core.graph import TaskGraph
 from tierflow.planner.core.models import ModelSpec, get_model
@@ -48,11 +47,13 @@ def simulate_config(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
                     graph: TaskGraph | None = None) -> SimResult:
     """Build the task graph of `cfg` (unless given) and simulate it; fills in tokens and FLOPs. With several
     ranks the graph is one rank's and the tokens and FLOPs are the whole world's (the global batch). The CPU
-    Adam steps at the rate of the implementation `cfg.runtime` runs (dsruntime.as_runtime_steps)."""
-    hw = as_runtime_steps(hw, cfg.runtime)
+    Adam steps at the rate of the implementation `cfg.runtime` runs (dsruntime.as_runtime_steps: build_graph
+    times the adam ops so, simulate_graph runs the host at it from the graph's meta["runtime"], set here for
+    a graph given without it, e.g. a plan file's)."""
     if graph is None:
         check_graph_size(model, cfg)
     graph = graph or build_graph(model, hw, cfg)
+    graph.meta.setdefault("runtime", cfg.runtime)
     if cfg.world.ranks > 1:
         graph.meta["world"] = cfg.world.to_dict()
     res = simulate_graph(graph, hw, cfg.world)

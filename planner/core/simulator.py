@@ -29,6 +29,7 @@ import numpy as np
 from tierflow.errors import DoesNotFit, TierflowError
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.costmodel import Rates, link_rates
+from tierflow.planner.core.dsruntime import as_runtime_steps
 from tierflow.planner.core.graph import HOST_LINKS, LINK_NAMES, NET, RESOURCES, TIERS, TaskGraph, gc_paused
 from tierflow.planner.core.opkinds import CPU_ADAM_KINDS
 from tierflow.planner.core.simkernel import kernel_for
@@ -159,7 +160,10 @@ class SimResult:
 def simulate_graph(graph: TaskGraph, hw: HardwareProfile, world: World | None = None) -> SimResult:
     """Play `graph` on `hw`; returns times of every task and the steady-state metrics (see _summarize). With
     several ranks (`world`, else the graph's meta["world"]) the graph is one rank's, on its share of the box
-    (tierflow.planner.core.world)."""
+    (tierflow.planner.core.world). The host's CPU Adam runs at the rate of the graph's runtime
+    (meta["runtime"], which build_graph and simulate_config record: dsruntime.as_runtime_steps), as the
+    graph's adam ops were timed."""
+    hw = as_runtime_steps(hw, graph.meta.get("runtime"))
     if world is None and "world" in graph.meta:
         world = World(graph.meta["world"]["gpus"], graph.meta["world"]["nodes"])
     # the compiled loop (where numba is installed and the graph is large enough, else None: the pure-Python

@@ -16,7 +16,9 @@ host memory and cores, the measured interference factors). So the groups identif
 - transfers (h2d, d2h, ssd_read, ssd_write; tensor classes of different sizes): each link's rate and fixed
   cost (`pcie.h2d_gbps`, `pcie.d2h_gbps`, `pcie.latency_us`, `ssd.read_gbps`, `ssd.write_gbps`,
   `ssd.latency_us`), `ssd.mixed_efficiency` where reads and writes overlap;
-- CPU Adam: `cpu.adam_gparams_per_s`;
+- CPU Adam: the rate the plan's runtime steps at (`cpu.adam_gparams_per_s`, or
+  `cpu.deepspeed_adam_gparams_per_s` for a DeepSpeedCPUAdam runtime where the profile has it:
+  dsruntime.adam_rate_key; build_graph applies the runtime's, so fitting the other would move nothing);
 - on a host device, the interference factors `cpu.compute_slowdown_per_io_op`,
   `cpu.copy_slowdown_beside_compute`, `cpu.ssd_slowdown_beside_compute`.
 
@@ -41,6 +43,7 @@ import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile, ProfileError
 from tierflow.planner.core.contract import Plan
+from tierflow.planner.core.dsruntime import adam_rate_key
 from tierflow.planner.core.opkinds import ADAM_GPU, COMPUTE_KINDS, CPU_ADAM_KINDS
 from tierflow.planner.core.schedules import ScheduleError, build_graph
 from tierflow.planner.core.simulator import CapacityError, SimulationError, simulate_graph
@@ -65,7 +68,8 @@ ITERATION = "iteration"  # the observation of the whole iteration's time
 # tied fields: fitting the first moves the second by the same factor (unless the second is fitted too)
 TIED = {"pcie.h2d_gbps": "pcie.duplex_h2d_gbps", "pcie.d2h_gbps": "pcie.duplex_d2h_gbps"}
 # the rate fields whose resource's busy time scales inversely with them (the fit's scaled start)
-FIELD_RESOURCE = {"gpu.peak_tflops": "gpu", "cpu.adam_gparams_per_s": "cpu", "pcie.h2d_gbps": "h2d",
+FIELD_RESOURCE = {"gpu.peak_tflops": "gpu", "cpu.adam_gparams_per_s": "cpu",
+                  "cpu.deepspeed_adam_gparams_per_s": "cpu", "pcie.h2d_gbps": "h2d",
                   "pcie.d2h_gbps": "d2h", "ssd.read_gbps": "ssd_read", "ssd.write_gbps": "ssd_write"}
 FRACTIONS = {"gpu.gemm_efficiency", "gpu.hbm_efficiency", "gpu.attention_efficiency", "ssd.mixed_efficiency"}
 SLOWDOWNS = {"cpu.compute_slowdown_per_io_op", "cpu.copy_slowdown_beside_compute",
@@ -235,7 +239,7 @@ def default_fields(plan, hw: HardwareProfile) -> list[FitField]:
     if kinds & COMPUTE_KINDS or ADAM_GPU in kinds:
         keys.append("gpu.hbm_efficiency")
     if kinds & CPU_ADAM_KINDS:
-        keys.append("cpu.adam_gparams_per_s")
+        keys.append(adam_rate_key(hw, plan.config.runtime))
     if "h2d" in res:
         keys.append("pcie.h2d_gbps")
     if "d2h" in res:

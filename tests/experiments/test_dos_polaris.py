@@ -15,9 +15,9 @@ from tierflow.hwprofiles import load_profile
 from tierflow.planner.core.compute import unfused_extra_bytes
 from tierflow.planner.core.costmodel import CostModel
 from tierflow.planner.core.models import get_model
-from tierflow.planner.core.opkinds import BWD, OFFLOAD_GRADS, RECOMPUTE
+from tierflow.planner.core.opkinds import BWD, CPU_ADAM_KINDS, OFFLOAD_GRADS, RECOMPUTE
 from tierflow.planner.core.workload import layer_cost
-from tierflow.planner.io.deepspeed.bridge import simulate_ds, with_deepspeed_adam
+from tierflow.planner.io.deepspeed.bridge import simulate_ds
 from tierflow.planner.io.deepspeed.config import parse_ds_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,10 +75,17 @@ def test_a_slower_pageable_copy_lengthens_the_iteration_by_its_bytes():
 
 
 def test_the_deepspeed_bridge_steps_at_deepspeed_cpu_adam_s_rate():
+    """The bridge passes the profile as it is; the run's CPU Adam steps every parameter once per iteration at
+    DeepSpeedCPUAdam's rate (cpu.deepspeed_adam_gparams_per_s, polaris' fitted one), at tierflow's kernel's
+    rate only where the profile has no DeepSpeed rate."""
     hw = load_profile(HW)
-    assert with_deepspeed_adam(hw).cpu.adam_gparams_per_s == hw.cpu.deepspeed_adam_gparams_per_s
+    params = small_model().total_params()
     bare = hw.with_overrides({"cpu.deepspeed_adam_gparams_per_s": "null"})
-    assert with_deepspeed_adam(bare) is bare
+    for box, rate in ((hw, hw.cpu.deepspeed_adam_gparams_per_s), (bare, hw.cpu.adam_gparams_per_s)):
+        _, res = ds_run(box)
+        adam_s = sum(t.work for t in res.graph.tasks if t.kind in CPU_ADAM_KINDS and t.iteration == 1)
+        assert adam_s == pytest.approx(params / (rate * 1e9), rel=1e-6)
+    assert hw.cpu.deepspeed_adam_gparams_per_s < hw.cpu.adam_gparams_per_s / 2  # the two cases differ
     _, fast = ds_run(hw.with_overrides({"cpu.deepspeed_adam_gparams_per_s": 3.0}))
     _, slow = ds_run(hw.with_overrides({"cpu.deepspeed_adam_gparams_per_s": 1.0}))
     assert slow.iteration_s > fast.iteration_s

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, TextIO
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.contract import ScheduleConfig
-from tierflow.planner.core.dsruntime import as_runtime_steps
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.core.simulate import simulate_config
 from tierflow.planner.core.simulator import CapacityError, SimResult
@@ -32,18 +31,11 @@ def simulate_ds(model: ModelSpec, hw: HardwareProfile, ds: DsConfig,
     """The schedule the DeepSpeed config runs on `hw` and its simulated result (its CapacityError when it does
     not fit), `model` trained in the config's precision."""
     model = ds.trained(model)  # a CPU device's profile is in real bytes too (tierflow calibrate --device cpu)
-    hw = with_deepspeed_adam(hw)
     cfg = ds.schedule(model, hw, seq=model.seq_len, iterations=iterations)
     try:
         return cfg, simulate_config(model, hw, cfg)
     except CapacityError as e:
         return cfg, e
-
-
-def with_deepspeed_adam(hw: HardwareProfile) -> HardwareProfile:
-    """The box as a DeepSpeed run sees it: its CPU steps at DeepSpeedCPUAdam's rate (cpu.deepspeed_adam_
-    gparams_per_s, measured or fitted) where the profile has one, not at torch's AdamW rate."""
-    return as_runtime_steps(hw, "deepspeed")
 
 
 def plan_beside(model: ModelSpec, hw: HardwareProfile, batch: int, time_limit_s: float,

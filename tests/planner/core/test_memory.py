@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 from tierflow.api import make_schedule, simulate, simulate_config
 from tierflow.hwprofiles import load_profile
-from tierflow.planner.core.dsruntime import as_runtime_steps
 from tierflow.planner.core.memory import MARGIN, schedule_memory
 from tierflow.planner.core.models import get_model
 from tierflow.planner.core.placement import Placement, Split
@@ -65,9 +64,7 @@ def test_estimate_suffices_and_is_not_loose(case):
     model, hw, cfg = case
     est, staging = estimate(model, cfg, hw)
     free = simulate_config(model, hw, cfg)
-    # the graph as simulate_config builds it: the box as the runtime's optimizer sees it (a DeepSpeed runtime
-    # steps at cpu.deepspeed_adam_gparams_per_s; a graph built on the bare profile would step at tierflow's)
-    g = build_graph(model, as_runtime_steps(hw, cfg.runtime), cfg)
+    g = build_graph(model, hw, cfg)
     g.capacity_bytes = {t: est[t] * (1 + 1e-9) + 1.0 for t in est}
     capped = simulate_config(model, hw, cfg, g)  # raises CapacityError if a tier does not suffice
     assert capped.iteration_s <= free.iteration_s * 1.05
@@ -114,8 +111,6 @@ def test_vertical_group_with_checkpoints_on_ssd_fits_in_its_estimate():
     cfg = make_schedule("vertical", model, hw, batch=4, micro_batch=1, seq=128, placement=placement,
                         alpha=0.0, iterations=2)
     est, _ = estimate(model, cfg, hw)
-    # the graph as simulate_config builds it: the box as the runtime's optimizer sees it (a DeepSpeed runtime
-    # steps at cpu.deepspeed_adam_gparams_per_s; a graph built on the bare profile would step at tierflow's)
-    g = build_graph(model, as_runtime_steps(hw, cfg.runtime), cfg)
+    g = build_graph(model, hw, cfg)
     g.capacity_bytes = {t: est[t] * (1 + 1e-9) + 1.0 for t in est}
     simulate_config(model, hw, cfg, g)

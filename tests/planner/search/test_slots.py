@@ -42,10 +42,11 @@ def _case(name: str):
     family, batch, mb, group, swap, pl = CASES[name]
     model = get_model(MODEL)
     # one CPU Adam rate for every runtime, as the desktop had before the host model gave DeepSpeedCPUAdam its
-    # own (1.37 against tierflow's 1.13): the simulator steps runtime deepspeed at that rate
-    # (dsruntime.as_runtime_steps) but the slot model and the roofline read cpu.adam_gparams_per_s, so with
-    # two rates the horizontal case's LP (2.451 s) exceeds its simulation (2.369 s). An open item of the slot
-    # model (predict_config should see the runtime's rate), not hidden by a wider tolerance.
+    # own (1.37 against tierflow's 1.28; 1.13 when the figures below were taken): the simulator steps runtime
+    # deepspeed at that rate (dsruntime.as_runtime_steps) but the slot model and the roofline read
+    # cpu.adam_gparams_per_s, so with two rates the horizontal case's LP (2.451 s) exceeds its simulation
+    # (2.369 s). An open item of the slot model (predict_config should see the runtime's rate), not hidden by
+    # a wider tolerance.
     hw = profile("rtx3090-desktop").with_overrides({"cpu.memory_gib": 48,
                                                    "cpu.deepspeed_adam_gparams_per_s": None})
     cfg = make_schedule(family, model, hw, batch=batch, micro_batch=mb, seq=512, group=group,
