@@ -64,8 +64,8 @@ class HostPart:
         fp32 = not compressed(state.spec.optimizer_states)
         vecs = [state.vec[c][b] for c in (*OPT_CLASSES, "weights")]
         return cls(lo, hi, decay_pieces(state.layout, b, state.shards[b][0], lo, hi),
-                   not fp32, {c: _pieces(state.vec[c][b], lo, hi, None) for c in OPT_CLASSES} if fp32 else {},
-                   _pieces(W, lo, hi, None), (lo, min(hi, W.g)), W.dtype,
+                   not fp32, {c: _pieces(state.vec[c][b], lo, hi) for c in OPT_CLASSES} if fp32 else {},
+                   _pieces(W, lo, hi), (lo, min(hi, W.g)), W.dtype,
                    [(name, plo, phi) for name, pj, plo, phi in W.ssd_pieces() if pj == j] if W.s else [],
                    [(V, V.host) for V in vecs])
 
@@ -212,14 +212,11 @@ class OptimizerOps:
             W.copy_(vecs[0])  # the cast to the compute dtype, in one pass (no temporary)
 
 
-def _pieces(V, lo: int, hi: int, ssd) -> list[tuple[int, int, torch.Tensor]]:
-    """(a, z, tensor) pieces that cover [lo, hi) of the fp32 state vector V: its whole host range (no view
-    made per op: host_adamw takes [lo, hi) of it), and `ssd` (lo, hi, data) where read_opt_states read its SSD
-    range."""
-    out = [(V.g, V.ssd_lo, V.host)] if min(hi, V.ssd_lo) > max(lo, V.g) else []
-    if ssd is not None:
-        out.append(ssd)
-    return out
+def _pieces(V, lo: int, hi: int) -> list[tuple[int, int, torch.Tensor]]:
+    """The host piece (a, z, tensor) of the state vector V if [lo, hi) reaches its host range: the whole host
+    range (no view made per op: host_adamw takes [lo, hi) of it); the op adds the SSD range read_opt_states
+    read per step."""
+    return [(V.g, V.ssd_lo, V.host)] if min(hi, V.ssd_lo) > max(lo, V.g) else []
 
 
 def _stretches(V, lo: int, hi: int, ssd) -> list[tuple[int, int, torch.Tensor]]:
