@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from tierflow.executor.binding import EntryKey
+from tierflow.executor.device.base import DeviceBackend
 from tierflow.executor.lora import DropoutKey, attach
 from tierflow.executor.ops.context import OpContext, RoundState
 from tierflow.executor.ops.entries import EntryOps
@@ -81,6 +82,9 @@ class ComputeOps:
         # (owner, lo, hi) per block: the owners of the weights it computes with (layout.owners)
         self.owners = [layout.owners(b) for b in range(len(layout.slots))]
         self.recomputed = [self.rec(b) for b in range(len(layout.slots))]  # per block: cfg.recomputes
+        # the backend's own() for the packs' saved tensors; None where it is the identity (no call per tensor)
+        own = type(cx.backend).own
+        self.own = None if own is DeviceBackend.own else cx.backend.own
 
     def trainable(self, b: int, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The leaves whose gradients block b's backward computes: its weights, or under LoRA its adapters
@@ -115,7 +119,7 @@ class ComputeOps:
             if resident and not kept:  # saved as the block's last forward on such an input saved (PackLayout)
                 layouts = self.pack_layouts
                 key = (b, x.shape, x.stride(), x.storage_offset(), x.untyped_storage().nbytes(), x.dtype)
-            pack = Pack(leaves, own=self.cx.backend.own, kept=kept, trainable=self.adapters.get(b),
+            pack = Pack(leaves, own=self.own, kept=kept, trainable=self.adapters.get(b),
                         layouts=layouts, key=key)
             if kept:
                 with _GradMode(True):

@@ -92,8 +92,9 @@ class EntryOps:
         be = self.cx.backend
         e = rs.entries[self.binding.entry_key(t)]
         if e.is_pack:
-            for x in e.pack.saved:
-                rs.use_on(x, "d2h")
+            if rs.streams is not None:
+                for x in e.pack.saved:
+                    rs.use_on(x, "d2h")
             sources, n = e.pack.segments()
             e.dtype, e.shape = torch.uint8, (n,)
         else:
@@ -112,7 +113,8 @@ class EntryOps:
         if e.ssd_elems:
             e.host_ssd = self.cx.transfer_buffer(e.ssd_elems, e.dtype)
             dests.append((g + c, e.host_ssd))
-        scatter(be, sources, dests)
+        lay = e.pack.layout if e.is_pack else None
+        scatter(be, sources, dests, lay.cuts if lay is not None else None)
         with rs.lock:
             e.move(EntryState.OFFLOADED)
             if e.is_pack:
@@ -162,13 +164,23 @@ class EntryOps:
         rs.fetched[t.id] = dst
 
 
-def scatter(be, sources: list[tuple[int, torch.Tensor]], dests: list[tuple[int, torch.Tensor]]) -> None:
+def scatter(be, sources: list[tuple[int, torch.Tensor]], dests: list[tuple[int, torch.Tensor]],
+            cuts: dict | None = None) -> None:
     """Copy flat sources [(offset, tensor)] of one flat layout into the flat destinations [(offset, buffer)]
     that tile it: each overlap is one copy_async (backend.copy_many), straight into the destination's slice;
     a source inside one destination is copied whole (no slice of it). Into one destination that holds the
-    whole layout (an entry offloaded to one tier) the slices are one split_with_sizes call."""
+    whole layout (an entry offloaded to one tier) the slices are one split_with_sizes call, its sizes kept in
+    `cuts` (a pack layout's: the same sources' sizes and offsets every time) per destination size."""
     if len(dests) == 1 and dests[0][0] == 0:
-        be.copy_many(_into_one(sources, dests[0][1]))
+        dst = dests[0][1]
+        cut = cuts.get(dst.numel()) if cuts is not None else None
+        if cut is None:
+            cut = _cut(sources, dst.numel())
+            if cuts is not None:
+                cuts[dst.numel()] = cut
+        sizes, picks = cut
+        pieces = dst.split_with_sizes(sizes)
+        be.copy_many([(pieces[i], sources[k][1]) for k, i in picks])
         return
     spans = [(do, do + dst.numel(), dst) for do, dst in dests]
     pairs = []
@@ -181,20 +193,18 @@ def scatter(be, sources: list[tuple[int, torch.Tensor]], dests: list[tuple[int, 
     be.copy_many(pairs)
 
 
-def _into_one(sources: list[tuple[int, torch.Tensor]],
-              dst: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(slice of `dst`, source) for flat sources [(offset, tensor)] in ascending, disjoint order inside the
-    flat buffer `dst` (the gaps between them and the tail left alone), the slices from one
-    split_with_sizes."""
+def _cut(sources: list[tuple[int, torch.Tensor]], n: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """How one flat buffer of `n` elements holds the flat sources [(offset, tensor)] (ascending, disjoint):
+    the split_with_sizes sizes that cut it into the sources' slices, the gaps between them and the tail, and
+    (source index, piece index) of each non-empty source."""
     sizes, pos, picks = [], 0, []
-    for so, src in sources:
-        n = src.numel()
+    for k, (so, src) in enumerate(sources):
+        m = src.numel()
         if so > pos:
             sizes.append(so - pos)
-        if n:
-            picks.append((len(sizes), src))
-        sizes.append(n)
-        pos = so + n
-    sizes.append(dst.numel() - pos)
-    pieces = dst.split_with_sizes(sizes)
-    return [(pieces[i], src) for i, src in picks]
+        if m:
+            picks.append((k, len(sizes)))
+        sizes.append(m)
+        pos = so + m
+    sizes.append(n - pos)
+    return sizes, picks

@@ -49,7 +49,9 @@ class Pack:
         self.weights = leaves if trainable is None else [*leaves, *trainable]
         self.kept = kept
         self.x: torch.Tensor | None = None  # the layer input (a leaf: input())
-        self.own = own or (lambda t: t)  # DeviceBackend.own: saved tensors that the d2h stream will read
+        # DeviceBackend.own: saved tensors that the d2h stream will read; None where it is the identity (no
+        # call per saved storage)
+        self.own = own
         # per saved tensor, in the hooks' order: the tensor until the seal, then its reference (a tuple), a
         # fetched pack's rebuilt view after restore
         self.refs: list = []
@@ -136,7 +138,8 @@ class Pack:
             k = index.get(ptr)
             if k is None:
                 k = index[ptr] = len(self.saved)
-                self.saved.append(self.own(torch.empty(0, dtype=torch.uint8, device=device).set_(st)))
+                whole = torch.empty(0, dtype=torch.uint8, device=device).set_(st)
+                self.saved.append(whole if self.own is None else self.own(whole))
                 extent.append([st.nbytes(), 0])
             dtype = t.dtype
             size = dtype.itemsize
@@ -184,6 +187,7 @@ class Pack:
             off_bytes += -off_bytes % PACK_ALIGN
         if lay is not None:
             lay.desc, lay.nbytes = self.desc, off_bytes
+            lay.ranges = [(j, lo, hi - lo) for j, (_at, lo, hi) in zip(lay.firsts, self.desc)]
         return segs, off_bytes
 
     def release_output(self) -> None:
@@ -254,14 +258,19 @@ class PackLayout:
     updated in place: it reads their current values, as the view unpack_hook made per backward did)."""
 
     __slots__ = ("weight_ids", "leaf_ptrs", "pattern", "refs", "cpu_refs", "firsts", "extent", "desc",
-                 "nbytes", "views", "dtypes")
+                 "nbytes", "views", "dtypes", "ranges", "cuts")
 
     def __init__(self, weight_ids: tuple[int, ...], leaf_ptrs: dict[int, int], pattern: tuple[int, ...],
                  refs: list, cpu_refs: list[int], firsts: list[int], extent: list[list[int]]) -> None:
         self.weight_ids, self.leaf_ptrs, self.pattern = weight_ids, leaf_ptrs, pattern
         self.refs, self.cpu_refs, self.firsts, self.extent = refs, cpu_refs, firsts, extent
         self.desc: list[tuple[int, int, int]] | None = None
+        # per storage (its first saved tensor, lo, bytes): desc's ranges as apply() makes them
+        self.ranges: list[tuple[int, int, int]] = []
         self.nbytes = 0
+        # (flat buffer bytes) -> the split sizes that cut it into the storages' ranges and the gaps between
+        # them, and which piece each range is (entries.scatter, found once per buffer size)
+        self.cuts: dict[int, tuple[list[int], list[tuple[int, int]]]] = {}
         self.views: list[tuple] | None = None
         self.dtypes: tuple[torch.dtype, ...] = ()
 
@@ -309,14 +318,14 @@ class PackLayout:
         if self._pattern(self.leaf_ptrs, ptrs) != self.pattern:
             return False
         device, own, u8 = pack.weights[0].device, pack.own, torch.uint8
+        empty = torch.empty
         if self.desc is not None:  # each storage's range to move, as segments() moves it
-            pack.saved = [own(torch.empty(0, dtype=u8, device=device).set_(refs[j].untyped_storage(), lo,
-                                                                           (hi - lo,)))
-                          for j, (_at, lo, hi) in zip(self.firsts, self.desc)]
+            saved = [empty(0, dtype=u8, device=device).set_(refs[j].untyped_storage(), lo, (n,))
+                     for j, lo, n in self.ranges]
             pack.desc, pack.ranged = self.desc, True
         else:
-            pack.saved = [own(torch.empty(0, dtype=u8, device=device).set_(refs[j].untyped_storage()))
-                          for j in self.firsts]
+            saved = [empty(0, dtype=u8, device=device).set_(refs[j].untyped_storage()) for j in self.firsts]
+        pack.saved = saved if own is None else [own(x) for x in saved]
         pack.index = {ptrs[j]: k for k, j in enumerate(self.firsts)}
         pack.extent = self.extent
         new = list(self.refs)
