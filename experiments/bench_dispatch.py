@@ -15,6 +15,11 @@
    kept layer through the pack's hooks; against `direct` (ops/params.py: resident weights' leaves made once,
    installed in the executor's copy of the module; a pack no op moves left to autograd): the same numerics,
    alternating in the same rounds.
+   `variant` plain_blockwise runs no executor: plain PyTorch steps the same model block by block as the
+   plan's compute ops decompose a step (a graph per block on a detached input, the head's chunked loss, one
+   backward call per block, flat weight gradients), alternating with the whole-model plain step; its
+   `executor_*` columns are that loop's, so its `executor_op_us` is what the decomposition itself costs per
+   op, the floor under the executor's (plain CPU only).
 3. **Modelled.** The simulator's step for the same plan on this box's profile
    (experiments/results/bench_executor_box.yaml, calibrated here) without per-op costs (`predicted_bare_ms`)
    and with the fixed costs calibrate measures now on this backend (`predicted_ms`: cpu.executor_op_us on
@@ -82,6 +87,108 @@ def measure(backend: str, placement: str, variant: str, rounds: int) -> dict:
            "executor_op_cpu_us": round(r.executor_op_cpu_us, 1)}
     row.update({f"{p}_us": round(r.parts_us[p], 1) for p in PARTS})
     return row
+
+
+class BlockwiseSteps:
+    """Plain PyTorch (no executor) stepping the same model block by block, as the plan's compute ops
+    decompose a step: per micro-batch each block's forward on a detached input (an autograd graph of its
+    own), the head's chunked loss (executor.models.chunked_lm_loss, the gradients computed in its forward),
+    then one backward call per block from the gradient of its output (tiers/packs.grads_of), each block's
+    weight gradients flattened into one fp32 vector and added across micro-batches; then torch.optim.AdamW
+    on the same parameters. What this costs beyond PlainSteps' one backward per micro-batch is the
+    decomposition's own cost, which the executor pays on top of its bookkeeping (the floor of
+    `executor_op_us`)."""
+
+    def __init__(self, plan, device) -> None:
+        from tierflow.executor.calibration.dispatch import PlainSteps
+
+        self.plain = PlainSteps(plan, device)
+        blocks = list(self.plain.model.blocks)
+        self.embedding, self.layers, self.head = blocks[0], blocks[1:-1], blocks[-1]
+        self.tied = self.embedding.wte.weight if plan.model.tied_embeddings else None
+        self.params = [list(b.parameters()) for b in blocks]
+
+    def _micro_batch(self, x_tokens, targets, acc: list, num_mb: int) -> None:
+        import torch
+
+        from tierflow.executor.tiers.packs import grads_of
+
+        params = self.params
+        emb = self.embedding(x_tokens)
+        ins, outs, x = [], [], emb.detach()
+        for block in self.layers:
+            xin = x.detach().requires_grad_()
+            out = block(xin)
+            ins.append(xin)
+            outs.append(out)
+            x = out.detach()
+        xin = x.detach().requires_grad_()
+        loss = self.head(xin, targets=targets, tied_weight=self.tied) / num_mb
+        extra = (self.tied,) if self.tied is not None else ()
+        *g, dx = grads_of((loss,), (torch.ones_like(loss),), (*params[-1], *extra, xin))
+        _add(acc, -1, g)
+        for k in range(len(self.layers), 0, -1):
+            *g, dx = grads_of((outs[k - 1],), (dx,), (*params[k], ins[k - 1]))
+            _add(acc, k, g)
+        _add(acc, 0, grads_of((emb,), (dx,), tuple(params[0])))
+
+    def step_s(self, steps: int) -> float:
+        import torch
+
+        from tierflow.executor.calibration.dispatch import MICRO_BATCH, NUM_MB
+
+        pl = self.plain
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            acc = [None] * (len(self.layers) + 2)
+            for i in range(NUM_MB):
+                sl = slice(i * MICRO_BATCH, (i + 1) * MICRO_BATCH)
+                self._micro_batch(pl.x[sl], pl.y[sl], acc, NUM_MB)
+            for k, flat in enumerate(acc):  # the flat vectors as the parameters' gradients
+                ps = self.params[k] + ([self.tied] if k == len(acc) - 1 and self.tied is not None else [])
+                for p, g in zip(ps, torch._C._nn.unflatten_dense_tensors(flat, ps)):
+                    p.grad = g if p.grad is None else p.grad + g
+            pl.opt.step()
+            pl.opt.zero_grad(set_to_none=True)
+        return (time.perf_counter() - t0) / steps
+
+
+def _add(acc: list, k: int, grads: list) -> None:
+    """Block k's weight gradients as one flat vector, added into acc[k] (the first one becomes it)."""
+    import torch
+
+    flat = torch._C._nn.flatten_dense_tensors(list(grads))
+    acc[k] = flat if acc[k] is None else acc[k].add_(flat)
+
+
+def blockwise(backend: str, placement: str, rounds: int) -> dict:
+    """Plain PyTorch step by step (PlainSteps) against the same run block by block (BlockwiseSteps),
+    alternating round by round, one plan's ops per step: `executor_*` are the block-by-block run's (no
+    executor), so `executor_op_us` is the decomposition's cost per op."""
+    import statistics
+
+    from tierflow.executor.calibration.dispatch import ITERATIONS, PlainSteps, tiny_plan
+
+    plan = tiny_plan("cpu", placement)
+    dev = make_backend(backend).device
+    plain, blocks = PlainSteps(plan, dev), BlockwiseSteps(plan, dev)
+    plain.step_s(1)
+    blocks.step_s(1)
+    ops = len([t for t in plan.graph.tasks if t.iteration < ITERATIONS]) / ITERATIONS
+    wall, cpu = {"p": [], "b": []}, {"p": [], "b": []}
+    for _ in range(rounds):
+        for k, runner in (("p", plain), ("b", blocks)):
+            c0 = time.process_time()
+            wall[k].append(runner.step_s(ITERATIONS))
+            cpu[k].append((time.process_time() - c0) / ITERATIONS)
+    p_s, b_s = statistics.median(wall["p"]), statistics.median(wall["b"])
+    p_c, b_c = statistics.median(cpu["p"]), statistics.median(cpu["b"])
+    return {"backend": backend, "plan": placement, "variant": "plain_blockwise", "rounds": rounds,
+            "ops_per_step": round(ops, 1), "plain_step_ms": round(p_s * 1e3, 3),
+            "executor_step_ms": round(b_s * 1e3, 3), "ratio": round(p_s / b_s, 3),
+            "executor_op_us": round(max(0.0, (b_s - p_s) / ops * 1e6), 1),
+            "plain_cpu_ms": round(p_c * 1e3, 3), "executor_cpu_ms": round(b_c * 1e3, 3),
+            "executor_op_cpu_us": round(max(0.0, (b_c - p_c) / ops * 1e6), 1)}
 
 
 def calibrated(backend: str, rounds: int = 3):
@@ -188,7 +295,9 @@ def run(quick: bool, out_dir: Path, rounds: int | None = None) -> list[dict]:
     rounds = rounds or (2 if quick else 10)
     placements = ("on_device",) if quick else ("on_device", "checkpoints_host")
     extra = 1 + (0 if quick else len(placements))  # per backend: calibrate, the held-out plans
-    prog = Progress(len(BACKENDS) * (extra + len(placements) * len(VARIANTS)) + 1, "bench_dispatch")
+    # + the emulation's graphs row, the plain CPU's block-by-block rows
+    prog = Progress(len(BACKENDS) * (extra + len(placements) * len(VARIANTS)) + 1 + len(placements),
+                    "bench_dispatch")
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     rows = []
@@ -202,6 +311,10 @@ def run(quick: bool, out_dir: Path, rounds: int | None = None) -> list[dict]:
             direct = rows[-len(VARIANTS)]
             direct.update(modelled(bare, hw, placement, direct["executor_step_ms"],
                                    direct["executor_cpu_best_ms"]))
+        if backend == "cpu":
+            for placement in placements:
+                prog.step(f"{backend} {placement} plain_blockwise")
+                rows.append(blockwise(backend, placement, rounds))
         if backend != "cpu":
             prog.step(f"{backend} on_device graphs")
             rows.append(graph_row(backend, bare, hw, rounds))

@@ -23,7 +23,7 @@ def test_bench_dispatch_quick(tmp_path):
         rows = list(csv.DictReader(f))
     assert {(r["backend"], r["plan"], r["variant"]) for r in rows} == {
         (b, "on_device", v) for b in ("cpu", "cpu-adversarial") for v in ("direct", "per_op_leaves")} | {
-        ("cpu-adversarial", "on_device", "graphs")}
+        ("cpu-adversarial", "on_device", "graphs"), ("cpu", "on_device", "plain_blockwise")}
     graphs = [r for r in rows if r["variant"] == "graphs"]
     # the emulation's graphs: measured beside the same plan eager, and the model's step with graphs (the
     # replay's measured costs in place of the per-op ones)
@@ -31,8 +31,12 @@ def test_bench_dispatch_quick(tmp_path):
     assert float(graphs[0]["predicted_ms"]) > 0 and graphs[0]["cal_graph_launch_us"] != ""
     # the model against the best round's CPU time too (what a shared box does not inflate)
     assert float(graphs[0]["executor_cpu_best_ms"]) > 0 and float(graphs[0]["cpu_vs_predicted"]) > 0
+    # plain PyTorch block by block (no executor): its steps, and the decomposition's cost per op
+    blockwise = [r for r in rows if r["variant"] == "plain_blockwise"][0]
+    assert float(blockwise["plain_cpu_ms"]) > 0 and float(blockwise["executor_cpu_ms"]) > 0
+    assert float(blockwise["executor_op_cpu_us"]) >= 0 and blockwise["handler_us"] == ""
     for r in rows:
-        if r["variant"] == "graphs":
+        if r["variant"] in ("graphs", "plain_blockwise"):
             continue
         assert float(r["plain_step_ms"]) > 0 and float(r["executor_step_ms"]) > 0
         assert float(r["ops_per_step"]) > 0 and float(r["executor_op_us"]) >= 0
