@@ -34,8 +34,8 @@ STEPS = 100  # placement fractions are decided in steps of 1/STEPS
 # SSD
 VARS = ("w_gpu", "w_ssd", "s_ssd", "c_gpu", "c_ssd")
 CKPT_VARS = ("c_gpu", "c_ssd")
-# memory rows are in KiB, rounded up (in MiB, a tiny model's 20 KiB of checkpoints per 1/STEPS counted 1 MiB:
-# keeping them on a 74 MiB device looked 50 times its size; experiments/lora_tiers.py --cpu, docs/lora.md)
+# memory rows are in KiB, rounded up (in MiB, a tiny model's 75 KiB of activations per 1/STEPS counted 1 MiB:
+# keeping them on a 74 MiB device looked 14 times its size; experiments/lora_tiers.py --cpu, docs/lora.md)
 KIB = 2**10
 TIME_UNIT_S = 1e-6  # time expressions are in microseconds
 HORIZON_UNITS = 10**13
