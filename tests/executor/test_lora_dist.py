@@ -22,10 +22,13 @@ from tierflow.executor.run import run_plan
 HERE = Path(__file__).resolve().parents[1]  # tests/
 HOST = [0.0, 1.0, 0.0]  # the frozen base in host memory
 TIERED = [0.3, 0.3, 0.4]  # over the device, host memory and the SSD tier
-CASES = {  # name: (family, base's split, steps)
-    "fuyou-host": ("fuyou", HOST, 3),
-    "vertical-tiered": ("vertical", TIERED, 3),
-    "horizontal-tiered": ("horizontal", TIERED, 4),
+CASES = {  # name: (family, base's split, steps, device)
+    "fuyou-host": ("fuyou", HOST, 3, "cpu"),
+    "vertical-tiered": ("vertical", TIERED, 3, "cpu"),
+    "horizontal-tiered": ("horizontal", TIERED, 4, "cpu"),
+    # the all-reduce on the net worker's stream, handed to the compute stream's adam_gpu, on the adversarial
+    # emulation of a CUDA device (executor/device/emulated.py)
+    "fuyou-tiered-emulated": ("fuyou", TIERED, 3, "cpu-adversarial"),
 }
 
 
@@ -35,8 +38,8 @@ def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora-dist")
     out, ck, peft = tmp / "out", tmp / "ck", tmp / "peft"
     out.mkdir()
-    cases = [{"name": n, "family": f, "weights": w, "steps": s, "ssd_dir": str(tmp / "ssd")}
-             for n, (f, w, s) in CASES.items()]
+    cases = [{"name": n, "family": f, "weights": w, "steps": s, "device": d, "ssd_dir": str(tmp / "ssd")}
+             for n, (f, w, s, d) in CASES.items()]
     cases[0]["export_peft"] = str(peft)
     ck_case = {"family": "horizontal", "weights": TIERED, "ssd_dir": str(tmp / "ssd"),
                "checkpoint_dir": str(ck), "checkpoint_every": 2}
@@ -58,7 +61,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_ranks_train_the_adapters_as_one_rank(two_ranks, name, tmp_path):
-    family, weights, steps = CASES[name]
+    family, weights, steps, device = CASES[name]
     r0, r1 = two_ranks[f"{name}.rank0"], two_ranks[f"{name}.rank1"]
     assert "all_reduce_grads" in r0["kinds"] and "all_gather_weights" in r0["kinds"]
     assert "reduce_scatter_grads" not in r0["kinds"]
@@ -70,7 +73,8 @@ def test_two_ranks_train_the_adapters_as_one_rank(two_ranks, name, tmp_path):
         assert torch.equal(r1["adapters"][key], value), key
         assert torch.equal(r1["adam_m"][key], r0["adam_m"][key]), key
     # against one rank training the whole batch of 4 (the same base, adapters, data and dropout masks)
-    one = run_plan(make_plan(family, weights, 1), run_config({"steps": steps, "ssd_dir": str(tmp_path)}))
+    one = run_plan(make_plan(family, weights, 1),
+                   run_config({"steps": steps, "ssd_dir": str(tmp_path), "device": device}))
     assert r0["losses"] == pytest.approx(one.losses, rel=1e-5)
     for key, value in one.final_lora.items():
         assert _rel(r0["adapters"][key], value) < 1e-4, key

@@ -5,8 +5,9 @@ compare the ranks' adapters with each other and with one rank's.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/support/lora_dist_worker.py cases.json OUT
 
-A case: {"name", "family", "steps", "ssd_dir", "weights": [gpu, cpu, ssd] of the frozen base,
-"checkpoint_dir"?, "checkpoint_every"?, "export_peft"?}. The model: tiny-llama with LORA's adapters.
+A case: {"name", "family", "steps", "ssd_dir", "weights": [gpu, cpu, ssd] of the frozen base, "device"?
+("cpu" or "cpu-adversarial", the CUDA emulation), "checkpoint_dir"?, "checkpoint_every"?, "export_peft"?}.
+The model: tiny-llama with LORA's adapters.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def make_plan(family: str, weights: list[float], gpus: int, iterations: int = 2)
 
 
 def run_config(case: dict) -> RunConfig:
-    return RunConfig(steps=case["steps"], ssd_dir=case["ssd_dir"], device="cpu", optimizer=OPTIMIZER,
+    return RunConfig(steps=case["steps"], ssd_dir=case["ssd_dir"], device=case.get("device", "cpu"),
+                     optimizer=OPTIMIZER,
                      checkpoint=CheckpointOptions(case.get("checkpoint_dir"),
                                                   every=case.get("checkpoint_every", 0)),
                      output=OutputOptions(quiet=True, collect_final=True,
