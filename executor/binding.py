@@ -128,7 +128,8 @@ class Binding:
         self.last_fetch: set[int] = set()  # fetch ops after which no other fetch of their entry comes
         self.wfetch: dict[int, int | None] = {}  # compute op -> its fetch_weights (or all_gather_weights) op
         self.wfetch_users: Counter = Counter()  # that op -> compute ops reading it
-        self.scatter_to: dict[int, int] = {}  # reduce_scatter_grads op -> the op taking its shard
+        # reduce_scatter_grads (LoRA: all_reduce_grads) op -> the op taking its shard (its sum)
+        self.scatter_to: dict[int, int] = {}
         self.dep_of_kind: dict[int, dict[str, int]] = {}  # op -> {kind: its (last) dependency of that kind}
         self.part_of: dict[int, int] = {}  # read/write_opt_states, update_weights -> optimizer part
         self.grad_group: dict[tuple[int, int], int] = {}  # (compute op, owner) -> op that takes its gradients
@@ -228,15 +229,18 @@ class Binding:
             return
         offloads: dict[tuple[int, int], list[tuple[int, int]]] = {}
         adam_gpu: dict[tuple[int, int], int] = {}
+        reduces: dict[tuple[int, int], int] = {}
         for t in tasks:
             if t.kind == k.OFFLOAD_GRADS:
                 offloads.setdefault((t.iteration, t.block), []).append((pos[t.deps[0]], t.id))
             elif t.kind == k.ADAM_GPU:
                 adam_gpu[(t.iteration, t.block)] = t.id
+            elif t.kind == k.ALL_REDUCE_GRADS:
+                reduces[(t.iteration, t.block)] = t.id
         for v in offloads.values():
             v.sort()
         if self.plan.model.lora is not None:
-            self._bind_adapter_grads(adam_gpu)
+            self._bind_adapter_grads(adam_gpu, reduces)
             return
         for t in tasks:
             if t.kind not in (k.HEAD, k.BWD):
@@ -255,18 +259,27 @@ class Binding:
                 a, z = self.grad_range.get((group, o), (lo, hi))
                 self.grad_range[(group, o)] = (min(a, lo), max(z, hi))
 
-    def _bind_adapter_grads(self, adam_gpu: dict[tuple[int, int], int]) -> None:
+    def _bind_adapter_grads(self, adam_gpu: dict[tuple[int, int], int],
+                            reduces: dict[tuple[int, int], int]) -> None:
         """LoRA (executor/lora.py): only a decoder layer's backward has weight gradients, its adapters' (the
         base, the embedding and the head are frozen); the layer's adam_gpu of the iteration takes them, the
-        range the layer's flat adapter vector."""
+        range the layer's flat adapter vector. With several ranks the layer's all_reduce_grads takes them and
+        hands the sum to that adam_gpu (scatter_to)."""
         n = self.layout.adapters.numel
+        for key, r in reduces.items():
+            if key not in adam_gpu:
+                raise ExecutionError(f"{self.plan.source}: the adapters' gradients all-reduced by op {r} are "
+                                     "taken by no adam_gpu op (inconsistent plan)")
+            self.scatter_to[r] = adam_gpu[key]
+            self.grad_range[(adam_gpu[key], key[1])] = (0, n)  # the sum it hands on: the whole vector
         for t in self.tasks:
             if t.kind != k.BWD or t.block not in self.layout.adapters.blocks():
                 continue
-            group = adam_gpu.get((t.iteration, t.block))
+            group = (reduces if self.cfg.world.ranks > 1 else adam_gpu).get((t.iteration, t.block))
             if group is None:
                 raise ExecutionError(f"{self.plan.source}: the adapters' gradients of op {t.id} ({t.label}) "
-                                     "are never taken by an adam_gpu op (inconsistent plan)")
+                                     "are never taken by an adam_gpu op (or, with several ranks, an "
+                                     "all_reduce_grads op) (inconsistent plan)")
             self.grad_group[(t.id, t.block)] = group
             self.grad_contributors[(group, t.block)] += 1
             self.grad_range[(group, t.block)] = (0, n)

@@ -391,7 +391,7 @@ def _save_sharded(state: TrainState, root: Path, step: int, meta: dict, world: D
             shards[f"rank-{k}"] = {"bytes": nbytes, "crc32": crc}
         manifest = {"format": CHECKPOINT_FORMAT, "version": SHARDED_VERSION, "step": step,
                     "model": state.spec.name, "numel": state.layout.numel, "world": {"ranks": world.ranks},
-                    **meta, "shards": shards}
+                    **meta, **lora_manifest(state), "shards": shards}
         _write_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
         fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)
@@ -528,7 +528,9 @@ def _load_adapters(state: TrainState, ckpt: Path, manifest: dict) -> None:
                          f"({base.get('model')!r} with digest {base.get('digest')}; this run's base has "
                          f"{state.base_digest()}): resume with the --init directory or --seed it started "
                          "from, or use another --checkpoint-dir")
-    t = _load_verified(ckpt, ADAPTERS_FILE, manifest)
+    # several ranks: each rank wrote its copy of the (identical) adapters into its shard directory
+    d, files = (ckpt, manifest) if state.world.single else _shard_manifest(ckpt, manifest, state.world.rank)
+    t = _load_verified(d, ADAPTERS_FILE, files)
     try:
         for cls in ("adam_m", "adam_v", "master"):
             prefix = MOMENT_PREFIX[cls]

@@ -210,10 +210,13 @@ def load_lora_state_dict(state: LoraState, tensors: dict[str, torch.Tensor], cls
 
 class DropoutKey:
     """What a compute op is running (seed, step, layer, micro-batch), set before its call: the dropout masks'
-    seed."""
+    seed. `first_mb`: the global index of this rank's first micro-batch (rank r of W trains sequences
+    [r * share, (r + 1) * share): r times its micro-batches per step), so that W ranks drop what one rank
+    training the whole batch drops."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, first_mb: int = 0) -> None:
         self.seed = seed
+        self.first_mb = first_mb
         self.at: tuple[int, int, int] = (0, 0, 0)
 
 
@@ -225,7 +228,8 @@ def _mask_seed(seed: int, at: tuple[int, int, int], j: int) -> int:
 def _dropout(x: torch.Tensor, p: float, key: DropoutKey, j: int) -> torch.Tensor:
     if p <= 0:
         return x
-    g = torch.Generator(device=x.device).manual_seed(_mask_seed(key.seed, key.at, j))
+    step, b, m = key.at
+    g = torch.Generator(device=x.device).manual_seed(_mask_seed(key.seed, (step, b, key.first_mb + m), j))
     keep = torch.rand(x.shape, generator=g, device=x.device, dtype=torch.float32) >= p
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
 

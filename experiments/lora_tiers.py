@@ -224,9 +224,10 @@ def cpu_plans(model, s: dict) -> tuple[dict, str]:
     planned = make_plan(model, hw, s["batch"], s["seq"], opts)
     model, cfg = planned.problem.model, planned.config
     swapped = cfg.swap_layers if cfg.recompute else model.num_layers
-    w = cfg.placement.weights
+    w, c = cfg.placement.weights, cfg.placement.checkpoints
     chosen = (f"{cfg.family}, {cfg.batch // cfg.micro_batch} x {cfg.micro_batch}, {swapped} of "
-              f"{model.num_layers} layers keep their activations (the rest recompute), base "
+              f"{model.num_layers} layers keep their activations (the rest recompute), activations and "
+              f"checkpoints {c.gpu:.0%} device / {c.cpu:.0%} host / {c.ssd:.0%} SSD, base "
               f"{w.gpu:.0%} device / {w.cpu:.0%} host / {w.ssd:.0%} SSD")
     plans = {}
     for name, where in (("host", Split(0.0, 1.0, 0.0)), ("ssd", Split(0.0, 0.0, 1.0))):
@@ -525,6 +526,9 @@ def cpu_run(quick: bool, out_dir: Path) -> dict:
         model = get_model(str(model_path)).with_precision("fp32").with_lora(lora)
         plans, chosen = cpu_plans(model, s)
         micro = plans["host"].config.micro_batch
+        # the simulator's step of the plan on the profile, to set against the measured one
+        predicted_s = simulate_config(plans["host"].model, load_profile(CPU_PROFILE),
+                                      plans["host"].config).iteration_s
         print(f"lora_tiers --cpu: the plan: {chosen}", file=sys.stderr)
         full = _run_opts(data, tok, work, s, "ssd", s["steps"])
         ssd, _ = _tierflow_lora(plans["ssd"], full)
@@ -541,6 +545,7 @@ def cpu_run(quick: bool, out_dir: Path) -> dict:
     speed = [r["peft_step_s"] / r["tierflow_host_step_s"] for r in rounds]
     loads = [r["load_1min"] for r in rounds]
     out = {"steps": s["steps"], "plan": chosen, "micro_batch": micro,
+           "tierflow_host_predicted_s": predicted_s,
            "tierflow_ssd_val": ssd[-1].val_loss, "tierflow_host_val": host[-1].val_loss,
            "peft_val": plain[-1]["val_loss"], "first_loss": plain[0]["loss"],
            "tierflow_ssd_step_s": _median_after([r.step_s for r in ssd], skip),

@@ -69,7 +69,8 @@ class ComputeOps:
         # per decoder layer: its adapters' (A, B) leaves, made once over the LoRA state's vectors, and the
         # hooks that add them to the layer's projections; the dropout masks' key (step, layer, micro-batch)
         self.adapters: dict[int, list[torch.Tensor]] = {}
-        self.dropout_key = DropoutKey(lora.seed if lora is not None else 0)
+        # (the global index of this rank's first micro-batch: W ranks drop what one rank drops)
+        self.dropout_key = DropoutKey(lora.seed if lora is not None else 0, cx.state.world.rank * self.num_mb)
         if lora is not None:
             for b in layout.adapters.blocks():
                 pairs = adapter_leaves(lora.master[b], layout.adapters.views(lora.master[b]))

@@ -13,6 +13,8 @@ plan's order on the net worker, so the i-th collective of every rank is the same
                           numbers. The shard goes to the op that takes it: to offload_grads cast to the
                           compute dtype on the net stream (offload_grads only copies, as with one rank), to
                           adam_gpu (a GPU optimizer) in fp32.
+    all_reduce_grads      LoRA: sum the ranks' fp32 adapter gradients of a layer (the whole vector: every rank
+                          keeps the adapters whole) with `all_reduce`, in place, for the layer's adam_gpu.
 
 On a CUDA device the net worker has a stream of its own: NCCL's collectives are enqueued with it current, so
 `work.wait()` makes that stream (not the host) wait, and the ops after the collective wait on its end event as
@@ -79,6 +81,18 @@ class NetOps:
             rs.use_on(out, consumer.resource)  # made on the net stream, read on the taker's
             with rs.lock:
                 rs.grad_acc[(consumer.id, o)] = out
+
+    def all_reduce_grads(self, rs: RoundState, t: Task) -> None:
+        """LoRA: the ranks' fp32 adapter gradients of a layer summed in place on every rank
+        (`all_reduce`), handed whole to the layer's adam_gpu: every rank steps the same adapters with the
+        same gradient."""
+        consumer = self.cx.binding.tasks[self.cx.binding.scatter_to[t.id]]
+        for o, _lo, acc in self.buffers.take(rs, t.id):
+            rs.use_on(acc, "net")
+            self._finish(rs, dist.all_reduce(acc, group=self.world.net_group, async_op=True))
+            rs.use_on(acc, consumer.resource)  # summed on the net stream, read on the taker's
+            with rs.lock:
+                rs.grad_acc[(consumer.id, o)] = acc
 
     def _reduce_scatter(self, rs: RoundState, acc: torch.Tensor, s: int, r: int) -> torch.Tensor:
         group = self.world.net_group

@@ -52,6 +52,7 @@ class Ops:
             k.WRITE_OPT_STATES: o.write_opt_states, k.ADAM_GPU: o.adam_gpu,
             k.ALL_GATHER_WEIGHTS: self.net.all_gather_weights,
             k.REDUCE_SCATTER_GRADS: self.net.reduce_scatter_grads,
+            k.ALL_REDUCE_GRADS: self.net.all_reduce_grads,
         }
         entry_ops = {"offload": e.offload, "fetch": e.fetch, "write": e.write, "read": e.read}
         for verb, kinds in k.ENTRY_KINDS.items():

@@ -221,7 +221,10 @@ class TrainState:
 
     def set_block(self, b: int, master: torch.Tensor, m: torch.Tensor | None = None,
                   v: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
-        """Block b's state from whole-block vectors (this rank keeps its shard of them)."""
+        """Block b's state from whole-block vectors (this rank keeps its shard of them). LoRA: the digest of
+        the frozen base (base_digest) takes the whole block, the same on every rank."""
+        if self.lora is not None:
+            self._hash_base(b, master if weights is None else weights)
         lo, hi = self.shards[b]
         if (lo, hi) != (0, self.layout.numel[b]):
             master, m, v, weights = (x.reshape(-1)[lo:hi] if x is not None else None
@@ -232,10 +235,7 @@ class TrainState:
                   v: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
         """This rank's shard of block b's state (vectors of shard_numel[b] elements)."""
         if self.lora is not None:  # the frozen base: its compute weights only, written to its tiers once
-            base = master if weights is None else weights
-            self.base_hash.update(f"block {b}:".encode())
-            self.base_hash.update(base.detach().to("cpu", torch.float32).contiguous().reshape(-1).numpy())
-            self.vec["weights"][b].set_full(base, self.ssd)
+            self.vec["weights"][b].set_full(master if weights is None else weights, self.ssd)
             return
         master = master.float()
         self.vec["master"][b].set_full(master, self.ssd)
@@ -248,6 +248,10 @@ class TrainState:
         else:
             W.set_full(master if weights is None else weights, self.ssd)
         self.reset_grads(b)
+
+    def _hash_base(self, b: int, base: torch.Tensor) -> None:
+        self.base_hash.update(f"block {b}:".encode())
+        self.base_hash.update(base.detach().to("cpu", torch.float32).contiguous().reshape(-1).numpy())
 
     def base_digest(self) -> str:
         """LoRA: a digest of the frozen base's values (fp32, block by block as set): what a checkpoint of the

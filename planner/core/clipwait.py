@@ -21,7 +21,8 @@ OPTIMIZER_KINDS = frozenset({k.ADAM, k.ADAM_DEFERRED, k.ADAM_GPU})
 # the ops that make a step's weight gradients final: on the device, in host memory, or (write_grads) in the
 # SSD tier's files, where the norm reads them (a plan reads a block's gradients back from the SSD only when
 # its optimizer step comes, after the previous block's: waiting for those reads would close a cycle)
-GRAD_KINDS = frozenset({k.BWD, k.HEAD, k.OFFLOAD_GRADS, k.WRITE_GRADS, k.REDUCE_SCATTER_GRADS})
+GRAD_KINDS = frozenset({k.BWD, k.HEAD, k.OFFLOAD_GRADS, k.WRITE_GRADS, k.REDUCE_SCATTER_GRADS,
+                        k.ALL_REDUCE_GRADS})
 
 
 def grad_ops(graph: TaskGraph) -> dict[int, list[int]]:

@@ -32,6 +32,7 @@ ADAM_GPU = "adam_gpu"
 # collectives of several ranks (resource net)
 ALL_GATHER_WEIGHTS = "all_gather_weights"
 REDUCE_SCATTER_GRADS = "reduce_scatter_grads"
+ALL_REDUCE_GRADS = "all_reduce_grads"  # LoRA: the adapters' whole gradient summed on every rank
 
 COMPUTE_KINDS = frozenset({FWD, RECOMPUTE, BWD, HEAD})
 CPU_ADAM_KINDS = frozenset({ADAM, ADAM_DEFERRED})
@@ -52,5 +53,6 @@ ENTRY_KINDS = {verb: frozenset(entry_kind(verb, x) for x in ENTRY_TENSORS) for v
 STATE_KINDS = frozenset({
     READ_WEIGHTS, FETCH_WEIGHTS, UPDATE_WEIGHTS, OFFLOAD_GRADS, WRITE_GRADS, READ_GRADS, READ_OPT_STATES,
     WRITE_OPT_STATES, ADAM, ADAM_DEFERRED, ADAM_GPU, ALL_GATHER_WEIGHTS, REDUCE_SCATTER_GRADS,
+    ALL_REDUCE_GRADS,
 })
 OP_KINDS = COMPUTE_KINDS | STATE_KINDS | frozenset(k for kinds in ENTRY_KINDS.values() for k in kinds)

@@ -52,6 +52,7 @@ from tierflow.planner.core.opkinds import (
     ADAM_DEFERRED,
     ADAM_GPU,
     ALL_GATHER_WEIGHTS,
+    ALL_REDUCE_GRADS,
     BWD,
     FETCH_WEIGHTS,
     FWD,
@@ -155,12 +156,12 @@ def _lora_placement(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig) 
 
 
 def check_lora(model: ModelSpec, cfg: ScheduleConfig) -> None:
-    """ScheduleError unless a LoRA model's schedule is one the builder models: one rank, the ideal runtime
-    (DeepSpeed's and LoHan's code train every weight), nothing written to the SSDs."""
+    """ScheduleError unless a LoRA model's schedule is one the builder models: the ideal runtime (DeepSpeed's
+    and LoHan's code train every weight), nothing written to the SSDs. Several ranks are data parallel: the
+    frozen base sharded and all-gathered as full fine-tuning's weights, the adapters whole on every rank,
+    their gradients all-reduced (_grad_out) and stepped by every rank alike."""
     if model.lora is None:
         return
-    if cfg.world.ranks > 1:
-        raise ScheduleError("LoRA plans one GPU for now (use --gpus 1 --nodes 1)")
     if cfg.runtime != "ideal":
         raise ScheduleError(f"runtime {cfg.runtime} models full fine-tuning as its code runs it, not LoRA "
                             "(use --runtime ideal)")
@@ -711,6 +712,8 @@ class _Builder(DeepSpeedHooks, LohanHooks):
         blk = self.blocks[b]
         if self.lora:  # the adapters' gradients accumulate in their own GPU buffers (static bytes)
             grad_last[b] = [t.id]
+            if self.W > 1 and k == self.cur_last_step[b] and blk.owned_params > 0:  # summed on every rank
+                grad_last[b] = [self._all_reduce_adapters(t, b, it).id]
             return
         accum = len(use.steps) > 1 or p.grads.gpu == 1.0
         grad_gpu_bytes = (self.pr.grad_accum_bytes if accum else self.pr.grad_wire_bytes) * blk.fetch_params
@@ -757,6 +760,13 @@ class _Builder(DeepSpeedHooks, LohanHooks):
         return self.g.add(REDUCE_SCATTER_GRADS, "net", self.collective_bytes(wire), tensor="grads", block=b,
                           mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[t.id])
 
+    def _all_reduce_adapters(self, t: Task, b: int, it: int) -> Task:
+        """LoRA, several ranks: the ranks' fp32 adapter gradients of block b summed on every rank (a ring
+        all-reduce after `t`: a reduce-scatter and an all-gather, twice the bytes of either)."""
+        wire = self.pr.grad_accum_bytes * self.blocks[b].owned_params
+        return self.g.add(ALL_REDUCE_GRADS, "net", 2 * self.collective_bytes(wire), tensor="grads", block=b,
+                          mb=-1, iteration=it, key=t.key + Offset.OFFLOAD, deps=[t.id])
+
     def _optimizer(self, it: int, base: int, seq_steps: list[_Step], grad_last: dict,
                    last_step_of_block: dict, first_fwd_idx: dict) -> None:
         g, p, cfg, model = self.g, self.p, self.cfg, self.model
@@ -777,6 +787,7 @@ class _Builder(DeepSpeedHooks, LohanHooks):
             if owned == 0:
                 continue
             if self.lora:
+                owned = blk.owned_params  # the adapters are whole on every rank
                 # the adapters' step on the GPU: the next forward of the block waits for it, the fetch of the
                 # frozen base does not
                 t = g.add(ADAM_GPU, "gpu", self.cost.gpu_adam_s(owned, self.pr.state_traffic_saved_bytes),

@@ -70,7 +70,8 @@ WHAT_BINDS = {"gpu": "GPU compute: the plan is compute-bound; only a faster GPU 
               "pcie": "the PCIe link",
               "ssd_read": "SSD reads", "ssd_write": "SSD writes", "ssd": "the SSD array (reads + writes)",
               "dram": "host memory bandwidth (CPU Adam, PCIe and SSD DMA together)",
-              "net": "the collectives among the GPUs (all-gather of weights, reduce-scatter of gradients)",
+              "net": "the collectives among the GPUs (all-gather of weights, reduce-scatter of gradients, "
+                     "LoRA: all-reduce of the adapters' gradients)",
               "pcie_h2d": "the PCIe link host-to-device, shared with the collectives through the host",
               "pcie_d2h": "the PCIe link device-to-host, shared with the collectives through the host"}
 

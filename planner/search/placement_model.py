@@ -34,7 +34,9 @@ STEPS = 100  # placement fractions are decided in steps of 1/STEPS
 # SSD
 VARS = ("w_gpu", "w_ssd", "s_ssd", "c_gpu", "c_ssd")
 CKPT_VARS = ("c_gpu", "c_ssd")
-MIB = 2**20  # memory rows are in MiB (allocations rounded up)
+# memory rows are in KiB, rounded up (in MiB, a tiny model's 75 KiB of activations per 1/STEPS counted 1 MiB:
+# keeping them on a 74 MiB device looked 14 times its size; experiments/lora_tiers.py --cpu, docs/lora.md)
+KIB = 2**10
 TIME_UNIT_S = 1e-6  # time expressions are in microseconds
 HORIZON_UNITS = 10**13
 
@@ -156,18 +158,18 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
 
 
 class _PlacementData(NamedTuple):
-    """The model's constants, in MiB (per step of a fraction where they scale with one)."""
+    """The model's constants, in KiB (per step of a fraction where they scale with one)."""
 
     can_swap: bool
-    cap_mib: dict[str, int]
-    weight_mib: int
-    state_mib: int
-    ckpt_recompute_mib: int  # all layers' checkpoints, per step of c_*
-    ckpt_swap_mib: int  # per swapped layer and step of c_*
-    gpu_work_mib: int
-    gpu_swap_extra_mib: int
-    host_mib: int
-    staging_mib: dict[str, int]
+    cap_kib: dict[str, int]
+    weight_kib: int
+    state_kib: int
+    ckpt_recompute_kib: int  # all layers' checkpoints, per step of c_*
+    ckpt_swap_kib: int  # per swapped layer and step of c_*
+    gpu_work_kib: int
+    gpu_swap_extra_kib: int
+    host_kib: int
+    staging_kib: dict[str, int]
 
 
 def _placement_data(problem: Problem, mem: PlacementMemory, allow_swap: bool,
@@ -179,22 +181,22 @@ def _placement_data(problem: Problem, mem: PlacementMemory, allow_swap: bool,
     if math.isinf(mem.gpu_working_bytes):
         return None
     can_swap = allow_swap and not math.isinf(mem.gpu_working_swap_bytes)
-    cap_mib = {t: max(0, int((c - tighten_bytes.get(t, 0.0)) / MIB))
+    cap_kib = {t: max(0, int((c - tighten_bytes.get(t, 0.0)) / KIB))
                for t, c in problem.capacity_bytes.items()}
-    weight_mib = _mib(sm.precision.compute_bytes * sm.params / STEPS)  # per step of a fraction
-    state_mib = _mib(sm.precision.state_bytes * sm.params / STEPS)
-    ckpt_recompute_mib = _mib(sm.ckpt_per_layer_bytes * L / STEPS)  # all layers' checkpoints, per step of c_*
-    ckpt_swap_mib = _mib(sm.swap_extra_bytes / STEPS)  # per swapped layer and step of c_*
+    weight_kib = _kib(sm.precision.compute_bytes * sm.params / STEPS)  # per step of a fraction
+    state_kib = _kib(sm.precision.state_bytes * sm.params / STEPS)
+    ckpt_recompute_kib = _kib(sm.ckpt_per_layer_bytes * L / STEPS)  # all layers' checkpoints, per step of c_*
+    ckpt_swap_kib = _kib(sm.swap_extra_bytes / STEPS)  # per swapped layer and step of c_*
     # working memory, and what the executor's CUDA runtime maps under the cap (static, not placed: devicemem)
-    gpu_work_mib = _mib(mem.gpu_working_bytes + sm.cuda_runtime_bytes + sm.adapter_gpu_bytes)
-    gpu_swap_extra_mib = max(0, _mib(mem.gpu_working_swap_bytes) - gpu_work_mib) if can_swap else 0
+    gpu_work_kib = _kib(mem.gpu_working_bytes + sm.cuda_runtime_bytes + sm.adapter_gpu_bytes)
+    gpu_swap_extra_kib = max(0, _kib(mem.gpu_working_swap_bytes) - gpu_work_kib) if can_swap else 0
     # the host's gradients and reserve, and the staging buffers of each tensor class the SSDs hold a part of
-    host_mib = _mib(sm.host_grad_bytes + host_reserve_bytes(rank_capacity_bytes(hw, problem.gpus)["cpu"])
+    host_kib = _kib(sm.host_grad_bytes + host_reserve_bytes(rank_capacity_bytes(hw, problem.gpus)["cpu"])
                     + sm.opt_workspace_bytes)
-    staging_mib = {"w_ssd": _mib(sm.weight_staging_bytes), "s_ssd": _mib(sm.state_staging_bytes),
-                   "c_ssd": _mib(max(sm.ckpt_staging_bytes, sm.ckpt_staging_swap_bytes))}
-    return _PlacementData(can_swap, cap_mib, weight_mib, state_mib, ckpt_recompute_mib, ckpt_swap_mib,
-                          gpu_work_mib, gpu_swap_extra_mib, host_mib, staging_mib)
+    staging_kib = {"w_ssd": _kib(sm.weight_staging_bytes), "s_ssd": _kib(sm.state_staging_bytes),
+                   "c_ssd": _kib(max(sm.ckpt_staging_bytes, sm.ckpt_staging_swap_bytes))}
+    return _PlacementData(can_swap, cap_kib, weight_kib, state_kib, ckpt_recompute_kib, ckpt_swap_kib,
+                          gpu_work_kib, gpu_swap_extra_kib, host_kib, staging_kib)
 
 
 class _PlacementVars(NamedTuple):
@@ -214,7 +216,7 @@ def _placement_variables(m: cp_model.CpModel, L: int, data: _PlacementData) -> _
     swap_frac = {v: m.NewIntVar(0, STEPS * L, f"swapped_x_{v}") for v in CKPT_VARS}
     swap_on_cpu = m.NewIntVar(0, STEPS * L, "swapped_x_c_cpu")
     # does the SSD hold a part of v's class?
-    streams = {v: m.NewBoolVar(f"streams_{v}") for v in data.staging_mib}
+    streams = {v: m.NewBoolVar(f"streams_{v}") for v in data.staging_kib}
     return _PlacementVars(frac, swapped, any_swap, swap_frac, swap_on_cpu, streams)
 
 
@@ -241,19 +243,19 @@ def _add_capacities(m: cp_model.CpModel, problem: Problem, d: _PlacementData, v:
     """Every tier's capacity."""
     frac, swap_frac = v.frac, v.swap_frac
     # GPU: resident weights + checkpoints kept there + working memory (higher as soon as one layer swaps)
-    m.Add(d.weight_mib * frac["w_gpu"] + d.ckpt_recompute_mib * frac["c_gpu"]
-          + d.ckpt_swap_mib * swap_frac["c_gpu"]
-          + d.gpu_work_mib + d.gpu_swap_extra_mib * v.any_swap <= d.cap_mib["gpu"])
+    m.Add(d.weight_kib * frac["w_gpu"] + d.ckpt_recompute_kib * frac["c_gpu"]
+          + d.ckpt_swap_kib * swap_frac["c_gpu"]
+          + d.gpu_work_kib + d.gpu_swap_extra_kib * v.any_swap <= d.cap_kib["gpu"])
     # CPU: weights, optimizer states and checkpoints not placed elsewhere + the schedule's host memory +
     # reserve
-    m.Add(d.weight_mib * (STEPS - frac["w_gpu"] - frac["w_ssd"]) + d.state_mib * (STEPS - frac["s_ssd"])
-          + d.ckpt_recompute_mib * (STEPS - frac["c_gpu"] - frac["c_ssd"]) + d.ckpt_swap_mib * v.swap_on_cpu
-          + d.host_mib
-          + sum(d.staging_mib[x] * flag for x, flag in v.streams.items()) <= d.cap_mib["cpu"])
+    m.Add(d.weight_kib * (STEPS - frac["w_gpu"] - frac["w_ssd"]) + d.state_kib * (STEPS - frac["s_ssd"])
+          + d.ckpt_recompute_kib * (STEPS - frac["c_gpu"] - frac["c_ssd"]) + d.ckpt_swap_kib * v.swap_on_cpu
+          + d.host_kib
+          + sum(d.staging_kib[x] * flag for x, flag in v.streams.items()) <= d.cap_kib["cpu"])
     if problem.uses_ssd:
-        m.Add(d.weight_mib * frac["w_ssd"] + d.state_mib * frac["s_ssd"]
-              + d.ckpt_recompute_mib * frac["c_ssd"] + d.ckpt_swap_mib * swap_frac["c_ssd"]
-              <= d.cap_mib["ssd"])
+        m.Add(d.weight_kib * frac["w_ssd"] + d.state_kib * frac["s_ssd"]
+              + d.ckpt_recompute_kib * frac["c_ssd"] + d.ckpt_swap_kib * swap_frac["c_ssd"]
+              <= d.cap_kib["ssd"])
 
 
 def _add_iteration_time(m: cp_model.CpModel, problem: Problem, lin: LinearLoads,
@@ -277,10 +279,13 @@ def _add_iteration_time(m: cp_model.CpModel, problem: Problem, lin: LinearLoads,
 
 def _add_placement_objective(m: cp_model.CpModel, v: _PlacementVars, iteration: cp_model.IntVar,
                              hint: Solved | None) -> None:
-    """The bottleneck; among equal ones fewer bytes on the SSD and fewer swapped layers; `hint` as the
-    solver's start."""
+    """The bottleneck; among equal ones fewer bytes on the SSD, fewer swapped layers and more checkpoints kept
+    on the GPU (fewer bytes over the host links: a copy the bottleneck hides still takes host memory
+    bandwidth, and on a CPU device it is a memcpy beside the compute: the profile's
+    copy_slowdown_beside_compute); `hint` as the solver's start."""
     frac = v.frac
-    m.Minimize(iteration * 1000 + frac["w_ssd"] + frac["s_ssd"] + frac["c_ssd"] + v.swapped)
+    m.Minimize(iteration * 1000 + frac["w_ssd"] + frac["s_ssd"] + frac["c_ssd"] + v.swapped
+               + (STEPS - frac["c_gpu"]))
     if hint:
         for x in VARS:
             m.AddHint(frac[x], int(round(hint.x[x] * STEPS)))
@@ -304,8 +309,8 @@ def _solve_placement(m: cp_model.CpModel, v: _PlacementVars, iteration: cp_model
                   report=report)
 
 
-def _mib(nbytes: float) -> int:
-    return math.ceil(nbytes / MIB)
+def _kib(nbytes: float) -> int:
+    return math.ceil(nbytes / KIB)
 
 
 class _TimeTerms:

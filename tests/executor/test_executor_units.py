@@ -9,6 +9,7 @@ from collections import defaultdict
 import pytest
 import torch
 from support.dist_worker import make_plan as dist_plan
+from support.lora_dist_worker import make_plan as lora_dist_plan
 from support.runs import PLACEMENTS, make_plan, run
 
 from tierflow.executor.binding import ENTERED_FROM, Entry, EntryState
@@ -19,7 +20,7 @@ from tierflow.planner.core.opkinds import OP_KINDS as KINDS
 
 def planner_kinds() -> set[str]:
     """Every op kind the planner emits over the schedule families x placements x alpha x recompute/swap, and
-    with two ranks."""
+    with two ranks (full fine-tuning and LoRA)."""
     kinds = set()
     for family in ("horizontal", "fuyou", "vertical", "block"):
         for placement in PLACEMENTS:
@@ -30,6 +31,8 @@ def planner_kinds() -> set[str]:
     # several ranks add the collectives (tests/executor/test_dist_executor.py runs them)
     for family in ("horizontal", "block"):
         kinds |= {t.kind for t in dist_plan("tiny-gpt", family, "weights_cpu", gpus=2).graph.tasks}
+    # and LoRA on several ranks its adapters' all-reduce (tests/executor/test_lora_dist.py)
+    kinds |= {t.kind for t in lora_dist_plan("fuyou", [0.0, 1.0, 0.0], 2).graph.tasks}
     return kinds
 
 

@@ -26,7 +26,7 @@ def test_lora_cpu_quick(tmp_path):
     ssd, host, peft = (float(row[k]) for k in ("tierflow_ssd_val", "tierflow_host_val", "peft_val"))
     assert abs(ssd - peft) <= 1e-4 * peft and abs(host - peft) <= 1e-4 * peft
     assert all(float(row[k]) > 0 for k in ("tierflow_ssd_step_s", "tierflow_host_step_s", "peft_step_s",
-                                           "tierflow_host_cpu_s", "peft_cpu_s"))
+                                           "tierflow_host_cpu_s", "peft_cpu_s", "tierflow_host_predicted_s"))
     assert int(row["micro_batch"]) >= 1 and "base 0% device / 100% host" in row["plan"]  # the planner's plan
     try:  # DeepSpeed ZeRO-3 + PEFT: its validation loss where it runs, else the one line saying why not
         import deepspeed  # noqa: F401

@@ -169,3 +169,29 @@ def test_problem_builds_candidate_configs_and_keeps_its_caches_apart():
     other = p.on(hw.with_overrides({"ssd.count": 4}))
     assert other.hw.ssd.count == 4 and linear_loads(other, cfg) is not lin  # its own cache
     assert Problem(MODEL, hw, 8, SEQ, allow_ssd=False).capacity_bytes["ssd"] == 0.0
+
+
+def test_small_checkpoints_are_counted_at_their_size_and_kept_on_the_gpu():
+    """A tiny model's activations (75 KiB per 1/100 of the class) on a CPU device of 74 MiB: the placement
+    model's memory rows are within 1 KiB a step of the bytes (rounded up per step to 1 MiB they counted 14x
+    their size), so keeping them on the device fits; and among placements with the same bottleneck the search
+    keeps them there (fewer bytes over the host links), as the simulator, which counts the copies, prefers."""
+    from pathlib import Path
+
+    from tierflow.planner.core.lora import LoraConfig
+    from tierflow.planner.core.placement import Split
+    from tierflow.planner.search import placement_model as pm
+
+    hw = load_profile(str(Path(__file__).resolve().parents[2] / "experiments" / "results" /
+                          "closed_loop_cpu.yaml"))
+    model = get_model("tiny-llama").with_precision("fp32").with_lora(LoraConfig(rank=8, alpha=16.0))
+    problem = Problem(model, hw, 8, 128)
+    cfg = problem.config(Candidate(8, 1, 0.0), iterations=1)
+    mem = placement_memory(problem, cfg)
+    data = pm._placement_data(problem, mem, True, {})
+    assert data.ckpt_swap_kib == pytest.approx(mem.schedule.swap_extra_bytes / pm.STEPS / 1024, abs=1)
+    s = solve_placement(problem, linear_loads(problem, cfg), mem, time_limit_s=5)
+    assert s is not None and s.x["c_gpu"] == 1.0
+    kept = replace(cfg, placement=placement_of(s.x), swap_layers=s.n)
+    swapped = replace(kept, placement=replace(kept.placement, checkpoints=Split(0.0, 1.0, 0.0)))
+    assert simulate_config(model, hw, kept).iteration_s < simulate_config(model, hw, swapped).iteration_s

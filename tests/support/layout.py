@@ -61,6 +61,7 @@ SUBJECTS = {
     "test_happens_before": "executor/ops",  # what ops hand each other, over a real run
     "test_lora": "planner/core",  # planner/core/lora.py (executor/lora.py: test_lora_executor)
     "test_lora_executor": "executor",  # executor/lora.py: adapters trained over the tiers
+    "test_lora_dist": "executor",  # executor/lora.py on several ranks (ops/net.py all_reduce_grads)
     "test_lora_numerics": "executor/models",  # the executor's LoRA against transformers + PEFT
     "test_loss_memory": "planner/core",  # workload.head_cost against the executor's head
     "test_memory_contract": "executor",

@@ -115,6 +115,31 @@ def test_lora_is_faster_where_compute_binds():
     assert times["lora"] < 0.93 * times["full"]
 
 
+@pytest.mark.parametrize("family", ["horizontal", "fuyou", "vertical"])
+def test_several_ranks_all_reduce_the_adapters(family):
+    """Data parallel LoRA on 2 ranks: the frozen base all-gathered as full fine-tuning's weights, one
+    all_reduce_grads per layer and iteration (a ring: twice (W - 1) / W of the fp32 adapter gradient) before
+    that layer's adam_gpu, which steps the whole adapters; nothing reduce-scattered, no SSD write."""
+    hw = load_profile("rtx3090-desktop").with_overrides({"topology.gpu_count": 2})
+    ml = get_model("tiny-llama").with_lora(LORA)
+    cfg, g = _graph(ml, hw, family, Placement(weights=Split(gpu=0, cpu=1, ssd=0)), gpus=2)
+    reduces = [t for t in g.tasks if t.kind == "all_reduce_grads"]
+    assert sorted((t.iteration, t.block) for t in reduces) == [(i, b) for i in range(2)
+                                                                for b in range(1, ml.num_layers + 1)]
+    grad_bytes = 4 * ml.layer_adapter_params()
+    assert all(t.resource == "net" and t.work == pytest.approx(grad_bytes) for t in reduces)
+    adam = {(t.iteration, t.block): t for t in g.tasks if t.kind == "adam_gpu"}
+    for t in reduces:
+        assert t.id in adam[(t.iteration, t.block)].deps
+    assert [t for t in g.tasks if t.kind == "all_gather_weights"]
+    assert not [t for t in g.tasks if t.kind == "reduce_scatter_grads" or t.resource == "ssd_write"]
+    one = simulate_config(ml, load_profile("rtx3090-desktop"),
+                          _graph(ml, load_profile("rtx3090-desktop"), family,
+                                 Placement(weights=Split(gpu=0, cpu=1, ssd=0)))[0])
+    two = simulate_config(ml, hw, cfg)
+    assert two.iteration_s > 0 and one.iteration_s > 0
+
+
 def test_refusals():
     hw = load_profile("rtx3090-desktop")
     ml = get_model("tiny-llama").with_lora(LORA)
