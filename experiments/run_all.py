@@ -7,8 +7,9 @@ torch's fused AdamW), bench_dispatch (the executor's host cost per op, its parts
 bench_simulator (the simulator against SimPy, the planner per phase, an --adapt decision), dos_polaris (the
 given A100 DeepSpeed sweep), h200_run (the first GPU run), the measurements on this machine that the fidelity
 docs cite (host_adam_model: CPU Adam's per-core costs and the host model against every measured rate;
-lohan_floor: LoHan's candidate per-iteration costs; closed_loop and closed_loop_sweep: the executor against
-its plan's prediction, five fixed cases and 12 drawn ones) and fidelity (last: predicted against published
+lohan_floor: LoHan's candidate per-iteration costs; dist_executor: the executor on several gloo ranks;
+closed_loop and closed_loop_sweep: the executor against its plan's prediction, the fixed cases and 12 drawn
+ones) and fidelity (last: predicted against published
 for every headline and LoHan's SSD sweep) in this process (each writes its CSV and PNG under the output folder
 and prints its own tables), then writes summary.csv and summary.md there
 with every headline number, the paper's value, the ratio and the note explaining any difference over 15%.
@@ -27,6 +28,7 @@ import bench_optimizer
 import bench_simulator
 import bench_store
 import closed_loop
+import dist_executor
 import dos_polaris
 import fidelity
 import fuyou_lohan
@@ -95,6 +97,7 @@ STUDIES = {
     "host_adam_model": MeasuredHere(lambda quick, out: host_adam_model.main(
         ["--out", str(out)] + (["--quick"] if quick else []))),
     "lohan_floor": MeasuredHere(lohan_floor.run),
+    "dist_executor": MeasuredHere(dist_executor.run),  # the executor on gloo ranks (docs/multi-gpu.md)
     "closed_loop": MeasuredHere(closed_loop.run),  # fidelity reads closed_loop.csv
     "closed_loop_sweep": MeasuredHere(
         lambda quick, out: closed_loop.run_sweep(SWEEP_RUNS, SWEEP_SEED, quick, out)),
