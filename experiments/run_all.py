@@ -5,7 +5,11 @@ DeepSpeed is importable: the race against ZeRO-Infinity on this machine), adapt,
 against fio and DeepSpeed's aio_handle on this disk), bench_optimizer (the executor's host AdamW op against
 torch's fused AdamW), bench_dispatch (the executor's host cost per op, its parts and its model),
 bench_simulator (the simulator against SimPy, the planner per phase, an --adapt decision), dos_polaris (the
-given A100 DeepSpeed sweep), h200_run (the first GPU run) and fidelity (last: predicted against published
+given A100 DeepSpeed sweep), h200_run (the first GPU run), the measurements on this machine that the fidelity
+docs cite (host_adam_model: CPU Adam's per-core costs and the host model against every measured rate;
+lohan_floor: LoHan's candidate per-iteration costs; dist_executor: the executor on several gloo ranks;
+closed_loop and closed_loop_sweep: the executor against its plan's prediction, the fixed cases and 12 drawn
+ones) and fidelity (last: predicted against published
 for every headline and LoHan's SSD sweep) in this process (each writes its CSV and PNG under the output folder
 and prints its own tables), then writes summary.csv and summary.md there
 with every headline number, the paper's value, the ratio and the note explaining any difference over 15%.
@@ -23,12 +27,16 @@ import bench_dispatch
 import bench_optimizer
 import bench_simulator
 import bench_store
+import closed_loop
+import dist_executor
 import dos_polaris
 import fidelity
 import fuyou_lohan
 import gemini_capacity
 import greedysnake_a100
 import h200_run
+import host_adam_model
+import lohan_floor
 import multi_gpu
 import own_plans
 import race_deepspeed
@@ -45,6 +53,20 @@ from expcommon import (
     write_csv,
     write_generated_block,
 )
+
+SWEEP_RUNS, SWEEP_SEED = 12, 29  # the closed loop's out-of-sample sweep as docs/executor.md runs it
+
+
+class MeasuredHere:
+    """A study whose run returns its own rows, not headline numbers: run it, add no headline."""
+
+    def __init__(self, run) -> None:
+        self._run = run
+
+    def run(self, quick: bool, out_dir: Path) -> list[dict]:
+        self._run(quick, out_dir)
+        return []
+
 
 STUDIES = {
     "fuyou_lohan": fuyou_lohan,
@@ -71,6 +93,14 @@ STUDIES = {
     "dos_polaris": dos_polaris,
     # the first GPU run (H200) simulated on its calibrated profile, then with what it measured
     "h200_run": h200_run,
+    # measured here, cited by docs/hardware-profiles.md, reproductions.md and multi-gpu.md; no paper headline
+    "host_adam_model": MeasuredHere(lambda quick, out: host_adam_model.main(
+        ["--out", str(out)] + (["--quick"] if quick else []))),
+    "lohan_floor": MeasuredHere(lohan_floor.run),
+    "dist_executor": MeasuredHere(dist_executor.run),  # the executor on gloo ranks (docs/multi-gpu.md)
+    "closed_loop": MeasuredHere(closed_loop.run),  # fidelity reads closed_loop.csv
+    "closed_loop_sweep": MeasuredHere(
+        lambda quick, out: closed_loop.run_sweep(SWEEP_RUNS, SWEEP_SEED, quick, out)),
     "fidelity": fidelity,  # last: it compares every earlier study's headline numbers with the papers'
 }
 

@@ -14,6 +14,7 @@ from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.clock import Clock
 from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.costmodel import link_rates
+from tierflow.planner.core.dsruntime import as_runtime_steps
 from tierflow.planner.core.graph import RESOURCES
 from tierflow.planner.core.memory import static_bytes
 from tierflow.planner.core.models import ModelSpec
@@ -28,6 +29,7 @@ class IterationLoads:
     work: dict[str, float]  # resource -> seconds (gpu, cpu) or bytes (links)
     static_bytes: dict[str, float]
     world: World = SINGLE  # several ranks: one rank's work, on its share of the box
+    runtime: str | None = None  # whose CPU Adam steps (its rate sets the DRAM bytes a CPU second moves)
 
     def times_s(self, hw: HardwareProfile) -> dict[str, float]:
         """Each resource's busy time if it ran alone at full rate, the shared-link terms, and "phases": the
@@ -39,7 +41,7 @@ class IterationLoads:
         return out
 
     def _times(self, hw: HardwareProfile, suffix: str) -> dict[str, float]:
-        r = link_rates(hw, self.world)
+        r = link_rates(as_runtime_steps(hw, self.runtime), self.world)
         w = {k: self.work.get(k + suffix, 0.0) for k in RESOURCES}
         out = {"gpu": w["gpu"], "cpu": w["cpu"]}
         out["h2d"] = _div(w["h2d"], r.h2d)
@@ -111,7 +113,7 @@ def _work(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig, layers: in
     if cache is None:
         return _measure_work(model, hw, cfg, layers, swapped)
     key = (cfg.micro_batch, cfg.group, cfg.placement, cfg.alpha, cfg.optimizer_overlap, cfg.prefetch_depth,
-           cfg.act_prefetch, cfg.recompute, layers, swapped, cfg.gpus, cfg.nodes)
+           cfg.act_prefetch, cfg.recompute, layers, swapped, cfg.gpus, cfg.nodes, cfg.runtime)
     if key not in cache:
         cache[key] = _measure_work(model, hw, cfg, layers, swapped)
     return cache[key]
@@ -156,4 +158,4 @@ def iteration_loads(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig,
     return IterationLoads(work=work,
                           static_bytes=static_bytes(model, cfg.placement, cfg.runtime, cfg.world.ranks,
                                                     cfg.ds_knobs, hw=hw),
-                          world=cfg.world)
+                          world=cfg.world, runtime=cfg.runtime)

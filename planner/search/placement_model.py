@@ -25,6 +25,7 @@ from tierflow.planner.core.placement import Placement, Split
 from tierflow.planner.core.schedules import build_graph
 from tierflow.planner.core.simulator import CapacityError, simulate_graph
 from tierflow.planner.core.world import rank_capacity_bytes
+from tierflow.planner.search.cpsat import deterministic_solver
 from tierflow.planner.search.loads import duplex_coefficient, iteration_loads
 from tierflow.planner.search.problem import Problem
 from tierflow.planner.search.slots import SolverReport
@@ -139,7 +140,7 @@ class Solved:
 
 
 def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *, allow_swap: bool = True,
-                    time_limit_s: float = 5.0, workers: int = 2,
+                    time_limit_s: float = 5.0,
                     tighten_bytes: dict[str, float] | None = None,
                     hint: Solved | None = None) -> Solved | None:
     """CP-SAT: minimise the busiest resource's time over placement fractions and the number of swapped layers,
@@ -154,7 +155,7 @@ def solve_placement(problem: Problem, lin: LinearLoads, mem: PlacementMemory, *,
     _add_capacities(m, problem, data, v)
     iteration = _add_iteration_time(m, problem, lin, v)
     _add_placement_objective(m, v, iteration, hint)
-    return _solve_placement(m, v, iteration, time_limit_s, workers, t0)
+    return _solve_placement(m, v, iteration, time_limit_s, t0)
 
 
 class _PlacementData(NamedTuple):
@@ -293,11 +294,9 @@ def _add_placement_objective(m: cp_model.CpModel, v: _PlacementVars, iteration: 
 
 
 def _solve_placement(m: cp_model.CpModel, v: _PlacementVars, iteration: cp_model.IntVar, time_limit_s: float,
-                     workers: int, t0: float) -> Solved | None:
+                     t0: float) -> Solved | None:
     """Solve; the fractions, swapped layers and the solver's report, or None when it found no solution."""
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = workers
+    solver = deterministic_solver(time_limit_s)  # the same answer on every run (search/cpsat.py)
     status = solver.Solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None

@@ -134,7 +134,10 @@ def _predict(problem: Problem, ev: Evaluated) -> Evaluated:
 def plan_search(problem: Problem, *, time_limit_s: float = 60.0, micro_batches: list[int] | None = None,
                 progress: Callable[[int, int, str], None] | None = None,
                 baselines: bool = True) -> SearchResult:
-    """Search every candidate (pruned by its roofline floor), return the best verified plan."""
+    """Search every candidate (pruned by its roofline floor), return the best verified plan. Every step is
+    reproducible (each CP-SAT solve runs on deterministic time: search/cpsat.py) but the cut: `time_limit_s`
+    is wall-clock seconds for the whole search, so a search it cuts short (`skipped_by_time_limit` > 0, which
+    the plan file records) may skip other candidates on a slower or busier machine."""
     t0 = time.perf_counter()
     batch = problem.rank_batch  # candidates split one rank's share of the batch
     cands = [c for c in candidates(batch, micro_batches=micro_batches) if problem.fits_gpu(c.micro_batch)]

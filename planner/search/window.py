@@ -43,10 +43,10 @@ most one time unit per task on a critical chain (e.g. <= 0.1% of the makespan fo
 units).
 
 Solver settings: reservoirs are kept as propagators (`expand_reservoir_constraints = False`: expanded, their
-presolve alone takes seconds on a few hundred events), and with the default two workers the full-problem
-worker runs `objective_lb_search` (the interleaved LNS workers find the solutions; that search tightens the
-bound). Two workers make CP-SAT nondeterministic: two runs with the same time limit may return different
-solutions.
+presolve alone takes seconds on a few hundred events), and the solve is reproducible
+(`tierflow.planner.search.cpsat`): one worker with a fixed seed, stopped after `time_limit_s` units of
+CP-SAT's deterministic time rather than wall-clock seconds, so the same window gives the same order and bound
+on every run however loaded the machine is.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.costmodel import link_rates
 from tierflow.planner.core.graph import LINKS, RESOURCES, TIERS, TaskGraph
 from tierflow.planner.core.simulator import SimulationError, simulate_graph
+from tierflow.planner.search.cpsat import deterministic_solver
 
 TARGET_UNITS = 2e5  # the greedy makespan in time units when no time unit is given
 MEGABYTE = 10**6  # bytes in a (decimal) megabyte, not the 2**20-byte MiB
@@ -312,7 +313,7 @@ def _jackson_preemptive(ids: list[int], head: list[int], dur: list[int], tail: l
 # ---- the solver --------------------------------------------------------------------------------------------
 
 
-def solve_window(graph: TaskGraph, hw: HardwareProfile, *, time_limit_s: float = 10.0, workers: int = 2,
+def solve_window(graph: TaskGraph, hw: HardwareProfile, *, time_limit_s: float = 10.0,
                  time_unit_s: float | None = None, memory: bool = True) -> WindowResult:
     """Order the tasks of `graph` on every resource to minimise its makespan, with CP-SAT.
 
@@ -335,7 +336,7 @@ def solve_window(graph: TaskGraph, hw: HardwareProfile, *, time_limit_s: float =
         _add_memory(model, graph, data.dur, v.starts)
     objective = _add_objective(model, graph, data, v.starts)
     _add_hints(model, data, v.starts, objective.makespan)
-    solver, code = _solve(model, time_limit_s, workers)
+    solver, code = _solve(model, time_limit_s)
     return _window_result(graph, data, v, objective, solver, code, t0)
 
 
@@ -486,20 +487,13 @@ def _add_hints(model: cp_model.CpModel, data: _WindowData, starts: list, makespa
 # ---- the solver: solve and read the answer -----------------------------------------------------------------
 
 
-def _solve(model: cp_model.CpModel, time_limit_s: float, workers: int) -> tuple[cp_model.CpSolver, int]:
-    """Run CP-SAT on the model with the window's settings (see the module docstring); the solver and its
-    status code."""
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit_s)
-    solver.parameters.num_workers = int(workers)
+def _solve(model: cp_model.CpModel, time_limit_s: float) -> tuple[cp_model.CpSolver, int]:
+    """Run CP-SAT on the model with the window's settings (see the module docstring): one worker, a fixed
+    seed, `time_limit_s` units of deterministic time; the solver and its status code."""
+    solver = deterministic_solver(time_limit_s)
     # keep each reservoir as one propagator: expanding it into pairwise precedence literals makes the presolve
     # (probing) of a few hundred events take the whole time limit before any search starts
     solver.parameters.expand_reservoir_constraints = False
-    if workers == 2:
-        # two workers run one full-problem search beside the interleaved LNS workers; the LNS workers find the
-        # solutions either way, so that search is better spent proving the bound (the default, default_lp,
-        # leaves a gap of ~6% on a 2-layer vertical window after 10 s; objective_lb_search ~3%)
-        solver.parameters.subsolvers.append("objective_lb_search")
     code = solver.solve(model)
     return solver, code
 

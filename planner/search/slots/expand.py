@@ -368,4 +368,8 @@ def build_slot_model(model: ModelSpec, hw: HardwareProfile, cfg: ScheduleConfig)
     mt, ct, lay = template_of(model, cfg)
     graphs = template_graphs(mt, hw, ct, lay)
     edges = tuple(memory_edges(model, mt, hw, ct))
-    return _expand(slot_template(graphs, ct, lay, edges), lay)
+    sm = _expand(slot_template(graphs, ct, lay, edges), lay)
+    # the runtime whose CPU Adam the windows' host-memory terms step at (terms.runtime_box), as the task
+    # graph's meta["runtime"] tells the simulator
+    sm.meta["runtime"] = cfg.runtime
+    return sm

@@ -16,7 +16,13 @@ from tierflow.planner.core.contract import ScheduleConfig
 from tierflow.planner.core.models import ModelSpec
 from tierflow.planner.search.slots.expand import build_slot_model
 from tierflow.planner.search.slots.layout import SlotModel
-from tierflow.planner.search.slots.terms import chain_needs, dram_needs, eager_terms, window_terms
+from tierflow.planner.search.slots.terms import (
+    chain_needs,
+    dram_needs,
+    eager_terms,
+    runtime_box,
+    window_terms,
+)
 
 
 class SlotModelError(TierflowError, RuntimeError):
@@ -49,7 +55,9 @@ class WindowNeeds(NamedTuple):
 def window_needs(sm: SlotModel, hw: HardwareProfile) -> WindowNeeds:
     """Seconds each window needs (the largest of its terms: each resource alone, both PCIe directions, a
     shared SSD array, a serial chain, a shared link's direction against the other running eagerly beside it),
-    and the least iteration any resource's whole load allows."""
+    and the least iteration any resource's whole load allows. CPU Adam at the rate of the runtime the slot
+    model was built for (terms.runtime_box)."""
+    hw = runtime_box(sm, hw)
     per_channel, _ = window_terms(hw)
     linear_s = np.einsum("wcv,kc->wkv", sm.work, per_channel)[:, :, 0]  # (W, K): seconds needed by each term
     # a shared link's direction A against B running eagerly beside it: the smaller of two linear branches

@@ -11,6 +11,7 @@ import numpy as np
 
 from tierflow.hwprofiles import HardwareProfile
 from tierflow.planner.core.costmodel import link_rates
+from tierflow.planner.core.dsruntime import as_runtime_steps
 from tierflow.planner.search.loads import duplex_coefficient
 from tierflow.planner.search.slots.layout import CHANNELS, SlotModel
 
@@ -79,6 +80,13 @@ class _ChainLinkTerm(NamedTuple):
     slowdown: float  # k = 1 - shared_A / solo_A
 
 
+def runtime_box(sm: SlotModel, hw: HardwareProfile) -> HardwareProfile:
+    """The box as the slot model's runtime steps CPU Adam on it (dsruntime.as_runtime_steps, from
+    build_slot_model's meta["runtime"]): its rate sets how many DRAM bytes a second of CPU Adam moves, which
+    the host-memory terms count. The task graph's CPU seconds are already at that rate (build_graph)."""
+    return as_runtime_steps(hw, sm.meta.get("runtime"))
+
+
 def chain_needs(sm: SlotModel, hw: HardwareProfile, rounds: int = 40) -> np.ndarray:
     """Seconds each serial chain's window needs: the chain at the links' solo rates, each transfer on it
     slowed where the other direction of its link runs beside it. That direction runs the work released in the
@@ -86,6 +94,7 @@ def chain_needs(sm: SlotModel, hw: HardwareProfile, rounds: int = 40) -> np.ndar
     transfer a fraction f = min(1, B / X) of the transfer's time, and the transfer of A solo seconds takes A /
     (1 - k f), k = 1 - shared_A / solo_A. X is the least length that holds the chain so stretched (found by
     bisection: the stretched chain shrinks as X grows). Windows that are not chains: 0."""
+    hw = runtime_box(sm, hw)
     chain_s = sm.work[:, CHANNELS.index("chain"), 0]
     terms: list[_ChainLinkTerm] = []
     for pair in _link_pairs(hw):
@@ -214,6 +223,7 @@ def dram_needs(sm: SlotModel, hw: HardwareProfile, rounds: int = 40) -> np.ndarr
     its solo speed, as the simulator slows every user of a pool in proportion. The others' demand over a
     window of X seconds is each one's released work / X, at most its solo rate; X is the least length that
     holds the slowed work (bisection: the slowdown shrinks as X grows). 0 without a shared pool."""
+    hw = runtime_box(sm, hw)
     r = link_rates(hw)
     W = len(sm.work)
     out = np.zeros(W)

@@ -15,12 +15,14 @@ from tierflow.planner.io.planning import PlanOptions
 from tierflow.planner.io.planvalidate import load_plan
 from tierflow.planner.io.planwrite import write_plan
 
-# the desktop, not the laptop: with the laptop's CPU Adam at the host model's 30 B rate (1.17 G params/s,
-# 1.03 before) `tierflow plan` and the re-plan of tiny-gpt there differed in 4 of 8 runs on a loaded machine
-# (c763fba's code with these profiles too, 0 of 6 with the old ones): a search that is not reproducible
-# there, open; the desktop passed 7 of 7
-HW = "rtx3090-desktop"
-TIME_LIMIT = "20"
+# the laptop, where with its CPU Adam at the host model's 30 B rate `tierflow plan` and the re-plan of
+# tiny-gpt differed in 4 of 8 runs on a loaded machine while CP-SAT ran two workers against the wall clock;
+# now it solves with one worker, a fixed seed and deterministic time (planner/search/cpsat.py: 8 of 8 passed
+# at load 3.5-8). The search's own limit is still wall-clock seconds: a limit no run reaches (the search takes
+# 6-15 s here) keeps this a test of the search, not of the machine's load, and the plan says that no
+# candidate was skipped
+HW = "rtx2060-laptop"
+TIME_LIMIT = "600"
 
 
 def _without_clocks(x):
@@ -42,9 +44,10 @@ def test_adapts_replan_is_tierflow_plans_plan(tmp_path, clip, capsys):
     capsys.readouterr()
     planned = load_plan(tmp_path / "plan.json")
     opts = replan_options(planned, AdaptOptions(time_limit_s=float(TIME_LIMIT), clip=clip))
-    assert opts == PlanOptions(time_limit_s=20.0, clip=clip)  # tierflow plan's defaults
+    assert opts == PlanOptions(time_limit_s=600.0, clip=clip)  # tierflow plan's defaults
     write_plan(replan(planned, load_hw(HW, None), opts), tmp_path / "replan.json")
     cli, adapt = (json.loads((tmp_path / f).read_text()) for f in ("plan.json", "replan.json"))
+    assert cli["solver"]["skipped_by_time_limit"] == 0  # the whole search ran: nothing left to the clock
     assert _without_clocks(adapt) == _without_clocks(cli)
 
 
