@@ -59,7 +59,10 @@ from expcommon import (
 
 SIZES = (1_000_000, 10_000_000, 100_000_000)
 QUICK_SIZES = (100_000, 1_000_000)
-REPS, QUICK_REPS = 7, 3
+# repetitions per size: a 1M step takes about 1 ms, so on a shared box one preempted repetition moves a median
+# of 7 by 10-20%; more of the short ones cost little (a run stays under a minute). --quick: 3 for every size.
+REPS = {1_000_000: 41, 10_000_000: 21, 100_000_000: 11}
+QUICK_REPS = 3
 TARGET = 0.9  # the executor's step at least this fraction of fused AdamW's speed
 VARIANTS = ("executor", "fused", "fused_cast")
 # the docs' name of the same job with torch's kernels, by variant: fused_zero_cast in a CSV from before the op
@@ -141,18 +144,22 @@ def time_size(n: int, threads: list[int], reps: int, prog: Progress) -> list[dic
     return rows
 
 
+def reps_of(n: int, quick: bool, reps: int | None) -> int:
+    """Repetitions of size n: --reps where given, else --quick's or the size's own (REPS)."""
+    return reps or (QUICK_REPS if quick else REPS[n])
+
+
 def run(quick: bool, out_dir: Path, reps: int | None = None, threads: list[int] | None = None) -> list[dict]:
     import torch
 
     sizes = QUICK_SIZES if quick else SIZES
-    reps = reps or (QUICK_REPS if quick else REPS)
     threads = threads or sorted({1, all_cores()})
     before = torch.get_num_threads()
-    prog = Progress(len(sizes) * len(threads) * reps, "bench_optimizer")
+    prog = Progress(len(threads) * sum(reps_of(n, quick, reps) for n in sizes), "bench_optimizer")
     rows: list[dict] = []
     try:
         for n in sizes:
-            rows += time_size(n, threads, reps, prog)
+            rows += time_size(n, threads, reps_of(n, quick, reps), prog)
     finally:
         torch.set_num_threads(before)
     prog.finish()
@@ -207,7 +214,8 @@ def optimizer_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = arg_parser(__doc__)
-    ap.add_argument("--reps", type=int, default=None, help=f"repetitions per point (default {REPS}; --quick "
+    ap.add_argument("--reps", type=int, default=None,
+                    help="repetitions per point (default: 41 at 1M, 21 at 10M, 11 at 100M; --quick "
                     f"{QUICK_REPS})")
     ap.add_argument("--threads", type=int, nargs="+", default=None,
                     help="thread counts to measure (default: 1 and all cores)")
