@@ -97,17 +97,48 @@ def largest(family: str, hw: HardwareProfile, batch: int, seq: int, with_ssd: bo
             fitting.append(sized(hidden, heads, lo))
     fitting.sort(key=lambda m: -m.total_params())
     hw_run = hw if with_ssd else hw.with_overrides({"ssd.count": 0})
-    for m in fitting[:4]:
+
+    def answer(m: ModelSpec, res: SimResult | None, note: str = "") -> CapacityAnswer:
         req = min_requirements(Problem(m, hw, batch, seq, allow_ssd=with_ssd, gpus=gpus, nodes=nodes))
+        return CapacityAnswer(family, with_ssd, m, m.total_params(), req, res, note)
+
+    def simulated(m: ModelSpec) -> SimResult:
+        return simulate_config(m, hw_run, frugal_config(m, hw_run, batch, seq, with_ssd, gpus, nodes))
+
+    refused: list[str] = []  # the simulator's refusals, widest candidate first
+    for m in fitting[:4]:
         if not verify:
-            return CapacityAnswer(family, with_ssd, m, m.total_params(), req, None)
+            return answer(m, None)
         try:
-            res = simulate_config(m, hw_run, frugal_config(m, hw_run, batch, seq, with_ssd, gpus, nodes))
-            return CapacityAnswer(family, with_ssd, m, m.total_params(), req, res)
+            return answer(m, simulated(m))
         except CapacityError as e:
-            last = str(e)
-            continue
-    return CapacityAnswer(family, with_ssd, None, 0, {}, None, note=last if fitting else "nothing fits")
+            refused.append(str(e))
+    if fitting and verify:  # the simulator refused the closed form's answer at every width tried
+        top = fitting[0]
+        found = _fewer_layers(top.num_layers, lambda k: sized(top.hidden, top.num_heads, k), simulated)
+        if found is not None:
+            m, res = found
+            return answer(m, res, note=f"the closed form's {top.num_layers} layers refused by the simulator "
+                                       f"({refused[0]}); {m.num_layers} verified")
+    why = refused[-1] if refused else "nothing fits"
+    return CapacityAnswer(family, with_ssd, None, 0, {}, None, note=why)
+
+
+def _fewer_layers(layers: int, sized, simulated) -> tuple[ModelSpec, SimResult] | None:
+    """The model `sized(k)` with the most layers k < `layers` whose frugal plan the simulator accepts, with
+    its simulation; None when not even one layer is accepted. Bisection: fewer layers keep less on the GPU for
+    the whole run (LoRA's adapters and their states grow with them), so the simulator's refusal of the closed
+    form's answer by a few MB (LoRA on the Fuyou box: 15-60 MB in a backward) goes away a layer or a few
+    below it."""
+    lo, hi, best = 0, layers - 1, None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        m = sized(mid)
+        try:
+            best, lo = (m, simulated(m)), mid
+        except CapacityError:
+            hi = mid - 1
+    return best
 
 
 def _largest_light(args: tuple) -> CapacityAnswer:

@@ -195,3 +195,26 @@ def test_small_checkpoints_are_counted_at_their_size_and_kept_on_the_gpu():
     kept = replace(cfg, placement=placement_of(s.x), swap_layers=s.n)
     swapped = replace(kept, placement=replace(kept.placement, checkpoints=Split(0.0, 1.0, 0.0)))
     assert simulate_config(model, hw, kept).iteration_s < simulate_config(model, hw, swapped).iteration_s
+
+
+def test_capacity_steps_back_where_the_simulator_refuses_the_closed_form(monkeypatch):
+    """Where the simulator refuses the closed form's largest model at every width tried, `largest` answers
+    the most layers at the widest candidate's width that the simulator accepts (the judge), not nothing."""
+    from tierflow.planner.core.simulator import CapacityError
+    from tierflow.planner.search import capacity
+
+    hw = load_profile("rtx2060-laptop")
+    top = largest("gpt", hw, 4, 1024, with_ssd=False, verify=False).model
+    real = capacity.simulate_config
+    limit = top.num_layers - 3  # the judge accepts at most this many layers at the top width, no other width
+
+    def judge(model, hw_run, cfg):
+        if model.hidden != top.hidden or model.num_layers > limit:
+            raise CapacityError("gpu", 1.0, 2**20, f"{model.num_layers} layers")
+        return real(model, hw_run, cfg)
+
+    monkeypatch.setattr(capacity, "simulate_config", judge)
+    a = largest("gpt", hw, 4, 1024, with_ssd=False)
+    assert a.model is not None and a.verified is not None
+    assert (a.model.hidden, a.model.num_layers) == (top.hidden, limit)
+    assert f"{top.num_layers} layers refused" in a.note and f"{limit} verified" in a.note
