@@ -44,11 +44,13 @@ def test_gpu_check_quick_on_the_emulation(tmp_path):
     assert "bench_executor on the device / plain PyTorch, CUDA graphs off: 2 x 128 (--quick) " in summary
     assert "host CPU per op, the executor beyond plain PyTorch" in summary and " us over plain's " in summary
     assert "bench_optimizer (the executor's host AdamW" in summary
-    assert "beyond the GPU cap: yes; on the SSD tier: yes" in summary
+    # the quick check's tiny model keeps its 1.6 MiB of weights on the GPU beside its working memory
+    # (counted to the KiB); its optimizer states go to the SSD tier
+    assert "optimizer states on the SSD tier: yes" in summary
     assert "optimizer states wholly in host memory: yes" in summary
     plan = json.loads((out / "plan-ssd.json").read_text())
     place = plan["decisions"]["placement"]
-    for cls in ("weights", "master", "adam_m", "adam_v"):
+    for cls in ("master", "adam_m", "adam_v"):
         assert place[cls]["ssd"] > 0, (cls, place[cls])
     host = json.loads((out / "plan-host.json").read_text())["decisions"]["placement"]
     assert all(host[cls]["cpu"] == 1.0 for cls in ("master", "adam_m", "adam_v")), host
