@@ -19,7 +19,7 @@ from tierflow.planner.search.slots.chains import (
     gpu_steps_of,
     step_shares,
 )
-from tierflow.planner.search.slots.layout import Layout, subslots_per_use
+from tierflow.planner.search.slots.layout import CHANNELS, Layout, subslots_per_use
 from tierflow.planner.search.slots.template import (
     TaskWindow,
     TemplateGraph,
@@ -98,7 +98,9 @@ def slot_template(graphs: TemplateGraph, ct: ScheduleConfig, lay: Layout,
     distinct: dict = {}  # identical chains (same window, same anchor, same length) are one
     for chain in template.chains:
         distinct.setdefault((*chain[:4], tuple(np.round(chain.vector, 9))), chain.vector)
-    chain_work = np.array(list(distinct.values())).reshape(len(distinct), -1)
-    item_work = scaled_work[[it.task for it in template.items]].reshape(len(template.items), -1)
+    # the widths given, not -1: a template may have no chains (a plan with no transfer on a serial chain)
+    V1 = scaled_work.shape[1]
+    chain_work = np.array(list(distinct.values())).reshape(len(distinct), V1 + len(CHANNELS))
+    item_work = scaled_work[[it.task for it in template.items]].reshape(len(template.items), V1)
     return SlotTemplate(template.slots, template.gpu_s, template.items, item_work,
                         [ChainAnchor(*k[:4]) for k in distinct], chain_work)

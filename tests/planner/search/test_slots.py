@@ -259,3 +259,18 @@ def test_named_results_still_unpack_as_tuples():
     sm = build_slot_model(model, hw, cfg)
     need, throughput = window_needs(sm, hw)
     assert need.shape == (len(sm.counts),) and throughput == window_needs(sm, hw).throughput_s > 0
+
+
+def test_slot_model_of_a_plan_without_serial_chains():
+    """LoRA on tiny-gpt with the base and the checkpoints on the GPU (what `tierflow plan --lora 8` chooses
+    for it on the desktop at batch 4 x 64): no transfer lies on a serial chain, and the slot model is still
+    built (its chain rows empty) and solved instead of failing on an empty array's reshape."""
+    from tierflow.planner.core.lora import LoraConfig
+
+    GPU = Split(gpu=1.0, cpu=0.0)
+    model = get_model("tiny-gpt").with_lora(LoraConfig(rank=8))
+    hw = profile("rtx3090-desktop")
+    cfg = make_schedule("fuyou", model, hw, batch=4, micro_batch=4, seq=64, alpha=0.0, swap_layers=2,
+                        runtime="ideal", placement=placement(weights=GPU, checkpoints=GPU))
+    rep = solve_slots(build_slot_model(model, hw, cfg), hw)
+    assert rep.objective_s == pytest.approx(simulate_config(model, hw, cfg).iteration_s, rel=0.25)
