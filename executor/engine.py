@@ -132,6 +132,10 @@ class Executor:
         # the host optimizer's intra-op threads (its worker's own setting): one fewer than torch's on CUDA, so
         # that the thread launching GPU work keeps a core (optim/host_threads.py); None: torch's setting
         self.threads = torch.get_num_threads()
+        # on a device without streams the compute lane (gpu) runs in the thread that calls run_round, the
+        # others on the pool: the compute's intra-op work then runs on that thread's OpenMP team, as plain
+        # PyTorch's does
+        self.compute_in_caller = not self.backend.streams_async
         self.optimizer_threads = optimizer_threads(self.device.type, any(t.kind in OPTIMIZER_PART
                                                                          for t in self.tasks), self.threads)
         # the workers' queues (`lanes`): a queue per resource, but on a device without streams (a plain CPU)
@@ -172,6 +176,9 @@ class Executor:
         if queues is None:
             queues = self._queues[n] = {r: [i for i in ids if i < n] for r, ids in self.lanes.items()}
         calls = [(r, self.worker, (rs, r, q)) for r, q in queues.items() if q]
+        here = next((c for c in calls if c[0] == "gpu"), None) if self.compute_in_caller else None
+        if here is not None:
+            calls.remove(here)
         if on_step is not None:
             last = {it: t.id for it, t in self._last_gpu_ops().items() if it < iterations}
             calls.append(("reporter", self._reporter, (rs, last, on_step)))
@@ -190,6 +197,9 @@ class Executor:
             else:
                 for th in threads:
                     th.start()
+            if here is not None:
+                _r, fn, args = here
+                fn(*args, caller=True)
             self._join(rs, threads, collective)
             for job in threads:  # a pool job's escaped exception (the worker reports its own: none expected)
                 if getattr(job, "error", None) is not None:
@@ -347,7 +357,9 @@ class Executor:
             if rs.abort.is_set():
                 raise _Aborted()
 
-    def worker(self, rs: RoundState, resource: str, queue: list[int]) -> None:
+    def worker(self, rs: RoundState, resource: str, queue: list[int], caller: bool = False) -> None:
+        """Run one lane's ops in order (`caller`: in run_round's own thread, where a stop signal's exception
+        or a KeyboardInterrupt is run_round's to raise, not an op's failure)."""
         self.backend.thread_init()
         if resource == "cpu":
             apply_in_this_thread(self.optimizer_threads)
@@ -387,6 +399,9 @@ class Executor:
         except _Aborted:
             return
         except BaseException as e:  # noqa: BLE001 - reported to the caller, the other workers stop
+            if caller and not isinstance(e, Exception):
+                rs.abort.set()
+                raise
             self._fail(rs, t, e)
 
     def _run_op_profiled(self, rs: RoundState, t: Task) -> None:

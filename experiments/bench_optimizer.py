@@ -60,8 +60,10 @@ from expcommon import (
 SIZES = (1_000_000, 10_000_000, 100_000_000)
 QUICK_SIZES = (100_000, 1_000_000)
 # repetitions per size: a 1M step takes about 1 ms, so on a shared box one preempted repetition moves a median
-# of 7 by 10-20%; more of the short ones cost little (a run stays under a minute). --quick: 3 for every size.
-REPS = {1_000_000: 41, 10_000_000: 21, 100_000_000: 11}
+# of 7 by 10-20%; at 100M on one thread the op sits 3% above the target (its 30 bytes against fused AdamW's
+# 28), and 11 repetitions left the median's run-to-run spread (0.89-0.99) wider than that margin; 21 keep a
+# run under a minute. --quick: 3 for every size.
+REPS = {1_000_000: 41, 10_000_000: 31, 100_000_000: 21}
 QUICK_REPS = 3
 TARGET = 0.9  # the executor's step at least this fraction of fused AdamW's speed
 VARIANTS = ("executor", "fused", "fused_cast")

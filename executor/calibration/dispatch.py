@@ -152,11 +152,11 @@ class TimedExecutor(Executor):
         super().apply_mem(rs, effects)
         self.clock.add("trace", time.perf_counter() - t0)
 
-    def worker(self, rs, resource, queue) -> None:
+    def worker(self, rs, resource, queue, caller: bool = False) -> None:
         c = self.clock
         c.local.blocked_s = c.local.handler_s = 0.0
         t0 = time.perf_counter()
-        super().worker(rs, resource, queue)
+        super().worker(rs, resource, queue, caller)
         # this worker's time less its waits for other threads' ops
         c.add(f"worker_s:{resource}", time.perf_counter() - t0 - c.local.blocked_s)
 
@@ -177,6 +177,11 @@ class DispatchResult:
     executor_cpu_s: float = 0.0
     plain_cpu_s: float = 0.0
     executor_cpu_best_s: float = 0.0  # the best round's (what calibrate keeps: op_costs.py)
+    # the median over rounds of (executor - plain) in the same round, per op, wall and CPU: on a box whose
+    # speed drifts for seconds at a time (plain PyTorch's own step 5.3-9.7 ms on one quiet core) the
+    # difference of two medians carries the drift, a paired difference mostly not
+    paired_op_us: float = 0.0
+    paired_op_cpu_us: float = 0.0
 
     @property
     def executor_op_us(self) -> float:
@@ -334,6 +339,16 @@ def measure_dispatch(make_backend, rounds: int = 5, placement: str = "on_device"
     inline = clock.s["handler"] if not backend.streams_async else 0.0
     own = clock.s["events"] + clock.s["launch"] + clock.s["trace"] + inline
     parts["loop"] = max(0.0, (_worker_parts(clock) - own) / n_ops * 1e6)
-    return DispatchResult(backend.name, n_ops / rounds / ITERATIONS, statistics.median(ex_s),
+    ops = n_ops / rounds / ITERATIONS
+    return DispatchResult(backend.name, ops, statistics.median(ex_s),
                           statistics.median(plain_s), parts, statistics.median(ex_cpu_s),
-                          statistics.median(plain_cpu_s), min(ex_cpu_s))
+                          statistics.median(plain_cpu_s), min(ex_cpu_s),
+                          paired_op_us(ex_s, plain_s, ops), paired_op_us(ex_cpu_s, plain_cpu_s, ops))
+
+
+def paired_op_us(ours_s: list[float], plain_s: list[float], ops_per_step: float) -> float:
+    """The median over rounds of (ours - plain) per step, in microseconds per op (may be negative: the
+    estimate, not a cost)."""
+    import statistics
+
+    return statistics.median(o - p for o, p in zip(ours_s, plain_s)) / ops_per_step * 1e6

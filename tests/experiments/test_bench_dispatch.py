@@ -51,6 +51,23 @@ def test_bench_dispatch_quick(tmp_path):
             assert float(r["cpu_vs_predicted"]) == pytest.approx(
                 float(r["executor_cpu_best_ms"]) / float(r["predicted_ms"]), rel=0.01)
     assert "executor_op_us" in out.stdout
+    # the paired estimate (the median of each round's difference): on every measured row, a number
+    for r in rows:
+        if r["variant"] != "graphs":
+            float(r["paired_op_us"]), float(r["paired_op_cpu_us"])
+    # each compute op's handler against the loop's same piece, and the optimizer ops against one AdamW step
+    with open(tmp_path / "bench_dispatch_ops.csv", newline="") as f:
+        ops = list(csv.DictReader(f))
+    kinds = {(r["kind"], int(r["block"])) for r in ops}
+    want = {("fwd", 0), ("fwd", 1), ("fwd", 2), ("head", 3), ("bwd", 0), ("bwd", 2), ("adam_gpu", -1)}
+    assert want <= kinds
+    for r in ops:
+        assert float(r["executor_us"]) > 0
+        if r["kind"] in ("fwd", "bwd", "head"):
+            assert float(r["blockwise_us"]) > 0
+            assert float(r["beyond_us"]) == pytest.approx(
+                float(r["executor_us"]) - float(r["blockwise_us"]), abs=0.2)
+    assert "us per op beyond the block-by-block loop" in out.stdout
 
 
 def test_bench_dispatch_refuses_a_bad_rounds_count(tmp_path):

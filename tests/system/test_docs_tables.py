@@ -65,6 +65,7 @@ GENERATED = [
     (bench_executor.DOC, bench_executor.CPU_TABLE, "bench_executor_cpu.csv", bench_executor.cpu_work_table),
     (bench_executor.DOC, bench_executor.KINDS_TABLE, "bench_executor_kinds.csv", bench_executor.kinds_table),
     (bench_dispatch.DOC, bench_dispatch.DOC_TABLE, "bench_dispatch.csv", bench_dispatch.dispatch_table),
+    (bench_dispatch.DOC, bench_dispatch.DOC_TABLE_OPS, "bench_dispatch_ops.csv", bench_dispatch.ops_table),
     (bench_gil.DOC, bench_gil.DOC_TABLE, "bench_gil.csv", bench_gil.gil_table),
     (bench_gil.DOC, bench_gil.FUNCTIONS_TABLE, "bench_gil_functions.csv", bench_gil.functions_table),
     (dos_polaris.DOC, dos_polaris.DOC_TABLE, "dos_polaris.csv", dos_polaris.sweep_table),
