@@ -116,7 +116,6 @@ class BlockwiseSteps:
         self.embedding, self.layers, self.head = blocks[0], blocks[1:-1], blocks[-1]
         self.tied = self.embedding.wte.weight if plan.model.tied_embeddings else None
         self.params = [list(b.parameters()) for b in blocks]
-
         self.op_s: dict[tuple[str, int], list[float]] | None = None  # (kind, block) -> thread CPU s, if timed
 
     def _micro_batch(self, x_tokens, targets, acc: list, num_mb: int) -> None:
@@ -201,25 +200,24 @@ def per_op(placement: str, rounds: int) -> list[dict]:
     import statistics
 
     from tierflow.executor.calibration.dispatch import ITERATIONS, _executor, tiny_plan
+    from tierflow.executor.calibration.op_costs import clock_handlers
 
     plan = tiny_plan("cpu", placement)
     backend = make_backend("cpu")
     ex, blocks = _executor(plan, backend, None), BlockwiseSteps(plan, backend.device)
+    handler_s = clock_handlers(ex)  # op id -> its handler's thread CPU seconds in the last round
     ex_s: dict[tuple[str, int], list[float]] = {}
-    handlers = ex.ops.handlers
-    for kind, fn in list(handlers.items()):
-        def timed(rs, t, fn=fn, kind=kind) -> None:
-            t0 = time.thread_time()
-            fn(rs, t)
-            ex_s.setdefault((kind, t.block), []).append(time.thread_time() - t0)
-        handlers[kind] = timed
     blocks.op_s = {}
     for r in range(rounds + 1):  # the first round a warm-up
+        handler_s.clear()
         ex.run_round(ITERATIONS, r * ITERATIONS)
         blocks.step_s(ITERATIONS)
         if r == 0:
-            ex_s.clear()
             blocks.op_s.clear()
+            continue
+        for tid, sec in handler_s.items():
+            t = plan.graph.tasks[tid]
+            ex_s.setdefault((t.kind, t.block), []).append(sec)
     ops = len([t for t in plan.graph.tasks if t.iteration < ITERATIONS]) / ITERATIONS
 
     def med_us(xs: list[float]) -> float:
