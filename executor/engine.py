@@ -46,6 +46,7 @@ from tierflow.executor.ops.table import Ops
 from tierflow.executor.optim.clipping import GradNorms
 from tierflow.executor.optim.host_threads import apply_in_this_thread, optimizer_threads, restore
 from tierflow.executor.tiers.arena import TransferArena, arena_bytes_for
+from tierflow.executor.tiers.host_heap import keep_freed_heap
 from tierflow.executor.tiers.ssd_store import ChecksumError, SsdStore
 from tierflow.executor.tiers.state import TrainState
 from tierflow.executor.worker_pool import WorkerPool
@@ -116,6 +117,8 @@ class Executor:
             raise UnsupportedPlan(f"{plan.source}: the plan has collectives (ops on resource net) but this "
                                   "run has one rank (launch it with torchrun or --nproc)")
         self.binding = Binding(plan, state.layout)
+        if self.device.type == "cpu":  # the device tier is in the C heap: what a step frees serves the next
+            keep_freed_heap()
         if self.backend.streams_async:  # the device memory the plan assumes, enforced by the allocator
             self.backend.cap_memory(float(plan.graph.capacity_bytes["gpu"]))
         # the host buffers that cross PCIe: one area, allocated now, sized from the plan (tiers/arena.py)
