@@ -7,8 +7,8 @@ M_TRIM_THRESHOLD, a threshold it adapts at run time (twice the largest block it 
 freed); the next allocations take those pages back one page fault at a time, each zeroed by the kernel. A
 step of the executor's plan builds up and frees more than that threshold: on the 6 x 384 model of
 experiments/bench_executor.py (2 torch threads) the heap grew by about 38 MB within each step and was trimmed
-at its end, 16-23k minor page faults and 50-70 ms of system time per 1.1-1.2 s step, where plain PyTorch
-training the same blocks settled at 0-300 faults per step (strace of brk, getrusage; docs/executor.md).
+at its end, 14-23k minor page faults and 44-72 ms of system time per 1.1-1.2 s step, where plain PyTorch
+training the same blocks settled at 0-330 faults per step (strace of brk, getrusage; docs/executor.md).
 
 `keep_freed_heap` fixes both thresholds for the rest of the process, as glibc's documented tunables
 (mallopt(3)) do: blocks from 32 MiB up come from mmap (the ceiling glibc's own adaptation reaches on 64-bit,
@@ -59,4 +59,9 @@ def keep_freed_heap() -> bool:
     return _kept
 
 
-__all__ = ["keep_freed_heap"]
+def heap_kept() -> bool:
+    """Whether keep_freed_heap has put the policy in force in this process."""
+    return _kept
+
+
+__all__ = ["heap_kept", "keep_freed_heap"]

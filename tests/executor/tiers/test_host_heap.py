@@ -46,9 +46,9 @@ from tierflow.executor.calibration.dispatch import _executor, tiny_plan
 from tierflow.executor.device.base import PlainCpuBackend
 from tierflow.executor.tiers import host_heap
 
-before = host_heap._kept
+before = host_heap.heap_kept()
 _executor(tiny_plan("cpu"), PlainCpuBackend(), None)
-print(json.dumps({"before": before, "after": host_heap._kept}))
+print(json.dumps({"before": before, "after": host_heap.heap_kept()}))
 """
 
 
