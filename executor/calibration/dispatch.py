@@ -24,6 +24,7 @@ every op, which a profile's `cpu.executor_op_us` charges to every op.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import Counter
@@ -310,8 +311,6 @@ def measure_dispatch(make_backend, rounds: int = 5, placement: str = "on_device"
     median round of each; the executor's step is timed without the clocks, the parts by a second executor
     with them (`TimedExecutor`) in the same rounds. `setup(executor)`, if given, is called on both executors
     before they run (a benchmark's variant)."""
-    import statistics
-
     backend = make_backend()
     plan = tiny_plan(backend.device.type, placement)
     clock = DispatchClock()
@@ -349,6 +348,4 @@ def measure_dispatch(make_backend, rounds: int = 5, placement: str = "on_device"
 def paired_op_us(ours_s: list[float], plain_s: list[float], ops_per_step: float) -> float:
     """The median over rounds of (ours - plain) per step, in microseconds per op (may be negative: the
     estimate, not a cost)."""
-    import statistics
-
     return statistics.median(o - p for o, p in zip(ours_s, plain_s)) / ops_per_step * 1e6
