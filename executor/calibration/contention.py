@@ -34,7 +34,9 @@ def measure_gpu_beside_host_optimizer(device: str, threads: int, adam_params: in
     beside / alone (at least 1)."""
     torch = import_torch()
     from tierflow.executor.calibration.optimizer_op import HostAdamOp
+    from tierflow.executor.optim.host_threads import apply_in_this_thread, restore
 
+    before = torch.get_num_threads()
     x = torch.randn(dim, dim, device=device)
     launch_burst_s(x, kernels)  # warm-up: the kernels' first dispatch
     alone = sorted(launch_burst_s(x, kernels) for _ in range(reps))[reps // 2]
@@ -43,7 +45,7 @@ def measure_gpu_beside_host_optimizer(device: str, threads: int, adam_params: in
     stop, started = threading.Event(), threading.Event()
 
     def optimizer() -> None:
-        torch.set_num_threads(threads)
+        apply_in_this_thread(threads)  # as the executor's cpu worker: the process-wide count restored after
         op.step()
         started.set()  # the bursts start once the optimizer is in its loop
         while not stop.is_set():
@@ -57,4 +59,5 @@ def measure_gpu_beside_host_optimizer(device: str, threads: int, adam_params: in
     finally:
         stop.set()
         worker.join()
+        restore(before)
     return {"alone_s": alone, "beside_s": beside, "slowdown": max(1.0, beside / alone)}

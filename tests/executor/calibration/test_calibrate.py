@@ -382,11 +382,22 @@ def test_deepspeed_adam_without_deepspeed_says_why(monkeypatch):
 def test_gpu_launches_beside_the_host_optimizer_measured_and_put(monkeypatch):
     """contention.py times a burst of small kernels alone and beside the executor's adam op (here on the CPU:
     the code path a GPU runs), and the profile takes the ratio on a GPU box, null on a host device."""
+    import threading
+
+    import torch
+
     from tierflow.executor.calibration import profile_builder as pb
     from tierflow.executor.calibration.contention import measure_gpu_beside_host_optimizer
 
     k = measure_gpu_beside_host_optimizer("cpu", 1, adam_params=50_000, kernels=5, reps=1, dim=32)
     assert k["alone_s"] > 0 and k["beside_s"] > 0 and k["slowdown"] >= 1.0
+    # the optimizer thread's count is its own: a thread made afterwards takes this thread's count, not 1
+    # (with OpenMP a new thread takes the process-wide value, which set_num_threads in a thread also sets)
+    seen = []
+    th = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    th.start()
+    th.join()
+    assert seen == [torch.get_num_threads()]
     m = fake_measurements()
     m["contention"] = {"alone_s": 0.001, "beside_s": 0.004, "slowdown": 4.0, "threads": 15}
     c = pb.build_profile(m, load_profile("h100-80g"))
