@@ -230,6 +230,8 @@ class Executor:
             for tid, ev in rs.ev_start.items():
                 rs.start_s[tid] = self.backend.elapsed_s(rs.ev0, ev)
                 rs.end_s[tid] = self.backend.elapsed_s(rs.ev0, rs.ev_end[tid])
+            if self.graph_runner is not None:  # a segment's ops shared its first op's events
+                self.graph_runner.split_spans(rs.start_s, rs.end_s)
         leftover = [tuple(k) for k in rs.entries]
         losses = [float(v) for v in rs.loss_sum]
         return RoundResult(iterations, losses, rs.start_s.copy(), rs.end_s.copy(),

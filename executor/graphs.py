@@ -4,7 +4,8 @@ share; nothing here decides a boundary.
 
 A segment's first op, on the gpu worker, runs the whole segment (one launch); the engine launches nothing
 for its other ops (`follows`): they take the first op's events, and keep their memory effects and `done`
-flags. Per key (the segment's ops, the same in every iteration), its first occurrence runs eagerly (the
+flags; the trace shares the segment's measured span among its ops (`split_spans`). Per key (the segment's
+ops, the same in every iteration), its first occurrence runs eagerly (the
 warm-up PyTorch asks for before a capture, on the run's gpu stream, not the default one) and proves that the
 segment is closed (nothing of the round's state crosses its boundary but what this runner rebinds); the next
 is captured (then replayed at once where a capture runs nothing, as on CUDA) and every later one replayed
@@ -123,6 +124,31 @@ class GraphRunner:
             self.run_segment(rs, seg, run_op)
 
         return run
+
+    def split_spans(self, start_s, end_s) -> None:
+        """Share each run segment's measured span (its first op's events: CUDA times a replay, not the ops
+        in it) among its ops in plan order, in proportion to their modelled work, so that the trace has one
+        span per op, the spans tile the segment, and the last ends when the segment did (compare's per-kind
+        busy times count the segment once, not once per op). Within a segment the split is the model's; the
+        segment's span is measured. Ops past the round's length (NaN) are left alone."""
+        n = len(start_s)
+        for seg in self.capture.segments:
+            lead = seg.ops[0]
+            if seg.ops[-1] >= n or start_s[lead] != start_s[lead]:  # not run this round (NaN)
+                continue
+            t0, t1 = float(start_s[lead]), float(end_s[lead])
+            work = [max(float(self.tasks[op].work), 0.0) for op in seg.ops]
+            total = sum(work)
+            done = 0.0
+            for op, w in zip(seg.ops, work):
+                start_s[op] = t0 + (t1 - t0) * (done / total if total > 0 else 0.0)
+                done += w if total > 0 else 0.0
+                end_s[op] = t0 + (t1 - t0) * (done / total if total > 0 else 0.0)
+            if total <= 0:  # no modelled work: the first op holds the span, the others end with it
+                end_s[lead] = t1
+                for op in seg.ops[1:]:
+                    start_s[op] = end_s[op] = t1
+            end_s[seg.ops[-1]] = t1
 
     @property
     def follows(self) -> dict[int, int]:

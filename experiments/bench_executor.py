@@ -9,7 +9,9 @@ alternating.
    recompute. tierflow: a plan of the same batch and micro-batches with every tensor class on the device and
    no recompute (`horizontal`, runtime ideal: the optimizer step is one `adam_gpu` op per block), run by the
    executor (`run_plan`, the code behind `tierflow run`). The two alternate round by round, so that a noisy
-   machine slows both alike; each reports the median step time after its first (warm-up) round (`ratio`:
+   machine slows both alike; each reports the median step time after its first (warm-up) round, and each
+   run of tierflow's counts its steps after its lead steps (`lead_steps`: the run's setup and, with CUDA
+   graphs, their warm-up and capture, which a long run pays once) (`ratio`:
    plain's over tierflow's; `ratio_paired`: the median over the rounds of each round's own ratio, with its
    min and max, which the box's drift of speed between rounds moves less). Target: tierflow's tokens/s at
    least 0.95x plain PyTorch's (0.98x for the large model, 8 x 768, where per-op costs matter less).
@@ -180,17 +182,30 @@ class PlainTrainer:
         return out
 
 
+def lead_steps() -> int:
+    """The steps a run of tierflow takes before its steady state, not counted: its first (the run's setup:
+    threads, buffers, first launches) and, with CUDA graphs, the warm-up and capture of each segment
+    (executor/graphs.py: WARMUP eager occurrences, then the capture), which a long run pays once."""
+    from tierflow.executor.graphs import WARMUP
+
+    return 1 + WARMUP
+
+
 def tierflow_steps(plan: Plan, device: str, ssd_dir: Path | None,
-                   trace_dir: Path | None = None) -> tuple[list[float], int, float]:
-    """One round of the plan (its three iterations) through `run_plan`: step times, SSD bytes moved and the
-    CPU seconds of the SSD tier's I/O (requests and checksums, all threads); with `trace_dir`, the measured
-    trace written there (trace.json, for `compare`)."""
+                   trace_dir: Path | None = None) -> tuple[list[float], float, float]:
+    """A run of the plan through `run_plan`, its lead steps (lead_steps) then STEPS_PER_ROUND counted ones:
+    the counted steps' times, and per step of the run the SSD bytes moved and the CPU seconds of the SSD
+    tier's I/O (requests and checksums, all threads); with `trace_dir`, the measured trace written there
+    (trace.json, for `compare`)."""
     from tierflow.executor.run import OutputOptions, RunConfig, run_plan
 
+    lead = lead_steps()
     out = OutputOptions(out=str(trace_dir) if trace_dir else None, quiet=True)
-    res = run_plan(plan, RunConfig(steps=STEPS_PER_ROUND, device=device,
+    res = run_plan(plan, RunConfig(steps=lead + STEPS_PER_ROUND, device=device,
                                    ssd_dir=str(ssd_dir) if ssd_dir else None, output=out, **RUN_EXTRA))
-    return [r.step_s for r in res.records], res.ssd_bytes_read + res.ssd_bytes_written, res.ssd_cpu_s
+    n = len(res.records)
+    return ([r.step_s for r in res.records[lead:]], (res.ssd_bytes_read + res.ssd_bytes_written) / n,
+            res.ssd_cpu_s / n)
 
 
 KIND_MISS = 0.15  # an op kind "misses" when its measured busy time is off its prediction by more than this
@@ -330,13 +345,13 @@ def one_model(name: str, device: str, ssd: Path, work: Path, hw: HardwareProfile
             last = r == rounds - 1 and hw is not None  # the last round's trace goes to compare
             t, moved, io_cpu_s = tierflow_steps(plan, device, on_ssd, traces[case] if last else None)
             if r:
-                times[case] += t[1:]  # a round's first step also waits for the round's setup
+                times[case] += t
                 if case == "on device":
-                    paired.append(plain_round / statistics.median(t[1:]))
+                    paired.append(plain_round / statistics.median(t))
             if case == "states on SSD":
-                ssd_bytes_per_step = moved / STEPS_PER_ROUND
+                ssd_bytes_per_step = moved
                 if r:
-                    ssd_cpu_s.append(io_cpu_s / STEPS_PER_ROUND)
+                    ssd_cpu_s.append(io_cpu_s)
     plain_s = statistics.median(times["plain"])
     tokens = BATCH * SEQ
     dev_s = statistics.median(times["on device"])
@@ -600,12 +615,12 @@ def _op_rows(name: str, plan: Plan, top: int) -> list[dict]:
     keys = sorted(set(p_cpu) | set(t_cpu), key=lambda k: -abs(t_cpu.get(k, 0) - p_cpu.get(k, 0)))
     p_cpu["total"], t_cpu["total"] = sum(p_cpu.values()), sum(t_cpu.values())
     p_n["total"], t_n["total"] = sum(p_n.values()), sum(t_n.values())
-    per = float(STEPS_PER_ROUND)
+    per, run_per = float(STEPS_PER_ROUND), float(STEPS_PER_ROUND + lead_steps())  # steps each side ran
     return [{"model": name, "threads": _threads(), "op": k,
              "plain_cpu_s_per_step": round(p_cpu.get(k, 0.0) / per, 4),
-             "tierflow_cpu_s_per_step": round(t_cpu.get(k, 0.0) / per, 4),
+             "tierflow_cpu_s_per_step": round(t_cpu.get(k, 0.0) / run_per, 4),
              "plain_calls_per_step": round(p_n.get(k, 0) / per),
-             "tierflow_calls_per_step": round(t_n.get(k, 0) / per),
+             "tierflow_calls_per_step": round(t_n.get(k, 0) / run_per),
              "plain_step_s": round(statistics.median(walls["plain"]), 4),
              "tierflow_step_s": round(statistics.median(walls["tierflow"]), 4)}
             for k in [*keys[:top], "total"]]

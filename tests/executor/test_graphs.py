@@ -365,3 +365,29 @@ def test_micro_batches_of_another_shape_run_eagerly_with_one_line(capsys):
     ref.run_round(ITERATIONS, 0)
     ref.data.batch = shorter
     assert losses == ref.run_round(ITERATIONS, ITERATIONS).losses
+
+
+def test_the_trace_shares_a_replayed_segments_span_among_its_ops_by_modelled_work():
+    """CUDA times a replay, not its ops: each segment's ops get consecutive spans that tile the segment's
+    measured span, in proportion to their modelled work, instead of each carrying the whole span (which
+    counted a segment once per op in compare's per-kind busy times)."""
+    plan = tiny_plan("cpu", "on_device")
+    ex = _executor(plan, True)
+    res = ex.run_round(ITERATIONS, 0)
+    tasks = plan.graph.tasks
+    segs = ex.graph_runner.capture.segments
+    assert segs
+    for seg in segs:
+        starts = [res.start_s[op] for op in seg.ops]
+        ends = [res.end_s[op] for op in seg.ops]
+        assert all(a <= b for a, b in zip(starts, ends))
+        assert all(abs(e - s) < 1e-12 for e, s in zip(ends[:-1], starts[1:]))  # consecutive
+        span = ends[-1] - starts[0]
+        assert span > 0
+        total = sum(tasks[op].work for op in seg.ops)
+        for op, a, b in zip(seg.ops, starts, ends):
+            assert (b - a) == pytest.approx(span * tasks[op].work / total, rel=1e-9, abs=1e-12)
+    # the ops outside the segments keep their own events' spans
+    inside = {op for seg in segs for op in seg.ops}
+    outside = [t.id for t in tasks if t.id < len(res.start_s) and t.id not in inside and t.resource == "gpu"]
+    assert outside and all(res.end_s[op] >= res.start_s[op] for op in outside)
