@@ -83,6 +83,10 @@ STEP_SHARE = {"env": 0.10, "calibrate": 0.08, "plan_host": 0.07, "run_host": 0.1
               "plan_ssd": 0.07, "run_ssd": 0.25, "compare_ssd": 0.03, "bench_optimizer": 0.07,
               "bench_executor": 0.14, "bench_store": 0.08, "bench_executor_graphs": 0.10,
               "bench_executor_eager": 0.10, "bench_dispatch": 0.05}
+# Seconds a step gets at least, while the budget has them: calibrate's profile is what every later step plans
+# and predicts on (without it they are skipped), and on the H200 (2026-11-29) it took 47 s where its share of
+# the default budget gave it 27 s.
+STEP_FLOOR_S = {"calibrate": 75.0}
 RUN_OVERHEAD_S = 20.0  # a run's start and end besides its steps: imports, the SSD files' first write, export
 
 
@@ -149,7 +153,8 @@ class Step:
 
 
 class Budget:
-    """The check's time: each step gets the remaining budget times its share over the shares still to come."""
+    """The check's time: each step gets the remaining budget times its share over the shares still to come,
+    or its floor (STEP_FLOOR_S) where that is more and the budget has it."""
 
     def __init__(self, total_s: float | None, names: list[str]) -> None:
         self.total_s, self.t0 = total_s, time.perf_counter()
@@ -163,7 +168,8 @@ class Budget:
         if self.total_s is None:
             return None
         shares = sum(STEP_SHARE[n] for n in self.todo if n != name) + STEP_SHARE[name]
-        return max(self.remaining_s(), 0.0) * STEP_SHARE[name] / shares
+        left = max(self.remaining_s(), 0.0)
+        return min(max(left * STEP_SHARE[name] / shares, STEP_FLOOR_S.get(name, 0.0)), left)
 
     def take_s(self, name: str) -> float | None:
         """peek_s, and the step is no longer to come."""

@@ -133,6 +133,13 @@ def test_a_step_past_its_budget_is_stopped_and_kept(tmp_path, monkeypatch):
     last = budget.peek_s("bench_store")
     assert before >= last >= budget.remaining_s()
     assert check.Budget(None, ["env"]).take_s("env") is None
+    # calibrate, which every later step plans on, gets its floor where its share is less (never more than is
+    # left)
+    steps = [n for n in check.STEPS if n != "env"]
+    floor = check.STEP_FLOOR_S["calibrate"]
+    assert check.Budget(480.0, steps).peek_s("calibrate") == pytest.approx(floor, abs=1.0)
+    assert 480.0 * share["calibrate"] / sum(share[n] for n in steps) < floor  # the floor mattered
+    assert check.Budget(30.0, steps).peek_s("calibrate") <= 30.0
 
 
 def test_a_runs_steps_fit_its_share(tmp_path, monkeypatch):
