@@ -10,8 +10,8 @@ alternating.
    no recompute (`horizontal`, runtime ideal: the optimizer step is one `adam_gpu` op per block), run by the
    executor (`run_plan`, the code behind `tierflow run`). The two alternate round by round, so that a noisy
    machine slows both alike; each reports the median step time after its first (warm-up) round, and each
-   run of tierflow's counts its steps after its lead steps (`lead_steps`: the run's setup and, with CUDA
-   graphs, their warm-up and capture, which a long run pays once) (`ratio`:
+   run of tierflow's counts its STEPS_PER_ROUND steps after its lead steps (`lead_steps`: the run's setup
+   and, with CUDA graphs, their warm-up and capture, which a long run pays once) (`ratio`:
    plain's over tierflow's; `ratio_paired`: the median over the rounds of each round's own ratio, with its
    min and max, which the box's drift of speed between rounds moves less). Target: tierflow's tokens/s at
    least 0.95x plain PyTorch's (0.98x for the large model, 8 x 768, where per-op costs matter less).
@@ -182,13 +182,16 @@ class PlainTrainer:
         return out
 
 
-def lead_steps() -> int:
+def lead_steps(device: str) -> int:
     """The steps a run of tierflow takes before its steady state, not counted: its first (the run's setup:
-    threads, buffers, first launches) and, with CUDA graphs, the warm-up and capture of each segment
-    (executor/graphs.py: WARMUP eager occurrences, then the capture), which a long run pays once."""
+    threads, buffers, first launches) and, where the run uses CUDA graphs (--cuda-graphs, or CUDA's default),
+    each segment's warm-up and capture (executor/graphs.py: WARMUP eager occurrences, then the capture), which
+    a long run pays once."""
     from tierflow.executor.graphs import WARMUP
 
-    return 1 + WARMUP
+    graphs = RUN_EXTRA.get(GRAPHS_FIELD)
+    on = device.startswith("cuda") if graphs is None else graphs
+    return 1 + (WARMUP if on else 0)
 
 
 def tierflow_steps(plan: Plan, device: str, ssd_dir: Path | None,
@@ -199,7 +202,7 @@ def tierflow_steps(plan: Plan, device: str, ssd_dir: Path | None,
     (trace.json, for `compare`)."""
     from tierflow.executor.run import OutputOptions, RunConfig, run_plan
 
-    lead = lead_steps()
+    lead = lead_steps(device)
     out = OutputOptions(out=str(trace_dir) if trace_dir else None, quiet=True)
     res = run_plan(plan, RunConfig(steps=lead + STEPS_PER_ROUND, device=device,
                                    ssd_dir=str(ssd_dir) if ssd_dir else None, output=out, **RUN_EXTRA))
@@ -615,7 +618,7 @@ def _op_rows(name: str, plan: Plan, top: int) -> list[dict]:
     keys = sorted(set(p_cpu) | set(t_cpu), key=lambda k: -abs(t_cpu.get(k, 0) - p_cpu.get(k, 0)))
     p_cpu["total"], t_cpu["total"] = sum(p_cpu.values()), sum(t_cpu.values())
     p_n["total"], t_n["total"] = sum(p_n.values()), sum(t_n.values())
-    per, run_per = float(STEPS_PER_ROUND), float(STEPS_PER_ROUND + lead_steps())  # steps each side ran
+    per, run_per = float(STEPS_PER_ROUND), float(STEPS_PER_ROUND + lead_steps("cpu"))  # steps each side ran
     return [{"model": name, "threads": _threads(), "op": k,
              "plain_cpu_s_per_step": round(p_cpu.get(k, 0.0) / per, 4),
              "tierflow_cpu_s_per_step": round(t_cpu.get(k, 0.0) / run_per, 4),
