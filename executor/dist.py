@@ -208,9 +208,9 @@ def _process_gone(pid: int) -> bool:
         return True
     except PermissionError:
         return False
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+    try:  # bytes: no codec to look up (a rank stopping on SIGTERM once failed to find "ascii": LookupError)
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] in (b"Z", b"X")
     except (OSError, IndexError):
         return False
 

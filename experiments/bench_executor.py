@@ -189,9 +189,14 @@ def lead_steps(device: str) -> int:
     a long run pays once."""
     from tierflow.executor.graphs import WARMUP
 
+    return 1 + (WARMUP if graphs_on(device) else 0)
+
+
+def graphs_on(device: str) -> bool:
+    """Whether this benchmark's runs on `device` use CUDA graphs: --cuda-graphs / --no-cuda-graphs, else the
+    run's default (on for CUDA, off elsewhere)."""
     graphs = RUN_EXTRA.get(GRAPHS_FIELD)
-    on = device.startswith("cuda") if graphs is None else graphs
-    return 1 + (WARMUP if on else 0)
+    return device.startswith("cuda") if graphs is None else bool(graphs)
 
 
 def tierflow_steps(plan: Plan, device: str, ssd_dir: Path | None,
@@ -215,10 +220,21 @@ KIND_MISS = 0.15  # an op kind "misses" when its measured busy time is off its p
 KIND_SHARE = 0.05  # ... and its measured time is at least this share of all the ops' measured time
 
 
-def prediction(plan: Plan, trace: Path, name: str, case: str, step_s: float) -> tuple[dict, list[dict]]:
+def prediction(plan: Plan, trace: Path, name: str, case: str, step_s: float,
+               graphs: bool = False) -> tuple[dict, list[dict]]:
     """The simulator against the measured round (`tierflow compare`): the predicted step, the measured
     median step's error against it, and the op kinds that miss (busy time off by > KIND_MISS, at least
-    KIND_SHARE of the ops' time), largest miss in seconds first; and one row per op kind."""
+    KIND_SHARE of the ops' time), largest miss in seconds first; and one row per op kind. `graphs`: the run
+    replayed the plan's capture segments as CUDA graphs, so the step is predicted as it ran them
+    (planner/core/capture.py's graphed_graph) and no op kind is compared (a replay is timed as a whole)."""
+    if graphs:
+        from tierflow.planner.core.capture import capture_plan, graphed_graph
+        from tierflow.planner.core.simulator import simulate_graph
+
+        if capture_plan(plan.graph).segments:
+            pred_s = simulate_graph(graphed_graph(plan.graph, plan.hardware), plan.hardware).iteration_s
+            return ({"predicted_s": round(pred_s, 4), "vs_predicted": round(step_s / pred_s - 1, 4),
+                     "kinds_off": "- (CUDA graphs: a replay is timed, not its ops)"}, [])
     d = compare(plan, trace).to_dict()
     pred_s = d["predicted_iteration_s"]
     total_s = sum(k["measured_s"] for k in d["by_kind"]) or 1.0
@@ -370,7 +386,8 @@ def one_model(name: str, device: str, ssd: Path, work: Path, hw: HardwareProfile
     kinds = []
     for row, (case, plan) in zip(rows, plans.items()):
         if hw is not None:
-            pred, k = prediction(plan, traces[case] / "trace.json", name, case, row["tierflow_step_s"])
+            pred, k = prediction(plan, traces[case] / "trace.json", name, case, row["tierflow_step_s"],
+                                 graphs=graphs_on(device))
             row.update(pred)
             kinds += k
         row.update({"schedule": plans[case].config.family,

@@ -494,3 +494,21 @@ def test_a_rank_is_signalled_when_its_launcher_dies(tmp_path, how, rank_does):
         assert text.splitlines()[-1] == "SIGTERM", text
     else:
         assert f"its launcher (pid {launcher.pid}) died and it did not stop within 1 s; ending it" in text
+
+
+def test_process_gone_tells_a_zombie_a_live_process_and_a_missing_one():
+    """A rank asks whether a peer of its host has ended: a zombie its launcher has not reaped counts as ended,
+    a live process does not, a pid that is gone does (read from /proc as bytes: a rank stopping on SIGTERM
+    once failed to look up the "ascii" codec there, a LookupError and a traceback instead of its one line)."""
+    from tierflow.executor import dist
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.time() + 30
+    while time.time() < deadline:  # not reaped: a zombie once it has exited
+        with open(f"/proc/{child.pid}/stat", "rb") as f:
+            if f.read().rsplit(b")", 1)[-1].split()[0] == b"Z":
+                break
+        time.sleep(0.01)
+    assert dist._process_gone(child.pid) and not dist._process_gone(os.getpid())
+    child.wait()
+    assert dist._process_gone(child.pid)  # reaped: no such process (pids are not reused this fast)
