@@ -138,17 +138,14 @@ class GraphRunner:
                 continue
             t0, t1 = float(start_s[lead]), float(end_s[lead])
             work = [max(float(self.tasks[op].work), 0.0) for op in seg.ops]
-            total = sum(work)
-            done = 0.0
+            if sum(work) <= 0:  # no modelled work: the first op holds the span, the others end with it
+                work = [1.0] + [0.0] * (len(work) - 1)
+            total, done = sum(work), 0.0
             for op, w in zip(seg.ops, work):
-                start_s[op] = t0 + (t1 - t0) * (done / total if total > 0 else 0.0)
-                done += w if total > 0 else 0.0
-                end_s[op] = t0 + (t1 - t0) * (done / total if total > 0 else 0.0)
-            if total <= 0:  # no modelled work: the first op holds the span, the others end with it
-                end_s[lead] = t1
-                for op in seg.ops[1:]:
-                    start_s[op] = end_s[op] = t1
-            end_s[seg.ops[-1]] = t1
+                start_s[op] = t0 + (t1 - t0) * done / total
+                done += w
+                end_s[op] = t0 + (t1 - t0) * done / total
+            end_s[seg.ops[-1]] = t1  # no rounding past the measured end
 
     @property
     def follows(self) -> dict[int, int]:
