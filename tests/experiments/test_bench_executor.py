@@ -48,5 +48,6 @@ def test_a_graphed_run_is_predicted_as_it_ran_and_no_op_kind_is_compared(bench, 
     row, kinds = bench.prediction(plan, tmp_path / "no-trace.json", "tiny", "on device", 0.01, graphs=True)
     want = simulate_graph(graphed_graph(plan.graph, plan.hardware), plan.hardware).iteration_s
     assert row["predicted_s"] == round(want, 4) and kinds == []
-    assert row["predicted_s"] < round(simulate_graph(plan.graph, plan.hardware).iteration_s, 4)  # launches saved
+    eager_s = simulate_graph(plan.graph, plan.hardware).iteration_s
+    assert row["predicted_s"] < round(eager_s, 4)  # one launch per segment instead of per-op overheads
     assert row["kinds_off"].startswith("- (CUDA graphs")
