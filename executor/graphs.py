@@ -25,6 +25,7 @@ CUDA would) or inputs of another shape run eagerly from then on, with one line o
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections import Counter
@@ -134,7 +135,7 @@ class GraphRunner:
         n = len(start_s)
         for seg in self.capture.segments:
             lead = seg.ops[0]
-            if seg.ops[-1] >= n or start_s[lead] != start_s[lead]:  # not run this round (NaN)
+            if seg.ops[-1] >= n or math.isnan(start_s[lead]):  # not run this round
                 continue
             t0, t1 = float(start_s[lead]), float(end_s[lead])
             work = [max(float(self.tasks[op].work), 0.0) for op in seg.ops]
